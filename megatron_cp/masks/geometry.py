@@ -1,0 +1,220 @@
+"""Exact geometry of masks: slices as row trapezoids, their disjoint union, and clipping.
+
+Every slice kind keeps, on each row ``i`` (global index), one interval of keys ``[lo(i), hi(i))``
+whose ends are lines of slope 0 or 1 in ``i``:
+
+    kind        lo(i)          hi(i)
+    full        k0             k1
+    causal      k0             i + k1 - q1 + 1
+    inv_causal  i + k0 - q0    k1
+    bi_causal   i + k0 - q0    i + k1 - q1 + 1
+
+A *trapezoid* (``Trap``) is such a row range with two lines, non-empty on every row. The four kinds
+are exactly the four slope pairs, so a trapezoid converts back to one slice. Lines of different
+slopes cross at integer rows (intercepts are integers, slopes 0/1), which makes the union exact with
+integer arithmetic: cut the rows where the order of any two lines changes, and within each band the
+union is a fixed set of trapezoids.
+
+Array form used by the planner: ``int64 [n, 6]`` rows ``(q0, q1, lo_a, lo_s, hi_a, hi_s)`` with
+``lo(i) = lo_a + lo_s * i`` and ``hi(i) = hi_a + hi_s * i`` for ``i`` in ``[q0, q1)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+KINDS = ("full", "causal", "inv_causal", "bi_causal")
+KIND_CODE = {k: c for c, k in enumerate(KINDS)}
+# (lo slope, hi slope) -> kind code, and back
+_SLOPES_TO_KIND = {(0, 0): 0, (0, 1): 1, (1, 0): 2, (1, 1): 3}
+_KIND_TO_SLOPES = {v: k for k, v in _SLOPES_TO_KIND.items()}
+
+Q0, Q1, LO_A, LO_S, HI_A, HI_S = range(6)
+
+
+def slice_to_trap(q0: int, q1: int, k0: int, k1: int, kind: int) -> tuple | None:
+    """The trapezoid of one slice (global coordinates), trimmed to its non-empty rows, or None."""
+    lo_s, hi_s = _KIND_TO_SLOPES[kind]
+    lo_a = k0 - q0 * lo_s
+    hi_a = k1 - (q1 - 1) * hi_s
+    r0, r1 = _nonempty_rows(q0, q1, lo_a, lo_s, hi_a, hi_s)
+    if r0 >= r1:
+        return None
+    return (r0, r1, lo_a, lo_s, hi_a, hi_s)
+
+
+def _nonempty_rows(r0, r1, lo_a, lo_s, hi_a, hi_s):
+    """Rows of [r0, r1) where hi(i) - lo(i) > 0 (an interval because the width is linear)."""
+    w_a, w_s = hi_a - lo_a, hi_s - lo_s
+    if w_s == 0:
+        return (r0, r1) if w_a > 0 else (r0, r0)
+    if w_s > 0:  # width grows: rows i > -w_a
+        return (max(r0, -w_a + 1), r1)
+    return (r0, min(r1, w_a))  # width shrinks: rows i < w_a
+
+
+def trap_to_slice(t) -> tuple[int, int, int, int, int]:
+    """(q0, q1, k0, k1, kind) of the slice whose cells are exactly trapezoid ``t``."""
+    q0, q1, lo_a, lo_s, hi_a, hi_s = (int(x) for x in t)
+    k0 = lo_a + lo_s * q0
+    k1 = hi_a + hi_s * (q1 - 1)
+    return q0, q1, k0, k1, _SLOPES_TO_KIND[(lo_s, hi_s)]
+
+
+def traps_area(traps: np.ndarray) -> int:
+    """Exact number of cells in an array of (disjoint) trapezoids."""
+    if len(traps) == 0:
+        return 0
+    t = traps.astype(np.int64)
+    n = t[:, Q1] - t[:, Q0]
+    w0 = (t[:, HI_A] - t[:, LO_A]) + (t[:, HI_S] - t[:, LO_S]) * t[:, Q0]
+    ws = t[:, HI_S] - t[:, LO_S]
+    # sum over rows of w0 + ws * (i - q0), i - q0 in [0, n)
+    return int(np.sum(n * w0 + ws * (n * (n - 1) // 2)))
+
+
+def row_area_prefix(traps: np.ndarray, seqlen_q: int) -> np.ndarray:
+    """``P[r]`` = number of cells in rows ``[0, r)``; int64 [seqlen_q + 1]. O(n + seqlen_q)."""
+    # The width of a trapezoid row is w0 + ws*(i - q0): piecewise linear, accumulated with two
+    # difference arrays (constant part and slope part) and two prefix sums.
+    const = np.zeros(seqlen_q + 1, dtype=np.int64)
+    slope = np.zeros(seqlen_q + 1, dtype=np.int64)
+    if len(traps):
+        t = traps.astype(np.int64)
+        ws = t[:, HI_S] - t[:, LO_S]
+        c = t[:, HI_A] - t[:, LO_A]  # width(i) = c + ws * i
+        np.add.at(const, t[:, Q0], c)
+        np.add.at(const, t[:, Q1], -c)
+        np.add.at(slope, t[:, Q0], ws)
+        np.add.at(slope, t[:, Q1], -ws)
+    rows = np.arange(seqlen_q, dtype=np.int64)
+    width = np.cumsum(const)[:seqlen_q] + np.cumsum(slope)[:seqlen_q] * rows
+    out = np.zeros(seqlen_q + 1, dtype=np.int64)
+    np.cumsum(width, out=out[1:])
+    return out
+
+
+def union(traps: list[tuple]) -> np.ndarray:
+    """Disjoint trapezoids covering exactly the union of ``traps``; int64 [m, 6], sorted, deterministic."""
+    if not traps:
+        return np.zeros((0, 6), dtype=np.int64)
+    arr = np.array(sorted(traps), dtype=np.int64)
+    cuts = np.unique(np.concatenate([arr[:, Q0], arr[:, Q1]]))
+    # fast path: no two trapezoids share a row -> already disjoint
+    if len(arr) == 1 or np.all(arr[1:, Q0] >= np.maximum.accumulate(arr[:-1, Q1])):
+        return _coalesce(arr)
+    out: list[tuple] = []
+    order = np.argsort(arr[:, Q0], kind="stable")
+    arr = arr[order]
+    active: list[int] = []
+    nxt = 0
+    for b in range(len(cuts) - 1):
+        r0, r1 = int(cuts[b]), int(cuts[b + 1])
+        while nxt < len(arr) and arr[nxt, Q0] <= r0:
+            active.append(nxt)
+            nxt += 1
+        active = [a for a in active if arr[a, Q1] > r0]
+        if not active:
+            continue
+        if len(active) == 1:
+            t = arr[active[0]]
+            out.append((r0, r1, *(int(x) for x in t[2:])))
+            continue
+        _union_band(arr[active], r0, r1, out)
+    return _coalesce(np.array(out, dtype=np.int64).reshape(-1, 6))
+
+
+def _union_band(band: np.ndarray, r0: int, r1: int, out: list) -> None:
+    """Union of trapezoids all spanning rows [r0, r1); appends disjoint trapezoids to ``out``."""
+    lines = np.concatenate([band[:, [LO_A, LO_S]], band[:, [HI_A, HI_S]]])  # [2n, 2]
+    a, s = lines[:, 0], lines[:, 1]
+    # crossing rows of lines with different slopes: a1 + s1*i = a2 + s2*i -> i = (a2 - a1)/(s1 - s2)
+    i0 = np.nonzero(s == 0)[0]
+    i1 = np.nonzero(s == 1)[0]
+    cross = (a[i0][:, None] - a[i1][None, :]).ravel() if len(i0) and len(i1) else np.zeros(0, np.int64)
+    cross = cross[(cross >= r0) & (cross < r1)]
+    # each crossing row becomes a band of its own, so longer bands have a strict, fixed line order
+    pts = np.unique(np.concatenate([[r0, r1], cross, cross + 1]))
+    pts = pts[(pts >= r0) & (pts <= r1)]
+    for b in range(len(pts) - 1):
+        s0, s1 = int(pts[b]), int(pts[b + 1])
+        lo = band[:, LO_A] + band[:, LO_S] * s0
+        hi = band[:, HI_A] + band[:, HI_S] * s0
+        order = np.lexsort((-hi, lo))
+        cur = None  # [lo_idx, hi_idx] of the merged run being built
+        for j in order:
+            if cur is None:
+                cur = [j, j]
+                continue
+            hi_cur = band[cur[1], HI_A] + band[cur[1], HI_S] * s0
+            if lo[j] <= hi_cur:
+                if hi[j] > hi_cur or (hi[j] == hi_cur and band[j, HI_S] > band[cur[1], HI_S]):
+                    cur[1] = j
+            else:
+                out.append(_emit(s0, s1, band[cur[0]], band[cur[1]]))
+                cur = [j, j]
+        out.append(_emit(s0, s1, band[cur[0]], band[cur[1]]))
+
+
+def _emit(s0, s1, tlo, thi):
+    return (s0, s1, int(tlo[LO_A]), int(tlo[LO_S]), int(thi[HI_A]), int(thi[HI_S]))
+
+
+def _coalesce(arr: np.ndarray) -> np.ndarray:
+    """Join vertically adjacent trapezoids that continue the same two lines; sort by (q0, lo(q0))."""
+    if len(arr) <= 1:
+        return arr.astype(np.int64)
+    key = np.lexsort((arr[:, Q0], arr[:, HI_S], arr[:, HI_A], arr[:, LO_S], arr[:, LO_A]))
+    arr = arr[key]
+    merged = [list(arr[0])]
+    for t in arr[1:]:
+        m = merged[-1]
+        if m[2:] == list(t[2:]) and m[Q1] == t[Q0]:
+            m[Q1] = t[Q1]
+        else:
+            merged.append(list(t))
+    res = np.array(merged, dtype=np.int64)
+    lo0 = res[:, LO_A] + res[:, LO_S] * res[:, Q0]
+    return res[np.lexsort((lo0, res[:, Q0]))]
+
+
+def clip(traps: np.ndarray, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> list[tuple]:
+    """Cells of ``traps`` inside rows [q_lo, q_hi) x keys [k_lo, k_hi), as trapezoids."""
+    res = []
+    for t in traps:
+        q0, q1 = max(int(t[Q0]), q_lo), min(int(t[Q1]), q_hi)
+        if q0 >= q1:
+            continue
+        lo_a, lo_s, hi_a, hi_s = (int(x) for x in t[2:])
+        # rows where a sloped line crosses the clip bound
+        pts = {q0, q1}
+        if lo_s:
+            pts.add(k_lo - lo_a)  # lo(i) >= k_lo from here on
+        if hi_s:
+            pts.add(k_hi - hi_a + 1)  # hi(i) > k_hi from here on
+        pts = sorted(p for p in pts if q0 <= p <= q1)
+        for r0, r1 in zip(pts[:-1], pts[1:]):
+            if r0 >= r1:
+                continue
+            if lo_s and lo_a + r0 >= k_lo:
+                la, ls = lo_a, 1
+            else:
+                la, ls = max(lo_a + lo_s * r0, k_lo) if not lo_s else k_lo, 0
+            if hi_s and hi_a + r0 <= k_hi:
+                ha, hs = hi_a, 1
+            else:
+                ha, hs = min(hi_a + hi_s * r0, k_hi) if not hi_s else k_hi, 0
+            a, b = _nonempty_rows(r0, r1, la, ls, ha, hs)
+            if a < b:
+                res.append((a, b, la, ls, ha, hs))
+    return res
+
+
+def traps_to_dense(traps: np.ndarray, seqlen_q: int, seqlen_k: int) -> np.ndarray:
+    """Boolean [seqlen_q, seqlen_k] picture of ``traps`` (tests and small sizes only)."""
+    d = np.zeros((seqlen_q, seqlen_k), dtype=bool)
+    j = np.arange(seqlen_k)
+    for q0, q1, lo_a, lo_s, hi_a, hi_s in np.asarray(traps, dtype=np.int64).reshape(-1, 6):
+        i = np.arange(q0, q1)[:, None]
+        d[q0:q1] |= (j[None, :] >= lo_a + lo_s * i) & (j[None, :] < hi_a + hi_s * i)
+    return d
