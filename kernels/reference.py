@@ -1,0 +1,121 @@
+"""Pure-PyTorch tile-list attention: the reference backend and the CPU fallback.
+
+Works blockwise like FlashAttention, so memory is bounded by one ``[block_q, block_k]`` score block
+per head, never by ``S^2``. Low-precision inputs are computed in fp32; fp64 inputs in fp64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .tiles import BI_CAUSAL, CAUSAL, INV_CAUSAL, check_tiles
+
+
+def _row_bounds(kind: int, sq: int, sk: int, rows: torch.Tensor):
+    """Kept key interval [lo, hi) (tile-local) of tile-local ``rows`` for a tile of ``kind``."""
+    d = sk - sq
+    lo = rows if kind in (INV_CAUSAL, BI_CAUSAL) else torch.zeros_like(rows)
+    hi = rows + d + 1 if kind in (CAUSAL, BI_CAUSAL) else torch.full_like(rows, sk)
+    return lo.clamp(0, sk), hi.clamp(0, sk)
+
+
+def _blocks(tiles: torch.Tensor, block_q: int, block_k: int):
+    """Yield (q0, q1, k0, k1, lo, hi) blocks of every tile; lo/hi are absolute key bounds per row,
+    or None when the block is fully kept (no mask arithmetic)."""
+    for q_start, q_end, k_start, k_end, kind in tiles.tolist():
+        sq, sk = q_end - q_start, k_end - k_start
+        for a in range(0, sq, block_q):
+            b = min(a + block_q, sq)
+            rows = torch.arange(a, b)
+            lo, hi = _row_bounds(kind, sq, sk, rows)
+            k_lo, k_hi = int(lo.min()), int(hi.max())
+            for c in range(k_lo, k_hi, block_k):
+                e = min(c + block_k, k_hi)
+                full = bool((lo <= c).all() and (hi >= e).all())
+                if not full and bool(((hi <= c) | (lo >= e)).all()):
+                    continue  # empty block
+                yield (
+                    q_start + a, q_start + b, k_start + c, k_start + e,
+                    None if full else (lo + k_start, hi + k_start),
+                )
+
+
+def _scores(qb, kb, scale, mask_bounds, k0):
+    """Scores [Hkv, G, bq, bk] of q block [bq, Hkv, G, D] against k block [bk, Hkv, D]."""
+    s = torch.einsum("qhgd,khd->hgqk", qb, kb) * scale
+    if mask_bounds is not None:
+        lo, hi = mask_bounds
+        j = torch.arange(k0, k0 + kb.shape[0])
+        keep = (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+class ReferenceBackend:
+    """Blockwise PyTorch implementation of the backend interface (see ``kernels/__init__.py``)."""
+
+    name = "reference"
+
+    def __init__(self, block_q: int = 128, block_k: int = 256):
+        self.block_q, self.block_k = block_q, block_k
+
+    def prepare(self, tiles: torch.Tensor, seqlen_q: int, seqlen_k: int):
+        check_tiles(tiles, seqlen_q, seqlen_k)
+        return list(_blocks(tiles.to("cpu", torch.int64), self.block_q, self.block_k))
+
+    @staticmethod
+    def _setup(q, k, softmax_scale):
+        sq, hq, d = q.shape
+        hkv = k.shape[1]
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+        return sq, hq, hkv, hq // hkv, d, cdt, scale
+
+    def forward(self, q, k, v, prepared, softmax_scale=None):
+        sq, hq, hkv, g, d, cdt, scale = self._setup(q, k, softmax_scale)
+        qg = q.to(cdt).view(sq, hkv, g, d)
+        kc, vc = k.to(cdt), v.to(cdt)
+        acc = torch.zeros(hkv, g, sq, v.shape[-1], dtype=cdt, device=q.device)
+        lse = torch.full((hkv, g, sq), float("-inf"), dtype=cdt, device=q.device)
+        for q0, q1, k0, k1, bounds in prepared:
+            s = _scores(qg[q0:q1], kc[k0:k1], scale, bounds, k0)
+            blk_lse = torch.logsumexp(s, dim=-1)  # -inf on rows with no kept key
+            p = torch.exp(s - blk_lse.unsqueeze(-1).clamp_min(torch.finfo(cdt).min))
+            p = torch.nan_to_num(p, nan=0.0)
+            o = torch.einsum("hgqk,khd->hgqd", p, vc[k0:k1])
+            old = lse[..., q0:q1]
+            new = torch.logaddexp(old, blk_lse)
+            safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+            w_old = torch.exp(old - safe).masked_fill(torch.isinf(new), 0.0)
+            w_new = torch.exp(blk_lse - safe).masked_fill(torch.isinf(new), 0.0)
+            acc[..., q0:q1, :] = acc[..., q0:q1, :] * w_old.unsqueeze(-1) + o * w_new.unsqueeze(-1)
+            lse[..., q0:q1] = new
+        out = acc.permute(2, 0, 1, 3).reshape(sq, hq, v.shape[-1]).to(q.dtype)
+        return out, lse.permute(2, 0, 1).reshape(sq, hq).to(torch.float32)
+
+    def backward(self, q, k, v, out, lse, dout, prepared, softmax_scale=None, delta=None):
+        sq, hq, hkv, g, d, cdt, scale = self._setup(q, k, softmax_scale)
+        qg = q.to(cdt).view(sq, hkv, g, d)
+        kc, vc = k.to(cdt), v.to(cdt)
+        do = dout.to(cdt).view(sq, hkv, g, -1)
+        if delta is None:
+            delta = (dout.to(cdt) * out.to(cdt)).sum(-1)
+        lse_g = lse.to(cdt).view(sq, hkv, g).permute(1, 2, 0)  # [Hkv, G, sq]
+        dl_g = delta.to(cdt).view(sq, hkv, g).permute(1, 2, 0)
+        dq = torch.zeros_like(qg)
+        dk = torch.zeros_like(kc)
+        dv = torch.zeros_like(vc)
+        for q0, q1, k0, k1, bounds in prepared:
+            s = _scores(qg[q0:q1], kc[k0:k1], scale, bounds, k0)
+            l = lse_g[..., q0:q1].unsqueeze(-1)
+            p = torch.exp(s - torch.where(torch.isinf(l), torch.zeros_like(l), l))
+            p = p.masked_fill(torch.isinf(l) | torch.isinf(s), 0.0)
+            dob = do[q0:q1]
+            dv[k0:k1] += torch.einsum("hgqk,qhgd->khd", p, dob)
+            dp = torch.einsum("qhgd,khd->hgqk", dob, vc[k0:k1])
+            ds = p * (dp - dl_g[..., q0:q1].unsqueeze(-1)) * scale
+            dq[q0:q1] += torch.einsum("hgqk,khd->qhgd", ds, kc[k0:k1])
+            dk[k0:k1] += torch.einsum("hgqk,qhgd->khd", ds, qg[q0:q1])
+        return dq.reshape(sq, hq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
