@@ -1,0 +1,213 @@
+"""TritonBackend: fused attention over tile lists (forward, accumulating forward, backward).
+
+Interface as in ``kernels/__init__.py``. Configuration is explicit (``TritonConfig``); nothing is read
+from the environment. Triton's CPU interpreter (``TRITON_INTERPRET=1`` set by the caller before
+``triton`` is imported) runs the same kernels on CPU tensors for tests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .tiles import check_tiles
+from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+from .triton_fwd import LOG2E, attn_fwd_kernel
+from .triton_schedule import BlockSchedule, build_schedules, tile_descriptors
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Block shape and launch parameters of one kernel: block_m q rows x block_n k rows."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class StageConfigs:
+    fwd: KernelConfig
+    dkdv: KernelConfig
+    dq: KernelConfig
+
+
+# Defaults by head_dim, measured on H100 (see benchmarks/kernels/). Keys not listed use the nearest.
+DEFAULT_CONFIGS: dict[int, StageConfigs] = {
+    64: StageConfigs(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 4, 2), KernelConfig(128, 64, 4, 2)),
+    128: StageConfigs(KernelConfig(128, 64, 8, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 8, 2)),
+    256: StageConfigs(KernelConfig(64, 32, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2)),
+}
+
+
+@dataclass
+class TritonConfig:
+    """Per-head-dim stage configs; ``overrides`` replaces the defaults (e.g. tiny blocks in tests)."""
+
+    overrides: dict[int, StageConfigs] = field(default_factory=dict)
+
+    def for_head_dim(self, head_dim: int) -> StageConfigs:
+        if head_dim in self.overrides:
+            return self.overrides[head_dim]
+        if head_dim in DEFAULT_CONFIGS:
+            return DEFAULT_CONFIGS[head_dim]
+        near = min(DEFAULT_CONFIGS, key=lambda d: (d < head_dim, abs(d - head_dim)))
+        return DEFAULT_CONFIGS[near]
+
+
+@dataclass
+class TritonPrepared:
+    """Per-plan state: the tile list, its descriptors and block schedules (cached per block shape
+    and device, built on the host once)."""
+
+    tiles: torch.Tensor
+    seqlen_q: int
+    seqlen_k: int
+    desc: torch.Tensor  # int32 [n, 6] (qs, qe, ks, ke, lo, hi)
+    _host: dict = field(default_factory=dict)  # (bm, bn) -> (rows, cols) on cpu
+    _dev: dict = field(default_factory=dict)  # (bm, bn, device) -> (desc, rows, cols)
+
+    def schedules(self, block_m: int, block_n: int, device) -> tuple[torch.Tensor, BlockSchedule, BlockSchedule]:
+        key = (block_m, block_n, str(device))
+        if key not in self._dev:
+            if (block_m, block_n) not in self._host:
+                self._host[(block_m, block_n)] = build_schedules(
+                    self.tiles, self.seqlen_q, self.seqlen_k, block_m, block_n)
+            rows, cols = self._host[(block_m, block_n)]
+            self._dev[key] = (self.desc.to(device), rows.to(device), cols.to(device))
+        return self._dev[key]
+
+
+def _check_qkv(q, k, v):
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be [s, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    if k.shape[2] != d:
+        raise ValueError(f"q and k head_dim differ: {d} vs {k.shape[2]}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"Hkv={hkv} must divide Hq={hq}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"TritonBackend supports power-of-two head_dim >= 16, got {d}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one of fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    # kernels need unit stride along head_dim only
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class TritonBackend:
+    """Fused Triton attention over tile lists. Deterministic backward (no atomics)."""
+
+    name = "triton"
+
+    def __init__(self, config: TritonConfig | None = None):
+        self.config = config or TritonConfig()
+
+    # -- per plan ---------------------------------------------------------------------------------
+    def prepare(self, tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, head_dims=(64, 128)) -> TritonPrepared:
+        """tiles int [n, 5] (cpu) -> TritonPrepared; builds the schedules of ``head_dims``' configs now."""
+        check_tiles(tiles, seqlen_q, seqlen_k)
+        tiles = tiles.to("cpu", torch.int32).contiguous()
+        prep = TritonPrepared(tiles, int(seqlen_q), int(seqlen_k),
+                              tile_descriptors(tiles).to(torch.int32).contiguous())
+        for d in head_dims:
+            c = self.config.for_head_dim(d)
+            for kc in (c.fwd, c.dq, c.dkdv):
+                if (kc.block_m, kc.block_n) not in prep._host:
+                    prep._host[(kc.block_m, kc.block_n)] = build_schedules(
+                        tiles, prep.seqlen_q, prep.seqlen_k, kc.block_m, kc.block_n)
+        return prep
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward(self, q, k, v, prepared: TritonPrepared, softmax_scale=None):
+        """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q.dtype), lse [sq, Hq] float32."""
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[1], device=q.device, dtype=torch.float32)
+        self._forward(q, k, v, prepared, softmax_scale, out, lse, accumulate=False)
+        return out, lse
+
+    def forward_accumulate(self, q, k, v, prepared: TritonPrepared, softmax_scale, out, lse):
+        """Add this stage into a running (out [sq, Hq, D], lse [sq, Hq] fp32) in place; returns them.
+
+        Rows with lse = -inf hold nothing yet (their out is ignored); the merge is LSE-weighted.
+        """
+        if out.shape != q.shape or lse.shape != q.shape[:2] or lse.dtype != torch.float32:
+            raise ValueError(f"running out/lse must be {tuple(q.shape)} / {tuple(q.shape[:2])} float32; "
+                             f"got {tuple(out.shape)} / {tuple(lse.shape)} {lse.dtype}")
+        self._forward(q, k, v, prepared, softmax_scale, out, lse, accumulate=True)
+        return out, lse
+
+    def _forward(self, q, k, v, prepared, softmax_scale, out, lse, accumulate):
+        _check_qkv(q, k, v)
+        sq, hq, d = q.shape
+        sk, hkv = k.shape[0], k.shape[1]
+        if sq != prepared.seqlen_q or sk != prepared.seqlen_k:
+            raise ValueError(f"q/k lengths {sq}/{sk} differ from the prepared {prepared.seqlen_q}/{prepared.seqlen_k}")
+        if sq == 0:
+            return
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+        q, k, v = _rows(q), _rows(k), _rows(v)
+        c = self.config.for_head_dim(d).fwd
+        desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
+        nm = rows.order.shape[1]
+        attn_fwd_kernel[(nm * hq,)](
+            q, k, v, out, lse, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), 0, 0,
+            sq, sk, hq, scale * LOG2E,
+            GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            ACCUM=accumulate, IEEE=q.dtype == torch.float32,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+
+    # -- backward ---------------------------------------------------------------------------------
+    def backward(self, q, k, v, out, lse, dout, prepared: TritonPrepared, softmax_scale=None, delta=None):
+        """Gradients (dq like q, dk/dv like k) from the merged lse [sq, Hq] and
+        delta [sq, Hq] fp32 = rowsum(dout * out) - dlse (computed from out, dout when None)."""
+        _check_qkv(q, k, v)
+        sq, hq, d = q.shape
+        sk, hkv = k.shape[0], k.shape[1]
+        if sq != prepared.seqlen_q or sk != prepared.seqlen_k:
+            raise ValueError(f"q/k lengths {sq}/{sk} differ from the prepared {prepared.seqlen_q}/{prepared.seqlen_k}")
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+        if delta is None:
+            delta = (dout.float() * out.float()).sum(-1)
+        lse = lse.float().contiguous()
+        delta = delta.float().contiguous()
+        q, k, v, dout = _rows(q), _rows(k), _rows(v), _rows(dout)
+        dq = torch.empty_like(q)
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        if sk > 0 and hkv > 0:
+            c = self.config.for_head_dim(d).dkdv
+            desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
+            nn = cols.order.shape[1]
+            attn_bwd_dkdv_kernel[(nn * hkv,)](
+                q, k, v, dout, lse, delta, dk, dv, desc, cols.ptr, cols.mid, cols.order, cols.off, cols.tile,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                lse.stride(0), lse.stride(1), 0, 0,
+                sq, sk, hkv, scale * LOG2E, scale,
+                GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                IEEE=q.dtype == torch.float32, num_warps=c.num_warps, num_stages=c.num_stages,
+            )
+        if sq > 0:
+            c = self.config.for_head_dim(d).dq
+            desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
+            nm = rows.order.shape[1]
+            attn_bwd_dq_kernel[(nm * hq,)](
+                q, k, v, dout, lse, delta, dq, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), lse.stride(1),
+                0, 0, sq, sk, hq, scale * LOG2E, scale,
+                GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                IEEE=q.dtype == torch.float32, num_warps=c.num_warps, num_stages=c.num_stages,
+            )
+        return dq, dk, dv

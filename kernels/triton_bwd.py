@@ -1,0 +1,211 @@
+"""Triton backward over block schedules, deterministic (no atomics).
+
+Two kernels, each writing every output element exactly once:
+
+* ``attn_bwd_dkdv_kernel``: one program per (k block, kv head). It walks the column-major schedule
+  (the q blocks meeting its k block, full ones first) for each of the ``group`` q heads sharing the kv
+  head, accumulating dK and dV in registers: GQA needs no expanded K/V and no reduction pass.
+* ``attn_bwd_dq_kernel``: one program per (q block, q head), walking the row-major schedule.
+
+Both recompute P = exp(S - lse) from the merged (global) lse, and dS = P * (dP - delta) with
+delta = rowsum(dO * O) - dlse supplied by the caller. Rows with lse = -inf contribute nothing.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile_keep(DESC, TID, e, offs_m, offs_n, TRANSPOSED: tl.constexpr):
+    """Kept cells of the tile of schedule entry e: [BLOCK_M, BLOCK_N] (q rows x k cols), or its
+    transpose [BLOCK_N, BLOCK_M] when TRANSPOSED."""
+    t = tl.load(TID + e)
+    qs = tl.load(DESC + t * 6 + 0)
+    qe = tl.load(DESC + t * 6 + 1)
+    ks = tl.load(DESC + t * 6 + 2)
+    ke = tl.load(DESC + t * 6 + 3)
+    lo = tl.load(DESC + t * 6 + 4)
+    hi = tl.load(DESC + t * 6 + 5)
+    if TRANSPOSED:
+        dkq = offs_n[:, None] - offs_m[None, :]
+        keep = ((offs_m[None, :] >= qs) & (offs_m[None, :] < qe) & (offs_n[:, None] >= ks)
+                & (offs_n[:, None] < ke) & (dkq >= lo) & (dkq <= hi))
+    else:
+        dkq = offs_n[None, :] - offs_m[:, None]
+        keep = ((offs_m[:, None] >= qs) & (offs_m[:, None] < qe) & (offs_n[None, :] >= ks)
+                & (offs_n[None, :] < ke) & (dkq >= lo) & (dkq <= hi))
+    return keep
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, offs_n, Q, DO, LSE, DELTA, stride_qs, stride_dos, stride_ls,
+                OFF, TID, DESC, e0, e1, sq, qk_scale, offs_d,
+                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    for e in range(e0, e1):
+        m0 = tl.load(OFF + e)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_m64 = offs_m.to(tl.int64)
+        q_ptrs = Q + offs_m64[:, None] * stride_qs + offs_d[None, :]
+        do_ptrs = DO + offs_m64[:, None] * stride_dos + offs_d[None, :]
+        if MASKED:
+            ok = offs_m < sq
+            q = tl.load(q_ptrs, mask=ok[:, None], other=0.0)
+            do = tl.load(do_ptrs, mask=ok[:, None], other=0.0)
+            lse = tl.load(LSE + offs_m64 * stride_ls, mask=ok, other=float("inf"))
+            delta = tl.load(DELTA + offs_m64 * stride_ls, mask=ok, other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            lse = tl.load(LSE + offs_m64 * stride_ls)
+            delta = tl.load(DELTA + offs_m64 * stride_ls)
+        # lse = -inf marks a row with nothing kept anywhere: make its P exactly 0
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        if IEEE:
+            sT = tl.dot(k, tl.trans(q), input_precision="ieee")
+        else:
+            sT = tl.dot(k, tl.trans(q))
+        pT = tl.math.exp2(sT * qk_scale - lse2[None, :])
+        if MASKED:
+            keepT = _tile_keep(DESC, TID, e, offs_m, offs_n, True)
+            pT = tl.where(keepT, pT, 0.0)
+        if IEEE:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision="ieee")
+            dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv)
+            dpT = tl.dot(v, tl.trans(do))
+        dsT = pT * (dpT - delta[None, :])
+        if IEEE:
+            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision="ieee")
+        else:
+            dk = tl.dot(dsT.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DESC, PTR, MID, ORDER, OFF, TID,
+    stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh,
+    stride_dks, stride_dkh, stride_dvs, stride_dvh, stride_ls, stride_lh,
+    sched_stride_b, sched_stride_e,
+    sq, sk, n_kv_heads, qk_scale, sm_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    hk = pid % n_kv_heads
+    i = pid // n_kv_heads
+    n = tl.load(ORDER + hk * 0 + i)
+    offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n64 = offs_n.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = offs_n < sk
+    k = tl.load(K + offs_n64[:, None] * stride_ks + hk * stride_kh + offs_d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + offs_n64[:, None] * stride_vs + hk * stride_vh + offs_d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        # per-head schedule rows (stride 0 today: one schedule shared by all heads)
+        e0 = tl.load(PTR + h * sched_stride_b + n)
+        e_mid = tl.load(MID + h * sched_stride_b + n)
+        e1 = tl.load(PTR + h * sched_stride_b + n + 1)
+        off = OFF + h * sched_stride_e
+        tid = TID + h * sched_stride_e
+        qh = Q + h * stride_qh
+        doh = DO + h * stride_doh
+        lseh = LSE + h * stride_lh
+        deltah = DELTA + h * stride_lh
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qh, doh, lseh, deltah, stride_qs, stride_dos,
+                             stride_ls, off, tid, DESC, e0, e_mid, sq, qk_scale, offs_d,
+                             BLOCK_M, False, IEEE)
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qh, doh, lseh, deltah, stride_qs, stride_dos,
+                             stride_ls, off, tid, DESC, e_mid, e1, sq, qk_scale, offs_d,
+                             BLOCK_M, True, IEEE)
+    dk = dk * sm_scale
+    tl.store(DK + offs_n64[:, None] * stride_dks + hk * stride_dkh + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + offs_n64[:, None] * stride_dvs + hk * stride_dvh + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, offs_m, K, V, stride_ks, stride_vs, OFF, TID, DESC, e0, e1,
+              sk, qk_scale, offs_d, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    for e in range(e0, e1):
+        n0 = tl.load(OFF + e)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_n64 = offs_n.to(tl.int64)
+        k_ptrs = K + offs_n64[:, None] * stride_ks + offs_d[None, :]
+        v_ptrs = V + offs_n64[:, None] * stride_vs + offs_d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=(offs_n < sk)[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_n < sk)[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+            dp = tl.dot(do, tl.trans(v))
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        if MASKED:
+            keep = _tile_keep(DESC, TID, e, offs_m, offs_n, False)
+            p = tl.where(keep, p, 0.0)
+        ds = p * (dp - delta[:, None])
+        if IEEE:
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
+        else:
+            dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, DESC, PTR, MID, ORDER, OFF, TID,
+    stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh,
+    stride_dqs, stride_dqh, stride_ls, stride_lh, sched_stride_b, sched_stride_e,
+    sq, sk, n_heads, qk_scale, sm_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = pid % n_heads
+    i = pid // n_heads
+    PTR += h * sched_stride_b
+    MID += h * sched_stride_b
+    ORDER += h * sched_stride_b
+    OFF += h * sched_stride_e
+    TID += h * sched_stride_e
+    m = tl.load(ORDER + i)
+    e0 = tl.load(PTR + m)
+    e_mid = tl.load(MID + m)
+    e1 = tl.load(PTR + m + 1)
+    hk = h // GROUP
+    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m64 = offs_m.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs_m < sq
+    q = tl.load(Q + offs_m64[:, None] * stride_qs + h * stride_qh + offs_d[None, :],
+                mask=ok[:, None], other=0.0)
+    do = tl.load(DO + offs_m64[:, None] * stride_dos + h * stride_doh + offs_d[None, :],
+                 mask=ok[:, None], other=0.0)
+    lse = tl.load(LSE + offs_m64 * stride_ls + h * stride_lh, mask=ok, other=float("inf"))
+    delta = tl.load(DELTA + offs_m64 * stride_ls + h * stride_lh, mask=ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    K += hk * stride_kh
+    V += hk * stride_vh
+    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, K, V, stride_ks, stride_vs, OFF, TID, DESC,
+                   e0, e_mid, sk, qk_scale, offs_d, BLOCK_N, False, IEEE)
+    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, K, V, stride_ks, stride_vs, OFF, TID, DESC,
+                   e_mid, e1, sk, qk_scale, offs_d, BLOCK_N, True, IEEE)
+    dq = dq * sm_scale
+    tl.store(DQ + offs_m64[:, None] * stride_dqs + h * stride_dqh + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=ok[:, None])

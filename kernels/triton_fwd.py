@@ -1,0 +1,131 @@
+"""Triton forward over a block schedule: one launch computes out and lse of every (q block, q head).
+
+Each program owns one q block of one q head and walks the k blocks its schedule lists: first the full
+blocks (no mask arithmetic), then the partial ones (tile descriptor applied). All blocks of all tiles
+touching the rows merge in registers by online softmax (base-2 exponent, fp32 statistics), so tiles
+sharing rows need no second pass. GQA/MQA: the program reads K/V of head ``h // group`` in place.
+
+Programs are numbered ``i * Hq + h`` with ``m = order[i]``: heads of one q block run side by side
+(they share K/V through L2) and the heaviest q blocks start first.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, offs_m, K, V, stride_ks, stride_vs, OFF, TID, DESC, e0, e1, sk,
+               qk_scale, offs_d, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    for e in range(e0, e1):
+        n0 = tl.load(OFF + e)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k_ptrs = K + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :]
+        v_ptrs = V + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=(offs_n < sk)[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        if MASKED:
+            t = tl.load(TID + e)
+            qs = tl.load(DESC + t * 6 + 0)
+            qe = tl.load(DESC + t * 6 + 1)
+            ks = tl.load(DESC + t * 6 + 2)
+            ke = tl.load(DESC + t * 6 + 3)
+            lo = tl.load(DESC + t * 6 + 4)
+            hi = tl.load(DESC + t * 6 + 5)
+            dkq = offs_n[None, :] - offs_m[:, None]
+            keep = ((offs_m[:, None] >= qs) & (offs_m[:, None] < qe) & (offs_n[None, :] >= ks)
+                    & (offs_n[None, :] < ke) & (dkq >= lo) & (dkq <= hi))
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # rows with nothing kept yet keep m = -inf; subtract 0 instead so exp2 gives 0, not NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=(offs_n < sk)[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, O, LSE, DESC, PTR, MID, ORDER, OFF, TID,
+    stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_os, stride_oh,
+    stride_ls, stride_lh, sched_stride_b, sched_stride_e,
+    sq, sk, n_heads, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACCUM: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = pid % n_heads
+    i = pid // n_heads
+    # schedules carry a head axis; its stride is 0 while all heads share one schedule
+    PTR += h * sched_stride_b
+    MID += h * sched_stride_b
+    ORDER += h * sched_stride_b
+    OFF += h * sched_stride_e
+    TID += h * sched_stride_e
+    m = tl.load(ORDER + i)
+    e0 = tl.load(PTR + m)
+    e_mid = tl.load(MID + m)
+    e1 = tl.load(PTR + m + 1)
+    hk = h // GROUP
+
+    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < sq
+    q_ptrs = Q + offs_m.to(tl.int64)[:, None] * stride_qs + h * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    K += hk * stride_kh
+    V += hk * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, K, V, stride_ks, stride_vs, OFF, TID, DESC,
+                               e0, e_mid, sk, qk_scale, offs_d, BLOCK_N, False, IEEE)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, K, V, stride_ks, stride_vs, OFF, TID, DESC,
+                               e_mid, e1, sk, qk_scale, offs_d, BLOCK_N, True, IEEE)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    o_ptrs = O + offs_m.to(tl.int64)[:, None] * stride_os + h * stride_oh + offs_d[None, :]
+    l_ptrs = LSE + offs_m.to(tl.int64) * stride_ls + h * stride_lh
+    if ACCUM:
+        # add this stage into the running (out, lse) of earlier stages: LSE-weighted merge
+        lse_prev = tl.load(l_ptrs, mask=row_ok, other=float("-inf"))
+        out_prev = tl.load(o_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        mx = tl.maximum(lse_prev, lse)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w_prev = tl.exp(lse_prev - mx)
+        w_cur = tl.exp(lse - mx)
+        tot = w_prev + w_cur
+        tot_safe = tl.where(tot == 0.0, 1.0, tot)
+        out = (out_prev * w_prev[:, None] + out * w_cur[:, None]) / tot_safe[:, None]
+        lse = tl.where(tot == 0.0, float("-inf"), mx + tl.log(tot_safe))
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(l_ptrs, lse, mask=row_ok)

@@ -1,0 +1,160 @@
+"""Block schedules for the Triton kernels: which (q block, k block, tile) triples to visit.
+
+Built once per tile list on the host (``TritonBackend.prepare``), kept as int32 tensors on the device.
+
+Every tile ``(q_start, q_end, k_start, k_end, kind)`` is a rectangle intersected with a diagonal band
+on ``d = k - q`` (global indices)::
+
+    FULL       : -inf <= d <= +inf
+    CAUSAL     : d <= k_end - q_end                  (j <= i + sk - sq, bottom-right aligned)
+    INV_CAUSAL : d >= k_start - q_start              (j >= i, top-left aligned)
+    BI_CAUSAL  : k_start - q_start <= d <= k_end - q_end
+
+so one descriptor ``(qs, qe, ks, ke, lo, hi)`` per tile lets the kernels mask any kind with the same
+six comparisons. A (q block, k block) pair met by a tile is
+
+* *full*    when the block lies inside the tile's rectangle and band: no mask arithmetic at all;
+* *partial* when the tile keeps some but not all of its cells: the kernel applies the descriptor;
+* *empty*   when the tile keeps none of its cells: it is not listed, so never visited.
+
+Because tiles are cell-disjoint, a block that is full for one tile meets no other tile; a partial
+block may be listed once per tile meeting it (the kernels merge them by online softmax).
+
+Row-major schedule (forward and dQ), per q block ``m``: entries ``ptr[m] : ptr[m+1]``, the full ones
+first (``ptr[m] : mid[m]``), each entry holding the k token offset of its block and its tile id.
+Column-major schedule (dK/dV), per k block ``n``: the transpose, holding q token offsets.
+``order`` lists blocks heaviest first so that long rows start early (longest-processing-time first).
+
+Every array has a leading head axis (size 1 today: all heads share one schedule); the kernels take its
+stride, so per-head block lists (dynamic sparse attention) can later be passed without kernel changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tiles import BI_CAUSAL, CAUSAL, INV_CAUSAL
+
+_BIG = 1 << 30  # "no band limit"; |k - q| < 2^30 for every supported length
+
+
+@dataclass
+class BlockSchedule:
+    """One direction's block lists for a fixed (block_m, block_n).
+
+    ptr [H, nb+1], mid [H, nb], order [H, nb]: int32 (nb = number of blocks along the major axis);
+    off [H, E] int32 token offset of the minor block; tile [H, E] int32 descriptor row. H is 1 today.
+    """
+
+    ptr: torch.Tensor
+    mid: torch.Tensor
+    order: torch.Tensor
+    off: torch.Tensor
+    tile: torch.Tensor
+    n_full: int
+    n_partial: int
+
+    def to(self, device) -> "BlockSchedule":
+        return BlockSchedule(
+            self.ptr.to(device), self.mid.to(device), self.order.to(device), self.off.to(device),
+            self.tile.to(device), self.n_full, self.n_partial,
+        )
+
+
+def tile_descriptors(tiles: torch.Tensor) -> torch.Tensor:
+    """tiles int [n, 5] -> descriptors int64 [n, 6] = (qs, qe, ks, ke, lo, hi) with lo <= k - q <= hi."""
+    t = tiles.to("cpu", torch.int64)
+    qs, qe, ks, ke, kind = t.unbind(1)
+    lo = torch.full_like(qs, -_BIG)
+    hi = torch.full_like(qs, _BIG)
+    upper = (kind == CAUSAL) | (kind == BI_CAUSAL)
+    lower = (kind == INV_CAUSAL) | (kind == BI_CAUSAL)
+    hi = torch.where(upper, ke - qe, hi)
+    lo = torch.where(lower, ks - qs, lo)
+    return torch.stack([qs, qe, ks, ke, lo, hi], 1)
+
+
+def _block_pairs(desc: torch.Tensor, block_m: int, block_n: int):
+    """All non-empty (tile, m, n) triples with a full flag; int64 1-D tensors."""
+    if desc.shape[0] == 0:
+        e = torch.zeros(0, dtype=torch.int64)
+        return e, e, e, torch.zeros(0, dtype=torch.bool)
+    qs, qe, ks, ke, lo, hi = desc.unbind(1)
+    # 1) (tile, m) pairs over each tile's q blocks
+    m0, m1 = qs // block_m, (qe - 1) // block_m + 1
+    cnt = m1 - m0
+    tid = torch.repeat_interleave(torch.arange(desc.shape[0]), cnt)
+    start = torch.repeat_interleave(m0, cnt)
+    first = torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
+    m = start + torch.arange(tid.numel()) - first
+    # rows of this block inside the tile
+    r0 = torch.maximum(qs[tid], m * block_m)
+    r1 = torch.minimum(qe[tid], (m + 1) * block_m) - 1
+    # keys a kept cell can have for these rows: ks..ke-1 and r0+lo..r1+hi
+    c0 = torch.maximum(ks[tid], r0 + lo[tid].clamp(min=-_BIG))
+    c1 = torch.minimum(ke[tid] - 1, r1 + hi[tid])
+    keep = c1 >= c0
+    tid, m, c0, c1 = tid[keep], m[keep], c0[keep], c1[keep]
+    # 2) expand to (tile, m, n) over those key blocks
+    n0, n1 = c0 // block_n, c1 // block_n + 1
+    cnt = n1 - n0
+    idx = torch.repeat_interleave(torch.arange(tid.numel()), cnt)
+    first = torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
+    n = n0[idx] + torch.arange(idx.numel()) - first
+    tid, m = tid[idx], m[idx]
+    d = desc[tid]
+    qs, qe, ks, ke, lo, hi = d.unbind(1)
+    bq0, bq1 = m * block_m, (m + 1) * block_m - 1  # inclusive block bounds
+    bk0, bk1 = n * block_n, (n + 1) * block_n - 1
+    # exact emptiness on the clipped rectangle: some q in [a0,a1], k in [b0,b1] with lo <= k-q <= hi
+    a0, a1 = torch.maximum(qs, bq0), torch.minimum(qe - 1, bq1)
+    b0, b1 = torch.maximum(ks, bk0), torch.minimum(ke - 1, bk1)
+    nonempty = (a1 >= a0) & (b1 >= b0) & (b1 - a0 >= lo) & (b0 - a1 <= hi)
+    full = (qs <= bq0) & (qe - 1 >= bq1) & (ks <= bk0) & (ke - 1 >= bk1) & (bk0 - bq1 >= lo) & (bk1 - bq0 <= hi)
+    s = nonempty
+    return tid[s], m[s], n[s], full[s]
+
+
+def _csr(major, minor_off, tid, full, n_major):
+    """Sort entries by (major, partial, minor) and build the CSR arrays with a leading head axis."""
+    key = (major * 2 + (~full).long()) * (1 << 32) + minor_off  # full entries first within a block
+    perm = torch.argsort(key, stable=True)
+    major, minor_off, tid, full = major[perm], minor_off[perm], tid[perm], full[perm]
+    counts = torch.bincount(major, minlength=n_major)
+    fulls = torch.bincount(major[full], minlength=n_major)
+    ptr = torch.zeros(n_major + 1, dtype=torch.int64)
+    ptr[1:] = torch.cumsum(counts, 0)
+    mid = ptr[:-1] + fulls
+    # heaviest first; partial blocks cost a little more (mask arithmetic)
+    cost = fulls * 4 + (counts - fulls) * 5
+    order = torch.argsort(-cost, stable=True)
+    i32 = lambda x: x.to(torch.int32).unsqueeze(0).contiguous()  # noqa: E731
+    return BlockSchedule(i32(ptr), i32(mid), i32(order), i32(minor_off), i32(tid),
+                         int(full.sum()), int((~full).sum()))
+
+
+def build_schedules(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int):
+    """Row-major (per q block) and column-major (per k block) schedules for blocks (block_m, block_n).
+
+    Returns (rows: BlockSchedule, cols: BlockSchedule) on the CPU.
+    """
+    desc = tile_descriptors(tiles)
+    tid, m, n, full = _block_pairs(desc, block_m, block_n)
+    nm = (seqlen_q + block_m - 1) // block_m
+    nn = (seqlen_k + block_n - 1) // block_n
+    rows = _csr(m, n * block_n, tid, full, nm)
+    cols = _csr(n, m * block_m, tid, full, nn)
+    return rows, cols
+
+
+def kept_area(tiles: torch.Tensor) -> int:
+    """Number of kept cells of a (cell-disjoint) tile list, exact, host-side; for FLOP counts."""
+    total = 0
+    for qs, qe, ks, ke, lo, hi in tile_descriptors(tiles).tolist():
+        q = torch.arange(qs, qe, dtype=torch.int64)
+        a = torch.clamp(q + lo, min=ks)
+        b = torch.clamp(q + hi, max=ke - 1)
+        total += int((b - a + 1).clamp(min=0).sum())
+    return total

@@ -1,0 +1,239 @@
+"""Triton tile-list kernels on CPU through Triton's interpreter, against a dense fp64 reference.
+
+TRITON_INTERPRET must be set before triton is first imported, so it is set here at the top; run this
+file in its own process (pytest tests/test_triton_kernels.py) if another test imported triton first.
+Tiny shapes keep the interpreter fast (the whole file runs in about a minute on 2 cores).
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # noqa: E402  (before triton is imported)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: E402
+from megatron_cp.kernels.triton_backend import (  # noqa: E402
+    KernelConfig, StageConfigs, TritonBackend, TritonConfig,
+)
+from megatron_cp.kernels.triton_schedule import build_schedules, kept_area  # noqa: E402
+
+
+def _interpreter_active() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction  # noqa: F401
+    from megatron_cp.kernels import triton_fwd
+
+    return isinstance(triton_fwd.attn_fwd_kernel, InterpretedFunction) or \
+        type(triton_fwd.attn_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+pytestmark = pytest.mark.skipif(
+    not _interpreter_active(), reason="triton was imported before TRITON_INTERPRET=1 was set; run this file alone")
+
+
+def backend(bm=16, bn=16, d=16):
+    c = KernelConfig(bm, bn, 4, 1)
+    return TritonBackend(TritonConfig({d: StageConfigs(c, KernelConfig(bn, bm, 4, 1), c)}))
+
+
+def dense_mask(tiles, sq, sk):
+    keep = torch.zeros(sq, sk, dtype=torch.bool)
+    for qs, qe, ks, ke, kind in tiles.tolist():
+        i = torch.arange(qe - qs)[:, None]
+        j = torch.arange(ke - ks)[None, :]
+        d = (ke - ks) - (qe - qs)
+        m = {FULL: torch.ones_like(i * j, dtype=torch.bool), CAUSAL: j <= i + d,
+             INV_CAUSAL: j >= i, BI_CAUSAL: (j >= i) & (j <= i + d)}[kind]
+        assert not (keep[qs:qe, ks:ke] & m).any(), "test tiles must be cell-disjoint"
+        keep[qs:qe, ks:ke] |= m
+    return keep
+
+
+def reference(q, k, v, keep, scale, dout=None, dlse=None):
+    """fp64 dense attention; returns out, lse and (if dout) dq, dk, dv."""
+    g = q.shape[1] // k.shape[1]
+    qd, kd, vd = (x.detach().double().requires_grad_(dout is not None) for x in (q, k, v))
+    s = torch.einsum("qhd,khd->hqk", qd, kd.repeat_interleave(g, 1)) * scale
+    s = s.masked_fill(~keep, float("-inf"))
+    mx = s.amax(-1, keepdim=True).detach()
+    mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
+    e = torch.exp(s - mx)
+    l = e.sum(-1, keepdim=True)
+    l_safe = torch.where(l == 0, torch.ones_like(l), l)
+    out = torch.einsum("hqk,khd->qhd", e / l_safe, vd.repeat_interleave(g, 1))
+    lse = torch.where(l == 0, torch.full_like(l, float("-inf")), mx + torch.log(l_safe))[..., 0].T
+    if dout is None:
+        return out, lse
+    loss = (out * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(torch.isinf(lse), 0.0, lse) * dlse.double()).sum()
+    loss.backward()
+    return out.detach(), lse.detach(), qd.grad, kd.grad, vd.grad
+
+
+def run_case(tiles, sq, sk, hq=2, hkv=1, d=16, bm=16, bn=16, dtype=torch.float32, seed=0, with_dlse=False,
+             atol=1e-4):
+    torch.manual_seed(seed)
+    tiles = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 5)
+    q = torch.randn(sq, hq, d, dtype=dtype)
+    k = torch.randn(sk, hkv, d, dtype=dtype)
+    v = torch.randn(sk, hkv, d, dtype=dtype)
+    dout = torch.randn(sq, hq, d, dtype=dtype)
+    dlse = torch.randn(sq, hq) if with_dlse else None
+    scale = 0.5
+    be = backend(bm, bn, d)
+    prep = be.prepare(tiles, sq, sk, head_dims=(d,))
+    out, lse = be.forward(q, k, v, prep, scale)
+    keep = dense_mask(tiles, sq, sk)
+    r_out, r_lse, r_dq, r_dk, r_dv = reference(q, k, v, keep, scale, dout, dlse)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    empty = ~keep.any(1)
+    assert torch.equal(torch.isinf(lse), empty[:, None].expand_as(lse)), "lse = -inf exactly on empty rows"
+    assert (lse[empty] == float("-inf")).all() and (out[empty] == 0).all()
+    torch.testing.assert_close(out.double(), r_out, atol=atol, rtol=0)
+    fin = ~empty
+    torch.testing.assert_close(lse[fin].double(), r_lse[fin], atol=atol, rtol=0)
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse
+    dq, dk, dv = be.backward(q, k, v, out, lse, dout, prep, scale, delta)
+    for name, a, b in (("dq", dq, r_dq), ("dk", dk, r_dk), ("dv", dv, r_dv)):
+        assert not torch.isnan(a).any(), name
+        torch.testing.assert_close(a.double(), b, atol=atol * 4, rtol=0, msg=lambda m: f"{name}: {m}")
+    return be, prep, (q, k, v, dout, out, lse, delta)
+
+
+# -- one tile per kind, equal and unequal lengths --------------------------------------------------
+@pytest.mark.parametrize("kind", [FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL])
+def test_single_tile_square(kind):
+    run_case([0, 48, 0, 48, kind], 48, 48)
+
+
+@pytest.mark.parametrize("kind", [FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL])
+@pytest.mark.parametrize("sq,sk", [(40, 72), (72, 40)])
+def test_single_tile_unequal(kind, sq, sk):
+    # also leaves rows without keys for causal with sq > sk (fully masked rows)
+    run_case([0, sq, 0, sk, kind], sq, sk)
+
+
+def test_offset_tile_partial_blocks_and_empty_rows():
+    # a tile that starts and ends inside blocks; rows 0..4 and 43.. are covered by nothing
+    run_case([[5, 43, 7, 61, CAUSAL]], 50, 64)
+
+
+# -- several tiles: shared rows, packed documents, global + local ----------------------------------
+def test_packed_documents_causal():
+    cu = [0, 13, 40, 41, 77, 96]
+    run_case([[a, b, a, b, CAUSAL] for a, b in zip(cu[:-1], cu[1:])], 96, 96, hq=2, hkv=2)
+
+
+def test_tiles_sharing_rows_global_local():
+    # global keys 0..8 seen by every row, causal band over the rest, plus an inv_causal tile
+    tiles = [[0, 96, 0, 8, FULL], [8, 96, 8, 96, CAUSAL], [0, 8, 8, 40, INV_CAUSAL]]
+    run_case(tiles, 96, 96, hq=4, hkv=2)
+
+
+def test_bi_causal_and_full_pieces_sharing_rows_and_blocks():
+    tiles = [[0, 30, 0, 50, BI_CAUSAL], [0, 30, 50, 64, FULL], [30, 64, 10, 20, FULL], [30, 64, 33, 64, CAUSAL]]
+    run_case(tiles, 64, 64)
+
+
+def test_sliding_window_as_tiles():
+    # window w (keys q-w+1..q): per chunk of w rows a causal diagonal tile and an inv_causal tile of
+    # the w-1 keys before the chunk (top-left aligned: k >= q - w + 1)
+    w, s = 24, 80
+    tiles = []
+    for q0 in range(0, s, w):
+        q1 = min(q0 + w, s)
+        tiles.append([q0, q1, q0, q1, CAUSAL])
+        if q0 > 0:
+            tiles.append([q0, q1, q0 - w + 1, q0, INV_CAUSAL])
+    run_case(tiles, s, s)
+
+
+# -- GQA / MQA, head_dim 32, asymmetric blocks ----------------------------------------------------
+@pytest.mark.parametrize("hq,hkv", [(4, 1), (4, 2), (6, 3)])
+def test_gqa(hq, hkv):
+    run_case([[0, 64, 0, 64, CAUSAL]], 64, 64, hq=hq, hkv=hkv)
+
+
+@pytest.mark.parametrize("bm,bn", [(32, 16), (16, 32)])
+def test_head_dim_32_asymmetric_blocks(bm, bn):
+    tiles = [[0, 50, 0, 70, CAUSAL], [50, 90, 0, 20, FULL], [50, 90, 20, 70, BI_CAUSAL]]
+    run_case(tiles, 90, 70, hq=2, hkv=1, d=32, bm=bm, bn=bn)
+
+
+def test_dlse_gradient():
+    run_case([[0, 40, 0, 40, CAUSAL], [40, 64, 0, 64, FULL]], 64, 64, with_dlse=True)
+
+
+def test_fp16_inputs():
+    run_case([[0, 48, 0, 48, CAUSAL]], 48, 48, dtype=torch.float16, atol=2e-2)
+
+
+def test_no_tiles():
+    be = backend()
+    tiles = torch.zeros(0, 5, dtype=torch.int32)
+    q = torch.randn(20, 2, 16)
+    k = torch.randn(30, 1, 16)
+    prep = be.prepare(tiles, 20, 30, head_dims=(16,))
+    out, lse = be.forward(q, k, k, prep, 0.3)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+    dq, dk, dv = be.backward(q, k, k, out, lse, torch.randn_like(q), prep, 0.3)
+    assert (dq == 0).all() and (dk == 0).all() and (dv == 0).all()
+
+
+def test_accumulate_two_stages_equals_one():
+    torch.manual_seed(3)
+    sq, sk, d = 48, 64, 16
+    t_all = [[0, 48, 0, 32, FULL], [0, 48, 32, 64, CAUSAL]]
+    q, k, v = torch.randn(sq, 2, d), torch.randn(sk, 1, d), torch.randn(sk, 1, d)
+    be = backend()
+    full = be.prepare(torch.tensor(t_all, dtype=torch.int32), sq, sk, head_dims=(d,))
+    s1 = be.prepare(torch.tensor(t_all[:1], dtype=torch.int32), sq, sk, head_dims=(d,))
+    s2 = be.prepare(torch.tensor(t_all[1:], dtype=torch.int32), sq, sk, head_dims=(d,))
+    out_ref, lse_ref = be.forward(q, k, v, full, 0.4)
+    out = torch.zeros_like(q)
+    lse = torch.full((sq, 2), float("-inf"))
+    be.forward_accumulate(q, k, v, s1, 0.4, out, lse)
+    be.forward_accumulate(q, k, v, s2, 0.4, out, lse)
+    torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=0)
+
+
+def test_backward_deterministic():
+    be, prep, (q, k, v, dout, out, lse, delta) = run_case([[0, 64, 0, 64, CAUSAL]], 64, 64, hq=4, hkv=1)
+    a = be.backward(q, k, v, out, lse, dout, prep, 0.5, delta)
+    b = be.backward(q, k, v, out, lse, dout, prep, 0.5, delta)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# -- schedule: full blocks are all kept, partial+full blocks cover every kept cell ------------------
+@pytest.mark.parametrize("bm,bn", [(16, 16), (32, 16), (16, 64)])
+def test_schedule_covers_mask(bm, bn):
+    sq, sk = 100, 90
+    tiles = torch.tensor([[0, 40, 0, 45, CAUSAL], [40, 100, 0, 30, FULL], [40, 100, 30, 90, BI_CAUSAL],
+                          [0, 40, 45, 90, INV_CAUSAL]], dtype=torch.int32)
+    keep = dense_mask(tiles, sq, sk)
+    assert kept_area(tiles) == int(keep.sum())
+    rows, cols = build_schedules(tiles, sq, sk, bm, bn)
+    covered = torch.zeros(sq, sk, dtype=torch.bool)
+    ptr, mid, off, tid = rows.ptr[0], rows.mid[0], rows.off[0], rows.tile[0]
+    assert sorted(rows.order[0].tolist()) == list(range(len(mid)))
+    for m in range(len(mid)):
+        for e in range(int(ptr[m]), int(ptr[m + 1])):
+            n0 = int(off[e])
+            blk = keep[m * bm:(m + 1) * bm, n0:n0 + bn]
+            assert blk.any(), "empty blocks must not be listed"
+            if e < int(mid[m]):
+                assert blk.all() and blk.shape == (bm, bn), "full blocks are entirely kept"
+            covered[m * bm:(m + 1) * bm, n0:n0 + bn] = True
+    assert not (keep & ~covered).any()
+    # the column schedule lists the same (block, tile) pairs
+    pairs_r = {(m, int(off[e]) // bn, int(tid[e])) for m in range(len(mid)) for e in range(int(ptr[m]), int(ptr[m + 1]))}
+    cp, co, ct = cols.ptr[0], cols.off[0], cols.tile[0]
+    pairs_c = {(int(co[e]) // bm, n, int(ct[e])) for n in range(len(cols.mid[0])) for e in range(int(cp[n]), int(cp[n + 1]))}
+    assert pairs_r == pairs_c
+    assert rows.n_full == cols.n_full and rows.n_partial == cols.n_partial
