@@ -1,0 +1,7 @@
+"""Planner: a pure function from (mask, cp_size, topology) to a per-rank plan (numpy, scipy only)."""
+
+from .plan import Plan, RankPlan, plan
+from .solvers import SOLVERS
+from .topology import Topology
+
+__all__ = ["Plan", "RankPlan", "plan", "Topology", "SOLVERS"]

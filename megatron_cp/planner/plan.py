@@ -1,0 +1,340 @@
+"""``plan(mask, cp_size)``: a pure, deterministic per-rank plan for context-parallel attention.
+
+For each rank the plan holds
+- the global token runs it owns (``segments``) and so its local order (``local_ids``),
+- the remote key/value runs it needs, grouped by owner (each token received at most once),
+- its compute tiles ``(q_start, q_end, k_start, k_end, kind)``: q in local coordinates, k in the
+  rank's key/value buffer, which is the sorted union of owned and received tokens (global order), so
+  every mask trapezoid restricted to an owned run is one tile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from ..masks import AttnMask
+from ..masks import geometry
+from . import solvers
+from .topology import Topology
+
+_VERSION = b"megatron-cp-plan-1"
+
+
+def _merge_runs(runs: np.ndarray) -> np.ndarray:
+    """Sort and merge touching/overlapping half-open runs; int64 [n, 2]."""
+    if len(runs) == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    runs = runs[np.lexsort((runs[:, 1], runs[:, 0]))]
+    start, end = runs[:, 0], np.maximum.accumulate(runs[:, 1])
+    new = np.ones(len(runs), dtype=bool)
+    new[1:] = start[1:] > end[:-1]
+    idx = np.nonzero(new)[0]
+    ends = np.append(idx[1:] - 1, len(runs) - 1)
+    return np.stack([start[idx], end[ends]], axis=1).astype(np.int64)
+
+
+def _subtract_runs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Runs of ``a`` minus runs of ``b`` (both merged and sorted)."""
+    out = []
+    j = 0
+    for s, e in a.tolist():
+        while j < len(b) and b[j, 1] <= s:
+            j += 1
+        k = j
+        while s < e and k < len(b) and b[k, 0] < e:
+            if b[k, 0] > s:
+                out.append((s, int(b[k, 0])))
+            s = max(s, int(b[k, 1]))
+            k += 1
+        if s < e:
+            out.append((s, e))
+    return np.asarray(out, dtype=np.int64).reshape(-1, 2)
+
+
+def _split_by_owner(runs: np.ndarray, bounds: np.ndarray, owner: np.ndarray, cp: int) -> list[np.ndarray]:
+    """Split global runs at chunk bounds and group the pieces by owning rank (merged per rank)."""
+    per = [[] for _ in range(cp)]
+    for s, e in runs.tolist():
+        c = int(np.searchsorted(bounds, s, side="right")) - 1
+        while s < e:
+            t = min(e, int(bounds[c + 1]))
+            per[int(owner[c])].append((s, t))
+            s, c = t, c + 1
+    return [_merge_runs(np.asarray(p, dtype=np.int64).reshape(-1, 2)) for p in per]
+
+
+def _positions(runs: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Index of global token ``x`` in the concatenation of sorted ``runs`` (x must be covered)."""
+    off = np.concatenate([[0], np.cumsum(runs[:, 1] - runs[:, 0])])
+    i = np.searchsorted(runs[:, 0], x, side="right") - 1
+    return off[i] + x - runs[i, 0]
+
+
+def _runs_to_ids(runs: np.ndarray) -> np.ndarray:
+    if len(runs) == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in runs.tolist()])
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank does. Runs are int64 [n, 2] half-open global ranges, sorted."""
+
+    rank: int
+    segments: np.ndarray  # owned runs = local order
+    recv_runs: tuple  # recv_runs[src]: runs received from rank src
+    send_runs: tuple  # send_runs[dst]: own runs sent to rank dst
+    buffer_runs: np.ndarray  # merged owned + received runs = key/value buffer order
+    tiles: np.ndarray  # int32 [n, 5] (q local, k buffer, kind)
+    area: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.segments[:, 1] - self.segments[:, 0]).sum())
+
+    @property
+    def num_remote(self) -> int:
+        return int(sum((r[:, 1] - r[:, 0]).sum() for r in self.recv_runs))
+
+    def local_ids(self) -> np.ndarray:
+        return _runs_to_ids(self.segments)
+
+    def send_index(self) -> tuple[np.ndarray, list[int]]:
+        """Local positions to send, concatenated in destination order, and per-destination counts."""
+        idx = [_positions(self.segments, _runs_to_ids(r)) for r in self.send_runs]
+        return np.concatenate(idx).astype(np.int64), [len(i) for i in idx]
+
+    def recv_counts(self) -> list[int]:
+        return [int((r[:, 1] - r[:, 0]).sum()) for r in self.recv_runs]
+
+    def buffer_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """Positions in the key/value buffer of (own tokens in local order, received tokens in
+        receive order: by source rank, then global order)."""
+        own = _positions(self.buffer_runs, self.local_ids())
+        recv = [_runs_to_ids(r) for r in self.recv_runs]
+        rid = np.concatenate(recv) if recv else np.zeros(0, dtype=np.int64)
+        return own.astype(np.int64), _positions(self.buffer_runs, rid).astype(np.int64)
+
+    @property
+    def buffer_len(self) -> int:
+        return int((self.buffer_runs[:, 1] - self.buffer_runs[:, 0]).sum())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A context-parallel plan for one mask and ``cp_size`` ranks (see ``plan``)."""
+
+    cp_size: int
+    seqlen: int
+    solver: str
+    chunk_size: int
+    bounds: np.ndarray  # int64 [n + 1] chunk cuts
+    owner: np.ndarray  # int32 [n] rank of each chunk
+    ranks: tuple  # RankPlan per rank
+    mask_area: int
+    topology: Topology | None
+    digest: str
+    candidates: dict = field(default_factory=dict, compare=False)  # solver name -> (imbalance, max remote)
+
+    def local_ids(self, rank: int) -> np.ndarray:
+        """Global token indices held by ``rank``, in its local order (int64 [s_local])."""
+        if not 0 <= rank < self.cp_size:
+            raise ValueError(f"rank={rank} is outside this plan's cp_size={self.cp_size}")
+        return self.ranks[rank].local_ids()
+
+    def num_local(self, rank: int) -> int:
+        return self.ranks[rank].num_tokens
+
+    @cached_property
+    def digest64(self) -> int:
+        """The digest as a signed 63-bit int (for an all-reduce consistency check)."""
+        return int(self.digest[:15], 16)
+
+    def stats(self, num_kv_heads: int = 8, head_dim: int = 128, dtype_bytes: int = 2) -> dict:
+        """Balance and traffic figures. ``bytes_moved`` counts K and V of every received token."""
+        area = np.array([r.area for r in self.ranks], dtype=np.int64)
+        remote = np.array([r.num_remote for r in self.ranks], dtype=np.int64)
+        tokens = np.array([r.num_tokens for r in self.ranks], dtype=np.int64)
+        per_token = 2 * num_kv_heads * head_dim * dtype_bytes
+        mean = area.mean() if self.cp_size else 0.0
+        out = {
+            "solver": self.solver,
+            "cp_size": self.cp_size,
+            "seqlen": self.seqlen,
+            "chunk_size": self.chunk_size,
+            "num_chunks": len(self.owner),
+            "mask_area": self.mask_area,
+            "area_per_rank": area.tolist(),
+            "imbalance": float(area.max() / mean - 1.0) if mean > 0 else 0.0,
+            "tokens_per_rank": tokens.tolist(),
+            "remote_kv_tokens_per_rank": remote.tolist(),
+            "max_remote_kv_tokens": int(remote.max()),
+            "bytes_moved": int(remote.sum() * per_token),
+            "max_bytes_received": int(remote.max() * per_token),
+            "tiles_per_rank": [len(r.tiles) for r in self.ranks],
+        }
+        if self.topology is not None:
+            out["inter_node_bytes"] = int(self._inter_node_tokens() * per_token)
+        return out
+
+    def _inter_node_tokens(self) -> int:
+        node = self.topology.node_of
+        return sum(
+            int((runs[:, 1] - runs[:, 0]).sum())
+            for r in self.ranks
+            for src, runs in enumerate(r.recv_runs)
+            if node(src) != node(r.rank)
+        )
+
+
+def _auto_chunk(seqlen: int, cp: int) -> int:
+    """About 16 chunks per rank, a power of two between 1 and 4096."""
+    c = max(1, seqlen // (16 * cp))
+    return int(min(4096, 1 << (c.bit_length() - 1)))
+
+
+def _evaluate(traps, spans, bounds, owner, cp, prefix):
+    """Area and remote-key tokens per rank of an assignment (cheap: no tiles)."""
+    area = np.zeros(cp, dtype=np.int64)
+    np.add.at(area, owner, prefix[bounds[1:]] - prefix[bounds[:-1]])
+    ci, k0, k1 = spans.spans(bounds)
+    remote = np.zeros(cp, dtype=np.int64)
+    for r in range(cp):
+        sel = owner[ci] == r
+        need = _merge_runs(np.stack([k0[sel], k1[sel]], axis=1))
+        own = _merge_runs(np.stack([bounds[:-1][owner == r], bounds[1:][owner == r]], axis=1))
+        rem = _subtract_runs(need, own)
+        remote[r] = int((rem[:, 1] - rem[:, 0]).sum())
+    mean = area.mean()
+    imb = float(area.max() / mean - 1.0) if mean > 0 else 0.0
+    return imb, remote
+
+
+def plan(
+    mask: AttnMask,
+    cp_size: int,
+    *,
+    chunk_size: int | None = None,
+    topology: Topology | None = None,
+    solver: str = "auto",
+    imbalance_target: float = 0.03,
+) -> Plan:
+    """Plan ``mask`` (self-attention, seqlen_q == seqlen_k) over ``cp_size`` ranks.
+
+    Pure and deterministic: numpy only, the same inputs give the same plan (and ``digest``) on every
+    rank. Any sequence length works; ranks' token counts differ by at most one chunk.
+    ``solver``: ``auto`` | ``contiguous`` | ``zigzag`` | ``greedy`` (see ``planner.solvers``).
+    ``imbalance_target``: ``auto`` prefers less traffic among candidates within this imbalance.
+    """
+    if not isinstance(mask, AttnMask):
+        raise TypeError(f"plan() needs an AttnMask, got {type(mask).__name__}")
+    if mask.seqlen_q != mask.seqlen_k:
+        raise ValueError(
+            f"plan() covers self-attention; mask has seqlen_q={mask.seqlen_q} != seqlen_k={mask.seqlen_k}"
+        )
+    if not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    seqlen = mask.seqlen_q
+    if cp_size > seqlen:
+        raise ValueError(f"cp_size={cp_size} exceeds the sequence length {seqlen}")
+    if solver not in solvers.SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose from {', '.join(solvers.SOLVERS)}")
+    if chunk_size is not None and (int(chunk_size) < 1 or int(chunk_size) > seqlen):
+        raise ValueError(f"chunk_size={chunk_size} must be in [1, {seqlen}]")
+    if topology is not None and topology.world_size != cp_size:
+        raise ValueError(f"topology {topology} has {topology.world_size} ranks, cp_size={cp_size}")
+    cp = int(cp_size)
+    chunk = int(chunk_size) if chunk_size is not None else _auto_chunk(seqlen, cp)
+    traps = mask.traps
+    prefix = geometry.row_area_prefix(traps, seqlen)
+    spans = solvers.KeySpans(traps, seqlen)
+
+    candidates = {}
+    if solver in ("contiguous", "auto"):
+        candidates["contiguous"] = solvers.contiguous(seqlen, cp)
+    if solver in ("zigzag", "auto"):
+        candidates["zigzag"] = solvers.zigzag(seqlen, cp)
+    if solver == "auto":
+        for m in (4, 8):
+            if m * cp * 4 <= seqlen:
+                candidates[f"zigzag{m}"] = solvers.zigzag(seqlen, cp, rounds=m)
+    if solver in ("greedy", "auto"):
+        candidates["greedy"] = solvers.greedy(
+            seqlen, cp, prefix=prefix, chunk_size=chunk, key_spans=spans, tol=imbalance_target
+        )
+    if solver in ("swap", "auto"):
+        candidates["swap"] = solvers.swap_balanced(
+            seqlen, cp, prefix=prefix, chunk_size=chunk, key_spans=spans, tol=imbalance_target
+        )
+    scores = {}
+    for name, (b, o) in candidates.items():
+        imb, remote = _evaluate(traps, spans, b, o, cp, prefix)
+        scores[name] = (imb, int(remote.max()), int(remote.sum()))
+    # least traffic among balanced candidates; otherwise the best balanced one
+    ok = [n for n in candidates if scores[n][0] <= imbalance_target]
+    key = (lambda n: (scores[n][1], scores[n][2], scores[n][0])) if ok else (lambda n: scores[n][0])
+    best = min(ok or list(candidates), key=key)
+    bounds, owner = candidates[best]
+    ranks = _rank_plans(traps, prefix, spans, bounds, owner, cp)
+
+    h = hashlib.sha256(_VERSION)
+    for a in (np.array([cp, seqlen, chunk]), bounds, owner, traps):
+        h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+    return Plan(
+        cp_size=cp,
+        seqlen=seqlen,
+        solver=best if solver == "auto" else solver,
+        chunk_size=chunk,
+        bounds=bounds,
+        owner=owner.astype(np.int32),
+        ranks=ranks,
+        mask_area=int(prefix[-1]),
+        topology=topology,
+        digest=h.hexdigest(),
+        candidates=scores,
+    )
+
+
+def _rank_plans(traps, prefix, spans, bounds, owner, cp) -> tuple:
+    ci, k0, k1 = spans.spans(bounds)
+    parts = []
+    for r in range(cp):
+        mine = owner == r
+        segs = _merge_runs(np.stack([bounds[:-1][mine], bounds[1:][mine]], axis=1))
+        sel = mine[ci]
+        need = _merge_runs(np.stack([k0[sel], k1[sel]], axis=1))
+        remote = _subtract_runs(need, segs)
+        parts.append((segs, remote, _split_by_owner(remote, bounds, owner, cp)))
+    out = []
+    for r, (segs, remote, recv) in enumerate(parts):
+        buffer_runs = _merge_runs(np.concatenate([segs, remote]))
+        out.append(
+            RankPlan(
+                rank=r,
+                segments=segs,
+                recv_runs=tuple(recv),
+                send_runs=tuple(parts[dst][2][r] for dst in range(cp)),
+                buffer_runs=buffer_runs,
+                tiles=_tiles(traps, segs, buffer_runs),
+                area=int(sum(prefix[e] - prefix[s] for s, e in segs.tolist())),
+            )
+        )
+    return tuple(out)
+
+
+def _tiles(traps, segs, buffer_runs) -> np.ndarray:
+    """Each mask trapezoid restricted to each owned run is one tile (q local, k in the buffer)."""
+    tiles = []
+    q_off = 0
+    for s, e in segs.tolist():
+        cand = traps[(traps[:, 0] < e) & (traps[:, 1] > s)] if len(traps) else traps
+        for t in geometry.clip(cand, s, e, 0, 1 << 62):
+            q0, q1, k0, k1, kind = geometry.trap_to_slice(t)
+            kb = int(_positions(buffer_runs, np.array([k0]))[0])
+            tiles.append((q0 - s + q_off, q1 - s + q_off, kb, kb + k1 - k0, kind))
+        q_off += e - s
+    return np.asarray(tiles, dtype=np.int32).reshape(-1, 5)
