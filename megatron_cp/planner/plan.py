@@ -139,6 +139,7 @@ class Plan:
     topology: Topology | None
     digest: str
     candidates: dict = field(default_factory=dict, compare=False)  # solver name -> (imbalance, max remote)
+    cache: dict = field(default_factory=dict, compare=False, repr=False)  # runtime index tensors
 
     def local_ids(self, rank: int) -> np.ndarray:
         """Global token indices held by ``rank``, in its local order (int64 [s_local])."""

@@ -1,0 +1,16 @@
+"""megatron-cp: context-parallel attention for any mask, as a Megatron-Core plugin.
+
+    import megatron_cp as mcp
+    mask = mcp.masks.varlen(cu_seqlens, causal=True)
+    plan = mcp.plan(mask, cp_size)
+    q_local = mcp.dispatch(q, plan, group)
+    out, lse = mcp.attention(q_local, k_local, v_local, plan, group)
+"""
+
+from . import masks
+from .masks import AttnMask, AttnSlice
+from .planner import Plan, Topology, plan
+from .runtime import attention, dispatch, undispatch
+
+__version__ = "0.1.0"
+__all__ = ["masks", "AttnMask", "AttnSlice", "Plan", "Topology", "plan", "attention", "dispatch", "undispatch"]

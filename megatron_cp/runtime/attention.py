@@ -1,0 +1,157 @@
+"""Distributed attention over a plan: GroupCast K/V, compute local tiles, GroupReduce dK/dV.
+
+Queries never move: each rank computes every cell of its own rows, so the forward needs no output
+merge across ranks and the LSE a rank computes is already the global one that its backward uses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .. import kernels
+from ..comm import check_same_on_all_ranks, group_cast, group_reduce
+from ..masks.geometry import KINDS
+from ..planner import Plan
+
+# The planner's kind codes are the kernels' tile codes; fail at import if they ever drift apart.
+assert all(kernels.KIND_CODES[k] == c for c, k in enumerate(KINDS)), "mask and kernel kind codes differ"
+
+
+@dataclass
+class _RankRuntime:
+    """Index tensors and prepared tiles for one (plan, rank, device, backend); built once."""
+
+    s_local: int
+    buffer_len: int
+    send_index: torch.Tensor
+    send_counts: list
+    recv_counts: list
+    own_pos: torch.Tensor
+    recv_pos: torch.Tensor
+    backend: object
+    prepared: object
+
+
+def _runtime(plan: Plan, rank: int, device: torch.device, backend_name: str) -> _RankRuntime:
+    key = ("runtime", rank, str(device), backend_name)
+    rt = plan.cache.get(key)
+    if rt is None:
+        rp = plan.ranks[rank]
+        send_index, send_counts = rp.send_index()
+        own_pos, recv_pos = rp.buffer_index()
+        backend = kernels.get_backend(backend_name, device)
+        tiles = torch.from_numpy(rp.tiles.astype("int32"))
+        buffer_len = max(rp.buffer_len, 1)
+        rt = _RankRuntime(
+            s_local=rp.num_tokens,
+            buffer_len=buffer_len,
+            send_index=torch.from_numpy(send_index).to(device),
+            send_counts=send_counts,
+            recv_counts=rp.recv_counts(),
+            own_pos=torch.from_numpy(own_pos).to(device),
+            recv_pos=torch.from_numpy(recv_pos).to(device),
+            backend=backend,
+            prepared=backend.prepare(tiles, rp.num_tokens, buffer_len),
+        )
+        plan.cache[key] = rt
+    return rt
+
+
+def _group_rank(plan: Plan, group) -> int:
+    """This rank's index in ``group``, after checking the group matches the plan (no collective)."""
+    if group is None:
+        if plan.cp_size != 1:
+            raise ValueError(f"plan is for cp_size={plan.cp_size} but no process group was given")
+        return 0
+    size = dist.get_world_size(group)
+    if size != plan.cp_size:
+        raise ValueError(f"plan was made for cp_size={plan.cp_size} but the group has {size} ranks")
+    return dist.get_rank(group)
+
+
+def _check_inputs(q, k, v, plan: Plan, rank: int, softmax_scale):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor [s_local, heads, head_dim], got {getattr(t, 'shape', t)}")
+    n = plan.num_local(rank)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[0] != n:
+            raise ValueError(f"{name} has {t.shape[0]} tokens but the plan gives rank {rank} {n} tokens")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head_dim of q ({q.shape[2]}) and k ({k.shape[2]}) differ")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"number of key/value heads {hkv} must divide number of query heads {hq}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"unsupported dtype {q.dtype}; use float32, bfloat16, float16 or float64")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive number, got {softmax_scale!r}")
+
+
+def _verify_plan(plan: Plan, group, device) -> None:
+    """Once per (plan, group): all ranks must hold the same plan (one tiny all-reduce)."""
+    key = ("verified", id(group))
+    if group is not None and plan.cp_size > 1 and key not in plan.cache:
+        check_same_on_all_ranks(plan.digest64, group, device, "plan digest")
+        plan.cache[key] = True
+
+
+class _CPAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, rt: _RankRuntime, group, scale):
+        hkv = k.shape[1]
+        kv_local = torch.cat([k, v], dim=1)  # [s, 2*Hkv, D]: one exchange for K and V
+        buf = kv_local.new_empty((rt.buffer_len,) + tuple(kv_local.shape[1:]))
+        buf[rt.own_pos] = kv_local
+        if group is not None and sum(rt.recv_counts) + sum(rt.send_counts) > 0:
+            buf[rt.recv_pos] = group_cast(kv_local, rt.send_index, rt.send_counts, rt.recv_counts, group)
+        kbuf, vbuf = buf[:, :hkv], buf[:, hkv:]
+        out, lse = rt.backend.forward(q, kbuf, vbuf, rt.prepared, scale)
+        ctx.save_for_backward(q, buf, out, lse)
+        ctx.rt, ctx.group, ctx.scale, ctx.hkv = rt, group, scale, hkv
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, buf, out, lse = ctx.saved_tensors
+        rt, group, hkv = ctx.rt, ctx.group, ctx.hkv
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        delta = (dout.to(cdt) * out.to(cdt)).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.to(cdt)
+        kbuf, vbuf = buf[:, :hkv], buf[:, hkv:]
+        dq, dk_buf, dv_buf = rt.backend.backward(q, kbuf, vbuf, out, lse, dout.contiguous(), rt.prepared, ctx.scale, delta)
+        dbuf = torch.cat([dk_buf, dv_buf], dim=1)
+        d_local = dbuf[rt.own_pos].to(cdt)
+        if group is not None and sum(rt.recv_counts) + sum(rt.send_counts) > 0:
+            group_reduce(dbuf[rt.recv_pos], d_local, rt.send_index, rt.send_counts, rt.recv_counts, group)
+        d_local = d_local.to(q.dtype)
+        return dq, d_local[:, :hkv], d_local[:, hkv:], None, None, None
+
+
+def attention(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: str = "auto"):
+    """Context-parallel attention of this rank's tokens under ``plan``.
+
+    q: [s_local, Hq, D], k/v: [s_local, Hkv, D] (Hkv divides Hq), this rank's tokens in the plan's
+    local order (``dispatch``); float32/bfloat16/float16/float64. ``group``: the CP process group
+    (None when ``plan.cp_size == 1``). Returns ``out`` [s_local, Hq, D] (q's dtype) and ``lse``
+    [s_local, Hq] float32 natural log; rows with no kept key give out 0 and lse -inf.
+    Differentiable in q, k, v; bad input raises before any collective.
+    """
+    rank = _group_rank(plan, group)
+    _check_inputs(q, k, v, plan, rank, softmax_scale)
+    _verify_plan(plan, group, q.device)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    rt = _runtime(plan, rank, q.device, backend)
+    return _CPAttention.apply(q, k, v, rt, group if plan.cp_size > 1 else None, scale)
