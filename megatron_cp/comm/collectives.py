@@ -10,8 +10,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# gloo has no all-to-all for some low-precision dtypes; a pure data move may travel bit-cast.
-_BITCAST = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """gloo lacks 16-bit dtypes: a pure data move on CPU travels as bytes (a view, no copy)."""
+    if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.uint8)
+    return t
 
 
 def all_to_all_v(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
@@ -20,13 +24,21 @@ def all_to_all_v(x: torch.Tensor, send_counts: list[int], recv_counts: list[int]
     x: [sum(send_counts), ...] contiguous; result: [sum(recv_counts), ...] of x's dtype.
     """
     out = x.new_empty((sum(recv_counts),) + tuple(x.shape[1:]))
-    send = x.contiguous()
-    if send.dtype in _BITCAST and send.device.type == "cpu":
-        send, view = send.view(_BITCAST[send.dtype]), out.view(_BITCAST[send.dtype])
-    else:
-        view = out
-    dist.all_to_all_single(view, send, output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts), group=group)
+    dist.all_to_all_single(
+        _wire(out), _wire(x.contiguous()), output_split_sizes=list(recv_counts),
+        input_split_sizes=list(send_counts), group=group,
+    )
     return out
+
+
+def all_gather_v(x: torch.Tensor, counts: list[int], group) -> list[torch.Tensor]:
+    """Every rank's ``x`` ([counts[rank], ...]), padded to the longest for the exchange."""
+    pad = max(counts)
+    buf = x.new_zeros((pad,) + tuple(x.shape[1:]))
+    buf[: x.shape[0]] = x
+    parts = [torch.empty_like(buf) for _ in counts]
+    dist.all_gather([_wire(p) for p in parts], _wire(buf), group=group)
+    return [p[:c] for p, c in zip(parts, counts)]
 
 
 def group_cast(x_local, send_index, send_counts, recv_counts, group) -> torch.Tensor:

@@ -119,7 +119,6 @@ class _CPAttention(torch.autograd.Function):
         out, lse = rt.backend.forward(q, kbuf, vbuf, rt.prepared, scale)
         ctx.save_for_backward(q, buf, out, lse)
         ctx.rt, ctx.group, ctx.scale, ctx.hkv = rt, group, scale, hkv
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..comm import all_gather_v
 from ..planner import Plan
 
 
@@ -63,12 +64,7 @@ class _Dispatch(torch.autograd.Function):
 def _gather(x_local: torch.Tensor, plan: Plan, group, seq_dim: int) -> torch.Tensor:
     """All-gather variable-length local parts (padded to the longest) into global order."""
     x = x_local.movedim(seq_dim, 0).contiguous()
-    counts = [plan.num_local(r) for r in range(plan.cp_size)]
-    pad = max(counts)
-    buf = x.new_zeros((pad,) + tuple(x.shape[1:]))
-    buf[: x.shape[0]] = x
-    parts = [torch.empty_like(buf) for _ in counts]
-    dist.all_gather(parts, buf, group=group)
+    parts = all_gather_v(x, [plan.num_local(r) for r in range(plan.cp_size)], group)
     key = ("gather_order", str(x.device))
     order = plan.cache.get(key)
     if order is None:
@@ -77,7 +73,7 @@ def _gather(x_local: torch.Tensor, plan: Plan, group, seq_dim: int) -> torch.Ten
         inv[ids] = np.arange(len(ids))
         order = torch.from_numpy(inv).to(x.device)
         plan.cache[key] = order
-    full = torch.cat([p[:c] for p, c in zip(parts, counts)]).index_select(0, order)
+    full = torch.cat(parts).index_select(0, order)
     return full.movedim(0, seq_dim)
 
 

@@ -1,0 +1,229 @@
+"""Distributed attention (CPU, gloo, spawned ranks) against a single-process fp64 dense reference.
+
+Every builder mask x cp in {1, 2, 4} (two masks also at cp 8) x MHA/GQA, seeded random masks of
+overlapping slices of all four kinds with lengths not divisible by cp, bf16 under the
+2x-low-precision-reference rule, and bad inputs that must raise before any collective.
+Each world size is spawned once and runs all its cases.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_cp as mcp
+from megatron_cp import masks as M
+
+from _dist import run_ranks
+from reference import dense_attention
+
+S = 53  # not divisible by any cp tested
+
+
+def builder_masks():
+    table = np.array([[2, 0, 0, 0, 0, 0, 0], [1, 2, 0, 0, 0, 0, 0], [0, 1, 2, 0, 0, 0, 0], [1, 0, 1, 2, 0, 0, 0],
+                      [1, 1, 1, 1, 2, 0, 0], [0, 0, 0, 0, 1, 2, 0], [1, 0, 0, 1, 0, 1, 2]])
+    return {
+        "full": M.full(S),
+        "causal": M.causal(S),
+        "sliding_window": M.sliding_window(S, 7, 3),
+        "varlen": M.varlen([0, 5, 17, 18, 40, S], causal=True),
+        "varlen_window": M.varlen([0, 20, 21, S], causal=True, window=6),
+        "block_causal": M.block_causal(S, 8),
+        "prefix_lm": M.prefix_lm(S, 13),
+        "strided": M.strided(S, 4, 3),
+        "global_local": M.global_local(S, 4, 1, 1),
+        "star": M.star(S, 8, 6),
+        "streaming": M.streaming(S, 3, 6),
+        "block_table": M.from_block_table(table, 8, S, S),
+        "mask_mod": M.from_mask_mod(lambda b, h, q, kv: ((q - kv).abs() < 5) | (kv % 7 == 0), S, S, block=16),
+    }
+
+
+def random_mask(seed: int) -> mcp.AttnMask:
+    rng = np.random.default_rng(seed)
+    s = int(rng.integers(20, 70))
+    slices = []
+    for _ in range(int(rng.integers(2, 9))):
+        q0 = int(rng.integers(0, s - 1)); q1 = int(rng.integers(q0 + 1, s + 1))
+        k0 = int(rng.integers(0, s - 1)); k1 = int(rng.integers(k0 + 1, s + 1))
+        slices.append(mcp.AttnSlice((q0, q1), (k0, k1), M.KINDS[int(rng.integers(0, 4))]))
+    return mcp.AttnMask(slices, s, s)
+
+
+def _case(rank, world, mask, hq, hkv, dtype=torch.float32, solver="auto", with_lse_grad=False, d=8):
+    """Max abs errors of out, lse, dq, dk, dv on this rank vs the fp64 dense reference."""
+    s = mask.seqlen_q
+    gen = torch.Generator().manual_seed(1234 + s + hq)
+    q, do = (torch.randn(s, hq, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(s, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    dl = torch.randn(s, hq, generator=gen, dtype=torch.float64)
+    scale = 0.37
+    dense = torch.as_tensor(mask.to_dense())
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    o_ref, l_ref = dense_attention(qr, kr, vr, dense, scale)
+    fin_ref = torch.isfinite(l_ref)
+    loss = (o_ref * do).sum() + ((torch.where(fin_ref, l_ref, 0) * dl).sum() if with_lse_grad else 0)
+    loss.backward()
+
+    plan = mcp.plan(mask, world, solver=solver)
+    group = dist.group.WORLD if world > 1 else None
+    ql, kl, vl = (mcp.dispatch(t.to(dtype), plan, group).detach().requires_grad_() for t in (q, k, v))
+    out, lse = mcp.attention(ql, kl, vl, plan, group, softmax_scale=scale)
+    ids = torch.from_numpy(plan.local_ids(rank))
+    loss = (out.double() * do[ids]).sum()
+    if with_lse_grad:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0).double() * dl[ids]).sum()
+    loss.backward()
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    fin = torch.isfinite(l_ref[ids])
+    assert torch.equal(torch.isfinite(lse), fin), "fully masked rows must give lse -inf exactly there"
+    assert (out[~fin.all(-1)].abs().sum() == 0) if (~fin).any() else True
+    err = lambda a, b: float((a.detach().double() - b).abs().max()) if a.numel() else 0.0  # noqa: E731
+    return {
+        "out": err(out, o_ref[ids]),
+        "lse": err(lse[fin], l_ref[ids][fin]),
+        "dq": err(ql.grad, qr.grad[ids]),
+        "dk": err(kl.grad, kr.grad[ids]),
+        "dv": err(vl.grad, vr.grad[ids]),
+        "full_out": err(mcp.undispatch(out, plan, group), o_ref) if world > 1 else 0.0,
+    }
+
+
+def _exact_cases(rank, world, names):
+    masks = builder_masks()
+    res = {}
+    for name in names:
+        for hq, hkv in ((2, 2), (4, 2), (4, 1)):
+            if hkv == 1 and name not in ("causal", "varlen"):
+                continue  # MQA on two masks is enough
+            res[(name, hq, hkv)] = _case(rank, world, masks[name], hq, hkv)
+    for seed in range(6 if world > 1 else 2):
+        res[("random", seed)] = _case(rank, world, random_mask(seed), 4, 2, with_lse_grad=seed % 2 == 0)
+    for solver in ("contiguous", "zigzag", "greedy", "swap"):
+        res[("solver", solver)] = _case(rank, world, masks["varlen"], 4, 2, solver=solver)
+    return res
+
+
+def _check(results, tol=1e-4):
+    bad = [(rank, key, k, v) for rank, r in enumerate(results) for key, e in r.items() for k, v in e.items() if v > tol]
+    assert not bad, f"errors above {tol}: {bad[:10]}"
+
+
+ALL = list(builder_masks())
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_builder_mask_matches_fp64_reference(world):
+    _check(run_ranks(_exact_cases, world, ALL))
+
+
+def test_cp8_two_masks():
+    _check(run_ranks(_exact_cases, 8, ["causal", "varlen"]))
+
+
+def _bf16_cases(rank, world):
+    """bf16 error must be at most 2x that of a plain bf16 dense PyTorch reference, plus 1e-3."""
+    out = {}
+    for name in ("causal", "varlen", "sliding_window", "strided"):
+        mask = builder_masks()[name]
+        s, hq, hkv, d = mask.seqlen_q, 4, 2, 16
+        gen = torch.Generator().manual_seed(5)
+        q, do = (torch.randn(s, hq, d, generator=gen, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(s, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+        dense = torch.as_tensor(mask.to_dense())
+        grads = {}
+        for tag, dt in (("fp64", torch.float64), ("bf16", torch.bfloat16)):
+            ts = [t.detach().clone().to(dt).requires_grad_() for t in (q, k, v)]
+            o, _ = dense_attention(*ts, dense, 0.25)
+            (o * do.to(dt)).sum().backward()
+            grads[tag] = [o.detach()] + [t.grad for t in ts]
+        plan = mcp.plan(mask, world)
+        group = dist.group.WORLD
+        ids = torch.from_numpy(plan.local_ids(rank))
+        ls = [mcp.dispatch(t.to(torch.bfloat16), plan, group).detach().requires_grad_() for t in (q, k, v)]
+        o, _ = mcp.attention(*ls, plan, group, softmax_scale=0.25)
+        (o * do[ids].to(torch.bfloat16)).sum().backward()
+        ours = [o] + [t.grad for t in ls]
+        for i, tag in enumerate(("out", "dq", "dk", "dv")):
+            ref64, ref16 = grads["fp64"][i][ids], grads["bf16"][i][ids]
+            e_ours = float((ours[i].double() - ref64).abs().max())
+            e_ref = float((ref16.double() - ref64).abs().max())
+            out[(name, tag)] = (e_ours, e_ref)
+    return out
+
+
+def test_bf16_within_twice_plain_bf16_error():
+    for r in run_ranks(_bf16_cases, 2):
+        for key, (ours, ref) in r.items():
+            assert ours <= 2 * ref + 1e-3, (key, ours, ref)
+
+
+def _bad_input_cases(rank, world):
+    """Each bad input raises ValueError naming the value, and no collective runs before it."""
+    called = []
+    real = {n: getattr(dist, n) for n in ("all_to_all_single", "all_reduce", "all_gather")}
+
+    def spy(name):
+        def f(*a, **k):
+            called.append(name)
+            return real[name](*a, **k)
+        return f
+
+    group = dist.group.WORLD
+    mask = M.causal(40)
+    plan = mcp.plan(mask, world)
+    n = plan.num_local(rank)
+    q, k, v = torch.randn(n, 4, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8)
+    bad = {
+        "hkv": (lambda: mcp.attention(q, torch.randn(n, 3, 8), torch.randn(n, 3, 8), plan, group), "3 must divide .* 4"),
+        "tokens": (lambda: mcp.attention(q[:-1], k, v, plan, group), f"{n - 1} tokens"),
+        "kv_shape": (lambda: mcp.attention(q, k, v[:, :1], plan, group), "k and v shapes differ"),
+        "dtype": (lambda: mcp.attention(q, k.double(), v, plan, group), "dtypes differ"),
+        "head_dim": (lambda: mcp.attention(q, k[..., :4], v[..., :4], plan, group), "head_dim"),
+        "rank": (lambda: mcp.attention(q[0], k, v, plan, group), "3-D"),
+        "cp_size": (lambda: mcp.attention(q, k, v, mcp.plan(mask, world + 1), group), f"cp_size={world + 1}"),
+        "scale": (lambda: mcp.attention(q, k, v, plan, group, softmax_scale=-1.0), "softmax_scale"),
+        "dispatch_len": (lambda: mcp.dispatch(torch.randn(39, 2), plan, group), "39 entries, expected 40"),
+    }
+    out = {}
+    for name, (fn, match) in bad.items():
+        for n_ in real:
+            setattr(dist, n_, spy(n_))
+        try:
+            fn()
+            out[name] = "no error"
+        except ValueError as e:
+            import re
+
+            out[name] = "ok" if re.search(match, str(e)) and not called else f"{e!r} collectives={called}"
+        finally:
+            for n_, f in real.items():
+                setattr(dist, n_, f)
+            called.clear()
+    # plans that differ across ranks: same local sizes (contiguous), different masks
+    other = mcp.plan(M.full(40) if rank == 0 else M.causal(40), world, solver="contiguous")
+    try:
+        mcp.attention(q, k, v, other, group)
+        out["digest"] = "no error"
+    except RuntimeError as e:
+        out["digest"] = "ok" if "plan digest differs" in str(e) else repr(e)
+    return out
+
+
+def test_bad_inputs_raise_before_any_collective():
+    for r in run_ranks(_bad_input_cases, 2):
+        assert all(v == "ok" for v in r.values()), r
+
+
+def test_plan_errors():
+    with pytest.raises(ValueError, match="cp_size=9 exceeds"):
+        mcp.plan(M.causal(8), 9)
+    with pytest.raises(ValueError, match="seqlen_q=8 != seqlen_k=9"):
+        mcp.plan(M.causal(8, 9), 2)
+    with pytest.raises(ValueError, match="unknown solver 'best'"):
+        mcp.plan(M.causal(8), 2, solver="best")
+    with pytest.raises(ValueError, match="no process group"):
+        mcp.attention(torch.randn(4, 1, 2), torch.randn(4, 1, 2), torch.randn(4, 1, 2), mcp.plan(M.causal(8), 2))
