@@ -1,0 +1,203 @@
+"""Batch preparation replacing Megatron's ``get_batch_on_this_cp_rank``.
+
+Megatron's split assumes the zigzag layout and equal token counts on every CP rank. Here a plan is
+made per micro-batch and every per-token tensor is dispatched by it:
+
+1. The ``b`` samples of the micro-batch are concatenated into one sequence of ``b * S`` tokens
+   (one plan, one attention call per layer for the whole micro-batch). Sample boundaries are always
+   document boundaries; with a packed mask, each EOD token also ends a document (the EOD belongs
+   to the document it closes, as in Megatron's ``reset_attention_mask``).
+2. Positions restart at 0 at every document (``reset_position_ids`` semantics), or at every sample.
+3. The mask is built from these documents (``MaskSpec``) and planned with ``megatron_cp.plan``.
+4. tokens, labels, loss_mask and position_ids are dispatched: each becomes ``[1, s_local]``.
+
+Labels are already shifted by the data set (``labels[i]`` is the token after ``tokens[i]`` within
+the sample), so shifting happens before dispatch and stays exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import megatron_cp as mcp
+
+from .params import CPParams
+
+# masks built from document boundaries; everything else is a builder in megatron_cp.masks
+DOC_MASKS = ("causal", "packed", "sliding_window", "packed_sliding_window")
+BUILDER_MASKS = ("block_causal", "prefix_lm", "strided", "global_local", "star", "streaming")
+MASKS = DOC_MASKS + BUILDER_MASKS
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """Which mask each micro-batch gets.
+
+    name:    causal (per sample) | packed (causal per EOD-separated document) |
+             sliding_window (causal, ``window`` keys back, per sample) |
+             packed_sliding_window (the same per document) | a builder of ``megatron_cp.masks``
+             called as ``builder(S, **kwargs)`` per sample
+    window:  left window for the sliding variants (keys ``j`` with ``i - window <= j <= i``)
+    eod:     EOD token id (needed by the packed variants)
+    kwargs:  keyword arguments of a builder, as sorted (name, value) pairs
+    """
+
+    name: str = "causal"
+    window: int | None = None
+    eod: int | None = None
+    kwargs: tuple = ()
+
+    def __post_init__(self):
+        if self.name not in MASKS:
+            raise ValueError(f"unknown mask {self.name!r}; choose from {', '.join(MASKS)}")
+        if "sliding" in self.name and (self.window is None or int(self.window) < 0):
+            raise ValueError(f"mask {self.name!r} needs window >= 0, got window={self.window}")
+        if self.name.startswith("packed") and self.eod is None:
+            raise ValueError(f"mask {self.name!r} needs the EOD token id, got eod=None")
+
+    @property
+    def packed(self) -> bool:
+        return self.name.startswith("packed")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Arguments passed through to ``megatron_cp.plan``."""
+
+    chunk_size: int | None = None
+    topology: object = None
+    solver: str = "auto"
+
+
+def document_bounds(tokens: np.ndarray, spec: MaskSpec) -> np.ndarray:
+    """tokens int ``[b, S]`` -> cu_seqlens int64 over the ``b * S`` concatenated tokens."""
+    b, S = tokens.shape
+    cuts = {i * S for i in range(b + 1)}
+    if spec.packed:
+        flat = tokens.reshape(-1)
+        cuts.update((np.nonzero(flat == spec.eod)[0] + 1).tolist())
+    return np.array(sorted(c for c in cuts if 0 <= c <= b * S), dtype=np.int64)
+
+
+def positions_from_bounds(cu: np.ndarray) -> np.ndarray:
+    """cu_seqlens -> position of every token inside its document (int64 ``[cu[-1]]``)."""
+    n = int(cu[-1])
+    starts = np.repeat(cu[:-1], np.diff(cu))
+    return np.arange(n, dtype=np.int64) - starts
+
+
+def _offset(mask, off: int):
+    return [mcp.AttnSlice((s.q_range[0] + off, s.q_range[1] + off), (s.k_range[0] + off, s.k_range[1] + off), s.kind)
+            for s in mask.slices]
+
+
+def build_mask(spec: MaskSpec, cu: np.ndarray, b: int, S: int):
+    """The ``AttnMask`` of one micro-batch over ``b * S`` tokens."""
+    if spec.name in ("causal", "packed"):
+        return mcp.masks.varlen(cu, causal=True)
+    if spec.name in ("sliding_window", "packed_sliding_window"):
+        return mcp.masks.varlen(cu, causal=True, window=int(spec.window))
+    builder = getattr(mcp.masks, spec.name, None)
+    if builder is None:
+        raise ValueError(f"megatron_cp.masks has no builder {spec.name!r}")
+    one = builder(S, **dict(spec.kwargs))
+    if b == 1:
+        return one
+    slices = []
+    for i in range(b):
+        slices += _offset(one, i * S)
+    return mcp.AttnMask(slices, b * S, b * S)
+
+
+class PlanCache:
+    """LRU cache of plans keyed by (mask spec, document bounds, cp size); plans are pure."""
+
+    def __init__(self, size: int = 64):
+        self.size, self._d = size, OrderedDict()
+
+    def get(self, key, make):
+        if key in self._d:
+            self._d.move_to_end(key)
+            return self._d[key]
+        val = make()
+        self._d[key] = val
+        if len(self._d) > self.size:
+            self._d.popitem(last=False)
+        return val
+
+
+_PLANS = PlanCache()
+
+
+def _check_same_plan(plan, group) -> None:
+    """All CP ranks must hold the same plan (same data): compare a 62-bit digest hash."""
+    h = int(hashlib.sha256(str(plan.digest).encode()).hexdigest()[:15], 16)  # 60 bits, fits int64
+    t = torch.tensor([h, -h], dtype=torch.int64)
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if int(t[0]) != h or int(t[1]) != -h:
+        raise RuntimeError(
+            f"CP ranks built different plans (local digest {plan.digest}): the ranks of one CP group "
+            "must read the same micro-batch"
+        )
+
+
+@dataclass
+class CPBatch:
+    tokens: torch.Tensor
+    labels: torch.Tensor | None
+    loss_mask: torch.Tensor | None
+    position_ids: torch.Tensor
+    params: CPParams
+    cu_seqlens: np.ndarray = field(repr=False, default=None)
+
+
+def prepare_batch(
+    tokens: torch.Tensor,
+    labels: torch.Tensor | None,
+    loss_mask: torch.Tensor | None,
+    spec: MaskSpec,
+    cp_group,
+    options: PlanOptions = PlanOptions(),
+    check: bool = True,
+) -> CPBatch:
+    """Plan and dispatch one micro-batch.
+
+    tokens / labels / loss_mask: ``[b, S]`` (int64, int64, float), the full micro-batch, identical on
+    every rank of ``cp_group`` (as Megatron's data loader gives them). Returns ``[1, s_local]`` tensors
+    on the same device plus ``params`` to pass as ``packed_seq_params``. ``cp_group=None`` means CP=1.
+    """
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [b, S], got shape {tuple(tokens.shape)}")
+    for name, t in (("labels", labels), ("loss_mask", loss_mask)):
+        if t is not None and t.shape != tokens.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} differs from tokens {tuple(tokens.shape)}")
+    b, S = tokens.shape
+    cp_size = 1 if cp_group is None else cp_group.size()
+    cp_rank = 0 if cp_group is None else cp_group.rank()
+    if b * S < cp_size:
+        raise ValueError(f"micro-batch of {b}x{S} tokens is smaller than cp_size={cp_size}")
+    tok_np = tokens.detach().cpu().numpy()
+    cu = document_bounds(tok_np, spec)
+    key = (spec, b, S, cp_size, options, cu.tobytes() if spec.packed else b"")
+    plan = _PLANS.get(key, lambda: mcp.plan(build_mask(spec, cu, b, S), cp_size, chunk_size=options.chunk_size,
+                                            topology=options.topology, solver=options.solver))
+    if check and cp_size > 1:
+        _check_same_plan(plan, cp_group)
+    ids = torch.from_numpy(np.ascontiguousarray(plan.local_ids(cp_rank))).to(tokens.device)
+    pos = torch.from_numpy(positions_from_bounds(cu)).to(tokens.device)
+
+    def take(x):
+        return None if x is None else x.reshape(-1).index_select(0, ids).unsqueeze(0)
+
+    local_pos = take(pos)
+    params = CPParams(plan=plan, position_ids=local_pos, cp_rank=cp_rank, cp_group=cp_group)
+    return CPBatch(take(tokens), take(labels), take(loss_mask), local_pos, params, cu)

@@ -1,0 +1,143 @@
+"""``CPCoreAttention``: Megatron's ``core_attention`` submodule backed by megatron-cp.
+
+It takes the place of ``DotProductAttention`` / ``TEDotProductAttention`` in a layer spec.
+Contract (megatron-core 0.19, ``CoreAttentionBuilder`` / ``CoreAttentionInterface`` in
+``megatron/core/transformer/attention.py``): constructed with keyword arguments ``config,
+layer_number, attn_mask_type, attention_type, cp_comm_type, softmax_scale, pg_collection``;
+``forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+packed_seq_params=None)`` with q ``[s_local, b, Hq/tp, D]``, k/v ``[s_local, b, Hkv/tp, D]``
+returning ``[s_local, b, Hq/tp * D]``.
+
+The mask is not ``attention_mask`` (Megatron's dense mask cannot describe the CP layout): it is the
+plan carried by ``packed_seq_params`` (a ``CPParams``, made by ``prepare_batch``). The batch dimension
+is folded into the head dimension (batch-major), which keeps the GQA head mapping intact, so all
+samples of a micro-batch share one plan; ``prepare_batch`` emits ``b = 1`` with the samples
+concatenated as documents, which covers any per-sample mask.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+import megatron_cp as mcp
+
+from .params import CPParams
+
+
+@lru_cache(maxsize=16)
+def _causal_plan_cp1(seqlen: int):
+    return mcp.plan(mcp.masks.causal(seqlen), 1)
+
+
+class CPCoreAttention(MegatronModule):
+    """Context-parallel core attention over any mask (see module docstring for shapes)."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
+        super().__init__(config=config)
+        self.config = config
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        if attention_type != "self":
+            raise ValueError(f"CPCoreAttention supports attention_type='self' only, got {attention_type!r}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(
+                f"CPCoreAttention has no attention dropout; set --attention-dropout 0 (got {dropout})"
+            )
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError(
+                f"config.window_size={config.window_size} is Megatron's own window; with megatron-cp "
+                "describe the window in the mask (--cp-mask sliding_window --cp-window W)"
+            )
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"CPCoreAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        for name in ("tp", "cp"):
+            if not hasattr(pg_collection, name):
+                raise ValueError(f"CPCoreAttention: pg_collection has no {name!r} process group")
+        self.pg_collection = pg_collection
+        self.cp_group = pg_collection.cp
+        tp = pg_collection.tp.size()
+        self.head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
+        self.heads_per_partition = divide(config.num_attention_heads, tp)
+        self.softmax_scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
+        # apply_query_key_layer_scaling divides the scores by layer_number and multiplies them back
+        # inside the fp32 softmax: the net scale is unchanged, so it needs nothing here.
+
+    def _cp_rank_size(self):
+        g = self.cp_group
+        if g is None:
+            return 0, 1
+        return g.rank(), g.size()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        """q ``[s, b, Hq, D]``, k/v ``[s, b, Hkv, D]`` (local tokens in plan order) -> ``[s, b, Hq*D]``."""
+        if attention_bias is not None:
+            raise ValueError("CPCoreAttention does not support attention_bias (got a tensor)")
+        if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+            raise ValueError(
+                f"CPCoreAttention expects [s, b, h, d] tensors, got q {tuple(query.shape)}, "
+                f"k {tuple(key.shape)}, v {tuple(value.shape)} (THD input is not supported; "
+                "prepare_batch emits sbhd with the documents inside the plan)"
+            )
+        s, b, hq, d = query.shape
+        hkv = key.shape[2]
+        if key.shape[:2] != (s, b) or value.shape != key.shape or key.shape[3] != d or hq % hkv:
+            raise ValueError(
+                f"CPCoreAttention shape mismatch: q {tuple(query.shape)}, k {tuple(key.shape)}, "
+                f"v {tuple(value.shape)} (need equal s, b, d and Hkv dividing Hq)"
+            )
+        cp_rank, cp_size = self._cp_rank_size()
+        if isinstance(packed_seq_params, CPParams):
+            plan = packed_seq_params.plan
+        elif packed_seq_params is None and cp_size == 1:
+            # No batch hook (e.g. evaluation at CP=1): plain causal attention over the sequence.
+            plan = _causal_plan_cp1(s)
+        else:
+            raise ValueError(
+                "CPCoreAttention needs packed_seq_params=CPParams from megatron_cp.megatron.prepare_batch "
+                f"(got {type(packed_seq_params).__name__} with CP size {cp_size})"
+            )
+        if plan.cp_size != cp_size:
+            raise ValueError(f"plan was made for cp_size={plan.cp_size} but the CP group has {cp_size} ranks")
+        n_local = len(plan.local_ids(cp_rank))
+        if n_local != s:
+            raise ValueError(
+                f"CP rank {cp_rank} holds {n_local} tokens under the plan but got q with s={s}; "
+                "the batch must be dispatched by the same plan (prepare_batch)"
+            )
+        # Fold batch into heads, batch-major: q head (i, h) maps to kv head (i, h // (hq // hkv)).
+        q = query.reshape(s, b * hq, d)
+        k = key.reshape(s, b * hkv, d)
+        v = value.reshape(s, b * hkv, d)
+        group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
+        out, _lse = mcp.attention(q, k, v, plan, group, softmax_scale=self.softmax_scale)
+        return out.reshape(s, b, hq * d)

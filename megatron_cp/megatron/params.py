@@ -1,0 +1,45 @@
+"""How a micro-batch's plan travels to the attention layers: ``CPParams``.
+
+Megatron passes ``packed_seq_params`` unchanged from ``GPTModel.forward`` to every core-attention
+call (also into activation-recompute closures and across pipeline schedules), so we subclass
+``PackedSeqParams`` and carry the plan there. ``qkv_format`` stays ``"sbhd"``: Megatron then keeps
+its ordinary ``[s, b, h, d]`` code paths and never applies its zigzag-specific THD RoPE slicing.
+No Megatron model class is edited and no module-level "current plan" is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+
+@dataclass
+class CPParams(PackedSeqParams):
+    """The plan of one micro-batch plus the dispatched positions.
+
+    plan:          the megatron-cp plan over the micro-batch's tokens (one sequence, see batch.py)
+    position_ids:  int64 ``[b, s_local]``, the RoPE position of each local token (per-document reset)
+    cp_rank:       this rank's index in the CP group the plan was dispatched for
+    """
+
+    plan: Any = None
+    position_ids: torch.Tensor = None
+    cp_rank: int = 0
+
+    def __post_init__(self):
+        if self.qkv_format is None:
+            self.qkv_format = "sbhd"
+        if self.qkv_format != "sbhd":
+            raise ValueError(f"CPParams.qkv_format must be 'sbhd', got {self.qkv_format!r}")
+        if self.plan is None:
+            raise ValueError("CPParams needs a plan (got None)")
+        # GPTModel asks packed_seq_params for the RoPE length; the full length of the sequence.
+        self.max_seqlen_q = self.max_seqlen_kv = int(self.plan.seqlen)
+        super().__post_init__()
+
+    @property
+    def local_len(self) -> int:
+        return int(len(self.plan.local_ids(self.cp_rank)))

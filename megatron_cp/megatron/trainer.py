@@ -1,0 +1,197 @@
+"""A small explicit training loop on megatron.core, for CPU (gloo) and GPU (NCCL).
+
+``megatron.training.pretrain`` needs CUDA throughout; this loop runs the same model, batch hook
+and loss arithmetic anywhere, so the parity tests and the CPU demo exercise the real adapter:
+
+  per micro-batch: prepare_batch (plan + dispatch) -> GPTModel(..., packed_seq_params=CPParams)
+                   -> per-token loss -> loss_func (sum, count) -> backward of the sum
+  per step:        all-reduce (loss sum, token count) and every gradient over DP x CP,
+                   divide gradients by the global token count, optimizer step.
+
+That is what Megatron's schedule does with ``calculate_per_token_loss=True`` (finalize_model_grads
+all-reduces the token count over DP x CP and scales the gradients by its inverse).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .batch import MaskSpec, PlanOptions, prepare_batch
+from .loss import loss_func
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(tp: int, cp: int, pp: int = 1) -> None:
+    """Megatron process groups on an initialised default group (sizes checked before any collective)."""
+    from megatron.core import parallel_state
+
+    world = dist.get_world_size()
+    for name, v in (("tp", tp), ("cp", cp), ("pp", pp)):
+        if v < 1:
+            raise ValueError(f"{name} size must be >= 1, got {v}")
+    if world % (tp * cp * pp):
+        raise ValueError(f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        create_gloo_process_groups=False,
+    )
+
+
+def dp_cp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+@dataclass
+class StepResult:
+    loss: float  # global token-mean loss of the step
+    tokens: int  # global number of loss tokens
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions = PlanOptions(),
+                     device=None):
+    """Run forward+backward on this rank's micro-batches; gradients are *sums* (not yet scaled).
+
+    micro_batches: iterable of (tokens, labels, loss_mask), each ``[b, S]``, replicated in the CP
+    group. Returns (local loss sum tensor, local token count tensor).
+    """
+    from megatron.core import parallel_state
+
+    cp_group = parallel_state.get_context_parallel_group()
+    total = None
+    count = None
+    for tokens, labels, loss_mask in micro_batches:
+        if device is not None:
+            tokens, labels, loss_mask = tokens.to(device), labels.to(device), loss_mask.to(device)
+        bt = prepare_batch(tokens, labels, loss_mask, spec, cp_group, options)
+        out = model(bt.tokens, bt.position_ids, None, labels=bt.labels, packed_seq_params=bt.params)
+        loss, n, _ = loss_func(bt.loss_mask, out)
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+        count = n.to(torch.float64) if count is None else count + n.to(torch.float64)
+    return total.to(torch.float64), count
+
+
+def reduce_and_scale(model, loss_sum, count, group=None) -> StepResult:
+    """Sum loss, count and gradients over DP x CP, then divide the gradients by the token count."""
+    group = group or dp_cp_group()
+    stats = torch.stack([loss_sum.to(torch.float64), count.to(torch.float64)]).to(loss_sum.device)
+    dist.all_reduce(stats, group=group)
+    n = max(float(stats[1]), 1.0)
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
+        p.grad.div_(n)
+    return StepResult(float(stats[0]) / n, int(stats[1]))
+
+
+def dp_shard(global_batch, dp_rank: int, dp_size: int, micro_batch_size: int):
+    """Split a global batch (tokens, labels, loss_mask ``[G, S]``) into this DP rank's micro-batches."""
+    tokens, labels, loss_mask = global_batch
+    G = tokens.shape[0]
+    if G % (dp_size * micro_batch_size):
+        raise ValueError(f"global batch {G} not divisible by dp_size*micro_batch_size = {dp_size}*{micro_batch_size}")
+    per = G // dp_size
+    lo = dp_rank * per
+    return [
+        (tokens[i:i + micro_batch_size], labels[i:i + micro_batch_size], loss_mask[i:i + micro_batch_size])
+        for i in range(lo, lo + per, micro_batch_size)
+    ]
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 30
+    global_batch: int = 4
+    micro_batch: int = 1
+    lr: float = 3e-3
+    seed: int = 1234
+    spec: MaskSpec = field(default_factory=lambda: MaskSpec("causal"))
+    options: PlanOptions = field(default_factory=PlanOptions)
+
+
+def train(model, batches, cfg: TrainConfig, device=None, log=None) -> list[float]:
+    """Train ``model`` on ``batches`` (a function step -> global batch) with AdamW; return the losses."""
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    losses = []
+    for step in range(cfg.steps):
+        opt.zero_grad(set_to_none=True)
+        mbs = dp_shard(batches(step), dp_rank, dp_size, cfg.micro_batch)
+        s, n = forward_backward(model, mbs, cfg.spec, cfg.options, device=device)
+        res = reduce_and_scale(model, s, n)
+        opt.step()
+        losses.append(res.loss)
+        if log is not None:
+            log(step, res)
+    return losses
+
+
+def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: int = 600):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes with a fresh TCP rendezvous.
+
+    ``fn`` must be a picklable top-level function; its return value on rank 0 is returned.
+    """
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, q)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    for _ in range(world_size):
+        rank, ok, val = q.get()
+        (results.__setitem__(rank, val) if ok else errors.append((rank, val)))
+    for p in procs:
+        p.join(timeout_s)
+    if errors:
+        raise RuntimeError("worker failed:\n" + "\n".join(f"[rank {r}] {e}" for r, e in errors))
+    return results.get(0)
+
+
+def _entry(rank, world_size, port, backend, fn, args, q):
+    import traceback
+    from datetime import timedelta
+
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=300))
+        val = fn(rank, world_size, *args)
+        q.put((rank, True, val))
+    except BaseException:  # report every failure to the parent instead of hanging it
+        q.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                from megatron.core import parallel_state
+
+                parallel_state.destroy_model_parallel()
+            except Exception:
+                pass
+            dist.destroy_process_group()

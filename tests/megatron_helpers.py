@@ -1,0 +1,56 @@
+"""Shared helpers for the tests/test_megatron_*.py files (CPU, gloo, spawned processes)."""
+
+from __future__ import annotations
+
+import torch
+
+EOD = 256
+
+
+def make_global_batch(G: int, S: int, seed: int, packed: bool, vocab: int = 250):
+    """Random tokens [G, S] (+ shifted labels); packed batches get EOD tokens at random places."""
+    g = torch.Generator().manual_seed(seed)
+    stream = torch.randint(0, vocab, (G, S + 1), generator=g)
+    if packed:
+        for row in stream:
+            n = int(torch.randint(1, 4, (1,), generator=g))
+            where = torch.randint(0, S, (n,), generator=g)
+            row[where] = EOD
+    tokens, labels = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+    loss_mask = torch.ones(G, S)
+    loss_mask[:, -3:] = 0.0  # some masked tokens, so counts differ per rank
+    return tokens, labels, loss_mask
+
+
+def tp_shard(name: str, full: torch.Tensor, param, tp_rank: int, tp_size: int, glu: bool):
+    """The TP shard of a full (TP=1) tensor for the parameter ``param`` of a TP model."""
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    if glu and name.endswith("mlp.linear_fc1.weight"):
+        # Megatron's SwiGLU: each TP rank holds [gate_r; up_r] of its slice of the FFN
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], 0)
+    return full.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def tp_gather(name: str, local: torch.Tensor, param, tp_group, glu: bool):
+    """Inverse of ``tp_shard``: the full tensor from every TP rank's shard."""
+    import torch.distributed as dist
+
+    tp_size = dist.get_world_size(tp_group)
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return local
+    parts = [torch.empty_like(local) for _ in range(tp_size)]
+    dist.all_gather(parts, local.contiguous(), group=tp_group)
+    if glu and name.endswith("mlp.linear_fc1.weight"):
+        gates = [p.chunk(2, 0)[0] for p in parts]
+        ups = [p.chunk(2, 0)[1] for p in parts]
+        return torch.cat(gates + ups, 0)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / max(||b||, tiny): the error relative to the reference's size."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
