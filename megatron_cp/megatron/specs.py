@@ -21,7 +21,8 @@ def _swap_core_attention(spec: ModuleSpec) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
 
 
-def get_llama_layer_spec(backend: str = "auto", qk_layernorm: bool = False) -> ModuleSpec:
+def get_llama_layer_spec(backend: str = "auto", qk_layernorm: bool = False,
+                         normalization: str = "RMSNorm") -> ModuleSpec:
     """Transformer layer spec for Llama (RMSNorm, SwiGLU, GQA, RoPE) with megatron-cp attention.
 
     backend: "local" (Megatron-Core modules only, runs on CPU), "te" (Transformer Engine linears
@@ -39,5 +40,19 @@ def get_llama_layer_spec(backend: str = "auto", qk_layernorm: bool = False) -> M
     if backend == "te":
         spec = g.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
-        spec = g.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+        spec = g.get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
     return _swap_core_attention(spec)
+
+
+def megatron_cp_layer_spec(config=None, vp_stage: int | None = None) -> ModuleSpec:
+    """The ``--spec megatron_cp.megatron.specs megatron_cp_layer_spec`` entry point.
+
+    Megatron's GPT builder calls a callable spec with its ``GPTModelConfig`` (``megatron/training/
+    models/gpt.py``); we read the backend (``transformer_impl``) and ``qk_layernorm`` from it and
+    return Megatron's layer spec with ``core_attention=CPCoreAttention``.
+    """
+    tcfg = getattr(config, "transformer", config)
+    impl = getattr(tcfg, "transformer_impl", "local") if tcfg is not None else "local"
+    backend = "te" if impl == "transformer_engine" else "local"
+    return get_llama_layer_spec(backend, qk_layernorm=bool(getattr(tcfg, "qk_layernorm", False)),
+                                normalization=getattr(tcfg, "normalization", "RMSNorm") or "RMSNorm")

@@ -1,0 +1,87 @@
+"""Command-line arguments: ``--context-parallel-impl {te,megatron_cp}`` and the mask/plan options.
+
+Megatron has no CP plugin registry; its entry point for extra flags is ``extra_args_provider``
+(``megatron.training.arguments.parse_and_validate_args(extra_args_provider=...)``). ``te`` (the
+default) leaves Megatron untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .batch import MASKS, MaskSpec, PlanOptions
+
+IMPLS = ("te", "megatron_cp")
+
+
+def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the megatron-cp flags to ``parser`` (an ``extra_args_provider``)."""
+    g = parser.add_argument_group("megatron-cp")
+    g.add_argument("--context-parallel-impl", choices=IMPLS, default="te",
+                   help="te: Megatron's own CP (Transformer Engine). megatron_cp: megatron-cp attention "
+                        "for any mask, with its batch hook, RoPE and loss.")
+    g.add_argument("--cp-mask", choices=MASKS, default="causal",
+                   help="causal per sample; packed: causal per EOD-separated document; sliding_window / "
+                        "packed_sliding_window with --cp-window; or a megatron_cp.masks builder by name "
+                        "(per sample, arguments in --cp-mask-kwargs)")
+    g.add_argument("--cp-window", type=int, default=None, help="left window W of the sliding masks")
+    g.add_argument("--cp-mask-kwargs", type=str, default="{}",
+                   help='JSON keyword arguments of a builder mask, e.g. \'{"block": 64}\'')
+    g.add_argument("--cp-eod-token", type=int, default=None,
+                   help="EOD token id for the packed masks (default: the tokenizer's eod)")
+    g.add_argument("--cp-chunk-size", type=int, default=None, help="planner chunk size (default: auto)")
+    g.add_argument("--cp-solver", type=str, default="auto", help="planner solver (default: auto)")
+    g.add_argument("--cp-topology", type=str, default=None,
+                   help="NODESxGPUS_PER_NODE of the CP group, e.g. 2x8 (default: none)")
+    return parser
+
+
+def compose(*providers):
+    """One ``extra_args_provider`` that applies ``providers`` in order (None entries are skipped)."""
+
+    def provider(parser):
+        for p in providers:
+            if p is not None:
+                parser = p(parser)
+        return parser
+
+    return provider
+
+
+def _topology(text):
+    if text is None:
+        return None
+    from megatron_cp import Topology
+
+    try:
+        nodes, gpus = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--cp-topology must look like NODESxGPUS (e.g. 2x8), got {text!r}") from None
+    return Topology(nodes=nodes, gpus_per_node=gpus)
+
+
+def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions]:
+    """Validate the megatron-cp flags and return (MaskSpec, PlanOptions). Raises ValueError naming
+    the offending flag; call it before anything distributed happens."""
+    if args.context_parallel_impl != "megatron_cp":
+        raise ValueError(f"specs_from_args needs --context-parallel-impl megatron_cp, got {args.context_parallel_impl!r}")
+    if not getattr(args, "calculate_per_token_loss", False):
+        raise ValueError(
+            "--context-parallel-impl megatron_cp needs --calculate-per-token-loss: CP ranks hold different "
+            "token counts, and only the per-token path normalises by the global count"
+        )
+    if getattr(args, "sequence_parallel", False):
+        raise ValueError("--sequence-parallel is not supported with --context-parallel-impl megatron_cp yet")
+    try:
+        kwargs = json.loads(args.cp_mask_kwargs or "{}")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--cp-mask-kwargs is not JSON: {args.cp_mask_kwargs!r} ({e})") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--cp-mask-kwargs must be a JSON object, got {args.cp_mask_kwargs!r}")
+    eod = args.cp_eod_token if args.cp_eod_token is not None else eod
+    spec = MaskSpec(args.cp_mask, window=args.cp_window, eod=eod, kwargs=tuple(sorted(kwargs.items())))
+    if args.cp_chunk_size is not None and args.cp_chunk_size < 1:
+        raise ValueError(f"--cp-chunk-size must be >= 1, got {args.cp_chunk_size}")
+    return spec, PlanOptions(chunk_size=args.cp_chunk_size, topology=_topology(args.cp_topology),
+                             solver=args.cp_solver)

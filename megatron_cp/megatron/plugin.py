@@ -1,0 +1,144 @@
+"""Hooks for Megatron-LM's ``pretrain_gpt.py`` (megatron.training.pretrain), no fork needed.
+
+``patches/pretrain_gpt.patch`` adds two lines before ``if __name__ == "__main__":``::
+
+    import megatron_cp.megatron.plugin as _megatron_cp  # megatron-cp
+    _megatron_cp.install_into(globals())                 # megatron-cp
+
+``install_into`` rebinds, in that script's namespace only, the two names its main block reads:
+
+* ``parse_and_validate_args``: adds ``--context-parallel-impl`` and the ``--cp-*`` flags to whatever
+  ``extra_args_provider`` the script passes, and with ``megatron_cp`` selects our layer spec
+  (``--spec megatron_cp.megatron.specs megatron_cp_layer_spec``) unless one was given;
+* ``forward_step``: with ``--context-parallel-impl te`` the script's own function runs unchanged; with
+  ``megatron_cp`` our ``forward_step`` runs (batch hook, RoPE, per-token loss).
+
+``uninstall_from(namespace)`` restores the originals. Nothing in Megatron's packages is patched.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from . import rope
+from .arguments import add_megatron_cp_args, compose, specs_from_args
+from .batch import prepare_batch
+from .loss import loss_func
+
+_SAVED = "_megatron_cp_saved"
+SPEC = ["megatron_cp.megatron.specs", "megatron_cp_layer_spec"]
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def ensure_installed(model) -> None:
+    """Install plan RoPE on the (wrapped) model once; a no-op on later calls."""
+    inner = _unwrap(model)
+    if getattr(inner, "_megatron_cp_rope", None) is None:
+        inner._megatron_cp_rope = rope.install(inner)
+
+
+def validate_args(args) -> None:
+    """Checks for ``--context-parallel-impl megatron_cp``, raising ValueError naming the flag."""
+    if args.context_parallel_impl != "megatron_cp":
+        return
+    if getattr(args, "pipeline_model_parallel_size", 1) > 1:
+        raise ValueError("--context-parallel-impl megatron_cp does not support --pipeline-model-parallel-size > 1 yet")
+    backend = str(getattr(args, "attention_backend", "auto"))
+    if backend.endswith("local"):
+        raise ValueError(f"--attention-backend {backend} makes Megatron swap in DotProductAttention; use auto")
+    if getattr(args, "position_embedding_type", "rope") != "rope":
+        raise ValueError(f"megatron_cp needs --position-embedding-type rope, got {args.position_embedding_type!r}")
+    if args.spec is None:
+        args.spec = list(SPEC)
+    specs_from_args(args, eod=0)  # flag checks only; the EOD comes from the tokenizer later
+
+
+def wrap_parse(parse_and_validate_args):
+    def parse(*a, extra_args_provider=None, **kw):
+        args = parse_and_validate_args(*a, extra_args_provider=compose(extra_args_provider, add_megatron_cp_args), **kw)
+        validate_args(args)
+        return args
+
+    parse._megatron_cp_original = parse_and_validate_args
+    return parse
+
+
+def _broadcast_batch(data_iterator, args):
+    """tokens / labels / loss_mask ``[mbs, S]`` on every TP rank (the loader lives on TP rank 0)."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    src = ps.get_tensor_model_parallel_src_rank()
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    shape = (args.micro_batch_size, args.seq_length)
+    if ps.get_tensor_model_parallel_rank() == 0:
+        data = next(data_iterator)
+        tokens = data["tokens"].to(dev, torch.int64)
+        labels = data["labels"].to(dev, torch.int64)
+        loss_mask = data["loss_mask"].to(dev, torch.float32)
+    else:
+        tokens = torch.empty(shape, dtype=torch.int64, device=dev)
+        labels = torch.empty(shape, dtype=torch.int64, device=dev)
+        loss_mask = torch.empty(shape, dtype=torch.float32, device=dev)
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        for t in (tokens, labels, loss_mask):
+            torch.distributed.broadcast(t, src, group=tp_group)
+    return tokens, labels, loss_mask
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """``forward_step_func`` for ``megatron.training.pretrain`` with megatron-cp context parallelism."""
+    from megatron.core import parallel_state as ps
+    from megatron.training import get_args, get_tokenizer
+
+    args = get_args()
+    if return_schedule_plan:
+        raise ValueError("megatron_cp does not support --overlap-moe-expert-parallel-comm schedule plans")
+    ensure_installed(model)
+    eod = None
+    try:
+        eod = get_tokenizer().eod
+    except Exception:  # no tokenizer built (e.g. mock data without one): --cp-eod-token is then needed
+        pass
+    spec, options = specs_from_args(args, eod=eod)
+    tokens, labels, loss_mask = _broadcast_batch(data_iterator, args)
+    cp_group = ps.get_context_parallel_group()
+    bt = prepare_batch(tokens, labels, loss_mask, spec, cp_group, options)
+    output = model(bt.tokens, bt.position_ids, None, labels=bt.labels, loss_mask=bt.loss_mask,
+                   packed_seq_params=bt.params)
+    return output, partial(loss_func, bt.loss_mask)
+
+
+def install_into(namespace: dict) -> None:
+    """Rebind ``parse_and_validate_args`` and ``forward_step`` in a pretrain script's globals."""
+    if _SAVED in namespace:
+        return
+    missing = [n for n in ("parse_and_validate_args", "forward_step") if n not in namespace]
+    if missing:
+        raise ValueError(f"install_into: the script defines no {', '.join(missing)}; is it pretrain_gpt.py?")
+    original_forward = namespace["forward_step"]
+    namespace[_SAVED] = {k: namespace[k] for k in ("parse_and_validate_args", "forward_step")}
+
+    def dispatch_forward_step(data_iterator, model, *a, **kw):
+        from megatron.training import get_args
+
+        if get_args().context_parallel_impl == "megatron_cp":
+            return forward_step(data_iterator, model, *a, **kw)
+        return original_forward(data_iterator, model, *a, **kw)
+
+    namespace["parse_and_validate_args"] = wrap_parse(namespace["parse_and_validate_args"])
+    namespace["forward_step"] = dispatch_forward_step
+
+
+def uninstall_from(namespace: dict) -> None:
+    """Undo ``install_into``."""
+    saved = namespace.pop(_SAVED, None)
+    if saved:
+        namespace.update(saved)
