@@ -215,6 +215,11 @@ def _evaluate(traps, spans, bounds, owner, cp, prefix):
     return imb, remote
 
 
+def _score(traps, spans, bounds, owner, cp, prefix):
+    imb, remote = _evaluate(traps, spans, bounds, owner, cp, prefix)
+    return (imb, int(remote.max()), int(remote.sum()))
+
+
 def plan(
     mask: AttnMask,
     cp_size: int,
@@ -273,8 +278,13 @@ def plan(
         )
     scores = {}
     for name, (b, o) in candidates.items():
-        imb, remote = _evaluate(traps, spans, b, o, cp, prefix)
-        scores[name] = (imb, int(remote.max()), int(remote.sum()))
+        scores[name] = _score(traps, spans, b, o, cp, prefix)
+    if solver == "auto" and not any(sc[0] <= imbalance_target for sc in scores.values()):
+        # nothing balances whole chunks: deal the heaviest chunks out in pieces (dense rows)
+        candidates["greedy_split"] = solvers.greedy(
+            seqlen, cp, prefix=prefix, chunk_size=chunk, key_spans=spans, tol=imbalance_target, split_heavy=True
+        )
+        scores["greedy_split"] = _score(traps, spans, *candidates["greedy_split"], cp, prefix)
     # least traffic among balanced candidates; otherwise the best balanced one
     ok = [n for n in candidates if scores[n][0] <= imbalance_target]
     key = (lambda n: (scores[n][1], scores[n][2], scores[n][0])) if ok else (lambda n: scores[n][0])

@@ -66,13 +66,28 @@ def greedy(
     key_spans: "KeySpans",
     tol: float,
     slack_frac: float = 0.25,
+    split_heavy: bool = False,
     **_,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Largest-area-first assignment of equal chunks, equal chunk counts per rank, key affinity as
-    the tie-break among ranks whose load is within ``tol/4`` of the least loaded (see module doc)."""
+    the tie-break among ranks whose load is within ``tol/4`` of the least loaded (see module doc).
+    ``split_heavy`` first deals chunks too heavy to place whole out to all ranks in cp pieces."""
     total = float(prefix[-1])
     c = greedy_chunk(seqlen, cp, prefix, chunk_size, tol)
     bounds = np.append(np.arange(0, seqlen, c, dtype=np.int64), seqlen)
+    # Chunks still too heavy to place whole (dense rows, e.g. global tokens) are cut into cp equal
+    # pieces dealt one per rank, which keeps token counts equal and spreads their area evenly.
+    area = prefix[bounds[1:]] - prefix[bounds[:-1]]
+    heavy = np.nonzero((area > tol * total / cp / 2) & (np.diff(bounds) >= cp))[0] if split_heavy else []
+    dealt = {}
+    if len(heavy):
+        coarse = bounds
+        cuts = [coarse] + [coarse[h] + even_bounds(int(coarse[h + 1] - coarse[h]), cp)[1:-1] for h in heavy]
+        bounds = np.unique(np.concatenate(cuts))
+        for k, h in enumerate(heavy):
+            first = int(np.searchsorted(bounds, coarse[h]))
+            for j in range(cp):
+                dealt[first + j] = (j + k) % cp
     n = len(bounds) - 1
     area = (prefix[bounds[1:]] - prefix[bounds[:-1]]).astype(np.float64)
     size = np.diff(bounds)
@@ -85,11 +100,17 @@ def greedy(
     starts = np.searchsorted(ci, np.arange(n + 1))
     owner = np.full(n, -1, dtype=np.int32)
     load = np.zeros(cp)
+    for i, r in dealt.items():
+        owner[i] = r
+        load[r] += area[i]
     count = np.zeros(cp, dtype=np.int64)
-    hi_cap, n_hi = -(-n // cp), n % cp  # n % cp ranks may hold one chunk more
+    n_free = n - len(dealt)
+    hi_cap, n_hi = -(-n_free // cp), n_free % cp  # n_free % cp ranks may hold one chunk more
     slack = slack_frac * tol * total / cp
     for i in np.lexsort((np.arange(n), -area)):
-        cap = hi_cap if (n_hi == 0 or (count == hi_cap).sum() < n_hi) else n // cp
+        if i in dealt:
+            continue
+        cap = hi_cap if (n_hi == 0 or (count == hi_cap).sum() < n_hi) else n_free // cp
         cand = np.nonzero(count < cap)[0]
         best = load[cand].min()
         near = cand[load[cand] <= best + slack]

@@ -1,0 +1,142 @@
+"""Planner: exact coverage of every cell, zero-redundancy traffic, balance, determinism, errors."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import megatron_cp as mcp
+from megatron_cp import masks as M
+from megatron_cp.planner import SOLVERS
+
+
+def _random_mask(rng):
+    s = int(rng.integers(4, 80))
+    slices = []
+    for _ in range(int(rng.integers(1, 7))):
+        q0 = int(rng.integers(0, s)); q1 = int(rng.integers(q0 + 1, s + 1))
+        k0 = int(rng.integers(0, s)); k1 = int(rng.integers(k0 + 1, s + 1))
+        slices.append(mcp.AttnSlice((q0, q1), (k0, k1), M.KINDS[int(rng.integers(0, 4))]))
+    return mcp.AttnMask(slices, s, s)
+
+
+def _check_plan_exact(mask, p):
+    """Tiles of every rank reproduce exactly its rows of the mask, with no cell twice; every token
+    is owned once; every received run comes from its owner and is received once."""
+    s = mask.seqlen_q
+    d = mask.to_dense()
+    ids_all = np.concatenate([p.local_ids(r) for r in range(p.cp_size)])
+    assert np.array_equal(np.sort(ids_all), np.arange(s))
+    for r, rp in enumerate(p.ranks):
+        ids = rp.local_ids()
+        buf = np.concatenate([np.arange(a, b) for a, b in rp.buffer_runs]) if len(rp.buffer_runs) else np.zeros(0, int)
+        assert np.array_equal(buf, np.unique(buf)), "buffer is in global order without repeats"
+        rec = np.zeros((len(ids), s), dtype=np.int32)
+        for q0, q1, k0, k1, kind in rp.tiles:
+            one = mcp.AttnMask([mcp.AttnSlice((q0, q1), (k0, k1), M.KINDS[kind])], len(ids), len(buf)).to_dense()
+            rec[:, buf] += one
+        assert rec.max(initial=0) <= 1, "a cell is computed twice"
+        assert np.array_equal(rec.astype(bool), d[ids])
+        got = []
+        for src, runs in enumerate(rp.recv_runs):
+            for a, b in runs:
+                assert src != r and np.isin(np.arange(a, b), p.local_ids(src)).all()
+                got.extend(range(a, b))
+            assert np.array_equal(p.ranks[src].send_runs[r], runs)
+        assert len(got) == len(set(got)), "a token is received twice"
+        assert not np.isin(got, ids).any()
+    assert sum(rp.area for rp in p.ranks) == d.sum() == p.mask_area
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_random_masks_tiles_are_exact(solver):
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        mask = _random_mask(rng)
+        cp = int(rng.integers(1, min(mask.seqlen_q, 6) + 1))
+        chunk = int(rng.integers(1, mask.seqlen_q + 1)) if rng.random() < 0.3 else None
+        _check_plan_exact(mask, mcp.plan(mask, cp, solver=solver, chunk_size=chunk))
+
+
+def test_builder_masks_tiles_are_exact():
+    s = 61
+    for mask in (M.causal(s), M.varlen([0, 9, 10, 40, s]), M.global_local(s, 4, 1, 1), M.strided(s, 4, 3),
+                 M.sliding_window(s, 5, 2), M.streaming(s, 2, 5)):
+        for cp in (2, 3, 4):
+            _check_plan_exact(mask, mcp.plan(mask, cp))
+
+
+def test_token_counts_equal_up_to_one_chunk():
+    mask = M.varlen([0, 1000, 1100, 5000, 5003, 9999], causal=True)
+    p = mcp.plan(mask, 8)
+    t = p.stats()["tokens_per_rank"]
+    assert max(t) - min(t) <= p.chunk_size
+
+
+REPORT_MASKS = {
+    "full": lambda s: M.full(s),
+    "causal": lambda s: M.causal(s),
+    "sliding_window": lambda s: M.sliding_window(s, 1024, 0),
+    "varlen": lambda s: M.varlen(np.concatenate([[0], np.cumsum(_doc_lengths(s))])),
+    "block_causal": lambda s: M.block_causal(s, 2048),
+    "prefix_lm": lambda s: M.prefix_lm(s, s // 4),
+    "strided": lambda s: M.strided(s, 512, 4),
+    "global_local": lambda s: M.global_local(s, 512, 1, 2),
+    "star": lambda s: M.star(s, 4096),
+    "streaming": lambda s: M.streaming(s, 64, 4096),
+    "block_table": lambda s: M.from_block_table(np.tril(np.ones((16, 16), int), -1) + 2 * np.eye(16, dtype=int), s // 16),
+}
+
+
+def _doc_lengths(total, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.lognormal(0.0, 1.0, 200)
+    lens = np.maximum(1, np.floor(w / w.sum() * total)).astype(np.int64)
+    lens[np.argmax(lens)] += total - lens.sum()
+    return lens
+
+
+@pytest.mark.parametrize("name", list(REPORT_MASKS))
+def test_default_solver_balances_every_builder_at_131072_cp8(name):
+    mask = REPORT_MASKS[name](131072)
+    st = mcp.plan(mask, 8).stats()
+    assert st["imbalance"] <= 0.05, st["imbalance"]
+    assert max(st["tokens_per_rank"]) - min(st["tokens_per_rank"]) <= st["chunk_size"]
+    assert sum(st["area_per_rank"]) == mask.area()
+
+
+def test_plan_is_deterministic_across_processes():
+    mask_src = "import megatron_cp as m; import numpy as np; "
+    mask_src += "p = m.plan(m.masks.varlen([0, 300, 301, 1500, 4096]), 4); print(p.digest)"
+    outs = {subprocess.run([sys.executable, "-c", mask_src], capture_output=True, text=True, check=True).stdout for _ in range(2)}
+    here = mcp.plan(M.varlen([0, 300, 301, 1500, 4096]), 4).digest
+    assert outs == {here + "\n"}
+    assert mcp.plan(M.varlen([0, 300, 301, 1500, 4096]), 2).digest != here
+
+
+def test_stats_fields_and_bytes():
+    p = mcp.plan(M.causal(4096), 4, solver="zigzag")
+    st = p.stats(num_kv_heads=8, head_dim=128, dtype_bytes=2)
+    for key in ("area_per_rank", "imbalance", "remote_kv_tokens_per_rank", "bytes_moved"):
+        assert key in st
+    assert st["bytes_moved"] == sum(st["remote_kv_tokens_per_rank"]) * 2 * 8 * 128 * 2
+    assert st["imbalance"] == 0.0
+    # zigzag rank 0 holds chunks 0 and 7 of 8: it needs every token of chunks 1..6
+    assert st["remote_kv_tokens_per_rank"][0] == 6 * 512
+
+
+def test_topology_and_bad_arguments():
+    t = mcp.Topology(2, 2)
+    p = mcp.plan(M.causal(256), 4, topology=t)
+    assert p.stats()["inter_node_bytes"] > 0
+    with pytest.raises(ValueError, match="4 ranks, cp_size=8"):
+        mcp.plan(M.causal(256), 8, topology=t)
+    with pytest.raises(ValueError, match="chunk_size=0"):
+        mcp.plan(M.causal(256), 2, chunk_size=0)
+    with pytest.raises(ValueError, match="cp_size must be a positive int, got 0"):
+        mcp.plan(M.causal(256), 0)
+    with pytest.raises(TypeError, match="needs an AttnMask"):
+        mcp.plan("causal", 2)
+    with pytest.raises(ValueError, match="rank=5 is outside"):
+        p.local_ids(5)
