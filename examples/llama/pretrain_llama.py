@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Pretrain a Llama model with megatron-cp context parallelism on ``megatron.training.pretrain``.
+
+    # 4 GPUs, CP=4, tiny config on the Python standard library's sources (no download):
+    torchrun --nproc-per-node 4 examples/llama/pretrain_llama.py --config tiny --context-parallel-size 4
+
+    # a real model: add --data-path / --tokenizer-model and the parallel sizes
+    torchrun ... examples/llama/pretrain_llama.py --config llama3-8b --data-path DATA_PREFIX \
+        --tokenizer-model meta-llama/Meta-Llama-3-8B --tensor-model-parallel-size 2 --context-parallel-size 4
+
+    # CPU (gloo) or any machine: the same tiny model with megatron-cp's own small training loop,
+    # CP=4 beside CP=1 (this is what `./dev demo` runs):
+    python examples/llama/pretrain_llama.py --loop --cp 4 --steps 30
+
+``--config NAME`` prepends ``configs/NAME.args`` (Megatron flags, one per line) to the command line;
+flags given later override it. The model comes from Megatron's GPT builder with
+``--spec megatron_cp.megatron.specs megatron_cp_layer_spec``; ``forward_step`` is
+``megatron_cp.megatron.plugin.forward_step`` (plan per micro-batch, dispatch, RoPE, per-token loss).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def config_args(name: str) -> list[str]:
+    path = HERE / "configs" / f"{name}.args"
+    if not path.is_file():
+        names = sorted(p.stem for p in (HERE / "configs").glob("*.args"))
+        raise SystemExit(f"--config {name!r}: no {path}; choose from {', '.join(names)}")
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            out += shlex.split(line)
+    return out
+
+
+def expand_argv(argv: list[str]) -> list[str]:
+    """Replace ``--config NAME`` by the config's flags (placed first, so later flags win)."""
+    if "--config" not in argv:
+        return argv
+    i = argv.index("--config")
+    if i + 1 >= len(argv):
+        raise SystemExit("--config needs a name")
+    return config_args(argv[i + 1]) + argv[:i] + argv[i + 2:]
+
+
+class StdlibDataset:
+    """Samples of ``seq_length + 1`` bytes of packed stdlib documents, as Megatron's GPT data dicts."""
+
+    def __init__(self, num_samples: int, seq_length: int, seed: int):
+        import torch
+
+        from megatron_cp.megatron.demo import stdlib_stream
+
+        stream = torch.from_numpy(stdlib_stream(num_samples * seq_length + 1, seed))
+        self.samples = [stream[i * seq_length: i * seq_length + seq_length + 1] for i in range(num_samples)]
+        self.seq_length = seq_length
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        import torch
+
+        s = self.samples[i]
+        return {"tokens": s[:-1], "labels": s[1:], "loss_mask": torch.ones(self.seq_length),
+                "position_ids": torch.arange(self.seq_length)}
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    from megatron.training import get_args
+
+    args = get_args()
+    if args.data_path:
+        return _gpt_datasets(args, train_val_test_num_samples)
+    return StdlibDataset(int(train_val_test_num_samples[0]), args.seq_length, args.seed), None, None
+
+
+datasets_provider.is_distributed = True
+
+
+def _gpt_datasets(args, num_samples):
+    """Megatron's own GPTDataset over ``--data-path`` (indexed .bin/.idx files)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+    from megatron.training import get_tokenizer
+
+    cfg = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=get_blend_from_list(args.data_path),
+        split=args.split, tokenizer=get_tokenizer(), reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=args.eod_mask_loss, path_to_cache=args.data_cache_path,
+    )
+    return BlendedMegatronDatasetBuilder(GPTDataset, num_samples, lambda: True, cfg).build()
+
+
+def main_megatron(argv: list[str]) -> None:
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    from megatron_cp.megatron import plugin
+    from megatron_cp.megatron.arguments import add_megatron_cp_args
+
+    sys.argv = [sys.argv[0]] + argv
+    args = parse_and_validate_args(extra_args_provider=add_megatron_cp_args)
+    if args.context_parallel_impl != "megatron_cp":
+        raise SystemExit("pretrain_llama.py runs --context-parallel-impl megatron_cp; for te use Megatron's pretrain_gpt.py")
+    plugin.validate_args(args)
+    cfg = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, plugin.forward_step)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--loop" in argv:
+        argv.remove("--loop")
+        from megatron_cp.megatron.demo import main as demo_main
+
+        return demo_main(argv)
+    main_megatron(expand_argv(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Done-when 3: tiny Llama, 50 steps, --context-parallel-impl megatron_cp, CP=4 vs CP=1 on NCCL (4 GPUs).
+#   OUT=benchmarks/llama_tiny_cp4 STEPS=50 bash examples/llama/run_gpu_parity.sh
+# Writes under $OUT: pretrain_cp1.log, pretrain_cp4.log (megatron.training.pretrain via torchrun),
+# loop.log + loop.json (megatron-cp's own loop, NCCL), parity.json (device, date, command, losses,
+# max relative difference) and parity.png (loss curves).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-benchmarks/llama_tiny_cp4}
+STEPS=${STEPS:-50}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+ngpu=$($PY -c 'import torch; print(torch.cuda.device_count())')
+if [ "$ngpu" -lt 4 ]; then echo "need 4 GPUs, found $ngpu" >&2; exit 2; fi
+
+run_pretrain() {  # $1 = CP size
+  timeout ${PRETRAIN_TIMEOUT:-240} $PY -m torch.distributed.run --nproc-per-node "$1" --master-port $((29600 + $1)) \
+    examples/llama/pretrain_llama.py --config tiny --context-parallel-size "$1" --train-iters "$STEPS" \
+    2>&1 | tee "$OUT/pretrain_cp$1.log" | grep -E "iteration +[0-9]+/|Error|error" | tail -n 3
+}
+run_pretrain 1
+run_pretrain 4
+timeout ${LOOP_TIMEOUT:-240} $PY -m megatron_cp.megatron.demo --backend nccl --cp 4 --steps "$STEPS" --json "$OUT/loop.json" \
+  2>&1 | tee "$OUT/loop.log" | tail -n 3
+$PY examples/llama/summarize_parity.py --out "$OUT" --steps "$STEPS" --command "OUT=$OUT STEPS=$STEPS bash examples/llama/run_gpu_parity.sh"
