@@ -1,0 +1,77 @@
+"""examples/llama: configs parse with Megatron's parser, SLURM dry runs, the stdlib data, the demo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA = ROOT / "examples" / "llama"
+sys.path.insert(0, str(LLAMA))
+import pretrain_llama  # noqa: E402
+
+
+@pytest.mark.parametrize("name,layers,groups", [("tiny", 2, 2), ("llama2-7b", 32, 1), ("llama3-8b", 32, 8)])
+def test_configs_parse_with_megatron_and_our_flags(name, layers, groups, monkeypatch):
+    from megatron.training.arguments import parse_args
+
+    from megatron_cp.megatron.arguments import add_megatron_cp_args
+
+    argv = pretrain_llama.expand_argv(["--config", name, "--context-parallel-size", "4"])
+    monkeypatch.setattr(sys, "argv", ["pretrain_llama.py"] + argv)
+    a = parse_args(add_megatron_cp_args)
+    assert a.num_layers == layers and a.num_query_groups == groups and a.context_parallel_size == 4
+    assert a.swiglu and a.normalization == "RMSNorm" and a.position_embedding_type == "rope"
+    assert a.context_parallel_impl == "megatron_cp" and a.calculate_per_token_loss
+    assert a.untie_embeddings_and_output_weights and not a.add_bias_linear
+
+
+def test_later_flags_override_the_config():
+    argv = pretrain_llama.expand_argv(["--train-iters", "7", "--config", "tiny"])
+    assert argv[-2:] == ["--train-iters", "7"] and "--config" not in argv
+    with pytest.raises(SystemExit, match="choose from"):
+        pretrain_llama.expand_argv(["--config", "gpt-5"])
+
+
+@pytest.mark.parametrize("script,expect", [
+    ("pretrain_llama.sbatch", ["--nnodes 2", "--config tiny", "--rdzv-backend c10d"]),
+    ("llama3-8b.sbatch", ["--nnodes 4", "--config llama3-8b", "--context-parallel-size 8"]),
+    ("llama2-7b.sbatch", ["--nnodes 2", "--config llama2-7b", "--tensor-model-parallel-size 2"]),
+])
+def test_slurm_dry_run_prints_the_launch(script, expect):
+    args = ["--dry-run"] + (["--config", "tiny"] if script == "pretrain_llama.sbatch" else [])
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+    r = subprocess.run(["bash", str(LLAMA / "slurm" / script), *args], capture_output=True, text=True, env=env,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip().splitlines()[-1]
+    assert line.startswith("srun ") and "torch.distributed.run" in line and "pretrain_llama.py" in line
+    for e in expect:
+        assert e in line, (e, line)
+    assert "NCCL_NVLS_ENABLE=0" in line
+
+
+def test_stdlib_documents_are_bytes_and_eod():
+    from megatron_cp.megatron.demo import EOD, stdlib_batches, stdlib_stream
+
+    s = stdlib_stream(5000, seed=0)
+    assert s.shape == (5000,) and s.min() >= 0 and s.max() <= EOD
+    n_docs = int((s == EOD).sum())
+    assert 10 <= n_docs <= 160  # documents of 32..480 bytes
+    assert np.array_equal(s, stdlib_stream(5000, seed=0))  # deterministic
+    tokens, labels, lm = stdlib_batches(2, 2, 64)(1)
+    assert tokens.shape == (2, 64) and (labels[:, :-1] == tokens[:, 1:]).all()
+
+
+def test_cpu_demo_cp2_matches_cp1():
+    """The README's main job at a smaller size: CP=2 vs CP=1 on packed stdlib documents, 3 steps."""
+    from megatron_cp.megatron.demo import run
+    from megatron_cp.megatron.model import LlamaShape
+
+    res = run(cp=2, steps=3, shape=LlamaShape(2, 32, 4, 2, 48, 320, 64))
+    assert len(res["loss_cp1"]) == 3 and res["max_rel_diff"] <= 1e-5
+    assert res["loss_cp1"][-1] < res["loss_cp1"][0]  # it trains
