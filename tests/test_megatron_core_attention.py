@@ -9,6 +9,7 @@ runs the same class in-process at CP=1 and, through ``test_spawned_cp2``, in 2 g
 
 from __future__ import annotations
 
+import os
 import socket
 
 import numpy as np
@@ -26,6 +27,10 @@ except Exception:  # standalone: a gloo group of whatever world size is initiali
                                       context_parallel_size=1, **kw):
             from megatron.core import parallel_state as ps
 
+            if not dist.is_initialized() and "WORLD_SIZE" in os.environ:  # under torchrun
+                if torch.cuda.is_available():
+                    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+                dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
             if not dist.is_initialized():
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", 0))
@@ -71,7 +76,7 @@ def dense_reference(q, k, v, mask: np.ndarray, scale: float):
 
 class TestCPCoreAttention:
     def setup_method(self, method):
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
         Utils.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=world)
 
     def teardown_method(self, method):
@@ -114,6 +119,7 @@ class TestCPCoreAttention:
         k = torch.randn(S, b, hkv, d, device=dev, dtype=torch.float64)
         v = torch.randn(S, b, hkv, d, device=dev, dtype=torch.float64)
         dout = torch.randn(S, b, hq * d, device=dev, dtype=torch.float64)
+        assert group.size() == dist.get_world_size()  # CP spans the whole world in this test
         qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
         ref = dense_reference(qr, kr, vr, mask.to_dense(), d ** -0.5)
         ref.backward(dout)
