@@ -15,7 +15,8 @@ import torch
 from .tiles import check_tiles
 from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from .triton_fwd import LOG2E, attn_fwd_kernel
-from .triton_schedule import BlockSchedule, build_schedules, tile_descriptors
+from .dense_fast_path import cudnn_backward, cudnn_forward, dense_kind
+from .triton_schedule import BlockSchedule, build_schedules, kept_area, tile_descriptors
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class KernelConfig:
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    tma: bool = False  # load the streamed K/V (fwd, dQ) or Q/dO (dK/dV) blocks through tensor descriptors
 
 
 @dataclass(frozen=True)
@@ -35,27 +37,41 @@ class StageConfigs:
     dq: KernelConfig
 
 
-# Defaults by head_dim, measured on H100 (see benchmarks/kernels/). Keys not listed use the nearest.
-DEFAULT_CONFIGS: dict[int, StageConfigs] = {
-    64: StageConfigs(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 4, 2), KernelConfig(128, 64, 4, 2)),
-    128: StageConfigs(KernelConfig(128, 64, 8, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 8, 2)),
-    256: StageConfigs(KernelConfig(64, 32, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2)),
+# Defaults by (head_dim, row class), tuned on H100 at S = 16k (benchmarks/kernels/tune*.json). Row class
+# "long" when the mean kept keys per row is >= 4096 (dense / causal-like), "short" otherwise (windows,
+# short documents), where smaller blocks waste less on partial blocks. Keys not listed use the nearest.
+DEFAULT_CONFIGS: dict[tuple[int, str], StageConfigs] = {
+    (64, "long"): StageConfigs(KernelConfig(128, 64, 4, 3), KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 3)),
+    (64, "short"): StageConfigs(KernelConfig(64, 64, 4, 3), KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 3)),
+    (128, "long"): StageConfigs(KernelConfig(128, 128, 8, 3), KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 3)),
+    (128, "short"): StageConfigs(KernelConfig(64, 64, 4, 3), KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 3)),
+    (256, "long"): StageConfigs(KernelConfig(64, 32, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2)),
+    (256, "short"): StageConfigs(KernelConfig(64, 32, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2)),
 }
+LONG_ROW_KEYS = 4096
 
 
 @dataclass
 class TritonConfig:
-    """Per-head-dim stage configs; ``overrides`` replaces the defaults (e.g. tiny blocks in tests)."""
+    """Backend options.
 
-    overrides: dict[int, StageConfigs] = field(default_factory=dict)
+    overrides: head_dim or (head_dim, row class) -> StageConfigs replacing the defaults (tiny blocks in
+        tests, configs tuned by tools/bench_kernels.py --tune).
+    deterministic: backward bitwise reproducible (Triton kernels only, no atomics, no cuDNN).
+    dense_fast_path: route a single full / square causal tile covering everything to cuDNN (CUDA only).
+    """
 
-    def for_head_dim(self, head_dim: int) -> StageConfigs:
+    overrides: dict = field(default_factory=dict)
+    deterministic: bool = False
+    dense_fast_path: bool = True
+
+    def for_head_dim(self, head_dim: int, row_class: str = "long") -> StageConfigs:
+        if (head_dim, row_class) in self.overrides:
+            return self.overrides[(head_dim, row_class)]
         if head_dim in self.overrides:
             return self.overrides[head_dim]
-        if head_dim in DEFAULT_CONFIGS:
-            return DEFAULT_CONFIGS[head_dim]
-        near = min(DEFAULT_CONFIGS, key=lambda d: (d < head_dim, abs(d - head_dim)))
-        return DEFAULT_CONFIGS[near]
+        d = min({d for d, _ in DEFAULT_CONFIGS}, key=lambda x: (x < head_dim, abs(x - head_dim)))
+        return DEFAULT_CONFIGS[(d, row_class)]
 
 
 @dataclass
@@ -67,6 +83,8 @@ class TritonPrepared:
     seqlen_q: int
     seqlen_k: int
     desc: torch.Tensor  # int32 [n, 6] (qs, qe, ks, ke, lo, hi)
+    row_class: str = "long"  # "long" / "short": mean kept keys per row vs LONG_ROW_KEYS
+    dense: bool | None = None  # is_causal for the dense fast path, None when it does not apply
     _host: dict = field(default_factory=dict)  # (bm, bn) -> (rows, cols) on cpu
     _dev: dict = field(default_factory=dict)  # (bm, bn, device) -> (desc, rows, cols)
 
@@ -79,6 +97,15 @@ class TritonPrepared:
             rows, cols = self._host[(block_m, block_n)]
             self._dev[key] = (self.desc.to(device), rows.to(device), cols.to(device))
         return self._dev[key]
+
+
+def configs_from_json(obj: dict) -> dict:
+    """{"128/long": {"fwd": [bm, bn, warps, stages, tma], "dkdv": [...], "dq": [...]}, ...} -> overrides."""
+    out = {}
+    for key, st in obj.items():
+        d, cls = key.split("/")
+        out[(int(d), cls)] = StageConfigs(*(KernelConfig(*map(int, st[n][:4]), bool(st[n][4])) for n in ("fwd", "dkdv", "dq")))
+    return out
 
 
 def _check_qkv(q, k, v):
@@ -97,6 +124,16 @@ def _check_qkv(q, k, v):
         raise ValueError(f"q, k, v must share one of fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
+def _descriptor(t: torch.Tensor, block_rows: int):
+    """Tensor descriptor of [s, H, D] viewed as [s, H * D], blocks of [block_rows, D] (one head)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    s, h, d = t.shape
+    if t.stride(2) != 1 or t.stride(1) != d:
+        t = t.contiguous()
+    return TensorDescriptor(t, [s, h * d], [t.stride(0), 1], [block_rows, d])
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     # kernels need unit stride along head_dim only
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -110,15 +147,30 @@ class TritonBackend:
     def __init__(self, config: TritonConfig | None = None):
         self.config = config or TritonConfig()
 
+    _fast_failed = False
+    fast_path_error = None  # why the dense fast path was switched off, if it was
+    last_path = None  # "cudnn" or "triton": what the last forward/backward call ran
+
+    def _fast(self, q, prepared) -> bool:
+        return (self.config.dense_fast_path and not self.config.deterministic and prepared.dense is not None
+                and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not self._fast_failed)
+
+    @staticmethod
+    def _scale(softmax_scale, q):
+        return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
     # -- per plan ---------------------------------------------------------------------------------
     def prepare(self, tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, head_dims=(64, 128)) -> TritonPrepared:
         """tiles int [n, 5] (cpu) -> TritonPrepared; builds the schedules of ``head_dims``' configs now."""
         check_tiles(tiles, seqlen_q, seqlen_k)
         tiles = tiles.to("cpu", torch.int32).contiguous()
+        area = kept_area(tiles)
+        row_class = "long" if area >= LONG_ROW_KEYS * max(seqlen_q, 1) else "short"
         prep = TritonPrepared(tiles, int(seqlen_q), int(seqlen_k),
-                              tile_descriptors(tiles).to(torch.int32).contiguous())
+                              tile_descriptors(tiles).to(torch.int32).contiguous(), row_class,
+                              dense_kind(tiles, seqlen_q, seqlen_k))
         for d in head_dims:
-            c = self.config.for_head_dim(d)
+            c = self.config.for_head_dim(d, row_class)
             for kc in (c.fwd, c.dq, c.dkdv):
                 if (kc.block_m, kc.block_n) not in prep._host:
                     prep._host[(kc.block_m, kc.block_n)] = build_schedules(
@@ -128,6 +180,14 @@ class TritonBackend:
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, q, k, v, prepared: TritonPrepared, softmax_scale=None):
         """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q.dtype), lse [sq, Hq] float32."""
+        if self._fast(q, prepared):
+            try:
+                res = cudnn_forward(q, k, v, self._scale(softmax_scale, q), prepared.dense)
+                self.last_path = "cudnn"
+                return res
+            except Exception as e:  # noqa: BLE001  e.g. no cuDNN for this shape/version: Triton from now on
+                self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
+        self.last_path = "triton"
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[0], q.shape[1], device=q.device, dtype=torch.float32)
         self._forward(q, k, v, prepared, softmax_scale, out, lse, accumulate=False)
@@ -154,16 +214,17 @@ class TritonBackend:
             return
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
         q, k, v = _rows(q), _rows(k), _rows(v)
-        c = self.config.for_head_dim(d).fwd
+        c = self.config.for_head_dim(d, prepared.row_class).fwd
         desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
         nm = rows.order.shape[1]
+        kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if c.tma else (k, v)
         attn_fwd_kernel[(nm * hq,)](
-            q, k, v, out, lse, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
+            q, k, v, out, lse, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), 0, 0,
             sq, sk, hq, scale * LOG2E,
             GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-            ACCUM=accumulate, IEEE=q.dtype == torch.float32,
+            ACCUM=accumulate, IEEE=q.dtype == torch.float32, TMA=c.tma,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
@@ -177,6 +238,14 @@ class TritonBackend:
         if sq != prepared.seqlen_q or sk != prepared.seqlen_k:
             raise ValueError(f"q/k lengths {sq}/{sk} differ from the prepared {prepared.seqlen_q}/{prepared.seqlen_k}")
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+        if delta is None and self._fast(q, prepared):
+            try:
+                res = cudnn_backward(q, k, v, out, lse, dout, scale, prepared.dense)
+                self.last_path = "cudnn"
+                return res
+            except Exception as e:  # noqa: BLE001
+                self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
+        self.last_path = "triton"
         if delta is None:
             delta = (dout.float() * out.float()).sum(-1)
         lse = lse.float().contiguous()
@@ -186,28 +255,32 @@ class TritonBackend:
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
         if sk > 0 and hkv > 0:
-            c = self.config.for_head_dim(d).dkdv
+            c = self.config.for_head_dim(d, prepared.row_class).dkdv
             desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
             nn = cols.order.shape[1]
+            qd, dod = (_descriptor(x, c.block_m) for x in (q, dout)) if c.tma else (q, dout)
             attn_bwd_dkdv_kernel[(nn * hkv,)](
-                q, k, v, dout, lse, delta, dk, dv, desc, cols.ptr, cols.mid, cols.order, cols.off, cols.tile,
+                q, k, v, dout, lse, delta, dk, dv, qd, dod, desc, cols.ptr, cols.mid, cols.order, cols.off, cols.tile,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                 lse.stride(0), lse.stride(1), 0, 0,
                 sq, sk, hkv, scale * LOG2E, scale,
                 GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                IEEE=q.dtype == torch.float32, num_warps=c.num_warps, num_stages=c.num_stages,
+                IEEE=q.dtype == torch.float32, TMA=c.tma,
+                num_warps=c.num_warps, num_stages=c.num_stages,
             )
         if sq > 0:
-            c = self.config.for_head_dim(d).dq
+            c = self.config.for_head_dim(d, prepared.row_class).dq
             desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
             nm = rows.order.shape[1]
+            kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if c.tma else (k, v)
             attn_bwd_dq_kernel[(nm * hq,)](
-                q, k, v, dout, lse, delta, dq, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
+                q, k, v, dout, lse, delta, dq, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), lse.stride(1),
                 0, 0, sq, sk, hq, scale * LOG2E, scale,
                 GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                IEEE=q.dtype == torch.float32, num_warps=c.num_warps, num_stages=c.num_stages,
+                IEEE=q.dtype == torch.float32, TMA=c.tma,
+                num_warps=c.num_warps, num_stages=c.num_stages,
             )
         return dq, dk, dv

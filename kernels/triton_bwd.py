@@ -40,26 +40,40 @@ def _tile_keep(DESC, TID, e, offs_m, offs_n, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, offs_n, Q, DO, LSE, DELTA, stride_qs, stride_dos, stride_ls,
-                OFF, TID, DESC, e0, e1, sq, qk_scale, offs_d,
-                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+def _load_rows(base, desc, row0, col0, n_rows, stride, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+               MASKED: tl.constexpr, TMA: tl.constexpr):
+    """Rows row0 .. row0+BLOCK of a [n_rows, HEAD_DIM] matrix; rows past n_rows read as 0 when MASKED.
+    TMA: through the tensor descriptor ``desc`` of the [rows, heads * HEAD_DIM] view at column col0
+    (the copy engine zero-fills rows out of bounds); else plain pointers from ``base`` (row stride
+    ``stride``)."""
+    if TMA:
+        x = desc.load([row0, col0])
+    else:
+        offs = row0 + tl.arange(0, BLOCK)
+        ptrs = base + offs.to(tl.int64)[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :]
+        if MASKED:
+            x = tl.load(ptrs, mask=(offs < n_rows)[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, offs_n, Qh, DOh, QD, DOD, col0, lse_h, delta_h, stride_qs, stride_dos, stride_ls,
+                OFF, TID, DESC, e0, e1, sq, qk_scale, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                MASKED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
     for e in range(e0, e1):
         m0 = tl.load(OFF + e)
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_m64 = offs_m.to(tl.int64)
-        q_ptrs = Q + offs_m64[:, None] * stride_qs + offs_d[None, :]
-        do_ptrs = DO + offs_m64[:, None] * stride_dos + offs_d[None, :]
+        q = _load_rows(Qh, QD, m0, col0, sq, stride_qs, BLOCK_M, HEAD_DIM, MASKED, TMA)
+        do = _load_rows(DOh, DOD, m0, col0, sq, stride_dos, BLOCK_M, HEAD_DIM, MASKED, TMA)
         if MASKED:
             ok = offs_m < sq
-            q = tl.load(q_ptrs, mask=ok[:, None], other=0.0)
-            do = tl.load(do_ptrs, mask=ok[:, None], other=0.0)
-            lse = tl.load(LSE + offs_m64 * stride_ls, mask=ok, other=float("inf"))
-            delta = tl.load(DELTA + offs_m64 * stride_ls, mask=ok, other=0.0)
+            lse = tl.load(lse_h + offs_m * stride_ls, mask=ok, other=float("inf"))
+            delta = tl.load(delta_h + offs_m * stride_ls, mask=ok, other=0.0)
         else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
-            lse = tl.load(LSE + offs_m64 * stride_ls)
-            delta = tl.load(DELTA + offs_m64 * stride_ls)
+            lse = tl.load(lse_h + offs_m * stride_ls)
+            delta = tl.load(delta_h + offs_m * stride_ls)
         # lse = -inf marks a row with nothing kept anywhere: make its P exactly 0
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         if IEEE:
@@ -86,13 +100,13 @@ def _dkdv_inner(dk, dv, k, v, offs_n, Q, DO, LSE, DELTA, stride_qs, stride_dos, 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DESC, PTR, MID, ORDER, OFF, TID,
+    Q, K, V, DO, LSE, DELTA, DK, DV, QD, DOD, DESC, PTR, MID, ORDER, OFF, TID,
     stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh,
     stride_dks, stride_dkh, stride_dvs, stride_dvh, stride_ls, stride_lh,
     sched_stride_b, sched_stride_e,
     sq, sk, n_kv_heads, qk_scale, sm_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     hk = pid % n_kv_heads
@@ -118,14 +132,15 @@ def attn_bwd_dkdv_kernel(
         tid = TID + h * sched_stride_e
         qh = Q + h * stride_qh
         doh = DO + h * stride_doh
-        lseh = LSE + h * stride_lh
-        deltah = DELTA + h * stride_lh
-        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qh, doh, lseh, deltah, stride_qs, stride_dos,
-                             stride_ls, off, tid, DESC, e0, e_mid, sq, qk_scale, offs_d,
-                             BLOCK_M, False, IEEE)
-        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qh, doh, lseh, deltah, stride_qs, stride_dos,
-                             stride_ls, off, tid, DESC, e_mid, e1, sq, qk_scale, offs_d,
-                             BLOCK_M, True, IEEE)
+        lse_h = LSE + h * stride_lh
+        delta_h = DELTA + h * stride_lh
+        col0 = h * HEAD_DIM
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qh, doh, QD, DOD, col0, lse_h, delta_h, stride_qs, stride_dos,
+                             stride_ls, off, tid, DESC, e0, e_mid, sq, qk_scale, BLOCK_M, HEAD_DIM, False, IEEE,
+                             TMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qh, doh, QD, DOD, col0, lse_h, delta_h, stride_qs, stride_dos,
+                             stride_ls, off, tid, DESC, e_mid, e1, sq, qk_scale, BLOCK_M, HEAD_DIM, True, IEEE,
+                             TMA)
     dk = dk * sm_scale
     tl.store(DK + offs_n64[:, None] * stride_dks + hk * stride_dkh + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
@@ -134,20 +149,14 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, offs_m, K, V, stride_ks, stride_vs, OFF, TID, DESC, e0, e1,
-              sk, qk_scale, offs_d, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+def _dq_inner(dq, q, do, lse2, delta, offs_m, Kh, Vh, KD, VD, col0, stride_ks, stride_vs, OFF, TID, DESC, e0,
+              e1, sk, qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+              IEEE: tl.constexpr, TMA: tl.constexpr):
     for e in range(e0, e1):
         n0 = tl.load(OFF + e)
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        offs_n64 = offs_n.to(tl.int64)
-        k_ptrs = K + offs_n64[:, None] * stride_ks + offs_d[None, :]
-        v_ptrs = V + offs_n64[:, None] * stride_vs + offs_d[None, :]
-        if MASKED:
-            k = tl.load(k_ptrs, mask=(offs_n < sk)[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=(offs_n < sk)[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        k = _load_rows(Kh, KD, n0, col0, sk, stride_ks, BLOCK_N, HEAD_DIM, MASKED, TMA)
+        v = _load_rows(Vh, VD, n0, col0, sk, stride_vs, BLOCK_N, HEAD_DIM, MASKED, TMA)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
@@ -168,12 +177,12 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, K, V, stride_ks, stride_vs, OFF, T
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DESC, PTR, MID, ORDER, OFF, TID,
+    Q, K, V, DO, LSE, DELTA, DQ, KD, VD, DESC, PTR, MID, ORDER, OFF, TID,
     stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh,
     stride_dqs, stride_dqh, stride_ls, stride_lh, sched_stride_b, sched_stride_e,
     sq, sk, n_heads, qk_scale, sm_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = pid % n_heads
@@ -200,12 +209,13 @@ def attn_bwd_dq_kernel(
     delta = tl.load(DELTA + offs_m64 * stride_ls + h * stride_lh, mask=ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    K += hk * stride_kh
-    V += hk * stride_vh
-    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, K, V, stride_ks, stride_vs, OFF, TID, DESC,
-                   e0, e_mid, sk, qk_scale, offs_d, BLOCK_N, False, IEEE)
-    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, K, V, stride_ks, stride_vs, OFF, TID, DESC,
-                   e_mid, e1, sk, qk_scale, offs_d, BLOCK_N, True, IEEE)
+    Kh = K + hk * stride_kh
+    Vh = V + hk * stride_vh
+    col0 = hk * HEAD_DIM
+    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, Kh, Vh, KD, VD, col0, stride_ks, stride_vs, OFF, TID, DESC,
+                   e0, e_mid, sk, qk_scale, BLOCK_N, HEAD_DIM, False, IEEE, TMA)
+    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, Kh, Vh, KD, VD, col0, stride_ks, stride_vs, OFF, TID, DESC,
+                   e_mid, e1, sk, qk_scale, BLOCK_N, HEAD_DIM, True, IEEE, TMA)
     dq = dq * sm_scale
     tl.store(DQ + offs_m64[:, None] * stride_dqs + h * stride_dqh + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=ok[:, None])

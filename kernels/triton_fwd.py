@@ -19,17 +19,23 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, offs_m, K, V, stride_ks, stride_vs, OFF, TID, DESC, e0, e1, sk,
-               qk_scale, offs_d, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+def _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, KD, VD, col0, stride_ks, stride_vs, OFF, TID, DESC,
+               e0, e1, sk, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
+               TMA: tl.constexpr):
+    # k_base / v_base: pointers of k block 0 ([BLOCK_N, D], built once); an entry adds one scalar offset,
+    # which keeps per-iteration address arithmetic to one add per element
     for e in range(e0, e1):
         n0 = tl.load(OFF + e)
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k_ptrs = K + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :]
-        v_ptrs = V + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :]
-        if MASKED:
-            k = tl.load(k_ptrs, mask=(offs_n < sk)[:, None], other=0.0)
+        if TMA:  # copy engine; rows past sk come back as zeros
+            k = KD.load([n0, col0])
         else:
-            k = tl.load(k_ptrs)
+            k_ptrs = k_base + n0.to(tl.int64) * stride_ks
+            v_ptrs = v_base + n0.to(tl.int64) * stride_vs
+            if MASKED:
+                k = tl.load(k_ptrs, mask=(offs_n < sk)[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -57,7 +63,9 @@ def _fwd_inner(acc, l_i, m_i, q, offs_m, K, V, stride_ks, stride_vs, OFF, TID, D
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASKED:
+        if TMA:
+            v = VD.load([n0, col0])
+        elif MASKED:
             v = tl.load(v_ptrs, mask=(offs_n < sk)[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
@@ -71,12 +79,12 @@ def _fwd_inner(acc, l_i, m_i, q, offs_m, K, V, stride_ks, stride_vs, OFF, TID, D
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, DESC, PTR, MID, ORDER, OFF, TID,
+    Q, K, V, O, LSE, KD, VD, DESC, PTR, MID, ORDER, OFF, TID,
     stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_os, stride_oh,
     stride_ls, stride_lh, sched_stride_b, sched_stride_e,
     sq, sk, n_heads, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACCUM: tl.constexpr, IEEE: tl.constexpr,
+    ACCUM: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = pid % n_heads
@@ -98,16 +106,17 @@ def attn_fwd_kernel(
     row_ok = offs_m < sq
     q_ptrs = Q + offs_m.to(tl.int64)[:, None] * stride_qs + h * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    K += hk * stride_kh
-    V += hk * stride_vh
+    offs_b = tl.arange(0, BLOCK_N)
+    k_base = K + hk * stride_kh + offs_b[:, None] * stride_ks + offs_d[None, :]
+    v_base = V + hk * stride_vh + offs_b[:, None] * stride_vs + offs_d[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, K, V, stride_ks, stride_vs, OFF, TID, DESC,
-                               e0, e_mid, sk, qk_scale, offs_d, BLOCK_N, False, IEEE)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, K, V, stride_ks, stride_vs, OFF, TID, DESC,
-                               e_mid, e1, sk, qk_scale, offs_d, BLOCK_N, True, IEEE)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, KD, VD, hk * HEAD_DIM, stride_ks,
+                               stride_vs, OFF, TID, DESC, e0, e_mid, sk, qk_scale, BLOCK_N, False, IEEE, TMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, KD, VD, hk * HEAD_DIM, stride_ks,
+                               stride_vs, OFF, TID, DESC, e_mid, e1, sk, qk_scale, BLOCK_N, True, IEEE, TMA)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

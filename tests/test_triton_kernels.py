@@ -33,9 +33,9 @@ pytestmark = pytest.mark.skipif(
     not _interpreter_active(), reason="triton was imported before TRITON_INTERPRET=1 was set; run this file alone")
 
 
-def backend(bm=16, bn=16, d=16):
-    c = KernelConfig(bm, bn, 4, 1)
-    return TritonBackend(TritonConfig({d: StageConfigs(c, KernelConfig(bn, bm, 4, 1), c)}))
+def backend(bm=16, bn=16, d=16, tma=False):
+    c = KernelConfig(bm, bn, 4, 1, tma)
+    return TritonBackend(TritonConfig({d: StageConfigs(c, KernelConfig(bn, bm, 4, 1, tma), c)}))
 
 
 def dense_mask(tiles, sq, sk):
@@ -74,7 +74,7 @@ def reference(q, k, v, keep, scale, dout=None, dlse=None):
 
 
 def run_case(tiles, sq, sk, hq=2, hkv=1, d=16, bm=16, bn=16, dtype=torch.float32, seed=0, with_dlse=False,
-             atol=1e-4):
+             atol=1e-4, tma=False):
     torch.manual_seed(seed)
     tiles = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 5)
     q = torch.randn(sq, hq, d, dtype=dtype)
@@ -83,7 +83,7 @@ def run_case(tiles, sq, sk, hq=2, hkv=1, d=16, bm=16, bn=16, dtype=torch.float32
     dout = torch.randn(sq, hq, d, dtype=dtype)
     dlse = torch.randn(sq, hq) if with_dlse else None
     scale = 0.5
-    be = backend(bm, bn, d)
+    be = backend(bm, bn, d, tma)
     prep = be.prepare(tiles, sq, sk, head_dims=(d,))
     out, lse = be.forward(q, k, v, prep, scale)
     keep = dense_mask(tiles, sq, sk)
@@ -159,10 +159,14 @@ def test_gqa(hq, hkv):
     run_case([[0, 64, 0, 64, CAUSAL]], 64, 64, hq=hq, hkv=hkv)
 
 
-@pytest.mark.parametrize("bm,bn", [(32, 16), (16, 32)])
-def test_head_dim_32_asymmetric_blocks(bm, bn):
+@pytest.mark.parametrize("bm,bn,tma", [(32, 16, False), (16, 32, False), (32, 16, True)])
+def test_head_dim_32_asymmetric_blocks(bm, bn, tma):
     tiles = [[0, 50, 0, 70, CAUSAL], [50, 90, 0, 20, FULL], [50, 90, 20, 70, BI_CAUSAL]]
-    run_case(tiles, 90, 70, hq=2, hkv=1, d=32, bm=bm, bn=bn)
+    run_case(tiles, 90, 70, hq=2, hkv=1, d=32, bm=bm, bn=bn, tma=tma)
+
+
+def test_block_pointer_addressing_gqa_partial_rows():
+    run_case([[5, 43, 7, 61, CAUSAL], [43, 50, 0, 64, FULL]], 50, 64, hq=4, hkv=2, tma=True)
 
 
 def test_dlse_gradient():

@@ -1,0 +1,84 @@
+"""Dense fast path: a tile list that is one plain full or causal rectangle over all of q and k goes to
+cuDNN attention through PyTorch's SDPA ops, which return the LSE we need.
+
+Chosen by measurement (benchmarks/kernels/): cuDNN is faster than our Triton kernel on dense
+masks on H100. Used only on CUDA, only in the non-deterministic mode (cuDNN's backward is not
+guaranteed bitwise reproducible), and for the backward only when ``delta`` is rowsum(dout * out), i.e.
+no LSE gradient (cuDNN computes that rowsum itself). Any failure falls back to the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tiles import CAUSAL, FULL
+
+
+def dense_kind(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int):
+    """is_causal (bool) when ``tiles`` is one full rectangle or one square causal tile, else None."""
+    if tiles.shape[0] != 1:
+        return None
+    qs, qe, ks, ke, kind = (int(x) for x in tiles[0].tolist())
+    if (qs, qe, ks, ke) != (0, seqlen_q, 0, seqlen_k):
+        return None
+    if kind == FULL:
+        return False
+    if kind == CAUSAL and seqlen_q == seqlen_k:  # cuDNN's causal is top-left aligned
+        return True
+    return None
+
+
+def _bhsd(x):
+    # [s, H, D] -> [1, H, s, D] view (SDPA layout, strides kept)
+    return x.permute(1, 0, 2).unsqueeze(0)
+
+
+def _expand(x, hq):
+    return x if x.shape[1] == hq else x.repeat_interleave(hq // x.shape[1], 1)
+
+
+def cudnn_forward(q, k, v, scale, is_causal):
+    """q [sq,Hq,D], k/v [sk,Hkv,D] -> out [sq,Hq,D], lse [sq,Hq] fp32 (natural log).
+
+    GQA: K/V passed as they are; if this cuDNN rejects Hkv != Hq, expanded to Hq heads."""
+    try:
+        return _cudnn_forward(q, k, v, scale, is_causal)
+    except RuntimeError:
+        if k.shape[1] == q.shape[1]:
+            raise
+        return _cudnn_forward(q, _expand(k, q.shape[1]), _expand(v, q.shape[1]), scale, is_causal)
+
+
+def _cudnn_forward(q, k, v, scale, is_causal):
+    sq, hq, _ = q.shape
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, is_causal, False, scale=scale)
+    out = res[0][0].permute(1, 0, 2)
+    lse = res[1].reshape(hq, sq).t()
+    return out.contiguous(), lse.float().contiguous()
+
+
+def cudnn_backward(q, k, v, out, lse, dout, scale, is_causal):
+    """Gradients from the global lse [sq, Hq]; delta = rowsum(dout * out) implied."""
+    try:
+        return _cudnn_backward(q, k, v, out, lse, dout, scale, is_causal)
+    except RuntimeError:
+        hq, hkv = q.shape[1], k.shape[1]
+        if hkv == hq:
+            raise
+        dq, dk, dv = _cudnn_backward(q, _expand(k, hq), _expand(v, hq), out, lse, dout, scale, is_causal)
+        sk, d = k.shape[0], k.shape[2]
+        return dq, dk.view(sk, hkv, hq // hkv, d).sum(2), dv.view(sk, hkv, hq // hkv, d).sum(2)
+
+
+def _cudnn_backward(q, k, v, out, lse, dout, scale, is_causal):
+    sq, hq, _ = q.shape
+    sk = k.shape[0]
+    lse_b = lse.t().contiguous().reshape(1, hq, sq, 1)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    # no bias, no varlen (None cum_seq: an empty tensor would mean nested/varlen), no dropout
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse_b, seed, seed, None, None, None, sq, sk,
+        0.0, is_causal, scale=scale)
+    return (dq[0].permute(1, 0, 2).contiguous(), dk[0].permute(1, 0, 2).contiguous(),
+            dv[0].permute(1, 0, 2).contiguous())

@@ -1,0 +1,289 @@
+"""Benchmark: our Triton tile-list kernels vs FlexAttention (torch.compile) vs cuDNN SDPA, one GPU.
+
+bf16, Hq=32, Hkv=8, D=128, batch 1. Masks from tools/_kernel_masks.py (same cells for every
+implementation: tile lists for ours, mask_mod/BlockMask for Flex, is_causal for cuDNN on dense masks).
+TFLOP/s with FLOPs = 4 * kept_area * Hq * D forward, 2.5x that backward; times are medians of
+triton.testing.do_bench (CUDA events). Backward times exclude the forward (Flex/cuDNN: autograd.grad on a
+retained graph; ours: backend.backward incl. its delta = rowsum(dout*out) preprocessing).
+cuDNN runs with K/V expanded to Hq heads (outside the timed region).
+
+Usage: python tools/bench_kernels.py [--seqlens 16384] [--masks ...] [--out DIR] [--tune]
+Writes DIR/bench_kernels.json and DIR/bench_kernels.png (device, date and command inside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _kernel_masks as M  # noqa: E402
+
+try:  # installed package, else the repository checkout (kernels/ imports only torch and triton)
+    from megatron_cp.kernels.triton_backend import (
+        DEFAULT_CONFIGS, KernelConfig, StageConfigs, TritonBackend, TritonConfig, configs_from_json,
+    )
+    from megatron_cp.kernels.triton_schedule import kept_area
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from kernels.triton_backend import (DEFAULT_CONFIGS, KernelConfig, StageConfigs, TritonBackend, TritonConfig,
+                                        configs_from_json)
+    from kernels.triton_schedule import kept_area
+
+HQ, HKV, D = 32, 8, 128
+
+
+BENCH_MS = {"warmup": 50, "rep": 200}  # --tune uses shorter runs
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=BENCH_MS["warmup"], rep=BENCH_MS["rep"], return_mode="median")
+
+
+def make_inputs(s, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(s, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(s, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(s, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    do = torch.randn(s, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, k, v, do
+
+
+def time_ours(be, tiles, s, q, k, v, do):
+    prep = be.prepare(tiles, s, s, head_dims=(D,))
+    out, lse = be.forward(q, k, v, prep)
+    be.backward(q, k, v, out, lse, do, prep)  # compile + build device schedules outside timing
+    tf = bench(lambda: be.forward(q, k, v, prep))
+    tb = bench(lambda: be.backward(q, k, v, out, lse, do, prep))
+    return tf, tb
+
+
+_flex = None
+
+
+def time_flex(name, s, q, k, v, do):
+    global _flex
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _flex is None:
+        torch._dynamo.config.cache_size_limit = 128
+        torch._dynamo.config.accumulated_cache_size_limit = 512
+        _flex = torch.compile(flex_attention, dynamic=False)
+    mod = M.mask_mod_for(name, s, "cuda")
+    bm = None if mod is None else create_block_mask(mod, None, None, s, s, device="cuda")
+    qf, kf, vf, dof = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v, do))
+    qf.requires_grad_(True)
+    kf.requires_grad_(True)
+    vf.requires_grad_(True)
+    with torch.no_grad():
+        tf = None
+        _flex(qf, kf, vf, block_mask=bm, enable_gqa=True)
+        tf = bench(lambda: _flex(qf, kf, vf, block_mask=bm, enable_gqa=True))
+    o = _flex(qf, kf, vf, block_mask=bm, enable_gqa=True)
+    torch.autograd.grad(o, (qf, kf, vf), dof, retain_graph=True)
+    tb = bench(lambda: torch.autograd.grad(o, (qf, kf, vf), dof, retain_graph=True))
+    return tf, tb
+
+
+def time_cudnn(is_causal, q, k, v, do):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = HQ // HKV
+    qf, dof = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, do))
+    kf, vf = (x.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0).contiguous() for x in (k, v))
+    qf.requires_grad_(True)
+    kf.requires_grad_(True)
+    vf.requires_grad_(True)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        with torch.no_grad():
+            tf = bench(lambda: F.scaled_dot_product_attention(qf, kf, vf, is_causal=is_causal))
+        o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=is_causal)
+        torch.autograd.grad(o, (qf, kf, vf), dof, retain_graph=True)
+        tb = bench(lambda: torch.autograd.grad(o, (qf, kf, vf), dof, retain_graph=True))
+    return tf, tb
+
+
+TUNE_FWD = [KernelConfig(128, 128, 8, 3), KernelConfig(64, 64, 4, 3), KernelConfig(128, 128, 8, 3, True),
+            KernelConfig(128, 64, 8, 3, True), KernelConfig(64, 64, 4, 3, True)]
+TUNE_DKDV = [KernelConfig(32, 64, 4, 3), KernelConfig(32, 64, 4, 3, True), KernelConfig(64, 64, 4, 3, True),
+             KernelConfig(64, 128, 8, 3, True)]
+TUNE_DQ = [KernelConfig(64, 64, 4, 3), KernelConfig(64, 64, 4, 3, True), KernelConfig(128, 64, 8, 3, True),
+           KernelConfig(128, 128, 8, 3, True)]
+SHORT_MASKS = ("docs_causal", "sliding_window", "streaming", "global_local", "strided")
+
+
+def pick_best(rows):
+    """Per row class ('long': causal/full/block_causal rows, 'short': the rest), the fastest config of each
+    stage (fwd by forward time; dkdv and dq by backward time), as configs_from_json input."""
+    best = {}
+    for cls in ("long", "short"):
+        st = {}
+        for stage, key in (("fwd", "fwd_ms"), ("dkdv", "bwd_ms"), ("dq", "bwd_ms")):
+            tot = {}
+            for r in rows:
+                if r["stage"] == stage and (r["mask"] in SHORT_MASKS) == (cls == "short"):
+                    tot.setdefault(tuple(r["cfg"]), []).append(r[key])
+            full = [c for c, v in tot.items() if len(v) == max(map(len, tot.values()))]
+            if full:
+                st[stage] = list(min(full, key=lambda c: sum(tot[c])))
+        if len(st) == 3:
+            best[f"{D}/{cls}"] = st
+    return best
+
+
+def tune(s, masks):
+    """Time each candidate config per stage (others at default); prints a table, returns rows."""
+    q, k, v, do = make_inputs(s)
+    base = DEFAULT_CONFIGS[(D, "long")]
+    rows = []
+    for stage, cands in (("fwd", TUNE_FWD), ("dkdv", TUNE_DKDV), ("dq", TUNE_DQ)):
+        for c in cands:
+            sc = StageConfigs(c if stage == "fwd" else base.fwd, c if stage == "dkdv" else base.dkdv,
+                              c if stage == "dq" else base.dq)
+            be = TritonBackend(TritonConfig({D: sc}, dense_fast_path=False))
+            for name in masks:
+                tiles = M.tiles_for(name, s)
+                try:
+                    tf, tb = time_ours(be, tiles, s, q, k, v, do)
+                except Exception as e:  # noqa: BLE001  (e.g. out of shared memory)
+                    print(f"tune {stage} {c} {name}: {type(e).__name__} {str(e)[:80]}", flush=True)
+                    continue
+                area = kept_area(tiles)
+                ff = 4 * area * HQ * D
+                r = {"stage": stage, "cfg": [c.block_m, c.block_n, c.num_warps, c.num_stages, int(c.tma)], "mask": name,
+                     "fwd_tflops": ff / tf / 1e9, "bwd_tflops": 2.5 * ff / tb / 1e9, "fwd_ms": tf, "bwd_ms": tb}
+                rows.append(r)
+                print(f"tune {stage:4s} {r['cfg']} {name:15s} fwd {r['fwd_tflops']:6.1f} bwd {r['bwd_tflops']:6.1f}",
+                      flush=True)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[16384])
+    ap.add_argument("--masks", nargs="+", default=M.MASKS)
+    ap.add_argument("--row-masks", nargs="+", default=["full", "causal", "docs_causal", "sliding_window"],
+                    help="masks run at the seqlens other than 16384")
+    ap.add_argument("--out", default="benchmarks/kernels")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="time candidate block configs instead")
+    ap.add_argument("--configs", default=None, help="tuned configs JSON (from --tune) to use")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "command": "python " + " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
+            "Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16",
+            "flops": "fwd 4*area*Hq*D, bwd 2.5x", "masks": M.DESCRIPTIONS}
+    if args.tune:
+        BENCH_MS.update(warmup=20, rep=80)
+        rows = tune(args.seqlens[0], args.masks)
+        best = pick_best(rows)
+        print("best:", json.dumps(best))
+        with open(os.path.join(args.out, f"tune{args.tag}.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows, "best": best}, f, indent=1)
+        with open(os.path.join(args.out, "tuned_configs.json"), "w") as f:
+            json.dump(best, f)
+        return
+    overrides = {}
+    if args.configs:
+        with open(args.configs) as f:
+            overrides = configs_from_json(json.load(f))
+        meta["configs"] = {f"{d}/{c}": str(v) for (d, c), v in overrides.items()}
+    be = TritonBackend(TritonConfig(overrides))
+    be_triton = TritonBackend(TritonConfig(overrides, dense_fast_path=False))
+    results = []
+    for s in args.seqlens:
+        q, k, v, do = make_inputs(s)
+        for name in (args.masks if s == 16384 else args.row_masks):
+            tiles = M.tiles_for(name, s)
+            area = kept_area(tiles)
+            ff = 4 * area * HQ * D
+            r = {"S": s, "mask": name, "area": area, "density": area / s / s, "n_tiles": int(tiles.shape[0])}
+            impls = {"ours": lambda: time_ours(be, tiles, s, q, k, v, do)}
+            if M.dense_kind(name) is not None:  # record the measurement behind the dense fast path
+                impls["ours_triton"] = lambda: time_ours(be_triton, tiles, s, q, k, v, do)
+            if not args.no_flex:
+                impls["flex"] = lambda: time_flex(name, s, q, k, v, do)
+            if M.dense_kind(name) is not None:
+                impls["cudnn"] = lambda: time_cudnn(M.dense_kind(name), q, k, v, do)
+            for impl, fn in impls.items():
+                try:
+                    tf, tb = fn()
+                    if impl == "ours":
+                        r["ours_path"] = be.last_path
+                    r[impl] = {"fwd_ms": tf, "bwd_ms": tb, "fwd_tflops": ff / tf / 1e9, "bwd_tflops": 2.5 * ff / tb / 1e9}
+                except Exception as e:  # noqa: BLE001  (record, keep going)
+                    r[impl] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                torch.cuda.empty_cache()
+            for other in ("flex", "cudnn"):
+                if other in r and "fwd_ms" in r[other] and "fwd_ms" in r["ours"]:
+                    r[f"fwd_vs_{other}"] = r[other]["fwd_ms"] / r["ours"]["fwd_ms"]
+                    r[f"bwd_vs_{other}"] = r[other]["bwd_ms"] / r["ours"]["bwd_ms"]
+            results.append(r)
+            line = f"S={s:6d} {name:15s} dens={r['density']:.3f}"
+            for impl in ("ours", "ours_triton", "flex", "cudnn"):
+                if impl in r:
+                    x = r[impl]
+                    line += (f" | {impl} fwd {x['fwd_tflops']:6.1f} bwd {x['bwd_tflops']:6.1f}" if "fwd_ms" in x
+                             else f" | {impl} ERR {x['error'][:60]}")
+            print(line, flush=True)
+        del q, k, v, do
+        torch.cuda.empty_cache()
+    path = os.path.join(args.out, f"bench_kernels{args.tag}.json")
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    print("wrote", path, "fast path error:", be.fast_path_error)
+    plot(meta, results, os.path.join(args.out, f"bench_kernels{args.tag}.png"))
+    print("\nTFLOP/s; ours = default backend (path in brackets), triton = our kernel without the dense fast path")
+    print("| S | mask | ours fwd | triton fwd | flex fwd | cuDNN fwd | ours bwd | triton bwd | flex bwd | cuDNN bwd "
+          "| fwd/flex | bwd/flex |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        def g(impl, key):
+            x = r.get(impl, {})
+            return f"{x[key]:.0f}" if key in x else "-"
+        print(f"| {r['S']} | {r['mask']} | {g('ours', 'fwd_tflops')} [{r.get('ours_path')}] | "
+              f"{g('ours_triton', 'fwd_tflops')} | {g('flex', 'fwd_tflops')} | "
+              f"{g('cudnn', 'fwd_tflops')} | {g('ours', 'bwd_tflops')} | {g('ours_triton', 'bwd_tflops')} | "
+              f"{g('flex', 'bwd_tflops')} | "
+              f"{g('cudnn', 'bwd_tflops')} | {r.get('fwd_vs_flex', float('nan')):.2f} | "
+              f"{r.get('bwd_vs_flex', float('nan')):.2f} |")
+
+
+def plot(meta, results, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG")
+        return
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.3 * len(results)), 8))
+    labels = [f"{r['mask']}\nS={r['S'] // 1024}k" for r in results]
+    for ax, key in zip(axes, ("fwd_tflops", "bwd_tflops")):
+        for j, impl in enumerate(("ours", "ours_triton", "flex", "cudnn")):
+            xs = [i + (j - 1.5) * 0.2 for i in range(len(results))]
+            ys = [r.get(impl, {}).get(key, 0.0) for r in results]
+            ax.bar(xs, ys, width=0.2, label=impl)
+        ax.set_xticks(range(len(results)))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel(key.replace("_", " "))
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{meta['device']}  {meta['date']}  bf16 Hq={HQ} Hkv={HKV} D={D}\n{meta['command']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""GPU correctness matrix of the Triton tile-list kernels (TritonBackend).
+
+For every benchmark mask (tools/_kernel_masks.py, tile lists checked cell by cell against their
+FlexAttention mask_mod), S in --seqlens, head_dim 64/128, bf16/fp16, GQA ratio 1/4/8:
+forward (out, lse) and backward (dq, dk, dv) are compared with a dense fp64 reference. Rule (ANCHORS.md):
+rms error <= 2 x the rms error of a plain PyTorch reference run in the same low precision, plus a floor
+of 1e-6 x rms(reference). Also: no NaN anywhere, fully masked rows give out 0 / lse -inf, and a second
+forward + backward is bitwise identical (deterministic mode). --big adds S = 131072 (Hq 32, Hkv 8,
+D 128) no-NaN and peak-memory runs.
+
+Usage: python tools/gpu_kernel_check.py [--seqlens 1024 4096 16384] [--big] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _kernel_masks as M  # noqa: E402
+
+try:  # installed package, else the repository checkout (kernels/ imports only torch and triton)
+    from megatron_cp.kernels.triton_backend import TritonBackend, TritonConfig, configs_from_json
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from kernels.triton_backend import TritonBackend, TritonConfig, configs_from_json
+
+
+def chunked_reference(q, k, v, dout, keep, dt, scale, chunk=2048):
+    """Dense attention fwd+bwd computed in dtype ``dt`` (matmuls and softmax), row chunks of ``chunk``.
+
+    Returns out [sq,Hq,D], lse [sq,Hq], dq, dk, dv (float64 tensors for comparison)."""
+    sq, hq, d = q.shape
+    sk, hkv = k.shape[:2]
+    g = hq // hkv
+    acc = torch.float64 if dt == torch.float64 else torch.float32
+    out = torch.zeros(sq, hq, d, dtype=torch.float64, device=q.device)
+    lse = torch.zeros(sq, hq, dtype=torch.float64, device=q.device)
+    dq = torch.zeros_like(out)
+    dk = torch.zeros(sk, hkv, d, dtype=acc, device=q.device)
+    dv = torch.zeros_like(dk)
+    for h in range(hq):
+        hk = h // g
+        K, V = k[:, hk].to(dt), v[:, hk].to(dt)
+        for r0 in range(0, sq, chunk):
+            r1 = min(sq, r0 + chunk)
+            Q, dO = q[r0:r1, h].to(dt), dout[r0:r1, h].to(dt)
+            kp = keep[r0:r1]
+            S = (Q @ K.T) * scale
+            S = S.masked_fill(~kp, float("-inf"))
+            P = torch.softmax(S, -1).nan_to_num(0.0)
+            L = torch.logsumexp(S, -1)
+            O = P @ V
+            delta = (dO * O).sum(-1)
+            dP = dO @ V.T
+            dS = P * (dP - delta[:, None])
+            out[r0:r1, h] = O.double()
+            lse[r0:r1, h] = L.double()
+            dq[r0:r1, h] = ((dS @ K) * scale).double()
+            dk[:, hk] += ((dS.T @ Q) * scale).to(acc)
+            dv[:, hk] += (P.T @ dO).to(acc)
+    return out, lse, dq, dk.double(), dv.double()
+
+
+def rms(x):
+    return float(x.double().pow(2).mean().sqrt()) if x.numel() else 0.0
+
+
+def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed):
+    dev = "cuda"
+    hq = hkv * g
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(s, hq, d, device=dev, dtype=dtype, generator=gen)
+    k = torch.randn(s, hkv, d, device=dev, dtype=dtype, generator=gen)
+    v = torch.randn(s, hkv, d, device=dev, dtype=dtype, generator=gen)
+    dout = torch.randn(s, hq, d, device=dev, dtype=dtype, generator=gen)
+    scale = 1.0 / math.sqrt(d)
+    # deterministic mode (Triton kernels only): run twice, must be bitwise identical
+    prep = be_det.prepare(tiles, s, s, head_dims=(d,))
+    out, lse = be_det.forward(q, k, v, prep, scale)
+    dq, dk, dv = be_det.backward(q, k, v, out, lse, dout, prep, scale)
+    out2, lse2 = be_det.forward(q, k, v, prep, scale)
+    dq2, dk2, dv2 = be_det.backward(q, k, v, out2, lse2, dout, prep, scale)
+    torch.cuda.synchronize()
+    det = all(torch.equal(a, b) for a, b in ((out, out2), (lse, lse2), (dq, dq2), (dk, dk2), (dv, dv2)))
+    del out2, lse2, dq2, dk2, dv2
+    runs = {"triton": (out, lse, dq, dk, dv)}
+    if prep.dense is not None:  # the default backend routes this mask to the dense fast path
+        prep_f = be.prepare(tiles, s, s, head_dims=(d,))
+        o_f, l_f = be.forward(q, k, v, prep_f, scale)
+        path_f = be.last_path
+        g_f = be.backward(q, k, v, o_f, l_f, dout, prep_f, scale)
+        runs[f"fast_{path_f}_{be.last_path}"] = (o_f, l_f, *g_f)
+    ref = chunked_reference(q, k, v, dout, keep, torch.float64, scale)
+    low = chunked_reference(q, k, v, dout, keep, dtype, scale)
+    empty = ~keep.any(1)
+    fin = ~empty
+    res = {"mask": mask, "S": s, "D": d, "dtype": str(dtype).split(".")[-1], "G": g, "Hq": hq, "Hkv": hkv,
+           "deterministic": det, "empty_rows": int(empty.sum()), "paths": list(runs)}
+    ok = det
+    for path, (out, lse, dq, dk, dv) in runs.items():
+        nan = any(bool(torch.isnan(x).any()) for x in (out, lse, dq, dk, dv))
+        empty_ok = bool((lse[empty] == float("-inf")).all()) and bool((out[empty] == 0).all())
+        res[path] = {"nan": nan, "empty_ok": empty_ok}
+        ok = ok and not nan and empty_ok
+        ours = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+        for i, name in enumerate(["out", "lse", "dq", "dk", "dv"]):
+            r, lo, o = ref[i], low[i], ours[name]
+            if name == "lse":
+                r, lo, o = r[fin], lo[fin], o[fin]
+            e_ours = rms(o.double() - r)
+            e_low = rms(lo - r)
+            bound = 2 * e_low + 1e-6 * rms(r)
+            res[path][name] = {"err": e_ours, "lowp_err": e_low, "ratio": e_ours / max(e_low, 1e-30)}
+            ok = ok and e_ours <= bound
+    res["nan"] = any(res[p]["nan"] for p in runs)
+    res["pass"] = ok
+    return res
+
+
+def big_runs(be):
+    """S = 131072, Hq 32, Hkv 8, D 128, bf16: no NaN, peak memory (no S^2 buffers)."""
+    out = []
+    s, hq, hkv, d = 131072, 32, 8, 128
+    for mask in ["causal", "docs_causal", "sliding_window"]:  # causal: Triton or the dense fast path
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        q = torch.randn(s, hq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(s, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(s, hkv, d, device="cuda", dtype=torch.bfloat16)
+        dout = torch.randn_like(q)
+        inputs = sum(x.numel() * x.element_size() for x in (q, k, v, dout))
+        prep = be.prepare(M.tiles_for(mask, s), s, s, head_dims=(d,))
+        o, lse = be.forward(q, k, v, prep)
+        dq, dk, dv = be.backward(q, k, v, o, lse, dout, prep)
+        torch.cuda.synchronize()
+        nan = any(bool(torch.isnan(x).any()) for x in (o, lse, dq, dk, dv))
+        peak = torch.cuda.max_memory_allocated()
+        r = {"mask": mask, "S": s, "nan": nan, "peak_GiB": peak / 2**30, "inputs_GiB": inputs / 2**30,
+             "S2_bf16_GiB_per_head": s * s * 2 / 2**30, "pass": (not nan) and peak < 4 * inputs}
+        print(json.dumps(r), flush=True)
+        out.append(r)
+        del q, k, v, dout, o, lse, dq, dk, dv
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--big", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--configs", default=None, help="tuned configs JSON (tools/bench_kernels.py --tune)")
+    args = ap.parse_args()
+    overrides = {}
+    if args.configs:
+        with open(args.configs) as f:
+            overrides = configs_from_json(json.load(f))
+    be = TritonBackend(TritonConfig(overrides))
+    be_det = TritonBackend(TritonConfig(overrides, deterministic=True))
+    results, t0 = [], time.time()
+    for s in args.seqlens:
+        if s >= 16384:  # a diagonal of the matrix keeps the large size affordable
+            combos = [(128, torch.bfloat16, 4, 2), (64, torch.float16, 8, 1), (128, torch.float16, 1, 2)]
+        else:
+            combos = [(d, dt, g, 2) for d, dt, g in itertools.product([64, 128], [torch.bfloat16, torch.float16], [1, 4, 8])]
+        for mask in M.MASKS:
+            tiles = M.tiles_for(mask, s)
+            keep = M.dense_mask_from_tiles(tiles, s, s, device="cuda")
+            same = bool((keep == M.dense_mask_from_mod(mask, s, device="cuda")).all())
+            if not same:
+                print(f"FAIL tile list of {mask} at S={s} differs from its mask_mod", flush=True)
+            for i, (d, dt, g, hkv) in enumerate(combos):
+                r = check_case(be, be_det, mask, s, d, dt, g, hkv, keep, tiles, seed=s * 1000 + M.MASKS.index(mask) * 10 + i)
+                r["tiles_match_mask_mod"] = same
+                r["pass"] = r["pass"] and same
+                results.append(r)
+                line = (f"{'ok  ' if r['pass'] else 'FAIL'} {mask:15s} S={s:6d} D={d:3d} {r['dtype']:8s} G={g} "
+                        f"det={r['deterministic']} nan={r['nan']}")
+                for p in r["paths"]:
+                    worst = max(r[p][n]["ratio"] for n in ["out", "lse", "dq", "dk", "dv"])
+                    line += f" | {p}: worst err/lowp_err={worst:.3f} dq={r[p]['dq']['err']:.1e}"
+                print(line, flush=True)
+            del keep
+            torch.cuda.empty_cache()
+    big = big_runs(TritonBackend(TritonConfig(overrides, dense_fast_path=False))) if args.big else []
+    n_fail = sum(not r["pass"] for r in results) + sum(not r["pass"] for r in big)
+    summary = {"configs": {f"{d}/{c}": str(v) for (d, c), v in overrides.items()}, "fast_path_error": be.fast_path_error, "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+               "command": " ".join(sys.argv), "torch": torch.__version__,
+               "triton": __import__("triton").__version__, "cases": len(results) + len(big), "failed": n_fail,
+               "seconds": time.time() - t0}
+    print(json.dumps(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "results": results, "big": big}, f, indent=1)
+    print(f"gpu_kernel_check: {len(results) + len(big) - n_fail}/{len(results) + len(big)} passed")
+    sys.exit(1 if n_fail else 0)
+
+
+if __name__ == "__main__":
+    main()
