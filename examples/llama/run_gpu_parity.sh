@@ -10,10 +10,11 @@ OUT=${OUT:-benchmarks/llama_tiny_cp4}
 STEPS=${STEPS:-50}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} CUDA_DEVICE_MAX_CONNECTIONS=1
 ngpu=$($PY -c 'import torch; print(torch.cuda.device_count())')
 if [ "$ngpu" -lt 4 ]; then echo "need 4 GPUs, found $ngpu" >&2; exit 2; fi
 
+# megatron.training.pretrain needs CUDA; one run per CP size, same seed, data and global batch.
 run_pretrain() {  # $1 = CP size
   timeout ${PRETRAIN_TIMEOUT:-240} $PY -m torch.distributed.run --nproc-per-node "$1" --master-port $((29600 + $1)) \
     examples/llama/pretrain_llama.py --config tiny --context-parallel-size "$1" --train-iters "$STEPS" \
@@ -21,6 +22,9 @@ run_pretrain() {  # $1 = CP size
 }
 run_pretrain 1
 run_pretrain 4
-timeout ${LOOP_TIMEOUT:-240} $PY -m megatron_cp.megatron.demo --backend nccl --cp 4 --steps "$STEPS" --json "$OUT/loop.json" \
-  2>&1 | tee "$OUT/loop.log" | tail -n 3
+run_loop() {  # $1 = kernel backend
+  timeout ${LOOP_TIMEOUT:-240} $PY -m megatron_cp.megatron.demo --backend nccl --cp 4 --steps "$STEPS" \
+    --kernel-backend "$1" --json "$OUT/loop.json" 2>&1 | tee "$OUT/loop.log" | tail -n 3
+}
+run_loop auto || { echo "loop with the auto kernel backend failed; retrying with the reference backend"; run_loop reference; }
 $PY examples/llama/summarize_parity.py --out "$OUT" --steps "$STEPS" --command "OUT=$OUT STEPS=$STEPS bash examples/llama/run_gpu_parity.sh"

@@ -34,6 +34,8 @@ def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--cp-solver", type=str, default="auto", help="planner solver (default: auto)")
     g.add_argument("--cp-topology", type=str, default=None,
                    help="NODESxGPUS_PER_NODE of the CP group, e.g. 2x8 (default: none)")
+    g.add_argument("--cp-kernel-backend", choices=("auto", "triton", "reference"), default="auto",
+                   help="attention kernels: auto (Triton on GPUs, PyTorch reference otherwise)")
     return parser
 
 
@@ -84,4 +86,4 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
     if args.cp_chunk_size is not None and args.cp_chunk_size < 1:
         raise ValueError(f"--cp-chunk-size must be >= 1, got {args.cp_chunk_size}")
     return spec, PlanOptions(chunk_size=args.cp_chunk_size, topology=_topology(args.cp_topology),
-                             solver=args.cp_solver)
+                             solver=args.cp_solver, kernel_backend=args.cp_kernel_backend)

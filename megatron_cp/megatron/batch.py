@@ -68,11 +68,13 @@ class MaskSpec:
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """Arguments passed through to ``megatron_cp.plan``."""
+    """Arguments passed through to ``megatron_cp.plan`` (chunk_size, topology, solver) and to
+    ``megatron_cp.attention`` (kernel_backend: auto | triton | reference)."""
 
     chunk_size: int | None = None
     topology: object = None
     solver: str = "auto"
+    kernel_backend: str = "auto"
 
 
 def document_bounds(tokens: np.ndarray, spec: MaskSpec) -> np.ndarray:
@@ -188,7 +190,8 @@ def prepare_batch(
     tok_np = tokens.detach().cpu().numpy()
     cu = document_bounds(tok_np, spec)
     key = (spec, b, S, cp_size, options, cu.tobytes() if spec.packed else b"")
-    plan = _PLANS.get(key, lambda: mcp.plan(build_mask(spec, cu, b, S), cp_size, chunk_size=options.chunk_size,
+    plan_key = key[:4] + (options.chunk_size, options.topology, options.solver) + key[5:]
+    plan = _PLANS.get(plan_key, lambda: mcp.plan(build_mask(spec, cu, b, S), cp_size, chunk_size=options.chunk_size,
                                             topology=options.topology, solver=options.solver))
     if check and cp_size > 1:
         _check_same_plan(plan, cp_group)
@@ -199,5 +202,6 @@ def prepare_batch(
         return None if x is None else x.reshape(-1).index_select(0, ids).unsqueeze(0)
 
     local_pos = take(pos)
-    params = CPParams(plan=plan, position_ids=local_pos, cp_rank=cp_rank, cp_group=cp_group)
+    params = CPParams(plan=plan, position_ids=local_pos, cp_rank=cp_rank, cp_group=cp_group,
+                      kernel_backend=options.kernel_backend)
     return CPBatch(take(tokens), take(labels), take(loss_mask), local_pos, params, cu)

@@ -116,8 +116,10 @@ class CPCoreAttention(MegatronModule):
                 f"v {tuple(value.shape)} (need equal s, b, d and Hkv dividing Hq)"
             )
         cp_rank, cp_size = self._cp_rank_size()
+        backend = "auto"
         if isinstance(packed_seq_params, CPParams):
             plan = packed_seq_params.plan
+            backend = packed_seq_params.kernel_backend
         elif packed_seq_params is None and cp_size == 1:
             # No batch hook (e.g. evaluation at CP=1): plain causal attention over the sequence.
             plan = _causal_plan_cp1(s)
@@ -139,5 +141,5 @@ class CPCoreAttention(MegatronModule):
         k = key.reshape(s, b * hkv, d)
         v = value.reshape(s, b * hkv, d)
         group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
-        out, _lse = mcp.attention(q, k, v, plan, group, softmax_scale=self.softmax_scale)
+        out, _lse = mcp.attention(q, k, v, plan, group, softmax_scale=self.softmax_scale, backend=backend)
         return out.reshape(s, b, hq * d)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .batch import MaskSpec
+from .batch import MaskSpec, PlanOptions
 from .model import LlamaShape, TINY
 
 EOD = 256
@@ -62,7 +62,8 @@ def stdlib_batches(steps: int, global_batch: int, seq_length: int, seed: int = 0
     return get
 
 
-def _train_worker(rank, world, tp, cp, steps, shape, global_batch, micro_batch, lr, backend, seed):
+def _train_worker(rank, world, tp, cp, steps, shape, global_batch, micro_batch, lr, backend, seed,
+                  kernel_backend="auto"):
     from . import trainer
     from .model import build_llama, transformer_config
 
@@ -74,7 +75,7 @@ def _train_worker(rank, world, tp, cp, steps, shape, global_batch, micro_batch, 
     if device is not None:
         model = model.to(device)
     cfg = trainer.TrainConfig(steps=steps, global_batch=global_batch, micro_batch=micro_batch, lr=lr, seed=seed,
-                              spec=MaskSpec("packed", eod=EOD))
+                              spec=MaskSpec("packed", eod=EOD), options=PlanOptions(kernel_backend=kernel_backend))
     batches = stdlib_batches(steps, global_batch, shape.seq_length, seed)
     t0 = time.time()
     log = (lambda s, r: print(f"  [cp={cp}] step {s:3d} loss {r.loss:.6f} tokens {r.tokens}", flush=True)) \
@@ -84,7 +85,8 @@ def _train_worker(rank, world, tp, cp, steps, shape, global_batch, micro_batch, 
 
 
 def run(cp: int = 4, steps: int = 30, tp: int = 1, shape: LlamaShape = TINY, global_batch: int = 2,
-        micro_batch: int = 1, lr: float = 3e-3, backend: str = "gloo", seed: int = 1234) -> dict:
+        micro_batch: int = 1, lr: float = 3e-3, backend: str = "gloo", seed: int = 1234,
+        kernel_backend: str = "auto") -> dict:
     """Train CP=1 and CP=``cp`` (world = tp*cp each) and return both loss curves and the difference."""
     from .trainer import spawn
 
@@ -94,10 +96,10 @@ def run(cp: int = 4, steps: int = 30, tp: int = 1, shape: LlamaShape = TINY, glo
     for c in (1, cp):
         print(f"training tiny Llama with TP={tp} CP={c} ({backend}, {steps} steps) ...", flush=True)
         runs[c] = spawn(_train_worker, tp * c, tp, c, steps, shape, global_batch, micro_batch, lr, backend, seed,
-                        backend=backend)
+                        kernel_backend, backend=backend)
     a, b = np.array(runs[1]["losses"]), np.array(runs[cp]["losses"])
     rel = np.abs(a - b) / np.abs(a)
-    return {"cp": cp, "tp": tp, "steps": steps, "backend": backend, "loss_cp1": a.tolist(), f"loss_cp{cp}": b.tolist(),
+    return {"cp": cp, "tp": tp, "steps": steps, "backend": backend, "kernel_backend": kernel_backend, "loss_cp1": a.tolist(), f"loss_cp{cp}": b.tolist(),
             "max_rel_diff": float(rel.max()), "seconds_cp1": runs[1]["seconds"], f"seconds_cp{cp}": runs[cp]["seconds"],
             "shape": shape.__dict__, "global_batch": global_batch, "micro_batch": micro_batch, "lr": lr}
 
@@ -118,10 +120,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-length", type=int, default=TINY.seq_length)
     ap.add_argument("--global-batch", type=int, default=2)
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    ap.add_argument("--kernel-backend", choices=("auto", "triton", "reference"), default="auto")
     ap.add_argument("--json", type=str, default=None, help="also write the result here")
     a = ap.parse_args(argv)
     shape = LlamaShape(**{**TINY.__dict__, "seq_length": a.seq_length})
-    res = run(cp=a.cp, tp=a.tp, steps=a.steps, shape=shape, global_batch=a.global_batch, backend=a.backend)
+    res = run(cp=a.cp, tp=a.tp, steps=a.steps, shape=shape, global_batch=a.global_batch, backend=a.backend,
+              kernel_backend=a.kernel_backend)
     print_table(res)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))

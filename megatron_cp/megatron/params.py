@@ -23,11 +23,13 @@ class CPParams(PackedSeqParams):
     plan:          the megatron-cp plan over the micro-batch's tokens (one sequence, see batch.py)
     position_ids:  int64 ``[b, s_local]``, the RoPE position of each local token (per-document reset)
     cp_rank:       this rank's index in the CP group the plan was dispatched for
+    kernel_backend: megatron_cp.attention's kernel backend (auto | triton | reference)
     """
 
     plan: Any = None
     position_ids: torch.Tensor = None
     cp_rank: int = 0
+    kernel_backend: str = "auto"
 
     def __post_init__(self):
         if self.qkv_format is None:

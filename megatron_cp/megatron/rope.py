@@ -32,7 +32,7 @@ class PlanRotaryEmbedding(nn.Module):
 
     def __init__(self, source: nn.Module):
         super().__init__()
-        self.register_buffer("inv_freq", source.inv_freq.detach().clone().float().cpu(), persistent=False)
+        self.register_buffer("inv_freq", source.inv_freq.detach().clone().float(), persistent=False)
         self.rotary_interleaved = bool(getattr(source, "rotary_interleaved", False))
         self.seq_len_interpolation_factor = getattr(source, "seq_len_interpolation_factor", None)
         self._positions: torch.Tensor | None = None
