@@ -7,6 +7,7 @@ from the environment. Triton's CPU interpreter (``TRITON_INTERPRET=1`` set by th
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -37,18 +38,25 @@ class StageConfigs:
     dq: KernelConfig
 
 
-# Defaults by (head_dim, row class), tuned on H100 at S = 16k (benchmarks/kernels/tune*.json). Row class
-# "long" when the mean kept keys per row is >= 4096 (dense / causal-like), "short" otherwise (windows,
-# short documents), where smaller blocks waste less on partial blocks. Keys not listed use the nearest.
+# Defaults by (head_dim, row class). Row class "long" when the mean kept keys per row is >= 4096
+# (dense / causal-like), "short" otherwise (windows, short documents), where smaller blocks waste less on
+# partial blocks. head_dim 128: tuned on H200 at S = 16k by tools/bench_kernels.py --tune
+# (benchmarks/kernels/tune.json, tuned_configs.json; checked by tools/gpu_kernel_check.py with exactly
+# these). tma=True loads the streamed blocks with the copy engine (Hopper+; ignored on older GPUs and
+# on CPU). Other head dims: untuned, checked for correctness only.
 DEFAULT_CONFIGS: dict[tuple[int, str], StageConfigs] = {
     (64, "long"): StageConfigs(KernelConfig(128, 64, 4, 3), KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 3)),
     (64, "short"): StageConfigs(KernelConfig(64, 64, 4, 3), KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 3)),
-    (128, "long"): StageConfigs(KernelConfig(128, 128, 8, 3), KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 3)),
-    (128, "short"): StageConfigs(KernelConfig(64, 64, 4, 3), KernelConfig(32, 64, 4, 3), KernelConfig(64, 64, 4, 3)),
+    (128, "long"): StageConfigs(KernelConfig(128, 128, 8, 3, True), KernelConfig(64, 64, 4, 3, True),
+                                KernelConfig(64, 64, 4, 3, True)),
+    (128, "short"): StageConfigs(KernelConfig(64, 64, 4, 3, True), KernelConfig(64, 64, 4, 3, True),
+                                 KernelConfig(64, 64, 4, 3, True)),
     (256, "long"): StageConfigs(KernelConfig(64, 32, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2)),
     (256, "short"): StageConfigs(KernelConfig(64, 32, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2)),
 }
 LONG_ROW_KEYS = 4096
+# float32 inputs (tests, debugging): small blocks, one stage, so shared memory fits at any head_dim
+FP32_CONFIGS = StageConfigs(KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 1))
 
 
 @dataclass
@@ -65,11 +73,13 @@ class TritonConfig:
     deterministic: bool = False
     dense_fast_path: bool = True
 
-    def for_head_dim(self, head_dim: int, row_class: str = "long") -> StageConfigs:
+    def for_head_dim(self, head_dim: int, row_class: str = "long", dtype=None) -> StageConfigs:
         if (head_dim, row_class) in self.overrides:
             return self.overrides[(head_dim, row_class)]
         if head_dim in self.overrides:
             return self.overrides[head_dim]
+        if dtype == torch.float32:
+            return FP32_CONFIGS
         d = min({d for d, _ in DEFAULT_CONFIGS}, key=lambda x: (x < head_dim, abs(x - head_dim)))
         return DEFAULT_CONFIGS[(d, row_class)]
 
@@ -132,6 +142,20 @@ def _descriptor(t: torch.Tensor, block_rows: int):
     if t.stride(2) != 1 or t.stride(1) != d:
         t = t.contiguous()
     return TensorDescriptor(t, [s, h * d], [t.stride(0), 1], [block_rows, d])
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _use_tma(c: KernelConfig, q: torch.Tensor) -> bool:
+    """Tensor descriptors: wanted by the config and usable (Hopper or newer GPU, or the CPU interpreter)."""
+    if not c.tma:
+        return False
+    if not q.is_cuda:
+        return True
+    return _sm_major(q.device.index if q.device.index is not None else torch.cuda.current_device()) >= 9
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -214,17 +238,18 @@ class TritonBackend:
             return
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
         q, k, v = _rows(q), _rows(k), _rows(v)
-        c = self.config.for_head_dim(d, prepared.row_class).fwd
+        c = self.config.for_head_dim(d, prepared.row_class, q.dtype).fwd
         desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
         nm = rows.order.shape[1]
-        kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if c.tma else (k, v)
+        tma = _use_tma(c, q)
+        kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
         attn_fwd_kernel[(nm * hq,)](
             q, k, v, out, lse, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), 0, 0,
             sq, sk, hq, scale * LOG2E,
             GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-            ACCUM=accumulate, IEEE=q.dtype == torch.float32, TMA=c.tma,
+            ACCUM=accumulate, IEEE=q.dtype == torch.float32, TMA=tma,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
@@ -255,10 +280,11 @@ class TritonBackend:
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
         if sk > 0 and hkv > 0:
-            c = self.config.for_head_dim(d, prepared.row_class).dkdv
+            c = self.config.for_head_dim(d, prepared.row_class, q.dtype).dkdv
             desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
             nn = cols.order.shape[1]
-            qd, dod = (_descriptor(x, c.block_m) for x in (q, dout)) if c.tma else (q, dout)
+            tma = _use_tma(c, q)
+            qd, dod = (_descriptor(x, c.block_m) for x in (q, dout)) if tma else (q, dout)
             attn_bwd_dkdv_kernel[(nn * hkv,)](
                 q, k, v, dout, lse, delta, dk, dv, qd, dod, desc, cols.ptr, cols.mid, cols.order, cols.off, cols.tile,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -266,21 +292,22 @@ class TritonBackend:
                 lse.stride(0), lse.stride(1), 0, 0,
                 sq, sk, hkv, scale * LOG2E, scale,
                 GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                IEEE=q.dtype == torch.float32, TMA=c.tma,
+                IEEE=q.dtype == torch.float32, TMA=tma,
                 num_warps=c.num_warps, num_stages=c.num_stages,
             )
         if sq > 0:
-            c = self.config.for_head_dim(d, prepared.row_class).dq
+            c = self.config.for_head_dim(d, prepared.row_class, q.dtype).dq
             desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
             nm = rows.order.shape[1]
-            kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if c.tma else (k, v)
+            tma = _use_tma(c, q)
+            kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
             attn_bwd_dq_kernel[(nm * hq,)](
                 q, k, v, dout, lse, delta, dq, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), lse.stride(1),
                 0, 0, sq, sk, hq, scale * LOG2E, scale,
                 GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                IEEE=q.dtype == torch.float32, TMA=c.tma,
+                IEEE=q.dtype == torch.float32, TMA=tma,
                 num_warps=c.num_warps, num_stages=c.num_stages,
             )
         return dq, dk, dv

@@ -125,6 +125,43 @@ def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed):
     return res
 
 
+def extra_checks(be):
+    """forward_accumulate (two stages == one) and float32 inputs, against the fp64 reference."""
+    out = []
+    s, d = 2048, 128
+    tiles = M.tiles_for("docs_causal", s)
+    keep = M.dense_mask_from_tiles(tiles, s, s, device="cuda")
+    for dt in (torch.bfloat16, torch.float32):
+        g = torch.Generator(device="cuda").manual_seed(7)
+        q = torch.randn(s, 8, d, device="cuda", dtype=dt, generator=g)
+        k = torch.randn(s, 2, d, device="cuda", dtype=dt, generator=g)
+        v = torch.randn(s, 2, d, device="cuda", dtype=dt, generator=g)
+        dout = torch.randn_like(q)
+        ref = chunked_reference(q, k, v, dout, keep, torch.float64, d ** -0.5)
+        low = chunked_reference(q, k, v, dout, keep, dt, d ** -0.5)
+        # accumulate: odd and even tiles as two stages into a running (out, lse)
+        o = torch.zeros_like(q)
+        lse = torch.full((s, 8), float("-inf"), device="cuda")
+        for part in (tiles[0::2], tiles[1::2]):
+            be.forward_accumulate(q, k, v, be.prepare(part, s, s, head_dims=(d,)), d ** -0.5, o, lse)
+        prep = be.prepare(tiles, s, s, head_dims=(d,))
+        o1, l1 = be.forward(q, k, v, prep, d ** -0.5)
+        grads = be.backward(q, k, v, o1, l1, dout, prep, d ** -0.5)
+        r = {"check": f"accumulate+{str(dt).split('.')[-1]}"}
+        ok = True
+        for name, x, i in (("acc_out", o, 0), ("acc_lse", lse, 1), ("out", o1, 0), ("lse", l1, 1),
+                           ("dq", grads[0], 2), ("dk", grads[1], 3), ("dv", grads[2], 4)):
+            e, el = rms(x.double() - ref[i]), rms(low[i] - ref[i])
+            # fp32: the plain fp32 reference is near exact; allow 1e-5 relative instead of 2x
+            bound = 2 * el + (1e-5 if dt == torch.float32 else 1e-6) * rms(ref[i])
+            r[name] = {"err": e, "lowp_err": el}
+            ok = ok and e <= bound and not bool(torch.isnan(x).any())
+        r["pass"] = ok
+        print(json.dumps(r), flush=True)
+        out.append(r)
+    return out
+
+
 def big_runs(be):
     """S = 131072, Hq 32, Hkv 8, D 128, bf16: no NaN, peak memory (no S^2 buffers)."""
     out = []
@@ -189,7 +226,9 @@ def main():
                 print(line, flush=True)
             del keep
             torch.cuda.empty_cache()
-    big = big_runs(TritonBackend(TritonConfig(overrides, dense_fast_path=False))) if args.big else []
+    big = extra_checks(be_det)
+    if args.big:
+        big += big_runs(TritonBackend(TritonConfig(overrides, dense_fast_path=False)))
     n_fail = sum(not r["pass"] for r in results) + sum(not r["pass"] for r in big)
     summary = {"configs": {f"{d}/{c}": str(v) for (d, c), v in overrides.items()}, "fast_path_error": be.fast_path_error, "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                "command": " ".join(sys.argv), "torch": torch.__version__,
