@@ -55,6 +55,18 @@ def test_slurm_dry_run_prints_the_launch(script, expect):
     assert "NCCL_NVLS_ENABLE=0" in line
 
 
+def test_prebuilt_dataset_helpers_skip_make_only_for_the_wheel(monkeypatch, tmp_path):
+    import megatron.core.datasets.utils as dsu
+
+    original = dsu.compile_helpers
+    monkeypatch.setattr(dsu, "compile_helpers", original)  # restored after the test
+    wheel_layout = not (Path(dsu.__file__).parent / "Makefile").exists()
+    assert pretrain_llama.use_prebuilt_dataset_helpers() is wheel_layout
+    assert (dsu.compile_helpers is not original) is wheel_layout
+    if wheel_layout:
+        assert dsu.compile_helpers() is None
+
+
 def test_stdlib_documents_are_bytes_and_eod():
     from megatron_cp.megatron.demo import EOD, stdlib_batches, stdlib_stream
 

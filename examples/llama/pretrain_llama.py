@@ -100,6 +100,28 @@ def _gpt_datasets(args, num_samples):
     return BlendedMegatronDatasetBuilder(GPTDataset, num_samples, lambda: True, cfg).build()
 
 
+def use_prebuilt_dataset_helpers() -> bool:
+    """Skip Megatron's ``make`` of the dataset helpers when the installed package cannot need it.
+
+    ``initialize_megatron`` calls ``megatron.core.datasets.utils.compile_helpers`` on rank 0, which runs
+    ``make`` in the package folder and exits the job when that fails. The megatron-core wheel ships
+    the compiled ``helpers_cpp`` module but not its Makefile, so from a wheel ``make`` always fails.
+    When the compiled module imports and there is no Makefile, rebind that module attribute (the one
+    ``_compile_dependencies`` reads at call time) to a no-op. A source checkout (Makefile present) is
+    left alone. Returns whether it rebound.
+    """
+    import megatron.core.datasets.utils as dsu
+
+    if (Path(dsu.__file__).parent / "Makefile").exists():
+        return False
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return False
+    dsu.compile_helpers = lambda: None
+    return True
+
+
 def main_megatron(argv: list[str]) -> None:
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
@@ -114,6 +136,7 @@ def main_megatron(argv: list[str]) -> None:
     if args.context_parallel_impl != "megatron_cp":
         raise SystemExit("pretrain_llama.py runs --context-parallel-impl megatron_cp; for te use Megatron's pretrain_gpt.py")
     plugin.validate_args(args)
+    use_prebuilt_dataset_helpers()
     cfg = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, plugin.forward_step)
 
