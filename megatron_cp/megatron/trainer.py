@@ -67,7 +67,7 @@ def _unwrap(model):
 
 
 def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions = PlanOptions(),
-                     device=None):
+                     device=None, qkv_format: str = "sbhd"):
     """Run forward+backward on this rank's micro-batches; gradients are *sums* (not yet scaled).
 
     micro_batches: iterable of (tokens, labels, loss_mask), each ``[b, S]``, replicated in the CP
@@ -81,7 +81,7 @@ def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions 
     for tokens, labels, loss_mask in micro_batches:
         if device is not None:
             tokens, labels, loss_mask = tokens.to(device), labels.to(device), loss_mask.to(device)
-        bt = prepare_batch(tokens, labels, loss_mask, spec, cp_group, options)
+        bt = prepare_batch(tokens, labels, loss_mask, spec, cp_group, options, qkv_format=qkv_format)
         out = model(bt.tokens, bt.position_ids, None, labels=bt.labels, packed_seq_params=bt.params)
         loss, n, _ = loss_func(bt.loss_mask, out)
         loss.backward()
