@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .tiles import check_tiles
-from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dkdv_reduce_kernel, attn_bwd_dq_kernel
 from .triton_fwd import LOG2E, attn_fwd_kernel
 from .dense_fast_path import cudnn_backward, cudnn_forward, dense_kind
 from .triton_schedule import BlockSchedule, build_schedules, kept_area, tile_descriptors
@@ -67,11 +67,13 @@ class TritonConfig:
         tests, configs tuned by tools/bench_kernels.py --tune).
     deterministic: backward bitwise reproducible (Triton kernels only, no atomics, no cuDNN).
     dense_fast_path: route a single full / square causal tile covering everything to cuDNN (CUDA only).
+    dkdv_split_min: see triton_schedule.column_work (long key columns run as several programs).
     """
 
     overrides: dict = field(default_factory=dict)
     deterministic: bool = False
     dense_fast_path: bool = True
+    dkdv_split_min: int = 16  # dK/dV: split k blocks with > 2x the mean entries and > this many (schedule)
 
     def for_head_dim(self, head_dim: int, row_class: str = "long", dtype=None) -> StageConfigs:
         if (head_dim, row_class) in self.overrides:
@@ -95,6 +97,7 @@ class TritonPrepared:
     desc: torch.Tensor  # int32 [n, 6] (qs, qe, ks, ke, lo, hi)
     row_class: str = "long"  # "long" / "short": mean kept keys per row vs LONG_ROW_KEYS
     dense: bool | None = None  # is_causal for the dense fast path, None when it does not apply
+    split_min: int = 16
     _host: dict = field(default_factory=dict)  # (bm, bn) -> (rows, cols) on cpu
     _dev: dict = field(default_factory=dict)  # (bm, bn, device) -> (desc, rows, cols)
 
@@ -103,7 +106,7 @@ class TritonPrepared:
         if key not in self._dev:
             if (block_m, block_n) not in self._host:
                 self._host[(block_m, block_n)] = build_schedules(
-                    self.tiles, self.seqlen_q, self.seqlen_k, block_m, block_n)
+                    self.tiles, self.seqlen_q, self.seqlen_k, block_m, block_n, self.split_min)
             rows, cols = self._host[(block_m, block_n)]
             self._dev[key] = (self.desc.to(device), rows.to(device), cols.to(device))
         return self._dev[key]
@@ -192,13 +195,13 @@ class TritonBackend:
         row_class = "long" if area >= LONG_ROW_KEYS * max(seqlen_q, 1) else "short"
         prep = TritonPrepared(tiles, int(seqlen_q), int(seqlen_k),
                               tile_descriptors(tiles).to(torch.int32).contiguous(), row_class,
-                              dense_kind(tiles, seqlen_q, seqlen_k))
+                              dense_kind(tiles, seqlen_q, seqlen_k), self.config.dkdv_split_min)
         for d in head_dims:
             c = self.config.for_head_dim(d, row_class)
             for kc in (c.fwd, c.dq, c.dkdv):
                 if (kc.block_m, kc.block_n) not in prep._host:
                     prep._host[(kc.block_m, kc.block_n)] = build_schedules(
-                        tiles, prep.seqlen_q, prep.seqlen_k, kc.block_m, kc.block_n)
+                        tiles, prep.seqlen_q, prep.seqlen_k, kc.block_m, kc.block_n, prep.split_min)
         return prep
 
     # -- forward ----------------------------------------------------------------------------------
@@ -282,11 +285,17 @@ class TritonBackend:
         if sk > 0 and hkv > 0:
             c = self.config.for_head_dim(d, prepared.row_class, q.dtype).dkdv
             desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
-            nn = cols.order.shape[1]
+            w = cols.work
             tma = _use_tma(c, q)
             qd, dod = (_descriptor(x, c.block_m) for x in (q, dout)) if tma else (q, dout)
-            attn_bwd_dkdv_kernel[(nn * hkv,)](
-                q, k, v, dout, lse, delta, dk, dv, qd, dod, desc, cols.ptr, cols.mid, cols.order, cols.off, cols.tile,
+            if w.n_slots:
+                wk = torch.empty(w.n_slots, hkv, c.block_n, d, device=q.device, dtype=torch.float32)
+                wv = torch.empty_like(wk)
+            else:
+                wk = wv = dk  # unused
+            attn_bwd_dkdv_kernel[(w.n.shape[0] * hkv,)](
+                q, k, v, dout, lse, delta, dk, dv, qd, dod, desc, cols.ptr, cols.mid, cols.off, cols.tile,
+                w.n, w.seg, w.nseg, w.slot, wk, wv,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                 lse.stride(0), lse.stride(1), 0, 0,
@@ -295,6 +304,12 @@ class TritonBackend:
                 IEEE=q.dtype == torch.float32, TMA=tma,
                 num_warps=c.num_warps, num_stages=c.num_stages,
             )
+            if w.n_slots:
+                attn_bwd_dkdv_reduce_kernel[(w.red_n.shape[0] * hkv,)](
+                    wk, wv, dk, dv, w.red_n, w.red_slot0, w.red_nseg,
+                    dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), sk, hkv,
+                    HEAD_DIM=d, BLOCK_N=c.block_n, num_warps=4,
+                )
         if sq > 0:
             c = self.config.for_head_dim(d, prepared.row_class, q.dtype).dq
             desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)

@@ -100,7 +100,7 @@ def _dkdv_inner(dk, dv, k, v, offs_n, Qh, DOh, QD, DOD, col0, lse_h, delta_h, st
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, QD, DOD, DESC, PTR, MID, ORDER, OFF, TID,
+    Q, K, V, DO, LSE, DELTA, DK, DV, QD, DOD, DESC, PTR, MID, OFF, TID, W_N, W_SEG, W_NSEG, W_SLOT, WK, WV,
     stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh,
     stride_dks, stride_dkh, stride_dvs, stride_dvh, stride_ls, stride_lh,
     sched_stride_b, sched_stride_e,
@@ -111,7 +111,11 @@ def attn_bwd_dkdv_kernel(
     pid = tl.program_id(0)
     hk = pid % n_kv_heads
     i = pid // n_kv_heads
-    n = tl.load(ORDER + hk * 0 + i)
+    # work item i: segment seg of nseg of k block n's entry list (see triton_schedule.ColumnWork)
+    n = tl.load(W_N + i)
+    seg = tl.load(W_SEG + i)
+    nseg = tl.load(W_NSEG + i)
+    slot = tl.load(W_SLOT + i)
     offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n64 = offs_n.to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -125,9 +129,12 @@ def attn_bwd_dkdv_kernel(
     for g in range(GROUP):
         h = hk * GROUP + g
         # per-head schedule rows (stride 0 today: one schedule shared by all heads)
-        e0 = tl.load(PTR + h * sched_stride_b + n)
-        e_mid = tl.load(MID + h * sched_stride_b + n)
-        e1 = tl.load(PTR + h * sched_stride_b + n + 1)
+        p0 = tl.load(PTR + h * sched_stride_b + n)
+        p1 = tl.load(PTR + h * sched_stride_b + n + 1)
+        mid = tl.load(MID + h * sched_stride_b + n)
+        e0 = p0 + ((p1 - p0) * seg) // nseg
+        e1 = p0 + ((p1 - p0) * (seg + 1)) // nseg
+        e_mid = tl.minimum(tl.maximum(mid, e0), e1)
         off = OFF + h * sched_stride_e
         tid = TID + h * sched_stride_e
         qh = Q + h * stride_qh
@@ -142,6 +149,41 @@ def attn_bwd_dkdv_kernel(
                              stride_ls, off, tid, DESC, e_mid, e1, sq, qk_scale, BLOCK_M, HEAD_DIM, True, IEEE,
                              TMA)
     dk = dk * sm_scale
+    if slot < 0:
+        tl.store(DK + offs_n64[:, None] * stride_dks + hk * stride_dkh + offs_d[None, :],
+                 dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+        tl.store(DV + offs_n64[:, None] * stride_dvs + hk * stride_dvh + offs_d[None, :],
+                 dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+    else:  # one segment of a split k block: fp32 partial into its workspace slot
+        tile = tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM + offs_d[None, :]
+        base = (slot * n_kv_heads + hk).to(tl.int64) * (BLOCK_N * HEAD_DIM)
+        tl.store(WK + base + tile, dk)
+        tl.store(WV + base + tile, dv)
+
+
+@triton.jit
+def attn_bwd_dkdv_reduce_kernel(
+    WK, WV, DK, DV, RED_N, RED_SLOT0, RED_NSEG, stride_dks, stride_dkh, stride_dvs, stride_dvh, sk, n_kv_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dK/dV of split k blocks: the sum of their segments' partials, always in slot order."""
+    pid = tl.program_id(0)
+    hk = pid % n_kv_heads
+    i = pid // n_kv_heads
+    n = tl.load(RED_N + i)
+    s0 = tl.load(RED_SLOT0 + i)
+    ns = tl.load(RED_NSEG + i)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tile = tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM + offs_d[None, :]
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for s in range(s0, s0 + ns):
+        base = (s * n_kv_heads + hk).to(tl.int64) * (BLOCK_N * HEAD_DIM)
+        dk += tl.load(WK + base + tile)
+        dv += tl.load(WV + base + tile)
+    offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n64 = offs_n.to(tl.int64)
+    col_ok = offs_n < sk
     tl.store(DK + offs_n64[:, None] * stride_dks + hk * stride_dkh + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + offs_n64[:, None] * stride_dvs + hk * stride_dvh + offs_d[None, :],

@@ -55,12 +55,62 @@ class BlockSchedule:
     tile: torch.Tensor
     n_full: int
     n_partial: int
+    work: "ColumnWork | None" = None  # column-major schedules only
 
     def to(self, device) -> "BlockSchedule":
         return BlockSchedule(
             self.ptr.to(device), self.mid.to(device), self.order.to(device), self.off.to(device),
-            self.tile.to(device), self.n_full, self.n_partial,
+            self.tile.to(device), self.n_full, self.n_partial, None if self.work is None else self.work.to(device),
         )
+
+
+@dataclass
+class ColumnWork:
+    """dK/dV work items: k block ``n[i]``, segment ``seg[i]`` of ``nseg[i]`` equal parts of its entry list.
+
+    A k block met by many more q blocks than average (global keys, attention sinks) would make one program
+    run far longer than the rest; it is cut into segments whose programs write fp32 partials to workspace
+    slot ``slot[i]`` (-1: unsplit, written directly), summed afterwards in a fixed order by
+    ``red_*`` (k block, first slot, number of slots): still deterministic. Items are heaviest first.
+    """
+
+    n: torch.Tensor
+    seg: torch.Tensor
+    nseg: torch.Tensor
+    slot: torch.Tensor
+    red_n: torch.Tensor
+    red_slot0: torch.Tensor
+    red_nseg: torch.Tensor
+    n_slots: int
+
+    def to(self, device) -> "ColumnWork":
+        f = lambda x: x.to(device)  # noqa: E731
+        return ColumnWork(f(self.n), f(self.seg), f(self.nseg), f(self.slot), f(self.red_n), f(self.red_slot0),
+                          f(self.red_nseg), self.n_slots)
+
+
+def column_work(ptr: torch.Tensor, min_segment: int = 16, imbalance: float = 2.0) -> ColumnWork:
+    """Split k blocks with more than ``imbalance`` x the mean entries (and > min_segment) into segments."""
+    counts = (ptr[1:] - ptr[:-1]).long()
+    nn = counts.numel()
+    mean = float(counts.sum()) / max(nn, 1)
+    seg_len = max(min_segment, int(imbalance * mean) + 1)
+    nseg = torch.clamp((counts + seg_len - 1) // seg_len, min=1)
+    n = torch.repeat_interleave(torch.arange(nn), nseg)
+    first = torch.repeat_interleave(torch.cumsum(nseg, 0) - nseg, nseg)
+    seg = torch.arange(n.numel()) - first
+    ns = nseg[n]
+    split = ns > 1
+    slot = torch.full_like(n, -1)
+    slot[split] = torch.arange(int(split.sum()))
+    red_n = torch.nonzero(nseg > 1).flatten()
+    red_nseg = nseg[red_n]
+    red_slot0 = torch.cumsum(red_nseg, 0) - red_nseg
+    per_item = counts[n] / ns
+    order = torch.argsort(-per_item, stable=True)
+    i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
+    return ColumnWork(i32(n[order]), i32(seg[order]), i32(ns[order]), i32(slot[order]), i32(red_n), i32(red_slot0),
+                      i32(red_nseg), int(split.sum()))
 
 
 def tile_descriptors(tiles: torch.Tensor) -> torch.Tensor:
@@ -135,8 +185,10 @@ def _csr(major, minor_off, tid, full, n_major):
                          int(full.sum()), int((~full).sum()))
 
 
-def build_schedules(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int):
-    """Row-major (per q block) and column-major (per k block) schedules for blocks (block_m, block_n).
+def build_schedules(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
+                    split_min_segment: int = 16):
+    """Row-major (per q block) and column-major (per k block) schedules for blocks (block_m, block_n);
+    the column schedule's dK/dV work items split long columns (``column_work``).
 
     Returns (rows: BlockSchedule, cols: BlockSchedule) on the CPU.
     """
@@ -146,6 +198,7 @@ def build_schedules(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, block_m: 
     nn = (seqlen_k + block_n - 1) // block_n
     rows = _csr(m, n * block_n, tid, full, nm)
     cols = _csr(n, m * block_m, tid, full, nn)
+    cols.work = column_work(cols.ptr[0], split_min_segment)
     return rows, cols
 
 
