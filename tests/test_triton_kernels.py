@@ -1,19 +1,12 @@
 """Triton tile-list kernels on CPU through Triton's interpreter, against a dense fp64 reference.
 
-TRITON_INTERPRET must be set before triton is first imported. Run alone (pytest
-tests/test_triton_kernels.py) this module sets it at the top; in a session where another module already
-imported triton, the whole file re-runs itself in a fresh subprocess with TRITON_INTERPRET=1 (one test)
-and the in-process copies skip. Tiny shapes keep the interpreter fast (about a minute on 2 cores).
+TRITON_INTERPRET must be set before triton is first imported: tests/conftest.py does it for the whole
+session. Tiny shapes keep the interpreter fast (about a minute on 2 cores).
 """
 
 import os
-import subprocess
-import sys
 
-# triton already imported (by another test module) without the interpreter: run in a subprocess instead
-_SUBPROCESS = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not _SUBPROCESS:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest.py, before anything imports triton
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -25,21 +18,6 @@ from megatron_cp.kernels.triton_backend import (  # noqa: E402
     KernelConfig, StageConfigs, TritonBackend, TritonConfig,
 )
 from megatron_cp.kernels.triton_schedule import build_schedules, kept_area  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _in_process_only(request):
-    if _SUBPROCESS and request.node.name != "test_interpreter_subprocess":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1; covered by test_interpreter_subprocess")
-
-
-@pytest.mark.skipif(not _SUBPROCESS, reason="runs only when triton was imported before this module")
-def test_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 
 
 def backend(bm=16, bn=16, d=16, tma=False, split_min=16):
