@@ -227,3 +227,47 @@ def test_plan_errors():
         mcp.plan(M.causal(8), 2, solver="best")
     with pytest.raises(ValueError, match="no process group"):
         mcp.attention(torch.randn(4, 1, 2), torch.randn(4, 1, 2), torch.randn(4, 1, 2), mcp.plan(M.causal(8), 2))
+
+
+def _triton_cases(rank, world):
+    """The distributed runtime on the Triton backend (CPU interpreter; K/V buffers are strided views)."""
+    from megatron_cp.kernels.triton_backend import TritonBackend
+
+    calls = []
+    for name in ("forward", "backward"):
+        real = getattr(TritonBackend, name)
+        setattr(TritonBackend, name, (lambda real, name: lambda self, *a, **k: calls.append(name) or real(self, *a, **k))(real, name))
+    masks = builder_masks()
+    res = {}
+    for name in ("causal", "varlen", "strided", "global_local"):
+        mask = masks[name]
+        plan = mcp.plan(mask, world)
+        res[name] = _case_backend(rank, world, mask, plan, "triton")
+    res["random"] = _case_backend(rank, world, random_mask(3), mcp.plan(random_mask(3), world), "triton")
+    assert "forward" in calls and "backward" in calls, calls
+    return res
+
+
+def _case_backend(rank, world, mask, plan, backend, hq=4, hkv=2, d=16):
+    s = mask.seqlen_q
+    gen = torch.Generator().manual_seed(99)
+    q, do = (torch.randn(s, hq, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(s, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    o_ref, l_ref = dense_attention(qr, kr, vr, torch.as_tensor(mask.to_dense()), 0.3)
+    (o_ref * do).sum().backward()
+    group = dist.group.WORLD
+    ql, kl, vl = (mcp.dispatch(t.float(), plan, group).detach().requires_grad_() for t in (q, k, v))
+    out, lse = mcp.attention(ql, kl, vl, plan, group, softmax_scale=0.3, backend=backend)
+    ids = torch.from_numpy(plan.local_ids(rank))
+    (out.double() * do[ids]).sum().backward()
+    fin = torch.isfinite(l_ref[ids])
+    assert torch.equal(torch.isfinite(lse), fin)
+    err = lambda a, b: float((a.detach().double() - b).abs().max())  # noqa: E731
+    return {"out": err(out, o_ref[ids]), "lse": err(lse[fin], l_ref[ids][fin]), "dq": err(ql.grad, qr.grad[ids]),
+            "dk": err(kl.grad, kr.grad[ids]), "dv": err(vl.grad, vr.grad[ids])}
+
+
+def test_triton_backend_in_the_distributed_path():
+    pytest.importorskip("triton")
+    _check(run_ranks(_triton_cases, 2))
