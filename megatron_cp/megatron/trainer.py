@@ -60,10 +60,6 @@ class StepResult:
     tokens: int  # global number of loss tokens
 
 
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions = PlanOptions(),
