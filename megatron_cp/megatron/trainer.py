@@ -60,8 +60,6 @@ class StepResult:
     tokens: int  # global number of loss tokens
 
 
-
-
 def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions = PlanOptions(),
                      device=None, qkv_format: str = "sbhd"):
     """Run forward+backward on this rank's micro-batches; gradients are *sums* (not yet scaled).
