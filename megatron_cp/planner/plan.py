@@ -180,6 +180,16 @@ class Plan:
         }
         if self.topology is not None:
             out["inter_node_bytes"] = int(self._inter_node_tokens() * per_token)
+            g = self.topology.gpus_per_node
+            nodes = [
+                np.unique(np.concatenate([np.zeros(0, np.int64)] + [
+                    _runs_to_ids(runs) for r in self.ranks if r.rank // g == n
+                    for src, runs in enumerate(r.recv_runs) if src // g != n
+                ]))
+                for n in range(self.topology.nodes)
+            ]
+            # what hierarchical routes move: each token once per destination node
+            out["inter_node_bytes_hierarchical"] = int(sum(len(x) for x in nodes) * per_token)
         return out
 
     def _inter_node_tokens(self) -> int:
@@ -276,9 +286,15 @@ def plan(
         candidates["swap"] = solvers.swap_balanced(
             seqlen, cp, prefix=prefix, chunk_size=chunk, key_spans=spans, tol=imbalance_target
         )
+    multi_node = topology is not None and topology.nodes > 1
+    if (multi_node and solver == "auto") or solver == "hierarchical":
+        topo = topology if topology is not None else Topology(1, cp)
+        candidates["hierarchical"] = _hierarchical(traps, spans, prefix, seqlen, topo, chunk, imbalance_target)
     scores = {}
     for name, (b, o) in candidates.items():
         scores[name] = _score(traps, spans, b, o, cp, prefix)
+        if multi_node:  # least inter-node traffic first (deduplicated per destination node)
+            scores[name] = (scores[name][0], _inter_node_max(spans, b, o, topology), *scores[name][1:])
     if solver == "auto" and not any(sc[0] <= imbalance_target for sc in scores.values()):
         # nothing balances whole chunks: deal the heaviest chunks out in pieces (dense rows)
         candidates["greedy_split"] = solvers.greedy(
@@ -308,6 +324,43 @@ def plan(
         digest=h.hexdigest(),
         candidates=scores,
     )
+
+
+def _node_need(spans, bounds, owner, topology) -> list[np.ndarray]:
+    """Per node: merged runs of keys its rows need that live on other nodes."""
+    g = topology.gpus_per_node
+    ci, k0, k1 = spans.spans(bounds)
+    node = owner.astype(np.int64) // g
+    out = []
+    for n in range(topology.nodes):
+        sel = node[ci] == n
+        need = _merge_runs(np.stack([k0[sel], k1[sel]], axis=1))
+        own = _merge_runs(np.stack([bounds[:-1][node == n], bounds[1:][node == n]], axis=1))
+        out.append(_subtract_runs(need, own))
+    return out
+
+
+def _inter_node_max(spans, bounds, owner, topology) -> int:
+    """Most key tokens any node receives from other nodes (each token once per node)."""
+    return max(int((r[:, 1] - r[:, 0]).sum()) for r in _node_need(spans, bounds, owner, topology))
+
+
+def _hierarchical(traps, spans, prefix, seqlen, topology, chunk, tol):
+    nodes = topology.nodes
+    kw = dict(prefix=prefix, chunk_size=chunk, key_spans=spans, tol=tol)
+    node_cands = [solvers.contiguous(seqlen, nodes)]
+    if nodes > 1:
+        node_cands.append(solvers.zigzag(seqlen, nodes))
+        node_cands.append(solvers.greedy(seqlen, nodes, **kw))
+        node_cands.append(solvers.swap_balanced(seqlen, nodes, **kw))
+    flat = Topology(nodes, 1)
+
+    def key(bo):
+        imb = _score(traps, spans, bo[0], bo[1], nodes, prefix)[0]
+        return (imb > tol / 2, _inter_node_max(spans, bo[0], bo[1], flat), imb)
+
+    best = min(node_cands, key=key)
+    return solvers.hierarchical(seqlen, topology.world_size, gpus_per_node=topology.gpus_per_node, node_layout=best, **kw)
 
 
 def _rank_plans(traps, prefix, spans, bounds, owner, cp) -> tuple:

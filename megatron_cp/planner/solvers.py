@@ -15,6 +15,9 @@ plan that balances attention by giving one rank most of the tokens would only mo
 - ``greedy``: chunks sorted by area (largest first) go to the least-loaded rank that has token room,
   preferring among near-ties the rank that already holds the keys the chunk needs. Chunks whose
   rows are too heavy to balance (dense global rows) are split finer first.
+- ``hierarchical``: node layout first (least inter-node keys among balanced node-level candidates),
+  then each node's rows dealt to its GPUs in order and balanced by swaps. Without a multi-node
+  topology the whole sequence is one node.
 - ``auto`` (default): evaluates the candidates above and keeps the one with the least key traffic
   among those within the imbalance target, else the best balanced one.
 """
@@ -190,6 +193,55 @@ def swap_balanced(
     return bounds, owner
 
 
+def hierarchical(
+    seqlen: int,
+    cp: int,
+    *,
+    prefix: np.ndarray,
+    chunk_size: int,
+    key_spans: "KeySpans",
+    tol: float,
+    gpus_per_node: int,
+    node_layout: tuple[np.ndarray, np.ndarray],
+    **_,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Node first, then GPUs: ``node_layout`` = (bounds, node owner) from a solver run with
+    cp = nodes (chosen by the caller for least inter-node keys under balance). Each node's rows are
+    cut into fine chunks, dealt to its GPUs in order (equal chunk counts: neighbours stay together,
+    keys mostly stay on the GPU), then chunks are swapped between the most and least loaded GPUs of
+    the node until within ``tol/2`` (the swap whose area difference is closest to half the gap).
+    Rank = node * gpus_per_node + local GPU."""
+    g = gpus_per_node
+    nb, no = node_layout
+    c = max(1, min(greedy_chunk(seqlen, cp, prefix, chunk_size, tol), max(1, int(np.diff(nb).min()) // 2)))
+    grid = np.arange(0, seqlen, c, dtype=np.int64)
+    bounds = np.unique(np.concatenate([nb, grid, [seqlen]]))
+    node = no[np.searchsorted(nb, bounds[:-1], side="right") - 1].astype(np.int64)
+    area = (prefix[bounds[1:]] - prefix[bounds[:-1]]).astype(np.float64)
+    owner = np.zeros(len(bounds) - 1, dtype=np.int32)
+    target = float(prefix[-1]) / cp
+    for n in np.unique(node):
+        idx = np.nonzero(node == n)[0]
+        local = (np.arange(len(idx)) * g // max(len(idx), 1)).astype(np.int64)  # in order, equal counts
+        load = np.bincount(local, weights=area[idx], minlength=g)
+        for _ in range(4 * len(idx)):
+            a, b = int(np.argmax(load)), int(np.argmin(load))
+            gap = load[a] - load[b]
+            if target <= 0 or load[a] / target - 1 <= tol / 2 or gap <= 0:
+                break
+            xa, xb = np.nonzero(local == a)[0], np.nonzero(local == b)[0]
+            delta = area[idx[xa]][:, None] - area[idx[xb]][None, :]
+            ok = (delta > 0) & (delta < gap)
+            if not ok.any():
+                break
+            i, j = np.unravel_index(np.argmin(np.where(ok, np.abs(delta - gap / 2), np.inf)), delta.shape)
+            local[xa[i]], local[xb[j]] = b, a
+            load[a] -= delta[i, j]
+            load[b] += delta[i, j]
+        owner[idx] = (n * g + local).astype(np.int32)
+    return bounds, owner
+
+
 class KeySpans:
     """For each query row range, the key interval it needs: the rows of one trapezoid need the
     contiguous keys ``[lo(first row), hi(last row))`` because both lines are non-decreasing."""
@@ -217,4 +269,4 @@ class KeySpans:
         return ci, k0, k1
 
 
-SOLVERS = ("auto", "contiguous", "zigzag", "greedy", "swap")
+SOLVERS = ("auto", "contiguous", "zigzag", "greedy", "swap", "hierarchical")

@@ -1,7 +1,15 @@
 """Distributed attention over a plan: GroupCast K/V, compute local tiles, GroupReduce dK/dV.
 
-Queries never move: each rank computes every cell of its own rows, so the forward needs no output
-merge across ranks and the LSE a rank computes is already the global one that its backward uses.
+Queries never move: each rank computes every cell of its own rows, so the LSE a rank computes is
+already the global one that its backward uses.
+
+Staged path (default): the schedule (``planner.schedule``) splits the remote keys into stages chosen
+by the cost model; the GroupCast of stage ``s + 1`` is in flight while the kernel computes stage ``s``
+(own keys first), and stage outputs are merged by LSE. Backward computes the remote stages first and
+GroupReduces each one's dK/dV while the next stage computes, ending with the own-key stage so the
+last reduce hides behind it. Remote K/V are kept from forward (no second cast). With a multi-node
+``plan.topology``, routes are hierarchical (one crossing per destination node). ``stages=0`` keeps the
+single-exchange path (one GroupCast of everything, then one kernel call).
 """
 
 from __future__ import annotations
@@ -13,9 +21,11 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..comm import check_same_on_all_ranks, group_cast, group_reduce
+from ..comm import BufferPool, DeviceRoute, cast_steps, check_same_on_all_ranks, group_cast, group_reduce, reduce_steps
 from ..masks.geometry import KINDS
 from ..planner import Plan
+from ..planner.cost import CostModel, Workload
+from ..planner.schedule import Schedule, schedule as build_schedule
 
 # The planner's kind codes are the kernels' tile codes; fail at import if they ever drift apart.
 assert all(kernels.KIND_CODES[k] == c for c, k in enumerate(KINDS)), "mask and kernel kind codes differ"
@@ -139,7 +149,157 @@ class _CPAttention(torch.autograd.Function):
         return dq, d_local[:, :hkv], d_local[:, hkv:], None, None, None
 
 
-def attention(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: str = "auto"):
+_POOLS: dict = {}
+
+
+def buffer_pool(device) -> BufferPool:
+    """The communication scratch pool of ``device`` (shared by every layer; bounded by the largest
+    stage)."""
+    key = str(device)
+    if key not in _POOLS:
+        _POOLS[key] = BufferPool()
+    return _POOLS[key]
+
+
+@dataclass
+class _StagedRuntime:
+    s_local: int
+    backend: object
+    prepared: list  # per stage (None when the stage has no tile on this rank)
+    buf_len: list
+    routes: list  # per stage (None for stage 0)
+    active: list  # per stage: does its exchange move anything anywhere
+    pool: BufferPool
+
+
+def _staged_runtime(plan: Plan, sched: Schedule, rank: int, device, backend_name: str) -> _StagedRuntime:
+    key = ("staged", id(sched), rank, str(device), backend_name)
+    rt = plan.cache.get(key)
+    if rt is None:
+        backend = kernels.get_backend(backend_name, device)
+        stages = sched.ranks[rank]
+        prepared = []
+        for st in stages:
+            if len(st.tiles):
+                tiles = torch.from_numpy(st.tiles.astype("int32"))
+                prepared.append(backend.prepare(tiles, plan.num_local(rank), max(st.buf_len, 1)))
+            else:
+                prepared.append(None)
+        rt = _StagedRuntime(
+            s_local=plan.num_local(rank),
+            backend=backend,
+            prepared=prepared,
+            buf_len=[st.buf_len for st in stages],
+            routes=[None] + [DeviceRoute.from_route(st.route, device) for st in stages[1:]],
+            active=[False] + list(sched.active),
+            pool=buffer_pool(device),
+        )
+        plan.cache[key] = rt
+    return rt
+
+
+def merge_lse(acc, lse, o, l):
+    """Merge a partial (``o`` [s, H, D], ``l`` [s, H]) into the running (``acc``, ``lse``) in place:
+    L = max + log1p(exp(min - max)), O = sum_i exp(L_i - L) O_i; rows where both are -inf stay 0/-inf."""
+    mx = torch.maximum(lse, l)
+    dead = mx == float("-inf")
+    mxs = torch.where(dead, torch.zeros_like(mx), mx)
+    new = mxs + torch.log1p(torch.exp(torch.minimum(lse, l) - mxs))
+    new = torch.where(dead, mx, new)
+    ns = torch.where(dead, torch.zeros_like(new), new)
+    acc.mul_(torch.exp(lse - ns).unsqueeze(-1)).add_(o.to(acc.dtype) * torch.exp(l - ns).unsqueeze(-1))
+    lse.copy_(new)
+
+
+class _StagedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, rt: _StagedRuntime, group, scale):
+        hkv = k.shape[1]
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        kv = torch.cat([k, v], dim=1)  # [s, 2*Hkv, D]: one exchange for K and V
+        n = len(rt.prepared) - 1
+        bufs = [kv] + [None] * n
+        gens = {}
+
+        def start(s):
+            if s > n:
+                return
+            bufs[s] = kv.new_empty((rt.buf_len[s],) + tuple(kv.shape[1:]))
+            if rt.active[s]:
+                gens[s] = cast_steps(kv, rt.routes[s], group, bufs[s], rt.pool, "cast")
+                next(gens[s])
+
+        acc = torch.zeros(q.shape[:2] + (v.shape[-1],), dtype=cdt, device=q.device)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=cdt, device=q.device)
+        for s in range(n + 1):
+            if s in gens:
+                for _ in gens.pop(s):
+                    pass
+            start(s + 1)  # prefetch the next stage while this one computes
+            if rt.prepared[s] is not None:
+                b = bufs[s]
+                o, l = rt.backend.forward(q, b[:, :hkv], b[:, hkv:], rt.prepared[s], scale)
+                merge_lse(acc, lse, o, l.to(cdt))
+        out = acc.to(q.dtype)
+        lse = lse.to(torch.float32)
+        ctx.save_for_backward(q, out, lse, *bufs)
+        ctx.rt, ctx.group, ctx.scale, ctx.hkv = rt, group, scale, hkv
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, out, lse, *bufs = ctx.saved_tensors
+        rt, group, hkv = ctx.rt, ctx.group, ctx.hkv
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dout = dout.contiguous()
+        delta = (dout.to(cdt) * out.to(cdt)).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.to(cdt)
+        n = len(bufs) - 1
+        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
+        d_local = torch.zeros(bufs[0].shape, dtype=cdt, device=q.device)
+        pending = []
+        for s in list(range(1, n + 1)) + [0]:  # remote stages first; own keys hide the last reduce
+            b = bufs[s]
+            if rt.prepared[s] is not None:
+                dq_s, dk_s, dv_s = rt.backend.backward(
+                    q, b[:, :hkv], b[:, hkv:], out, lse, dout, rt.prepared[s], ctx.scale, delta
+                )
+                dq += dq_s
+                dkv = torch.cat([dk_s, dv_s], dim=1)
+            else:
+                dkv = None
+            for g in list(pending):  # advance in-flight reduces by one phase
+                if next(g, StopIteration) is StopIteration:
+                    pending.remove(g)
+            if s == 0:
+                if dkv is not None:
+                    d_local += dkv
+            elif rt.active[s]:
+                grad = dkv if dkv is not None else b.new_zeros(b.shape)
+                g = reduce_steps(grad, rt.routes[s], group, d_local, rt.pool, ("reduce", s % 3))
+                next(g)
+                pending.append(g)
+        for g in pending:
+            for _ in g:
+                pass
+        d_local = d_local.to(q.dtype)
+        return dq.to(q.dtype), d_local[:, :hkv], d_local[:, hkv:], None, None, None
+
+
+def attention(
+    q,
+    k,
+    v,
+    plan: Plan,
+    group=None,
+    softmax_scale=None,
+    *,
+    backend: str = "auto",
+    stages: int | None = None,
+    cost_model: CostModel | None = None,
+    hierarchical: bool = True,
+):
     """Context-parallel attention of this rank's tokens under ``plan``.
 
     q: [s_local, Hq, D], k/v: [s_local, Hkv, D] (Hkv divides Hq), this rank's tokens in the plan's
@@ -147,10 +307,24 @@ def attention(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: s
     (None when ``plan.cp_size == 1``). Returns ``out`` [s_local, Hq, D] (q's dtype) and ``lse``
     [s_local, Hq] float32 natural log; rows with no kept key give out 0 and lse -inf.
     Differentiable in q, k, v; bad input raises before any collective.
+
+    ``stages``: remote K/V stages overlapped with compute; None (default) lets ``cost_model``
+    (``planner.cost.CostModel``, defaults when None; see ``tools/calibrate.py``) choose; 0 uses one
+    exchange without overlap. ``hierarchical``: two-phase routes when ``plan.topology`` has several
+    nodes (each K/V row crosses nodes once per destination node).
     """
     rank = _group_rank(plan, group)
     _check_inputs(q, k, v, plan, rank, softmax_scale)
+    if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 0):
+        raise ValueError(f"stages must be None or an int >= 0, got {stages!r}")
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
     _verify_plan(plan, group, q.device)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    rt = _runtime(plan, rank, q.device, backend)
-    return _CPAttention.apply(q, k, v, rt, group if plan.cp_size > 1 else None, scale)
+    if stages == 0:
+        rt = _runtime(plan, rank, q.device, backend)
+        return _CPAttention.apply(q, k, v, rt, group if plan.cp_size > 1 else None, scale)
+    work = Workload(q.shape[1], k.shape[1], q.shape[2], q.element_size())
+    sched = build_schedule(plan, stages, cost=cost_model, work=work, hierarchical=hierarchical)
+    rt = _staged_runtime(plan, sched, rank, q.device, backend)
+    return _StagedAttention.apply(q, k, v, rt, group if plan.cp_size > 1 else None, scale)

@@ -1,0 +1,395 @@
+"""Ring, Ulysses, USP and all-gather context parallelism over the same plans, masks and kernels.
+
+One core, ``_usp``: Ulysses all-to-all inside groups of ``u`` consecutive ranks, then a K/V ring over
+the ``cp / u`` groups. ``ring`` is u = 1, ``ulysses`` is u = cp. The all-to-alls and the ring use
+point-to-point ops inside the CP group (no sub-groups are created, so any CP group works).
+Tiles of every step are the plan's mask clipped to (query runs x key runs) of that step, so every
+strategy is exact for any mask; the layouts they need are about balance, not correctness.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import kernels
+from ..comm.collectives import _wire, all_gather_v, all_to_all_v
+from ..planner import Plan
+from ..planner import plan as make_plan
+from ..planner.schedule import clip_tiles, mask_traps
+from ..runtime.attention import _check_inputs, _group_rank, merge_lse
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def _cached(plan: Plan, key, build):
+    v = plan.cache.get(key)
+    if v is None:
+        v = build()
+        plan.cache[key] = v
+    return v
+
+
+def _traps(plan: Plan) -> np.ndarray:
+    return _cached(plan, ("baseline", "mask_traps"), lambda: mask_traps(plan))
+
+
+def _prepared(plan, key, backend, tiles: np.ndarray, sq: int, sk: int):
+    """Backend-prepared tile list (None when empty), cached on the plan."""
+
+    def build():
+        if len(tiles) == 0:
+            return None
+        return backend.prepare(torch.from_numpy(tiles.astype("int32")), sq, max(sk, 1))
+
+    return _cached(plan, ("baseline", "prep", backend.name) + key, build)
+
+
+def _runs_len(runs) -> int:
+    return int((runs[:, 1] - runs[:, 0]).sum()) if len(runs) else 0
+
+
+def _scale(q, softmax_scale):
+    return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+class _TileAttention(torch.autograd.Function):
+    """Differentiable backend call on one tile list (used by the composed strategies)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, backend, prepared, scale):
+        out, lse = backend.forward(q, k, v, prepared, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.backend, ctx.prepared, ctx.scale = backend, prepared, scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dout = dout.contiguous()
+        delta = (dout.to(cdt) * out.to(cdt)).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.to(cdt)
+        dq, dk, dv = ctx.backend.backward(q, k, v, out, lse, dout, ctx.prepared, ctx.scale, delta)
+        return dq, dk, dv, None, None, None
+
+
+def _empty_result(q, hv):
+    out = q.new_zeros(q.shape[:2] + (hv,))
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    return out + 0 * q.sum(), lse  # keep q in the graph (zero gradient)
+
+
+# ------------------------------------------------------------------ point-to-point group exchanges
+
+
+def _p2p(sends: dict, recvs: dict, group) -> None:
+    """Send ``sends[peer]`` and receive into ``recvs[peer]`` (peers are ranks of ``group``); waits."""
+    ops = [dist.P2POp(dist.isend, _wire(t.contiguous()), group=group, group_peer=p) for p, t in sends.items() if t.numel()]
+    ops += [dist.P2POp(dist.irecv, _wire(t), group=group, group_peer=p) for p, t in recvs.items() if t.numel()]
+    if ops:
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+
+def _seq_to_heads(x, peers, me, counts, group):
+    """[counts[me], H, ...] -> [sum(counts), H/u, ...]: head group j goes to peers[j]; rows arrive
+    in peer order."""
+    u = len(peers)
+    chunks = list(x.chunk(u, dim=1))
+    hh = chunks[0].shape[1]
+    out = x.new_empty((sum(counts), hh) + tuple(x.shape[2:]))
+    parts = list(out.split(counts, dim=0))
+    parts[me].copy_(chunks[me])
+    _p2p({peers[j]: chunks[j] for j in range(u) if j != me}, {peers[j]: parts[j] for j in range(u) if j != me}, group)
+    return out
+
+
+def _heads_to_seq(y, peers, me, counts, group):
+    """Inverse of ``_seq_to_heads``: [sum(counts), H/u, ...] -> [counts[me], H, ...]."""
+    u = len(peers)
+    parts = list(y.split(counts, dim=0))
+    out = y.new_empty((counts[me], y.shape[1] * u) + tuple(y.shape[2:]))
+    chunks = list(out.chunk(u, dim=1))
+    chunks[me].copy_(parts[me])
+    recv = {peers[j]: torch.empty_like(chunks[j]) for j in range(u) if j != me}
+    _p2p({peers[j]: parts[j] for j in range(u) if j != me}, recv, group)
+    for j, t in recv.items():
+        chunks[peers.index(j)].copy_(t)
+    return out
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, peers, me, counts, group):
+        ctx.args = (peers, me, counts, group)
+        return _seq_to_heads(x, peers, me, counts, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _heads_to_seq(g.contiguous(), *ctx.args), None, None, None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, peers, me, counts, group):
+        ctx.args = (peers, me, counts, group)
+        return _heads_to_seq(y, peers, me, counts, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _seq_to_heads(g.contiguous(), *ctx.args), None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------- the ring
+
+
+class _Ring(torch.autograd.Function):
+    """K/V ring over ``peers`` (group ranks in ring order; this rank is ``peers[me]``).
+
+    Step i computes local queries against the block that started at ring position (me - i) % R,
+    while block i+1 is in flight. Backward: the same order; each block's dK/dV accumulator travels
+    with it and arrives home after R hops, each send overlapping the next step's kernel.
+    """
+
+    @staticmethod
+    def forward(ctx, q, kv, hkv, peers, me, block_rows, steps, backend, scale, group):
+        R = len(peers)
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = torch.zeros(q.shape[:2] + (q.shape[-1],), dtype=cdt, device=q.device)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=cdt, device=q.device)
+        nxt_peer, prv_peer = peers[(me + 1) % R], peers[(me - 1) % R]
+        cur, blocks = kv, []
+        for i in range(R):
+            works = []
+            if i < R - 1:
+                nxt = kv.new_empty((block_rows[(me - i - 1) % R],) + tuple(kv.shape[1:]))
+                ops = [dist.P2POp(dist.isend, _wire(cur), group=group, group_peer=nxt_peer),
+                       dist.P2POp(dist.irecv, _wire(nxt), group=group, group_peer=prv_peer)]
+                works = dist.batch_isend_irecv(ops)
+            if steps[i] is not None:
+                o, l = backend.forward(q, cur[:, :hkv], cur[:, hkv:], steps[i], scale)
+                merge_lse(acc, lse, o, l.to(cdt))
+            blocks.append(cur)
+            for w in works:
+                w.wait()
+            if i < R - 1:
+                cur = nxt
+        out, lse = acc.to(q.dtype), lse.to(torch.float32)
+        ctx.save_for_backward(q, out, lse, *blocks)
+        ctx.args = (hkv, peers, me, block_rows, steps, backend, scale, group)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, out, lse, *blocks = ctx.saved_tensors
+        hkv, peers, me, block_rows, steps, backend, scale, group = ctx.args
+        R = len(peers)
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dout = dout.contiguous()
+        delta = (dout.to(cdt) * out.to(cdt)).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.to(cdt)
+        nxt_peer, prv_peer = peers[(me + 1) % R], peers[(me - 1) % R]
+        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
+        works, recv, sent = [], None, None
+        for i in range(R):
+            b = blocks[i]
+            if steps[i] is not None:
+                dq_i, dk_i, dv_i = backend.backward(q, b[:, :hkv], b[:, hkv:], out, lse, dout, steps[i], scale, delta)
+                dq += dq_i
+                g = torch.cat([dk_i, dv_i], dim=1).to(cdt)
+            else:
+                g = torch.zeros(b.shape, dtype=cdt, device=q.device)
+            for w in works:
+                w.wait()
+            acc = g if recv is None else recv + g
+            if R == 1:
+                recv = acc
+                break
+            recv = torch.empty((block_rows[(me - i - 1) % R],) + tuple(b.shape[1:]), dtype=cdt, device=q.device)
+            sent = acc  # keep alive until the send completes
+            ops = [dist.P2POp(dist.isend, sent, group=group, group_peer=nxt_peer),
+                   dist.P2POp(dist.irecv, recv, group=group, group_peer=prv_peer)]
+            works = dist.batch_isend_irecv(ops)
+        for w in works:
+            w.wait()
+        d = recv.to(q.dtype)  # this rank's own block, home after R hops
+        return dq.to(q.dtype), d, None, None, None, None, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------- strategies
+
+
+def _kv_head_repeat(hq: int, hkv: int, u: int) -> int:
+    """Smallest f with (hkv*f) % u == 0 and hq % (hkv*f) == 0, or raise."""
+    for f in range(1, hq // hkv + 1):
+        if (hkv * f) % u == 0 and hq % (hkv * f) == 0:
+            return f
+    raise ValueError(
+        f"Ulysses degree {u} must divide the query heads ({hq}) and, after repeating K/V heads, "
+        f"the key/value heads ({hkv}); no repeat factor works"
+    )
+
+
+def _check_ring_plan(plan: Plan, name: str):
+    if plan.cp_size > 1 and not (plan.solver.startswith("zigzag") or plan.solver == "contiguous"):
+        raise ValueError(
+            f"{name} needs a plan made with solver='zigzag' (causal) or 'contiguous' (full), got "
+            f"solver={plan.solver!r}; build it with megatron_cp.baselines.plan_for"
+        )
+
+
+def _usp(q, k, v, plan, group, softmax_scale, u, backend, name):
+    rank = _group_rank(plan, group)
+    _check_inputs(q, k, v, plan, rank, softmax_scale)
+    cp = plan.cp_size
+    if u < 1 or cp % u:
+        raise ValueError(f"{name}: ulysses_degree={u} must divide cp_size={cp}")
+    hq, hkv = q.shape[1], k.shape[1]
+    f = _kv_head_repeat(hq, hkv, u) if u > 1 else 1
+    if hq % u:
+        raise ValueError(f"{name}: ulysses_degree={u} must divide the query heads ({hq})")
+    scale = _scale(q, softmax_scale)
+    be = kernels.get_backend(backend, q.device)
+    g, j = divmod(rank, u)  # ulysses group g (ranks g*u .. g*u+u-1), position j inside it
+    R = cp // u
+    members = [g * u + i for i in range(u)]
+    counts = [plan.num_local(r) for r in members]
+    kv = torch.cat([k.repeat_interleave(f, dim=1) if f > 1 else k, v.repeat_interleave(f, dim=1) if f > 1 else v], dim=1)
+    hkv_u = hkv * f // u
+    if u > 1:
+        # each half (K, V) of kv is split into u head groups separately
+        kh, vh = kv.chunk(2, dim=1)
+        qh = _SeqToHeads.apply(q, members, j, counts, group)
+        kh = _SeqToHeads.apply(kh.contiguous(), members, j, counts, group)
+        vh = _SeqToHeads.apply(vh.contiguous(), members, j, counts, group)
+        kv_h = torch.cat([kh, vh], dim=1)
+    else:
+        qh, kv_h = q, kv
+    # the ring across groups: ring position = group index, peers hold the same head group
+    group_runs = [np.concatenate([plan.ranks[gg * u + i].segments for i in range(u)]) for gg in range(R)]
+    rows = [_runs_len(r) for r in group_runs]
+    traps = _traps(plan)
+
+    def steps():
+        out = []
+        for i in range(R):
+            src = (g - i) % R
+            tiles = _cached(plan, ("baseline", "tiles", u, g, src),
+                            lambda: clip_tiles(traps, group_runs[g], group_runs[src]))
+            out.append(_prepared(plan, (u, g, src), be, tiles, rows[g], rows[src]))
+        return out
+
+    peers = [gg * u + j for gg in range(R)]
+    if R == 1:
+        st = steps()[0]
+        if st is None:
+            o, l = _empty_result(qh, qh.shape[-1])
+        else:
+            o, l = _TileAttention.apply(qh, kv_h[:, :hkv_u], kv_h[:, hkv_u:], be, st, scale)
+    else:
+        o, l = _Ring.apply(qh, kv_h.contiguous(), hkv_u, peers, g, rows, steps(), be, scale, group)
+    if u > 1:
+        o = _HeadsToSeq.apply(o.contiguous(), members, j, counts, group)
+        l = _HeadsToSeq.apply(l.unsqueeze(-1).contiguous(), members, j, counts, group).squeeze(-1)
+    return o, l
+
+
+def ring(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: str = "auto"):
+    """Ring attention (p2p K/V ring, next block prefetched, dK/dV travel home in backward).
+
+    Plan: ``solver='zigzag'`` (2*cp runs, rank r owns r and 2cp-1-r: balanced causal) or
+    ``'contiguous'`` (full); other solvers raise ValueError. Masks: exact for any mask; balanced for
+    causal (zigzag) and full (contiguous). Shapes as ``megatron_cp.attention``.
+    """
+    if group is not None:
+        _check_ring_plan(plan, "ring")
+    return _usp(q, k, v, plan, group, softmax_scale, 1, backend, "ring")
+
+
+def ulysses(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: str = "auto"):
+    """DeepSpeed-Ulysses: all-to-all sequence -> heads, full-sequence attention on Hq/cp heads,
+    all-to-all back. Plan: any (contiguous recommended). Masks: any. Needs cp to divide Hq and
+    Hkv*f for some K/V head repeat f (raises ValueError otherwise)."""
+    cp = plan.cp_size
+    return _usp(q, k, v, plan, group, softmax_scale, cp, backend, "ulysses")
+
+
+def usp(q, k, v, plan: Plan, group=None, softmax_scale=None, *, ulysses_degree: int | None = None,
+        backend: str = "auto"):
+    """USP: Ulysses inside groups of ``ulysses_degree`` consecutive ranks x ring across groups.
+
+    ``ulysses_degree`` None: the largest divisor of cp that divides Hkv (capped by the plan's
+    topology GPUs per node). Plan: ``zigzag`` or ``contiguous`` (the ring's layout). Masks: any,
+    balanced for causal/full.
+    """
+    cp = plan.cp_size
+    if ulysses_degree is None:
+        cap = plan.topology.gpus_per_node if plan.topology is not None else cp
+        hkv = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 3 else 1
+        ulysses_degree = max(d for d in range(1, cp + 1) if cp % d == 0 and d <= cap and (hkv % d == 0 or d == 1))
+    if group is not None and ulysses_degree < cp:
+        _check_ring_plan(plan, "usp")
+    return _usp(q, k, v, plan, group, softmax_scale, int(ulysses_degree), backend, "usp")
+
+
+class _GatherKV(torch.autograd.Function):
+    """All-gather K|V rows of every rank (concatenated in rank order); backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, kv, counts, rank, group):
+        ctx.counts, ctx.rank, ctx.group = counts, rank, group
+        return torch.cat(all_gather_v(kv.contiguous(), counts, group))
+
+    @staticmethod
+    def backward(ctx, g):
+        counts, rank = ctx.counts, ctx.rank
+        back = all_to_all_v(g.contiguous(), counts, [counts[rank]] * len(counts), ctx.group)
+        return back.view((len(counts), counts[rank]) + tuple(g.shape[1:])).sum(0), None, None, None
+
+
+def allgather(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: str = "auto"):
+    """All-gather K/V (Megatron/TE ``all_gather`` CP, PyTorch's Flex CP): every rank holds the whole
+    K/V, computes its own rows' tiles, and dK/dV are reduce-scattered. Plan: any. Masks: any."""
+    rank = _group_rank(plan, group)
+    _check_inputs(q, k, v, plan, rank, softmax_scale)
+    scale = _scale(q, softmax_scale)
+    be = kernels.get_backend(backend, q.device)
+    hkv = k.shape[1]
+    cp = plan.cp_size
+    counts = [plan.num_local(r) for r in range(cp)]
+    kv = torch.cat([k, v], dim=1)
+    kv_all = _GatherKV.apply(kv, counts, rank, group) if cp > 1 else kv
+    all_runs = np.concatenate([plan.ranks[r].segments for r in range(cp)])
+    tiles = _cached(plan, ("baseline", "ag_tiles", rank),
+                    lambda: clip_tiles(_traps(plan), plan.ranks[rank].segments, all_runs))
+    prep = _prepared(plan, ("ag", rank), be, tiles, counts[rank], sum(counts))
+    if prep is None:
+        return _empty_result(q, v.shape[-1])
+    return _TileAttention.apply(q, kv_all[:, :hkv], kv_all[:, hkv:], be, prep, scale)
+
+
+STRATEGIES = {"ring": ring, "ulysses": ulysses, "usp": usp, "allgather": allgather}
+
+_CAUSAL_LIKE = ("causal",)
+
+
+def plan_for(name: str, mask, cp_size: int, **plan_kwargs) -> Plan:
+    """The plan layout strategy ``name`` is meant for: ring/usp use zigzag (balanced causal) unless
+    the contiguous layout is as balanced (full, windows); ulysses/allgather keep ``auto``."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown context-parallel strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    if name in ("ring", "usp"):
+        z = make_plan(mask, cp_size, solver="zigzag", **plan_kwargs)
+        c = make_plan(mask, cp_size, solver="contiguous", **plan_kwargs)
+        iz, ic = (p.candidates.get(p.solver, (None,))[0] for p in (z, c))
+        iz = z.stats()["imbalance"] if iz is None else iz
+        ic = c.stats()["imbalance"] if ic is None else ic
+        return c if ic <= iz + 1e-9 else z
+    return make_plan(mask, cp_size, **plan_kwargs)

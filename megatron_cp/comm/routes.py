@@ -1,0 +1,150 @@
+"""Staged, optionally hierarchical GroupCast / GroupReduce over precomputed routes.
+
+A route (``planner.schedule.Route`` converted by ``DeviceRoute``) is one or two all-to-all-v phases:
+phase A (any rank to any rank; across nodes only to the rail-aligned relay) and, when hierarchical,
+phase B (relays forward inside their node). ``cast_steps`` / ``reduce_steps`` are generators: each
+``next()`` issues the next collective asynchronously and yields; the caller computes in between, so
+communication of one stage overlaps computation of another. On CUDA, NCCL runs async collectives on
+its own stream and ``wait()`` only orders the current stream after them; on CPU (gloo) the same code
+runs with real async work handles.
+
+All collectives are issued in the same order on every rank (the routes are the same on all ranks),
+and a stage whose route moves nothing on any rank issues no collective anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .collectives import _wire
+
+
+class BufferPool:
+    """Reusable scratch storage keyed by (dtype, device, tag): bounded, no per-call allocation.
+
+    ``get`` returns a view of one flat buffer per key, grown only when a larger shape is asked for,
+    so the pool holds at most the largest request per tag. A tag must not be in use twice at once
+    (the runtime tags by stage slot and phase; layers reuse the same buffers).
+    """
+
+    def __init__(self):
+        self._bufs: dict = {}
+
+    def get(self, shape, dtype, device, tag) -> torch.Tensor:
+        key = (dtype, str(device), tag)
+        n = 1
+        for d in shape:
+            n *= int(d)
+        t = self._bufs.get(key)
+        if t is None or t.numel() < n:
+            t = torch.empty(max(n, 1), dtype=dtype, device=device)
+            self._bufs[key] = t
+        return t[:n].view(tuple(shape))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._bufs.values())
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
+@dataclass
+class DeviceRoute:
+    """Index tensors of one route on one device (built once per plan). A remote stage never needs
+    the rank's own rows, so ``b_send_idx``/``out_idx`` index ``cat[recvA, recvB]`` here."""
+
+    n_local: int
+    a_send_idx: torch.Tensor
+    a_send_counts: list
+    a_recv_counts: list
+    b_send_idx: torch.Tensor | None
+    b_send_counts: list | None
+    b_recv_counts: list | None
+    out_idx: torch.Tensor
+
+    @classmethod
+    def from_route(cls, r, device) -> "DeviceRoute":
+        t = lambda a: None if a is None else torch.from_numpy(a).to(device)  # noqa: E731
+        return cls(
+            n_local=r.n_local,
+            a_send_idx=t(r.a_send_idx),
+            a_send_counts=list(r.a_send_counts),
+            a_recv_counts=list(r.a_recv_counts),
+            b_send_idx=None if r.b_send_idx is None else t(r.b_send_idx - r.n_local),
+            b_send_counts=None if r.b_send_counts is None else list(r.b_send_counts),
+            b_recv_counts=None if r.b_recv_counts is None else list(r.b_recv_counts),
+            out_idx=t(r.out_idx - r.n_local),
+        )
+
+    @property
+    def n_a(self) -> int:
+        return sum(self.a_recv_counts)
+
+    @property
+    def n_b(self) -> int:
+        return sum(self.b_recv_counts) if self.b_recv_counts is not None else 0
+
+
+def _a2a_async(out, x, send_counts, recv_counts, group):
+    return dist.all_to_all_single(
+        _wire(out), _wire(x), output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts),
+        group=group, async_op=True,
+    )
+
+
+def cast_steps(x_local: torch.Tensor, route: DeviceRoute, group, out: torch.Tensor, pool: BufferPool | None, tag):
+    """GroupCast generator: fills ``out`` ([buf_len, ...]) with the stage's rows, in stage order.
+
+    x_local: [n_local, ...] contiguous. Yields after issuing each phase; finished when exhausted.
+    """
+    tail = tuple(x_local.shape[1:])
+    get = (lambda shape, t: pool.get(shape, x_local.dtype, x_local.device, (tag, t))) if pool else (
+        lambda shape, t: x_local.new_empty(shape))
+    send = get((len(route.a_send_idx),) + tail, "a_send")
+    torch.index_select(x_local, 0, route.a_send_idx, out=send)
+    cat = get((route.n_a + route.n_b,) + tail, "cat")
+    recv_a = cat[: route.n_a]
+    work = _a2a_async(recv_a, send, route.a_send_counts, route.a_recv_counts, group)
+    yield
+    work.wait()
+    if route.b_send_idx is not None:
+        send_b = get((len(route.b_send_idx),) + tail, "b_send")
+        torch.index_select(cat, 0, route.b_send_idx, out=send_b)
+        work = _a2a_async(cat[route.n_a :], send_b, route.b_send_counts, route.b_recv_counts, group)
+        yield
+        work.wait()
+    torch.index_select(cat, 0, route.out_idx, out=out)
+
+
+def reduce_steps(grad: torch.Tensor, route: DeviceRoute, group, d_local: torch.Tensor, pool: BufferPool | None, tag):
+    """GroupReduce generator (adjoint of ``cast_steps``): adds the stage's gradient rows ``grad``
+    ([buf_len, ...], stage order) into their owners' ``d_local`` ([n_local, ...], accumulated in place,
+    any float dtype). Relays pre-reduce their node's rows before they cross nodes."""
+    tail = tuple(grad.shape[1:])
+    acc = d_local.dtype
+    get = (lambda shape, t: pool.get(shape, acc, grad.device, (tag, t))) if pool else (
+        lambda shape, t: grad.new_empty(shape, dtype=acc))
+    g_cat = get((route.n_a + route.n_b,) + tail, "g_cat")
+    g_cat.zero_()
+    g_cat.index_add_(0, route.out_idx, grad.to(acc))
+    na = route.n_a
+    if route.b_send_idx is not None:
+        back_b = get((len(route.b_send_idx),) + tail, "b_back")
+        work = _a2a_async(back_b, g_cat[na:], route.b_recv_counts, route.b_send_counts, group)
+        yield
+        work.wait()
+        g_cat.index_add_(0, route.b_send_idx, back_b)  # pre-reduce on the relay
+    back_a = get((len(route.a_send_idx),) + tail, "a_back")
+    work = _a2a_async(back_a, g_cat[:na], route.a_recv_counts, route.a_send_counts, group)
+    yield
+    work.wait()
+    d_local.index_add_(0, route.a_send_idx, back_a)
+
+
+def drain(gen) -> None:
+    """Run a cast/reduce generator to completion."""
+    for _ in gen:
+        pass

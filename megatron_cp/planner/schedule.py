@@ -1,0 +1,387 @@
+"""Stages and routes: how a plan's remote keys/values travel, and in what order they are computed.
+
+A ``Schedule`` splits every rank's work into stage 0 (its own keys: no communication) and
+``num_stages`` remote stages. Remote stage ``s`` of rank ``r`` holds the ``s``-th of ``num_stages``
+equal pieces of ``r``'s remote key tokens in global order (of its node's, when routes are
+hierarchical, so a row shared by a node's GPUs travels in one stage); its tiles are the rank's tiles clipped to
+those keys (``geometry.clip``), in the stage buffer's coordinates (the stage's tokens in global order).
+The runtime prefetches stage ``s + 1`` while computing stage ``s`` and merges stage outputs by LSE.
+
+A ``Route`` moves one stage's rows. Flat: one all-to-all-v (phase A). Hierarchical (topology with
+more than one node): a row needed on another node crosses once per destination node, to the
+rail-aligned GPU there (same local index as the owner), in phase A, and that GPU forwards it to the
+other GPUs of its node that need it in phase B (an all-to-all-v with only intra-node traffic). The
+adjoint (GroupReduce) runs B backwards (pre-reducing on the relay), then A backwards.
+
+The number of stages comes from ``CostModel`` (``choose_num_stages``): the fewest stages whose
+predicted pipelined time is within 2% of the best.
+
+Pure numpy; every rank builds the same schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..masks import geometry
+from .cost import CostModel, Workload
+from .plan import Plan, _merge_runs, _positions, _runs_to_ids
+from .topology import Topology
+
+
+@dataclass(frozen=True)
+class Route:
+    """One rank's part of one stage's exchange. Index arrays are int64 numpy.
+
+    Phase A sends ``x_local[a_send_idx]`` (destination-major, ``a_send_counts``) and receives
+    ``a_recv_counts`` rows per source (source-major). Phase B (None when flat) sends
+    ``cat[x_local, recvA][b_send_idx]`` and receives ``b_recv_counts``. The stage buffer is
+    ``cat[x_local, recvA, recvB][out_idx]``.
+    """
+
+    n_local: int
+    a_send_idx: np.ndarray
+    a_send_counts: tuple
+    a_recv_counts: tuple
+    b_send_idx: np.ndarray | None
+    b_send_counts: tuple | None
+    b_recv_counts: tuple | None
+    out_idx: np.ndarray
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.b_send_idx is not None
+
+    @property
+    def n_a(self) -> int:
+        return int(sum(self.a_recv_counts))
+
+    @property
+    def n_b(self) -> int:
+        return int(sum(self.b_recv_counts)) if self.b_recv_counts is not None else 0
+
+
+@dataclass(frozen=True)
+class Stage:
+    tiles: np.ndarray  # int32 [n, 5]: q local, k in the stage buffer
+    buf_len: int  # rows of the stage buffer (stage 0: the rank's own tokens)
+    route: Route | None  # None for stage 0 (own keys)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    num_stages: int  # remote stages (0: every rank computes with its own keys only)
+    hierarchical: bool
+    ranks: tuple  # ranks[r] = tuple of Stage (stage 0 first)
+    active: tuple  # active[s]: does remote stage s move any row on any rank (else no collective)
+    inter_node_rows: tuple  # rows crossing nodes in phase A, per remote stage, all ranks together
+    predicted: dict  # cost-model prediction (seconds) and the candidates tried
+
+
+def rank_traps(plan: Plan, rank: int) -> np.ndarray:
+    """The cells rank ``rank`` computes as trapezoids with rows in local and keys in global order."""
+    rp = plan.ranks[rank]
+    br = rp.buffer_runs
+    off = np.concatenate([[0], np.cumsum(br[:, 1] - br[:, 0])])
+    out = []
+    for q0, q1, k0, k1, kind in rp.tiles.tolist():
+        i = int(np.searchsorted(off, k0, side="right")) - 1
+        g0 = int(br[i, 0] + k0 - off[i])
+        t = geometry.slice_to_trap(q0, q1, g0, g0 + k1 - k0, kind)
+        if t is not None:
+            out.append(t)
+    return np.asarray(out, dtype=np.int64).reshape(-1, 6)
+
+
+def mask_traps(plan: Plan) -> np.ndarray:
+    """The whole mask, recovered exactly from the plan, as global trapezoids (int64 [n, 6])."""
+    out = []
+    for r in range(plan.cp_size):
+        segs = plan.ranks[r].segments
+        off = np.concatenate([[0], np.cumsum(segs[:, 1] - segs[:, 0])])
+        for t in rank_traps(plan, r):
+            i = int(np.searchsorted(off, t[0], side="right")) - 1
+            d = int(segs[i, 0] - off[i])
+            # rows shift by d: lo(i) = lo_a + lo_s*i keeps its value at the shifted row
+            out.append((t[0] + d, t[1] + d, t[2] - t[3] * d, t[3], t[4] - t[5] * d, t[5]))
+    return geometry.union(out)
+
+
+def clip_tiles(traps: np.ndarray, q_runs, k_runs) -> np.ndarray:
+    """Tiles of ``traps`` (global or local rows, global keys) for queries laid out as the
+    concatenation of ``q_runs`` and keys as the concatenation of ``k_runs`` (int32 [n, 5]).
+    ``q_runs=None`` means the trapezoid rows are already local (no row clipping or shift)."""
+    traps = np.asarray(traps, dtype=np.int64).reshape(-1, 6)
+    k_runs = np.asarray(k_runs, dtype=np.int64).reshape(-1, 2)
+    if q_runs is None:
+        q_list = [(int(traps[:, 0].min()) if len(traps) else 0, int(traps[:, 1].max()) if len(traps) else 0, 0)]
+    else:
+        q_runs = np.asarray(q_runs, dtype=np.int64).reshape(-1, 2)
+        qo = np.concatenate([[0], np.cumsum(q_runs[:, 1] - q_runs[:, 0])])
+        q_list = [(int(a), int(b), int(qo[i]) - int(a)) for i, (a, b) in enumerate(q_runs.tolist())]
+    ko = np.concatenate([[0], np.cumsum(k_runs[:, 1] - k_runs[:, 0])])
+    klo = traps[:, 2] + traps[:, 3] * traps[:, 0]  # smallest key of each trapezoid
+    khi = traps[:, 4] + traps[:, 5] * (traps[:, 1] - 1)  # one past its largest key
+    tiles = []
+    for qa, qb, dq in q_list:
+        rows = (traps[:, 0] < qb) & (traps[:, 1] > qa)
+        for j, (ka, kb) in enumerate(k_runs.tolist()):
+            sel = rows & (klo < kb) & (khi > ka)
+            if not sel.any():
+                continue
+            dk = int(ko[j]) - ka
+            for t in geometry.clip(traps[sel], qa, qb, ka, kb):
+                q0, q1, k0, k1, kind = geometry.trap_to_slice(t)
+                tiles.append((q0 + dq, q1 + dq, k0 + dk, k1 + dk, kind))
+    return np.asarray(tiles, dtype=np.int32).reshape(-1, 5)
+
+
+def _remote_ids(plan: Plan, rank: int) -> np.ndarray:
+    rp = plan.ranks[rank]
+    runs = [r for r in rp.recv_runs if len(r)]
+    return _runs_to_ids(_merge_runs(np.concatenate(runs))) if runs else np.zeros(0, dtype=np.int64)
+
+
+def _split(ids: np.ndarray, n: int) -> list[np.ndarray]:
+    cut = (np.arange(n + 1) * len(ids)) // n
+    return [ids[cut[i] : cut[i + 1]] for i in range(n)]
+
+
+def _ids_to_runs(ids: np.ndarray) -> np.ndarray:
+    if len(ids) == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    brk = np.nonzero(np.diff(ids) != 1)[0]
+    starts = np.concatenate([[0], brk + 1])
+    ends = np.concatenate([brk, [len(ids) - 1]])
+    return np.stack([ids[starts], ids[ends] + 1], axis=1).astype(np.int64)
+
+
+def _relay(owner_rank: np.ndarray, dst: int, topo: Topology | None) -> np.ndarray:
+    """Phase-A destination of rows owned by ``owner_rank`` that rank ``dst`` needs."""
+    if topo is None or topo.nodes == 1:
+        return np.full(len(owner_rank), dst, dtype=np.int64)
+    g = topo.gpus_per_node
+    same = owner_rank // g == dst // g
+    return np.where(same, dst, (dst // g) * g + owner_rank % g)
+
+
+def build_routes(plan: Plan, need: list[np.ndarray], topo: Topology | None) -> tuple[list[Route], int]:
+    """Routes of one stage: ``need[r]`` = sorted global ids rank r must receive; ``topo`` None for
+    flat routes. Returns the routes and the number of phase-A rows that cross nodes of
+    ``plan.topology`` (0 without one)."""
+    cp, S = plan.cp_size, plan.seqlen
+    owner_tok = np.repeat(plan.owner.astype(np.int64), np.diff(plan.bounds))
+    lpos = np.empty(S, dtype=np.int64)
+    n_local = []
+    for r in range(cp):
+        ids = plan.local_ids(r)
+        lpos[ids] = np.arange(len(ids))
+        n_local.append(len(ids))
+    hier = topo is not None and topo.nodes > 1
+    # phase A rows (src, dst, id), deduplicated: one copy per destination node when hierarchical
+    a_src, a_dst, a_id, b_src, b_dst, b_id = [], [], [], [], [], []
+    for r in range(cp):
+        ids = need[r]
+        o = owner_tok[ids]
+        rel = _relay(o, r, topo)
+        a_src.append(o), a_dst.append(rel), a_id.append(ids)
+        fw = rel != r
+        b_src.append(rel[fw]), b_dst.append(np.full(int(fw.sum()), r, dtype=np.int64)), b_id.append(ids[fw])
+    A = np.unique(np.stack([np.concatenate(a_src), np.concatenate(a_dst), np.concatenate(a_id)], 1).reshape(-1, 3), axis=0)
+    B = np.unique(np.stack([np.concatenate(b_src), np.concatenate(b_dst), np.concatenate(b_id)], 1).reshape(-1, 3), axis=0)
+    pt = plan.topology
+    inter = int((A[:, 0] // pt.gpus_per_node != A[:, 1] // pt.gpus_per_node).sum()) if pt is not None else 0
+    # recvA at p: rows of A with dst p, ordered (src, id) = lexicographic order of A restricted
+    routes = []
+    for r in range(cp):
+        sa = A[A[:, 0] == r]  # sorted by (dst, id)
+        ra = A[A[:, 1] == r]  # sorted by (src, id)
+        a_send_counts = tuple(np.bincount(sa[:, 1], minlength=cp).tolist())
+        a_recv_counts = tuple(np.bincount(ra[:, 0], minlength=cp).tolist())
+        key_a = ra[:, 0] * S + ra[:, 2]
+        nl = n_local[r]
+        ids = need[r]
+        o = owner_tok[ids]
+        rel = _relay(o, r, topo)
+        if hier:
+            sb = B[B[:, 0] == r]  # rows r forwards, sorted by (dst, id)
+            rb = B[B[:, 1] == r]  # rows r receives in phase B, sorted by (src relay, id)
+            b_send_idx = nl + np.searchsorted(key_a, owner_tok[sb[:, 2]] * S + sb[:, 2])
+            b_send_counts = tuple(np.bincount(sb[:, 1], minlength=cp).tolist())
+            b_recv_counts = tuple(np.bincount(rb[:, 0], minlength=cp).tolist())
+            key_b = rb[:, 0] * S + rb[:, 2]
+            direct = rel == r
+            out_idx = np.empty(len(ids), dtype=np.int64)
+            out_idx[direct] = nl + np.searchsorted(key_a, o[direct] * S + ids[direct])
+            out_idx[~direct] = nl + len(ra) + np.searchsorted(key_b, rel[~direct] * S + ids[~direct])
+        else:
+            b_send_idx = b_send_counts = b_recv_counts = None
+            out_idx = nl + np.searchsorted(key_a, o * S + ids)
+        routes.append(
+            Route(
+                n_local=nl,
+                a_send_idx=lpos[sa[:, 2]],
+                a_send_counts=a_send_counts,
+                a_recv_counts=a_recv_counts,
+                b_send_idx=b_send_idx,
+                b_send_counts=b_send_counts,
+                b_recv_counts=b_recv_counts,
+                out_idx=out_idx.astype(np.int64),
+            )
+        )
+    return routes, inter
+
+
+def _stage_ids(plan: Plan, num_stages: int, topo: Topology | None = None) -> list[list[np.ndarray]]:
+    """stage_ids[r][s]: global ids of remote stage s of rank r (sorted). The cuts are equal pieces of
+    the rank's remote keys; with a multi-node ``topo`` they are equal pieces of its node's remote keys,
+    shared by the node's GPUs, so that a row needed by several GPUs of a node travels in one stage and
+    crosses nodes once."""
+    cp = plan.cp_size
+    ids = [_remote_ids(plan, r) for r in range(cp)]
+    if not num_stages:
+        return [[] for _ in range(cp)]
+    g = topo.gpus_per_node if topo is not None and topo.nodes > 1 else 1
+    out = [None] * cp
+    for first in range(0, cp, g):
+        members = range(first, min(first + g, cp))
+        u = np.unique(np.concatenate([ids[r] for r in members]))
+        cuts = [u[(i * len(u)) // num_stages] if (i * len(u)) // num_stages < len(u) else plan.seqlen
+                for i in range(1, num_stages)] if len(u) else [plan.seqlen] * (num_stages - 1)
+        edges = np.concatenate([[-1], np.asarray(cuts, dtype=np.int64), [plan.seqlen]])
+        for r in members:
+            pos = np.searchsorted(ids[r], edges, side="left")
+            pos[0] = 0
+            out[r] = [ids[r][pos[i]:pos[i + 1]] for i in range(num_stages)]
+    return out
+
+
+def _stage_tiles(plan: Plan, stage_ids, traps_by_rank) -> list[list[np.ndarray]]:
+    out = []
+    for r in range(plan.cp_size):
+        segs = plan.ranks[r].segments
+        tl = [clip_tiles(traps_by_rank[r], None, segs)]
+        tl += [clip_tiles(traps_by_rank[r], None, _ids_to_runs(ids)) for ids in stage_ids[r]]
+        out.append(tl)
+    return out
+
+
+def predict(plan: Plan, stage_ids, stage_tiles, topo: Topology | None, cost: CostModel, work: Workload) -> dict:
+    """Pipelined time (seconds) of forward and backward, the busiest rank, with this staging."""
+    cp = plan.cp_size
+    n = len(stage_ids[0]) if cp else 0
+    per_tok = work.kv_bytes_per_token
+    g = topo.gpus_per_node if topo is not None else cp
+    owner_tok = np.repeat(plan.owner.astype(np.int64), np.diff(plan.bounds))
+    comm = []
+    for s in range(n):
+        intra = np.zeros(cp)
+        inter = np.zeros(cp)
+        node_seen = {}
+        for r in range(cp):
+            ids = stage_ids[r][s]
+            o = owner_tok[ids]
+            far = (o // g) != (r // g)
+            intra[r] += (~far).sum() * per_tok
+            if far.any():  # once per destination node (hierarchical) or per rank (flat)
+                key = r // g if (topo is not None and topo.nodes > 1) else r
+                node_seen.setdefault(key, []).append(ids[far])
+        for key, lst in node_seen.items():
+            u = np.unique(np.concatenate(lst))
+            inter[key * g if (topo is not None and topo.nodes > 1) else key] += len(u) * per_tok
+        comm.append(cost.comm_time(intra.max(), inter.max()))
+    fwd = np.zeros(cp)
+    bwd = np.zeros(cp)
+    for r in range(cp):
+        kf = [cost.tile_time(t, work) for t in stage_tiles[r]]
+        kb = [cost.tile_time(t, work, backward=True) for t in stage_tiles[r]]
+        # forward: cast of stage i+1 issued when stage i starts computing
+        start, end, comm_end = 0.0, kf[0], 0.0
+        comm_end = comm[0] if n else 0.0
+        for s in range(1, n + 1):
+            start = max(end, comm_end)
+            if s < n:
+                comm_end = max(start, comm_end) + comm[s]
+            end = start + kf[s]
+        fwd[r] = end
+        # backward: remote stages first, each reduce issued after its compute, then own keys
+        t, red = 0.0, 0.0
+        for s in range(1, n + 1):
+            t += kb[s]
+            red = max(red, t) + comm[s - 1]
+        t += kb[0]
+        bwd[r] = max(t, red)
+    return {"fwd_s": float(fwd.max()), "bwd_s": float(bwd.max()), "comm_s": comm}
+
+
+CANDIDATE_STAGES = (1, 2, 3, 4, 6, 8)
+
+
+def choose_num_stages(plan: Plan, cost: CostModel, work: Workload, topo: Topology | None, candidates=CANDIDATE_STAGES):
+    """Fewest remote stages whose predicted fwd+bwd time is within 2% of the best candidate."""
+    if plan.cp_size == 1 or all(r.num_remote == 0 for r in plan.ranks):
+        return 0, {}
+    traps = [rank_traps(plan, r) for r in range(plan.cp_size)]
+    min_rem = min(r.num_remote for r in plan.ranks if r.num_remote > 0)
+    preds = {}
+    for n in candidates:
+        if n > 1 and n > min_rem:
+            break
+        ids = _stage_ids(plan, n, topo)
+        p = predict(plan, ids, _stage_tiles(plan, ids, traps), topo, cost, work)
+        preds[n] = p["fwd_s"] + p["bwd_s"]
+    best = min(preds.values())
+    n = min(k for k, v in preds.items() if v <= 1.02 * best)
+    return n, preds
+
+
+def schedule(
+    plan: Plan,
+    num_stages: int | None = None,
+    *,
+    cost: CostModel | None = None,
+    work: Workload | None = None,
+    hierarchical: bool = True,
+) -> Schedule:
+    """Build the staged, routed schedule of ``plan`` (see module doc).
+
+    ``num_stages``: remote stages; None lets the cost model choose. ``hierarchical``: use two-phase
+    routes when ``plan.topology`` has more than one node. Cached on the plan.
+    """
+    if num_stages is not None and (not isinstance(num_stages, (int, np.integer)) or num_stages < 0):
+        raise ValueError(f"num_stages must be None or an int >= 0, got {num_stages!r}")
+    cost = cost or CostModel()
+    work = work or Workload()
+    topo = plan.topology if hierarchical else None
+    key = ("schedule", num_stages, hierarchical, cost, work)
+    cached = plan.cache.get(key)
+    if cached is not None:
+        return cached
+    preds = {}
+    if num_stages is None:
+        num_stages, preds = choose_num_stages(plan, cost, work, topo)
+    if plan.cp_size == 1:
+        num_stages = 0
+    ids = _stage_ids(plan, num_stages, topo)
+    traps = [rank_traps(plan, r) for r in range(plan.cp_size)]
+    tiles = _stage_tiles(plan, ids, traps)
+    per_rank = [[Stage(tiles[r][0], plan.ranks[r].num_tokens, None)] for r in range(plan.cp_size)]
+    active, inter = [], []
+    for s in range(num_stages):
+        routes, n_inter = build_routes(plan, [ids[r][s] for r in range(plan.cp_size)], topo)
+        active.append(any(sum(rt.a_recv_counts) for rt in routes))
+        inter.append(n_inter)
+        for r in range(plan.cp_size):
+            per_rank[r].append(Stage(tiles[r][s + 1], len(ids[r][s]), routes[r]))
+    sched = Schedule(
+        num_stages=num_stages,
+        hierarchical=topo is not None and topo.nodes > 1,
+        ranks=tuple(tuple(st) for st in per_rank),
+        active=tuple(active),
+        inter_node_rows=tuple(inter),
+        predicted={"candidates": preds, **predict(plan, ids, tiles, plan.topology, cost, work)},
+    )
+    plan.cache[key] = sched
+    return sched

@@ -1,0 +1,163 @@
+"""Baseline strategies (ring, ulysses, usp, allgather) against the fp64 dense reference on CPU/gloo.
+
+One spawn per world size (2 and 4) runs every strategy on causal and full (the masks the ring-style
+strategies are designed for) plus packed documents, sliding window and a random mask (exact for any
+mask), forward and backward (with an lse gradient), MHA and GQA; bf16 under the 2x rule; bad
+arguments raise ValueError before any collective.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_cp as mcp
+from megatron_cp import masks as M
+from megatron_cp.baselines import STRATEGIES, get_strategy, plan_for
+
+from _dist import run_ranks
+from reference import dense_attention
+from test_overlap import _random_mask
+
+S = 61
+
+
+def _masks():
+    return {
+        "causal": M.causal(S),
+        "full": M.full(S),
+        "varlen": M.varlen([0, 7, 20, 21, 45, S], causal=True),
+        "sliding_window": M.sliding_window(S, 9, 2),
+        "random": _random_mask(5),
+    }
+
+
+def _case(rank, world, name, mask, hq, hkv, options=None, dtype=torch.float64):
+    s, d = mask.seqlen_q, 8
+    gen = torch.Generator().manual_seed(3 + hq + hkv)
+    q, do = (torch.randn(s, hq, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(s, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    dl = torch.randn(s, hq, generator=gen, dtype=torch.float64)
+    dense = torch.as_tensor(mask.to_dense())
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    o_ref, l_ref = dense_attention(qr, kr, vr, dense, 0.3)
+    fin_ref = torch.isfinite(l_ref)
+    ((o_ref * do).sum() + (torch.where(fin_ref, l_ref, 0) * dl).sum()).backward()
+    plan = plan_for(name, mask, world)
+    group = dist.group.WORLD
+    ql, kl, vl = (mcp.dispatch(t.to(dtype), plan, group).detach().requires_grad_() for t in (q, k, v))
+    fn = get_strategy(name, **(options or {}))
+    out, lse = fn(ql, kl, vl, plan, group, 0.3)
+    ids = torch.from_numpy(plan.local_ids(rank))
+    fin = torch.isfinite(l_ref[ids])
+    assert torch.equal(torch.isfinite(lse), fin), "fully masked rows must give lse -inf exactly there"
+    ((out.double() * do[ids]).sum() + (torch.where(torch.isfinite(lse), lse, 0).double() * dl[ids]).sum()).backward()
+    err = lambda a, b: float((a.detach().double() - b.detach()).abs().max()) if a.numel() else 0.0  # noqa: E731
+    return {
+        "out": err(out, o_ref[ids]),
+        "lse": err(lse[fin], l_ref[ids][fin]),
+        "dq": err(ql.grad, qr.grad[ids]),
+        "dk": err(kl.grad, kr.grad[ids]),
+        "dv": err(vl.grad, vr.grad[ids]),
+    }
+
+
+def _bad_cases(rank, world):
+    called = []
+    real = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather", "batch_isend_irecv")}
+    for n, f in real.items():
+        setattr(dist, n, (lambda f_, n_: (lambda *a, **k: (called.append(n_), f_(*a, **k))[1]))(f, n))
+    group = dist.group.WORLD
+    mask = M.causal(S)
+    greedy = mcp.plan(mask, world, solver="greedy")
+    zz = plan_for("ring", mask, world)
+    n = zz.num_local(rank)
+    q, k = torch.randn(n, 4, 8), torch.randn(n, 2, 8)
+    cases = {
+        "ring_plan": (lambda: get_strategy("ring")(q, k, k, greedy, group, None), "solver='zigzag'.*got solver='greedy'"),
+        "usp_degree": (lambda: get_strategy("usp", ulysses_degree=3)(q, k, k, zz, group, None), "ulysses_degree=3"),
+        "ulysses_heads": (lambda: get_strategy("ulysses")(torch.randn(n, 3, 8), torch.randn(n, 1, 8),
+                                                          torch.randn(n, 1, 8), zz, group, None), "query heads \\(3\\)"),
+        "tokens": (lambda: get_strategy("allgather")(q[:-1], k, k, zz, group, None), f"{n - 1} tokens"),
+        "name": (lambda: get_strategy("stripe"), "unknown context-parallel strategy 'stripe'"),
+    }
+    out = {}
+    for key, (fn, match) in cases.items():
+        called.clear()
+        try:
+            fn()
+            out[key] = "no error"
+        except ValueError as e:
+            out[key] = "ok" if re.search(match, str(e)) and not called else f"{e!r} {called}"
+    for n_, f in real.items():
+        setattr(dist, n_, f)
+    return out
+
+
+def _bf16(rank, world):
+    res = {}
+    mask = M.causal(S)
+    gen = torch.Generator().manual_seed(5)
+    q, do = (torch.randn(S, 4, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(S, 2, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    dense = torch.as_tensor(mask.to_dense())
+    grads = {}
+    for tag, dt in (("fp64", torch.float64), ("bf16", torch.bfloat16)):
+        ts = [t.detach().clone().to(dt).requires_grad_() for t in (q, k, v)]
+        o, _ = dense_attention(*ts, dense, 0.25)
+        (o * do.to(dt)).sum().backward()
+        grads[tag] = [o.detach()] + [t.grad for t in ts]
+    for name in STRATEGIES:
+        plan = plan_for(name, mask, world)
+        ids = torch.from_numpy(plan.local_ids(rank))
+        ls = [mcp.dispatch(t.to(torch.bfloat16), plan, dist.group.WORLD).detach().requires_grad_() for t in (q, k, v)]
+        o, _ = get_strategy(name)(*ls, plan, dist.group.WORLD, 0.25)
+        (o * do[ids].to(torch.bfloat16)).sum().backward()
+        ours = [o] + [t.grad for t in ls]
+        for i, tag in enumerate(("out", "dq", "dk", "dv")):
+            ref64, ref16 = grads["fp64"][i][ids], grads["bf16"][i][ids]
+            res[(name, tag)] = (float((ours[i].double() - ref64).abs().max()), float((ref16.double() - ref64).abs().max()))
+    return res
+
+
+def _all(rank, world):
+    exact = {}
+    for name in STRATEGIES:
+        for mname, mask in _masks().items():
+            for hq, hkv in ((4, 4), (4, 2)):
+                if hq == hkv and mname not in ("causal", "full"):
+                    continue
+                exact[(name, mname, hq, hkv)] = _case(rank, world, name, mask, hq, hkv)
+    if world == 4:
+        for deg in (2, 4):
+            exact[("usp", f"u{deg}", 8, 4)] = _case(rank, world, "usp", _masks()["causal"], 8, 4, {"ulysses_degree": deg})
+        exact[("ulysses", "kv_repeat", 8, 2)] = _case(rank, world, "ulysses", _masks()["varlen"], 8, 2)
+    return {"exact": exact, "bad": _bad_cases(rank, world), "bf16": _bf16(rank, world)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_baselines_match_fp64_reference(world):
+    results = run_ranks(_all, world)
+    bad = [(r, key, k, v) for r, res in enumerate(results) for key, e in res["exact"].items()
+           for k, v in e.items() if v > 1e-5]
+    assert not bad, bad[:10]
+    for res in results:
+        assert all(v == "ok" for v in res["bad"].values()), res["bad"]
+        for key, (ours, ref) in res["bf16"].items():
+            assert ours <= 2 * ref + 1e-3, (key, ours, ref)
+
+
+def test_plan_for_layouts():
+    assert plan_for("ring", M.causal(256), 4).solver == "zigzag"
+    assert plan_for("ring", M.full(256), 4).solver == "contiguous"
+    assert set(STRATEGIES) == {"ring", "ulysses", "usp", "allgather"}
+    with pytest.raises(ValueError, match="'stripe'"):
+        plan_for("stripe", M.causal(8), 2)
+    # every strategy documents its plan layout and masks
+    for fn in STRATEGIES.values():
+        assert "Plan" in fn.__doc__ and "Masks" in fn.__doc__ or "mask" in fn.__doc__.lower()
+    assert np.all(np.diff(plan_for("ring", M.causal(256), 4).bounds) == 32)

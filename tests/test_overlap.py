@@ -1,0 +1,314 @@
+"""Staged overlap: planner stages partition each rank's cells exactly; the staged runtime (prefetch of
+stage s+1 while computing s, LSE merge, staged GroupReduce) matches the fp64 dense reference; the cast
+of the next stage is issued before the current stage's kernel runs; buffers are reused across layers;
+the cost model and its calibration file round-trip. One spawn of 4 CPU ranks runs every distributed case.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_cp as mcp
+from megatron_cp import masks as M
+from megatron_cp.comm import BufferPool
+from megatron_cp.masks import geometry
+from megatron_cp.planner.cost import CostModel, Workload
+from megatron_cp.planner.schedule import clip_tiles, mask_traps, rank_traps, schedule
+
+from _dist import run_ranks
+from reference import dense_attention
+
+S = 61
+
+
+def _masks():
+    return {
+        "causal": M.causal(S),
+        "full": M.full(S),
+        "varlen": M.varlen([0, 7, 20, 21, 45, S], causal=True),
+        "sliding_window": M.sliding_window(S, 9, 2),
+        "strided": M.strided(S, 5, 3),
+        "global_local": M.global_local(S, 4, 2, 2),
+        "block_causal": M.block_causal(S, 8),
+    }
+
+
+def _random_mask(seed):
+    rng = np.random.default_rng(seed)
+    kinds = ("full", "causal", "inv_causal", "bi_causal")
+    sl = []
+    for _ in range(5):
+        q0, q1 = sorted(rng.choice(S + 1, 2, replace=False))
+        k0, k1 = sorted(rng.choice(S + 1, 2, replace=False))
+        sl.append(mcp.AttnSlice((q0, q1), (k0, k1), kinds[rng.integers(4)]))
+    return mcp.AttnMask(sl, S, S)
+
+
+def _dense_of_tiles(tiles, q_ids, k_ids, n):
+    """Global boolean picture of tiles whose rows/keys map to global ids ``q_ids``/``k_ids``."""
+    d = np.zeros((n, n), dtype=np.int32)
+    for q0, q1, k0, k1, kind in tiles.tolist():
+        loc = geometry.traps_to_dense(np.array([geometry.slice_to_trap(q0, q1, k0, k1, kind)]), q1, k1)
+        for i in range(q0, q1):
+            d[q_ids[i], k_ids[np.nonzero(loc[i])[0]]] += 1
+    return d
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_stages_partition_each_ranks_cells(cp):
+    for name, mask in list(_masks().items()) + [(f"random{s}", _random_mask(s)) for s in range(4)]:
+        plan = mcp.plan(mask, cp)
+        assert np.array_equal(geometry.traps_to_dense(mask_traps(plan), S, S), mask.to_dense()), name
+        for n in (1, 2, 3):
+            sched = schedule(plan, n)
+            assert sched.num_stages == n and len(sched.active) == n
+            total = np.zeros((S, S), dtype=np.int32)
+            for r in range(cp):
+                rp = plan.ranks[r]
+                q_ids = rp.local_ids()
+                st = sched.ranks[r]
+                total += _dense_of_tiles(st[0].tiles, q_ids, q_ids, S)
+                remote = np.concatenate([np.zeros(0, np.int64)] + [np.concatenate(
+                    [np.arange(a, b) for a, b in runs.tolist()] or [np.zeros(0, np.int64)]) for runs in rp.recv_runs])
+                remote = np.sort(remote)
+                cut = (np.arange(n + 1) * len(remote)) // n
+                for s in range(1, n + 1):
+                    k_ids = remote[cut[s - 1]:cut[s]]  # equal pieces in global order (flat routes)
+                    assert st[s].buf_len == len(k_ids)
+                    total += _dense_of_tiles(st[s].tiles, q_ids, k_ids, S)
+            # every cell of the mask exactly once over all ranks and stages
+            assert np.array_equal(total, mask.to_dense().astype(np.int32)), (name, cp, n)
+
+
+def test_clip_tiles_against_dense():
+    mask = _random_mask(11)
+    traps = mask.traps
+    q_runs = np.array([[40, 61], [3, 17]])
+    k_runs = np.array([[30, 50], [0, 12], [55, 61]])
+    tiles = clip_tiles(traps, q_runs, k_runs)
+    q_ids = np.concatenate([np.arange(a, b) for a, b in q_runs])
+    k_ids = np.concatenate([np.arange(a, b) for a, b in k_runs])
+    got = _dense_of_tiles(tiles, q_ids, k_ids, S)
+    want = np.zeros((S, S), dtype=np.int32)
+    want[np.ix_(q_ids, k_ids)] = mask.to_dense()[np.ix_(q_ids, k_ids)]
+    assert np.array_equal(got, want)
+
+
+def test_cost_model_chooses_stages_and_round_trips(tmp_path):
+    mask = M.causal(1 << 15)
+    plan = mcp.plan(mask, 8, solver="zigzag")
+    work = Workload(32, 8, 128, 2)
+    # communication much slower than compute: more stages hide more of it
+    slow = CostModel(intra_gbps=2.0, launch_us=5.0, latency_us=5.0)
+    fast = CostModel(intra_gbps=1e5, launch_us=200.0, latency_us=200.0)
+    n_slow = schedule(plan, None, cost=slow, work=work).num_stages
+    n_fast = schedule(plan, None, cost=fast, work=work).num_stages
+    assert n_slow > 1 and n_fast == 1, (n_slow, n_fast)
+    pred = schedule(plan, None, cost=slow, work=work).predicted
+    assert pred["candidates"][n_slow] <= min(pred["candidates"].values()) * 1.02
+    path = tmp_path / "cost.json"
+    slow.save(str(path))
+    assert CostModel.load(str(path)) == slow
+    path.write_text('{"fwd_tflops": 1.0, "warp_speed": 9}')
+    with pytest.raises(ValueError, match="warp_speed"):
+        CostModel.load(str(path))
+    with pytest.raises(ValueError, match="num_stages must be None or an int >= 0, got -1"):
+        schedule(plan, -1)
+
+
+def test_buffer_pool_is_bounded():
+    pool = BufferPool()
+    a = pool.get((4, 3), torch.float32, "cpu", "x")
+    b = pool.get((2, 3), torch.float32, "cpu", "x")
+    assert b.data_ptr() == a.data_ptr() and pool.nbytes() == 48
+    pool.get((8, 3), torch.float32, "cpu", "x")
+    pool.get((3, 3), torch.float32, "cpu", "x")
+    assert pool.nbytes() == 96
+
+
+def _case(rank, world, mask, stages, hq=4, hkv=2, with_lse_grad=False, dtype=torch.float64, topology=None,
+          hierarchical=True):
+    s, d = mask.seqlen_q, 8
+    gen = torch.Generator().manual_seed(7 + hq)
+    q, do = (torch.randn(s, hq, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(s, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    dl = torch.randn(s, hq, generator=gen, dtype=torch.float64)
+    dense = torch.as_tensor(mask.to_dense())
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    o_ref, l_ref = dense_attention(qr, kr, vr, dense, 0.3)
+    fin_ref = torch.isfinite(l_ref)
+    loss = (o_ref * do).sum() + ((torch.where(fin_ref, l_ref, 0) * dl).sum() if with_lse_grad else 0)
+    loss.backward()
+    plan = mcp.plan(mask, world, topology=topology)
+    group = dist.group.WORLD
+    ql, kl, vl = (mcp.dispatch(t.to(dtype), plan, group).detach().requires_grad_() for t in (q, k, v))
+    out, lse = mcp.attention(ql, kl, vl, plan, group, softmax_scale=0.3, stages=stages, hierarchical=hierarchical)
+    ids = torch.from_numpy(plan.local_ids(rank))
+    loss = (out.double() * do[ids]).sum()
+    if with_lse_grad:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0).double() * dl[ids]).sum()
+    loss.backward()
+    fin = torch.isfinite(l_ref[ids])
+    assert torch.equal(torch.isfinite(lse), fin), "fully masked rows must give lse -inf exactly there"
+    err = lambda a, b: float((a.detach().double() - b.detach()).abs().max()) if a.numel() else 0.0  # noqa: E731
+    return {
+        "out": err(out, o_ref[ids]),
+        "lse": err(lse[fin], l_ref[ids][fin]),
+        "dq": err(ql.grad, qr.grad[ids]),
+        "dk": err(kl.grad, kr.grad[ids]),
+        "dv": err(vl.grad, vr.grad[ids]),
+    }
+
+
+def _order_case(rank, world):
+    """Record the order of collectives and kernel calls: the cast of stage s+1 must be issued before
+    the kernel of stage s, and backward reduces must be issued before the next stage's kernel."""
+    events = []
+    real_a2a = dist.all_to_all_single
+
+    def spy(*a, **k):
+        events.append(("a2a", bool(k.get("async_op"))))
+        return real_a2a(*a, **k)
+
+    mask = M.full(S)
+    plan = mcp.plan(mask, world, solver="contiguous")
+    group = dist.group.WORLD
+    n = plan.num_local(rank)
+    q, k, v = (torch.randn(n, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mcp.attention(q, k, v, plan, group, stages=3)  # builds and caches the runtime
+    from megatron_cp.runtime.attention import _staged_runtime  # noqa: F401
+    rt = next(v_ for key, v_ in plan.cache.items() if key[0] == "staged")
+    backend = rt.backend
+    real_fwd, real_bwd = backend.forward, backend.backward
+    backend.forward = lambda *a, **k_: (events.append(("fwd",)), real_fwd(*a, **k_))[1]
+    backend.backward = lambda *a, **k_: (events.append(("bwd",)), real_bwd(*a, **k_))[1]
+    dist.all_to_all_single = spy
+    try:
+        out, _ = mcp.attention(q, k, v, plan, group, stages=3)
+        out.sum().backward()
+    finally:
+        dist.all_to_all_single = real_a2a
+        backend.forward, backend.backward = real_fwd, real_bwd
+    return [e[0] if e[0] != "a2a" else ("a2a" if e[1] else "sync_a2a") for e in events]
+
+
+def _pool_case(rank, world):
+    from megatron_cp.runtime.attention import buffer_pool
+
+    plan = mcp.plan(M.causal(S), world)
+    group = dist.group.WORLD
+    n = plan.num_local(rank)
+    sizes = []
+    for layer in range(3):
+        q, k, v = (torch.randn(n, 2, 8, requires_grad=True) for _ in range(3))
+        out, _ = mcp.attention(q, k, v, plan, group, stages=2)
+        out.sum().backward()
+        sizes.append(buffer_pool(q.device).nbytes())
+    return sizes
+
+
+def _bad_case(rank, world):
+    called = []
+    real = dist.all_to_all_single
+    dist.all_to_all_single = lambda *a, **k: (called.append(1), real(*a, **k))[1]
+    plan = mcp.plan(M.causal(S), world)
+    n = plan.num_local(rank)
+    q = torch.randn(n, 2, 8)
+    res = {}
+    for name, kw, match in (("neg", {"stages": -1}, "stages must be None or an int >= 0, got -1"),
+                            ("float", {"stages": 1.5}, "got 1.5"),
+                            ("cost", {"cost_model": {"fwd_tflops": 1}}, "cost_model must be a CostModel")):
+        try:
+            mcp.attention(q, q, q, plan, dist.group.WORLD, **kw)
+            res[name] = "no error"
+        except ValueError as e:
+            import re
+
+            res[name] = "ok" if re.search(match, str(e)) and not called else f"{e!r} {called}"
+    dist.all_to_all_single = real
+    return res
+
+
+def _all_cases(rank, world):
+    res = {}
+    for name, mask in _masks().items():
+        for stages in (None, 1, 2, 3):
+            res[(name, stages)] = _case(rank, world, mask, stages, with_lse_grad=stages == 2)
+    for seed in range(4):
+        res[("random", seed)] = _case(rank, world, _random_mask(seed), 1 + seed % 3, with_lse_grad=True)
+    res[("mqa", 2)] = _case(rank, world, _masks()["varlen"], 2, hq=4, hkv=1)
+    bf = {}
+    for name in ("causal", "varlen", "sliding_window"):
+        bf[name] = _bf16_case(rank, world, _masks()[name])
+    return {"exact": res, "bf16": bf, "order": _order_case(rank, world), "pool": _pool_case(rank, world),
+            "bad": _bad_case(rank, world)}
+
+
+def _bf16_case(rank, world, mask):
+    """bf16 error at most 2x a plain bf16 dense PyTorch reference's, plus 1e-3 (ANCHORS.md rule)."""
+    s, hq, hkv, d = mask.seqlen_q, 4, 2, 16
+    gen = torch.Generator().manual_seed(5)
+    q, do = (torch.randn(s, hq, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(s, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    dense = torch.as_tensor(mask.to_dense())
+    grads = {}
+    for tag, dt in (("fp64", torch.float64), ("bf16", torch.bfloat16)):
+        ts = [t.detach().clone().to(dt).requires_grad_() for t in (q, k, v)]
+        o, _ = dense_attention(*ts, dense, 0.25)
+        (o * do.to(dt)).sum().backward()
+        grads[tag] = [o.detach()] + [t.grad for t in ts]
+    plan = mcp.plan(mask, world)
+    ids = torch.from_numpy(plan.local_ids(rank))
+    ls = [mcp.dispatch(t.to(torch.bfloat16), plan, dist.group.WORLD).detach().requires_grad_() for t in (q, k, v)]
+    o, _ = mcp.attention(*ls, plan, dist.group.WORLD, softmax_scale=0.25, stages=3)
+    (o * do[ids].to(torch.bfloat16)).sum().backward()
+    ours = [o] + [t.grad for t in ls]
+    out = {}
+    for i, tag in enumerate(("out", "dq", "dk", "dv")):
+        ref64, ref16 = grads["fp64"][i][ids], grads["bf16"][i][ids]
+        out[tag] = (float((ours[i].double() - ref64).abs().max()), float((ref16.double() - ref64).abs().max()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cp4():
+    return run_ranks(_all_cases, 4)
+
+
+def test_staged_attention_matches_fp64_reference(cp4):
+    # the backend interface returns lse in float32, so fp64 results carry ~1e-7 of merge rounding
+    bad = [(r, key, k, v) for r, res in enumerate(cp4) for key, e in res["exact"].items() for k, v in e.items() if v > 1e-5]
+    assert not bad, bad[:10]
+
+
+def test_staged_bf16_within_twice_plain_bf16_error(cp4):
+    for res in cp4:
+        for name, errs in res["bf16"].items():
+            for tag, (ours, ref) in errs.items():
+                assert ours <= 2 * ref + 1e-3, (name, tag, ours, ref)
+
+
+def test_next_stage_cast_is_issued_before_current_kernel(cp4):
+    for res in cp4:
+        ev = res["order"]
+        assert "sync_a2a" not in ev
+        fwd = ev[: ev.index("bwd")]
+        bwd = ev[ev.index("bwd"):]
+        # forward of 3 remote stages on a full mask: a2a(1) fwd(0) a2a(2) fwd(1) a2a(3) fwd(2) fwd(3)
+        assert fwd == ["a2a", "fwd", "a2a", "fwd", "a2a", "fwd", "fwd"], fwd
+        # backward: bwd(1) a2a(1) bwd(2) a2a(2) bwd(3) a2a(3) bwd(0): each reduce flies during a kernel
+        assert bwd == ["bwd", "a2a", "bwd", "a2a", "bwd", "a2a", "bwd"], bwd
+
+
+def test_buffers_are_reused_across_layers(cp4):
+    for res in cp4:
+        sizes = res["pool"]
+        assert sizes[0] > 0 and sizes[0] == sizes[1] == sizes[2], sizes
+
+
+def test_bad_overlap_arguments_raise_before_any_collective(cp4):
+    for res in cp4:
+        assert all(v == "ok" for v in res["bad"].values()), res["bad"]
