@@ -14,6 +14,7 @@ all-reduces the token count over DP x CP and scales the gradients by its inverse
 
 from __future__ import annotations
 
+import queue
 import socket
 from dataclasses import dataclass, field
 
@@ -152,18 +153,33 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: int = 60
 
     port = free_port()
     ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
+    q = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, q)) for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = {}, []
-    for _ in range(world_size):
-        rank, ok, val = q.get()
+    # After the first failure the other ranks may wait forever in a collective: give them a short
+    # grace period to report, then end them (only the processes started here).
+    deadline = timeout_s
+    while len(results) + len(errors) < world_size:
+        try:
+            rank, ok, val = q.get(timeout=deadline)
+        except queue.Empty:
+            break
         (results.__setitem__(rank, val) if ok else errors.append((rank, val)))
+        if errors:
+            deadline = 15
     for p in procs:
-        p.join(timeout_s)
-    if errors:
-        raise RuntimeError("worker failed:\n" + "\n".join(f"[rank {r}] {e}" for r, e in errors))
+        p.join(5 if errors else timeout_s)
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+    missing = sorted(set(range(world_size)) - set(results) - {r for r, _ in errors})
+    if errors or missing:
+        msg = "\n".join(f"[rank {r}] {e}" for r, e in errors)
+        if missing:
+            msg += f"\nranks {missing} did not report (ended)"
+        raise RuntimeError("worker failed:\n" + msg)
     return results.get(0)
 
 
