@@ -162,6 +162,11 @@ class TestCPCoreAttention:
         if world > 1:
             with pytest.raises(ValueError, match="CPParams"):
                 attn(q, kv, kv, None, packed_seq_params=None)
+        else:
+            from megatron.core.transformer.enums import AttnMaskType
+
+            with pytest.raises(ValueError, match="no_mask"):
+                attn(q, kv, kv, None, attn_mask_type=AttnMaskType.no_mask, packed_seq_params=None)
 
     def test_constructor_refuses_unsupported_config(self):
         from megatron.core.transformer.enums import AttnMaskType

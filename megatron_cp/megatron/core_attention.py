@@ -131,6 +131,9 @@ class CPCoreAttention(MegatronModule):
             backend = packed_seq_params.kernel_backend
         elif packed_seq_params is None and cp_size == 1:
             # No batch hook (e.g. evaluation at CP=1): plain causal attention over the sequence.
+            kind = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            if kind != AttnMaskType.causal:
+                raise ValueError(f"without CPParams only causal attention is implied, got attn_mask_type={kind}")
             plan = _causal_plan_cp1(s)
         else:
             raise ValueError(
