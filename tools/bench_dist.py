@@ -1,0 +1,377 @@
+"""Distributed attention benchmark: megatron-cp vs our baselines vs PyTorch's native context parallel.
+
+Run under torchrun (NCCL on GPUs; gloo for the CPU dry run). For every total sequence length and
+mask, each implementation runs forward and backward on the same random bf16 data; per-GPU TFLOP/s
+counts mask-area FLOPs (forward 4 * area * Hq * D, backward 2.5x) divided by the GPU count and by the
+slowest rank's time. Also measured, per rank and without any communication: our kernel on exactly
+the tiles and K/V buffer megatron-cp gives that rank ("kernel-only"), the single-GPU throughput on
+the same per-GPU work that the scaling check compares against.
+
+Implementations: ``megatron-cp`` (planner + staged overlapped runtime), ``ring``, ``ulysses``,
+``usp`` (ulysses 2 x ring), ``allgather`` (megatron_cp.baselines), ``torch-sdpa-ring`` (PyTorch
+``context_parallel`` over SDPA, head-tail balance; full and causal only) and ``torch-flex-allgather``
+(PyTorch's FlexAttention CP: all-gather K/V, compiled flex_attention, head-tail balance; other masks).
+
+    torchrun --nproc-per-node 4 tools/bench_dist.py                      # 4 GPUs, S = 128k, 256k
+    torchrun --nproc-per-node 2 tools/bench_dist.py --device cpu --tiny  # CPU dry run (gloo)
+
+Writes benchmarks/dist/bench_<n>x<device>_<date>.json and .png (device, date and command inside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import megatron_cp as mcp  # noqa: E402
+from megatron_cp import kernels  # noqa: E402
+from megatron_cp.baselines import get_strategy, plan_for  # noqa: E402
+
+import _cp_masks  # noqa: E402
+
+SPARSE = ["packed", "sliding_window", "block_causal", "strided", "global_local"]
+
+
+class Timer:
+    def __init__(self, device):
+        self.device = device
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def run(self, fwd, bwd, warmup, iters, group):
+        """(fwd seconds, bwd seconds): median over iters of the slowest rank's time."""
+        tf, tb = [], []
+        for i in range(warmup + iters):
+            self.sync()
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            out = fwd()
+            self.sync()
+            t1 = time.perf_counter()
+            bwd(out)
+            self.sync()
+            t2 = time.perf_counter()
+            if i >= warmup:
+                t = torch.tensor([t1 - t0, t2 - t1], dtype=torch.float64, device=self.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+                tf.append(float(t[0]))
+                tb.append(float(t[1]))
+            del out
+        tf.sort()
+        tb.sort()
+        return tf[len(tf) // 2], tb[len(tb) // 2]
+
+
+def _rand_local(n, h, d, dtype, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randn(n, h, d, generator=g) * 0.5).to(device=device, dtype=dtype)
+
+
+def bench_ours(name, mask, args, ctx):
+    """megatron-cp or one of our baselines; returns (fwd_s, bwd_s)."""
+    rank, cp, device, dtype, group = ctx["rank"], ctx["cp"], ctx["device"], ctx["dtype"], ctx["group"]
+    if name == "megatron-cp":
+        plan = mcp.plan(mask, cp)
+        fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=args.backend)  # noqa: E731
+    else:
+        opts = {"ulysses_degree": 2} if name == "usp" and cp % 2 == 0 and cp > 2 else {}
+        plan = plan_for(name, mask, cp)
+        strat = get_strategy(name, backend=args.backend, **opts)
+        fn = lambda q, k, v: strat(q, k, v, plan, group, None)  # noqa: E731
+    n = plan.num_local(rank)
+    q = _rand_local(n, args.heads, args.head_dim, dtype, device, 1 + rank).requires_grad_()
+    k = _rand_local(n, args.kv_heads, args.head_dim, dtype, device, 100 + rank).requires_grad_()
+    v = _rand_local(n, args.kv_heads, args.head_dim, dtype, device, 200 + rank).requires_grad_()
+    do = torch.randn_like(q)
+
+    def fwd():
+        return fn(q, k, v)[0]
+
+    def bwd(out):
+        out.backward(do)
+        q.grad = k.grad = v.grad = None
+
+    return ctx["timer"].run(fwd, bwd, args.warmup, args.iters, group), plan
+
+
+def bench_kernel_only(plan, args, ctx):
+    """Our kernel alone on this rank's megatron-cp tiles and K/V buffer: (flops, fwd_s, bwd_s)."""
+    rank, device, dtype = ctx["rank"], ctx["device"], ctx["dtype"]
+    rp = plan.ranks[rank]
+    be = kernels.get_backend(args.backend, device)
+    prep = be.prepare(torch.from_numpy(rp.tiles.astype("int32")), rp.num_tokens, max(rp.buffer_len, 1))
+    q = _rand_local(rp.num_tokens, args.heads, args.head_dim, dtype, device, 1)
+    k = _rand_local(rp.buffer_len, args.kv_heads, args.head_dim, dtype, device, 2)
+    v = _rand_local(rp.buffer_len, args.kv_heads, args.head_dim, dtype, device, 3)
+    out, lse = be.forward(q, k, v, prep, None)
+    do = torch.randn_like(out)
+    delta = (do.float() * out.float()).sum(-1)
+    t = ctx["timer"]
+    for _ in range(args.warmup):
+        be.forward(q, k, v, prep, None)
+        be.backward(q, k, v, out, lse, do, prep, None, delta)
+    t.sync()
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        be.forward(q, k, v, prep, None)
+    t.sync()
+    t1 = time.perf_counter()
+    for _ in range(args.iters):
+        be.backward(q, k, v, out, lse, do, prep, None, delta)
+    t.sync()
+    t2 = time.perf_counter()
+    flops = 4.0 * rp.area * args.heads * args.head_dim
+    return flops, (t1 - t0) / args.iters, (t2 - t1) / args.iters
+
+
+def bench_torch_native(mask_name, s, args, ctx):
+    """PyTorch's context parallel: SDPA ring (full/causal) or FlexAttention all-gather CP."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rank, cp, device, dtype, group = ctx["rank"], ctx["cp"], ctx["device"], ctx["dtype"], ctx["group"]
+    mesh = ctx.get("mesh")
+    if mesh is None:
+        mesh = ctx["mesh"] = DeviceMesh(device.type, list(range(cp)))
+    hq, hkv, d = args.heads, args.kv_heads, args.head_dim
+    g = torch.Generator(device="cpu").manual_seed(7)
+    q = (torch.randn(1, hq, s, d, generator=g) * 0.5).to(device, dtype)
+    k = (torch.randn(1, hkv, s, d, generator=g) * 0.5).to(device, dtype)
+    v = (torch.randn(1, hkv, s, d, generator=g) * 0.5).to(device, dtype)
+    if mask_name in ("full", "causal"):
+        import torch.nn.functional as F
+        from torch.distributed.tensor.experimental import context_parallel
+
+        causal = mask_name == "causal"
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
+            q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+            do = torch.randn_like(q)
+
+            def fwd():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+            def bwd(out):
+                out.backward(do)
+                q.grad = k.grad = v.grad = None
+
+            return ctx["timer"].run(fwd, bwd, args.warmup, args.iters, group)
+    from torch.distributed.tensor.experimental._attention import (
+        _context_parallel_shard,
+        _ContextParallel,
+        _HeadTailLoadBalancer,
+    )
+    from torch.distributed.tensor.experimental._context_parallel._attention import _create_cp_block_mask
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = ctx.get("flex")
+    if compiled is None:
+        # every (mask, S) is a new mask_mod / shape: allow one compilation each instead of dynamo's 8
+        import torch._dynamo as dynamo
+
+        dynamo.config.recompile_limit = 256
+        dynamo.config.accumulated_recompile_limit = 4096
+        compiled = ctx["flex"] = torch.compile(flex_attention, dynamic=False)
+
+    class Flex(torch.nn.Module):
+        def forward(self, q, k, v, block_mask):
+            return compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    mod = parallelize_module(Flex(), mesh, _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+    lb = _HeadTailLoadBalancer(s, cp, device)
+    block = 128 if not args.tiny else 16
+    bm = _create_cp_block_mask(_cp_masks.mask_mod(mask_name, s, device), 1, 1, s, s, (block, block), mesh, lb)
+    ql, kl, vl = _context_parallel_shard(mesh, [q, k, v], [2, 2, 2], load_balancer=lb)
+    ql, kl, vl = (t.detach().contiguous().requires_grad_() for t in (ql, kl, vl))
+    do = torch.randn_like(ql)
+
+    def fwd():
+        return mod(ql, kl, vl, block_mask=bm)
+
+    def bwd(out):
+        out.backward(do)
+        ql.grad = kl.grad = vl.grad = None
+
+    return ctx["timer"].run(fwd, bwd, args.warmup, args.iters, group)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU dry run")
+    ap.add_argument("--seqlens", default=None, help="comma list of total S (default 131072,262144; tiny 512,1024)")
+    ap.add_argument("--masks", default=",".join(_cp_masks.MASKS))
+    ap.add_argument("--impls", default="megatron-cp,ring,ulysses,usp,allgather,torch-native")
+    ap.add_argument("--heads", type=int, default=None)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--head-dim", type=int, default=None)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--out-dir", default="benchmarks/dist")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    tiny = args.tiny
+    args.heads = args.heads or (4 if tiny else 32)
+    args.kv_heads = args.kv_heads or (2 if tiny else 8)
+    args.head_dim = args.head_dim or (16 if tiny else 128)
+    args.warmup = args.warmup if args.warmup is not None else (1 if tiny else 2)
+    args.iters = args.iters or (1 if tiny else 5)
+    seqlens = [int(x) for x in (args.seqlens or ("512,1024" if tiny else "131072,262144")).split(",")]
+
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))  # set by torchrun
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=10))
+        dtype = torch.bfloat16
+        dev_name = torch.cuda.get_device_name(device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+        dtype = torch.bfloat16
+        dev_name = "cpu"
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    ctx = dict(rank=rank, cp=cp, device=device, dtype=dtype, group=group, timer=Timer(device))
+    impls = args.impls.split(",")
+    results = []
+
+    def log(msg):
+        if rank == 0:
+            print(msg, flush=True)
+
+    for s in seqlens:
+        for mname in args.masks.split(","):
+            mask = _cp_masks.build(mname, s)
+            flops = 4.0 * mask.area() * args.heads * args.head_dim
+            base = dict(mask=mname, seqlen=s, cp=cp, density=mask.density())
+            for impl in impls:
+                if impl == "torch-native":
+                    name = "torch-sdpa-ring" if mname in ("full", "causal") else "torch-flex-allgather"
+                else:
+                    name = impl
+                rec = dict(base, impl=name)
+                try:
+                    if impl == "torch-native":
+                        tf, tb = bench_torch_native(mname, s, args, ctx)
+                    else:
+                        (tf, tb), plan = bench_ours(impl, mask, args, ctx)
+                    rec.update(fwd_ms=tf * 1e3, bwd_ms=tb * 1e3, fwd_tflops_per_gpu=flops / cp / tf / 1e12,
+                               bwd_tflops_per_gpu=2.5 * flops / cp / tb / 1e12)
+                    if impl == "megatron-cp":
+                        rec["imbalance"] = plan.stats()["imbalance"]
+                        kf, kt_f, kt_b = bench_kernel_only(plan, args, ctx)
+                        t = torch.tensor([kf, kt_f, kt_b], dtype=torch.float64, device=device)
+                        dist.all_reduce(t, group=group)
+                        results.append(dict(base, impl="kernel-only", fwd_ms=float(t[1]) / cp * 1e3,
+                                            bwd_ms=float(t[2]) / cp * 1e3,
+                                            fwd_tflops_per_gpu=float(t[0]) / float(t[1]) / 1e12,
+                                            bwd_tflops_per_gpu=2.5 * float(t[0]) / float(t[2]) / 1e12))
+                except Exception as e:  # record and go on (a failure on every rank, e.g. an API missing)
+                    rec["error"] = f"{type(e).__name__}: {e}"
+                    if rank == 0:
+                        traceback.print_exc()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                results.append(rec)
+                if "error" in rec:
+                    log(f"S={s:>7} {mname:<15}{name:<22} ERROR {rec['error'][:150]}")
+                else:
+                    log(f"S={s:>7} {mname:<15}{name:<22} fwd {rec['fwd_tflops_per_gpu']:7.1f}  bwd "
+                        f"{rec['bwd_tflops_per_gpu']:7.1f} TFLOP/s/GPU  ({rec['fwd_ms']:.2f} / {rec['bwd_ms']:.2f} ms)")
+                dist.barrier(group)
+    if rank == 0:
+        now = datetime.datetime.now(datetime.UTC)
+        meta = dict(device=dev_name, num_devices=cp, date=now.strftime("%Y-%m-%d %H:%M UTC"),
+                    command="torchrun --nproc-per-node %d %s" % (cp, " ".join(sys.argv)),
+                    torch=torch.__version__, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                    dtype=str(dtype), masks={m: _cp_masks.DESCRIPTIONS[m] for m in args.masks.split(",")},
+                    flops="forward 4*area*Hq*D, backward 2.5x; per GPU = total / cp / slowest rank's time")
+        checks = summarize(results)
+        os.makedirs(args.out_dir, exist_ok=True)
+        stem = os.path.join(args.out_dir, f"bench_{cp}x{dev_name.replace(' ', '_')}_{now:%Y%m%d_%H%M}{args.tag}")
+        with open(stem + ".json", "w") as f:
+            json.dump({**meta, "results": results, "checks": checks}, f, indent=1)
+        plot(results, meta, stem + ".png")
+        print(f"wrote {stem}.json and {stem}.png")
+    dist.destroy_process_group()
+
+
+def summarize(results):
+    """The issue's targets: causal vs torch SDPA ring (>= 1.1x), sparse masks vs torch Flex CP
+    (>= 1.5x), and megatron-cp per-GPU throughput >= 90% of kernel-only on the same work."""
+    checks = []
+    get = lambda m, s, impl: next((r for r in results if r["mask"] == m and r["seqlen"] == s  # noqa: E731
+                                   and r["impl"] == impl and "error" not in r), None)
+    for s in sorted({r["seqlen"] for r in results}):
+        for m in sorted({r["mask"] for r in results}):
+            ours = get(m, s, "megatron-cp")
+            if ours is None:
+                continue
+            ref_name = "torch-sdpa-ring" if m in ("full", "causal") else "torch-flex-allgather"
+            ref = get(m, s, ref_name)
+            kern = get(m, s, "kernel-only")
+            c = dict(mask=m, seqlen=s)
+            if ref is not None:
+                need = 1.1 if m in ("full", "causal") else 1.5
+                c.update(vs=ref_name, fwd_ratio=ours["fwd_tflops_per_gpu"] / ref["fwd_tflops_per_gpu"],
+                         bwd_ratio=ours["bwd_tflops_per_gpu"] / ref["bwd_tflops_per_gpu"], need=need)
+            if kern is not None:
+                c.update(fwd_scaling=ours["fwd_tflops_per_gpu"] / kern["fwd_tflops_per_gpu"],
+                         bwd_scaling=ours["bwd_tflops_per_gpu"] / kern["bwd_tflops_per_gpu"])
+            checks.append(c)
+            line = f"check S={s} {m:<15}"
+            if "fwd_ratio" in c:
+                line += f" vs {ref_name}: fwd {c['fwd_ratio']:.2f}x bwd {c['bwd_ratio']:.2f}x (need {c['need']}x)"
+            if "fwd_scaling" in c:
+                line += f"  scaling vs kernel-only: fwd {c['fwd_scaling']:.2f} bwd {c['bwd_scaling']:.2f}"
+            print(line)
+    return checks
+
+
+def plot(results, meta, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG")
+        return
+    ok = [r for r in results if "error" not in r]
+    seqlens = sorted({r["seqlen"] for r in ok})
+    masks = list(dict.fromkeys(r["mask"] for r in ok))
+    impls = list(dict.fromkeys(r["impl"] for r in ok))
+    fig, axes = plt.subplots(len(seqlens), 2, figsize=(16, 4.5 * len(seqlens)), squeeze=False)
+    w = 0.8 / max(len(impls), 1)
+    for i, s in enumerate(seqlens):
+        for j, key in enumerate(("fwd_tflops_per_gpu", "bwd_tflops_per_gpu")):
+            ax = axes[i][j]
+            for n, impl in enumerate(impls):
+                ys = [next((r[key] for r in ok if r["seqlen"] == s and r["mask"] == m and r["impl"] == impl), 0)
+                      for m in masks]
+                ax.bar([x + n * w for x in range(len(masks))], ys, w, label=impl)
+            ax.set_xticks([x + 0.4 - w / 2 for x in range(len(masks))], masks, rotation=20)
+            ax.set_ylabel("TFLOP/s per GPU")
+            ax.set_title(f"{'forward' if j == 0 else 'backward'}, S = {s}")
+            if i == 0 and j == 0:
+                ax.legend(fontsize=8)
+    fig.suptitle(f"{meta['num_devices']} x {meta['device']}, {meta['date']}\n{meta['command']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

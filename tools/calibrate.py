@@ -1,0 +1,152 @@
+"""Measure the cost model's numbers on this machine and write them as JSON (``CostModel.load`` reads it).
+
+Kernel: forward/backward time of full tiles with long rows (peak TFLOP/s), of short-row tiles (the
+half-efficiency key length), of one tiny tile (launch cost) and of many tiny tiles (per-tile cost).
+Communication (when started under torchrun with several ranks): all_to_all_single time for small
+messages (latency) and large ones (bandwidth), inside a node and, with several nodes, across them.
+
+    python tools/calibrate.py --out benchmarks/cost_model.json                     # one GPU, kernels only
+    torchrun --nproc-per-node 4 tools/calibrate.py --out benchmarks/cost_model.json  # plus NCCL links
+    python tools/calibrate.py --device cpu --tiny --out /tmp/cost.json             # dry run on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_cp import kernels
+from megatron_cp.planner.cost import CostModel, Workload
+
+
+def _time(fn, device, reps):
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def _kernel(args, device, work: Workload):
+    be = kernels.get_backend(args.backend, device)
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hq, hkv, d = work.num_heads, work.num_kv_heads, work.head_dim
+    rows = 256 if args.tiny else 8192
+    keys_long = 512 if args.tiny else 16384
+    reps = 2 if args.tiny else 10
+
+    def run(tiles, sq, sk, backward=False):
+        q = torch.randn(sq, hq, d, device=device, dtype=dt)
+        k = torch.randn(sk, hkv, d, device=device, dtype=dt)
+        v = torch.randn(sk, hkv, d, device=device, dtype=dt)
+        prep = be.prepare(torch.tensor(tiles, dtype=torch.int32), sq, sk)
+        out, lse = be.forward(q, k, v, prep, None)
+        if not backward:
+            return _time(lambda: be.forward(q, k, v, prep, None), device, reps)
+        do = torch.randn_like(out)
+        delta = (do.float() * out.float()).sum(-1)
+        return _time(lambda: be.backward(q, k, v, out, lse, do, prep, None, delta), device, reps)
+
+    flops = lambda area: work.fwd_flops(area)  # noqa: E731
+    t_f = run([[0, rows, 0, keys_long, 0]], rows, keys_long)
+    t_b = run([[0, rows, 0, keys_long, 0]], rows, keys_long, backward=True)
+    fwd_tflops = flops(rows * keys_long) / t_f / 1e12
+    bwd_tflops = 2.5 * flops(rows * keys_long) / t_b / 1e12
+    # short rows: tiles of `short` keys along the diagonal (block-diagonal), same row count
+    short = 64 if args.tiny else 256
+    tiles = [[i, i + short, i, i + short, 0] for i in range(0, rows, short)]
+    t_s = run(tiles, rows, rows)
+    eff = flops(rows * short) / t_s / 1e12 / fwd_tflops
+    half_keys = float(short * (1 / max(eff, 1e-3) - 1))
+    t_launch = run([[0, 16, 0, 16, 0]], 16, 16)
+    many = [[i, i + 16, i, i + 16, 0] for i in range(0, 16 * 64, 16)]
+    t_many = run(many, 16 * 64, 16 * 64)
+    tile_us = max(0.0, (t_many - t_launch) / 63 * 1e6)
+    return dict(fwd_tflops=fwd_tflops, bwd_tflops=bwd_tflops, half_keys=max(half_keys, 1.0),
+                launch_us=t_launch * 1e6, tile_us=tile_us)
+
+
+def _links(args, device):
+    """(intra GB/s, inter GB/s or None, latency us) from all_to_all_single timings."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = args.gpus_per_node or world
+    reps = 2 if args.tiny else 10
+    res = {}
+    for name, big in (("latency", False), ("bandwidth", True)):
+        per_peer = (1 << 20 if args.tiny else 64 << 20) if big else 1024
+        x = torch.empty(per_peer * world, dtype=torch.uint8, device=device)
+        y = torch.empty_like(x)
+        t = _time(lambda: dist.all_to_all_single(y, x), device, reps)
+        res[name] = t
+    # bytes leaving each GPU (to the other ranks) per all-to-all
+    per_peer = 1 << 20 if args.tiny else 64 << 20
+    moved = per_peer * (world - 1)
+    nodes = world // local
+    if nodes > 1:
+        # traffic splits over both kinds of links: (local-1) peers inside, world-local outside
+        inter_bytes = per_peer * (world - local)
+        inter = inter_bytes / max(res["bandwidth"] - res["latency"], 1e-9) / 1e9
+        intra = None
+    else:
+        inter = None
+        intra = moved / max(res["bandwidth"] - res["latency"], 1e-9) / 1e9
+    return intra, inter, res["latency"] * 1e6
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON file to write (CostModel fields)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU dry run)")
+    ap.add_argument("--gpus-per-node", type=int, default=None, help="for multi-node runs (default: world)")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    args = ap.parse_args(argv)
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1  # set by torchrun
+    if args.device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if distributed:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    work = Workload(args.heads, args.kv_heads, args.head_dim, 2)
+    base = CostModel()
+    fields = _kernel(args, device, work)
+    if distributed:
+        intra, inter, lat = _links(args, device)
+        fields["latency_us"] = lat
+        if intra is not None:
+            fields["intra_gbps"] = intra
+        if inter is not None:
+            fields["inter_gbps"] = inter
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    world = dist.get_world_size() if distributed else 1
+    fields["source"] = (f"tools/calibrate.py on {world} x {name}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+                        f"command: {' '.join(sys.argv)}")
+    model = CostModel(**{**base.__dict__, **{k: float(v) if k != "source" else v for k, v in fields.items()}})
+    if not distributed or dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        model.save(args.out)
+        print(json.dumps(model.__dict__, indent=2))
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""Predict context-parallel attention time, bytes per link and imbalance from plans and a cost model.
+
+For cp = 8 .. 1024 GPUs (``--gpus-per-node`` 8, ``--inter-gbps`` 50 GB/s = 400 Gb/s per GPU between
+nodes) and a fixed number of tokens per GPU, compares:
+
+- ``megatron-cp``: our planner (node-first placement on multi-node topologies), hierarchical routes,
+  K/V stages overlapped with compute (stage count chosen by the cost model as the runtime does);
+- ``greedy``: area-balanced greedy dispatch with flat all-to-all routes and one remote stage
+  (a MagiAttention-like dispatch: balance by area, every needed K/V row sent to every GPU);
+- ``ring``: contiguous layout, K/V ring, each step max(slowest GPU's compute, one block transfer);
+- ``zigzag``: the same ring over the zigzag layout (2*cp chunks);
+- ``ulysses``: all-to-all over heads (cp <= query heads), full-sequence attention per head group.
+
+The kernel throughput, per-tile costs and link bandwidths come from ``--cost`` (``tools/calibrate.py``
+output; defaults otherwise). Predicted per-GPU TFLOP/s counts mask-area FLOPs (4 * area * Hq * D
+forward, 2.5x backward) divided by cp and by the predicted time.
+
+    python tools/simulate.py                                   # packed docs, cp 8..1024, 8k tokens/GPU
+    python tools/simulate.py --masks packed,causal --cps 8,16,32,64 --json out.json
+    python tools/simulate.py --compare benchmarks/dist/bench_4gpu.json   # predicted vs measured
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import megatron_cp as mcp  # noqa: E402
+from megatron_cp.planner.cost import CostModel, Workload  # noqa: E402
+from megatron_cp.planner.schedule import clip_tiles, rank_traps  # noqa: E402
+
+import _cp_masks  # noqa: E402
+
+
+# ------------------------------------------------------------------------------- mask geometry
+
+
+class RowIntervals:
+    """Every (row, [lo, hi)) interval of a mask, sorted by row: areas of row-run x key-run blocks."""
+
+    def __init__(self, mask):
+        t = mask.traps
+        n = t[:, 1] - t[:, 0]
+        rows = np.concatenate([np.arange(a, b) for a, b in t[:, :2]]) if len(t) else np.zeros(0, np.int64)
+        ti = np.repeat(np.arange(len(t)), n)
+        lo = t[ti, 2] + t[ti, 3] * rows
+        hi = t[ti, 4] + t[ti, 5] * rows
+        o = np.argsort(rows, kind="stable")
+        self.rows, self.lo, self.hi = rows[o], lo[o], hi[o]
+
+    def area(self, q_runs, k_runs) -> int:
+        tot = 0
+        for a, b in np.asarray(q_runs).reshape(-1, 2):
+            i, j = np.searchsorted(self.rows, [a, b])
+            lo, hi = self.lo[i:j], self.hi[i:j]
+            for c, d in np.asarray(k_runs).reshape(-1, 2):
+                tot += int(np.clip(np.minimum(hi, d) - np.maximum(lo, c), 0, None).sum())
+        return tot
+
+
+def _kernel_time(cost: CostModel, work: Workload, area: float, rows: float, backward=False, tiles=1) -> float:
+    """Cost-model kernel time of ``area`` cells spread over ``rows`` rows in ``tiles`` tiles."""
+    if area <= 0:
+        return 0.0
+    peak = (cost.bwd_tflops / 2.5 if backward else cost.fwd_tflops) * 1e12
+    keys = area / max(rows, 1)
+    eff = keys / (keys + cost.half_keys)
+    return cost.launch_us * 1e-6 + tiles * cost.tile_us * 1e-6 + work.fwd_flops(area) / (peak * eff)
+
+
+def _pipeline(local_c, remote_c, comm, n, latency):
+    """Forward time: own-key compute first; n remote stages, stage i+1's cast in flight during i."""
+    c = [comm / n + latency] * n
+    k = [remote_c / n] * n
+    end, comm_end = local_c, c[0]
+    for s in range(n):
+        start = max(end, comm_end)
+        if s + 1 < n:
+            comm_end = max(start, comm_end) + c[s + 1]
+        end = start + k[s]
+    return end
+
+
+# ------------------------------------------------------------------------------------ strategies
+
+
+def ours(mask, cp, g, cost, work, hierarchical=True, solver=None):
+    nodes = max(1, cp // g)
+    topo = mcp.Topology(nodes, min(g, cp), intra_node_gbps=cost.intra_gbps, inter_node_gbps=cost.inter_gbps)
+    if solver is None:
+        solver = "hierarchical" if nodes > 1 else "auto"
+    plan = mcp.plan(mask, cp, topology=topo, solver=solver)
+    per_tok = work.kv_bytes_per_token
+    gpn = topo.gpus_per_node
+    node_inter = np.zeros(nodes)
+    if nodes > 1:
+        seen = [[] for _ in range(nodes)]
+        for r in plan.ranks:
+            for src, runs in enumerate(r.recv_runs):
+                if src // gpn != r.rank // gpn and len(runs):
+                    seen[r.rank // gpn].append(runs)
+        from megatron_cp.planner.plan import _merge_runs
+
+        for n in range(nodes):
+            if seen[n]:
+                m = _merge_runs(np.concatenate(seen[n]))
+                node_inter[n] = (m[:, 1] - m[:, 0]).sum()
+    fwd, bwd, inter_b, intra_b = [], [], [], []
+    for r in plan.ranks:
+        traps = rank_traps(plan, r.rank)
+        local = clip_tiles(traps, None, r.segments)
+        rows = r.num_tokens
+        a_loc = float(sum(_tile_area(t) for t in local))
+        a_rem = float(r.area - a_loc)
+        lf = _kernel_time(cost, work, a_loc, rows, tiles=len(local))
+        rf = _kernel_time(cost, work, a_rem, rows, tiles=max(1, len(r.tiles) - len(local)))
+        lb = _kernel_time(cost, work, a_loc, rows, True, len(local))
+        rb = _kernel_time(cost, work, a_rem, rows, True, max(1, len(r.tiles) - len(local)))
+        same = sum(int((runs[:, 1] - runs[:, 0]).sum()) for src, runs in enumerate(r.recv_runs) if src // gpn == r.rank // gpn)
+        far = r.num_remote - same
+        if hierarchical and nodes > 1:
+            inter = node_inter[r.rank // gpn] / gpn * per_tok  # spread over the node's rail-aligned GPUs
+            intra = (same + far) * per_tok
+        else:
+            inter, intra = far * per_tok, same * per_tok
+        comm = max(intra / (cost.intra_gbps * 1e9), inter / (cost.inter_gbps * 1e9))
+        inter_b.append(inter)
+        intra_b.append(intra)
+        fwd.append((lf, rf, comm))
+        bwd.append((lb, rb, comm))
+    # the collectives synchronise: every stage's transfer takes the busiest GPU's time
+    comm = max(c for _, _, c in fwd)
+    best = None
+    for n in (1, 2, 4, 8):
+        lat = cost.latency_us * 1e-6 * (2 if hierarchical and nodes > 1 else 1)
+        tf = max(_pipeline(lf, rf, comm, n, lat) for lf, rf, _ in fwd)
+        tb = max(_pipeline(lb, rb, comm, n, lat) for lb, rb, _ in bwd)
+        if best is None or tf + tb < best[0] + best[1]:
+            best = (tf, tb, n)
+    st = plan.stats()
+    return dict(fwd_s=best[0], bwd_s=best[1], stages=best[2], imbalance=st["imbalance"], solver=plan.solver,
+                inter_node_bytes_per_gpu=float(max(inter_b)), intra_node_bytes_per_gpu=float(max(intra_b)))
+
+
+def _tile_area(t):
+    from megatron_cp.planner.cost import tile_areas
+
+    return tile_areas(np.asarray([t]))[0][0]
+
+
+def ring(mask, cp, g, cost, work, layout="contiguous", ri=None):
+    plan = mcp.plan(mask, cp, solver=layout)
+    ri = ri or RowIntervals(mask)
+    per_tok = work.kv_bytes_per_token
+    nodes = max(1, cp // g)
+    bw = (cost.inter_gbps if nodes > 1 else cost.intra_gbps) * 1e9
+    segs = [r.segments for r in plan.ranks]
+    tf = tb = 0.0
+    step_max = []
+    areas = np.zeros((cp, cp))
+    for r in range(cp):
+        for src in range(cp):
+            areas[r, src] = ri.area(segs[r], segs[src])
+    rows = np.array([p.num_tokens for p in plan.ranks], dtype=float)
+    for i in range(cp):
+        src = (np.arange(cp) - i) % cp
+        a = areas[np.arange(cp), src]
+        kf = max(_kernel_time(cost, work, x, n) for x, n in zip(a, rows))
+        kb = max(_kernel_time(cost, work, x, n, True) for x, n in zip(a, rows))
+        blk = rows.max() * per_tok
+        cf = (blk / bw + cost.latency_us * 1e-6) if i < cp - 1 else 0.0
+        cb = (3 * blk / bw + cost.latency_us * 1e-6)  # K/V plus fp32 dK/dV travel
+        tf += max(kf, cf)
+        tb += max(kb, cb)
+        step_max.append(float(a.max()))
+    area = areas.sum(1)
+    imb = float(area.max() / area.mean() - 1) if area.mean() > 0 else 0.0
+    return dict(fwd_s=tf, bwd_s=tb, imbalance=imb, inter_node_bytes_per_gpu=float((cp - 1) * rows.max() * per_tok) if nodes > 1 else 0.0)
+
+
+def ulysses(mask, cp, g, cost, work):
+    hq = work.num_heads
+    if cp > hq or hq % cp:
+        return None
+    s = mask.seqlen_q
+    f = 1
+    while (work.num_kv_heads * f) % cp:
+        f += 1
+    hkv = work.num_kv_heads * f
+    w = Workload(hq // cp, hkv // cp, work.head_dim, work.dtype_bytes)
+    t = mask.traps
+    n_tiles = len(t)
+    area = float(mask.area())
+    kf = _kernel_time(cost, w, area, s, tiles=n_tiles)
+    kb = _kernel_time(cost, w, area, s, True, n_tiles)
+    tok = s / cp * work.head_dim * work.dtype_bytes
+    nodes = max(1, cp // g)
+    per = lambda heads: tok * heads * (cp - 1) / cp  # noqa: E731 bytes each GPU sends
+    frac_inter = (cp - min(g, cp)) / max(cp - 1, 1)
+
+    def a2a(b):
+        inter = b * frac_inter
+        return cost.latency_us * 1e-6 + max((b - inter) / (cost.intra_gbps * 1e9), inter / (cost.inter_gbps * 1e9) if nodes > 1 else 0)
+
+    fwd = a2a(per(hq + 2 * hkv)) + kf + a2a(per(hq))
+    bwd = a2a(per(hq)) + kb + a2a(per(hq + 2 * hkv))
+    return dict(fwd_s=fwd, bwd_s=bwd, imbalance=0.0, inter_node_bytes_per_gpu=per(2 * hq + 2 * hkv) * frac_inter)
+
+
+def greedy(mask, cp, g, cost, work):
+    r = ours(mask, cp, g, cost, work, hierarchical=False, solver="greedy")
+    # one remote stage, flat routes (recomputed with n = 1 only)
+    return r
+
+
+def allgather(mask, cp, g, cost, work):
+    plan = mcp.plan(mask, cp)
+    s = mask.seqlen_q
+    nodes = max(1, cp // g)
+    per_tok = work.kv_bytes_per_token
+    b = (cp - 1) / cp * s * per_tok
+    frac_inter = (cp - min(g, cp)) / max(cp - 1, 1)
+    comm = cost.latency_us * 1e-6 + max(b * (1 - frac_inter) / (cost.intra_gbps * 1e9),
+                                        b * frac_inter / (cost.inter_gbps * 1e9) if nodes > 1 else 0)
+    kf = max(_kernel_time(cost, work, r.area, r.num_tokens, tiles=len(r.tiles)) for r in plan.ranks)
+    kb = max(_kernel_time(cost, work, r.area, r.num_tokens, True, len(r.tiles)) for r in plan.ranks)
+    return dict(fwd_s=comm + kf, bwd_s=2 * comm + kb, imbalance=plan.stats()["imbalance"],
+                inter_node_bytes_per_gpu=b * frac_inter)
+
+
+STRATS = {"megatron-cp": ours, "greedy": greedy, "ring": ring,
+          "zigzag": lambda m, cp, g, c, w, ri=None: ring(m, cp, g, c, w, "zigzag", ri), "ulysses": ulysses}
+
+
+def simulate(masks, cps, tokens_per_gpu, g, cost, work, max_ring_cp, strategies):
+    out = []
+    for name in masks:
+        for cp in cps:
+            s = tokens_per_gpu * cp
+            mask = _cp_masks.build(name, s)
+            flops = work.fwd_flops(mask.area())
+            ri = None
+            for strat in strategies:
+                t0 = time.perf_counter()
+                if strat in ("ring", "zigzag"):
+                    if cp > max_ring_cp:
+                        continue
+                    ri = ri or RowIntervals(mask)
+                    res = STRATS[strat](mask, cp, g, cost, work, ri=ri)
+                else:
+                    res = STRATS[strat](mask, cp, g, cost, work)
+                if res is None:
+                    continue
+                res.update(mask=name, cp=cp, seqlen=s, strategy=strat,
+                           fwd_tflops_per_gpu=flops / cp / res["fwd_s"] / 1e12,
+                           bwd_tflops_per_gpu=2.5 * flops / cp / res["bwd_s"] / 1e12,
+                           sim_seconds=time.perf_counter() - t0)
+                out.append(res)
+    return out
+
+
+def _print(rows, strategies):
+    print(f"{'mask':<14}{'cp':>5}  " + "".join(f"{s:>22}" for s in strategies))
+    print(f"{'':<14}{'':>5}  " + "".join(f"{'fwd/bwd TFLOP/s':>22}" for _ in strategies))
+    keys = sorted({(r["mask"], r["cp"]) for r in rows}, key=lambda x: (x[0], x[1]))
+    for m, cp in keys:
+        line = f"{m:<14}{cp:>5}  "
+        for s in strategies:
+            r = next((x for x in rows if x["mask"] == m and x["cp"] == cp and x["strategy"] == s), None)
+            line += f"{'n/a':>22}" if r is None else f"{r['fwd_tflops_per_gpu']:>12.0f}/{r['bwd_tflops_per_gpu']:<4.0f}(i{r['imbalance']:.2f})"
+        print(line)
+    print("\nmegatron-cp details: cp, solver, stages, imbalance, inter-node MB/GPU, intra-node MB/GPU")
+    for r in rows:
+        if r["strategy"] == "megatron-cp":
+            print(f"  {r['mask']:<14}{r['cp']:>5}  {r['solver']:<13}{r['stages']:>3}  {r['imbalance']:.3f}  "
+                  f"{r['inter_node_bytes_per_gpu'] / 2**20:9.1f}  {r['intra_node_bytes_per_gpu'] / 2**20:9.1f}")
+
+
+def compare(path, cost, work, g):
+    """Predicted vs measured times of a tools/bench_dist.py JSON (per mask, strategy and cp)."""
+    with open(path) as f:
+        data = json.load(f)
+    rows = []
+    fn = {"megatron-cp": ours, "ring": ring, "ulysses": ulysses, "allgather": allgather}
+    for r in data["results"]:
+        if r.get("impl") not in fn or r.get("fwd_ms") is None:
+            continue
+        w = Workload(data["heads"], data["kv_heads"], data["head_dim"], 2)
+        mask = _cp_masks.build(r["mask"], r["seqlen"])
+        kw = {"layout": "zigzag"} if r["impl"] == "ring" else {}
+        p = fn[r["impl"]](mask, r["cp"], g, cost, w, **kw)
+        if p is None:
+            continue
+        rows.append(dict(mask=r["mask"], impl=r["impl"], cp=r["cp"], seqlen=r["seqlen"],
+                         fwd_pred_ms=p["fwd_s"] * 1e3, fwd_ms=r["fwd_ms"], bwd_pred_ms=p["bwd_s"] * 1e3, bwd_ms=r["bwd_ms"]))
+    print(f"{'mask':<15}{'impl':<13}{'cp':>3}{'S':>8}  fwd pred/meas (ratio)   bwd pred/meas (ratio)")
+    within = 0
+    for x in rows:
+        rf, rb = x["fwd_pred_ms"] / x["fwd_ms"], x["bwd_pred_ms"] / x["bwd_ms"]
+        within += abs(rf - 1) <= 0.15 and abs(rb - 1) <= 0.15
+        print(f"{x['mask']:<15}{x['impl']:<13}{x['cp']:>3}{x['seqlen']:>8}  {x['fwd_pred_ms']:7.2f}/{x['fwd_ms']:<7.2f}({rf:4.2f})"
+              f"    {x['bwd_pred_ms']:7.2f}/{x['bwd_ms']:<7.2f}({rb:4.2f})")
+    print(f"{within}/{len(rows)} within 15% (fwd and bwd)")
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--masks", default="packed", help=f"comma list of {', '.join(_cp_masks.MASKS)}")
+    ap.add_argument("--cps", default="8,16,32,64,128,256,512,1024")
+    ap.add_argument("--tokens-per-gpu", type=int, default=8192)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--inter-gbps", type=float, default=50.0, help="GB/s per GPU between nodes (400 Gb/s = 50)")
+    ap.add_argument("--cost", default=None, help="CostModel JSON from tools/calibrate.py")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--strategies", default=",".join(STRATS))
+    ap.add_argument("--max-ring-cp", type=int, default=64, help="ring/zigzag need cp^2 block areas; skip above")
+    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--compare", default=None, help="bench_dist.py JSON: print predicted vs measured")
+    args = ap.parse_args(argv)
+    cost = CostModel.load(args.cost) if args.cost else CostModel()
+    # the NIC figure is part of the question asked, the rest comes from calibration
+    cost = CostModel(**{**cost.__dict__, "inter_gbps": args.inter_gbps})
+    work = Workload(args.heads, args.kv_heads, args.head_dim, 2)
+    if args.compare:
+        compare(args.compare, cost, work, args.gpus_per_node)
+        return
+    strategies = args.strategies.split(",")
+    rows = simulate(args.masks.split(","), [int(c) for c in args.cps.split(",")], args.tokens_per_gpu,
+                    args.gpus_per_node, cost, work, args.max_ring_cp, strategies)
+    print(f"cost model: {cost.source}; {args.tokens_per_gpu} tokens/GPU, {args.gpus_per_node} GPUs/node, "
+          f"{args.inter_gbps} GB/s/GPU between nodes; Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim}")
+    _print(rows, strategies)
+    for m in args.masks.split(","):
+        pk = {r["cp"]: r for r in rows if r["mask"] == m and r["strategy"] == "megatron-cp"}
+        if 8 in pk and 64 in pk:
+            print(f"\n{m}: megatron-cp predicted per-GPU fwd at cp 64 / cp 8 = "
+                  f"{pk[64]['fwd_tflops_per_gpu'] / pk[8]['fwd_tflops_per_gpu']:.3f}, bwd "
+                  f"{pk[64]['bwd_tflops_per_gpu'] / pk[8]['bwd_tflops_per_gpu']:.3f} (goal >= 0.90)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "cost_model": cost.__dict__, "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
