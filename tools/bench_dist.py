@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megatron_cp as mcp  # noqa: E402
 from megatron_cp import kernels  # noqa: E402
 from megatron_cp.baselines import get_strategy, plan_for  # noqa: E402
+from megatron_cp.planner.cost import CostModel  # noqa: E402
 
 import _cp_masks  # noqa: E402
 
@@ -84,7 +85,8 @@ def bench_ours(name, mask, args, ctx):
     rank, cp, device, dtype, group = ctx["rank"], ctx["cp"], ctx["device"], ctx["dtype"], ctx["group"]
     if name == "megatron-cp":
         plan = mcp.plan(mask, cp)
-        fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=args.backend)  # noqa: E731
+        cost = CostModel.load(args.cost) if args.cost else None
+        fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=args.backend, cost_model=cost)  # noqa: E731
     else:
         opts = {"ulysses_degree": 2} if name == "usp" and cp % 2 == 0 and cp > 2 else {}
         plan = plan_for(name, mask, cp)
@@ -217,6 +219,7 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--head-dim", type=int, default=None)
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--cost", default=None, help="CostModel JSON (tools/calibrate.py) for megatron-cp's stage choice")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out-dir", default="benchmarks/dist")

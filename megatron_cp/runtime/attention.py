@@ -229,8 +229,15 @@ class _StagedAttention(torch.autograd.Function):
                 gens[s] = cast_steps(kv, rt.routes[s], group, bufs[s], rt.pool, "cast")
                 next(gens[s])
 
-        acc = torch.zeros(q.shape[:2] + (v.shape[-1],), dtype=cdt, device=q.device)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=cdt, device=q.device)
+        # a backend with an accumulating forward merges stages inside the kernel (no extra passes);
+        # otherwise partial outputs are merged here by LSE in fp32 (fp64 for fp64 inputs)
+        fused = getattr(rt.backend, "forward_accumulate", None) if q.dtype != torch.float64 else None
+        if fused is not None:
+            acc = torch.zeros_like(q)
+            lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        else:
+            acc = torch.zeros(q.shape[:2] + (v.shape[-1],), dtype=cdt, device=q.device)
+            lse = torch.full(q.shape[:2], float("-inf"), dtype=cdt, device=q.device)
         for s in range(n + 1):
             if s in gens:
                 for _ in gens.pop(s):
@@ -238,8 +245,11 @@ class _StagedAttention(torch.autograd.Function):
             start(s + 1)  # prefetch the next stage while this one computes
             if rt.prepared[s] is not None:
                 b = bufs[s]
-                o, l = rt.backend.forward(q, b[:, :hkv], b[:, hkv:], rt.prepared[s], scale)
-                merge_lse(acc, lse, o, l.to(cdt))
+                if fused is not None:
+                    fused(q, b[:, :hkv], b[:, hkv:], rt.prepared[s], scale, acc, lse)
+                else:
+                    o, l = rt.backend.forward(q, b[:, :hkv], b[:, hkv:], rt.prepared[s], scale)
+                    merge_lse(acc, lse, o, l.to(cdt))
         out = acc.to(q.dtype)
         lse = lse.to(torch.float32)
         ctx.save_for_backward(q, out, lse, *bufs)
