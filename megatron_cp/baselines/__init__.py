@@ -16,7 +16,8 @@ q [s_local, Hq, D], k/v [s_local, Hkv, D] in the plan's local order (``dispatch`
 - ``allgather``: all-gather K/V, local tiles, reduce-scatter dK/dV. Any plan, any mask.
 
 ``plan_for(name, mask, cp_size)`` builds the plan layout each strategy is meant for (ring: zigzag for
-causal-like masks, contiguous for full; the others contiguous or zigzag by balance).
+causal-like masks, contiguous when it is as balanced; ulysses contiguous; allgather the planner's
+``auto`` layout).
 """
 
 from __future__ import annotations

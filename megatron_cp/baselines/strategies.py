@@ -19,7 +19,7 @@ from .. import kernels
 from ..comm.collectives import _wire, all_gather_v, all_to_all_v
 from ..planner import Plan
 from ..planner import plan as make_plan
-from ..planner.schedule import clip_tiles, mask_traps
+from ..planner.schedule import clip_tiles, mask_traps, rank_traps
 from ..runtime.attention import _check_inputs, _group_rank, merge_lse
 
 
@@ -47,6 +47,20 @@ def _prepared(plan, key, backend, tiles: np.ndarray, sq: int, sk: int):
         return backend.prepare(torch.from_numpy(tiles.astype("int32")), sq, max(sk, 1))
 
     return _cached(plan, ("baseline", "prep", backend.name) + key, build)
+
+
+def _global_order(plan: Plan, device):
+    """(perm, inv): rows concatenated in rank order -> global order, and back (int64 tensors)."""
+    ids = np.concatenate([plan.local_ids(r) for r in range(plan.cp_size)])
+    perm = np.empty_like(ids)
+    perm[ids] = np.arange(len(ids))
+    return torch.from_numpy(perm).to(device), torch.from_numpy(ids).to(device)
+
+
+def _traps_to_tiles(traps) -> np.ndarray:
+    from ..masks import geometry
+
+    return np.asarray([geometry.trap_to_slice(t) for t in traps], dtype=np.int32).reshape(-1, 5)
 
 
 def _runs_len(runs) -> int:
@@ -288,11 +302,17 @@ def _usp(q, k, v, plan, group, softmax_scale, u, backend, name):
 
     peers = [gg * u + j for gg in range(R)]
     if R == 1:
-        st = steps()[0]
+        # one group holds the whole sequence: put it in global order, where the mask's own
+        # trapezoids are the tiles (no clipping over pairs of runs), and back afterwards
+        perm, inv = _cached(plan, ("baseline", "global_order", str(q.device)), lambda: _global_order(plan, q.device))
+        tiles = _cached(plan, ("baseline", "mask_tiles"), lambda: _traps_to_tiles(traps))
+        st = _prepared(plan, ("global",), be, tiles, plan.seqlen, plan.seqlen)
         if st is None:
             o, l = _empty_result(qh, qh.shape[-1])
         else:
-            o, l = _TileAttention.apply(qh, kv_h[:, :hkv_u], kv_h[:, hkv_u:], be, st, scale)
+            qg, kvg = qh.index_select(0, perm), kv_h.index_select(0, perm)
+            o, l = _TileAttention.apply(qg, kvg[:, :hkv_u], kvg[:, hkv_u:], be, st, scale)
+            o, l = o.index_select(0, inv), l.index_select(0, inv)
     else:
         o, l = _Ring.apply(qh, kv_h.contiguous(), hkv_u, peers, g, rows, steps(), be, scale, group)
     if u > 1:
@@ -366,9 +386,10 @@ def allgather(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: s
     counts = [plan.num_local(r) for r in range(cp)]
     kv = torch.cat([k, v], dim=1)
     kv_all = _GatherKV.apply(kv, counts, rank, group) if cp > 1 else kv
-    all_runs = np.concatenate([plan.ranks[r].segments for r in range(cp)])
-    tiles = _cached(plan, ("baseline", "ag_tiles", rank),
-                    lambda: clip_tiles(_traps(plan), plan.ranks[rank].segments, all_runs))
+    # keys in global order: this rank's trapezoids (local rows, global keys) are its tiles
+    perm, _ = _cached(plan, ("baseline", "global_order", str(q.device)), lambda: _global_order(plan, q.device))
+    kv_all = kv_all.index_select(0, perm)
+    tiles = _cached(plan, ("baseline", "ag_tiles", rank), lambda: _traps_to_tiles(rank_traps(plan, rank)))
     prep = _prepared(plan, ("ag", rank), be, tiles, counts[rank], sum(counts))
     if prep is None:
         return _empty_result(q, v.shape[-1])
@@ -382,9 +403,11 @@ _CAUSAL_LIKE = ("causal",)
 
 def plan_for(name: str, mask, cp_size: int, **plan_kwargs) -> Plan:
     """The plan layout strategy ``name`` is meant for: ring/usp use zigzag (balanced causal) unless
-    the contiguous layout is as balanced (full, windows); ulysses/allgather keep ``auto``."""
+    the contiguous layout is as balanced (full, windows); ulysses contiguous; allgather ``auto``."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown context-parallel strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    if name == "ulysses":  # every rank attends over the whole sequence: balance needs no layout
+        return make_plan(mask, cp_size, solver="contiguous", **plan_kwargs)
     if name in ("ring", "usp"):
         z = make_plan(mask, cp_size, solver="zigzag", **plan_kwargs)
         c = make_plan(mask, cp_size, solver="contiguous", **plan_kwargs)
