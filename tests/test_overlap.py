@@ -119,6 +119,22 @@ def test_cost_model_chooses_stages_and_round_trips(tmp_path):
         schedule(plan, -1)
 
 
+def test_tile_areas_match_geometry():
+    from megatron_cp.planner.cost import tile_areas
+
+    rng = np.random.default_rng(0)
+    tiles = []
+    for _ in range(400):
+        q0, k0 = rng.integers(0, 50, 2)
+        tiles.append((q0, q0 + rng.integers(1, 40), k0, k0 + rng.integers(1, 40), rng.integers(0, 4)))
+    tiles = np.array(tiles)
+    area, rows = tile_areas(tiles)
+    for t, a, r in zip(tiles, area, rows):
+        tr = geometry.slice_to_trap(*t)
+        assert a == (0 if tr is None else geometry.traps_area(np.array([tr]))), t
+        assert r == t[1] - t[0]
+
+
 def test_buffer_pool_is_bounded():
     pool = BufferPool()
     a = pool.get((4, 3), torch.float32, "cpu", "x")

@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import megatron_cp as mcp  # noqa: E402
-from megatron_cp.planner.cost import CostModel, Workload  # noqa: E402
+from megatron_cp.planner.cost import CostModel, Workload, tile_areas  # noqa: E402
 from megatron_cp.planner.schedule import clip_tiles, rank_traps  # noqa: E402
 
 import _cp_masks  # noqa: E402
@@ -117,7 +117,7 @@ def ours(mask, cp, g, cost, work, hierarchical=True, solver=None):
         traps = rank_traps(plan, r.rank)
         local = clip_tiles(traps, None, r.segments)
         rows = r.num_tokens
-        a_loc = float(sum(_tile_area(t) for t in local))
+        a_loc = float(tile_areas(local)[0].sum())
         a_rem = float(r.area - a_loc)
         lf = _kernel_time(cost, work, a_loc, rows, tiles=len(local))
         rf = _kernel_time(cost, work, a_rem, rows, tiles=max(1, len(r.tiles) - len(local)))
@@ -147,12 +147,6 @@ def ours(mask, cp, g, cost, work, hierarchical=True, solver=None):
     st = plan.stats()
     return dict(fwd_s=best[0], bwd_s=best[1], stages=best[2], imbalance=st["imbalance"], solver=plan.solver,
                 inter_node_bytes_per_gpu=float(max(inter_b)), intra_node_bytes_per_gpu=float(max(intra_b)))
-
-
-def _tile_area(t):
-    from megatron_cp.planner.cost import tile_areas
-
-    return tile_areas(np.asarray([t]))[0][0]
 
 
 def ring(mask, cp, g, cost, work, layout="contiguous", ri=None):
@@ -258,6 +252,7 @@ def simulate(masks, cps, tokens_per_gpu, g, cost, work, max_ring_cp, strategies)
                     res = STRATS[strat](mask, cp, g, cost, work)
                 if res is None:
                     continue
+                print(f"  simulated {name} cp={cp} {strat} in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
                 res.update(mask=name, cp=cp, seqlen=s, strategy=strat,
                            fwd_tflops_per_gpu=flops / cp / res["fwd_s"] / 1e12,
                            bwd_tflops_per_gpu=2.5 * flops / cp / res["bwd_s"] / 1e12,

@@ -138,6 +138,14 @@ def clip_tiles(traps: np.ndarray, q_runs, k_runs) -> np.ndarray:
     return np.asarray(tiles, dtype=np.int32).reshape(-1, 5)
 
 
+def _sorted_unique(x: np.ndarray) -> np.ndarray:
+    """np.unique for int64 by sorting (numpy's hash-based unique is much slower on large arrays)."""
+    if len(x) == 0:
+        return x
+    x = np.sort(x)
+    return x[np.concatenate([[True], x[1:] != x[:-1]])]
+
+
 def _remote_ids(plan: Plan, rank: int) -> np.ndarray:
     rp = plan.ranks[rank]
     runs = [r for r in rp.recv_runs if len(r)]
@@ -189,8 +197,12 @@ def build_routes(plan: Plan, need: list[np.ndarray], topo: Topology | None) -> t
         a_src.append(o), a_dst.append(rel), a_id.append(ids)
         fw = rel != r
         b_src.append(rel[fw]), b_dst.append(np.full(int(fw.sum()), r, dtype=np.int64)), b_id.append(ids[fw])
-    A = np.unique(np.stack([np.concatenate(a_src), np.concatenate(a_dst), np.concatenate(a_id)], 1).reshape(-1, 3), axis=0)
-    B = np.unique(np.stack([np.concatenate(b_src), np.concatenate(b_dst), np.concatenate(b_id)], 1).reshape(-1, 3), axis=0)
+    def rows(src, dst, ids):  # unique (src, dst, id) rows in lexicographic order, via one int64 key
+        key = _sorted_unique((np.concatenate(src) * cp + np.concatenate(dst)) * S + np.concatenate(ids))
+        return np.stack([key // (cp * S), (key // S) % cp, key % S], axis=1)
+
+    A = rows(a_src, a_dst, a_id)
+    B = rows(b_src, b_dst, b_id)
     pt = plan.topology
     inter = int((A[:, 0] // pt.gpus_per_node != A[:, 1] // pt.gpus_per_node).sum()) if pt is not None else 0
     # recvA at p: rows of A with dst p, ordered (src, id) = lexicographic order of A restricted
@@ -247,7 +259,7 @@ def _stage_ids(plan: Plan, num_stages: int, topo: Topology | None = None) -> lis
     out = [None] * cp
     for first in range(0, cp, g):
         members = range(first, min(first + g, cp))
-        u = np.unique(np.concatenate([ids[r] for r in members]))
+        u = ids[first] if len(members) == 1 else _sorted_unique(np.concatenate([ids[r] for r in members]))
         cuts = [u[(i * len(u)) // num_stages] if (i * len(u)) // num_stages < len(u) else plan.seqlen
                 for i in range(1, num_stages)] if len(u) else [plan.seqlen] * (num_stages - 1)
         edges = np.concatenate([[-1], np.asarray(cuts, dtype=np.int64), [plan.seqlen]])
@@ -268,8 +280,10 @@ def _stage_tiles(plan: Plan, stage_ids, traps_by_rank) -> list[list[np.ndarray]]
     return out
 
 
-def predict(plan: Plan, stage_ids, stage_tiles, topo: Topology | None, cost: CostModel, work: Workload) -> dict:
-    """Pipelined time (seconds) of forward and backward, the busiest rank, with this staging."""
+def predict(plan: Plan, stage_ids, stage_tiles, topo: Topology | None, cost: CostModel, work: Workload,
+            split: int | None = None) -> dict:
+    """Pipelined time (seconds) of forward and backward, the busiest rank, with this staging.
+    ``split``: ``stage_tiles`` hold one remote stage, to be counted as ``split`` equal stages."""
     cp = plan.cp_size
     n = len(stage_ids[0]) if cp else 0
     per_tok = work.kv_bytes_per_token
@@ -289,7 +303,7 @@ def predict(plan: Plan, stage_ids, stage_tiles, topo: Topology | None, cost: Cos
                 key = r // g if (topo is not None and topo.nodes > 1) else r
                 node_seen.setdefault(key, []).append(ids[far])
         for key, lst in node_seen.items():
-            u = np.unique(np.concatenate(lst))
+            u = _sorted_unique(np.concatenate(lst))
             inter[key * g if (topo is not None and topo.nodes > 1) else key] += len(u) * per_tok
         comm.append(cost.comm_time(intra.max(), inter.max()))
     fwd = np.zeros(cp)
@@ -297,6 +311,10 @@ def predict(plan: Plan, stage_ids, stage_tiles, topo: Topology | None, cost: Cos
     for r in range(cp):
         kf = [cost.tile_time(t, work) for t in stage_tiles[r]]
         kb = [cost.tile_time(t, work, backward=True) for t in stage_tiles[r]]
+        if split is not None:  # one remote stage's kernel time shared by ``split`` stages
+            lf, lb = cost.launch_us * 1e-6, cost.launch_us * 1e-6
+            kf = kf[:1] + [max(kf[1] - lf, 0.0) / split + lf] * split
+            kb = kb[:1] + [max(kb[1] - lb, 0.0) / split + lb] * split
         # forward: cast of stage i+1 issued when stage i starts computing
         start, end, comm_end = 0.0, kf[0], 0.0
         comm_end = comm[0] if n else 0.0
@@ -319,18 +337,25 @@ def predict(plan: Plan, stage_ids, stage_tiles, topo: Topology | None, cost: Cos
 CANDIDATE_STAGES = (1, 2, 3, 4, 6, 8)
 
 
-def choose_num_stages(plan: Plan, cost: CostModel, work: Workload, topo: Topology | None, candidates=CANDIDATE_STAGES):
-    """Fewest remote stages whose predicted fwd+bwd time is within 2% of the best candidate."""
+def choose_num_stages(plan: Plan, cost: CostModel, work: Workload, topo: Topology | None, candidates=CANDIDATE_STAGES,
+                      tiles_one=None):
+    """Fewest remote stages whose predicted fwd+bwd time is within 2% of the best candidate.
+
+    Stage compute is estimated as an equal share of the rank's remote tiles (clipping once, for one
+    stage: ``tiles_one`` = ``_stage_tiles(plan, _stage_ids(plan, 1, topo), traps)`` when the caller
+    has it); stage transfers are counted exactly for every candidate."""
     if plan.cp_size == 1 or all(r.num_remote == 0 for r in plan.ranks):
         return 0, {}
-    traps = [rank_traps(plan, r) for r in range(plan.cp_size)]
+    if tiles_one is None:
+        traps = [rank_traps(plan, r) for r in range(plan.cp_size)]
+        tiles_one = _stage_tiles(plan, _stage_ids(plan, 1, topo), traps)
     min_rem = min(r.num_remote for r in plan.ranks if r.num_remote > 0)
     preds = {}
     for n in candidates:
         if n > 1 and n > min_rem:
             break
         ids = _stage_ids(plan, n, topo)
-        p = predict(plan, ids, _stage_tiles(plan, ids, traps), topo, cost, work)
+        p = predict(plan, ids, tiles_one, topo, cost, work, split=n)
         preds[n] = p["fwd_s"] + p["bwd_s"]
     best = min(preds.values())
     n = min(k for k, v in preds.items() if v <= 1.02 * best)
@@ -360,13 +385,16 @@ def schedule(
     if cached is not None:
         return cached
     preds = {}
+    traps = [rank_traps(plan, r) for r in range(plan.cp_size)]
+    one = None
     if num_stages is None:
-        num_stages, preds = choose_num_stages(plan, cost, work, topo)
+        if plan.cp_size > 1 and any(r.num_remote for r in plan.ranks):
+            one = _stage_tiles(plan, _stage_ids(plan, 1, topo), traps)
+        num_stages, preds = choose_num_stages(plan, cost, work, topo, tiles_one=one)
     if plan.cp_size == 1:
         num_stages = 0
     ids = _stage_ids(plan, num_stages, topo)
-    traps = [rank_traps(plan, r) for r in range(plan.cp_size)]
-    tiles = _stage_tiles(plan, ids, traps)
+    tiles = one if (num_stages == 1 and one is not None) else _stage_tiles(plan, ids, traps)
     per_rank = [[Stage(tiles[r][0], plan.ranks[r].num_tokens, None)] for r in range(plan.cp_size)]
     active, inter = [], []
     for s in range(num_stages):
