@@ -94,13 +94,7 @@ def greedy(
     n = len(bounds) - 1
     area = (prefix[bounds[1:]] - prefix[bounds[:-1]]).astype(np.float64)
     size = np.diff(bounds)
-    # key chunks each chunk needs, as chunk-index runs [first, last]
-    ci, k0, k1 = key_spans.spans(bounds)
-    first = np.searchsorted(bounds, k0, side="right") - 1
-    last = np.searchsorted(bounds, k1 - 1, side="right") - 1
-    order = np.argsort(ci, kind="stable")
-    ci, first, last = ci[order], first[order], last[order]
-    starts = np.searchsorted(ci, np.arange(n + 1))
+    first, last, starts = key_spans.chunk_runs(bounds)
     owner = np.full(n, -1, dtype=np.int32)
     load = np.zeros(cp)
     for i, r in dealt.items():
@@ -154,12 +148,7 @@ def swap_balanced(
     owner = (np.arange(n) * cp // n).astype(np.int32)
     load = np.bincount(owner, weights=area, minlength=cp)
     target = float(prefix[-1]) / cp
-    ci, k0, k1 = key_spans.spans(bounds)
-    first = np.searchsorted(bounds, k0, side="right") - 1
-    last = np.searchsorted(bounds, k1 - 1, side="right") - 1
-    order = np.argsort(ci, kind="stable")
-    first, last = first[order], last[order]
-    starts = np.searchsorted(ci[order], np.arange(n + 1))
+    first, last, starts = key_spans.chunk_runs(bounds)
     size = np.diff(bounds)
 
     def foreign(x, r):  # key tokens chunk x needs that rank r does not own
@@ -249,6 +238,16 @@ class KeySpans:
     def __init__(self, traps: np.ndarray, seqlen: int):
         self.traps = traps
         self.seqlen = seqlen
+
+    def chunk_runs(self, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Key chunks each chunk's rows need, as chunk-index runs ``[first[j], last[j]]`` for
+        ``j`` in ``starts[c]:starts[c + 1]`` of chunk ``c``."""
+        ci, k0, k1 = self.spans(bounds)
+        order = np.argsort(ci, kind="stable")
+        first = (np.searchsorted(bounds, k0, side="right") - 1)[order]
+        last = (np.searchsorted(bounds, k1 - 1, side="right") - 1)[order]
+        starts = np.searchsorted(ci[order], np.arange(len(bounds)))
+        return first, last, starts
 
     def spans(self, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(chunk index, key start, key end) for every (trapezoid, chunk) overlap."""
