@@ -26,6 +26,7 @@ from ..masks.geometry import KINDS
 from ..planner import Plan
 from ..planner.cost import CostModel, Workload
 from ..planner.schedule import Schedule, schedule as build_schedule
+from .groups import plan_rank
 
 # The planner's kind codes are the kernels' tile codes; fail at import if they ever drift apart.
 assert all(kernels.KIND_CODES[k] == c for c, k in enumerate(KINDS)), "mask and kernel kind codes differ"
@@ -72,15 +73,8 @@ def _runtime(plan: Plan, rank: int, device: torch.device, backend_name: str) -> 
 
 
 def _group_rank(plan: Plan, group) -> int:
-    """This rank's index in ``group``, after checking the group matches the plan (no collective)."""
-    if group is None:
-        if plan.cp_size != 1:
-            raise ValueError(f"plan is for cp_size={plan.cp_size} but no process group was given")
-        return 0
-    size = dist.get_world_size(group)
-    if size != plan.cp_size:
-        raise ValueError(f"plan was made for cp_size={plan.cp_size} but the group has {size} ranks")
-    return dist.get_rank(group)
+    """This rank's index in ``group`` (see ``groups.plan_rank``)."""
+    return plan_rank(plan, group)
 
 
 def _check_inputs(q, k, v, plan: Plan, rank: int, softmax_scale):

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from ..comm import all_gather_v
 from ..planner import Plan
+from .groups import plan_rank
 
 
 def _ids(plan: Plan, rank: int, device) -> torch.Tensor:
@@ -17,23 +18,6 @@ def _ids(plan: Plan, rank: int, device) -> torch.Tensor:
         t = torch.from_numpy(plan.local_ids(rank)).to(device)
         plan.cache[key] = t
     return t
-
-
-def _resolve_rank(plan: Plan, group, rank) -> int:
-    if rank is not None:
-        if group is not None:
-            raise ValueError("pass either group= or rank=, not both")
-        if not 0 <= int(rank) < plan.cp_size:
-            raise ValueError(f"rank={rank} is outside this plan's cp_size={plan.cp_size}")
-        return int(rank)
-    if group is None:
-        if plan.cp_size != 1:
-            raise ValueError(f"plan is for cp_size={plan.cp_size}: pass the CP group or rank=")
-        return 0
-    size = dist.get_world_size(group)
-    if size != plan.cp_size:
-        raise ValueError(f"plan was made for cp_size={plan.cp_size} but the group has {size} ranks")
-    return dist.get_rank(group)
 
 
 def _check_len(x: torch.Tensor, seq_dim: int, n: int, what: str):
@@ -99,7 +83,7 @@ def dispatch(x: torch.Tensor, plan: Plan, group=None, seq_dim: int = 0, *, rank:
     order. ``rank=`` replaces ``group`` for single-process use. Differentiable: with a group, the
     gradient of ``x`` is the sum over ranks; with ``rank=``, it is this rank's part, zeros elsewhere.
     """
-    r = _resolve_rank(plan, group, rank)
+    r = plan_rank(plan, group, rank)
     _check_len(x, seq_dim, plan.seqlen, "dispatch input")
     return _Dispatch.apply(x, plan, r, group if rank is None else None, seq_dim)
 
@@ -110,7 +94,7 @@ def undispatch(x_local: torch.Tensor, plan: Plan, group=None, seq_dim: int = 0):
     Differentiable: the gradient of ``x_local`` is the sum over ranks of the output gradient's
     entries for this rank's tokens (reduce-scatter).
     """
-    r = _resolve_rank(plan, group, None)
+    r = plan_rank(plan, group, None)
     _check_len(x_local, seq_dim, plan.num_local(r), f"undispatch input of rank {r}")
     if group is None or plan.cp_size == 1:
         return x_local.index_select(seq_dim, _ids(plan, 0, x_local.device).argsort())
