@@ -65,6 +65,26 @@ def time_ours(be, tiles, s, q, k, v, do):
     return tf, tb
 
 
+def time_ours_rect(be, tiles, sq, sk, q, k, v, do):
+    """time_ours for sq != sk (zigzag rank tile lists)."""
+    prep = be.prepare(tiles, sq, sk, head_dims=(D,))
+    out, lse = be.forward(q, k, v, prep)
+    be.backward(q, k, v, out, lse, do, prep)
+    tf = bench(lambda: be.forward(q, k, v, prep))
+    tb = bench(lambda: be.backward(q, k, v, out, lse, do, prep))
+    return tf, tb
+
+
+def zigzag_rank_tiles(s: int, cp: int, rank: int) -> torch.Tensor:
+    """Causal zigzag: 2*cp chunks of s/(2cp); rank r holds chunks r and 2cp-1-r as its q rows, keys are the
+    whole sequence (an all-gathered K/V buffer): one bottom-right causal tile [0, end of chunk) per chunk."""
+    c = s // (2 * cp)
+    t = []
+    for i, ch in enumerate((rank, 2 * cp - 1 - rank)):
+        t.append([i * c, (i + 1) * c, 0, (ch + 1) * c, 1])
+    return torch.tensor(t, dtype=torch.int32)
+
+
 _flex = None
 
 
@@ -177,6 +197,11 @@ def main():
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--tune", action="store_true", help="time candidate block configs instead")
     ap.add_argument("--configs", default=None, help="tuned configs JSON (from --tune) to use")
+    ap.add_argument("--compare-dense-tiles", action="store_true",
+                    help="also time ours with TritonConfig(dense_tiles=False) (impl ours_nodense)")
+    ap.add_argument("--zigzag", type=int, nargs=2, default=None, metavar=("S", "CP"),
+                    help="also time causal zigzag rank tile lists (q S/CP rows, keys S): ours vs ours_nodense")
+    ap.add_argument("--zigzag-ranks", type=int, nargs="+", default=[0])
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -200,6 +225,7 @@ def main():
         meta["configs"] = {f"{d}/{c}": str(v) for (d, c), v in overrides.items()}
     be = TritonBackend(TritonConfig(overrides))
     be_triton = TritonBackend(TritonConfig(overrides, dense_fast_path=False))
+    be_nodense = TritonBackend(TritonConfig(overrides, dense_tiles=False))
     results = []
     for s in args.seqlens:
         q, k, v, do = make_inputs(s)
@@ -209,6 +235,8 @@ def main():
             ff = 4 * area * HQ * D
             r = {"S": s, "mask": name, "area": area, "density": area / s / s, "n_tiles": int(tiles.shape[0])}
             impls = {"ours": lambda: time_ours(be, tiles, s, q, k, v, do)}
+            if args.compare_dense_tiles:
+                impls["ours_nodense"] = lambda: time_ours(be_nodense, tiles, s, q, k, v, do)
             if M.dense_kind(name) is not None:  # record the measurement behind the dense fast path
                 impls["ours_triton"] = lambda: time_ours(be_triton, tiles, s, q, k, v, do)
             if not args.no_flex:
@@ -230,7 +258,7 @@ def main():
                     r[f"bwd_vs_{other}"] = r[other]["bwd_ms"] / r["ours"]["bwd_ms"]
             results.append(r)
             line = f"S={s:6d} {name:15s} dens={r['density']:.3f}"
-            for impl in ("ours", "ours_triton", "flex", "cudnn"):
+            for impl in ("ours", "ours_nodense", "ours_triton", "flex", "cudnn"):
                 if impl in r:
                     x = r[impl]
                     line += (f" | {impl} fwd {x['fwd_tflops']:6.1f} bwd {x['bwd_tflops']:6.1f}" if "fwd_ms" in x
@@ -238,6 +266,32 @@ def main():
             print(line, flush=True)
         del q, k, v, do
         torch.cuda.empty_cache()
+    if args.zigzag:
+        zs, cp = args.zigzag
+        sq = zs // cp
+        q, _, _, do = make_inputs(sq, seed=1)
+        _, k, v, _ = make_inputs(zs, seed=2)
+        for rank in args.zigzag_ranks:
+            tiles = zigzag_rank_tiles(zs, cp, rank)
+            area = kept_area(tiles)
+            ff = 4 * area * HQ * D
+            r = {"S": zs, "mask": f"zigzag_cp{cp}_rank{rank}", "sq": sq, "sk": zs, "area": area,
+                 "density": area / sq / zs, "n_tiles": int(tiles.shape[0]), "tiles": tiles.tolist()}
+            line = f"zigzag S={zs} cp={cp} rank={rank} tiles={tiles.tolist()}"
+            for impl, b in (("ours", be), ("ours_nodense", be_nodense)):
+                try:
+                    tf, tb = time_ours_rect(b, tiles, sq, zs, q, k, v, do)
+                    r[impl] = {"fwd_ms": tf, "bwd_ms": tb, "fwd_tflops": ff / tf / 1e9, "bwd_tflops": 2.5 * ff / tb / 1e9,
+                               "path": b.last_path}
+                    line += f" | {impl} [{b.last_path}] fwd {ff / tf / 1e9:6.1f} bwd {2.5 * ff / tb / 1e9:6.1f}"
+                except Exception as e:  # noqa: BLE001
+                    r[impl] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    line += f" | {impl} ERR {r[impl]['error'][:80]}"
+                torch.cuda.empty_cache()
+            r["ours_path"] = r["ours"].get("path")
+            results.append(r)
+            print(line, flush=True)
+        del q, k, v, do
     path = os.path.join(args.out, f"bench_kernels{args.tag}.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
