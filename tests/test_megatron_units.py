@@ -198,6 +198,16 @@ def test_flags_default_te_and_validate():
     spec, opts = specs_from_args(a, eod=7)
     assert spec.name == "block_causal" and spec.kwargs == (("block", 8),) and spec.eod == 7
     assert opts.chunk_size == 64 and opts.topology.nodes == 2 and opts.topology.gpus_per_node == 4
+    assert opts.strategy == "megatron_cp"
+    for name in ("ring", "ulysses", "usp", "allgather"):
+        _, opts = specs_from_args(_args("--context-parallel-impl", name, "--calculate-per-token-loss"), eod=7)
+        assert opts.strategy == name
+    with pytest.raises(SystemExit):  # argparse refuses an unknown impl
+        _args("--context-parallel-impl", "zigzag")
+    from megatron_cp.megatron.batch import PlanOptions
+
+    with pytest.raises(ValueError, match="strategy='zigzag' is unknown"):
+        PlanOptions(strategy="zigzag")
     bad = [
         (("--context-parallel-impl", "megatron_cp"), "calculate-per-token-loss"),
         (("--context-parallel-impl", "megatron_cp", "--calculate-per-token-loss", "--cp-mask-kwargs", "{x"), "not JSON"),

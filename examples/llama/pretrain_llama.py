@@ -129,12 +129,12 @@ def main_megatron(argv: list[str]) -> None:
     from megatron.training.arguments import parse_and_validate_args
 
     from megatron_cp.megatron import plugin
-    from megatron_cp.megatron.arguments import add_megatron_cp_args
+    from megatron_cp.megatron.arguments import OURS, add_megatron_cp_args
 
     sys.argv = [sys.argv[0]] + argv
     args = parse_and_validate_args(extra_args_provider=add_megatron_cp_args)
-    if args.context_parallel_impl != "megatron_cp":
-        raise SystemExit("pretrain_llama.py runs --context-parallel-impl megatron_cp; for te use Megatron's pretrain_gpt.py")
+    if args.context_parallel_impl not in OURS:
+        raise SystemExit(f"pretrain_llama.py runs --context-parallel-impl in {', '.join(OURS)}; for te use Megatron's pretrain_gpt.py")
     plugin.validate_args(args)
     use_prebuilt_dataset_helpers()
     cfg = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))

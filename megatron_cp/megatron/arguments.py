@@ -1,8 +1,10 @@
-"""Command-line arguments: ``--context-parallel-impl {te,megatron_cp}`` and the mask/plan options.
+"""Command-line arguments: ``--context-parallel-impl {te,megatron_cp,ring,ulysses,usp,allgather}`` and the
+mask/plan options.
 
 Megatron has no CP plugin registry; its entry point for extra flags is ``extra_args_provider``
 (``megatron.training.arguments.parse_and_validate_args(extra_args_provider=...)``). ``te`` (the
-default) leaves Megatron untouched.
+default) leaves Megatron untouched; ``ring``, ``ulysses``, ``usp`` and ``allgather`` run megatron-cp's
+baseline strategies (``megatron_cp.baselines``) through the same spec, batch hook, RoPE and loss.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import json
 
 from .batch import MASKS, MaskSpec, PlanOptions
 
-IMPLS = ("te", "megatron_cp")
+IMPLS = ("te", "megatron_cp", "ring", "ulysses", "usp", "allgather")
+OURS = IMPLS[1:]  # every impl that uses megatron-cp's adapter
 
 
 def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -20,7 +23,8 @@ def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g = parser.add_argument_group("megatron-cp")
     g.add_argument("--context-parallel-impl", choices=IMPLS, default="te",
                    help="te: Megatron's own CP (Transformer Engine). megatron_cp: megatron-cp attention "
-                        "for any mask, with its batch hook, RoPE and loss.")
+                        "for any mask, with its batch hook, RoPE and loss. ring / ulysses / usp / allgather: "
+                        "megatron-cp's baseline strategies through the same adapter.")
     g.add_argument("--cp-mask", choices=MASKS, default="causal",
                    help="causal per sample; packed: causal per EOD-separated document; sliding_window / "
                         "packed_sliding_window with --cp-window; or a megatron_cp.masks builder by name "
@@ -66,8 +70,10 @@ def _topology(text):
 def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions]:
     """Validate the megatron-cp flags and return (MaskSpec, PlanOptions). Raises ValueError naming
     the offending flag; call it before anything distributed happens."""
-    if args.context_parallel_impl != "megatron_cp":
-        raise ValueError(f"specs_from_args needs --context-parallel-impl megatron_cp, got {args.context_parallel_impl!r}")
+    if args.context_parallel_impl not in OURS:
+        raise ValueError(
+            f"specs_from_args needs --context-parallel-impl in {', '.join(OURS)}, got {args.context_parallel_impl!r}"
+        )
     if not getattr(args, "calculate_per_token_loss", False):
         raise ValueError(
             "--context-parallel-impl megatron_cp needs --calculate-per-token-loss: CP ranks hold different "
@@ -86,4 +92,5 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
     if args.cp_chunk_size is not None and args.cp_chunk_size < 1:
         raise ValueError(f"--cp-chunk-size must be >= 1, got {args.cp_chunk_size}")
     return spec, PlanOptions(chunk_size=args.cp_chunk_size, topology=_topology(args.cp_topology),
-                             solver=args.cp_solver, kernel_backend=args.cp_kernel_backend)
+                             solver=args.cp_solver, kernel_backend=args.cp_kernel_backend,
+                             strategy=args.context_parallel_impl)

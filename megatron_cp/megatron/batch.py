@@ -69,12 +69,24 @@ class MaskSpec:
 @dataclass(frozen=True)
 class PlanOptions:
     """Arguments passed through to ``megatron_cp.plan`` (chunk_size, topology, solver) and to
-    ``megatron_cp.attention`` (kernel_backend: auto | triton | reference)."""
+    ``megatron_cp.attention`` (kernel_backend: auto | triton | reference). ``strategy``:
+    ``megatron_cp`` or a baseline of ``megatron_cp.baselines`` (ring | ulysses | usp | allgather),
+    which then also chooses the plan's layout (``baselines.plan_for``; ``solver`` is not used)."""
 
     chunk_size: int | None = None
     topology: object = None
     solver: str = "auto"
     kernel_backend: str = "auto"
+    strategy: str = "megatron_cp"
+
+    def __post_init__(self):
+        if self.strategy != "megatron_cp":
+            from megatron_cp.baselines import STRATEGIES
+
+            if self.strategy not in STRATEGIES:
+                raise ValueError(
+                    f"strategy={self.strategy!r} is unknown; choose megatron_cp or one of {', '.join(STRATEGIES)}"
+                )
 
 
 def document_bounds(tokens: np.ndarray, spec: MaskSpec) -> np.ndarray:
@@ -162,6 +174,14 @@ class CPBatch:
     cu_seqlens: np.ndarray = field(repr=False, default=None)
 
 
+def _make_plan(mask, cp_size: int, options: PlanOptions):
+    if options.strategy == "megatron_cp":
+        return mcp.plan(mask, cp_size, chunk_size=options.chunk_size, topology=options.topology, solver=options.solver)
+    from megatron_cp.baselines import plan_for
+
+    return plan_for(options.strategy, mask, cp_size, chunk_size=options.chunk_size, topology=options.topology)
+
+
 def prepare_batch(
     tokens: torch.Tensor,
     labels: torch.Tensor | None,
@@ -195,9 +215,8 @@ def prepare_batch(
     tok_np = tokens.detach().cpu().numpy()
     cu = document_bounds(tok_np, spec)
     key = (spec, b, S, cp_size, options, cu.tobytes() if spec.packed else b"")
-    plan_key = key[:4] + (options.chunk_size, options.topology, options.solver) + key[5:]
-    plan = _PLANS.get(plan_key, lambda: mcp.plan(build_mask(spec, cu, b, S), cp_size, chunk_size=options.chunk_size,
-                                            topology=options.topology, solver=options.solver))
+    plan_key = key[:4] + (options.chunk_size, options.topology, options.solver, options.strategy) + key[5:]
+    plan = _PLANS.get(plan_key, lambda: _make_plan(build_mask(spec, cu, b, S), cp_size, options))
     if check and cp_size > 1:
         _check_same_plan(plan, cp_group)
     ids = torch.from_numpy(np.ascontiguousarray(plan.local_ids(cp_rank))).to(tokens.device)
@@ -212,5 +231,6 @@ def prepare_batch(
         cu_t = torch.from_numpy(cu.astype(np.int32)).to(tokens.device)
         extra = dict(cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t)
     params = CPParams(plan=plan, position_ids=local_pos, cp_rank=cp_rank, cp_group=cp_group,
-                      kernel_backend=options.kernel_backend, qkv_format=qkv_format, **extra)
+                      kernel_backend=options.kernel_backend, strategy=options.strategy, qkv_format=qkv_format,
+                      **extra)
     return CPBatch(take(tokens), take(labels), take(loss_mask), local_pos, params, cu)

@@ -125,10 +125,10 @@ class CPCoreAttention(MegatronModule):
                 f"v {tuple(value.shape)} (need equal s, b, d and Hkv dividing Hq)"
             )
         cp_rank, cp_size = self._cp_rank_size()
-        backend = "auto"
+        backend, strategy = "auto", "megatron_cp"
         if isinstance(packed_seq_params, CPParams):
             plan = packed_seq_params.plan
-            backend = packed_seq_params.kernel_backend
+            backend, strategy = packed_seq_params.kernel_backend, packed_seq_params.strategy
         elif packed_seq_params is None and cp_size == 1:
             # No batch hook (e.g. evaluation at CP=1): plain causal attention over the sequence.
             kind = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -153,7 +153,12 @@ class CPCoreAttention(MegatronModule):
         k = key.reshape(s, b * hkv, d)
         v = value.reshape(s, b * hkv, d)
         group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
-        out, _lse = mcp.attention(q, k, v, plan, group, softmax_scale=self.softmax_scale, backend=backend)
+        if strategy == "megatron_cp":
+            out, _lse = mcp.attention(q, k, v, plan, group, softmax_scale=self.softmax_scale, backend=backend)
+        else:
+            from megatron_cp.baselines import get_strategy
+
+            out, _lse = get_strategy(strategy, backend=backend)(q, k, v, plan, group, self.softmax_scale)
         return out.reshape(s, hq * d) if thd else out.reshape(s, b, hq * d)
 
     def _thd_rope(self, query, key, value, params: CPParams):

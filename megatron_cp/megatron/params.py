@@ -32,12 +32,14 @@ class CPParams(PackedSeqParams):
     position_ids:  int64 ``[b, s_local]``, the RoPE position of each local token (per-document reset)
     cp_rank:       this rank's index in the CP group the plan was dispatched for
     kernel_backend: megatron_cp.attention's kernel backend (auto | triton | reference)
+    strategy:      megatron_cp, or a baseline of megatron_cp.baselines (ring | ulysses | usp | allgather)
     """
 
     plan: Any = None
     position_ids: torch.Tensor = None
     cp_rank: int = 0
     kernel_backend: str = "auto"
+    strategy: str = "megatron_cp"
     rope_angles: torch.Tensor = None  # thd only: float32 [t, 1, 1, rot_dim], set during the forward
 
     def __post_init__(self):

@@ -23,7 +23,7 @@ from functools import partial
 import torch
 
 from . import rope
-from .arguments import add_megatron_cp_args, compose, specs_from_args
+from .arguments import OURS, add_megatron_cp_args, compose, specs_from_args
 from .batch import prepare_batch
 from .loss import loss_func
 
@@ -45,8 +45,8 @@ def ensure_installed(model) -> None:
 
 
 def validate_args(args) -> None:
-    """Checks for ``--context-parallel-impl megatron_cp``, raising ValueError naming the flag."""
-    if args.context_parallel_impl != "megatron_cp":
+    """Checks for ``--context-parallel-impl`` megatron_cp (or a baseline), raising ValueError naming the flag."""
+    if args.context_parallel_impl not in OURS:
         return
     if getattr(args, "pipeline_model_parallel_size", 1) > 1:
         raise ValueError("--context-parallel-impl megatron_cp does not support --pipeline-model-parallel-size > 1 yet")
@@ -129,7 +129,7 @@ def install_into(namespace: dict) -> None:
     def dispatch_forward_step(data_iterator, model, *a, **kw):
         from megatron.training import get_args
 
-        if get_args().context_parallel_impl == "megatron_cp":
+        if get_args().context_parallel_impl in OURS:
             return forward_step(data_iterator, model, *a, **kw)
         return original_forward(data_iterator, model, *a, **kw)
 
