@@ -17,7 +17,7 @@ import megatron_cp as mcp
 from megatron_cp import masks as M
 
 from _dist import run_ranks
-from reference import dense_attention
+from reference import dense_attention, local_errors
 
 S = 53  # not divisible by any cp tested
 
@@ -81,15 +81,9 @@ def _case(rank, world, mask, hq, hkv, dtype=torch.float32, solver="auto", with_l
     fin = torch.isfinite(l_ref[ids])
     assert torch.equal(torch.isfinite(lse), fin), "fully masked rows must give lse -inf exactly there"
     assert (out[~fin.all(-1)].abs().sum() == 0) if (~fin).any() else True
-    err = lambda a, b: float((a.detach().double() - b).abs().max()) if a.numel() else 0.0  # noqa: E731
-    return {
-        "out": err(out, o_ref[ids]),
-        "lse": err(lse[fin], l_ref[ids][fin]),
-        "dq": err(ql.grad, qr.grad[ids]),
-        "dk": err(kl.grad, kr.grad[ids]),
-        "dv": err(vl.grad, vr.grad[ids]),
-        "full_out": err(mcp.undispatch(out, plan, group), o_ref) if world > 1 else 0.0,
-    }
+    errs = local_errors(ids, out, lse, (ql, kl, vl), (o_ref, l_ref, qr, kr, vr))
+    errs["full_out"] = float((mcp.undispatch(out, plan, group).detach().double() - o_ref.detach()).abs().max()) if world > 1 else 0.0
+    return errs
 
 
 def _exact_cases(rank, world, names):
@@ -263,9 +257,7 @@ def _case_backend(rank, world, mask, plan, backend, hq=4, hkv=2, d=16):
     (out.double() * do[ids]).sum().backward()
     fin = torch.isfinite(l_ref[ids])
     assert torch.equal(torch.isfinite(lse), fin)
-    err = lambda a, b: float((a.detach().double() - b).abs().max())  # noqa: E731
-    return {"out": err(out, o_ref[ids]), "lse": err(lse[fin], l_ref[ids][fin]), "dq": err(ql.grad, qr.grad[ids]),
-            "dk": err(kl.grad, kr.grad[ids]), "dv": err(vl.grad, vr.grad[ids])}
+    return local_errors(ids, out, lse, (ql, kl, vl), (o_ref, l_ref, qr, kr, vr))
 
 
 def test_triton_backend_in_the_distributed_path():

@@ -20,7 +20,7 @@ from megatron_cp import masks as M
 from megatron_cp.baselines import STRATEGIES, get_strategy, plan_for
 
 from _dist import run_ranks
-from reference import dense_attention
+from reference import dense_attention, local_errors
 from test_overlap import _random_mask
 
 S = 61
@@ -56,14 +56,7 @@ def _case(rank, world, name, mask, hq, hkv, options=None, dtype=torch.float64):
     fin = torch.isfinite(l_ref[ids])
     assert torch.equal(torch.isfinite(lse), fin), "fully masked rows must give lse -inf exactly there"
     ((out.double() * do[ids]).sum() + (torch.where(torch.isfinite(lse), lse, 0).double() * dl[ids]).sum()).backward()
-    err = lambda a, b: float((a.detach().double() - b.detach()).abs().max()) if a.numel() else 0.0  # noqa: E731
-    return {
-        "out": err(out, o_ref[ids]),
-        "lse": err(lse[fin], l_ref[ids][fin]),
-        "dq": err(ql.grad, qr.grad[ids]),
-        "dk": err(kl.grad, kr.grad[ids]),
-        "dv": err(vl.grad, vr.grad[ids]),
-    }
+    return local_errors(ids, out, lse, (ql, kl, vl), (o_ref, l_ref, qr, kr, vr))
 
 
 def _bad_cases(rank, world):

@@ -19,7 +19,7 @@ from megatron_cp.planner.cost import CostModel, Workload
 from megatron_cp.planner.schedule import clip_tiles, mask_traps, rank_traps, schedule
 
 from _dist import run_ranks
-from reference import dense_attention
+from reference import dense_attention, local_errors
 
 S = 61
 
@@ -169,14 +169,7 @@ def _case(rank, world, mask, stages, hq=4, hkv=2, with_lse_grad=False, dtype=tor
     loss.backward()
     fin = torch.isfinite(l_ref[ids])
     assert torch.equal(torch.isfinite(lse), fin), "fully masked rows must give lse -inf exactly there"
-    err = lambda a, b: float((a.detach().double() - b.detach()).abs().max()) if a.numel() else 0.0  # noqa: E731
-    return {
-        "out": err(out, o_ref[ids]),
-        "lse": err(lse[fin], l_ref[ids][fin]),
-        "dq": err(ql.grad, qr.grad[ids]),
-        "dk": err(kl.grad, kr.grad[ids]),
-        "dv": err(vl.grad, vr.grad[ids]),
-    }
+    return local_errors(ids, out, lse, (ql, kl, vl), (o_ref, l_ref, qr, kr, vr))
 
 
 def _order_case(rank, world):
