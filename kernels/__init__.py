@@ -32,7 +32,8 @@ A backend is an object with::
         lse [sq, Hq] float32 natural log.
     backward(q, k, v, out, lse, dout, prepared, softmax_scale, delta) -> (dq, dk, dv)
         lse is the merged (global) lse of every row; delta [sq, Hq] float32 is
-        rowsum(dout * out) - dlse (dlse = gradient of lse, 0 when unused); grads like their inputs.
+        rowsum(dout * out) - dlse (dlse = gradient of lse), or None meaning rowsum(dout * out) (no lse
+        gradient: a backend may then let a library recompute it); grads like their inputs.
 """
 
 from .tiles import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, KIND_CODES, check_tiles

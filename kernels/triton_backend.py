@@ -18,6 +18,7 @@ from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dkdv_reduce_kernel, attn_
 from .triton_fwd import LOG2E, attn_fwd_kernel
 from .dense_fast_path import cudnn_backward, cudnn_forward, dense_kind
 from .dense_tiles import split_dense
+from .merge import merge_into
 from .triton_schedule import BlockSchedule, build_schedules, kept_area, tile_descriptors
 
 
@@ -69,6 +70,9 @@ class TritonConfig:
     deterministic: backward bitwise reproducible (Triton kernels only, no atomics, no cuDNN).
     dense_fast_path: route a single full / square causal tile covering everything to cuDNN (CUDA only).
     dkdv_split_min: see triton_schedule.column_work (long key columns run as several programs).
+    bwd_mode: "deterministic" (dK/dV programs and dQ programs, each output written once: bitwise
+        reproducible) or "atomic" (dQ accumulated with fp32 atomics inside the dK/dV programs: 5 instead of
+        7 matmuls per block pair, not reproducible bitwise; kernels/triton_bwd_atomic.py).
     dense_tiles: with dense_fast_path, also split other tile lists into dense pieces (full rectangles,
         square causal tiles; bottom-right causal tiles split into both, kernels/dense_tiles.py) of at least
         dense_min_rows x dense_min_keys, run on cuDNN, and the rest on Triton, merged by LSE (CUDA only).
@@ -84,6 +88,13 @@ class TritonConfig:
     dense_tiles: bool = True
     dense_min_rows: int = 512
     dense_min_keys: int = 8192
+    bwd_mode: str = "deterministic"
+
+    def __post_init__(self):
+        if self.bwd_mode not in ("deterministic", "atomic"):
+            raise ValueError(f"bwd_mode must be 'deterministic' or 'atomic', got {self.bwd_mode!r}")
+        if self.deterministic and self.bwd_mode != "deterministic":
+            raise ValueError(f"deterministic=True needs bwd_mode='deterministic', got {self.bwd_mode!r}")
 
     def for_head_dim(self, head_dim: int, row_class: str = "long", dtype=None) -> StageConfigs:
         if (head_dim, row_class) in self.overrides:
@@ -173,6 +184,11 @@ def _use_tma(c: KernelConfig, q: torch.Tensor) -> bool:
     return _sm_major(q.device.index if q.device.index is not None else torch.cuda.current_device()) >= 9
 
 
+def _cuda_present() -> bool:
+    # the dense split only pays where cuDNN runs (a function so CPU tests can stand in a fake cuDNN)
+    return torch.cuda.is_available()
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     # kernels need unit stride along head_dim only
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -198,8 +214,10 @@ class TritonBackend:
         return prepared.dense is not None and self._fast_ok(q)
 
     def _general(self, q, prepared) -> bool:
-        """Dense pieces on cuDNN, the rest on Triton (TritonConfig.dense_tiles)."""
-        return (prepared.dense is None and bool(prepared.dense_plan) and self.config.dense_tiles
+        """Dense pieces on cuDNN, the rest on Triton: a list that is one dense tile (dense_fast_path) or
+        has dense pieces (TritonConfig.dense_tiles). Also serves the calls the single-call fast path
+        cannot: accumulating forwards and backwards given a delta."""
+        return (bool(prepared.dense_plan) and (prepared.dense is not None or self.config.dense_tiles)
                 and self._fast_ok(q))
 
     @staticmethod
@@ -215,8 +233,10 @@ class TritonBackend:
         the Triton fallback."""
         prep = self._prepare(tiles, seqlen_q, seqlen_k, head_dims)
         c = self.config
-        if (prep.dense is None and c.dense_tiles and c.dense_fast_path and not c.deterministic
-                and prep.tiles.shape[0] and torch.cuda.is_available()):
+        if prep.dense is not None:  # one dense tile covering everything: one cuDNN piece, nothing else
+            prep.dense_plan = [(0, prep.seqlen_q, 0, prep.seqlen_k, prep.dense)]
+        elif (c.dense_tiles and c.dense_fast_path and not c.deterministic
+                and prep.tiles.shape[0] and _cuda_present()):
             dense, rest = split_dense(prep.tiles, c.dense_min_rows, c.dense_min_keys)
             if dense:
                 prep.dense_plan = dense
@@ -263,49 +283,64 @@ class TritonBackend:
         return out, lse
 
     def forward_accumulate(self, q, k, v, prepared: TritonPrepared, softmax_scale, out, lse):
-        """Add this stage into a running (out [sq, Hq, D], lse [sq, Hq] fp32) in place; returns them.
+        """Add this stage into a running (out [sq, Hq, D] in q's dtype or float32, lse [sq, Hq] float32)
+        in place; returns them. A float32 ``out`` keeps the running sum in full precision across stages.
 
         Rows with lse = -inf hold nothing yet (their out is ignored); the merge is LSE-weighted.
         """
-        if out.shape != q.shape or lse.shape != q.shape[:2] or lse.dtype != torch.float32:
-            raise ValueError(f"running out/lse must be {tuple(q.shape)} / {tuple(q.shape[:2])} float32; "
-                             f"got {tuple(out.shape)} / {tuple(lse.shape)} {lse.dtype}")
+        if (out.shape != q.shape or out.dtype not in (q.dtype, torch.float32) or lse.shape != q.shape[:2]
+                or lse.dtype != torch.float32):
+            raise ValueError(f"running out/lse must be {tuple(q.shape)} {q.dtype} or float32 / "
+                             f"{tuple(q.shape[:2])} float32; got {tuple(out.shape)} {out.dtype} / "
+                             f"{tuple(lse.shape)} {lse.dtype}")
         if self._general(q, prepared):
+            scale = self._scale(softmax_scale, q)
+            in_place = out.dtype == torch.float32 and out.is_contiguous() and lse.is_contiguous()
+            done = []  # merges already made into (out, lse) when in place
             try:
-                acc = out.float()
-                lse_new = lse.clone()
-                acc, lse_new = self._dense_forward(q, k, v, prepared, self._scale(softmax_scale, q), acc, lse_new)
-                out.copy_(acc)
-                lse.copy_(lse_new)
+                if in_place:
+                    self._dense_forward(q, k, v, prepared, scale, out, lse, progress=done)
+                else:
+                    acc, lse_new = self._dense_forward(q, k, v, prepared, scale, out.float(), lse.clone())
+                    out.copy_(acc)
+                    lse.copy_(lse_new)
                 self.last_path = "cudnn+triton" if prepared.rest is not None else "cudnn"
                 return out, lse
             except Exception as e:  # noqa: BLE001
+                if done:  # falling back now would count the merged pieces twice
+                    raise RuntimeError("dense-tile forward failed after a partial in-place merge") from e
                 self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
         self.last_path = "triton"
         self._forward(q, k, v, prepared, softmax_scale, out, lse, accumulate=True)
         return out, lse
 
-    def _dense_forward(self, q, k, v, prepared, scale, acc=None, lse=None):
+    def _dense_forward(self, q, k, v, prepared, scale, acc=None, lse=None, progress=None):
         """Dense pieces through cuDNN, the rest through Triton, merged by LSE in fp32 into the running
-        (acc fp32 [sq, Hq, D], lse [sq, Hq]) when given (rows with lse -inf hold nothing)."""
+        (acc fp32 [sq, Hq, D], lse [sq, Hq]) when given (rows with lse -inf hold nothing), else into a new
+        one. With a running pair the cuDNN pieces go first and the Triton rest merges inside its kernel
+        (accumulating launch, no extra pass); ``progress`` (a list) gets one entry per merge done, so a
+        caller can tell whether a failure left the running pair partly merged."""
         _check_qkv(q, k, v)
         sq, hq, d = q.shape
         if sq != prepared.seqlen_q or k.shape[0] != prepared.seqlen_k:
             raise ValueError(f"q/k lengths {sq}/{k.shape[0]} differ from the prepared {prepared.seqlen_q}/{prepared.seqlen_k}")
-        if prepared.rest is not None:
-            o_r = torch.empty_like(q)
-            l_r = torch.empty(sq, hq, device=q.device, dtype=torch.float32)
-            self._forward(q, k, v, prepared.rest, scale, o_r, l_r, accumulate=False)
-            if acc is None:
-                acc, lse = o_r.float(), l_r
+        rest_left = prepared.rest is not None
+        if acc is None:
+            if rest_left:
+                o_r = torch.empty_like(q)
+                l_r = torch.empty(sq, hq, device=q.device, dtype=torch.float32)
+                self._forward(q, k, v, prepared.rest, scale, o_r, l_r, accumulate=False)
+                acc, lse, rest_left = o_r.float(), l_r, False
             else:
-                _merge_lse(acc, lse, o_r, l_r)
-        elif acc is None:
-            acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-            lse = torch.full((sq, hq), float("-inf"), device=q.device, dtype=torch.float32)
+                acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+                lse = torch.full((sq, hq), float("-inf"), device=q.device, dtype=torch.float32)
         for qs, qe, ks, ke, causal in prepared.dense_plan:
             o_t, l_t = cudnn_forward(q[qs:qe], k[ks:ke], v[ks:ke], scale, causal)
-            _merge_lse(acc[qs:qe], lse[qs:qe], o_t, l_t)
+            merge_into(acc[qs:qe], lse[qs:qe], o_t, l_t)
+            if progress is not None:
+                progress.append(1)
+        if rest_left:
+            self._forward(q, k, v, prepared.rest, scale, acc, lse, accumulate=True)
         return acc, lse
 
     def _forward(self, q, k, v, prepared, softmax_scale, out, lse, accumulate):
@@ -421,6 +456,8 @@ class TritonBackend:
         """Partial gradients of the dense pieces (cuDNN, global out/lse) and the rest (Triton, global lse
         and delta), summed in fp32."""
         lse = lse.float().contiguous()
+        if prepared.dense is not None:  # one piece covering everything: cuDNN's gradients as they are
+            return cudnn_backward(q, k, v, out, lse, dout, scale, prepared.dense)
         if prepared.rest is not None:
             dq, dk, dv = self.backward(q, k, v, out, lse, dout, prepared.rest, scale, delta)
             dq, dk, dv = dq.float(), dk.float(), dv.float()
@@ -435,20 +472,3 @@ class TritonBackend:
             dk[ks:ke] += gk
             dv[ks:ke] += gv
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _merge_lse(acc, lse, o, l):
-    """In place: (acc fp32, lse) <- LSE merge of (acc, lse) and (o, l); rows where both are -inf give
-    acc 0 / lse -inf; acc of rows with lse -inf is ignored (may hold anything)."""
-    l = l.float()
-    m = torch.maximum(lse, l)
-    m0 = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w1 = torch.exp(lse - m0)
-    w2 = torch.exp(l - m0)
-    s = w1 + w2
-    keep = s > 0
-    s1 = torch.where(keep, s, torch.ones_like(s))
-    a = torch.where((w1 > 0).unsqueeze(-1), acc * (w1 / s1).unsqueeze(-1), torch.zeros_like(acc))
-    b = torch.where((w2 > 0).unsqueeze(-1), o.float() * (w2 / s1).unsqueeze(-1), torch.zeros_like(acc))
-    acc.copy_(a + b)
-    lse.copy_(torch.where(keep, m0 + torch.log(s1), torch.full_like(m, float("-inf"))))

@@ -242,7 +242,7 @@ def _triton_cases(rank, world):
     return res
 
 
-def _case_backend(rank, world, mask, plan, backend, hq=4, hkv=2, d=16):
+def _case_backend(rank, world, mask, plan, backend, hq=4, hkv=2, d=16, stages=None):
     s = mask.seqlen_q
     gen = torch.Generator().manual_seed(99)
     q, do = (torch.randn(s, hq, d, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -252,7 +252,7 @@ def _case_backend(rank, world, mask, plan, backend, hq=4, hkv=2, d=16):
     (o_ref * do).sum().backward()
     group = dist.group.WORLD
     ql, kl, vl = (mcp.dispatch(t.float(), plan, group).detach().requires_grad_() for t in (q, k, v))
-    out, lse = mcp.attention(ql, kl, vl, plan, group, softmax_scale=0.3, backend=backend)
+    out, lse = mcp.attention(ql, kl, vl, plan, group, softmax_scale=0.3, backend=backend, stages=stages)
     ids = torch.from_numpy(plan.local_ids(rank))
     (out.double() * do[ids]).sum().backward()
     fin = torch.isfinite(l_ref[ids])

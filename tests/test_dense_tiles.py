@@ -11,7 +11,7 @@ import torch
 
 from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
 from megatron_cp.kernels.dense_tiles import dense_tiles_tensor, split_dense
-from megatron_cp.kernels.triton_backend import _merge_lse
+from megatron_cp.kernels.merge import merge_torch as _merge_lse
 
 
 def cell_counts(tiles, sq, sk):

@@ -138,6 +138,48 @@ def bench_kernel_only(plan, args, ctx):
     return flops, (t1 - t0) / args.iters, (t2 - t1) / args.iters
 
 
+_TORCH_CP_MODULES = (
+    "torch.distributed.tensor.experimental._attention",
+    "torch.distributed.tensor.experimental._context_parallel._attention",
+    "torch.distributed.tensor.experimental._context_parallel._load_balancer",
+    "torch.distributed.tensor.experimental._load_balancer",
+    "torch.distributed.tensor.experimental",
+)
+
+
+def _torch_cp_attr(name):
+    """A (mostly private) name of PyTorch's context-parallel package, wherever this torch keeps it."""
+    import importlib
+
+    for mod in _TORCH_CP_MODULES:
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            continue
+        if hasattr(m, name):
+            return getattr(m, name)
+    raise ImportError(f"torch {torch.__version__} has no context-parallel name {name!r} in {_TORCH_CP_MODULES}")
+
+
+def _cp_block_mask(mask_mod, s, block, mesh, lb):
+    """PyTorch's CP BlockMask (Q shard x global KV). Its builder's name and signature change between
+    torch releases (public create_cp_block_mask / private _create_cp_block_mask, with or without
+    BLOCK_SIZE and load_balancer): pass what this version's signature names."""
+    import inspect
+
+    try:
+        fn = _torch_cp_attr("create_cp_block_mask")
+    except ImportError:
+        fn = _torch_cp_attr("_create_cp_block_mask")
+    params = inspect.signature(fn).parameters
+    values = {"mask_mod": mask_mod, "B": 1, "H": 1, "Q_LEN": s, "KV_LEN": s, "BLOCK_SIZE": (block, block),
+              "device_mesh": mesh, "load_balancer": lb}
+    missing = [n for n, p in params.items() if n not in values and p.default is inspect.Parameter.empty]
+    if missing:
+        raise TypeError(f"{fn.__module__}.{fn.__name__}{inspect.signature(fn)}: cannot fill {missing}")
+    return fn(**{n: v for n, v in values.items() if n in params})
+
+
 def bench_torch_native(mask_name, s, args, ctx):
     """PyTorch's context parallel: SDPA ring (full/causal) or FlexAttention all-gather CP."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -156,6 +198,9 @@ def bench_torch_native(mask_name, s, args, ctx):
         from torch.distributed.tensor.experimental import context_parallel
 
         causal = mask_name == "causal"
+        # head-tail load balancing is for causal only (the ring refuses a full mask with it on)
+        opts = _torch_cp_attr("_cp_options")
+        opts.enable_load_balance = causal
         with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
             q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
             do = torch.randn_like(q)
@@ -168,12 +213,10 @@ def bench_torch_native(mask_name, s, args, ctx):
                 q.grad = k.grad = v.grad = None
 
             return ctx["timer"].run(fwd, bwd, args.warmup, args.iters, group)
-    from torch.distributed.tensor.experimental._attention import (
-        _context_parallel_shard,
-        _ContextParallel,
-        _HeadTailLoadBalancer,
-    )
-    from torch.distributed.tensor.experimental._context_parallel._attention import _create_cp_block_mask
+    _context_parallel_shard = _torch_cp_attr("_context_parallel_shard")
+    _ContextParallel = _torch_cp_attr("_ContextParallel")
+    _HeadTailLoadBalancer = _torch_cp_attr("_HeadTailLoadBalancer")
+    _torch_cp_attr("_cp_options").enable_load_balance = True
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -193,7 +236,7 @@ def bench_torch_native(mask_name, s, args, ctx):
     mod = parallelize_module(Flex(), mesh, _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
     lb = _HeadTailLoadBalancer(s, cp, device)
     block = 128 if not args.tiny else 16
-    bm = _create_cp_block_mask(_cp_masks.mask_mod(mask_name, s, device), 1, 1, s, s, (block, block), mesh, lb)
+    bm = _cp_block_mask(_cp_masks.mask_mod(mask_name, s, device), s, block, mesh, lb)
     ql, kl, vl = _context_parallel_shard(mesh, [q, k, v], [2, 2, 2], load_balancer=lb)
     ql, kl, vl = (t.detach().contiguous().requires_grad_() for t in (ql, kl, vl))
     do = torch.randn_like(ql)

@@ -1,7 +1,9 @@
 """Measure the cost model's numbers on this machine and write them as JSON (``CostModel.load`` reads it).
 
-Kernel: forward/backward time of full tiles with long rows (peak TFLOP/s), of short-row tiles (the
-half-efficiency key length), of one tiny tile (launch cost) and of many tiny tiles (per-tile cost).
+Kernel (Triton, dense path off): forward/backward time of full tiles with long rows (peak TFLOP/s), of
+short-row tiles (the half-efficiency key length), of one tiny tile (launch cost) and of many tiny tiles
+(per-tile cost). Dense path (CUDA): cuDNN's forward/backward rate on the same full tile and the fixed
+cost of one dense piece beside Triton tiles.
 Communication (when started under torchrun with several ranks): all_to_all_single time for small
 messages (latency) and large ones (bandwidth), inside a node and, with several nodes, across them.
 
@@ -40,24 +42,29 @@ def _time(fn, device, reps):
 
 
 def _kernel(args, device, work: Workload):
+    """Triton numbers (dense path off), then, on CUDA, the dense (cuDNN) path's."""
     be = kernels.get_backend(args.backend, device)
+    dense_be = None
+    if device.type == "cuda" and be.name == "triton":
+        from megatron_cp.kernels.triton_backend import TritonBackend, TritonConfig
+
+        dense_be, be = be, TritonBackend(TritonConfig(dense_fast_path=False))
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     hq, hkv, d = work.num_heads, work.num_kv_heads, work.head_dim
     rows = 256 if args.tiny else 8192
     keys_long = 512 if args.tiny else 16384
     reps = 2 if args.tiny else 10
 
-    def run(tiles, sq, sk, backward=False):
+    def run(tiles, sq, sk, backward=False, backend=be):
         q = torch.randn(sq, hq, d, device=device, dtype=dt)
         k = torch.randn(sk, hkv, d, device=device, dtype=dt)
         v = torch.randn(sk, hkv, d, device=device, dtype=dt)
-        prep = be.prepare(torch.tensor(tiles, dtype=torch.int32), sq, sk)
-        out, lse = be.forward(q, k, v, prep, None)
+        prep = backend.prepare(torch.tensor(tiles, dtype=torch.int32), sq, sk)
+        out, lse = backend.forward(q, k, v, prep, None)
         if not backward:
-            return _time(lambda: be.forward(q, k, v, prep, None), device, reps)
+            return _time(lambda: backend.forward(q, k, v, prep, None), device, reps)
         do = torch.randn_like(out)
-        delta = (do.float() * out.float()).sum(-1)
-        return _time(lambda: be.backward(q, k, v, out, lse, do, prep, None, delta), device, reps)
+        return _time(lambda: backend.backward(q, k, v, out, lse, do, prep, None, None), device, reps)
 
     flops = lambda area: work.fwd_flops(area)  # noqa: E731
     t_f = run([[0, rows, 0, keys_long, 0]], rows, keys_long)
@@ -74,8 +81,22 @@ def _kernel(args, device, work: Workload):
     many = [[i, i + 16, i, i + 16, 0] for i in range(0, 16 * 64, 16)]
     t_many = run(many, 16 * 64, 16 * 64)
     tile_us = max(0.0, (t_many - t_launch) / 63 * 1e6)
-    return dict(fwd_tflops=fwd_tflops, bwd_tflops=bwd_tflops, half_keys=max(half_keys, 1.0),
-                launch_us=t_launch * 1e6, tile_us=tile_us)
+    out = dict(fwd_tflops=fwd_tflops, bwd_tflops=bwd_tflops, half_keys=max(half_keys, 1.0),
+               launch_us=t_launch * 1e6, tile_us=tile_us)
+    if dense_be is not None:
+        full = [[0, rows, 0, keys_long, 0]]
+        t_df = run(full, rows, keys_long, backend=dense_be)
+        t_db = run(full, rows, keys_long, backward=True, backend=dense_be)
+        out["dense_fwd_tflops"] = flops(rows * keys_long) / t_df / 1e12
+        out["dense_bwd_tflops"] = 2.5 * flops(rows * keys_long) / t_db / 1e12
+        # fixed cost of one piece beside Triton tiles: a minimum-size dense piece next to one tiny tile,
+        # less its FLOPs at the dense rate and the tiny tile's own call
+        c = dense_be.config
+        mr, mk = int(c.dense_min_rows), int(c.dense_min_keys)
+        t_piece = run([[0, mr, 0, mk, 0], [mr, mr + 16, 0, 16, 0]], mr + 16, mk, backend=dense_be)
+        out["dense_piece_us"] = max(0.0, (t_piece - t_launch - flops(mr * mk) / (out["dense_fwd_tflops"] * 1e12)) * 1e6)
+        out["dense_min_rows"], out["dense_min_keys"] = mr, mk
+    return out
 
 
 def _links(args, device):

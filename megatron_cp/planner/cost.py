@@ -6,6 +6,12 @@ Every figure is per GPU. ``tools/calibrate.py`` measures them on a machine and w
 Kernel time of a tile list: ``launch_us + sum(tile_us + flops / (peak * eff))`` where
 ``eff = keys / (keys + half_keys)`` and ``keys`` is the tile's mean kept keys per row: short rows
 (sliding windows, short documents) run below peak because partly filled key blocks waste work.
+Dense pieces (``dense_fwd_tflops > 0``): the kernel backend runs full rectangles and square causal
+pieces of at least ``dense_min_rows`` x ``dense_min_keys`` on cuDNN (kernels/dense_tiles.py splits a
+bottom-right causal tile into a full rectangle and a square causal piece); those cells cost
+``flops / dense peak`` plus ``dense_piece_us`` and one LSE merge (``merge_bytes_per_row`` per query row
+and head at ``hbm_gbps``) per piece. The rule is restated here (the planner may not import kernels):
+keep the two in step.
 Collective time: ``latency_us + intra_bytes / intra_gbps + inter_bytes / inter_gbps`` (per GPU, the
 busiest GPU's bytes of one collective; links of different kinds run concurrently, so it is the max).
 """
@@ -45,6 +51,12 @@ class CostModel:
     intra_gbps: float = 150.0  # achieved all-to-all bandwidth per GPU inside a node (GB/s)
     inter_gbps: float = 45.0  # achieved per GPU between nodes (400 Gb/s NIC per GPU)
     latency_us: float = 25.0  # fixed cost per collective
+    dense_fwd_tflops: float = 0.0  # cuDNN dense pieces (0: no dense path modelled)
+    dense_bwd_tflops: float = 0.0
+    dense_min_rows: int = 512  # TritonConfig.dense_min_rows / dense_min_keys
+    dense_min_keys: int = 8192
+    dense_piece_us: float = 30.0  # fixed cost per cuDNN piece (launches, slicing)
+    hbm_gbps: float = 3000.0  # memory bandwidth of the LSE merge of a piece
     source: str = "default"  # where the numbers came from (calibration file, device)
 
     def save(self, path: str) -> None:
@@ -61,16 +73,31 @@ class CostModel:
             raise ValueError(f"{path}: unknown cost-model fields {unknown}; known: {sorted(known)}")
         return cls(**raw)
 
-    def tile_time(self, tiles: np.ndarray, work: Workload, backward: bool = False) -> float:
-        """Seconds to run one kernel call over ``tiles`` (int [n, 5] rows q0, q1, k0, k1, kind)."""
+    def tile_time(self, tiles: np.ndarray, work: Workload, backward: bool = False, key_split: int = 1) -> float:
+        """Seconds to run one kernel call over ``tiles`` (int [n, 5] rows q0, q1, k0, k1, kind).
+
+        ``key_split`` > 1: one of ``key_split`` calls over equal key pieces of ``tiles`` (a stage of a
+        split), i.e. every tile with 1 / key_split of its keys and cells."""
         if len(tiles) == 0:
             return 0.0
+        split = float(key_split)
         peak = (self.bwd_tflops / 2.5 if backward else self.fwd_tflops) * 1e12
         area, rows = tile_areas(tiles)
-        keys = area / np.maximum(rows, 1)
+        dense = np.zeros_like(area)
+        pieces = np.zeros_like(area)
+        if self.dense_fwd_tflops > 0:
+            dense, pieces = dense_areas(tiles, self.dense_min_rows, self.dense_min_keys * key_split)
+        rest = (area - dense) / split
+        keys = rest / np.maximum(rows, 1)
         eff = np.maximum(keys / (keys + self.half_keys), 1e-3)
-        return float(self.launch_us * 1e-6 + len(area) * self.tile_us * 1e-6
-                     + (4.0 * area * work.num_heads * work.head_dim / (peak * eff)).sum())
+        per_flop = 4.0 * work.num_heads * work.head_dim
+        t = self.launch_us * 1e-6 + float((rest > 0).sum()) * self.tile_us * 1e-6 + float((rest * per_flop / (peak * eff)).sum())
+        if pieces.sum() > 0:
+            dpeak = (self.dense_bwd_tflops / 2.5 if backward else self.dense_fwd_tflops) * 1e12
+            merge_rows = float((rows * pieces).sum())
+            t += (float(dense.sum()) / split * per_flop / dpeak + float(pieces.sum()) * self.dense_piece_us * 1e-6
+                  + merge_rows * work.num_heads * work.head_dim * 10.0 / (self.hbm_gbps * 1e9))
+        return t
 
     def comm_time(self, intra_bytes: float, inter_bytes: float) -> float:
         """Seconds for one collective whose busiest GPU moves these bytes (0 bytes: no collective)."""
@@ -94,3 +121,20 @@ def tile_areas(tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     bi = sq * np.maximum(0, d + 1)
     area = np.select([kind == 0, kind == 1, kind == 2], [sq * sk, causal, inv], bi)
     return area.astype(np.float64), sq.astype(np.float64)
+
+
+def dense_areas(tiles: np.ndarray, min_rows: int, min_keys: float) -> tuple[np.ndarray, np.ndarray]:
+    """(cells, pieces) of every tile that the dense (cuDNN) path takes: a FULL tile of at least
+    min_rows x min_keys; of a bottom-right CAUSAL tile (rows trimmed to at most sk), its full part
+    (sq x (sk - sq)) and its square causal part (sq x sq) when each is that big. Mirrors
+    kernels/dense_tiles.split_dense."""
+    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
+    sq, sk, kind = t[:, 1] - t[:, 0], t[:, 3] - t[:, 2], t[:, 4]
+    full = (kind == 0) & (sq >= min_rows) & (sk >= min_keys)
+    cq = np.minimum(sq, sk)  # causal rows that keep anything
+    d = sk - cq
+    c_full = (kind == 1) & (d > 0) & (cq >= min_rows) & (d >= min_keys)
+    c_sq = (kind == 1) & (cq >= min_rows) & (cq >= min_keys)
+    cells = np.where(full, sq * sk, 0) + np.where(c_full, cq * d, 0) + np.where(c_sq, cq * (cq + 1) // 2, 0)
+    pieces = full.astype(np.int64) + c_full + c_sq
+    return cells.astype(np.float64), pieces.astype(np.float64)

@@ -309,12 +309,13 @@ def predict(plan: Plan, stage_ids, stage_tiles, topo: Topology | None, cost: Cos
     fwd = np.zeros(cp)
     bwd = np.zeros(cp)
     for r in range(cp):
-        kf = [cost.tile_time(t, work) for t in stage_tiles[r]]
-        kb = [cost.tile_time(t, work, backward=True) for t in stage_tiles[r]]
-        if split is not None:  # one remote stage's kernel time shared by ``split`` stages
-            lf, lb = cost.launch_us * 1e-6, cost.launch_us * 1e-6
-            kf = kf[:1] + [max(kf[1] - lf, 0.0) / split + lf] * split
-            kb = kb[:1] + [max(kb[1] - lb, 0.0) / split + lb] * split
+        if split is not None:  # one remote stage's tiles, counted as ``split`` stages of equal key pieces
+            own, one = stage_tiles[r][0], stage_tiles[r][1]
+            kf = [cost.tile_time(own, work)] + [cost.tile_time(one, work, key_split=split)] * split
+            kb = [cost.tile_time(own, work, True)] + [cost.tile_time(one, work, True, key_split=split)] * split
+        else:
+            kf = [cost.tile_time(t, work) for t in stage_tiles[r]]
+            kb = [cost.tile_time(t, work, backward=True) for t in stage_tiles[r]]
         # forward: cast of stage i+1 issued when stage i starts computing
         start, end, comm_end = 0.0, kf[0], 0.0
         comm_end = comm[0] if n else 0.0

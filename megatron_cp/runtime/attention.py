@@ -47,14 +47,23 @@ class _RankRuntime:
     prepared: object
 
 
-def _runtime(plan: Plan, rank: int, device: torch.device, backend_name: str) -> _RankRuntime:
-    key = ("runtime", rank, str(device), backend_name)
+def _backend(backend, device):
+    """(cache key, backend object) for a backend name or a backend object (``kernels`` interface)."""
+    if isinstance(backend, str):
+        return backend, kernels.get_backend(backend, device)
+    if not all(callable(getattr(backend, n, None)) for n in ("prepare", "forward", "backward")):
+        raise ValueError(f"backend must be a name or an object with prepare/forward/backward, got {backend!r}")
+    return ("object", id(backend)), backend
+
+
+def _runtime(plan: Plan, rank: int, device: torch.device, backend_arg) -> _RankRuntime:
+    bkey, backend = _backend(backend_arg, device)
+    key = ("runtime", rank, str(device), bkey)
     rt = plan.cache.get(key)
     if rt is None:
         rp = plan.ranks[rank]
         send_index, send_counts = rp.send_index()
         own_pos, recv_pos = rp.buffer_index()
-        backend = kernels.get_backend(backend_name, device)
         tiles = torch.from_numpy(rp.tiles.astype("int32"))
         buffer_len = max(rp.buffer_len, 1)
         rt = _RankRuntime(
@@ -123,6 +132,7 @@ class _CPAttention(torch.autograd.Function):
         out, lse = rt.backend.forward(q, kbuf, vbuf, rt.prepared, scale)
         ctx.save_for_backward(q, buf, out, lse)
         ctx.rt, ctx.group, ctx.scale, ctx.hkv = rt, group, scale, hkv
+        ctx.set_materialize_grads(False)  # an unused lse gives dlse None, not a zero tensor
         return out, lse
 
     @staticmethod
@@ -130,11 +140,12 @@ class _CPAttention(torch.autograd.Function):
         q, buf, out, lse = ctx.saved_tensors
         rt, group, hkv = ctx.rt, ctx.group, ctx.hkv
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        delta = (dout.to(cdt) * out.to(cdt)).sum(-1)
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        delta = None  # None: rowsum(dout * out), no lse gradient (lets dense tiles use cuDNN)
         if dlse is not None:
-            delta = delta - dlse.to(cdt)
+            delta = (dout.to(cdt) * out.to(cdt)).sum(-1) - dlse.to(cdt)
         kbuf, vbuf = buf[:, :hkv], buf[:, hkv:]
-        dq, dk_buf, dv_buf = rt.backend.backward(q, kbuf, vbuf, out, lse, dout.contiguous(), rt.prepared, ctx.scale, delta)
+        dq, dk_buf, dv_buf = rt.backend.backward(q, kbuf, vbuf, out, lse, dout, rt.prepared, ctx.scale, delta)
         dbuf = torch.cat([dk_buf, dv_buf], dim=1)
         d_local = dbuf[rt.own_pos].to(cdt)
         if group is not None and sum(rt.recv_counts) + sum(rt.send_counts) > 0:
@@ -166,11 +177,11 @@ class _StagedRuntime:
     pool: BufferPool
 
 
-def _staged_runtime(plan: Plan, sched: Schedule, rank: int, device, backend_name: str) -> _StagedRuntime:
-    key = ("staged", id(sched), rank, str(device), backend_name)
+def _staged_runtime(plan: Plan, sched: Schedule, rank: int, device, backend_arg) -> _StagedRuntime:
+    bkey, backend = _backend(backend_arg, device)
+    key = ("staged", id(sched), rank, str(device), bkey)
     rt = plan.cache.get(key)
     if rt is None:
-        backend = kernels.get_backend(backend_name, device)
         stages = sched.ranks[rank]
         prepared = []
         for st in stages:
@@ -226,8 +237,8 @@ class _StagedAttention(torch.autograd.Function):
         # a backend with an accumulating forward merges stages inside the kernel (no extra passes);
         # otherwise partial outputs are merged here by LSE in fp32 (fp64 for fp64 inputs)
         fused = getattr(rt.backend, "forward_accumulate", None) if q.dtype != torch.float64 else None
-        if fused is not None:
-            acc = torch.zeros_like(q)
+        if fused is not None:  # fp32 running output: no rounding to bf16 between stages
+            acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         else:
             acc = torch.zeros(q.shape[:2] + (v.shape[-1],), dtype=cdt, device=q.device)
@@ -248,6 +259,7 @@ class _StagedAttention(torch.autograd.Function):
         lse = lse.to(torch.float32)
         ctx.save_for_backward(q, out, lse, *bufs)
         ctx.rt, ctx.group, ctx.scale, ctx.hkv = rt, group, scale, hkv
+        ctx.set_materialize_grads(False)  # an unused lse gives dlse None, not a zero tensor
         return out, lse
 
     @staticmethod
@@ -255,10 +267,12 @@ class _StagedAttention(torch.autograd.Function):
         q, out, lse, *bufs = ctx.saved_tensors
         rt, group, hkv = ctx.rt, ctx.group, ctx.hkv
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dout = dout.contiguous()
-        delta = (dout.to(cdt) * out.to(cdt)).sum(-1)
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        # delta None tells the backend it is rowsum(dout * out) (no lse gradient): dense pieces may then
+        # run on cuDNN, which computes that rowsum itself
+        delta = None
         if dlse is not None:
-            delta = delta - dlse.to(cdt)
+            delta = (dout.to(cdt) * out.to(cdt)).sum(-1) - dlse.to(cdt)
         n = len(bufs) - 1
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         d_local = torch.zeros(bufs[0].shape, dtype=cdt, device=q.device)
@@ -299,7 +313,7 @@ def attention(
     group=None,
     softmax_scale=None,
     *,
-    backend: str = "auto",
+    backend="auto",
     stages: int | None = None,
     cost_model: CostModel | None = None,
     hierarchical: bool = True,
@@ -312,7 +326,9 @@ def attention(
     [s_local, Hq] float32 natural log; rows with no kept key give out 0 and lse -inf.
     Differentiable in q, k, v; bad input raises before any collective.
 
-    ``stages``: remote K/V stages overlapped with compute; None (default) lets ``cost_model``
+    ``backend``: a kernel backend name (``auto``, ``triton``, ``reference``) or a backend object, e.g.
+    ``kernels.triton_backend.TritonBackend(TritonConfig(deterministic=True))`` (cached per object: keep
+    using the same one). ``stages``: remote K/V stages overlapped with compute; None (default) lets ``cost_model``
     (``planner.cost.CostModel``, defaults when None; see ``tools/calibrate.py``) choose; 0 uses one
     exchange without overlap. ``hierarchical``: two-phase routes when ``plan.topology`` has several
     nodes (each K/V row crosses nodes once per destination node).
@@ -323,6 +339,7 @@ def attention(
         raise ValueError(f"stages must be None or an int >= 0, got {stages!r}")
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
+    _backend(backend, q.device)  # unknown names / bad objects raise here, before any collective
     _verify_plan(plan, group, q.device)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if stages == 0:

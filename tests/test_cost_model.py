@@ -1,0 +1,54 @@
+"""Cost model: the dense-path rule matches the kernels' split, and stage choice respects it."""
+
+import numpy as np
+import torch
+
+import megatron_cp as mcp
+from megatron_cp.kernels.dense_tiles import split_dense
+from megatron_cp.masks import builders as M
+from megatron_cp.planner.cost import CostModel, Workload, dense_areas, tile_areas
+from megatron_cp.planner.schedule import choose_num_stages
+
+
+def _random_tiles(rng, n):
+    out = []
+    for _ in range(n):
+        sq, sk = int(rng.integers(1, 300)), int(rng.integers(1, 300))
+        q0, k0 = int(rng.integers(0, 50)), int(rng.integers(0, 50))
+        out.append([q0, q0 + sq, k0, k0 + sk, int(rng.integers(0, 4))])
+    return np.array(out, dtype=np.int64)
+
+
+def test_dense_areas_match_kernel_split():
+    rng = np.random.default_rng(0)
+    for min_rows, min_keys in ((1, 1), (16, 32), (64, 64), (100, 250)):
+        tiles = _random_tiles(rng, 400)
+        cells, pieces = dense_areas(tiles, min_rows, min_keys)
+        for t, c, p in zip(tiles, cells, pieces):
+            dense, _ = split_dense(torch.tensor([t.tolist()], dtype=torch.int32), min_rows, min_keys)
+            want = sum(float(tile_areas(np.array([[a, b, x, y, 1 if causal else 0]]))[0][0])
+                       for a, b, x, y, causal in dense)
+            assert (c, p) == (want, len(dense)), (t, c, p, dense)
+
+
+def test_dense_path_changes_kernel_time_and_stage_choice():
+    work = Workload(32, 8, 128, 2)
+    full = np.array([[0, 16384, 0, 65536, 0]])
+    plain = CostModel(fwd_tflops=400.0, bwd_tflops=300.0)
+    dense = CostModel(fwd_tflops=400.0, bwd_tflops=300.0, dense_fwd_tflops=600.0, dense_bwd_tflops=500.0,
+                      dense_min_keys=8192)
+    flops = 4.0 * 16384 * 65536 * 32 * 128
+    assert abs(plain.tile_time(full, work) - (flops / 400e12 / (65536 / (65536 + plain.half_keys)) + 21e-6)) < 1e-6
+    assert dense.tile_time(full, work) < 0.72 * plain.tile_time(full, work)
+    # eight pieces of 8192 keys stay dense; sixteen of 4096 do not
+    assert dense.tile_time(full, work, key_split=8) * 8 < 0.75 * plain.tile_time(full, work)
+    assert dense.tile_time(full, work, key_split=16) > 0.95 * plain.tile_time(full, work, key_split=16)
+    # zigzag causal at cp 4, S = 64k, on links slow enough that overlap pays: the plain model splits the
+    # remote keys in three or more stages; the dense-aware one keeps stages whose pieces stay on cuDNN
+    plan = mcp.plan(M.causal(65536), 4, solver="zigzag")
+    slow = dict(intra_gbps=10.0, latency_us=5.0, launch_us=5.0)
+    n_plain, _ = choose_num_stages(plan, CostModel(**{**plain.__dict__, **slow}), work, None)
+    n_dense, preds = choose_num_stages(plan, CostModel(**{**dense.__dict__, **slow}), work, None)
+    smallest_remote = min(r.num_remote for r in plan.ranks if r.num_remote)
+    assert n_plain >= 3 and 1 <= n_dense < n_plain, (n_plain, n_dense, preds)
+    assert smallest_remote // n_dense >= 8192 and preds[n_dense] < preds[n_plain]

@@ -1,0 +1,202 @@
+"""The dense (cuDNN) path's plumbing on CPU, with an fp64 stand-in for the cuDNN ops.
+
+cuDNN runs only on CUDA, so CI cannot run it; what CI can check is everything around it: which pieces
+go to cuDNN and which to Triton, the LSE merges (torch and the one-pass Triton merge kernel under the
+interpreter), the accumulating forward into a float32 running pair, the backward with and without an
+lse gradient, and the staged distributed runtime routing whole dense stages to it. The stand-in has
+cuDNN's contract exactly (square causal = top-left; backward from the given global out/lse, delta =
+rowsum(dout * out) recomputed inside) and computes in fp64, so any error is the plumbing's.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest.py, before anything imports triton
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+import megatron_cp.kernels.triton_backend as tb  # noqa: E402
+from megatron_cp.kernels import CAUSAL, FULL, INV_CAUSAL  # noqa: E402
+from megatron_cp.kernels.merge import merge_into, merge_torch  # noqa: E402
+from test_triton_kernels import dense_mask, reference  # noqa: E402
+
+CALLS = []
+
+
+def fake_cudnn_forward(q, k, v, scale, is_causal):
+    """cuDNN's SDPA contract in fp64: q [sq,Hq,D], k/v [sk,Hkv,D] -> out (q.dtype), lse fp32."""
+    CALLS.append(("fwd", q.shape[0], k.shape[0], is_causal))
+    sq, sk = q.shape[0], k.shape[0]
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if is_causal:
+        keep = torch.tril(keep)
+    out, lse = reference(q, k, v, keep, scale)
+    return out.to(q.dtype), lse.float()
+
+
+def fake_cudnn_backward(q, k, v, out, lse, dout, scale, is_causal):
+    """Gradients from the given (global) out and lse, delta = rowsum(dout * out), in fp64."""
+    CALLS.append(("bwd", q.shape[0], k.shape[0], is_causal))
+    g = q.shape[1] // k.shape[1]
+    qd, kd, vd, od, dod = (x.double() for x in (q, k, v, out, dout))
+    kk, vv = kd.repeat_interleave(g, 1), vd.repeat_interleave(g, 1)
+    s = torch.einsum("qhd,khd->hqk", qd, kk) * scale
+    if is_causal:
+        s = s.masked_fill(~torch.tril(torch.ones(s.shape[1:], dtype=torch.bool)), float("-inf"))
+    lse_h = lse.double().T[..., None]  # [H, sq, 1]
+    p = torch.where(torch.isinf(lse_h), 0.0, torch.exp(s - torch.where(torch.isinf(lse_h), 0.0, lse_h)))
+    dp = torch.einsum("qhd,khd->hqk", dod, vv)
+    delta = (dod * od).sum(-1).T[..., None]
+    ds = p * (dp - delta)
+    dq = torch.einsum("hqk,khd->qhd", ds, kk) * scale
+    dk = torch.einsum("hqk,qhd->khd", ds, qd) * scale
+    dv = torch.einsum("hqk,qhd->khd", p, dod)
+    hkv = k.shape[1]
+    dk = dk.view(k.shape[0], hkv, g, -1).sum(2)
+    dv = dv.view(k.shape[0], hkv, g, -1).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class FakeCudnnBackend(tb.TritonBackend):
+    """TritonBackend whose dense path runs on CPU float32 (the stand-in above)."""
+
+    def _fast_ok(self, q):
+        return self.config.dense_fast_path and not self.config.deterministic and not self._fast_failed
+
+
+def install_fake(monkeypatch=None):
+    """Route the backend module's cuDNN calls to the stand-ins (also used in spawned ranks)."""
+    for name, val in (("cudnn_forward", fake_cudnn_forward), ("cudnn_backward", fake_cudnn_backward),
+                      ("_cuda_present", lambda: True)):
+        if monkeypatch is not None:
+            monkeypatch.setattr(tb, name, val)
+        else:
+            setattr(tb, name, val)
+
+
+def backend(min_rows=16, min_keys=16, d=16):
+    c = tb.KernelConfig(16, 16, 4, 1, False)
+    return FakeCudnnBackend(tb.TritonConfig({d: tb.StageConfigs(c, c, c)}, dense_min_rows=min_rows,
+                                            dense_min_keys=min_keys))
+
+
+def _data(sq, sk, hq=4, hkv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sq, hq, d, generator=g)
+    k = torch.randn(sk, hkv, d, generator=g)
+    v = torch.randn(sk, hkv, d, generator=g)
+    do = torch.randn(sq, hq, d, generator=g)
+    return q, k, v, do
+
+
+# a rank's list as the planner emits it: a bottom-right causal tile over a long prefix (splits into a
+# full rectangle and a square causal piece), a small full tile left to Triton, a window-like tile
+TILES = torch.tensor([[0, 32, 0, 64, CAUSAL], [32, 40, 0, 8, FULL], [40, 56, 64, 80, INV_CAUSAL]], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_merge_one_pass_kernel(use_triton):
+    torch.manual_seed(0)
+    s, h, d = 37, 3, 16
+    acc = torch.randn(s, h, d)
+    lse = torch.randn(s, h)
+    o = torch.randn(s, h, d).to(torch.bfloat16)
+    l = torch.randn(s, h)
+    lse[:5] = float("-inf")  # running side empty: takes o as it is (acc garbage ignored)
+    acc[:5] = float("nan")
+    l[3:8] = float("-inf")  # new side empty; rows 3, 4 empty on both sides
+    ref_acc, ref_lse = acc.clone(), lse.clone()
+    merge_torch(ref_acc, ref_lse, o, l)
+    merge_into(acc, lse, o, l, use_triton=use_triton)
+    assert not torch.isnan(acc).any()
+    assert torch.allclose(acc, ref_acc, atol=1e-6) and torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[fin], ref_lse[fin], atol=1e-6)
+    assert bool((acc[3:5] == 0).all()) and bool((lse[3:5] == float("-inf")).all())
+
+
+def test_dense_pieces_forward_backward(monkeypatch):
+    install_fake(monkeypatch)
+    CALLS.clear()
+    be = backend()
+    sq, sk = 56, 80
+    q, k, v, do = _data(sq, sk)
+    prep = be.prepare(TILES, sq, sk)
+    assert prep.dense is None and len(prep.dense_plan) == 2 and prep.rest is not None
+    keep = dense_mask(TILES, sq, sk)
+    out_r, lse_r, dq_r, dk_r, dv_r = reference(q, k, v, keep, 0.25, do)
+    out, lse = be.forward(q, k, v, prep, 0.25)
+    assert be.last_path == "cudnn+triton" and [c[0] for c in CALLS] == ["fwd", "fwd"]
+    fin = torch.isfinite(lse_r)
+    assert torch.equal(torch.isfinite(lse), fin) and bool((out[~fin.all(1)] == 0).all())
+    assert (out.double() - out_r).abs().max() < 1e-4 and (lse[fin].double() - lse_r[fin]).abs().max() < 1e-4
+    CALLS.clear()
+    dq, dk, dv = be.backward(q, k, v, out, lse, do, prep, 0.25, None)
+    assert be.last_path == "cudnn+triton" and [c[0] for c in CALLS] == ["bwd", "bwd"]
+    for a, b in ((dq, dq_r), (dk, dk_r), (dv, dv_r)):
+        assert (a.double() - b).abs().max() < 1e-4
+    # an lse gradient: cuDNN cannot take it (it recomputes delta itself), everything runs on Triton
+    dlse = torch.randn(sq, q.shape[1])
+    dlse[~fin] = 0
+    _, _, dq_l, dk_l, dv_l = reference(q, k, v, keep, 0.25, do, dlse)
+    CALLS.clear()
+    delta = (do.double() * out.double()).sum(-1).float() - dlse
+    dq, dk, dv = be.backward(q, k, v, out, lse, do, prep, 0.25, delta)
+    assert be.last_path == "triton" and not CALLS
+    for a, b in ((dq, dq_l), (dk, dk_l), (dv, dv_l)):
+        assert (a.double() - b).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_accumulate_stages_in_place(monkeypatch, strided):
+    """Keys split in two stages (one a single dense tile, one with pieces + rest) accumulated into one
+    running pair equal the attention over all keys."""
+    install_fake(monkeypatch)
+    be = backend()
+    sq = 56
+    q, k, v, _ = _data(sq, 96, seed=1)
+    # stage A: keys 0..80 with TILES; stage B: keys 80..96 as one full tile over all rows
+    tiles_b = torch.tensor([[0, sq, 0, 16, FULL]], dtype=torch.int32)
+    pa, pb = be.prepare(TILES, sq, 80), be.prepare(tiles_b, sq, 16)
+    assert pb.dense is False and pb.dense_plan == [(0, sq, 0, 16, False)]
+    keep = torch.cat([dense_mask(TILES, sq, 80), torch.ones(sq, 16, dtype=torch.bool)], 1)
+    out_r, lse_r = reference(q, k, v, keep, 0.3)
+    # contiguous: merged in place; strided: through a float32 copy
+    acc = torch.zeros(q.shape[1], sq, q.shape[2]).transpose(0, 1) if strided else torch.zeros(q.shape)
+    lse = torch.full(q.shape[:2], float("-inf"))
+    CALLS.clear()
+    be.forward_accumulate(q, k[80:], v[80:], pb, 0.3, acc, lse)
+    assert be.last_path == "cudnn" and CALLS == [("fwd", sq, 16, False)]
+    be.forward_accumulate(q, k[:80], v[:80], pa, 0.3, acc, lse)
+    assert be.last_path == "cudnn+triton"
+    assert (acc.double() - out_r).abs().max() < 1e-4 and (lse.double() - lse_r).abs().max() < 1e-4
+
+
+def _dist_case(rank, world):
+    import torch.distributed as dist
+
+    import megatron_cp as mcp
+    from megatron_cp.masks import builders as M
+    from test_attention_dist import _case_backend
+
+    install_fake()
+    CALLS.clear()
+    res = {}
+    be = backend(min_rows=8, min_keys=8)
+    for name, mask, stages in (("causal", M.causal(128), None), ("causal_2stages", M.causal(128), 2),
+                               ("docs", M.varlen([0, 40, 128], causal=True), None)):
+        plan = mcp.plan(mask, world, solver="zigzag")
+        res[name] = _case_backend(rank, world, mask, plan, be, stages=stages)
+    kinds = {c[0] for c in CALLS}
+    assert kinds == {"fwd", "bwd"}, CALLS
+    dist.barrier()
+    return res
+
+
+def test_staged_runtime_routes_dense_stages_to_cudnn():
+    from _dist import run_ranks
+    from test_attention_dist import _check
+
+    _check(run_ranks(_dist_case, 2))
