@@ -40,13 +40,20 @@ def _expand(x, hq):
 def cudnn_forward(q, k, v, scale, is_causal):
     """q [sq,Hq,D], k/v [sk,Hkv,D] -> out [sq,Hq,D], lse [sq,Hq] fp32 (natural log).
 
-    GQA: K/V passed as they are; if this cuDNN rejects Hkv != Hq, expanded to Hq heads."""
+    GQA: K/V passed as they are; if this cuDNN rejects them (Hkv != Hq, or strided views such as the K
+    half of a packed K/V buffer), retried with contiguous copies, then expanded to Hq heads."""
     try:
         return _cudnn_forward(q, k, v, scale, is_causal)
     except RuntimeError:
+        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+            try:
+                return _cudnn_forward(q.contiguous(), k.contiguous(), v.contiguous(), scale, is_causal)
+            except RuntimeError:
+                pass
         if k.shape[1] == q.shape[1]:
             raise
-        return _cudnn_forward(q, _expand(k, q.shape[1]), _expand(v, q.shape[1]), scale, is_causal)
+        return _cudnn_forward(q.contiguous(), _expand(k, q.shape[1]).contiguous(),
+                              _expand(v, q.shape[1]).contiguous(), scale, is_causal)
 
 
 def _cudnn_forward(q, k, v, scale, is_causal):
@@ -64,8 +71,12 @@ def cudnn_backward(q, k, v, out, lse, dout, scale, is_causal):
         return _cudnn_backward(q, k, v, out, lse, dout, scale, is_causal)
     except RuntimeError:
         hq, hkv = q.shape[1], k.shape[1]
-        if hkv == hq:
-            raise
+        q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
+        try:
+            return _cudnn_backward(q, k, v, out, lse, dout, scale, is_causal)
+        except RuntimeError:
+            if hkv == hq:
+                raise
         dq, dk, dv = _cudnn_backward(q, _expand(k, hq), _expand(v, hq), out, lse, dout, scale, is_causal)
         sk, d = k.shape[0], k.shape[2]
         return dq, dk.view(sk, hkv, hq // hkv, d).sum(2), dv.view(sk, hkv, hq // hkv, d).sum(2)

@@ -86,7 +86,8 @@ def bench_ours(name, mask, args, ctx):
     if name == "megatron-cp":
         plan = mcp.plan(mask, cp)
         cost = CostModel.load(args.cost) if args.cost else None
-        fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=args.backend, cost_model=cost)  # noqa: E731
+        be = ctx["backend"] = kernels.get_backend(args.backend, device)  # one object: its state is reported
+        fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=be, cost_model=cost)  # noqa: E731
     else:
         opts = {"ulysses_degree": 2} if name == "usp" and cp % 2 == 0 and cp > 2 else {}
         plan = plan_for(name, mask, cp)
@@ -318,6 +319,9 @@ def main(argv=None):
                                bwd_tflops_per_gpu=2.5 * flops / cp / tb / 1e12)
                     if impl == "megatron-cp":
                         rec["imbalance"] = plan.stats()["imbalance"]
+                        rec["stages"] = [k[1] if k[1] is not None else v.num_stages
+                                         for k, v in plan.cache.items() if isinstance(k, tuple) and k[0] == "schedule"]
+                        rec["dense_path_error"] = getattr(ctx["backend"], "fast_path_error", None)
                         kf, kt_f, kt_b = bench_kernel_only(plan, args, ctx)
                         t = torch.tensor([kf, kt_f, kt_b], dtype=torch.float64, device=device)
                         dist.all_reduce(t, group=group)
@@ -336,7 +340,9 @@ def main(argv=None):
                     log(f"S={s:>7} {mname:<15}{name:<22} ERROR {rec['error'][:150]}")
                 else:
                     log(f"S={s:>7} {mname:<15}{name:<22} fwd {rec['fwd_tflops_per_gpu']:7.1f}  bwd "
-                        f"{rec['bwd_tflops_per_gpu']:7.1f} TFLOP/s/GPU  ({rec['fwd_ms']:.2f} / {rec['bwd_ms']:.2f} ms)")
+                        f"{rec['bwd_tflops_per_gpu']:7.1f} TFLOP/s/GPU  ({rec['fwd_ms']:.2f} / {rec['bwd_ms']:.2f} ms)"
+                        + (f"  stages {rec['stages']}" if "stages" in rec else "")
+                        + (f"  dense path off: {rec['dense_path_error']}" if rec.get("dense_path_error") else ""))
                 dist.barrier(group)
     if rank == 0:
         now = datetime.datetime.now(datetime.UTC)
