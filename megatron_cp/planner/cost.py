@@ -1,7 +1,7 @@
 """A small cost model: kernel time per tile shape and collective time per link, from calibrated numbers.
 
 Every figure is per GPU. ``tools/calibrate.py`` measures them on a machine and writes JSON that
-``CostModel.load`` reads; the defaults are H100/H200-class guesses used until then.
+``CostModel.load`` reads; the defaults are one such calibration on 4 x H200 (NVLink).
 
 Kernel time of a tile list: ``launch_us + sum(tile_us + flops / (peak * eff))`` where
 ``eff = keys / (keys + half_keys)`` and ``keys`` is the tile's mean kept keys per row: short rows
@@ -43,20 +43,26 @@ class Workload:
 
 @dataclass(frozen=True)
 class CostModel:
-    fwd_tflops: float = 420.0  # attention forward on long rows (mask-area FLOPs), per GPU
-    bwd_tflops: float = 330.0  # backward, counted as 2.5x the forward FLOPs
-    half_keys: float = 192.0  # mean kept keys per row at which a tile runs at half of peak
+    # defaults: tools/calibrate.py on 4 x H200 (NVLink), 2026-11-21 (benchmarks/dist/cost_model_4xH200.json)
+    fwd_tflops: float = 420.0  # Triton attention forward on long rows (mask-area FLOPs), per GPU
+    bwd_tflops: float = 370.0  # backward, counted as 2.5x the forward FLOPs
+    half_keys: float = 216.0  # mean kept keys per row at which a tile runs at half of peak
     tile_us: float = 1.0  # fixed cost per tile
-    launch_us: float = 20.0  # fixed cost per kernel call (one per stage)
-    intra_gbps: float = 150.0  # achieved all-to-all bandwidth per GPU inside a node (GB/s)
+    launch_us: float = 90.0  # fixed cost per kernel call (one per stage)
+    intra_gbps: float = 335.0  # achieved all-to-all bandwidth per GPU inside a node (GB/s)
     inter_gbps: float = 45.0  # achieved per GPU between nodes (400 Gb/s NIC per GPU)
-    latency_us: float = 25.0  # fixed cost per collective
-    dense_fwd_tflops: float = 0.0  # cuDNN dense pieces (0: no dense path modelled)
-    dense_bwd_tflops: float = 0.0
+    latency_us: float = 40.0  # fixed cost per collective
+    dense_fwd_tflops: float = 680.0  # cuDNN dense pieces (0: no dense path modelled)
+    dense_bwd_tflops: float = 565.0
     dense_min_rows: int = 512  # TritonConfig.dense_min_rows / dense_min_keys
     dense_min_keys: int = 8192
     dense_piece_us: float = 30.0  # fixed cost per cuDNN piece (launches, slicing)
     hbm_gbps: float = 3000.0  # memory bandwidth of the LSE merge of a piece
+    # staged runtime: each stage's call also streams the running output (fwd: fp32 out read + written)
+    # and the gradient sums (bwd: dQ fp32 accumulate, delta, dK/dV concat), bytes per element of
+    # [s_local, Hq, D]; the single-exchange path (stages=0) has none of these
+    stage_fwd_bytes: float = 8.0
+    stage_bwd_bytes: float = 16.0
     source: str = "default"  # where the numbers came from (calibration file, device)
 
     def save(self, path: str) -> None:
@@ -98,6 +104,11 @@ class CostModel:
             t += (float(dense.sum()) / split * per_flop / dpeak + float(pieces.sum()) * self.dense_piece_us * 1e-6
                   + merge_rows * work.num_heads * work.head_dim * 10.0 / (self.hbm_gbps * 1e9))
         return t
+
+    def stage_overhead(self, rows: int, work: Workload, backward: bool = False) -> float:
+        """Seconds of one stage's passes over the running output / gradient sums of ``rows`` queries."""
+        b = self.stage_bwd_bytes if backward else self.stage_fwd_bytes
+        return rows * work.num_heads * work.head_dim * b / (self.hbm_gbps * 1e9)
 
     def comm_time(self, intra_bytes: float, inter_bytes: float) -> float:
         """Seconds for one collective whose busiest GPU moves these bytes (0 bytes: no collective)."""

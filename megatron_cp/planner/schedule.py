@@ -316,6 +316,10 @@ def predict(plan: Plan, stage_ids, stage_tiles, topo: Topology | None, cost: Cos
         else:
             kf = [cost.tile_time(t, work) for t in stage_tiles[r]]
             kb = [cost.tile_time(t, work, backward=True) for t in stage_tiles[r]]
+        ov_f = cost.stage_overhead(plan.num_local(r), work)
+        ov_b = cost.stage_overhead(plan.num_local(r), work, backward=True)
+        kf = [t + ov_f for t in kf]
+        kb = [t + ov_b for t in kb]
         # forward: cast of stage i+1 issued when stage i starts computing
         start, end, comm_end = 0.0, kf[0], 0.0
         comm_end = comm[0] if n else 0.0
@@ -361,6 +365,46 @@ def choose_num_stages(plan: Plan, cost: CostModel, work: Workload, topo: Topolog
     best = min(preds.values())
     n = min(k for k, v in preds.items() if v <= 1.02 * best)
     return n, preds
+
+
+def predict_single(plan: Plan, cost: CostModel, work: Workload) -> dict:
+    """Time of the single-exchange path (``stages=0``): one flat GroupCast of every remote row, then one
+    kernel call over the rank's whole tile list (no running-output passes); backward mirrors it."""
+    cp = plan.cp_size
+    per_tok = work.kv_bytes_per_token
+    g = plan.topology.gpus_per_node if plan.topology is not None else cp
+    owner_tok = np.repeat(plan.owner.astype(np.int64), np.diff(plan.bounds))
+    intra, inter = np.zeros(cp), np.zeros(cp)
+    for r in range(cp):
+        o = owner_tok[_remote_ids(plan, r)]
+        far = (o // g) != (r // g)
+        intra[r], inter[r] = (~far).sum() * per_tok, far.sum() * per_tok
+    comm = cost.comm_time(intra.max(), inter.max())
+    kf = max(cost.tile_time(rp.tiles, work) for rp in plan.ranks)
+    kb = max(cost.tile_time(rp.tiles, work, backward=True) for rp in plan.ranks)
+    return {"fwd_s": comm + kf, "bwd_s": kb + comm, "comm_s": [comm]}
+
+
+def choose_stages(plan: Plan, cost: CostModel | None = None, work: Workload | None = None,
+                  hierarchical: bool = True) -> int:
+    """The runtime's choice: 0 (single exchange) or the staged schedule's number of remote stages,
+    whichever the cost model predicts faster (ties go to 0: simpler, and no running-output passes).
+    Multi-node plans with hierarchical routes always stage (the single exchange is flat). Cached."""
+    cost = cost or CostModel()
+    work = work or Workload()
+    key = ("choose_stages", hierarchical, cost, work)
+    if key in plan.cache:
+        return plan.cache[key]
+    staged = schedule(plan, None, cost=cost, work=work, hierarchical=hierarchical)
+    n = staged.num_stages
+    multi = hierarchical and plan.topology is not None and plan.topology.nodes > 1
+    if n > 0 and not multi:
+        single = predict_single(plan, cost, work)
+        best = staged.predicted["candidates"][n]
+        if single["fwd_s"] + single["bwd_s"] <= best:
+            n = 0
+    plan.cache[key] = n
+    return n
 
 
 def schedule(

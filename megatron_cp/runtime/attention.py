@@ -8,8 +8,10 @@ by the cost model; the GroupCast of stage ``s + 1`` is in flight while the kerne
 (own keys first), and stage outputs are merged by LSE. Backward computes the remote stages first and
 GroupReduces each one's dK/dV while the next stage computes, ending with the own-key stage so the
 last reduce hides behind it. Remote K/V are kept from forward (no second cast). With a multi-node
-``plan.topology``, routes are hierarchical (one crossing per destination node). ``stages=0`` keeps the
-single-exchange path (one GroupCast of everything, then one kernel call).
+``plan.topology``, routes are hierarchical (one crossing per destination node). ``stages=0`` is the
+single-exchange path (one GroupCast of everything, then one kernel call over all tiles); by default the
+cost model picks it when overlap would not repay the staged path's extra passes over the running output
+(``planner.schedule.choose_stages``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..comm import BufferPool, DeviceRoute, cast_steps, check_same_on_all_ranks,
 from ..masks.geometry import KINDS
 from ..planner import Plan
 from ..planner.cost import CostModel, Workload
-from ..planner.schedule import Schedule, schedule as build_schedule
+from ..planner.schedule import Schedule, choose_stages, schedule as build_schedule
 from .groups import plan_rank
 
 # The planner's kind codes are the kernels' tile codes; fail at import if they ever drift apart.
@@ -342,10 +344,12 @@ def attention(
     _backend(backend, q.device)  # unknown names / bad objects raise here, before any collective
     _verify_plan(plan, group, q.device)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    work = Workload(q.shape[1], k.shape[1], q.shape[2], q.element_size())
+    if stages is None:
+        stages = choose_stages(plan, cost_model, work, hierarchical)
     if stages == 0:
         rt = _runtime(plan, rank, q.device, backend)
         return _CPAttention.apply(q, k, v, rt, group if plan.cp_size > 1 else None, scale)
-    work = Workload(q.shape[1], k.shape[1], q.shape[2], q.element_size())
     sched = build_schedule(plan, stages, cost=cost_model, work=work, hierarchical=hierarchical)
     rt = _staged_runtime(plan, sched, rank, q.device, backend)
     return _StagedAttention.apply(q, k, v, rt, group if plan.cp_size > 1 else None, scale)
