@@ -23,12 +23,14 @@ def test_dense_areas_match_kernel_split():
     rng = np.random.default_rng(0)
     for min_rows, min_keys in ((1, 1), (16, 32), (64, 64), (100, 250)):
         tiles = _random_tiles(rng, 400)
-        cells, pieces = dense_areas(tiles, min_rows, min_keys)
-        for t, c, p in zip(tiles, cells, pieces):
+        cells, pieces, causal = dense_areas(tiles, min_rows, min_keys)
+        for t, c, p, cc in zip(tiles, cells, pieces, causal):
             dense, _ = split_dense(torch.tensor([t.tolist()], dtype=torch.int32), min_rows, min_keys)
             want = sum(float(tile_areas(np.array([[a, b, x, y, 1 if causal else 0]]))[0][0])
                        for a, b, x, y, causal in dense)
-            assert (c, p) == (want, len(dense)), (t, c, p, dense)
+            want_c = sum(float(tile_areas(np.array([[a, b, x, y, 1]]))[0][0])
+                         for a, b, x, y, is_causal in dense if is_causal)
+            assert (c, p, cc) == (want, len(dense), want_c), (t, c, p, cc, dense)
 
 
 def test_dense_path_changes_kernel_time_and_stage_choice():

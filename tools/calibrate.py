@@ -89,6 +89,13 @@ def _kernel(args, device, work: Workload):
         t_db = run(full, rows, keys_long, backward=True, backend=dense_be)
         out["dense_fwd_tflops"] = flops(rows * keys_long) / t_df / 1e12
         out["dense_bwd_tflops"] = 2.5 * flops(rows * keys_long) / t_db / 1e12
+        sq = 2 * rows  # a square causal piece of the same cell count as the full tile
+        causal = [[0, sq, 0, sq, 1]]
+        t_cf = run(causal, sq, sq, backend=dense_be)
+        t_cb = run(causal, sq, sq, backward=True, backend=dense_be)
+        c_area = sq * (sq + 1) / 2
+        out["dense_causal_fwd_tflops"] = flops(c_area) / t_cf / 1e12
+        out["dense_causal_bwd_tflops"] = 2.5 * flops(c_area) / t_cb / 1e12
         # fixed cost of one piece beside Triton tiles: a minimum-size dense piece next to one tiny tile,
         # less its FLOPs at the dense rate and the tiny tile's own call
         c = dense_be.config

@@ -4,7 +4,8 @@ For cp = 8 .. 1024 GPUs (``--gpus-per-node`` 8, ``--inter-gbps`` 50 GB/s = 400 G
 nodes) and a fixed number of tokens per GPU, compares:
 
 - ``megatron-cp``: our planner (node-first placement on multi-node topologies), hierarchical routes,
-  K/V stages overlapped with compute (stage count chosen by the cost model as the runtime does);
+  K/V stages overlapped with compute or one exchange (chosen by the cost model as the runtime does),
+  kernel times from the cost model on each rank's real tiles (dense pieces on cuDNN, row efficiency);
 - ``greedy``: area-balanced greedy dispatch with flat all-to-all routes and one remote stage
   (a MagiAttention-like dispatch: balance by area, every needed K/V row sent to every GPU);
 - ``ring``: contiguous layout, K/V ring, each step max(slowest GPU's compute, one block transfer);
@@ -116,13 +117,16 @@ def ours(mask, cp, g, cost, work, hierarchical=True, solver=None):
     for r in plan.ranks:
         traps = rank_traps(plan, r.rank)
         local = clip_tiles(traps, None, r.segments)
+        runs = [x for x in r.recv_runs if len(x)]
+        remote = clip_tiles(traps, None, np.sort(np.concatenate(runs), axis=0)) if runs else local[:0]
         rows = r.num_tokens
-        a_loc = float(tile_areas(local)[0].sum())
-        a_rem = float(r.area - a_loc)
-        lf = _kernel_time(cost, work, a_loc, rows, tiles=len(local))
-        rf = _kernel_time(cost, work, a_rem, rows, tiles=max(1, len(r.tiles) - len(local)))
-        lb = _kernel_time(cost, work, a_loc, rows, True, len(local))
-        rb = _kernel_time(cost, work, a_rem, rows, True, max(1, len(r.tiles) - len(local)))
+        # the runtime's kernel model (dense pieces on cuDNN, row efficiency) on the rank's real tiles;
+        # remote tiles once per split (stage pieces shrink, which can drop them off the dense path)
+        kern = {"own": (cost.tile_time(local, work), cost.tile_time(local, work, True)),
+                "all": (cost.tile_time(r.tiles, work), cost.tile_time(r.tiles, work, True))}
+        for n in (1, 2, 4, 8):
+            kern[n] = (cost.tile_time(remote, work, key_split=n), cost.tile_time(remote, work, True, key_split=n))
+        ov = (cost.stage_overhead(rows, work), cost.stage_overhead(rows, work, True))
         same = sum(int((runs[:, 1] - runs[:, 0]).sum()) for src, runs in enumerate(r.recv_runs) if src // gpn == r.rank // gpn)
         far = r.num_remote - same
         if hierarchical and nodes > 1:
@@ -133,15 +137,21 @@ def ours(mask, cp, g, cost, work, hierarchical=True, solver=None):
         comm = max(intra / (cost.intra_gbps * 1e9), inter / (cost.inter_gbps * 1e9))
         inter_b.append(inter)
         intra_b.append(intra)
-        fwd.append((lf, rf, comm))
-        bwd.append((lb, rb, comm))
+        fwd.append((kern, ov, comm))
     # the collectives synchronise: every stage's transfer takes the busiest GPU's time
     comm = max(c for _, _, c in fwd)
     best = None
-    for n in (1, 2, 4, 8):
-        lat = cost.latency_us * 1e-6 * (2 if hierarchical and nodes > 1 else 1)
-        tf = max(_pipeline(lf, rf, comm, n, lat) for lf, rf, _ in fwd)
-        tb = max(_pipeline(lb, rb, comm, n, lat) for lb, rb, _ in bwd)
+    lat = cost.latency_us * 1e-6 * (2 if hierarchical and nodes > 1 else 1)
+    # n = 0: the single exchange (flat; the runtime offers it on one node only): comm, then one call
+    cands = (0, 1, 2, 4, 8) if nodes == 1 else (1, 2, 4, 8)
+    for n in cands:
+        if n == 0:
+            c0 = comm + lat if comm > 0 else 0.0
+            tf = max(k["all"][0] for k, _, _ in fwd) + c0
+            tb = max(k["all"][1] for k, _, _ in fwd) + c0
+        else:
+            tf = max(_pipeline(k["own"][0] + o[0], n * (k[n][0] + o[0]), comm, n, lat) for k, o, _ in fwd)
+            tb = max(_pipeline(k["own"][1] + o[1], n * (k[n][1] + o[1]), comm, n, lat) for k, o, _ in fwd)
         if best is None or tf + tb < best[0] + best[1]:
             best = (tf, tb, n)
     st = plan.stats()

@@ -4,8 +4,9 @@ Every figure is per GPU. ``tools/calibrate.py`` measures them on a machine and w
 ``CostModel.load`` reads; the defaults are one such calibration on 4 x H200 (NVLink).
 
 Kernel time of a tile list: ``launch_us + sum(tile_us + flops / (peak * eff))`` where
-``eff = keys / (keys + half_keys)`` and ``keys`` is the tile's mean kept keys per row: short rows
-(sliding windows, short documents) run below peak because partly filled key blocks waste work.
+``eff = keys / (keys + half_keys)`` and ``keys`` is the mean, over the tile's rows, of the keys each
+row keeps in the whole list (the kernel merges tiles sharing rows): short rows (sliding windows, short
+documents) run below peak because partly filled key blocks and per-row work weigh more.
 Dense pieces (``dense_fwd_tflops > 0``): the kernel backend runs full rectangles and square causal
 pieces of at least ``dense_min_rows`` x ``dense_min_keys`` on cuDNN (kernels/dense_tiles.py splits a
 bottom-right causal tile into a full rectangle and a square causal piece); those cells cost
@@ -52,8 +53,10 @@ class CostModel:
     intra_gbps: float = 335.0  # achieved all-to-all bandwidth per GPU inside a node (GB/s)
     inter_gbps: float = 45.0  # achieved per GPU between nodes (400 Gb/s NIC per GPU)
     latency_us: float = 40.0  # fixed cost per collective
-    dense_fwd_tflops: float = 680.0  # cuDNN dense pieces (0: no dense path modelled)
+    dense_fwd_tflops: float = 680.0  # cuDNN full pieces (0: no dense path modelled)
     dense_bwd_tflops: float = 565.0
+    dense_causal_fwd_tflops: float = 680.0  # cuDNN square causal pieces (0: as full ones)
+    dense_causal_bwd_tflops: float = 565.0
     dense_min_rows: int = 512  # TritonConfig.dense_min_rows / dense_min_keys
     dense_min_keys: int = 8192
     dense_piece_us: float = 30.0  # fixed cost per cuDNN piece (launches, slicing)
@@ -89,19 +92,23 @@ class CostModel:
         split = float(key_split)
         peak = (self.bwd_tflops / 2.5 if backward else self.fwd_tflops) * 1e12
         area, rows = tile_areas(tiles)
-        dense = np.zeros_like(area)
-        pieces = np.zeros_like(area)
+        dense = causal = pieces = np.zeros_like(area)
         if self.dense_fwd_tflops > 0:
-            dense, pieces = dense_areas(tiles, self.dense_min_rows, self.dense_min_keys * key_split)
+            dense, pieces, causal = dense_areas(tiles, self.dense_min_rows, self.dense_min_keys * key_split)
         rest = (area - dense) / split
-        keys = rest / np.maximum(rows, 1)
+        # a kernel program walks every block of its q rows across all tiles, so a row's efficiency
+        # follows the keys it keeps over the whole list (Triton part), not per tile
+        keys = _row_keys(tiles, rest) / np.maximum(rows, 1)
         eff = np.maximum(keys / (keys + self.half_keys), 1e-3)
         per_flop = 4.0 * work.num_heads * work.head_dim
         t = self.launch_us * 1e-6 + float((rest > 0).sum()) * self.tile_us * 1e-6 + float((rest * per_flop / (peak * eff)).sum())
         if pieces.sum() > 0:
             dpeak = (self.dense_bwd_tflops / 2.5 if backward else self.dense_fwd_tflops) * 1e12
+            cpeak = (self.dense_causal_bwd_tflops / 2.5 if backward else self.dense_causal_fwd_tflops) * 1e12
+            cpeak = cpeak if cpeak > 0 else dpeak
             merge_rows = float((rows * pieces).sum())
-            t += (float(dense.sum()) / split * per_flop / dpeak + float(pieces.sum()) * self.dense_piece_us * 1e-6
+            dense_t = (float(dense.sum() - causal.sum()) / dpeak + float(causal.sum()) / cpeak) / split * per_flop
+            t += (dense_t + float(pieces.sum()) * self.dense_piece_us * 1e-6
                   + merge_rows * work.num_heads * work.head_dim * 10.0 / (self.hbm_gbps * 1e9))
         return t
 
@@ -134,8 +141,8 @@ def tile_areas(tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return area.astype(np.float64), sq.astype(np.float64)
 
 
-def dense_areas(tiles: np.ndarray, min_rows: int, min_keys: float) -> tuple[np.ndarray, np.ndarray]:
-    """(cells, pieces) of every tile that the dense (cuDNN) path takes: a FULL tile of at least
+def dense_areas(tiles: np.ndarray, min_rows: int, min_keys: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(cells, pieces, causal cells) of every tile that the dense (cuDNN) path takes: a FULL tile of at least
     min_rows x min_keys; of a bottom-right CAUSAL tile (rows trimmed to at most sk), its full part
     (sq x (sk - sq)) and its square causal part (sq x sq) when each is that big. Mirrors
     kernels/dense_tiles.split_dense."""
@@ -148,4 +155,23 @@ def dense_areas(tiles: np.ndarray, min_rows: int, min_keys: float) -> tuple[np.n
     c_sq = (kind == 1) & (cq >= min_rows) & (cq >= min_keys)
     cells = np.where(full, sq * sk, 0) + np.where(c_full, cq * d, 0) + np.where(c_sq, cq * (cq + 1) // 2, 0)
     pieces = full.astype(np.int64) + c_full + c_sq
-    return cells.astype(np.float64), pieces.astype(np.float64)
+    causal = np.where(c_sq, cq * (cq + 1) // 2, 0)
+    return cells.astype(np.float64), pieces.astype(np.float64), causal.astype(np.float64)
+
+
+def _row_keys(tiles: np.ndarray, cells: np.ndarray) -> np.ndarray:
+    """For each tile, rows x (mean keys kept per row over the whole list) on its rows, with ``cells``
+    [n] the cells of each tile counted (spread evenly over the tile's rows)."""
+    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
+    if len(t) == 0:
+        return np.zeros(0)
+    q0, q1 = t[:, 0], t[:, 1]
+    base = int(q0.min())
+    n = int(q1.max()) - base
+    per_row = cells / np.maximum(q1 - q0, 1)
+    diff = np.zeros(n + 1)
+    np.add.at(diff, q0 - base, per_row)
+    np.add.at(diff, q1 - base, -per_row)
+    row = np.cumsum(diff[:-1])  # keys kept by each row over all tiles
+    pre = np.concatenate([[0.0], np.cumsum(row)])
+    return pre[q1 - base] - pre[q0 - base]
