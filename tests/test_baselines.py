@@ -36,7 +36,7 @@ def _masks():
     }
 
 
-def _case(rank, world, name, mask, hq, hkv, options=None, dtype=torch.float64):
+def _case(rank, world, name, mask, hq, hkv, options=None, dtype=torch.float64, plan_kwargs=None, plan_name=None):
     s, d = mask.seqlen_q, 8
     gen = torch.Generator().manual_seed(3 + hq + hkv)
     q, do = (torch.randn(s, hq, d, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -47,7 +47,7 @@ def _case(rank, world, name, mask, hq, hkv, options=None, dtype=torch.float64):
     o_ref, l_ref = dense_attention(qr, kr, vr, dense, 0.3)
     fin_ref = torch.isfinite(l_ref)
     ((o_ref * do).sum() + (torch.where(fin_ref, l_ref, 0) * dl).sum()).backward()
-    plan = plan_for(name, mask, world)
+    plan = plan_for(plan_name or name, mask, world, **(plan_kwargs or {}))
     group = dist.group.WORLD
     ql, kl, vl = (mcp.dispatch(t.to(dtype), plan, group).detach().requires_grad_() for t in (q, k, v))
     fn = get_strategy(name, **(options or {}))
@@ -147,7 +147,7 @@ def test_baselines_match_fp64_reference(world):
 def test_plan_for_layouts():
     assert plan_for("ring", M.causal(256), 4).solver == "zigzag"
     assert plan_for("ring", M.full(256), 4).solver == "contiguous"
-    assert set(STRATEGIES) == {"ring", "ulysses", "usp", "allgather"}
+    assert set(STRATEGIES) == {"ring", "ulysses", "usp", "allgather", "head_context"}
     with pytest.raises(ValueError, match="'stripe'"):
         plan_for("stripe", M.causal(8), 2)
     # every strategy documents its plan layout and masks

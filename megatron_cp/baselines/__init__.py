@@ -14,20 +14,31 @@ q [s_local, Hq, D], k/v [s_local, Hkv, D] in the plan's local order (``dispatch`
   (K/V heads are repeated when Hkv < cp). Any plan.
 - ``usp``: Ulysses inside groups of ``ulysses_degree`` consecutive ranks (a node) x ring across groups.
 - ``allgather``: all-gather K/V, local tiles, reduce-scatter dK/dV. Any plan, any mask.
+- ``head_context`` (not a peer baseline: our 2-D option): Ulysses all-to-all over heads inside groups
+  of ``ulysses_degree`` consecutive ranks (default: the plan topology's GPUs per node), then
+  megatron-cp's planned, staged GroupCast attention across the cp/u groups over the group-level plan
+  (``planner.layout.group_plan``), then the all-to-all back. Like usp, but the cross-group part only
+  moves the key rows the mask needs, balanced by the planner, for any mask. It needs one process group
+  per position in a group; they are created once per (CP group, u) on first use, by every CP rank in
+  the same order (``hybrid.head_context_groups``). ``planner.choose_layout`` predicts whether it
+  communicates less than plain CP (dense masks, many GPUs per node) or not (sparse masks).
 
 ``plan_for(name, mask, cp_size)`` builds the plan layout each strategy is meant for (ring: zigzag for
 causal-like masks, contiguous when it is as balanced; ulysses contiguous; allgather the planner's
-``auto`` layout).
+``auto`` layout; head_context ``planner.layout.head_context_plan``: each group's tokens are what a
+cp/u-rank plan gives it, cut into u equal pieces).
 """
 
 from __future__ import annotations
 
+from .hybrid import head_context, head_context_groups
 from .strategies import STRATEGIES, allgather, plan_for, ring, ulysses, usp
 
 
 def get_strategy(name: str, **options):
-    """The strategy function called ``name`` (``ring``, ``ulysses``, ``usp``, ``allgather``); options
-    (e.g. ``ulysses_degree`` for usp, ``backend``) are bound as keyword arguments."""
+    """The strategy function called ``name`` (``ring``, ``ulysses``, ``usp``, ``allgather``,
+    ``head_context``); options (e.g. ``ulysses_degree`` for usp / head_context, ``backend``) are bound
+    as keyword arguments."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown context-parallel strategy {name!r}; choose from {', '.join(STRATEGIES)}")
     fn = STRATEGIES[name]
@@ -42,4 +53,5 @@ def get_strategy(name: str, **options):
     return bound
 
 
-__all__ = ["get_strategy", "plan_for", "ring", "ulysses", "usp", "allgather", "STRATEGIES"]
+__all__ = ["get_strategy", "plan_for", "ring", "ulysses", "usp", "allgather", "head_context", "head_context_groups",
+           "STRATEGIES"]

@@ -19,8 +19,11 @@ from .. import kernels
 from ..comm.collectives import _wire, all_gather_v, all_to_all_v
 from ..planner import Plan
 from ..planner import plan as make_plan
+from ..planner.layout import head_context_plan, kv_head_repeat
 from ..planner.schedule import clip_tiles, mask_traps, rank_traps
 from ..runtime.attention import _check_inputs, _group_rank, merge_lse
+from .exchange import _HeadsToSeq, _SeqToHeads
+from .hybrid import head_context
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -97,67 +100,6 @@ def _empty_result(q, hv):
     out = q.new_zeros(q.shape[:2] + (hv,))
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     return out + 0 * q.sum(), lse  # keep q in the graph (zero gradient)
-
-
-# ------------------------------------------------------------------ point-to-point group exchanges
-
-
-def _p2p(sends: dict, recvs: dict, group) -> None:
-    """Send ``sends[peer]`` and receive into ``recvs[peer]`` (peers are ranks of ``group``); waits."""
-    ops = [dist.P2POp(dist.isend, _wire(t.contiguous()), group=group, group_peer=p) for p, t in sends.items() if t.numel()]
-    ops += [dist.P2POp(dist.irecv, _wire(t), group=group, group_peer=p) for p, t in recvs.items() if t.numel()]
-    if ops:
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-
-
-def _seq_to_heads(x, peers, me, counts, group):
-    """[counts[me], H, ...] -> [sum(counts), H/u, ...]: head group j goes to peers[j]; rows arrive
-    in peer order."""
-    u = len(peers)
-    chunks = list(x.chunk(u, dim=1))
-    hh = chunks[0].shape[1]
-    out = x.new_empty((sum(counts), hh) + tuple(x.shape[2:]))
-    parts = list(out.split(counts, dim=0))
-    parts[me].copy_(chunks[me])
-    _p2p({peers[j]: chunks[j] for j in range(u) if j != me}, {peers[j]: parts[j] for j in range(u) if j != me}, group)
-    return out
-
-
-def _heads_to_seq(y, peers, me, counts, group):
-    """Inverse of ``_seq_to_heads``: [sum(counts), H/u, ...] -> [counts[me], H, ...]."""
-    u = len(peers)
-    parts = list(y.split(counts, dim=0))
-    out = y.new_empty((counts[me], y.shape[1] * u) + tuple(y.shape[2:]))
-    chunks = list(out.chunk(u, dim=1))
-    chunks[me].copy_(parts[me])
-    recv = {peers[j]: torch.empty_like(chunks[j]) for j in range(u) if j != me}
-    _p2p({peers[j]: parts[j] for j in range(u) if j != me}, recv, group)
-    for j, t in recv.items():
-        chunks[peers.index(j)].copy_(t)
-    return out
-
-
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, peers, me, counts, group):
-        ctx.args = (peers, me, counts, group)
-        return _seq_to_heads(x, peers, me, counts, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _heads_to_seq(g.contiguous(), *ctx.args), None, None, None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, peers, me, counts, group):
-        ctx.args = (peers, me, counts, group)
-        return _heads_to_seq(y, peers, me, counts, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_to_heads(g.contiguous(), *ctx.args), None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------- the ring
@@ -240,17 +182,6 @@ class _Ring(torch.autograd.Function):
 # ------------------------------------------------------------------------------------- strategies
 
 
-def _kv_head_repeat(hq: int, hkv: int, u: int) -> int:
-    """Smallest f with (hkv*f) % u == 0 and hq % (hkv*f) == 0, or raise."""
-    for f in range(1, hq // hkv + 1):
-        if (hkv * f) % u == 0 and hq % (hkv * f) == 0:
-            return f
-    raise ValueError(
-        f"Ulysses degree {u} must divide the query heads ({hq}) and, after repeating K/V heads, "
-        f"the key/value heads ({hkv}); no repeat factor works"
-    )
-
-
 def _check_ring_plan(plan: Plan, name: str):
     if plan.cp_size > 1 and not (plan.solver.startswith("zigzag") or plan.solver == "contiguous"):
         raise ValueError(
@@ -266,7 +197,7 @@ def _usp(q, k, v, plan, group, softmax_scale, u, backend, name):
     if u < 1 or cp % u:
         raise ValueError(f"{name}: ulysses_degree={u} must divide cp_size={cp}")
     hq, hkv = q.shape[1], k.shape[1]
-    f = _kv_head_repeat(hq, hkv, u) if u > 1 else 1
+    f = kv_head_repeat(hq, hkv, u) if u > 1 else 1
     if hq % u:
         raise ValueError(f"{name}: ulysses_degree={u} must divide the query heads ({hq})")
     scale = _scale(q, softmax_scale)
@@ -396,16 +327,21 @@ def allgather(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: s
     return _TileAttention.apply(q, kv_all[:, :hkv], kv_all[:, hkv:], be, prep, scale)
 
 
-STRATEGIES = {"ring": ring, "ulysses": ulysses, "usp": usp, "allgather": allgather}
+STRATEGIES = {"ring": ring, "ulysses": ulysses, "usp": usp, "allgather": allgather, "head_context": head_context}
 
 _CAUSAL_LIKE = ("causal",)
 
 
 def plan_for(name: str, mask, cp_size: int, **plan_kwargs) -> Plan:
     """The plan layout strategy ``name`` is meant for: ring/usp use zigzag (balanced causal) unless
-    the contiguous layout is as balanced (full, windows); ulysses contiguous; allgather ``auto``."""
+    the contiguous layout is as balanced (full, windows); ulysses contiguous; allgather ``auto``;
+    head_context ``planner.layout.head_context_plan`` (keyword ``ulysses_degree``, default the
+    topology's GPUs per node, else cp; ``solver`` etc. go to its group-level plan)."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown context-parallel strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    if name == "head_context":
+        u = plan_kwargs.pop("ulysses_degree", None)
+        return head_context_plan(mask, cp_size, u, **plan_kwargs)
     if name == "ulysses":  # every rank attends over the whole sequence: balance needs no layout
         return make_plan(mask, cp_size, solver="contiguous", **plan_kwargs)
     if name in ("ring", "usp"):
