@@ -7,8 +7,16 @@ triton.testing.do_bench (CUDA events). Backward times exclude the forward (Flex/
 retained graph; ours: backend.backward incl. its delta = rowsum(dout*out) preprocessing).
 cuDNN runs with K/V expanded to Hq heads (outside the timed region).
 
-Usage: python tools/bench_kernels.py [--seqlens 16384] [--masks ...] [--out DIR] [--tune]
+--bwd-mode picks our backward (TritonConfig.bwd_mode): deterministic (default), atomic (dQ by fp32 atomics
+inside the dK/dV programs), or both: every backend of ours is timed in each mode, the atomic one under
+the impl name + "_atomic" (ours_atomic, ours_triton_atomic, ...), with its dQ's max |difference| from the
+deterministic dQ (nonzero when the atomic kernel ran; the fast path's cuDNN ignores the mode).
+
+Usage: python tools/bench_kernels.py [--seqlens 16384] [--masks ...] [--out DIR] [--tune] [--bwd-mode both]
+       python tools/bench_kernels.py --device cpu --tiny --bwd-mode both --out /tmp/bk   # CPU dry run
 Writes DIR/bench_kernels.json and DIR/bench_kernels.png (device, date and command inside).
+The CPU dry run (Triton's interpreter; fp16, Hq=4, Hkv=1, D=32, S=256, 32 x 32 blocks, one timed call
+each) checks that the program runs end to end; its times mean nothing.
 """
 
 from __future__ import annotations
@@ -19,9 +27,20 @@ import os
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
-import triton
+
+def _interpret_on_cpu():
+    """--device cpu runs our kernels in Triton's interpreter, which must be on before triton is imported."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--device", default="cuda")
+    if ap.parse_known_args()[0].device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+_interpret_on_cpu()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _kernel_masks as M  # noqa: E402
@@ -38,41 +57,59 @@ except ImportError:
     from kernels.triton_schedule import kept_area
 
 HQ, HKV, D = 32, 8, 128
+DEVICE = "cuda"  # --device cpu --tiny: "cpu" and the tiny sizes of main()
+# the CPU dry run uses fp16: Triton's interpreter computes bf16 tl.dot wrongly (garbage products)
+DTYPE = torch.bfloat16
 
 
 BENCH_MS = {"warmup": 50, "rep": 200}  # --tune uses shorter runs
 
 
 def bench(fn):
+    """Median milliseconds of fn(); on the CPU dry run one wall-clock call (callers ran fn once before)."""
+    if DEVICE == "cpu":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     return triton.testing.do_bench(fn, warmup=BENCH_MS["warmup"], rep=BENCH_MS["rep"], return_mode="median")
 
 
+def empty_cache():
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
 def make_inputs(s, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(s, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(s, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(s, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    do = torch.randn(s, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(s, HQ, D, device=DEVICE, dtype=DTYPE, generator=g)
+    k = torch.randn(s, HKV, D, device=DEVICE, dtype=DTYPE, generator=g)
+    v = torch.randn(s, HKV, D, device=DEVICE, dtype=DTYPE, generator=g)
+    do = torch.randn(s, HQ, D, device=DEVICE, dtype=DTYPE, generator=g)
     return q, k, v, do
 
 
-def time_ours(be, tiles, s, q, k, v, do):
-    prep = be.prepare(tiles, s, s, head_dims=(D,))
-    out, lse = be.forward(q, k, v, prep)
-    be.backward(q, k, v, out, lse, do, prep)  # compile + build device schedules outside timing
-    tf = bench(lambda: be.forward(q, k, v, prep))
-    tb = bench(lambda: be.backward(q, k, v, out, lse, do, prep))
-    return tf, tb
+def time_ours(be, tiles, s, q, k, v, do, grads=None):
+    """(fwd ms, bwd ms) of backend be; grads: a list that receives this backward's dq."""
+    return time_ours_rect(be, tiles, s, s, q, k, v, do, grads)
 
 
-def time_ours_rect(be, tiles, sq, sk, q, k, v, do):
+def time_ours_rect(be, tiles, sq, sk, q, k, v, do, grads=None):
     """time_ours for sq != sk (zigzag rank tile lists)."""
     prep = be.prepare(tiles, sq, sk, head_dims=(D,))
     out, lse = be.forward(q, k, v, prep)
-    be.backward(q, k, v, out, lse, do, prep)
+    dq = be.backward(q, k, v, out, lse, do, prep)[0]  # compile + build device schedules outside timing
+    if grads is not None:
+        grads.append(dq)
     tf = bench(lambda: be.forward(q, k, v, prep))
     tb = bench(lambda: be.backward(q, k, v, out, lse, do, prep))
     return tf, tb
+
+
+def dq_diff(grads):
+    """max |dq_deterministic - dq_atomic| from the dq list [deterministic, atomic], or None."""
+    if len(grads) != 2:
+        return None
+    return float((grads[0].float() - grads[1].float()).abs().max())
 
 
 def zigzag_rank_tiles(s: int, cp: int, rank: int) -> torch.Tensor:
@@ -182,7 +219,7 @@ def tune(s, masks):
                 rows.append(r)
                 print(f"tune {stage:4s} {r['cfg']} {name:15s} fwd {r['fwd_tflops']:6.1f} bwd {r['bwd_tflops']:6.1f}",
                       flush=True)
-            torch.cuda.empty_cache()
+            empty_cache()
     return rows
 
 
@@ -202,11 +239,29 @@ def main():
     ap.add_argument("--zigzag", type=int, nargs=2, default=None, metavar=("S", "CP"),
                     help="also time causal zigzag rank tile lists (q S/CP rows, keys S): ours vs ours_nodense")
     ap.add_argument("--zigzag-ranks", type=int, nargs="+", default=[0])
+    ap.add_argument("--bwd-mode", choices=["deterministic", "atomic", "both"], default="deterministic",
+                    help="our backward: TritonConfig.bwd_mode, or both (atomic timed as impl <name>_atomic)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: a dry run in Triton's interpreter (use with --tiny; no Flex, no cuDNN)")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes (Hq=4, Hkv=1, D=32, S=256, 32x32 blocks)")
     args = ap.parse_args()
+    global DEVICE, DTYPE, HQ, HKV, D
+    DEVICE = args.device
+    if DEVICE == "cpu":
+        DTYPE = torch.float16
+    if args.device == "cpu" and not args.tiny:
+        ap.error("--device cpu is a dry run in Triton's interpreter: add --tiny")
+    if args.tiny:
+        HQ, HKV, D = 4, 1, 32
+        if args.seqlens == ap.get_default("seqlens"):
+            args.seqlens = [256]
+    if args.device == "cpu":
+        args.no_flex = True
     os.makedirs(args.out, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    meta = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (Triton interpreter)",
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "command": "python " + " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
-            "Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16",
+            "Hq": HQ, "Hkv": HKV, "D": D, "dtype": str(DTYPE).removeprefix("torch."), "bwd_mode": args.bwd_mode,
             "flops": "fwd 4*area*Hq*D, bwd 2.5x", "masks": M.DESCRIPTIONS}
     if args.tune:
         BENCH_MS.update(warmup=20, rep=80)
@@ -219,13 +274,23 @@ def main():
             json.dump(best, f)
         return
     overrides = {}
+    if args.tiny:  # small blocks: the interpreter's time grows with the block size
+        c = KernelConfig(32, 32, 4, 1)
+        overrides = {D: StageConfigs(c, c, c)}
     if args.configs:
         with open(args.configs) as f:
             overrides = configs_from_json(json.load(f))
         meta["configs"] = {f"{d}/{c}": str(v) for (d, c), v in overrides.items()}
-    be = TritonBackend(TritonConfig(overrides))
-    be_triton = TritonBackend(TritonConfig(overrides, dense_fast_path=False))
-    be_nodense = TritonBackend(TritonConfig(overrides, dense_tiles=False))
+    main_mode = "atomic" if args.bwd_mode == "atomic" else "deterministic"
+    be = TritonBackend(TritonConfig(overrides, bwd_mode=main_mode))
+    be_triton = TritonBackend(TritonConfig(overrides, dense_fast_path=False, bwd_mode=main_mode))
+    be_nodense = TritonBackend(TritonConfig(overrides, dense_tiles=False, bwd_mode=main_mode))
+    # --bwd-mode both: the same three in atomic mode, timed right after their deterministic twin
+    atomic_of = {}
+    if args.bwd_mode == "both":
+        atomic_of = {"ours": TritonBackend(TritonConfig(overrides, bwd_mode="atomic")),
+                     "ours_triton": TritonBackend(TritonConfig(overrides, dense_fast_path=False, bwd_mode="atomic")),
+                     "ours_nodense": TritonBackend(TritonConfig(overrides, dense_tiles=False, bwd_mode="atomic"))}
     results = []
     for s in args.seqlens:
         q, k, v, do = make_inputs(s)
@@ -234,38 +299,57 @@ def main():
             area = kept_area(tiles)
             ff = 4 * area * HQ * D
             r = {"S": s, "mask": name, "area": area, "density": area / s / s, "n_tiles": int(tiles.shape[0])}
-            impls = {"ours": lambda: time_ours(be, tiles, s, q, k, v, do)}
+            ours = {"ours": be}
             if args.compare_dense_tiles:
-                impls["ours_nodense"] = lambda: time_ours(be_nodense, tiles, s, q, k, v, do)
+                ours["ours_nodense"] = be_nodense
             if M.dense_kind(name) is not None:  # record the measurement behind the dense fast path
-                impls["ours_triton"] = lambda: time_ours(be_triton, tiles, s, q, k, v, do)
+                ours["ours_triton"] = be_triton
+            grads = {}  # impl -> [dq deterministic, dq atomic] under --bwd-mode both
+            impls = {}
+            for impl, b in ours.items():
+                keep = impl in atomic_of  # keep dq only to compare the two modes
+                impls[impl] = (lambda b=b, impl=impl, keep=keep: time_ours(
+                    b, tiles, s, q, k, v, do, grads.setdefault(impl, []) if keep else None), b)
+                if impl in atomic_of:
+                    a = atomic_of[impl]
+                    impls[impl + "_atomic"] = (
+                        lambda a=a, impl=impl: time_ours(a, tiles, s, q, k, v, do, grads.setdefault(impl, [])), a)
             if not args.no_flex:
-                impls["flex"] = lambda: time_flex(name, s, q, k, v, do)
-            if M.dense_kind(name) is not None:
-                impls["cudnn"] = lambda: time_cudnn(M.dense_kind(name), q, k, v, do)
-            for impl, fn in impls.items():
+                impls["flex"] = (lambda: time_flex(name, s, q, k, v, do), None)
+            if M.dense_kind(name) is not None and DEVICE == "cuda":
+                impls["cudnn"] = (lambda: time_cudnn(M.dense_kind(name), q, k, v, do), None)
+            for impl, (fn, b) in impls.items():
                 try:
                     tf, tb = fn()
+                    r[impl] = {"fwd_ms": tf, "bwd_ms": tb, "fwd_tflops": ff / tf / 1e9, "bwd_tflops": 2.5 * ff / tb / 1e9}
+                    if b is not None:
+                        r[impl]["path"] = b.last_path
                     if impl == "ours":
                         r["ours_path"] = be.last_path
-                    r[impl] = {"fwd_ms": tf, "bwd_ms": tb, "fwd_tflops": ff / tf / 1e9, "bwd_tflops": 2.5 * ff / tb / 1e9}
+                    if impl.endswith("_atomic"):
+                        r[impl]["dq_maxdiff_vs_det"] = dq_diff(grads[impl[:-len("_atomic")]])
                 except Exception as e:  # noqa: BLE001  (record, keep going)
                     r[impl] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                torch.cuda.empty_cache()
+                empty_cache()
             for other in ("flex", "cudnn"):
                 if other in r and "fwd_ms" in r[other] and "fwd_ms" in r["ours"]:
                     r[f"fwd_vs_{other}"] = r[other]["fwd_ms"] / r["ours"]["fwd_ms"]
                     r[f"bwd_vs_{other}"] = r[other]["bwd_ms"] / r["ours"]["bwd_ms"]
+            for impl in atomic_of:  # backward speed-up of atomic dQ over deterministic, same backend
+                x, y = r.get(impl, {}), r.get(impl + "_atomic", {})
+                if "bwd_ms" in x and "bwd_ms" in y:
+                    r[f"{impl}_bwd_atomic_vs_det"] = x["bwd_ms"] / y["bwd_ms"]
             results.append(r)
             line = f"S={s:6d} {name:15s} dens={r['density']:.3f}"
-            for impl in ("ours", "ours_nodense", "ours_triton", "flex", "cudnn"):
+            for impl in ("ours", "ours_atomic", "ours_nodense", "ours_nodense_atomic", "ours_triton",
+                         "ours_triton_atomic", "flex", "cudnn"):
                 if impl in r:
                     x = r[impl]
                     line += (f" | {impl} fwd {x['fwd_tflops']:6.1f} bwd {x['bwd_tflops']:6.1f}" if "fwd_ms" in x
                              else f" | {impl} ERR {x['error'][:60]}")
             print(line, flush=True)
         del q, k, v, do
-        torch.cuda.empty_cache()
+        empty_cache()
     if args.zigzag:
         zs, cp = args.zigzag
         sq = zs // cp
@@ -278,16 +362,28 @@ def main():
             r = {"S": zs, "mask": f"zigzag_cp{cp}_rank{rank}", "sq": sq, "sk": zs, "area": area,
                  "density": area / sq / zs, "n_tiles": int(tiles.shape[0]), "tiles": tiles.tolist()}
             line = f"zigzag S={zs} cp={cp} rank={rank} tiles={tiles.tolist()}"
-            for impl, b in (("ours", be), ("ours_nodense", be_nodense)):
+            grads = {}
+            runs = [("ours", be), ("ours_nodense", be_nodense)]
+            runs = [x for impl, b in runs for x in [(impl, b)] + ([(impl + "_atomic", atomic_of[impl])]
+                                                                   if impl in atomic_of else [])]
+            for impl, b in runs:
                 try:
-                    tf, tb = time_ours_rect(b, tiles, sq, zs, q, k, v, do)
+                    base = impl[:-len("_atomic")] if impl.endswith("_atomic") else impl
+                    keep = base in atomic_of  # keep dq only to compare the two modes
+                    tf, tb = time_ours_rect(b, tiles, sq, zs, q, k, v, do, grads.setdefault(base, []) if keep else None)
                     r[impl] = {"fwd_ms": tf, "bwd_ms": tb, "fwd_tflops": ff / tf / 1e9, "bwd_tflops": 2.5 * ff / tb / 1e9,
                                "path": b.last_path}
+                    if impl.endswith("_atomic"):
+                        r[impl]["dq_maxdiff_vs_det"] = dq_diff(grads[base])
                     line += f" | {impl} [{b.last_path}] fwd {ff / tf / 1e9:6.1f} bwd {2.5 * ff / tb / 1e9:6.1f}"
                 except Exception as e:  # noqa: BLE001
                     r[impl] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                     line += f" | {impl} ERR {r[impl]['error'][:80]}"
-                torch.cuda.empty_cache()
+                empty_cache()
+            for impl in atomic_of:
+                x, y = r.get(impl, {}), r.get(impl + "_atomic", {})
+                if "bwd_ms" in x and "bwd_ms" in y:
+                    r[f"{impl}_bwd_atomic_vs_det"] = x["bwd_ms"] / y["bwd_ms"]
             r["ours_path"] = r["ours"].get("path")
             results.append(r)
             print(line, flush=True)
@@ -297,20 +393,31 @@ def main():
         json.dump({"meta": meta, "results": results}, f, indent=1)
     print("wrote", path, "fast path error:", be.fast_path_error)
     plot(meta, results, os.path.join(args.out, f"bench_kernels{args.tag}.png"))
-    print("\nTFLOP/s; ours = default backend (path in brackets), triton = our kernel without the dense fast path")
+    print(f"\nTFLOP/s; ours = default backend (path in brackets), triton = our kernel without the dense fast path; "
+          f"our backward: {args.bwd_mode}")
+    both = args.bwd_mode == "both"
+    extra = (" ours bwd atomic | triton bwd atomic | ours bwd atomic/det | triton bwd atomic/det |" if both else "")
     print("| S | mask | ours fwd | triton fwd | flex fwd | cuDNN fwd | ours bwd | triton bwd | flex bwd | cuDNN bwd "
-          "| fwd/flex | bwd/flex |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| fwd/flex | bwd/flex |" + extra)
+    print("|---" * (12 + 4 * both) + "|")
     for r in results:
         def g(impl, key):
             x = r.get(impl, {})
             return f"{x[key]:.0f}" if key in x else "-"
-        print(f"| {r['S']} | {r['mask']} | {g('ours', 'fwd_tflops')} [{r.get('ours_path')}] | "
-              f"{g('ours_triton', 'fwd_tflops')} | {g('flex', 'fwd_tflops')} | "
-              f"{g('cudnn', 'fwd_tflops')} | {g('ours', 'bwd_tflops')} | {g('ours_triton', 'bwd_tflops')} | "
-              f"{g('flex', 'bwd_tflops')} | "
-              f"{g('cudnn', 'bwd_tflops')} | {r.get('fwd_vs_flex', float('nan')):.2f} | "
-              f"{r.get('bwd_vs_flex', float('nan')):.2f} |")
+
+        def ratio(key):
+            return f"{r[key]:.2f}" if key in r else "-"
+        line = (f"| {r['S']} | {r['mask']} | {g('ours', 'fwd_tflops')} [{r.get('ours_path')}] | "
+                f"{g('ours_triton', 'fwd_tflops')} | {g('flex', 'fwd_tflops')} | "
+                f"{g('cudnn', 'fwd_tflops')} | {g('ours', 'bwd_tflops')} | {g('ours_triton', 'bwd_tflops')} | "
+                f"{g('flex', 'bwd_tflops')} | "
+                f"{g('cudnn', 'bwd_tflops')} | {r.get('fwd_vs_flex', float('nan')):.2f} | "
+                f"{r.get('bwd_vs_flex', float('nan')):.2f} |")
+        if both:
+            line += (f" {g('ours_atomic', 'bwd_tflops')} [{r.get('ours_atomic', {}).get('path')}] | "
+                     f"{g('ours_triton_atomic', 'bwd_tflops')} | {ratio('ours_bwd_atomic_vs_det')} | "
+                     f"{ratio('ours_triton_bwd_atomic_vs_det')} |")
+        print(line)
 
 
 def plot(meta, results, path):
@@ -323,17 +430,20 @@ def plot(meta, results, path):
         print("matplotlib missing: no PNG")
         return
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.3 * len(results)), 8))
-    labels = [f"{r['mask']}\nS={r['S'] // 1024}k" for r in results]
+    labels = [f"{r['mask']}\nS={r['S'] // 1024}k" if r["S"] >= 1024 else f"{r['mask']}\nS={r['S']}" for r in results]
+    impls = [i for i in ("ours", "ours_atomic", "ours_triton", "ours_triton_atomic", "flex", "cudnn")
+             if any(i in r for r in results)]
+    w = 0.8 / max(len(impls), 1)
     for ax, key in zip(axes, ("fwd_tflops", "bwd_tflops")):
-        for j, impl in enumerate(("ours", "ours_triton", "flex", "cudnn")):
-            xs = [i + (j - 1.5) * 0.2 for i in range(len(results))]
+        for j, impl in enumerate(impls):
+            xs = [i + (j - (len(impls) - 1) / 2) * w for i in range(len(results))]
             ys = [r.get(impl, {}).get(key, 0.0) for r in results]
-            ax.bar(xs, ys, width=0.2, label=impl)
+            ax.bar(xs, ys, width=w, label=impl)
         ax.set_xticks(range(len(results)))
         ax.set_xticklabels(labels, fontsize=7)
         ax.set_ylabel(key.replace("_", " "))
         ax.legend(fontsize=8)
-    fig.suptitle(f"{meta['device']}  {meta['date']}  bf16 Hq={HQ} Hkv={HKV} D={D}\n{meta['command']}", fontsize=8)
+    fig.suptitle(f"{meta['device']}  {meta['date']}  {meta['dtype']} Hq={HQ} Hkv={HKV} D={D}\n{meta['command']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print("wrote", path)
