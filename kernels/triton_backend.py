@@ -404,9 +404,16 @@ class TritonBackend:
         lse = lse.float().contiguous()
         delta = delta.float().contiguous()
         q, k, v, dout = _rows(q), _rows(k), _rows(v), _rows(dout)
-        dq = torch.empty_like(q)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
+        if self.config.bwd_mode == "atomic":
+            from .triton_bwd_atomic import launch_bwd_atomic
+
+            c = self.config.for_head_dim(d, prepared.row_class, q.dtype).dkdv
+            desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
+            dq = launch_bwd_atomic(q, k, v, dout, lse, delta, dk, dv, desc, cols, c, scale, hq // hkv)
+            return dq, dk, dv
+        dq = torch.empty_like(q)
         if sk > 0 and hkv > 0:
             c = self.config.for_head_dim(d, prepared.row_class, q.dtype).dkdv
             desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
