@@ -196,3 +196,37 @@ def test_rows_past_sq_are_not_written(tma):
     assert torch.signbit(buf[sq:]).all(), "rows past sq must not be touched"
     dq_det = be.backward(q, k, v, out, lse, dout, prep, SCALE, delta)[0]
     torch.testing.assert_close((dqw * SCALE).double(), dq_det.double(), atol=ATOL / 10, rtol=0)
+
+
+def test_backend_bwd_mode_atomic_end_to_end():
+    """TritonConfig(bwd_mode="atomic") routes TritonBackend.backward to the fused kernel: same dk/dv as
+    the deterministic backend, dq within tolerance of the fp64 reference; deterministic=True refuses it."""
+    torch.manual_seed(3)
+    tiles = torch.tensor([[0, 40, 0, 48, CAUSAL], [40, 56, 8, 30, FULL]], dtype=torch.int32)
+    sq, sk, d = 56, 48, 16
+    c = KernelConfig(16, 16, 4, 1, False)
+    det = TritonBackend(TritonConfig({d: StageConfigs(c, c, c)}))
+    atm = TritonBackend(TritonConfig({d: StageConfigs(c, c, c)}, bwd_mode="atomic"))
+    q, k, v = torch.randn(sq, 4, d), torch.randn(sk, 2, d), torch.randn(sk, 2, d)
+    do = torch.randn(sq, 4, d)
+    keep = dense_mask(tiles, sq, sk)
+    out_r, lse_r, dq_r, dk_r, dv_r = reference(q, k, v, keep, SCALE, do)
+    prep = atm.prepare(tiles, sq, sk)
+    out, lse = atm.forward(q, k, v, prep, SCALE)
+    spy = []
+    import megatron_cp.kernels.triton_bwd_atomic as mod
+
+    real = mod.launch_bwd_atomic
+    mod.launch_bwd_atomic = lambda *a, **kw: spy.append(1) or real(*a, **kw)
+    try:
+        dq, dk, dv = atm.backward(q, k, v, out, lse, do, prep, SCALE)
+    finally:
+        mod.launch_bwd_atomic = real
+    assert spy, "the atomic kernel did not run"
+    dq0, dk0, dv0 = det.backward(q, k, v, out, lse, do, det.prepare(tiles, sq, sk), SCALE)
+    assert torch.equal(dk, dk0) and torch.equal(dv, dv0)
+    for a, b in ((dq, dq_r), (dk, dk_r), (dv, dv_r)):
+        assert (a.double() - b).abs().max() < 4 * ATOL
+    assert (dq.double() - dq_r).abs().max() < 4 * ATOL and not torch.equal(dq, torch.zeros_like(dq))
+    with pytest.raises(ValueError, match="deterministic=True needs bwd_mode='deterministic'"):
+        TritonConfig(deterministic=True, bwd_mode="atomic")
