@@ -2,7 +2,8 @@
 
 For every benchmark mask (tools/_kernel_masks.py, tile lists checked cell by cell against their
 FlexAttention mask_mod), S in --seqlens, head_dim 64/128, bf16/fp16, GQA ratio 1/4/8:
-forward (out, lse) and backward (dq, dk, dv) are compared with a dense fp64 reference. Rule (ANCHORS.md):
+forward (out, lse) and backward (dq, dk, dv) are compared with a dense fp64 reference (with --atomic also
+the atomic-dQ backward). Rule (ANCHORS.md):
 rms error <= 2 x the rms error of a plain PyTorch reference run in the same low precision, plus a floor
 of 1e-6 x rms(reference). Also: no NaN anywhere, fully masked rows give out 0 / lse -inf, and a second
 forward + backward is bitwise identical (deterministic mode). --big adds S = 131072 (Hq 32, Hkv 8,
@@ -73,7 +74,7 @@ def rms(x):
     return float(x.double().pow(2).mean().sqrt()) if x.numel() else 0.0
 
 
-def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed):
+def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed, be_atomic=None):
     dev = "cuda"
     hq = hkv * g
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -98,6 +99,10 @@ def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed):
         path_f = be.last_path
         g_f = be.backward(q, k, v, o_f, l_f, dout, prep_f, scale)
         runs[f"fast_{path_f}_{be.last_path}"] = (o_f, l_f, *g_f)
+    if be_atomic is not None:  # Triton forward + the atomic-dQ backward (TritonConfig.bwd_mode="atomic")
+        prep_a = be_atomic.prepare(tiles, s, s, head_dims=(d,))
+        o_a, l_a = be_atomic.forward(q, k, v, prep_a, scale)
+        runs["triton_atomic"] = (o_a, l_a, *be_atomic.backward(q, k, v, o_a, l_a, dout, prep_a, scale))
     ref = chunked_reference(q, k, v, dout, keep, torch.float64, scale)
     low = chunked_reference(q, k, v, dout, keep, dtype, scale)
     empty = ~keep.any(1)
@@ -194,6 +199,7 @@ def main():
     ap.add_argument("--big", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--configs", default=None, help="tuned configs JSON (tools/bench_kernels.py --tune)")
+    ap.add_argument("--atomic", action="store_true", help="also check the atomic-dQ backward (bwd_mode='atomic')")
     args = ap.parse_args()
     overrides = {}
     if args.configs:
@@ -201,6 +207,7 @@ def main():
             overrides = configs_from_json(json.load(f))
     be = TritonBackend(TritonConfig(overrides))
     be_det = TritonBackend(TritonConfig(overrides, deterministic=True))
+    be_atomic = TritonBackend(TritonConfig(overrides, dense_fast_path=False, bwd_mode="atomic")) if args.atomic else None
     results, t0 = [], time.time()
     for s in args.seqlens:
         if s >= 16384:  # a diagonal of the matrix keeps the large size affordable
@@ -214,7 +221,8 @@ def main():
             if not same:
                 print(f"FAIL tile list of {mask} at S={s} differs from its mask_mod", flush=True)
             for i, (d, dt, g, hkv) in enumerate(combos):
-                r = check_case(be, be_det, mask, s, d, dt, g, hkv, keep, tiles, seed=s * 1000 + M.MASKS.index(mask) * 10 + i)
+                r = check_case(be, be_det, mask, s, d, dt, g, hkv, keep, tiles, seed=s * 1000 + M.MASKS.index(mask) * 10 + i,
+                               be_atomic=be_atomic)
                 r["tiles_match_mask_mod"] = same
                 r["pass"] = r["pass"] and same
                 results.append(r)
@@ -229,6 +237,10 @@ def main():
     big = extra_checks(be_det)
     if args.big:
         big += big_runs(TritonBackend(TritonConfig(overrides, dense_fast_path=False)))
+        if args.atomic:
+            for r in (a := big_runs(TritonBackend(TritonConfig(overrides, dense_fast_path=False, bwd_mode="atomic")))):
+                r["bwd_mode"] = "atomic"
+            big += a
     n_fail = sum(not r["pass"] for r in results) + sum(not r["pass"] for r in big)
     summary = {"configs": {f"{d}/{c}": str(v) for (d, c), v in overrides.items()}, "fast_path_error": be.fast_path_error, "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                "command": " ".join(sys.argv), "torch": torch.__version__,
