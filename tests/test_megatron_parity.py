@@ -17,6 +17,7 @@ TOL = 1e-5
 CONFIGS = [(1, 2), (1, 4), (2, 2)]
 THD_CONFIG = (2, 2)  # also run once with Megatron's THD layout (qkv_format="thd")
 BASELINES = ["ring", "ulysses", "usp", "allgather"]  # --context-parallel-impl baselines, at TP 1, CP 2
+HEAD_CONTEXT = (1, 4, "sbhd", "head_context")  # at CP 4 as 2 emulated nodes x 2 (Ulysses degree 2)
 MASKS = ["causal", "packed"]
 S, G, MBS, STEPS = 48, 4, 2, 2
 # Adam's first steps are ~lr * sign(g): elements whose gradient is at fp32 noise level may flip, so
@@ -35,15 +36,17 @@ def _run(model, batches, spec, steps, lr, qkv_format="sbhd", strategy="megatron_
     """``steps`` AdamW steps; returns (losses, grads of step 0 as {name: tensor})."""
     from megatron.core import parallel_state as ps
 
+    from megatron_cp import Topology
     from megatron_cp.megatron import trainer
     from megatron_cp.megatron.batch import PlanOptions
 
+    options = PlanOptions(strategy=strategy, topology=Topology(2, 2) if strategy == "head_context" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     losses, grads0 = [], None
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         mbs = trainer.dp_shard(batches[step], ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), MBS)
-        s, n = trainer.forward_backward(model, mbs, spec, PlanOptions(strategy=strategy), qkv_format=qkv_format)
+        s, n = trainer.forward_backward(model, mbs, spec, options, qkv_format=qkv_format)
         res = trainer.reduce_and_scale(model, s, n)
         if step == 0:
             grads0 = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
@@ -90,7 +93,7 @@ def _worker(rank, world):
         del ref
 
         runs = [(tp, cp, "sbhd", "megatron_cp") for tp, cp in CONFIGS] + [(*THD_CONFIG, "thd", "megatron_cp")]
-        runs += [(1, 2, "sbhd", name) for name in BASELINES]
+        runs += [(1, 2, "sbhd", name) for name in BASELINES] + [HEAD_CONTEXT]
         for tp, cp, fmt, strategy in runs:
             trainer.init_parallel(tp, cp)
             tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
@@ -122,7 +125,7 @@ def parity_report():
 @pytest.mark.parametrize(
     "tp,cp,fmt,strategy",
     [(tp, cp, "sbhd", "megatron_cp") for tp, cp in CONFIGS] + [(*THD_CONFIG, "thd", "megatron_cp")]
-    + [(1, 2, "sbhd", name) for name in BASELINES],
+    + [(1, 2, "sbhd", name) for name in BASELINES] + [HEAD_CONTEXT],
 )
 def test_parity_with_tp1_cp1(parity_report, mask, tp, cp, fmt, strategy):
     (r,) = [r for r in parity_report if (r["mask"], r["tp"], r["cp"], r["fmt"], r["strategy"]) == (mask, tp, cp, fmt, strategy)]

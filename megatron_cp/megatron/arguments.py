@@ -1,10 +1,12 @@
-"""Command-line arguments: ``--context-parallel-impl {te,megatron_cp,ring,ulysses,usp,allgather}`` and the
-mask/plan options.
+"""Command-line arguments: ``--context-parallel-impl {te,megatron_cp,ring,ulysses,usp,allgather,head_context}``
+and the mask/plan options.
 
 Megatron has no CP plugin registry; its entry point for extra flags is ``extra_args_provider``
 (``megatron.training.arguments.parse_and_validate_args(extra_args_provider=...)``). ``te`` (the
 default) leaves Megatron untouched; ``ring``, ``ulysses``, ``usp`` and ``allgather`` run megatron-cp's
-baseline strategies (``megatron_cp.baselines``) through the same spec, batch hook, RoPE and loss.
+baseline strategies (``megatron_cp.baselines``) through the same spec, batch hook, RoPE and loss;
+``head_context`` runs Ulysses over heads inside each node x megatron-cp across nodes (groups of
+GPUs-per-node ranks from ``--cp-topology``; without it the CP group is one node, i.e. plain Ulysses).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 
 from .batch import MASKS, MaskSpec, PlanOptions
 
-IMPLS = ("te", "megatron_cp", "ring", "ulysses", "usp", "allgather")
+IMPLS = ("te", "megatron_cp", "ring", "ulysses", "usp", "allgather", "head_context")
 OURS = IMPLS[1:]  # every impl that uses megatron-cp's adapter
 
 
@@ -24,7 +26,9 @@ def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--context-parallel-impl", choices=IMPLS, default="te",
                    help="te: Megatron's own CP (Transformer Engine). megatron_cp: megatron-cp attention "
                         "for any mask, with its batch hook, RoPE and loss. ring / ulysses / usp / allgather: "
-                        "megatron-cp's baseline strategies through the same adapter.")
+                        "megatron-cp's baseline strategies through the same adapter. head_context: Ulysses "
+                        "all-to-all over heads inside each node x megatron-cp across nodes (node size from "
+                        "--cp-topology; without it one node).")
     g.add_argument("--cp-mask", choices=MASKS, default="causal",
                    help="causal per sample; packed: causal per EOD-separated document; sliding_window / "
                         "packed_sliding_window with --cp-window; or a megatron_cp.masks builder by name "

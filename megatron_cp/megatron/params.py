@@ -32,7 +32,8 @@ class CPParams(PackedSeqParams):
     position_ids:  int64 ``[b, s_local]``, the RoPE position of each local token (per-document reset)
     cp_rank:       this rank's index in the CP group the plan was dispatched for
     kernel_backend: megatron_cp.attention's kernel backend (auto | triton | reference)
-    strategy:      megatron_cp, or a baseline of megatron_cp.baselines (ring | ulysses | usp | allgather)
+    strategy:      megatron_cp, or a strategy of megatron_cp.baselines (ring | ulysses | usp | allgather |
+                   head_context)
     """
 
     plan: Any = None
