@@ -8,7 +8,8 @@ the tiles and K/V buffer megatron-cp gives that rank ("kernel-only"), the single
 the same per-GPU work that the scaling check compares against.
 
 Implementations: ``megatron-cp`` (planner + staged overlapped runtime), ``ring``, ``ulysses``,
-``usp`` (ulysses 2 x ring), ``allgather`` (megatron_cp.baselines), ``torch-sdpa-ring`` (PyTorch
+``usp`` (ulysses 2 x ring), ``head_context`` (ulysses 2 x our planned CP), ``allgather``
+(megatron_cp.baselines), ``torch-sdpa-ring`` (PyTorch
 ``context_parallel`` over SDPA, head-tail balance; full and causal only) and ``torch-flex-allgather``
 (PyTorch's FlexAttention CP: all-gather K/V, compiled flex_attention, head-tail balance; other masks).
 
@@ -89,8 +90,9 @@ def bench_ours(name, mask, args, ctx):
         be = ctx["backend"] = kernels.get_backend(args.backend, device)  # one object: its state is reported
         fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=be, cost_model=cost)  # noqa: E731
     else:
-        opts = {"ulysses_degree": 2} if name == "usp" and cp % 2 == 0 and cp > 2 else {}
-        plan = plan_for(name, mask, cp)
+        # usp / head_context: groups of 2 GPUs (on one machine: 2-GPU "nodes" emulated) x cp / 2
+        opts = {"ulysses_degree": 2} if name in ("usp", "head_context") and cp % 2 == 0 and cp > 2 else {}
+        plan = plan_for(name, mask, cp, **(opts if name == "head_context" else {}))
         strat = get_strategy(name, backend=args.backend, **opts)
         fn = lambda q, k, v: strat(q, k, v, plan, group, None)  # noqa: E731
     n = plan.num_local(rank)
@@ -319,8 +321,8 @@ def main(argv=None):
                                bwd_tflops_per_gpu=2.5 * flops / cp / tb / 1e12)
                     if impl == "megatron-cp":
                         rec["imbalance"] = plan.stats()["imbalance"]
-                        rec["stages"] = [k[1] if k[1] is not None else v.num_stages
-                                         for k, v in plan.cache.items() if isinstance(k, tuple) and k[0] == "schedule"]
+                        # the runtime's choice (planner.schedule.choose_stages; 0 = single exchange)
+                        rec["stages"] = [v for k, v in plan.cache.items() if isinstance(k, tuple) and k[0] == "choose_stages"]
                         rec["dense_path_error"] = getattr(ctx["backend"], "fast_path_error", None)
                         kf, kt_f, kt_b = bench_kernel_only(plan, args, ctx)
                         t = torch.tensor([kf, kt_f, kt_b], dtype=torch.float64, device=device)
