@@ -79,6 +79,13 @@ class TritonConfig:
         Measured (benchmarks/kernels/README.md, H100): zigzag rank lists (pieces of 16k rows, >= 16k keys)
         1.35x fwd / 1.49x bwd; packed documents at 16k (square pieces of 0.5k-4k) 3.3x slower fwd with
         512-key pieces (per-piece launches and fp32 merges dominate short rows), hence dense_min_keys 8192.
+    autotune: pick each kernel's KernelConfig per (head_dim, dtype, Hq // Hkv, row class, phase) by timing
+        candidates on the first call that meets the key (CUDA only; cached process-wide, reused by later
+        calls; kernels/triton_autotune.py). The first call is slow (compiles, times): run one untimed
+        warmup step. Not with deterministic=True (timings choose the block shapes, hence the bits).
+    autotune_candidates: (head_dim, phase) -> sequence of KernelConfig, replacing
+        triton_autotune.CANDIDATES for that pair (phase "fwd", "dkdv", "dq" or "bwd_atomic"); the
+        untuned config is always tried first.
     """
 
     overrides: dict = field(default_factory=dict)
@@ -89,12 +96,17 @@ class TritonConfig:
     dense_min_rows: int = 512
     dense_min_keys: int = 8192
     bwd_mode: str = "deterministic"
+    autotune: bool = False
+    autotune_candidates: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.bwd_mode not in ("deterministic", "atomic"):
             raise ValueError(f"bwd_mode must be 'deterministic' or 'atomic', got {self.bwd_mode!r}")
         if self.deterministic and self.bwd_mode != "deterministic":
             raise ValueError(f"deterministic=True needs bwd_mode='deterministic', got {self.bwd_mode!r}")
+        if self.deterministic and self.autotune:
+            raise ValueError("deterministic=True excludes autotune=True: the block shapes it picks come from "
+                             "timings, so two runs could differ bitwise")
 
     def for_head_dim(self, head_dim: int, row_class: str = "long", dtype=None) -> StageConfigs:
         if (head_dim, row_class) in self.overrides:
@@ -195,12 +207,36 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class TritonBackend:
-    """Fused Triton attention over tile lists. Deterministic backward (no atomics)."""
+    """Fused Triton attention over tile lists. Deterministic backward (no atomics) unless bwd_mode="atomic".
+
+    timer: with TritonConfig.autotune, ``timer(fn) -> ms`` measures one candidate's launches; None:
+        CUDA events on CUDA tensors, no tuning on CPU (triton_autotune.select).
+    tuned: the autotune cache (TuneKey -> TuneResult: the chosen KernelConfig and the measured times);
+        None: the process-wide ``triton_autotune.TUNED``. Exposed as ``self.tuned``.
+    last_configs: phase -> KernelConfig the Triton kernels of the latest calls ran with.
+    """
 
     name = "triton"
 
-    def __init__(self, config: TritonConfig | None = None):
+    def __init__(self, config: TritonConfig | None = None, *, timer=None, tuned: dict | None = None):
         self.config = config or TritonConfig()
+        self.timer = timer
+        if tuned is None:
+            from .triton_autotune import TUNED as tuned
+        self.tuned = tuned
+        self.last_configs = {}
+
+    def _kernel_config(self, phase: str, q, k, prepared, make_run) -> KernelConfig:
+        """KernelConfig of ``phase`` ("fwd", "dkdv", "dq", "bwd_atomic": the dK/dV config) for this call;
+        with autotune the tuned one (make_run: see triton_autotune.select)."""
+        st = self.config.for_head_dim(q.shape[2], prepared.row_class, q.dtype)
+        c = st.dkdv if phase == "bwd_atomic" else getattr(st, phase)
+        if self.config.autotune:
+            from .triton_autotune import select
+
+            c = select(self, phase, c, q, k, prepared, make_run)
+        self.last_configs[phase] = c
+        return c
 
     _fast_failed = False
     fast_path_error = None  # why the dense fast path was switched off, if it was
@@ -353,20 +389,13 @@ class TritonBackend:
             return
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
         q, k, v = _rows(q), _rows(k), _rows(v)
-        c = self.config.for_head_dim(d, prepared.row_class, q.dtype).fwd
-        desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
-        nm = rows.order.shape[1]
-        tma = _use_tma(c, q)
-        kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
-        attn_fwd_kernel[(nm * hq,)](
-            q, k, v, out, lse, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), 0, 0,
-            sq, sk, hq, scale * LOG2E,
-            GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-            ACCUM=accumulate, IEEE=q.dtype == torch.float32, TMA=tma,
-            num_warps=c.num_warps, num_stages=c.num_stages,
-        )
+
+        def make_run():  # autotune: candidates write into copies (an accumulating launch reads them too)
+            o, l = (out.clone(), lse.clone()) if accumulate else (torch.empty_like(out), torch.empty_like(lse))
+            return lambda c: _launch_fwd(c, q, k, v, o, l, prepared, scale, accumulate)
+
+        c = self._kernel_config("fwd", q, k, prepared, make_run)
+        _launch_fwd(c, q, k, v, out, lse, prepared, scale, accumulate)
 
     # -- backward ---------------------------------------------------------------------------------
     def backward(self, q, k, v, out, lse, dout, prepared: TritonPrepared, softmax_scale=None, delta=None):
@@ -406,57 +435,35 @@ class TritonBackend:
         q, k, v, dout = _rows(q), _rows(k), _rows(v), _rows(dout)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
+        group = hq // hkv
         if self.config.bwd_mode == "atomic":
             from .triton_bwd_atomic import launch_bwd_atomic
 
-            c = self.config.for_head_dim(d, prepared.row_class, q.dtype).dkdv
-            desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
-            dq = launch_bwd_atomic(q, k, v, dout, lse, delta, dk, dv, desc, cols, c, scale, hq // hkv)
-            return dq, dk, dv
+            def run_atomic(c, dk, dv):
+                desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
+                return launch_bwd_atomic(q, k, v, dout, lse, delta, dk, dv, desc, cols, c, scale, group)
+
+            def make_run():  # autotune: scratch dk/dv (launch_bwd_atomic allocates its own dq)
+                dk_s, dv_s = torch.empty_like(k), torch.empty_like(v)
+                return lambda c: run_atomic(c, dk_s, dv_s)
+
+            c = self._kernel_config("bwd_atomic", q, k, prepared, make_run)
+            return run_atomic(c, dk, dv), dk, dv
         dq = torch.empty_like(q)
         if sk > 0 and hkv > 0:
-            c = self.config.for_head_dim(d, prepared.row_class, q.dtype).dkdv
-            desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
-            w = cols.work
-            tma = _use_tma(c, q)
-            qd, dod = (_descriptor(x, c.block_m) for x in (q, dout)) if tma else (q, dout)
-            if w.n_slots:
-                wk = torch.empty(w.n_slots, hkv, c.block_n, d, device=q.device, dtype=torch.float32)
-                wv = torch.empty_like(wk)
-            else:
-                wk = wv = dk  # unused
-            attn_bwd_dkdv_kernel[(w.n.shape[0] * hkv,)](
-                q, k, v, dout, lse, delta, dk, dv, qd, dod, desc, cols.ptr, cols.mid, cols.off, cols.tile,
-                w.n, w.seg, w.nseg, w.slot, wk, wv,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                lse.stride(0), lse.stride(1), 0, 0,
-                sq, sk, hkv, scale * LOG2E, scale,
-                GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                IEEE=q.dtype == torch.float32, TMA=tma,
-                num_warps=c.num_warps, num_stages=c.num_stages,
-            )
-            if w.n_slots:
-                attn_bwd_dkdv_reduce_kernel[(w.red_n.shape[0] * hkv,)](
-                    wk, wv, dk, dv, w.red_n, w.red_slot0, w.red_nseg,
-                    dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), sk, hkv,
-                    HEAD_DIM=d, BLOCK_N=c.block_n, num_warps=4,
-                )
+            def make_run():  # autotune: scratch dk/dv
+                dk_s, dv_s = torch.empty_like(k), torch.empty_like(v)
+                return lambda c: _launch_dkdv(c, q, k, v, dout, lse, delta, dk_s, dv_s, prepared, scale)
+
+            c = self._kernel_config("dkdv", q, k, prepared, make_run)
+            _launch_dkdv(c, q, k, v, dout, lse, delta, dk, dv, prepared, scale)
         if sq > 0:
-            c = self.config.for_head_dim(d, prepared.row_class, q.dtype).dq
-            desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
-            nm = rows.order.shape[1]
-            tma = _use_tma(c, q)
-            kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
-            attn_bwd_dq_kernel[(nm * hq,)](
-                q, k, v, dout, lse, delta, dq, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), lse.stride(1),
-                0, 0, sq, sk, hq, scale * LOG2E, scale,
-                GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                IEEE=q.dtype == torch.float32, TMA=tma,
-                num_warps=c.num_warps, num_stages=c.num_stages,
-            )
+            def make_run():  # autotune: scratch dq
+                dq_s = torch.empty_like(q)
+                return lambda c: _launch_dq(c, q, k, v, dout, lse, delta, dq_s, prepared, scale)
+
+            c = self._kernel_config("dq", q, k, prepared, make_run)
+            _launch_dq(c, q, k, v, dout, lse, delta, dq, prepared, scale)
         return dq, dk, dv
 
     def _dense_backward(self, q, k, v, out, lse, dout, prepared, scale, delta):
@@ -479,3 +486,76 @@ class TritonBackend:
             dk[ks:ke] += gk
             dv[ks:ke] += gv
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# -- launches (one config each; also what triton_autotune times on scratch outputs) ------------------------
+def _launch_fwd(c: KernelConfig, q, k, v, out, lse, prepared: TritonPrepared, scale: float, accumulate: bool):
+    """Forward kernel with config c: q [sq, Hq, D], k/v [sk, Hkv, D] (unit stride along D), out [sq, Hq, D]
+    (q's dtype or float32) and lse [sq, Hq] float32 written, or merged into when ``accumulate``."""
+    sq, hq, d = q.shape
+    sk, hkv = k.shape[0], k.shape[1]
+    desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
+    nm = rows.order.shape[1]
+    tma = _use_tma(c, q)
+    kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
+    attn_fwd_kernel[(nm * hq,)](
+        q, k, v, out, lse, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), 0, 0,
+        sq, sk, hq, scale * LOG2E,
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        ACCUM=accumulate, IEEE=q.dtype == torch.float32, TMA=tma,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+
+
+def _launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared: TritonPrepared, scale: float):
+    """dK/dV kernels (and the fixed-order reduce of split key columns) with config c: q/dout [sq, Hq, D],
+    k/v [sk, Hkv, D] (sk, Hkv > 0), lse/delta [sq, Hq] float32 contiguous; dk/dv like k, written."""
+    sq, hq, d = q.shape
+    sk, hkv = k.shape[0], k.shape[1]
+    desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
+    w = cols.work
+    tma = _use_tma(c, q)
+    qd, dod = (_descriptor(x, c.block_m) for x in (q, dout)) if tma else (q, dout)
+    if w.n_slots:
+        wk = torch.empty(w.n_slots, hkv, c.block_n, d, device=q.device, dtype=torch.float32)
+        wv = torch.empty_like(wk)
+    else:
+        wk = wv = dk  # unused
+    attn_bwd_dkdv_kernel[(w.n.shape[0] * hkv,)](
+        q, k, v, dout, lse, delta, dk, dv, qd, dod, desc, cols.ptr, cols.mid, cols.off, cols.tile,
+        w.n, w.seg, w.nseg, w.slot, wk, wv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        lse.stride(0), lse.stride(1), 0, 0,
+        sq, sk, hkv, scale * LOG2E, scale,
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        IEEE=q.dtype == torch.float32, TMA=tma,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    if w.n_slots:
+        attn_bwd_dkdv_reduce_kernel[(w.red_n.shape[0] * hkv,)](
+            wk, wv, dk, dv, w.red_n, w.red_slot0, w.red_nseg,
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), sk, hkv,
+            HEAD_DIM=d, BLOCK_N=c.block_n, num_warps=4,
+        )
+
+
+def _launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, prepared: TritonPrepared, scale: float):
+    """dQ kernel with config c: shapes as _launch_dkdv (sq > 0); dq like q, written."""
+    sq, hq, d = q.shape
+    sk, hkv = k.shape[0], k.shape[1]
+    desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
+    nm = rows.order.shape[1]
+    tma = _use_tma(c, q)
+    kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
+    attn_bwd_dq_kernel[(nm * hq,)](
+        q, k, v, dout, lse, delta, dq, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), lse.stride(1),
+        0, 0, sq, sk, hq, scale * LOG2E, scale,
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        IEEE=q.dtype == torch.float32, TMA=tma,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )

@@ -12,7 +12,16 @@ inside the dK/dV programs), or both: every backend of ours is timed in each mode
 the impl name + "_atomic" (ours_atomic, ours_triton_atomic, ...), with its dQ's max |difference| from the
 deterministic dQ (nonzero when the atomic kernel ran; the fast path's cuDNN ignores the mode).
 
+--autotune times, next to each backend of ours, its twin with TritonConfig(autotune=True) as impl name +
+"_tuned" (ours_tuned, ours_triton_tuned, ours_atomic_tuned, ...). Tuning happens in the untimed warmup call
+that precedes every timing (time_ours_rect), so no timed region contains it; the autotune cache is
+process-wide, so the first case of each (row class, phase) key tunes it and later cases of that key reuse
+its winners, as a training run would. Every impl of ours records the block configs it ran with
+("configs"), the output JSON the whole cache ("tuned": every candidate's median time) and DIR/tuned{tag}.json
+holds it for triton_autotune.load_tuned; the printed table adds tuned/default speed-ups.
+
 Usage: python tools/bench_kernels.py [--seqlens 16384] [--masks ...] [--out DIR] [--tune] [--bwd-mode both]
+       [--autotune]
        python tools/bench_kernels.py --device cpu --tiny --bwd-mode both --out /tmp/bk   # CPU dry run
 Writes DIR/bench_kernels.json and DIR/bench_kernels.png (device, date and command inside).
 The CPU dry run (Triton's interpreter; fp16, Hq=4, Hkv=1, D=32, S=256, 32 x 32 blocks, one timed call
@@ -22,6 +31,7 @@ each) checks that the program runs end to end; its times mean nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -50,11 +60,13 @@ try:  # installed package, else the repository checkout (kernels/ imports only t
         DEFAULT_CONFIGS, KernelConfig, StageConfigs, TritonBackend, TritonConfig, configs_from_json,
     )
     from megatron_cp.kernels.triton_schedule import kept_area
+    from megatron_cp.kernels.triton_autotune import PHASES, TUNED, save_tuned, tuned_to_json, wall_timer
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from kernels.triton_backend import (DEFAULT_CONFIGS, KernelConfig, StageConfigs, TritonBackend, TritonConfig,
                                         configs_from_json)
     from kernels.triton_schedule import kept_area
+    from kernels.triton_autotune import PHASES, TUNED, save_tuned, tuned_to_json, wall_timer
 
 HQ, HKV, D = 32, 8, 128
 DEVICE = "cuda"  # --device cpu --tiny: "cpu" and the tiny sizes of main()
@@ -94,8 +106,10 @@ def time_ours(be, tiles, s, q, k, v, do, grads=None):
 
 
 def time_ours_rect(be, tiles, sq, sk, q, k, v, do, grads=None):
-    """time_ours for sq != sk (zigzag rank tile lists)."""
+    """time_ours for sq != sk (zigzag rank tile lists). The first forward and backward are untimed: compiles,
+    device schedules and, with TritonConfig.autotune, the tuning of keys met for the first time."""
     prep = be.prepare(tiles, sq, sk, head_dims=(D,))
+    be.last_configs.clear()  # so that it holds this case's configs afterwards
     out, lse = be.forward(q, k, v, prep)
     dq = be.backward(q, k, v, out, lse, do, prep)[0]  # compile + build device schedules outside timing
     if grads is not None:
@@ -103,6 +117,28 @@ def time_ours_rect(be, tiles, sq, sk, q, k, v, do, grads=None):
     tf = bench(lambda: be.forward(q, k, v, prep))
     tb = bench(lambda: be.backward(q, k, v, out, lse, do, prep))
     return tf, tb
+
+
+def cfg_list(c):
+    return [c.block_m, c.block_n, c.num_warps, c.num_stages, int(c.tma)]
+
+
+def ours_record(b, tf, tb, ff):
+    """Result dict of one of our backends: times, TFLOP/s, path and the block configs its kernels ran with."""
+    return {"fwd_ms": tf, "bwd_ms": tb, "fwd_tflops": ff / tf / 1e9, "bwd_tflops": 2.5 * ff / tb / 1e9,
+            "path": b.last_path, "configs": {ph: cfg_list(c) for ph, c in b.last_configs.items()}}
+
+
+def tuned_speedups(r, tuned_of):
+    """r[<impl>_tuned_vs_default] = (default fwd ms / tuned fwd ms, same for bwd) where both ran."""
+    for impl in tuned_of:
+        x, y = r.get(impl, {}), r.get(impl + "_tuned", {})
+        if "fwd_ms" in x and "fwd_ms" in y:
+            r[f"{impl}_tuned_vs_default"] = {"fwd": x["fwd_ms"] / y["fwd_ms"], "bwd": x["bwd_ms"] / y["bwd_ms"]}
+
+
+# --autotune on the CPU dry run: candidates small enough for the interpreter (timed by wall clock there)
+TINY_CANDIDATES = (KernelConfig(32, 32, 4, 1), KernelConfig(16, 32, 4, 1), KernelConfig(32, 16, 4, 1, True))
 
 
 def dq_diff(grads):
@@ -244,7 +280,11 @@ def main():
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: a dry run in Triton's interpreter (use with --tiny; no Flex, no cuDNN)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (Hq=4, Hkv=1, D=32, S=256, 32x32 blocks)")
+    ap.add_argument("--autotune", action="store_true",
+                    help="also time each backend of ours with TritonConfig(autotune=True) (impl <name>_tuned)")
     args = ap.parse_args()
+    if args.tune and args.autotune:
+        ap.error("--tune (offline sweep) and --autotune (runtime tuning next to the defaults) exclude each other")
     global DEVICE, DTYPE, HQ, HKV, D
     DEVICE = args.device
     if DEVICE == "cpu":
@@ -262,7 +302,7 @@ def main():
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "command": "python " + " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
             "Hq": HQ, "Hkv": HKV, "D": D, "dtype": str(DTYPE).removeprefix("torch."), "bwd_mode": args.bwd_mode,
-            "flops": "fwd 4*area*Hq*D, bwd 2.5x", "masks": M.DESCRIPTIONS}
+            "autotune": args.autotune, "flops": "fwd 4*area*Hq*D, bwd 2.5x", "masks": M.DESCRIPTIONS}
     if args.tune:
         BENCH_MS.update(warmup=20, rep=80)
         rows = tune(args.seqlens[0], args.masks)
@@ -291,6 +331,14 @@ def main():
         atomic_of = {"ours": TritonBackend(TritonConfig(overrides, bwd_mode="atomic")),
                      "ours_triton": TritonBackend(TritonConfig(overrides, dense_fast_path=False, bwd_mode="atomic")),
                      "ours_nodense": TritonBackend(TritonConfig(overrides, dense_tiles=False, bwd_mode="atomic"))}
+    # --autotune: each of the above with autotune on, timed right after it as impl + "_tuned"
+    tuned_of = {}
+    if args.autotune:
+        kw = {"timer": wall_timer} if DEVICE == "cpu" else {}  # CPU: no CUDA events, exercise the path anyway
+        cands = {(D, ph): TINY_CANDIDATES for ph in PHASES} if args.tiny else {}
+        for impl, b in (("ours", be), ("ours_triton", be_triton), ("ours_nodense", be_nodense),
+                        *((i + "_atomic", a) for i, a in atomic_of.items())):
+            tuned_of[impl] = TritonBackend(dataclasses.replace(b.config, autotune=True, autotune_candidates=cands), **kw)
     results = []
     for s in args.seqlens:
         q, k, v, do = make_inputs(s)
@@ -314,6 +362,9 @@ def main():
                     a = atomic_of[impl]
                     impls[impl + "_atomic"] = (
                         lambda a=a, impl=impl: time_ours(a, tiles, s, q, k, v, do, grads.setdefault(impl, [])), a)
+            impls = {x: y for impl, fb in impls.items() for x, y in [(impl, fb)] + (
+                [(impl + "_tuned", ((lambda t=tuned_of[impl]: time_ours(t, tiles, s, q, k, v, do)), tuned_of[impl]))]
+                if impl in tuned_of else [])}
             if not args.no_flex:
                 impls["flex"] = (lambda: time_flex(name, s, q, k, v, do), None)
             if M.dense_kind(name) is not None and DEVICE == "cuda":
@@ -321,9 +372,11 @@ def main():
             for impl, (fn, b) in impls.items():
                 try:
                     tf, tb = fn()
-                    r[impl] = {"fwd_ms": tf, "bwd_ms": tb, "fwd_tflops": ff / tf / 1e9, "bwd_tflops": 2.5 * ff / tb / 1e9}
                     if b is not None:
-                        r[impl]["path"] = b.last_path
+                        r[impl] = ours_record(b, tf, tb, ff)
+                    else:
+                        r[impl] = {"fwd_ms": tf, "bwd_ms": tb, "fwd_tflops": ff / tf / 1e9,
+                                   "bwd_tflops": 2.5 * ff / tb / 1e9}
                     if impl == "ours":
                         r["ours_path"] = be.last_path
                     if impl.endswith("_atomic"):
@@ -339,10 +392,11 @@ def main():
                 x, y = r.get(impl, {}), r.get(impl + "_atomic", {})
                 if "bwd_ms" in x and "bwd_ms" in y:
                     r[f"{impl}_bwd_atomic_vs_det"] = x["bwd_ms"] / y["bwd_ms"]
+            tuned_speedups(r, tuned_of)
             results.append(r)
             line = f"S={s:6d} {name:15s} dens={r['density']:.3f}"
-            for impl in ("ours", "ours_atomic", "ours_nodense", "ours_nodense_atomic", "ours_triton",
-                         "ours_triton_atomic", "flex", "cudnn"):
+            for impl in [x for i in ("ours", "ours_atomic", "ours_nodense", "ours_nodense_atomic", "ours_triton",
+                                     "ours_triton_atomic") for x in (i, i + "_tuned")] + ["flex", "cudnn"]:
                 if impl in r:
                     x = r[impl]
                     line += (f" | {impl} fwd {x['fwd_tflops']:6.1f} bwd {x['bwd_tflops']:6.1f}" if "fwd_ms" in x
@@ -366,13 +420,14 @@ def main():
             runs = [("ours", be), ("ours_nodense", be_nodense)]
             runs = [x for impl, b in runs for x in [(impl, b)] + ([(impl + "_atomic", atomic_of[impl])]
                                                                    if impl in atomic_of else [])]
+            runs = [x for impl, b in runs for x in [(impl, b)] + ([(impl + "_tuned", tuned_of[impl])]
+                                                                   if impl in tuned_of else [])]
             for impl, b in runs:
                 try:
                     base = impl[:-len("_atomic")] if impl.endswith("_atomic") else impl
                     keep = base in atomic_of  # keep dq only to compare the two modes
                     tf, tb = time_ours_rect(b, tiles, sq, zs, q, k, v, do, grads.setdefault(base, []) if keep else None)
-                    r[impl] = {"fwd_ms": tf, "bwd_ms": tb, "fwd_tflops": ff / tf / 1e9, "bwd_tflops": 2.5 * ff / tb / 1e9,
-                               "path": b.last_path}
+                    r[impl] = ours_record(b, tf, tb, ff)
                     if impl.endswith("_atomic"):
                         r[impl]["dq_maxdiff_vs_det"] = dq_diff(grads[base])
                     line += f" | {impl} [{b.last_path}] fwd {ff / tf / 1e9:6.1f} bwd {2.5 * ff / tb / 1e9:6.1f}"
@@ -384,13 +439,18 @@ def main():
                 x, y = r.get(impl, {}), r.get(impl + "_atomic", {})
                 if "bwd_ms" in x and "bwd_ms" in y:
                     r[f"{impl}_bwd_atomic_vs_det"] = x["bwd_ms"] / y["bwd_ms"]
+            tuned_speedups(r, tuned_of)
             r["ours_path"] = r["ours"].get("path")
             results.append(r)
             print(line, flush=True)
         del q, k, v, do
     path = os.path.join(args.out, f"bench_kernels{args.tag}.json")
+    out = {"meta": meta, "results": results}
+    if args.autotune:
+        out["tuned"] = tuned_to_json(TUNED)
+        save_tuned(os.path.join(args.out, f"tuned{args.tag}.json"))
     with open(path, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+        json.dump(out, f, indent=1)
     print("wrote", path, "fast path error:", be.fast_path_error)
     plot(meta, results, os.path.join(args.out, f"bench_kernels{args.tag}.png"))
     print(f"\nTFLOP/s; ours = default backend (path in brackets), triton = our kernel without the dense fast path; "
@@ -418,6 +478,29 @@ def main():
                      f"{g('ours_triton_atomic', 'bwd_tflops')} | {ratio('ours_bwd_atomic_vs_det')} | "
                      f"{ratio('ours_triton_bwd_atomic_vs_det')} |")
         print(line)
+    if args.autotune:
+        print_tuned(results, tuned_of)
+
+
+def print_tuned(results, tuned_of):
+    """Defaults vs autotuned, side by side: TFLOP/s and speed-ups per case, then each tuned key's
+    candidates with their median times (the winner first)."""
+    print("\nautotune: TFLOP/s default -> tuned (speed-up), per backend of ours")
+    impls = [i for i in tuned_of if any(i + "_tuned" in r for r in results)]
+    print("| S | mask | " + " | ".join(f"{i} fwd | {i} bwd" for i in impls) + " |")
+    print("|---" * (2 + 2 * len(impls)) + "|")
+    for r in results:
+        cells = []
+        for i in impls:
+            x, y, sp = r.get(i, {}), r.get(i + "_tuned", {}), r.get(f"{i}_tuned_vs_default")
+            for key, ph in (("fwd_tflops", "fwd"), ("bwd_tflops", "bwd")):
+                cells.append(f"{x[key]:.0f} -> {y[key]:.0f} ({sp[ph]:.2f}x)" if sp else "-")
+        print(f"| {r['S']} | {r['mask']} | " + " | ".join(cells) + " |")
+    print("\ntuned keys (device, head_dim, dtype, group, row class, phase): winner; candidates ms")
+    for key, res in TUNED.items():
+        times = sorted(res.times_ms.items(), key=lambda kv: kv[1])
+        print(f"{tuple(key)}: {cfg_list(res.config)}; " + ", ".join(f"{cfg_list(c)} {t:.3f}" for c, t in times)
+              + "".join(f"; {cfg_list(c)} {m[:60]}" for c, m in res.errors.items()))
 
 
 def plot(meta, results, path):
@@ -431,8 +514,8 @@ def plot(meta, results, path):
         return
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.3 * len(results)), 8))
     labels = [f"{r['mask']}\nS={r['S'] // 1024}k" if r["S"] >= 1024 else f"{r['mask']}\nS={r['S']}" for r in results]
-    impls = [i for i in ("ours", "ours_atomic", "ours_triton", "ours_triton_atomic", "flex", "cudnn")
-             if any(i in r for r in results)]
+    impls = [i for i in ("ours", "ours_tuned", "ours_atomic", "ours_triton", "ours_triton_tuned", "ours_triton_atomic",
+                         "flex", "cudnn") if any(i in r for r in results)]
     w = 0.8 / max(len(impls), 1)
     for ax, key in zip(axes, ("fwd_tflops", "bwd_tflops")):
         for j, impl in enumerate(impls):
