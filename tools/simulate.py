@@ -173,11 +173,18 @@ def ring(mask, cp, g, cost, work, layout="contiguous", ri=None):
         for src in range(cp):
             areas[r, src] = ri.area(segs[r], segs[src])
     rows = np.array([p.num_tokens for p in plan.ranks], dtype=float)
+    exact = cp <= 16  # the kernel model on each step's real tiles (cp^2 clips); areas beyond that
+    traps = mask.traps if exact else None
     for i in range(cp):
         src = (np.arange(cp) - i) % cp
         a = areas[np.arange(cp), src]
-        kf = max(_kernel_time(cost, work, x, n) for x, n in zip(a, rows))
-        kb = max(_kernel_time(cost, work, x, n, True) for x, n in zip(a, rows))
+        if exact:
+            step = [clip_tiles(traps, segs[r], segs[src[r]]) for r in range(cp)]
+            kf = max(cost.tile_time(t, work) for t in step)
+            kb = max(cost.tile_time(t, work, True) for t in step)
+        else:
+            kf = max(_kernel_time(cost, work, x, n) for x, n in zip(a, rows))
+            kb = max(_kernel_time(cost, work, x, n, True) for x, n in zip(a, rows))
         blk = rows.max() * per_tok
         cf = (blk / bw + cost.latency_us * 1e-6) if i < cp - 1 else 0.0
         cb = (3 * blk / bw + cost.latency_us * 1e-6)  # K/V plus fp32 dK/dV travel
@@ -199,11 +206,9 @@ def ulysses(mask, cp, g, cost, work):
         f += 1
     hkv = work.num_kv_heads * f
     w = Workload(hq // cp, hkv // cp, work.head_dim, work.dtype_bytes)
-    t = mask.traps
-    n_tiles = len(t)
-    area = float(mask.area())
-    kf = _kernel_time(cost, w, area, s, tiles=n_tiles)
-    kb = _kernel_time(cost, w, area, s, True, n_tiles)
+    tiles = clip_tiles(mask.traps, None, [[0, s]])  # the whole mask as one tile list
+    kf = cost.tile_time(tiles, w)
+    kb = cost.tile_time(tiles, w, True)
     tok = s / cp * work.head_dim * work.dtype_bytes
     nodes = max(1, cp // g)
     per = lambda heads: tok * heads * (cp - 1) / cp  # noqa: E731 bytes each GPU sends
@@ -233,8 +238,8 @@ def allgather(mask, cp, g, cost, work):
     frac_inter = (cp - min(g, cp)) / max(cp - 1, 1)
     comm = cost.latency_us * 1e-6 + max(b * (1 - frac_inter) / (cost.intra_gbps * 1e9),
                                         b * frac_inter / (cost.inter_gbps * 1e9) if nodes > 1 else 0)
-    kf = max(_kernel_time(cost, work, r.area, r.num_tokens, tiles=len(r.tiles)) for r in plan.ranks)
-    kb = max(_kernel_time(cost, work, r.area, r.num_tokens, True, len(r.tiles)) for r in plan.ranks)
+    kf = max(cost.tile_time(r.tiles, work) for r in plan.ranks)
+    kb = max(cost.tile_time(r.tiles, work, True) for r in plan.ranks)
     return dict(fwd_s=comm + kf, bwd_s=2 * comm + kb, imbalance=plan.stats()["imbalance"],
                 inter_node_bytes_per_gpu=b * frac_inter)
 
