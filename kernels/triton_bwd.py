@@ -5,7 +5,10 @@ Two kernels, each writing every output element exactly once:
 * ``attn_bwd_dkdv_kernel``: one program per (k block, kv head). It walks the column-major schedule
   (the q blocks meeting its k block, full ones first) for each of the ``group`` q heads sharing the kv
   head, accumulating dK and dV in registers: GQA needs no expanded K/V and no reduction pass.
-* ``attn_bwd_dq_kernel``: one program per (q block, q head), walking the row-major schedule.
+* ``attn_bwd_dq_kernel``: one program per (q block, q head), walking the row-major schedule. Long q
+  blocks (``triton_schedule.RowWork``) run instead through ``attn_bwd_dq_split_kernel`` (one program per
+  work item and q head; segments of a split block write fp32 partials to workspace slots) and
+  ``attn_bwd_dq_reduce_kernel`` (sums each split block's slots in order: still deterministic).
 
 Both recompute P = exp(S - lse) from the merged (global) lse, and dS = P * (dP - delta) with
 delta = rowsum(dO * O) - dlse supplied by the caller. Rows with lse = -inf contribute nothing.
@@ -218,26 +221,12 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, Kh, Vh, KD, VD, col0, stride_ks, s
 
 
 @triton.jit
-def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, KD, VD, DESC, PTR, MID, ORDER, OFF, TID,
-    stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh,
-    stride_dqs, stride_dqh, stride_ls, stride_lh, sched_stride_b, sched_stride_e,
-    sq, sk, n_heads, qk_scale, sm_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    h = pid % n_heads
-    i = pid // n_heads
-    PTR += h * sched_stride_b
-    MID += h * sched_stride_b
-    ORDER += h * sched_stride_b
-    OFF += h * sched_stride_e
-    TID += h * sched_stride_e
-    m = tl.load(ORDER + i)
-    e0 = tl.load(PTR + m)
-    e_mid = tl.load(MID + m)
-    e1 = tl.load(PTR + m + 1)
+def _dq_block(Q, K, V, DO, LSE, DELTA, KD, VD, DESC, OFF, TID, m, h, e0, e_mid, e1,
+              stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh,
+              stride_ls, stride_lh, sq, sk, qk_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+    """Unscaled dq [BLOCK_M, D] fp32 of q block m, q head h over schedule entries e0 .. e1 (full ones
+    e0 .. e_mid)."""
     hk = h // GROUP
     offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_m64 = offs_m.to(tl.int64)
@@ -258,6 +247,91 @@ def attn_bwd_dq_kernel(
                    e0, e_mid, sk, qk_scale, BLOCK_N, HEAD_DIM, False, IEEE, TMA)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, Kh, Vh, KD, VD, col0, stride_ks, stride_vs, OFF, TID, DESC,
                    e_mid, e1, sk, qk_scale, BLOCK_N, HEAD_DIM, True, IEEE, TMA)
-    dq = dq * sm_scale
-    tl.store(DQ + offs_m64[:, None] * stride_dqs + h * stride_dqh + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=ok[:, None])
+    return dq
+
+
+@triton.jit
+def _dq_store(DQ, dq, m, h, stride_dqs, stride_dqh, sq, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tl.store(DQ + offs_m.to(tl.int64)[:, None] * stride_dqs + h * stride_dqh + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=(offs_m < sq)[:, None])
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, KD, VD, DESC, PTR, MID, ORDER, OFF, TID,
+    stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh,
+    stride_dqs, stride_dqh, stride_ls, stride_lh, sched_stride_b, sched_stride_e,
+    sq, sk, n_heads, qk_scale, sm_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = pid % n_heads
+    i = pid // n_heads
+    PTR += h * sched_stride_b
+    MID += h * sched_stride_b
+    ORDER += h * sched_stride_b
+    OFF += h * sched_stride_e
+    TID += h * sched_stride_e
+    m = tl.load(ORDER + i)
+    e0 = tl.load(PTR + m)
+    e_mid = tl.load(MID + m)
+    e1 = tl.load(PTR + m + 1)
+    dq = _dq_block(Q, K, V, DO, LSE, DELTA, KD, VD, DESC, OFF, TID, m, h, e0, e_mid, e1, stride_qs, stride_qh,
+                   stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh, stride_ls, stride_lh,
+                   sq, sk, qk_scale, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, TMA)
+    _dq_store(DQ, dq * sm_scale, m, h, stride_dqs, stride_dqh, sq, HEAD_DIM, BLOCK_M)
+
+
+@triton.jit
+def attn_bwd_dq_split_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, KD, VD, DESC, OFF, TID, W_M, W_SLOT, W_E0, W_EMID, W_E1, WQ,
+    stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh,
+    stride_dqs, stride_dqh, stride_ls, stride_lh, sched_stride_w, sched_stride_e,
+    sq, sk, n_heads, qk_scale, sm_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr,
+):
+    """attn_bwd_dq_kernel over RowWork items (programs ``i * Hq + h``): an unsplit item writes dq; a
+    segment of a split q block writes its unscaled fp32 partial to WQ [slots, Hq, BLOCK_M, D], summed in
+    slot order by attn_bwd_dq_reduce_kernel."""
+    pid = tl.program_id(0)
+    h = pid % n_heads
+    i = pid // n_heads
+    m = tl.load(W_M + i)
+    slot = tl.load(W_SLOT + i)
+    # entry bounds precomputed per head (RowWork.e0/e_mid/e1), not divided here (see attn_fwd_split_kernel)
+    e0 = tl.load(W_E0 + h * sched_stride_w + i)
+    e_mid = tl.load(W_EMID + h * sched_stride_w + i)
+    e1 = tl.load(W_E1 + h * sched_stride_w + i)
+    OFF += h * sched_stride_e
+    TID += h * sched_stride_e
+    dq = _dq_block(Q, K, V, DO, LSE, DELTA, KD, VD, DESC, OFF, TID, m, h, e0, e_mid, e1, stride_qs, stride_qh,
+                   stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh, stride_ls, stride_lh,
+                   sq, sk, qk_scale, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, TMA)
+    if slot < 0:
+        _dq_store(DQ, dq * sm_scale, m, h, stride_dqs, stride_dqh, sq, HEAD_DIM, BLOCK_M)
+    else:
+        tile = tl.arange(0, BLOCK_M)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+        tl.store(WQ + (slot * n_heads + h).to(tl.int64) * (BLOCK_M * HEAD_DIM) + tile, dq)
+
+
+@triton.jit
+def attn_bwd_dq_reduce_kernel(
+    WQ, DQ, RED_M, RED_SLOT0, RED_NSEG, stride_dqs, stride_dqh, sq, n_heads, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """dQ of split q blocks: the sum of their segments' partials, always in slot order, times sm_scale."""
+    pid = tl.program_id(0)
+    h = pid % n_heads
+    i = pid // n_heads
+    m = tl.load(RED_M + i)
+    s0 = tl.load(RED_SLOT0 + i)
+    ns = tl.load(RED_NSEG + i)
+    tile = tl.arange(0, BLOCK_M)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for s in range(s0, s0 + ns):
+        dq += tl.load(WQ + (s * n_heads + h).to(tl.int64) * (BLOCK_M * HEAD_DIM) + tile)
+    _dq_store(DQ, dq * sm_scale, m, h, stride_dqs, stride_dqh, sq, HEAD_DIM, BLOCK_M)
