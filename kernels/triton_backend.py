@@ -73,7 +73,7 @@ class TritonConfig:
     deterministic: backward bitwise reproducible (Triton kernels only, no atomics, no cuDNN).
     dense_fast_path: route a single full / square causal tile covering everything to cuDNN (CUDA only).
     dkdv_split_min: see triton_schedule.column_work (long key columns run as several programs).
-    row_split_min: forward and dQ: a q block with more than 2x the mean entries (k blocks met) and more
+    row_split_min: forward (and dQ with dq_row_split): a q block with more than 2x the mean entries (k blocks met) and more
         than row_split_min is cut into segments of max(row_split_min, 2x mean) entries run as separate
         programs, merged / reduced afterwards in a fixed order (triton_schedule.row_work; deterministic).
         The default 128 splits the global rows of global+local / star masks (256 entries at S=16k with
@@ -102,6 +102,9 @@ class TritonConfig:
     dense_fast_path: bool = True
     dkdv_split_min: int = 16  # dK/dV: split k blocks with > 2x the mean entries and > this many (schedule)
     row_split_min: int = 128  # fwd / dQ: split q blocks with > 2x the mean entries and > this many
+    # dQ side of the row split: off by default, measured on H200 (global+local, S = 64k, one GPU) 7% slower
+    # than unsplit dQ, equal at 4 x H200 S = 128k; the forward split is on (3% faster kernel there)
+    dq_row_split: bool = False
     dense_tiles: bool = True
     dense_min_rows: int = 512
     dense_min_keys: int = 8192
@@ -477,10 +480,11 @@ class TritonBackend:
         if sq > 0:
             def make_run():  # autotune: scratch dq
                 dq_s = torch.empty_like(q)
-                return lambda c: _launch_dq(c, q, k, v, dout, lse, delta, dq_s, prepared, scale)
+                return lambda c: _launch_dq(c, q, k, v, dout, lse, delta, dq_s, prepared, scale,
+                                            self.config.dq_row_split)
 
             c = self._kernel_config("dq", q, k, prepared, make_run)
-            _launch_dq(c, q, k, v, dout, lse, delta, dq, prepared, scale)
+            _launch_dq(c, q, k, v, dout, lse, delta, dq, prepared, scale, self.config.dq_row_split)
         return dq, dk, dv
 
     def _dense_backward(self, q, k, v, out, lse, dout, prepared, scale, delta):
@@ -568,9 +572,11 @@ def _launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared: T
         )
 
 
-def _launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, prepared: TritonPrepared, scale: float):
+def _launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, prepared: TritonPrepared, scale: float,
+               split: bool = True):
     """dQ kernel with config c: shapes as _launch_dkdv (sq > 0); dq like q, written. Split q blocks
-    (rows.work.n_slots > 0): the work-item kernel, then the fixed-order reduce of their partials."""
+    (rows.work.n_slots > 0 and ``split``): the work-item kernel, then the fixed-order reduce of their
+    partials."""
     sq, hq, d = q.shape
     sk, hkv = k.shape[0], k.shape[1]
     desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
@@ -583,7 +589,7 @@ def _launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, prepared: TritonP
               0, 0, sq, sk, hq, scale * LOG2E, scale)
     meta = dict(GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
                 IEEE=q.dtype == torch.float32, TMA=tma, num_warps=c.num_warps, num_stages=c.num_stages)
-    if w is None or not w.n_slots:
+    if w is None or not w.n_slots or not split:
         attn_bwd_dq_kernel[(nm * hq,)](
             q, k, v, dout, lse, delta, dq, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
             *common, **meta)

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from megatron_cp.kernels import CAUSAL, FULL, INV_CAUSAL  # noqa: E402
+from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: E402
 from megatron_cp.kernels import triton_backend as tb  # noqa: E402
 from megatron_cp.kernels.triton_backend import KernelConfig, StageConfigs, TritonBackend, TritonConfig  # noqa: E402
 from megatron_cp.kernels.triton_schedule import build_schedules, row_work  # noqa: E402
@@ -67,10 +67,11 @@ def dense_rows_in_a_block(s=150):
     return t
 
 
-def backend(d=16, bm=16, bn=16, tma=False, row_split_min=2):
+def backend(d=16, bm=16, bn=16, tma=False, row_split_min=2, dq_row_split=True):
+    # dq_row_split on (the library default is off, by measurement) so the split dQ kernels stay tested
     c = KernelConfig(bm, bn, 4, 1, tma)
     return TritonBackend(TritonConfig({d: StageConfigs(c, KernelConfig(bn, bm, 4, 1, tma), c)},
-                                      row_split_min=row_split_min))
+                                      row_split_min=row_split_min, dq_row_split=dq_row_split))
 
 
 def inputs(sq, sk, hq, hkv, d, dtype=torch.float32, seed=0):
@@ -250,3 +251,32 @@ def test_accumulate_two_split_stages(dtype, running):
     torch.testing.assert_close(out.float(), out0.float(), atol=tol, rtol=0)
     fin = ~empty
     torch.testing.assert_close(lse[fin], lse0[fin], atol=tol, rtol=0)
+
+
+def test_dq_row_split_off_by_default_runs_the_unsplit_dq(monkeypatch):
+    """The default config splits the forward but not dQ (measured slower); results still exact."""
+    assert TritonConfig().dq_row_split is False
+    calls = []
+    real = tb.attn_bwd_dq_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(tb, "attn_bwd_dq_split_kernel", None)  # would raise if launched
+    monkeypatch.setattr(tb, "attn_bwd_dq_kernel", Spy())
+    sq = sk = 96
+    tiles = torch.tensor([[0, 16, 0, 96, FULL], [16, 96, 16, 96, BI_CAUSAL]], dtype=torch.int32)
+    be = backend(dq_row_split=False)
+    q, k, v = torch.randn(sq, 2, 16), torch.randn(sk, 1, 16), torch.randn(sk, 1, 16)
+    do = torch.randn(sq, 2, 16)
+    prep = be.prepare(tiles, sq, sk)
+    c = be.config.for_head_dim(16, prep.row_class, q.dtype).dq
+    assert prep.schedules(c.block_m, c.block_n, q.device)[1].work.n_slots > 0  # the rows do split
+    out, lse = be.forward(q, k, v, prep, 0.5)
+    dq, dk, dv = be.backward(q, k, v, out, lse, do, prep, 0.5)
+    assert calls, "the unsplit dQ kernel did not run"
+    _, _, dq_r, dk_r, dv_r = reference(q, k, v, dense_mask(tiles, sq, sk), 0.5, do)
+    for a, b in ((dq, dq_r), (dk, dk_r), (dv, dv_r)):
+        assert (a.double() - b).abs().max() < 4e-4
