@@ -510,23 +510,34 @@ class TritonBackend:
 
 
 # -- launches (one config each; also what triton_autotune times on scratch outputs) ------------------------
+def _kernel_meta(c: KernelConfig, q, group: int, tma: bool) -> dict:
+    """Launch keywords of the main (schedule-walking) kernels."""
+    return dict(GROUP=group, HEAD_DIM=q.shape[2], BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                IEEE=q.dtype == torch.float32, TMA=tma, num_warps=c.num_warps, num_stages=c.num_stages)
+
+
+def _row_launch(c: KernelConfig, q, k, v, prepared: TritonPrepared):
+    """What the row-major launches (forward, dQ) share: tile descriptors, row schedule, the K/V tensor
+    descriptors when TMA (else k, v) and the launch keywords."""
+    desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
+    tma = _use_tma(c, q)
+    kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
+    return desc, rows, kd, vd, _kernel_meta(c, q, q.shape[1] // k.shape[1], tma)
+
+
 def _launch_fwd(c: KernelConfig, q, k, v, out, lse, prepared: TritonPrepared, scale: float, accumulate: bool):
     """Forward kernel with config c: q [sq, Hq, D], k/v [sk, Hkv, D] (unit stride along D), out [sq, Hq, D]
     (q's dtype or float32) and lse [sq, Hq] float32 written, or merged into when ``accumulate``.
     Split q blocks (rows.work.n_slots > 0): the work-item kernel, then the fixed-order merge."""
     sq, hq, d = q.shape
-    sk, hkv = k.shape[0], k.shape[1]
-    desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
-    nm = rows.order.shape[1]
-    tma = _use_tma(c, q)
-    kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
+    sk = k.shape[0]
+    desc, rows, kd, vd, meta = _row_launch(c, q, k, v, prepared)
     w = rows.work
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
               out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), 0, 0, sq, sk, hq, scale * LOG2E)
-    meta = dict(GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ACCUM=accumulate,
-                IEEE=q.dtype == torch.float32, TMA=tma, num_warps=c.num_warps, num_stages=c.num_stages)
+    meta["ACCUM"] = accumulate
     if w is None or not w.n_slots:
-        attn_fwd_kernel[(nm * hq,)](
+        attn_fwd_kernel[(rows.order.shape[1] * hq,)](
             q, k, v, out, lse, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile, *common, **meta)
         return
     wo = torch.empty(w.n_slots, hq, c.block_m, d, device=q.device, dtype=torch.float32)
@@ -542,27 +553,36 @@ def _launch_fwd(c: KernelConfig, q, k, v, out, lse, prepared: TritonPrepared, sc
 def _launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared: TritonPrepared, scale: float):
     """dK/dV kernels (and the fixed-order reduce of split key columns) with config c: q/dout [sq, Hq, D],
     k/v [sk, Hkv, D] (sk, Hkv > 0), lse/delta [sq, Hq] float32 contiguous; dk/dv like k, written."""
-    sq, hq, d = q.shape
-    sk, hkv = k.shape[0], k.shape[1]
     desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
-    w = cols.work
     tma = _use_tma(c, q)
     qd, dod = (_descriptor(x, c.block_m) for x in (q, dout)) if tma else (q, dout)
+    _launch_dkdv_kernels(attn_bwd_dkdv_kernel, q, k, v, dout, lse, delta, dk, dv, qd, dod, desc, cols, c, scale,
+                         q.shape[1] // k.shape[1], tma)
+
+
+def _launch_dkdv_kernels(kernel, q, k, v, dout, lse, delta, dk, dv, qd, dod, desc, cols, c: KernelConfig,
+                         scale: float, group: int, tma: bool, dqw=None):
+    """attn_bwd_dkdv_kernel (``kernel``: it, or its alias of the atomic phase) over the column work items,
+    then the fixed-order reduce of split key columns. dqw: None (deterministic), or the fp32 [sq, Hq, D]
+    workspace receiving the unscaled dQ by atomics (ATOMIC_DQ; triton_bwd_atomic.launch_bwd_atomic)."""
+    sq, hq, d = q.shape
+    sk, hkv = k.shape[0], k.shape[1]
+    w = cols.work
     if w.n_slots:
         wk = torch.empty(w.n_slots, hkv, c.block_n, d, device=q.device, dtype=torch.float32)
         wv = torch.empty_like(wk)
     else:
         wk = wv = dk  # unused
-    attn_bwd_dkdv_kernel[(w.n.shape[0] * hkv,)](
-        q, k, v, dout, lse, delta, dk, dv, qd, dod, desc, cols.ptr, cols.mid, cols.off, cols.tile,
-        w.n, w.seg, w.nseg, w.slot, wk, wv,
+    atomic = dqw is not None
+    dq_strides = (dqw.stride(0), dqw.stride(1)) if atomic else (0, 0)
+    kernel[(w.n.shape[0] * hkv,)](
+        q, k, v, dout, lse, delta, dk, dv, dqw if atomic else dk, qd, dod, desc, cols.ptr, cols.mid, cols.off,
+        cols.tile, w.n, w.seg, w.nseg, w.slot, wk, wv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *dq_strides,
         lse.stride(0), lse.stride(1), 0, 0,
         sq, sk, hkv, scale * LOG2E, scale,
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-        IEEE=q.dtype == torch.float32, TMA=tma,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+        ATOMIC_DQ=atomic, **_kernel_meta(c, q, group, tma),
     )
     if w.n_slots:
         attn_bwd_dkdv_reduce_kernel[(w.red_n.shape[0] * hkv,)](
@@ -578,19 +598,14 @@ def _launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, prepared: TritonP
     (rows.work.n_slots > 0 and ``split``): the work-item kernel, then the fixed-order reduce of their
     partials."""
     sq, hq, d = q.shape
-    sk, hkv = k.shape[0], k.shape[1]
-    desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
-    nm = rows.order.shape[1]
-    tma = _use_tma(c, q)
-    kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
+    sk = k.shape[0]
+    desc, rows, kd, vd, meta = _row_launch(c, q, k, v, prepared)
     w = rows.work
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
               dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), lse.stride(1),
               0, 0, sq, sk, hq, scale * LOG2E, scale)
-    meta = dict(GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                IEEE=q.dtype == torch.float32, TMA=tma, num_warps=c.num_warps, num_stages=c.num_stages)
     if w is None or not w.n_slots or not split:
-        attn_bwd_dq_kernel[(nm * hq,)](
+        attn_bwd_dq_kernel[(rows.order.shape[1] * hq,)](
             q, k, v, dout, lse, delta, dq, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
             *common, **meta)
         return

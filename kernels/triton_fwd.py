@@ -25,6 +25,80 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _tile_keep(DESC, TID, e, offs_m, offs_n, TRANSPOSED: tl.constexpr):
+    """Kept cells of the tile of schedule entry e: [BLOCK_M, BLOCK_N] (q rows x k cols), or its
+    transpose [BLOCK_N, BLOCK_M] when TRANSPOSED."""
+    t = tl.load(TID + e)
+    qs = tl.load(DESC + t * 6 + 0)
+    qe = tl.load(DESC + t * 6 + 1)
+    ks = tl.load(DESC + t * 6 + 2)
+    ke = tl.load(DESC + t * 6 + 3)
+    lo = tl.load(DESC + t * 6 + 4)
+    hi = tl.load(DESC + t * 6 + 5)
+    if TRANSPOSED:
+        dkq = offs_n[:, None] - offs_m[None, :]
+        keep = ((offs_m[None, :] >= qs) & (offs_m[None, :] < qe) & (offs_n[:, None] >= ks)
+                & (offs_n[:, None] < ke) & (dkq >= lo) & (dkq <= hi))
+    else:
+        dkq = offs_n[None, :] - offs_m[:, None]
+        keep = ((offs_m[:, None] >= qs) & (offs_m[:, None] < qe) & (offs_n[None, :] >= ks)
+                & (offs_n[None, :] < ke) & (dkq >= lo) & (dkq <= hi))
+    return keep
+
+
+@triton.jit
+def _row_item(PTR, MID, ORDER, OFF, TID, n_heads, sched_stride_b, sched_stride_e):
+    """Program ``i * Hq + h`` of a row-major launch (forward, dQ): head h, q block m = order[i] (heaviest
+    first), its schedule entries e0 .. e_mid (full) .. e1, and head h's entry arrays OFF, TID."""
+    pid = tl.program_id(0)
+    h = pid % n_heads
+    i = pid // n_heads
+    # schedules carry a head axis; its stride is 0 while all heads share one schedule
+    PTR += h * sched_stride_b
+    MID += h * sched_stride_b
+    ORDER += h * sched_stride_b
+    OFF += h * sched_stride_e
+    TID += h * sched_stride_e
+    m = tl.load(ORDER + i)
+    e0 = tl.load(PTR + m)
+    e_mid = tl.load(MID + m)
+    e1 = tl.load(PTR + m + 1)
+    return h, m, e0, e_mid, e1, OFF, TID
+
+
+@triton.jit
+def _row_split_item(W_M, W_SLOT, W_E0, W_EMID, W_E1, OFF, TID, n_heads, sched_stride_w, sched_stride_e):
+    """Program ``i * Hq + h`` of a RowWork launch (triton_schedule.RowWork): head h, q block m, workspace
+    slot (< 0: unsplit item), schedule entries e0 .. e_mid (full) .. e1, head h's entry arrays OFF, TID."""
+    pid = tl.program_id(0)
+    h = pid % n_heads
+    i = pid // n_heads
+    m = tl.load(W_M + i)
+    slot = tl.load(W_SLOT + i)
+    # entry bounds precomputed per head (RowWork.e0/e_mid/e1): computing them here by integer division
+    # made the whole forward kernel 20-26% slower on H200
+    e0 = tl.load(W_E0 + h * sched_stride_w + i)
+    e_mid = tl.load(W_EMID + h * sched_stride_w + i)
+    e1 = tl.load(W_E1 + h * sched_stride_w + i)
+    OFF += h * sched_stride_e
+    TID += h * sched_stride_e
+    return h, m, slot, e0, e_mid, e1, OFF, TID
+
+
+@triton.jit
+def _reduce_item(RED_B, RED_SLOT0, RED_NSEG, n_heads):
+    """Program ``i * H + h`` of a merge / reduce launch: head h, split block b = RED_B[i] and its workspace
+    slots s0 .. s0 + ns (summed in that order)."""
+    pid = tl.program_id(0)
+    h = pid % n_heads
+    i = pid // n_heads
+    b = tl.load(RED_B + i)
+    s0 = tl.load(RED_SLOT0 + i)
+    ns = tl.load(RED_NSEG + i)
+    return h, b, s0, ns
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, KD, VD, col0, stride_ks, stride_vs, OFF, TID, DESC,
                e0, e1, sk, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
                TMA: tl.constexpr):
@@ -48,16 +122,7 @@ def _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, KD, VD, col0, stride_ks
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale
         if MASKED:
-            t = tl.load(TID + e)
-            qs = tl.load(DESC + t * 6 + 0)
-            qe = tl.load(DESC + t * 6 + 1)
-            ks = tl.load(DESC + t * 6 + 2)
-            ke = tl.load(DESC + t * 6 + 3)
-            lo = tl.load(DESC + t * 6 + 4)
-            hi = tl.load(DESC + t * 6 + 5)
-            dkq = offs_n[None, :] - offs_m[:, None]
-            keep = ((offs_m[:, None] >= qs) & (offs_m[:, None] < qe) & (offs_n[None, :] >= ks)
-                    & (offs_n[None, :] < ke) & (dkq >= lo) & (dkq <= hi))
+            keep = _tile_keep(DESC, TID, e, offs_m, offs_n, False)
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # rows with nothing kept yet keep m = -inf; subtract 0 instead so exp2 gives 0, not NaN
@@ -148,19 +213,7 @@ def attn_fwd_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACCUM: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    h = pid % n_heads
-    i = pid // n_heads
-    # schedules carry a head axis; its stride is 0 while all heads share one schedule
-    PTR += h * sched_stride_b
-    MID += h * sched_stride_b
-    ORDER += h * sched_stride_b
-    OFF += h * sched_stride_e
-    TID += h * sched_stride_e
-    m = tl.load(ORDER + i)
-    e0 = tl.load(PTR + m)
-    e_mid = tl.load(MID + m)
-    e1 = tl.load(PTR + m + 1)
+    h, m, e0, e_mid, e1, OFF, TID = _row_item(PTR, MID, ORDER, OFF, TID, n_heads, sched_stride_b, sched_stride_e)
     acc, l_i, m_i = _fwd_block(Q, K, V, KD, VD, DESC, OFF, TID, m, h, e0, e_mid, e1, stride_qs, stride_qh,
                                stride_ks, stride_kh, stride_vs, stride_vh, sq, sk, qk_scale, GROUP, HEAD_DIM,
                                BLOCK_M, BLOCK_N, IEEE, TMA)
@@ -181,18 +234,8 @@ def attn_fwd_split_kernel(
     item writes out / lse as attn_fwd_kernel does; a segment of a split q block writes its unnormalised
     acc to WO fp32 [slots, Hq, BLOCK_M, D] and (row max, row sum) to WML fp32 [slots, Hq, 2, BLOCK_M],
     merged afterwards by attn_fwd_merge_kernel."""
-    pid = tl.program_id(0)
-    h = pid % n_heads
-    i = pid // n_heads
-    m = tl.load(W_M + i)
-    slot = tl.load(W_SLOT + i)
-    # entry bounds precomputed per head (RowWork.e0/e_mid/e1): computing them here by integer division
-    # made the whole kernel 20-26% slower on H200
-    e0 = tl.load(W_E0 + h * sched_stride_w + i)
-    e_mid = tl.load(W_EMID + h * sched_stride_w + i)
-    e1 = tl.load(W_E1 + h * sched_stride_w + i)
-    OFF += h * sched_stride_e
-    TID += h * sched_stride_e
+    h, m, slot, e0, e_mid, e1, OFF, TID = _row_split_item(W_M, W_SLOT, W_E0, W_EMID, W_E1, OFF, TID, n_heads,
+                                                          sched_stride_w, sched_stride_e)
     acc, l_i, m_i = _fwd_block(Q, K, V, KD, VD, DESC, OFF, TID, m, h, e0, e_mid, e1, stride_qs, stride_qh,
                                stride_ks, stride_kh, stride_vs, stride_vh, sq, sk, qk_scale, GROUP, HEAD_DIM,
                                BLOCK_M, BLOCK_N, IEEE, TMA)
@@ -215,12 +258,7 @@ def attn_fwd_merge_kernel(
 ):
     """out / lse of split q blocks: their segments' (acc, row max, row sum) combined in slot order
     (deterministic), then stored (or merged into the running pair when ACCUM) as attn_fwd_kernel does."""
-    pid = tl.program_id(0)
-    h = pid % n_heads
-    i = pid // n_heads
-    m = tl.load(RED_M + i)
-    s0 = tl.load(RED_SLOT0 + i)
-    ns = tl.load(RED_NSEG + i)
+    h, m, s0, ns = _reduce_item(RED_M, RED_SLOT0, RED_NSEG, n_heads)
     offs_r = tl.arange(0, BLOCK_M)
     tile = offs_r[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
     mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
