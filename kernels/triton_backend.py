@@ -14,11 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .tiles import check_tiles
-from .triton_bwd import (
-    attn_bwd_dkdv_kernel, attn_bwd_dkdv_reduce_kernel, attn_bwd_dq_kernel, attn_bwd_dq_reduce_kernel,
-    attn_bwd_dq_split_kernel,
-)
-from .triton_fwd import LOG2E, attn_fwd_kernel, attn_fwd_merge_kernel, attn_fwd_split_kernel
+from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dkdv_reduce_kernel, attn_bwd_dq_kernel
+from .triton_fwd import LOG2E, attn_fwd_kernel
 from .dense_fast_path import cudnn_backward, cudnn_forward, dense_kind
 from .dense_tiles import split_dense
 from .merge import merge_into
@@ -73,12 +70,6 @@ class TritonConfig:
     deterministic: backward bitwise reproducible (Triton kernels only, no atomics, no cuDNN).
     dense_fast_path: route a single full / square causal tile covering everything to cuDNN (CUDA only).
     dkdv_split_min: see triton_schedule.column_work (long key columns run as several programs).
-    row_split_min: forward (and dQ with dq_row_split): a q block with more than 2x the mean entries (k blocks met) and more
-        than row_split_min is cut into segments of max(row_split_min, 2x mean) entries run as separate
-        programs, merged / reduced afterwards in a fixed order (triton_schedule.row_work; deterministic).
-        The default 128 splits the global rows of global+local / star masks (256 entries at S=16k with
-        64-row blocks) but no causal, document or window mask up to S=64k; a value above the longest row
-        (e.g. 1 << 30) turns splitting off. When nothing is split, the unsplit kernels run as before.
     bwd_mode: "deterministic" (dK/dV programs and dQ programs, each output written once: bitwise
         reproducible) or "atomic" (dQ accumulated with fp32 atomics inside the dK/dV programs: 5 instead of
         7 matmuls per block pair, not reproducible bitwise; kernels/triton_bwd_atomic.py).
@@ -101,10 +92,6 @@ class TritonConfig:
     deterministic: bool = False
     dense_fast_path: bool = True
     dkdv_split_min: int = 16  # dK/dV: split k blocks with > 2x the mean entries and > this many (schedule)
-    row_split_min: int = 128  # fwd / dQ: split q blocks with > 2x the mean entries and > this many
-    # dQ side of the row split: off by default, measured on H200 (global+local, S = 64k, one GPU) 7% slower
-    # than unsplit dQ, equal at 4 x H200 S = 128k; the forward split is on (3% faster kernel there)
-    dq_row_split: bool = False
     dense_tiles: bool = True
     dense_min_rows: int = 512
     dense_min_keys: int = 8192
@@ -115,9 +102,6 @@ class TritonConfig:
     def __post_init__(self):
         if self.bwd_mode not in ("deterministic", "atomic"):
             raise ValueError(f"bwd_mode must be 'deterministic' or 'atomic', got {self.bwd_mode!r}")
-        if self.row_split_min < 1 or self.dkdv_split_min < 1:
-            raise ValueError(f"row_split_min and dkdv_split_min must be >= 1, got {self.row_split_min} and "
-                             f"{self.dkdv_split_min}")
         if self.deterministic and self.bwd_mode != "deterministic":
             raise ValueError(f"deterministic=True needs bwd_mode='deterministic', got {self.bwd_mode!r}")
         if self.deterministic and self.autotune:
@@ -147,7 +131,6 @@ class TritonPrepared:
     row_class: str = "long"  # "long" / "short": mean kept keys per row vs LONG_ROW_KEYS
     dense: bool | None = None  # is_causal for the dense fast path, None when it does not apply
     split_min: int = 16
-    row_split_min: int = 128
     dense_plan: list = field(default_factory=list)  # dense pieces (qs, qe, ks, ke, is_causal) for cuDNN
     rest: "TritonPrepared | None" = None  # the other tiles (Triton) when dense_plan is used; None: none
     _host: dict = field(default_factory=dict)  # (bm, bn) -> (rows, cols) on cpu
@@ -158,8 +141,7 @@ class TritonPrepared:
         if key not in self._dev:
             if (block_m, block_n) not in self._host:
                 self._host[(block_m, block_n)] = build_schedules(
-                    self.tiles, self.seqlen_q, self.seqlen_k, block_m, block_n, self.split_min,
-                    self.row_split_min)
+                    self.tiles, self.seqlen_q, self.seqlen_k, block_m, block_n, self.split_min)
             rows, cols = self._host[(block_m, block_n)]
             self._dev[key] = (self.desc.to(device), rows.to(device), cols.to(device))
         return self._dev[key]
@@ -304,15 +286,13 @@ class TritonBackend:
         row_class = "long" if area >= LONG_ROW_KEYS * max(seqlen_q, 1) else "short"
         prep = TritonPrepared(tiles, int(seqlen_q), int(seqlen_k),
                               tile_descriptors(tiles).to(torch.int32).contiguous(), row_class,
-                              dense_kind(tiles, seqlen_q, seqlen_k), self.config.dkdv_split_min,
-                              self.config.row_split_min)
+                              dense_kind(tiles, seqlen_q, seqlen_k), self.config.dkdv_split_min)
         for d in head_dims:
             c = self.config.for_head_dim(d, row_class)
             for kc in (c.fwd, c.dq, c.dkdv):
                 if (kc.block_m, kc.block_n) not in prep._host:
                     prep._host[(kc.block_m, kc.block_n)] = build_schedules(
-                        tiles, prep.seqlen_q, prep.seqlen_k, kc.block_m, kc.block_n, prep.split_min,
-                        prep.row_split_min)
+                        tiles, prep.seqlen_q, prep.seqlen_k, kc.block_m, kc.block_n, prep.split_min)
         return prep
 
     # -- forward ----------------------------------------------------------------------------------
@@ -480,11 +460,10 @@ class TritonBackend:
         if sq > 0:
             def make_run():  # autotune: scratch dq
                 dq_s = torch.empty_like(q)
-                return lambda c: _launch_dq(c, q, k, v, dout, lse, delta, dq_s, prepared, scale,
-                                            self.config.dq_row_split)
+                return lambda c: _launch_dq(c, q, k, v, dout, lse, delta, dq_s, prepared, scale)
 
             c = self._kernel_config("dq", q, k, prepared, make_run)
-            _launch_dq(c, q, k, v, dout, lse, delta, dq, prepared, scale, self.config.dq_row_split)
+            _launch_dq(c, q, k, v, dout, lse, delta, dq, prepared, scale)
         return dq, dk, dv
 
     def _dense_backward(self, q, k, v, out, lse, dout, prepared, scale, delta):
@@ -510,79 +489,50 @@ class TritonBackend:
 
 
 # -- launches (one config each; also what triton_autotune times on scratch outputs) ------------------------
-def _kernel_meta(c: KernelConfig, q, group: int, tma: bool) -> dict:
-    """Launch keywords of the main (schedule-walking) kernels."""
-    return dict(GROUP=group, HEAD_DIM=q.shape[2], BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                IEEE=q.dtype == torch.float32, TMA=tma, num_warps=c.num_warps, num_stages=c.num_stages)
-
-
-def _row_launch(c: KernelConfig, q, k, v, prepared: TritonPrepared):
-    """What the row-major launches (forward, dQ) share: tile descriptors, row schedule, the K/V tensor
-    descriptors when TMA (else k, v) and the launch keywords."""
-    desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
-    tma = _use_tma(c, q)
-    kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
-    return desc, rows, kd, vd, _kernel_meta(c, q, q.shape[1] // k.shape[1], tma)
-
-
 def _launch_fwd(c: KernelConfig, q, k, v, out, lse, prepared: TritonPrepared, scale: float, accumulate: bool):
     """Forward kernel with config c: q [sq, Hq, D], k/v [sk, Hkv, D] (unit stride along D), out [sq, Hq, D]
-    (q's dtype or float32) and lse [sq, Hq] float32 written, or merged into when ``accumulate``.
-    Split q blocks (rows.work.n_slots > 0): the work-item kernel, then the fixed-order merge."""
+    (q's dtype or float32) and lse [sq, Hq] float32 written, or merged into when ``accumulate``."""
     sq, hq, d = q.shape
-    sk = k.shape[0]
-    desc, rows, kd, vd, meta = _row_launch(c, q, k, v, prepared)
-    w = rows.work
-    common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-              out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), 0, 0, sq, sk, hq, scale * LOG2E)
-    meta["ACCUM"] = accumulate
-    if w is None or not w.n_slots:
-        attn_fwd_kernel[(rows.order.shape[1] * hq,)](
-            q, k, v, out, lse, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile, *common, **meta)
-        return
-    wo = torch.empty(w.n_slots, hq, c.block_m, d, device=q.device, dtype=torch.float32)
-    wml = torch.empty(w.n_slots, hq, 2, c.block_m, device=q.device, dtype=torch.float32)
-    attn_fwd_split_kernel[(w.m.shape[0] * hq,)](
-        q, k, v, out, lse, kd, vd, desc, rows.off, rows.tile, w.m, w.slot, w.e0, w.e_mid, w.e1,
-        wo, wml, *common, **meta)
-    attn_fwd_merge_kernel[(w.red_m.shape[0] * hq,)](
-        out, lse, wo, wml, w.red_m, w.red_slot0, w.red_nseg, out.stride(0), out.stride(1), lse.stride(0),
-        lse.stride(1), sq, hq, HEAD_DIM=d, BLOCK_M=c.block_m, ACCUM=accumulate, num_warps=4)
+    sk, hkv = k.shape[0], k.shape[1]
+    desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
+    nm = rows.order.shape[1]
+    tma = _use_tma(c, q)
+    kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
+    attn_fwd_kernel[(nm * hq,)](
+        q, k, v, out, lse, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), 0, 0,
+        sq, sk, hq, scale * LOG2E,
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        ACCUM=accumulate, IEEE=q.dtype == torch.float32, TMA=tma,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
 
 
 def _launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared: TritonPrepared, scale: float):
     """dK/dV kernels (and the fixed-order reduce of split key columns) with config c: q/dout [sq, Hq, D],
     k/v [sk, Hkv, D] (sk, Hkv > 0), lse/delta [sq, Hq] float32 contiguous; dk/dv like k, written."""
-    desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
-    tma = _use_tma(c, q)
-    qd, dod = (_descriptor(x, c.block_m) for x in (q, dout)) if tma else (q, dout)
-    _launch_dkdv_kernels(attn_bwd_dkdv_kernel, q, k, v, dout, lse, delta, dk, dv, qd, dod, desc, cols, c, scale,
-                         q.shape[1] // k.shape[1], tma)
-
-
-def _launch_dkdv_kernels(kernel, q, k, v, dout, lse, delta, dk, dv, qd, dod, desc, cols, c: KernelConfig,
-                         scale: float, group: int, tma: bool, dqw=None):
-    """attn_bwd_dkdv_kernel (``kernel``: it, or its alias of the atomic phase) over the column work items,
-    then the fixed-order reduce of split key columns. dqw: None (deterministic), or the fp32 [sq, Hq, D]
-    workspace receiving the unscaled dQ by atomics (ATOMIC_DQ; triton_bwd_atomic.launch_bwd_atomic)."""
     sq, hq, d = q.shape
     sk, hkv = k.shape[0], k.shape[1]
+    desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
     w = cols.work
+    tma = _use_tma(c, q)
+    qd, dod = (_descriptor(x, c.block_m) for x in (q, dout)) if tma else (q, dout)
     if w.n_slots:
         wk = torch.empty(w.n_slots, hkv, c.block_n, d, device=q.device, dtype=torch.float32)
         wv = torch.empty_like(wk)
     else:
         wk = wv = dk  # unused
-    atomic = dqw is not None
-    dq_strides = (dqw.stride(0), dqw.stride(1)) if atomic else (0, 0)
-    kernel[(w.n.shape[0] * hkv,)](
-        q, k, v, dout, lse, delta, dk, dv, dqw if atomic else dk, qd, dod, desc, cols.ptr, cols.mid, cols.off,
-        cols.tile, w.n, w.seg, w.nseg, w.slot, wk, wv,
+    attn_bwd_dkdv_kernel[(w.n.shape[0] * hkv,)](
+        q, k, v, dout, lse, delta, dk, dv, qd, dod, desc, cols.ptr, cols.mid, cols.off, cols.tile,
+        w.n, w.seg, w.nseg, w.slot, wk, wv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *dq_strides,
+        dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         lse.stride(0), lse.stride(1), 0, 0,
         sq, sk, hkv, scale * LOG2E, scale,
-        ATOMIC_DQ=atomic, **_kernel_meta(c, q, group, tma),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        IEEE=q.dtype == torch.float32, TMA=tma,
+        num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if w.n_slots:
         attn_bwd_dkdv_reduce_kernel[(w.red_n.shape[0] * hkv,)](
@@ -592,27 +542,20 @@ def _launch_dkdv_kernels(kernel, q, k, v, dout, lse, delta, dk, dv, qd, dod, des
         )
 
 
-def _launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, prepared: TritonPrepared, scale: float,
-               split: bool = True):
-    """dQ kernel with config c: shapes as _launch_dkdv (sq > 0); dq like q, written. Split q blocks
-    (rows.work.n_slots > 0 and ``split``): the work-item kernel, then the fixed-order reduce of their
-    partials."""
+def _launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, prepared: TritonPrepared, scale: float):
+    """dQ kernel with config c: shapes as _launch_dkdv (sq > 0); dq like q, written."""
     sq, hq, d = q.shape
-    sk = k.shape[0]
-    desc, rows, kd, vd, meta = _row_launch(c, q, k, v, prepared)
-    w = rows.work
-    common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-              dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), lse.stride(1),
-              0, 0, sq, sk, hq, scale * LOG2E, scale)
-    if w is None or not w.n_slots or not split:
-        attn_bwd_dq_kernel[(rows.order.shape[1] * hq,)](
-            q, k, v, dout, lse, delta, dq, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
-            *common, **meta)
-        return
-    wq = torch.empty(w.n_slots, hq, c.block_m, d, device=q.device, dtype=torch.float32)
-    attn_bwd_dq_split_kernel[(w.m.shape[0] * hq,)](
-        q, k, v, dout, lse, delta, dq, kd, vd, desc, rows.off, rows.tile, w.m, w.slot, w.e0, w.e_mid, w.e1,
-        wq, *common, **meta)
-    attn_bwd_dq_reduce_kernel[(w.red_m.shape[0] * hq,)](
-        wq, dq, w.red_m, w.red_slot0, w.red_nseg, dq.stride(0), dq.stride(1), sq, hq, scale,
-        HEAD_DIM=d, BLOCK_M=c.block_m, num_warps=4)
+    sk, hkv = k.shape[0], k.shape[1]
+    desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
+    nm = rows.order.shape[1]
+    tma = _use_tma(c, q)
+    kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
+    attn_bwd_dq_kernel[(nm * hq,)](
+        q, k, v, dout, lse, delta, dq, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), lse.stride(1),
+        0, 0, sq, sk, hq, scale * LOG2E, scale,
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        IEEE=q.dtype == torch.float32, TMA=tma,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )

@@ -5,11 +5,7 @@ Two kernels, each writing every output element exactly once:
 * ``attn_bwd_dkdv_kernel``: one program per (k block, kv head). It walks the column-major schedule
   (the q blocks meeting its k block, full ones first) for each of the ``group`` q heads sharing the kv
   head, accumulating dK and dV in registers: GQA needs no expanded K/V and no reduction pass.
-  With ATOMIC_DQ it is also the fused kernel of the atomic-dQ backward (kernels/triton_bwd_atomic.py).
-* ``attn_bwd_dq_kernel``: one program per (q block, q head), walking the row-major schedule. Long q
-  blocks (``triton_schedule.RowWork``) run instead through ``attn_bwd_dq_split_kernel`` (one program per
-  work item and q head; segments of a split block write fp32 partials to workspace slots) and
-  ``attn_bwd_dq_reduce_kernel`` (sums each split block's slots in order: still deterministic).
+* ``attn_bwd_dq_kernel``: one program per (q block, q head), walking the row-major schedule.
 
 Both recompute P = exp(S - lse) from the merged (global) lse, and dS = P * (dP - delta) with
 delta = rowsum(dO * O) - dlse supplied by the caller. Rows with lse = -inf contribute nothing.
@@ -20,7 +16,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import _reduce_item, _row_item, _row_split_item, _tile_keep
+
+@triton.jit
+def _tile_keep(DESC, TID, e, offs_m, offs_n, TRANSPOSED: tl.constexpr):
+    """Kept cells of the tile of schedule entry e: [BLOCK_M, BLOCK_N] (q rows x k cols), or its
+    transpose [BLOCK_N, BLOCK_M] when TRANSPOSED."""
+    t = tl.load(TID + e)
+    qs = tl.load(DESC + t * 6 + 0)
+    qe = tl.load(DESC + t * 6 + 1)
+    ks = tl.load(DESC + t * 6 + 2)
+    ke = tl.load(DESC + t * 6 + 3)
+    lo = tl.load(DESC + t * 6 + 4)
+    hi = tl.load(DESC + t * 6 + 5)
+    if TRANSPOSED:
+        dkq = offs_n[:, None] - offs_m[None, :]
+        keep = ((offs_m[None, :] >= qs) & (offs_m[None, :] < qe) & (offs_n[:, None] >= ks)
+                & (offs_n[:, None] < ke) & (dkq >= lo) & (dkq <= hi))
+    else:
+        dkq = offs_n[None, :] - offs_m[:, None]
+        keep = ((offs_m[:, None] >= qs) & (offs_m[:, None] < qe) & (offs_n[None, :] >= ks)
+                & (offs_n[None, :] < ke) & (dkq >= lo) & (dkq <= hi))
+    return keep
 
 
 @triton.jit
@@ -43,35 +59,23 @@ def _load_rows(base, desc, row0, col0, n_rows, stride, BLOCK: tl.constexpr, HEAD
 
 
 @triton.jit
-def _row_stats(lse_ptr, delta_ptr, offs, stride_ls, ok, MASKED: tl.constexpr):
-    """lse (base 2, -inf turned into +inf so that P is exactly 0 on rows with nothing kept anywhere) and
-    delta of rows ``offs``; rows not ``ok`` read as lse +inf, delta 0 when MASKED."""
-    if MASKED:
-        lse = tl.load(lse_ptr + offs * stride_ls, mask=ok, other=float("inf"))
-        delta = tl.load(delta_ptr + offs * stride_ls, mask=ok, other=0.0)
-    else:
-        lse = tl.load(lse_ptr + offs * stride_ls)
-        delta = tl.load(delta_ptr + offs * stride_ls)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    return lse2, delta
-
-
-@triton.jit
-def _dkdv_inner(dk, dv, k, v, offs_n, Qh, DOh, QD, DOD, col0, lse_h, delta_h, DQh, stride_qs, stride_dos,
-                stride_ls, stride_dqs, OFF, TID, DESC, e0, e1, sq, qk_scale, BLOCK_M: tl.constexpr,
-                HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
-                ATOMIC_DQ: tl.constexpr):
-    """Schedule entries e0..e1 of one k block for one q head: returns dk, dv [BLOCK_N, HEAD_DIM] fp32
-    accumulated. MASKED: partial entries (tile mask, rows past sq). ATOMIC_DQ: also adds each entry's
-    unscaled dS @ K [BLOCK_M, HEAD_DIM] fp32 into DQh (head h's slice of the fp32 workspace, row stride
-    stride_dqs) by relaxed atomics (kernels/triton_bwd_atomic.py); else DQh is unused."""
-    offs_d = tl.arange(0, HEAD_DIM)
+def _dkdv_inner(dk, dv, k, v, offs_n, Qh, DOh, QD, DOD, col0, lse_h, delta_h, stride_qs, stride_dos, stride_ls,
+                OFF, TID, DESC, e0, e1, sq, qk_scale, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                MASKED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
     for e in range(e0, e1):
         m0 = tl.load(OFF + e)
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q = _load_rows(Qh, QD, m0, col0, sq, stride_qs, BLOCK_M, HEAD_DIM, MASKED, TMA)
         do = _load_rows(DOh, DOD, m0, col0, sq, stride_dos, BLOCK_M, HEAD_DIM, MASKED, TMA)
-        lse2, delta = _row_stats(lse_h, delta_h, offs_m, stride_ls, offs_m < sq, MASKED)
+        if MASKED:
+            ok = offs_m < sq
+            lse = tl.load(lse_h + offs_m * stride_ls, mask=ok, other=float("inf"))
+            delta = tl.load(delta_h + offs_m * stride_ls, mask=ok, other=0.0)
+        else:
+            lse = tl.load(lse_h + offs_m * stride_ls)
+            delta = tl.load(delta_h + offs_m * stride_ls)
+        # lse = -inf marks a row with nothing kept anywhere: make its P exactly 0
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         if IEEE:
             sT = tl.dot(k, tl.trans(q), input_precision="ieee")
         else:
@@ -91,35 +95,19 @@ def _dkdv_inner(dk, dv, k, v, offs_n, Qh, DOh, QD, DOD, col0, lse_h, delta_h, DQ
             dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision="ieee")
         else:
             dk = tl.dot(dsT.to(q.dtype), q, dk)
-        if ATOMIC_DQ:
-            # dS rounded to the input dtype as for dK (and as the deterministic dQ kernel does)
-            if IEEE:
-                dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision="ieee")
-            else:
-                dq = tl.dot(tl.trans(dsT.to(k.dtype)), k)
-            ptrs = DQh + offs_m.to(tl.int64)[:, None] * stride_dqs + offs_d[None, :]
-            # relaxed: only atomicity is needed (nothing reads dQ before the kernel ends), no fences
-            if MASKED:
-                # rows past sq exist only in partial entries (full blocks lie inside a tile, inside [0, sq))
-                tl.atomic_add(ptrs, dq, mask=(offs_m < sq)[:, None], sem="relaxed")
-            else:
-                tl.atomic_add(ptrs, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQW, QD, DOD, DESC, PTR, MID, OFF, TID, W_N, W_SEG, W_NSEG, W_SLOT, WK, WV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, QD, DOD, DESC, PTR, MID, OFF, TID, W_N, W_SEG, W_NSEG, W_SLOT, WK, WV,
     stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh,
-    stride_dks, stride_dkh, stride_dvs, stride_dvh, stride_dqs, stride_dqh, stride_ls, stride_lh,
+    stride_dks, stride_dkh, stride_dvs, stride_dvh, stride_ls, stride_lh,
     sched_stride_b, sched_stride_e,
     sq, sk, n_kv_heads, qk_scale, sm_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Grid: (work items x kv heads). ATOMIC_DQ (kernels/triton_bwd_atomic.py): also adds the unscaled
-    dS @ K of every block pair into DQW fp32 [sq, Hq, D] (zero-initialised) by atomics; else DQW and its
-    strides are unused."""
     pid = tl.program_id(0)
     hk = pid % n_kv_heads
     i = pid // n_kv_heads
@@ -132,7 +120,6 @@ def attn_bwd_dkdv_kernel(
     offs_n64 = offs_n.to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
     col_ok = offs_n < sk
-    # keys past sk read as 0, so their (masked-out anyway) dQ contributions are 0 too
     k = tl.load(K + offs_n64[:, None] * stride_ks + hk * stride_kh + offs_d[None, :],
                 mask=col_ok[:, None], other=0.0)
     v = tl.load(V + offs_n64[:, None] * stride_vs + hk * stride_vh + offs_d[None, :],
@@ -154,21 +141,20 @@ def attn_bwd_dkdv_kernel(
         doh = DO + h * stride_doh
         lse_h = LSE + h * stride_lh
         delta_h = DELTA + h * stride_lh
-        dqh = DQW + h * stride_dqh  # q head h's own slice: heads of a group never add into each other
         col0 = h * HEAD_DIM
-        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qh, doh, QD, DOD, col0, lse_h, delta_h, dqh, stride_qs,
-                             stride_dos, stride_ls, stride_dqs, off, tid, DESC, e0, e_mid, sq, qk_scale, BLOCK_M,
-                             HEAD_DIM, False, IEEE, TMA, ATOMIC_DQ)
-        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qh, doh, QD, DOD, col0, lse_h, delta_h, dqh, stride_qs,
-                             stride_dos, stride_ls, stride_dqs, off, tid, DESC, e_mid, e1, sq, qk_scale, BLOCK_M,
-                             HEAD_DIM, True, IEEE, TMA, ATOMIC_DQ)
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qh, doh, QD, DOD, col0, lse_h, delta_h, stride_qs, stride_dos,
+                             stride_ls, off, tid, DESC, e0, e_mid, sq, qk_scale, BLOCK_M, HEAD_DIM, False, IEEE,
+                             TMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qh, doh, QD, DOD, col0, lse_h, delta_h, stride_qs, stride_dos,
+                             stride_ls, off, tid, DESC, e_mid, e1, sq, qk_scale, BLOCK_M, HEAD_DIM, True, IEEE,
+                             TMA)
     dk = dk * sm_scale
     if slot < 0:
         tl.store(DK + offs_n64[:, None] * stride_dks + hk * stride_dkh + offs_d[None, :],
                  dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
         tl.store(DV + offs_n64[:, None] * stride_dvs + hk * stride_dvh + offs_d[None, :],
                  dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
-    else:  # one segment of a split k block: fp32 partial into its workspace slot (reduced in slot order)
+    else:  # one segment of a split k block: fp32 partial into its workspace slot
         tile = tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM + offs_d[None, :]
         base = (slot * n_kv_heads + hk).to(tl.int64) * (BLOCK_N * HEAD_DIM)
         tl.store(WK + base + tile, dk)
@@ -181,7 +167,12 @@ def attn_bwd_dkdv_reduce_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK/dV of split k blocks: the sum of their segments' partials, always in slot order."""
-    hk, n, s0, ns = _reduce_item(RED_N, RED_SLOT0, RED_NSEG, n_kv_heads)
+    pid = tl.program_id(0)
+    hk = pid % n_kv_heads
+    i = pid // n_kv_heads
+    n = tl.load(RED_N + i)
+    s0 = tl.load(RED_SLOT0 + i)
+    ns = tl.load(RED_NSEG + i)
     offs_d = tl.arange(0, HEAD_DIM)
     tile = tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM + offs_d[None, :]
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -227,39 +218,6 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, Kh, Vh, KD, VD, col0, stride_ks, s
 
 
 @triton.jit
-def _dq_block(Q, K, V, DO, LSE, DELTA, KD, VD, DESC, OFF, TID, m, h, e0, e_mid, e1,
-              stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh,
-              stride_ls, stride_lh, sq, sk, qk_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
-    """Unscaled dq [BLOCK_M, D] fp32 of q block m, q head h over schedule entries e0 .. e1 (full ones
-    e0 .. e_mid)."""
-    hk = h // GROUP
-    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
-    # plain (masked) loads: the TMA descriptors of this kernel are K's and V's
-    q = _load_rows(Q + h * stride_qh, Q, m * BLOCK_M, 0, sq, stride_qs, BLOCK_M, HEAD_DIM, True, False)
-    do = _load_rows(DO + h * stride_doh, DO, m * BLOCK_M, 0, sq, stride_dos, BLOCK_M, HEAD_DIM, True, False)
-    lse2, delta = _row_stats(LSE + h * stride_lh, DELTA + h * stride_lh, offs_m.to(tl.int64), stride_ls,
-                             offs_m < sq, True)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    Kh = K + hk * stride_kh
-    Vh = V + hk * stride_vh
-    col0 = hk * HEAD_DIM
-    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, Kh, Vh, KD, VD, col0, stride_ks, stride_vs, OFF, TID, DESC,
-                   e0, e_mid, sk, qk_scale, BLOCK_N, HEAD_DIM, False, IEEE, TMA)
-    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, Kh, Vh, KD, VD, col0, stride_ks, stride_vs, OFF, TID, DESC,
-                   e_mid, e1, sk, qk_scale, BLOCK_N, HEAD_DIM, True, IEEE, TMA)
-    return dq
-
-
-@triton.jit
-def _dq_store(DQ, dq, m, h, stride_dqs, stride_dqh, sq, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    tl.store(DQ + offs_m.to(tl.int64)[:, None] * stride_dqs + h * stride_dqh + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=(offs_m < sq)[:, None])
-
-
-@triton.jit
 def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, KD, VD, DESC, PTR, MID, ORDER, OFF, TID,
     stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh,
@@ -268,46 +226,38 @@ def attn_bwd_dq_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
-    h, m, e0, e_mid, e1, OFF, TID = _row_item(PTR, MID, ORDER, OFF, TID, n_heads, sched_stride_b, sched_stride_e)
-    dq = _dq_block(Q, K, V, DO, LSE, DELTA, KD, VD, DESC, OFF, TID, m, h, e0, e_mid, e1, stride_qs, stride_qh,
-                   stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh, stride_ls, stride_lh,
-                   sq, sk, qk_scale, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, TMA)
-    _dq_store(DQ, dq * sm_scale, m, h, stride_dqs, stride_dqh, sq, HEAD_DIM, BLOCK_M)
-
-
-@triton.jit
-def attn_bwd_dq_split_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, KD, VD, DESC, OFF, TID, W_M, W_SLOT, W_E0, W_EMID, W_E1, WQ,
-    stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh,
-    stride_dqs, stride_dqh, stride_ls, stride_lh, sched_stride_w, sched_stride_e,
-    sq, sk, n_heads, qk_scale, sm_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr,
-):
-    """attn_bwd_dq_kernel over RowWork items (programs ``i * Hq + h``): an unsplit item writes dq; a
-    segment of a split q block writes its unscaled fp32 partial to WQ [slots, Hq, BLOCK_M, D], summed in
-    slot order by attn_bwd_dq_reduce_kernel."""
-    h, m, slot, e0, e_mid, e1, OFF, TID = _row_split_item(W_M, W_SLOT, W_E0, W_EMID, W_E1, OFF, TID, n_heads,
-                                                          sched_stride_w, sched_stride_e)
-    dq = _dq_block(Q, K, V, DO, LSE, DELTA, KD, VD, DESC, OFF, TID, m, h, e0, e_mid, e1, stride_qs, stride_qh,
-                   stride_ks, stride_kh, stride_vs, stride_vh, stride_dos, stride_doh, stride_ls, stride_lh,
-                   sq, sk, qk_scale, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, TMA)
-    if slot < 0:
-        _dq_store(DQ, dq * sm_scale, m, h, stride_dqs, stride_dqh, sq, HEAD_DIM, BLOCK_M)
-    else:
-        tile = tl.arange(0, BLOCK_M)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-        tl.store(WQ + (slot * n_heads + h).to(tl.int64) * (BLOCK_M * HEAD_DIM) + tile, dq)
-
-
-@triton.jit
-def attn_bwd_dq_reduce_kernel(
-    WQ, DQ, RED_M, RED_SLOT0, RED_NSEG, stride_dqs, stride_dqh, sq, n_heads, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """dQ of split q blocks: the sum of their segments' partials, always in slot order, times sm_scale."""
-    h, m, s0, ns = _reduce_item(RED_M, RED_SLOT0, RED_NSEG, n_heads)
-    tile = tl.arange(0, BLOCK_M)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    pid = tl.program_id(0)
+    h = pid % n_heads
+    i = pid // n_heads
+    PTR += h * sched_stride_b
+    MID += h * sched_stride_b
+    ORDER += h * sched_stride_b
+    OFF += h * sched_stride_e
+    TID += h * sched_stride_e
+    m = tl.load(ORDER + i)
+    e0 = tl.load(PTR + m)
+    e_mid = tl.load(MID + m)
+    e1 = tl.load(PTR + m + 1)
+    hk = h // GROUP
+    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m64 = offs_m.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs_m < sq
+    q = tl.load(Q + offs_m64[:, None] * stride_qs + h * stride_qh + offs_d[None, :],
+                mask=ok[:, None], other=0.0)
+    do = tl.load(DO + offs_m64[:, None] * stride_dos + h * stride_doh + offs_d[None, :],
+                 mask=ok[:, None], other=0.0)
+    lse = tl.load(LSE + offs_m64 * stride_ls + h * stride_lh, mask=ok, other=float("inf"))
+    delta = tl.load(DELTA + offs_m64 * stride_ls + h * stride_lh, mask=ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for s in range(s0, s0 + ns):
-        dq += tl.load(WQ + (s * n_heads + h).to(tl.int64) * (BLOCK_M * HEAD_DIM) + tile)
-    _dq_store(DQ, dq * sm_scale, m, h, stride_dqs, stride_dqh, sq, HEAD_DIM, BLOCK_M)
+    Kh = K + hk * stride_kh
+    Vh = V + hk * stride_vh
+    col0 = hk * HEAD_DIM
+    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, Kh, Vh, KD, VD, col0, stride_ks, stride_vs, OFF, TID, DESC,
+                   e0, e_mid, sk, qk_scale, BLOCK_N, HEAD_DIM, False, IEEE, TMA)
+    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, Kh, Vh, KD, VD, col0, stride_ks, stride_vs, OFF, TID, DESC,
+                   e_mid, e1, sk, qk_scale, BLOCK_N, HEAD_DIM, True, IEEE, TMA)
+    dq = dq * sm_scale
+    tl.store(DQ + offs_m64[:, None] * stride_dqs + h * stride_dqh + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=ok[:, None])

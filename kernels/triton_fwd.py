@@ -7,12 +7,6 @@ sharing rows need no second pass. GQA/MQA: the program reads K/V of head ``h // 
 
 Programs are numbered ``i * Hq + h`` with ``m = order[i]``: heads of one q block run side by side
 (they share K/V through L2) and the heaviest q blocks start first.
-
-Long q blocks (global rows: far more entries than average, ``triton_schedule.RowWork``) are split: then
-``attn_fwd_split_kernel`` runs one program per (work item, q head), a segment of a split block writing its
-unnormalised partial to an fp32 workspace slot, and ``attn_fwd_merge_kernel`` combines the slots of each
-split block in order (deterministic) into out / lse. When nothing is split the backend launches
-``attn_fwd_kernel`` alone, as before.
 """
 
 from __future__ import annotations
@@ -22,80 +16,6 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-
-@triton.jit
-def _tile_keep(DESC, TID, e, offs_m, offs_n, TRANSPOSED: tl.constexpr):
-    """Kept cells of the tile of schedule entry e: [BLOCK_M, BLOCK_N] (q rows x k cols), or its
-    transpose [BLOCK_N, BLOCK_M] when TRANSPOSED."""
-    t = tl.load(TID + e)
-    qs = tl.load(DESC + t * 6 + 0)
-    qe = tl.load(DESC + t * 6 + 1)
-    ks = tl.load(DESC + t * 6 + 2)
-    ke = tl.load(DESC + t * 6 + 3)
-    lo = tl.load(DESC + t * 6 + 4)
-    hi = tl.load(DESC + t * 6 + 5)
-    if TRANSPOSED:
-        dkq = offs_n[:, None] - offs_m[None, :]
-        keep = ((offs_m[None, :] >= qs) & (offs_m[None, :] < qe) & (offs_n[:, None] >= ks)
-                & (offs_n[:, None] < ke) & (dkq >= lo) & (dkq <= hi))
-    else:
-        dkq = offs_n[None, :] - offs_m[:, None]
-        keep = ((offs_m[:, None] >= qs) & (offs_m[:, None] < qe) & (offs_n[None, :] >= ks)
-                & (offs_n[None, :] < ke) & (dkq >= lo) & (dkq <= hi))
-    return keep
-
-
-@triton.jit
-def _row_item(PTR, MID, ORDER, OFF, TID, n_heads, sched_stride_b, sched_stride_e):
-    """Program ``i * Hq + h`` of a row-major launch (forward, dQ): head h, q block m = order[i] (heaviest
-    first), its schedule entries e0 .. e_mid (full) .. e1, and head h's entry arrays OFF, TID."""
-    pid = tl.program_id(0)
-    h = pid % n_heads
-    i = pid // n_heads
-    # schedules carry a head axis; its stride is 0 while all heads share one schedule
-    PTR += h * sched_stride_b
-    MID += h * sched_stride_b
-    ORDER += h * sched_stride_b
-    OFF += h * sched_stride_e
-    TID += h * sched_stride_e
-    m = tl.load(ORDER + i)
-    e0 = tl.load(PTR + m)
-    e_mid = tl.load(MID + m)
-    e1 = tl.load(PTR + m + 1)
-    return h, m, e0, e_mid, e1, OFF, TID
-
-
-@triton.jit
-def _row_split_item(W_M, W_SLOT, W_E0, W_EMID, W_E1, OFF, TID, n_heads, sched_stride_w, sched_stride_e):
-    """Program ``i * Hq + h`` of a RowWork launch (triton_schedule.RowWork): head h, q block m, workspace
-    slot (< 0: unsplit item), schedule entries e0 .. e_mid (full) .. e1, head h's entry arrays OFF, TID."""
-    pid = tl.program_id(0)
-    h = pid % n_heads
-    i = pid // n_heads
-    m = tl.load(W_M + i)
-    slot = tl.load(W_SLOT + i)
-    # entry bounds precomputed per head (RowWork.e0/e_mid/e1): computing them here by integer division
-    # made the whole forward kernel 20-26% slower on H200
-    e0 = tl.load(W_E0 + h * sched_stride_w + i)
-    e_mid = tl.load(W_EMID + h * sched_stride_w + i)
-    e1 = tl.load(W_E1 + h * sched_stride_w + i)
-    OFF += h * sched_stride_e
-    TID += h * sched_stride_e
-    return h, m, slot, e0, e_mid, e1, OFF, TID
-
-
-@triton.jit
-def _reduce_item(RED_B, RED_SLOT0, RED_NSEG, n_heads):
-    """Program ``i * H + h`` of a merge / reduce launch: head h, split block b = RED_B[i] and its workspace
-    slots s0 .. s0 + ns (summed in that order)."""
-    pid = tl.program_id(0)
-    h = pid % n_heads
-    i = pid // n_heads
-    b = tl.load(RED_B + i)
-    s0 = tl.load(RED_SLOT0 + i)
-    ns = tl.load(RED_NSEG + i)
-    return h, b, s0, ns
 
 
 @triton.jit
@@ -122,7 +42,16 @@ def _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, KD, VD, col0, stride_ks
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale
         if MASKED:
-            keep = _tile_keep(DESC, TID, e, offs_m, offs_n, False)
+            t = tl.load(TID + e)
+            qs = tl.load(DESC + t * 6 + 0)
+            qe = tl.load(DESC + t * 6 + 1)
+            ks = tl.load(DESC + t * 6 + 2)
+            ke = tl.load(DESC + t * 6 + 3)
+            lo = tl.load(DESC + t * 6 + 4)
+            hi = tl.load(DESC + t * 6 + 5)
+            dkq = offs_n[None, :] - offs_m[:, None]
+            keep = ((offs_m[:, None] >= qs) & (offs_m[:, None] < qe) & (offs_n[None, :] >= ks)
+                    & (offs_n[None, :] < ke) & (dkq >= lo) & (dkq <= hi))
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # rows with nothing kept yet keep m = -inf; subtract 0 instead so exp2 gives 0, not NaN
@@ -149,12 +78,29 @@ def _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, KD, VD, col0, stride_ks
 
 
 @triton.jit
-def _fwd_block(Q, K, V, KD, VD, DESC, OFF, TID, m, h, e0, e_mid, e1, stride_qs, stride_qh, stride_ks, stride_kh,
-               stride_vs, stride_vh, sq, sk, qk_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
-    """Unnormalised online-softmax state of q block m, q head h over schedule entries e0 .. e1 (full ones
-    e0 .. e_mid): acc [BLOCK_M, D] fp32, row sum l and row max m (base 2) [BLOCK_M] fp32."""
+def attn_fwd_kernel(
+    Q, K, V, O, LSE, KD, VD, DESC, PTR, MID, ORDER, OFF, TID,
+    stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_os, stride_oh,
+    stride_ls, stride_lh, sched_stride_b, sched_stride_e,
+    sq, sk, n_heads, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACCUM: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = pid % n_heads
+    i = pid // n_heads
+    # schedules carry a head axis; its stride is 0 while all heads share one schedule
+    PTR += h * sched_stride_b
+    MID += h * sched_stride_b
+    ORDER += h * sched_stride_b
+    OFF += h * sched_stride_e
+    TID += h * sched_stride_e
+    m = tl.load(ORDER + i)
+    e0 = tl.load(PTR + m)
+    e_mid = tl.load(MID + m)
+    e1 = tl.load(PTR + m + 1)
     hk = h // GROUP
+
     offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < sq
@@ -171,17 +117,7 @@ def _fwd_block(Q, K, V, KD, VD, DESC, OFF, TID, m, h, e0, e_mid, e1, stride_qs, 
                                stride_vs, OFF, TID, DESC, e0, e_mid, sk, qk_scale, BLOCK_N, False, IEEE, TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, KD, VD, hk * HEAD_DIM, stride_ks,
                                stride_vs, OFF, TID, DESC, e_mid, e1, sk, qk_scale, BLOCK_N, True, IEEE, TMA)
-    return acc, l_i, m_i
 
-
-@triton.jit
-def _fwd_store(O, LSE, acc, l_i, m_i, m, h, stride_os, stride_oh, stride_ls, stride_lh, sq,
-               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ACCUM: tl.constexpr):
-    """Normalise (acc, l, m) of q block m, head h into out / lse (rows with nothing kept: 0 / -inf) and
-    store them, or merge them into the running (out, lse) by LSE when ACCUM."""
-    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < sq
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -202,77 +138,3 @@ def _fwd_store(O, LSE, acc, l_i, m_i, m, h, stride_os, stride_oh, stride_ls, str
         lse = tl.where(tot == 0.0, float("-inf"), mx + tl.log(tot_safe))
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(l_ptrs, lse, mask=row_ok)
-
-
-@triton.jit
-def attn_fwd_kernel(
-    Q, K, V, O, LSE, KD, VD, DESC, PTR, MID, ORDER, OFF, TID,
-    stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_os, stride_oh,
-    stride_ls, stride_lh, sched_stride_b, sched_stride_e,
-    sq, sk, n_heads, qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACCUM: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
-):
-    h, m, e0, e_mid, e1, OFF, TID = _row_item(PTR, MID, ORDER, OFF, TID, n_heads, sched_stride_b, sched_stride_e)
-    acc, l_i, m_i = _fwd_block(Q, K, V, KD, VD, DESC, OFF, TID, m, h, e0, e_mid, e1, stride_qs, stride_qh,
-                               stride_ks, stride_kh, stride_vs, stride_vh, sq, sk, qk_scale, GROUP, HEAD_DIM,
-                               BLOCK_M, BLOCK_N, IEEE, TMA)
-    _fwd_store(O, LSE, acc, l_i, m_i, m, h, stride_os, stride_oh, stride_ls, stride_lh, sq, HEAD_DIM, BLOCK_M,
-               ACCUM)
-
-
-@triton.jit
-def attn_fwd_split_kernel(
-    Q, K, V, O, LSE, KD, VD, DESC, OFF, TID, W_M, W_SLOT, W_E0, W_EMID, W_E1, WO, WML,
-    stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_os, stride_oh,
-    stride_ls, stride_lh, sched_stride_w, sched_stride_e,
-    sq, sk, n_heads, qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACCUM: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
-):
-    """attn_fwd_kernel over RowWork items (triton_schedule.RowWork; programs ``i * Hq + h``): an unsplit
-    item writes out / lse as attn_fwd_kernel does; a segment of a split q block writes its unnormalised
-    acc to WO fp32 [slots, Hq, BLOCK_M, D] and (row max, row sum) to WML fp32 [slots, Hq, 2, BLOCK_M],
-    merged afterwards by attn_fwd_merge_kernel."""
-    h, m, slot, e0, e_mid, e1, OFF, TID = _row_split_item(W_M, W_SLOT, W_E0, W_EMID, W_E1, OFF, TID, n_heads,
-                                                          sched_stride_w, sched_stride_e)
-    acc, l_i, m_i = _fwd_block(Q, K, V, KD, VD, DESC, OFF, TID, m, h, e0, e_mid, e1, stride_qs, stride_qh,
-                               stride_ks, stride_kh, stride_vs, stride_vh, sq, sk, qk_scale, GROUP, HEAD_DIM,
-                               BLOCK_M, BLOCK_N, IEEE, TMA)
-    if slot < 0:
-        _fwd_store(O, LSE, acc, l_i, m_i, m, h, stride_os, stride_oh, stride_ls, stride_lh, sq, HEAD_DIM,
-                   BLOCK_M, ACCUM)
-    else:
-        base = (slot * n_heads + h).to(tl.int64)
-        offs_r = tl.arange(0, BLOCK_M)
-        tile = offs_r[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-        tl.store(WO + base * (BLOCK_M * HEAD_DIM) + tile, acc)
-        tl.store(WML + base * (2 * BLOCK_M) + offs_r, m_i)
-        tl.store(WML + base * (2 * BLOCK_M) + BLOCK_M + offs_r, l_i)
-
-
-@triton.jit
-def attn_fwd_merge_kernel(
-    O, LSE, WO, WML, RED_M, RED_SLOT0, RED_NSEG, stride_os, stride_oh, stride_ls, stride_lh, sq, n_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ACCUM: tl.constexpr,
-):
-    """out / lse of split q blocks: their segments' (acc, row max, row sum) combined in slot order
-    (deterministic), then stored (or merged into the running pair when ACCUM) as attn_fwd_kernel does."""
-    h, m, s0, ns = _reduce_item(RED_M, RED_SLOT0, RED_NSEG, n_heads)
-    offs_r = tl.arange(0, BLOCK_M)
-    tile = offs_r[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(s0, s0 + ns):
-        base = (s * n_heads + h).to(tl.int64)
-        mx = tl.maximum(mx, tl.load(WML + base * (2 * BLOCK_M) + offs_r))
-    # rows no segment kept anything: weights exp2(-inf - 0) = 0, l stays 0 -> out 0, lse -inf
-    mx_use = tl.where(mx == float("-inf"), 0.0, mx)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for s in range(s0, s0 + ns):
-        base = (s * n_heads + h).to(tl.int64)
-        w = tl.math.exp2(tl.load(WML + base * (2 * BLOCK_M) + offs_r) - mx_use)
-        l_i += tl.load(WML + base * (2 * BLOCK_M) + BLOCK_M + offs_r) * w
-        acc += tl.load(WO + base * (BLOCK_M * HEAD_DIM) + tile) * w[:, None]
-    _fwd_store(O, LSE, acc, l_i, mx, m, h, stride_os, stride_oh, stride_ls, stride_lh, sq, HEAD_DIM, BLOCK_M,
-               ACCUM)

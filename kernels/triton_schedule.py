@@ -55,7 +55,7 @@ class BlockSchedule:
     tile: torch.Tensor
     n_full: int
     n_partial: int
-    work: "ColumnWork | RowWork | None" = None  # column-major: ColumnWork (dK/dV), row-major: RowWork
+    work: "ColumnWork | None" = None  # column-major schedules only
 
     def to(self, device) -> "BlockSchedule":
         return BlockSchedule(
@@ -89,93 +89,28 @@ class ColumnWork:
                           f(self.red_nseg), self.n_slots)
 
 
-def _segments(ptr: torch.Tensor, min_segment: int, imbalance: float, seg_major: bool = False):
-    """Cut each major block's entry list ``ptr[b] : ptr[b+1]`` into ``nseg`` equal segments when it has more
-    than ``imbalance`` x the mean entries and more than ``min_segment``: segments of about
-    max(min_segment, imbalance x mean) entries, so no program walks much more than the longest ordinary
-    block. Returns int32 (blk, seg, nseg, slot, red_blk, red_slot0, red_nseg) and n_slots; items are
-    ordered by entries per item, heaviest first; ties keep block order, or with ``seg_major`` go by
-    segment first (segment 0 of every split block, then segment 1, ...: programs running side by side
-    then walk the same minor blocks, which they share through L2, as the unsplit blocks would)."""
-    counts = (ptr[1:] - ptr[:-1]).long()
-    nb = counts.numel()
-    mean = float(counts.sum()) / max(nb, 1)
-    seg_len = max(min_segment, int(imbalance * mean) + 1)
-    nseg = torch.clamp((counts + seg_len - 1) // seg_len, min=1)
-    blk = torch.repeat_interleave(torch.arange(nb), nseg)
-    first = torch.repeat_interleave(torch.cumsum(nseg, 0) - nseg, nseg)
-    seg = torch.arange(blk.numel()) - first
-    ns = nseg[blk]
-    split = ns > 1
-    slot = torch.full_like(blk, -1)
-    slot[split] = torch.arange(int(split.sum()))
-    red_blk = torch.nonzero(nseg > 1).flatten()
-    red_nseg = nseg[red_blk]
-    red_slot0 = torch.cumsum(red_nseg, 0) - red_nseg
-    per_item = counts[blk] / ns
-    order = torch.argsort(seg, stable=True) if seg_major else torch.arange(blk.numel())
-    order = order[torch.argsort(-per_item[order], stable=True)]
-    i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
-    return (i32(blk[order]), i32(seg[order]), i32(ns[order]), i32(slot[order]), i32(red_blk), i32(red_slot0),
-            i32(red_nseg), int(split.sum()))
-
-
 def column_work(ptr: torch.Tensor, min_segment: int = 16, imbalance: float = 2.0) -> ColumnWork:
     """Split k blocks with more than ``imbalance`` x the mean entries (and > min_segment) into segments."""
-    return ColumnWork(*_segments(ptr, min_segment, imbalance))
-
-
-@dataclass
-class RowWork:
-    """Forward / dQ work items: q block ``m[i]``, segment ``seg[i]`` of ``nseg[i]`` equal parts of its entry
-    list (the row-major twin of ``ColumnWork``), walking entries ``e0 : e1`` (full ones ``e0 : e_mid``).
-
-    A q block met by many more k blocks than average (global rows, dense rows of a star mask) would make
-    one program per head run far longer than the rest (the tail of the launch). It is cut into segments
-    (``_segments``: > imbalance x mean entries and > min_segment) whose programs write fp32 partials to
-    workspace slot ``slot[i]`` (-1: unsplit, written directly as by the unsplit kernels): the forward its
-    unnormalised (acc, row max, row sum), the dQ kernel its dq. ``red_*`` (q block, first slot, number of
-    slots) drive the merge / reduce kernels, which read the slots in order: deterministic. Items are
-    heaviest first, segments of equally heavy blocks ordered segment-major (segment 0 of each, then 1,
-    ...) so that concurrent programs stream the same K/V blocks through L2, as the unsplit global rows
-    did. ``n_slots == 0``: nothing split, the backend launches the unsplit kernels.
-
-    m, seg, nseg, slot [items], red_* [split blocks]: int32. e0, e_mid, e1 [H, items] int32: entry bounds
-    precomputed on the host with the schedule's head axis (H = 1 today; the kernels take its stride).
-    Loading them rather than dividing in the kernel matters: computing the bounds in-kernel
-    (``p0 + (p1 - p0) * seg // nseg``) made the forward 20-26% slower on H200 (S=16k/64k global_local).
-    """
-
-    m: torch.Tensor
-    seg: torch.Tensor
-    nseg: torch.Tensor
-    slot: torch.Tensor
-    red_m: torch.Tensor
-    red_slot0: torch.Tensor
-    red_nseg: torch.Tensor
-    n_slots: int
-    e0: torch.Tensor
-    e_mid: torch.Tensor
-    e1: torch.Tensor
-
-    def to(self, device) -> "RowWork":
-        f = lambda x: x.to(device)  # noqa: E731
-        return RowWork(f(self.m), f(self.seg), f(self.nseg), f(self.slot), f(self.red_m), f(self.red_slot0),
-                       f(self.red_nseg), self.n_slots, f(self.e0), f(self.e_mid), f(self.e1))
-
-
-def row_work(ptr: torch.Tensor, mid: torch.Tensor, min_segment: int = 128, imbalance: float = 2.0) -> RowWork:
-    """Split q blocks with more than ``imbalance`` x the mean entries (and > min_segment) into segments.
-
-    ptr [nb+1], mid [nb]: one head's row-major schedule (BlockSchedule.ptr[0], mid[0])."""
-    m, seg, nseg, slot, red_m, red_slot0, red_nseg, n_slots = _segments(ptr, min_segment, imbalance, seg_major=True)
-    p, b = ptr.long(), m.long()
-    p0, p1 = p[b], p[b + 1]
-    e0 = p0 + (p1 - p0) * seg.long() // nseg.long()
-    e1 = p0 + (p1 - p0) * (seg.long() + 1) // nseg.long()
-    e_mid = torch.minimum(torch.maximum(mid.long()[b], e0), e1)
-    i32 = lambda x: x.to(torch.int32).unsqueeze(0).contiguous()  # noqa: E731
-    return RowWork(m, seg, nseg, slot, red_m, red_slot0, red_nseg, n_slots, i32(e0), i32(e_mid), i32(e1))
+    counts = (ptr[1:] - ptr[:-1]).long()
+    nn = counts.numel()
+    mean = float(counts.sum()) / max(nn, 1)
+    seg_len = max(min_segment, int(imbalance * mean) + 1)
+    nseg = torch.clamp((counts + seg_len - 1) // seg_len, min=1)
+    n = torch.repeat_interleave(torch.arange(nn), nseg)
+    first = torch.repeat_interleave(torch.cumsum(nseg, 0) - nseg, nseg)
+    seg = torch.arange(n.numel()) - first
+    ns = nseg[n]
+    split = ns > 1
+    slot = torch.full_like(n, -1)
+    slot[split] = torch.arange(int(split.sum()))
+    red_n = torch.nonzero(nseg > 1).flatten()
+    red_nseg = nseg[red_n]
+    red_slot0 = torch.cumsum(red_nseg, 0) - red_nseg
+    per_item = counts[n] / ns
+    order = torch.argsort(-per_item, stable=True)
+    i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
+    return ColumnWork(i32(n[order]), i32(seg[order]), i32(ns[order]), i32(slot[order]), i32(red_n), i32(red_slot0),
+                      i32(red_nseg), int(split.sum()))
 
 
 def tile_descriptors(tiles: torch.Tensor) -> torch.Tensor:
@@ -251,11 +186,9 @@ def _csr(major, minor_off, tid, full, n_major):
 
 
 def build_schedules(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
-                    split_min_segment: int = 16, row_split_min: int = 128):
+                    split_min_segment: int = 16):
     """Row-major (per q block) and column-major (per k block) schedules for blocks (block_m, block_n);
-    the column schedule's dK/dV work items split long columns (``column_work``, min segment
-    ``split_min_segment``), the row schedule's forward / dQ work items long rows (``row_work``, min
-    segment ``row_split_min``).
+    the column schedule's dK/dV work items split long columns (``column_work``).
 
     Returns (rows: BlockSchedule, cols: BlockSchedule) on the CPU.
     """
@@ -266,7 +199,6 @@ def build_schedules(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, block_m: 
     rows = _csr(m, n * block_n, tid, full, nm)
     cols = _csr(n, m * block_m, tid, full, nn)
     cols.work = column_work(cols.ptr[0], split_min_segment)
-    rows.work = row_work(rows.ptr[0], rows.mid[0], row_split_min)
     return rows, cols
 
 

@@ -88,10 +88,6 @@ def bench_ours(name, mask, args, ctx):
         plan = mcp.plan(mask, cp)
         cost = CostModel.load(args.cost) if args.cost else None
         be = ctx["backend"] = kernels.get_backend(args.backend, device)  # one object: its state is reported
-        if args.row_split_min is not None and getattr(be, "name", "") == "triton":
-            from megatron_cp.kernels.triton_backend import TritonBackend, TritonConfig
-
-            be = ctx["backend"] = TritonBackend(TritonConfig(row_split_min=args.row_split_min))
         fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=be, cost_model=cost)  # noqa: E731
     else:
         # usp / head_context: groups of 2 GPUs (on one machine: 2-GPU "nodes" emulated) x cp / 2
@@ -274,8 +270,6 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out-dir", default="benchmarks/dist")
     ap.add_argument("--tag", default="")
-    ap.add_argument("--row-split-min", type=int, default=None,
-                    help="TritonConfig.row_split_min for megatron-cp (A/B of the long-row split; 1073741824 = off)")
     args = ap.parse_args(argv)
     tiny = args.tiny
     args.heads = args.heads or (4 if tiny else 32)
