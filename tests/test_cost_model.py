@@ -72,3 +72,26 @@ def test_single_exchange_chosen_when_little_moves():
     assert single["fwd_s"] + single["bwd_s"] < staged.predicted["candidates"][staged.num_stages]
     causal = mcp.plan(M.causal(65536), 4, solver="zigzag")
     assert choose_stages(causal, CostModel(intra_gbps=3.0, launch_us=5.0), work) >= 2
+
+
+def test_flat_routes_on_several_nodes_pay_the_inter_node_link():
+    """predict(): with flat routes (topo None) rows from another node of plan.topology still cross the
+    slow link (once per receiving rank); hierarchical routes cross once per node, spread over its GPUs."""
+    from megatron_cp.planner.schedule import _stage_ids, _stage_tiles, predict, rank_traps
+
+    work = Workload(32, 8, 128, 2)
+    plan = mcp.plan(M.causal(8192), 4, topology=mcp.Topology(2, 2), solver="zigzag")
+    traps = [rank_traps(plan, r) for r in range(4)]
+    flat_ids = _stage_ids(plan, 1, None)
+    flat_tiles = _stage_tiles(plan, flat_ids, traps)
+    slow, fast = CostModel(inter_gbps=1.0, intra_gbps=1e4), CostModel(inter_gbps=1e4, intra_gbps=1e4)
+    c_slow = predict(plan, flat_ids, flat_tiles, None, slow, work)["comm_s"][0]
+    c_fast = predict(plan, flat_ids, flat_tiles, None, fast, work)["comm_s"][0]
+    far = max(int(sum(1 for i in flat_ids[r][0] if plan.owner[np.searchsorted(plan.bounds, i, "right") - 1] // 2 != r // 2))
+              for r in range(4))
+    assert far > 0
+    assert abs(c_slow - (slow.latency_us * 1e-6 + far * work.kv_bytes_per_token / 1e9)) < 1e-9
+    assert c_fast < c_slow / 100
+    hier_ids = _stage_ids(plan, 1, plan.topology)
+    c_hier = predict(plan, hier_ids, _stage_tiles(plan, hier_ids, traps), plan.topology, slow, work)["comm_s"][0]
+    assert c_hier < c_slow  # one crossing per node, shared by its 2 GPUs

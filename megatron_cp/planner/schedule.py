@@ -287,7 +287,12 @@ def predict(plan: Plan, stage_ids, stage_tiles, topo: Topology | None, cost: Cos
     cp = plan.cp_size
     n = len(stage_ids[0]) if cp else 0
     per_tok = work.kv_bytes_per_token
-    g = topo.gpus_per_node if topo is not None else cp
+    # links: the plan's topology decides what crosses nodes, whatever the routes; hierarchical routes
+    # (``topo`` with several nodes) cross once per destination node, spread over the node's rail-aligned
+    # relays, and fan out inside the node (phase B: intra-node bytes too); flat routes cross per rank
+    pt = plan.topology
+    g = pt.gpus_per_node if pt is not None else cp
+    hier = topo is not None and topo.nodes > 1
     owner_tok = np.repeat(plan.owner.astype(np.int64), np.diff(plan.bounds))
     comm = []
     for s in range(n):
@@ -298,13 +303,15 @@ def predict(plan: Plan, stage_ids, stage_tiles, topo: Topology | None, cost: Cos
             ids = stage_ids[r][s]
             o = owner_tok[ids]
             far = (o // g) != (r // g)
-            intra[r] += (~far).sum() * per_tok
-            if far.any():  # once per destination node (hierarchical) or per rank (flat)
-                key = r // g if (topo is not None and topo.nodes > 1) else r
-                node_seen.setdefault(key, []).append(ids[far])
-        for key, lst in node_seen.items():
+            intra[r] += ((~far).sum() + (far.sum() if hier else 0)) * per_tok
+            if far.any():
+                if hier:
+                    node_seen.setdefault(r // g, []).append(ids[far])
+                else:
+                    inter[r] += far.sum() * per_tok
+        for node, lst in node_seen.items():
             u = _sorted_unique(np.concatenate(lst))
-            inter[key * g if (topo is not None and topo.nodes > 1) else key] += len(u) * per_tok
+            inter[node * g:(node + 1) * g] += len(u) * per_tok / g
         comm.append(cost.comm_time(intra.max(), inter.max()))
     fwd = np.zeros(cp)
     bwd = np.zeros(cp)
