@@ -17,7 +17,7 @@ import megatron_cp as mcp
 from megatron_cp import masks as M
 
 from _dist import run_ranks
-from reference import dense_attention, local_errors
+from reference import bf16_errors, dense_attention, local_errors
 
 S = 53  # not divisible by any cp tested
 
@@ -122,30 +122,8 @@ def _bf16_cases(rank, world):
     """bf16 error must be at most 2x that of a plain bf16 dense PyTorch reference, plus 1e-3."""
     out = {}
     for name in ("causal", "varlen", "sliding_window", "strided"):
-        mask = builder_masks()[name]
-        s, hq, hkv, d = mask.seqlen_q, 4, 2, 16
-        gen = torch.Generator().manual_seed(5)
-        q, do = (torch.randn(s, hq, d, generator=gen, dtype=torch.float64) for _ in range(2))
-        k, v = (torch.randn(s, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
-        dense = torch.as_tensor(mask.to_dense())
-        grads = {}
-        for tag, dt in (("fp64", torch.float64), ("bf16", torch.bfloat16)):
-            ts = [t.detach().clone().to(dt).requires_grad_() for t in (q, k, v)]
-            o, _ = dense_attention(*ts, dense, 0.25)
-            (o * do.to(dt)).sum().backward()
-            grads[tag] = [o.detach()] + [t.grad for t in ts]
-        plan = mcp.plan(mask, world)
-        group = dist.group.WORLD
-        ids = torch.from_numpy(plan.local_ids(rank))
-        ls = [mcp.dispatch(t.to(torch.bfloat16), plan, group).detach().requires_grad_() for t in (q, k, v)]
-        o, _ = mcp.attention(*ls, plan, group, softmax_scale=0.25)
-        (o * do[ids].to(torch.bfloat16)).sum().backward()
-        ours = [o] + [t.grad for t in ls]
-        for i, tag in enumerate(("out", "dq", "dk", "dv")):
-            ref64, ref16 = grads["fp64"][i][ids], grads["bf16"][i][ids]
-            e_ours = float((ours[i].double() - ref64).abs().max())
-            e_ref = float((ref16.double() - ref64).abs().max())
-            out[(name, tag)] = (e_ours, e_ref)
+        for tag, errs in bf16_errors(rank, world, builder_masks()[name]).items():
+            out[(name, tag)] = errs
     return out
 
 

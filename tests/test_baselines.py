@@ -20,20 +20,14 @@ from megatron_cp import masks as M
 from megatron_cp.baselines import STRATEGIES, get_strategy, plan_for
 
 from _dist import run_ranks
-from reference import dense_attention, local_errors
+from reference import dense_attention, local_errors, tiny_masks
 from test_overlap import _random_mask
 
 S = 61
 
 
 def _masks():
-    return {
-        "causal": M.causal(S),
-        "full": M.full(S),
-        "varlen": M.varlen([0, 7, 20, 21, 45, S], causal=True),
-        "sliding_window": M.sliding_window(S, 9, 2),
-        "random": _random_mask(5),
-    }
+    return {**tiny_masks(S, ("causal", "full", "varlen", "sliding_window")), "random": _random_mask(5)}
 
 
 def _case(rank, world, name, mask, hq, hkv, options=None, dtype=torch.float64, plan_kwargs=None, plan_name=None):

@@ -9,8 +9,6 @@ the bytes that cross the emulated node boundary (counted from the split sizes ac
 from __future__ import annotations
 
 import numpy as np
-import pytest
-import torch
 import torch.distributed as dist
 
 import megatron_cp as mcp
@@ -18,6 +16,7 @@ from megatron_cp import masks as M
 from megatron_cp.planner.schedule import schedule
 
 from _dist import run_ranks
+from reference import tiny_masks
 from test_overlap import _case, _random_mask
 
 S = 61
@@ -26,14 +25,7 @@ ROW_BYTES = 2 * HKV * D * 8  # one K|V row in float64
 
 
 def _masks():
-    return {
-        "causal": M.causal(S),
-        "full": M.full(S),
-        "varlen": M.varlen([0, 7, 20, 21, 45, S], causal=True),
-        "sliding_window": M.sliding_window(S, 9, 2),
-        "global_local": M.global_local(S, 4, 2, 2),
-        "random": _random_mask(3),
-    }
+    return {**tiny_masks(S, ("causal", "full", "varlen", "sliding_window", "global_local")), "random": _random_mask(3)}
 
 
 def _count_inter(fn, topo: mcp.Topology, rank: int):

@@ -16,24 +16,16 @@ from megatron_cp import masks as M
 from megatron_cp.comm import BufferPool
 from megatron_cp.masks import geometry
 from megatron_cp.planner.cost import CostModel, Workload
-from megatron_cp.planner.schedule import clip_tiles, mask_traps, rank_traps, schedule
+from megatron_cp.planner.schedule import clip_tiles, mask_traps, schedule
 
 from _dist import run_ranks
-from reference import dense_attention, local_errors
+from reference import bf16_errors, dense_attention, local_errors, tiny_masks
 
 S = 61
 
 
 def _masks():
-    return {
-        "causal": M.causal(S),
-        "full": M.full(S),
-        "varlen": M.varlen([0, 7, 20, 21, 45, S], causal=True),
-        "sliding_window": M.sliding_window(S, 9, 2),
-        "strided": M.strided(S, 5, 3),
-        "global_local": M.global_local(S, 4, 2, 2),
-        "block_causal": M.block_causal(S, 8),
-    }
+    return tiny_masks(S)
 
 
 def _random_mask(seed):
@@ -312,28 +304,7 @@ def _all_cases(rank, world):
 
 def _bf16_case(rank, world, mask):
     """bf16 error at most 2x a plain bf16 dense PyTorch reference's, plus 1e-3 (ANCHORS.md rule)."""
-    s, hq, hkv, d = mask.seqlen_q, 4, 2, 16
-    gen = torch.Generator().manual_seed(5)
-    q, do = (torch.randn(s, hq, d, generator=gen, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(s, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
-    dense = torch.as_tensor(mask.to_dense())
-    grads = {}
-    for tag, dt in (("fp64", torch.float64), ("bf16", torch.bfloat16)):
-        ts = [t.detach().clone().to(dt).requires_grad_() for t in (q, k, v)]
-        o, _ = dense_attention(*ts, dense, 0.25)
-        (o * do.to(dt)).sum().backward()
-        grads[tag] = [o.detach()] + [t.grad for t in ts]
-    plan = mcp.plan(mask, world)
-    ids = torch.from_numpy(plan.local_ids(rank))
-    ls = [mcp.dispatch(t.to(torch.bfloat16), plan, dist.group.WORLD).detach().requires_grad_() for t in (q, k, v)]
-    o, _ = mcp.attention(*ls, plan, dist.group.WORLD, softmax_scale=0.25, stages=3)
-    (o * do[ids].to(torch.bfloat16)).sum().backward()
-    ours = [o] + [t.grad for t in ls]
-    out = {}
-    for i, tag in enumerate(("out", "dq", "dk", "dv")):
-        ref64, ref16 = grads["fp64"][i][ids], grads["bf16"][i][ids]
-        out[tag] = (float((ours[i].double() - ref64).abs().max()), float((ref16.double() - ref64).abs().max()))
-    return out
+    return bf16_errors(rank, world, mask, stages=3)
 
 
 @pytest.fixture(scope="module")
