@@ -42,11 +42,12 @@ def local_errors(ids, out, lse, locals_, refs):
     }
 
 
-def bf16_errors(rank, world, mask, **attention_kwargs):
+def bf16_errors(rank, world, mask, plan=None, attend=None, **attention_kwargs):
     """One rank's bf16 errors against the fp64 dense reference, beside a plain bf16 dense run's.
 
-    Random fp64 q/k/v/dout (Hq 4, Hkv 2, D 16, seed 5, scale 0.25); megatron-cp attention in bf16 on
-    this rank's tokens (``attention_kwargs`` passed through, e.g. ``stages``). Returns {name: (max abs
+    Random fp64 q/k/v/dout (Hq 4, Hkv 2, D 16, seed 5, scale 0.25); attention in bf16 on this rank's
+    tokens of ``plan`` (default ``mcp.plan(mask, world)``): ``attend(q, k, v, plan, group, scale)`` (a
+    baseline strategy) or megatron-cp attention with ``attention_kwargs`` (e.g. ``stages``). Returns {name: (max abs
     error of ours, max abs error of the plain bf16 reference)} for out, dq, dk, dv on this rank's rows:
     the ANCHORS.md rule compares the two (ours <= 2x plain + 1e-3).
     """
@@ -65,11 +66,14 @@ def bf16_errors(rank, world, mask, **attention_kwargs):
         o, _ = dense_attention(*ts, dense, 0.25)
         (o * do.to(dt)).sum().backward()
         grads[tag] = [o.detach()] + [t.grad for t in ts]
-    plan = mcp.plan(mask, world)
+    plan = plan if plan is not None else mcp.plan(mask, world)
     group = dist.group.WORLD
     ids = torch.from_numpy(plan.local_ids(rank))
     ls = [mcp.dispatch(t.to(torch.bfloat16), plan, group).detach().requires_grad_() for t in (q, k, v)]
-    o, _ = mcp.attention(*ls, plan, group, softmax_scale=0.25, **attention_kwargs)
+    if attend is not None:
+        o, _ = attend(*ls, plan, group, 0.25)
+    else:
+        o, _ = mcp.attention(*ls, plan, group, softmax_scale=0.25, **attention_kwargs)
     (o * do[ids].to(torch.bfloat16)).sum().backward()
     ours = [o] + [t.grad for t in ls]
     out = {}

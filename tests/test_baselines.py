@@ -20,7 +20,7 @@ from megatron_cp import masks as M
 from megatron_cp.baselines import STRATEGIES, get_strategy, plan_for
 
 from _dist import run_ranks
-from reference import dense_attention, local_errors, tiny_masks
+from reference import bf16_errors, dense_attention, local_errors, tiny_masks
 from test_overlap import _random_mask
 
 S = 61
@@ -88,26 +88,10 @@ def _bad_cases(rank, world):
 def _bf16(rank, world):
     res = {}
     mask = M.causal(S)
-    gen = torch.Generator().manual_seed(5)
-    q, do = (torch.randn(S, 4, 16, generator=gen, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(S, 2, 16, generator=gen, dtype=torch.float64) for _ in range(2))
-    dense = torch.as_tensor(mask.to_dense())
-    grads = {}
-    for tag, dt in (("fp64", torch.float64), ("bf16", torch.bfloat16)):
-        ts = [t.detach().clone().to(dt).requires_grad_() for t in (q, k, v)]
-        o, _ = dense_attention(*ts, dense, 0.25)
-        (o * do.to(dt)).sum().backward()
-        grads[tag] = [o.detach()] + [t.grad for t in ts]
     for name in STRATEGIES:
-        plan = plan_for(name, mask, world)
-        ids = torch.from_numpy(plan.local_ids(rank))
-        ls = [mcp.dispatch(t.to(torch.bfloat16), plan, dist.group.WORLD).detach().requires_grad_() for t in (q, k, v)]
-        o, _ = get_strategy(name)(*ls, plan, dist.group.WORLD, 0.25)
-        (o * do[ids].to(torch.bfloat16)).sum().backward()
-        ours = [o] + [t.grad for t in ls]
-        for i, tag in enumerate(("out", "dq", "dk", "dv")):
-            ref64, ref16 = grads["fp64"][i][ids], grads["bf16"][i][ids]
-            res[(name, tag)] = (float((ours[i].double() - ref64).abs().max()), float((ref16.double() - ref64).abs().max()))
+        errs = bf16_errors(rank, world, mask, plan=plan_for(name, mask, world), attend=get_strategy(name))
+        for tag, e in errs.items():
+            res[(name, tag)] = e
     return res
 
 
