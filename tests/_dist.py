@@ -60,3 +60,31 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0):
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+COLLECTIVES = ("all_to_all_single", "all_gather", "all_reduce", "batch_isend_irecv", "new_group")
+
+
+def raise_before_collectives(cases: dict) -> dict:
+    """Run on a rank: each case ``name: (fn, pattern)`` must raise ValueError whose message matches
+    ``pattern`` before any torch.distributed collective (or group creation) ran. Returns {name: "ok" or
+    what happened instead}; the collectives are restored afterwards."""
+    import re
+
+    real = {n: getattr(dist, n) for n in COLLECTIVES}
+    called = []
+    for n, f in real.items():
+        setattr(dist, n, (lambda f_, n_: (lambda *a, **k: (called.append(n_), f_(*a, **k))[1]))(f, n))
+    out = {}
+    try:
+        for key, (fn, pattern) in cases.items():
+            called.clear()
+            try:
+                fn()
+                out[key] = "no error"
+            except ValueError as e:
+                out[key] = "ok" if re.search(pattern, str(e)) and not called else f"{e!r} collectives={called}"
+    finally:
+        for n, f in real.items():
+            setattr(dist, n, f)
+    return out

@@ -21,7 +21,7 @@ from megatron_cp.kernels.triton_backend import (  # noqa: E402
     KernelConfig, StageConfigs, TritonBackend, TritonConfig, _descriptor,
 )
 from megatron_cp.kernels.triton_bwd_atomic import _launch, launch_bwd_atomic  # noqa: E402
-from test_triton_kernels import dense_mask, reference  # noqa: E402  (tests/ is on sys.path: conftest.py)
+from test_triton_kernels import dense_mask, reference, window_tiles  # noqa: E402  (tests/ is on sys.path: conftest.py)
 
 ATOL = 1e-4  # test_triton_kernels.run_case's fp32 tolerance; gradients are checked at 4x it there too
 SCALE = 0.5
@@ -101,14 +101,7 @@ def test_causal_more_rows_than_keys_leaves_empty_rows():
 
 def test_sliding_window_band_tiles():
     # window w: per chunk of w rows a causal diagonal tile and an inv_causal tile of the w-1 keys before it
-    w, s = 24, 80
-    tiles = []
-    for q0 in range(0, s, w):
-        q1 = min(q0 + w, s)
-        tiles.append([q0, q1, q0, q1, CAUSAL])
-        if q0 > 0:
-            tiles.append([q0, q1, q0 - w + 1, q0, INV_CAUSAL])
-    run_case(tiles, s, s, bm=16, bn=32)
+    run_case(window_tiles(24, 80), 80, 80, bm=16, bn=32)
 
 
 def test_tiles_sharing_rows_and_blocks():

@@ -131,14 +131,19 @@ def test_bi_causal_and_full_pieces_sharing_rows_and_blocks():
 def test_sliding_window_as_tiles():
     # window w (keys q-w+1..q): per chunk of w rows a causal diagonal tile and an inv_causal tile of
     # the w-1 keys before the chunk (top-left aligned: k >= q - w + 1)
-    w, s = 24, 80
+    run_case(window_tiles(24, 80), 80, 80)
+
+
+def window_tiles(w, s):
+    """Sliding window w over s rows as tiles: per chunk of w rows a causal diagonal tile and an
+    inv_causal tile of the w - 1 keys before the chunk."""
     tiles = []
     for q0 in range(0, s, w):
         q1 = min(q0 + w, s)
         tiles.append([q0, q1, q0, q1, CAUSAL])
         if q0 > 0:
             tiles.append([q0, q1, q0 - w + 1, q0, INV_CAUSAL])
-    run_case(tiles, s, s)
+    return tiles
 
 
 # -- GQA / MQA, head_dim 32, asymmetric blocks ----------------------------------------------------
