@@ -16,7 +16,7 @@ import torch.distributed as dist
 import megatron_cp as mcp
 from megatron_cp import masks as M
 
-from _dist import run_ranks
+from _dist import raise_before_collectives, run_ranks
 from reference import bf16_errors, dense_attention, local_errors
 
 S = 53  # not divisible by any cp tested
@@ -135,15 +135,6 @@ def test_bf16_within_twice_plain_bf16_error():
 
 def _bad_input_cases(rank, world):
     """Each bad input raises ValueError naming the value, and no collective runs before it."""
-    called = []
-    real = {n: getattr(dist, n) for n in ("all_to_all_single", "all_reduce", "all_gather")}
-
-    def spy(name):
-        def f(*a, **k):
-            called.append(name)
-            return real[name](*a, **k)
-        return f
-
     group = dist.group.WORLD
     mask = M.causal(40)
     plan = mcp.plan(mask, world)
@@ -159,22 +150,10 @@ def _bad_input_cases(rank, world):
         "cp_size": (lambda: mcp.attention(q, k, v, mcp.plan(mask, world + 1), group), f"cp_size={world + 1}"),
         "scale": (lambda: mcp.attention(q, k, v, plan, group, softmax_scale=-1.0), "softmax_scale"),
         "dispatch_len": (lambda: mcp.dispatch(torch.randn(39, 2), plan, group), "39 entries, expected 40"),
+        "backend": (lambda: mcp.attention(q, k, v, plan, group, backend="cudnn"), "unknown attention backend 'cudnn'"),
+        "backend_obj": (lambda: mcp.attention(q, k, v, plan, group, backend=object()), "prepare/forward/backward"),
     }
-    out = {}
-    for name, (fn, match) in bad.items():
-        for n_ in real:
-            setattr(dist, n_, spy(n_))
-        try:
-            fn()
-            out[name] = "no error"
-        except ValueError as e:
-            import re
-
-            out[name] = "ok" if re.search(match, str(e)) and not called else f"{e!r} collectives={called}"
-        finally:
-            for n_, f in real.items():
-                setattr(dist, n_, f)
-            called.clear()
+    out = raise_before_collectives(bad)
     # plans that differ across ranks: same local sizes (contiguous), different masks
     other = mcp.plan(M.full(40) if rank == 0 else M.causal(40), world, solver="contiguous")
     try:
