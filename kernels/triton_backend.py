@@ -19,6 +19,7 @@ from .triton_fwd import LOG2E, attn_fwd_kernel
 from .dense_fast_path import cudnn_backward, cudnn_forward, dense_kind
 from .dense_tiles import split_dense
 from .merge import merge_into
+from .triton_delta import head_major, row_delta
 from .triton_schedule import BlockSchedule, build_schedules, kept_area, tile_descriptors
 
 
@@ -362,11 +363,11 @@ class TritonBackend:
             raise ValueError(f"q/k lengths {sq}/{k.shape[0]} differ from the prepared {prepared.seqlen_q}/{prepared.seqlen_k}")
         rest_left = prepared.rest is not None
         if acc is None:
-            if rest_left:
-                o_r = torch.empty_like(q)
-                l_r = torch.empty(sq, hq, device=q.device, dtype=torch.float32)
-                self._forward(q, k, v, prepared.rest, scale, o_r, l_r, accumulate=False)
-                acc, lse, rest_left = o_r.float(), l_r, False
+            if rest_left:  # the Triton rest writes the fp32 running output itself (no conversion pass)
+                acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+                lse = torch.empty(sq, hq, device=q.device, dtype=torch.float32)
+                self._forward(q, k, v, prepared.rest, scale, acc, lse, accumulate=False)
+                rest_left = False
             else:
                 acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
                 lse = torch.full((sq, hq), float("-inf"), device=q.device, dtype=torch.float32)
@@ -398,9 +399,12 @@ class TritonBackend:
         _launch_fwd(c, q, k, v, out, lse, prepared, scale, accumulate)
 
     # -- backward ---------------------------------------------------------------------------------
-    def backward(self, q, k, v, out, lse, dout, prepared: TritonPrepared, softmax_scale=None, delta=None):
+    def backward(self, q, k, v, out, lse, dout, prepared: TritonPrepared, softmax_scale=None, delta=None,
+                 grad_dtype=None):
         """Gradients (dq like q, dk/dv like k) from the merged lse [sq, Hq] and
-        delta [sq, Hq] fp32 = rowsum(dout * out) - dlse (computed from out, dout when None)."""
+        delta [sq, Hq] fp32 = rowsum(dout * out) - dlse (computed from out, dout when None).
+        ``grad_dtype``: the Triton kernels' gradient dtype when not q's (float32 for callers that add
+        further partial gradients; the cuDNN paths return q's dtype)."""
         _check_qkv(q, k, v)
         sq, hq, d = q.shape
         sk, hkv = k.shape[0], k.shape[1]
@@ -417,24 +421,26 @@ class TritonBackend:
         if self._general(q, prepared):
             # cuDNN computes delta = rowsum(dout * out) itself: usable only when the given delta is that
             # (no LSE gradient); checked bitwise against the same fp32 computation, else Triton for all
-            delta0 = (dout.float() * out.float()).sum(-1)
-            if delta is None or torch.equal(delta.float(), delta0):
+            if delta is None:
+                delta = row_delta(out, dout)
+                dense_ok = True
+            else:
+                dense_ok = torch.equal(delta.float(), (dout.float() * out.float()).sum(-1))
+            if dense_ok:
                 try:
-                    res = self._dense_backward(q, k, v, out, lse, dout, prepared, scale, delta0)
+                    res = self._dense_backward(q, k, v, out, lse, dout, prepared, scale, delta)
                     self.last_path = "cudnn+triton" if prepared.rest is not None else "cudnn"
                     return res
                 except Exception as e:  # noqa: BLE001
                     self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
-            if delta is None:
-                delta = delta0
         self.last_path = "triton"
-        if delta is None:
-            delta = (dout.float() * out.float()).sum(-1)
-        lse = lse.float().contiguous()
-        delta = delta.float().contiguous()
+        # head-major lse / delta: the kernels' per-block row reads are then contiguous
+        delta = row_delta(out, dout) if delta is None else head_major(delta)
+        lse = head_major(lse)
         q, k, v, dout = _rows(q), _rows(k), _rows(v), _rows(dout)
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
+        gdt = grad_dtype or q.dtype
+        dk = torch.empty(k.shape, device=k.device, dtype=gdt)
+        dv = torch.empty(v.shape, device=v.device, dtype=gdt)
         group = hq // hkv
         if self.config.bwd_mode == "atomic":
             from .triton_bwd_atomic import launch_bwd_atomic
@@ -448,8 +454,8 @@ class TritonBackend:
                 return lambda c: run_atomic(c, dk_s, dv_s)
 
             c = self._kernel_config("bwd_atomic", q, k, prepared, make_run)
-            return run_atomic(c, dk, dv), dk, dv
-        dq = torch.empty_like(q)
+            return run_atomic(c, dk, dv).to(gdt), dk, dv
+        dq = torch.empty(q.shape, device=q.device, dtype=gdt)
         if sk > 0 and hkv > 0:
             def make_run():  # autotune: scratch dk/dv
                 dk_s, dv_s = torch.empty_like(k), torch.empty_like(v)
@@ -472,9 +478,8 @@ class TritonBackend:
         lse = lse.float().contiguous()
         if prepared.dense is not None:  # one piece covering everything: cuDNN's gradients as they are
             return cudnn_backward(q, k, v, out, lse, dout, scale, prepared.dense)
-        if prepared.rest is not None:
-            dq, dk, dv = self.backward(q, k, v, out, lse, dout, prepared.rest, scale, delta)
-            dq, dk, dv = dq.float(), dk.float(), dv.float()
+        if prepared.rest is not None:  # fp32 straight from the kernels: the pieces add into them
+            dq, dk, dv = self.backward(q, k, v, out, lse, dout, prepared.rest, scale, delta, torch.float32)
         else:
             dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
             dk = torch.zeros(k.shape, device=q.device, dtype=torch.float32)
@@ -511,7 +516,8 @@ def _launch_fwd(c: KernelConfig, q, k, v, out, lse, prepared: TritonPrepared, sc
 
 def _launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared: TritonPrepared, scale: float):
     """dK/dV kernels (and the fixed-order reduce of split key columns) with config c: q/dout [sq, Hq, D],
-    k/v [sk, Hkv, D] (sk, Hkv > 0), lse/delta [sq, Hq] float32 contiguous; dk/dv like k, written."""
+    k/v [sk, Hkv, D] (sk, Hkv > 0), lse/delta [sq, Hq] float32 of one layout (head-major views in
+    backward(), contiguous rows also work); dk/dv like k, written."""
     sq, hq, d = q.shape
     sk, hkv = k.shape[0], k.shape[1]
     desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)

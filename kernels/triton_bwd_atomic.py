@@ -154,7 +154,7 @@ def launch_bwd_atomic(q, k, v, dout, lse, delta, dk, dv, desc, cols, config, sca
     """Atomic-dQ backward: fills dk/dv in place and returns dq.
 
     q, dout [sq, Hq, D] and k, v [sk, Hkv, D] (fp16/bf16/fp32, unit stride along D, as prepared by
-    triton_backend._rows); lse, delta fp32 contiguous [sq, Hq] (merged lse; delta = rowsum(dO * O) - dlse);
+    triton_backend._rows); lse, delta fp32 [sq, Hq] of one layout (merged lse; delta = rowsum(dO * O) - dlse);
     dk, dv [sk, Hkv, D] outputs like k (every element written); desc int32 [n_tiles, 6] and cols the
     column-major BlockSchedule (with ``work``) from ``TritonPrepared.schedules(config.block_m,
     config.block_n, device)``; config the dK/dV KernelConfig; scale the softmax scale; group = Hq // Hkv.

@@ -250,3 +250,26 @@ def test_schedule_covers_mask(bm, bn):
     pairs_c = {(int(co[e]) // bm, n, int(ct[e])) for n in range(len(cols.mid[0])) for e in range(int(cp[n]), int(cp[n + 1]))}
     assert pairs_r == pairs_c
     assert rows.n_full == cols.n_full and rows.n_partial == cols.n_partial
+
+
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_row_delta_head_major(with_dlse):
+    """delta = rowsum(dout * out) - dlse from the one-pass kernel, against fp64, on a strided out (a
+    slice of a wider tensor) and a ragged length (sq not a multiple of the row block); its layout is the
+    head-major view the backward kernels read contiguously."""
+    from megatron_cp.kernels.triton_delta import head_major, row_delta
+
+    g = torch.Generator().manual_seed(3)
+    sq, hq, d = 77, 3, 16
+    wide = torch.randn(sq, hq + 2, d, generator=g).half()
+    out = wide[:, 1:hq + 1]  # strides (hq+2)*d, d, 1
+    dout = torch.randn(sq, hq, d, generator=g).half()
+    dlse = torch.randn(sq, hq, generator=g) if with_dlse else None
+    delta = row_delta(out, dout, dlse)
+    ref = (out.double() * dout.double()).sum(-1) - (dlse.double() if with_dlse else 0)
+    assert delta.shape == (sq, hq) and delta.dtype == torch.float32
+    assert delta.stride() == (1, sq)
+    assert (delta.double() - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
+    hm = head_major(ref.float())
+    assert hm.stride() == (1, sq) and torch.equal(hm, ref.float())
+    assert head_major(hm) is hm  # already head-major fp32: no copy

@@ -108,7 +108,16 @@ def bench_ours(name, mask, args, ctx):
         out.backward(do)
         q.grad = k.grad = v.grad = None
 
-    return ctx["timer"].run(fwd, bwd, args.warmup, args.iters, group), plan
+    times = ctx["timer"].run(fwd, bwd, args.warmup, args.iters, group)
+    if args.profile and name == "megatron-cp":  # one more step under torch.profiler (all ranks take part)
+        import _profile
+
+        events, host = _profile.profile_step(fwd, bwd, ctx["timer"].sync)
+        if rank == 0:
+            title = f"{name} {ctx['mask_name']} S={ctx['seqlen']} rank 0 of {cp} ({ctx['dev_name']})"
+            with open(args.profile, "a") as f:
+                f.write(_profile.summarize(events, host, title))
+    return times, plan
 
 
 def bench_kernel_only(plan, args, ctx):
@@ -270,6 +279,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out-dir", default="benchmarks/dist")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="append a GPU timeline of one profiled megatron-cp step per case (rank 0) to FILE")
     args = ap.parse_args(argv)
     tiny = args.tiny
     args.heads = args.heads or (4 if tiny else 32)
@@ -306,6 +317,7 @@ def main(argv=None):
             mask = _cp_masks.build(mname, s)
             flops = 4.0 * mask.area() * args.heads * args.head_dim
             base = dict(mask=mname, seqlen=s, cp=cp, density=mask.density())
+            ctx.update(mask_name=mname, seqlen=s, dev_name=dev_name)
             for impl in impls:
                 if impl == "torch-native":
                     name = "torch-sdpa-ring" if mname in ("full", "causal") else "torch-flex-allgather"

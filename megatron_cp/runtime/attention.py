@@ -19,16 +19,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..comm import BufferPool, DeviceRoute, cast_steps, check_same_on_all_ranks, group_cast, group_reduce, reduce_steps
+from ..kernels.rows import reduce_rows
+from ..comm import BufferPool, DeviceRoute, all_to_all_v, cast_steps, check_same_on_all_ranks, reduce_steps
 from ..masks.geometry import KINDS
 from ..planner import Plan
 from ..planner.cost import CostModel, Workload
 from ..planner.schedule import Schedule, choose_stages, schedule as build_schedule
 from .groups import plan_rank
+from .rowmap import RowMap
 
 # The planner's kind codes are the kernels' tile codes; fail at import if they ever drift apart.
 assert all(kernels.KIND_CODES[k] == c for c, k in enumerate(KINDS)), "mask and kernel kind codes differ"
@@ -36,17 +39,32 @@ assert all(kernels.KIND_CODES[k] == c for c, k in enumerate(KINDS)), "mask and k
 
 @dataclass
 class _RankRuntime:
-    """Index tensors and prepared tiles for one (plan, rank, device, backend); built once."""
+    """Row maps and prepared tiles for one (plan, rank, device, backend); built once.
+
+    K and V live in separate contiguous buffers (what cuDNN pieces and the kernels read best);
+    ``own``/``recv`` place the own and received rows in them, ``send`` gathers the rows to send and
+    ``own_rows``/``recv_rows`` take gradients back out. ``red_rows`` are the local rows that get
+    partial gradients from other ranks; the returned rows ``red_pos[red_ptr[i]:red_ptr[i+1]]`` add
+    into ``red_rows[i]``."""
 
     s_local: int
     buffer_len: int
-    send_index: torch.Tensor
     send_counts: list
     recv_counts: list
-    own_pos: torch.Tensor
-    recv_pos: torch.Tensor
+    own: RowMap
+    recv: RowMap
+    send: RowMap
+    own_rows: RowMap
+    recv_rows: RowMap
+    red_rows: torch.Tensor
+    red_ptr: torch.Tensor
+    red_pos: torch.Tensor
     backend: object
     prepared: object
+
+    @property
+    def exchanges(self) -> bool:
+        return sum(self.recv_counts) + sum(self.send_counts) > 0
 
 
 def _backend(backend, device):
@@ -68,14 +86,23 @@ def _runtime(plan: Plan, rank: int, device: torch.device, backend_arg) -> _RankR
         own_pos, recv_pos = rp.buffer_index()
         tiles = torch.from_numpy(rp.tiles.astype("int32"))
         buffer_len = max(rp.buffer_len, 1)
+        # returned partial rows grouped by the local row they add to (CSR, source order kept)
+        red_order = np.argsort(send_index, kind="stable")
+        red_rows, red_counts = np.unique(send_index, return_counts=True)
+        red_ptr = np.concatenate([[0], np.cumsum(red_counts)])
         rt = _RankRuntime(
             s_local=rp.num_tokens,
             buffer_len=buffer_len,
-            send_index=torch.from_numpy(send_index).to(device),
             send_counts=send_counts,
             recv_counts=rp.recv_counts(),
-            own_pos=torch.from_numpy(own_pos).to(device),
-            recv_pos=torch.from_numpy(recv_pos).to(device),
+            own=RowMap(own_pos, None, device),
+            recv=RowMap(recv_pos, None, device),
+            send=RowMap(None, send_index, device),
+            own_rows=RowMap(None, own_pos, device),
+            recv_rows=RowMap(None, recv_pos, device),
+            red_rows=torch.from_numpy(red_rows.astype(np.int64)).to(device),
+            red_ptr=torch.from_numpy(red_ptr.astype(np.int64)).to(device),
+            red_pos=torch.from_numpy(red_order.astype(np.int64)).to(device),
             backend=backend,
             prepared=backend.prepare(tiles, rp.num_tokens, buffer_len),
         )
@@ -125,35 +152,50 @@ class _CPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rt: _RankRuntime, group, scale):
         hkv = k.shape[1]
-        kv_local = torch.cat([k, v], dim=1)  # [s, 2*Hkv, D]: one exchange for K and V
-        buf = kv_local.new_empty((rt.buffer_len,) + tuple(kv_local.shape[1:]))
-        buf[rt.own_pos] = kv_local
-        if group is not None and sum(rt.recv_counts) + sum(rt.send_counts) > 0:
-            buf[rt.recv_pos] = group_cast(kv_local, rt.send_index, rt.send_counts, rt.recv_counts, group)
-        kbuf, vbuf = buf[:, :hkv], buf[:, hkv:]
+        exchange = group is not None and rt.exchanges
+        if not exchange and rt.own.runs == [(0, 0, rt.s_local)] and rt.buffer_len == rt.s_local:
+            kbuf, vbuf = k, v  # the buffer is the local K/V: nothing to place
+        else:
+            kbuf = k.new_empty((rt.buffer_len,) + tuple(k.shape[1:]))
+            vbuf = v.new_empty(kbuf.shape)
+            rt.own.copy(kbuf, k)
+            rt.own.copy(vbuf, v)
+            if exchange:  # K and V rows travel together: one all-to-all-v
+                send = k.new_empty((rt.send.n, 2 * hkv) + tuple(k.shape[2:]))
+                rt.send.copy(send[:, :hkv], k)
+                rt.send.copy(send[:, hkv:], v)
+                got = all_to_all_v(send, rt.send_counts, rt.recv_counts, group)
+                rt.recv.copy(kbuf, got[:, :hkv])
+                rt.recv.copy(vbuf, got[:, hkv:])
         out, lse = rt.backend.forward(q, kbuf, vbuf, rt.prepared, scale)
-        ctx.save_for_backward(q, buf, out, lse)
+        ctx.save_for_backward(q, kbuf, vbuf, out, lse)
         ctx.rt, ctx.group, ctx.scale, ctx.hkv = rt, group, scale, hkv
         ctx.set_materialize_grads(False)  # an unused lse gives dlse None, not a zero tensor
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, buf, out, lse = ctx.saved_tensors
+        q, kbuf, vbuf, out, lse = ctx.saved_tensors
         rt, group, hkv = ctx.rt, ctx.group, ctx.hkv
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         delta = None  # None: rowsum(dout * out), no lse gradient (lets dense tiles use cuDNN)
         if dlse is not None:
             delta = (dout.to(cdt) * out.to(cdt)).sum(-1) - dlse.to(cdt)
-        kbuf, vbuf = buf[:, :hkv], buf[:, hkv:]
         dq, dk_buf, dv_buf = rt.backend.backward(q, kbuf, vbuf, out, lse, dout, rt.prepared, ctx.scale, delta)
-        dbuf = torch.cat([dk_buf, dv_buf], dim=1)
-        d_local = dbuf[rt.own_pos].to(cdt)
-        if group is not None and sum(rt.recv_counts) + sum(rt.send_counts) > 0:
-            group_reduce(dbuf[rt.recv_pos], d_local, rt.send_index, rt.send_counts, rt.recv_counts, group)
-        d_local = d_local.to(q.dtype)
-        return dq, d_local[:, :hkv], d_local[:, hkv:], None, None, None
+        dk_buf, dv_buf = dk_buf.contiguous(), dv_buf.contiguous()
+        exchange = group is not None and rt.exchanges
+        back = None
+        if exchange:  # partial dK/dV of received rows go back to their owners
+            grad_recv = torch.cat([rt.recv_rows.gather(dk_buf), rt.recv_rows.gather(dv_buf)], dim=1)
+            back = all_to_all_v(grad_recv, rt.recv_counts, rt.send_counts, group)
+        # own rows: a view of the buffer's gradient when they are one run (no copy)
+        dk, dv = rt.own_rows.gather(dk_buf), rt.own_rows.gather(dv_buf)
+        if back is not None and back.shape[0]:
+            # rows with partials from other ranks: summed in fp32 (fp64), in source order, rounded once
+            reduce_rows(dk, back[:, :hkv], rt.red_rows, rt.red_ptr, rt.red_pos)
+            reduce_rows(dv, back[:, hkv:], rt.red_rows, rt.red_ptr, rt.red_pos)
+        return dq, dk.to(q.dtype), dv.to(q.dtype), None, None, None
 
 
 _POOLS: dict = {}

@@ -1,0 +1,125 @@
+"""Indexed row moves for the communication runtime: a row copy and a fixed-order row reduce.
+
+The runtime places received K/V rows into the key buffer and adds returned partial dK/dV rows into
+the owners' gradients. PyTorch's ``index_put_`` / ``index_add_`` do that at ~0.4-0.6 TB/s on H200
+for rows of a few KB (measured: 936 us to place 98k rows of 4 KB; 1.4 ms to add 98k fp32 rows of
+4 KB), because they address every element separately. These kernels move whole rows with
+vector loads, and the reduce sums each destination row's partials in one pass, in a fixed order
+(deterministic), in fp32, rounding once.
+
+Tensors are 2-D row views ``[rows, width]`` with unit stride along the width and any row stride
+(e.g. the K half of a ``[rows, 2 * Hkv * D]`` receive buffer). CPU tensors use torch index ops
+(same results), except under ``TRITON_INTERPRET=1`` when ``use_triton=True`` is asked for (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_R = 8
+
+
+@triton.jit
+def _copy_rows_kernel(DST, SRC, DST_IDX, SRC_IDX, n, width, stride_d, stride_s, HAS_DST_IDX: tl.constexpr,
+                      HAS_SRC_IDX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = r < n
+    if HAS_DST_IDX:
+        dr = tl.load(DST_IDX + r, mask=ok, other=0).to(tl.int64)
+    else:
+        dr = r.to(tl.int64)
+    if HAS_SRC_IDX:
+        sr = tl.load(SRC_IDX + r, mask=ok, other=0).to(tl.int64)
+    else:
+        sr = r.to(tl.int64)
+    for w0 in range(0, width, BLOCK_W):
+        c = w0 + tl.arange(0, BLOCK_W)
+        m = ok[:, None] & (c < width)[None, :]
+        x = tl.load(SRC + sr[:, None] * stride_s + c[None, :], mask=m)
+        tl.store(DST + dr[:, None] * stride_d + c[None, :], x.to(DST.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _reduce_rows_kernel(DST, PARTS, ROWS, PTR, POS, n, width, stride_d, stride_p,
+                        BLOCK_W: tl.constexpr):
+    i = tl.program_id(0)
+    row = tl.load(ROWS + i).to(tl.int64)
+    p0 = tl.load(PTR + i)
+    p1 = tl.load(PTR + i + 1)
+    for w0 in range(0, width, BLOCK_W):
+        c = w0 + tl.arange(0, BLOCK_W)
+        m = c < width
+        acc = tl.load(DST + row * stride_d + c, mask=m, other=0.0).to(tl.float32)
+        for j in range(p0, p1):
+            pr = tl.load(POS + j).to(tl.int64)
+            acc += tl.load(PARTS + pr * stride_p + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(DST + row * stride_d + c, acc.to(DST.dtype.element_ty), mask=m)
+
+
+def _rows2d(t: torch.Tensor) -> torch.Tensor:
+    """[rows, ...] with the trailing dims one dense block per row -> a [rows, width] view."""
+    if t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1):
+        return t
+    inner = t.shape[1:]
+    exp = 1
+    for size, stride in zip(reversed(inner), reversed(t.stride()[1:])):
+        if size > 1 and stride != exp:
+            raise ValueError(f"rows must be dense blocks: shape {tuple(t.shape)}, strides {t.stride()}")
+        exp *= size
+    return t.as_strided((t.shape[0], exp), (t.stride(0), 1))
+
+
+def _triton_ok(t: torch.Tensor, use_triton) -> bool:
+    return t.is_cuda if use_triton is None else bool(use_triton)
+
+
+def _block_w(width: int) -> int:
+    return min(1024, triton.next_power_of_2(max(width, 16)))
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor | None = None,
+              src_idx: torch.Tensor | None = None, use_triton=None) -> None:
+    """``dst[dst_idx[i]] = src[src_idx[i]]`` (dtype converted) for i < n; a None index is arange(n).
+    n = len of whichever index is given (or rows of src). Indices int64 on dst's device."""
+    n = len(dst_idx) if dst_idx is not None else len(src_idx) if src_idx is not None else src.shape[0]
+    if n == 0:
+        return
+    if not _triton_ok(dst, use_triton):
+        rows = src[:n] if src_idx is None else src.index_select(0, src_idx)
+        if dst_idx is None:
+            dst[:n].copy_(rows)
+        else:
+            dst.index_copy_(0, dst_idx, rows.to(dst.dtype))
+        return
+    d2, s2 = _rows2d(dst), _rows2d(src)
+    if d2.shape[1] != s2.shape[1]:
+        raise ValueError(f"row widths differ: dst {d2.shape[1]}, src {s2.shape[1]}")
+    width = d2.shape[1]
+    _copy_rows_kernel[(triton.cdiv(n, BLOCK_R),)](
+        d2, s2, dst_idx if dst_idx is not None else d2, src_idx if src_idx is not None else s2, n, width,
+        d2.stride(0), s2.stride(0), HAS_DST_IDX=dst_idx is not None, HAS_SRC_IDX=src_idx is not None,
+        BLOCK_R=BLOCK_R, BLOCK_W=_block_w(width), num_warps=4)
+
+
+def reduce_rows(dst: torch.Tensor, parts: torch.Tensor, rows: torch.Tensor, ptr: torch.Tensor,
+                pos: torch.Tensor, use_triton=None) -> None:
+    """In place: ``dst[rows[i]] += sum(parts[pos[j]] for j in ptr[i] .. ptr[i+1])``, summed in fp32
+    (fp64 for fp64 ``dst``) in that order and rounded once. rows/pos int64, ptr int64 [len(rows) + 1]."""
+    if len(rows) == 0:
+        return
+    if not _triton_ok(dst, use_triton) or dst.dtype == torch.float64:
+        cdt = torch.float64 if dst.dtype == torch.float64 else torch.float32
+        acc = dst.index_select(0, rows).to(cdt)
+        counts = ptr[1:] - ptr[:-1]
+        seg = torch.repeat_interleave(torch.arange(len(rows), device=dst.device), counts)
+        acc.index_add_(0, seg, parts.index_select(0, pos).to(cdt))
+        dst.index_copy_(0, rows, acc.to(dst.dtype))
+        return
+    d2, p2 = _rows2d(dst), _rows2d(parts)
+    if d2.shape[1] != p2.shape[1]:
+        raise ValueError(f"row widths differ: dst {d2.shape[1]}, parts {p2.shape[1]}")
+    width = d2.shape[1]
+    _reduce_rows_kernel[(len(rows),)](d2, p2, rows, ptr, pos, len(rows), width, d2.stride(0), p2.stride(0),
+                                      BLOCK_W=_block_w(width), num_warps=4)

@@ -1,0 +1,77 @@
+"""Row moves between the runtime's tensors, as slice copies where the rows run contiguously.
+
+The single-exchange runtime places a rank's own K/V rows and the received ones into the key buffer,
+gathers rows to send and takes the own rows' gradients back out. The index sets come from the plan
+and are fixed per (plan, rank): own rows are a few contiguous runs (whole chunks), so slice copies
+move them at full memory bandwidth, where an indexed copy (``index_put``) of wide bf16 rows measured
+~0.8 TB/s on H200 (318 us for a 32k x 16 x 128 buffer). Index sets with many short runs use one
+indexed row-copy kernel (``kernels.rows.copy_rows``; torch index ops on CPU) instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..kernels.rows import copy_rows
+
+MAX_RUNS = 64  # above this many runs, one indexed kernel beats that many slice copies (launch cost)
+
+
+def runs_of(dst_idx: np.ndarray, src_idx: np.ndarray) -> list[tuple[int, int, int]]:
+    """(dst start, src start, length) of the maximal runs where both indices step by one."""
+    dst_idx = np.asarray(dst_idx, dtype=np.int64)
+    src_idx = np.asarray(src_idx, dtype=np.int64)
+    if dst_idx.shape != src_idx.shape or dst_idx.ndim != 1:
+        raise ValueError(f"index shapes differ or are not 1-D: {dst_idx.shape} vs {src_idx.shape}")
+    n = len(dst_idx)
+    if n == 0:
+        return []
+    brk = np.nonzero((np.diff(dst_idx) != 1) | (np.diff(src_idx) != 1))[0] + 1
+    starts = np.concatenate([[0], brk])
+    ends = np.concatenate([brk, [n]])
+    return [(int(dst_idx[a]), int(src_idx[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+
+class RowMap:
+    """``dst[dst_idx[i]] = src[src_idx[i]]`` for every i (dim 0), fixed once, applied many times.
+
+    ``src_idx`` None means ``arange(n)`` (scatter), ``dst_idx`` None means ``arange(n)`` (gather)."""
+
+    def __init__(self, dst_idx, src_idx, device, max_runs: int | None = None):
+        if dst_idx is None and src_idx is None:
+            raise ValueError("RowMap needs at least one index")
+        n = len(dst_idx if dst_idx is not None else src_idx)
+        ar = np.arange(n, dtype=np.int64)
+        d = ar if dst_idx is None else np.asarray(dst_idx, dtype=np.int64)
+        s = ar if src_idx is None else np.asarray(src_idx, dtype=np.int64)
+        self.n = n
+        self.gatherable = dst_idx is None
+        self.runs = runs_of(d, s)
+        self.indexed = len(self.runs) > (MAX_RUNS if max_runs is None else max_runs)
+        self.dst_t = None if (dst_idx is None or not self.indexed) else torch.from_numpy(d).to(device)
+        self.src_t = None if (src_idx is None or not self.indexed) else torch.from_numpy(s).to(device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Apply in place (dtype conversion included)."""
+        if not self.indexed:
+            for d0, s0, m in self.runs:
+                dst[d0:d0 + m].copy_(src[s0:s0 + m])
+            return
+        copy_rows(dst, src, self.dst_t, self.src_t)
+
+    def gather(self, src: torch.Tensor) -> torch.Tensor:
+        """The rows ``src[src_idx]`` as a new tensor, or as a view of ``src`` when they are one run
+        (requires ``dst_idx`` None). Contiguous whenever ``src`` is."""
+        if not self.gatherable:
+            raise ValueError("gather needs a RowMap built with dst_idx None")
+        if self.indexed:
+            out = src.new_empty((self.n,) + tuple(src.shape[1:]))
+            copy_rows(out, src, None, self.src_t)
+            return out
+        if len(self.runs) == 1:
+            s0, m = self.runs[0][1], self.runs[0][2]
+            return src[s0:s0 + m]
+        if not self.runs:
+            return src[:0]
+        return torch.cat([src[s0:s0 + m] for _, s0, m in self.runs])

@@ -1,0 +1,88 @@
+"""RowMap: the runtime's row moves, as slice copies or indexed copies, against plain indexing."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_cp.runtime.rowmap import RowMap, runs_of
+
+
+def test_runs_of_splits_where_either_index_jumps():
+    assert runs_of(np.array([5, 6, 7, 0, 1, 9]), np.array([0, 1, 2, 3, 4, 5])) == [(5, 0, 3), (0, 3, 2), (9, 5, 1)]
+    assert runs_of(np.array([0, 1, 2]), np.array([4, 5, 9])) == [(0, 4, 2), (2, 9, 1)]
+    assert runs_of(np.zeros(0, np.int64), np.zeros(0, np.int64)) == []
+    with pytest.raises(ValueError, match="differ"):
+        runs_of(np.arange(3), np.arange(4))
+
+
+@pytest.mark.parametrize("max_runs", [64, 0])  # slice copies / indexed fallback
+def test_scatter_and_gather_match_indexing(max_runs):
+    g = torch.Generator().manual_seed(0)
+    n_dst, n = 40, 23
+    dst_idx = np.concatenate([np.arange(10, 20), np.arange(30, 38), np.array([2, 0, 5, 4, 1])])
+    assert len(dst_idx) == n
+    src = torch.randn(n, 3, 4, generator=g).to(torch.bfloat16)
+    dst = torch.zeros(n_dst, 3, 4, dtype=torch.float32)  # copies convert the dtype
+    m = RowMap(dst_idx, None, "cpu", max_runs=max_runs)
+    assert m.indexed == (max_runs == 0)
+    m.copy(dst, src)
+    ref = torch.zeros(n_dst, 3, 4)
+    ref[torch.from_numpy(dst_idx)] = src.float()
+    assert torch.equal(dst, ref)
+    # into a strided view (the K half of a [rows, 2 * H, D] send buffer)
+    wide = torch.zeros(n_dst, 6, 4, dtype=torch.bfloat16)
+    m.copy(wide[:, :3], src)
+    assert torch.equal(wide[:, :3].float(), ref) and not wide[:, 3:].any()
+
+    src_idx = dst_idx
+    gm = RowMap(None, src_idx, "cpu", max_runs=max_runs)
+    got = gm.gather(ref)
+    assert torch.equal(got, ref[torch.from_numpy(src_idx)]) and got.is_contiguous()
+    out = torch.empty(n, 3, 4)
+    gm.copy(out, ref)
+    assert torch.equal(out, ref[torch.from_numpy(src_idx)])
+    with pytest.raises(ValueError, match="dst_idx None"):
+        m.gather(ref)
+
+
+def test_one_run_gathers_a_view():
+    x = torch.arange(24.0).reshape(12, 2)
+    v = RowMap(None, np.arange(3, 9), "cpu").gather(x)
+    assert v.data_ptr() == x[3].data_ptr() and torch.equal(v, x[3:9])
+    assert RowMap(None, np.zeros(0, np.int64), "cpu").gather(x).shape == (0, 2)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])  # torch index ops / the Triton kernels (interpreter)
+def test_copy_rows_and_reduce_rows(use_triton):
+    """kernels.rows against plain indexing: strided halves of a [rows, 2H, D] buffer, dtype conversion,
+    and the reduce's fp32 sum in source order, rounded once (ragged counts, rows with no partial)."""
+    from megatron_cp.kernels.rows import copy_rows, reduce_rows
+
+    g = torch.Generator().manual_seed(1)
+    h, d = 2, 24  # width 48: not a power of two (masked tail)
+    got = torch.randn(9, 2 * h, d, generator=g).half()
+    kbuf = torch.zeros(12, h, d, dtype=torch.float16)
+    dst_idx = torch.tensor([11, 3, 4, 5, 0, 7, 8, 1, 2])
+    copy_rows(kbuf, got[:, :h], dst_idx, None, use_triton=use_triton)
+    ref = torch.zeros(12, h, d, dtype=torch.float16)
+    ref[dst_idx] = got[:, :h]
+    assert torch.equal(kbuf, ref)
+    send = torch.zeros(4, 2 * h, d, dtype=torch.float32)
+    src_idx = torch.tensor([8, 0, 0, 5])
+    copy_rows(send[:, h:], kbuf, None, src_idx, use_triton=use_triton)
+    assert torch.equal(send[:, h:], kbuf[src_idx].float()) and not send[:, :h].any()
+
+    # fp16: Triton's CPU interpreter here truncates fp32 -> bf16 instead of rounding (GPU rounds)
+    dst = torch.randn(6, h, d, generator=g).half()
+    parts = torch.randn(7, 2 * h, d, generator=g).half()
+    target = torch.tensor([4, 1, 4, 0, 4, 1, 0])  # local row of each returned partial
+    order = torch.argsort(target, stable=True)
+    rows, counts = torch.unique(target, return_counts=True)
+    ptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    expect = dst.float().clone()
+    for j in range(7):
+        expect[target[j]] += parts[j, :h].float()
+    out = dst.clone()
+    reduce_rows(out, parts[:, :h], rows, ptr, order, use_triton=use_triton)
+    assert torch.equal(out, expect.half())  # one rounding of the fp32 sum
+    assert torch.equal(out[[2, 3, 5]], dst[[2, 3, 5]])  # rows without partials untouched
