@@ -7,7 +7,8 @@ slowest rank's time. Also measured, per rank and without any communication: our 
 the tiles and K/V buffer megatron-cp gives that rank ("kernel-only"), the single-GPU throughput on
 the same per-GPU work that the scaling check compares against.
 
-Implementations: ``megatron-cp`` (planner + staged overlapped runtime), ``ring``, ``ulysses``,
+Implementations: ``megatron-cp`` (planner + runtime, stage count chosen by the cost model;
+``megatron-cp@N`` forces N stages, 0 = one exchange then one kernel call), ``ring``, ``ulysses``,
 ``usp`` (ulysses 2 x ring), ``head_context`` (ulysses 2 x our planned CP), ``allgather``
 (megatron_cp.baselines), ``torch-sdpa-ring`` (PyTorch
 ``context_parallel`` over SDPA, head-tail balance; full and causal only) and ``torch-flex-allgather``
@@ -84,11 +85,15 @@ def _rand_local(n, h, d, dtype, device, seed):
 def bench_ours(name, mask, args, ctx):
     """megatron-cp or one of our baselines; returns (fwd_s, bwd_s)."""
     rank, cp, device, dtype, group = ctx["rank"], ctx["cp"], ctx["device"], ctx["dtype"], ctx["group"]
-    if name == "megatron-cp":
+    if name.startswith("megatron-cp"):
+        # "megatron-cp@N": the same with the stage count forced to N (0 = single exchange), to compare
+        # against the cost model's own choice
+        stages = int(name.split("@")[1]) if "@" in name else None
         plan = mcp.plan(mask, cp)
         cost = CostModel.load(args.cost) if args.cost else None
         be = ctx["backend"] = kernels.get_backend(args.backend, device)  # one object: its state is reported
-        fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=be, cost_model=cost)  # noqa: E731
+        fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=be, cost_model=cost,  # noqa: E731
+                                           stages=stages)
     else:
         # usp / head_context: groups of 2 GPUs (on one machine: 2-GPU "nodes" emulated) x cp / 2
         opts = {"ulysses_degree": 2} if name in ("usp", "head_context") and cp % 2 == 0 and cp > 2 else {}

@@ -1,11 +1,13 @@
-"""Row moves between the runtime's tensors, as slice copies where the rows run contiguously.
+"""Row moves between the runtime's tensors: a slice copy (or a view) for one contiguous run, one
+indexed row-copy kernel otherwise.
 
-The single-exchange runtime places a rank's own K/V rows and the received ones into the key buffer,
-gathers rows to send and takes the own rows' gradients back out. The index sets come from the plan
-and are fixed per (plan, rank): own rows are a few contiguous runs (whole chunks), so slice copies
-move them at full memory bandwidth, where an indexed copy (``index_put``) of wide bf16 rows measured
-~0.8 TB/s on H200 (318 us for a 32k x 16 x 128 buffer). Index sets with many short runs use one
-indexed row-copy kernel (``kernels.rows.copy_rows``; torch index ops on CPU) instead.
+The single-exchange runtime places a rank's own K/V rows and the received ones into the key buffers,
+gathers the rows to send and takes the own rows' gradients back out. The index sets come from the
+plan and are fixed per (plan, rank). Measured on H200 (benchmarks/dist/README.md): ``index_put_``
+of wide bf16 rows moves ~0.8 TB/s (318 us for a 32k x 16 x 128 buffer), and one slice copy per run
+is launch-bound at ~14 us a run (a rank of packed documents owns ~15 chunk runs: 30 copies for K
+and V), so more than one run goes through ``kernels.rows.copy_rows`` (whole rows, vector loads; torch
+index ops on CPU).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from ..kernels.rows import copy_rows
 
-MAX_RUNS = 64  # above this many runs, one indexed kernel beats that many slice copies (launch cost)
+MAX_RUNS = 1  # more runs than this: one indexed row-copy kernel instead of slice copies
 
 
 def runs_of(dst_idx: np.ndarray, src_idx: np.ndarray) -> list[tuple[int, int, int]]:
