@@ -29,8 +29,9 @@ def _masks():
     return {**tiny_masks(S, ("causal", "full", "varlen", "sliding_window")), "random": _random_mask(5)}
 
 
-def _case(rank, world, name, mask, hq, hkv, options=None, dtype=torch.float64, plan_kwargs=None, plan_name=None):
-    s, d = mask.seqlen_q, 8
+def _case(rank, world, name, mask, hq, hkv, options=None, dtype=torch.float64, plan_kwargs=None, plan_name=None,
+          d=8):
+    s = mask.seqlen_q
     gen = torch.Generator().manual_seed(3 + hq + hkv)
     q, do = (torch.randn(s, hq, d, generator=gen, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(s, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -92,6 +93,10 @@ def _all(rank, world):
         for deg in (2, 4):
             exact[("usp", f"u{deg}", 8, 4)] = _case(rank, world, "usp", _masks()["causal"], 8, 4, {"ulysses_degree": deg})
         exact[("ulysses", "kv_repeat", 8, 2)] = _case(rank, world, "ulysses", _masks()["varlen"], 8, 2)
+    else:  # the ring on the Triton backend (interpreter, fp32): steps merge inside the kernel (accumulate)
+        for mname in ("causal", "varlen"):
+            exact[("ring", "triton", mname, 4, 2)] = _case(rank, world, "ring", _masks()[mname], 4, 2,
+                                                           {"backend": "triton"}, dtype=torch.float32, d=16)
     return {"exact": exact, "bad": _bad_cases(rank, world), "bf16": _bf16(rank, world)}
 
 
@@ -100,6 +105,7 @@ def test_baselines_match_fp64_reference(world):
     results = run_ranks(_all, world)
     bad = [(r, key, k, v) for r, res in enumerate(results) for key, e in res["exact"].items()
            for k, v in e.items() if v > 1e-5]
+    assert any(key[1] == "triton" for key in results[0]["exact"]) == (world == 2)
     assert not bad, bad[:10]
     for res in results:
         assert all(v == "ok" for v in res["bad"].values()), res["bad"]

@@ -117,6 +117,9 @@ class _Ring(torch.autograd.Function):
     def forward(ctx, q, kv, hkv, peers, me, block_rows, steps, backend, scale, group):
         R = len(peers)
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        # a backend with an accumulating forward merges each step inside its kernel (fp32 running
+        # output, no extra passes); otherwise steps are merged here by LSE
+        fused = getattr(backend, "forward_accumulate", None) if q.dtype != torch.float64 else None
         acc = torch.zeros(q.shape[:2] + (q.shape[-1],), dtype=cdt, device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=cdt, device=q.device)
         nxt_peer, prv_peer = peers[(me + 1) % R], peers[(me - 1) % R]
@@ -128,7 +131,9 @@ class _Ring(torch.autograd.Function):
                 ops = [dist.P2POp(dist.isend, _wire(cur), group=group, group_peer=nxt_peer),
                        dist.P2POp(dist.irecv, _wire(nxt), group=group, group_peer=prv_peer)]
                 works = dist.batch_isend_irecv(ops)
-            if steps[i] is not None:
+            if steps[i] is not None and fused is not None:
+                fused(q, cur[:, :hkv], cur[:, hkv:], steps[i], scale, acc, lse)
+            elif steps[i] is not None:
                 o, l = backend.forward(q, cur[:, :hkv], cur[:, hkv:], steps[i], scale)
                 merge_lse(acc, lse, o, l.to(cdt))
             blocks.append(cur)

@@ -66,6 +66,12 @@ class CostModel:
     # [s_local, Hq, D]; the single-exchange path (stages=0) has none of these
     stage_fwd_bytes: float = 8.0
     stage_bwd_bytes: float = 16.0
+    # fixed time of one attention call from the caller to its first GPU work and back (host-side
+    # dispatch, autograd, launches, a tiny collective), not overlapped when each call is timed alone:
+    # tools/calibrate.py times a tiny distributed call; defaults from the profile of 4 x H200 (host
+    # lead before the first kernel 0.2 ms forward, 0.4 ms backward: benchmarks/dist/run_1021)
+    call_fwd_us: float = 200.0
+    call_bwd_us: float = 400.0
     source: str = "default"  # where the numbers came from (calibration file, device)
 
     def save(self, path: str) -> None:
@@ -116,6 +122,24 @@ class CostModel:
         """Seconds of one stage's passes over the running output / gradient sums of ``rows`` queries."""
         b = self.stage_bwd_bytes if backward else self.stage_fwd_bytes
         return rows * work.num_heads * work.head_dim * b / (self.hbm_gbps * 1e9)
+
+    def exchange_passes(self, s_local: int, n_recv: int, n_send: int, work: Workload,
+                        backward: bool = False, delta: bool = True) -> float:
+        """Memory passes around one exchange (seconds): forward places the own and received K/V rows in
+        the key buffer and gathers the rows to send (read + write each); backward gathers the received
+        rows' partial dK/dV, adds the returned partials into their owners and, with ``delta``, reads
+        out and dout for delta = rowsum(dout * out)."""
+        kv = work.kv_bytes_per_token
+        if backward:
+            b = 2.0 * kv * (n_recv + n_send)
+            if delta:
+                b += 2.0 * s_local * work.num_heads * work.head_dim * work.dtype_bytes
+        else:
+            b = 2.0 * kv * (s_local + n_recv + n_send)
+        return b / (self.hbm_gbps * 1e9)
+
+    def call_time(self, backward: bool = False) -> float:
+        return (self.call_bwd_us if backward else self.call_fwd_us) * 1e-6
 
     def comm_time(self, intra_bytes: float, inter_bytes: float) -> float:
         """Seconds for one collective whose busiest GPU moves these bytes (0 bytes: no collective)."""

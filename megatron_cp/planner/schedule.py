@@ -327,6 +327,10 @@ def predict(plan: Plan, stage_ids, stage_tiles, topo: Topology | None, cost: Cos
         ov_b = cost.stage_overhead(plan.num_local(r), work, backward=True)
         kf = [t + ov_f for t in kf]
         kb = [t + ov_b for t in kb]
+        # the exchanges' row gathers and placements (delta: in stage_bwd_bytes) and the call's fixed time
+        n_recv, n_send = _exchange_rows(plan, r)
+        kf[0] += cost.call_time() + cost.exchange_passes(plan.num_local(r), n_recv, n_send, work)
+        kb[0] += cost.call_time(True) + cost.exchange_passes(plan.num_local(r), n_recv, n_send, work, True, False)
         # forward: cast of stage i+1 issued when stage i starts computing
         start, end, comm_end = 0.0, kf[0], 0.0
         comm_end = comm[0] if n else 0.0
@@ -387,9 +391,20 @@ def predict_single(plan: Plan, cost: CostModel, work: Workload) -> dict:
         far = (o // g) != (r // g)
         intra[r], inter[r] = (~far).sum() * per_tok, far.sum() * per_tok
     comm = cost.comm_time(intra.max(), inter.max())
-    kf = max(cost.tile_time(rp.tiles, work) for rp in plan.ranks)
-    kb = max(cost.tile_time(rp.tiles, work, backward=True) for rp in plan.ranks)
-    return {"fwd_s": comm + kf, "bwd_s": kb + comm, "comm_s": [comm]}
+    kf = kb = 0.0
+    for r, rp in enumerate(plan.ranks):
+        n_recv, n_send = _exchange_rows(plan, r)
+        kf = max(kf, cost.tile_time(rp.tiles, work) + cost.exchange_passes(rp.num_tokens, n_recv, n_send, work))
+        kb = max(kb, cost.tile_time(rp.tiles, work, backward=True)
+                 + cost.exchange_passes(rp.num_tokens, n_recv, n_send, work, backward=True))
+    return {"fwd_s": cost.call_time() + comm + kf, "bwd_s": cost.call_time(True) + kb + comm, "comm_s": [comm]}
+
+
+def _exchange_rows(plan: Plan, r: int) -> tuple[int, int]:
+    """(rows rank r receives, rows it sends) in one exchange of everything it needs / others need."""
+    rp = plan.ranks[r]
+    n_send = sum(int((x[:, 1] - x[:, 0]).sum()) for x in rp.send_runs if len(x))
+    return int(rp.num_remote), n_send
 
 
 def choose_stages(plan: Plan, cost: CostModel | None = None, work: Workload | None = None,
