@@ -127,6 +127,11 @@ def ours(mask, cp, g, cost, work, hierarchical=True, solver=None):
         for n in (1, 2, 4, 8):
             kern[n] = (cost.tile_time(remote, work, key_split=n), cost.tile_time(remote, work, True, key_split=n))
         ov = (cost.stage_overhead(rows, work), cost.stage_overhead(rows, work, True))
+        n_send = sum(int((x[:, 1] - x[:, 0]).sum()) for x in r.send_runs if len(x))
+        # the exchange's row gathers / placements (single path: plus the delta pass) and the call's fixed time
+        px = (cost.exchange_passes(rows, r.num_remote, n_send, work) + cost.call_time(),
+              cost.exchange_passes(rows, r.num_remote, n_send, work, True) + cost.call_time(True),
+              cost.exchange_passes(rows, r.num_remote, n_send, work, True, False) + cost.call_time(True))
         same = sum(int((runs[:, 1] - runs[:, 0]).sum()) for src, runs in enumerate(r.recv_runs) if src // gpn == r.rank // gpn)
         far = r.num_remote - same
         if hierarchical and nodes > 1:
@@ -137,9 +142,9 @@ def ours(mask, cp, g, cost, work, hierarchical=True, solver=None):
         comm = max(intra / (cost.intra_gbps * 1e9), inter / (cost.inter_gbps * 1e9))
         inter_b.append(inter)
         intra_b.append(intra)
-        fwd.append((kern, ov, comm))
+        fwd.append((kern, ov, comm, px))
     # the collectives synchronise: every stage's transfer takes the busiest GPU's time
-    comm = max(c for _, _, c in fwd)
+    comm = max(c for _, _, c, _ in fwd)
     best = None
     lat = cost.latency_us * 1e-6 * (2 if hierarchical and nodes > 1 else 1)
     # n = 0: the single exchange (flat; the runtime offers it on one node only): comm, then one call
@@ -147,11 +152,11 @@ def ours(mask, cp, g, cost, work, hierarchical=True, solver=None):
     for n in cands:
         if n == 0:
             c0 = comm + lat if comm > 0 else 0.0
-            tf = max(k["all"][0] for k, _, _ in fwd) + c0
-            tb = max(k["all"][1] for k, _, _ in fwd) + c0
+            tf = max(k["all"][0] + p[0] for k, _, _, p in fwd) + c0
+            tb = max(k["all"][1] + p[1] for k, _, _, p in fwd) + c0
         else:
-            tf = max(_pipeline(k["own"][0] + o[0], n * (k[n][0] + o[0]), comm, n, lat) for k, o, _ in fwd)
-            tb = max(_pipeline(k["own"][1] + o[1], n * (k[n][1] + o[1]), comm, n, lat) for k, o, _ in fwd)
+            tf = max(_pipeline(k["own"][0] + o[0] + p[0], n * (k[n][0] + o[0]), comm, n, lat) for k, o, _, p in fwd)
+            tb = max(_pipeline(k["own"][1] + o[1] + p[2], n * (k[n][1] + o[1]), comm, n, lat) for k, o, _, p in fwd)
         if best is None or tf + tb < best[0] + best[1]:
             best = (tf, tb, n)
     st = plan.stats()
@@ -188,12 +193,13 @@ def ring(mask, cp, g, cost, work, layout="contiguous", ri=None):
         blk = rows.max() * per_tok
         cf = (blk / bw + cost.latency_us * 1e-6) if i < cp - 1 else 0.0
         cb = (3 * blk / bw + cost.latency_us * 1e-6)  # K/V plus fp32 dK/dV travel
-        tf += max(kf, cf)
-        tb += max(kb, cb)
+        # each step streams the running output (fwd) and the gradient sums (bwd), like a staged stage
+        tf += max(kf + cost.stage_overhead(rows.max(), work), cf)
+        tb += max(kb + cost.stage_overhead(rows.max(), work, True), cb)
         step_max.append(float(a.max()))
     area = areas.sum(1)
     imb = float(area.max() / area.mean() - 1) if area.mean() > 0 else 0.0
-    return dict(fwd_s=tf, bwd_s=tb, imbalance=imb, inter_node_bytes_per_gpu=float((cp - 1) * rows.max() * per_tok) if nodes > 1 else 0.0)
+    return dict(fwd_s=tf + cost.call_time(), bwd_s=tb + cost.call_time(True), imbalance=imb, inter_node_bytes_per_gpu=float((cp - 1) * rows.max() * per_tok) if nodes > 1 else 0.0)
 
 
 def ulysses(mask, cp, g, cost, work):
@@ -218,8 +224,8 @@ def ulysses(mask, cp, g, cost, work):
         inter = b * frac_inter
         return cost.latency_us * 1e-6 + max((b - inter) / (cost.intra_gbps * 1e9), inter / (cost.inter_gbps * 1e9) if nodes > 1 else 0)
 
-    fwd = a2a(per(hq + 2 * hkv)) + kf + a2a(per(hq))
-    bwd = a2a(per(hq)) + kb + a2a(per(hq + 2 * hkv))
+    fwd = a2a(per(hq + 2 * hkv)) + kf + a2a(per(hq)) + cost.call_time()
+    bwd = a2a(per(hq)) + kb + a2a(per(hq + 2 * hkv)) + cost.call_time(True)
     return dict(fwd_s=fwd, bwd_s=bwd, imbalance=0.0, inter_node_bytes_per_gpu=per(2 * hq + 2 * hkv) * frac_inter)
 
 
@@ -240,7 +246,8 @@ def allgather(mask, cp, g, cost, work):
                                         b * frac_inter / (cost.inter_gbps * 1e9) if nodes > 1 else 0)
     kf = max(cost.tile_time(r.tiles, work) for r in plan.ranks)
     kb = max(cost.tile_time(r.tiles, work, True) for r in plan.ranks)
-    return dict(fwd_s=comm + kf, bwd_s=2 * comm + kb, imbalance=plan.stats()["imbalance"],
+    return dict(fwd_s=comm + kf + cost.call_time(), bwd_s=2 * comm + kb + cost.call_time(True),
+                imbalance=plan.stats()["imbalance"],
                 inter_node_bytes_per_gpu=b * frac_inter)
 
 

@@ -82,16 +82,16 @@ class _TileAttention(torch.autograd.Function):
         out, lse = backend.forward(q, k, v, prepared, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.backend, ctx.prepared, ctx.scale = backend, prepared, scale
+        ctx.set_materialize_grads(False)  # an unused lse gives dlse None
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dout = dout.contiguous()
-        delta = (dout.to(cdt) * out.to(cdt)).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.to(cdt)
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        # None: the backend computes rowsum(dout * out) itself (one fused pass; dense pieces may use cuDNN)
+        delta = None if dlse is None else (dout.to(cdt) * out.to(cdt)).sum(-1) - dlse.to(cdt)
         dq, dk, dv = ctx.backend.backward(q, k, v, out, lse, dout, ctx.prepared, ctx.scale, delta)
         return dq, dk, dv, None, None, None
 
@@ -144,6 +144,7 @@ class _Ring(torch.autograd.Function):
         out, lse = acc.to(q.dtype), lse.to(torch.float32)
         ctx.save_for_backward(q, out, lse, *blocks)
         ctx.args = (hkv, peers, me, block_rows, steps, backend, scale, group)
+        ctx.set_materialize_grads(False)  # an unused lse gives dlse None
         return out, lse
 
     @staticmethod
@@ -152,10 +153,10 @@ class _Ring(torch.autograd.Function):
         hkv, peers, me, block_rows, steps, backend, scale, group = ctx.args
         R = len(peers)
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dout = dout.contiguous()
-        delta = (dout.to(cdt) * out.to(cdt)).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.to(cdt)
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        # None: each step's backend call computes rowsum(dout * out) itself (one fused pass on GPU, and
+        # dense steps may then run on cuDNN); with an lse gradient it is computed here once
+        delta = None if dlse is None else (dout.to(cdt) * out.to(cdt)).sum(-1) - dlse.to(cdt)
         nxt_peer, prv_peer = peers[(me + 1) % R], peers[(me - 1) % R]
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         works, recv, sent = [], None, None
