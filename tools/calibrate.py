@@ -5,7 +5,8 @@ short-row tiles (the half-efficiency key length), of one tiny tile (launch cost)
 (per-tile cost). Dense path (CUDA): cuDNN's forward/backward rate on the same full tile and the fixed
 cost of one dense piece beside Triton tiles.
 Communication (when started under torchrun with several ranks): all_to_all_single time for small
-messages (latency) and large ones (bandwidth), inside a node and, with several nodes, across them.
+messages (latency) and large ones (bandwidth), inside a node and, with several nodes, across them;
+and the fixed time of a whole megatron-cp call on a tiny mask (call_fwd_us / call_bwd_us).
 
     python tools/calibrate.py --out benchmarks/cost_model.json                     # one GPU, kernels only
     torchrun --nproc-per-node 4 tools/calibrate.py --out benchmarks/cost_model.json  # plus NCCL links
@@ -133,6 +134,43 @@ def _links(args, device):
     return intra, inter, res["latency"] * 1e6
 
 
+def _call(args, device, work: Workload, fields: dict):
+    """(call_fwd_us, call_bwd_us): the fixed time of one megatron-cp attention call timed alone (synced
+    before and after, as a training step's calls are when nothing else is queued): a tiny causal mask
+    through the whole runtime, less the tiny kernel's call (launch_us) and one collective's latency."""
+    import megatron_cp as mcp
+    from megatron_cp import masks
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    s = 64 * world
+    plan = mcp.plan(masks.causal(s), world)
+    n = plan.num_local(rank)
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    q, k, v = ((torch.randn(n, h, work.head_dim, generator=g) * 0.5).to(device, dt).requires_grad_()
+               for h in (work.num_heads, work.num_kv_heads, work.num_kv_heads))
+    do = torch.randn(n, work.num_heads, work.head_dim, generator=g).to(device, dt)
+    be = kernels.get_backend(args.backend, device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    tf, tb = [], []
+    for i in range(3 + (3 if args.tiny else 30)):
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        out, _ = mcp.attention(q, k, v, plan, dist.group.WORLD, backend=be, stages=0)
+        sync()
+        t1 = time.perf_counter()
+        out.backward(do)
+        sync()
+        t2 = time.perf_counter()
+        q.grad = k.grad = v.grad = None
+        if i >= 3:
+            tf.append(t1 - t0)
+            tb.append(t2 - t1)
+    base = fields.get("launch_us", CostModel.launch_us) + fields.get("latency_us", CostModel.latency_us)
+    return (max(0.0, float(np.median(tf)) * 1e6 - base), max(0.0, float(np.median(tb)) * 1e6 - base))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write (CostModel fields)")
@@ -163,6 +201,7 @@ def main(argv=None):
             fields["intra_gbps"] = intra
         if inter is not None:
             fields["inter_gbps"] = inter
+        fields["call_fwd_us"], fields["call_bwd_us"] = _call(args, device, work, fields)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     world = dist.get_world_size() if distributed else 1
     fields["source"] = (f"tools/calibrate.py on {world} x {name}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
