@@ -273,3 +273,23 @@ def test_row_delta_head_major(with_dlse):
     hm = head_major(ref.float())
     assert hm.stride() == (1, sq) and torch.equal(hm, ref.float())
     assert head_major(hm) is hm  # already head-major fp32: no copy
+
+
+def test_row_classes_pick_block_shapes():
+    """prepare() sorts tile lists into row classes: long rows, short rows whose 128 x 64 blocks are mostly
+    full ("blocky": a 128-row forward block) and other short rows (64 x 64); head dims without a blocky
+    entry fall back to their short configs."""
+    from megatron_cp.kernels.triton_backend import DEFAULT_CONFIGS, TritonConfig as TC
+
+    s, b = 16384, 512
+    be = TritonBackend(TC())
+    # blocks of 512, causal, q block - k block divisible by 4 (the benchmark's strided mask)
+    stride = torch.tensor([[q, q + b, k, k + b, CAUSAL if q == k else FULL]
+                           for q in range(0, s, b) for k in range(0, q + 1, b) if (q - k) % (4 * b) == 0])
+    # sliding window of 1024 keys as 64-row causal bands
+    band = torch.tensor([[q, q + 64, max(0, q - 1024), q + 64, CAUSAL] for q in range(0, s, 64)])
+    assert be.prepare(stride, s, s, head_dims=(128,)).row_class == "blocky"
+    assert be.prepare(band, s, s, head_dims=(128,)).row_class == "short"
+    assert be.prepare(torch.tensor([[0, 64, 0, 8192, FULL]]), 64, 8192, head_dims=(128,)).row_class == "long"
+    assert TC().for_head_dim(128, "blocky").fwd == DEFAULT_CONFIGS[(128, "blocky")].fwd
+    assert TC().for_head_dim(64, "blocky") == DEFAULT_CONFIGS[(64, "short")]

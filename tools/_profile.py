@@ -14,7 +14,6 @@ import os
 import tempfile
 import time
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")

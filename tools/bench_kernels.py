@@ -204,11 +204,14 @@ def time_cudnn(is_causal, q, k, v, do):
 
 
 TUNE_FWD = [KernelConfig(128, 128, 8, 3), KernelConfig(64, 64, 4, 3), KernelConfig(128, 128, 8, 3, True),
-            KernelConfig(128, 64, 8, 3, True), KernelConfig(64, 64, 4, 3, True)]
+            KernelConfig(128, 64, 8, 3, True), KernelConfig(64, 64, 4, 3, True), KernelConfig(128, 64, 4, 3, True),
+            KernelConfig(64, 128, 4, 3, True), KernelConfig(64, 64, 4, 4, True)]
 TUNE_DKDV = [KernelConfig(32, 64, 4, 3), KernelConfig(32, 64, 4, 3, True), KernelConfig(64, 64, 4, 3, True),
-             KernelConfig(64, 128, 8, 3, True)]
+             KernelConfig(64, 128, 8, 3, True), KernelConfig(64, 64, 4, 4, True), KernelConfig(32, 128, 4, 3, True),
+             KernelConfig(64, 128, 4, 3, True)]
 TUNE_DQ = [KernelConfig(64, 64, 4, 3), KernelConfig(64, 64, 4, 3, True), KernelConfig(128, 64, 8, 3, True),
-           KernelConfig(128, 128, 8, 3, True)]
+           KernelConfig(128, 128, 8, 3, True), KernelConfig(64, 64, 4, 4, True), KernelConfig(64, 128, 4, 3, True),
+           KernelConfig(128, 64, 4, 3, True)]
 SHORT_MASKS = ("docs_causal", "sliding_window", "streaming", "global_local", "strided")
 
 

@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import megatron_cp as mcp  # noqa: E402
-from megatron_cp.planner.cost import CostModel, Workload, tile_areas  # noqa: E402
+from megatron_cp.planner.cost import CostModel, Workload  # noqa: E402
 from megatron_cp.planner.schedule import clip_tiles, rank_traps  # noqa: E402
 
 import _cp_masks  # noqa: E402
