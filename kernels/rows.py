@@ -71,6 +71,14 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.shape[0], exp), (t.stride(0), 1))
 
 
+def _pair2d(dst: torch.Tensor, other: torch.Tensor, name: str):
+    """Row views of dst and the other operand, and their common width."""
+    d2, o2 = _rows2d(dst), _rows2d(other)
+    if d2.shape[1] != o2.shape[1]:
+        raise ValueError(f"row widths differ: dst {d2.shape[1]}, {name} {o2.shape[1]}")
+    return d2, o2, d2.shape[1]
+
+
 def _triton_ok(t: torch.Tensor, use_triton) -> bool:
     return t.is_cuda if use_triton is None else bool(use_triton)
 
@@ -93,10 +101,7 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor | None
         else:
             dst.index_copy_(0, dst_idx, rows.to(dst.dtype))
         return
-    d2, s2 = _rows2d(dst), _rows2d(src)
-    if d2.shape[1] != s2.shape[1]:
-        raise ValueError(f"row widths differ: dst {d2.shape[1]}, src {s2.shape[1]}")
-    width = d2.shape[1]
+    d2, s2, width = _pair2d(dst, src, "src")
     _copy_rows_kernel[(triton.cdiv(n, BLOCK_R),)](
         d2, s2, dst_idx if dst_idx is not None else d2, src_idx if src_idx is not None else s2, n, width,
         d2.stride(0), s2.stride(0), HAS_DST_IDX=dst_idx is not None, HAS_SRC_IDX=src_idx is not None,
@@ -117,9 +122,6 @@ def reduce_rows(dst: torch.Tensor, parts: torch.Tensor, rows: torch.Tensor, ptr:
         acc.index_add_(0, seg, parts.index_select(0, pos).to(cdt))
         dst.index_copy_(0, rows, acc.to(dst.dtype))
         return
-    d2, p2 = _rows2d(dst), _rows2d(parts)
-    if d2.shape[1] != p2.shape[1]:
-        raise ValueError(f"row widths differ: dst {d2.shape[1]}, parts {p2.shape[1]}")
-    width = d2.shape[1]
+    d2, p2, width = _pair2d(dst, parts, "parts")
     _reduce_rows_kernel[(len(rows),)](d2, p2, rows, ptr, pos, len(rows), width, d2.stride(0), p2.stride(0),
                                       BLOCK_W=_block_w(width), num_warps=4)
