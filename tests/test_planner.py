@@ -140,3 +140,19 @@ def test_topology_and_bad_arguments():
         mcp.plan("causal", 2)
     with pytest.raises(ValueError, match="rank=5 is outside"):
         p.local_ids(5)
+
+
+def test_plan_from_layout_shares_the_digest_rule():
+    """A plan rebuilt from plan()'s own layout has plan()'s digest (the cross-rank check compares them)."""
+    from megatron_cp.planner.layout import plan_from_layout
+
+    mask = M.varlen([0, 100, 260, 300, 512], causal=True)
+    p = mcp.plan(mask, 4)
+    q = plan_from_layout(mask.traps, mask.seqlen_q, p.bounds, p.owner, 4, chunk_size=p.chunk_size,
+                         topology=None, solver=p.solver)
+    assert q.digest == p.digest and np.array_equal(q.owner, p.owner)
+    moved = p.owner.copy()
+    moved[0] = (moved[0] + 1) % 4
+    r = plan_from_layout(mask.traps, mask.seqlen_q, p.bounds, moved, 4, chunk_size=p.chunk_size,
+                         topology=None, solver=p.solver)
+    assert r.digest != p.digest

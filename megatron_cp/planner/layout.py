@@ -25,7 +25,6 @@ This module is the pure (numpy) half:
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ import numpy as np
 from ..masks import AttnMask, geometry
 from . import solvers
 from .cost import CostModel, Workload
-from .plan import _VERSION, Plan, _rank_plans
+from .plan import Plan, _rank_plans, plan_digest
 from .plan import plan as make_plan
 from .schedule import _remote_ids, build_routes, mask_traps
 from .topology import Topology
@@ -79,8 +78,8 @@ def group_topology(topology: Topology | None, u: int) -> Topology | None:
 def plan_from_layout(traps: np.ndarray, seqlen: int, bounds: np.ndarray, owner: np.ndarray, cp_size: int, *,
                      chunk_size: int, topology: Topology | None, solver: str) -> Plan:
     """A Plan for a given token layout: chunk cuts ``bounds`` (int64 [n + 1]) and their ranks
-    ``owner`` (int [n]) of the mask ``traps`` (int64 [m, 6], ``AttnMask.traps``). Same digest rule as
-    ``plan()`` (so every rank derives the same digest)."""
+    ``owner`` (int [n]) of the mask ``traps`` (int64 [m, 6], ``AttnMask.traps``), with ``plan()``'s
+    digest rule (``plan_digest``)."""
     bounds = np.asarray(bounds, dtype=np.int64)
     owner = np.asarray(owner, dtype=np.int32)
     if bounds[0] != 0 or bounds[-1] != seqlen or np.any(np.diff(bounds) <= 0) or len(owner) != len(bounds) - 1:
@@ -90,11 +89,9 @@ def plan_from_layout(traps: np.ndarray, seqlen: int, bounds: np.ndarray, owner: 
     prefix = geometry.row_area_prefix(traps, seqlen)
     spans = solvers.KeySpans(traps, seqlen)
     ranks = _rank_plans(traps, prefix, spans, bounds, owner, cp_size)
-    h = hashlib.sha256(_VERSION)
-    for a in (np.array([cp_size, seqlen, chunk_size]), bounds, owner, traps):
-        h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
     return Plan(cp_size=cp_size, seqlen=seqlen, solver=solver, chunk_size=int(chunk_size), bounds=bounds,
-                owner=owner, ranks=ranks, mask_area=int(prefix[-1]), topology=topology, digest=h.hexdigest())
+                owner=owner, ranks=ranks, mask_area=int(prefix[-1]), topology=topology,
+                digest=plan_digest(cp_size, seqlen, chunk_size, bounds, owner, traps))
 
 
 def head_context_degree(plan: Plan) -> int | None:

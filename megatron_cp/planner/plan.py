@@ -308,9 +308,6 @@ def plan(
     bounds, owner = candidates[best]
     ranks = _rank_plans(traps, prefix, spans, bounds, owner, cp)
 
-    h = hashlib.sha256(_VERSION)
-    for a in (np.array([cp, seqlen, chunk]), bounds, owner, traps):
-        h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
     return Plan(
         cp_size=cp,
         seqlen=seqlen,
@@ -321,9 +318,18 @@ def plan(
         ranks=ranks,
         mask_area=int(prefix[-1]),
         topology=topology,
-        digest=h.hexdigest(),
+        digest=plan_digest(cp, seqlen, chunk, bounds, owner, traps),
         candidates=scores,
     )
+
+
+def plan_digest(cp_size: int, seqlen: int, chunk_size: int, bounds, owner, traps) -> str:
+    """The digest every rank derives for the same layout of the same mask (checked across ranks
+    before the first exchange); every Plan constructor uses this rule."""
+    h = hashlib.sha256(_VERSION)
+    for a in (np.array([cp_size, seqlen, chunk_size]), bounds, owner, traps):
+        h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+    return h.hexdigest()
 
 
 def _node_need(spans, bounds, owner, topology) -> list[np.ndarray]:
