@@ -186,7 +186,9 @@ class _CPAttention(torch.autograd.Function):
         exchange = group is not None and rt.exchanges
         back = None
         if exchange:  # partial dK/dV of received rows go back to their owners
-            grad_recv = torch.cat([rt.recv_rows.gather(dk_buf), rt.recv_rows.gather(dv_buf)], dim=1)
+            grad_recv = dk_buf.new_empty((rt.recv_rows.n, 2 * hkv) + tuple(dk_buf.shape[2:]))
+            rt.recv_rows.copy(grad_recv[:, :hkv], dk_buf)
+            rt.recv_rows.copy(grad_recv[:, hkv:], dv_buf)
             back = all_to_all_v(grad_recv, rt.recv_counts, rt.send_counts, group)
         # own rows: a view of the buffer's gradient when they are one run (no copy)
         dk, dv = rt.own_rows.gather(dk_buf), rt.own_rows.gather(dv_buf)
