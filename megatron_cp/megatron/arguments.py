@@ -1,4 +1,4 @@
-"""Command-line arguments: ``--context-parallel-impl {te,megatron_cp,ring,ulysses,usp,allgather,head_context}``
+"""Command-line arguments: ``--context-parallel-impl {te,megatron_cp,ring,ulysses,usp,allgather,head_context,auto}``
 and the mask/plan options.
 
 Megatron has no CP plugin registry; its entry point for extra flags is ``extra_args_provider``
@@ -6,7 +6,8 @@ Megatron has no CP plugin registry; its entry point for extra flags is ``extra_a
 default) leaves Megatron untouched; ``ring``, ``ulysses``, ``usp`` and ``allgather`` run megatron-cp's
 baseline strategies (``megatron_cp.baselines``) through the same spec, batch hook, RoPE and loss;
 ``head_context`` runs Ulysses over heads inside each node x megatron-cp across nodes (groups of
-GPUs-per-node ranks from ``--cp-topology``; without it the CP group is one node, i.e. plain Ulysses).
+GPUs-per-node ranks from ``--cp-topology``; without it the CP group is one node, i.e. plain Ulysses);
+``auto`` picks megatron_cp or head_context per micro-batch from the planner's predicted communication.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 
 from .batch import MASKS, MaskSpec, PlanOptions
 
-IMPLS = ("te", "megatron_cp", "ring", "ulysses", "usp", "allgather", "head_context")
+IMPLS = ("te", "megatron_cp", "ring", "ulysses", "usp", "allgather", "head_context", "auto")
 OURS = IMPLS[1:]  # every impl that uses megatron-cp's adapter
 
 
@@ -28,7 +29,9 @@ def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "for any mask, with its batch hook, RoPE and loss. ring / ulysses / usp / allgather: "
                         "megatron-cp's baseline strategies through the same adapter. head_context: Ulysses "
                         "all-to-all over heads inside each node x megatron-cp across nodes (node size from "
-                        "--cp-topology; without it one node).")
+                        "--cp-topology; without it one node). auto: megatron_cp or head_context per "
+                        "micro-batch, whichever the planner predicts to communicate faster "
+                        "(planner.choose_layout, for this model's heads per tensor-parallel rank).")
     g.add_argument("--cp-mask", choices=MASKS, default="causal",
                    help="causal per sample; packed: causal per EOD-separated document; sliding_window / "
                         "packed_sliding_window with --cp-window; or a megatron_cp.masks builder by name "
@@ -97,4 +100,18 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
         raise ValueError(f"--cp-chunk-size must be >= 1, got {args.cp_chunk_size}")
     return spec, PlanOptions(chunk_size=args.cp_chunk_size, topology=_topology(args.cp_topology),
                              solver=args.cp_solver, kernel_backend=args.cp_kernel_backend,
-                             strategy=args.context_parallel_impl)
+                             strategy=args.context_parallel_impl, workload=_workload(args))
+
+
+def _workload(args):
+    """Attention shapes of one tensor-parallel rank (for --context-parallel-impl auto), else None."""
+    if args.context_parallel_impl != "auto":
+        return None
+    from megatron_cp.planner.cost import Workload
+
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    heads = int(args.num_attention_heads)
+    groups = int(args.num_query_groups) if getattr(args, "group_query_attention", False) else heads
+    head_dim = int(getattr(args, "kv_channels", None) or args.hidden_size // heads)
+    dtype_bytes = 4 if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 2
+    return Workload(max(1, heads // tp), max(1, groups // tp), head_dim, dtype_bytes)
