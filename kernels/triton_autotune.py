@@ -4,7 +4,7 @@ What is tuned
 -------------
 One ``KernelConfig`` (block_m, block_n, num_warps, num_stages, tma) per ``TuneKey``:
 
-    (device name, head_dim, dtype, group = Hq // Hkv, row class "long"/"short", phase)
+    (device name, head_dim, dtype, group = Hq // Hkv, row class "long"/"short"/"blocky", phase)
 
 with phase "fwd" (``attn_fwd_kernel``), "dkdv" (``attn_bwd_dkdv_kernel`` and its split-column reduce),
 "dq" (``attn_bwd_dq_kernel``) for ``bwd_mode="deterministic"``, and "bwd_atomic" (the fused atomic-dQ
@@ -62,7 +62,7 @@ class TuneKey(NamedTuple):
     head_dim: int
     dtype: str  # "bfloat16", "float16", "float32"
     group: int  # Hq // Hkv
-    row_class: str  # "long" / "short" (TritonPrepared.row_class)
+    row_class: str  # "long" / "short" / "blocky" (TritonPrepared.row_class)
     phase: str  # one of PHASES
 
 
@@ -285,7 +285,7 @@ def tuned_from_json(obj: dict) -> dict[TuneKey, TuneResult]:
     for e in obj["entries"]:
         key = TuneKey(str(e["device"]), int(e["head_dim"]), str(e["dtype"]), int(e["group"]),
                       str(e["row_class"]), str(e["phase"]))
-        if key.phase not in PHASES or key.row_class not in ("long", "short"):
+        if key.phase not in PHASES or key.row_class not in ("long", "short", "blocky"):
             raise ValueError(f"bad tuned entry key {tuple(key)}")
         out[key] = TuneResult(_cfg(e["config"]), {_cfg(c): float(t) for c, t in e.get("times_ms", [])},
                               {_cfg(c): str(m) for c, m in e.get("errors", [])})
