@@ -18,12 +18,19 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def all_to_all_v(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+def all_to_all_v(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``x[sum(send_counts[:d]) : ...]`` go to rank d; returns rows from each source in rank order.
 
-    x: [sum(send_counts), ...] contiguous; result: [sum(recv_counts), ...] of x's dtype.
+    x: [sum(send_counts), ...] contiguous; result: [sum(recv_counts), ...] of x's dtype, written into
+    ``out`` (contiguous, that shape) when given.
     """
-    out = x.new_empty((sum(recv_counts),) + tuple(x.shape[1:]))
+    shape = (sum(recv_counts),) + tuple(x.shape[1:])
+    if out is None:
+        out = x.new_empty(shape)
+    elif tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {shape}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
     dist.all_to_all_single(
         _wire(out), _wire(x.contiguous()), output_split_sizes=list(recv_counts),
         input_split_sizes=list(send_counts), group=group,

@@ -159,11 +159,13 @@ class _CPAttention(torch.autograd.Function):
             vbuf = v.new_empty(kbuf.shape)
             rt.own.copy(kbuf, k)
             rt.own.copy(vbuf, v)
-            if exchange:  # K and V rows travel together: one all-to-all-v
-                send = k.new_empty((rt.send.n, 2 * hkv) + tuple(k.shape[2:]))
+            if exchange:  # K and V rows travel together: one all-to-all-v, through pooled buffers
+                pool, row = buffer_pool(k.device), (2 * hkv,) + tuple(k.shape[2:])
+                send = pool.get((rt.send.n,) + row, k.dtype, k.device, "single_send")
                 rt.send.copy(send[:, :hkv], k)
                 rt.send.copy(send[:, hkv:], v)
-                got = all_to_all_v(send, rt.send_counts, rt.recv_counts, group)
+                got = all_to_all_v(send, rt.send_counts, rt.recv_counts, group,
+                                   pool.get((rt.recv.n,) + row, k.dtype, k.device, "single_recv"))
                 rt.recv.copy(kbuf, got[:, :hkv])
                 rt.recv.copy(vbuf, got[:, hkv:])
         out, lse = rt.backend.forward(q, kbuf, vbuf, rt.prepared, scale)
@@ -186,10 +188,12 @@ class _CPAttention(torch.autograd.Function):
         exchange = group is not None and rt.exchanges
         back = None
         if exchange:  # partial dK/dV of received rows go back to their owners
-            grad_recv = dk_buf.new_empty((rt.recv_rows.n, 2 * hkv) + tuple(dk_buf.shape[2:]))
+            pool, row = buffer_pool(dk_buf.device), (2 * hkv,) + tuple(dk_buf.shape[2:])
+            grad_recv = pool.get((rt.recv_rows.n,) + row, dk_buf.dtype, dk_buf.device, "single_grad_send")
             rt.recv_rows.copy(grad_recv[:, :hkv], dk_buf)
             rt.recv_rows.copy(grad_recv[:, hkv:], dv_buf)
-            back = all_to_all_v(grad_recv, rt.recv_counts, rt.send_counts, group)
+            back = all_to_all_v(grad_recv, rt.recv_counts, rt.send_counts, group,
+                                pool.get((rt.send.n,) + row, dk_buf.dtype, dk_buf.device, "single_grad_recv"))
         # own rows: a view of the buffer's gradient when they are one run (no copy)
         dk, dv = rt.own_rows.gather(dk_buf), rt.own_rows.gather(dv_buf)
         if back is not None and back.shape[0]:
