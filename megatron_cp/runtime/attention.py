@@ -147,6 +147,19 @@ def _verify_plan(plan: Plan, group, device) -> None:
         plan.cache[key] = True
 
 
+def _exchange(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_counts, group, tag):
+    """Rows ``pick`` selects of ``a`` and ``b`` (K and V, or dK and dV: [rows, H, D] each) travel together
+    in one all-to-all-v; returns the received [rows, 2H, D] (H of a, then H of b). Both buffers come
+    from the shared pool (bounded, reused by every layer)."""
+    h = a.shape[1]
+    pool, row = buffer_pool(a.device), (2 * h,) + tuple(a.shape[2:])
+    send = pool.get((pick.n,) + row, a.dtype, a.device, (tag, "send"))
+    pick.copy(send[:, :h], a)
+    pick.copy(send[:, h:], b)
+    recv = pool.get((sum(recv_counts),) + row, a.dtype, a.device, (tag, "recv"))
+    return all_to_all_v(send, send_counts, recv_counts, group, recv)
+
+
 class _CPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rt: _RankRuntime, group, scale):
@@ -159,13 +172,8 @@ class _CPAttention(torch.autograd.Function):
             vbuf = v.new_empty(kbuf.shape)
             rt.own.copy(kbuf, k)
             rt.own.copy(vbuf, v)
-            if exchange:  # K and V rows travel together: one all-to-all-v, through pooled buffers
-                pool, row = buffer_pool(k.device), (2 * hkv,) + tuple(k.shape[2:])
-                send = pool.get((rt.send.n,) + row, k.dtype, k.device, "single_send")
-                rt.send.copy(send[:, :hkv], k)
-                rt.send.copy(send[:, hkv:], v)
-                got = all_to_all_v(send, rt.send_counts, rt.recv_counts, group,
-                                   pool.get((rt.recv.n,) + row, k.dtype, k.device, "single_recv"))
+            if exchange:
+                got = _exchange(rt.send, k, v, rt.send_counts, rt.recv_counts, group, "single_fwd")
                 rt.recv.copy(kbuf, got[:, :hkv])
                 rt.recv.copy(vbuf, got[:, hkv:])
         out, lse = rt.backend.forward(q, kbuf, vbuf, rt.prepared, scale)
@@ -187,13 +195,8 @@ class _CPAttention(torch.autograd.Function):
         dk_buf, dv_buf = dk_buf.contiguous(), dv_buf.contiguous()
         exchange = group is not None and rt.exchanges
         back = None
-        if exchange:  # partial dK/dV of received rows go back to their owners
-            pool, row = buffer_pool(dk_buf.device), (2 * hkv,) + tuple(dk_buf.shape[2:])
-            grad_recv = pool.get((rt.recv_rows.n,) + row, dk_buf.dtype, dk_buf.device, "single_grad_send")
-            rt.recv_rows.copy(grad_recv[:, :hkv], dk_buf)
-            rt.recv_rows.copy(grad_recv[:, hkv:], dv_buf)
-            back = all_to_all_v(grad_recv, rt.recv_counts, rt.send_counts, group,
-                                pool.get((rt.send.n,) + row, dk_buf.dtype, dk_buf.device, "single_grad_recv"))
+        if exchange:  # partial dK/dV of received rows go back to their owners (the adjoint exchange)
+            back = _exchange(rt.recv_rows, dk_buf, dv_buf, rt.recv_counts, rt.send_counts, group, "single_bwd")
         # own rows: a view of the buffer's gradient when they are one run (no copy)
         dk, dv = rt.own_rows.gather(dk_buf), rt.own_rows.gather(dv_buf)
         if back is not None and back.shape[0]:
