@@ -20,7 +20,7 @@ from .dense_fast_path import cudnn_backward, cudnn_forward, dense_kind
 from .dense_tiles import split_dense
 from .merge import merge_into
 from .triton_delta import head_major, row_delta
-from .triton_schedule import BlockSchedule, build_schedules, kept_area, tile_descriptors
+from .triton_schedule import BlockSchedule, build_schedules, covered_rows, kept_area, tile_descriptors
 
 
 @dataclass(frozen=True)
@@ -292,7 +292,8 @@ class TritonBackend:
         check_tiles(tiles, seqlen_q, seqlen_k)
         tiles = tiles.to("cpu", torch.int32).contiguous()
         area = kept_area(tiles)
-        row_class = "long" if area >= LONG_ROW_KEYS * max(seqlen_q, 1) else "short"
+        # mean kept keys per row over the rows the list covers (a list may cover a few rows of many)
+        row_class = "long" if area >= LONG_ROW_KEYS * max(covered_rows(tiles), 1) else "short"
         prep = TritonPrepared(tiles, int(seqlen_q), int(seqlen_k),
                               tile_descriptors(tiles).to(torch.int32).contiguous(), row_class,
                               dense_kind(tiles, seqlen_q, seqlen_k), self.config.dkdv_split_min)
@@ -313,24 +314,33 @@ class TritonBackend:
         return prep
 
     # -- forward ----------------------------------------------------------------------------------
-    def forward(self, q, k, v, prepared: TritonPrepared, softmax_scale=None):
-        """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q.dtype), lse [sq, Hq] float32."""
+    def running_dtype(self, q, *prepared) -> torch.dtype:
+        """dtype for a running output that ``forward_accumulate`` calls on these lists (None entries
+        skipped) will add into: float32 when one of them runs dense pieces on cuDNN (their merges then
+        keep full precision and run in place), else q's (the Triton kernels merge in registers and round
+        once; rows a call does not cover are left as they are)."""
+        return torch.float32 if any(p is not None and self._general(q, p) for p in prepared) else q.dtype
+
+    def forward(self, q, k, v, prepared: TritonPrepared, softmax_scale=None, out_dtype=None):
+        """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (``out_dtype``, q's when None: float32
+        starts a full-precision running output), lse [sq, Hq] float32."""
+        odt = out_dtype or q.dtype
         if self._fast(q, prepared):
             try:
-                res = cudnn_forward(q, k, v, self._scale(softmax_scale, q), prepared.dense)
+                o, lse = cudnn_forward(q, k, v, self._scale(softmax_scale, q), prepared.dense)
                 self.last_path = "cudnn"
-                return res
+                return o.to(odt), lse
             except Exception as e:  # noqa: BLE001  e.g. no cuDNN for this shape/version: Triton from now on
                 self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
         if self._general(q, prepared):
             try:
                 acc, lse = self._dense_forward(q, k, v, prepared, self._scale(softmax_scale, q))
                 self.last_path = "cudnn+triton" if prepared.rest is not None else "cudnn"
-                return acc.to(q.dtype), lse
+                return acc.to(odt), lse
             except Exception as e:  # noqa: BLE001
                 self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
         self.last_path = "triton"
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, device=q.device, dtype=odt)
         lse = torch.empty(q.shape[0], q.shape[1], device=q.device, dtype=torch.float32)
         self._forward(q, k, v, prepared, softmax_scale, out, lse, accumulate=False)
         return out, lse
@@ -516,7 +526,11 @@ def _launch_fwd(c: KernelConfig, q, k, v, out, lse, prepared: TritonPrepared, sc
     sq, hq, d = q.shape
     sk, hkv = k.shape[0], k.shape[1]
     desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
-    nm = rows.order.shape[1]
+    # an accumulating launch leaves rows without tiles as they are: it skips their (empty) blocks;
+    # a writing launch visits every block (rows without tiles get out 0, lse -inf)
+    nm = rows.n_busy if accumulate else rows.order.shape[1]
+    if nm == 0:
+        return
     tma = _use_tma(c, q)
     kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
     attn_fwd_kernel[(nm * hq,)](

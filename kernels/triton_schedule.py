@@ -23,7 +23,9 @@ block may be listed once per tile meeting it (the kernels merge them by online s
 Row-major schedule (forward and dQ), per q block ``m``: entries ``ptr[m] : ptr[m+1]``, the full ones
 first (``ptr[m] : mid[m]``), each entry holding the k token offset of its block and its tile id.
 Column-major schedule (dK/dV), per k block ``n``: the transpose, holding q token offsets.
-``order`` lists blocks heaviest first so that long rows start early (longest-processing-time first).
+``order`` lists blocks heaviest first so that long rows start early (longest-processing-time first);
+blocks with no entry come last (``n_busy`` of them are not), so a launch that must leave untouched
+rows as they are (an accumulating forward) runs over ``order[:n_busy]`` only.
 
 Every array has a leading head axis (size 1 today: all heads share one schedule); the kernels take its
 stride, so per-head block lists (dynamic sparse attention) can later be passed without kernel changes.
@@ -56,11 +58,13 @@ class BlockSchedule:
     n_full: int
     n_partial: int
     work: "ColumnWork | None" = None  # column-major schedules only
+    n_busy: int = -1  # blocks with at least one entry: ``order[:n_busy]`` (empty blocks sort last)
 
     def to(self, device) -> "BlockSchedule":
         return BlockSchedule(
             self.ptr.to(device), self.mid.to(device), self.order.to(device), self.off.to(device),
             self.tile.to(device), self.n_full, self.n_partial, None if self.work is None else self.work.to(device),
+            self.n_busy,
         )
 
 
@@ -182,7 +186,7 @@ def _csr(major, minor_off, tid, full, n_major):
     order = torch.argsort(-cost, stable=True)
     i32 = lambda x: x.to(torch.int32).unsqueeze(0).contiguous()  # noqa: E731
     return BlockSchedule(i32(ptr), i32(mid), i32(order), i32(minor_off), i32(tid),
-                         int(full.sum()), int((~full).sum()))
+                         int(full.sum()), int((~full).sum()), n_busy=int((counts > 0).sum()))
 
 
 def build_schedules(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
@@ -200,6 +204,23 @@ def build_schedules(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, block_m: 
     cols = _csr(n, m * block_m, tid, full, nn)
     cols.work = column_work(cols.ptr[0], split_min_segment)
     return rows, cols
+
+
+def covered_rows(tiles: torch.Tensor) -> int:
+    """Number of query rows at least one tile of ``tiles`` (int [n, 5]) covers; host-side."""
+    if tiles.shape[0] == 0:
+        return 0
+    r = tiles[:, :2].to("cpu", torch.int64)
+    r = r[torch.argsort(r[:, 0], stable=True)]
+    ends = torch.cummax(r[:, 1], 0).values
+    starts = r[:, 0]
+    # a run of overlapping ranges starts where a range begins past every earlier end
+    new = torch.ones(len(r), dtype=torch.bool)
+    new[1:] = starts[1:] >= ends[:-1]
+    run_id = torch.cumsum(new.long(), 0) - 1
+    run_start = starts[new]
+    run_end = torch.zeros(int(run_id[-1]) + 1, dtype=torch.int64).scatter_reduce(0, run_id, ends, "amax")
+    return int((run_end - run_start).sum())
 
 
 def kept_area(tiles: torch.Tensor) -> int:

@@ -216,6 +216,39 @@ def test_accumulate_two_stages_equals_one():
     torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=0)
 
 
+def test_accumulate_leaves_rows_without_tiles_untouched():
+    """An accumulating launch visits only the q blocks its tiles cover (the early-rows split relies on
+    it): other rows keep whatever they hold, bitwise, and covered rows that held nothing (lse -inf) get
+    exactly what a plain forward of the same list gives."""
+    torch.manual_seed(5)
+    sq, sk, d = 96, 64, 16
+    tiles = torch.tensor([[32, 64, 0, 40, CAUSAL], [32, 64, 40, 64, FULL]], dtype=torch.int32)
+    q, k, v = torch.randn(sq, 2, d), torch.randn(sk, 1, d), torch.randn(sk, 1, d)
+    be = backend()
+    prep = be.prepare(tiles, sq, sk, head_dims=(d,))
+    _, rows, _ = prep.schedules(16, 16, "cpu")
+    assert rows.n_busy == 2 and rows.order.shape[1] == 6
+    o_plain, l_plain = be.forward(q, k, v, prep, 0.4)
+    out = torch.full((sq, 2, d), 7.0)
+    lse = torch.full((sq, 2), 1.5)
+    out[32:64], lse[32:64] = 0.0, float("-inf")
+    be.forward_accumulate(q, k, v, prep, 0.4, out, lse)
+    assert (out[:32] == 7.0).all() and (out[64:] == 7.0).all() and (lse[:32] == 1.5).all() and (lse[64:] == 1.5).all()
+    assert torch.equal(out[32:64], o_plain[32:64]) and torch.equal(lse[32:64], l_plain[32:64])
+
+
+def test_row_class_counts_covered_rows_only():
+    """A list covering a few long rows of a long sequence is "long" (the early/late split's late list)."""
+    from megatron_cp.kernels.triton_schedule import covered_rows
+
+    be = backend()
+    t = torch.tensor([[0, 128, 0, 8192, FULL], [100, 256, 0, 8192, FULL]], dtype=torch.int32)
+    assert covered_rows(t) == 256
+    assert be.prepare(t[:1], 16384, 8192, head_dims=(16,)).row_class == "long"
+    assert be.prepare(torch.tensor([[0, 128, 0, 64, CAUSAL]], dtype=torch.int32), 128, 8192,
+                      head_dims=(16,)).row_class == "short"
+
+
 def test_backward_deterministic():
     be, prep, (q, k, v, dout, out, lse, delta) = run_case([[0, 64, 0, 64, CAUSAL]], 64, 64, hq=4, hkv=1)
     a = be.backward(q, k, v, out, lse, dout, prep, 0.5, delta)

@@ -8,7 +8,8 @@ the tiles and K/V buffer megatron-cp gives that rank ("kernel-only"), the single
 the same per-GPU work that the scaling check compares against.
 
 Implementations: ``megatron-cp`` (planner + runtime, stage count chosen by the cost model;
-``megatron-cp@N`` forces N stages, 0 = one exchange then one kernel call), ``ring``, ``ulysses``,
+``megatron-cp@N`` forces N stages, 0 = one exchange then one kernel call; ``megatron-cp-noearly``
+waits for the exchange before computing any row), ``ring``, ``ulysses``,
 ``usp`` (ulysses 2 x ring), ``head_context`` (ulysses 2 x our planned CP), ``allgather``
 (megatron_cp.baselines), ``torch-sdpa-ring`` (PyTorch
 ``context_parallel`` over SDPA, head-tail balance; full and causal only) and ``torch-flex-allgather``
@@ -46,6 +47,18 @@ SPARSE = ["packed", "sliding_window", "block_causal", "strided", "global_local"]
 
 
 class Timer:
+    """Times one forward + backward step per iteration, two ways (medians of the slowest rank's times):
+
+    * GPU time (the headline): the stream is held by a spin kernel while the host issues the step,
+      so CUDA events time the GPU work alone. In training the host runs ahead of the GPU (other
+      layers' kernels are queued), which is also how ``kernel-only`` below is timed (a loop of calls);
+      a step whose host issue outlasts the hold shows that as GPU idle time.
+    * wall time: host issue + GPU of an isolated step (sync, barrier, time, sync), which also counts
+      the host's launch latency before the first kernel.
+    On CPU (gloo dry runs) both are wall time."""
+
+    HOLD_CYCLES = 20_000_000  # ~10 ms of GPU clock: longer than any implementation's host issue time
+
     def __init__(self, device):
         self.device = device
 
@@ -54,8 +67,9 @@ class Timer:
             torch.cuda.synchronize(self.device)
 
     def run(self, fwd, bwd, warmup, iters, group):
-        """(fwd seconds, bwd seconds): median over iters of the slowest rank's time."""
-        tf, tb = [], []
+        """(fwd, bwd, fwd wall, bwd wall) seconds."""
+        cuda = self.device.type == "cuda"
+        rows = []
         for i in range(warmup + iters):
             self.sync()
             dist.barrier(group)
@@ -66,15 +80,29 @@ class Timer:
             bwd(out)
             self.sync()
             t2 = time.perf_counter()
-            if i >= warmup:
-                t = torch.tensor([t1 - t0, t2 - t1], dtype=torch.float64, device=self.device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-                tf.append(float(t[0]))
-                tb.append(float(t[1]))
             del out
-        tf.sort()
-        tb.sort()
-        return tf[len(tf) // 2], tb[len(tb) // 2]
+            gf, gb = t1 - t0, t2 - t1
+            if cuda:
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+                dist.barrier(group)
+                self.sync()
+                torch.cuda._sleep(self.HOLD_CYCLES)
+                ev[0].record()
+                out = fwd()
+                ev[1].record()
+                torch.cuda._sleep(self.HOLD_CYCLES)
+                ev[2].record()
+                bwd(out)
+                ev[3].record()
+                self.sync()
+                del out
+                gf, gb = ev[0].elapsed_time(ev[1]) / 1e3, ev[2].elapsed_time(ev[3]) / 1e3
+            if i >= warmup:
+                t = torch.tensor([gf, gb, t1 - t0, t2 - t1], dtype=torch.float64, device=self.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+                rows.append(t.tolist())
+        rows = torch.tensor(rows, dtype=torch.float64)
+        return tuple(float(x) for x in rows.median(dim=0).values)
 
 
 def _rand_local(n, h, d, dtype, device, seed):
@@ -88,12 +116,14 @@ def bench_ours(name, mask, args, ctx):
     if name.startswith("megatron-cp"):
         # "megatron-cp@N": the same with the stage count forced to N (0 = single exchange), to compare
         # against the cost model's own choice
+        # "megatron-cp-noearly": the single exchange without computing own-key rows during it
         stages = int(name.split("@")[1]) if "@" in name else None
+        early = not name.startswith("megatron-cp-noearly")
         plan = mcp.plan(mask, cp)
         cost = CostModel.load(args.cost) if args.cost else None
         be = ctx["backend"] = kernels.get_backend(args.backend, device)  # one object: its state is reported
         fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=be, cost_model=cost,  # noqa: E731
-                                           stages=stages)
+                                           stages=stages, early=early)
     else:
         # usp / head_context: groups of 2 GPUs (on one machine: 2-GPU "nodes" emulated) x cp / 2
         opts = {"ulysses_degree": 2} if name in ("usp", "head_context") and cp % 2 == 0 and cp > 2 else {}
@@ -331,11 +361,14 @@ def main(argv=None):
                 rec = dict(base, impl=name)
                 try:
                     if impl == "torch-native":
-                        tf, tb = bench_torch_native(mname, s, args, ctx)
+                        tf, tb, wf, wb = bench_torch_native(mname, s, args, ctx)
                     else:
-                        (tf, tb), plan = bench_ours(impl, mask, args, ctx)
+                        (tf, tb, wf, wb), plan = bench_ours(impl, mask, args, ctx)
                     rec.update(fwd_ms=tf * 1e3, bwd_ms=tb * 1e3, fwd_tflops_per_gpu=flops / cp / tf / 1e12,
-                               bwd_tflops_per_gpu=2.5 * flops / cp / tb / 1e12)
+                               bwd_tflops_per_gpu=2.5 * flops / cp / tb / 1e12,
+                               fwd_wall_ms=wf * 1e3, bwd_wall_ms=wb * 1e3,
+                               fwd_wall_tflops_per_gpu=flops / cp / wf / 1e12,
+                               bwd_wall_tflops_per_gpu=2.5 * flops / cp / wb / 1e12)
                     if impl == "megatron-cp":
                         rec["imbalance"] = plan.stats()["imbalance"]
                         # the runtime's choice (planner.schedule.choose_stages; 0 = single exchange)
@@ -363,7 +396,8 @@ def main(argv=None):
                     log(f"S={s:>7} {mname:<15}{name:<22} ERROR {rec['error'][:150]}")
                 else:
                     log(f"S={s:>7} {mname:<15}{name:<22} fwd {rec['fwd_tflops_per_gpu']:7.1f}  bwd "
-                        f"{rec['bwd_tflops_per_gpu']:7.1f} TFLOP/s/GPU  ({rec['fwd_ms']:.2f} / {rec['bwd_ms']:.2f} ms)"
+                        f"{rec['bwd_tflops_per_gpu']:7.1f} TFLOP/s/GPU  ({rec['fwd_ms']:.2f} / {rec['bwd_ms']:.2f} ms; "
+                        f"wall {rec['fwd_wall_ms']:.2f} / {rec['bwd_wall_ms']:.2f} ms)"
                         + (f"  stages {rec['stages']}" if "stages" in rec else "")
                         + (f"  dense path off: {rec['dense_path_error']}" if rec.get("dense_path_error") else ""))
                 dist.barrier(group)
@@ -399,19 +433,33 @@ def summarize(results):
             ref = get(m, s, ref_name)
             kern = get(m, s, "kernel-only")
             c = dict(mask=m, seqlen=s)
+            wall = "fwd_wall_tflops_per_gpu" in ours
             if ref is not None:
                 need = 1.1 if m in ("full", "causal") else 1.5
                 c.update(vs=ref_name, fwd_ratio=ours["fwd_tflops_per_gpu"] / ref["fwd_tflops_per_gpu"],
                          bwd_ratio=ours["bwd_tflops_per_gpu"] / ref["bwd_tflops_per_gpu"], need=need)
+                if wall and "fwd_wall_tflops_per_gpu" in ref:
+                    c.update(fwd_wall_ratio=ours["fwd_wall_tflops_per_gpu"] / ref["fwd_wall_tflops_per_gpu"],
+                             bwd_wall_ratio=ours["bwd_wall_tflops_per_gpu"] / ref["bwd_wall_tflops_per_gpu"])
             if kern is not None:
                 c.update(fwd_scaling=ours["fwd_tflops_per_gpu"] / kern["fwd_tflops_per_gpu"],
                          bwd_scaling=ours["bwd_tflops_per_gpu"] / kern["bwd_tflops_per_gpu"])
+                if wall:
+                    c.update(fwd_wall_scaling=ours["fwd_wall_tflops_per_gpu"] / kern["fwd_tflops_per_gpu"],
+                             bwd_wall_scaling=ours["bwd_wall_tflops_per_gpu"] / kern["bwd_tflops_per_gpu"])
             checks.append(c)
             line = f"check S={s} {m:<15}"
             if "fwd_ratio" in c:
                 line += f" vs {ref_name}: fwd {c['fwd_ratio']:.2f}x bwd {c['bwd_ratio']:.2f}x (need {c['need']}x)"
             if "fwd_scaling" in c:
                 line += f"  scaling vs kernel-only: fwd {c['fwd_scaling']:.2f} bwd {c['bwd_scaling']:.2f}"
+            wall_parts = []
+            if "fwd_wall_ratio" in c:
+                wall_parts.append(f"{c['fwd_wall_ratio']:.2f}x / {c['bwd_wall_ratio']:.2f}x")
+            if "fwd_wall_scaling" in c:
+                wall_parts.append(f"scaling {c['fwd_wall_scaling']:.2f} / {c['bwd_wall_scaling']:.2f}")
+            if wall_parts:
+                line += "  | wall time: " + ", ".join(wall_parts)
             print(line)
     return checks
 

@@ -1,7 +1,7 @@
 """GPU correctness of the distributed runtime with the production kernel paths (NCCL, torchrun).
 
 Each rank runs megatron-cp attention (planner + staged GroupCast runtime, and the single-exchange path
-``stages=0``) forward and backward on its tokens of one random bf16 problem, with the Triton backend
+``stages=0``, with and without early rows during the exchange) forward and backward on its tokens of one random bf16 problem, with the Triton backend
 whose dense pieces go to cuDNN (``dense_min_keys`` lowered so that pieces occur at this size), and
 compares its rows of out / lse / dq and its tokens of dk / dv with a dense fp64 reference. Rule
 (ANCHORS.md): rms error <= 2 x the rms error of the same dense computation run in bf16, plus 1e-6 x
@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import megatron_cp as mcp  # noqa: E402
 from megatron_cp.kernels import triton_backend as tb  # noqa: E402
+from megatron_cp.planner.early import early_split  # noqa: E402
 
 import _cp_masks  # noqa: E402
 from gpu_kernel_check import chunked_reference, rms  # noqa: E402
@@ -85,10 +86,13 @@ def main(argv=None):
         ids = torch.from_numpy(plan.local_ids(rank)).to(dev)
         empty = ~keep[ids].any(1)
         del keep
-        for stages in (None, 0):
+        sp = early_split(plan, rank)
+        has_early = bool(len(sp.early)) and plan.ranks[rank].num_remote + sum(plan.ranks[rank].send_index()[1]) > 0
+        for stages, early in ((None, True), (0, True), (0, False)):
             CUDNN_CALLS.update(fwd=0, bwd=0)
             ql, kl, vl = (t[ids].clone().requires_grad_() for t in (q, k, v))
-            out, lse = mcp.attention(ql, kl, vl, plan, group, softmax_scale=scale, backend=backend, stages=stages)
+            out, lse = mcp.attention(ql, kl, vl, plan, group, softmax_scale=scale, backend=backend, stages=stages,
+                                     early=early)
             out.backward(do[ids])
             if dev.type == "cuda":
                 torch.cuda.synchronize()
@@ -106,11 +110,13 @@ def main(argv=None):
                 errs[key] = [e, e_low]
                 ok = ok and e <= bound
             rec = {"mask": name, "stages": "auto" if stages is None else stages, "rank": rank, "ok": ok, "nan": nan,
+                   "early_rows": early and has_early and stages == 0,
                    "empty_rows_ok": empty_ok, "rms_err_vs_bf16_ref": errs, "cudnn_calls": dict(CUDNN_CALLS),
                    "fast_path_error": getattr(backend, "fast_path_error", None)}
             results.append(rec)
             ok_all = ok_all and ok
-            print(f"rank {rank} {name:<15} stages={rec['stages']!s:<5} {'ok' if ok else 'FAIL'} cudnn={CUDNN_CALLS} "
+            print(f"rank {rank} {name:<15} stages={rec['stages']!s:<5} early={rec['early_rows']!s:<5} "
+                  f"{'ok' if ok else 'FAIL'} cudnn={CUDNN_CALLS} "
                   + " ".join(f"{key} {e:.2e}/{el:.2e}" for key, (e, el) in errs.items()), flush=True)
         del ref, low
     gathered = [None] * cp
@@ -118,7 +124,8 @@ def main(argv=None):
     if rank == 0:
         flat = [r for rr in gathered for r in rr]
         allok = all(r["ok"] for r in flat)
-        print(f"GPU distributed check: {sum(r['ok'] for r in flat)}/{len(flat)} rank-cases pass; "
+        print(f"GPU distributed check: {sum(r['ok'] for r in flat)}/{len(flat)} rank-cases pass "
+              f"({sum(r['early_rows'] for r in flat)} with early rows during the exchange); "
               f"cuDNN calls fwd {sum(r['cudnn_calls']['fwd'] for r in flat)}, bwd {sum(r['cudnn_calls']['bwd'] for r in flat)}")
         if args.json:
             meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "num_devices": cp, "torch": torch.__version__,

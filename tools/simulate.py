@@ -315,8 +315,11 @@ def compare(path, cost, work, g):
         p = fn[r["impl"]](mask, r["cp"], g, cost, w, **kw)
         if p is None:
             continue
+        # the cost model's per-call time is calibrated on isolated, synced calls (tools/calibrate.py):
+        # its predictions are wall times of a step (runs before the GPU-time column have only those)
         rows.append(dict(mask=r["mask"], impl=r["impl"], cp=r["cp"], seqlen=r["seqlen"],
-                         fwd_pred_ms=p["fwd_s"] * 1e3, fwd_ms=r["fwd_ms"], bwd_pred_ms=p["bwd_s"] * 1e3, bwd_ms=r["bwd_ms"]))
+                         fwd_pred_ms=p["fwd_s"] * 1e3, fwd_ms=r.get("fwd_wall_ms", r["fwd_ms"]),
+                         bwd_pred_ms=p["bwd_s"] * 1e3, bwd_ms=r.get("bwd_wall_ms", r["bwd_ms"])))
     print(f"{'mask':<15}{'impl':<13}{'cp':>3}{'S':>8}  fwd pred/meas (ratio)   bwd pred/meas (ratio)")
     within = 0
     for x in rows:

@@ -19,11 +19,13 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_to_all_v(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, async_op: bool = False):
     """Rows ``x[sum(send_counts[:d]) : ...]`` go to rank d; returns rows from each source in rank order.
 
     x: [sum(send_counts), ...] contiguous; result: [sum(recv_counts), ...] of x's dtype, written into
-    ``out`` (contiguous, that shape) when given.
+    ``out`` (contiguous, that shape) when given. ``async_op``: returns (result, handle); the result
+    may be read, and ``x`` written, only after ``handle.wait()`` (on GPUs a stream wait, not a host
+    block).
     """
     shape = (sum(recv_counts),) + tuple(x.shape[1:])
     if out is None:
@@ -31,11 +33,11 @@ def all_to_all_v(x: torch.Tensor, send_counts: list[int], recv_counts: list[int]
     elif tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {shape}, got "
                          f"{out.dtype} {tuple(out.shape)}")
-    dist.all_to_all_single(
+    work = dist.all_to_all_single(
         _wire(out), _wire(x.contiguous()), output_split_sizes=list(recv_counts),
-        input_split_sizes=list(send_counts), group=group,
+        input_split_sizes=list(send_counts), group=group, async_op=async_op,
     )
-    return out
+    return (out, work) if async_op else out
 
 
 def all_gather_v(x: torch.Tensor, counts: list[int], group) -> list[torch.Tensor]:

@@ -11,7 +11,9 @@ last reduce hides behind it. Remote K/V are kept from forward (no second cast). 
 ``plan.topology``, routes are hierarchical (one crossing per destination node). ``stages=0`` is the
 single-exchange path (one GroupCast of everything, then one kernel call over all tiles); by default the
 cost model picks it when overlap would not repay the staged path's extra passes over the running output
-(``planner.schedule.choose_stages``).
+(``planner.schedule.choose_stages``). While its GroupCast is in flight, the rows whose keys are all the
+rank's own compute first (``planner.early``: row-disjoint from the rest, so no merge and no extra
+pass); the other rows run once the received keys are placed.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..kernels.rows import reduce_rows
 from ..comm import BufferPool, DeviceRoute, all_to_all_v, cast_steps, check_same_on_all_ranks, reduce_steps
 from ..masks.geometry import KINDS
 from ..planner import Plan
+from ..planner.early import early_split
 from ..planner.cost import CostModel, Workload
 from ..planner.schedule import Schedule, choose_stages, schedule as build_schedule
 from .groups import plan_rank
@@ -60,6 +63,12 @@ class _RankRuntime:
     red_pos: torch.Tensor
     backend: object
     prepared: object
+    # early rows (planner.early): tiles whose rows need no received key run while the exchange flies;
+    # None when the rank has no exchange or no such rows
+    early: object = None
+    late: object = None  # prepared late tiles (None: every row is early)
+    late_runs: list = None  # [(start, end)] late rows, for backends without forward_accumulate
+    pad: torch.Tensor | None = None  # received buffer rows zeroed before the early kernel reads near them
 
     @property
     def exchanges(self) -> bool:
@@ -105,6 +114,14 @@ def _runtime(plan: Plan, rank: int, device: torch.device, backend_arg) -> _RankR
             backend=backend,
             prepared=backend.prepare(tiles, rp.num_tokens, buffer_len),
         )
+        if rt.exchanges:
+            sp = early_split(plan, rank)
+            if sp.useful:
+                prep = lambda t: backend.prepare(torch.from_numpy(t), rp.num_tokens, buffer_len)  # noqa: E731
+                rt.early = prep(sp.early)
+                rt.late = prep(sp.late) if len(sp.late) else None
+                rt.late_runs = [(int(a), int(b)) for a, b in sp.late_rows.tolist()]
+                rt.pad = torch.from_numpy(sp.pad_rows).to(device) if len(sp.pad_rows) else None
         plan.cache[key] = rt
     return rt
 
@@ -147,22 +164,47 @@ def _verify_plan(plan: Plan, group, device) -> None:
         plan.cache[key] = True
 
 
-def _exchange(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_counts, group, tag):
+def _exchange(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_counts, group, tag,
+              async_op: bool = False):
     """Rows ``pick`` selects of ``a`` and ``b`` (K and V, or dK and dV: [rows, H, D] each) travel together
-    in one all-to-all-v; returns the received [rows, 2H, D] (H of a, then H of b). Both buffers come
-    from the shared pool (bounded, reused by every layer)."""
+    in one all-to-all-v; returns the received [rows, 2H, D] (H of a, then H of b), or (that buffer,
+    handle) with ``async_op`` (``handle.wait()`` before reading it). Both buffers come from the shared
+    pool (bounded, reused by every layer)."""
     h = a.shape[1]
     pool, row = buffer_pool(a.device), (2 * h,) + tuple(a.shape[2:])
     send = pool.get((pick.n,) + row, a.dtype, a.device, (tag, "send"))
     pick.copy(send[:, :h], a)
     pick.copy(send[:, h:], b)
     recv = pool.get((sum(recv_counts),) + row, a.dtype, a.device, (tag, "recv"))
-    return all_to_all_v(send, send_counts, recv_counts, group, recv)
+    return all_to_all_v(send, send_counts, recv_counts, group, recv, async_op=async_op)
+
+
+def _early_forward(q, kbuf, vbuf, rt: _RankRuntime, scale, land):
+    """Early rows' tiles first (own keys only), then ``land()`` (wait for the exchange and place the
+    received rows), then the late rows' tiles. The two lists are row-disjoint, so each row's output
+    comes from one call: a backend with ``forward_accumulate`` adds the late rows into the running
+    output in place (rows it does not cover untouched), any other backend's late rows are copied over."""
+    be = rt.backend
+    fused = getattr(be, "forward_accumulate", None) if q.dtype != torch.float64 else None
+    if fused is not None and callable(getattr(be, "running_dtype", None)):
+        out, lse = be.forward(q, kbuf, vbuf, rt.early, scale, out_dtype=be.running_dtype(q, rt.early, rt.late))
+        land()
+        if rt.late is not None:
+            fused(q, kbuf, vbuf, rt.late, scale, out, lse)
+        return out.to(q.dtype), lse
+    out, lse = be.forward(q, kbuf, vbuf, rt.early, scale)
+    land()
+    if rt.late is not None:
+        o, l = be.forward(q, kbuf, vbuf, rt.late, scale)
+        for a, b in rt.late_runs:
+            out[a:b] = o[a:b]
+            lse[a:b] = l[a:b]
+    return out, lse
 
 
 class _CPAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rt: _RankRuntime, group, scale):
+    def forward(ctx, q, k, v, rt: _RankRuntime, group, scale, early):
         hkv = k.shape[1]
         exchange = group is not None and rt.exchanges
         if not exchange and rt.own.runs == [(0, 0, rt.s_local)] and rt.buffer_len == rt.s_local:
@@ -172,11 +214,24 @@ class _CPAttention(torch.autograd.Function):
             vbuf = v.new_empty(kbuf.shape)
             rt.own.copy(kbuf, k)
             rt.own.copy(vbuf, v)
+        if exchange and early and rt.early is not None:  # rows needing only own keys run during the exchange
+            if rt.pad is not None:
+                kbuf.index_fill_(0, rt.pad, 0)
+                vbuf.index_fill_(0, rt.pad, 0)
+            got, handle = _exchange(rt.send, k, v, rt.send_counts, rt.recv_counts, group, "single_fwd", True)
+
+            def land():
+                handle.wait()
+                rt.recv.copy(kbuf, got[:, :hkv])
+                rt.recv.copy(vbuf, got[:, hkv:])
+
+            out, lse = _early_forward(q, kbuf, vbuf, rt, scale, land)
+        else:
             if exchange:
                 got = _exchange(rt.send, k, v, rt.send_counts, rt.recv_counts, group, "single_fwd")
                 rt.recv.copy(kbuf, got[:, :hkv])
                 rt.recv.copy(vbuf, got[:, hkv:])
-        out, lse = rt.backend.forward(q, kbuf, vbuf, rt.prepared, scale)
+            out, lse = rt.backend.forward(q, kbuf, vbuf, rt.prepared, scale)
         ctx.save_for_backward(q, kbuf, vbuf, out, lse)
         ctx.rt, ctx.group, ctx.scale, ctx.hkv = rt, group, scale, hkv
         ctx.set_materialize_grads(False)  # an unused lse gives dlse None, not a zero tensor
@@ -203,7 +258,7 @@ class _CPAttention(torch.autograd.Function):
             # rows with partials from other ranks: summed in fp32 (fp64), in source order, rounded once
             reduce_rows(dk, back[:, :hkv], rt.red_rows, rt.red_ptr, rt.red_pos)
             reduce_rows(dv, back[:, hkv:], rt.red_rows, rt.red_ptr, rt.red_pos)
-        return dq, dk.to(q.dtype), dv.to(q.dtype), None, None, None
+        return dq, dk.to(q.dtype), dv.to(q.dtype), None, None, None, None
 
 
 _POOLS: dict = {}
@@ -369,6 +424,7 @@ def attention(
     stages: int | None = None,
     cost_model: CostModel | None = None,
     hierarchical: bool = True,
+    early: bool = True,
 ):
     """Context-parallel attention of this rank's tokens under ``plan``.
 
@@ -383,7 +439,9 @@ def attention(
     using the same one). ``stages``: remote K/V stages overlapped with compute; None (default) lets ``cost_model``
     (``planner.cost.CostModel``, defaults when None; see ``tools/calibrate.py``) choose; 0 uses one
     exchange without overlap. ``hierarchical``: two-phase routes when ``plan.topology`` has several
-    nodes (each K/V row crosses nodes once per destination node).
+    nodes (each K/V row crosses nodes once per destination node). ``early``: in the single-exchange
+    path, compute the rows that need only this rank's own keys while the exchange is in flight
+    (``planner.early``); False computes everything after it (same result up to rounding order).
     """
     rank = _group_rank(plan, group)
     _check_inputs(q, k, v, plan, rank, softmax_scale)
@@ -399,7 +457,7 @@ def attention(
         stages = choose_stages(plan, cost_model, work, hierarchical)
     if stages == 0:
         rt = _runtime(plan, rank, q.device, backend)
-        return _CPAttention.apply(q, k, v, rt, group if plan.cp_size > 1 else None, scale)
+        return _CPAttention.apply(q, k, v, rt, group if plan.cp_size > 1 else None, scale, bool(early))
     sched = build_schedule(plan, stages, cost=cost_model, work=work, hierarchical=hierarchical)
     rt = _staged_runtime(plan, sched, rank, q.device, backend)
     return _StagedAttention.apply(q, k, v, rt, group if plan.cp_size > 1 else None, scale)
