@@ -49,8 +49,9 @@ SPARSE = ["packed", "sliding_window", "block_causal", "strided", "global_local"]
 class Timer:
     """Times one forward + backward step per iteration, two ways (medians of the slowest rank's times):
 
-    * GPU time (the headline): the stream is held by a spin kernel while the host issues the step,
-      so CUDA events time the GPU work alone. In training the host runs ahead of the GPU (other
+    * GPU time (the headline): the stream is held by a spin kernel (then a tiny all-reduce that
+      releases every GPU at once) while the host issues the step, so CUDA events time the GPU work
+      alone. In training the host runs ahead of the GPU (other
       layers' kernels are queued), which is also how ``kernel-only`` below is timed (a loop of calls);
       a step whose host issue outlasts the hold shows that as GPU idle time.
     * wall time: host issue + GPU of an isolated step (sync, barrier, time, sync), which also counts
@@ -65,6 +66,12 @@ class Timer:
     def sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _hold(self, group):
+        """Hold this GPU's stream, then line the GPUs up: the spin lasts a different time on each GPU
+        (clocks differ), so a tiny all-reduce queued behind it releases all of them together."""
+        torch.cuda._sleep(self.HOLD_CYCLES)
+        dist.all_reduce(torch.zeros(1, device=self.device), group=group)
 
     def run(self, fwd, bwd, warmup, iters, group):
         """(fwd, bwd, fwd wall, bwd wall) seconds."""
@@ -86,11 +93,11 @@ class Timer:
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
                 dist.barrier(group)
                 self.sync()
-                torch.cuda._sleep(self.HOLD_CYCLES)
+                self._hold(group)
                 ev[0].record()
                 out = fwd()
                 ev[1].record()
-                torch.cuda._sleep(self.HOLD_CYCLES)
+                self._hold(group)
                 ev[2].record()
                 bwd(out)
                 ev[3].record()
