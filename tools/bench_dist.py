@@ -8,8 +8,8 @@ the tiles and K/V buffer megatron-cp gives that rank ("kernel-only"), the single
 the same per-GPU work that the scaling check compares against.
 
 Implementations: ``megatron-cp`` (planner + runtime, stage count chosen by the cost model;
-``megatron-cp@N`` forces N stages, 0 = one exchange then one kernel call; ``megatron-cp-noearly``
-waits for the exchange before computing any row), ``ring``, ``ulysses``,
+``megatron-cp@N`` forces N stages, 0 = one exchange then one kernel call; ``megatron-cp-early``
+computes the rows needing only own keys during the exchange, ``mcp.attention(early=True)``), ``ring``, ``ulysses``,
 ``usp`` (ulysses 2 x ring), ``head_context`` (ulysses 2 x our planned CP), ``allgather``
 (megatron_cp.baselines), ``torch-sdpa-ring`` (PyTorch
 ``context_parallel`` over SDPA, head-tail balance; full and causal only) and ``torch-flex-allgather``
@@ -123,9 +123,9 @@ def bench_ours(name, mask, args, ctx):
     if name.startswith("megatron-cp"):
         # "megatron-cp@N": the same with the stage count forced to N (0 = single exchange), to compare
         # against the cost model's own choice
-        # "megatron-cp-noearly": the single exchange without computing own-key rows during it
+        # "megatron-cp-early": the single exchange computing own-key rows while it flies (opt-in)
         stages = int(name.split("@")[1]) if "@" in name else None
-        early = not name.startswith("megatron-cp-noearly")
+        early = name.startswith("megatron-cp-early")
         plan = mcp.plan(mask, cp)
         cost = CostModel.load(args.cost) if args.cost else None
         be = ctx["backend"] = kernels.get_backend(args.backend, device)  # one object: its state is reported

@@ -88,7 +88,7 @@ def main(argv=None):
         del keep
         sp = early_split(plan, rank)
         has_early = bool(len(sp.early)) and plan.ranks[rank].num_remote + sum(plan.ranks[rank].send_index()[1]) > 0
-        for stages, early in ((None, True), (0, True), (0, False)):
+        for stages, early in ((None, False), (0, False), (0, True)):
             CUDNN_CALLS.update(fwd=0, bwd=0)
             ql, kl, vl = (t[ids].clone().requires_grad_() for t in (q, k, v))
             out, lse = mcp.attention(ql, kl, vl, plan, group, softmax_scale=scale, backend=backend, stages=stages,

@@ -12,7 +12,8 @@ so the two sets are row-disjoint: each row's output comes from one kernel call, 
 partial rows, nothing rounded twice. Late rows are whole ``align``-row blocks (any block with one
 late row is late), so the kernels' q blocks (at most ``align`` rows) never straddle the two calls.
 
-Pure numpy, deterministic: every rank can compute every rank's split (the cost model does).
+Used by ``mcp.attention(..., early=True)`` (opt-in: see the runtime's module doc for the measurement
+that keeps it off by default). Pure numpy, deterministic.
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ import numpy as np
 
 from ..masks import geometry
 from .cost import CostModel, Workload
-from .early import early_split
 from .plan import Plan, _merge_runs, _positions, _runs_to_ids
 from .topology import Topology
 
@@ -380,9 +379,8 @@ def choose_num_stages(plan: Plan, cost: CostModel, work: Workload, topo: Topolog
 
 
 def predict_single(plan: Plan, cost: CostModel, work: Workload) -> dict:
-    """Time of the single-exchange path (``stages=0``): one flat GroupCast of every remote row while the
-    rank's early rows compute (``planner.early``: rows needing only its own keys), then one kernel call
-    over the late rows (no running-output passes); backward mirrors it without the early split."""
+    """Time of the single-exchange path (``stages=0``): one flat GroupCast of every remote row, then one
+    kernel call over the rank's whole tile list (no running-output passes); backward mirrors it."""
     cp = plan.cp_size
     per_tok = work.kv_bytes_per_token
     g = plan.topology.gpus_per_node if plan.topology is not None else cp
@@ -396,15 +394,10 @@ def predict_single(plan: Plan, cost: CostModel, work: Workload) -> dict:
     kf = kb = 0.0
     for r, rp in enumerate(plan.ranks):
         n_recv, n_send = _exchange_rows(plan, r)
-        passes = cost.exchange_passes(rp.num_tokens, n_recv, n_send, work)
-        sp = early_split(plan, r) if n_recv + n_send else None
-        if sp is not None and sp.useful:  # the early rows hide (part of) the exchange
-            kf = max(kf, max(comm, cost.tile_time(sp.early, work)) + cost.tile_time(sp.late, work) + passes)
-        else:
-            kf = max(kf, comm + cost.tile_time(rp.tiles, work) + passes)
+        kf = max(kf, cost.tile_time(rp.tiles, work) + cost.exchange_passes(rp.num_tokens, n_recv, n_send, work))
         kb = max(kb, cost.tile_time(rp.tiles, work, backward=True)
                  + cost.exchange_passes(rp.num_tokens, n_recv, n_send, work, backward=True))
-    return {"fwd_s": cost.call_time() + kf, "bwd_s": cost.call_time(True) + kb + comm, "comm_s": [comm]}
+    return {"fwd_s": cost.call_time() + comm + kf, "bwd_s": cost.call_time(True) + kb + comm, "comm_s": [comm]}
 
 
 def _exchange_rows(plan: Plan, r: int) -> tuple[int, int]:

@@ -11,9 +11,12 @@ last reduce hides behind it. Remote K/V are kept from forward (no second cast). 
 ``plan.topology``, routes are hierarchical (one crossing per destination node). ``stages=0`` is the
 single-exchange path (one GroupCast of everything, then one kernel call over all tiles); by default the
 cost model picks it when overlap would not repay the staged path's extra passes over the running output
-(``planner.schedule.choose_stages``). While its GroupCast is in flight, the rows whose keys are all the
-rank's own compute first (``planner.early``: row-disjoint from the rest, so no merge and no extra
-pass); the other rows run once the received keys are placed.
+(``planner.schedule.choose_stages``). With ``early=True`` the rows whose keys are all the rank's own
+compute while its GroupCast is in flight (``planner.early``: row-disjoint from the rest, so no merge and
+no extra pass) and the other rows once the received keys are placed. Off by default: on 4 x H200
+(NVLink, NCCL) it measured equal in wall time and up to 1.5x slower forward in GPU time for packed
+documents, because a rank whose early kernel fills every SM keeps its NCCL all-to-all kernel from
+running, and the collective stalls every other rank (benchmarks/dist/README.md, 12:45 run).
 """
 
 from __future__ import annotations
@@ -424,7 +427,7 @@ def attention(
     stages: int | None = None,
     cost_model: CostModel | None = None,
     hierarchical: bool = True,
-    early: bool = True,
+    early: bool = False,
 ):
     """Context-parallel attention of this rank's tokens under ``plan``.
 
@@ -441,7 +444,9 @@ def attention(
     exchange without overlap. ``hierarchical``: two-phase routes when ``plan.topology`` has several
     nodes (each K/V row crosses nodes once per destination node). ``early``: in the single-exchange
     path, compute the rows that need only this rank's own keys while the exchange is in flight
-    (``planner.early``); False computes everything after it (same result up to rounding order).
+    (``planner.early``; exact, row-disjoint). Off by default: measured no faster on NVLink, where the
+    concurrent kernel can starve NCCL's all-to-all (module doc); for slower links, measure it with
+    ``tools/bench_dist.py --impls megatron-cp,megatron-cp-early``.
     """
     rank = _group_rank(plan, group)
     _check_inputs(q, k, v, plan, rank, softmax_scale)
