@@ -117,16 +117,23 @@ def _runtime(plan: Plan, rank: int, device: torch.device, backend_arg) -> _RankR
             backend=backend,
             prepared=backend.prepare(tiles, rp.num_tokens, buffer_len),
         )
-        if rt.exchanges:
-            sp = early_split(plan, rank)
-            if sp.useful:
-                prep = lambda t: backend.prepare(torch.from_numpy(t), rp.num_tokens, buffer_len)  # noqa: E731
-                rt.early = prep(sp.early)
-                rt.late = prep(sp.late) if len(sp.late) else None
-                rt.late_runs = [(int(a), int(b)) for a, b in sp.late_rows.tolist()]
-                rt.pad = torch.from_numpy(sp.pad_rows).to(device) if len(sp.pad_rows) else None
         plan.cache[key] = rt
     return rt
+
+
+def _prepare_early(rt: _RankRuntime, plan: Plan, rank: int, device) -> None:
+    """Early/late tile lists of ``rt`` (``early=True`` only: opt-in, so plans that never use it do not
+    pay the split and two more schedule builds). Once per runtime."""
+    if rt.late_runs is not None or not rt.exchanges:
+        return
+    rp = plan.ranks[rank]
+    sp = early_split(plan, rank)
+    rt.late_runs = [(int(a), int(b)) for a, b in sp.late_rows.tolist()]
+    if sp.useful:
+        prep = lambda t: rt.backend.prepare(torch.from_numpy(t), rp.num_tokens, rt.buffer_len)  # noqa: E731
+        rt.early = prep(sp.early)
+        rt.late = prep(sp.late) if len(sp.late) else None
+        rt.pad = torch.from_numpy(sp.pad_rows).to(device) if len(sp.pad_rows) else None
 
 
 def _group_rank(plan: Plan, group) -> int:
@@ -462,6 +469,8 @@ def attention(
         stages = choose_stages(plan, cost_model, work, hierarchical)
     if stages == 0:
         rt = _runtime(plan, rank, q.device, backend)
+        if early and plan.cp_size > 1:
+            _prepare_early(rt, plan, rank, q.device)
         return _CPAttention.apply(q, k, v, rt, group if plan.cp_size > 1 else None, scale, bool(early))
     sched = build_schedule(plan, stages, cost=cost_model, work=work, hierarchical=hierarchical)
     rt = _staged_runtime(plan, sched, rank, q.device, backend)
