@@ -30,18 +30,26 @@ def _masks():
 
 
 def _case(rank, world, name, mask, hq, hkv, options=None, dtype=torch.float64, plan_kwargs=None, plan_name=None,
-          d=8):
+          d=8, lse_grad="all"):
+    """lse_grad: which ranks' losses use lse ("all", "none": out only, "rank0": rank 0 only; the exchanges
+    carry a missing lse gradient as zeros plus a flag, and drop it only where no rank has one)."""
     s = mask.seqlen_q
     gen = torch.Generator().manual_seed(3 + hq + hkv)
     q, do = (torch.randn(s, hq, d, generator=gen, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(s, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
     dl = torch.randn(s, hq, generator=gen, dtype=torch.float64)
+    plan = plan_for(plan_name or name, mask, world, **(plan_kwargs or {}))
+    uses_lse = {"all": True, "none": False, "rank0": rank == 0}[lse_grad]
+    if lse_grad != "all":  # only the rows of ranks whose loss uses lse get an lse gradient
+        keep = torch.zeros(s, dtype=torch.bool)
+        if lse_grad == "rank0":
+            keep[torch.from_numpy(plan.local_ids(0))] = True
+        dl = torch.where(keep[:, None], dl, 0)
     dense = torch.as_tensor(mask.to_dense())
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     o_ref, l_ref = dense_attention(qr, kr, vr, dense, 0.3)
     fin_ref = torch.isfinite(l_ref)
     ((o_ref * do).sum() + (torch.where(fin_ref, l_ref, 0) * dl).sum()).backward()
-    plan = plan_for(plan_name or name, mask, world, **(plan_kwargs or {}))
     group = dist.group.WORLD
     ql, kl, vl = (mcp.dispatch(t.to(dtype), plan, group).detach().requires_grad_() for t in (q, k, v))
     fn = get_strategy(name, **(options or {}))
@@ -49,7 +57,10 @@ def _case(rank, world, name, mask, hq, hkv, options=None, dtype=torch.float64, p
     ids = torch.from_numpy(plan.local_ids(rank))
     fin = torch.isfinite(l_ref[ids])
     assert torch.equal(torch.isfinite(lse), fin), "fully masked rows must give lse -inf exactly there"
-    ((out.double() * do[ids]).sum() + (torch.where(torch.isfinite(lse), lse, 0).double() * dl[ids]).sum()).backward()
+    loss = (out.double() * do[ids]).sum()
+    if uses_lse:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0).double() * dl[ids]).sum()
+    loss.backward()
     return local_errors(ids, out, lse, (ql, kl, vl), (o_ref, l_ref, qr, kr, vr))
 
 
@@ -89,6 +100,14 @@ def _all(rank, world):
                 if hq == hkv and mname not in ("causal", "full"):
                     continue
                 exact[(name, mname, hq, hkv)] = _case(rank, world, name, mask, hq, hkv)
+    for name in ("ulysses", "usp", "head_context", "allgather"):
+        for how in ("none", "rank0"):
+            exact[(name, f"lse_{how}", 4, 2)] = _case(rank, world, name, _masks()["varlen"], 4, 2, lse_grad=how)
+    # rows 30.. keep no key: with a contiguous layout the last rank has no tiles, yet joins the gather's
+    # backward collective (no hang) and gets zero gradients
+    head_only = M.from_mask_mod(lambda b, h, qi, ki: (qi < 30) & (ki <= qi), S)
+    exact[("allgather", "empty_rank", 4, 2)] = _case(rank, world, "allgather", head_only, 4, 2,
+                                                     plan_kwargs={"solver": "contiguous"})
     if world == 4:
         for deg in (2, 4):
             exact[("usp", f"u{deg}", 8, 4)] = _case(rank, world, "usp", _masks()["causal"], 8, 4, {"ulysses_degree": deg})

@@ -1,7 +1,8 @@
 """GPU correctness of the distributed runtime with the production kernel paths (NCCL, torchrun).
 
 Each rank runs megatron-cp attention (planner + staged GroupCast runtime, and the single-exchange path
-``stages=0``, with and without early rows during the exchange) forward and backward on its tokens of one random bf16 problem, with the Triton backend
+``stages=0``, with and without early rows during the exchange), and each baseline strategy of
+``--strategies`` on its own plan layout, forward and backward on its tokens of one random bf16 problem, with the Triton backend
 whose dense pieces go to cuDNN (``dense_min_keys`` lowered so that pieces occur at this size), and
 compares its rows of out / lse / dq and its tokens of dk / dv with a dense fp64 reference. Rule
 (ANCHORS.md): rms error <= 2 x the rms error of the same dense computation run in bf16, plus 1e-6 x
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import megatron_cp as mcp  # noqa: E402
 from megatron_cp.kernels import triton_backend as tb  # noqa: E402
+from megatron_cp.baselines import get_strategy, plan_for  # noqa: E402
 from megatron_cp.planner.early import early_split  # noqa: E402
 
 import _cp_masks  # noqa: E402
@@ -51,6 +53,8 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dense-min-keys", type=int, default=2048)
     ap.add_argument("--bwd-mode", default="deterministic", choices=["deterministic", "atomic"])
+    ap.add_argument("--strategies", default="ring,ulysses,usp,allgather,head_context",
+                    help="baseline strategies checked the same way (each on its plan_for layout); '' for none")
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a dry run of this script (gloo, reference backend, tiny --seqlen)")
@@ -83,16 +87,21 @@ def main(argv=None):
         keep = torch.from_numpy(mask.to_dense()).to(dev)
         ref = chunked_reference(q, k, v, do, keep, torch.float64, scale)
         low = chunked_reference(q, k, v, do, keep, torch.bfloat16, scale)
-        ids = torch.from_numpy(plan.local_ids(rank)).to(dev)
-        empty = ~keep[ids].any(1)
-        del keep
         sp = early_split(plan, rank)
         has_early = bool(len(sp.early)) and plan.ranks[rank].num_remote + sum(plan.ranks[rank].send_index()[1]) > 0
-        for stages, early in ((None, False), (0, False), (0, True)):
+        variants = [("megatron-cp", None, False), ("megatron-cp", 0, False), ("megatron-cp", 0, True)]
+        variants += [(x, None, False) for x in args.strategies.split(",") if x]
+        for impl, stages, early in variants:
             CUDNN_CALLS.update(fwd=0, bwd=0)
+            vplan = plan if impl == "megatron-cp" else plan_for(impl, mask, cp)
+            ids = torch.from_numpy(vplan.local_ids(rank)).to(dev)
+            empty = ~keep[ids].any(1)
             ql, kl, vl = (t[ids].clone().requires_grad_() for t in (q, k, v))
-            out, lse = mcp.attention(ql, kl, vl, plan, group, softmax_scale=scale, backend=backend, stages=stages,
-                                     early=early)
+            if impl == "megatron-cp":
+                out, lse = mcp.attention(ql, kl, vl, plan, group, softmax_scale=scale, backend=backend, stages=stages,
+                                         early=early)
+            else:
+                out, lse = get_strategy(impl, backend=backend)(ql, kl, vl, vplan, group, scale)
             out.backward(do[ids])
             if dev.type == "cuda":
                 torch.cuda.synchronize()
@@ -109,16 +118,16 @@ def main(argv=None):
                 bound = 2 * e_low + 1e-6 * rms(r)
                 errs[key] = [e, e_low]
                 ok = ok and e <= bound
-            rec = {"mask": name, "stages": "auto" if stages is None else stages, "rank": rank, "ok": ok, "nan": nan,
+            rec = {"mask": name, "impl": impl, "stages": "auto" if stages is None else stages, "rank": rank, "ok": ok, "nan": nan,
                    "early_rows": early and has_early and stages == 0,
                    "empty_rows_ok": empty_ok, "rms_err_vs_bf16_ref": errs, "cudnn_calls": dict(CUDNN_CALLS),
                    "fast_path_error": getattr(backend, "fast_path_error", None)}
             results.append(rec)
             ok_all = ok_all and ok
-            print(f"rank {rank} {name:<15} stages={rec['stages']!s:<5} early={rec['early_rows']!s:<5} "
+            print(f"rank {rank} {name:<15} {impl:<13} stages={rec['stages']!s:<5} early={rec['early_rows']!s:<5} "
                   f"{'ok' if ok else 'FAIL'} cudnn={CUDNN_CALLS} "
                   + " ".join(f"{key} {e:.2e}/{el:.2e}" for key, (e, el) in errs.items()), flush=True)
-        del ref, low
+        del ref, low, keep
     gathered = [None] * cp
     dist.all_gather_object(gathered, results)
     if rank == 0:

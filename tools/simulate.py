@@ -203,6 +203,9 @@ def ring(mask, cp, g, cost, work, layout="contiguous", ri=None):
 
 
 def ulysses(mask, cp, g, cost, work):
+    """Ulysses as ``baselines.ulysses`` runs it: q|k|v packed into the send layout (one write) and sent in
+    one exchange, the whole mask on Hq/cp heads, out|lse back in one exchange and put in head order
+    (one write); backward the mirror image, plus the kernel's delta pass over out and dout."""
     hq = work.num_heads
     if cp > hq or hq % cp:
         return None
@@ -215,7 +218,8 @@ def ulysses(mask, cp, g, cost, work):
     tiles = clip_tiles(mask.traps, None, [[0, s]])  # the whole mask as one tile list
     kf = cost.tile_time(tiles, w)
     kb = cost.tile_time(tiles, w, True)
-    tok = s / cp * work.head_dim * work.dtype_bytes
+    n = s / cp
+    tok = n * work.head_dim * work.dtype_bytes  # bytes of one head of this GPU's rows
     nodes = max(1, cp // g)
     per = lambda heads: tok * heads * (cp - 1) / cp  # noqa: E731 bytes each GPU sends
     frac_inter = (cp - min(g, cp)) / max(cp - 1, 1)
@@ -224,8 +228,14 @@ def ulysses(mask, cp, g, cost, work):
         inter = b * frac_inter
         return cost.latency_us * 1e-6 + max((b - inter) / (cost.intra_gbps * 1e9), inter / (cost.inter_gbps * 1e9) if nodes > 1 else 0)
 
-    fwd = a2a(per(hq + 2 * hkv)) + kf + a2a(per(hq)) + cost.call_time()
-    bwd = a2a(per(hq)) + kb + a2a(per(hq + 2 * hkv)) + cost.call_time(True)
+    hbm = cost.hbm_gbps * 1e9
+    qkv, q = tok * (hq + 2 * hkv), tok * hq  # bytes of this GPU's q|k|v and q (or out) rows
+    rep = 2 * tok * 2 * hkv if f > 1 else 0.0  # K/V head repeat (write hkv * f heads)
+    lse = n * hq * 4 * (cp - 1) / cp
+    fwd = (a2a(per(hq + 2 * hkv)) + kf + a2a(per(hq) + lse) + cost.call_time()
+           + (2 * qkv + 2 * q + rep) / hbm)  # pack, head-order out
+    bwd = (a2a(per(hq) + lse) + kb + a2a(per(hq + 2 * hkv)) + cost.call_time(True)
+           + (2 * q + 2 * q + 2 * qkv + 2 * qkv + rep) / hbm)  # dout to heads, delta, cat, unpack
     return dict(fwd_s=fwd, bwd_s=bwd, imbalance=0.0, inter_node_bytes_per_gpu=per(2 * hq + 2 * hkv) * frac_inter)
 
 
@@ -236,17 +246,27 @@ def greedy(mask, cp, g, cost, work):
 
 
 def allgather(mask, cp, g, cost, work):
+    """All-gather K|V as ``baselines.allgather`` runs it: K|V packed (one write), gathered into one buffer
+    (compacted when ranks hold different counts), this rank's tiles on the keys in rank order; backward:
+    dK|dV of every rank's keys (one write), all-to-all back, summed over the cp copies (read cp, write 1)."""
     plan = mcp.plan(mask, cp)
     s = mask.seqlen_q
     nodes = max(1, cp // g)
     per_tok = work.kv_bytes_per_token
+    counts = [plan.num_local(r) for r in range(cp)]
     b = (cp - 1) / cp * s * per_tok
     frac_inter = (cp - min(g, cp)) / max(cp - 1, 1)
     comm = cost.latency_us * 1e-6 + max(b * (1 - frac_inter) / (cost.intra_gbps * 1e9),
                                         b * frac_inter / (cost.inter_gbps * 1e9) if nodes > 1 else 0)
     kf = max(cost.tile_time(r.tiles, work) for r in plan.ranks)
     kb = max(cost.tile_time(r.tiles, work, True) for r in plan.ranks)
-    return dict(fwd_s=comm + kf + cost.call_time(), bwd_s=2 * comm + kb + cost.call_time(True),
+    hbm = cost.hbm_gbps * 1e9
+    n = max(counts)
+    q_b = n * work.num_heads * work.head_dim * work.dtype_bytes
+    fwd_pass = 2 * n * per_tok + (2 * s * per_tok if len(set(counts)) > 1 else 0.0)
+    bwd_pass = 2 * s * per_tok + s * per_tok + n * per_tok + 2 * q_b  # cat, sum over copies, delta
+    return dict(fwd_s=comm + kf + cost.call_time() + fwd_pass / hbm,
+                bwd_s=comm + kb + cost.call_time(True) + bwd_pass / hbm,
                 imbalance=plan.stats()["imbalance"],
                 inter_node_bytes_per_gpu=b * frac_inter)
 

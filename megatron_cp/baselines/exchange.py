@@ -2,6 +2,14 @@
 
 Used by ``usp``/``ulysses`` (strategies.py) and ``head_context`` (hybrid.py). Peers are ranks of the CP group
 (``group_peer``), so no sub-group is needed.
+
+Layout: the sequence side of an exchange is ``[u, n, G, ...]`` (slice j holds the head share that member
+j receives, contiguous, so it is sent as it is); the heads side is ``[sum(counts), G, ...]`` (member j's
+rows at offset ``sum(counts[:j])``, received in place). Several tensors travel in one batch of
+point-to-point ops (one latency, not one per tensor). In backward a missing gradient (``None``: the
+caller did not use that output) travels as zeros with a flag, and comes out ``None`` when no rank had
+it, so an unused lse costs no gradient pass later on; ranks never disagree on what is exchanged. Only a
+rank that lacks a gradient reads the flags (one host sync).
 """
 
 from __future__ import annotations
@@ -13,58 +21,130 @@ from ..comm.collectives import _wire
 
 
 def _p2p(sends: dict, recvs: dict, group) -> None:
-    """Send ``sends[peer]`` and receive into ``recvs[peer]`` (peers are ranks of ``group``); waits."""
-    ops = [dist.P2POp(dist.isend, _wire(t.contiguous()), group=group, group_peer=p) for p, t in sends.items() if t.numel()]
-    ops += [dist.P2POp(dist.irecv, _wire(t), group=group, group_peer=p) for p, t in recvs.items() if t.numel()]
+    """Send the tensors ``sends[peer]`` and receive into ``recvs[peer]`` (lists; peers are ranks of
+    ``group``) in one batch; waits."""
+    ops = [dist.P2POp(dist.isend, _wire(t.contiguous()), group=group, group_peer=p)
+           for p, ts in sends.items() for t in ts if t.numel()]
+    ops += [dist.P2POp(dist.irecv, _wire(t), group=group, group_peer=p) for p, ts in recvs.items() for t in ts if t.numel()]
     if ops:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
 
-def _seq_to_heads(x, peers, me, counts, group):
-    """[counts[me], H, ...] -> [sum(counts), H/u, ...]: head group j goes to peers[j]; rows arrive
-    in peer order."""
+def _seq_to_heads(xs, peers, me, counts, group, flags=None):
+    """xs: tensors [u, counts[me], G_i, ...] -> [sum(counts), G_i, ...]: slice j goes to peers[j], rows
+    arrive in peer order. ``flags`` (int32 [m]) also go to every peer; returns (outs, flags per peer)."""
     u = len(peers)
-    chunks = list(x.chunk(u, dim=1))
-    hh = chunks[0].shape[1]
-    out = x.new_empty((sum(counts), hh) + tuple(x.shape[2:]))
-    parts = list(out.split(counts, dim=0))
-    parts[me].copy_(chunks[me])
-    _p2p({peers[j]: chunks[j] for j in range(u) if j != me}, {peers[j]: parts[j] for j in range(u) if j != me}, group)
-    return out
+    outs = [x.new_empty((sum(counts),) + tuple(x.shape[2:])) for x in xs]
+    parts = [list(o.split(counts, dim=0)) for o in outs]
+    for x, p in zip(xs, parts):
+        p[me].copy_(x[me])
+    got = {peers[j]: flags.new_empty(flags.shape) for j in range(u) if j != me} if flags is not None else {}
+    extra = [flags] if flags is not None else []
+    _p2p({peers[j]: [x[j] for x in xs] + extra for j in range(u) if j != me},
+         {peers[j]: [p[j] for p in parts] + ([got[peers[j]]] if got else []) for j in range(u) if j != me}, group)
+    return outs, got
 
 
-def _heads_to_seq(y, peers, me, counts, group):
-    """Inverse of ``_seq_to_heads``: [sum(counts), H/u, ...] -> [counts[me], H, ...]."""
+def _heads_to_seq(ys, peers, me, counts, group, flags=None):
+    """Inverse of ``_seq_to_heads``: ys [sum(counts), G_i, ...] -> [u, counts[me], G_i, ...]."""
     u = len(peers)
-    parts = list(y.split(counts, dim=0))
-    out = y.new_empty((counts[me], y.shape[1] * u) + tuple(y.shape[2:]))
-    chunks = list(out.chunk(u, dim=1))
-    chunks[me].copy_(parts[me])
-    recv = {peers[j]: torch.empty_like(chunks[j]) for j in range(u) if j != me}
-    _p2p({peers[j]: parts[j] for j in range(u) if j != me}, recv, group)
-    for j, t in recv.items():
-        chunks[peers.index(j)].copy_(t)
-    return out
+    outs = [y.new_empty((u, counts[me]) + tuple(y.shape[1:])) for y in ys]
+    parts = [list(y.split(counts, dim=0)) for y in ys]
+    for o, p in zip(outs, parts):
+        o[me].copy_(p[me])
+    got = {peers[j]: flags.new_empty(flags.shape) for j in range(u) if j != me} if flags is not None else {}
+    extra = [flags] if flags is not None else []
+    _p2p({peers[j]: [p[j] for p in parts] + extra for j in range(u) if j != me},
+         {peers[j]: [o[j] for o in outs] + ([got[peers[j]]] if got else []) for j in range(u) if j != me}, group)
+    return outs, got
+
+
+def _grads_exchange(fn, gs, like, args):
+    """Backward of an exchange: missing gradients travel as zeros with a flag; a gradient no rank had
+    comes out None (the same on every rank, since every rank receives every flag)."""
+    present = torch.tensor([g is not None for g in gs], dtype=torch.int32)
+    zs = [g if g is not None else torch.zeros(shape, dtype=dt, device=dev) for g, (shape, dev, dt) in zip(gs, like)]
+    outs, got = fn(zs, *args, flags=present.to(like[0][1]))
+    if all(g is not None for g in gs):
+        return outs  # no flag needs reading (no host sync)
+    anyone = present.clone()
+    for f in got.values():
+        anyone |= f.cpu()
+    return [o if a else None for o, a in zip(outs, anyone.tolist())]
 
 
 class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, peers, me, counts, group):
-        ctx.args = (peers, me, counts, group)
-        return _seq_to_heads(x, peers, me, counts, group)
+    """``_seq_to_heads`` of several tensors in one exchange; differentiable (backward: ``_heads_to_seq``)."""
 
     @staticmethod
-    def backward(ctx, g):
-        return _heads_to_seq(g.contiguous(), *ctx.args), None, None, None, None
+    def forward(ctx, peers, me, counts, group, *xs):
+        ctx.args = (peers, me, counts, group)
+        ctx.like = [(x.shape, x.device, x.dtype) for x in xs]
+        ctx.set_materialize_grads(False)
+        return tuple(_seq_to_heads(xs, peers, me, counts, group)[0])
+
+    @staticmethod
+    def backward(ctx, *gs):
+        like = [((sum(ctx.args[2]),) + tuple(s[2:]), d, t) for s, d, t in ctx.like]
+        return (None,) * 4 + tuple(_grads_exchange(_heads_to_seq, gs, like, ctx.args))
 
 
 class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, peers, me, counts, group):
-        ctx.args = (peers, me, counts, group)
-        return _heads_to_seq(y, peers, me, counts, group)
+    """``_heads_to_seq`` of several tensors in one exchange; differentiable (backward: ``_seq_to_heads``)."""
 
     @staticmethod
-    def backward(ctx, g):
-        return _seq_to_heads(g.contiguous(), *ctx.args), None, None, None, None
+    def forward(ctx, peers, me, counts, group, *ys):
+        ctx.args = (peers, me, counts, group)
+        ctx.like = [(y.shape, y.device, y.dtype) for y in ys]
+        ctx.set_materialize_grads(False)
+        return tuple(_heads_to_seq(ys, peers, me, counts, group)[0])
+
+    @staticmethod
+    def backward(ctx, *gs):
+        peers, me, counts, _ = ctx.args
+        like = [((len(peers), counts[me]) + tuple(s[1:]), d, t) for s, d, t in ctx.like]
+        return (None,) * 4 + tuple(_grads_exchange(_seq_to_heads, gs, like, ctx.args))
+
+
+class _SplitHeads(torch.autograd.Function):
+    """x [s, sum(sizes), ...] -> views of consecutive head groups; backward concatenates the gradients
+    in one pass (zeros for a missing one) instead of one full-size zero buffer per view."""
+
+    @staticmethod
+    def forward(ctx, x, sizes):
+        ctx.set_materialize_grads(False)
+        ctx.shape, ctx.sizes = x.shape, sizes
+        return tuple(x.split(sizes, dim=1))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        ref = next(g for g in gs if g is not None)
+        parts = [g if g is not None else ref.new_zeros((ctx.shape[0], n) + tuple(ctx.shape[2:]))
+                 for g, n in zip(gs, ctx.sizes)]
+        return torch.cat(parts, dim=1), None
+
+
+def to_heads(tensors, peers, me, counts, group):
+    """Sequence -> heads for Ulysses: tensors [n, H_i, ...] (H_i divisible by u = len(peers)) ->
+    [sum(counts), H_i / u, ...] each, in one exchange: q, k and v are packed once into the send
+    layout ([u, n, sum(H_i / u), ...], one write) and split back into head-group views after."""
+    u = len(peers)
+    n = tensors[0].shape[0]
+    widths = [t.shape[1] // u for t in tensors]
+    tail = tuple(tensors[0].shape[2:])
+    packed = tensors[0].new_empty((u, n, sum(widths)) + tail)
+    c = 0
+    for t, w in zip(tensors, widths):
+        packed[:, :, c:c + w].copy_(t.reshape((n, u, w) + tail).transpose(0, 1))
+        c += w
+    (x,) = _SeqToHeads.apply(peers, me, counts, group, packed)
+    return _SplitHeads.apply(x, widths)
+
+
+def to_seq(tensors, peers, me, counts, group):
+    """Heads -> sequence: tensors [sum(counts), h_i, ...] -> [counts[me], u * h_i, ...] (head share j from
+    peers[j]), all in one exchange."""
+    u = len(peers)
+    outs = _HeadsToSeq.apply(peers, me, counts, group, *[t.contiguous() for t in tensors])
+    return [o.transpose(0, 1).reshape((counts[me], u * o.shape[2]) + tuple(o.shape[3:])) for o in outs]

@@ -33,7 +33,7 @@ from ..planner.cost import CostModel
 from ..planner.layout import default_degree, group_order, group_plan, head_context_degree, kv_head_repeat
 from ..runtime.attention import _backend, _check_inputs, _group_rank
 from ..runtime.attention import attention as cp_attention
-from .exchange import _HeadsToSeq, _SeqToHeads
+from .exchange import to_heads, to_seq
 
 _GROUPS: dict = {}
 
@@ -116,21 +116,15 @@ def head_context(q, k, v, plan: Plan, group=None, softmax_scale=None, *, ulysses
 
     kr = k.repeat_interleave(f, dim=1) if f > 1 else k
     vr = v.repeat_interleave(f, dim=1) if f > 1 else v
-    hq_u, hkv_u = hq // u, hkv * f // u
     if u > 1:
-        # one exchange: head share i of q, k and v side by side, so chunk i of the packed heads goes to member i
-        n = q.shape[0]
-        packed = torch.cat([q.reshape(n, u, hq_u, d), kr.reshape(n, u, hkv_u, d), vr.reshape(n, u, hkv_u, d)], dim=2)
+        # one exchange: head share i of q, k and v goes to member i
         members = [g * u + i for i in range(u)]
         counts = [plan.num_local(r) for r in members]
-        x = _SeqToHeads.apply(packed.reshape(n, u * (hq_u + 2 * hkv_u), d), members, j, counts, group)
+        qh, kh, vh = to_heads([q, kr, vr], members, j, counts, group)
     else:
-        x = torch.cat([q, kr, vr], dim=1)
+        qh, kh, vh = q, kr, vr
     if perm is not None:
-        x = x.index_select(0, perm[0])
-    qh = x[:, :hq_u].contiguous()
-    kh = x[:, hq_u:hq_u + hkv_u].contiguous()
-    vh = x[:, hq_u + hkv_u:].contiguous()
+        qh, kh, vh = (x.index_select(0, perm[0]) for x in (qh, kh, vh))
     # single-GPU groups per node (or none): flat routes are the same rows without an empty phase B
     hier = gp.topology is not None and gp.topology.gpus_per_node > 1
     o, l = cp_attention(qh, kh, vh, gp, sub, softmax_scale, backend=backend, stages=stages,
@@ -138,6 +132,6 @@ def head_context(q, k, v, plan: Plan, group=None, softmax_scale=None, *, ulysses
     if perm is not None:
         o, l = o.index_select(0, perm[1]), l.index_select(0, perm[1])
     if u > 1:
-        o = _HeadsToSeq.apply(o.contiguous(), members, j, counts, group)
-        l = _HeadsToSeq.apply(l.unsqueeze(-1).contiguous(), members, j, counts, group).squeeze(-1)
+        o, l = to_seq([o, l.unsqueeze(-1)], members, j, counts, group)
+        l = l.squeeze(-1)
     return o, l

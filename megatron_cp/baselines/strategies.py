@@ -15,14 +15,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import kernels
-from ..comm.collectives import _wire, all_gather_v, all_to_all_v
+from ..comm.collectives import _wire, all_gather_rows, all_to_all_v
 from ..planner import Plan
 from ..planner import plan as make_plan
 from ..planner.layout import head_context_plan, kv_head_repeat
 from ..planner.schedule import clip_tiles, mask_traps, rank_traps
-from ..runtime.attention import _check_inputs, _group_rank, merge_lse
-from .exchange import _HeadsToSeq, _SeqToHeads
+from ..runtime.attention import _backend, _check_inputs, _group_rank, merge_lse
+from .exchange import _SplitHeads, to_heads, to_seq
 from .hybrid import head_context
 
 
@@ -49,12 +48,15 @@ def _prepared(plan, key, backend, tiles: np.ndarray, sq: int, sk: int):
             return None
         return backend.prepare(torch.from_numpy(tiles.astype("int32")), sq, max(sk, 1))
 
-    return _cached(plan, ("baseline", "prep", backend.name) + key, build)
+    return _cached(plan, ("baseline", "prep") + key, build)
 
 
 def _global_order(plan: Plan, device):
-    """(perm, inv): rows concatenated in rank order -> global order, and back (int64 tensors)."""
+    """(perm, inv): rows concatenated in rank order -> global order, and back (int64 tensors); (None, None)
+    when rank order is global order."""
     ids = np.concatenate([plan.local_ids(r) for r in range(plan.cp_size)])
+    if np.array_equal(ids, np.arange(len(ids))):  # contiguous layouts: already in global order
+        return None, None
     perm = np.empty_like(ids)
     perm[ids] = np.arange(len(ids))
     return torch.from_numpy(perm).to(device), torch.from_numpy(ids).to(device)
@@ -207,22 +209,19 @@ def _usp(q, k, v, plan, group, softmax_scale, u, backend, name):
     if hq % u:
         raise ValueError(f"{name}: ulysses_degree={u} must divide the query heads ({hq})")
     scale = _scale(q, softmax_scale)
-    be = kernels.get_backend(backend, q.device)
+    bkey, be = _backend(backend, q.device)  # a name or a backend object
     g, j = divmod(rank, u)  # ulysses group g (ranks g*u .. g*u+u-1), position j inside it
     R = cp // u
     members = [g * u + i for i in range(u)]
     counts = [plan.num_local(r) for r in members]
-    kv = torch.cat([k.repeat_interleave(f, dim=1) if f > 1 else k, v.repeat_interleave(f, dim=1) if f > 1 else v], dim=1)
+    kr = k.repeat_interleave(f, dim=1) if f > 1 else k
+    vr = v.repeat_interleave(f, dim=1) if f > 1 else v
     hkv_u = hkv * f // u
     if u > 1:
-        # each half (K, V) of kv is split into u head groups separately
-        kh, vh = kv.chunk(2, dim=1)
-        qh = _SeqToHeads.apply(q, members, j, counts, group)
-        kh = _SeqToHeads.apply(kh.contiguous(), members, j, counts, group)
-        vh = _SeqToHeads.apply(vh.contiguous(), members, j, counts, group)
-        kv_h = torch.cat([kh, vh], dim=1)
+        # q, k and v in one exchange; head-group views of the received rows (no per-tensor copies)
+        qh, kh, vh = to_heads([q, kr, vr], members, j, counts, group)
     else:
-        qh, kv_h = q, kv
+        qh, kh, vh = q, kr, vr
     # the ring across groups: ring position = group index, peers hold the same head group
     group_runs = [np.concatenate([plan.ranks[gg * u + i].segments for i in range(u)]) for gg in range(R)]
     rows = [_runs_len(r) for r in group_runs]
@@ -234,27 +233,30 @@ def _usp(q, k, v, plan, group, softmax_scale, u, backend, name):
             src = (g - i) % R
             tiles = _cached(plan, ("baseline", "tiles", u, g, src),
                             lambda: clip_tiles(traps, group_runs[g], group_runs[src]))
-            out.append(_prepared(plan, (u, g, src), be, tiles, rows[g], rows[src]))
+            out.append(_prepared(plan, (bkey, u, g, src), be, tiles, rows[g], rows[src]))
         return out
 
     peers = [gg * u + j for gg in range(R)]
     if R == 1:
-        # one group holds the whole sequence: put it in global order, where the mask's own
-        # trapezoids are the tiles (no clipping over pairs of runs), and back afterwards
+        # one group holds the whole sequence: in global order the mask's own trapezoids are the tiles
+        # (no clipping over pairs of runs); rows are permuted there and back unless already in it
         perm, inv = _cached(plan, ("baseline", "global_order", str(q.device)), lambda: _global_order(plan, q.device))
         tiles = _cached(plan, ("baseline", "mask_tiles"), lambda: _traps_to_tiles(traps))
-        st = _prepared(plan, ("global",), be, tiles, plan.seqlen, plan.seqlen)
+        st = _prepared(plan, (bkey, "global"), be, tiles, plan.seqlen, plan.seqlen)
         if st is None:
             o, l = _empty_result(qh, qh.shape[-1])
+        elif perm is None:
+            o, l = _TileAttention.apply(qh, kh, vh, be, st, scale)
         else:
-            qg, kvg = qh.index_select(0, perm), kv_h.index_select(0, perm)
-            o, l = _TileAttention.apply(qg, kvg[:, :hkv_u], kvg[:, hkv_u:], be, st, scale)
+            qg, kg, vg = (x.index_select(0, perm) for x in (qh, kh, vh))
+            o, l = _TileAttention.apply(qg, kg, vg, be, st, scale)
             o, l = o.index_select(0, inv), l.index_select(0, inv)
     else:
-        o, l = _Ring.apply(qh, kv_h.contiguous(), hkv_u, peers, g, rows, steps(), be, scale, group)
+        kv_h = torch.cat([kh, vh], dim=1)
+        o, l = _Ring.apply(qh, kv_h, hkv_u, peers, g, rows, steps(), be, scale, group)
     if u > 1:
-        o = _HeadsToSeq.apply(o.contiguous(), members, j, counts, group)
-        l = _HeadsToSeq.apply(l.unsqueeze(-1).contiguous(), members, j, counts, group).squeeze(-1)
+        o, l = to_seq([o, l.unsqueeze(-1)], members, j, counts, group)
+        l = l.squeeze(-1)
     return o, l
 
 
@@ -302,7 +304,7 @@ class _GatherKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kv, counts, rank, group):
         ctx.counts, ctx.rank, ctx.group = counts, rank, group
-        return torch.cat(all_gather_v(kv.contiguous(), counts, group))
+        return all_gather_rows(kv.contiguous(), counts, group)
 
     @staticmethod
     def backward(ctx, g):
@@ -311,26 +313,35 @@ class _GatherKV(torch.autograd.Function):
         return back.view((len(counts), counts[rank]) + tuple(g.shape[1:])).sum(0), None, None, None
 
 
+def _allgather_tiles(plan: Plan, rank: int) -> np.ndarray:
+    ids = np.concatenate([plan.local_ids(r) for r in range(plan.cp_size)])
+    if np.array_equal(ids, np.arange(len(ids))):
+        return _traps_to_tiles(rank_traps(plan, rank))
+    runs = np.concatenate([plan.ranks[r].segments for r in range(plan.cp_size)])
+    return clip_tiles(rank_traps(plan, rank), None, runs)
+
+
 def allgather(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: str = "auto"):
     """All-gather K/V (Megatron/TE ``all_gather`` CP, PyTorch's Flex CP): every rank holds the whole
     K/V, computes its own rows' tiles, and dK/dV are reduce-scattered. Plan: any. Masks: any."""
     rank = _group_rank(plan, group)
     _check_inputs(q, k, v, plan, rank, softmax_scale)
     scale = _scale(q, softmax_scale)
-    be = kernels.get_backend(backend, q.device)
+    bkey, be = _backend(backend, q.device)  # a name or a backend object
     hkv = k.shape[1]
     cp = plan.cp_size
     counts = [plan.num_local(r) for r in range(cp)]
-    kv = torch.cat([k, v], dim=1)
-    kv_all = _GatherKV.apply(kv, counts, rank, group) if cp > 1 else kv
-    # keys in global order: this rank's trapezoids (local rows, global keys) are its tiles
-    perm, _ = _cached(plan, ("baseline", "global_order", str(q.device)), lambda: _global_order(plan, q.device))
-    kv_all = kv_all.index_select(0, perm)
-    tiles = _cached(plan, ("baseline", "ag_tiles", rank), lambda: _traps_to_tiles(rank_traps(plan, rank)))
-    prep = _prepared(plan, ("ag", rank), be, tiles, counts[rank], sum(counts))
+    kv_all = _GatherKV.apply(torch.cat([k, v], dim=1), counts, rank, group) if cp > 1 else None
+    # keys stay in rank order (no permutation pass over the gathered K/V): the mask clipped to this
+    # rank's rows x every rank's runs; with a contiguous layout that is its own trapezoids
+    tiles = _cached(plan, ("baseline", "ag_tiles", rank), lambda: _allgather_tiles(plan, rank))
+    prep = _prepared(plan, (bkey, "ag", rank), be, tiles, counts[rank], sum(counts))
     if prep is None:
-        return _empty_result(q, v.shape[-1])
-    return _TileAttention.apply(q, kv_all[:, :hkv], kv_all[:, hkv:], be, prep, scale)
+        out, lse = _empty_result(q, v.shape[-1])
+        # keep the gather in the graph: its backward is a collective every rank must join
+        return (out if kv_all is None else out + kv_all[:0].sum()), lse
+    kh, vh = _SplitHeads.apply(kv_all, [hkv, hkv]) if cp > 1 else (k, v)
+    return _TileAttention.apply(q, kh, vh, be, prep, scale)
 
 
 STRATEGIES = {"ring": ring, "ulysses": ulysses, "usp": usp, "allgather": allgather, "head_context": head_context}

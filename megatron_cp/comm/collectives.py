@@ -50,6 +50,18 @@ def all_gather_v(x: torch.Tensor, counts: list[int], group) -> list[torch.Tensor
     return [p[:c] for p, c in zip(parts, counts)]
 
 
+def all_gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
+    """Every rank's ``x`` ([counts[rank], ...]) concatenated in rank order: [sum(counts), ...], gathered
+    into one buffer (no per-rank parts to concatenate); rows are compacted only when counts differ."""
+    pad, cp = max(counts), len(counts)
+    buf = x if x.shape[0] == pad else torch.cat([x, x.new_zeros((pad - x.shape[0],) + tuple(x.shape[1:]))])
+    out = x.new_empty((cp * pad,) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(_wire(out), _wire(buf.contiguous()), group=group)
+    if all(c == pad for c in counts):
+        return out
+    return torch.cat([out[i * pad: i * pad + c] for i, c in enumerate(counts)])
+
+
 def group_cast(x_local, send_index, send_counts, recv_counts, group) -> torch.Tensor:
     """Gather ``x_local[send_index]`` (destination-major) and exchange; returns received rows."""
     return all_to_all_v(x_local.index_select(0, send_index), send_counts, recv_counts, group)
