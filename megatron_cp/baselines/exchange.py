@@ -125,10 +125,11 @@ class _SplitHeads(torch.autograd.Function):
         return torch.cat(parts, dim=1), None
 
 
-def to_heads(tensors, peers, me, counts, group):
+def to_heads(tensors, peers, me, counts, group, perm=None):
     """Sequence -> heads for Ulysses: tensors [n, H_i, ...] (H_i divisible by u = len(peers)) ->
     [sum(counts), H_i / u, ...] each, in one exchange: q, k and v are packed once into the send
-    layout ([u, n, sum(H_i / u), ...], one write) and split back into head-group views after."""
+    layout ([u, n, sum(H_i / u), ...], one write) and split back into head-group views after.
+    ``perm`` (int64 [sum(counts)]): received rows are reordered by it first, all tensors in one pass."""
     u = len(peers)
     n = tensors[0].shape[0]
     widths = [t.shape[1] // u for t in tensors]
@@ -139,6 +140,8 @@ def to_heads(tensors, peers, me, counts, group):
         packed[:, :, c:c + w].copy_(t.reshape((n, u, w) + tail).transpose(0, 1))
         c += w
     (x,) = _SeqToHeads.apply(peers, me, counts, group, packed)
+    if perm is not None:
+        x = x.index_select(0, perm)
     return _SplitHeads.apply(x, widths)
 
 

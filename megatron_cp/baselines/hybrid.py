@@ -120,11 +120,11 @@ def head_context(q, k, v, plan: Plan, group=None, softmax_scale=None, *, ulysses
         # one exchange: head share i of q, k and v goes to member i
         members = [g * u + i for i in range(u)]
         counts = [plan.num_local(r) for r in members]
-        qh, kh, vh = to_heads([q, kr, vr], members, j, counts, group)
+        qh, kh, vh = to_heads([q, kr, vr], members, j, counts, group, None if perm is None else perm[0])
     else:
         qh, kh, vh = q, kr, vr
-    if perm is not None:
-        qh, kh, vh = (x.index_select(0, perm[0]) for x in (qh, kh, vh))
+        if perm is not None:
+            qh, kh, vh = (x.index_select(0, perm[0]) for x in (qh, kh, vh))
     # single-GPU groups per node (or none): flat routes are the same rows without an empty phase B
     hier = gp.topology is not None and gp.topology.gpus_per_node > 1
     o, l = cp_attention(qh, kh, vh, gp, sub, softmax_scale, backend=backend, stages=stages,

@@ -211,17 +211,23 @@ def _usp(q, k, v, plan, group, softmax_scale, u, backend, name):
     scale = _scale(q, softmax_scale)
     bkey, be = _backend(backend, q.device)  # a name or a backend object
     g, j = divmod(rank, u)  # ulysses group g (ranks g*u .. g*u+u-1), position j inside it
-    R = cp // u
     members = [g * u + i for i in range(u)]
     counts = [plan.num_local(r) for r in members]
     kr = k.repeat_interleave(f, dim=1) if f > 1 else k
     vr = v.repeat_interleave(f, dim=1) if f > 1 else v
     hkv_u = hkv * f // u
+    R = cp // u
+    # one group holds the whole sequence (R == 1): there, in global order, the mask's own trapezoids are
+    # the tiles (no clipping over pairs of runs); the received rows are put in it unless already so
+    perm, inv = (_cached(plan, ("baseline", "global_order", str(q.device)), lambda: _global_order(plan, q.device))
+                 if R == 1 else (None, None))
     if u > 1:
         # q, k and v in one exchange; head-group views of the received rows (no per-tensor copies)
-        qh, kh, vh = to_heads([q, kr, vr], members, j, counts, group)
+        qh, kh, vh = to_heads([q, kr, vr], members, j, counts, group, perm)
     else:
         qh, kh, vh = q, kr, vr
+        if perm is not None:
+            qh, kh, vh = (x.index_select(0, perm) for x in (qh, kh, vh))
     # the ring across groups: ring position = group index, peers hold the same head group
     group_runs = [np.concatenate([plan.ranks[gg * u + i].segments for i in range(u)]) for gg in range(R)]
     rows = [_runs_len(r) for r in group_runs]
@@ -238,18 +244,13 @@ def _usp(q, k, v, plan, group, softmax_scale, u, backend, name):
 
     peers = [gg * u + j for gg in range(R)]
     if R == 1:
-        # one group holds the whole sequence: in global order the mask's own trapezoids are the tiles
-        # (no clipping over pairs of runs); rows are permuted there and back unless already in it
-        perm, inv = _cached(plan, ("baseline", "global_order", str(q.device)), lambda: _global_order(plan, q.device))
         tiles = _cached(plan, ("baseline", "mask_tiles"), lambda: _traps_to_tiles(traps))
         st = _prepared(plan, (bkey, "global"), be, tiles, plan.seqlen, plan.seqlen)
         if st is None:
             o, l = _empty_result(qh, qh.shape[-1])
-        elif perm is None:
-            o, l = _TileAttention.apply(qh, kh, vh, be, st, scale)
         else:
-            qg, kg, vg = (x.index_select(0, perm) for x in (qh, kh, vh))
-            o, l = _TileAttention.apply(qg, kg, vg, be, st, scale)
+            o, l = _TileAttention.apply(qh, kh, vh, be, st, scale)
+        if perm is not None:
             o, l = o.index_select(0, inv), l.index_select(0, inv)
     else:
         kv_h = torch.cat([kh, vh], dim=1)
