@@ -215,18 +215,18 @@ def test_choose_layout_full_2x2_by_hand():
     backward reduces the same rows in float32 (128 bytes a row). head_context (u 2): the q|k|v
     all-to-all sends 16 rows of (2 + 1 + 1) heads * 8 * 2 = 64 bytes; each group needs the other's
     32 rows of 2*1*8*2 = 32 bytes; out 16 * 2*8*2, lse 16 * 2*4; backward exchanges also send each
-    group peer int32 "gradient present" flags (two with dout|dlse, one with the q|k|v gradients)."""
+    group peer int32 "gradient present" flags (two with dout|dlse, three with the q, k, v gradients)."""
     c = choose_layout(M.full(64), 4, mcp.Topology(2, 2), Workload(4, 2, 8, 2), NO_LATENCY)
     assert _phases(c.cp) == {"cast_a": (1024, 1024), "cast_b": (1024, 0), "reduce_b": (2048, 0),
                              "reduce_a": (2048, 2048)}
     assert _phases(c.head_context) == {"a2a_qkv": (1024, 0), "cast_a": (0, 1024), "a2a_out": (512, 0),
                                        "a2a_lse": (128, 0), "a2a_dout": (512 + 8, 0), "a2a_dlse": (128, 0),
-                                       "reduce_a": (0, 2048), "a2a_dqkv": (1024 + 4, 0)}
+                                       "reduce_a": (0, 2048), "a2a_dqkv": (1024 + 12, 0)}
     assert (c.cp.intra_bytes, c.cp.inter_bytes) == (6144, 3072)
-    assert (c.head_context.intra_bytes, c.head_context.inter_bytes) == (3328 + 12, 3072)
-    # seconds (GB/s = bytes/ns): cp 1024/45 + 1024/150 + 2048/150 + 2048/45; hc the same inter plus 3340/150
+    assert (c.head_context.intra_bytes, c.head_context.inter_bytes) == (3328 + 20, 3072)
+    # seconds (GB/s = bytes/ns): cp 1024/45 + 1024/150 + 2048/150 + 2048/45; hc the same inter plus 3348/150
     assert c.cp.comm_s == pytest.approx((1024 / 45 + 1024 / 150 + 2048 / 150 + 2048 / 45) * 1e-9)
-    assert c.head_context.comm_s == pytest.approx((3072 / 45 + 3340 / 150) * 1e-9)
+    assert c.head_context.comm_s == pytest.approx((3072 / 45 + 3348 / 150) * 1e-9)
     assert c.layout == "cp"  # few heads per K/V head and 2 GPUs a node: the fan-out is cheap
 
 
@@ -235,16 +235,16 @@ def test_choose_layout_full_2x4_by_hand():
     cp: phase A 3*8 rows from node mates (3072) and 8 rows from the rail (1024); phase B forwards
     3*8 rows (3072); backward twice that (float32). head_context (u 4, 2 query + 1 + 1 K/V heads a
     rank): q|k|v all-to-all 3*8 rows * 4 heads * 16 = 1536; the cast 32 rows * 2*1*8*2 = 1024;
-    out 3*8 * 2*8*2 = 768, lse 3*8 * 2*4 = 192; flags to 3 peers x (8 + 4) bytes. head_context wins: the intra-node fan-out of
+    out 3*8 * 2*8*2 = 768, lse 3*8 * 2*4 = 192; flags to 3 peers x (8 + 12) bytes. head_context wins: the intra-node fan-out of
     plain CP grows with the GPUs per node, the all-to-alls do not."""
     c = choose_layout(M.full(64), 8, mcp.Topology(2, 4), Workload(8, 4, 8, 2), NO_LATENCY)
     assert _phases(c.cp) == {"cast_a": (3072, 1024), "cast_b": (3072, 0), "reduce_b": (6144, 0),
                              "reduce_a": (6144, 2048)}
     assert _phases(c.head_context) == {"a2a_qkv": (1536, 0), "cast_a": (0, 1024), "a2a_out": (768, 0),
                                        "a2a_lse": (192, 0), "a2a_dout": (768 + 3 * 8, 0), "a2a_dlse": (192, 0),
-                                       "reduce_a": (0, 2048), "a2a_dqkv": (1536 + 3 * 4, 0)}
+                                       "reduce_a": (0, 2048), "a2a_dqkv": (1536 + 3 * 12, 0)}
     cp_s = (max(3072 / 150, 1024 / 45) + 3072 / 150 + 6144 / 150 + max(6144 / 150, 2048 / 45)) * 1e-9
-    hc_s = (3072 / 45 + (4992 + 36) / 150) * 1e-9
+    hc_s = (3072 / 45 + (4992 + 60) / 150) * 1e-9
     assert c.cp.comm_s == pytest.approx(cp_s) and c.head_context.comm_s == pytest.approx(hc_s)
     assert c.layout == "head_context" and c.ulysses_degree == 4
     # flat routes: every GPU receives all 32 rows of the other node itself (4096 bytes inter)

@@ -194,8 +194,11 @@ def ring(mask, cp, g, cost, work, layout="contiguous", ri=None):
         cf = (blk / bw + cost.latency_us * 1e-6) if i < cp - 1 else 0.0
         cb = (3 * blk / bw + cost.latency_us * 1e-6)  # K/V plus fp32 dK/dV travel
         # each step streams the running output (fwd) and the gradient sums (bwd), like a staged stage
+        # backward also moves each step's dK|dV: concatenated (2+2 bytes an element), made float32 (2+4)
+        # and added to the arriving sums (4+4+4): 22 bytes per K|V element
+        kv_pass = rows.max() * 2 * work.num_kv_heads * work.head_dim * 22 / (cost.hbm_gbps * 1e9)
         tf += max(kf + cost.stage_overhead(rows.max(), work), cf)
-        tb += max(kb + cost.stage_overhead(rows.max(), work, True), cb)
+        tb += max(kb + cost.stage_overhead(rows.max(), work, True) + kv_pass, cb)
         step_max.append(float(a.max()))
     area = areas.sum(1)
     imb = float(area.max() / area.mean() - 1) if area.mean() > 0 else 0.0
@@ -203,7 +206,7 @@ def ring(mask, cp, g, cost, work, layout="contiguous", ri=None):
 
 
 def ulysses(mask, cp, g, cost, work):
-    """Ulysses as ``baselines.ulysses`` runs it: q|k|v packed into the send layout (one write) and sent in
+    """Ulysses as ``baselines.ulysses`` runs it: q, k and v laid out for sending (one write) and sent in
     one exchange, the whole mask on Hq/cp heads, out|lse back in one exchange and put in head order
     (one write); backward the mirror image, plus the kernel's delta pass over out and dout."""
     hq = work.num_heads
@@ -235,7 +238,7 @@ def ulysses(mask, cp, g, cost, work):
     fwd = (a2a(per(hq + 2 * hkv)) + kf + a2a(per(hq) + lse) + cost.call_time()
            + (2 * qkv + 2 * q + rep) / hbm)  # pack, head-order out
     bwd = (a2a(per(hq) + lse) + kb + a2a(per(hq + 2 * hkv)) + cost.call_time(True)
-           + (2 * q + 2 * q + 2 * qkv + 2 * qkv + rep) / hbm)  # dout to heads, delta, cat, unpack
+           + (2 * q + 2 * q + 2 * qkv + rep) / hbm)  # dout to heads, delta, unpack
     return dict(fwd_s=fwd, bwd_s=bwd, imbalance=0.0, inter_node_bytes_per_gpu=per(2 * hq + 2 * hkv) * frac_inter)
 
 

@@ -5,8 +5,8 @@ Used by ``usp``/``ulysses`` (strategies.py) and ``head_context`` (hybrid.py). Pe
 
 Layout: the sequence side of an exchange is ``[u, n, G, ...]`` (slice j holds the head share that member
 j receives, contiguous, so it is sent as it is); the heads side is ``[sum(counts), G, ...]`` (member j's
-rows at offset ``sum(counts[:j])``, received in place). Several tensors travel in one batch of
-point-to-point ops (one latency, not one per tensor). In backward a missing gradient (``None``: the
+rows at offset ``sum(counts[:j])``, received in place). Several tensors (q, k and v; out and lse) travel
+in one batch of point-to-point ops (one latency, not one per tensor), each into its own buffer. In backward a missing gradient (``None``: the
 caller did not use that output) travels as zeros with a flag, and comes out ``None`` when no rank had
 it, so an unused lse costs no gradient pass later on; ranks never disagree on what is exchanged. Only a
 rank that lacks a gradient reads the flags (one host sync).
@@ -127,22 +127,21 @@ class _SplitHeads(torch.autograd.Function):
 
 def to_heads(tensors, peers, me, counts, group, perm=None):
     """Sequence -> heads for Ulysses: tensors [n, H_i, ...] (H_i divisible by u = len(peers)) ->
-    [sum(counts), H_i / u, ...] each, in one exchange: q, k and v are packed once into the send
-    layout ([u, n, sum(H_i / u), ...], one write) and split back into head-group views after.
-    ``perm`` (int64 [sum(counts)]): received rows are reordered by it first, all tensors in one pass."""
+    contiguous [sum(counts), H_i / u, ...] each, in one exchange: each tensor is laid out once in the
+    send layout ([u, n, H_i / u, ...], one write) and its head shares arrive in place in their own buffer
+    (what the kernels and cuDNN read best). ``perm`` (int64 [sum(counts)]): the received rows are
+    reordered by it."""
     u = len(peers)
-    n = tensors[0].shape[0]
-    widths = [t.shape[1] // u for t in tensors]
-    tail = tuple(tensors[0].shape[2:])
-    packed = tensors[0].new_empty((u, n, sum(widths)) + tail)
-    c = 0
-    for t, w in zip(tensors, widths):
-        packed[:, :, c:c + w].copy_(t.reshape((n, u, w) + tail).transpose(0, 1))
-        c += w
-    (x,) = _SeqToHeads.apply(peers, me, counts, group, packed)
+    packed = []
+    for t in tensors:
+        n, h = t.shape[0], t.shape[1] // u
+        p = t.new_empty((u, n, h) + tuple(t.shape[2:]))
+        p.copy_(t.reshape((n, u, h) + tuple(t.shape[2:])).transpose(0, 1))
+        packed.append(p)
+    outs = _SeqToHeads.apply(peers, me, counts, group, *packed)
     if perm is not None:
-        x = x.index_select(0, perm)
-    return _SplitHeads.apply(x, widths)
+        outs = [x.index_select(0, perm) for x in outs]
+    return list(outs)
 
 
 def to_seq(tensors, peers, me, counts, group):

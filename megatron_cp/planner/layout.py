@@ -279,13 +279,13 @@ def head_context_traffic(plan: Plan, u: int, work: Workload, hierarchical: bool 
     if B.any():
         out.append(("cast_b", B * kv * b))
     # backward exchanges also carry an int32 "gradient present" flag per tensor to every group peer
-    # (dout and dlse travel together: two flags; the q|k|v gradients: one)
+    # (dout and dlse travel together: two flags; the q, k and v gradients: three)
     pairs = (grp[:, None] == grp[None, :]) & ~np.eye(cp, dtype=bool)
     out += [("a2a_out", rows.T * hq_u * D * b), ("a2a_lse", rows.T * hq_u * 4),
             ("a2a_dout", rows * hq_u * D * b + pairs * 8), ("a2a_dlse", rows * hq_u * 4)]
     if B.any():
         out.append(("reduce_b", B.T * kv * acc))
-    out += [("reduce_a", A.T * kv * acc), ("a2a_dqkv", rows.T * (hq_u + 2 * hkv_u) * D * b + pairs * 4)]
+    out += [("reduce_a", A.T * kv * acc), ("a2a_dqkv", rows.T * (hq_u + 2 * hkv_u) * D * b + pairs * 12)]
     return out
 
 
