@@ -1,6 +1,7 @@
 """Cost model: the dense-path rule matches the kernels' split, and stage choice respects it."""
 
 import numpy as np
+import pytest
 import torch
 
 import megatron_cp as mcp
@@ -95,3 +96,31 @@ def test_flat_routes_on_several_nodes_pay_the_inter_node_link():
     hier_ids = _stage_ids(plan, 1, plan.topology)
     c_hier = predict(plan, hier_ids, _stage_tiles(plan, hier_ids, traps), plan.topology, slow, work)["comm_s"][0]
     assert c_hier < c_slow  # one crossing per node, shared by its 2 GPUs
+
+
+def test_short_row_class_uses_its_own_fit():
+    """A list whose mean kept keys per covered row is below long_row_keys runs the backend's short-row
+    block shapes: the model then uses the short-row peak and half-efficiency keys (when calibrated), and
+    decides the class exactly as kernels/triton_backend.py (area vs LONG_ROW_KEYS x covered rows)."""
+    from megatron_cp.kernels.triton_backend import LONG_ROW_KEYS
+    from megatron_cp.kernels.triton_schedule import covered_rows
+
+    base = dict(fwd_tflops=400.0, bwd_tflops=300.0, half_keys=200.0, tile_us=0.0, launch_us=0.0,
+                dense_fwd_tflops=0.0)
+    plain = CostModel(**base)
+    fitted = CostModel(**base, short_fwd_tflops=500.0, short_bwd_tflops=450.0, short_half_keys=100.0)
+    assert fitted.long_row_keys == LONG_ROW_KEYS
+    w = Workload(8, 2, 64, 2)
+    flops = lambda area: 4.0 * area * 8 * 64  # noqa: E731
+    # 2048 rows with 1024 keys each (short), and rows far apart (covered rows, not the span, count)
+    short = np.array([[0, 1024, 0, 1024, 0], [8192, 9216, 0, 1024, 0]])
+    assert float(tile_areas(short)[0].sum()) < LONG_ROW_KEYS * covered_rows(torch.tensor(short))
+    e = 1024 / (1024 + 100)
+    assert fitted.tile_time(short, w) == pytest.approx(flops(2 * 1024 * 1024) / (500e12 * e))
+    assert fitted.tile_time(short, w, True) == pytest.approx(flops(2 * 1024 * 1024) / (450e12 / 2.5 * e))
+    assert plain.tile_time(short, w) == pytest.approx(flops(2 * 1024 * 1024) / (400e12 * 1024 / 1224))
+    # long rows (8192 keys): the long-row numbers, calibrated short ones or not
+    long = np.array([[0, 512, 0, 8192, 0]])
+    assert float(tile_areas(long)[0].sum()) >= LONG_ROW_KEYS * covered_rows(torch.tensor(long))
+    want = flops(512 * 8192) / (400e12 * 8192 / 8392)
+    assert fitted.tile_time(long, w) == pytest.approx(want) == plain.tile_time(long, w)

@@ -1,7 +1,8 @@
 """Measure the cost model's numbers on this machine and write them as JSON (``CostModel.load`` reads it).
 
 Kernel (Triton, dense path off): forward/backward time of full tiles with long rows (peak TFLOP/s), of
-short-row tiles (the half-efficiency key length), of one tiny tile (launch cost) and of many tiny tiles
+short-row tiles (the half-efficiency key length), of sliding windows of two widths (the short-row
+class's own peak and half-efficiency keys), of one tiny tile (launch cost) and of many tiny tiles
 (per-tile cost). Dense path (CUDA): cuDNN's forward/backward rate on the same full tile and the fixed
 cost of one dense piece beside Triton tiles.
 Communication (when started under torchrun with several ranks): all_to_all_single time for small
@@ -84,6 +85,23 @@ def _kernel(args, device, work: Workload):
     tile_us = max(0.0, (t_many - t_launch) / 63 * 1e6)
     out = dict(fwd_tflops=fwd_tflops, bwd_tflops=bwd_tflops, half_keys=max(half_keys, 1.0),
                launch_us=t_launch * 1e6, tile_us=tile_us)
+    # short-row lists (mean kept keys per row below the backend's long-row threshold) run other block
+    # shapes: their peak and half-efficiency keys from sliding windows of two widths (the shapes the
+    # short class meets: partly filled diagonal blocks), r(k) = peak * k / (k + half)
+    from megatron_cp.masks import sliding_window
+    from megatron_cp.planner.schedule import clip_tiles
+
+    pts = []
+    for w in ((16, 64) if args.tiny else (512, 2048)):
+        win = clip_tiles(sliding_window(rows, w, 0).traps, None, [[0, rows]]).tolist()
+        area = float(sum((min(i, w) + 1) for i in range(rows)))
+        pts.append((area / rows, flops(area) / run(win, rows, rows) / 1e12,
+                    2.5 * flops(area) / run(win, rows, rows, backward=True) / 1e12))
+    (k2, f2, _), (k1, f1, b1) = pts
+    h = (f2 - f1) / (f1 / k1 - f2 / k2) if f1 / k1 != f2 / k2 else 0.0
+    if h > 0:
+        e1 = k1 / (k1 + h)
+        out.update(short_fwd_tflops=f1 / e1, short_bwd_tflops=b1 / e1, short_half_keys=h)
     if dense_be is not None:
         full = [[0, rows, 0, keys_long, 0]]
         t_df = run(full, rows, keys_long, backend=dense_be)

@@ -6,7 +6,9 @@ Every figure is per GPU. ``tools/calibrate.py`` measures them on a machine and w
 Kernel time of a tile list: ``launch_us + sum(tile_us + flops / (peak * eff))`` where
 ``eff = keys / (keys + half_keys)`` and ``keys`` is the mean, over the tile's rows, of the keys each
 row keeps in the whole list (the kernel merges tiles sharing rows): short rows (sliding windows, short
-documents) run below peak because partly filled key blocks and per-row work weigh more.
+documents) run below peak because partly filled key blocks and per-row work weigh more. A list whose
+mean kept keys per covered row is below ``long_row_keys`` runs the backend's short-row block shapes,
+with their own fitted peak and half-efficiency keys (``short_*``) when calibrated.
 Dense pieces (``dense_fwd_tflops > 0``): the kernel backend runs full rectangles and square causal
 pieces of at least ``dense_min_rows`` x ``dense_min_keys`` on cuDNN (kernels/dense_tiles.py splits a
 bottom-right causal tile into a full rectangle and a square causal piece); those cells cost
@@ -72,6 +74,13 @@ class CostModel:
     # lead before the first kernel 0.2 ms forward, 0.4 ms backward: benchmarks/dist/run_1021)
     call_fwd_us: float = 200.0
     call_bwd_us: float = 400.0
+    # short-row class: the kernel backend runs lists whose mean kept keys per covered row is below
+    # long_row_keys with other block shapes (kernels/triton_backend.py LONG_ROW_KEYS), whose rate is
+    # fitted separately (peak and half-efficiency keys from two row lengths); 0: the long-row numbers
+    short_fwd_tflops: float = 0.0
+    short_bwd_tflops: float = 0.0
+    short_half_keys: float = 0.0
+    long_row_keys: int = 4096
     source: str = "default"  # where the numbers came from (calibration file, device)
 
     def save(self, path: str) -> None:
@@ -96,7 +105,6 @@ class CostModel:
         if len(tiles) == 0:
             return 0.0
         split = float(key_split)
-        peak = (self.bwd_tflops / 2.5 if backward else self.fwd_tflops) * 1e12
         area, rows = tile_areas(tiles)
         dense = causal = pieces = np.zeros_like(area)
         if self.dense_fwd_tflops > 0:
@@ -104,8 +112,16 @@ class CostModel:
         rest = (area - dense) / split
         # a kernel program walks every block of its q rows across all tiles, so a row's efficiency
         # follows the keys it keeps over the whole list (Triton part), not per tile
-        keys = _row_keys(tiles, rest) / np.maximum(rows, 1)
-        eff = np.maximum(keys / (keys + self.half_keys), 1e-3)
+        row_cells, covered = _row_keys(tiles, rest, covered=True)
+        keys = row_cells / np.maximum(rows, 1)
+        short = self.short_fwd_tflops > 0 and rest.sum() * split < self.long_row_keys * max(covered, 1)
+        if short:
+            peak = (self.short_bwd_tflops / 2.5 if backward else self.short_fwd_tflops) * 1e12
+            half = self.short_half_keys
+        else:
+            peak = (self.bwd_tflops / 2.5 if backward else self.fwd_tflops) * 1e12
+            half = self.half_keys
+        eff = np.maximum(keys / (keys + half), 1e-3)
         per_flop = 4.0 * work.num_heads * work.head_dim
         t = self.launch_us * 1e-6 + float((rest > 0).sum()) * self.tile_us * 1e-6 + float((rest * per_flop / (peak * eff)).sum())
         if pieces.sum() > 0:
@@ -183,12 +199,13 @@ def dense_areas(tiles: np.ndarray, min_rows: int, min_keys: float) -> tuple[np.n
     return cells.astype(np.float64), pieces.astype(np.float64), causal.astype(np.float64)
 
 
-def _row_keys(tiles: np.ndarray, cells: np.ndarray) -> np.ndarray:
+def _row_keys(tiles: np.ndarray, cells: np.ndarray, covered: bool = False):
     """For each tile, rows x (mean keys kept per row over the whole list) on its rows, with ``cells``
-    [n] the cells of each tile counted (spread evenly over the tile's rows)."""
+    [n] the cells of each tile counted (spread evenly over the tile's rows). ``covered``: also the
+    number of rows with any counted cell, as ``(per_tile, covered)``."""
     t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
     if len(t) == 0:
-        return np.zeros(0)
+        return (np.zeros(0), 0) if covered else np.zeros(0)
     q0, q1 = t[:, 0], t[:, 1]
     base = int(q0.min())
     n = int(q1.max()) - base
@@ -198,4 +215,5 @@ def _row_keys(tiles: np.ndarray, cells: np.ndarray) -> np.ndarray:
     np.add.at(diff, q1 - base, -per_row)
     row = np.cumsum(diff[:-1])  # keys kept by each row over all tiles
     pre = np.concatenate([[0.0], np.cumsum(row)])
-    return pre[q1 - base] - pre[q0 - base]
+    per_tile = pre[q1 - base] - pre[q0 - base]
+    return (per_tile, int((row > 1e-9).sum())) if covered else per_tile
