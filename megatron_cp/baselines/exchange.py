@@ -31,33 +31,36 @@ def _p2p(sends: dict, recvs: dict, group) -> None:
             w.wait()
 
 
+def _swap(send, recv, peers, me, group, flags):
+    """Member j of ``peers`` gets ``send[j]`` (a list of tensors) and its tensors land in ``recv[j]``,
+    in one batch; ``flags`` (int32 [m] or None) also go to every peer. Returns {peer: its flags}."""
+    others = [j for j in range(len(peers)) if j != me]
+    got = {peers[j]: flags.new_empty(flags.shape) for j in others} if flags is not None else {}
+    extra = [flags] if flags is not None else []
+    _p2p({peers[j]: send[j] + extra for j in others},
+         {peers[j]: recv[j] + ([got[peers[j]]] if got else []) for j in others}, group)
+    return got
+
+
 def _seq_to_heads(xs, peers, me, counts, group, flags=None):
     """xs: tensors [u, counts[me], G_i, ...] -> [sum(counts), G_i, ...]: slice j goes to peers[j], rows
     arrive in peer order. ``flags`` (int32 [m]) also go to every peer; returns (outs, flags per peer)."""
-    u = len(peers)
     outs = [x.new_empty((sum(counts),) + tuple(x.shape[2:])) for x in xs]
     parts = [list(o.split(counts, dim=0)) for o in outs]
     for x, p in zip(xs, parts):
         p[me].copy_(x[me])
-    got = {peers[j]: flags.new_empty(flags.shape) for j in range(u) if j != me} if flags is not None else {}
-    extra = [flags] if flags is not None else []
-    _p2p({peers[j]: [x[j] for x in xs] + extra for j in range(u) if j != me},
-         {peers[j]: [p[j] for p in parts] + ([got[peers[j]]] if got else []) for j in range(u) if j != me}, group)
-    return outs, got
+    u = range(len(peers))
+    return outs, _swap([[x[j] for x in xs] for j in u], [[p[j] for p in parts] for j in u], peers, me, group, flags)
 
 
 def _heads_to_seq(ys, peers, me, counts, group, flags=None):
     """Inverse of ``_seq_to_heads``: ys [sum(counts), G_i, ...] -> [u, counts[me], G_i, ...]."""
-    u = len(peers)
-    outs = [y.new_empty((u, counts[me]) + tuple(y.shape[1:])) for y in ys]
+    outs = [y.new_empty((len(peers), counts[me]) + tuple(y.shape[1:])) for y in ys]
     parts = [list(y.split(counts, dim=0)) for y in ys]
     for o, p in zip(outs, parts):
         o[me].copy_(p[me])
-    got = {peers[j]: flags.new_empty(flags.shape) for j in range(u) if j != me} if flags is not None else {}
-    extra = [flags] if flags is not None else []
-    _p2p({peers[j]: [p[j] for p in parts] + extra for j in range(u) if j != me},
-         {peers[j]: [o[j] for o in outs] + ([got[peers[j]]] if got else []) for j in range(u) if j != me}, group)
-    return outs, got
+    u = range(len(peers))
+    return outs, _swap([[p[j] for p in parts] for j in u], [[o[j] for o in outs] for j in u], peers, me, group, flags)
 
 
 def _grads_exchange(fn, gs, like, args):
