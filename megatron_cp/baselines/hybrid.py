@@ -98,7 +98,7 @@ def head_context(q, k, v, plan: Plan, group=None, softmax_scale=None, *, ulysses
     u = _degree(plan, ulysses_degree)
     if u < 1 or cp % u:
         raise ValueError(f"head_context: ulysses_degree={u} must divide cp_size={cp}")
-    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    hq, hkv = q.shape[1], k.shape[1]
     f = kv_head_repeat(hq, hkv, u)
     if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 0):
         raise ValueError(f"stages must be None or an int >= 0, got {stages!r}")

@@ -51,11 +51,18 @@ def _prepared(plan, key, backend, tiles: np.ndarray, sq: int, sk: int):
     return _cached(plan, ("baseline", "prep") + key, build)
 
 
+def _rank_order_ids(plan: Plan) -> np.ndarray | None:
+    """Global ids of the rows concatenated in rank order; None when that is global order (contiguous
+    layouts)."""
+    ids = np.concatenate([plan.local_ids(r) for r in range(plan.cp_size)])
+    return None if np.array_equal(ids, np.arange(len(ids))) else ids
+
+
 def _global_order(plan: Plan, device):
     """(perm, inv): rows concatenated in rank order -> global order, and back (int64 tensors); (None, None)
     when rank order is global order."""
-    ids = np.concatenate([plan.local_ids(r) for r in range(plan.cp_size)])
-    if np.array_equal(ids, np.arange(len(ids))):  # contiguous layouts: already in global order
+    ids = _rank_order_ids(plan)
+    if ids is None:
         return None, None
     perm = np.empty_like(ids)
     perm[ids] = np.arange(len(ids))
@@ -222,7 +229,7 @@ def _usp(q, k, v, plan, group, softmax_scale, u, backend, name):
     perm, inv = (_cached(plan, ("baseline", "global_order", str(q.device)), lambda: _global_order(plan, q.device))
                  if R == 1 else (None, None))
     if u > 1:
-        # q, k and v in one exchange; head-group views of the received rows (no per-tensor copies)
+        # q, k and v in one exchange, each received into its own contiguous buffer
         qh, kh, vh = to_heads([q, kr, vr], members, j, counts, group, perm)
     else:
         qh, kh, vh = q, kr, vr
@@ -315,8 +322,7 @@ class _GatherKV(torch.autograd.Function):
 
 
 def _allgather_tiles(plan: Plan, rank: int) -> np.ndarray:
-    ids = np.concatenate([plan.local_ids(r) for r in range(plan.cp_size)])
-    if np.array_equal(ids, np.arange(len(ids))):
+    if _rank_order_ids(plan) is None:
         return _traps_to_tiles(rank_traps(plan, rank))
     runs = np.concatenate([plan.ranks[r].segments for r in range(plan.cp_size)])
     return clip_tiles(rank_traps(plan, rank), None, runs)

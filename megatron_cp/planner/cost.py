@@ -75,7 +75,7 @@ class CostModel:
     call_fwd_us: float = 200.0
     call_bwd_us: float = 400.0
     # short-row class: the kernel backend runs lists whose mean kept keys per covered row is below
-    # long_row_keys with other block shapes (kernels/triton_backend.py LONG_ROW_KEYS), whose rate is
+    # long_row_keys with other block shapes (the kernel backend's LONG_ROW_KEYS), whose rate is
     # fitted separately (peak and half-efficiency keys from two row lengths); 0: the long-row numbers
     short_fwd_tflops: float = 0.0
     short_bwd_tflops: float = 0.0
