@@ -108,6 +108,8 @@ def _all(rank, world):
     head_only = M.from_mask_mod(lambda b, h, qi, ki: (qi < 30) & (ki <= qi), S)
     exact[("allgather", "empty_rank", 4, 2)] = _case(rank, world, "allgather", head_only, 4, 2,
                                                      plan_kwargs={"solver": "contiguous"})
+    # S = 64: every rank holds the same count, so the gathered buffer needs no compaction
+    exact[("allgather", "equal_counts", 4, 2)] = _case(rank, world, "allgather", M.causal(64), 4, 2)
     if world == 4:
         for deg in (2, 4):
             exact[("usp", f"u{deg}", 8, 4)] = _case(rank, world, "usp", _masks()["causal"], 8, 4, {"ulysses_degree": deg})
