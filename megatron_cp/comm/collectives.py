@@ -41,13 +41,8 @@ def all_to_all_v(x: torch.Tensor, send_counts: list[int], recv_counts: list[int]
 
 
 def all_gather_v(x: torch.Tensor, counts: list[int], group) -> list[torch.Tensor]:
-    """Every rank's ``x`` ([counts[rank], ...]), padded to the longest for the exchange."""
-    pad = max(counts)
-    buf = x.new_zeros((pad,) + tuple(x.shape[1:]))
-    buf[: x.shape[0]] = x
-    parts = [torch.empty_like(buf) for _ in counts]
-    dist.all_gather([_wire(p) for p in parts], _wire(buf), group=group)
-    return [p[:c] for p, c in zip(parts, counts)]
+    """Every rank's ``x`` ([counts[rank], ...]) as a list in rank order (views of ``all_gather_rows``)."""
+    return list(all_gather_rows(x, counts, group).split(counts, dim=0))
 
 
 def all_gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:

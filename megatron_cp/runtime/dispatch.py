@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_v
+from ..comm.collectives import all_gather_rows
 from ..planner import Plan
 from .groups import plan_rank
 
@@ -48,7 +48,7 @@ class _Dispatch(torch.autograd.Function):
 def _gather(x_local: torch.Tensor, plan: Plan, group, seq_dim: int) -> torch.Tensor:
     """All-gather variable-length local parts (padded to the longest) into global order."""
     x = x_local.movedim(seq_dim, 0).contiguous()
-    parts = all_gather_v(x, [plan.num_local(r) for r in range(plan.cp_size)], group)
+    rows = all_gather_rows(x, [plan.num_local(r) for r in range(plan.cp_size)], group)
     key = ("gather_order", str(x.device))
     order = plan.cache.get(key)
     if order is None:
@@ -57,7 +57,7 @@ def _gather(x_local: torch.Tensor, plan: Plan, group, seq_dim: int) -> torch.Ten
         inv[ids] = np.arange(len(ids))
         order = torch.from_numpy(inv).to(x.device)
         plan.cache[key] = order
-    full = torch.cat(parts).index_select(0, order)
+    full = rows.index_select(0, order)
     return full.movedim(0, seq_dim)
 
 
