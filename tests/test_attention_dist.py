@@ -53,7 +53,7 @@ def random_mask(seed: int) -> mcp.AttnMask:
     return mcp.AttnMask(slices, s, s)
 
 
-def _case(rank, world, mask, hq, hkv, dtype=torch.float32, solver="auto", with_lse_grad=False, d=8):
+def _case(rank, world, mask, hq, hkv, dtype=torch.float32, solver="auto", with_lse_grad=False, d=8, **attn_kw):
     """Max abs errors of out, lse, dq, dk, dv on this rank vs the fp64 dense reference."""
     s = mask.seqlen_q
     gen = torch.Generator().manual_seed(1234 + s + hq)
@@ -71,7 +71,7 @@ def _case(rank, world, mask, hq, hkv, dtype=torch.float32, solver="auto", with_l
     plan = mcp.plan(mask, world, solver=solver)
     group = dist.group.WORLD if world > 1 else None
     ql, kl, vl = (mcp.dispatch(t.to(dtype), plan, group).detach().requires_grad_() for t in (q, k, v))
-    out, lse = mcp.attention(ql, kl, vl, plan, group, softmax_scale=scale)
+    out, lse = mcp.attention(ql, kl, vl, plan, group, softmax_scale=scale, **attn_kw)
     ids = torch.from_numpy(plan.local_ids(rank))
     loss = (out.double() * do[ids]).sum()
     if with_lse_grad:
@@ -96,8 +96,12 @@ def _exact_cases(rank, world, names):
             res[(name, hq, hkv)] = _case(rank, world, masks[name], hq, hkv)
     for seed in range(6 if world > 1 else 2):
         res[("random", seed)] = _case(rank, world, random_mask(seed), 4, 2, with_lse_grad=seed % 2 == 0)
-    for solver in ("contiguous", "zigzag", "greedy", "swap"):
+    for solver in ("contiguous", "zigzag", "greedy", "swap", "documents"):
         res[("solver", solver)] = _case(rank, world, masks["varlen"], 4, 2, solver=solver)
+    if world == 4:  # rank 3 holds a whole document (no traffic) while ranks 0-2 exchange: it must join
+        idle = M.varlen([0, 39, S], causal=True)  # every collective anyway (it hung in the single exchange)
+        for kw in ({"stages": 0}, {"stages": 0, "early": True}, {"stages": 1}, {}):
+            res[("idle rank", str(kw))] = _case(rank, world, idle, 4, 2, solver="contiguous", **kw)
     if world > 1:  # the runtime's row moves as slice copies per run (by default several runs go indexed)
         from megatron_cp.runtime import rowmap
 

@@ -9,7 +9,9 @@ the same per-GPU work that the scaling check compares against.
 
 Implementations: ``megatron-cp`` (planner + runtime, stage count chosen by the cost model;
 ``megatron-cp@N`` forces N stages, 0 = one exchange then one kernel call; ``megatron-cp-early``
-computes the rows needing only own keys during the exchange, ``mcp.attention(early=True)``), ``ring``, ``ulysses``,
+computes the rows needing only own keys during the exchange, ``mcp.attention(early=True)``; any name
+with ``+hp`` appended runs over a CP group whose NCCL stream has high priority, as Megatron's
+``--high-priority-stream-groups cp`` makes it), ``ring``, ``ulysses``,
 ``usp`` (ulysses 2 x ring), ``head_context`` (ulysses 2 x our planned CP), ``allgather``
 (megatron_cp.baselines), ``torch-sdpa-ring`` (PyTorch
 ``context_parallel`` over SDPA, head-tail balance; full and causal only) and ``torch-flex-allgather``
@@ -120,6 +122,8 @@ def _rand_local(n, h, d, dtype, device, seed):
 def bench_ours(name, mask, args, ctx):
     """megatron-cp or one of our baselines; returns (fwd_s, bwd_s)."""
     rank, cp, device, dtype, group = ctx["rank"], ctx["cp"], ctx["device"], ctx["dtype"], ctx["group"]
+    if name.endswith("+hp"):  # the same over a group whose NCCL stream has high priority
+        name, group = name[:-3], ctx["hp_group"]
     if name.startswith("megatron-cp"):
         # "megatron-cp@N": the same with the stage count forced to N (0 = single exchange), to compare
         # against the cost model's own choice
@@ -348,6 +352,12 @@ def main(argv=None):
     group = dist.group.WORLD
     ctx = dict(rank=rank, cp=cp, device=device, dtype=dtype, group=group, timer=Timer(device))
     impls = args.impls.split(",")
+    if any(i.endswith("+hp") for i in impls):  # every rank creates it (a collective call)
+        opts = None
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts.is_high_priority_stream = True
+        ctx["hp_group"] = dist.new_group(list(range(cp)), pg_options=opts)
     results = []
 
     def log(msg):

@@ -243,7 +243,8 @@ def plan(
 
     Pure and deterministic: numpy only, the same inputs give the same plan (and ``digest``) on every
     rank. Any sequence length works; ranks' token counts differ by at most one chunk.
-    ``solver``: ``auto`` | ``contiguous`` | ``zigzag`` | ``greedy`` (see ``planner.solvers``).
+    ``solver``: ``auto`` | ``contiguous`` | ``zigzag`` | ``greedy`` | ``swap`` | ``documents`` |
+    ``hierarchical`` (see ``planner.solvers``).
     ``imbalance_target``: ``auto`` prefers less traffic among candidates within this imbalance.
     """
     if not isinstance(mask, AttnMask):
@@ -286,6 +287,10 @@ def plan(
         candidates["swap"] = solvers.swap_balanced(
             seqlen, cp, prefix=prefix, chunk_size=chunk, key_spans=spans, tol=imbalance_target
         )
+    cuts = solvers.independent_cuts(traps, seqlen)
+    if solver == "documents" or (solver == "auto" and len(cuts) - 1 > cp):
+        candidates["documents"] = solvers.documents(seqlen, cp, prefix=prefix, traps=traps,
+                                                    tol=imbalance_target, cuts=cuts)
     multi_node = topology is not None and topology.nodes > 1
     if (multi_node and solver == "auto") or solver == "hierarchical":
         topo = topology if topology is not None else Topology(1, cp)
@@ -359,6 +364,9 @@ def _hierarchical(traps, spans, prefix, seqlen, topology, chunk, tol):
         node_cands.append(solvers.zigzag(seqlen, nodes))
         node_cands.append(solvers.greedy(seqlen, nodes, **kw))
         node_cands.append(solvers.swap_balanced(seqlen, nodes, **kw))
+        cuts = solvers.independent_cuts(traps, seqlen)
+        if len(cuts) - 1 > nodes:
+            node_cands.append(solvers.documents(seqlen, nodes, prefix=prefix, traps=traps, tol=tol, cuts=cuts))
     flat = Topology(nodes, 1)
 
     def key(bo):

@@ -15,6 +15,10 @@ plan that balances attention by giving one rank most of the tokens would only mo
 - ``greedy``: chunks sorted by area (largest first) go to the least-loaded rank that has token room,
   preferring among near-ties the rank that already holds the keys the chunk needs. Chunks whose
   rows are too heavy to balance (dense global rows) are split finer first.
+- ``documents``: whole independent segments of the mask (packed documents) per rank by area,
+  cut only where balance or the token quotas need it, then balanced by trades of head / tail
+  pieces: for packed documents almost no key leaves its rank (``auto`` tries it when the mask has
+  more independent segments than ranks).
 - ``hierarchical``: node layout first (least inter-node keys among balanced node-level candidates),
   then each node's rows dealt to its GPUs in order and balanced by swaps. Without a multi-node
   topology the whole sequence is one node.
@@ -182,6 +186,178 @@ def swap_balanced(
     return bounds, owner
 
 
+def independent_cuts(traps: np.ndarray, seqlen: int) -> np.ndarray:
+    """Sorted positions ``0 = c_0 < ... < c_m = seqlen`` where the mask falls apart: no row on one side
+    of a cut keeps a key on the other (document boundaries of packed documents). O(traps + seqlen).
+
+    A trapezoid's rows ``>= p`` keep a key ``< p`` exactly for ``p`` in ``(lo(q0), q1)`` when its lower
+    line is flat or lies below the diagonal (else never); its rows ``< p`` keep a key ``>= p`` exactly
+    for ``p`` in ``(q0, hi(q1 - 1))`` when its upper line is flat or lies above the diagonal."""
+    blocked = np.zeros(seqlen + 1, dtype=np.int64)
+    if len(traps):
+        t = traps.astype(np.int64)
+        q0, q1, lo_a, lo_s, hi_a, hi_s = (t[:, j] for j in range(6))
+        m1 = (lo_s == 0) | (lo_a < 0)
+        m2 = (hi_s == 0) | (hi_a > 1)
+        a = np.concatenate([(lo_a + lo_s * q0)[m1] + 1, q0[m2] + 1])  # blocked p in [a, b)
+        b = np.concatenate([q1[m1], (hi_a + hi_s * (q1 - 1))[m2]])
+        a, b = np.clip(a, 1, seqlen), np.clip(b, 1, seqlen)
+        keep = a < b
+        np.add.at(blocked, a[keep], 1)
+        np.add.at(blocked, b[keep], -1)
+    free = np.cumsum(blocked)[:seqlen] == 0
+    free[0] = True
+    return np.append(np.nonzero(free)[0], seqlen).astype(np.int64)
+
+
+def documents(
+    seqlen: int,
+    cp: int,
+    *,
+    prefix: np.ndarray,
+    traps: np.ndarray,
+    tol: float,
+    cuts: np.ndarray | None = None,
+    **_,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Whole independent segments (documents) per rank, cut only where balance or the token quotas
+    need it (``cuts``: ``independent_cuts`` when already known). Works on any mask; pays off when
+    the mask has many more segments than ranks (``auto`` only tries it then).
+
+    The mask's independent segments (``independent_cuts``) need no key from outside themselves, so a
+    rank holding whole segments receives nothing. (1) Segments go largest area first to the least
+    loaded rank with token room for them; those that fit nowhere are cut to fill the ranks' leftover
+    room (each piece needs the keys of the pieces before it in its segment). (2) While the most loaded
+    rank is above ``tol / 2`` of the mean, it trades with the least loaded one: a whole unit against a
+    head or tail piece of the same token count cut off a unit of the other rank, picking the trade
+    whose area shift is closest to half their gap and, among those within 10% of it, the one that
+    makes the fewest keys remote. Token counts stay exactly the contiguous layout's."""
+    cuts = independent_cuts(traps, seqlen) if cuts is None else cuts
+    if len(cuts) - 1 > 64 * cp:  # bound the work: neighbours merge into segments of >= S / (64 cp)
+        cuts = _coarsen(cuts, seqlen // (64 * cp))
+    s0, s1 = cuts[:-1], cuts[1:]
+    size = s1 - s0
+    area = (prefix[s1] - prefix[s0]).astype(np.float64)
+    room = np.diff(even_bounds(seqlen, cp))
+    load = np.zeros(cp)
+    units = []  # [start, end, owner, segment start]
+    deferred = []
+    for i in np.lexsort((s0, -size, -area)):
+        fits = np.nonzero(room >= size[i])[0]
+        if len(fits) == 0:
+            deferred.append(i)
+            continue
+        r = int(fits[np.argmin(load[fits])])
+        units.append([int(s0[i]), int(s1[i]), r, int(s0[i])])
+        load[r] += area[i]
+        room[r] -= size[i]
+    for i in sorted(deferred, key=lambda i: s0[i]):  # cut to fill leftover room, least loaded first
+        a = int(s0[i])
+        while a < s1[i]:
+            cand = np.nonzero(room > 0)[0]
+            r = int(cand[np.argmin(load[cand])])
+            b = min(int(s1[i]), a + int(room[r]))
+            units.append([a, b, r, int(s0[i])])
+            load[r] += float(prefix[b] - prefix[a])
+            room[r] -= b - a
+            a = b
+    u = np.array(units, dtype=np.int64).reshape(-1, 4)
+    u = _trade(u, prefix, cp, tol, load)
+    u = u[np.argsort(u[:, 0])]
+    return np.append(u[:, 0], seqlen), u[:, 2].astype(np.int32)
+
+
+def _coarsen(cuts: np.ndarray, min_size: int) -> np.ndarray:
+    """Drop cuts so that every segment but the last has at least ``min_size`` tokens."""
+    keep, last = [0], 0
+    for c in cuts[1:-1].tolist():
+        if c - last >= min_size:
+            keep.append(c)
+            last = c
+    return np.array(keep + [int(cuts[-1])], dtype=np.int64)
+
+
+def _trade(u: np.ndarray, prefix: np.ndarray, cp: int, tol: float, load: np.ndarray) -> np.ndarray:
+    """Balancing trades of ``documents`` (its step 2) on units ``[start, end, owner, segment start]``."""
+    target = float(prefix[-1]) / cp
+    for _ in range(8 * cp + 4 * len(u)):
+        a, b = int(np.argmax(load)), int(np.argmin(load))
+        gap = load[a] - load[b]
+        if target <= 0 or load[a] / target - 1 <= tol / 2 or gap <= 0:
+            break
+        ia, ib = np.nonzero(u[:, 2] == a)[0], np.nonzero(u[:, 2] == b)[0]
+        xa, xb = u[ia], u[ib]
+        la, lb = xa[:, 1] - xa[:, 0], xb[:, 1] - xb[:, 0]
+        ar_a = (prefix[xa[:, 1]] - prefix[xa[:, 0]]).astype(np.float64)
+        ar_b = (prefix[xb[:, 1]] - prefix[xb[:, 0]]).astype(np.float64)
+        # keys a piece [p, q) of a segment needs before it, plus its own keys if rows follow it
+        cands = []  # (shift, remote keys, kind, i in xa, j in xb)
+        t = np.minimum(la[:, None], lb[None, :])  # tokens traded: the smaller unit's size
+        for kind in ("whole", "tail_a", "head_a", "tail_b", "head_b"):
+            if kind == "whole":
+                ok = la[:, None] == lb[None, :]
+                d = ar_a[:, None] - ar_b[None, :]
+                cost = np.zeros_like(d)
+            elif kind in ("tail_a", "head_a"):  # a piece of a's unit for b's whole unit
+                ok = la[:, None] > lb[None, :]
+                e = xa[:, 1][:, None]
+                st = xa[:, 0][:, None]
+                if kind == "tail_a":
+                    piece = prefix[e] - prefix[np.maximum(e - t, st)]
+                    cost = (e - t - xa[:, 3][:, None]).astype(np.float64)
+                else:
+                    piece = prefix[np.minimum(st + t, e)] - prefix[st]
+                    cost = (st - xa[:, 3][:, None] + t).astype(np.float64)
+                d = piece - ar_b[None, :]
+            else:  # a's whole unit for a piece of b's unit
+                ok = lb[None, :] > la[:, None]
+                e = xb[:, 1][None, :]
+                st = xb[:, 0][None, :]
+                if kind == "tail_b":
+                    piece = prefix[e] - prefix[np.maximum(e - t, st)]
+                    cost = (e - t - xb[:, 3][None, :]).astype(np.float64)
+                else:
+                    piece = prefix[np.minimum(st + t, e)] - prefix[st]
+                    cost = (st - xb[:, 3][None, :] + t).astype(np.float64)
+                d = ar_a[:, None] - piece
+            d = np.where(ok & (d > 0) & (d < gap), d, 0.0).astype(np.float64)
+            cands.append((np.minimum(d, gap - d), np.broadcast_to(cost, d.shape), kind))
+        best = max(g.max() for g, _, _ in cands)
+        if best <= 0:
+            break
+        pick = None
+        for g, cost, kind in cands:
+            ii, jj = np.nonzero(g >= 0.9 * best)
+            for i, j in zip(ii.tolist(), jj.tolist()):
+                c = (float(cost[i, j]), -float(g[i, j]))
+                if pick is None or c < pick[0]:
+                    pick = (c, kind, i, j)
+        _, kind, i, j = pick
+        ra, rb = ia[i], ib[j]
+        n = int(t[i, j])
+        new = []
+        if kind == "whole":
+            u[ra, 2], u[rb, 2] = b, a
+        elif kind in ("tail_a", "head_a"):
+            st, e, _, seg = u[ra]
+            cut = e - n if kind == "tail_a" else st + n
+            moved = [cut, e] if kind == "tail_a" else [st, cut]
+            u[ra, :2] = [st, cut] if kind == "tail_a" else [cut, e]
+            new.append([moved[0], moved[1], b, seg])
+            u[rb, 2] = a
+        else:
+            st, e, _, seg = u[rb]
+            cut = e - n if kind == "tail_b" else st + n
+            moved = [cut, e] if kind == "tail_b" else [st, cut]
+            u[rb, :2] = [st, cut] if kind == "tail_b" else [cut, e]
+            new.append([moved[0], moved[1], a, seg])
+            u[ra, 2] = b
+        if new:
+            u = np.concatenate([u, np.array(new, dtype=np.int64)])
+        load = np.bincount(u[:, 2], weights=(prefix[u[:, 1]] - prefix[u[:, 0]]).astype(np.float64), minlength=cp)
+    return u
+
+
 def hierarchical(
     seqlen: int,
     cp: int,
@@ -268,4 +444,4 @@ class KeySpans:
         return ci, k0, k1
 
 
-SOLVERS = ("auto", "contiguous", "zigzag", "greedy", "swap", "hierarchical")
+SOLVERS = ("auto", "contiguous", "zigzag", "greedy", "swap", "documents", "hierarchical")

@@ -73,9 +73,9 @@ class _RankRuntime:
     late_runs: list = None  # [(start, end)] late rows, for backends without forward_accumulate
     pad: torch.Tensor | None = None  # received buffer rows zeroed before the early kernel reads near them
 
-    @property
-    def exchanges(self) -> bool:
-        return sum(self.recv_counts) + sum(self.send_counts) > 0
+    # does any rank of the plan move a key (the all-to-all is collective: every rank joins it when
+    # any rank has traffic, even one that itself sends and receives nothing)
+    exchanges: bool = False
 
 
 def _backend(backend, device):
@@ -116,6 +116,7 @@ def _runtime(plan: Plan, rank: int, device: torch.device, backend_arg) -> _RankR
             red_pos=torch.from_numpy(red_order.astype(np.int64)).to(device),
             backend=backend,
             prepared=backend.prepare(tiles, rp.num_tokens, buffer_len),
+            exchanges=any(r.num_remote > 0 for r in plan.ranks),
         )
         plan.cache[key] = rt
     return rt
