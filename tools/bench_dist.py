@@ -242,7 +242,7 @@ def bench_torch_native(mask_name, s, args, ctx):
     """PyTorch's context parallel: SDPA ring (full/causal) or FlexAttention all-gather CP."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    rank, cp, device, dtype, group = ctx["rank"], ctx["cp"], ctx["device"], ctx["dtype"], ctx["group"]
+    cp, device, dtype, group = ctx["cp"], ctx["device"], ctx["dtype"], ctx["group"]
     mesh = ctx.get("mesh")
     if mesh is None:
         mesh = ctx["mesh"] = DeviceMesh(device.type, list(range(cp)))

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..masks import geometry
 from .cost import CostModel, Workload
-from .plan import Plan, _merge_runs, _positions, _runs_to_ids
+from .plan import Plan, _merge_runs, _runs_to_ids
 from .topology import Topology
 
 
