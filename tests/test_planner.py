@@ -109,6 +109,27 @@ def test_documents_solver_keeps_documents_whole(cp, total):
         assert mcp.plan(mask, cp).solver == "documents"
 
 
+def test_hierarchical_over_a_documents_node_layout():
+    """Nodes get whole documents (the documents solver at node level), GPUs inside a node equal token
+    shares: exact, equal token counts, few inter-node keys, and no explosion of tiny chunks (the node
+    layout's small pieces are not the chunk size)."""
+    for cp, nodes, total in ((16, 4, 131072), (8, 2, 65536)):
+        mask = _doc_mask(total, 0, total // cp // 4)
+        p = mcp.plan(mask, cp, topology=mcp.Topology(nodes, cp // nodes))
+        st = p.stats()
+        assert p.solver == "hierarchical"
+        assert st["tokens_per_rank"] == [total // cp] * cp
+        assert st["imbalance"] <= 0.03
+        assert len(p.bounds) - 1 <= 2 * 64 * cp, len(p.bounds)  # the grid stops at 64 chunks per GPU
+        assert p.candidates["hierarchical"][1] <= total // cp // 8  # most inter-node keys of a node
+    small = M.varlen([0, 5, 9, 30, 31, 44, 61], causal=True)
+    for nodes, g in ((2, 2), (2, 3), (3, 2)):
+        p = mcp.plan(small, nodes * g, topology=mcp.Topology(nodes, g), solver="hierarchical")
+        _check_plan_exact(small, p)
+        t = p.stats()["tokens_per_rank"]
+        assert max(t) - min(t) <= 1
+
+
 def test_documents_solver_without_documents_is_exact():
     """On masks with few or no independent segments the solver still gives an exact, equal-token plan."""
     for mask in (M.causal(61), M.full(40), M.global_local(61, 4, 1, 1), M.varlen([0, 50, 61])):

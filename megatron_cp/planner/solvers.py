@@ -372,22 +372,37 @@ def hierarchical(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Node first, then GPUs: ``node_layout`` = (bounds, node owner) from a solver run with
     cp = nodes (chosen by the caller for least inter-node keys under balance). Each node's rows are
-    cut into fine chunks, dealt to its GPUs in order (equal chunk counts: neighbours stay together,
-    keys mostly stay on the GPU), then chunks are swapped between the most and least loaded GPUs of
-    the node until within ``tol/2`` (the swap whose area difference is closest to half the gap).
+    cut into fine chunks, dealt to its GPUs in order (equal token shares: neighbours stay together,
+    keys mostly stay on the GPU), then chunks of equal size are swapped between the most and least
+    loaded GPUs of the node until within ``tol/2`` (the swap whose area difference is closest to half
+    the gap).
     Rank = node * gpus_per_node + local GPU."""
     g = gpus_per_node
     nb, no = node_layout
-    c = max(1, min(greedy_chunk(seqlen, cp, prefix, chunk_size, tol), max(1, int(np.diff(nb).min()) // 2)))
+    # fine chunks, at least two per GPU's share; node boundaries are cuts too (pieces of a documents
+    # node layout can be far smaller than a chunk: they stay whole)
+    c = max(1, min(greedy_chunk(seqlen, cp, prefix, chunk_size, tol), seqlen // (2 * cp)))
     grid = np.arange(0, seqlen, c, dtype=np.int64)
     bounds = np.unique(np.concatenate([nb, grid, [seqlen]]))
     node = no[np.searchsorted(nb, bounds[:-1], side="right") - 1].astype(np.int64)
+    # cut where a node's running token count (in sequence order) reaches each GPU's equal share
+    extra = []
+    for n in np.unique(node):
+        idx = np.nonzero(node == n)[0]
+        cum = np.cumsum(bounds[idx + 1] - bounds[idx])
+        for share in even_bounds(int(cum[-1]), g)[1:-1]:
+            j = int(np.searchsorted(cum, share, side="left"))
+            extra.append(bounds[idx[j] + 1] - (cum[j] - share))
+    bounds = np.unique(np.concatenate([bounds, np.asarray(extra, dtype=np.int64)]))
+    node = no[np.searchsorted(nb, bounds[:-1], side="right") - 1].astype(np.int64)
+    size = np.diff(bounds)
     area = (prefix[bounds[1:]] - prefix[bounds[:-1]]).astype(np.float64)
     owner = np.zeros(len(bounds) - 1, dtype=np.int32)
     target = float(prefix[-1]) / cp
     for n in np.unique(node):
         idx = np.nonzero(node == n)[0]
-        local = (np.arange(len(idx)) * g // max(len(idx), 1)).astype(np.int64)  # in order, equal counts
+        before = np.cumsum(size[idx]) - size[idx]  # in order, equal token shares
+        local = np.searchsorted(even_bounds(int(size[idx].sum()), g), before, side="right") - 1
         load = np.bincount(local, weights=area[idx], minlength=g)
         for _ in range(4 * len(idx)):
             a, b = int(np.argmax(load)), int(np.argmin(load))
@@ -396,7 +411,7 @@ def hierarchical(
                 break
             xa, xb = np.nonzero(local == a)[0], np.nonzero(local == b)[0]
             delta = area[idx[xa]][:, None] - area[idx[xb]][None, :]
-            ok = (delta > 0) & (delta < gap)
+            ok = (delta > 0) & (delta < gap) & (size[idx[xa]][:, None] == size[idx[xb]][None, :])
             if not ok.any():
                 break
             i, j = np.unravel_index(np.argmin(np.where(ok, np.abs(delta - gap / 2), np.inf)), delta.shape)
