@@ -277,6 +277,16 @@ def _coarsen(cuts: np.ndarray, min_size: int) -> np.ndarray:
     return np.array(keep + [int(cuts[-1])], dtype=np.int64)
 
 
+def _piece(x: np.ndarray, t: np.ndarray, prefix: np.ndarray, tail: bool):
+    """Area of the ``t``-token tail (or head) of units ``x`` [..., 4] and the keys that cutting it off
+    makes remote, approximately: a tail needs its segment's keys before it, and the rest of a unit
+    whose head leaves needs that head (plus any keys before the unit)."""
+    st, e, seg = x[..., 0], x[..., 1], x[..., 3]
+    if tail:
+        return prefix[e] - prefix[np.maximum(e - t, st)], (e - t - seg).astype(np.float64)
+    return prefix[np.minimum(st + t, e)] - prefix[st], (st - seg + t).astype(np.float64)
+
+
 def _trade(u: np.ndarray, prefix: np.ndarray, cp: int, tol: float, load: np.ndarray) -> np.ndarray:
     """Balancing trades of ``documents`` (its step 2) on units ``[start, end, owner, segment start]``."""
     target = float(prefix[-1]) / cp
@@ -286,42 +296,20 @@ def _trade(u: np.ndarray, prefix: np.ndarray, cp: int, tol: float, load: np.ndar
         if target <= 0 or load[a] / target - 1 <= tol / 2 or gap <= 0:
             break
         ia, ib = np.nonzero(u[:, 2] == a)[0], np.nonzero(u[:, 2] == b)[0]
-        xa, xb = u[ia], u[ib]
-        la, lb = xa[:, 1] - xa[:, 0], xb[:, 1] - xb[:, 0]
-        ar_a = (prefix[xa[:, 1]] - prefix[xa[:, 0]]).astype(np.float64)
-        ar_b = (prefix[xb[:, 1]] - prefix[xb[:, 0]]).astype(np.float64)
-        # keys a piece [p, q) of a segment needs before it, plus its own keys if rows follow it
-        cands = []  # (shift, remote keys, kind, i in xa, j in xb)
-        t = np.minimum(la[:, None], lb[None, :])  # tokens traded: the smaller unit's size
-        for kind in ("whole", "tail_a", "head_a", "tail_b", "head_b"):
-            if kind == "whole":
-                ok = la[:, None] == lb[None, :]
-                d = ar_a[:, None] - ar_b[None, :]
-                cost = np.zeros_like(d)
-            elif kind in ("tail_a", "head_a"):  # a piece of a's unit for b's whole unit
-                ok = la[:, None] > lb[None, :]
-                e = xa[:, 1][:, None]
-                st = xa[:, 0][:, None]
-                if kind == "tail_a":
-                    piece = prefix[e] - prefix[np.maximum(e - t, st)]
-                    cost = (e - t - xa[:, 3][:, None]).astype(np.float64)
-                else:
-                    piece = prefix[np.minimum(st + t, e)] - prefix[st]
-                    cost = (st - xa[:, 3][:, None] + t).astype(np.float64)
-                d = piece - ar_b[None, :]
-            else:  # a's whole unit for a piece of b's unit
-                ok = lb[None, :] > la[:, None]
-                e = xb[:, 1][None, :]
-                st = xb[:, 0][None, :]
-                if kind == "tail_b":
-                    piece = prefix[e] - prefix[np.maximum(e - t, st)]
-                    cost = (e - t - xb[:, 3][None, :]).astype(np.float64)
-                else:
-                    piece = prefix[np.minimum(st + t, e)] - prefix[st]
-                    cost = (st - xb[:, 3][None, :] + t).astype(np.float64)
-                d = ar_a[:, None] - piece
-            d = np.where(ok & (d > 0) & (d < gap), d, 0.0).astype(np.float64)
-            cands.append((np.minimum(d, gap - d), np.broadcast_to(cost, d.shape), kind))
+        xa, xb = u[ia][:, None, :], u[ib][None, :, :]  # pairs (unit of a, unit of b)
+        la, lb = xa[..., 1] - xa[..., 0], xb[..., 1] - xb[..., 0]
+        ar_a, ar_b = prefix[xa[..., 1]] - prefix[xa[..., 0]], prefix[xb[..., 1]] - prefix[xb[..., 0]]
+        t = np.minimum(la, lb)  # tokens traded: the smaller unit's size
+        cands = []  # (gain, remote keys, kind): kind = (side cut or None, tail?)
+        d = (ar_a - ar_b).astype(np.float64)
+        cands.append((np.where(la == lb, d, 0.0), np.zeros(d.shape), (None, False)))
+        for tail in (True, False):  # a piece of a's unit for b's whole unit, and the reverse
+            piece, cost = _piece(xa, t, prefix, tail)
+            cands.append((np.where(la > lb, piece - ar_b, 0.0), cost, ("a", tail)))
+            piece, cost = _piece(xb, t, prefix, tail)
+            cands.append((np.where(lb > la, ar_a - piece, 0.0), cost, ("b", tail)))
+        cands = [(np.where((d > 0) & (d < gap), np.minimum(d, gap - d), 0.0), np.broadcast_to(c, d.shape), k)
+                 for d, c, k in cands]
         best = max(g.max() for g, _, _ in cands)
         if best <= 0:
             break
@@ -332,28 +320,18 @@ def _trade(u: np.ndarray, prefix: np.ndarray, cp: int, tol: float, load: np.ndar
                 c = (float(cost[i, j]), -float(g[i, j]))
                 if pick is None or c < pick[0]:
                     pick = (c, kind, i, j)
-        _, kind, i, j = pick
+        _, (side, tail), i, j = pick
         ra, rb = ia[i], ib[j]
-        n = int(t[i, j])
-        new = []
-        if kind == "whole":
+        if side is None:
             u[ra, 2], u[rb, 2] = b, a
-        elif kind in ("tail_a", "head_a"):
-            st, e, _, seg = u[ra]
-            cut = e - n if kind == "tail_a" else st + n
-            moved = [cut, e] if kind == "tail_a" else [st, cut]
-            u[ra, :2] = [st, cut] if kind == "tail_a" else [cut, e]
-            new.append([moved[0], moved[1], b, seg])
-            u[rb, 2] = a
-        else:
-            st, e, _, seg = u[rb]
-            cut = e - n if kind == "tail_b" else st + n
-            moved = [cut, e] if kind == "tail_b" else [st, cut]
-            u[rb, :2] = [st, cut] if kind == "tail_b" else [cut, e]
-            new.append([moved[0], moved[1], a, seg])
-            u[ra, 2] = b
-        if new:
-            u = np.concatenate([u, np.array(new, dtype=np.int64)])
+        else:  # cut the piece off the unit of ``side``; it and the other side's whole unit change owner
+            cut_row, whole_row, to = (ra, rb, b) if side == "a" else (rb, ra, a)
+            st, e, _, seg = (int(x) for x in u[cut_row])
+            n = int(t[i, j])
+            c = e - n if tail else st + n
+            u[cut_row, :2] = [st, c] if tail else [c, e]
+            u[whole_row, 2] = a if side == "a" else b
+            u = np.concatenate([u, np.array([[c, e, to, seg] if tail else [st, c, to, seg]], dtype=np.int64)])
         load = np.bincount(u[:, 2], weights=(prefix[u[:, 1]] - prefix[u[:, 0]]).astype(np.float64), minlength=cp)
     return u
 
