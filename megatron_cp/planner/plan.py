@@ -294,7 +294,7 @@ def plan(
     multi_node = topology is not None and topology.nodes > 1
     if (multi_node and solver == "auto") or solver == "hierarchical":
         topo = topology if topology is not None else Topology(1, cp)
-        candidates["hierarchical"] = _hierarchical(traps, spans, prefix, seqlen, topo, chunk, imbalance_target)
+        candidates["hierarchical"] = _hierarchical(traps, spans, prefix, seqlen, topo, chunk, imbalance_target, cuts)
     scores = {}
     for name, (b, o) in candidates.items():
         scores[name] = _score(traps, spans, b, o, cp, prefix)
@@ -356,7 +356,7 @@ def _inter_node_max(spans, bounds, owner, topology) -> int:
     return max(int((r[:, 1] - r[:, 0]).sum()) for r in _node_need(spans, bounds, owner, topology))
 
 
-def _hierarchical(traps, spans, prefix, seqlen, topology, chunk, tol):
+def _hierarchical(traps, spans, prefix, seqlen, topology, chunk, tol, cuts):
     nodes = topology.nodes
     kw = dict(prefix=prefix, chunk_size=chunk, key_spans=spans, tol=tol)
     node_cands = [solvers.contiguous(seqlen, nodes)]
@@ -364,7 +364,6 @@ def _hierarchical(traps, spans, prefix, seqlen, topology, chunk, tol):
         node_cands.append(solvers.zigzag(seqlen, nodes))
         node_cands.append(solvers.greedy(seqlen, nodes, **kw))
         node_cands.append(solvers.swap_balanced(seqlen, nodes, **kw))
-        cuts = solvers.independent_cuts(traps, seqlen)
         if len(cuts) - 1 > nodes:
             node_cands.append(solvers.documents(seqlen, nodes, prefix=prefix, traps=traps, tol=tol, cuts=cuts))
     flat = Topology(nodes, 1)
