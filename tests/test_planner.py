@@ -117,17 +117,38 @@ def test_hierarchical_over_a_documents_node_layout():
         mask = _doc_mask(total, 0, total // cp // 4)
         p = mcp.plan(mask, cp, topology=mcp.Topology(nodes, cp // nodes))
         st = p.stats()
-        assert p.solver == "hierarchical"
+        # whole documents per GPU inside each node too: the same inter-node keys, far fewer intra-node
+        assert p.solver == "hierarchical_documents"
         assert st["tokens_per_rank"] == [total // cp] * cp
         assert st["imbalance"] <= 0.03
+        chunked, docs = p.candidates["hierarchical"], p.candidates["hierarchical_documents"]
+        assert docs[1] <= chunked[1] and docs[1] <= total // cp // 8  # most inter-node keys of a node
+        assert docs[2] <= chunked[2] / 2  # most remote keys of a GPU
         assert len(p.bounds) - 1 <= 2 * 64 * cp, len(p.bounds)  # the grid stops at 64 chunks per GPU
-        assert p.candidates["hierarchical"][1] <= total // cp // 8  # most inter-node keys of a node
+        h = mcp.plan(mask, cp, topology=mcp.Topology(nodes, cp // nodes), solver="hierarchical")
+        assert np.array_equal(h.bounds, p.bounds) and np.array_equal(h.owner, p.owner)
+    from megatron_cp.planner import solvers
+    from megatron_cp.planner.layout import plan_from_layout
+
     small = M.varlen([0, 5, 9, 30, 31, 44, 61], causal=True)
+    prefix = M.geometry.row_area_prefix(small.traps, 61)
+    cuts = solvers.independent_cuts(small.traps, 61)
     for nodes, g in ((2, 2), (2, 3), (3, 2)):
-        p = mcp.plan(small, nodes * g, topology=mcp.Topology(nodes, g), solver="hierarchical")
+        topo = mcp.Topology(nodes, g)
+        p = mcp.plan(small, nodes * g, topology=topo, solver="hierarchical")
         _check_plan_exact(small, p)
         t = p.stats()["tokens_per_rank"]
         assert max(t) - min(t) <= 1
+        for node_layout in (solvers.contiguous(61, nodes), solvers.zigzag(61, nodes)):
+            b, o = solvers.node_documents(61, nodes * g, prefix=prefix, tol=0.03, gpus_per_node=g,
+                                          node_layout=node_layout, cuts=cuts)
+            q = plan_from_layout(small.traps, 61, b, o, nodes * g, chunk_size=1, topology=topo, solver="x")
+            _check_plan_exact(small, q)
+            t = q.stats()["tokens_per_rank"]
+            assert max(t) - min(t) <= 1
+            node_of = o // g  # every token stays on its node
+            want = node_layout[1][np.searchsorted(node_layout[0], b[:-1], side="right") - 1]
+            assert np.array_equal(node_of, want)
 
 
 def test_documents_solver_without_documents_is_exact():

@@ -294,7 +294,7 @@ def plan(
     multi_node = topology is not None and topology.nodes > 1
     if (multi_node and solver == "auto") or solver == "hierarchical":
         topo = topology if topology is not None else Topology(1, cp)
-        candidates["hierarchical"] = _hierarchical(traps, spans, prefix, seqlen, topo, chunk, imbalance_target, cuts)
+        candidates.update(_hierarchical(traps, spans, prefix, seqlen, topo, chunk, imbalance_target, cuts))
     scores = {}
     for name, (b, o) in candidates.items():
         scores[name] = _score(traps, spans, b, o, cp, prefix)
@@ -373,7 +373,12 @@ def _hierarchical(traps, spans, prefix, seqlen, topology, chunk, tol, cuts):
         return (imb > tol / 2, _inter_node_max(spans, bo[0], bo[1], flat), imb)
 
     best = min(node_cands, key=key)
-    return solvers.hierarchical(seqlen, topology.world_size, gpus_per_node=topology.gpus_per_node, node_layout=best, **kw)
+    g = topology.gpus_per_node
+    out = {"hierarchical": solvers.hierarchical(seqlen, topology.world_size, gpus_per_node=g, node_layout=best, **kw)}
+    if len(cuts) - 1 > topology.world_size:  # and whole documents per GPU inside each node
+        out["hierarchical_documents"] = solvers.node_documents(
+            seqlen, topology.world_size, prefix=prefix, tol=tol, gpus_per_node=g, node_layout=best, cuts=cuts)
+    return out
 
 
 def _rank_plans(traps, prefix, spans, bounds, owner, cp) -> tuple:

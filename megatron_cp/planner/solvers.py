@@ -235,12 +235,55 @@ def documents(
     cuts = independent_cuts(traps, seqlen) if cuts is None else cuts
     if len(cuts) - 1 > 64 * cp:  # bound the work: neighbours merge into segments of >= S / (64 cp)
         cuts = _coarsen(cuts, seqlen // (64 * cp))
-    s0, s1 = cuts[:-1], cuts[1:]
+    units = np.stack([cuts[:-1], cuts[1:], cuts[:-1]], axis=1)
+    u = _pack(units, prefix, np.diff(even_bounds(seqlen, cp)), float(prefix[-1]) / cp, tol)
+    u = u[np.argsort(u[:, 0])]
+    return np.append(u[:, 0], seqlen), u[:, 2].astype(np.int32)
+
+
+def node_documents(
+    seqlen: int,
+    cp: int,
+    *,
+    prefix: np.ndarray,
+    tol: float,
+    gpus_per_node: int,
+    node_layout: tuple[np.ndarray, np.ndarray],
+    cuts: np.ndarray,
+    **_,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Inside each node of ``node_layout`` (bounds, node owner), the ``documents`` packing over the
+    node's rows cut at the mask's independent ``cuts``: whole documents per GPU, equal token shares of
+    the node. Rank = node * gpus_per_node + local GPU."""
+    g = gpus_per_node
+    nb, no = node_layout
+    if len(cuts) - 1 > 64 * cp:
+        cuts = _coarsen(cuts, seqlen // (64 * cp))
+    bounds = np.unique(np.concatenate([nb, cuts]))
+    node = no[np.searchsorted(nb, bounds[:-1], side="right") - 1].astype(np.int64)
+    seg = cuts[np.searchsorted(cuts, bounds[:-1], side="right") - 1]
+    target = float(prefix[-1]) / cp
+    out = []
+    for n in np.unique(node):
+        idx = np.nonzero(node == n)[0]
+        units = np.stack([bounds[idx], bounds[idx + 1], seg[idx]], axis=1)
+        u = _pack(units, prefix, np.diff(even_bounds(int((units[:, 1] - units[:, 0]).sum()), g)), target, tol)
+        u[:, 2] += n * g
+        out.append(u)
+    u = np.concatenate(out)
+    u = u[np.argsort(u[:, 0])]
+    return np.append(u[:, 0], seqlen), u[:, 2].astype(np.int32)
+
+
+def _pack(units: np.ndarray, prefix: np.ndarray, room: np.ndarray, target: float, tol: float) -> np.ndarray:
+    """Steps (1) and (2) of ``documents`` for units int64 [n, 3] (start, end, segment start) over
+    ``len(room)`` ranks with token quotas ``room``; returns [m, 4] (start, end, owner, segment start)."""
+    s0, s1, seg = units[:, 0], units[:, 1], units[:, 2]
     size = s1 - s0
     area = (prefix[s1] - prefix[s0]).astype(np.float64)
-    room = np.diff(even_bounds(seqlen, cp))
-    load = np.zeros(cp)
-    units = []  # [start, end, owner, segment start]
+    room = room.copy()
+    load = np.zeros(len(room))
+    out = []
     deferred = []
     for i in np.lexsort((s0, -size, -area)):
         fits = np.nonzero(room >= size[i])[0]
@@ -248,7 +291,7 @@ def documents(
             deferred.append(i)
             continue
         r = int(fits[np.argmin(load[fits])])
-        units.append([int(s0[i]), int(s1[i]), r, int(s0[i])])
+        out.append([int(s0[i]), int(s1[i]), r, int(seg[i])])
         load[r] += area[i]
         room[r] -= size[i]
     for i in sorted(deferred, key=lambda i: s0[i]):  # cut to fill leftover room, least loaded first
@@ -257,14 +300,11 @@ def documents(
             cand = np.nonzero(room > 0)[0]
             r = int(cand[np.argmin(load[cand])])
             b = min(int(s1[i]), a + int(room[r]))
-            units.append([a, b, r, int(s0[i])])
+            out.append([a, b, r, int(seg[i])])
             load[r] += float(prefix[b] - prefix[a])
             room[r] -= b - a
             a = b
-    u = np.array(units, dtype=np.int64).reshape(-1, 4)
-    u = _trade(u, prefix, cp, tol, load)
-    u = u[np.argsort(u[:, 0])]
-    return np.append(u[:, 0], seqlen), u[:, 2].astype(np.int32)
+    return _trade(np.array(out, dtype=np.int64).reshape(-1, 4), prefix, len(room), tol, load, target)
 
 
 def _coarsen(cuts: np.ndarray, min_size: int) -> np.ndarray:
@@ -287,9 +327,9 @@ def _piece(x: np.ndarray, t: np.ndarray, prefix: np.ndarray, tail: bool):
     return prefix[np.minimum(st + t, e)] - prefix[st], (st - seg + t).astype(np.float64)
 
 
-def _trade(u: np.ndarray, prefix: np.ndarray, cp: int, tol: float, load: np.ndarray) -> np.ndarray:
-    """Balancing trades of ``documents`` (its step 2) on units ``[start, end, owner, segment start]``."""
-    target = float(prefix[-1]) / cp
+def _trade(u: np.ndarray, prefix: np.ndarray, cp: int, tol: float, load: np.ndarray, target: float) -> np.ndarray:
+    """Balancing trades of ``documents`` (its step 2) on units ``[start, end, owner, segment start]``
+    over ``cp`` ranks whose mean load is ``target``."""
     for _ in range(8 * cp + 4 * len(u)):
         a, b = int(np.argmax(load)), int(np.argmin(load))
         gap = load[a] - load[b]
