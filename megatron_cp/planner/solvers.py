@@ -233,12 +233,8 @@ def documents(
     whose area shift is closest to half their gap and, among those within 10% of it, the one that
     makes the fewest keys remote. Token counts stay exactly the contiguous layout's."""
     cuts = independent_cuts(traps, seqlen) if cuts is None else cuts
-    if len(cuts) - 1 > 64 * cp:  # bound the work: neighbours merge into segments of >= S / (64 cp)
-        cuts = _coarsen(cuts, seqlen // (64 * cp))
-    units = np.stack([cuts[:-1], cuts[1:], cuts[:-1]], axis=1)
-    u = _pack(units, prefix, np.diff(even_bounds(seqlen, cp)), float(prefix[-1]) / cp, tol)
-    u = u[np.argsort(u[:, 0])]
-    return np.append(u[:, 0], seqlen), u[:, 2].astype(np.int32)
+    whole = (np.array([0, seqlen], dtype=np.int64), np.zeros(1, dtype=np.int32))  # one node of cp GPUs
+    return node_documents(seqlen, cp, prefix=prefix, tol=tol, gpus_per_node=cp, node_layout=whole, cuts=cuts)
 
 
 def node_documents(
@@ -257,7 +253,7 @@ def node_documents(
     the node. Rank = node * gpus_per_node + local GPU."""
     g = gpus_per_node
     nb, no = node_layout
-    if len(cuts) - 1 > 64 * cp:
+    if len(cuts) - 1 > 64 * cp:  # bound the work: neighbours merge into segments of >= S / (64 cp)
         cuts = _coarsen(cuts, seqlen // (64 * cp))
     bounds = np.unique(np.concatenate([nb, cuts]))
     node = no[np.searchsorted(nb, bounds[:-1], side="right") - 1].astype(np.int64)
