@@ -53,7 +53,8 @@ def random_mask(seed: int) -> mcp.AttnMask:
     return mcp.AttnMask(slices, s, s)
 
 
-def _case(rank, world, mask, hq, hkv, dtype=torch.float32, solver="auto", with_lse_grad=False, d=8, **attn_kw):
+def _case(rank, world, mask, hq, hkv, dtype=torch.float32, solver="auto", with_lse_grad=False, d=8, guest_rows="auto",
+          **attn_kw):
     """Max abs errors of out, lse, dq, dk, dv on this rank vs the fp64 dense reference."""
     s = mask.seqlen_q
     gen = torch.Generator().manual_seed(1234 + s + hq)
@@ -68,7 +69,7 @@ def _case(rank, world, mask, hq, hkv, dtype=torch.float32, solver="auto", with_l
     loss = (o_ref * do).sum() + ((torch.where(fin_ref, l_ref, 0) * dl).sum() if with_lse_grad else 0)
     loss.backward()
 
-    plan = mcp.plan(mask, world, solver=solver)
+    plan = mcp.plan(mask, world, solver=solver, guest_rows=guest_rows)
     group = dist.group.WORLD if world > 1 else None
     ql, kl, vl = (mcp.dispatch(t.to(dtype), plan, group).detach().requires_grad_() for t in (q, k, v))
     out, lse = mcp.attention(ql, kl, vl, plan, group, softmax_scale=scale, **attn_kw)

@@ -63,6 +63,9 @@ def test_stages_partition_each_ranks_cells(cp):
                 q_ids = rp.local_ids()
                 st = sched.ranks[r]
                 total += _dense_of_tiles(st[0].tiles, q_ids, q_ids, S)
+                # guest rows' cells (planner.guests) are computed outside the stages, on own keys
+                g_rows = np.array([i for runs in rp.guest_recv_runs for a, b in runs.tolist() for i in range(a, b)], dtype=np.int64)
+                total += _dense_of_tiles(rp.guest_tiles, g_rows, q_ids, S)
                 remote = np.concatenate([np.zeros(0, np.int64)] + [np.concatenate(
                     [np.arange(a, b) for a, b in runs.tolist()] or [np.zeros(0, np.int64)]) for runs in rp.recv_runs])
                 remote = np.sort(remote)
@@ -180,7 +183,6 @@ def _order_case(rank, world):
     n = plan.num_local(rank)
     q, k, v = (torch.randn(n, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mcp.attention(q, k, v, plan, group, stages=3)  # builds and caches the runtime
-    from megatron_cp.runtime.attention import _staged_runtime  # noqa: F401
     rt = next(v_ for key, v_ in plan.cache.items() if key[0] == "staged")
     backend = rt.backend
     real_fwd, real_bwd = backend.forward, backend.backward

@@ -22,12 +22,17 @@ def _random_mask(rng):
 
 
 def _check_plan_exact(mask, p):
-    """Tiles of every rank reproduce exactly its rows of the mask, with no cell twice; every token
-    is owned once; every received run comes from its owner and is received once."""
+    """Tiles of every rank (its own rows' tiles and the guest rows' tiles it computes on its own keys)
+    reproduce exactly the mask, with no cell twice; every token is owned once; every received run
+    comes from its owner and is received once; a rank's load is the cells it computes."""
     s = mask.seqlen_q
     d = mask.to_dense()
     ids_all = np.concatenate([p.local_ids(r) for r in range(p.cp_size)])
     assert np.array_equal(np.sort(ids_all), np.arange(s))
+    cover = np.zeros((s, s), dtype=np.int32)
+    guest = np.zeros(s, dtype=bool)
+    for a, b in p.guest_runs.tolist():
+        guest[a:b] = True
     for r, rp in enumerate(p.ranks):
         ids = rp.local_ids()
         buf = np.concatenate([np.arange(a, b) for a, b in rp.buffer_runs]) if len(rp.buffer_runs) else np.zeros(0, int)
@@ -36,8 +41,16 @@ def _check_plan_exact(mask, p):
         for q0, q1, k0, k1, kind in rp.tiles:
             one = mcp.AttnMask([mcp.AttnSlice((q0, q1), (k0, k1), M.KINDS[kind])], len(ids), len(buf)).to_dense()
             rec[:, buf] += one
-        assert rec.max(initial=0) <= 1, "a cell is computed twice"
-        assert np.array_equal(rec.astype(bool), d[ids])
+        assert not rec[guest[ids]].any(), "a guest row has a tile at its owner"
+        cover[ids] += rec
+        g_rows = np.concatenate([np.arange(a, b) for runs in rp.guest_recv_runs for a, b in runs.tolist()] + [[]]).astype(int)
+        g_rec = np.zeros((len(g_rows), s), dtype=np.int32)
+        for q0, q1, k0, k1, kind in rp.guest_tiles:
+            one = mcp.AttnMask([mcp.AttnSlice((q0, q1), (k0, k1), M.KINDS[kind])], len(g_rows), len(ids)).to_dense()
+            g_rec[:, ids] += one
+        assert guest[g_rows].all()
+        np.add.at(cover, g_rows, g_rec)
+        assert rp.area == int(rec.sum() + g_rec.sum())
         got = []
         for src, runs in enumerate(rp.recv_runs):
             for a, b in runs:
@@ -46,6 +59,8 @@ def _check_plan_exact(mask, p):
             assert np.array_equal(p.ranks[src].send_runs[r], runs)
         assert len(got) == len(set(got)), "a token is received twice"
         assert not np.isin(got, ids).any()
+    assert cover.max(initial=0) <= 1, "a cell is computed twice"
+    assert np.array_equal(cover.astype(bool), d)
     assert sum(rp.area for rp in p.ranks) == d.sum() == p.mask_area
 
 

@@ -167,32 +167,42 @@ def bench_ours(name, mask, args, ctx):
 
 
 def bench_kernel_only(plan, args, ctx):
-    """Our kernel alone on this rank's megatron-cp tiles and K/V buffer: (flops, fwd_s, bwd_s)."""
+    """Our kernel alone on this rank's megatron-cp tiles and K/V buffer (and, with guest rows, the call
+    over the guest tiles on its own keys): (flops, fwd_s, bwd_s)."""
     rank, device, dtype = ctx["rank"], ctx["device"], ctx["dtype"]
     rp = plan.ranks[rank]
     be = ctx.get("backend") or kernels.get_backend(args.backend, device)  # the same backend as megatron-cp
-    prep = be.prepare(torch.from_numpy(rp.tiles.astype("int32")), rp.num_tokens, max(rp.buffer_len, 1))
-    q = _rand_local(rp.num_tokens, args.heads, args.head_dim, dtype, device, 1)
-    k = _rand_local(rp.buffer_len, args.kv_heads, args.head_dim, dtype, device, 2)
-    v = _rand_local(rp.buffer_len, args.kv_heads, args.head_dim, dtype, device, 3)
-    out, lse = be.forward(q, k, v, prep, None)
-    do = torch.randn_like(out)
-    delta = (do.float() * out.float()).sum(-1)
+    calls = [(rp.tiles, rp.num_tokens, max(rp.buffer_len, 1))]
+    n_guest = sum(rp.guest_recv_counts())
+    if len(rp.guest_tiles) and n_guest:
+        calls.append((rp.guest_tiles, n_guest, rp.num_tokens))
+    runs = []
+    for i, (tiles, sq, sk) in enumerate(calls):
+        prep = be.prepare(torch.from_numpy(tiles.astype("int32")), sq, sk)
+        q = _rand_local(sq, args.heads, args.head_dim, dtype, device, 1 + 10 * i)
+        k = _rand_local(sk, args.kv_heads, args.head_dim, dtype, device, 2 + 10 * i)
+        v = _rand_local(sk, args.kv_heads, args.head_dim, dtype, device, 3 + 10 * i)
+        out, lse = be.forward(q, k, v, prep, None)
+        do = torch.randn_like(out)
+        runs.append((q, k, v, prep, out, lse, do, (do.float() * out.float()).sum(-1)))
     t = ctx["timer"]
     for _ in range(args.warmup):
-        be.forward(q, k, v, prep, None)
-        be.backward(q, k, v, out, lse, do, prep, None, delta)
+        for q, k, v, prep, out, lse, do, delta in runs:
+            be.forward(q, k, v, prep, None)
+            be.backward(q, k, v, out, lse, do, prep, None, delta)
     t.sync()
     t0 = time.perf_counter()
     for _ in range(args.iters):
-        be.forward(q, k, v, prep, None)
+        for q, k, v, prep, *_ in runs:
+            be.forward(q, k, v, prep, None)
     t.sync()
     t1 = time.perf_counter()
     for _ in range(args.iters):
-        be.backward(q, k, v, out, lse, do, prep, None, delta)
+        for q, k, v, prep, out, lse, do, delta in runs:
+            be.backward(q, k, v, out, lse, do, prep, None, delta)
     t.sync()
     t2 = time.perf_counter()
-    flops = 4.0 * rp.area * args.heads * args.head_dim
+    flops = 4.0 * rp.area * args.heads * args.head_dim  # the rank's cells, guest cells included
     return flops, (t1 - t0) / args.iters, (t2 - t1) / args.iters
 
 
@@ -387,7 +397,10 @@ def main(argv=None):
                                fwd_wall_tflops_per_gpu=flops / cp / wf / 1e12,
                                bwd_wall_tflops_per_gpu=2.5 * flops / cp / wb / 1e12)
                     if impl == "megatron-cp":
-                        rec["imbalance"] = plan.stats()["imbalance"]
+                        st = plan.stats()
+                        rec["imbalance"] = st["imbalance"]
+                        rec["max_remote_kv_tokens"] = st["max_remote_kv_tokens"]
+                        rec["guest_rows"] = st["guest_rows"]
                         # the runtime's choice (planner.schedule.choose_stages; 0 = single exchange)
                         rec["stages"] = [v for k, v in plan.cache.items() if isinstance(k, tuple) and k[0] == "choose_stages"]
                         rec["dense_path_error"] = getattr(ctx["backend"], "fast_path_error", None)

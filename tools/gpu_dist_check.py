@@ -1,7 +1,8 @@
 """GPU correctness of the distributed runtime with the production kernel paths (NCCL, torchrun).
 
 Each rank runs megatron-cp attention (planner + staged GroupCast runtime, and the single-exchange path
-``stages=0``, with and without early rows during the exchange), and each baseline strategy of
+``stages=0``, with and without early rows during the exchange; masks with rows keeping most keys also
+with those rows as guest rows, ``planner.guests``, when ``auto`` keeps them home), and each baseline strategy of
 ``--strategies`` on its own plan layout, forward and backward on its tokens of one random bf16 problem, with the Triton backend
 whose dense pieces go to cuDNN (``dense_min_keys`` lowered so that pieces occur at this size), and
 compares its rows of out / lse / dq and its tokens of dk / dv with a dense fp64 reference. Rule
@@ -29,7 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megatron_cp as mcp  # noqa: E402
 from megatron_cp.kernels import triton_backend as tb  # noqa: E402
 from megatron_cp.baselines import get_strategy, plan_for  # noqa: E402
+from megatron_cp.masks import geometry  # noqa: E402
 from megatron_cp.planner.early import early_split  # noqa: E402
+from megatron_cp.planner.guests import candidate_rows  # noqa: E402
 
 import _cp_masks  # noqa: E402
 from gpu_kernel_check import chunked_reference, rms  # noqa: E402
@@ -89,16 +92,21 @@ def main(argv=None):
         low = chunked_reference(q, k, v, do, keep, torch.bfloat16, scale)
         sp = early_split(plan, rank)
         has_early = bool(len(sp.early)) and plan.ranks[rank].num_remote + sum(plan.ranks[rank].send_index()[1]) > 0
-        variants = [("megatron-cp", None, False), ("megatron-cp", 0, False), ("megatron-cp", 0, True)]
-        variants += [(x, None, False) for x in args.strategies.split(",") if x]
-        for impl, stages, early in variants:
+        variants = [("megatron-cp", None, False, plan), ("megatron-cp", 0, False, plan), ("megatron-cp", 0, True, plan)]
+        # rows keeping most keys: also run them as guest rows (planner.guests) where auto keeps them home
+        cand = candidate_rows(geometry.row_area_prefix(mask.traps, s), s, cp)
+        if len(cand) and not plan.has_guests:
+            gplan = mcp.plan(mask, cp, guest_rows=cand)
+            variants += [("megatron-cp", None, False, gplan), ("megatron-cp", 0, False, gplan)]
+        variants += [(x, None, False, None) for x in args.strategies.split(",") if x]
+        for impl, stages, early, vplan in variants:
             CUDNN_CALLS.update(fwd=0, bwd=0)
-            vplan = plan if impl == "megatron-cp" else plan_for(impl, mask, cp)
+            vplan = vplan if vplan is not None else plan_for(impl, mask, cp)
             ids = torch.from_numpy(vplan.local_ids(rank)).to(dev)
             empty = ~keep[ids].any(1)
             ql, kl, vl = (t[ids].clone().requires_grad_() for t in (q, k, v))
             if impl == "megatron-cp":
-                out, lse = mcp.attention(ql, kl, vl, plan, group, softmax_scale=scale, backend=backend, stages=stages,
+                out, lse = mcp.attention(ql, kl, vl, vplan, group, softmax_scale=scale, backend=backend, stages=stages,
                                          early=early)
             else:
                 out, lse = get_strategy(impl, backend=backend)(ql, kl, vl, vplan, group, scale)
@@ -118,13 +126,16 @@ def main(argv=None):
                 bound = 2 * e_low + 1e-6 * rms(r)
                 errs[key] = [e, e_low]
                 ok = ok and e <= bound
+            guest_rows = int((vplan.guest_runs[:, 1] - vplan.guest_runs[:, 0]).sum())
             rec = {"mask": name, "impl": impl, "stages": "auto" if stages is None else stages, "rank": rank, "ok": ok, "nan": nan,
+                   "guest_rows": guest_rows,
                    "early_rows": early and has_early and stages == 0,
                    "empty_rows_ok": empty_ok, "rms_err_vs_bf16_ref": errs, "cudnn_calls": dict(CUDNN_CALLS),
                    "fast_path_error": getattr(backend, "fast_path_error", None)}
             results.append(rec)
             ok_all = ok_all and ok
             print(f"rank {rank} {name:<15} {impl:<13} stages={rec['stages']!s:<5} early={rec['early_rows']!s:<5} "
+                  f"guests={guest_rows:<4} "
                   f"{'ok' if ok else 'FAIL'} cudnn={CUDNN_CALLS} "
                   + " ".join(f"{key} {e:.2e}/{el:.2e}" for key, (e, el) in errs.items()), flush=True)
         del ref, low, keep
@@ -134,7 +145,8 @@ def main(argv=None):
         flat = [r for rr in gathered for r in rr]
         allok = all(r["ok"] for r in flat)
         print(f"GPU distributed check: {sum(r['ok'] for r in flat)}/{len(flat)} rank-cases pass "
-              f"({sum(r['early_rows'] for r in flat)} with early rows during the exchange); "
+              f"({sum(r['early_rows'] for r in flat)} with early rows during the exchange, "
+              f"{sum(r['guest_rows'] > 0 for r in flat)} with guest rows); "
               f"cuDNN calls fwd {sum(r['cudnn_calls']['fwd'] for r in flat)}, bwd {sum(r['cudnn_calls']['bwd'] for r in flat)}")
         if args.json:
             meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "num_devices": cp, "torch": torch.__version__,

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import megatron_cp as mcp  # noqa: E402
 from megatron_cp.planner.cost import CostModel, Workload  # noqa: E402
+from megatron_cp.planner.guests import predict as guest_predict  # noqa: E402
 from megatron_cp.planner.schedule import clip_tiles, rank_traps  # noqa: E402
 
 import _cp_masks  # noqa: E402
@@ -92,12 +93,12 @@ def _pipeline(local_c, remote_c, comm, n, latency):
 # ------------------------------------------------------------------------------------ strategies
 
 
-def ours(mask, cp, g, cost, work, hierarchical=True, solver=None):
+def ours(mask, cp, g, cost, work, hierarchical=True, solver=None, guest_rows="auto"):
     nodes = max(1, cp // g)
     topo = mcp.Topology(nodes, min(g, cp), intra_node_gbps=cost.intra_gbps, inter_node_gbps=cost.inter_gbps)
     if solver is None:
         solver = "hierarchical" if nodes > 1 else "auto"
-    plan = mcp.plan(mask, cp, topology=topo, solver=solver)
+    plan = mcp.plan(mask, cp, topology=topo, solver=solver, guest_rows=guest_rows)
     per_tok = work.kv_bytes_per_token
     gpn = topo.gpus_per_node
     node_inter = np.zeros(nodes)
@@ -113,7 +114,7 @@ def ours(mask, cp, g, cost, work, hierarchical=True, solver=None):
             if seen[n]:
                 m = _merge_runs(np.concatenate(seen[n]))
                 node_inter[n] = (m[:, 1] - m[:, 0]).sum()
-    fwd, bwd, inter_b, intra_b = [], [], [], []
+    fwd, inter_b, intra_b = [], [], []
     for r in plan.ranks:
         traps = rank_traps(plan, r.rank)
         local = clip_tiles(traps, None, r.segments)
@@ -160,12 +161,14 @@ def ours(mask, cp, g, cost, work, hierarchical=True, solver=None):
         if best is None or tf + tb < best[0] + best[1]:
             best = (tf, tb, n)
     st = plan.stats()
-    return dict(fwd_s=best[0], bwd_s=best[1], stages=best[2], imbalance=st["imbalance"], solver=plan.solver,
+    gt = guest_predict(plan, cost, work)  # guest rows: their exchanges and kernel call after the main path
+    return dict(fwd_s=best[0] + gt["fwd_s"], bwd_s=best[1] + gt["bwd_s"], stages=best[2], imbalance=st["imbalance"],
+                solver=plan.solver + ("+guests" if plan.has_guests else ""),
                 inter_node_bytes_per_gpu=float(max(inter_b)), intra_node_bytes_per_gpu=float(max(intra_b)))
 
 
 def ring(mask, cp, g, cost, work, layout="contiguous", ri=None):
-    plan = mcp.plan(mask, cp, solver=layout)
+    plan = mcp.plan(mask, cp, solver=layout, guest_rows="none")
     ri = ri or RowIntervals(mask)
     per_tok = work.kv_bytes_per_token
     nodes = max(1, cp // g)
@@ -243,7 +246,7 @@ def ulysses(mask, cp, g, cost, work):
 
 
 def greedy(mask, cp, g, cost, work):
-    r = ours(mask, cp, g, cost, work, hierarchical=False, solver="greedy")
+    r = ours(mask, cp, g, cost, work, hierarchical=False, solver="greedy", guest_rows="none")
     # one remote stage, flat routes (recomputed with n = 1 only)
     return r
 
@@ -252,7 +255,7 @@ def allgather(mask, cp, g, cost, work):
     """All-gather K|V as ``baselines.allgather`` runs it: K|V packed (one write), gathered into one buffer
     (compacted when ranks hold different counts), this rank's tiles on the keys in rank order; backward:
     dK|dV of every rank's keys (one write), all-to-all back, summed over the cp copies (read cp, write 1)."""
-    plan = mcp.plan(mask, cp)
+    plan = mcp.plan(mask, cp, guest_rows="none")
     s = mask.seqlen_q
     nodes = max(1, cp // g)
     per_tok = work.kv_bytes_per_token

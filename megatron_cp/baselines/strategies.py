@@ -322,6 +322,9 @@ class _GatherKV(torch.autograd.Function):
 
 
 def _allgather_tiles(plan: Plan, rank: int) -> np.ndarray:
+    if plan.has_guests:  # guest rows' cells are not among the rank's tiles: clip the whole mask
+        runs = np.concatenate([plan.ranks[r].segments for r in range(plan.cp_size)])
+        return clip_tiles(_traps(plan), plan.ranks[rank].segments, runs)
     if _rank_order_ids(plan) is None:
         return _traps_to_tiles(rank_traps(plan, rank))
     runs = np.concatenate([plan.ranks[r].segments for r in range(plan.cp_size)])
@@ -360,9 +363,12 @@ def plan_for(name: str, mask, cp_size: int, **plan_kwargs) -> Plan:
     """The plan layout strategy ``name`` is meant for: ring/usp use zigzag (balanced causal) unless
     the contiguous layout is as balanced (full, windows); ulysses contiguous; allgather ``auto``;
     head_context ``planner.layout.head_context_plan`` (keyword ``ulysses_degree``, default the
-    topology's GPUs per node, else cp; ``solver`` etc. go to its group-level plan)."""
+    topology's GPUs per node, else cp; ``solver`` etc. go to its group-level plan). No guest rows
+    (queries computed by their keys' owners are megatron-cp's, not the baselines')."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown context-parallel strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    if name != "head_context":
+        plan_kwargs.setdefault("guest_rows", "none")
     if name == "head_context":
         u = plan_kwargs.pop("ulysses_degree", None)
         return head_context_plan(mask, cp_size, u, **plan_kwargs)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..masks import AttnMask, geometry
-from . import solvers
+from . import guests, solvers
 from .cost import CostModel, Workload
 from .plan import Plan, _rank_plans, plan_digest
 from .plan import plan as make_plan
@@ -122,7 +122,8 @@ def head_context_plan(mask: AttnMask, cp_size: int, ulysses_degree: int | None =
     u = int(u)
     G = cp_size // u
     gtopo = group_topology(topology, u)
-    gp = make_plan(mask, G, chunk_size=chunk_size, topology=gtopo, solver=solver, imbalance_target=imbalance_target)
+    gp = make_plan(mask, G, chunk_size=chunk_size, topology=gtopo, solver=solver, imbalance_target=imbalance_target,
+                   guest_rows="none")  # head_context computes every row where it lives
     runs_all, own_all = [], []
     for g in range(G):
         ids = gp.local_ids(g)
@@ -243,7 +244,8 @@ def _acc_bytes(work: Workload) -> int:
 def cp_traffic(plan: Plan, work: Workload, hierarchical: bool = True) -> list[tuple[str, np.ndarray]]:
     """Plain CP over ``plan``: ``(phase, bytes[src, dst])`` (float64 [cp, cp]) of one GroupCast of every
     remote K/V row (forward; ``hierarchical``: the runtime's two-phase routes when ``plan.topology``
-    has several nodes, else flat) and the GroupReduce of dK/dV over the same routes (backward)."""
+    has several nodes, else flat) and the GroupReduce of dK/dV over the same routes (backward), then
+    the guest rows' exchanges (``guests.traffic``)."""
     topo = plan.topology if hierarchical else None
     A, B = _route_matrices(plan, topo)
     kv = work.kv_bytes_per_token
@@ -252,7 +254,7 @@ def cp_traffic(plan: Plan, work: Workload, hierarchical: bool = True) -> list[tu
     if B.any():
         out += [("cast_b", B * kv), ("reduce_b", B.T * acc)]
     out.append(("reduce_a", A.T * acc))
-    return out
+    return out + guests.traffic(plan, work)  # guest rows' q / partial outputs, backward dout / dq
 
 
 def head_context_traffic(plan: Plan, u: int, work: Workload, hierarchical: bool = True) -> list[tuple[str, np.ndarray]]:

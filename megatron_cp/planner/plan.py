@@ -18,7 +18,7 @@ import numpy as np
 
 from ..masks import AttnMask
 from ..masks import geometry
-from . import solvers
+from . import guests, solvers
 from .topology import Topology
 
 _VERSION = b"megatron-cp-plan-1"
@@ -90,7 +90,13 @@ class RankPlan:
     send_runs: tuple  # send_runs[dst]: own runs sent to rank dst
     buffer_runs: np.ndarray  # merged owned + received runs = key/value buffer order
     tiles: np.ndarray  # int32 [n, 5] (q local, k buffer, kind)
-    area: int
+    area: int  # cells this rank computes (its rows' cells, and guest cells on its own keys)
+    # guest rows (planner.guests): guest_send_runs[dst] = own rows whose cells on dst's keys dst computes
+    # (dst == rank: computed here, with the same call); guest_recv_runs[src] = src's rows computed here;
+    # guest_tiles: q in the guest buffer (received rows by source, then global order), k in local order
+    guest_send_runs: tuple = ()
+    guest_recv_runs: tuple = ()
+    guest_tiles: np.ndarray = field(default_factory=lambda: np.zeros((0, 5), dtype=np.int32))
 
     @property
     def num_tokens(self) -> int:
@@ -123,6 +129,17 @@ class RankPlan:
     def buffer_len(self) -> int:
         return int((self.buffer_runs[:, 1] - self.buffer_runs[:, 0]).sum())
 
+    def guest_send_index(self) -> tuple[np.ndarray, list[int]]:
+        """Local positions of the guest rows to send, in destination order, and per-destination counts
+        (all zero without guest rows)."""
+        if not self.guest_send_runs:
+            return np.zeros(0, dtype=np.int64), []
+        idx = [_positions(self.segments, _runs_to_ids(r)) for r in self.guest_send_runs]
+        return np.concatenate(idx).astype(np.int64), [len(i) for i in idx]
+
+    def guest_recv_counts(self) -> list[int]:
+        return [int((r[:, 1] - r[:, 0]).sum()) for r in self.guest_recv_runs]
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -139,6 +156,9 @@ class Plan:
     topology: Topology | None
     digest: str
     candidates: dict = field(default_factory=dict, compare=False)  # solver name -> (imbalance, max remote)
+    # guest rows (planner.guests): row runs computed by their keys' owners, and their cells
+    guest_runs: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
+    guest_traps: np.ndarray = field(default_factory=lambda: np.zeros((0, 6), dtype=np.int64))
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # runtime index tensors
 
     def local_ids(self, rank: int) -> np.ndarray:
@@ -149,6 +169,10 @@ class Plan:
 
     def num_local(self, rank: int) -> int:
         return self.ranks[rank].num_tokens
+
+    @property
+    def has_guests(self) -> bool:
+        return len(self.guest_runs) > 0
 
     @cached_property
     def digest64(self) -> int:
@@ -177,6 +201,10 @@ class Plan:
             "bytes_moved": int(remote.sum() * per_token),
             "max_bytes_received": int(remote.max() * per_token),
             "tiles_per_rank": [len(r.tiles) for r in self.ranks],
+            "guest_rows": int((self.guest_runs[:, 1] - self.guest_runs[:, 0]).sum()),
+            # guest rows each rank computes for others (received q rows, self excluded)
+            "guest_rows_in_per_rank": [sum(c for s, c in enumerate(r.guest_recv_counts()) if s != r.rank)
+                                       for r in self.ranks],
         }
         if self.topology is not None:
             out["inter_node_bytes"] = int(self._inter_node_tokens() * per_token)
@@ -238,6 +266,7 @@ def plan(
     topology: Topology | None = None,
     solver: str = "auto",
     imbalance_target: float = 0.03,
+    guest_rows="auto",
 ) -> Plan:
     """Plan ``mask`` (self-attention, seqlen_q == seqlen_k) over ``cp_size`` ranks.
 
@@ -246,6 +275,10 @@ def plan(
     ``solver``: ``auto`` | ``contiguous`` | ``zigzag`` | ``greedy`` | ``swap`` | ``documents`` |
     ``hierarchical`` (see ``planner.solvers``).
     ``imbalance_target``: ``auto`` prefers less traffic among candidates within this imbalance.
+    ``guest_rows``: query rows computed by their keys' owners (``planner.guests``: the row travels
+    instead of its keys). ``auto``: rows keeping at least half of all keys when they are few (at most
+    half a rank's share) and the plan with them balances and moves fewer bytes; ``none``; or explicit
+    sorted disjoint row runs ``[n, 2]`` (always used).
     """
     if not isinstance(mask, AttnMask):
         raise TypeError(f"plan() needs an AttnMask, got {type(mask).__name__}")
@@ -267,51 +300,37 @@ def plan(
     cp = int(cp_size)
     chunk = int(chunk_size) if chunk_size is not None else _auto_chunk(seqlen, cp)
     traps = mask.traps
-    prefix = geometry.row_area_prefix(traps, seqlen)
-    spans = solvers.KeySpans(traps, seqlen)
-
-    candidates = {}
-    if solver in ("contiguous", "auto"):
-        candidates["contiguous"] = solvers.contiguous(seqlen, cp)
-    if solver in ("zigzag", "auto"):
-        candidates["zigzag"] = solvers.zigzag(seqlen, cp)
-    if solver == "auto":
-        for m in (4, 8):
-            if m * cp * 4 <= seqlen:
-                candidates[f"zigzag{m}"] = solvers.zigzag(seqlen, cp, rounds=m)
-    if solver in ("greedy", "auto"):
-        candidates["greedy"] = solvers.greedy(
-            seqlen, cp, prefix=prefix, chunk_size=chunk, key_spans=spans, tol=imbalance_target
-        )
-    if solver in ("swap", "auto"):
-        candidates["swap"] = solvers.swap_balanced(
-            seqlen, cp, prefix=prefix, chunk_size=chunk, key_spans=spans, tol=imbalance_target
-        )
+    row_prefix = geometry.row_area_prefix(traps, seqlen)
     cuts = solvers.independent_cuts(traps, seqlen)
-    if solver == "documents" or (solver == "auto" and len(cuts) - 1 > cp):
-        candidates["documents"] = solvers.documents(seqlen, cp, prefix=prefix, traps=traps,
-                                                    tol=imbalance_target, cuts=cuts)
-    multi_node = topology is not None and topology.nodes > 1
-    if (multi_node and solver == "auto") or solver == "hierarchical":
-        topo = topology if topology is not None else Topology(1, cp)
-        candidates.update(_hierarchical(traps, spans, prefix, seqlen, topo, chunk, imbalance_target, cuts))
-    scores = {}
-    for name, (b, o) in candidates.items():
-        scores[name] = _score(traps, spans, b, o, cp, prefix)
-        if multi_node:  # least inter-node traffic first (deduplicated per destination node)
-            scores[name] = (scores[name][0], _inter_node_max(spans, b, o, topology), *scores[name][1:])
-    if solver == "auto" and not any(sc[0] <= imbalance_target for sc in scores.values()):
-        # nothing balances whole chunks: deal the heaviest chunks out in pieces (dense rows)
-        candidates["greedy_split"] = solvers.greedy(
-            seqlen, cp, prefix=prefix, chunk_size=chunk, key_spans=spans, tol=imbalance_target, split_heavy=True
-        )
-        scores["greedy_split"] = _score(traps, spans, *candidates["greedy_split"], cp, prefix)
-    # least traffic among balanced candidates; otherwise the best balanced one
-    ok = [n for n in candidates if scores[n][0] <= imbalance_target]
-    key = (lambda n: (scores[n][1], scores[n][2], scores[n][0])) if ok else (lambda n: scores[n][0])
-    best = min(ok or list(candidates), key=key)
-    bounds, owner = candidates[best]
-    ranks = _rank_plans(traps, prefix, spans, bounds, owner, cp)
+    if isinstance(guest_rows, str):
+        if guest_rows not in ("auto", "none"):
+            raise ValueError(f"guest_rows must be 'auto', 'none' or row runs [n, 2], got {guest_rows!r}")
+        g_runs = guests.candidate_rows(row_prefix, seqlen, cp) if guest_rows == "auto" else np.zeros((0, 2), np.int64)
+    else:
+        g_runs = guests.check_runs(guest_rows, seqlen)
+    args = (seqlen, cp, chunk, topology, solver, imbalance_target, cuts)
+
+    best, bounds, owner, scores = _choose(traps, row_prefix, solvers.KeySpans(traps, seqlen), *args)
+    main, g_traps, prefix = traps, np.zeros((0, 6), dtype=np.int64), row_prefix
+    if len(g_runs):
+        # the same solvers with guest rows computed by their keys' owners; kept when given explicitly
+        # or when it balances and moves fewer bytes (guest traffic and fixed cost in key tokens' units)
+        m, g = guests.split(traps, g_runs, seqlen)
+        gp = guests.load_prefix(m, g, seqlen)
+        g_spans = solvers.KeySpans(m, seqlen)
+        g_best, g_bounds, g_owner, g_scores = _choose(m, gp, g_spans, *args)
+        imb, rem = _evaluate(m, g_spans, g_bounds, g_owner, cp, gp)
+        units = rem + guests.traffic_units(guests.pair_rows(g, g_bounds, g_owner, cp)) + guests.fixed_units()
+        with_g = (imb, float(units.max()), float(units.sum()))
+        without = _score(traps, solvers.KeySpans(traps, seqlen), bounds, owner, cp, row_prefix)
+        scores[f"{g_best}+guests"] = with_g
+        ok, g_ok = without[0] <= imbalance_target, imb <= imbalance_target
+        better = (g_ok and (not ok or with_g[1:] < without[1:])) or (not ok and not g_ok and imb < without[0])
+        if not isinstance(guest_rows, str) or better:
+            best, bounds, owner, main, g_traps, prefix = g_best, g_bounds, g_owner, m, g, gp
+        else:
+            g_runs = np.zeros((0, 2), dtype=np.int64)
+    ranks = _rank_plans(main, prefix, solvers.KeySpans(main, seqlen), bounds, owner, cp, g_traps)
 
     return Plan(
         cp_size=cp,
@@ -321,18 +340,63 @@ def plan(
         bounds=bounds,
         owner=owner.astype(np.int32),
         ranks=ranks,
-        mask_area=int(prefix[-1]),
+        mask_area=int(row_prefix[-1]),
         topology=topology,
-        digest=plan_digest(cp, seqlen, chunk, bounds, owner, traps),
+        digest=plan_digest(cp, seqlen, chunk, bounds, owner, traps, g_runs),
         candidates=scores,
+        guest_runs=g_runs,
+        guest_traps=g_traps,
     )
 
 
-def plan_digest(cp_size: int, seqlen: int, chunk_size: int, bounds, owner, traps) -> str:
+def _choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts):
+    """The candidate layouts of ``solver`` for ``traps`` (loads by ``prefix``), scored; returns (name,
+    bounds, owner, scores) of the one with least traffic among those within ``tol`` (else the best
+    balanced)."""
+    candidates = {}
+    if solver in ("contiguous", "auto"):
+        candidates["contiguous"] = solvers.contiguous(seqlen, cp)
+    if solver in ("zigzag", "auto"):
+        candidates["zigzag"] = solvers.zigzag(seqlen, cp)
+    if solver == "auto":
+        for m in (4, 8):
+            if m * cp * 4 <= seqlen:
+                candidates[f"zigzag{m}"] = solvers.zigzag(seqlen, cp, rounds=m)
+    kw = dict(prefix=prefix, chunk_size=chunk, key_spans=spans, tol=tol)
+    if solver in ("greedy", "auto"):
+        candidates["greedy"] = solvers.greedy(seqlen, cp, **kw)
+    if solver in ("swap", "auto"):
+        candidates["swap"] = solvers.swap_balanced(seqlen, cp, **kw)
+    if solver == "documents" or (solver == "auto" and len(cuts) - 1 > cp):
+        candidates["documents"] = solvers.documents(seqlen, cp, prefix=prefix, traps=traps, tol=tol, cuts=cuts)
+    multi_node = topology is not None and topology.nodes > 1
+    if (multi_node and solver == "auto") or solver == "hierarchical":
+        topo = topology if topology is not None else Topology(1, cp)
+        candidates.update(_hierarchical(traps, spans, prefix, seqlen, topo, chunk, tol, cuts))
+    scores = {}
+    for name, (b, o) in candidates.items():
+        scores[name] = _score(traps, spans, b, o, cp, prefix)
+        if multi_node:  # least inter-node traffic first (deduplicated per destination node)
+            scores[name] = (scores[name][0], _inter_node_max(spans, b, o, topology), *scores[name][1:])
+    if solver == "auto" and not any(sc[0] <= tol for sc in scores.values()):
+        # nothing balances whole chunks: deal the heaviest chunks out in pieces (dense rows)
+        candidates["greedy_split"] = solvers.greedy(seqlen, cp, split_heavy=True, **kw)
+        scores["greedy_split"] = _score(traps, spans, *candidates["greedy_split"], cp, prefix)
+    # least traffic among balanced candidates; otherwise the best balanced one
+    ok = [n for n in candidates if scores[n][0] <= tol]
+    key = (lambda n: (scores[n][1], scores[n][2], scores[n][0])) if ok else (lambda n: scores[n][0])
+    best = min(ok or list(candidates), key=key)
+    return best, *candidates[best], scores
+
+
+def plan_digest(cp_size: int, seqlen: int, chunk_size: int, bounds, owner, traps, guest_runs=None) -> str:
     """The digest every rank derives for the same layout of the same mask (checked across ranks
     before the first exchange); every Plan constructor uses this rule."""
     h = hashlib.sha256(_VERSION)
-    for a in (np.array([cp_size, seqlen, chunk_size]), bounds, owner, traps):
+    parts = [np.array([cp_size, seqlen, chunk_size]), bounds, owner, traps]
+    if guest_runs is not None and len(guest_runs):
+        parts.append(np.asarray(guest_runs).reshape(-1))
+    for a in parts:
         h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
     return h.hexdigest()
 
@@ -381,7 +445,7 @@ def _hierarchical(traps, spans, prefix, seqlen, topology, chunk, tol, cuts):
     return out
 
 
-def _rank_plans(traps, prefix, spans, bounds, owner, cp) -> tuple:
+def _rank_plans(traps, prefix, spans, bounds, owner, cp, guest_traps=None) -> tuple:
     ci, k0, k1 = spans.spans(bounds)
     parts = []
     for r in range(cp):
@@ -391,9 +455,11 @@ def _rank_plans(traps, prefix, spans, bounds, owner, cp) -> tuple:
         need = _merge_runs(np.stack([k0[sel], k1[sel]], axis=1))
         remote = _subtract_runs(need, segs)
         parts.append((segs, remote, _split_by_owner(remote, bounds, owner, cp)))
+    g_send = _guest_send(guest_traps, bounds, owner, cp)
     out = []
     for r, (segs, remote, recv) in enumerate(parts):
         buffer_runs = _merge_runs(np.concatenate([segs, remote]))
+        g_recv = tuple(g_send[src][r] for src in range(cp)) if g_send else ()
         out.append(
             RankPlan(
                 rank=r,
@@ -403,9 +469,38 @@ def _rank_plans(traps, prefix, spans, bounds, owner, cp) -> tuple:
                 buffer_runs=buffer_runs,
                 tiles=_tiles(traps, segs, buffer_runs),
                 area=int(sum(prefix[e] - prefix[s] for s, e in segs.tolist())),
+                guest_send_runs=tuple(g_send[r]) if g_send else (),
+                guest_recv_runs=g_recv,
+                guest_tiles=_guest_tiles(guest_traps, g_recv, segs) if g_send else np.zeros((0, 5), np.int32),
             )
         )
     return tuple(out)
+
+
+def _guest_send(guest_traps, bounds, owner, cp) -> list | None:
+    """``send[a][b]``: runs of rank a's guest rows with a cell on rank b's keys; None without guests."""
+    if guest_traps is None or len(guest_traps) == 0:
+        return None
+    rows, has = guests.row_ranks(guest_traps, bounds, owner, cp)
+    row_owner = np.asarray(owner)[np.searchsorted(bounds, rows, side="right") - 1]
+    return [[guests.ids_to_runs(rows[(row_owner == a) & has[:, b]]) for b in range(cp)] for a in range(cp)]
+
+
+def _guest_tiles(guest_traps, recv_runs, segs) -> np.ndarray:
+    """Guest cells on the rank's own keys: q in the guest buffer (received rows by source, then
+    global order), k in local order."""
+    k_off = np.concatenate([[0], np.cumsum(segs[:, 1] - segs[:, 0])])
+    tiles, q_off = [], 0
+    for runs in recv_runs:
+        for a, b in runs.tolist():
+            rows = guest_traps[(guest_traps[:, 0] < b) & (guest_traps[:, 1] > a)]
+            for j, (s, e) in enumerate(segs.tolist()):
+                for t in geometry.clip(rows, a, b, s, e):
+                    q0, q1, k0, k1, kind = geometry.trap_to_slice(t)
+                    kl = int(k_off[j]) + k0 - s
+                    tiles.append((q0 - a + q_off, q1 - a + q_off, kl, kl + k1 - k0, kind))
+            q_off += b - a
+    return np.asarray(tiles, dtype=np.int32).reshape(-1, 5)
 
 
 def _tiles(traps, segs, buffer_runs) -> np.ndarray:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..masks import geometry
+from . import guests
 from .cost import CostModel, Workload
 from .plan import Plan, _merge_runs, _runs_to_ids
 from .topology import Topology
@@ -106,6 +107,7 @@ def mask_traps(plan: Plan) -> np.ndarray:
             d = int(segs[i, 0] - off[i])
             # rows shift by d: lo(i) = lo_a + lo_s*i keeps its value at the shifted row
             out.append((t[0] + d, t[1] + d, t[2] - t[3] * d, t[3], t[4] - t[5] * d, t[5]))
+    out += [tuple(t) for t in plan.guest_traps.tolist()]  # guest rows' cells (computed by key owners)
     return geometry.union(out)
 
 
@@ -347,7 +349,8 @@ def predict(plan: Plan, stage_ids, stage_tiles, topo: Topology | None, cost: Cos
             red = max(red, t) + comm[s - 1]
         t += kb[0]
         bwd[r] = max(t, red)
-    return {"fwd_s": float(fwd.max()), "bwd_s": float(bwd.max()), "comm_s": comm}
+    g = guests.predict(plan, cost, work)  # guest rows: their exchanges and call, after the stages
+    return {"fwd_s": float(fwd.max()) + g["fwd_s"], "bwd_s": float(bwd.max()) + g["bwd_s"], "comm_s": comm}
 
 
 CANDIDATE_STAGES = (1, 2, 3, 4, 6, 8)
@@ -397,7 +400,9 @@ def predict_single(plan: Plan, cost: CostModel, work: Workload) -> dict:
         kf = max(kf, cost.tile_time(rp.tiles, work) + cost.exchange_passes(rp.num_tokens, n_recv, n_send, work))
         kb = max(kb, cost.tile_time(rp.tiles, work, backward=True)
                  + cost.exchange_passes(rp.num_tokens, n_recv, n_send, work, backward=True))
-    return {"fwd_s": cost.call_time() + comm + kf, "bwd_s": cost.call_time(True) + kb + comm, "comm_s": [comm]}
+    g = guests.predict(plan, cost, work)  # guest rows: their exchanges and call, after the main call
+    return {"fwd_s": cost.call_time() + comm + kf + g["fwd_s"], "bwd_s": cost.call_time(True) + kb + comm + g["bwd_s"],
+            "comm_s": [comm]}
 
 
 def _exchange_rows(plan: Plan, r: int) -> tuple[int, int]:

@@ -1,7 +1,9 @@
 """Distributed attention over a plan: GroupCast K/V, compute local tiles, GroupReduce dK/dV.
 
-Queries never move: each rank computes every cell of its own rows, so the LSE a rank computes is
-already the global one that its backward uses.
+Queries stay where they are: each rank computes every cell of its own rows, so the LSE a rank computes
+is already the global one that its backward uses. The exception are a plan's guest rows (rows keeping
+most of the sequence, ``planner.guests``): their q travels to the keys' owners and partial outputs come
+back, merged by LSE (``runtime.guests``), on either path.
 
 Staged path (default): the schedule (``planner.schedule``) splits the remote keys into stages chosen
 by the cost model; the GroupCast of stage ``s + 1`` is in flight while the kernel computes stage ``s``
@@ -38,6 +40,8 @@ from ..planner.early import early_split
 from ..planner.cost import CostModel, Workload
 from ..planner.schedule import Schedule, choose_stages, schedule as build_schedule
 from .groups import plan_rank
+from . import guests
+from .merge import merge_lse  # noqa: F401  (re-exported: baselines and tests import it from here)
 from .rowmap import RowMap
 
 # The planner's kind codes are the kernels' tile codes; fail at import if they ever drift apart.
@@ -217,8 +221,10 @@ def _early_forward(q, kbuf, vbuf, rt: _RankRuntime, scale, land):
 
 class _CPAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rt: _RankRuntime, group, scale, early):
+    def forward(ctx, q, k, v, rt: _RankRuntime, group, scale, early, gr):
         hkv = k.shape[1]
+        # guest rows first: their partials travel back while this rank's own tiles compute
+        pend = guests.start_forward(gr, rt.backend, q, k, v, group, scale) if gr is not None else None
         exchange = group is not None and rt.exchanges
         if not exchange and rt.own.runs == [(0, 0, rt.s_local)] and rt.buffer_len == rt.s_local:
             kbuf, vbuf = k, v  # the buffer is the local K/V: nothing to place
@@ -245,20 +251,24 @@ class _CPAttention(torch.autograd.Function):
                 rt.recv.copy(kbuf, got[:, :hkv])
                 rt.recv.copy(vbuf, got[:, hkv:])
             out, lse = rt.backend.forward(q, kbuf, vbuf, rt.prepared, scale)
-        ctx.save_for_backward(q, kbuf, vbuf, out, lse)
-        ctx.rt, ctx.group, ctx.scale, ctx.hkv = rt, group, scale, hkv
+        gq = guests.finish_forward(gr, pend, out, lse) if gr is not None else None
+        ctx.save_for_backward(q, kbuf, vbuf, out, lse, k, v, gq)
+        ctx.rt, ctx.group, ctx.scale, ctx.hkv, ctx.gr = rt, group, scale, hkv, gr
         ctx.set_materialize_grads(False)  # an unused lse gives dlse None, not a zero tensor
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, kbuf, vbuf, out, lse = ctx.saved_tensors
+        q, kbuf, vbuf, out, lse, k, v, gq = ctx.saved_tensors
         rt, group, hkv = ctx.rt, ctx.group, ctx.hkv
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         delta = None  # None: rowsum(dout * out), no lse gradient (lets dense tiles use cuDNN)
         if dlse is not None:
             delta = (dout.to(cdt) * out.to(cdt)).sum(-1) - dlse.to(cdt)
+        if ctx.gr is not None:  # guest rows first: their dq travels back while the own tiles compute
+            pend, dk_g, dv_g = guests.start_backward(ctx.gr, rt.backend, gq, k, v, out, lse, dout, dlse, group,
+                                                     ctx.scale)
         dq, dk_buf, dv_buf = rt.backend.backward(q, kbuf, vbuf, out, lse, dout, rt.prepared, ctx.scale, delta)
         dk_buf, dv_buf = dk_buf.contiguous(), dv_buf.contiguous()
         exchange = group is not None and rt.exchanges
@@ -271,7 +281,12 @@ class _CPAttention(torch.autograd.Function):
             # rows with partials from other ranks: summed in fp32 (fp64), in source order, rounded once
             reduce_rows(dk, back[:, :hkv], rt.red_rows, rt.red_ptr, rt.red_pos)
             reduce_rows(dv, back[:, hkv:], rt.red_rows, rt.red_ptr, rt.red_pos)
-        return dq, dk.to(q.dtype), dv.to(q.dtype), None, None, None, None
+        if ctx.gr is not None:  # guest rows' dq back; dK/dV of the own keys from the rows computed here
+            guests.finish_backward(ctx.gr, pend, dq)
+            if dk_g is not None:
+                dk = dk.to(torch.promote_types(dk.dtype, dk_g.dtype)) + dk_g
+                dv = dv.to(torch.promote_types(dv.dtype, dv_g.dtype)) + dv_g
+        return dq, dk.to(q.dtype), dv.to(q.dtype), None, None, None, None, None
 
 
 _POOLS: dict = {}
@@ -323,24 +338,12 @@ def _staged_runtime(plan: Plan, sched: Schedule, rank: int, device, backend_arg)
     return rt
 
 
-def merge_lse(acc, lse, o, l):
-    """Merge a partial (``o`` [s, H, D], ``l`` [s, H]) into the running (``acc``, ``lse``) in place:
-    L = max + log1p(exp(min - max)), O = sum_i exp(L_i - L) O_i; rows where both are -inf stay 0/-inf."""
-    mx = torch.maximum(lse, l)
-    dead = mx == float("-inf")
-    mxs = torch.where(dead, torch.zeros_like(mx), mx)
-    new = mxs + torch.log1p(torch.exp(torch.minimum(lse, l) - mxs))
-    new = torch.where(dead, mx, new)
-    ns = torch.where(dead, torch.zeros_like(new), new)
-    acc.mul_(torch.exp(lse - ns).unsqueeze(-1)).add_(o.to(acc.dtype) * torch.exp(l - ns).unsqueeze(-1))
-    lse.copy_(new)
-
-
 class _StagedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rt: _StagedRuntime, group, scale):
+    def forward(ctx, q, k, v, rt: _StagedRuntime, group, scale, gr):
         hkv = k.shape[1]
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        pend = guests.start_forward(gr, rt.backend, q, k, v, group, scale) if gr is not None else None
         kv = torch.cat([k, v], dim=1)  # [s, 2*Hkv, D]: one exchange for K and V
         n = len(rt.prepared) - 1
         bufs = [kv] + [None] * n
@@ -377,14 +380,15 @@ class _StagedAttention(torch.autograd.Function):
                     merge_lse(acc, lse, o, l.to(cdt))
         out = acc.to(q.dtype)
         lse = lse.to(torch.float32)
-        ctx.save_for_backward(q, out, lse, *bufs)
-        ctx.rt, ctx.group, ctx.scale, ctx.hkv = rt, group, scale, hkv
+        gq = guests.finish_forward(gr, pend, out, lse) if gr is not None else None
+        ctx.save_for_backward(q, out, lse, gq, *bufs)
+        ctx.rt, ctx.group, ctx.scale, ctx.hkv, ctx.gr = rt, group, scale, hkv, gr
         ctx.set_materialize_grads(False)  # an unused lse gives dlse None, not a zero tensor
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, out, lse, *bufs = ctx.saved_tensors
+        q, out, lse, gq, *bufs = ctx.saved_tensors
         rt, group, hkv = ctx.rt, ctx.group, ctx.hkv
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
@@ -394,6 +398,10 @@ class _StagedAttention(torch.autograd.Function):
         if dlse is not None:
             delta = (dout.to(cdt) * out.to(cdt)).sum(-1) - dlse.to(cdt)
         n = len(bufs) - 1
+        if ctx.gr is not None:  # guest rows first (see _CPAttention.backward)
+            kv = bufs[0]
+            pend, dk_g, dv_g = guests.start_backward(ctx.gr, rt.backend, gq, kv[:, :hkv], kv[:, hkv:], out, lse,
+                                                     dout, dlse, group, ctx.scale)
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         d_local = torch.zeros(bufs[0].shape, dtype=cdt, device=q.device)
         pending = []
@@ -421,8 +429,13 @@ class _StagedAttention(torch.autograd.Function):
         for g in pending:
             for _ in g:
                 pass
+        if ctx.gr is not None:
+            guests.finish_backward(ctx.gr, pend, dq)
+            if dk_g is not None:
+                d_local[:, :hkv] += dk_g
+                d_local[:, hkv:] += dv_g
         d_local = d_local.to(q.dtype)
-        return dq.to(q.dtype), d_local[:, :hkv], d_local[:, hkv:], None, None, None
+        return dq.to(q.dtype), d_local[:, :hkv], d_local[:, hkv:], None, None, None, None
 
 
 def attention(
@@ -470,11 +483,16 @@ def attention(
     work = Workload(q.shape[1], k.shape[1], q.shape[2], q.element_size())
     if stages is None:
         stages = choose_stages(plan, cost_model, work, hierarchical)
+    grp = group if plan.cp_size > 1 else None
+    gr = None
+    if plan.has_guests:
+        bkey, be = _backend(backend, q.device)
+        gr = guests.guest_runtime(plan, rank, q.device, be, bkey)
     if stages == 0:
         rt = _runtime(plan, rank, q.device, backend)
         if early and plan.cp_size > 1:
             _prepare_early(rt, plan, rank, q.device)
-        return _CPAttention.apply(q, k, v, rt, group if plan.cp_size > 1 else None, scale, bool(early))
+        return _CPAttention.apply(q, k, v, rt, grp, scale, bool(early), gr)
     sched = build_schedule(plan, stages, cost=cost_model, work=work, hierarchical=hierarchical)
     rt = _staged_runtime(plan, sched, rank, q.device, backend)
-    return _StagedAttention.apply(q, k, v, rt, group if plan.cp_size > 1 else None, scale)
+    return _StagedAttention.apply(q, k, v, rt, grp, scale, gr)

@@ -1,0 +1,205 @@
+"""Guest rows: query rows computed where their keys live (Q travels instead of K/V).
+
+A row that keeps most of the sequence (a Longformer / BigBird global token) needs nearly every key.
+Under "queries never move" its owner receives almost all K/V of every other rank (global + local at
+cp 4: 75% of the sequence's K/V on every rank that holds such a row). Shipping the row instead moves
+``Hq*D`` numbers a row and destination rather than ``2*Hkv*D`` a key: each rank computes the guest
+rows' cells over its *own* keys and sends back a partial output with its LSE, which the owner merges
+(as stages are merged); in backward the owner sends dout, lse and delta, the key owner accumulates
+dK/dV into its own keys' gradients and returns the partial dQ.
+
+So a guest cell counts towards its key owner's load (``load_prefix``), guest rows need no remote key
+(``split`` removes them from the traps that decide K/V traffic), and their traffic is counted in key
+tokens' units (``traffic_units``) when the planner compares a plan with guests against one without.
+Pure numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..masks import geometry
+from .cost import CostModel, Workload
+
+
+def candidate_rows(row_prefix: np.ndarray, seqlen: int, cp: int) -> np.ndarray:
+    """Rows keeping at least half of all keys, as merged runs (int64 [n, 2]); empty when there are none
+    or more than half a rank's share of them (then shipping them is no cheaper than their keys)."""
+    keep = np.diff(row_prefix)
+    rows = np.nonzero(2 * keep >= seqlen)[0]
+    if len(rows) == 0 or len(rows) > seqlen // (2 * cp):
+        return np.zeros((0, 2), dtype=np.int64)
+    return ids_to_runs(rows)
+
+
+def ids_to_runs(ids: np.ndarray) -> np.ndarray:
+    """Sorted unique ids -> merged half-open runs (int64 [n, 2])."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if len(ids) == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    brk = np.nonzero(np.diff(ids) != 1)[0]
+    starts = np.concatenate([[ids[0]], ids[brk + 1]])
+    ends = np.concatenate([ids[brk], [ids[-1]]]) + 1
+    return np.stack([starts, ends], axis=1)
+
+
+def check_runs(runs, seqlen: int) -> np.ndarray:
+    """Validated guest row runs (sorted, disjoint, non-empty, inside [0, seqlen)); raises naming the
+    offending run."""
+    r = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    for i, (a, b) in enumerate(r.tolist()):
+        if not 0 <= a < b <= seqlen:
+            raise ValueError(f"guest row run {i} = ({a}, {b}) is empty or outside [0, {seqlen})")
+        if i and a < r[i - 1, 1]:
+            raise ValueError(f"guest row runs must be sorted and disjoint: run {i} = ({a}, {b}) "
+                             f"starts before run {i - 1} ends ({int(r[i - 1, 1])})")
+    return r
+
+
+def split(traps: np.ndarray, runs: np.ndarray, seqlen: int) -> tuple[np.ndarray, np.ndarray]:
+    """(main, guest): the cells of ``traps`` outside and inside the row runs, as trapezoids."""
+    inside, outside, pos = [], [], 0
+    for a, b in runs.tolist():
+        if pos < a:
+            outside.append((pos, a))
+        inside.append((a, b))
+        pos = b
+    if pos < seqlen:
+        outside.append((pos, seqlen))
+
+    def cut(rr):
+        out = []
+        for a, b in rr:
+            sel = traps[(traps[:, 0] < b) & (traps[:, 1] > a)]
+            out += geometry.clip(sel, a, b, 0, 1 << 62)
+        return np.asarray(out, dtype=np.int64).reshape(-1, 6)
+
+    return cut(outside), cut(inside)
+
+
+def _row_intervals(guest: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row, lo, hi) of every (trapezoid, row) of ``guest`` (few rows: guest rows are rare)."""
+    n = guest[:, 1] - guest[:, 0]
+    ti = np.repeat(np.arange(len(guest)), n)
+    rows = guest[ti, 0] + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    t = guest[ti]
+    return rows, t[:, 2] + t[:, 3] * rows, t[:, 4] + t[:, 5] * rows
+
+
+def load_prefix(main: np.ndarray, guest: np.ndarray, seqlen: int) -> np.ndarray:
+    """Cumulative load by position when guest cells are computed by their key's owner: the main
+    rows' cells by row plus the guest cells by key (int64 [seqlen + 1])."""
+    out = geometry.row_area_prefix(main, seqlen)
+    if len(guest):
+        _, lo, hi = _row_intervals(guest)
+        d = np.zeros(seqlen + 1, dtype=np.int64)
+        np.add.at(d, lo, 1)
+        np.add.at(d, hi, -1)
+        out[1:] += np.cumsum(np.cumsum(d)[:seqlen])
+    return out
+
+
+def row_ranks(guest: np.ndarray, bounds: np.ndarray, owner: np.ndarray, cp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, has): the guest rows (sorted, unique) and ``has[i, b]``: row ``i`` keeps a key rank ``b``
+    owns (bool [rows, cp])."""
+    if len(guest) == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, cp), dtype=bool)
+    rows, lo, hi = _row_intervals(guest)
+    owner = np.asarray(owner, dtype=np.int64)
+    # cnt[b, c]: chunks before c that rank b owns
+    cnt = np.zeros((cp, len(owner) + 1), dtype=np.int64)
+    cnt[owner, np.arange(1, len(owner) + 1)] = 1
+    cnt = np.cumsum(cnt, axis=1)
+    c0 = np.searchsorted(bounds, lo, side="right") - 1
+    c1 = np.searchsorted(bounds, hi - 1, side="right")
+    has = (cnt[:, c1] - cnt[:, c0]).T > 0  # [intervals, cp]
+    order = np.argsort(rows, kind="stable")
+    rows, has = rows[order], has[order]
+    first = np.concatenate([[0], np.nonzero(np.diff(rows))[0] + 1])
+    return rows[first], np.logical_or.reduceat(has, first, axis=0)
+
+
+def pair_rows(guest: np.ndarray, bounds: np.ndarray, owner: np.ndarray, cp: int) -> np.ndarray:
+    """``M[a, b]``: guest rows owned by rank ``a`` with a cell on a key rank ``b`` owns (int64 [cp, cp])."""
+    M = np.zeros((cp, cp), dtype=np.int64)
+    rows, has = row_ranks(guest, bounds, owner, cp)
+    if len(rows):
+        a = np.asarray(owner, dtype=np.int64)[np.searchsorted(bounds, rows, side="right") - 1]
+        np.add.at(M, a, has.astype(np.int64))
+    return M
+
+
+def row_bytes(work: Workload) -> tuple[int, int]:
+    """Bytes a guest row costs (forward + backward) on (the key owner's receive side, the row owner's
+    receive side): q and dout with lse and delta go out; the partial output with its lse (float32;
+    float64 inputs: float64) and dq come back."""
+    h, d, b = work.num_heads, work.head_dim, work.dtype_bytes
+    acc = 8 if b == 8 else 4
+    return 2 * h * d * b + 2 * h * acc, h * (d + 1) * acc + h * d * b
+
+
+def traffic_units(M: np.ndarray, work: Workload | None = None) -> np.ndarray:
+    """Per rank, the bytes it receives for guest rows (``pair_rows`` matrix, self pairs free), in units
+    of one remote key token's forward K/V plus backward dK/dV (float64 [cp])."""
+    work = work or Workload()
+    key = 2 * work.kv_bytes_per_token
+    to_key, to_row = row_bytes(work)
+    off = M.astype(np.float64).copy()
+    np.fill_diagonal(off, 0)
+    return (off.sum(0) * to_key + off.sum(1) * to_row) / key
+
+
+def plan_pairs(plan) -> np.ndarray:
+    """``M[a, b]`` of a built plan: guest rows rank ``a`` sends to rank ``b`` (self included)."""
+    cp = plan.cp_size
+    M = np.zeros((cp, cp), dtype=np.int64)
+    for rp in plan.ranks:
+        for b, runs in enumerate(rp.guest_send_runs):
+            M[rp.rank, b] = int((runs[:, 1] - runs[:, 0]).sum()) if len(runs) else 0
+    return M
+
+
+def traffic(plan, work: Workload) -> list[tuple[str, np.ndarray]]:
+    """The guest rows' exchanges as the runtime issues them, forward then backward: ``(phase,
+    bytes[src, dst])`` (float64 [cp, cp], self pairs included: callers ignore the diagonal)."""
+    if not plan.has_guests:
+        return []
+    M = plan_pairs(plan).astype(np.float64)
+    h, d, b = work.num_heads, work.head_dim, work.dtype_bytes
+    acc = 8 if b == 8 else 4
+    return [("guest_q", M * h * d * b), ("guest_out", M.T * h * (d + 1) * acc),
+            ("guest_dout", M * 2 * h * d * b), ("guest_lse", M * 2 * h * acc), ("guest_dq", M.T * h * d * b)]
+
+
+def predict(plan, cost, work: Workload) -> dict:
+    """Time the guest rows add to a step (seconds): their exchanges (each a collective; the busiest
+    GPU's bytes per link class) and the kernel calls over the guest tiles, the busiest rank's."""
+    if not plan.has_guests:
+        return {"fwd_s": 0.0, "bwd_s": 0.0}
+    cp = plan.cp_size
+    g = plan.topology.gpus_per_node if plan.topology is not None else cp
+    node = np.arange(cp) // g
+    same = node[:, None] == node[None, :]
+    t = {}
+    for name, B in traffic(plan, work):
+        B = B.copy()
+        np.fill_diagonal(B, 0.0)
+        intra = np.maximum(np.where(same, B, 0).sum(1), np.where(same, B, 0).sum(0)).max()
+        inter = np.maximum(np.where(~same, B, 0).sum(1), np.where(~same, B, 0).sum(0)).max()
+        t[name] = cost.comm_time(intra, inter) if intra + inter > 0 else cost.latency_us * 1e-6
+    kf = max(cost.tile_time(rp.guest_tiles, work) for rp in plan.ranks)
+    kb = max(cost.tile_time(rp.guest_tiles, work, backward=True) for rp in plan.ranks)
+    # the partials / dq travel back while the own tiles compute: only their latency is exposed
+    lat = cost.latency_us * 1e-6
+    return {"fwd_s": t["guest_q"] + kf + min(t["guest_out"], lat),
+            "bwd_s": t["guest_dout"] + t["guest_lse"] + kb + min(t["guest_dq"], lat)}
+
+
+def fixed_units(cost=None, work: Workload | None = None) -> float:
+    """The guest path's fixed time (one more kernel call each way, five more collectives) in key
+    tokens' units at the intra-node bandwidth of ``cost`` (default: ``CostModel()``'s calibrated 4 x H200
+    figures, about 15k tokens): a plan's guests must save more than this."""
+    cost = cost or CostModel()
+    work = work or Workload()
+    t = 2 * cost.launch_us * 1e-6 + 5 * cost.latency_us * 1e-6
+    return t * cost.intra_gbps * 1e9 / (2 * work.kv_bytes_per_token)

@@ -1,0 +1,163 @@
+"""Guest rows at run time (``planner.guests``): query rows computed where their keys live.
+
+Forward: each rank sends its guest rows' q to every rank holding keys they keep (itself included: a
+local copy), each rank computes the received rows over its own keys in one kernel call and returns
+the partial output with its LSE (float32; float64 for float64 inputs), and the owner merges the
+partials by LSE in source order (deterministic) into the rows, which no other tile of the plan covers.
+Backward: the owner sends dout and out (q's dtype) with lse and delta, the key owner adds the dK/dV of
+its own keys to its gradients and returns the partial dq, which the owner sums in source order.
+
+The same two calls serve the single-exchange and the staged paths. Every rank joins the exchanges when
+the plan has guest rows (collectives), also with nothing to send.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..comm import all_to_all_v
+from ..planner import Plan
+from .merge import merge_lse
+
+
+@dataclass
+class GuestRuntime:
+    send: torch.Tensor  # local positions of guest rows to send, destination-major (int64)
+    send_counts: list
+    recv_counts: list
+    rows: torch.Tensor  # the rank's guest rows (sorted local positions, unique)
+    merge: list  # per source with rows: (slice of the returned rows, positions in ``rows``)
+    prepared: object  # guest tiles (q: received rows, k: own keys in local order); None when none
+
+
+def guest_runtime(plan: Plan, rank: int, device, backend, cache_key) -> GuestRuntime:
+    """Index tensors and prepared tiles of ``rank``'s guest rows; built once per (plan, rank, device,
+    backend)."""
+    key = ("guests", rank, str(device), cache_key)
+    gr = plan.cache.get(key)
+    if gr is None:
+        rp = plan.ranks[rank]
+        send, send_counts = rp.guest_send_index()
+        recv_counts = rp.guest_recv_counts()
+        rows = np.unique(send)
+        merge, off = [], 0
+        for c in send_counts:
+            if c:
+                pos = np.searchsorted(rows, send[off:off + c])
+                merge.append((slice(off, off + c), torch.from_numpy(pos.astype(np.int64)).to(device)))
+            off += c
+        n_recv = sum(recv_counts)
+        prepared = None
+        if len(rp.guest_tiles) and n_recv:
+            tiles = torch.from_numpy(rp.guest_tiles.astype("int32"))
+            prepared = backend.prepare(tiles, n_recv, rp.num_tokens)
+        gr = GuestRuntime(
+            send=torch.from_numpy(send).to(device),
+            send_counts=send_counts,
+            recv_counts=recv_counts,
+            rows=torch.from_numpy(rows.astype(np.int64)).to(device),
+            merge=merge,
+            prepared=prepared,
+        )
+        plan.cache[key] = gr
+    return gr
+
+
+def _a2a(x, send_counts, recv_counts, group, async_op=False):
+    """All-to-all-v of rows; (result, handle or None) with ``async_op``."""
+    if group is None:  # one rank: everything it sends is what it receives
+        return (x.contiguous(), None) if async_op else x.contiguous()
+    return all_to_all_v(x.contiguous(), send_counts, recv_counts, group, async_op=async_op)
+
+
+@dataclass
+class _Pending:
+    """A guest exchange in flight: its result buffer and handle (None when already complete)."""
+
+    buf: torch.Tensor
+    handle: object
+    keep: tuple = ()  # tensors the exchange reads or the caller needs later
+
+    def wait(self) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        return self.buf
+
+
+def start_forward(gr: GuestRuntime, backend, q, k, v, group, scale) -> _Pending:
+    """Send the guest rows' q, compute the received rows over the own keys and start sending the
+    partials back (in flight while the caller runs its own tiles; NCCL's kernel is launched first)."""
+    acc_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    gq = _a2a(q[gr.send], gr.send_counts, gr.recv_counts, group)
+    hq, d = q.shape[1], v.shape[2]
+    if gr.prepared is not None:
+        if callable(getattr(backend, "running_dtype", None)):  # full-precision partials
+            o, l = backend.forward(gq, k, v, gr.prepared, scale, out_dtype=acc_dt)
+        else:
+            o, l = backend.forward(gq, k, v, gr.prepared, scale)
+        part = torch.cat([o.to(acc_dt), l.to(acc_dt).unsqueeze(-1)], dim=-1)
+    else:  # rows with no cell here (or none received): an empty partial
+        part = torch.zeros((gq.shape[0], hq, d + 1), dtype=acc_dt, device=q.device)
+        part[..., d] = float("-inf")
+    back, handle = _a2a(part, gr.recv_counts, gr.send_counts, group, async_op=True)
+    return _Pending(back, handle, (part, gq))
+
+
+def finish_forward(gr: GuestRuntime, pend: _Pending, out, lse) -> torch.Tensor:
+    """Merge the returned partials (source order: the same sum on every run) into the guest rows of
+    ``out`` / ``lse`` (0 / -inf there from the other tiles) in place; returns the received guest q
+    (kept for backward)."""
+    back = pend.wait()
+    d = out.shape[2]
+    if len(gr.rows):
+        acc = torch.zeros((len(gr.rows), out.shape[1], d), dtype=back.dtype, device=out.device)
+        run = torch.full((len(gr.rows), out.shape[1]), float("-inf"), dtype=back.dtype, device=out.device)
+        for sl, pos in gr.merge:
+            a, r = acc[pos], run[pos]
+            merge_lse(a, r, back[sl, :, :d], back[sl, :, d])
+            acc[pos], run[pos] = a, r
+        out[gr.rows] = acc.to(out.dtype)
+        lse[gr.rows] = run.to(lse.dtype)
+    return pend.keep[1]
+
+
+def start_backward(gr: GuestRuntime, backend, gq, k, v, out, lse, dout, dlse, group, scale):
+    """Send dout and out (q's dtype) with lse and dlse of the guest rows, compute the received rows'
+    gradients over the own keys and start sending the partial dq back; returns (pending dq, dk, dv)
+    with dk / dv [s_local, Hkv, D] of the own keys (None when this rank computed no guest cell)."""
+    acc_dt = torch.float64 if out.dtype == torch.float64 else torch.float32
+    hq = out.shape[1]
+    sel = gr.send
+    od = _a2a(torch.cat([dout[sel], out[sel].to(dout.dtype)], dim=1), gr.send_counts, gr.recv_counts, group)
+    ld = torch.stack([lse[sel].to(acc_dt), dlse[sel].to(acc_dt) if dlse is not None else
+                      torch.zeros_like(lse[sel], dtype=acc_dt)], dim=-1)
+    ld = _a2a(ld, gr.send_counts, gr.recv_counts, group)
+    dk = dv = None
+    if gr.prepared is not None:
+        g_dout, g_out = od[:, :hq], od[:, hq:]
+        delta = None  # rowsum(dout * out) from the shipped rows (dense pieces may then run on cuDNN)
+        if dlse is not None:
+            delta = (g_dout.to(acc_dt) * g_out.to(acc_dt)).sum(-1) - ld[..., 1]
+        dqp, dk, dv = backend.backward(gq, k, v, g_out, ld[..., 0].to(torch.float32), g_dout, gr.prepared,
+                                       scale, delta)
+        dqp = dqp.to(dout.dtype)
+    else:
+        dqp = dout.new_zeros((gq.shape[0],) + tuple(dout.shape[1:]))
+    back, handle = _a2a(dqp, gr.recv_counts, gr.send_counts, group, async_op=True)
+    return _Pending(back, handle, (dqp,)), dk, dv
+
+
+def finish_backward(gr: GuestRuntime, pend: _Pending, dq: torch.Tensor) -> None:
+    """Add the returned partial dq of the guest rows into ``dq`` [s_local, Hq, D] (summed in the
+    accumulation dtype in source order, rounded once)."""
+    back = pend.wait()
+    acc_dt = torch.float64 if dq.dtype == torch.float64 else torch.float32
+    if len(gr.rows):
+        g = torch.zeros((len(gr.rows),) + tuple(dq.shape[1:]), dtype=acc_dt, device=dq.device)
+        for sl, pos in gr.merge:
+            g.index_add_(0, pos, back[sl].to(acc_dt))
+        dq.index_add_(0, gr.rows, g.to(dq.dtype))
