@@ -67,7 +67,8 @@ def main(argv=None):
     t0 = time.perf_counter()
     masks = builder_masks(args.seqlen)
     print(f"built {len(masks)} masks in {time.perf_counter() - t0:.1f}s; S={args.seqlen}, cp={args.cp}")
-    hdr = f"{'mask':24s} {'solver':10s} {'chosen':10s} {'imbal':>7s} {'max remote KV':>13s} {'MB moved':>9s} {'tiles':>6s} {'plan s':>7s}"
+    hdr = (f"{'mask':24s} {'solver':10s} {'chosen':17s} {'imbal':>7s} {'max remote KV':>13s} {'MB moved':>9s} "
+           f"{'guests':>6s} {'tiles':>6s} {'plan s':>7s}")
     print(hdr)
     print("-" * len(hdr))
     rows = []
@@ -81,12 +82,14 @@ def main(argv=None):
             rows.append({"mask": name, "solver": solver, "plan_seconds": dt, **st})
             if solver == "auto":
                 worst = max(worst, st["imbalance"])
+            chosen = p.solver + ("+guests" if p.has_guests else "")
             print(
-                f"{name:24s} {solver:10s} {p.solver:10s} {100 * st['imbalance']:6.2f}% {st['max_remote_kv_tokens']:13d} "
-                f"{st['bytes_moved'] / 2**20:9.1f} {max(st['tiles_per_rank']):6d} {dt:7.2f}"
+                f"{name:24s} {solver:10s} {chosen:17s} {100 * st['imbalance']:6.2f}% {st['max_remote_kv_tokens']:13d} "
+                f"{st['bytes_moved'] / 2**20:9.1f} {st['guest_rows']:6d} {max(st['tiles_per_rank']):6d} {dt:7.2f}"
             )
     print(f"\nworst imbalance of the default solver: {100 * worst:.2f}% (target <= 5%)")
-    print("bytes: K and V of every received token, Hkv=8, D=128, bf16")
+    print("bytes: K and V of every received token, Hkv=8, D=128, bf16; guests: query rows computed by their keys'\n"
+          "owners (planner.guests: q and partial outputs travel instead of K/V, not in MB moved)")
     if args.json:
         meta = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

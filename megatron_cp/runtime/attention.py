@@ -252,7 +252,8 @@ class _CPAttention(torch.autograd.Function):
                 rt.recv.copy(vbuf, got[:, hkv:])
             out, lse = rt.backend.forward(q, kbuf, vbuf, rt.prepared, scale)
         gq = guests.finish_forward(gr, pend, out, lse) if gr is not None else None
-        ctx.save_for_backward(q, kbuf, vbuf, out, lse, k, v, gq)
+        # k / v themselves only for guest rows (their dK/dV are of the own keys in local order)
+        ctx.save_for_backward(q, kbuf, vbuf, out, lse, *((k, v) if gr is not None else (None, None)), gq)
         ctx.rt, ctx.group, ctx.scale, ctx.hkv, ctx.gr = rt, group, scale, hkv, gr
         ctx.set_materialize_grads(False)  # an unused lse gives dlse None, not a zero tensor
         return out, lse
