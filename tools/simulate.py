@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import megatron_cp as mcp  # noqa: E402
 from megatron_cp.planner.cost import CostModel, Workload  # noqa: E402
-from megatron_cp.planner.guests import predict as guest_predict  # noqa: E402
+from megatron_cp.planner.guests import predict as guest_predict, traffic as guest_traffic  # noqa: E402
 from megatron_cp.planner.schedule import clip_tiles, rank_traps  # noqa: E402
 
 import _cp_masks  # noqa: E402
@@ -162,6 +162,12 @@ def ours(mask, cp, g, cost, work, hierarchical=True, solver=None, guest_rows="au
             best = (tf, tb, n)
     st = plan.stats()
     gt = guest_predict(plan, cost, work)  # guest rows: their exchanges and kernel call after the main path
+    if plan.has_guests:  # and their forward bytes (q out, partials back: flat all-to-alls) received per GPU
+        gb = sum(m for name, m in guest_traffic(plan, work) if name in ("guest_q", "guest_out"))
+        np.fill_diagonal(gb, 0.0)
+        same = (np.arange(cp)[:, None] // gpn) == (np.arange(cp)[None, :] // gpn)
+        intra_b = [b + x for b, x in zip(intra_b, np.where(same, gb, 0).sum(0))]
+        inter_b = [b + x for b, x in zip(inter_b, np.where(~same, gb, 0).sum(0))]
     return dict(fwd_s=best[0] + gt["fwd_s"], bwd_s=best[1] + gt["bwd_s"], stages=best[2], imbalance=st["imbalance"],
                 solver=plan.solver + ("+guests" if plan.has_guests else ""),
                 inter_node_bytes_per_gpu=float(max(inter_b)), intra_node_bytes_per_gpu=float(max(intra_b)))

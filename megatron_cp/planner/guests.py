@@ -138,14 +138,18 @@ def row_bytes(work: Workload) -> tuple[int, int]:
     return 2 * h * d * b + 2 * h * acc, h * (d + 1) * acc + h * d * b
 
 
-def traffic_units(M: np.ndarray, work: Workload | None = None) -> np.ndarray:
+def traffic_units(M: np.ndarray, work: Workload | None = None, topology=None) -> np.ndarray:
     """Per rank, the bytes it receives for guest rows (``pair_rows`` matrix, self pairs free), in units
-    of one remote key token's forward K/V plus backward dK/dV (float64 [cp])."""
+    of one remote key token's forward K/V plus backward dK/dV (float64 [cp]); with a multi-node
+    ``topology`` pairs on different nodes count ``intra_node_gbps / inter_node_gbps`` times."""
     work = work or Workload()
     key = 2 * work.kv_bytes_per_token
     to_key, to_row = row_bytes(work)
     off = M.astype(np.float64).copy()
     np.fill_diagonal(off, 0)
+    if topology is not None and topology.nodes > 1:
+        node = np.arange(len(M)) // topology.gpus_per_node
+        off *= np.where(node[:, None] != node[None, :], topology.intra_node_gbps / topology.inter_node_gbps, 1.0)
     return (off.sum(0) * to_key + off.sum(1) * to_row) / key
 
 

@@ -253,6 +253,23 @@ def _evaluate(traps, spans, bounds, owner, cp, prefix):
     return imb, remote
 
 
+def _link_units(spans, bounds, owner, cp, topology) -> np.ndarray:
+    """Per rank, the remote K/V tokens it receives, those from another node weighted by the topology's
+    intra / inter-node bandwidth ratio (float64 [cp]; the guest rows' comparison)."""
+    multi = topology is not None and topology.nodes > 1
+    ratio = topology.intra_node_gbps / topology.inter_node_gbps if multi else 1.0
+    g = topology.gpus_per_node if multi else cp
+    ci, k0, k1 = spans.spans(bounds)
+    out = np.zeros(cp)
+    for r in range(cp):
+        sel = owner[ci] == r
+        need = _merge_runs(np.stack([k0[sel], k1[sel]], axis=1))
+        own = _merge_runs(np.stack([bounds[:-1][owner == r], bounds[1:][owner == r]], axis=1))
+        for src, runs in enumerate(_split_by_owner(_subtract_runs(need, own), bounds, owner, cp)):
+            out[r] += float((runs[:, 1] - runs[:, 0]).sum()) * (ratio if src // g != r // g else 1.0)
+    return out
+
+
 def _score(traps, spans, bounds, owner, cp, prefix):
     imb, remote = _evaluate(traps, spans, bounds, owner, cp, prefix)
     return (imb, int(remote.max()), int(remote.sum()))
@@ -314,15 +331,18 @@ def plan(
     main, g_traps, prefix = traps, np.zeros((0, 6), dtype=np.int64), row_prefix
     if len(g_runs):
         # the same solvers with guest rows computed by their keys' owners; kept when given explicitly
-        # or when it balances and moves fewer bytes (guest traffic and fixed cost in key tokens' units)
+        # or when it balances and moves fewer bytes (guest traffic and fixed cost in key tokens' units,
+        # bytes crossing nodes weighted by the bandwidth ratio: guest traffic is not routed by node)
         m, g = guests.split(traps, g_runs, seqlen)
         gp = guests.load_prefix(m, g, seqlen)
         g_spans = solvers.KeySpans(m, seqlen)
         g_best, g_bounds, g_owner, g_scores = _choose(m, gp, g_spans, *args)
-        imb, rem = _evaluate(m, g_spans, g_bounds, g_owner, cp, gp)
-        units = rem + guests.traffic_units(guests.pair_rows(g, g_bounds, g_owner, cp)) + guests.fixed_units()
+        imb = _evaluate(m, g_spans, g_bounds, g_owner, cp, gp)[0]
+        units = (_link_units(g_spans, g_bounds, g_owner, cp, topology) + guests.fixed_units()
+                 + guests.traffic_units(guests.pair_rows(g, g_bounds, g_owner, cp), topology=topology))
         with_g = (imb, float(units.max()), float(units.sum()))
-        without = _score(traps, solvers.KeySpans(traps, seqlen), bounds, owner, cp, row_prefix)
+        plain = _link_units(solvers.KeySpans(traps, seqlen), bounds, owner, cp, topology)
+        without = (scores[best][0], float(plain.max()), float(plain.sum()))
         scores[f"{g_best}+guests"] = with_g
         ok, g_ok = without[0] <= imbalance_target, imb <= imbalance_target
         better = (g_ok and (not ok or with_g[1:] < without[1:])) or (not ok and not g_ok and imb < without[0])
