@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..comm import all_to_all_v
+from ..comm import BufferPool, all_to_all_v
 from ..planner import Plan
 from .merge import merge_lse
 
@@ -66,11 +66,19 @@ def guest_runtime(plan: Plan, rank: int, device, backend, cache_key) -> GuestRun
     return gr
 
 
-def _a2a(x, send_counts, recv_counts, group, async_op=False):
-    """All-to-all-v of rows; (result, handle or None) with ``async_op``."""
+_POOLS: dict = {}
+
+
+def _a2a(x, send_counts, recv_counts, group, async_op=False, tag=None):
+    """All-to-all-v of rows; (result, handle or None) with ``async_op``. ``tag``: receive into the
+    device's scratch pool under that tag (results read before the call returns: partials and dq)."""
     if group is None:  # one rank: everything it sends is what it receives
         return (x.contiguous(), None) if async_op else x.contiguous()
-    return all_to_all_v(x.contiguous(), send_counts, recv_counts, group, async_op=async_op)
+    out = None
+    if tag is not None:
+        pool = _POOLS.setdefault(str(x.device), BufferPool())
+        out = pool.get((sum(recv_counts),) + tuple(x.shape[1:]), x.dtype, x.device, tag)
+    return all_to_all_v(x.contiguous(), send_counts, recv_counts, group, out, async_op=async_op)
 
 
 @dataclass
@@ -103,7 +111,7 @@ def start_forward(gr: GuestRuntime, backend, q, k, v, group, scale) -> _Pending:
     else:  # rows with no cell here (or none received): an empty partial
         part = torch.zeros((gq.shape[0], hq, d + 1), dtype=acc_dt, device=q.device)
         part[..., d] = float("-inf")
-    back, handle = _a2a(part, gr.recv_counts, gr.send_counts, group, async_op=True)
+    back, handle = _a2a(part, gr.recv_counts, gr.send_counts, group, async_op=True, tag="guest_out")
     return _Pending(back, handle, (part, gq))
 
 
@@ -147,7 +155,7 @@ def start_backward(gr: GuestRuntime, backend, gq, k, v, out, lse, dout, dlse, gr
         dqp = dqp.to(dout.dtype)
     else:
         dqp = dout.new_zeros((gq.shape[0],) + tuple(dout.shape[1:]))
-    back, handle = _a2a(dqp, gr.recv_counts, gr.send_counts, group, async_op=True)
+    back, handle = _a2a(dqp, gr.recv_counts, gr.send_counts, group, async_op=True, tag="guest_dq")
     return _Pending(back, handle, (dqp,)), dk, dv
 
 
