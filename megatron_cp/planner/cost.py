@@ -164,6 +164,18 @@ class CostModel:
         return self.latency_us * 1e-6 + max(intra_bytes / (self.intra_gbps * 1e9), inter_bytes / (self.inter_gbps * 1e9))
 
 
+def link_bytes(M: np.ndarray, node: np.ndarray) -> tuple[float, float]:
+    """(intra, inter): the busiest GPU's bytes (max of sent and received) inside its node and across
+    nodes in one collective with byte matrix ``M[src, dst]`` ([cp, cp], diagonal ignored)."""
+    M = np.array(M, dtype=np.float64)
+    np.fill_diagonal(M, 0.0)
+    same = node[:, None] == node[None, :]
+    a, b = np.where(same, M, 0.0), np.where(same, 0.0, M)
+    intra = float(np.maximum(a.sum(1), a.sum(0)).max(initial=0.0))
+    inter = float(np.maximum(b.sum(1), b.sum(0)).max(initial=0.0))
+    return intra, inter
+
+
 def tile_areas(tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(kept cells, rows) of every tile, exact, vectorized (closed forms of the four kinds)."""
     t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)

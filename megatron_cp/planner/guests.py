@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..masks import geometry
-from .cost import CostModel, Workload
+from .cost import CostModel, Workload, link_bytes
 
 
 def candidate_rows(row_prefix: np.ndarray, seqlen: int, cp: int) -> np.ndarray:
@@ -183,13 +183,9 @@ def predict(plan, cost, work: Workload) -> dict:
     cp = plan.cp_size
     g = plan.topology.gpus_per_node if plan.topology is not None else cp
     node = np.arange(cp) // g
-    same = node[:, None] == node[None, :]
     t = {}
     for name, B in traffic(plan, work):
-        B = B.copy()
-        np.fill_diagonal(B, 0.0)
-        intra = np.maximum(np.where(same, B, 0).sum(1), np.where(same, B, 0).sum(0)).max()
-        inter = np.maximum(np.where(~same, B, 0).sum(1), np.where(~same, B, 0).sum(0)).max()
+        intra, inter = link_bytes(B, node)
         t[name] = cost.comm_time(intra, inter) if intra + inter > 0 else cost.latency_us * 1e-6
     kf = max(cost.tile_time(rp.guest_tiles, work) for rp in plan.ranks)
     kb = max(cost.tile_time(rp.guest_tiles, work, backward=True) for rp in plan.ranks)

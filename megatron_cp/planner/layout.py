@@ -32,7 +32,7 @@ import numpy as np
 
 from ..masks import AttnMask, geometry
 from . import guests, solvers
-from .cost import CostModel, Workload
+from .cost import CostModel, Workload, link_bytes
 from .plan import Plan, _rank_plans, plan_digest
 from .plan import plan as make_plan
 from .schedule import _remote_ids, build_routes, mask_traps
@@ -219,11 +219,7 @@ class LayoutChoice:
 
 def _phase(name: str, M: np.ndarray, node: np.ndarray, cost: CostModel) -> Phase:
     """Phase of a byte matrix ``M[src, dst]`` (float, [cp, cp], diagonal ignored)."""
-    M = np.array(M, dtype=np.float64)
-    np.fill_diagonal(M, 0.0)
-    same = node[:, None] == node[None, :]
-    intra = np.maximum(np.where(same, M, 0).sum(1), np.where(same, M, 0).sum(0)).max(initial=0.0)
-    inter = np.maximum(np.where(~same, M, 0).sum(1), np.where(~same, M, 0).sum(0)).max(initial=0.0)
+    intra, inter = link_bytes(M, node)
     return Phase(name, int(round(intra)), int(round(inter)), cost.comm_time(intra, inter))
 
 

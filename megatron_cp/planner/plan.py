@@ -236,6 +236,15 @@ def _auto_chunk(seqlen: int, cp: int) -> int:
     return int(min(4096, 1 << (c.bit_length() - 1)))
 
 
+def _remote_runs(ci, k0, k1, bounds, group, g) -> tuple[np.ndarray, np.ndarray]:
+    """(own runs, remote key runs) of the chunks with ``group == g`` (a rank or a node), from the key
+    spans ``(ci, k0, k1)`` of ``KeySpans.spans(bounds)``."""
+    mine = group == g
+    own = _merge_runs(np.stack([bounds[:-1][mine], bounds[1:][mine]], axis=1))
+    sel = mine[ci]
+    return own, _subtract_runs(_merge_runs(np.stack([k0[sel], k1[sel]], axis=1)), own)
+
+
 def _evaluate(traps, spans, bounds, owner, cp, prefix):
     """Area and remote-key tokens per rank of an assignment (cheap: no tiles)."""
     area = np.zeros(cp, dtype=np.int64)
@@ -243,10 +252,7 @@ def _evaluate(traps, spans, bounds, owner, cp, prefix):
     ci, k0, k1 = spans.spans(bounds)
     remote = np.zeros(cp, dtype=np.int64)
     for r in range(cp):
-        sel = owner[ci] == r
-        need = _merge_runs(np.stack([k0[sel], k1[sel]], axis=1))
-        own = _merge_runs(np.stack([bounds[:-1][owner == r], bounds[1:][owner == r]], axis=1))
-        rem = _subtract_runs(need, own)
+        rem = _remote_runs(ci, k0, k1, bounds, owner, r)[1]
         remote[r] = int((rem[:, 1] - rem[:, 0]).sum())
     mean = area.mean()
     imb = float(area.max() / mean - 1.0) if mean > 0 else 0.0
@@ -262,10 +268,8 @@ def _link_units(spans, bounds, owner, cp, topology) -> np.ndarray:
     ci, k0, k1 = spans.spans(bounds)
     out = np.zeros(cp)
     for r in range(cp):
-        sel = owner[ci] == r
-        need = _merge_runs(np.stack([k0[sel], k1[sel]], axis=1))
-        own = _merge_runs(np.stack([bounds[:-1][owner == r], bounds[1:][owner == r]], axis=1))
-        for src, runs in enumerate(_split_by_owner(_subtract_runs(need, own), bounds, owner, cp)):
+        rem = _remote_runs(ci, k0, k1, bounds, owner, r)[1]
+        for src, runs in enumerate(_split_by_owner(rem, bounds, owner, cp)):
             out[r] += float((runs[:, 1] - runs[:, 0]).sum()) * (ratio if src // g != r // g else 1.0)
     return out
 
@@ -428,10 +432,7 @@ def _node_need(spans, bounds, owner, topology) -> list[np.ndarray]:
     node = owner.astype(np.int64) // g
     out = []
     for n in range(topology.nodes):
-        sel = node[ci] == n
-        need = _merge_runs(np.stack([k0[sel], k1[sel]], axis=1))
-        own = _merge_runs(np.stack([bounds[:-1][node == n], bounds[1:][node == n]], axis=1))
-        out.append(_subtract_runs(need, own))
+        out.append(_remote_runs(ci, k0, k1, bounds, node, n)[1])
     return out
 
 
@@ -469,11 +470,7 @@ def _rank_plans(traps, prefix, spans, bounds, owner, cp, guest_traps=None) -> tu
     ci, k0, k1 = spans.spans(bounds)
     parts = []
     for r in range(cp):
-        mine = owner == r
-        segs = _merge_runs(np.stack([bounds[:-1][mine], bounds[1:][mine]], axis=1))
-        sel = mine[ci]
-        need = _merge_runs(np.stack([k0[sel], k1[sel]], axis=1))
-        remote = _subtract_runs(need, segs)
+        segs, remote = _remote_runs(ci, k0, k1, bounds, owner, r)
         parts.append((segs, remote, _split_by_owner(remote, bounds, owner, cp)))
     g_send = _guest_send(guest_traps, bounds, owner, cp)
     out = []
