@@ -1,4 +1,5 @@
-"""Cost model: the dense-path rule matches the kernels' split, and stage choice respects it."""
+"""Cost model: its restated kernel rules (dense split, rest list, visited blocks, row class) match the
+kernel code, the classes use their own fits, and stage choice respects the dense path."""
 
 import numpy as np
 import pytest
@@ -7,8 +8,8 @@ import torch
 import megatron_cp as mcp
 from megatron_cp.kernels.dense_tiles import split_dense
 from megatron_cp.masks import builders as M
-from megatron_cp.planner.cost import CostModel, Workload, dense_areas, tile_areas
-from megatron_cp.planner.schedule import choose_num_stages
+from megatron_cp.planner.cost import CostModel, Workload, block_counts, dense_areas, dense_rest, tile_areas
+from megatron_cp.planner.schedule import choose_num_stages, clip_tiles
 
 
 def _random_tiles(rng, n):
@@ -32,6 +33,60 @@ def test_dense_areas_match_kernel_split():
             want_c = sum(float(tile_areas(np.array([[a, b, x, y, 1]]))[0][0])
                          for a, b, x, y, is_causal in dense if is_causal)
             assert (c, p, cc) == (want, len(dense), want_c), (t, c, p, cc, dense)
+
+
+def test_dense_rest_matches_kernel_split():
+    rng = np.random.default_rng(1)
+    for min_rows, min_keys in ((1, 1), (16, 32), (64, 64), (100, 250)):
+        tiles = _random_tiles(rng, 300)
+        for t in tiles:
+            _, rest = split_dense(torch.tensor([t.tolist()], dtype=torch.int32), min_rows, min_keys)
+            got = dense_rest(t[None], min_rows, min_keys)
+            assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, rest.tolist())), (t, got, rest)
+        # the whole list at once: the same multiset, sorted by (q0, k0)
+        _, rest = split_dense(torch.tensor(tiles, dtype=torch.int32), min_rows, min_keys)
+        got = dense_rest(tiles, min_rows, min_keys)
+        assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, rest.tolist()))
+        assert np.all(np.diff(got[:, 0]) >= 0)
+
+
+@pytest.mark.parametrize("bm,bn", [(128, 64), (64, 64), (32, 16), (16, 32)])
+def test_block_counts_match_kernel_schedule(bm, bn):
+    from megatron_cp.kernels.triton_schedule import _block_pairs, tile_descriptors
+
+    rng = np.random.default_rng(bm * 7 + bn)
+    tiles = _random_tiles(rng, 300)
+    tid, _, _, full = _block_pairs(tile_descriptors(torch.tensor(tiles)), bm, bn)
+    visited, got_full = block_counts(tiles, bm, bn)
+    assert visited.tolist() == np.bincount(tid.numpy(), minlength=len(tiles)).astype(float).tolist()
+    assert got_full.tolist() == np.bincount(tid.numpy()[full.numpy()], minlength=len(tiles)).astype(float).tolist()
+    assert visited.sum() > got_full.sum() > 0
+
+
+def test_row_class_matches_backend():
+    """The model's class of a Triton list is the one the backend's prepare() picks ("long" / "short" /
+    "blocky"), on benchmark-like lists of every class and on random ones."""
+    from megatron_cp.kernels.triton_backend import BLOCKY_FULL_FRACTION, TritonBackend, TritonConfig
+    from megatron_cp.kernels.triton_schedule import covered_rows
+
+    be = TritonBackend(TritonConfig(dense_tiles=False))
+    model = CostModel(short_fwd_tflops=1.0, blocky_fwd_tflops=1.0)
+    assert model.blocky_full_fraction == BLOCKY_FULL_FRACTION
+    s = 8192
+    lists = {"long": M.causal(s), "short": M.sliding_window(s, 512, 0), "blocky": M.strided(s, 512, 4, local_blocks=1)}
+    seen = set()
+    rng = np.random.default_rng(3)
+    cases = [(name, mcp.plan(m, 1).ranks[0].tiles) for name, m in lists.items()]
+    cases += [(None, _random_tiles(rng, int(rng.integers(1, 40))) * [8, 8, 8, 8, 1]) for _ in range(40)]
+    for want, tiles in cases:
+        tt = torch.tensor(tiles, dtype=torch.int32)
+        sq, sk = int(tiles[:, 1].max()), int(tiles[:, 3].max())
+        got = be.prepare(tt, sq, sk, head_dims=(128,)).row_class
+        mine = model.row_class(tiles, float(tile_areas(tiles)[0].sum()), covered_rows(tt))
+        assert mine == got, (tiles, mine, got)
+        assert want is None or got == want
+        seen.add(got)
+    assert seen == {"long", "short", "blocky"}
 
 
 def test_dense_path_changes_kernel_time_and_stage_choice():
@@ -124,3 +179,60 @@ def test_short_row_class_uses_its_own_fit():
     assert float(tile_areas(long)[0].sum()) >= LONG_ROW_KEYS * covered_rows(torch.tensor(long))
     want = flops(512 * 8192) / (400e12 * 8192 / 8392)
     assert fitted.tile_time(long, w) == pytest.approx(want) == plain.tile_time(long, w)
+
+
+def test_short_and_blocky_classes_count_visited_blocks():
+    """Calibrated short / blocky classes: time = (visited block cells + half_keys x rows) / peak, with the
+    class's forward blocks (backward: bwd_block); a mostly-full short list takes the blocky numbers."""
+    w = Workload(8, 2, 64, 2)
+    pf = 4.0 * 8 * 64
+    m = CostModel(fwd_tflops=400.0, bwd_tflops=300.0, half_keys=200.0, tile_us=0.0, launch_us=0.0, dense_fwd_tflops=0.0,
+                  short_fwd_tflops=300.0, short_bwd_tflops=250.0, short_half_keys=100.0, short_bwd_half_keys=150.0,
+                  blocky_fwd_tflops=450.0, blocky_bwd_tflops=350.0, blocky_half_keys=50.0)
+    # block-diagonal 512-blocks on 4096 rows: every 128 x 64 block full -> blocky; visited == kept cells
+    bd = np.array([[i, i + 512, i, i + 512, 0] for i in range(0, 4096, 512)])
+    assert m.row_class(bd, 4096 * 512, 4096) == "blocky"
+    assert m.tile_time(bd, w) == pytest.approx(pf * (4096 * 512 + 50.0 * 4096) / 450e12)
+    assert m.tile_time(bd, w, True) == pytest.approx(pf * (4096 * 512 + 50.0 * 4096) / (350e12 / 2.5))  # no bwd half: fwd's
+    # a 100-key band (causal window): mostly partial blocks -> short; costs its visited 64 x 64 blocks
+    win = clip_tiles(M.sliding_window(4096, 100, 0).traps, None, [[0, 4096]])
+    area = float(tile_areas(win)[0].sum())
+    assert m.row_class(win, area, 4096) == "short"
+    vis = float(block_counts(win, 64, 64)[0].sum()) * 64 * 64
+    assert vis > 1.5 * area
+    assert m.tile_time(win, w) == pytest.approx(pf * (vis + 100.0 * 4096) / 300e12)
+    assert m.tile_time(win, w, True) == pytest.approx(pf * (vis + 150.0 * 4096) / (250e12 / 2.5))
+    # without a blocky fit the block-diagonal list takes the short numbers; without a short fit, the long ones
+    no_blocky = CostModel(**{**m.__dict__, "blocky_fwd_tflops": 0.0})
+    assert no_blocky.row_class(bd, 4096 * 512, 4096) == "short"
+    plain = CostModel(**{**m.__dict__, "short_fwd_tflops": 0.0})
+    assert plain.row_class(win, area, 4096) == "long"
+
+
+def test_dense_pieces_with_few_rows_run_below_peak():
+    w = Workload(8, 2, 64, 2)
+    base = dict(tile_us=0.0, launch_us=0.0, dense_fwd_tflops=600.0, dense_bwd_tflops=500.0, dense_piece_us=0.0,
+                dense_min_rows=512, dense_min_keys=1024, hbm_gbps=1e12)
+    flat, narrow = CostModel(**base), CostModel(**base, dense_half_rows=256.0, dense_bwd_half_rows=1024.0)
+    for rows in (512, 4096):
+        t = np.array([[0, rows, 0, 8192, 0]])
+        assert narrow.tile_time(t, w) == pytest.approx(flat.tile_time(t, w) * (rows + 256) / rows, rel=1e-6)
+        assert narrow.tile_time(t, w, True) == pytest.approx(flat.tile_time(t, w, True) * (rows + 1024) / rows, rel=1e-6)
+
+
+def test_calibrate_dry_run_writes_a_loadable_model(tmp_path):
+    """tools/calibrate.py on CPU with tiny sizes: every kernel field measured, the file loads back."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "calibrate.py"
+    spec = importlib.util.spec_from_file_location("calibrate_tool", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "cost.json"
+    mod.main(["--device", "cpu", "--tiny", "--out", str(out)])
+    m = CostModel.load(str(out))
+    for f in ("fwd_tflops", "bwd_tflops", "short_fwd_tflops", "short_bwd_tflops", "blocky_fwd_tflops", "blocky_bwd_tflops"):
+        assert 0 < getattr(m, f) < 1e4, (f, getattr(m, f))
+    assert m.launch_us > 0 and m.source.startswith("tools/calibrate.py on 1 x cpu")
+    assert (m.short_block_m, m.blocky_block_m, m.bwd_block_m) == (64, 128, 64)

@@ -1,10 +1,13 @@
 """Measure the cost model's numbers on this machine and write them as JSON (``CostModel.load`` reads it).
 
-Kernel (Triton, dense path off): forward/backward time of full tiles with long rows (peak TFLOP/s), of
-short-row tiles (the half-efficiency key length), of sliding windows of two widths (the short-row
-class's own peak and half-efficiency keys), of one tiny tile (launch cost) and of many tiny tiles
-(per-tile cost). Dense path (CUDA): cuDNN's forward/backward rate on the same full tile and the fixed
-cost of one dense piece beside Triton tiles.
+Kernel (Triton, dense path off), each class on lists the backend really runs in that class (checked):
+"long" full tiles of two key lengths (peak TFLOP/s and half-efficiency keys), "short" sliding windows of
+two widths and "blocky" block-diagonal lists of two block sizes (each class's peak and half-efficiency
+keys, per visited block cell), one tiny tile (launch cost) and many tiny tiles (per-tile cost).
+Dense path (CUDA): cuDNN's forward/backward rate on full pieces of two row counts (peak and
+half-efficiency rows), on a square causal piece, and the fixed cost of one dense piece beside Triton
+tiles. Every kernel time is sustained: a warm-up of ``--seconds`` then repeats for ``--seconds`` (short
+bursts run at boost clocks that a training step does not keep), on inputs of the benchmarks' scale.
 Communication (when started under torchrun with several ranks): all_to_all_single time for small
 messages (latency) and large ones (bandwidth), inside a node and, with several nodes, across them;
 and the fixed time of a whole megatron-cp call on a tiny mask (call_fwd_us / call_bwd_us).
@@ -31,16 +34,34 @@ from megatron_cp import kernels
 from megatron_cp.planner.cost import CostModel, Workload
 
 
-def _time(fn, device, reps):
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def _time(fn, device, reps, seconds=0.0):
+    """Mean seconds of ``fn``: after a warm-up of ``seconds`` (at least one call), at least ``reps`` calls
+    and ``seconds`` of them."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    for _ in range(reps):
+    fn()
+    sync()
+    while time.perf_counter() - t0 < seconds:
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
+        sync()
+    n, t0 = 0, time.perf_counter()
+    while n < reps or time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+        if n >= reps:
+            sync()
+    sync()
+    return (time.perf_counter() - t0) / n
+
+
+def _fit(k1, r1, k2, r2):
+    """(peak, half) of r(k) = peak * k / (k + half) through two points; half 0 when the slower point is
+    not the one with fewer keys (no half-efficiency measurable)."""
+    if k1 > k2:
+        k1, r1, k2, r2 = k2, r2, k1, r1
+    h = (r2 - r1) / (r1 / k1 - r2 / k2) if r1 < r2 and r1 / k1 != r2 / k2 else 0.0
+    h = max(h, 0.0)
+    return r2 * (k2 + h) / k2, h
 
 
 def _kernel(args, device, work: Workload):
@@ -56,71 +77,104 @@ def _kernel(args, device, work: Workload):
     rows = 256 if args.tiny else 8192
     keys_long = 512 if args.tiny else 16384
     reps = 2 if args.tiny else 10
+    secs = 0.0 if args.tiny else args.seconds
 
-    def run(tiles, sq, sk, backward=False, backend=be):
-        q = torch.randn(sq, hq, d, device=device, dtype=dt)
-        k = torch.randn(sk, hkv, d, device=device, dtype=dt)
-        v = torch.randn(sk, hkv, d, device=device, dtype=dt)
+    def run(tiles, sq, sk, backward=False, backend=be, row_class=None):
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = ((torch.randn(n, h, d, generator=g) * 0.5).to(device, dt) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
         prep = backend.prepare(torch.tensor(tiles, dtype=torch.int32), sq, sk)
+        if row_class is not None and getattr(prep, "row_class", row_class) != row_class:
+            raise RuntimeError(f"calibration list meant for the {row_class!r} class runs as {prep.row_class!r}")
         out, lse = backend.forward(q, k, v, prep, None)
         if not backward:
-            return _time(lambda: backend.forward(q, k, v, prep, None), device, reps)
+            return _time(lambda: backend.forward(q, k, v, prep, None), device, reps, secs)
         do = torch.randn_like(out)
-        return _time(lambda: backend.backward(q, k, v, out, lse, do, prep, None, None), device, reps)
+        return _time(lambda: backend.backward(q, k, v, out, lse, do, prep, None, None), device, reps, secs)
+
+    from megatron_cp.masks import sliding_window
+    from megatron_cp.planner.cost import block_counts, tile_areas
+    from megatron_cp.planner.schedule import clip_tiles
 
     flops = lambda area: work.fwd_flops(area)  # noqa: E731
-    t_f = run([[0, rows, 0, keys_long, 0]], rows, keys_long)
-    t_b = run([[0, rows, 0, keys_long, 0]], rows, keys_long, backward=True)
-    fwd_tflops = flops(rows * keys_long) / t_f / 1e12
-    bwd_tflops = 2.5 * flops(rows * keys_long) / t_b / 1e12
-    # short rows: tiles of `short` keys along the diagonal (block-diagonal), same row count
-    short = 64 if args.tiny else 256
-    tiles = [[i, i + short, i, i + short, 0] for i in range(0, rows, short)]
-    t_s = run(tiles, rows, rows)
-    eff = flops(rows * short) / t_s / 1e12 / fwd_tflops
-    half_keys = float(short * (1 / max(eff, 1e-3) - 1))
+    out = {}
+    # "long": full tiles of two key lengths (both at least the long-row threshold)
+    pts = []
+    for keys in ((keys_long // 4, keys_long)):
+        t = [[0, rows, 0, keys, 0]]
+        pts.append((keys, flops(rows * keys) / run(t, rows, keys, row_class="long") / 1e12,
+                    2.5 * flops(rows * keys) / run(t, rows, keys, True, row_class="long") / 1e12))
+    (k1, f1, b1), (k2, f2, b2) = pts
+    out["fwd_tflops"], out["half_keys"] = _fit(k1, f1, k2, f2)
+    out["bwd_tflops"] = b2 * (k2 + out["half_keys"]) / k2
     t_launch = run([[0, 16, 0, 16, 0]], 16, 16)
     many = [[i, i + 16, i, i + 16, 0] for i in range(0, 16 * 64, 16)]
     t_many = run(many, 16 * 64, 16 * 64)
-    tile_us = max(0.0, (t_many - t_launch) / 63 * 1e6)
-    out = dict(fwd_tflops=fwd_tflops, bwd_tflops=bwd_tflops, half_keys=max(half_keys, 1.0),
-               launch_us=t_launch * 1e6, tile_us=tile_us)
-    # short-row lists (mean kept keys per row below the backend's long-row threshold) run other block
-    # shapes: their peak and half-efficiency keys from sliding windows of two widths (the shapes the
-    # short class meets: partly filled diagonal blocks), r(k) = peak * k / (k + half)
-    from megatron_cp.masks import sliding_window
-    from megatron_cp.planner.schedule import clip_tiles
-
-    pts = []
-    for w in ((16, 64) if args.tiny else (512, 2048)):
-        win = clip_tiles(sliding_window(rows, w, 0).traps, None, [[0, rows]]).tolist()
-        area = float(sum((min(i, w) + 1) for i in range(rows)))
-        pts.append((area / rows, flops(area) / run(win, rows, rows) / 1e12,
-                    2.5 * flops(area) / run(win, rows, rows, backward=True) / 1e12))
-    (k2, f2, _), (k1, f1, b1) = pts
-    h = (f2 - f1) / (f1 / k1 - f2 / k2) if f1 / k1 != f2 / k2 else 0.0
-    if h > 0:
-        e1 = k1 / (k1 + h)
-        out.update(short_fwd_tflops=f1 / e1, short_bwd_tflops=b1 / e1, short_half_keys=h)
+    out.update(launch_us=t_launch * 1e6, tile_us=max(0.0, (t_many - t_launch) / 63 * 1e6))
+    # "short" (sliding windows) and "blocky" (block-diagonal lists, every block full): time per visited
+    # block cell, t = (visited cells + half * rows) / peak, from two lists of each class
+    hd = work.head_dim
+    lists = {
+        "short": [clip_tiles(sliding_window(rows, w, 0).traps, None, [[0, rows]]).tolist()
+                  for w in ((16, 96) if args.tiny else (256, 1024))],
+        "blocky": [[[i, i + b, i, i + b, 0] for i in range(0, rows, b)] for b in ((128, 256) if args.tiny else (512, 2048))],
+    }
+    for cls, pair in lists.items():
+        if hasattr(be, "config"):  # the Triton backend's blocks for this class
+            stc = be.config.for_head_dim(hd, cls)
+            fwd_blk, bwd_blk = (stc.fwd.block_m, stc.fwd.block_n), (stc.dq.block_m, stc.dq.block_n)
+        else:  # another backend (CPU dry run): the model's default blocks
+            cm = CostModel()
+            fwd_blk = (getattr(cm, f"{cls}_block_m"), getattr(cm, f"{cls}_block_n"))
+            bwd_blk = (cm.bwd_block_m, cm.bwd_block_n)
+        eq = []
+        for tl in pair:
+            tn = np.array(tl, dtype=np.int64)
+            area = float(tile_areas(tn)[0].sum())
+            tf, tb = run(tl, rows, rows, row_class=cls), run(tl, rows, rows, True, row_class=cls)
+            vf = float(block_counts(tn, *fwd_blk)[0].sum()) * fwd_blk[0] * fwd_blk[1]
+            vb = float(block_counts(tn, *bwd_blk)[0].sum()) * bwd_blk[0] * bwd_blk[1]
+            # kernel time less launch, in FLOP units: flops(visited)/peak + flops(half * rows)/peak
+            eq.append((vf, vb, rows, flops(1.0) / max(tf - t_launch, 1e-9), 2.5 * flops(1.0) / max(tb - t_launch, 1e-9), area))
+        res = {}
+        for ph, vi, ri in (("fwd", 0, 3), ("bwd", 1, 4)):
+            # 1 / rate_i = (v_i + h * rows) / peak  ->  linear in (1 / peak, h / peak)
+            A = np.array([[e[vi], e[2]] for e in eq])
+            y = np.array([1.0 / e[ri] for e in eq])
+            if abs(np.linalg.det(A / A.max(0))) < 1e-6:
+                raise RuntimeError(f"the two {cls!r} calibration lists visit the same blocks per row: {A.tolist()}")
+            inv_peak, h_over = np.linalg.solve(A, y)
+            if inv_peak <= 0 or h_over < 0:  # noisy points (tiny CPU runs): no half, the bigger list's rate
+                j = int(np.argmax(A[:, 0]))
+                inv_peak, h_over = y[j] / A[j, 0], 0.0
+            res[ph] = (1.0 / inv_peak / 1e12, h_over / inv_peak)
+        out[f"{cls}_fwd_tflops"], out[f"{cls}_half_keys"] = res["fwd"]
+        out[f"{cls}_bwd_tflops"], out[f"{cls}_bwd_half_keys"] = res["bwd"]
+        out[f"{cls}_block_m"], out[f"{cls}_block_n"] = fwd_blk
+        out["bwd_block_m"], out["bwd_block_n"] = bwd_blk
     if dense_be is not None:
-        full = [[0, rows, 0, keys_long, 0]]
-        t_df = run(full, rows, keys_long, backend=dense_be)
-        t_db = run(full, rows, keys_long, backward=True, backend=dense_be)
-        out["dense_fwd_tflops"] = flops(rows * keys_long) / t_df / 1e12
-        out["dense_bwd_tflops"] = 2.5 * flops(rows * keys_long) / t_db / 1e12
+        # full pieces of two row counts: rate(rows) = peak * rows / (rows + half_rows)
+        pts = []
+        for r in (rows // 4, rows):
+            full = [[0, r, 0, keys_long, 0]]
+            pts.append((r, flops(r * keys_long) / run(full, r, keys_long, backend=dense_be) / 1e12,
+                        2.5 * flops(r * keys_long) / run(full, r, keys_long, True, backend=dense_be) / 1e12))
+        (r1, f1, b1), (r2, f2, b2) = pts
+        out["dense_fwd_tflops"], out["dense_half_rows"] = _fit(r1, f1, r2, f2)
+        out["dense_bwd_tflops"], out["dense_bwd_half_rows"] = _fit(r1, b1, r2, b2)
         sq = 2 * rows  # a square causal piece of the same cell count as the full tile
         causal = [[0, sq, 0, sq, 1]]
-        t_cf = run(causal, sq, sq, backend=dense_be)
-        t_cb = run(causal, sq, sq, backward=True, backend=dense_be)
         c_area = sq * (sq + 1) / 2
-        out["dense_causal_fwd_tflops"] = flops(c_area) / t_cf / 1e12
-        out["dense_causal_bwd_tflops"] = 2.5 * flops(c_area) / t_cb / 1e12
+        cf = flops(c_area) / run(causal, sq, sq, backend=dense_be) / 1e12
+        cb = 2.5 * flops(c_area) / run(causal, sq, sq, True, backend=dense_be) / 1e12
+        out["dense_causal_fwd_tflops"] = cf * (sq + out["dense_half_rows"]) / sq  # the peak at many rows
+        out["dense_causal_bwd_tflops"] = cb * (sq + out["dense_bwd_half_rows"]) / sq
         # fixed cost of one piece beside Triton tiles: a minimum-size dense piece next to one tiny tile,
         # less its FLOPs at the dense rate and the tiny tile's own call
         c = dense_be.config
         mr, mk = int(c.dense_min_rows), int(c.dense_min_keys)
         t_piece = run([[0, mr, 0, mk, 0], [mr, mr + 16, 0, 16, 0]], mr + 16, mk, backend=dense_be)
-        out["dense_piece_us"] = max(0.0, (t_piece - t_launch - flops(mr * mk) / (out["dense_fwd_tflops"] * 1e12)) * 1e6)
+        rate = out["dense_fwd_tflops"] * 1e12 * mr / (mr + out["dense_half_rows"])
+        out["dense_piece_us"] = max(0.0, (t_piece - t_launch - flops(mr * mk) / rate) * 1e6)
         out["dense_min_rows"], out["dense_min_keys"] = mr, mk
     return out
 
@@ -195,6 +249,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU dry run)")
+    ap.add_argument("--seconds", type=float, default=0.5,
+                    help="warm-up and measuring time of each kernel figure (sustained rates; default 0.5)")
     ap.add_argument("--gpus-per-node", type=int, default=None, help="for multi-node runs (default: world)")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -224,7 +280,7 @@ def main(argv=None):
     world = dist.get_world_size() if distributed else 1
     fields["source"] = (f"tools/calibrate.py on {world} x {name}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
                         f"command: {' '.join(sys.argv)}")
-    model = CostModel(**{**base.__dict__, **{k: float(v) if k != "source" else v for k, v in fields.items()}})
+    model = CostModel(**{**base.__dict__, **{k: v if isinstance(v, (str, int)) else float(v) for k, v in fields.items()}})
     if not distributed or dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         model.save(args.out)

@@ -3,18 +3,27 @@
 Every figure is per GPU. ``tools/calibrate.py`` measures them on a machine and writes JSON that
 ``CostModel.load`` reads; the defaults are one such calibration on 4 x H200 (NVLink).
 
-Kernel time of a tile list: ``launch_us + sum(tile_us + flops / (peak * eff))`` where
-``eff = keys / (keys + half_keys)`` and ``keys`` is the mean, over the tile's rows, of the keys each
-row keeps in the whole list (the kernel merges tiles sharing rows): short rows (sliding windows, short
-documents) run below peak because partly filled key blocks and per-row work weigh more. A list whose
-mean kept keys per covered row is below ``long_row_keys`` runs the backend's short-row block shapes,
-with their own fitted peak and half-efficiency keys (``short_*``) when calibrated.
+Kernel time of a tile list (the kernel merges tiles sharing rows, so a row's cost follows the keys it
+keeps over the whole list): ``launch_us + n_tiles * tile_us + (cells + half_keys * rows) / peak`` (in
+FLOPs), i.e. a tile runs at ``peak * keys / (keys + half_keys)`` with ``keys`` the mean kept keys of its
+rows: short rows run below peak because per-row work weighs more. The backend runs a list in one of
+three classes, each with its own block shapes and, when calibrated, its own fitted numbers:
+
+- "long" (mean kept keys per covered row >= ``long_row_keys``): ``fwd_tflops`` / ``bwd_tflops`` /
+  ``half_keys``, ``cells`` = kept cells;
+- "blocky" (short rows whose ``blocky_block`` forward blocks are at least ``blocky_full_fraction`` full:
+  documents, strided blocks, banded blocks) and "short" (the other short lists: sliding windows):
+  ``blocky_*`` / ``short_*``, ``cells`` = the cells of every block the kernel visits, since a partly
+  kept block costs a whole one (forward blocks of the class, ``bwd_block`` backward).
+
 Dense pieces (``dense_fwd_tflops > 0``): the kernel backend runs full rectangles and square causal
 pieces of at least ``dense_min_rows`` x ``dense_min_keys`` on cuDNN (kernels/dense_tiles.py splits a
-bottom-right causal tile into a full rectangle and a square causal piece); those cells cost
-``flops / dense peak`` plus ``dense_piece_us`` and one LSE merge (``merge_bytes_per_row`` per query row
-and head at ``hbm_gbps``) per piece. The rule is restated here (the planner may not import kernels):
-keep the two in step.
+bottom-right causal tile into a full rectangle and a square causal piece; the rest stays on Triton and
+is classed as above); those cells cost ``flops / (dense peak * rows / (rows + dense_half_rows))``
+(narrow pieces run below peak) plus ``dense_piece_us`` and one LSE merge (``merge_bytes_per_row`` per
+query row and head at ``hbm_gbps``) per piece. The rules (dense split, row class, visited blocks) are
+restated here, since the planner may not import kernels: keep the two in step
+(tests/test_cost_model.py checks them against the kernel code).
 Collective time: ``latency_us + intra_bytes / intra_gbps + inter_bytes / inter_gbps`` (per GPU, the
 busiest GPU's bytes of one collective; links of different kinds run concurrently, so it is the max).
 """
@@ -81,6 +90,23 @@ class CostModel:
     short_bwd_tflops: float = 0.0
     short_half_keys: float = 0.0
     long_row_keys: int = 4096
+    short_bwd_half_keys: float = 0.0  # 0: short_half_keys
+    short_block_m: int = 64  # forward block of the short class (the backend's config for the head dim)
+    short_block_n: int = 64
+    # "blocky" class: short lists whose blocky_block forward blocks are mostly full (the backend's
+    # BLOCKY_FULL_FRACTION); 0: the short class's numbers
+    blocky_fwd_tflops: float = 0.0
+    blocky_bwd_tflops: float = 0.0
+    blocky_half_keys: float = 0.0
+    blocky_bwd_half_keys: float = 0.0
+    blocky_block_m: int = 128
+    blocky_block_n: int = 64
+    blocky_full_fraction: float = 0.8
+    bwd_block_m: int = 64  # backward blocks (dQ and dK/dV kernels) of the short and blocky classes
+    bwd_block_n: int = 64
+    # dense pieces with few rows run below the dense peak: rate x rows / (rows + dense_half_rows)
+    dense_half_rows: float = 0.0
+    dense_bwd_half_rows: float = 0.0
     source: str = "default"  # where the numbers came from (calibration file, device)
 
     def save(self, path: str) -> None:
@@ -104,35 +130,73 @@ class CostModel:
         split), i.e. every tile with 1 / key_split of its keys and cells."""
         if len(tiles) == 0:
             return 0.0
+        tiles = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
         split = float(key_split)
-        area, rows = tile_areas(tiles)
-        dense = causal = pieces = np.zeros_like(area)
-        if self.dense_fwd_tflops > 0:
-            dense, pieces, causal = dense_areas(tiles, self.dense_min_rows, self.dense_min_keys * key_split)
-        rest = (area - dense) / split
-        # a kernel program walks every block of its q rows across all tiles, so a row's efficiency
-        # follows the keys it keeps over the whole list (Triton part), not per tile
-        row_cells, covered = _row_keys(tiles, rest, covered=True)
-        keys = row_cells / np.maximum(rows, 1)
-        short = self.short_fwd_tflops > 0 and rest.sum() * split < self.long_row_keys * max(covered, 1)
-        if short:
-            peak = (self.short_bwd_tflops / 2.5 if backward else self.short_fwd_tflops) * 1e12
-            half = self.short_half_keys
-        else:
-            peak = (self.bwd_tflops / 2.5 if backward else self.fwd_tflops) * 1e12
-            half = self.half_keys
-        eff = np.maximum(keys / (keys + half), 1e-3)
         per_flop = 4.0 * work.num_heads * work.head_dim
-        t = self.launch_us * 1e-6 + float((rest > 0).sum()) * self.tile_us * 1e-6 + float((rest * per_flop / (peak * eff)).sum())
-        if pieces.sum() > 0:
-            dpeak = (self.dense_bwd_tflops / 2.5 if backward else self.dense_fwd_tflops) * 1e12
-            cpeak = (self.dense_causal_bwd_tflops / 2.5 if backward else self.dense_causal_fwd_tflops) * 1e12
-            cpeak = cpeak if cpeak > 0 else dpeak
-            merge_rows = float((rows * pieces).sum())
-            dense_t = (float(dense.sum() - causal.sum()) / dpeak + float(causal.sum()) / cpeak) / split * per_flop
-            t += (dense_t + float(pieces.sum()) * self.dense_piece_us * 1e-6
-                  + merge_rows * work.num_heads * work.head_dim * 10.0 / (self.hbm_gbps * 1e9))
-        return t
+        t = self.launch_us * 1e-6
+        rest = tiles
+        if self.dense_fwd_tflops > 0:
+            min_keys = self.dense_min_keys * key_split
+            dense, pieces, causal = dense_areas(tiles, self.dense_min_rows, min_keys)
+            if pieces.sum() > 0:
+                rest = dense_rest(tiles, self.dense_min_rows, min_keys)
+                t += self._dense_time(tiles, dense, pieces, causal, work, backward) / split
+                # one LSE merge per piece (not split: every stage merges its pieces' rows)
+                merge_rows = float(((tiles[:, 1] - tiles[:, 0]) * pieces).sum())
+                t += (float(pieces.sum()) * self.dense_piece_us * 1e-6
+                      + merge_rows * work.num_heads * work.head_dim * 10.0 / (self.hbm_gbps * 1e9))
+        if len(rest) == 0:
+            return t
+        cells, _ = tile_areas(rest)
+        cells = cells / split
+        # a kernel program walks every block of its q rows across all tiles, so a row's cost follows
+        # the keys it keeps over the whole list, not per tile: each tile's share of rows is its cells
+        # over the mean kept keys of its rows
+        row_cells, covered = _row_keys(rest, cells, covered=True)
+        share = np.divide(cells * (rest[:, 1] - rest[:, 0]), row_cells, out=np.zeros_like(cells), where=row_cells > 0)
+        cls = self.row_class(rest, cells.sum() * split, covered)
+        if cls == "long":
+            peak = (self.bwd_tflops / 2.5 if backward else self.fwd_tflops) * 1e12
+            half, work_cells = self.half_keys, cells
+        else:
+            fwd_t, bwd_t, half_f, half_b, bm, bn = (
+                (self.blocky_fwd_tflops, self.blocky_bwd_tflops, self.blocky_half_keys, self.blocky_bwd_half_keys,
+                 self.blocky_block_m, self.blocky_block_n) if cls == "blocky" else
+                (self.short_fwd_tflops, self.short_bwd_tflops, self.short_half_keys, self.short_bwd_half_keys,
+                 self.short_block_m, self.short_block_n))
+            peak = (bwd_t / 2.5 if backward else fwd_t) * 1e12
+            half = (half_b or half_f) if backward else half_f
+            if backward:
+                bm, bn = self.bwd_block_m, self.bwd_block_n
+            visited, _ = block_counts(rest, int(bm), int(bn))
+            work_cells = visited * float(bm * bn) / split
+        n_tiles = float((cells > 0).sum())
+        return t + n_tiles * self.tile_us * 1e-6 + float((work_cells + half * share).sum()) * per_flop / peak
+
+    def row_class(self, tiles: np.ndarray, area: float, covered: int) -> str:
+        """The backend's class of a Triton tile list (kept ``area``, ``covered`` rows): "long" when its rows
+        keep at least ``long_row_keys`` keys on average, else "blocky" when at least
+        ``blocky_full_fraction`` of its visited ``blocky_block`` blocks are full, else "short"; classes
+        that are not calibrated fall back ("blocky" -> "short" -> "long")."""
+        if self.short_fwd_tflops <= 0 or area >= self.long_row_keys * max(covered, 1):
+            return "long"
+        if self.blocky_fwd_tflops > 0:
+            visited, full = block_counts(tiles, int(self.blocky_block_m), int(self.blocky_block_n))
+            if visited.sum() and full.sum() >= self.blocky_full_fraction * visited.sum():
+                return "blocky"
+        return "short"
+
+    def _dense_time(self, tiles, dense, pieces, causal, work: Workload, backward: bool) -> float:
+        """Seconds of the dense (cuDNN) cells of ``tiles`` (whole, not split), narrow pieces below peak."""
+        dpeak = (self.dense_bwd_tflops / 2.5 if backward else self.dense_fwd_tflops) * 1e12
+        cpeak = (self.dense_causal_bwd_tflops / 2.5 if backward else self.dense_causal_fwd_tflops) * 1e12
+        cpeak = cpeak if cpeak > 0 else dpeak
+        half = self.dense_bwd_half_rows if backward else self.dense_half_rows
+        sq, sk = tiles[:, 1] - tiles[:, 0], tiles[:, 3] - tiles[:, 2]
+        rows = np.where(tiles[:, 4] == 1, np.minimum(sq, sk), sq).astype(np.float64)  # a piece's rows
+        slow = (rows + half) / np.maximum(rows, 1.0) if half > 0 else 1.0
+        per_flop = 4.0 * work.num_heads * work.head_dim
+        return float((((dense - causal) / dpeak + causal / cpeak) * slow).sum()) * per_flop
 
     def stage_overhead(self, rows: int, work: Workload, backward: bool = False) -> float:
         """Seconds of one stage's passes over the running output / gradient sums of ``rows`` queries."""
@@ -209,6 +273,63 @@ def dense_areas(tiles: np.ndarray, min_rows: int, min_keys: float) -> tuple[np.n
     pieces = full.astype(np.int64) + c_full + c_sq
     causal = np.where(c_sq, cq * (cq + 1) // 2, 0)
     return cells.astype(np.float64), pieces.astype(np.float64), causal.astype(np.float64)
+
+
+def dense_rest(tiles: np.ndarray, min_rows: int, min_keys: float) -> np.ndarray:
+    """The tiles the dense split leaves to Triton (int [m, 5]), as kernels/dense_tiles.split_dense's rest
+    list: tiles with no dense piece whole (a CAUSAL one without its rows that keep nothing); of a CAUSAL
+    tile with one, the other piece (its full part as a
+    FULL tile, its square part as a CAUSAL one) when that piece is not dense too."""
+    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
+    qs, qe, ks, ke, kind = t.T
+    sq, sk = qe - qs, ke - ks
+    big = lambda r, k: (r >= min_rows) & (k >= min_keys)  # noqa: E731
+    cq = np.minimum(sq, sk)
+    q0 = qe - cq
+    d = sk - cq
+    causal = kind == 1
+    full_ok = causal & (d > 0) & big(cq, d)
+    sq_ok = causal & big(cq, cq)
+    whole = np.where(kind == 0, ~big(sq, sk), ~(full_ok | sq_ok))
+    kept = t[whole].copy()
+    kept[:, 0] = np.where(kept[:, 4] == 1, q0[whole], kept[:, 0])  # causal rows keeping nothing dropped
+    parts = [kept]
+    split = ~whole & causal
+    f = split & (d > 0) & ~full_ok
+    parts.append(np.stack([q0, qe, ks, ks + d, np.zeros_like(kind)], 1)[f])
+    c = split & ~sq_ok
+    parts.append(np.stack([q0, qe, ks + d, ke, np.ones_like(kind)], 1)[c])
+    out = np.concatenate(parts)
+    return out[np.lexsort((out[:, 2], out[:, 0]))] if len(out) else out
+
+
+def block_counts(tiles: np.ndarray, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(visited, full) per tile: its block_m x block_n blocks holding a kept cell (the kernel visits them)
+    and those whose every cell is kept, as kernels/triton_schedule._block_pairs counts them."""
+    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
+    if len(t) == 0:
+        return np.zeros(0), np.zeros(0)
+    qs, qe, ks, ke, kind = t.T
+    big = 1 << 40
+    hi = np.where((kind == 1) | (kind == 3), ke - qe, big)  # lo <= k - q <= hi
+    lo = np.where((kind == 2) | (kind == 3), ks - qs, -big)
+    m0, m1 = qs // block_m, (qe - 1) // block_m + 1
+    cnt = np.maximum(m1 - m0, 0)
+    tid = np.repeat(np.arange(len(t)), cnt)
+    m = np.repeat(m0, cnt) + np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    bq0, bq1 = m * block_m, (m + 1) * block_m - 1
+    r0, r1 = np.maximum(qs[tid], bq0), np.minimum(qe[tid] - 1, bq1)
+    # keys some row of the block keeps form one run (rows' ranges shift by one per row)
+    c0, c1 = np.maximum(ks[tid], r0 + lo[tid]), np.minimum(ke[tid] - 1, r1 + hi[tid])
+    vis = np.where(c1 >= c0, c1 // block_n - c0 // block_n + 1, 0)
+    # a full block: all its rows in the tile and every key of it kept by every row
+    a = np.maximum(ks[tid], lo[tid] + bq1)
+    b = np.minimum(ke[tid] - 1, hi[tid] + bq0)
+    inside = (qs[tid] <= bq0) & (qe[tid] - 1 >= bq1)
+    full = np.where(inside, np.maximum((b + 1) // block_n - 1 - (-(-a // block_n)) + 1, 0), 0)
+    n = len(t)
+    return (np.bincount(tid, vis, minlength=n).astype(np.float64),
+            np.bincount(tid, full, minlength=n).astype(np.float64))
 
 
 def _row_keys(tiles: np.ndarray, cells: np.ndarray, covered: bool = False):
