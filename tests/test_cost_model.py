@@ -8,7 +8,8 @@ import torch
 import megatron_cp as mcp
 from megatron_cp.kernels.dense_tiles import split_dense
 from megatron_cp.masks import builders as M
-from megatron_cp.planner.cost import CostModel, Workload, block_counts, dense_areas, dense_rest, tile_areas
+from megatron_cp.planner.cost import (CostModel, Workload, block_counts, dense_areas, dense_pieces, dense_rest,
+                                     tile_areas)
 from megatron_cp.planner.schedule import choose_num_stages, clip_tiles
 
 
@@ -209,15 +210,25 @@ def test_short_and_blocky_classes_count_visited_blocks():
     assert plain.row_class(win, area, 4096) == "long"
 
 
-def test_dense_pieces_with_few_rows_run_below_peak():
+def test_dense_pieces_cost_per_row_and_key_column():
+    """Dense pieces: cells + dense_half_keys x rows + dense_half_rows x keys at the dense peak; the pieces
+    are those of dense_areas (the kernel split)."""
+    rng = np.random.default_rng(5)
+    tiles = _random_tiles(rng, 300)
+    rows, keys, cells, causal = dense_pieces(tiles, 16, 32)
+    d_cells, d_pieces, d_causal = dense_areas(tiles, 16, 32)
+    assert (len(rows), cells.sum(), cells[causal].sum()) == (d_pieces.sum(), d_cells.sum(), d_causal.sum())
     w = Workload(8, 2, 64, 2)
+    pf = 4.0 * 8 * 64
     base = dict(tile_us=0.0, launch_us=0.0, dense_fwd_tflops=600.0, dense_bwd_tflops=500.0, dense_piece_us=0.0,
-                dense_min_rows=512, dense_min_keys=1024, hbm_gbps=1e12)
-    flat, narrow = CostModel(**base), CostModel(**base, dense_half_rows=256.0, dense_bwd_half_rows=1024.0)
-    for rows in (512, 4096):
-        t = np.array([[0, rows, 0, 8192, 0]])
-        assert narrow.tile_time(t, w) == pytest.approx(flat.tile_time(t, w) * (rows + 256) / rows, rel=1e-6)
-        assert narrow.tile_time(t, w, True) == pytest.approx(flat.tile_time(t, w, True) * (rows + 1024) / rows, rel=1e-6)
+                dense_min_rows=512, dense_min_keys=1024, hbm_gbps=1e30)
+    m = CostModel(**base, dense_half_keys=300.0, dense_half_rows=100.0, dense_bwd_half_keys=700.0, dense_bwd_half_rows=50.0)
+    for r, k in ((512, 8192), (4096, 1024)):
+        t = np.array([[0, r, 0, k, 0]])
+        assert m.tile_time(t, w) == pytest.approx(pf * (r * k + 300.0 * r + 100.0 * k) / 600e12)
+        assert m.tile_time(t, w, True) == pytest.approx(pf * (r * k + 700.0 * r + 50.0 * k) / (500e12 / 2.5))
+        # a key split: each call runs 1 / split of the keys (the per-row term stays)
+        assert m.tile_time(t, w) == pytest.approx(m.tile_time(np.array([[0, r, 0, k * 2, 0]]), w, key_split=2))
 
 
 def test_calibrate_dry_run_writes_a_loadable_model(tmp_path):

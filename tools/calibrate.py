@@ -1,11 +1,11 @@
 """Measure the cost model's numbers on this machine and write them as JSON (``CostModel.load`` reads it).
 
-Kernel (Triton, dense path off), each class on lists the backend really runs in that class (checked):
-"long" full tiles of two key lengths (peak TFLOP/s and half-efficiency keys), "short" sliding windows of
-two widths and "blocky" block-diagonal lists of two block sizes (each class's peak and half-efficiency
-keys, per visited block cell), one tiny tile (launch cost) and many tiny tiles (per-tile cost).
-Dense path (CUDA): cuDNN's forward/backward rate on full pieces of two row counts (peak and
-half-efficiency rows), on a square causal piece, and the fixed cost of one dense piece beside Triton
+Kernel (Triton, dense path off), each row class on two lists the backend really runs in that class
+(checked): "long" bands of 4096 and 16384 keys per row, "short" bands of 256 and 1024, "blocky"
+block-diagonal lists of 512 and 2048 (each class's peak and half-efficiency keys; short and blocky
+per visited block cell); one tiny tile (launch cost) and many tiny tiles (per-tile cost).
+Dense path (CUDA): cuDNN's forward/backward on full pieces of three shapes (peak, per-row and
+per-key-column terms), on a square causal piece, and the fixed cost of one dense piece beside Triton
 tiles. Every kernel time is sustained: a warm-up of ``--seconds`` then repeats for ``--seconds`` (short
 bursts run at boost clocks that a training step does not keep), on inputs of the benchmarks' scale.
 Communication (when started under torchrun with several ranks): all_to_all_single time for small
@@ -54,16 +54,6 @@ def _time(fn, device, reps, seconds=0.0):
     return (time.perf_counter() - t0) / n
 
 
-def _fit(k1, r1, k2, r2):
-    """(peak, half) of r(k) = peak * k / (k + half) through two points; half 0 when the slower point is
-    not the one with fewer keys (no half-efficiency measurable)."""
-    if k1 > k2:
-        k1, r1, k2, r2 = k2, r2, k1, r1
-    h = (r2 - r1) / (r1 / k1 - r2 / k2) if r1 < r2 and r1 / k1 != r2 / k2 else 0.0
-    h = max(h, 0.0)
-    return r2 * (k2 + h) / k2, h
-
-
 def _kernel(args, device, work: Workload):
     """Triton numbers (dense path off), then, on CUDA, the dense (cuDNN) path's."""
     be = kernels.get_backend(args.backend, device)
@@ -74,7 +64,7 @@ def _kernel(args, device, work: Workload):
         dense_be, be = be, TritonBackend(TritonConfig(dense_fast_path=False))
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     hq, hkv, d = work.num_heads, work.num_kv_heads, work.head_dim
-    rows = 256 if args.tiny else 8192
+    rows = 256 if args.tiny else 16384
     keys_long = 512 if args.tiny else 16384
     reps = 2 if args.tiny else 10
     secs = 0.0 if args.tiny else args.seconds
@@ -91,31 +81,25 @@ def _kernel(args, device, work: Workload):
         do = torch.randn_like(out)
         return _time(lambda: backend.backward(q, k, v, out, lse, do, prep, None, None), device, reps, secs)
 
-    from megatron_cp.masks import sliding_window
     from megatron_cp.planner.cost import block_counts, tile_areas
-    from megatron_cp.planner.schedule import clip_tiles
 
-    flops = lambda area: work.fwd_flops(area)  # noqa: E731
+    per_flop = work.fwd_flops(1.0)
     out = {}
-    # "long": full tiles of two key lengths (both at least the long-row threshold)
-    pts = []
-    for keys in ((keys_long // 4, keys_long)):
-        t = [[0, rows, 0, keys, 0]]
-        pts.append((keys, flops(rows * keys) / run(t, rows, keys, row_class="long") / 1e12,
-                    2.5 * flops(rows * keys) / run(t, rows, keys, True, row_class="long") / 1e12))
-    (k1, f1, b1), (k2, f2, b2) = pts
-    out["fwd_tflops"], out["half_keys"] = _fit(k1, f1, k2, f2)
-    out["bwd_tflops"] = b2 * (k2 + out["half_keys"]) / k2
     t_launch = run([[0, 16, 0, 16, 0]], 16, 16)
     many = [[i, i + 16, i, i + 16, 0] for i in range(0, 16 * 64, 16)]
     t_many = run(many, 16 * 64, 16 * 64)
     out.update(launch_us=t_launch * 1e6, tile_us=max(0.0, (t_many - t_launch) / 63 * 1e6))
-    # "short" (sliding windows) and "blocky" (block-diagonal lists, every block full): time per visited
-    # block cell, t = (visited cells + half * rows) / peak, from two lists of each class
+
+    def band(w):  # every row keeps w + 1 keys (k - q in [0, w]): one BI_CAUSAL tile
+        return [[0, rows, 0, rows + w, 3]]
+
+    # Triton classes, each from two lists the backend runs in it: t = (cells + half * rows) / peak, cells
+    # kept ("long": bands of 4096 and 16384 keys) or of every visited block ("short": bands of 256 and
+    # 1024 keys, mostly partial blocks; "blocky": block-diagonal lists of 512 and 2048, all blocks full)
     hd = work.head_dim
     lists = {
-        "short": [clip_tiles(sliding_window(rows, w, 0).traps, None, [[0, rows]]).tolist()
-                  for w in ((16, 96) if args.tiny else (256, 1024))],
+        "long": [band(w) for w in ((128, 512) if args.tiny else (4096, 16384))],
+        "short": [band(w) for w in ((16, 96) if args.tiny else (256, 1024))],
         "blocky": [[[i, i + b, i, i + b, 0] for i in range(0, rows, b)] for b in ((128, 256) if args.tiny else (512, 2048))],
     }
     for cls, pair in lists.items():
@@ -124,59 +108,76 @@ def _kernel(args, device, work: Workload):
             fwd_blk, bwd_blk = (stc.fwd.block_m, stc.fwd.block_n), (stc.dq.block_m, stc.dq.block_n)
         else:  # another backend (CPU dry run): the model's default blocks
             cm = CostModel()
-            fwd_blk = (getattr(cm, f"{cls}_block_m"), getattr(cm, f"{cls}_block_n"))
+            fwd_blk = (getattr(cm, f"{cls}_block_m", 128), getattr(cm, f"{cls}_block_n", 128))
             bwd_blk = (cm.bwd_block_m, cm.bwd_block_n)
-        eq = []
+        rf, rb = [], []
         for tl in pair:
             tn = np.array(tl, dtype=np.int64)
-            area = float(tile_areas(tn)[0].sum())
-            tf, tb = run(tl, rows, rows, row_class=cls), run(tl, rows, rows, True, row_class=cls)
-            vf = float(block_counts(tn, *fwd_blk)[0].sum()) * fwd_blk[0] * fwd_blk[1]
-            vb = float(block_counts(tn, *bwd_blk)[0].sum()) * bwd_blk[0] * bwd_blk[1]
-            # kernel time less launch, in FLOP units: flops(visited)/peak + flops(half * rows)/peak
-            eq.append((vf, vb, rows, flops(1.0) / max(tf - t_launch, 1e-9), 2.5 * flops(1.0) / max(tb - t_launch, 1e-9), area))
-        res = {}
-        for ph, vi, ri in (("fwd", 0, 3), ("bwd", 1, 4)):
-            # 1 / rate_i = (v_i + h * rows) / peak  ->  linear in (1 / peak, h / peak)
-            A = np.array([[e[vi], e[2]] for e in eq])
-            y = np.array([1.0 / e[ri] for e in eq])
-            if abs(np.linalg.det(A / A.max(0))) < 1e-6:
-                raise RuntimeError(f"the two {cls!r} calibration lists visit the same blocks per row: {A.tolist()}")
-            inv_peak, h_over = np.linalg.solve(A, y)
-            if inv_peak <= 0 or h_over < 0:  # noisy points (tiny CPU runs): no half, the bigger list's rate
-                j = int(np.argmax(A[:, 0]))
-                inv_peak, h_over = y[j] / A[j, 0], 0.0
-            res[ph] = (1.0 / inv_peak / 1e12, h_over / inv_peak)
-        out[f"{cls}_fwd_tflops"], out[f"{cls}_half_keys"] = res["fwd"]
-        out[f"{cls}_bwd_tflops"], out[f"{cls}_bwd_half_keys"] = res["bwd"]
-        out[f"{cls}_block_m"], out[f"{cls}_block_n"] = fwd_blk
-        out["bwd_block_m"], out["bwd_block_n"] = bwd_blk
+            sk = int(tn[:, 3].max())
+            tf = run(tl, rows, sk, row_class=cls) - t_launch
+            tb = run(tl, rows, sk, True, row_class=cls) - t_launch
+            if cls == "long":
+                cf = cb = float(tile_areas(tn)[0].sum())
+            else:
+                cf = float(block_counts(tn, *fwd_blk)[0].sum()) * fwd_blk[0] * fwd_blk[1]
+                cb = float(block_counts(tn, *bwd_blk)[0].sum()) * bwd_blk[0] * bwd_blk[1]
+            rf.append(([cf, rows], tf / per_flop))
+            rb.append(([cb, rows], tb / (2.5 * per_flop)))
+        pre = "" if cls == "long" else f"{cls}_"
+        (peak_f, half_f), (peak_b, half_b) = _linear_fit(rf, cls), _linear_fit(rb, cls)
+        out[f"{pre}fwd_tflops"], out[f"{pre}bwd_tflops"] = peak_f / 1e12, peak_b / 1e12
+        if cls == "long":  # one half-efficiency for both phases
+            out["half_keys"] = half_f[0]
+            out["bwd_tflops"] = _linear_fit(rb, cls, fixed=half_f)[0] / 1e12
+        else:
+            out[f"{cls}_half_keys"], out[f"{cls}_bwd_half_keys"] = half_f[0], half_b[0]
+            out[f"{cls}_block_m"], out[f"{cls}_block_n"] = fwd_blk
+            out["bwd_block_m"], out["bwd_block_n"] = bwd_blk
     if dense_be is not None:
-        # full pieces of two row counts: rate(rows) = peak * rows / (rows + half_rows)
-        pts = []
-        for r in (rows // 4, rows):
-            full = [[0, r, 0, keys_long, 0]]
-            pts.append((r, flops(r * keys_long) / run(full, r, keys_long, backend=dense_be) / 1e12,
-                        2.5 * flops(r * keys_long) / run(full, r, keys_long, True, backend=dense_be) / 1e12))
-        (r1, f1, b1), (r2, f2, b2) = pts
-        out["dense_fwd_tflops"], out["dense_half_rows"] = _fit(r1, f1, r2, f2)
-        out["dense_bwd_tflops"], out["dense_bwd_half_rows"] = _fit(r1, b1, r2, b2)
-        sq = 2 * rows  # a square causal piece of the same cell count as the full tile
-        causal = [[0, sq, 0, sq, 1]]
-        c_area = sq * (sq + 1) / 2
-        cf = flops(c_area) / run(causal, sq, sq, backend=dense_be) / 1e12
-        cb = 2.5 * flops(c_area) / run(causal, sq, sq, True, backend=dense_be) / 1e12
-        out["dense_causal_fwd_tflops"] = cf * (sq + out["dense_half_rows"]) / sq  # the peak at many rows
-        out["dense_causal_bwd_tflops"] = cb * (sq + out["dense_bwd_half_rows"]) / sq
+        # full pieces: cells + half_keys * rows + half_rows * keys at the peak, from three shapes
+        big_k = 4 * keys_long
+        pf, pb = [], []
+        for r, kk in ((rows // 2, big_k), (rows // 8, big_k), (rows // 2, keys_long)):
+            full = [[0, r, 0, kk, 0]]
+            pf.append(([r * kk, r, kk], run(full, r, kk, backend=dense_be) / per_flop))
+            pb.append(([r * kk, r, kk], run(full, r, kk, True, backend=dense_be) / (2.5 * per_flop)))
+        (peak_f, (hk_f, hr_f)), (peak_b, (hk_b, hr_b)) = _linear_fit(pf, "dense"), _linear_fit(pb, "dense")
+        out.update(dense_fwd_tflops=peak_f / 1e12, dense_half_keys=hk_f, dense_half_rows=hr_f,
+                   dense_bwd_tflops=peak_b / 1e12, dense_bwd_half_keys=hk_b, dense_bwd_half_rows=hr_b)
+        n = 2 * rows  # a square causal piece: its own peak, with the full pieces' row and key terms
+        causal = [[0, n, 0, n, 1]]
+        c_area = n * (n + 1) / 2
+        out["dense_causal_fwd_tflops"] = (c_area + (hk_f + hr_f) * n) * per_flop / run(causal, n, n, backend=dense_be) / 1e12
+        out["dense_causal_bwd_tflops"] = (c_area + (hk_b + hr_b) * n) * 2.5 * per_flop / run(
+            causal, n, n, True, backend=dense_be) / 1e12
         # fixed cost of one piece beside Triton tiles: a minimum-size dense piece next to one tiny tile,
-        # less its FLOPs at the dense rate and the tiny tile's own call
+        # less the piece's time in the model and the tiny tile's own call
         c = dense_be.config
         mr, mk = int(c.dense_min_rows), int(c.dense_min_keys)
         t_piece = run([[0, mr, 0, mk, 0], [mr, mr + 16, 0, 16, 0]], mr + 16, mk, backend=dense_be)
-        rate = out["dense_fwd_tflops"] * 1e12 * mr / (mr + out["dense_half_rows"])
-        out["dense_piece_us"] = max(0.0, (t_piece - t_launch - flops(mr * mk) / rate) * 1e6)
+        model_t = (mr * mk + hk_f * mr + hr_f * mk) * per_flop / peak_f
+        out["dense_piece_us"] = max(0.0, (t_piece - t_launch - model_t) * 1e6)
         out["dense_min_rows"], out["dense_min_keys"] = mr, mk
     return out
+
+
+def _linear_fit(points, what, fixed=None):
+    """(peak FLOP/s, [half terms]) of t = (cells + sum(half_i * x_i)) / peak through ``points`` = [([cells,
+    x_1, ...], t / flops per cell)], solved exactly (as many points as unknowns); ``fixed``: the half
+    terms given, the peak from the point with the most cells. Noisy points that give a negative term
+    (tiny CPU runs) fall back to no half terms."""
+    A = np.array([p[0] for p in points], dtype=np.float64)
+    y = np.array([p[1] for p in points], dtype=np.float64)
+    j = int(np.argmax(A[:, 0]))
+    if fixed is not None:
+        return (A[j, 0] + float(np.dot(fixed, A[j, 1:]))) / y[j], list(fixed)
+    scaled = A / A.max(0)
+    if abs(np.linalg.det(scaled)) < 1e-6:
+        raise RuntimeError(f"the {what!r} calibration shapes do not separate the cost terms: {A.tolist()}")
+    x = np.linalg.solve(A, y)  # [1 / peak, half_1 / peak, ...]
+    if x[0] <= 0 or (x[1:] < 0).any():
+        return A[j, 0] / y[j], [0.0] * (A.shape[1] - 1)
+    return 1.0 / x[0], (x[1:] / x[0]).tolist()
 
 
 def _links(args, device):

@@ -19,8 +19,9 @@ three classes, each with its own block shapes and, when calibrated, its own fitt
 Dense pieces (``dense_fwd_tflops > 0``): the kernel backend runs full rectangles and square causal
 pieces of at least ``dense_min_rows`` x ``dense_min_keys`` on cuDNN (kernels/dense_tiles.py splits a
 bottom-right causal tile into a full rectangle and a square causal piece; the rest stays on Triton and
-is classed as above); those cells cost ``flops / (dense peak * rows / (rows + dense_half_rows))``
-(narrow pieces run below peak) plus ``dense_piece_us`` and one LSE merge (``merge_bytes_per_row`` per
+is classed as above); a piece of ``rows`` x ``keys`` costs
+``flops(cells + dense_half_keys * rows + dense_half_rows * keys) / dense peak`` (short and narrow pieces
+run below peak: per-row and per-key-column work) plus ``dense_piece_us`` and one LSE merge (``merge_bytes_per_row`` per
 query row and head at ``hbm_gbps``) per piece. The rules (dense split, row class, visited blocks) are
 restated here, since the planner may not import kernels: keep the two in step
 (tests/test_cost_model.py checks them against the kernel code).
@@ -104,7 +105,10 @@ class CostModel:
     blocky_full_fraction: float = 0.8
     bwd_block_m: int = 64  # backward blocks (dQ and dK/dV kernels) of the short and blocky classes
     bwd_block_n: int = 64
-    # dense pieces with few rows run below the dense peak: rate x rows / (rows + dense_half_rows)
+    # dense pieces with few keys or few rows run below the dense peak: a piece costs
+    # cells + dense_half_keys * rows + dense_half_rows * keys cells at the peak
+    dense_half_keys: float = 0.0
+    dense_bwd_half_keys: float = 0.0
     dense_half_rows: float = 0.0
     dense_bwd_half_rows: float = 0.0
     source: str = "default"  # where the numbers came from (calibration file, device)
@@ -140,7 +144,7 @@ class CostModel:
             dense, pieces, causal = dense_areas(tiles, self.dense_min_rows, min_keys)
             if pieces.sum() > 0:
                 rest = dense_rest(tiles, self.dense_min_rows, min_keys)
-                t += self._dense_time(tiles, dense, pieces, causal, work, backward) / split
+                t += self._dense_time(tiles, min_keys, work, backward, split)
                 # one LSE merge per piece (not split: every stage merges its pieces' rows)
                 merge_rows = float(((tiles[:, 1] - tiles[:, 0]) * pieces).sum())
                 t += (float(pieces.sum()) * self.dense_piece_us * 1e-6
@@ -186,17 +190,17 @@ class CostModel:
                 return "blocky"
         return "short"
 
-    def _dense_time(self, tiles, dense, pieces, causal, work: Workload, backward: bool) -> float:
-        """Seconds of the dense (cuDNN) cells of ``tiles`` (whole, not split), narrow pieces below peak."""
+    def _dense_time(self, tiles, min_keys: float, work: Workload, backward: bool, split: float) -> float:
+        """Seconds of the dense (cuDNN) pieces of ``tiles``, each with 1 / ``split`` of its keys."""
         dpeak = (self.dense_bwd_tflops / 2.5 if backward else self.dense_fwd_tflops) * 1e12
         cpeak = (self.dense_causal_bwd_tflops / 2.5 if backward else self.dense_causal_fwd_tflops) * 1e12
         cpeak = cpeak if cpeak > 0 else dpeak
-        half = self.dense_bwd_half_rows if backward else self.dense_half_rows
-        sq, sk = tiles[:, 1] - tiles[:, 0], tiles[:, 3] - tiles[:, 2]
-        rows = np.where(tiles[:, 4] == 1, np.minimum(sq, sk), sq).astype(np.float64)  # a piece's rows
-        slow = (rows + half) / np.maximum(rows, 1.0) if half > 0 else 1.0
+        hk = self.dense_bwd_half_keys if backward else self.dense_half_keys
+        hr = self.dense_bwd_half_rows if backward else self.dense_half_rows
+        rows, keys, cells, causal = dense_pieces(tiles, self.dense_min_rows, min_keys)
+        eq = (cells + hr * keys) / split + hk * rows
         per_flop = 4.0 * work.num_heads * work.head_dim
-        return float((((dense - causal) / dpeak + causal / cpeak) * slow).sum()) * per_flop
+        return float(np.where(causal, eq / cpeak, eq / dpeak).sum()) * per_flop
 
     def stage_overhead(self, rows: int, work: Workload, backward: bool = False) -> float:
         """Seconds of one stage's passes over the running output / gradient sums of ``rows`` queries."""
@@ -273,6 +277,23 @@ def dense_areas(tiles: np.ndarray, min_rows: int, min_keys: float) -> tuple[np.n
     pieces = full.astype(np.int64) + c_full + c_sq
     causal = np.where(c_sq, cq * (cq + 1) // 2, 0)
     return cells.astype(np.float64), pieces.astype(np.float64), causal.astype(np.float64)
+
+
+def dense_pieces(tiles: np.ndarray, min_rows: int, min_keys: float):
+    """The dense pieces of ``tiles`` as arrays over pieces: (rows, keys, cells, causal) (float, bool);
+    the pieces of kernels/dense_tiles.split_dense (see ``dense_areas``)."""
+    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
+    sq, sk, kind = t[:, 1] - t[:, 0], t[:, 3] - t[:, 2], t[:, 4]
+    full = (kind == 0) & (sq >= min_rows) & (sk >= min_keys)
+    cq = np.minimum(sq, sk)
+    d = sk - cq
+    c_full = (kind == 1) & (d > 0) & (cq >= min_rows) & (d >= min_keys)
+    c_sq = (kind == 1) & (cq >= min_rows) & (cq >= min_keys)
+    rows = np.concatenate([sq[full], cq[c_full], cq[c_sq]]).astype(np.float64)
+    keys = np.concatenate([sk[full], d[c_full], cq[c_sq]]).astype(np.float64)
+    causal = np.concatenate([np.zeros(int(full.sum()) + int(c_full.sum()), bool), np.ones(int(c_sq.sum()), bool)])
+    cells = np.where(causal, rows * (rows + 1) / 2, rows * keys)
+    return rows, keys, cells, causal
 
 
 def dense_rest(tiles: np.ndarray, min_rows: int, min_keys: float) -> np.ndarray:
