@@ -247,3 +247,19 @@ def test_calibrate_dry_run_writes_a_loadable_model(tmp_path):
         assert 0 < getattr(m, f) < 1e4, (f, getattr(m, f))
     assert m.launch_us > 0 and m.source.startswith("tools/calibrate.py on 1 x cpu")
     assert (m.short_block_m, m.blocky_block_m, m.bwd_block_m) == (64, 128, 64)
+
+
+def test_dense_pieces_pay_for_partial_waves():
+    """With num_sms, a dense piece of few rows x heads forward (keys x heads backward) runs in whole waves:
+    512 rows x 8 heads = 32 programs on 132 multiprocessors take as long as 132 would."""
+    w8 = Workload(8, 8, 128, 2)
+    base = dict(tile_us=0.0, launch_us=0.0, dense_fwd_tflops=600.0, dense_bwd_tflops=500.0, dense_piece_us=0.0,
+                dense_min_rows=512, dense_min_keys=1024, hbm_gbps=1e30)
+    flat, waves = CostModel(**base), CostModel(**base, num_sms=132)
+    narrow = np.array([[0, 512, 0, 65536, 0]])
+    assert waves.tile_time(narrow, w8) == pytest.approx(flat.tile_time(narrow, w8) * 132 / 32)
+    # backward: 512 key blocks x 8 = 4096 programs in 32 waves of 132
+    assert waves.tile_time(narrow, w8, True) == pytest.approx(flat.tile_time(narrow, w8, True) * 32 * 132 / 4096)
+    wide = np.array([[0, 128 * 33, 0, 65536, 0]])  # 33 x 8 = 264 programs: two whole waves
+    assert waves.tile_time(wide, w8) == pytest.approx(flat.tile_time(wide, w8))
+    assert float(waves.wave_efficiency(133 * 128, 1)) == pytest.approx(133 / 264)

@@ -10,7 +10,8 @@ tiles. Every kernel time is sustained: a warm-up of ``--seconds`` then repeats f
 bursts run at boost clocks that a training step does not keep), on inputs of the benchmarks' scale.
 Communication (when started under torchrun with several ranks): all_to_all_single time for small
 messages (latency) and large ones (bandwidth), inside a node and, with several nodes, across them;
-and the fixed time of a whole megatron-cp call on a tiny mask (call_fwd_us / call_bwd_us).
+and the fixed time of a whole megatron-cp call on a tiny mask (call_fwd_us / call_bwd_us) and what guest
+rows add to it (guest_call_fwd_us / guest_call_bwd_us).
 
     python tools/calibrate.py --out benchmarks/cost_model.json                     # one GPU, kernels only
     torchrun --nproc-per-node 4 tools/calibrate.py --out benchmarks/cost_model.json  # plus NCCL links
@@ -136,26 +137,30 @@ def _kernel(args, device, work: Workload):
     if dense_be is not None:
         # full pieces: cells + half_keys * rows + half_rows * keys at the peak, from three shapes
         big_k = 4 * keys_long
+        # the pieces' wave efficiency on this GPU, as the model applies it
+        waves = CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
         pf, pb = [], []
         for r, kk in ((rows // 2, big_k), (rows // 8, big_k), (rows // 2, keys_long)):
             full = [[0, r, 0, kk, 0]]
-            pf.append(([r * kk, r, kk], run(full, r, kk, backend=dense_be) / per_flop))
-            pb.append(([r * kk, r, kk], run(full, r, kk, True, backend=dense_be) / (2.5 * per_flop)))
+            ef, eb = float(waves.wave_efficiency(r, hq)), float(waves.wave_efficiency(kk, hq))
+            pf.append(([r * kk, r, kk], run(full, r, kk, backend=dense_be) * ef / per_flop))
+            pb.append(([r * kk, r, kk], run(full, r, kk, True, backend=dense_be) * eb / (2.5 * per_flop)))
         (peak_f, (hk_f, hr_f)), (peak_b, (hk_b, hr_b)) = _linear_fit(pf, "dense"), _linear_fit(pb, "dense")
         out.update(dense_fwd_tflops=peak_f / 1e12, dense_half_keys=hk_f, dense_half_rows=hr_f,
                    dense_bwd_tflops=peak_b / 1e12, dense_bwd_half_keys=hk_b, dense_bwd_half_rows=hr_b)
         n = 2 * rows  # a square causal piece: its own peak, with the full pieces' row and key terms
         causal = [[0, n, 0, n, 1]]
         c_area = n * (n + 1) / 2
-        out["dense_causal_fwd_tflops"] = (c_area + (hk_f + hr_f) * n) * per_flop / run(causal, n, n, backend=dense_be) / 1e12
+        en = float(waves.wave_efficiency(n, hq))
+        out["dense_causal_fwd_tflops"] = (c_area + (hk_f + hr_f) * n) * per_flop / run(causal, n, n, backend=dense_be) / en / 1e12
         out["dense_causal_bwd_tflops"] = (c_area + (hk_b + hr_b) * n) * 2.5 * per_flop / run(
-            causal, n, n, True, backend=dense_be) / 1e12
+            causal, n, n, True, backend=dense_be) / en / 1e12
         # fixed cost of one piece beside Triton tiles: a minimum-size dense piece next to one tiny tile,
         # less the piece's time in the model and the tiny tile's own call
         c = dense_be.config
         mr, mk = int(c.dense_min_rows), int(c.dense_min_keys)
         t_piece = run([[0, mr, 0, mk, 0], [mr, mr + 16, 0, 16, 0]], mr + 16, mk, backend=dense_be)
-        model_t = (mr * mk + hk_f * mr + hr_f * mk) * per_flop / peak_f
+        model_t = (mr * mk + hk_f * mr + hr_f * mk) * per_flop / peak_f / float(waves.wave_efficiency(mr, hq))
         out["dense_piece_us"] = max(0.0, (t_piece - t_launch - model_t) * 1e6)
         out["dense_min_rows"], out["dense_min_keys"] = mr, mk
     return out
@@ -208,40 +213,51 @@ def _links(args, device):
 
 
 def _call(args, device, work: Workload, fields: dict):
-    """(call_fwd_us, call_bwd_us): the fixed time of one megatron-cp attention call timed alone (synced
-    before and after, as a training step's calls are when nothing else is queued): a tiny causal mask
-    through the whole runtime, less the tiny kernel's call (launch_us) and one collective's latency."""
+    """(call_fwd_us, call_bwd_us, guest_fwd_us, guest_bwd_us): the fixed time of one megatron-cp attention
+    call timed alone (synced before and after, as a training step's calls are when nothing else is
+    queued): a tiny causal mask through the whole runtime, less the tiny kernel's call (launch_us) and one
+    collective's latency; and what guest rows add to it (a tiny global + local mask whose global rows
+    travel, less the same mask without guest rows)."""
     import megatron_cp as mcp
     from megatron_cp import masks
 
     world, rank = dist.get_world_size(), dist.get_rank()
     s = 64 * world
-    plan = mcp.plan(masks.causal(s), world)
-    n = plan.num_local(rank)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
-    g = torch.Generator(device="cpu").manual_seed(rank)
-    q, k, v = ((torch.randn(n, h, work.head_dim, generator=g) * 0.5).to(device, dt).requires_grad_()
-               for h in (work.num_heads, work.num_kv_heads, work.num_kv_heads))
-    do = torch.randn(n, work.num_heads, work.head_dim, generator=g).to(device, dt)
     be = kernels.get_backend(args.backend, device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    tf, tb = [], []
-    for i in range(3 + (3 if args.tiny else 30)):
-        sync()
-        dist.barrier()
-        t0 = time.perf_counter()
-        out, _ = mcp.attention(q, k, v, plan, dist.group.WORLD, backend=be, stages=0)
-        sync()
-        t1 = time.perf_counter()
-        out.backward(do)
-        sync()
-        t2 = time.perf_counter()
-        q.grad = k.grad = v.grad = None
-        if i >= 3:
-            tf.append(t1 - t0)
-            tb.append(t2 - t1)
+
+    def timed(plan):
+        n = plan.num_local(rank)
+        g = torch.Generator(device="cpu").manual_seed(rank)
+        q, k, v = ((torch.randn(n, h, work.head_dim, generator=g) * 0.5).to(device, dt).requires_grad_()
+                   for h in (work.num_heads, work.num_kv_heads, work.num_kv_heads))
+        do = torch.randn(n, work.num_heads, work.head_dim, generator=g).to(device, dt)
+        tf, tb = [], []
+        for i in range(3 + (3 if args.tiny else 30)):
+            sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            out, _ = mcp.attention(q, k, v, plan, dist.group.WORLD, backend=be, stages=0)
+            sync()
+            t1 = time.perf_counter()
+            out.backward(do)
+            sync()
+            t2 = time.perf_counter()
+            q.grad = k.grad = v.grad = None
+            if i >= 3:
+                tf.append(t1 - t0)
+                tb.append(t2 - t1)
+        return float(np.median(tf)) * 1e6, float(np.median(tb)) * 1e6
+
+    cf, cb = timed(mcp.plan(masks.causal(s), world))
     base = fields.get("launch_us", CostModel.launch_us) + fields.get("latency_us", CostModel.latency_us)
-    return (max(0.0, float(np.median(tf)) * 1e6 - base), max(0.0, float(np.median(tb)) * 1e6 - base))
+    gl = masks.global_local(s, 16, 1, 1)
+    with_g = mcp.plan(gl, world, guest_rows=[[0, 16]])
+    assert with_g.has_guests
+    gf, gb = timed(with_g)
+    nf, nb = timed(mcp.plan(gl, world, guest_rows="none"))
+    return max(0.0, cf - base), max(0.0, cb - base), max(0.0, gf - nf), max(0.0, gb - nb)
 
 
 def main(argv=None):
@@ -276,7 +292,10 @@ def main(argv=None):
             fields["intra_gbps"] = intra
         if inter is not None:
             fields["inter_gbps"] = inter
-        fields["call_fwd_us"], fields["call_bwd_us"] = _call(args, device, work, fields)
+        (fields["call_fwd_us"], fields["call_bwd_us"],
+         fields["guest_call_fwd_us"], fields["guest_call_bwd_us"]) = _call(args, device, work, fields)
+    if device.type == "cuda":
+        fields["num_sms"] = torch.cuda.get_device_properties(device).multi_processor_count
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     world = dist.get_world_size() if distributed else 1
     fields["source"] = (f"tools/calibrate.py on {world} x {name}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "

@@ -21,7 +21,7 @@ pieces of at least ``dense_min_rows`` x ``dense_min_keys`` on cuDNN (kernels/den
 bottom-right causal tile into a full rectangle and a square causal piece; the rest stays on Triton and
 is classed as above); a piece of ``rows`` x ``keys`` costs
 ``flops(cells + dense_half_keys * rows + dense_half_rows * keys) / dense peak`` (short and narrow pieces
-run below peak: per-row and per-key-column work) plus ``dense_piece_us`` and one LSE merge (``merge_bytes_per_row`` per
+run below peak: per-row and per-key-column work), over the piece's wave efficiency (``num_sms``), plus ``dense_piece_us`` and one LSE merge (``merge_bytes_per_row`` per
 query row and head at ``hbm_gbps``) per piece. The rules (dense split, row class, visited blocks) are
 restated here, since the planner may not import kernels: keep the two in step
 (tests/test_cost_model.py checks them against the kernel code).
@@ -111,6 +111,14 @@ class CostModel:
     dense_bwd_half_keys: float = 0.0
     dense_half_rows: float = 0.0
     dense_bwd_half_rows: float = 0.0
+    # a dense piece runs ceil(rows / dense_block) x Hq programs forward (ceil(keys / dense_block) x Hq
+    # backward) in waves over num_sms multiprocessors: a last partial wave idles the rest (few heads
+    # and rows, as Ulysses' head groups have); 0: not modelled
+    num_sms: int = 0
+    dense_block: int = 128
+    # host time the guest-row path adds to a call timed alone (its collectives, kernel call, merges)
+    guest_call_fwd_us: float = 0.0
+    guest_call_bwd_us: float = 0.0
     source: str = "default"  # where the numbers came from (calibration file, device)
 
     def save(self, path: str) -> None:
@@ -198,9 +206,18 @@ class CostModel:
         hk = self.dense_bwd_half_keys if backward else self.dense_half_keys
         hr = self.dense_bwd_half_rows if backward else self.dense_half_rows
         rows, keys, cells, causal = dense_pieces(tiles, self.dense_min_rows, min_keys)
-        eq = (cells + hr * keys) / split + hk * rows
+        eq = ((cells + hr * keys) / split + hk * rows) / self.wave_efficiency(
+            (keys / split) if backward else rows, work.num_heads)
         per_flop = 4.0 * work.num_heads * work.head_dim
         return float(np.where(causal, eq / cpeak, eq / dpeak).sum()) * per_flop
+
+    def wave_efficiency(self, extent, heads: int):
+        """Fraction of the multiprocessors' time a dense piece uses: ``ceil(extent / dense_block) x heads``
+        programs in whole waves of ``num_sms`` (1 when ``num_sms`` is 0)."""
+        if self.num_sms <= 0:
+            return 1.0
+        progs = np.ceil(np.asarray(extent, dtype=np.float64) / self.dense_block) * heads
+        return progs / (np.ceil(progs / self.num_sms) * self.num_sms)
 
     def stage_overhead(self, rows: int, work: Workload, backward: bool = False) -> float:
         """Seconds of one stage's passes over the running output / gradient sums of ``rows`` queries."""
