@@ -116,9 +116,6 @@ class CostModel:
     # and rows, as Ulysses' head groups have); 0: not modelled
     num_sms: int = 0
     dense_block: int = 128
-    # host time the guest-row path adds to a call timed alone (its collectives, kernel call, merges)
-    guest_call_fwd_us: float = 0.0
-    guest_call_bwd_us: float = 0.0
     source: str = "default"  # where the numbers came from (calibration file, device)
 
     def save(self, path: str) -> None:

@@ -191,16 +191,15 @@ def predict(plan, cost, work: Workload) -> dict:
     kb = max(cost.tile_time(rp.guest_tiles, work, backward=True) for rp in plan.ranks)
     # the partials / dq travel back while the own tiles compute: only their latency is exposed
     lat = cost.latency_us * 1e-6
-    return {"fwd_s": t["guest_q"] + kf + min(t["guest_out"], lat) + cost.guest_call_fwd_us * 1e-6,
-            "bwd_s": t["guest_dout"] + t["guest_lse"] + kb + min(t["guest_dq"], lat) + cost.guest_call_bwd_us * 1e-6}
+    return {"fwd_s": t["guest_q"] + kf + min(t["guest_out"], lat),
+            "bwd_s": t["guest_dout"] + t["guest_lse"] + kb + min(t["guest_dq"], lat)}
 
 
 def fixed_units(cost=None, work: Workload | None = None) -> float:
-    """The guest path's fixed time (one more kernel call each way, five more collectives, and the host
-    time it adds when calibrated) in key
+    """The guest path's fixed time (one more kernel call each way, five more collectives) in key
     tokens' units at the intra-node bandwidth of ``cost`` (default: ``CostModel()``'s calibrated 4 x H200
     figures, about 15k tokens): a plan's guests must save more than this."""
     cost = cost or CostModel()
     work = work or Workload()
-    t = (2 * cost.launch_us + 5 * cost.latency_us + cost.guest_call_fwd_us + cost.guest_call_bwd_us) * 1e-6
+    t = 2 * cost.launch_us * 1e-6 + 5 * cost.latency_us * 1e-6
     return t * cost.intra_gbps * 1e9 / (2 * work.kv_bytes_per_token)
