@@ -187,7 +187,7 @@ def _linear_fit(points, what, fixed=None):
 
 def _links(args, device):
     """(intra GB/s, inter GB/s or None, latency us) from all_to_all_single timings."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     local = args.gpus_per_node or world
     reps = 2 if args.tiny else 10
     res = {}
@@ -212,12 +212,6 @@ def _links(args, device):
     return intra, inter, res["latency"] * 1e6
 
 
-def _call(args, device, work: Workload, fields: dict):
-    """(call_fwd_us, call_bwd_us, guest_fwd_us, guest_bwd_us): the fixed time of one megatron-cp attention
-    call timed alone (synced before and after, as a training step's calls are when nothing else is
-    queued): a tiny causal mask through the whole runtime, less the tiny kernel's call (launch_us) and one
-    collective's latency; and what guest rows add to it (a tiny global + local mask whose global rows
-    travel, less the same mask without guest rows)."""
 def _call(args, device, work: Workload, fields: dict):
     """(call_fwd_us, call_bwd_us): the fixed time of one megatron-cp attention call timed alone (synced
     before and after, as a training step's calls are when nothing else is queued): a tiny causal mask

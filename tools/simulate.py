@@ -12,7 +12,7 @@ nodes) and a fixed number of tokens per GPU, compares:
 - ``zigzag``: the same ring over the zigzag layout (2*cp chunks);
 - ``ulysses``: all-to-all over heads (cp <= query heads), full-sequence attention per head group.
 
-The kernel throughput, per-tile costs and link bandwidths come from ``--cost`` (``tools/calibrate.py``
+The kernel rates (per row class, dense pieces) and link bandwidths come from ``--cost`` (``tools/calibrate.py``
 output; defaults otherwise). Predicted per-GPU TFLOP/s counts mask-area FLOPs (4 * area * Hq * D
 forward, 2.5x backward) divided by cp and by the predicted time.
 

@@ -146,14 +146,12 @@ class CostModel:
         rest = tiles
         if self.dense_fwd_tflops > 0:
             min_keys = self.dense_min_keys * key_split
-            dense, pieces, causal = dense_areas(tiles, self.dense_min_rows, min_keys)
-            if pieces.sum() > 0:
+            pieces = dense_pieces(tiles, self.dense_min_rows, min_keys)
+            if len(pieces[0]):
                 rest = dense_rest(tiles, self.dense_min_rows, min_keys)
-                t += self._dense_time(tiles, min_keys, work, backward, split)
-                # one LSE merge per piece (not split: every stage merges its pieces' rows)
-                merge_rows = float(((tiles[:, 1] - tiles[:, 0]) * pieces).sum())
-                t += (float(pieces.sum()) * self.dense_piece_us * 1e-6
-                      + merge_rows * work.num_heads * work.head_dim * 10.0 / (self.hbm_gbps * 1e9))
+                # the pieces, each with a fixed cost and one LSE merge of its rows (per stage, not split)
+                t += (self._dense_time(pieces, work, backward, split) + len(pieces[0]) * self.dense_piece_us * 1e-6
+                      + float(pieces[0].sum()) * work.num_heads * work.head_dim * 10.0 / (self.hbm_gbps * 1e9))
         if len(rest) == 0:
             return t
         cells, _ = tile_areas(rest)
@@ -195,14 +193,15 @@ class CostModel:
                 return "blocky"
         return "short"
 
-    def _dense_time(self, tiles, min_keys: float, work: Workload, backward: bool, split: float) -> float:
-        """Seconds of the dense (cuDNN) pieces of ``tiles``, each with 1 / ``split`` of its keys."""
+    def _dense_time(self, pieces, work: Workload, backward: bool, split: float) -> float:
+        """Seconds of the dense (cuDNN) ``pieces`` (``dense_pieces``' arrays), each with 1 / ``split`` of its
+        keys."""
         dpeak = (self.dense_bwd_tflops / 2.5 if backward else self.dense_fwd_tflops) * 1e12
         cpeak = (self.dense_causal_bwd_tflops / 2.5 if backward else self.dense_causal_fwd_tflops) * 1e12
         cpeak = cpeak if cpeak > 0 else dpeak
         hk = self.dense_bwd_half_keys if backward else self.dense_half_keys
         hr = self.dense_bwd_half_rows if backward else self.dense_half_rows
-        rows, keys, cells, causal = dense_pieces(tiles, self.dense_min_rows, min_keys)
+        rows, keys, cells, causal = pieces
         eq = ((cells + hr * keys) / split + hk * rows) / self.wave_efficiency(
             (keys / split) if backward else rows, work.num_heads)
         per_flop = 4.0 * work.num_heads * work.head_dim
@@ -340,7 +339,7 @@ def dense_rest(tiles: np.ndarray, min_rows: int, min_keys: float) -> np.ndarray:
 
 def block_counts(tiles: np.ndarray, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
     """(visited, full) per tile: its block_m x block_n blocks holding a kept cell (the kernel visits them)
-    and those whose every cell is kept, as kernels/triton_schedule._block_pairs counts them."""
+    and those whose every cell is kept, as the kernels' block schedule (_block_pairs) counts them."""
     t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
     if len(t) == 0:
         return np.zeros(0), np.zeros(0)
