@@ -312,8 +312,8 @@ def dense_pieces(tiles: np.ndarray, min_rows: int, min_keys: float):
 def dense_rest(tiles: np.ndarray, min_rows: int, min_keys: float) -> np.ndarray:
     """The tiles the dense split leaves to Triton (int [m, 5]), as kernels/dense_tiles.split_dense's rest
     list: tiles with no dense piece whole (a CAUSAL one without its rows that keep nothing); of a CAUSAL
-    tile with one, the other piece (its full part as a
-    FULL tile, its square part as a CAUSAL one) when that piece is not dense too."""
+    tile with one, the other piece (its full part as a FULL tile, its square part as a CAUSAL one) when
+    that piece is not dense too."""
     t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
     qs, qe, ks, ke, kind = t.T
     sq, sk = qe - qs, ke - ks
