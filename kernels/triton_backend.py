@@ -16,7 +16,8 @@ import torch
 from .tiles import check_tiles
 from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dkdv_reduce_kernel, attn_bwd_dq_kernel
 from .triton_fwd import LOG2E, attn_fwd_kernel
-from .dense_fast_path import cudnn_backward, cudnn_forward, dense_kind
+from .dense_fast_path import (band_view, cudnn_backward, cudnn_backward_batched, cudnn_forward, cudnn_forward_batched,
+                              dense_kind)
 from .dense_tiles import split_dense
 from .merge import merge_into
 from .triton_delta import head_major, row_delta
@@ -88,6 +89,9 @@ class TritonConfig:
         Measured (benchmarks/kernels/README.md, H100): zigzag rank lists (pieces of 16k rows, >= 16k keys)
         1.35x fwd / 1.49x bwd; packed documents at 16k (square pieces of 0.5k-4k) 3.3x slower fwd with
         512-key pieces (per-piece launches and fp32 merges dominate short rows), hence dense_min_keys 8192.
+        Bands (BI_CAUSAL tiles: sliding windows) of at least band_chunk + band_min_keys keys per row are cut
+        in chunks of band_chunk rows whose full rectangles and square causal tiles run as two batched cuDNN
+        calls (kernels/dense_tiles.py); band_chunk 0 keeps bands on Triton.
     autotune: pick each kernel's KernelConfig per (head_dim, dtype, Hq // Hkv, row class, phase) by timing
         candidates on the first call that meets the key (CUDA only; cached process-wide, reused by later
         calls; kernels/triton_autotune.py). The first call is slow (compiles, times): run one untimed
@@ -104,6 +108,8 @@ class TritonConfig:
     dense_tiles: bool = True
     dense_min_rows: int = 512
     dense_min_keys: int = 8192
+    band_chunk: int = 512
+    band_min_keys: int = 1024
     bwd_mode: str = "deterministic"
     autotune: bool = False
     autotune_candidates: dict = field(default_factory=dict)
@@ -140,7 +146,7 @@ class TritonPrepared:
     row_class: str = "long"  # "long" / "short" (mean kept keys per row vs LONG_ROW_KEYS) / "blocky"
     dense: bool | None = None  # is_causal for the dense fast path, None when it does not apply
     split_min: int = 16
-    dense_plan: list = field(default_factory=list)  # dense pieces (qs, qe, ks, ke, is_causal) for cuDNN
+    dense_plan: list = field(default_factory=list)  # dense pieces (qs, qe, ks, ke, is_causal, n) for cuDNN
     rest: "TritonPrepared | None" = None  # the other tiles (Triton) when dense_plan is used; None: none
     _host: dict = field(default_factory=dict)  # (bm, bn) -> (rows, cols) on cpu
     _dev: dict = field(default_factory=dict)  # (bm, bn, device) -> (desc, rows, cols)
@@ -279,10 +285,11 @@ class TritonBackend:
         prep = self._prepare(tiles, seqlen_q, seqlen_k, head_dims)
         c = self.config
         if prep.dense is not None:  # one dense tile covering everything: one cuDNN piece, nothing else
-            prep.dense_plan = [(0, prep.seqlen_q, 0, prep.seqlen_k, prep.dense)]
+            prep.dense_plan = [(0, prep.seqlen_q, 0, prep.seqlen_k, prep.dense, 1)]
         elif (c.dense_tiles and c.dense_fast_path and not c.deterministic
                 and prep.tiles.shape[0] and _cuda_present()):
-            dense, rest = split_dense(prep.tiles, c.dense_min_rows, c.dense_min_keys)
+            dense, rest = split_dense(prep.tiles, c.dense_min_rows, c.dense_min_keys, c.band_chunk,
+                                      c.band_min_keys)
             if dense:
                 prep.dense_plan = dense
                 prep.rest = self._prepare(rest, seqlen_q, seqlen_k, head_dims) if rest.shape[0] else None
@@ -397,8 +404,14 @@ class TritonBackend:
             else:
                 acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
                 lse = torch.full((sq, hq), float("-inf"), device=q.device, dtype=torch.float32)
-        for qs, qe, ks, ke, causal in prepared.dense_plan:
-            o_t, l_t = cudnn_forward(q[qs:qe], k[ks:ke], v[ks:ke], scale, causal)
+        for qs, qe, ks, ke, causal, n in prepared.dense_plan:
+            if n == 1:
+                o_t, l_t = cudnn_forward(q[qs:qe], k[ks:ke], v[ks:ke], scale, causal)
+            else:  # a band piece: n chunks of r rows, keys sliding by r (one batched call)
+                r = (qe - qs) // n
+                o_t, l_t = cudnn_forward_batched(band_view(q, qs, n, r, r), band_view(k, ks, n, r, ke - ks),
+                                                 band_view(v, ks, n, r, ke - ks), scale, causal)
+                o_t, l_t = o_t.reshape(qe - qs, hq, d), l_t.reshape(qe - qs, hq)
             merge_into(acc[qs:qe], lse[qs:qe], o_t, l_t)
             if progress is not None:
                 progress.append(1)
@@ -510,13 +523,35 @@ class TritonBackend:
             dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
             dk = torch.zeros(k.shape, device=q.device, dtype=torch.float32)
             dv = torch.zeros(v.shape, device=q.device, dtype=torch.float32)
-        for qs, qe, ks, ke, causal in prepared.dense_plan:
-            gq, gk, gv = cudnn_backward(q[qs:qe], k[ks:ke], v[ks:ke], out[qs:qe], lse[qs:qe], dout[qs:qe],
-                                        scale, causal)
-            dq[qs:qe] += gq
-            dk[ks:ke] += gk
-            dv[ks:ke] += gv
+        for qs, qe, ks, ke, causal, n in prepared.dense_plan:
+            if n == 1:
+                gq, gk, gv = cudnn_backward(q[qs:qe], k[ks:ke], v[ks:ke], out[qs:qe], lse[qs:qe], dout[qs:qe],
+                                            scale, causal)
+                dq[qs:qe] += gq
+                dk[ks:ke] += gk
+                dv[ks:ke] += gv
+                continue
+            r, kw = (qe - qs) // n, ke - ks
+            gq, gk, gv = cudnn_backward_batched(
+                band_view(q, qs, n, r, r), band_view(k, ks, n, r, kw), band_view(v, ks, n, r, kw),
+                band_view(out, qs, n, r, r), lse[qs:qe].view(n, r, -1), band_view(dout, qs, n, r, r), scale, causal)
+            dq[qs:qe].view(n, r, *dq.shape[1:]).add_(gq)
+            _fold_add(dk, gk, ks, r)
+            _fold_add(dv, gv, ks, r)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _fold_add(dst, g, start: int, step: int):
+    """dst[start + b*step + j] += g[b, j] for g [n, kw, H, D] (overlapping windows of a band piece)."""
+    n, kw = g.shape[:2]
+    if kw % step == 0:  # kw / step shifted, non-overlapping adds
+        for t in range(kw // step):
+            a = start + t * step
+            dst[a:a + n * step].view(n, step, *dst.shape[1:]).add_(g[:, t * step:(t + 1) * step])
+        return
+    idx = (start + torch.arange(n, device=dst.device)[:, None] * step
+           + torch.arange(kw, device=dst.device)[None, :]).reshape(-1)
+    dst.index_add_(0, idx, g.reshape(n * kw, *g.shape[2:]).to(dst.dtype))
 
 
 # -- launches (one config each; also what triton_autotune times on scratch outputs) ------------------------

@@ -8,8 +8,7 @@ import torch
 import megatron_cp as mcp
 from megatron_cp.kernels.dense_tiles import split_dense
 from megatron_cp.masks import builders as M
-from megatron_cp.planner.cost import (CostModel, Workload, block_counts, dense_areas, dense_pieces, dense_rest,
-                                     tile_areas)
+from megatron_cp.planner.cost import CostModel, Workload, block_counts, dense_pieces, dense_rest, tile_areas
 from megatron_cp.planner.schedule import choose_num_stages, clip_tiles
 
 
@@ -22,31 +21,45 @@ def _random_tiles(rng, n):
     return np.array(out, dtype=np.int64)
 
 
-def test_dense_areas_match_kernel_split():
+# (min_rows, min_keys, band_chunk, band_min_keys): band_chunk 0 keeps bands on Triton
+RULES = ((1, 1, 0, 1), (16, 32, 8, 20), (64, 64, 16, 8), (100, 250, 32, 40), (16, 32, 0, 20))
+
+
+def _kernel_calls(dense):
+    """split_dense's pieces as sorted (rows, keys, causal, batch, cells) of each call."""
+    out = []
+    for a, b, x, y, causal, n in dense:
+        rows, keys = (b - a) // n, y - x
+        cells = n * float(tile_areas(np.array([[0, rows, 0, keys, 1 if causal else 0]]))[0][0])
+        out.append((float(rows), float(keys), bool(causal), float(n), cells))
+    return sorted(out)
+
+
+def test_dense_pieces_match_kernel_split():
     rng = np.random.default_rng(0)
-    for min_rows, min_keys in ((1, 1), (16, 32), (64, 64), (100, 250)):
+    seen_band = 0
+    for rule in RULES:
         tiles = _random_tiles(rng, 400)
-        cells, pieces, causal = dense_areas(tiles, min_rows, min_keys)
-        for t, c, p, cc in zip(tiles, cells, pieces, causal):
-            dense, _ = split_dense(torch.tensor([t.tolist()], dtype=torch.int32), min_rows, min_keys)
-            want = sum(float(tile_areas(np.array([[a, b, x, y, 1 if causal else 0]]))[0][0])
-                       for a, b, x, y, causal in dense)
-            want_c = sum(float(tile_areas(np.array([[a, b, x, y, 1]]))[0][0])
-                         for a, b, x, y, is_causal in dense if is_causal)
-            assert (c, p, cc) == (want, len(dense), want_c), (t, c, p, cc, dense)
+        for t in tiles:
+            dense, _ = split_dense(torch.tensor([t.tolist()], dtype=torch.int32), *rule)
+            rows, keys, cells, causal, batch = dense_pieces(t[None], *rule)
+            got = sorted(zip(rows.tolist(), keys.tolist(), causal.tolist(), batch.tolist(), cells.tolist()))
+            assert got == _kernel_calls(dense), (t, rule, got, dense)
+            seen_band += any(n > 1 for *_, n in dense)
+    assert seen_band > 50
 
 
 def test_dense_rest_matches_kernel_split():
     rng = np.random.default_rng(1)
-    for min_rows, min_keys in ((1, 1), (16, 32), (64, 64), (100, 250)):
+    for rule in RULES:
         tiles = _random_tiles(rng, 300)
         for t in tiles:
-            _, rest = split_dense(torch.tensor([t.tolist()], dtype=torch.int32), min_rows, min_keys)
-            got = dense_rest(t[None], min_rows, min_keys)
+            _, rest = split_dense(torch.tensor([t.tolist()], dtype=torch.int32), *rule)
+            got = dense_rest(t[None], *rule)
             assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, rest.tolist())), (t, got, rest)
         # the whole list at once: the same multiset, sorted by (q0, k0)
-        _, rest = split_dense(torch.tensor(tiles, dtype=torch.int32), min_rows, min_keys)
-        got = dense_rest(tiles, min_rows, min_keys)
+        _, rest = split_dense(torch.tensor(tiles, dtype=torch.int32), *rule)
+        got = dense_rest(tiles, *rule)
         assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, rest.tolist()))
         assert np.all(np.diff(got[:, 0]) >= 0)
 
@@ -103,15 +116,17 @@ def test_dense_path_changes_kernel_time_and_stage_choice():
     # eight pieces of 8192 keys stay dense; sixteen of 4096 do not
     assert dense.tile_time(full, work, key_split=8) * 8 < 0.75 * plain.tile_time(full, work)
     assert dense.tile_time(full, work, key_split=16) > 0.95 * plain.tile_time(full, work, key_split=16)
-    # zigzag causal at cp 4, S = 64k, on links slow enough that overlap pays: the plain model splits the
-    # remote keys in three or more stages; the dense-aware one keeps stages whose pieces stay on cuDNN
+    # zigzag causal at cp 4, S = 64k, on links slow enough that overlap pays (10 GB/s): the plain model
+    # splits the remote keys in two or more stages; the dense-aware one (pieces of >= 16384 keys dense: a
+    # rank's remote keys, 24576 .. 49152, are one merged piece per stage) keeps them in one cuDNN piece
     plan = mcp.plan(M.causal(65536), 4, solver="zigzag")
-    slow = dict(intra_gbps=5.0, latency_us=5.0, launch_us=5.0)
+    slow = dict(intra_gbps=10.0, latency_us=5.0, launch_us=5.0)
     n_plain, _ = choose_num_stages(plan, CostModel(**{**plain.__dict__, **slow}), work, None)
-    n_dense, preds = choose_num_stages(plan, CostModel(**{**dense.__dict__, **slow}), work, None)
+    dense_16k = CostModel(**{**dense.__dict__, **slow, "dense_min_keys": 16384})
+    n_dense, preds = choose_num_stages(plan, dense_16k, work, None)
     smallest_remote = min(r.num_remote for r in plan.ranks if r.num_remote)
-    assert n_plain >= 3 and 1 <= n_dense < n_plain, (n_plain, n_dense, preds)
-    assert smallest_remote // n_dense >= 8192 and preds[n_dense] < preds[n_plain]
+    assert n_plain >= 2 and 1 <= n_dense < n_plain, (n_plain, n_dense, preds)
+    assert smallest_remote // n_dense >= 16384 and preds[n_dense] < preds[n_plain]
 
 
 def test_single_exchange_chosen_when_little_moves():
@@ -211,13 +226,8 @@ def test_short_and_blocky_classes_count_visited_blocks():
 
 
 def test_dense_pieces_cost_per_row_and_key_column():
-    """Dense pieces: cells + dense_half_keys x rows + dense_half_rows x keys at the dense peak; the pieces
-    are those of dense_areas (the kernel split)."""
-    rng = np.random.default_rng(5)
-    tiles = _random_tiles(rng, 300)
-    rows, keys, cells, causal = dense_pieces(tiles, 16, 32)
-    d_cells, d_pieces, d_causal = dense_areas(tiles, 16, 32)
-    assert (len(rows), cells.sum(), cells[causal].sum()) == (d_pieces.sum(), d_cells.sum(), d_causal.sum())
+    """Dense pieces: cells + dense_half_keys x rows + dense_half_rows x keys at the dense peak; a band's
+    batched calls count their pieces' rows and key columns and run in waves over the whole batch."""
     w = Workload(8, 2, 64, 2)
     pf = 4.0 * 8 * 64
     base = dict(tile_us=0.0, launch_us=0.0, dense_fwd_tflops=600.0, dense_bwd_tflops=500.0, dense_piece_us=0.0,
@@ -229,6 +239,19 @@ def test_dense_pieces_cost_per_row_and_key_column():
         assert m.tile_time(t, w, True) == pytest.approx(pf * (r * k + 700.0 * r + 50.0 * k) / (500e12 / 2.5))
         # a key split: each call runs 1 / split of the keys (the per-row term stays)
         assert m.tile_time(t, w) == pytest.approx(m.tile_time(np.array([[0, r, 0, k * 2, 0]]), w, key_split=2))
+    # a band of 4096 rows, w = 2048 (2049 keys per row), chunks of 512: 8 x (512 x 1536) full + 8 causal
+    # squares of 512 on cuDNN, the 8 INV_CAUSAL squares on Triton (long-row numbers, no short fit)
+    mb = CostModel(**{**m.__dict__, "band_chunk": 512, "band_min_keys": 1024, "num_sms": 132})
+    band = np.array([[0, 4096, 0, 4096 + 2048, 3]])
+    inv = np.array([[b, b + 512, b, b + 512, 2] for b in range(0, 4096, 512)])
+    progs = 4 * 8 * 8  # ceil(512 / 128) x 8 heads x 8 pieces: 256 programs, 2 waves of 132
+    eff = progs / (2 * 132)
+    full = (8 * 512 * 1536 + 100.0 * 1536 * 8 + 300.0 * 512 * 8) / eff
+    causal = (8 * 512 * 513 / 2 + 100.0 * 512 * 8 + 300.0 * 512 * 8) / eff
+    peak_c = mb.dense_causal_fwd_tflops * 1e12
+    assert mb.tile_time(band, w) == pytest.approx(pf * (full / 600e12 + causal / peak_c) + mb.tile_time(inv, w))
+    assert CostModel(**{**mb.__dict__, "band_chunk": 0}).tile_time(band, w) == pytest.approx(
+        CostModel(**{**m.__dict__, "dense_fwd_tflops": 0.0}).tile_time(band, w))
 
 
 def test_calibrate_dry_run_writes_a_loadable_model(tmp_path):

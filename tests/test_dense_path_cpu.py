@@ -18,7 +18,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 import megatron_cp.kernels.triton_backend as tb  # noqa: E402
-from megatron_cp.kernels import CAUSAL, FULL, INV_CAUSAL  # noqa: E402
+from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: E402
 from megatron_cp.kernels.merge import merge_into, merge_torch  # noqa: E402
 from test_triton_kernels import dense_mask, reference  # noqa: E402
 
@@ -59,6 +59,21 @@ def fake_cudnn_backward(q, k, v, out, lse, dout, scale, is_causal):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def fake_cudnn_forward_batched(qb, kb, vb, scale, is_causal):
+    """The batched contract ([n, r, H, D] pieces, K/V windows possibly overlapping views), piece by piece."""
+    CALLS.append(("fwd_batched", qb.shape[0], qb.shape[1], kb.shape[1], is_causal))
+    res = [fake_cudnn_forward(q, k, v, scale, is_causal) for q, k, v in zip(qb, kb, vb)]
+    del CALLS[-len(res):]
+    return torch.stack([o for o, _ in res]), torch.stack([l for _, l in res])
+
+
+def fake_cudnn_backward_batched(qb, kb, vb, ob, lseb, dob, scale, is_causal):
+    CALLS.append(("bwd_batched", qb.shape[0], qb.shape[1], kb.shape[1], is_causal))
+    res = [fake_cudnn_backward(*x, scale, is_causal) for x in zip(qb, kb, vb, ob, lseb, dob)]
+    del CALLS[-len(res):]
+    return tuple(torch.stack(g) for g in zip(*res))
+
+
 class FakeCudnnBackend(tb.TritonBackend):
     """TritonBackend whose dense path runs on CPU float32 (the stand-in above)."""
 
@@ -69,17 +84,19 @@ class FakeCudnnBackend(tb.TritonBackend):
 def install_fake(monkeypatch=None):
     """Route the backend module's cuDNN calls to the stand-ins (also used in spawned ranks)."""
     for name, val in (("cudnn_forward", fake_cudnn_forward), ("cudnn_backward", fake_cudnn_backward),
-                      ("_cuda_present", lambda: True)):
+                      ("cudnn_forward_batched", fake_cudnn_forward_batched),
+                      ("cudnn_backward_batched", fake_cudnn_backward_batched), ("_cuda_present", lambda: True)):
         if monkeypatch is not None:
             monkeypatch.setattr(tb, name, val)
         else:
             setattr(tb, name, val)
 
 
-def backend(min_rows=16, min_keys=16, d=16):
+def backend(min_rows=16, min_keys=16, d=16, band_chunk=0, band_min_keys=16):
     c = tb.KernelConfig(16, 16, 4, 1, False)
     return FakeCudnnBackend(tb.TritonConfig({d: tb.StageConfigs(c, c, c)}, dense_min_rows=min_rows,
-                                            dense_min_keys=min_keys))
+                                            dense_min_keys=min_keys, band_chunk=band_chunk,
+                                            band_min_keys=band_min_keys))
 
 
 def _data(sq, sk, hq=4, hkv=2, d=16, seed=0):
@@ -149,6 +166,33 @@ def test_dense_pieces_forward_backward(monkeypatch):
         assert (a.double() - b).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("w", [48, 50])
+def test_band_pieces_forward_backward(monkeypatch, w):
+    """A sliding window (BI_CAUSAL band, w + 1 keys per row) after a causal head, as a rank's list: two
+    batched cuDNN calls (chunks of 16 rows: full rectangles over overlapping K windows, causal squares),
+    the INV_CAUSAL squares and the tail rows on Triton; forward and backward equal the fp64 reference.
+    w = 50: the rectangles' 34 keys are not a multiple of the chunk (dK/dV folded by index_add)."""
+    install_fake(monkeypatch)
+    be = backend(band_chunk=16, band_min_keys=16)
+    sq, sk = 70, 70 + w  # rows 8..70: a band of 62 rows, 3 chunks of 16 and 14 tail rows
+    tiles = torch.tensor([[0, 8, 0, 8, CAUSAL], [8, sq, 8, sk, BI_CAUSAL]], dtype=torch.int32)
+    q, k, v, do = _data(sq, sk, seed=3)
+    prep = be.prepare(tiles, sq, sk)
+    assert [p[4:] for p in prep.dense_plan] == [(False, 3), (True, 3)] and prep.rest is not None
+    keep = dense_mask(tiles, sq, sk)
+    out_r, lse_r, dq_r, dk_r, dv_r = reference(q, k, v, keep, 0.3, do)
+    CALLS.clear()
+    out, lse = be.forward(q, k, v, prep, 0.3)
+    assert be.last_path == "cudnn+triton"
+    assert CALLS == [("fwd_batched", 3, 16, w - 16, False), ("fwd_batched", 3, 16, 16, True)], CALLS
+    assert (out.double() - out_r).abs().max() < 1e-4 and (lse.double() - lse_r).abs().max() < 1e-4
+    CALLS.clear()
+    dq, dk, dv = be.backward(q, k, v, out, lse, do, prep, 0.3, None)
+    assert [c[0] for c in CALLS] == ["bwd_batched", "bwd_batched"]
+    for a, b in ((dq, dq_r), (dk, dk_r), (dv, dv_r)):
+        assert (a.double() - b).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("strided", [False, True])
 def test_accumulate_stages_in_place(monkeypatch, strided):
     """Keys split in two stages (one a single dense tile, one with pieces + rest) accumulated into one
@@ -160,7 +204,7 @@ def test_accumulate_stages_in_place(monkeypatch, strided):
     # stage A: keys 0..80 with TILES; stage B: keys 80..96 as one full tile over all rows
     tiles_b = torch.tensor([[0, sq, 0, 16, FULL]], dtype=torch.int32)
     pa, pb = be.prepare(TILES, sq, 80), be.prepare(tiles_b, sq, 16)
-    assert pb.dense is False and pb.dense_plan == [(0, sq, 0, 16, False)]
+    assert pb.dense is False and pb.dense_plan == [(0, sq, 0, 16, False, 1)]
     keep = torch.cat([dense_mask(TILES, sq, 80), torch.ones(sq, 16, dtype=torch.bool)], 1)
     out_r, lse_r = reference(q, k, v, keep, 0.3)
     # contiguous: merged in place; strided: through a float32 copy

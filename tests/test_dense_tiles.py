@@ -33,14 +33,17 @@ def cell_counts(tiles, sq, sk):
     return cnt
 
 
-def check_split(tiles, sq, sk, min_rows, min_keys):
-    dense, rest = split_dense(tiles, min_rows, min_keys)
+def check_split(tiles, sq, sk, min_rows, min_keys, band_chunk=0, band_min_keys=1):
+    dense, rest = split_dense(tiles, min_rows, min_keys, band_chunk, band_min_keys)
     dt = dense_tiles_tensor(dense)
-    for qs, qe, ks, ke, causal in dense:
-        assert qe - qs >= min_rows and ke - ks >= min_keys
-        assert 0 <= qs < qe <= sq and 0 <= ks < ke <= sk
+    for qs, qe, ks, ke, causal, n in dense:
+        r = (qe - qs) // n
+        assert (qe - qs) % n == 0 and 0 <= qs < qe <= sq and 0 <= ks < ke + (n - 1) * r <= sk
+        assert qe - qs >= min_rows
+        if n > 1 or ke - ks < min_keys:  # band pieces: chunks of band_chunk rows sliding down the diagonal
+            assert r == band_chunk and (causal or ke - ks >= band_min_keys)
         if causal:
-            assert qe - qs == ke - ks  # square: top-left == bottom-right
+            assert r == ke - ks  # square: top-left == bottom-right
     for qs, qe, ks, ke, _ in rest.tolist():
         assert 0 <= qs < qe <= sq and 0 <= ks < ke <= sk
     orig = cell_counts(tiles, sq, sk)
@@ -56,8 +59,8 @@ def test_zigzag_causal_rectangles():
     tiles = torch.tensor([[0, 16, 0, 32, CAUSAL], [16, 32, 0, 128, CAUSAL]], dtype=torch.int32)
     dense, rest = check_split(tiles, 32, s, 8, 8)
     assert rest.shape[0] == 0
-    assert sorted(dense) == sorted([(0, 16, 0, 16, False), (0, 16, 16, 32, True),
-                                    (16, 32, 0, 112, False), (16, 32, 112, 128, True)])
+    assert sorted(dense) == sorted([(0, 16, 0, 16, False, 1), (0, 16, 16, 32, True, 1),
+                                    (16, 32, 0, 112, False, 1), (16, 32, 112, 128, True, 1)])
 
 
 def test_small_pieces_stay_triton():
@@ -67,14 +70,28 @@ def test_small_pieces_stay_triton():
                           [40, 60, 90, 130, FULL],
                           [60, 70, 0, 30, INV_CAUSAL]], dtype=torch.int32)
     dense, rest = check_split(tiles, 70, 130, 8, 8)
-    assert (0, 16, 4, 20, True) in dense and (40, 60, 90, 130, False) in dense
+    assert (0, 16, 4, 20, True, 1) in dense and (40, 60, 90, 130, False, 1) in dense
     assert [0, 16, 0, 4, FULL] in rest.tolist()
 
 
 def test_sk_less_than_sq():
     tiles = torch.tensor([[0, 40, 0, 24, CAUSAL]], dtype=torch.int32)
     dense, rest = check_split(tiles, 40, 24, 8, 8)
-    assert dense == [(16, 40, 0, 24, True)] and rest.shape[0] == 0
+    assert dense == [(16, 40, 0, 24, True, 1)] and rest.shape[0] == 0
+
+
+def test_band_pieces():
+    """A sliding window (BI_CAUSAL, w = 40: row i keeps [i, i + 40]) of 70 rows in chunks of 8: 8 chunks
+    of a full 8 x 32 rectangle and a causal 8-square on cuDNN (two batched pieces), the chunks'
+    INV_CAUSAL squares and the 6 rows below the last chunk on Triton."""
+    tiles = torch.tensor([[0, 70, 3, 113, BI_CAUSAL]], dtype=torch.int32)
+    dense, rest = check_split(tiles, 70, 120, 16, 16, 8, 16)
+    assert dense == [(0, 64, 11, 43, False, 8), (0, 64, 43, 51, True, 8)]
+    assert rest.tolist() == [[b, b + 8, 3 + b, 11 + b, INV_CAUSAL] for b in range(0, 64, 8)] + [[64, 70, 67, 113, BI_CAUSAL]]
+    # too narrow for the chunk (w < band_chunk + band_min_keys), or too few rows: stays whole
+    for chunk, min_keys, min_rows in ((8, 33, 16), (32, 16, 16), (8, 16, 71)):
+        dense, rest = check_split(tiles, 70, 120, min_rows, 16, chunk, min_keys)
+        assert dense == [] and rest.tolist() == tiles.tolist()
 
 
 def test_random_lists():
@@ -92,8 +109,9 @@ def test_random_lists():
         if not tiles:
             continue
         t = torch.tensor(tiles, dtype=torch.int32)
-        for mr, mk in ((1, 1), (4, 4), (8, 3), (1000, 1000)):
-            check_split(t, sq, sk, mr, mk)
+        for mr, mk, bc, bk in ((1, 1, 0, 1), (4, 4, 0, 1), (8, 3, 0, 1), (1000, 1000, 0, 1), (1, 1, 2, 1),
+                               (4, 4, 3, 2), (8, 3, 4, 1)):
+            check_split(t, sq, sk, mr, mk, bc, bk)
 
 
 def _attn(q, k, v, keep, scale):

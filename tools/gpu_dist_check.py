@@ -37,7 +37,7 @@ from megatron_cp.planner.guests import candidate_rows  # noqa: E402
 import _cp_masks  # noqa: E402
 from gpu_kernel_check import chunked_reference, rms  # noqa: E402
 
-CUDNN_CALLS = {"fwd": 0, "bwd": 0}
+CUDNN_CALLS = {"fwd": 0, "bwd": 0, "fwd_band": 0, "bwd_band": 0}
 
 
 def _count(name, fn):
@@ -55,6 +55,8 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dense-min-keys", type=int, default=2048)
+    ap.add_argument("--band-chunk", type=int, default=128, help="TritonConfig.band_chunk (bands on cuDNN)")
+    ap.add_argument("--band-min-keys", type=int, default=128)
     ap.add_argument("--bwd-mode", default="deterministic", choices=["deterministic", "atomic"])
     ap.add_argument("--strategies", default="ring,ulysses,usp,allgather,head_context",
                     help="baseline strategies checked the same way (each on its plan_for layout); '' for none")
@@ -69,7 +71,10 @@ def main(argv=None):
         dist.init_process_group("nccl")
         tb.cudnn_forward = _count("fwd", tb.cudnn_forward)
         tb.cudnn_backward = _count("bwd", tb.cudnn_backward)
-        backend = tb.TritonBackend(tb.TritonConfig(dense_min_keys=args.dense_min_keys, bwd_mode=args.bwd_mode))
+        tb.cudnn_forward_batched = _count("fwd_band", tb.cudnn_forward_batched)
+        tb.cudnn_backward_batched = _count("bwd_band", tb.cudnn_backward_batched)
+        backend = tb.TritonBackend(tb.TritonConfig(dense_min_keys=args.dense_min_keys, bwd_mode=args.bwd_mode,
+                                                   band_chunk=args.band_chunk, band_min_keys=args.band_min_keys))
     else:
         dev = torch.device("cpu")
         dist.init_process_group("gloo")
@@ -100,7 +105,7 @@ def main(argv=None):
             variants += [("megatron-cp", None, False, gplan), ("megatron-cp", 0, False, gplan)]
         variants += [(x, None, False, None) for x in args.strategies.split(",") if x]
         for impl, stages, early, vplan in variants:
-            CUDNN_CALLS.update(fwd=0, bwd=0)
+            CUDNN_CALLS.update(fwd=0, bwd=0, fwd_band=0, bwd_band=0)
             vplan = vplan if vplan is not None else plan_for(impl, mask, cp)
             ids = torch.from_numpy(vplan.local_ids(rank)).to(dev)
             empty = ~keep[ids].any(1)

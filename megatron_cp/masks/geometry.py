@@ -218,3 +218,40 @@ def traps_to_dense(traps: np.ndarray, seqlen_q: int, seqlen_k: int) -> np.ndarra
         i = np.arange(q0, q1)[:, None]
         d[q0:q1] |= (j[None, :] >= lo_a + lo_s * i) & (j[None, :] < hi_a + hi_s * i)
     return d
+
+
+def _join_rows(arr: np.ndarray) -> np.ndarray:
+    """Join trapezoids of the same rows that touch on every row (the right end line of one is the
+    left end line of the next): their union is one trapezoid, (left's lo, right's hi)."""
+    lo0 = arr[:, LO_A] + arr[:, LO_S] * arr[:, Q0]
+    arr = arr[np.lexsort((lo0, arr[:, Q1], arr[:, Q0]))]
+    merged = [list(arr[0])]
+    for t in arr[1:].tolist():
+        m = merged[-1]
+        if m[Q0] == t[Q0] and m[Q1] == t[Q1] and m[HI_A] == t[LO_A] and m[HI_S] == t[LO_S]:
+            m[HI_A], m[HI_S] = t[HI_A], t[HI_S]
+        else:
+            merged.append(t)
+    return np.array(merged, dtype=np.int64)
+
+
+def merge_tiles(tiles) -> np.ndarray:
+    """The fewest-pieces form of a cell-disjoint tile list (int [n, 5] of (q0, q1, k0, k1, kind), any
+    one coordinate system): tiles that touch on every row of the same rows join into one (full keys
+    followed by a causal tile become one causal tile), and tiles that continue the same two lines
+    on adjacent rows join too; repeated until nothing joins. Same cells; int32 [m, 5] sorted by (q0, k0).
+
+    A plan's tiles are built per mask slice and per run of keys; after the keys are laid out in a
+    rank's buffer, slices of far-apart global blocks can be neighbours (the strided mask's blocks of one
+    residue class form one causal tile), which lets a backend run them as one dense piece."""
+    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
+    if len(t) <= 1:
+        return t.astype(np.int32)
+    arr = [slice_to_trap(*x) for x in t.tolist()]
+    arr = np.array([a for a in arr if a is not None], dtype=np.int64).reshape(-1, 6)
+    n = len(arr) + 1
+    while 1 < len(arr) < n:
+        n = len(arr)
+        arr = _coalesce(_join_rows(arr))
+    out = np.array([trap_to_slice(a) for a in arr.tolist()], dtype=np.int64).reshape(-1, 5)
+    return out[np.lexsort((out[:, 2], out[:, 0]))].astype(np.int32)

@@ -18,7 +18,8 @@ three classes, each with its own block shapes and, when calibrated, its own fitt
 
 Dense pieces (``dense_fwd_tflops > 0``): the kernel backend runs full rectangles and square causal
 pieces of at least ``dense_min_rows`` x ``dense_min_keys`` on cuDNN (kernels/dense_tiles.py splits a
-bottom-right causal tile into a full rectangle and a square causal piece; the rest stays on Triton and
+bottom-right causal tile into a full rectangle and a square causal piece, and a band, a BI_CAUSAL tile,
+into batched full rectangles and square causal pieces of ``band_chunk`` rows; the rest stays on Triton and
 is classed as above); a piece of ``rows`` x ``keys`` costs
 ``flops(cells + dense_half_keys * rows + dense_half_rows * keys) / dense peak`` (short and narrow pieces
 run below peak: per-row and per-key-column work), over the piece's wave efficiency (``num_sms``), plus ``dense_piece_us`` and one LSE merge (``merge_bytes_per_row`` per
@@ -71,6 +72,8 @@ class CostModel:
     dense_causal_bwd_tflops: float = 565.0
     dense_min_rows: int = 512  # TritonConfig.dense_min_rows / dense_min_keys
     dense_min_keys: int = 8192
+    band_chunk: int = 512  # TritonConfig.band_chunk / band_min_keys: bands (sliding windows) on cuDNN
+    band_min_keys: int = 1024
     dense_piece_us: float = 30.0  # fixed cost per cuDNN piece (launches, slicing)
     hbm_gbps: float = 3000.0  # memory bandwidth of the LSE merge of a piece
     # staged runtime: each stage's call also streams the running output (fwd: fp32 out read + written)
@@ -145,13 +148,15 @@ class CostModel:
         t = self.launch_us * 1e-6
         rest = tiles
         if self.dense_fwd_tflops > 0:
-            min_keys = self.dense_min_keys * key_split
-            pieces = dense_pieces(tiles, self.dense_min_rows, min_keys)
+            rule = (self.dense_min_rows, self.dense_min_keys * key_split, self.band_chunk,
+                    self.band_min_keys * key_split)
+            pieces = dense_pieces(tiles, *rule)
             if len(pieces[0]):
-                rest = dense_rest(tiles, self.dense_min_rows, min_keys)
-                # the pieces, each with a fixed cost and one LSE merge of its rows (per stage, not split)
+                rest = dense_rest(tiles, *rule)
+                # the pieces (calls), each with a fixed cost and one LSE merge of its rows (per stage, not split)
+                merged_rows = float((pieces[0] * pieces[4]).sum())
                 t += (self._dense_time(pieces, work, backward, split) + len(pieces[0]) * self.dense_piece_us * 1e-6
-                      + float(pieces[0].sum()) * work.num_heads * work.head_dim * 10.0 / (self.hbm_gbps * 1e9))
+                      + merged_rows * work.num_heads * work.head_dim * 10.0 / (self.hbm_gbps * 1e9))
         if len(rest) == 0:
             return t
         cells, _ = tile_areas(rest)
@@ -201,9 +206,9 @@ class CostModel:
         cpeak = cpeak if cpeak > 0 else dpeak
         hk = self.dense_bwd_half_keys if backward else self.dense_half_keys
         hr = self.dense_bwd_half_rows if backward else self.dense_half_rows
-        rows, keys, cells, causal = pieces
-        eq = ((cells + hr * keys) / split + hk * rows) / self.wave_efficiency(
-            (keys / split) if backward else rows, work.num_heads)
+        rows, keys, cells, causal, batch = pieces
+        eq = ((cells + hr * keys * batch) / split + hk * rows * batch) / self.wave_efficiency(
+            (keys / split) if backward else rows, work.num_heads * batch)
         per_flop = 4.0 * work.num_heads * work.head_dim
         return float(np.where(causal, eq / cpeak, eq / dpeak).sum()) * per_flop
 
@@ -274,27 +279,23 @@ def tile_areas(tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return area.astype(np.float64), sq.astype(np.float64)
 
 
-def dense_areas(tiles: np.ndarray, min_rows: int, min_keys: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(cells, pieces, causal cells) of every tile that the dense (cuDNN) path takes: a FULL tile of at least
-    min_rows x min_keys; of a bottom-right CAUSAL tile (rows trimmed to at most sk), its full part
-    (sq x (sk - sq)) and its square causal part (sq x sq) when each is that big. Mirrors
-    kernels/dense_tiles.split_dense."""
-    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
+def _bands(t: np.ndarray, min_rows: int, band_chunk: int, band_min_keys: float):
+    """(mask of BI_CAUSAL tiles the dense split cuts into band pieces, their chunk count n, band w)."""
     sq, sk, kind = t[:, 1] - t[:, 0], t[:, 3] - t[:, 2], t[:, 4]
-    full = (kind == 0) & (sq >= min_rows) & (sk >= min_keys)
-    cq = np.minimum(sq, sk)  # causal rows that keep anything
-    d = sk - cq
-    c_full = (kind == 1) & (d > 0) & (cq >= min_rows) & (d >= min_keys)
-    c_sq = (kind == 1) & (cq >= min_rows) & (cq >= min_keys)
-    cells = np.where(full, sq * sk, 0) + np.where(c_full, cq * d, 0) + np.where(c_sq, cq * (cq + 1) // 2, 0)
-    pieces = full.astype(np.int64) + c_full + c_sq
-    causal = np.where(c_sq, cq * (cq + 1) // 2, 0)
-    return cells.astype(np.float64), pieces.astype(np.float64), causal.astype(np.float64)
+    w = sk - sq
+    band = ((kind == 3) & (band_chunk > 0) & (w >= band_chunk + band_min_keys)
+            & (sq // max(band_chunk, 1) * band_chunk >= max(min_rows, 1)))
+    return band, sq // max(band_chunk, 1), w
 
 
-def dense_pieces(tiles: np.ndarray, min_rows: int, min_keys: float):
-    """The dense pieces of ``tiles`` as arrays over pieces: (rows, keys, cells, causal) (float, bool);
-    the pieces of kernels/dense_tiles.split_dense (see ``dense_areas``)."""
+def dense_pieces(tiles: np.ndarray, min_rows: int, min_keys: float, band_chunk: int = 0,
+                 band_min_keys: float = 1024):
+    """The dense (cuDNN) calls of ``tiles`` as arrays over calls: (rows, keys, cells, causal, batch) (float,
+    bool, float): rows and keys of one piece, ``batch`` pieces per call (band pieces: a full rectangle
+    ``band_chunk x (w - band_chunk)`` and a square causal ``band_chunk`` per chunk), cells of the whole
+    call. Restates kernels/dense_tiles.split_dense: a FULL tile of at least min_rows x min_keys; of a
+    bottom-right CAUSAL tile (rows trimmed to at most sk), its full part (sq x (sk - sq)) and its square
+    causal part (sq x sq) when each is that big; the band pieces of a BI_CAUSAL tile."""
     t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
     sq, sk, kind = t[:, 1] - t[:, 0], t[:, 3] - t[:, 2], t[:, 4]
     full = (kind == 0) & (sq >= min_rows) & (sk >= min_keys)
@@ -302,18 +303,24 @@ def dense_pieces(tiles: np.ndarray, min_rows: int, min_keys: float):
     d = sk - cq
     c_full = (kind == 1) & (d > 0) & (cq >= min_rows) & (d >= min_keys)
     c_sq = (kind == 1) & (cq >= min_rows) & (cq >= min_keys)
-    rows = np.concatenate([sq[full], cq[c_full], cq[c_sq]]).astype(np.float64)
-    keys = np.concatenate([sk[full], d[c_full], cq[c_sq]]).astype(np.float64)
-    causal = np.concatenate([np.zeros(int(full.sum()) + int(c_full.sum()), bool), np.ones(int(c_sq.sum()), bool)])
-    cells = np.where(causal, rows * (rows + 1) / 2, rows * keys)
-    return rows, keys, cells, causal
+    band, n, w = _bands(t, min_rows, band_chunk, band_min_keys)
+    nb = int(band.sum())
+    c = np.full(nb, band_chunk, dtype=np.int64)
+    rows = np.concatenate([sq[full], cq[c_full], cq[c_sq], c, c]).astype(np.float64)
+    keys = np.concatenate([sk[full], d[c_full], cq[c_sq], w[band] - c, c]).astype(np.float64)
+    causal = np.concatenate([np.zeros(int(full.sum()) + int(c_full.sum()), bool), np.ones(int(c_sq.sum()), bool),
+                             np.zeros(nb, bool), np.ones(nb, bool)])
+    batch = np.concatenate([np.ones(int(full.sum() + c_full.sum() + c_sq.sum())), n[band], n[band]]).astype(np.float64)
+    cells = batch * np.where(causal, rows * (rows + 1) / 2, rows * keys)
+    return rows, keys, cells, causal, batch
 
 
-def dense_rest(tiles: np.ndarray, min_rows: int, min_keys: float) -> np.ndarray:
+def dense_rest(tiles: np.ndarray, min_rows: int, min_keys: float, band_chunk: int = 0,
+               band_min_keys: float = 1024) -> np.ndarray:
     """The tiles the dense split leaves to Triton (int [m, 5]), as kernels/dense_tiles.split_dense's rest
     list: tiles with no dense piece whole (a CAUSAL one without its rows that keep nothing); of a CAUSAL
     tile with one, the other piece (its full part as a FULL tile, its square part as a CAUSAL one) when
-    that piece is not dense too."""
+    that piece is not dense too; of a band, its INV_CAUSAL squares and the rows below its last chunk."""
     t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
     qs, qe, ks, ke, kind = t.T
     sq, sk = qe - qs, ke - ks
@@ -324,7 +331,8 @@ def dense_rest(tiles: np.ndarray, min_rows: int, min_keys: float) -> np.ndarray:
     causal = kind == 1
     full_ok = causal & (d > 0) & big(cq, d)
     sq_ok = causal & big(cq, cq)
-    whole = np.where(kind == 0, ~big(sq, sk), ~(full_ok | sq_ok))
+    band, n, _ = _bands(t, min_rows, band_chunk, band_min_keys)
+    whole = np.where(kind == 0, ~big(sq, sk), ~(full_ok | sq_ok)) & ~band
     kept = t[whole].copy()
     kept[:, 0] = np.where(kept[:, 4] == 1, q0[whole], kept[:, 0])  # causal rows keeping nothing dropped
     parts = [kept]
@@ -333,6 +341,13 @@ def dense_rest(tiles: np.ndarray, min_rows: int, min_keys: float) -> np.ndarray:
     parts.append(np.stack([q0, qe, ks, ks + d, np.zeros_like(kind)], 1)[f])
     c = split & ~sq_ok
     parts.append(np.stack([q0, qe, ks + d, ke, np.ones_like(kind)], 1)[c])
+    for i in np.nonzero(band)[0].tolist():  # one row per chunk: the INV_CAUSAL squares, then the tail
+        b = np.arange(n[i], dtype=np.int64) * band_chunk
+        parts.append(np.stack([qs[i] + b, qs[i] + b + band_chunk, ks[i] + b, ks[i] + b + band_chunk,
+                               np.full_like(b, 2)], 1))
+        e = qs[i] + n[i] * band_chunk
+        if e < qe[i]:
+            parts.append(np.array([[e, qe[i], ks[i] + n[i] * band_chunk, ke[i], 3]], dtype=np.int64))
     out = np.concatenate(parts)
     return out[np.lexsort((out[:, 2], out[:, 0]))] if len(out) else out
 

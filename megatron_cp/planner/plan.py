@@ -517,11 +517,12 @@ def _guest_tiles(guest_traps, recv_runs, segs) -> np.ndarray:
                     kl = int(k_off[j]) + k0 - s
                     tiles.append((q0 - a + q_off, q1 - a + q_off, kl, kl + k1 - k0, kind))
             q_off += b - a
-    return np.asarray(tiles, dtype=np.int32).reshape(-1, 5)
+    return geometry.merge_tiles(tiles)
 
 
 def _tiles(traps, segs, buffer_runs) -> np.ndarray:
-    """Each mask trapezoid restricted to each owned run is one tile (q local, k in the buffer)."""
+    """Each mask trapezoid restricted to each owned run is one tile (q local, k in the buffer); then
+    ``geometry.merge_tiles`` joins the tiles that became neighbours in the buffer."""
     tiles = []
     q_off = 0
     for s, e in segs.tolist():
@@ -531,4 +532,4 @@ def _tiles(traps, segs, buffer_runs) -> np.ndarray:
             kb = int(_positions(buffer_runs, np.array([k0]))[0])
             tiles.append((q0 - s + q_off, q1 - s + q_off, kb, kb + k1 - k0, kind))
         q_off += e - s
-    return np.asarray(tiles, dtype=np.int32).reshape(-1, 5)
+    return geometry.merge_tiles(tiles)

@@ -88,11 +88,16 @@ def rank_traps(plan: Plan, rank: int) -> np.ndarray:
     off = np.concatenate([[0], np.cumsum(br[:, 1] - br[:, 0])])
     out = []
     for q0, q1, k0, k1, kind in rp.tiles.tolist():
-        i = int(np.searchsorted(off, k0, side="right")) - 1
-        g0 = int(br[i, 0] + k0 - off[i])
-        t = geometry.slice_to_trap(q0, q1, g0, g0 + k1 - k0, kind)
-        if t is not None:
-            out.append(t)
+        t = geometry.slice_to_trap(q0, q1, k0, k1, kind)
+        if t is None:
+            continue
+        # a (merged) tile may span several buffer runs: each piece shifts by its run's global offset
+        for i in range(int(np.searchsorted(off, k0, side="right")) - 1, len(br)):
+            if off[i] >= k1:
+                break
+            d = int(br[i, 0] - off[i])
+            for c in geometry.clip(np.array([t]), q0, q1, int(off[i]), int(off[i + 1])):
+                out.append((c[0], c[1], c[2] + d, c[3], c[4] + d, c[5]))
     return np.asarray(out, dtype=np.int64).reshape(-1, 6)
 
 
@@ -103,10 +108,16 @@ def mask_traps(plan: Plan) -> np.ndarray:
         segs = plan.ranks[r].segments
         off = np.concatenate([[0], np.cumsum(segs[:, 1] - segs[:, 0])])
         for t in rank_traps(plan, r):
-            i = int(np.searchsorted(off, t[0], side="right")) - 1
-            d = int(segs[i, 0] - off[i])
-            # rows shift by d: lo(i) = lo_a + lo_s*i keeps its value at the shifted row
-            out.append((t[0] + d, t[1] + d, t[2] - t[3] * d, t[3], t[4] - t[5] * d, t[5]))
+            # a (merged) tile's rows may span several owned segments: each row piece shifts by its own
+            for i in range(int(np.searchsorted(off, t[0], side="right")) - 1, len(segs)):
+                if off[i] >= t[1]:
+                    break
+                a, b = max(int(t[0]), int(off[i])), min(int(t[1]), int(off[i + 1]))
+                if a >= b:
+                    continue
+                d = int(segs[i, 0] - off[i])
+                # rows shift by d: lo(i) = lo_a + lo_s*i keeps its value at the shifted row
+                out.append((a + d, b + d, t[2] - t[3] * d, t[3], t[4] - t[5] * d, t[5]))
     out += [tuple(t) for t in plan.guest_traps.tolist()]  # guest rows' cells (computed by key owners)
     return geometry.union(out)
 
@@ -114,7 +125,8 @@ def mask_traps(plan: Plan) -> np.ndarray:
 def clip_tiles(traps: np.ndarray, q_runs, k_runs) -> np.ndarray:
     """Tiles of ``traps`` (global or local rows, global keys) for queries laid out as the
     concatenation of ``q_runs`` and keys as the concatenation of ``k_runs`` (int32 [n, 5]).
-    ``q_runs=None`` means the trapezoid rows are already local (no row clipping or shift)."""
+    ``q_runs=None`` means the trapezoid rows are already local (no row clipping or shift). Neighbour
+    tiles are joined (``geometry.merge_tiles``)."""
     traps = np.asarray(traps, dtype=np.int64).reshape(-1, 6)
     k_runs = np.asarray(k_runs, dtype=np.int64).reshape(-1, 2)
     if q_runs is None:
@@ -137,7 +149,7 @@ def clip_tiles(traps: np.ndarray, q_runs, k_runs) -> np.ndarray:
             for t in geometry.clip(traps[sel], qa, qb, ka, kb):
                 q0, q1, k0, k1, kind = geometry.trap_to_slice(t)
                 tiles.append((q0 + dq, q1 + dq, k0 + dk, k1 + dk, kind))
-    return np.asarray(tiles, dtype=np.int32).reshape(-1, 5)
+    return geometry.merge_tiles(tiles)
 
 
 def _sorted_unique(x: np.ndarray) -> np.ndarray:
