@@ -91,7 +91,10 @@ class TritonConfig:
         512-key pieces (per-piece launches and fp32 merges dominate short rows), hence dense_min_keys 8192.
         Bands (BI_CAUSAL tiles: sliding windows) of at least band_chunk + band_min_keys keys per row are cut
         in chunks of band_chunk rows whose full rectangles and square causal tiles run as two batched cuDNN
-        calls (kernels/dense_tiles.py); band_chunk 0 keeps bands on Triton.
+        calls (kernels/dense_tiles.py); band_chunk 0 (default) keeps bands on Triton. Off by default:
+        measured on H200 (tools/bench_band.py, benchmarks/dist/run_2126/), the benchmark's window of 4096
+        at S = 128k, cp 4: forward 5.12 / 5.22 / 5.36 ms at chunks 256 / 512 / 1024 vs 5.17 on Triton,
+        backward 25.6 / 20.9 / 19.2 vs 15.0 (cuDNN's dK/dV of overlapping windows, folded afterwards).
     autotune: pick each kernel's KernelConfig per (head_dim, dtype, Hq // Hkv, row class, phase) by timing
         candidates on the first call that meets the key (CUDA only; cached process-wide, reused by later
         calls; kernels/triton_autotune.py). The first call is slow (compiles, times): run one untimed
@@ -108,7 +111,7 @@ class TritonConfig:
     dense_tiles: bool = True
     dense_min_rows: int = 512
     dense_min_keys: int = 8192
-    band_chunk: int = 512
+    band_chunk: int = 0
     band_min_keys: int = 1024
     bwd_mode: str = "deterministic"
     autotune: bool = False

@@ -72,7 +72,7 @@ class CostModel:
     dense_causal_bwd_tflops: float = 565.0
     dense_min_rows: int = 512  # TritonConfig.dense_min_rows / dense_min_keys
     dense_min_keys: int = 8192
-    band_chunk: int = 512  # TritonConfig.band_chunk / band_min_keys: bands (sliding windows) on cuDNN
+    band_chunk: int = 0  # TritonConfig.band_chunk / band_min_keys: bands (sliding windows) on cuDNN
     band_min_keys: int = 1024
     dense_piece_us: float = 30.0  # fixed cost per cuDNN piece (launches, slicing)
     hbm_gbps: float = 3000.0  # memory bandwidth of the LSE merge of a piece
