@@ -2,8 +2,8 @@
 
 Kernel (Triton, dense path off), each row class on two lists the backend really runs in that class
 (checked): "long" bands of 4096 and 16384 keys per row, "short" bands of 256 and 1024, "blocky"
-lists of 512-blocks, block-diagonal and banded with 3 blocks per row (each class's peak and
-half-efficiency keys; short and blocky per visited block cell); one tiny tile (launch cost).
+block-diagonal lists of 512 and 2048 (each class's peak and half-efficiency keys; short and blocky
+per visited block cell); one tiny tile (launch cost).
 Dense path (CUDA): cuDNN's forward/backward on full pieces of three shapes (peak, per-row and
 per-key-column terms), on a square causal piece, and the fixed cost of one dense piece beside Triton
 tiles. Every kernel time is sustained: a warm-up of ``--seconds`` then repeats for ``--seconds`` (short
@@ -94,20 +94,14 @@ def _kernel(args, device, work: Workload):
     def band(w):  # every row keeps w + 1 keys (k - q in [0, w]): one BI_CAUSAL tile
         return [[0, rows, 0, rows + w, 3]]
 
-    def blocks(b, n):  # blocks of b rows keeping the key blocks within n of their own, all full
-        nb = rows // b
-        return [[i * b, (i + 1) * b, max(0, i - n) * b, min(nb, i + n + 1) * b, 0] for i in range(nb)]
-
     # Triton classes, each from two lists the backend runs in it: t = (cells + half * rows) / peak, cells
     # kept ("long": bands of 4096 and 16384 keys) or of every visited block ("short": bands of 256 and
-    # 1024 keys, mostly partial blocks; "blocky": 512-blocks, block-diagonal and banded with 3 blocks per
-    # row, all blocks full: a banded list runs ~15% faster than a block-diagonal one of as many keys per
-    # row, and bands of blocks are what the class meets besides documents, e.g. global + local)
+    # 1024 keys, mostly partial blocks; "blocky": block-diagonal lists of 512 and 2048, all blocks full)
     hd = work.head_dim
     lists = {
         "long": [band(w) for w in ((128, 512) if args.tiny else (4096, 16384))],
         "short": [band(w) for w in ((16, 96) if args.tiny else (256, 1024))],
-        "blocky": [blocks(b, n) for b, n in (((128, 0), (128, 1)) if args.tiny else ((512, 0), (512, 1)))],
+        "blocky": [[[i, i + b, i, i + b, 0] for i in range(0, rows, b)] for b in ((128, 256) if args.tiny else (512, 2048))],
     }
     for cls, pair in lists.items():
         if hasattr(be, "config"):  # the Triton backend's blocks for this class
