@@ -98,3 +98,43 @@ def test_mask_validation_names_bad_slice():
         AttnMask([], 0, 4)
     with pytest.raises(TypeError, match="slice 0"):
         AttnMask([((0, 1), (0, 1), "full")], 4, 4)
+
+
+def _tile_cells(tiles, sq, sk):
+    cnt = np.zeros((sq, sk), dtype=np.int32)
+    for t in np.asarray(tiles).tolist():
+        tr = g.slice_to_trap(*t)
+        if tr is not None:
+            cnt += g.traps_to_dense(np.array([tr]), sq, sk)
+    return cnt
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_merge_tiles_keeps_cells(seed):
+    """merge_tiles on a cell-disjoint list (the union of random slices, cut in random row and key runs
+    as a plan's tiles are): the same cells, each once, in no more tiles."""
+    rng = np.random.default_rng(seed)
+    s = 48
+    kinds = list(range(4))
+    traps = [t for t in (g.slice_to_trap(*sorted(rng.choice(s + 1, 2, replace=False)),
+                                         *sorted(rng.choice(s + 1, 2, replace=False)), int(rng.choice(kinds)))
+                         for _ in range(6)) if t is not None]
+    disjoint = g.union(traps)
+    cuts = np.unique(np.concatenate([[0, s], rng.integers(0, s, 5)]))
+    tiles = [g.trap_to_slice(c) for a, b in zip(cuts[:-1], cuts[1:]) for c in g.clip(disjoint, 0, s, int(a), int(b))]
+    merged = g.merge_tiles(tiles)
+    assert len(merged) <= len(tiles)
+    want = _tile_cells(tiles, s, s)
+    assert want.max() <= 1 and np.array_equal(_tile_cells(merged, s, s), want)
+
+
+def test_merge_tiles_joins_block_rows_into_one_causal_tile():
+    """Block rows of full key blocks followed by a causal diagonal block (a strided mask's residue class
+    laid out contiguously) join into one causal tile; touching full tiles of the same keys join too."""
+    b, n = 4, 5
+    tiles = [(i * b, (i + 1) * b, j * b, (j + 1) * b, 0) for i in range(n) for j in range(i)]
+    tiles += [(i * b, (i + 1) * b, i * b, (i + 1) * b, 1) for i in range(n)]
+    assert g.merge_tiles(tiles).tolist() == [[0, n * b, 0, n * b, 1]]
+    assert g.merge_tiles([(0, 4, 0, 8, 0), (4, 9, 0, 8, 0), (0, 9, 8, 10, 0)]).tolist() == [[0, 9, 0, 10, 0]]
+    # a causal tile whose first rows keep nothing does not swallow the full keys before it
+    assert len(g.merge_tiles([(0, 4, 0, 3, 0), (0, 4, 3, 5, 1)])) == 2
