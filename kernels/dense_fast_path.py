@@ -28,74 +28,23 @@ def dense_kind(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int):
     return None
 
 
-def _bhsd(x):
-    # [s, H, D] -> [1, H, s, D] view (SDPA layout, strides kept)
-    return x.permute(1, 0, 2).unsqueeze(0)
-
-
-def _expand(x, hq):
-    return x if x.shape[1] == hq else x.repeat_interleave(hq // x.shape[1], 1)
-
-
 def cudnn_forward(q, k, v, scale, is_causal):
-    """q [sq,Hq,D], k/v [sk,Hkv,D] -> out [sq,Hq,D], lse [sq,Hq] fp32 (natural log).
-
-    GQA: K/V passed as they are; if this cuDNN rejects them (Hkv != Hq, or strided views such as the K
-    half of a packed K/V buffer), retried with contiguous copies, then expanded to Hq heads."""
-    try:
-        return _cudnn_forward(q, k, v, scale, is_causal)
-    except RuntimeError:
-        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-            try:
-                return _cudnn_forward(q.contiguous(), k.contiguous(), v.contiguous(), scale, is_causal)
-            except RuntimeError:
-                pass
-        if k.shape[1] == q.shape[1]:
-            raise
-        return _cudnn_forward(q.contiguous(), _expand(k, q.shape[1]).contiguous(),
-                              _expand(v, q.shape[1]).contiguous(), scale, is_causal)
-
-
-def _cudnn_forward(q, k, v, scale, is_causal):
-    sq, hq, _ = q.shape
-    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, is_causal, False, scale=scale)
-    out = res[0][0].permute(1, 0, 2)
-    lse = res[1].reshape(hq, sq).t()
-    return out.contiguous(), lse.float().contiguous()
+    """q [sq,Hq,D], k/v [sk,Hkv,D] -> out [sq,Hq,D], lse [sq,Hq] fp32 (natural log): one piece, i.e.
+    ``cudnn_forward_batched`` with a batch of 1 (GQA: K/V passed as they are; if this cuDNN rejects them
+    (Hkv != Hq, or strided views such as the K half of a packed K/V buffer), retried with contiguous
+    copies, then expanded to Hq heads)."""
+    out, lse = cudnn_forward_batched(q[None], k[None], v[None], scale, is_causal)
+    return out[0].contiguous(), lse[0].contiguous()
 
 
 def cudnn_backward(q, k, v, out, lse, dout, scale, is_causal):
-    """Gradients from the global lse [sq, Hq]; delta = rowsum(dout * out) implied."""
-    try:
-        return _cudnn_backward(q, k, v, out, lse, dout, scale, is_causal)
-    except RuntimeError:
-        hq, hkv = q.shape[1], k.shape[1]
-        q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
-        try:
-            return _cudnn_backward(q, k, v, out, lse, dout, scale, is_causal)
-        except RuntimeError:
-            if hkv == hq:
-                raise
-        dq, dk, dv = _cudnn_backward(q, _expand(k, hq), _expand(v, hq), out, lse, dout, scale, is_causal)
-        sk, d = k.shape[0], k.shape[2]
-        return dq, dk.view(sk, hkv, hq // hkv, d).sum(2), dv.view(sk, hkv, hq // hkv, d).sum(2)
+    """Gradients of one piece from the global lse [sq, Hq]; delta = rowsum(dout * out) implied."""
+    dq, dk, dv = cudnn_backward_batched(q[None], k[None], v[None], out[None], lse[None], dout[None], scale,
+                                        is_causal)
+    return dq[0].contiguous(), dk[0].contiguous(), dv[0].contiguous()
 
 
-def _cudnn_backward(q, k, v, out, lse, dout, scale, is_causal):
-    sq, hq, _ = q.shape
-    sk = k.shape[0]
-    lse_b = lse.t().contiguous().reshape(1, hq, sq, 1)
-    seed = torch.zeros((), dtype=torch.int64, device=q.device)
-    # no bias, no varlen (None cum_seq: an empty tensor would mean nested/varlen), no dropout
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse_b, seed, seed, None, None, None, sq, sk,
-        0.0, is_causal, scale=scale)
-    return (dq[0].permute(1, 0, 2).contiguous(), dk[0].permute(1, 0, 2).contiguous(),
-            dv[0].permute(1, 0, 2).contiguous())
-
-
-# -- batched band pieces (kernels/dense_tiles.py): n equal pieces sliding down the diagonal ---------------
+# -- batched pieces: n equal pieces (band pieces slide down the diagonal, kernels/dense_tiles.py) ---------
 def band_view(x, start: int, n: int, step: int, length: int):
     """Rows ``[start + b*step, start + b*step + length)`` of x [s, H, D] for b < n as a view [n, length, H, D]
     (windows overlap when length > step; nothing is copied)."""
