@@ -10,7 +10,7 @@ tiles. Every kernel time is sustained: a warm-up of ``--seconds`` then repeats f
 bursts run at boost clocks that a training step does not keep), on inputs of the benchmarks' scale.
 Communication (when started under torchrun with several ranks): all_to_all_single time for small
 messages (latency) and large ones (bandwidth), inside a node and, with several nodes, across them;
-and the fixed time of a whole megatron-cp call on a tiny mask (call_fwd_us / call_bwd_us).
+and the time a megatron-cp call exposes beyond its GPU work when timed alone (call_fwd_us / call_bwd_us).
 
     python tools/calibrate.py --out benchmarks/cost_model.json                     # one GPU, kernels only
     torchrun --nproc-per-node 4 tools/calibrate.py --out benchmarks/cost_model.json  # plus NCCL links
@@ -69,13 +69,21 @@ def _kernel(args, device, work: Workload):
     reps = 2 if args.tiny else 10
     secs = 0.0 if args.tiny else args.seconds
 
-    def run(tiles, sq, sk, backward=False, backend=be, row_class=None):
+    def run(tiles, sq, sk, backward=False, backend=be, row_class=None, queued=False):
         g = torch.Generator(device="cpu").manual_seed(0)
         q, k, v = ((torch.randn(n, h, d, generator=g) * 0.5).to(device, dt) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
         prep = backend.prepare(torch.tensor(tiles, dtype=torch.int32), sq, sk)
         if row_class is not None and getattr(prep, "row_class", row_class) != row_class:
             raise RuntimeError(f"calibration list meant for the {row_class!r} class runs as {prep.row_class!r}")
         out, lse = backend.forward(q, k, v, prep, None)
+        if queued:  # back to back, one sync at the end
+            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+            sync()
+            t0, n = time.perf_counter(), 20 * reps
+            for _ in range(n):
+                backend.forward(q, k, v, prep, None)
+            sync()
+            return (time.perf_counter() - t0) / n
         if not backward:
             return _time(lambda: backend.forward(q, k, v, prep, None), device, reps, secs)
         do = torch.randn_like(out)
@@ -85,11 +93,14 @@ def _kernel(args, device, work: Workload):
 
     per_flop = work.fwd_flops(1.0)
     out = {}
-    t_launch = run([[0, 16, 0, 16, 0]], 16, 16)
+    t_launch = run([[0, 16, 0, 16, 0]], 16, 16)  # synced: subtracted from the synced list timings below
+    # launch_us: what one more kernel call adds to a step whose calls run back to back (a tiny call,
+    # queued: the host's launch time, which bounds it), not a synced call's round trip (126 us on
+    # 4 x H200, charged per call it over-predicted plans with guest rows and stages)
     # no per-tile term: the kernels walk blocks, not tiles (their cost is in the per-block and per-row
     # terms); a probe of 64 tiny tiles measured noise of 0 to 0.5 us per tile, which on the strided
     # mask's 4160 tiles per rank added 2 ms that the kernel does not spend (2 x H200, 20:30)
-    out.update(launch_us=t_launch * 1e6, tile_us=0.0)
+    out.update(launch_us=run([[0, 16, 0, 16, 0]], 16, 16, queued=True) * 1e6, tile_us=0.0)
 
     def band(w):  # every row keeps w + 1 keys (k - q in [0, w]): one BI_CAUSAL tile
         return [[0, rows, 0, rows + w, 3]]
@@ -213,16 +224,18 @@ def _links(args, device):
 
 
 def _call(args, device, work: Workload, fields: dict):
-    """(call_fwd_us, call_bwd_us): the fixed time of one megatron-cp attention call timed alone (synced
-    before and after, as a training step's calls are when nothing else is queued): a tiny causal mask
-    through the whole runtime, less the tiny kernel's call (launch_us) and one collective's latency.
-    (The guest-row path's extra host time is not a term: a tiny call exposes all of it, 1.6 ms on the
-    2 x H200 host of 20:30, while a real step overlaps it with GPU work; benchmarks/dist/README.md.)"""
+    """(call_fwd_us, call_bwd_us): the time a megatron-cp attention call exposes beyond its GPU work when
+    it is timed alone (synced before and after, as bench_dist's wall time and the simulator's predictions
+    are): the host's lead before its first kernel and its other host time the GPU does not hide. A
+    causal mask with milliseconds of GPU work per rank runs through the whole runtime, timed alone
+    (wall) and back to back (``--seconds`` of queued calls, one sync at the end: the GPU time of a
+    call): the difference. (A tiny call would time the whole host path, 0.5 / 1.3 ms on 4 x H200, most
+    of which a real call runs while its kernels do: benchmarks/dist/README.md, 2026-11-21.)"""
     import megatron_cp as mcp
     from megatron_cp import masks
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    s = 64 * world
+    s = (256 if args.tiny else 8192) * world
     plan = mcp.plan(masks.causal(s), world)
     n = plan.num_local(rank)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -232,12 +245,13 @@ def _call(args, device, work: Workload, fields: dict):
     do = torch.randn(n, work.num_heads, work.head_dim, generator=g).to(device, dt)
     be = kernels.get_backend(args.backend, device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    call = lambda: mcp.attention(q, k, v, plan, dist.group.WORLD, backend=be, stages=0)[0]  # noqa: E731
     tf, tb = [], []
-    for i in range(3 + (3 if args.tiny else 30)):
+    for i in range(3 + (3 if args.tiny else 20)):  # alone: synced before and after
         sync()
         dist.barrier()
         t0 = time.perf_counter()
-        out, _ = mcp.attention(q, k, v, plan, dist.group.WORLD, backend=be, stages=0)
+        out = call()
         sync()
         t1 = time.perf_counter()
         out.backward(do)
@@ -247,8 +261,19 @@ def _call(args, device, work: Workload, fields: dict):
         if i >= 3:
             tf.append(t1 - t0)
             tb.append(t2 - t1)
-    base = fields.get("launch_us", CostModel.launch_us) + fields.get("latency_us", CostModel.latency_us)
-    return (max(0.0, float(np.median(tf)) * 1e6 - base), max(0.0, float(np.median(tb)) * 1e6 - base))
+    reps = 3 if args.tiny else 10
+    sync()
+    dist.barrier()
+    t0 = time.perf_counter()  # back to back: forward calls, then the backward of each
+    outs = [call() for _ in range(reps)]
+    sync()
+    t1 = time.perf_counter()
+    for o in outs:
+        o.backward(do)
+    sync()
+    t2 = time.perf_counter()
+    gf, gb = (t1 - t0) / reps, (t2 - t1) / reps
+    return (max(0.0, float(np.median(tf)) - gf) * 1e6, max(0.0, float(np.median(tb)) - gb) * 1e6)
 
 
 def main(argv=None):
