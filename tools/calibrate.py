@@ -105,14 +105,15 @@ def _kernel(args, device, work: Workload):
     def band(w):  # every row keeps w + 1 keys (k - q in [0, w]): one BI_CAUSAL tile
         return [[0, rows, 0, rows + w, 3]]
 
-    # Triton classes, each from two lists the backend runs in it: t = (cells + half * rows) / peak, cells
-    # kept ("long": bands of 4096 and 16384 keys) or of every visited block ("short": bands of 256 and
-    # 1024 keys, mostly partial blocks; "blocky": block-diagonal lists of 512 and 2048, all blocks full)
+    # Triton classes, each from three lists the backend runs in it: t = (cells + half * rows) / peak, cells
+    # kept ("long": bands of 4096, 8192 and 16384 keys) or of every visited block ("short": bands of 256,
+    # 512 and 1024 keys, mostly partial blocks; "blocky": block-diagonal lists of 512, 1024 and 2048, all
+    # blocks full), fitted in relative error over the three
     hd = work.head_dim
     lists = {
-        "long": [band(w) for w in ((128, 512) if args.tiny else (4096, 16384))],
-        "short": [band(w) for w in ((16, 96) if args.tiny else (256, 1024))],
-        "blocky": [[[i, i + b, i, i + b, 0] for i in range(0, rows, b)] for b in ((128, 256) if args.tiny else (512, 2048))],
+        "long": [band(w) for w in ((128, 256, 512) if args.tiny else (4096, 8192, 16384))],
+        "short": [band(w) for w in ((16, 48, 96) if args.tiny else (256, 512, 1024))],
+        "blocky": [[[i, i + b, i, i + b, 0] for i in range(0, rows, b)] for b in ((128, 256) if args.tiny else (512, 1024, 2048))],
     }
     for cls, pair in lists.items():
         if hasattr(be, "config"):  # the Triton backend's blocks for this class
@@ -146,12 +147,14 @@ def _kernel(args, device, work: Workload):
             out[f"{cls}_block_m"], out[f"{cls}_block_n"] = fwd_blk
             out["bwd_block_m"], out["bwd_block_n"] = bwd_blk
     if dense_be is not None:
-        # full pieces: cells + half_keys * rows + half_rows * keys at the peak, from three shapes
-        big_k = 4 * keys_long
+        # full pieces: cells + half_keys * rows + half_rows * keys at the peak, fitted on nine shapes that
+        # span the pieces plans make (512 .. 8192 rows: guest rows, stage and ring pieces; 8192 .. 65536
+        # keys), so that no piece is an extrapolation (three exact shapes put 1.9 ms on a 512 x 32768
+        # guest piece's backward that the kernel does not spend: benchmarks/dist/README.md, 21:29)
         # the pieces' wave efficiency on this GPU, as the model applies it
         waves = CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
         pf, pb = [], []
-        for r, kk in ((rows // 2, big_k), (rows // 8, big_k), (rows // 2, keys_long)):
+        for r, kk in ((r, kk) for r in (rows // 32, rows // 8, rows // 2) for kk in (keys_long // 2, 2 * keys_long, 4 * keys_long)):
             full = [[0, r, 0, kk, 0]]
             ef, eb = float(waves.wave_efficiency(r, hq)), float(waves.wave_efficiency(kk, hq))
             pf.append(([r * kk, r, kk], run(full, r, kk, backend=dense_be) * ef / per_flop))
@@ -179,20 +182,33 @@ def _kernel(args, device, work: Workload):
 
 def _linear_fit(points, what, fixed=None):
     """(peak FLOP/s, [half terms]) of t = (cells + sum(half_i * x_i)) / peak through ``points`` = [([cells,
-    x_1, ...], t / flops per cell)], solved exactly (as many points as unknowns); ``fixed``: the half
-    terms given, the peak from the point with the most cells. Noisy points that give a negative term
-    (tiny CPU runs) fall back to no half terms."""
+    x_1, ...], t / flops per cell)]: least squares in relative error over every point, terms >= 0 (the
+    best fit over the subsets of half terms left free: a term the points do not support is 0).
+    ``fixed``: the half terms given, only the peak fitted."""
     A = np.array([p[0] for p in points], dtype=np.float64)
     y = np.array([p[1] for p in points], dtype=np.float64)
-    j = int(np.argmax(A[:, 0]))
+    W = A / y[:, None]  # rows scaled so that each point weighs by its relative error
     if fixed is not None:
-        return (A[j, 0] + float(np.dot(fixed, A[j, 1:]))) / y[j], list(fixed)
+        a = W[:, 0] + W[:, 1:] @ np.asarray(fixed, dtype=np.float64)
+        return float((a * a).sum() / a.sum()), list(fixed)
     scaled = A / A.max(0)
-    if abs(np.linalg.det(scaled)) < 1e-6:
+    if np.linalg.matrix_rank(scaled, tol=1e-6) < A.shape[1]:
         raise RuntimeError(f"the {what!r} calibration shapes do not separate the cost terms: {A.tolist()}")
-    x = np.linalg.solve(A, y)  # [1 / peak, half_1 / peak, ...]
-    if x[0] <= 0 or (x[1:] < 0).any():
-        return A[j, 0] / y[j], [0.0] * (A.shape[1] - 1)
+    best = None
+    m = A.shape[1]
+    for free in range(1 << (m - 1)):  # which half terms are free (the peak always is)
+        cols = [0] + [i + 1 for i in range(m - 1) if free >> i & 1]
+        x, *_ = np.linalg.lstsq(W[:, cols], np.ones(len(y)), rcond=None)
+        if (x < 0).any():
+            continue
+        err = float(((W[:, cols] @ x - 1.0) ** 2).sum())
+        if best is None or err < best[0]:
+            full = np.zeros(m)
+            full[cols] = x
+            best = (err, full)
+    if best is None or best[1][0] <= 0:
+        raise RuntimeError(f"no positive {what!r} fit through {A.tolist()} / {y.tolist()}")
+    x = best[1]
     return 1.0 / x[0], (x[1:] / x[0]).tolist()
 
 
@@ -226,13 +242,15 @@ def _links(args, device):
 def _call(args, device, work: Workload, fields: dict):
     """(call_fwd_us, call_bwd_us): the time a megatron-cp attention call exposes beyond its GPU work when
     it is timed alone (synced before and after, as bench_dist's wall time and the simulator's predictions
-    are): the host's lead before its first kernel and its other host time the GPU does not hide. A
-    causal mask with milliseconds of GPU work per rank runs through the whole runtime, timed alone
-    (wall) and back to back (``--seconds`` of queued calls, one sync at the end: the GPU time of a
-    call): the difference. (A tiny call would time the whole host path, 0.5 / 1.3 ms on 4 x H200, most
-    of which a real call runs while its kernels do: benchmarks/dist/README.md, 2026-11-21.)"""
+    are): the host's lead before its kernels and the host time the GPU does not hide. A causal mask with
+    milliseconds of GPU work per rank runs through the whole runtime, timed as bench_dist times a step
+    (its ``Timer``): alone (wall) and with the stream held while the host issues it (GPU time, CUDA
+    events); the difference, medians of the slowest rank. (A tiny call would time its whole host path,
+    0.5 / 1.3 ms on 4 x H200, much of which a real call runs while its kernels do; a queued loop of calls
+    absorbs the ranks' skew in its all-to-alls and left 0.08 / 0.49 ms: benchmarks/dist/README.md.)"""
     import megatron_cp as mcp
     from megatron_cp import masks
+    from bench_dist import Timer
 
     world, rank = dist.get_world_size(), dist.get_rank()
     s = (256 if args.tiny else 8192) * world
@@ -244,36 +262,16 @@ def _call(args, device, work: Workload, fields: dict):
                for h in (work.num_heads, work.num_kv_heads, work.num_kv_heads))
     do = torch.randn(n, work.num_heads, work.head_dim, generator=g).to(device, dt)
     be = kernels.get_backend(args.backend, device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    call = lambda: mcp.attention(q, k, v, plan, dist.group.WORLD, backend=be, stages=0)[0]  # noqa: E731
-    tf, tb = [], []
-    for i in range(3 + (3 if args.tiny else 20)):  # alone: synced before and after
-        sync()
-        dist.barrier()
-        t0 = time.perf_counter()
-        out = call()
-        sync()
-        t1 = time.perf_counter()
+
+    def fwd():
+        return mcp.attention(q, k, v, plan, dist.group.WORLD, backend=be, stages=0)[0]
+
+    def bwd(out):
         out.backward(do)
-        sync()
-        t2 = time.perf_counter()
         q.grad = k.grad = v.grad = None
-        if i >= 3:
-            tf.append(t1 - t0)
-            tb.append(t2 - t1)
-    reps = 3 if args.tiny else 10
-    sync()
-    dist.barrier()
-    t0 = time.perf_counter()  # back to back: forward calls, then the backward of each
-    outs = [call() for _ in range(reps)]
-    sync()
-    t1 = time.perf_counter()
-    for o in outs:
-        o.backward(do)
-    sync()
-    t2 = time.perf_counter()
-    gf, gb = (t1 - t0) / reps, (t2 - t1) / reps
-    return (max(0.0, float(np.median(tf)) - gf) * 1e6, max(0.0, float(np.median(tb)) - gb) * 1e6)
+
+    gf, gb, wf, wb = Timer(device).run(fwd, bwd, 3, 2 if args.tiny else 15, dist.group.WORLD)
+    return max(0.0, wf - gf) * 1e6, max(0.0, wb - gb) * 1e6
 
 
 def main(argv=None):

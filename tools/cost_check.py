@@ -135,7 +135,7 @@ def main(argv=None):
     ap.add_argument("--cp", type=int, default=4)
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--cost", default=None, help="CostModel JSON (tools/calibrate.py); default CostModel()")
-    ap.add_argument("--seconds", type=float, default=0.3, help="warm-up and measuring time of each figure")
+    ap.add_argument("--seconds", type=float, default=0.2, help="warm-up and measuring time of each figure")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: tiny sequence, fp32, no warm-up")
@@ -158,13 +158,22 @@ def main(argv=None):
     be = kernels.get_backend(args.backend, device)
     jobs = [c for m in args.masks.split(",") for c in calls(m, s, args.cp, args.impls.split(","), work)]
     mine = []
+    # each process also appends its rows as they come (<out>.rank<N>.jsonl): a run cut short keeps them
+    part = open(f"{args.out}.rank{me}.jsonl", "w") if args.out else None
+    t0 = time.perf_counter()
     for c in jobs[me::world]:
         tf, tb = measure(c, be, device, dtype, seconds)
         w = Workload(c["heads"], c["kv_heads"], work.head_dim, 2)
         tiles = np.asarray(c["tiles"])
         mine.append({k: v for k, v in c.items() if k != "tiles"} | dict(
             n_tiles=len(tiles), area=float(tile_areas(tiles)[0].sum()), fwd_ms=tf * 1e3, bwd_ms=tb * 1e3,
-            fwd_pred_ms=cost.tile_time(tiles, w) * 1e3, bwd_pred_ms=cost.tile_time(tiles, w, True) * 1e3))
+            fwd_pred_ms=cost.tile_time(tiles, w) * 1e3, bwd_pred_ms=cost.tile_time(tiles, w, True) * 1e3,
+            at_s=time.perf_counter() - t0))
+        if part:
+            part.write(json.dumps(mine[-1]) + "\n")
+            part.flush()
+    if part:
+        part.close()
     rows = mine
     if distributed:
         parts = [None] * world

@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import megatron_cp as mcp  # noqa: E402
+from megatron_cp.baselines import plan_for  # noqa: E402
 from megatron_cp.planner.cost import CostModel, Workload  # noqa: E402
 from megatron_cp.planner.guests import predict as guest_predict, traffic as guest_traffic  # noqa: E402
 from megatron_cp.planner.schedule import clip_tiles, rank_traps  # noqa: E402
@@ -343,7 +344,9 @@ def compare(path, cost, work, g):
             continue
         w = Workload(data["heads"], data["kv_heads"], data["head_dim"], 2)
         mask = _cp_masks.build(r["mask"], r["seqlen"])
-        kw = {"layout": "zigzag"} if r["impl"] == "ring" else {}
+        # the ring's layout as the benchmark plans it (baselines.plan_for: zigzag unless contiguous is as
+        # balanced)
+        kw = {"layout": plan_for("ring", mask, r["cp"]).solver} if r["impl"] == "ring" else {}
         p = fn[r["impl"]](mask, r["cp"], g, cost, w, **kw)
         if p is None:
             continue
