@@ -105,15 +105,20 @@ def _kernel(args, device, work: Workload):
     def band(w):  # every row keeps w + 1 keys (k - q in [0, w]): one BI_CAUSAL tile
         return [[0, rows, 0, rows + w, 3]]
 
-    # Triton classes, each from three lists the backend runs in it: t = (cells + half * rows) / peak, cells
-    # kept ("long": bands of 4096, 8192 and 16384 keys) or of every visited block ("short": bands of 256,
-    # 512 and 1024 keys, mostly partial blocks; "blocky": block-diagonal lists of 512, 1024 and 2048, all
-    # blocks full), fitted in relative error over the three
+    # Triton classes, each from lists the backend runs in it: t = (cells + half * rows) / peak, cells kept
+    # ("long": bands of 4096, 8192 and 16384 keys) or of every visited block ("short": bands of 256, 512
+    # and 1024 keys, mostly partial blocks, and causal documents of 1024; "blocky": block-diagonal lists
+    # of 512, 1024 and 2048, all blocks full, and causal documents of 2048), fitted in relative error over
+    # the class's lists (packed documents ran 11% slower than bands and full blocks alone predicted:
+    # tools/cost_check.py on 2 x 64k, 22:46)
     hd = work.head_dim
+    def docs(b, kind):  # block-diagonal: documents of b tokens, each full (kind 0) or causal (kind 1)
+        return [[i, i + b, i, i + b, kind] for i in range(0, rows, b)]
+
     lists = {
         "long": [band(w) for w in ((128, 256, 512) if args.tiny else (4096, 8192, 16384))],
-        "short": [band(w) for w in ((16, 48, 96) if args.tiny else (256, 512, 1024))],
-        "blocky": [[[i, i + b, i, i + b, 0] for i in range(0, rows, b)] for b in ((128, 256) if args.tiny else (512, 1024, 2048))],
+        "short": [band(w) for w in ((16, 48, 96) if args.tiny else (256, 512, 1024))] + [docs(64 if args.tiny else 1024, 1)],
+        "blocky": [docs(b, 0) for b in ((128, 256) if args.tiny else (512, 1024, 2048))] + [docs(128 if args.tiny else 2048, 1)],
     }
     for cls, pair in lists.items():
         if hasattr(be, "config"):  # the Triton backend's blocks for this class
