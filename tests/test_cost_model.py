@@ -1,6 +1,9 @@
 """Cost model: its restated kernel rules (dense split, rest list, visited blocks, row class) match the
 kernel code, the classes use their own fits, and stage choice respects the dense path."""
 
+import importlib.util
+import pathlib
+
 import numpy as np
 import pytest
 import torch
@@ -286,3 +289,37 @@ def test_dense_pieces_pay_for_partial_waves():
     wide = np.array([[0, 128 * 33, 0, 65536, 0]])  # 33 x 8 = 264 programs: two whole waves
     assert waves.tile_time(wide, w8) == pytest.approx(flat.tile_time(wide, w8))
     assert float(waves.wave_efficiency(133 * 128, 1)) == pytest.approx(133 / 264)
+
+
+def test_dense_grid_reads_measured_rates_for_full_pieces():
+    """A calibrated grid gives full pieces the measured rate of their shape (exact on grid points,
+    log-bilinear between, clamped outside); square causal pieces keep the peak model."""
+    g = dict(dense_grid_rows=(512, 2048), dense_grid_keys=(8192, 32768), dense_grid_fwd_tflops=(300.0, 400.0, 500.0, 600.0),
+             dense_grid_bwd_tflops=(200.0, 300.0, 400.0, 500.0), dense_grid_heads=32)
+    m = CostModel(num_sms=0, **g)
+    assert m.grid_tflops(512, 8192) == pytest.approx(300.0) and m.grid_tflops(2048, 32768, True) == pytest.approx(500.0)
+    assert m.grid_tflops(1024, 16384) == pytest.approx(450.0)  # half way in log2 both ways
+    assert m.grid_tflops(100000, 100) == pytest.approx(500.0)  # clamped: most rows, fewest keys
+    w = Workload()
+    full = np.array([[0, 2048, 0, 32768, 0]])
+    t = m.tile_time(full, w) - m.launch_us * 1e-6 - m.dense_piece_us * 1e-6
+    merge = 2048 * w.num_heads * w.head_dim * 10.0 / (m.hbm_gbps * 1e9)
+    assert t - merge == pytest.approx(w.fwd_flops(2048 * 32768) / 600e12, rel=1e-9)
+    causal = np.array([[0, 16384, 0, 16384, 1]])
+    assert m.tile_time(causal, w) == pytest.approx(CostModel(num_sms=0).tile_time(causal, w), rel=1e-12)
+
+
+def test_calibrate_fit_is_least_squares_with_nonnegative_terms():
+    """tools/calibrate.py's fit: exact through consistent points, a term the points contradict is 0."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "calibrate.py"
+    spec = importlib.util.spec_from_file_location("calibrate_fit", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    peak, half = 500e12, 200.0
+    pts = [([c, r], (c + half * r) / peak) for c, r in ((1e8, 1e4), (4e8, 1e4), (2e8, 5e4))]
+    p, h = mod._linear_fit(pts, "t")
+    assert p == pytest.approx(peak) and h[0] == pytest.approx(half)
+    # longer rows slower per cell (a negative half term would fit): the half term is 0, the peak between
+    pts = [([1e8, 1e4], 1e8 / 500e12), ([4e8, 1e4], 4e8 / 400e12)]
+    p, h = mod._linear_fit(pts, "t")
+    assert h == [0.0] and 400e12 < p < 500e12

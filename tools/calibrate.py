@@ -158,12 +158,20 @@ def _kernel(args, device, work: Workload):
         # guest piece's backward that the kernel does not spend: benchmarks/dist/README.md, 21:29)
         # the pieces' wave efficiency on this GPU, as the model applies it
         waves = CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
-        pf, pb = [], []
-        for r, kk in ((r, kk) for r in (rows // 32, rows // 8, rows // 2) for kk in (keys_long // 2, 2 * keys_long, 4 * keys_long)):
+        pf, pb, grid_f, grid_b = [], [], [], []
+        g_rows, g_keys = (rows // 32, rows // 8, rows // 2), (keys_long // 2, 2 * keys_long, 4 * keys_long)
+        for r, kk in ((r, kk) for r in g_rows for kk in g_keys):
             full = [[0, r, 0, kk, 0]]
             ef, eb = float(waves.wave_efficiency(r, hq)), float(waves.wave_efficiency(kk, hq))
-            pf.append(([r * kk, r, kk], run(full, r, kk, backend=dense_be) * ef / per_flop))
-            pb.append(([r * kk, r, kk], run(full, r, kk, True, backend=dense_be) * eb / (2.5 * per_flop)))
+            tf = run(full, r, kk, backend=dense_be) - t_launch
+            tb = run(full, r, kk, True, backend=dense_be) - t_launch
+            pf.append(([r * kk, r, kk], tf * ef / per_flop))
+            pb.append(([r * kk, r, kk], tb * eb / (2.5 * per_flop)))
+            grid_f.append(r * kk * per_flop / tf / 1e12)
+            grid_b.append(2.5 * r * kk * per_flop / tb / 1e12)
+        # the measured rates themselves: the model reads full pieces off this grid
+        out.update(dense_grid_rows=list(g_rows), dense_grid_keys=list(g_keys), dense_grid_fwd_tflops=grid_f,
+                   dense_grid_bwd_tflops=grid_b, dense_grid_heads=hq)
         (peak_f, (hk_f, hr_f)), (peak_b, (hk_b, hr_b)) = _linear_fit(pf, "dense"), _linear_fit(pb, "dense")
         out.update(dense_fwd_tflops=peak_f / 1e12, dense_half_keys=hk_f, dense_half_rows=hr_f,
                    dense_bwd_tflops=peak_b / 1e12, dense_bwd_half_keys=hk_b, dense_bwd_half_rows=hr_b)
@@ -318,7 +326,8 @@ def main(argv=None):
     world = dist.get_world_size() if distributed else 1
     fields["source"] = (f"tools/calibrate.py on {world} x {name}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
                         f"command: {' '.join(sys.argv)}")
-    model = CostModel(**{**base.__dict__, **{k: v if isinstance(v, (str, int)) else float(v) for k, v in fields.items()}})
+    model = CostModel(**{**base.__dict__, **{k: v if isinstance(v, (str, int)) else tuple(v) if isinstance(v, list)
+                                             else float(v) for k, v in fields.items()}})
     if not distributed or dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         model.save(args.out)

@@ -119,6 +119,15 @@ class CostModel:
     # and rows, as Ulysses' head groups have); 0: not modelled
     num_sms: int = 0
     dense_block: int = 128
+    # measured full pieces (tools/calibrate.py): TFLOP/s of a rows x keys piece on a grid of rows x keys
+    # (row-major, ``dense_grid_heads`` query heads); when present, a full piece's rate is read off it
+    # (bilinear in log2 rows and keys, clamped to the grid's edges) instead of the peak and half terms
+    # above, which square causal pieces keep using
+    dense_grid_rows: tuple = ()
+    dense_grid_keys: tuple = ()
+    dense_grid_fwd_tflops: tuple = ()
+    dense_grid_bwd_tflops: tuple = ()
+    dense_grid_heads: int = 0
     source: str = "default"  # where the numbers came from (calibration file, device)
 
     def save(self, path: str) -> None:
@@ -133,7 +142,13 @@ class CostModel:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"{path}: unknown cost-model fields {unknown}; known: {sorted(known)}")
-        return cls(**raw)
+        raw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+        m = cls(**raw)
+        g = (len(m.dense_grid_rows), len(m.dense_grid_keys))
+        if g[0] * g[1] and (len(m.dense_grid_fwd_tflops) != g[0] * g[1] or len(m.dense_grid_bwd_tflops) != g[0] * g[1]):
+            raise ValueError(f"{path}: dense grid of {g[0]} x {g[1]} shapes needs {g[0] * g[1]} rates per phase, got "
+                             f"{len(m.dense_grid_fwd_tflops)} / {len(m.dense_grid_bwd_tflops)}")
+        return m
 
     def tile_time(self, tiles: np.ndarray, work: Workload, backward: bool = False, key_split: int = 1) -> float:
         """Seconds to run one kernel call over ``tiles`` (int [n, 5] rows q0, q1, k0, k1, kind).
@@ -207,10 +222,31 @@ class CostModel:
         hk = self.dense_bwd_half_keys if backward else self.dense_half_keys
         hr = self.dense_bwd_half_rows if backward else self.dense_half_rows
         rows, keys, cells, causal, batch = pieces
-        eq = ((cells + hr * keys * batch) / split + hk * rows * batch) / self.wave_efficiency(
-            (keys / split) if backward else rows, work.num_heads * batch)
+        extent = (keys / split) if backward else rows
+        eff = self.wave_efficiency(extent, work.num_heads * batch)
+        eq = ((cells + hr * keys * batch) / split + hk * rows * batch) / eff
         per_flop = 4.0 * work.num_heads * work.head_dim
-        return float(np.where(causal, eq / cpeak, eq / dpeak).sum()) * per_flop
+        full = eq / dpeak
+        if len(self.dense_grid_rows) and len(self.dense_grid_keys):
+            # measured rate of the shape (at the grid's heads), moved to this piece's heads by wave efficiency
+            rate = self.grid_tflops(rows, keys / split, backward) * 1e12 / (2.5 if backward else 1.0)
+            full = cells / split / rate * self.wave_efficiency(extent, self.dense_grid_heads or work.num_heads) / eff
+        return float(np.where(causal, eq / cpeak, full).sum()) * per_flop
+
+    def grid_tflops(self, rows, keys, backward: bool = False) -> np.ndarray:
+        """Full pieces' TFLOP/s from the calibrated grid: bilinear in log2(rows), log2(keys), clamped."""
+        gr = np.log2(np.asarray(self.dense_grid_rows, dtype=np.float64))
+        gk = np.log2(np.asarray(self.dense_grid_keys, dtype=np.float64))
+        z = np.asarray(self.dense_grid_bwd_tflops if backward else self.dense_grid_fwd_tflops,
+                       dtype=np.float64).reshape(len(gr), len(gk))
+        r = np.clip(np.log2(np.maximum(np.asarray(rows, dtype=np.float64), 1.0)), gr[0], gr[-1])
+        k = np.clip(np.log2(np.maximum(np.asarray(keys, dtype=np.float64), 1.0)), gk[0], gk[-1])
+        i = np.clip(np.searchsorted(gr, r, side="right") - 1, 0, max(len(gr) - 2, 0))
+        j = np.clip(np.searchsorted(gk, k, side="right") - 1, 0, max(len(gk) - 2, 0))
+        i1, j1 = np.minimum(i + 1, len(gr) - 1), np.minimum(j + 1, len(gk) - 1)
+        a = np.where(i1 > i, (r - gr[i]) / np.where(i1 > i, gr[i1] - gr[i], 1.0), 0.0)
+        b = np.where(j1 > j, (k - gk[j]) / np.where(j1 > j, gk[j1] - gk[j], 1.0), 0.0)
+        return ((1 - a) * (1 - b) * z[i, j] + a * (1 - b) * z[i1, j] + (1 - a) * b * z[i, j1] + a * b * z[i1, j1])
 
     def wave_efficiency(self, extent, heads: int):
         """Fraction of the multiprocessors' time a dense piece uses: ``ceil(extent / dense_block) x heads``
