@@ -272,6 +272,7 @@ def test_calibrate_dry_run_writes_a_loadable_model(tmp_path):
     for f in ("fwd_tflops", "bwd_tflops", "short_fwd_tflops", "short_bwd_tflops", "blocky_fwd_tflops", "blocky_bwd_tflops"):
         assert 0 < getattr(m, f) < 1e4, (f, getattr(m, f))
     assert m.launch_us > 0 and m.source.startswith("tools/calibrate.py on 1 x cpu")
+    assert m.hbm_gbps > 0 and m.hbm_gbps != CostModel().hbm_gbps  # the passes' rate is measured too
     assert (m.short_block_m, m.blocky_block_m, m.bwd_block_m) == (64, 128, 64)
 
 

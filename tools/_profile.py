@@ -19,15 +19,24 @@ from torch.profiler import ProfilerActivity, profile, record_function
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def profile_step(fwd, bwd, sync, phases=("fwd", "bwd")):
-    """Run fwd() then bwd(out) once under torch.profiler; returns (trace events, host ms per phase)."""
+def profile_step(fwd, bwd, sync, phases=("fwd", "bwd"), hold=None):
+    """Run fwd() then bwd(out) once under torch.profiler; returns (trace events, host ms per phase).
+
+    ``hold``: called before each phase (e.g. bench_dist's ``Timer._hold``, a spin kernel on the stream):
+    the host then issues the phase while the GPU is busy, so the timeline shows GPU work without the
+    host's launch gaps, as bench_dist's GPU time does; host ms is then the issue time."""
     host = {}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         sync()
+        if hold is not None:
+            hold()
         t0 = time.perf_counter()
         with record_function(phases[0]):
             out = fwd()
-        sync()
+        if hold is None:
+            sync()
+        else:
+            hold()
         t1 = time.perf_counter()
         with record_function(phases[1]):
             bwd(out)

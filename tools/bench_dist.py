@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -53,17 +54,37 @@ class Timer:
 
     * GPU time (the headline): the stream is held by a spin kernel (then a tiny all-reduce that
       releases every GPU at once) while the host issues the step, so CUDA events time the GPU work
-      alone. In training the host runs ahead of the GPU (other
-      layers' kernels are queued), which is also how ``kernel-only`` below is timed (a loop of calls);
-      a step whose host issue outlasts the hold shows that as GPU idle time.
+      alone. In training the host runs ahead of the GPU (other layers' kernels are queued).
+      ``kernel-only`` below is timed the same way (its calls queued behind a held stream), so that
+      both start from the same GPU state (the clocks after a hold; a loop of calls ran the same
+      kernels up to ~10% slower, benchmarks/dist/README.md, 00:34); a step whose host issue outlasts
+      the hold shows that as GPU idle time.
     * wall time: host issue + GPU of an isolated step (sync, barrier, time, sync), which also counts
       the host's launch latency before the first kernel.
     On CPU (gloo dry runs) both are wall time."""
 
     HOLD_CYCLES = 20_000_000  # ~10 ms of GPU clock: longer than any implementation's host issue time
 
-    def __init__(self, device):
+    def __init__(self, device, warm_seconds=0.0):
         self.device = device
+        self.warm_seconds = warm_seconds
+
+    def warm(self, step, group=None):
+        """Run ``step`` back to back for about ``warm_seconds`` (the GPU's clocks settle at what a training
+        run sustains; a cold burst of a few steps runs at boost clocks). With ``group``, every rank runs the
+        same number of steps (their collectives must match): the most any rank needs."""
+        if self.warm_seconds <= 0:
+            return
+        self.sync()
+        t0 = time.perf_counter()
+        step()
+        self.sync()
+        n = torch.tensor([math.ceil(self.warm_seconds / max(time.perf_counter() - t0, 1e-6))], device=self.device)
+        if group is not None:
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+        for _ in range(int(n.item()) - 1):
+            step()
+        self.sync()
 
     def sync(self):
         if self.device.type == "cuda":
@@ -79,6 +100,7 @@ class Timer:
         """(fwd, bwd, fwd wall, bwd wall) seconds."""
         cuda = self.device.type == "cuda"
         rows = []
+        self.warm(lambda: bwd(fwd()), group)
         for i in range(warmup + iters):
             self.sync()
             dist.barrier(group)
@@ -155,12 +177,14 @@ def bench_ours(name, mask, args, ctx):
         q.grad = k.grad = v.grad = None
 
     times = ctx["timer"].run(fwd, bwd, args.warmup, args.iters, group)
-    if args.profile and name == "megatron-cp":  # one more step under torch.profiler (all ranks take part)
+    if args.profile and name in args.profile_impls.split(","):  # one more step under torch.profiler (all ranks)
         import _profile
 
-        events, host = _profile.profile_step(fwd, bwd, ctx["timer"].sync)
+        hold = (lambda: ctx["timer"]._hold(group)) if args.profile_held and device.type == "cuda" else None
+        events, host = _profile.profile_step(fwd, bwd, ctx["timer"].sync, hold=hold)
         if rank == 0:
-            title = f"{name} {ctx['mask_name']} S={ctx['seqlen']} rank 0 of {cp} ({ctx['dev_name']})"
+            title = (f"{name} {ctx['mask_name']} S={ctx['seqlen']} rank 0 of {cp} ({ctx['dev_name']})"
+                     + (", stream held while the host issues each phase" if hold else ""))
             with open(args.profile, "a") as f:
                 f.write(_profile.summarize(events, host, title))
     return times, plan
@@ -184,26 +208,56 @@ def bench_kernel_only(plan, args, ctx):
         v = _rand_local(sk, args.kv_heads, args.head_dim, dtype, device, 3 + 10 * i)
         out, lse = be.forward(q, k, v, prep, None)
         do = torch.randn_like(out)
-        runs.append((q, k, v, prep, out, lse, do, (do.float() * out.float()).sum(-1)))
+        runs.append((q, k, v, prep, out, lse, do))
     t = ctx["timer"]
-    for _ in range(args.warmup):
-        for q, k, v, prep, out, lse, do, delta in runs:
-            be.forward(q, k, v, prep, None)
-            be.backward(q, k, v, out, lse, do, prep, None, delta)
-    t.sync()
-    t0 = time.perf_counter()
-    for _ in range(args.iters):
+
+    # the calls as the runtime makes them: backward with delta None (the backend computes rowsum(dout *
+    # out) itself, and a dense piece may then take cuDNN's own path; a given delta took another path,
+    # 12% slower on the strided mask's one cuDNN call: benchmarks/dist/README.md, 00:34)
+    def fwd():
         for q, k, v, prep, *_ in runs:
             be.forward(q, k, v, prep, None)
-    t.sync()
-    t1 = time.perf_counter()
-    for _ in range(args.iters):
-        for q, k, v, prep, out, lse, do, delta in runs:
-            be.backward(q, k, v, out, lse, do, prep, None, delta)
-    t.sync()
-    t2 = time.perf_counter()
+
+    def bwd():
+        for q, k, v, prep, out, lse, do in runs:
+            be.backward(q, k, v, out, lse, do, prep, None, None)
+
+    t.warm(lambda: (fwd(), bwd()))
+    for _ in range(args.warmup):
+        fwd()
+        bwd()
+    if device.type == "cuda" and args.kernel_only_timing == "held":
+        # timed as the implementations' GPU time is (Timer.run): each phase queued behind a spin kernel
+        # that holds the stream, CUDA events from its end; medians over the iterations
+        tf, tb = [], []
+        for _ in range(args.iters):
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            t.sync()
+            torch.cuda._sleep(Timer.HOLD_CYCLES)
+            ev[0].record()
+            fwd()
+            ev[1].record()
+            torch.cuda._sleep(Timer.HOLD_CYCLES)
+            ev[2].record()
+            bwd()
+            ev[3].record()
+            t.sync()
+            tf.append(ev[0].elapsed_time(ev[1]) / 1e3)
+            tb.append(ev[2].elapsed_time(ev[3]) / 1e3)
+        t_f, t_b = float(torch.tensor(tf).median()), float(torch.tensor(tb).median())
+    else:
+        t.sync()
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            fwd()
+        t.sync()
+        t1 = time.perf_counter()
+        for _ in range(args.iters):
+            bwd()
+        t.sync()
+        t_f, t_b = (t1 - t0) / args.iters, (time.perf_counter() - t1) / args.iters
     flops = 4.0 * rp.area * args.heads * args.head_dim  # the rank's cells, guest cells included
-    return flops, (t1 - t0) / args.iters, (t2 - t1) / args.iters
+    return flops, t_f, t_b
 
 
 _TORCH_CP_MODULES = (
@@ -332,11 +386,20 @@ def main(argv=None):
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--cost", default=None, help="CostModel JSON (tools/calibrate.py) for megatron-cp's stage choice")
     ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--kernel-only-timing", default="held", choices=["held", "loop"],
+                    help="kernel-only: each phase behind a held stream, as the implementations' GPU time "
+                         "(default), or a loop of calls timed on the host")
+    ap.add_argument("--warm-seconds", type=float, default=0.0,
+                    help="before timing each case, run it back to back this long (sustained clocks, as in "
+                         "training; 0: the warm-up steps only, a cold burst at boost clocks)")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out-dir", default="benchmarks/dist")
     ap.add_argument("--tag", default="")
     ap.add_argument("--profile", default=None, metavar="FILE",
-                    help="append a GPU timeline of one profiled megatron-cp step per case (rank 0) to FILE")
+                    help="append a GPU timeline of one profiled step per case of --profile-impls (rank 0) to FILE")
+    ap.add_argument("--profile-impls", default="megatron-cp", help="comma list of implementations to profile")
+    ap.add_argument("--profile-held", action="store_true",
+                    help="profile with the stream held while the host issues each phase (bench_dist's GPU time)")
     args = ap.parse_args(argv)
     tiny = args.tiny
     args.heads = args.heads or (4 if tiny else 32)
@@ -360,7 +423,7 @@ def main(argv=None):
         dev_name = "cpu"
     rank, cp = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
-    ctx = dict(rank=rank, cp=cp, device=device, dtype=dtype, group=group, timer=Timer(device))
+    ctx = dict(rank=rank, cp=cp, device=device, dtype=dtype, group=group, timer=Timer(device, args.warm_seconds))
     impls = args.impls.split(",")
     if any(i.endswith("+hp") for i in impls):  # every rank creates it (a collective call)
         opts = None

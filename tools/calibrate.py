@@ -54,6 +54,47 @@ def _time(fn, device, reps, seconds=0.0):
     return (time.perf_counter() - t0) / n
 
 
+def _held(fn, device, n):
+    """GPU seconds per call of ``fn`` issued ``n`` times while a spin kernel holds the stream (CUDA events
+    from the end of the spin): the GPU's own time per call, the host's launch time hidden as in a training
+    step, where the host runs ahead (bench_dist's GPU time). On CPU: wall time of the n calls."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(20_000_000)  # ~10 ms of GPU clock: longer than the host needs to issue the calls
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(n):
+        fn()
+    e1.record()
+    torch.cuda.synchronize(device)
+    return e0.elapsed_time(e1) / 1e3 / n
+
+
+def _passes(args, device) -> float:
+    """Bytes per second of the memory passes around the kernels (the model's ``hbm_gbps``): the kind the
+    runtime and the baselines make, timed together on the GPU (held stream): an fp32 add of gradient sums
+    (the ring's, the exchange's reductions) and a head-splitting copy of bf16 rows (Ulysses' send layout,
+    the exchanges' row placements); bytes read plus written over their time. (The fixed 3000 GB/s
+    assumed before put them 1.6-1.8x too fast on H200: profile of 4 x H200, 00:13.)"""
+    n, h, d, u = (256, 8, 16, 2) if args.tiny else (32768, 32, 128, 4)
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(n, h // 2, d, device=device) for _ in range(2))
+    x = torch.randn(n, h, d, device=device).to(dt)
+    y = torch.empty((u, n, h // u, d), device=device, dtype=dt)
+
+    def both():
+        torch.add(a, b, out=a)
+        y.copy_(x.view(n, u, h // u, d).transpose(0, 1))
+
+    both()
+    moved = 3 * a.numel() * a.element_size() + 2 * x.numel() * x.element_size()
+    return moved / _held(both, device, 20)
+
+
 def _kernel(args, device, work: Workload):
     """Triton numbers (dense path off), then, on CUDA, the dense (cuDNN) path's."""
     be = kernels.get_backend(args.backend, device)
@@ -76,14 +117,10 @@ def _kernel(args, device, work: Workload):
         if row_class is not None and getattr(prep, "row_class", row_class) != row_class:
             raise RuntimeError(f"calibration list meant for the {row_class!r} class runs as {prep.row_class!r}")
         out, lse = backend.forward(q, k, v, prep, None)
-        if queued:  # back to back, one sync at the end
-            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-            sync()
-            t0, n = time.perf_counter(), 20 * reps
-            for _ in range(n):
-                backend.forward(q, k, v, prep, None)
-            sync()
-            return (time.perf_counter() - t0) / n
+        if queued:  # back to back on the GPU: issued while a spin kernel holds the stream
+            # few enough calls that the host issues them all within the hold (200 tiny calls took longer
+            # and timed the host: 59 us a call on 4 x H200, 00:34)
+            return _held(lambda: backend.forward(q, k, v, prep, None), device, 2 * reps)
         if not backward:
             return _time(lambda: backend.forward(q, k, v, prep, None), device, reps, secs)
         do = torch.randn_like(out)
@@ -94,9 +131,10 @@ def _kernel(args, device, work: Workload):
     per_flop = work.fwd_flops(1.0)
     out = {}
     t_launch = run([[0, 16, 0, 16, 0]], 16, 16)  # synced: subtracted from the synced list timings below
-    # launch_us: what one more kernel call adds to a step whose calls run back to back (a tiny call,
-    # queued: the host's launch time, which bounds it), not a synced call's round trip (126 us on
-    # 4 x H200, charged per call it over-predicted plans with guest rows and stages)
+    # launch_us: what one more kernel call adds to a step's GPU time (a tiny call, queued behind a held
+    # stream: its small kernels and their gaps), neither a synced call's round trip (126 us on 4 x H200,
+    # charged per call it over-predicted plans with guest rows and stages) nor the host's launch time of
+    # a queued loop (76 us, 23:20), which a training step's host, running ahead, hides
     # no per-tile term: the kernels walk blocks, not tiles (their cost is in the per-block and per-row
     # terms); a probe of 64 tiny tiles measured noise of 0 to 0.5 us per tile, which on the strided
     # mask's 4160 tiles per rank added 2 ms that the kernel does not spend (2 x H200, 20:30)
@@ -151,6 +189,7 @@ def _kernel(args, device, work: Workload):
             out[f"{cls}_half_keys"], out[f"{cls}_bwd_half_keys"] = half_f[0], half_b[0]
             out[f"{cls}_block_m"], out[f"{cls}_block_n"] = fwd_blk
             out["bwd_block_m"], out["bwd_block_n"] = bwd_blk
+    out["hbm_gbps"] = _passes(args, device) / 1e9
     if dense_be is not None:
         # full pieces: cells + half_keys * rows + half_rows * keys at the peak, fitted on nine shapes that
         # span the pieces plans make (512 .. 8192 rows: guest rows, stage and ring pieces; 8192 .. 65536
@@ -186,9 +225,10 @@ def _kernel(args, device, work: Workload):
         # less the piece's time in the model and the tiny tile's own call
         c = dense_be.config
         mr, mk = int(c.dense_min_rows), int(c.dense_min_keys)
-        t_piece = run([[0, mr, 0, mk, 0], [mr, mr + 16, 0, 16, 0]], mr + 16, mk, backend=dense_be)
+        # (GPU time, queued behind a held stream, like launch_us)
+        t_piece = run([[0, mr, 0, mk, 0], [mr, mr + 16, 0, 16, 0]], mr + 16, mk, backend=dense_be, queued=True)
         model_t = (mr * mk + hk_f * mr + hr_f * mk) * per_flop / peak_f / float(waves.wave_efficiency(mr, hq))
-        out["dense_piece_us"] = max(0.0, (t_piece - t_launch - model_t) * 1e6)
+        out["dense_piece_us"] = max(0.0, (t_piece - out["launch_us"] * 1e-6 - model_t) * 1e6)
         out["dense_min_rows"], out["dense_min_keys"] = mr, mk
     return out
 
@@ -226,7 +266,8 @@ def _linear_fit(points, what, fixed=None):
 
 
 def _links(args, device):
-    """(intra GB/s, inter GB/s or None, latency us) from all_to_all_single timings."""
+    """(intra GB/s, inter GB/s or None, latency us, neighbour p2p GB/s or None) from all_to_all_single and
+    ring-step timings."""
     world = dist.get_world_size()
     local = args.gpus_per_node or world
     reps = 2 if args.tiny else 10
@@ -237,6 +278,19 @@ def _links(args, device):
         y = torch.empty_like(x)
         t = _time(lambda: dist.all_to_all_single(y, x), device, reps)
         res[name] = t
+    # one neighbour: each rank sends a block to the next rank and receives one from the previous, as the
+    # ring baseline's steps do (NCCL point-to-point: fewer channels than an all-to-all's)
+    blk = 1 << 20 if args.tiny else 128 << 20
+    if world > 1:
+        xs, xr = torch.empty(blk, dtype=torch.uint8, device=device), torch.empty(blk, dtype=torch.uint8, device=device)
+        rank = dist.get_rank()
+
+        def ring_step():
+            ops = [dist.P2POp(dist.isend, xs, (rank + 1) % world), dist.P2POp(dist.irecv, xr, (rank - 1) % world)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+        res["p2p"] = _time(ring_step, device, reps)
     # bytes leaving each GPU (to the other ranks) per all-to-all
     per_peer = 1 << 20 if args.tiny else 64 << 20
     moved = per_peer * (world - 1)
@@ -249,7 +303,8 @@ def _links(args, device):
     else:
         inter = None
         intra = moved / max(res["bandwidth"] - res["latency"], 1e-9) / 1e9
-    return intra, inter, res["latency"] * 1e6
+    p2p = blk / max(res["p2p"] - res["latency"], 1e-9) / 1e9 if "p2p" in res and nodes == 1 else None
+    return intra, inter, res["latency"] * 1e6, p2p
 
 
 def _call(args, device, work: Workload, fields: dict):
@@ -313,8 +368,10 @@ def main(argv=None):
     base = CostModel()
     fields = _kernel(args, device, work)
     if distributed:
-        intra, inter, lat = _links(args, device)
+        intra, inter, lat, p2p = _links(args, device)
         fields["latency_us"] = lat
+        if p2p is not None:
+            fields["p2p_gbps"] = p2p
         if intra is not None:
             fields["intra_gbps"] = intra
         if inter is not None:

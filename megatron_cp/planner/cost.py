@@ -65,6 +65,7 @@ class CostModel:
     launch_us: float = 90.0  # fixed cost per kernel call (one per stage)
     intra_gbps: float = 335.0  # achieved all-to-all bandwidth per GPU inside a node (GB/s)
     inter_gbps: float = 45.0  # achieved per GPU between nodes (400 Gb/s NIC per GPU)
+    p2p_gbps: float = 250.0  # one neighbour's send|receive pair inside a node (the ring baseline's steps)
     latency_us: float = 40.0  # fixed cost per collective
     dense_fwd_tflops: float = 680.0  # cuDNN full pieces (0: no dense path modelled)
     dense_bwd_tflops: float = 565.0
@@ -149,6 +150,15 @@ class CostModel:
             raise ValueError(f"{path}: dense grid of {g[0]} x {g[1]} shapes needs {g[0] * g[1]} rates per phase, got "
                              f"{len(m.dense_grid_fwd_tflops)} / {len(m.dense_grid_bwd_tflops)}")
         return m
+
+    def triton_tiles(self, tiles: np.ndarray) -> np.ndarray:
+        """The part of ``tiles`` the kernel backend runs on Triton (all of it without a dense path): the
+        rest after the dense (cuDNN) pieces ``tile_time`` costs separately."""
+        tiles = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
+        if self.dense_fwd_tflops <= 0 or not len(tiles):
+            return tiles
+        rule = (self.dense_min_rows, self.dense_min_keys, self.band_chunk, self.band_min_keys)
+        return dense_rest(tiles, *rule) if len(dense_pieces(tiles, *rule)[0]) else tiles
 
     def tile_time(self, tiles: np.ndarray, work: Workload, backward: bool = False, key_split: int = 1) -> float:
         """Seconds to run one kernel call over ``tiles`` (int [n, 5] rows q0, q1, k0, k1, kind).

@@ -1,0 +1,75 @@
+"""The benchmark and simulator tools' own rules (tools/bench_dist.py, tools/simulate.py) on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+import time
+
+import pytest
+
+from megatron_cp.planner.cost import CostModel, Workload
+
+from _dist import run_ranks
+
+TOOLS = pathlib.Path(__file__).resolve().parents[1] / "tools"
+
+
+def _tool(name):
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", TOOLS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _warm_counts(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    bench = _tool("bench_dist")
+    calls = []
+
+    def step():  # rank 1's steps take 10x longer: alone it would run 10x fewer of them
+        calls.append(1)
+        time.sleep(0.001 if rank == 0 else 0.01)
+
+    bench.Timer(torch.device("cpu"), warm_seconds=0.05).warm(step, dist.group.WORLD)
+    return len(calls)
+
+
+def test_timer_warm_runs_the_same_number_of_steps_on_every_rank():
+    """Warm-up steps contain collectives in a real run: every rank must run as many as the others (the
+    most any rank needs), however fast its own steps are."""
+    counts = run_ranks(_warm_counts, 2)
+    assert counts[0] == counts[1] >= 40, counts
+
+
+def _ring_case(cost):
+    sim = _tool("simulate")
+    masks = _tool("_cp_masks")
+    w = Workload(8, 2, 64, 2)
+    mask = masks.build("causal", 4096)
+    return sim.ring(mask, 4, 8, cost, w, "zigzag"), w
+
+
+def test_ring_model_pays_forward_transfers_after_kernels_and_overlaps_backward_ones():
+    """The ring model (tools/simulate.py): each forward transfer adds to its step (NCCL's kernel waits for
+    the step's kernels to free the multiprocessors), each backward transfer but the last hides behind
+    the next step's kernel."""
+    base = dict(launch_us=0.0, tile_us=0.0, latency_us=0.0, hbm_gbps=1e9, dense_fwd_tflops=0.0, dense_bwd_tflops=0.0)
+    fast_link = CostModel(**base, p2p_gbps=1e9)
+    slow_link = CostModel(**base, p2p_gbps=1.0)  # transfers far longer than any kernel
+    (fast, w), (slow, _) = _ring_case(fast_link), _ring_case(slow_link)
+    blk = 4096 // 4 * w.kv_bytes_per_token  # one rank's K|V block (bf16)
+    t = blk / 1e9  # its transfer at 1 GB/s
+    # forward: 3 transfers on top of the kernels, which the fast link leaves alone
+    assert slow["fwd_s"] == pytest.approx(fast["fwd_s"] + 3 * t, rel=1e-6)
+    assert fast["fwd_s"] > 0
+    # backward: the fp32 sums (2x the bytes) travel 4 times; the first step has none in flight, the
+    # next three steps hide their kernels behind a transfer, the last transfer is exposed: 4 transfers
+    # plus the first step's work, which is part of the fast link's time (every zigzag step has work)
+    first_step = slow["bwd_s"] - 4 * 2 * t
+    assert 0 < first_step < fast["bwd_s"]
