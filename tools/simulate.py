@@ -8,12 +8,17 @@ nodes) and a fixed number of tokens per GPU, compares:
   kernel times from the cost model on each rank's real tiles (dense pieces on cuDNN, row efficiency);
 - ``greedy``: area-balanced greedy dispatch with flat all-to-all routes and one remote stage
   (a MagiAttention-like dispatch: balance by area, every needed K/V row sent to every GPU);
-- ``ring``: contiguous layout, K/V ring, each step max(slowest GPU's compute, one block transfer);
+- ``ring``: contiguous layout, K/V ring as ``baselines.ring`` runs it over a default-priority NCCL
+  stream: a forward step takes its slowest GPU's kernel and then the next block's transfer (NCCL's
+  kernel gets no multiprocessor before the step's kernels free them; profiled), a backward step
+  max(kernel and passes, the previous step's fp32 sums in flight), plus the last transfer home;
 - ``zigzag``: the same ring over the zigzag layout (2*cp chunks);
 - ``ulysses``: all-to-all over heads (cp <= query heads), full-sequence attention per head group.
 
-The kernel rates (per row class, dense pieces) and link bandwidths come from ``--cost`` (``tools/calibrate.py``
-output; defaults otherwise). Predicted per-GPU TFLOP/s counts mask-area FLOPs (4 * area * Hq * D
+The kernel rates (per row class, dense pieces), memory-pass and link bandwidths come from ``--cost``
+(``tools/calibrate.py`` output; defaults otherwise). Predictions are GPU times of a step with the host
+ahead, as in training (``--compare`` checks them against the benchmark's GPU time, and adds each call's
+calibrated exposed host time to check wall times). Predicted per-GPU TFLOP/s counts mask-area FLOPs (4 * area * Hq * D
 forward, 2.5x backward) divided by cp and by the predicted time.
 
     python tools/simulate.py                                   # packed docs, cp 8..1024, 8k tokens/GPU
@@ -421,7 +426,9 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--compare", default=None, help="bench_dist.py JSON: print predicted vs measured")
     ap.add_argument("--target", default="both", choices=["gpu", "wall", "both"],
-                    help="--compare against the benchmark's GPU time, its wall time, or both (default)")
+                    help="predict GPU time (host ahead, as in training) or wall time of isolated steps (plus "
+                         "each call's calibrated exposed host time); --compare checks both by default, "
+                         "the scaling tables predict GPU time unless 'wall'")
     args = ap.parse_args(argv)
     cost = CostModel.load(args.cost) if args.cost else CostModel()
     # the NIC figure is part of the question asked, the rest comes from calibration
@@ -432,10 +439,12 @@ def main(argv=None):
             compare(args.compare, cost, work, args.gpus_per_node, t)
             print()
         return
+    if args.target != "wall":  # GPU time: the calls' exposed host time is hidden, as in training
+        cost = CostModel(**{**cost.__dict__, "call_fwd_us": 0.0, "call_bwd_us": 0.0})
     strategies = args.strategies.split(",")
     rows = simulate(args.masks.split(","), [int(c) for c in args.cps.split(",")], args.tokens_per_gpu,
                     args.gpus_per_node, cost, work, args.max_ring_cp, strategies)
-    print(f"cost model: {cost.source}; {args.tokens_per_gpu} tokens/GPU, {args.gpus_per_node} GPUs/node, "
+    print(f"{'wall' if args.target == 'wall' else 'GPU'} time; cost model: {cost.source}; {args.tokens_per_gpu} tokens/GPU, {args.gpus_per_node} GPUs/node, "
           f"{args.inter_gbps} GB/s/GPU between nodes; Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim}")
     _print(rows, strategies)
     for m in args.masks.split(","):
