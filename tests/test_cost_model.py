@@ -324,3 +324,18 @@ def test_calibrate_fit_is_least_squares_with_nonnegative_terms():
     pts = [([1e8, 1e4], 1e8 / 500e12), ([4e8, 1e4], 4e8 / 400e12)]
     p, h = mod._linear_fit(pts, "t")
     assert h == [0.0] and 400e12 < p < 500e12
+
+
+def test_rest_tiles_are_what_the_dense_pieces_leave():
+    """``rest_tiles``: the cells the backend's own kernels run, i.e. the list minus its dense pieces (by
+    the backend's rule); everything when the model has no dense path."""
+    import numpy as np
+
+    from megatron_cp.planner.cost import tile_areas
+
+    tiles = np.array([[0, 1024, 0, 16384, 0], [1024, 1040, 0, 16, 0], [1040, 1104, 0, 64, 1]])
+    m = CostModel(dense_fwd_tflops=600.0, dense_min_rows=512, dense_min_keys=8192)
+    rest = m.rest_tiles(tiles)
+    assert tile_areas(rest)[0].sum() == tile_areas(tiles[1:])[0].sum()
+    assert rest[:, 0].min() >= 1024  # the 1024 x 16384 piece went dense
+    assert np.array_equal(CostModel(dense_fwd_tflops=0.0).rest_tiles(tiles), tiles)

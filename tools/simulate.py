@@ -216,7 +216,7 @@ def ring(mask, cp, g, cost, work, layout="contiguous", ri=None):
             step = [clip_tiles(traps, segs[r], segs[src[r]]) for r in range(cp)]
             # the accumulating Triton forward reads and writes the fp32 running output of the rows it
             # visits (dense pieces are merged into it by rows, which tile_time counts)
-            kf = max(cost.tile_time(t, work) + cost.stage_overhead(_covered_rows(cost.triton_tiles(t)), work)
+            kf = max(cost.tile_time(t, work) + cost.stage_overhead(_covered_rows(cost.rest_tiles(t)), work)
                      if len(t) else 0.0 for t in step)
             kb = max(cost.tile_time(t, work, True) if len(t) else 0.0 for t in step)
         else:

@@ -151,8 +151,8 @@ class CostModel:
                              f"{len(m.dense_grid_fwd_tflops)} / {len(m.dense_grid_bwd_tflops)}")
         return m
 
-    def triton_tiles(self, tiles: np.ndarray) -> np.ndarray:
-        """The part of ``tiles`` the kernel backend runs on Triton (all of it without a dense path): the
+    def rest_tiles(self, tiles: np.ndarray) -> np.ndarray:
+        """The part of ``tiles`` the kernel backend runs in its own kernels (all of it without a dense path): the
         rest after the dense (cuDNN) pieces ``tile_time`` costs separately."""
         tiles = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
         if self.dense_fwd_tflops <= 0 or not len(tiles):
