@@ -56,8 +56,8 @@ class Timer:
       releases every GPU at once) while the host issues the step, so CUDA events time the GPU work
       alone. In training the host runs ahead of the GPU (other layers' kernels are queued).
       ``kernel-only`` below is timed the same way (its calls queued behind a held stream), so that
-      both start from the same GPU state (the clocks after a hold; a loop of calls ran the same
-      kernels up to ~10% slower, benchmarks/dist/README.md, 00:34); a step whose host issue outlasts
+      both start from the same GPU state (after a hold, the same kernels ran 5-17% faster than in a
+      loop of calls: benchmarks/dist/README.md, 2026-11-22 00:45); a step whose host issue outlasts
       the hold shows that as GPU idle time.
     * wall time: host issue + GPU of an isolated step (sync, barrier, time, sync), which also counts
       the host's launch latency before the first kernel.
@@ -70,9 +70,10 @@ class Timer:
         self.warm_seconds = warm_seconds
 
     def warm(self, step, group=None):
-        """Run ``step`` back to back for about ``warm_seconds`` (the GPU's clocks settle at what a training
-        run sustains; a cold burst of a few steps runs at boost clocks). With ``group``, every rank runs the
-        same number of steps (their collectives must match): the most any rank needs."""
+        """Run ``step`` back to back for about ``warm_seconds`` before timing (a GPU that has been busy,
+        not only the few warm-up steps; on 4 x H200 it changed nothing beyond run-to-run spread, 00:34).
+        With ``group``, every rank runs the same number of steps (their collectives must match): the most
+        any rank needs."""
         if self.warm_seconds <= 0:
             return
         self.sync()
@@ -212,8 +213,7 @@ def bench_kernel_only(plan, args, ctx):
     t = ctx["timer"]
 
     # the calls as the runtime makes them: backward with delta None (the backend computes rowsum(dout *
-    # out) itself, and a dense piece may then take cuDNN's own path; a given delta took another path,
-    # 12% slower on the strided mask's one cuDNN call: benchmarks/dist/README.md, 00:34)
+    # out) itself, and dense pieces take cuDNN's own path without checking a given delta against it)
     def fwd():
         for q, k, v, prep, *_ in runs:
             be.forward(q, k, v, prep, None)
@@ -390,8 +390,7 @@ def main(argv=None):
                     help="kernel-only: each phase behind a held stream, as the implementations' GPU time "
                          "(default), or a loop of calls timed on the host")
     ap.add_argument("--warm-seconds", type=float, default=0.0,
-                    help="before timing each case, run it back to back this long (sustained clocks, as in "
-                         "training; 0: the warm-up steps only, a cold burst at boost clocks)")
+                    help="before timing each case, run it back to back this long (0: the warm-up steps only)")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out-dir", default="benchmarks/dist")
     ap.add_argument("--tag", default="")

@@ -78,8 +78,9 @@ def _passes(args, device) -> float:
     """Bytes per second of the memory passes around the kernels (the model's ``hbm_gbps``): the kind the
     runtime and the baselines make, timed together on the GPU (held stream): an fp32 add of gradient sums
     (the ring's, the exchange's reductions) and a head-splitting copy of bf16 rows (Ulysses' send layout,
-    the exchanges' row placements); bytes read plus written over their time. (The fixed 3000 GB/s
-    assumed before put them 1.6-1.8x too fast on H200: profile of 4 x H200, 00:13.)"""
+    the exchanges' row placements); bytes read plus written over their time. (3000 GB/s was assumed
+    before; in the profile of 4 x H200, 2026-11-22 00:13, such passes ran at 1.6 TB/s, a head-splitting
+    copy, to 4.3 TB/s, an fp32 to bf16 convert.)"""
     n, h, d, u = (256, 8, 16, 2) if args.tiny else (32768, 32, 128, 4)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = (torch.randn(n, h // 2, d, device=device) for _ in range(2))
@@ -119,7 +120,7 @@ def _kernel(args, device, work: Workload):
         out, lse = backend.forward(q, k, v, prep, None)
         if queued:  # back to back on the GPU: issued while a spin kernel holds the stream
             # few enough calls that the host issues them all within the hold (200 tiny calls took longer
-            # and timed the host: 59 us a call on 4 x H200, 00:34)
+            # and timed the host: 59 us a call on 4 x H200, 2026-11-22 00:28)
             return _held(lambda: backend.forward(q, k, v, prep, None), device, 2 * reps)
         if not backward:
             return _time(lambda: backend.forward(q, k, v, prep, None), device, reps, secs)
@@ -134,7 +135,7 @@ def _kernel(args, device, work: Workload):
     # launch_us: what one more kernel call adds to a step's GPU time (a tiny call, queued behind a held
     # stream: its small kernels and their gaps), neither a synced call's round trip (126 us on 4 x H200,
     # charged per call it over-predicted plans with guest rows and stages) nor the host's launch time of
-    # a queued loop (76 us, 23:20), which a training step's host, running ahead, hides
+    # a queued loop (76 us, 2026-11-21 23:20), which a training step's host, running ahead, hides
     # no per-tile term: the kernels walk blocks, not tiles (their cost is in the per-block and per-row
     # terms); a probe of 64 tiny tiles measured noise of 0 to 0.5 us per tile, which on the strided
     # mask's 4160 tiles per rank added 2 ms that the kernel does not spend (2 x H200, 20:30)

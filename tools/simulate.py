@@ -18,8 +18,8 @@ nodes) and a fixed number of tokens per GPU, compares:
 The kernel rates (per row class, dense pieces), memory-pass and link bandwidths come from ``--cost``
 (``tools/calibrate.py`` output; defaults otherwise). Predictions are GPU times of a step with the host
 ahead, as in training (``--compare`` checks them against the benchmark's GPU time, and adds each call's
-calibrated exposed host time to check wall times). Predicted per-GPU TFLOP/s counts mask-area FLOPs (4 * area * Hq * D
-forward, 2.5x backward) divided by cp and by the predicted time.
+calibrated exposed host time to check wall times). Predicted per-GPU TFLOP/s counts mask-area FLOPs
+(4 * area * Hq * D forward, 2.5x backward) divided by cp and by the predicted time.
 
     python tools/simulate.py                                   # packed docs, cp 8..1024, 8k tokens/GPU
     python tools/simulate.py --masks packed,causal --cps 8,16,32,64 --json out.json
@@ -220,7 +220,8 @@ def ring(mask, cp, g, cost, work, layout="contiguous", ri=None):
                      if len(t) else 0.0 for t in step)
             kb = max(cost.tile_time(t, work, True) if len(t) else 0.0 for t in step)
         else:
-            kf = max(_kernel_time(cost, work, x, n) for x, n in zip(a, rows))
+            kf = max(_kernel_time(cost, work, x, n) + (cost.stage_overhead(n, work) if x > 0 else 0.0)
+                     for x, n in zip(a, rows))
             kb = max(_kernel_time(cost, work, x, n, True) for x, n in zip(a, rows))
         blk = rows.max() * per_tok
         cf = (blk / bw + cost.latency_us * 1e-6) if i < cp - 1 else 0.0
@@ -444,7 +445,8 @@ def main(argv=None):
     strategies = args.strategies.split(",")
     rows = simulate(args.masks.split(","), [int(c) for c in args.cps.split(",")], args.tokens_per_gpu,
                     args.gpus_per_node, cost, work, args.max_ring_cp, strategies)
-    print(f"{'wall' if args.target == 'wall' else 'GPU'} time; cost model: {cost.source}; {args.tokens_per_gpu} tokens/GPU, {args.gpus_per_node} GPUs/node, "
+    print(f"{'wall' if args.target == 'wall' else 'GPU'} time; cost model: {cost.source}; "
+          f"{args.tokens_per_gpu} tokens/GPU, {args.gpus_per_node} GPUs/node, "
           f"{args.inter_gbps} GB/s/GPU between nodes; Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim}")
     _print(rows, strategies)
     for m in args.masks.split(","):
