@@ -60,8 +60,36 @@ def _case(rank, world, name, mask, hq, hkv, options=None, dtype=torch.float64, p
     loss = (out.double() * do[ids]).sum()
     if uses_lse:
         loss = loss + (torch.where(torch.isfinite(lse), lse, 0).double() * dl[ids]).sum()
-    loss.backward()
+    if (options or {}).get("lse_grad") is False:
+        # lse without gradient: its backward exchange and the flags' host read are skipped entirely
+        assert not lse.requires_grad
+        with _no_host_reads():
+            loss.backward()
+    else:
+        loss.backward()
     return local_errors(ids, out, lse, (ql, kl, vl), (o_ref, l_ref, qr, kr, vr))
+
+
+class _no_host_reads:
+    """Inside: reading a tensor back to the host (``.cpu()``, ``.tolist()``, ``.item()``: a sync on a GPU)
+    raises."""
+
+    NAMES = ("cpu", "tolist", "item")
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, self._raise(n))
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+
+    @staticmethod
+    def _raise(name):
+        def read(self, *a, **k):
+            raise AssertionError(f"host read Tensor.{name}() in a backward that must not sync")
+        return read
 
 
 def _bad_cases(rank, world):
@@ -78,6 +106,7 @@ def _bad_cases(rank, world):
                                                           torch.randn(n, 1, 8), zz, group, None), "query heads \\(3\\)"),
         "tokens": (lambda: get_strategy("allgather")(q[:-1], k, k, zz, group, None), f"{n - 1} tokens"),
         "name": (lambda: get_strategy("stripe"), "unknown context-parallel strategy 'stripe'"),
+        "lse_grad": (lambda: get_strategy("ulysses", lse_grad="no")(q, k, k, zz, group, None), "lse_grad must be"),
     }
     return raise_before_collectives(cases)
 
@@ -103,6 +132,9 @@ def _all(rank, world):
     for name in ("ulysses", "usp", "head_context", "allgather"):
         for how in ("none", "rank0"):
             exact[(name, f"lse_{how}", 4, 2)] = _case(rank, world, name, _masks()["varlen"], 4, 2, lse_grad=how)
+    for name in STRATEGIES:  # lse returned without gradient (what Megatron's adapter asks for)
+        exact[(name, "no_lse_grad", 4, 2)] = _case(rank, world, name, _masks()["varlen"], 4, 2,
+                                                   {"lse_grad": False}, lse_grad="none")
     # rows 30.. keep no key: with a contiguous layout the last rank has no tiles, yet joins the gather's
     # backward collective (no hang) and gets zero gradients
     head_only = M.from_mask_mod(lambda b, h, qi, ki: (qi < 30) & (ki <= qi), S)

@@ -162,7 +162,8 @@ def bench_ours(name, mask, args, ctx):
         # usp / head_context: groups of 2 GPUs (on one machine: 2-GPU "nodes" emulated) x cp / 2
         opts = {"ulysses_degree": 2} if name in ("usp", "head_context") and cp % 2 == 0 and cp > 2 else {}
         plan = plan_for(name, mask, cp, **(opts if name == "head_context" else {}))
-        strat = get_strategy(name, backend=args.backend, **opts)
+        # the loss uses out only, as Megatron's core attention (which asks the same: lse_grad=False)
+        strat = get_strategy(name, backend=args.backend, lse_grad=False, **opts)
         fn = lambda q, k, v: strat(q, k, v, plan, group, None)  # noqa: E731
     n = plan.num_local(rank)
     q = _rand_local(n, args.heads, args.head_dim, dtype, device, 1 + rank).requires_grad_()

@@ -9,7 +9,9 @@ rows at offset ``sum(counts[:j])``, received in place). Several tensors (q, k an
 in one batch of point-to-point ops (one latency, not one per tensor), each into its own buffer. In backward a missing gradient (``None``: the
 caller did not use that output) travels as zeros with a flag, and comes out ``None`` when no rank had
 it, so an unused lse costs no gradient pass later on; ranks never disagree on what is exchanged. Only a
-rank that lacks a gradient reads the flags (one host sync).
+rank that lacks a gradient reads the flags: a host sync, which leaves the GPU idle while the host issues
+the rest of backward (3-4 ms of a 4 x 128k step on H200). Outputs the caller declares without gradient
+(``to_seq(..., grads=...)``; the strategies' ``lse_grad=False``) skip it: no exchange in backward at all.
 """
 
 from __future__ import annotations
@@ -94,20 +96,28 @@ class _SeqToHeads(torch.autograd.Function):
 
 
 class _HeadsToSeq(torch.autograd.Function):
-    """``_heads_to_seq`` of several tensors in one exchange; differentiable (backward: ``_seq_to_heads``)."""
+    """``_heads_to_seq`` of several tensors in one exchange; differentiable (backward: ``_seq_to_heads``)
+    in the outputs ``grads`` marks (the others are returned without gradient and their backward
+    exchange is not made: no zeros, no flag, no host sync)."""
 
     @staticmethod
-    def forward(ctx, peers, me, counts, group, *ys):
+    def forward(ctx, peers, me, counts, group, grads, *ys):
         ctx.args = (peers, me, counts, group)
-        ctx.like = [(y.shape, y.device, y.dtype) for y in ys]
+        ctx.grads = grads
+        ctx.like = [(y.shape, y.device, y.dtype) for y, g in zip(ys, grads) if g]
         ctx.set_materialize_grads(False)
-        return tuple(_heads_to_seq(ys, peers, me, counts, group)[0])
+        outs = tuple(_heads_to_seq(ys, peers, me, counts, group)[0])
+        ctx.mark_non_differentiable(*[o for o, g in zip(outs, grads) if not g])
+        return outs
 
     @staticmethod
     def backward(ctx, *gs):
         peers, me, counts, _ = ctx.args
         like = [((len(peers), counts[me]) + tuple(s[1:]), d, t) for s, d, t in ctx.like]
-        return (None,) * 4 + tuple(_grads_exchange(_seq_to_heads, gs, like, ctx.args))
+        if not like:
+            return (None,) * (5 + len(ctx.grads))
+        got = iter(_grads_exchange(_seq_to_heads, [x for x, g in zip(gs, ctx.grads) if g], like, ctx.args))
+        return (None,) * 5 + tuple(next(got) if g else None for g in ctx.grads)
 
 
 class _SplitHeads(torch.autograd.Function):
@@ -147,9 +157,11 @@ def to_heads(tensors, peers, me, counts, group, perm=None):
     return list(outs)
 
 
-def to_seq(tensors, peers, me, counts, group):
+def to_seq(tensors, peers, me, counts, group, grads=None):
     """Heads -> sequence: tensors [sum(counts), h_i, ...] -> [counts[me], u * h_i, ...] (head share j from
-    peers[j]), all in one exchange."""
+    peers[j]), all in one exchange. ``grads`` (bools, default all True): which outputs are
+    differentiable; the others come back without gradient and cost no backward exchange."""
     u = len(peers)
-    outs = _HeadsToSeq.apply(peers, me, counts, group, *[t.contiguous() for t in tensors])
+    grads = tuple(True for _ in tensors) if grads is None else tuple(bool(g) for g in grads)
+    outs = _HeadsToSeq.apply(peers, me, counts, group, grads, *[t.contiguous() for t in tensors])
     return [o.transpose(0, 1).reshape((counts[me], u * o.shape[2]) + tuple(o.shape[3:])) for o in outs]

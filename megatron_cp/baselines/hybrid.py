@@ -77,7 +77,7 @@ def _degree(plan: Plan, ulysses_degree) -> int:
 
 
 def head_context(q, k, v, plan: Plan, group=None, softmax_scale=None, *, ulysses_degree: int | None = None,
-                 backend="auto", stages: int | None = None, cost_model=None):
+                 backend="auto", stages: int | None = None, cost_model=None, lse_grad: bool = True):
     """Ulysses all-to-all over heads inside groups of ``ulysses_degree`` consecutive ranks x
     megatron-cp's planned attention across the ``cp / ulysses_degree`` groups (see module doc).
 
@@ -89,8 +89,10 @@ def head_context(q, k, v, plan: Plan, group=None, softmax_scale=None, *, ulysses
     plans record it), else the plan topology's GPUs per node, else cp (one node: plain Ulysses).
     Needs ``ulysses_degree`` to divide cp and Hq, and Hkv*f for a K/V head repeat f with
     Hq % (Hkv*f) == 0. ``backend``/``stages``/``cost_model`` go to ``megatron_cp.attention`` (across
-    groups every rank holds Hq/u query and Hkv*f/u K/V heads). Bad input raises ValueError before any
-    collective (the cross-group process groups are created after the checks, on first use).
+    groups every rank holds Hq/u query and Hkv*f/u K/V heads). ``lse_grad=False``: lse comes back
+    without gradient and the head exchange skips its gradient (and the flags' host sync). Bad input
+    raises ValueError before any collective (the cross-group process groups are created after the
+    checks, on first use).
     """
     rank = _group_rank(plan, group)
     _check_inputs(q, k, v, plan, rank, softmax_scale)
@@ -104,6 +106,8 @@ def head_context(q, k, v, plan: Plan, group=None, softmax_scale=None, *, ulysses
         raise ValueError(f"stages must be None or an int >= 0, got {stages!r}")
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
+    if not isinstance(lse_grad, bool):
+        raise ValueError(f"head_context: lse_grad must be True or False, got {lse_grad!r}")
     _backend(backend, q.device)  # an unknown backend raises here, not after the all-to-all
     G, (g, j) = cp // u, divmod(rank, u)
     gp = plan if u == 1 else group_plan(plan, u)  # pure and cached: no collective
@@ -132,6 +136,6 @@ def head_context(q, k, v, plan: Plan, group=None, softmax_scale=None, *, ulysses
     if perm is not None:
         o, l = o.index_select(0, perm[1]), l.index_select(0, perm[1])
     if u > 1:
-        o, l = to_seq([o, l.unsqueeze(-1)], members, j, counts, group)
+        o, l = to_seq([o, l.unsqueeze(-1)], members, j, counts, group, grads=(True, lse_grad))
         l = l.squeeze(-1)
-    return o, l
+    return o, (l if lse_grad else l.detach())

@@ -205,9 +205,15 @@ def _check_ring_plan(plan: Plan, name: str):
         )
 
 
-def _usp(q, k, v, plan, group, softmax_scale, u, backend, name):
+def _check_lse_grad(lse_grad, name):
+    if not isinstance(lse_grad, bool):
+        raise ValueError(f"{name}: lse_grad must be True or False, got {lse_grad!r}")
+
+
+def _usp(q, k, v, plan, group, softmax_scale, u, backend, name, lse_grad=True):
     rank = _group_rank(plan, group)
     _check_inputs(q, k, v, plan, rank, softmax_scale)
+    _check_lse_grad(lse_grad, name)
     cp = plan.cp_size
     if u < 1 or cp % u:
         raise ValueError(f"{name}: ulysses_degree={u} must divide cp_size={cp}")
@@ -263,38 +269,40 @@ def _usp(q, k, v, plan, group, softmax_scale, u, backend, name):
         kv_h = torch.cat([kh, vh], dim=1)
         o, l = _Ring.apply(qh, kv_h, hkv_u, peers, g, rows, steps(), be, scale, group)
     if u > 1:
-        o, l = to_seq([o, l.unsqueeze(-1)], members, j, counts, group)
+        o, l = to_seq([o, l.unsqueeze(-1)], members, j, counts, group, grads=(True, lse_grad))
         l = l.squeeze(-1)
-    return o, l
+    return o, (l if lse_grad else l.detach())
 
 
-def ring(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: str = "auto"):
+def ring(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: str = "auto", lse_grad: bool = True):
     """Ring attention (p2p K/V ring, next block prefetched, dK/dV travel home in backward).
 
     Plan: ``solver='zigzag'`` (2*cp runs, rank r owns r and 2cp-1-r: balanced causal) or
     ``'contiguous'`` (full); other solvers raise ValueError. Masks: exact for any mask; balanced for
-    causal (zigzag) and full (contiguous). Shapes as ``megatron_cp.attention``.
+    causal (zigzag) and full (contiguous). Shapes as ``megatron_cp.attention``. ``lse_grad=False``
+    (every strategy): lse comes back without gradient (for callers that use only out, as Megatron's
+    core attention; the Ulysses exchanges then skip the lse gradient and its flags, a host sync).
     """
     if group is not None:
         _check_ring_plan(plan, "ring")
-    return _usp(q, k, v, plan, group, softmax_scale, 1, backend, "ring")
+    return _usp(q, k, v, plan, group, softmax_scale, 1, backend, "ring", lse_grad)
 
 
-def ulysses(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: str = "auto"):
+def ulysses(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: str = "auto", lse_grad: bool = True):
     """DeepSpeed-Ulysses: all-to-all sequence -> heads, full-sequence attention on Hq/cp heads,
     all-to-all back. Plan: any (contiguous recommended). Masks: any. Needs cp to divide Hq and
-    Hkv*f for some K/V head repeat f (raises ValueError otherwise)."""
+    Hkv*f for some K/V head repeat f (raises ValueError otherwise). ``lse_grad``: as ``ring``."""
     cp = plan.cp_size
-    return _usp(q, k, v, plan, group, softmax_scale, cp, backend, "ulysses")
+    return _usp(q, k, v, plan, group, softmax_scale, cp, backend, "ulysses", lse_grad)
 
 
 def usp(q, k, v, plan: Plan, group=None, softmax_scale=None, *, ulysses_degree: int | None = None,
-        backend: str = "auto"):
+        backend: str = "auto", lse_grad: bool = True):
     """USP: Ulysses inside groups of ``ulysses_degree`` consecutive ranks x ring across groups.
 
     ``ulysses_degree`` None: the largest divisor of cp that divides Hkv (capped by the plan's
     topology GPUs per node). Plan: ``zigzag`` or ``contiguous`` (the ring's layout). Masks: any,
-    balanced for causal/full.
+    balanced for causal/full. ``lse_grad``: as ``ring``.
     """
     cp = plan.cp_size
     if ulysses_degree is None:
@@ -303,7 +311,7 @@ def usp(q, k, v, plan: Plan, group=None, softmax_scale=None, *, ulysses_degree: 
         ulysses_degree = max(d for d in range(1, cp + 1) if cp % d == 0 and d <= cap and (hkv % d == 0 or d == 1))
     if group is not None and ulysses_degree < cp:
         _check_ring_plan(plan, "usp")
-    return _usp(q, k, v, plan, group, softmax_scale, int(ulysses_degree), backend, "usp")
+    return _usp(q, k, v, plan, group, softmax_scale, int(ulysses_degree), backend, "usp", lse_grad)
 
 
 class _GatherKV(torch.autograd.Function):
@@ -331,11 +339,14 @@ def _allgather_tiles(plan: Plan, rank: int) -> np.ndarray:
     return clip_tiles(rank_traps(plan, rank), None, runs)
 
 
-def allgather(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: str = "auto"):
+def allgather(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: str = "auto",
+              lse_grad: bool = True):
     """All-gather K/V (Megatron/TE ``all_gather`` CP, PyTorch's Flex CP): every rank holds the whole
-    K/V, computes its own rows' tiles, and dK/dV are reduce-scattered. Plan: any. Masks: any."""
+    K/V, computes its own rows' tiles, and dK/dV are reduce-scattered. Plan: any. Masks: any.
+    ``lse_grad``: as ``ring``."""
     rank = _group_rank(plan, group)
     _check_inputs(q, k, v, plan, rank, softmax_scale)
+    _check_lse_grad(lse_grad, "allgather")
     scale = _scale(q, softmax_scale)
     bkey, be = _backend(backend, q.device)  # a name or a backend object
     hkv = k.shape[1]
@@ -351,7 +362,8 @@ def allgather(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: s
         # keep the gather in the graph: its backward is a collective every rank must join
         return (out if kv_all is None else out + kv_all[:0].sum()), lse
     kh, vh = _SplitHeads.apply(kv_all, [hkv, hkv]) if cp > 1 else (k, v)
-    return _TileAttention.apply(q, kh, vh, be, prep, scale)
+    out, lse = _TileAttention.apply(q, kh, vh, be, prep, scale)
+    return out, (lse if lse_grad else lse.detach())
 
 
 STRATEGIES = {"ring": ring, "ulysses": ulysses, "usp": usp, "allgather": allgather, "head_context": head_context}

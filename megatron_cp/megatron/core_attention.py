@@ -158,7 +158,9 @@ class CPCoreAttention(MegatronModule):
         else:
             from megatron_cp.baselines import get_strategy
 
-            out, _lse = get_strategy(strategy, backend=backend)(q, k, v, plan, group, self.softmax_scale)
+            # lse is not used here: without its gradient Ulysses' backward exchange makes no host sync
+            out, _lse = get_strategy(strategy, backend=backend, lse_grad=False)(q, k, v, plan, group,
+                                                                                self.softmax_scale)
         return out.reshape(s, hq * d) if thd else out.reshape(s, b, hq * d)
 
     def _thd_rope(self, query, key, value, params: CPParams):
