@@ -54,7 +54,7 @@ def calls(name: str, s: int, cp: int, impls, work: Workload):
     impl, rank, step, tiles, sq, sk, heads, kv_heads (the K/V heads the kernel sees)."""
     mask = _cp_masks.build(name, s)
     out = []
-    base = dict(mask=name, seqlen=s, cp=cp, heads=work.num_heads, kv_heads=work.num_kv_heads)
+    base = dict(mask=name, seqlen=s, cp=cp, heads=work.num_heads, kv_heads=work.num_kv_heads, head_dim=work.head_dim)
     if "megatron-cp" in impls:
         plan = mcp.plan(mask, cp)
         for r in plan.ranks:
@@ -110,7 +110,7 @@ def _time(fn, device, seconds: float, min_calls: int = 3) -> float:
 def measure(c: dict, be, device, dtype, seconds: float) -> tuple[float, float]:
     """(forward, backward) seconds of one call."""
     g = torch.Generator(device="cpu").manual_seed(c["rank"] * 131 + c["step"])
-    d = 128 if c.get("head_dim") is None else c["head_dim"]
+    d = c["head_dim"]
     q = (torch.randn(c["sq"], c["heads"], d, generator=g) * 0.5).to(device, dtype)
     k, v = ((torch.randn(c["sk"], c["kv_heads"], d, generator=g) * 0.5).to(device, dtype) for _ in range(2))
     prep = be.prepare(torch.from_numpy(np.asarray(c["tiles"]).astype("int32")), c["sq"], c["sk"])
@@ -163,7 +163,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     for c in jobs[me::world]:
         tf, tb = measure(c, be, device, dtype, seconds)
-        w = Workload(c["heads"], c["kv_heads"], work.head_dim, 2)
+        w = Workload(c["heads"], c["kv_heads"], c["head_dim"], 2)
         tiles = np.asarray(c["tiles"])
         mine.append({k: v for k, v in c.items() if k != "tiles"} | dict(
             n_tiles=len(tiles), area=float(tile_areas(tiles)[0].sum()), fwd_ms=tf * 1e3, bwd_ms=tb * 1e3,
