@@ -73,3 +73,12 @@ def test_ring_model_pays_forward_transfers_after_kernels_and_overlaps_backward_o
     # plus the first step's work, which is part of the fast link's time (every zigzag step has work)
     first_step = slow["bwd_s"] - 4 * 2 * t
     assert 0 < first_step < fast["bwd_s"]
+
+
+def test_timer_back_to_back_is_a_gpu_measurement():
+    """Back-to-back steps are timed with CUDA events; on CPU (gloo dry runs) there is nothing to report
+    and the runner says so (None), rather than a host timing under the same name."""
+    import torch
+
+    bench = _tool("bench_dist")
+    assert bench.Timer(torch.device("cpu"))._back_to_back(lambda: None, lambda out: None, 2, None) == (None, None)

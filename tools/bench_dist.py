@@ -50,7 +50,8 @@ SPARSE = ["packed", "sliding_window", "block_causal", "strided", "global_local"]
 
 
 class Timer:
-    """Times one forward + backward step per iteration, two ways (medians of the slowest rank's times):
+    """Times one forward + backward step per iteration, two ways (medians of the slowest rank's times),
+    then a few steps back to back (the third way, ``_back_to_back``):
 
     * GPU time (the headline): the stream is held by a spin kernel (then a tiny all-reduce that
       releases every GPU at once) while the host issues the step, so CUDA events time the GPU work
@@ -61,7 +62,9 @@ class Timer:
       the hold shows that as GPU idle time.
     * wall time: host issue + GPU of an isolated step (sync, barrier, time, sync), which also counts
       the host's launch latency before the first kernel.
-    On CPU (gloo dry runs) both are wall time."""
+    * back to back (``fwd_b2b_ms``): steps with no sync or hold between them, CUDA events around each
+      phase: a training step's conditions (host ahead when it can be, kernels at sustained clocks).
+    On CPU (gloo dry runs) the first two are wall time and the third is not measured."""
 
     HOLD_CYCLES = 20_000_000  # ~10 ms of GPU clock: longer than any implementation's host issue time
 
@@ -98,7 +101,8 @@ class Timer:
         dist.all_reduce(torch.zeros(1, device=self.device), group=group)
 
     def run(self, fwd, bwd, warmup, iters, group):
-        """(fwd, bwd, fwd wall, bwd wall) seconds."""
+        """(fwd, bwd, fwd wall, bwd wall, fwd back to back, bwd back to back) seconds (the last two None on
+        CPU)."""
         cuda = self.device.type == "cuda"
         rows = []
         self.warm(lambda: bwd(fwd()), group)
@@ -134,7 +138,32 @@ class Timer:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
                 rows.append(t.tolist())
         rows = torch.tensor(rows, dtype=torch.float64)
-        return tuple(float(x) for x in rows.median(dim=0).values)
+        return tuple(float(x) for x in rows.median(dim=0).values) + self._back_to_back(fwd, bwd, iters, group)
+
+    def _back_to_back(self, fwd, bwd, iters, group):
+        """(fwd, bwd) seconds of steps run back to back with no sync or hold between them (the host
+        issues step i+1 while the GPU runs step i, as in training; kernels at the GPU's sustained rate,
+        which a step behind a held stream exceeds by 5-17%: benchmarks/dist/README.md, 2026-11-22 00:45),
+        CUDA events around each phase, the first step dropped; (None, None) on CPU."""
+        if self.device.type != "cuda":
+            return None, None
+        self.sync()
+        dist.barrier(group)
+        evs = []
+        for _ in range(iters + 1):
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            ev[0].record()
+            out = fwd()
+            ev[1].record()
+            bwd(out)
+            ev[2].record()
+            del out
+            evs.append(ev)
+        self.sync()
+        t = torch.tensor([[a.elapsed_time(b) / 1e3, b.elapsed_time(c) / 1e3] for a, b, c in evs[1:]],
+                         dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return tuple(float(x) for x in t.median(dim=0).values)
 
 
 def _rand_local(n, h, d, dtype, device, seed):
@@ -451,14 +480,16 @@ def main(argv=None):
                 rec = dict(base, impl=name)
                 try:
                     if impl == "torch-native":
-                        tf, tb, wf, wb = bench_torch_native(mname, s, args, ctx)
+                        tf, tb, wf, wb, sf, sb = bench_torch_native(mname, s, args, ctx)
                     else:
-                        (tf, tb, wf, wb), plan = bench_ours(impl, mask, args, ctx)
+                        (tf, tb, wf, wb, sf, sb), plan = bench_ours(impl, mask, args, ctx)
                     rec.update(fwd_ms=tf * 1e3, bwd_ms=tb * 1e3, fwd_tflops_per_gpu=flops / cp / tf / 1e12,
                                bwd_tflops_per_gpu=2.5 * flops / cp / tb / 1e12,
                                fwd_wall_ms=wf * 1e3, bwd_wall_ms=wb * 1e3,
                                fwd_wall_tflops_per_gpu=flops / cp / wf / 1e12,
                                bwd_wall_tflops_per_gpu=2.5 * flops / cp / wb / 1e12)
+                    if sf is not None:  # back-to-back steps (Timer._back_to_back)
+                        rec.update(fwd_b2b_ms=sf * 1e3, bwd_b2b_ms=sb * 1e3)
                     if impl == "megatron-cp":
                         st = plan.stats()
                         rec["imbalance"] = st["imbalance"]
@@ -490,8 +521,9 @@ def main(argv=None):
                 else:
                     log(f"S={s:>7} {mname:<15}{name:<22} fwd {rec['fwd_tflops_per_gpu']:7.1f}  bwd "
                         f"{rec['bwd_tflops_per_gpu']:7.1f} TFLOP/s/GPU  ({rec['fwd_ms']:.2f} / {rec['bwd_ms']:.2f} ms; "
-                        f"wall {rec['fwd_wall_ms']:.2f} / {rec['bwd_wall_ms']:.2f} ms)"
-                        + (f"  stages {rec['stages']}" if "stages" in rec else "")
+                        f"wall {rec['fwd_wall_ms']:.2f} / {rec['bwd_wall_ms']:.2f} ms"
+                        + (f"; back to back {rec['fwd_b2b_ms']:.2f} / {rec['bwd_b2b_ms']:.2f} ms" if "fwd_b2b_ms" in rec else "")
+                        + ")" + (f"  stages {rec['stages']}" if "stages" in rec else "")
                         + (f"  dense path off: {rec['dense_path_error']}" if rec.get("dense_path_error") else ""))
                 dist.barrier(group)
     if rank == 0:

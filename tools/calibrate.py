@@ -339,7 +339,7 @@ def _call(args, device, work: Workload, fields: dict):
         out.backward(do)
         q.grad = k.grad = v.grad = None
 
-    gf, gb, wf, wb = Timer(device).run(fwd, bwd, 3, 2 if args.tiny else 15, dist.group.WORLD)
+    gf, gb, wf, wb, _, _ = Timer(device).run(fwd, bwd, 3, 2 if args.tiny else 15, dist.group.WORLD)
     return max(0.0, wf - gf) * 1e6, max(0.0, wb - gb) * 1e6
 
 
