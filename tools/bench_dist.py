@@ -95,10 +95,28 @@ class Timer:
             torch.cuda.synchronize(self.device)
 
     def _hold(self, group):
-        """Hold this GPU's stream, then line the GPUs up: the spin lasts a different time on each GPU
-        (clocks differ), so a tiny all-reduce queued behind it releases all of them together."""
+        """Hold this GPU's stream, then (with ``group``) line the GPUs up: the spin lasts a different time
+        on each GPU (clocks differ), so a tiny all-reduce queued behind it releases all of them together."""
         torch.cuda._sleep(self.HOLD_CYCLES)
-        dist.all_reduce(torch.zeros(1, device=self.device), group=group)
+        if group is not None:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=group)
+
+    def held(self, fwd, bwd, group=None):
+        """(fwd, bwd) GPU seconds of one step, each phase issued while the stream is held (CUDA events from
+        the end of the hold); ``group``: the GPUs are released together."""
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        self.sync()
+        self._hold(group)
+        ev[0].record()
+        out = fwd()
+        ev[1].record()
+        self._hold(group)
+        ev[2].record()
+        bwd(out)
+        ev[3].record()
+        self.sync()
+        del out
+        return ev[0].elapsed_time(ev[1]) / 1e3, ev[2].elapsed_time(ev[3]) / 1e3
 
     def run(self, fwd, bwd, warmup, iters, group):
         """(fwd, bwd, fwd wall, bwd wall, fwd back to back, bwd back to back) seconds (the last two None on
@@ -119,20 +137,8 @@ class Timer:
             del out
             gf, gb = t1 - t0, t2 - t1
             if cuda:
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
                 dist.barrier(group)
-                self.sync()
-                self._hold(group)
-                ev[0].record()
-                out = fwd()
-                ev[1].record()
-                self._hold(group)
-                ev[2].record()
-                bwd(out)
-                ev[3].record()
-                self.sync()
-                del out
-                gf, gb = ev[0].elapsed_time(ev[1]) / 1e3, ev[2].elapsed_time(ev[3]) / 1e3
+                gf, gb = self.held(fwd, bwd, group)
             if i >= warmup:
                 t = torch.tensor([gf, gb, t1 - t0, t2 - t1], dtype=torch.float64, device=self.device)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -259,22 +265,8 @@ def bench_kernel_only(plan, args, ctx):
     if device.type == "cuda" and args.kernel_only_timing == "held":
         # timed as the implementations' GPU time is (Timer.run): each phase queued behind a spin kernel
         # that holds the stream, CUDA events from its end; medians over the iterations
-        tf, tb = [], []
-        for _ in range(args.iters):
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-            t.sync()
-            torch.cuda._sleep(Timer.HOLD_CYCLES)
-            ev[0].record()
-            fwd()
-            ev[1].record()
-            torch.cuda._sleep(Timer.HOLD_CYCLES)
-            ev[2].record()
-            bwd()
-            ev[3].record()
-            t.sync()
-            tf.append(ev[0].elapsed_time(ev[1]) / 1e3)
-            tb.append(ev[2].elapsed_time(ev[3]) / 1e3)
-        t_f, t_b = float(torch.tensor(tf).median()), float(torch.tensor(tb).median())
+        times = torch.tensor([t.held(fwd, lambda _: bwd()) for _ in range(args.iters)], dtype=torch.float64)
+        t_f, t_b = (float(x) for x in times.median(dim=0).values)
     else:
         t.sync()
         t0 = time.perf_counter()

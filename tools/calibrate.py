@@ -63,8 +63,10 @@ def _held(fn, device, n):
         for _ in range(n):
             fn()
         return (time.perf_counter() - t0) / n
+    from bench_dist import Timer
+
     torch.cuda.synchronize(device)
-    torch.cuda._sleep(20_000_000)  # ~10 ms of GPU clock: longer than the host needs to issue the calls
+    torch.cuda._sleep(Timer.HOLD_CYCLES)  # ~10 ms of GPU clock: longer than the host needs to issue the calls
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
     for _ in range(n):

@@ -22,6 +22,12 @@ import torch.distributed as dist
 from ..comm.collectives import _wire
 
 
+def check_lse_grad(lse_grad, name: str) -> None:
+    """The strategies' ``lse_grad`` option: True or False (a ValueError before any collective)."""
+    if not isinstance(lse_grad, bool):
+        raise ValueError(f"{name}: lse_grad must be True or False, got {lse_grad!r}")
+
+
 def _p2p(sends: dict, recvs: dict, group) -> None:
     """Send the tensors ``sends[peer]`` and receive into ``recvs[peer]`` (lists; peers are ranks of
     ``group``) in one batch; waits."""

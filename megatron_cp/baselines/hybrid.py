@@ -33,7 +33,7 @@ from ..planner.cost import CostModel
 from ..planner.layout import default_degree, group_order, group_plan, head_context_degree, kv_head_repeat
 from ..runtime.attention import _backend, _check_inputs, _group_rank
 from ..runtime.attention import attention as cp_attention
-from .exchange import to_heads, to_seq
+from .exchange import check_lse_grad, to_heads, to_seq
 
 _GROUPS: dict = {}
 
@@ -106,8 +106,7 @@ def head_context(q, k, v, plan: Plan, group=None, softmax_scale=None, *, ulysses
         raise ValueError(f"stages must be None or an int >= 0, got {stages!r}")
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
-    if not isinstance(lse_grad, bool):
-        raise ValueError(f"head_context: lse_grad must be True or False, got {lse_grad!r}")
+    check_lse_grad(lse_grad, "head_context")
     _backend(backend, q.device)  # an unknown backend raises here, not after the all-to-all
     G, (g, j) = cp // u, divmod(rank, u)
     gp = plan if u == 1 else group_plan(plan, u)  # pure and cached: no collective

@@ -21,7 +21,7 @@ from ..planner import plan as make_plan
 from ..planner.layout import head_context_plan, kv_head_repeat
 from ..planner.schedule import clip_tiles, mask_traps, rank_traps
 from ..runtime.attention import _backend, _check_inputs, _group_rank, merge_lse
-from .exchange import _SplitHeads, to_heads, to_seq
+from .exchange import _SplitHeads, check_lse_grad, to_heads, to_seq
 from .hybrid import head_context
 
 
@@ -205,15 +205,10 @@ def _check_ring_plan(plan: Plan, name: str):
         )
 
 
-def _check_lse_grad(lse_grad, name):
-    if not isinstance(lse_grad, bool):
-        raise ValueError(f"{name}: lse_grad must be True or False, got {lse_grad!r}")
-
-
 def _usp(q, k, v, plan, group, softmax_scale, u, backend, name, lse_grad=True):
     rank = _group_rank(plan, group)
     _check_inputs(q, k, v, plan, rank, softmax_scale)
-    _check_lse_grad(lse_grad, name)
+    check_lse_grad(lse_grad, name)
     cp = plan.cp_size
     if u < 1 or cp % u:
         raise ValueError(f"{name}: ulysses_degree={u} must divide cp_size={cp}")
@@ -346,7 +341,7 @@ def allgather(q, k, v, plan: Plan, group=None, softmax_scale=None, *, backend: s
     ``lse_grad``: as ``ring``."""
     rank = _group_rank(plan, group)
     _check_inputs(q, k, v, plan, rank, softmax_scale)
-    _check_lse_grad(lse_grad, "allgather")
+    check_lse_grad(lse_grad, "allgather")
     scale = _scale(q, softmax_scale)
     bkey, be = _backend(backend, q.device)  # a name or a backend object
     hkv = k.shape[1]
