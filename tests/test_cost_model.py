@@ -11,7 +11,8 @@ import torch
 import megatron_cp as mcp
 from megatron_cp.kernels.dense_tiles import split_dense
 from megatron_cp.masks import builders as M
-from megatron_cp.planner.cost import CostModel, Workload, block_counts, dense_pieces, dense_rest, tile_areas
+from megatron_cp.planner.cost import (CostModel, Workload, block_counts, dense_pieces, dense_rest, row_block_entries,
+                                      tile_areas)
 from megatron_cp.planner.schedule import choose_num_stages, clip_tiles
 
 
@@ -78,6 +79,63 @@ def test_block_counts_match_kernel_schedule(bm, bn):
     assert visited.tolist() == np.bincount(tid.numpy(), minlength=len(tiles)).astype(float).tolist()
     assert got_full.tolist() == np.bincount(tid.numpy()[full.numpy()], minlength=len(tiles)).astype(float).tolist()
     assert visited.sum() > got_full.sum() > 0
+
+
+@pytest.mark.parametrize("bm,bn", [(128, 64), (64, 64), (32, 16)])
+def test_row_block_entries_match_kernel_schedule(bm, bn):
+    """A q block's entries in the model are the row-major schedule's entries of that block (what one
+    forward program walks), duplicates across tiles included."""
+    from megatron_cp.kernels.triton_schedule import _block_pairs, tile_descriptors
+
+    rng = np.random.default_rng(bm + bn)
+    tiles = _random_tiles(rng, 200)
+    _, m, _, _ = _block_pairs(tile_descriptors(torch.tensor(tiles)), bm, bn)
+    want = np.bincount(m.numpy())[int(m.min()):]  # from the first q block with an entry, as the model counts
+    got = row_block_entries(tiles, bm, bn)
+    assert np.trim_zeros(got, "b").tolist() == want.astype(float).tolist()  # (a last block with no entry: 0)
+    assert got.sum() == len(m) > 0
+
+
+def _long_rows_model(**kw):
+    base = dict(launch_us=0.0, tile_us=0.0, dense_fwd_tflops=0.0, short_fwd_tflops=400.0, short_bwd_tflops=300.0,
+                blocky_fwd_tflops=400.0, blocky_bwd_tflops=300.0, num_sms=132)
+    return CostModel(**{**base, **kw})
+
+
+def test_long_rows_bound_forward_of_a_list_with_global_rows():
+    """One q block keeping 131072 keys among rows of 512: its 32 programs (one per head) outlast the
+    list's throughput time, and the bound follows the calibrated rates; a list without such a row, the
+    backward (its long dK/dV columns are split) and an uncalibrated model keep the throughput time."""
+    w = Workload(32, 8, 128, 2)
+    rows, keys = 32768, 131072
+    band = [[i, i + 512, i, i + 2048, 0] for i in range(128, rows, 512)]
+    gl = np.array([[0, 128, 0, keys, 0]] + band, dtype=np.int64)
+    plain = _long_rows_model()
+    t0 = plain.tile_time(gl, w)
+    t_alone = _long_rows_model(row_alone_tflops=3.0, row_share=1e-6).tile_time(gl, w)
+    long_work = 128 * keys * 4 * 128  # one program: a head of the q block over every key
+    # a share of ~0: the long programs wait for the rest of the list, then run alone
+    assert t_alone == pytest.approx(t0 - long_work * 32 / 400e12 + long_work / 3e12, rel=1e-3)
+    t_shared = _long_rows_model(row_alone_tflops=3.0, row_share=0.5).tile_time(gl, w)
+    assert t0 < t_shared < t_alone
+    assert _long_rows_model(row_alone_tflops=3.0, row_share=0.5).tile_time(gl, w, backward=True) == plain.tile_time(
+        gl, w, backward=True)
+    flat = np.array(band, dtype=np.int64)
+    assert _long_rows_model(row_alone_tflops=3.0, row_share=0.5).tile_time(flat, w) == pytest.approx(
+        plain.tile_time(flat, w))
+
+
+def test_p2p_time_interpolates_two_measured_sizes():
+    """The neighbour transfer time passes through the two calibrated sizes and keeps their slope beyond."""
+    mb = 2**20
+    c = CostModel(p2p_gbps=128 * mb / 1e9 / 0.8e-3, p2p_big_gbps=256 * mb / 1e9 / 1.0e-3, p2p_bytes=128 * mb,
+                  latency_us=50.0)
+    assert c.p2p_time(128 * mb) == pytest.approx(0.85e-3)
+    assert c.p2p_time(256 * mb) == pytest.approx(1.05e-3)
+    assert c.p2p_time(384 * mb) == pytest.approx(1.25e-3)
+    assert c.p2p_time(64 * mb) == pytest.approx(0.45e-3)
+    one = CostModel(p2p_gbps=100.0, latency_us=0.0)  # no second size: proportional
+    assert one.p2p_time(2e9) == pytest.approx(2 * one.p2p_time(1e9))
 
 
 def test_row_class_matches_backend():
@@ -274,6 +332,35 @@ def test_calibrate_dry_run_writes_a_loadable_model(tmp_path):
     assert m.launch_us > 0 and m.source.startswith("tools/calibrate.py on 1 x cpu")
     assert m.hbm_gbps > 0 and m.hbm_gbps != CostModel().hbm_gbps  # the passes' rate is measured too
     assert (m.short_block_m, m.blocky_block_m, m.bwd_block_m) == (64, 128, 64)
+
+
+def test_calibrate_long_rows_recovers_the_model_parameters():
+    """tools/calibrate.py's long-row fit: given the forward times a model with known ``row_alone_tflops``
+    and ``row_share`` predicts for its two lists, it finds those two values again."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "calibrate.py"
+    spec = importlib.util.spec_from_file_location("calibrate_tool", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    w = Workload(32, 8, 128, 2)
+    fitted = dict(short_fwd_tflops=460.0, short_bwd_tflops=300.0, short_half_keys=250.0, blocky_fwd_tflops=470.0,
+                  blocky_bwd_tflops=320.0, blocky_half_keys=150.0, num_sms=132)
+    truth = CostModel(**fitted, launch_us=0.0, tile_us=0.0, dense_fwd_tflops=0.0, row_alone_tflops=2.2, row_share=0.35)
+    t_launch = 2e-5
+    seen = []
+
+    def run(tiles, sq, sk, row_class=None):
+        t = np.array(tiles, dtype=np.int64)
+        assert truth.row_class(t, float(tile_areas(t)[0].sum()), sq) == row_class == "blocky"
+        seen.append(len(tiles))
+        return truth.tile_time(t, w) + t_launch
+
+    got = mod._long_rows(run, fitted, w, 16384, t_launch, tiny=False)
+    assert len(seen) == 2
+    assert got["row_alone_tflops"] == pytest.approx(2.2, rel=1e-3)
+    assert got["row_share"] == pytest.approx(0.35, rel=1e-3)
 
 
 def test_dense_pieces_pay_for_partial_waves():

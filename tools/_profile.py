@@ -19,21 +19,27 @@ from torch.profiler import ProfilerActivity, profile, record_function
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def profile_step(fwd, bwd, sync, phases=("fwd", "bwd"), hold=None):
+def profile_step(fwd, bwd, sync, phases=("fwd", "bwd"), hold=None, b2b=False):
     """Run fwd() then bwd(out) once under torch.profiler; returns (trace events, host ms per phase).
 
     ``hold``: called before each phase (e.g. bench_dist's ``Timer._hold``, a spin kernel on the stream):
     the host then issues the phase while the GPU is busy, so the timeline shows GPU work without the
-    host's launch gaps, as bench_dist's GPU time does; host ms is then the issue time."""
+    host's launch gaps, as bench_dist's GPU time does; host ms is then the issue time.
+    ``b2b``: as bench_dist's back-to-back timing: one unrecorded step first, then the profiled one, with
+    no sync or hold between them or between its phases (host ms: the issue time)."""
     host = {}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         sync()
-        if hold is not None:
+        if b2b:
+            bwd(fwd())
+        elif hold is not None:
             hold()
         t0 = time.perf_counter()
         with record_function(phases[0]):
             out = fwd()
-        if hold is None:
+        if b2b:
+            pass
+        elif hold is None:
             sync()
         else:
             hold()

@@ -218,10 +218,11 @@ def bench_ours(name, mask, args, ctx):
         import _profile
 
         hold = (lambda: ctx["timer"]._hold(group)) if args.profile_held and device.type == "cuda" else None
-        events, host = _profile.profile_step(fwd, bwd, ctx["timer"].sync, hold=hold)
+        events, host = _profile.profile_step(fwd, bwd, ctx["timer"].sync, hold=hold, b2b=args.profile_b2b)
         if rank == 0:
             title = (f"{name} {ctx['mask_name']} S={ctx['seqlen']} rank 0 of {cp} ({ctx['dev_name']})"
-                     + (", stream held while the host issues each phase" if hold else ""))
+                     + (", right after another step (back to back)" if args.profile_b2b else
+                        ", stream held while the host issues each phase" if hold else ""))
             with open(args.profile, "a") as f:
                 f.write(_profile.summarize(events, host, title))
     return times, plan
@@ -421,6 +422,8 @@ def main(argv=None):
     ap.add_argument("--profile-impls", default="megatron-cp", help="comma list of implementations to profile")
     ap.add_argument("--profile-held", action="store_true",
                     help="profile with the stream held while the host issues each phase (bench_dist's GPU time)")
+    ap.add_argument("--profile-b2b", action="store_true",
+                    help="profile a step issued right after another, no sync or hold (the back-to-back timing)")
     args = ap.parse_args(argv)
     tiny = args.tiny
     args.heads = args.heads or (4 if tiny else 32)

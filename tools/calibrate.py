@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import fields as dc_fields
 
 import numpy as np
 import torch
@@ -193,6 +194,9 @@ def _kernel(args, device, work: Workload):
             out[f"{cls}_block_m"], out[f"{cls}_block_n"] = fwd_blk
             out["bwd_block_m"], out["bwd_block_n"] = bwd_blk
     out["hbm_gbps"] = _passes(args, device) / 1e9
+    if device.type == "cuda":
+        out["num_sms"] = torch.cuda.get_device_properties(device).multi_processor_count
+        out.update(_long_rows(run, out, work, rows, t_launch, args.tiny))
     if dense_be is not None:
         # full pieces: cells + half_keys * rows + half_rows * keys at the peak, fitted on nine shapes that
         # span the pieces plans make (512 .. 8192 rows: guest rows, stage and ring pieces; 8192 .. 65536
@@ -236,6 +240,40 @@ def _kernel(args, device, work: Workload):
     return out
 
 
+def _long_rows(run, fitted, work: Workload, rows: int, t_launch: float, tiny: bool) -> dict:
+    """``row_alone_tflops`` and ``row_share`` (CostModel.long_rows): one q block of 128 rows keeping
+    every one of a long key range (global rows), beside (a) a light background of short rows, where the
+    long programs run nearly alone, and (b) a background of 2048-key rows whose work is comparable to
+    theirs, where they share their multiprocessors; both lists run in the "blocky" class, as such masks
+    do. The two parameters are fitted together: each list's measured forward time through the model."""
+    keys = 2048 if tiny else 131072
+    bg = 64 if tiny else 2048
+    step = 128 if tiny else 512
+    long_row = [[0, 128, 0, keys, 0]]
+    light = long_row + [[i, i + 128, i, i + 64, 0] for i in range(128, rows, 128)]
+    heavy = long_row + [[i, min(i + step, rows), i, i + bg, 0] for i in range(128, rows, step)]
+    t_light = run(light, rows, keys, row_class="blocky") - t_launch
+    t_heavy = run(heavy, rows, keys, row_class="blocky") - t_launch
+    base = {k: v for k, v in fitted.items() if k in {f.name for f in dc_fields(CostModel)}}
+    base.update(launch_us=0.0, tile_us=0.0, dense_fwd_tflops=0.0)
+
+    def model_t(tiles, alone, share):
+        return CostModel(**{**base, "row_alone_tflops": alone, "row_share": share}).tile_time(
+            np.array(tiles, dtype=np.int64), work)
+
+    def solve(f, target, lo, hi):  # model time decreasing in the parameter: bisection in log space
+        for _ in range(60):
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if f(mid) > target else (lo, mid)
+        return (lo * hi) ** 0.5
+
+    alone, share = 3.0, 0.5
+    for _ in range(8):  # each list mostly pins one parameter: alternate until both settle
+        alone = solve(lambda a: model_t(light, a, share), t_light, 1e-3, 1e3)
+        share = min(solve(lambda f: model_t(heavy, alone, f), t_heavy, 1e-4, 1.0), 1.0)
+    return dict(row_alone_tflops=alone, row_share=share)
+
+
 def _linear_fit(points, what, fixed=None):
     """(peak FLOP/s, [half terms]) of t = (cells + sum(half_i * x_i)) / peak through ``points`` = [([cells,
     x_1, ...], t / flops per cell)]: least squares in relative error over every point, terms >= 0 (the
@@ -269,7 +307,7 @@ def _linear_fit(points, what, fixed=None):
 
 
 def _links(args, device):
-    """(intra GB/s, inter GB/s or None, latency us, neighbour p2p GB/s or None) from all_to_all_single and
+    """(intra GB/s, inter GB/s or None, latency us, neighbour p2p fields or None) from all_to_all_single and
     ring-step timings."""
     world = dist.get_world_size()
     local = args.gpus_per_node or world
@@ -283,17 +321,20 @@ def _links(args, device):
         res[name] = t
     # one neighbour: each rank sends a block to the next rank and receives one from the previous, as the
     # ring baseline's steps do (NCCL point-to-point: fewer channels than an all-to-all's)
+    # at two sizes (the time is not proportional to the bytes: CostModel.p2p_time)
     blk = 1 << 20 if args.tiny else 128 << 20
     if world > 1:
-        xs, xr = torch.empty(blk, dtype=torch.uint8, device=device), torch.empty(blk, dtype=torch.uint8, device=device)
         rank = dist.get_rank()
+        for key, n in (("p2p", blk), ("p2p_big", 2 * blk)):
+            xs, xr = (torch.empty(n, dtype=torch.uint8, device=device) for _ in range(2))
 
-        def ring_step():
-            ops = [dist.P2POp(dist.isend, xs, (rank + 1) % world), dist.P2POp(dist.irecv, xr, (rank - 1) % world)]
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+            def ring_step():
+                ops = [dist.P2POp(dist.isend, xs, (rank + 1) % world), dist.P2POp(dist.irecv, xr, (rank - 1) % world)]
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
 
-        res["p2p"] = _time(ring_step, device, reps)
+            res[key] = _time(ring_step, device, reps)
+            del xs, xr
     # bytes leaving each GPU (to the other ranks) per all-to-all
     per_peer = 1 << 20 if args.tiny else 64 << 20
     moved = per_peer * (world - 1)
@@ -306,7 +347,10 @@ def _links(args, device):
     else:
         inter = None
         intra = moved / max(res["bandwidth"] - res["latency"], 1e-9) / 1e9
-    p2p = blk / max(res["p2p"] - res["latency"], 1e-9) / 1e9 if "p2p" in res and nodes == 1 else None
+    p2p = None
+    if "p2p" in res and nodes == 1:
+        p2p = {"p2p_gbps": blk / max(res["p2p"] - res["latency"], 1e-9) / 1e9,
+               "p2p_big_gbps": 2 * blk / max(res["p2p_big"] - res["latency"], 1e-9) / 1e9, "p2p_bytes": blk}
     return intra, inter, res["latency"] * 1e6, p2p
 
 
@@ -374,7 +418,7 @@ def main(argv=None):
         intra, inter, lat, p2p = _links(args, device)
         fields["latency_us"] = lat
         if p2p is not None:
-            fields["p2p_gbps"] = p2p
+            fields.update(p2p)
         if intra is not None:
             fields["intra_gbps"] = intra
         if inter is not None:

@@ -198,7 +198,7 @@ def ring(mask, cp, g, cost, work, layout="contiguous", ri=None):
     ri = ri or RowIntervals(mask)
     per_tok = work.kv_bytes_per_token
     nodes = max(1, cp // g)
-    bw = (cost.inter_gbps if nodes > 1 else cost.p2p_gbps) * 1e9  # one neighbour's send|receive
+    bw = cost.inter_gbps * 1e9  # one neighbour's send|receive across nodes
     segs = [r.segments for r in plan.ranks]
     tf = tb = 0.0
     step_max = []
@@ -224,8 +224,11 @@ def ring(mask, cp, g, cost, work, layout="contiguous", ri=None):
                      for x, n in zip(a, rows))
             kb = max(_kernel_time(cost, work, x, n, True) for x, n in zip(a, rows))
         blk = rows.max() * per_tok
-        cf = (blk / bw + cost.latency_us * 1e-6) if i < cp - 1 else 0.0
-        cb = 2 * blk / bw + cost.latency_us * 1e-6  # the block's fp32 dK|dV sums travel (K/V kept from forward)
+        # one neighbour's send|receive: bf16 K|V forward, the block's fp32 dK|dV sums backward (K/V kept
+        # from forward); inside a node at the calibrated point-to-point times of those sizes
+        hop = (lambda b: b / bw + cost.latency_us * 1e-6) if nodes > 1 else cost.p2p_time  # noqa: E731
+        cf = hop(blk) if i < cp - 1 else 0.0
+        cb = hop(2 * blk)
         # each step streams the running output (fwd) and the gradient sums (bwd), like a staged stage
         # backward also moves each step's dK|dV: concatenated (2+2 bytes an element), made float32 (2+4)
         # and added to the arriving sums (4+4+4): 22 bytes per K|V element

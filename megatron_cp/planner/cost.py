@@ -66,6 +66,11 @@ class CostModel:
     intra_gbps: float = 335.0  # achieved all-to-all bandwidth per GPU inside a node (GB/s)
     inter_gbps: float = 45.0  # achieved per GPU between nodes (400 Gb/s NIC per GPU)
     p2p_gbps: float = 250.0  # one neighbour's send|receive pair inside a node (the ring baseline's steps)
+    # the same transfer measured at twice p2p_bytes: NCCL's point-to-point time is not proportional to
+    # the bytes (4 x H200: a 268 MB fp32 block took 1.0-1.2 ms, a 134 MB bf16 one 0.8-1.0 ms:
+    # benchmarks/dist/run_0013_prof); p2p_time interpolates between the two (0: p2p_gbps at any size)
+    p2p_big_gbps: float = 0.0
+    p2p_bytes: float = 128 * 2**20
     latency_us: float = 40.0  # fixed cost per collective
     dense_fwd_tflops: float = 680.0  # cuDNN full pieces (0: no dense path modelled)
     dense_bwd_tflops: float = 565.0
@@ -107,6 +112,8 @@ class CostModel:
     blocky_block_m: int = 128
     blocky_block_n: int = 64
     blocky_full_fraction: float = 0.8
+    long_block_m: int = 128  # forward block of the long-row class
+    long_block_n: int = 128
     bwd_block_m: int = 64  # backward blocks (dQ and dK/dV kernels) of the short and blocky classes
     bwd_block_n: int = 64
     # dense pieces with few keys or few rows run below the dense peak: a piece costs
@@ -129,6 +136,13 @@ class CostModel:
     dense_grid_fwd_tflops: tuple = ()
     dense_grid_bwd_tflops: tuple = ()
     dense_grid_heads: int = 0
+    # a forward program (one q block, one head) walks every k block of its row: a list with a few very
+    # long rows among short ones (global rows) lasts at least as long as those programs. A long program
+    # runs at row_share of its multiprocessor's share of the list's rate while other programs run beside
+    # it, at row_alone_tflops once they are done (tools/calibrate.py measures both; 0, or num_sms 0:
+    # not modelled)
+    row_alone_tflops: float = 0.0
+    row_share: float = 0.0
     source: str = "default"  # where the numbers came from (calibration file, device)
 
     def save(self, path: str) -> None:
@@ -208,7 +222,13 @@ class CostModel:
             visited, _ = block_counts(rest, int(bm), int(bn))
             work_cells = visited * float(bm * bn) / split
         n_tiles = float((cells > 0).sum())
-        return t + n_tiles * self.tile_us * 1e-6 + float((work_cells + half * share).sum()) * per_flop / peak
+        t_list = float((work_cells + half * share).sum()) * per_flop / peak
+        if not backward and split == 1.0:
+            bm, bn = ((self.long_block_m, self.long_block_n) if cls == "long" else
+                      (self.blocky_block_m, self.blocky_block_n) if cls == "blocky" else
+                      (self.short_block_m, self.short_block_n))
+            t_list = self.long_rows(rest, t_list, int(bm), int(bn), work)
+        return t + n_tiles * self.tile_us * 1e-6 + t_list
 
     def row_class(self, tiles: np.ndarray, area: float, covered: int) -> str:
         """The backend's class of a Triton tile list (kept ``area``, ``covered`` rows): "long" when its rows
@@ -285,6 +305,49 @@ class CostModel:
         else:
             b = 2.0 * kv * (s_local + n_recv + n_send)
         return b / (self.hbm_gbps * 1e9)
+
+    def p2p_time(self, nbytes: float) -> float:
+        """Seconds of one neighbour send|receive of ``nbytes`` (each GPU sends and receives that many):
+        latency plus the transfer, linear in the bytes between the calibrated sizes (0, ``p2p_bytes``,
+        2 x ``p2p_bytes``) and extrapolated beyond with the last segment's slope."""
+        b1 = float(self.p2p_bytes)
+        t1 = b1 / (self.p2p_gbps * 1e9)
+        if nbytes <= b1 or self.p2p_big_gbps <= 0:
+            t = nbytes / (self.p2p_gbps * 1e9)
+        else:
+            t2 = 2 * b1 / (self.p2p_big_gbps * 1e9)
+            t = t1 + (nbytes - b1) * max(t2 - t1, 0.0) / b1
+        return self.latency_us * 1e-6 + t
+
+    def long_rows(self, tiles: np.ndarray, t_list: float, block_m: int, block_n: int, work: Workload) -> float:
+        """Forward seconds of a Triton list whose throughput model gives ``t_list``, bounded below by its
+        longest programs (a q block's walk over every k block it keeps, one per head; blocks
+        ``block_m`` x ``block_n``): they start first (the schedule's heaviest-first order), run at
+        ``row_share`` of a multiprocessor's share of the list's rate while the other programs run, and
+        at ``row_alone_tflops`` after. ``t_list`` when that bound does not apply or is not calibrated."""
+        if self.row_alone_tflops <= 0 or self.row_share <= 0 or self.num_sms <= 0 or t_list <= 0:
+            return t_list
+        ent = row_block_entries(tiles, block_m, block_n)
+        if not len(ent) or ent.max() <= 0:
+            return t_list
+        e_max = float(ent.max())
+        n_long = int((ent >= 0.9 * e_max).sum()) * work.num_heads
+        if n_long >= self.num_sms:  # as many long programs as multiprocessors: the throughput model's case
+            return t_list
+        per_entry = 4.0 * work.head_dim * block_m * block_n
+        total = float((ent * per_entry).sum()) * work.num_heads  # the list's work, as its programs walk it
+        rate = total / t_list  # the list's rate, spread over the multiprocessors
+        per_sm = rate / self.num_sms
+        long_w = e_max * per_entry
+        shared = self.row_share * per_sm
+        background = total - n_long * long_w
+        alone = self.row_alone_tflops * 1e12
+        if background <= 0:
+            return max(t_list, long_w / alone)
+        t_bg = background / max(rate - n_long * shared, 1e-9 * rate)
+        if long_w <= shared * t_bg:
+            return t_list
+        return max(t_list, t_bg + (long_w - shared * t_bg) / alone)
 
     def call_time(self, backward: bool = False) -> float:
         return (self.call_bwd_us if backward else self.call_fwd_us) * 1e-6
@@ -398,12 +461,9 @@ def dense_rest(tiles: np.ndarray, min_rows: int, min_keys: float, band_chunk: in
     return out[np.lexsort((out[:, 2], out[:, 0]))] if len(out) else out
 
 
-def block_counts(tiles: np.ndarray, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(visited, full) per tile: its block_m x block_n blocks holding a kept cell (the kernel visits them)
-    and those whose every cell is kept, as the kernels' block schedule (_block_pairs) counts them."""
-    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
-    if len(t) == 0:
-        return np.zeros(0), np.zeros(0)
+def _block_rows(t: np.ndarray, block_m: int, block_n: int):
+    """Per (tile, q block) pair of ``t``: (tile id, q block, visited k blocks, full k blocks), as the
+    kernels' block schedule (_block_pairs) counts them."""
     qs, qe, ks, ke, kind = t.T
     big = 1 << 40
     hi = np.where((kind == 1) | (kind == 3), ke - qe, big)  # lo <= k - q <= hi
@@ -422,9 +482,29 @@ def block_counts(tiles: np.ndarray, block_m: int, block_n: int) -> tuple[np.ndar
     b = np.minimum(ke[tid] - 1, hi[tid] + bq0)
     inside = (qs[tid] <= bq0) & (qe[tid] - 1 >= bq1)
     full = np.where(inside, np.maximum((b + 1) // block_n - 1 - (-(-a // block_n)) + 1, 0), 0)
+    return tid, m, vis, full
+
+
+def block_counts(tiles: np.ndarray, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(visited, full) per tile: its block_m x block_n blocks holding a kept cell (the kernel visits them)
+    and those whose every cell is kept, as the kernels' block schedule (_block_pairs) counts them."""
+    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
+    if len(t) == 0:
+        return np.zeros(0), np.zeros(0)
+    tid, _, vis, full = _block_rows(t, block_m, block_n)
     n = len(t)
     return (np.bincount(tid, vis, minlength=n).astype(np.float64),
             np.bincount(tid, full, minlength=n).astype(np.float64))
+
+
+def row_block_entries(tiles: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
+    """Entries of each q block's row in the forward schedule: the k blocks a program of that q block
+    visits over all tiles (a block met by two tiles counts twice, as the schedule lists it)."""
+    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
+    if len(t) == 0:
+        return np.zeros(0)
+    _, m, vis, _ = _block_rows(t, block_m, block_n)
+    return np.bincount(m - m.min(), vis).astype(np.float64) if len(m) else np.zeros(0)
 
 
 def _row_keys(tiles: np.ndarray, cells: np.ndarray, covered: bool = False):
