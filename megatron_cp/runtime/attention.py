@@ -33,7 +33,7 @@ import torch
 
 from .. import kernels
 from ..kernels.rows import reduce_rows
-from ..comm import BufferPool, DeviceRoute, all_to_all_v, cast_steps, check_same_on_all_ranks, reduce_steps
+from ..comm import BufferPool, DeviceRoute, all_to_all_v, cast_steps, check_same_on_all_ranks, comm_lead, reduce_steps
 from ..masks.geometry import KINDS
 from ..planner import Plan
 from ..planner.early import early_split
@@ -373,6 +373,8 @@ class _StagedAttention(torch.autograd.Function):
                     pass
             start(s + 1)  # prefetch the next stage while this one computes
             if rt.prepared[s] is not None:
+                if s + 1 in gens:  # its all-to-all's kernel reaches the multiprocessors before this stage's
+                    comm_lead(q.device)
                 b = bufs[s]
                 if fused is not None:
                     fused(q, b[:, :hkv], b[:, hkv:], rt.prepared[s], scale, acc, lse)
