@@ -82,3 +82,21 @@ def test_timer_back_to_back_is_a_gpu_measurement():
 
     bench = _tool("bench_dist")
     assert bench.Timer(torch.device("cpu"))._back_to_back(lambda: None, lambda out: None, 2, None) == (None, None)
+
+
+def test_ulysses_model_pays_layouts_at_the_head_split_rate():
+    """Ulysses' send and receive layouts are head-splitting copies: with ``split_gbps`` they cost their
+    bytes at that rate (q|k|v and out forward, dout and dq|dk|dv backward: 2 x (q|k|v + q) bytes each
+    way), the rest of the step unchanged; without it, at ``hbm_gbps``."""
+    sim = _tool("simulate")
+    masks = _tool("_cp_masks")
+    w = Workload(8, 4, 64, 2)  # 4 K/V heads over cp 4: no head repeat
+    mask = masks.build("causal", 4096)
+    base = dict(launch_us=0.0, tile_us=0.0, latency_us=0.0, hbm_gbps=1000.0, dense_fwd_tflops=0.0, dense_bwd_tflops=0.0)
+    same = sim.ulysses(mask, 4, 8, CostModel(**base), w)
+    assert sim.ulysses(mask, 4, 8, CostModel(**base, split_gbps=1000.0), w) == same
+    slow = sim.ulysses(mask, 4, 8, CostModel(**base, split_gbps=100.0), w)
+    tok = 4096 / 4 * 64 * 2  # bytes of one head of a GPU's rows
+    layout = 2 * tok * (8 + 2 * 4) + 2 * tok * 8
+    for phase in ("fwd_s", "bwd_s"):
+        assert slow[phase] - same[phase] == pytest.approx(layout / 100e9 - layout / 1000e9, rel=1e-9)

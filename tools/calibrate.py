@@ -77,26 +77,32 @@ def _held(fn, device, n):
     return e0.elapsed_time(e1) / 1e3 / n
 
 
-def _passes(args, device) -> float:
-    """Bytes per second of the memory passes around the kernels (the model's ``hbm_gbps``): the kind the
-    runtime and the baselines make, timed together on the GPU (held stream): an fp32 add of gradient sums
-    (the ring's, the exchange's reductions) and a head-splitting copy of bf16 rows (Ulysses' send layout,
-    the exchanges' row placements); bytes read plus written over their time. (3000 GB/s was assumed
-    before; in the profile of 4 x H200, 2026-11-22 00:13, such passes ran at 1.6 TB/s, a head-splitting
-    copy, to 4.3 TB/s, an fp32 to bf16 convert.)"""
+def _passes(args, device) -> tuple[float, float]:
+    """Bytes per second of the memory passes around the kernels: (``hbm_gbps``, ``split_gbps``).
+    ``hbm_gbps``: the kinds the runtime and the baselines make, timed together on the GPU (held stream):
+    an fp32 add of gradient sums (the ring's, the exchange's reductions) and a head-splitting copy of
+    bf16 rows (Ulysses' send layout, the exchanges' row placements); bytes read plus written over their
+    time. ``split_gbps``: the head-splitting copy alone, the only kind of pass Ulysses' layouts make
+    (profiled on 2 x H200 at ~1.55 TB/s against 2.49 for the blend: benchmarks/dist/run_0258_2gpu_prof).
+    (3000 GB/s was assumed before; in the profile of 4 x H200, 2026-11-22 00:13, such passes ran at
+    1.6 TB/s, a head-splitting copy, to 4.3 TB/s, an fp32 to bf16 convert.)"""
     n, h, d, u = (256, 8, 16, 2) if args.tiny else (32768, 32, 128, 4)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = (torch.randn(n, h // 2, d, device=device) for _ in range(2))
     x = torch.randn(n, h, d, device=device).to(dt)
     y = torch.empty((u, n, h // u, d), device=device, dtype=dt)
 
-    def both():
-        torch.add(a, b, out=a)
+    def split():
         y.copy_(x.view(n, u, h // u, d).transpose(0, 1))
 
+    def both():
+        torch.add(a, b, out=a)
+        split()
+
     both()
-    moved = 3 * a.numel() * a.element_size() + 2 * x.numel() * x.element_size()
-    return moved / _held(both, device, 20)
+    moved_split = 2 * x.numel() * x.element_size()
+    moved = 3 * a.numel() * a.element_size() + moved_split
+    return moved / _held(both, device, 20), moved_split / _held(split, device, 20)
 
 
 def _kernel(args, device, work: Workload):
@@ -193,7 +199,8 @@ def _kernel(args, device, work: Workload):
             out[f"{cls}_half_keys"], out[f"{cls}_bwd_half_keys"] = half_f[0], half_b[0]
             out[f"{cls}_block_m"], out[f"{cls}_block_n"] = fwd_blk
             out["bwd_block_m"], out["bwd_block_n"] = bwd_blk
-    out["hbm_gbps"] = _passes(args, device) / 1e9
+    hbm, split = _passes(args, device)
+    out["hbm_gbps"], out["split_gbps"] = hbm / 1e9, split / 1e9
     if device.type == "cuda":
         out["num_sms"] = torch.cuda.get_device_properties(device).multi_processor_count
         out.update(_long_rows(run, out, work, rows, t_launch, args.tiny))

@@ -280,13 +280,15 @@ def ulysses(mask, cp, g, cost, work):
         return cost.latency_us * 1e-6 + max((b - inter) / (cost.intra_gbps * 1e9), inter / (cost.inter_gbps * 1e9) if nodes > 1 else 0)
 
     hbm = cost.hbm_gbps * 1e9
+    split = (cost.split_gbps or cost.hbm_gbps) * 1e9  # head-splitting copies: the layouts
     qkv, q = tok * (hq + 2 * hkv), tok * hq  # bytes of this GPU's q|k|v and q (or out) rows
     rep = 2 * tok * 2 * hkv if f > 1 else 0.0  # K/V head repeat (write hkv * f heads)
     lse = n * hq * 4 * (cp - 1) / cp
+    own = 2 * (qkv + q) / cp  # each exchange's own share is copied into place (read + write)
     fwd = (a2a(per(hq + 2 * hkv)) + kf + a2a(per(hq) + lse) + cost.call_time()
-           + (2 * qkv + 2 * q + rep) / hbm)  # pack, head-order out
+           + (2 * qkv + 2 * q) / split + (own + rep) / hbm)  # pack, head-order out
     bwd = (a2a(per(hq) + lse) + kb + a2a(per(hq + 2 * hkv)) + cost.call_time(True)
-           + (2 * q + 2 * q + 2 * qkv + rep) / hbm)  # dout to heads, delta, unpack
+           + (2 * q + 2 * qkv) / split + (2 * q + own + rep) / hbm)  # dout to heads, unpack; delta
     return dict(fwd_s=fwd, bwd_s=bwd, imbalance=0.0, inter_node_bytes_per_gpu=per(2 * hq + 2 * hkv) * frac_inter)
 
 

@@ -82,6 +82,7 @@ class CostModel:
     band_min_keys: int = 1024
     dense_piece_us: float = 30.0  # fixed cost per cuDNN piece (launches, slicing)
     hbm_gbps: float = 3000.0  # memory bandwidth of the LSE merge of a piece
+    split_gbps: float = 0.0  # head-splitting copies (Ulysses' send and receive layouts); 0: hbm_gbps
     # staged runtime: each stage's call also streams the running output (fwd: fp32 out read + written)
     # and the gradient sums (bwd: dQ fp32 accumulate, delta, dK/dV concat), bytes per element of
     # [s_local, Hq, D]; the single-exchange path (stages=0) has none of these
