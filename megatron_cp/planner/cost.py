@@ -16,6 +16,11 @@ three classes, each with its own block shapes and, when calibrated, its own fitt
   ``blocky_*`` / ``short_*``, ``cells`` = the cells of every block the kernel visits, since a partly
   kept block costs a whole one (forward blocks of the class, ``bwd_block`` backward).
 
+A "blocky" forward list with a few very long rows among short ones (global rows) lasts at least as long
+as those rows' programs (one per q block and head), which start first, run at ``row_share`` of their
+multiprocessor's share of the list's rate while other programs run, and at ``row_alone_tflops`` after
+(``long_rows``; calibrated).
+
 Dense pieces (``dense_fwd_tflops > 0``): the kernel backend runs full rectangles and square causal
 pieces of at least ``dense_min_rows`` x ``dense_min_keys`` on cuDNN (kernels/dense_tiles.py splits a
 bottom-right causal tile into a full rectangle and a square causal piece, and a band, a BI_CAUSAL tile,
@@ -28,6 +33,7 @@ restated here, since the planner may not import kernels: keep the two in step
 (tests/test_cost_model.py checks them against the kernel code).
 Collective time: ``latency_us + intra_bytes / intra_gbps + inter_bytes / inter_gbps`` (per GPU, the
 busiest GPU's bytes of one collective; links of different kinds run concurrently, so it is the max).
+One neighbour's point-to-point transfer (the ring baseline's step): ``p2p_time``, measured at two sizes.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ Staged path (default): the schedule (``planner.schedule``) splits the remote key
 by the cost model; the GroupCast of stage ``s + 1`` is in flight while the kernel computes stage ``s``
 (own keys first), and stage outputs are merged by LSE. Backward computes the remote stages first and
 GroupReduces each one's dK/dV while the next stage computes, ending with the own-key stage so the
-last reduce hides behind it. Remote K/V are kept from forward (no second cast). With a multi-node
+last reduce hides behind it. Remote K/V are kept from forward (no second cast). Forward, a stage's
+kernel is queued ``comm.COMM_LEAD_US`` (20 us) after the next stage's all-to-all, so that NCCL's kernel
+reaches the multiprocessors before the attention kernel fills them (``comm.comm_lead``). With a multi-node
 ``plan.topology``, routes are hierarchical (one crossing per destination node). ``stages=0`` is the
 single-exchange path (one GroupCast of everything, then one kernel call over all tiles); by default the
 cost model picks it when overlap would not repay the staged path's extra passes over the running output
