@@ -279,7 +279,9 @@ def _bad_case(rank, world):
     res = {}
     for name, kw, match in (("neg", {"stages": -1}, "stages must be None or an int >= 0, got -1"),
                             ("float", {"stages": 1.5}, "got 1.5"),
-                            ("cost", {"cost_model": {"fwd_tflops": 1}}, "cost_model must be a CostModel")):
+                            ("cost", {"cost_model": {"fwd_tflops": 1}}, "cost_model must be a CostModel"),
+                            ("lead", {"comm_lead_us": -5}, "comm_lead_us must be a number of microseconds .*got -5"),
+                            ("lead_str", {"comm_lead_us": "20"}, "comm_lead_us .*got '20'")):
         try:
             mcp.attention(q, q, q, plan, dist.group.WORLD, **kw)
             res[name] = "no error"

@@ -9,7 +9,8 @@ the same per-GPU work that the scaling check compares against.
 
 Implementations: ``megatron-cp`` (planner + runtime, stage count chosen by the cost model;
 ``megatron-cp@N`` forces N stages, 0 = one exchange then one kernel call; ``megatron-cp-early``
-computes the rows needing only own keys during the exchange, ``mcp.attention(early=True)``; any name
+computes the rows needing only own keys during the exchange, ``mcp.attention(early=True)``;
+``megatron-cp-nolead`` runs the staged forward without its lead for NCCL, ``comm_lead_us=0``; any name
 with ``+hp`` appended runs over a CP group whose NCCL stream has high priority, as Megatron's
 ``--high-priority-stream-groups cp`` makes it), ``ring``, ``ulysses``,
 ``usp`` (ulysses 2 x ring), ``head_context`` (ulysses 2 x our planned CP), ``allgather``
@@ -186,13 +187,15 @@ def bench_ours(name, mask, args, ctx):
         # "megatron-cp@N": the same with the stage count forced to N (0 = single exchange), to compare
         # against the cost model's own choice
         # "megatron-cp-early": the single exchange computing own-key rows while it flies (opt-in)
+        # "megatron-cp-nolead": the staged forward without its 20 us lead for NCCL (comm_lead_us=0)
         stages = int(name.split("@")[1]) if "@" in name else None
         early = name.startswith("megatron-cp-early")
+        lead = {"comm_lead_us": 0.0} if "-nolead" in name else {}
         plan = mcp.plan(mask, cp)
         cost = CostModel.load(args.cost) if args.cost else None
         be = ctx["backend"] = kernels.get_backend(args.backend, device)  # one object: its state is reported
         fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=be, cost_model=cost,  # noqa: E731
-                                           stages=stages, early=early)
+                                           stages=stages, early=early, **lead)
     else:
         # usp / head_context: groups of 2 GPUs (on one machine: 2-GPU "nodes" emulated) x cp / 2
         opts = {"ulysses_degree": 2} if name in ("usp", "head_context") and cp % 2 == 0 and cp > 2 else {}

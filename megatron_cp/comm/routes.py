@@ -14,7 +14,6 @@ and a stage whose route moves nothing on any rank issues no collective anywhere.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -97,20 +96,20 @@ def _a2a_async(out, x, send_counts, recv_counts, group):
 
 
 # microseconds the compute stream waits after a collective is issued and before the kernel that is to
-# overlap it (``comm_lead``); environment MEGATRON_CP_COMM_LEAD_US, 0 turns it off
-COMM_LEAD_US = float(os.environ.get("MEGATRON_CP_COMM_LEAD_US", "20"))
+# overlap it (``comm_lead``; ``megatron_cp.attention(..., comm_lead_us=)``, 0 turns it off)
+COMM_LEAD_US = 20.0
 
 
-def comm_lead(device: torch.device) -> None:
+def comm_lead(device: torch.device, us: float = COMM_LEAD_US) -> None:
     """Give a collective just issued on NCCL's stream a head start over the kernel queued next on the
-    compute stream: a ``COMM_LEAD_US`` spin on the compute stream (about 2 GHz assumed). Both become
+    compute stream: a spin of ``us`` microseconds on the compute stream (about 2 GHz assumed). Both become
     ready when the send buffer's gather completes; without the spin the attention kernel takes every
     multiprocessor first and NCCL's kernel, which needs a few, waits for its last wave: in back-to-back
     steps on 4 x H200 the staged causal forward's all-to-all started at the end of the first stage's
     14 ms cuDNN piece instead of beside it (over a high-priority NCCL stream too: that kernel's CTAs
     do not retire early), 1.2-12 ms exposed (benchmarks/dist/README.md, 02:40-02:43). A no-op off CUDA."""
-    if device.type == "cuda" and COMM_LEAD_US > 0:
-        torch.cuda._sleep(int(COMM_LEAD_US * 2000))
+    if device.type == "cuda" and us > 0:
+        torch.cuda._sleep(int(us * 2000))
 
 
 def cast_steps(x_local: torch.Tensor, route: DeviceRoute, group, out: torch.Tensor, pool: BufferPool | None, tag):

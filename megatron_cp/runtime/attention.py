@@ -10,7 +10,7 @@ by the cost model; the GroupCast of stage ``s + 1`` is in flight while the kerne
 (own keys first), and stage outputs are merged by LSE. Backward computes the remote stages first and
 GroupReduces each one's dK/dV while the next stage computes, ending with the own-key stage so the
 last reduce hides behind it. Remote K/V are kept from forward (no second cast). Forward, a stage's
-kernel is queued ``comm.COMM_LEAD_US`` (20 us) after the next stage's all-to-all, so that NCCL's kernel
+kernel is queued ``comm_lead_us`` (default 20 us) after the next stage's all-to-all, so that NCCL's kernel
 reaches the multiprocessors before the attention kernel fills them (``comm.comm_lead``). With a multi-node
 ``plan.topology``, routes are hierarchical (one crossing per destination node). ``stages=0`` is the
 single-exchange path (one GroupCast of everything, then one kernel call over all tiles); by default the
@@ -35,7 +35,8 @@ import torch
 
 from .. import kernels
 from ..kernels.rows import reduce_rows
-from ..comm import BufferPool, DeviceRoute, all_to_all_v, cast_steps, check_same_on_all_ranks, comm_lead, reduce_steps
+from ..comm import (COMM_LEAD_US, BufferPool, DeviceRoute, all_to_all_v, cast_steps, check_same_on_all_ranks, comm_lead,
+                    reduce_steps)
 from ..masks.geometry import KINDS
 from ..planner import Plan
 from ..planner.early import early_split
@@ -343,7 +344,7 @@ def _staged_runtime(plan: Plan, sched: Schedule, rank: int, device, backend_arg)
 
 class _StagedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rt: _StagedRuntime, group, scale, gr):
+    def forward(ctx, q, k, v, rt: _StagedRuntime, group, scale, gr, lead_us):
         hkv = k.shape[1]
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
         pend = guests.start_forward(gr, rt.backend, q, k, v, group, scale) if gr is not None else None
@@ -376,7 +377,7 @@ class _StagedAttention(torch.autograd.Function):
             start(s + 1)  # prefetch the next stage while this one computes
             if rt.prepared[s] is not None:
                 if s + 1 in gens:  # its all-to-all's kernel reaches the multiprocessors before this stage's
-                    comm_lead(q.device)
+                    comm_lead(q.device, lead_us)
                 b = bufs[s]
                 if fused is not None:
                     fused(q, b[:, :hkv], b[:, hkv:], rt.prepared[s], scale, acc, lse)
@@ -440,7 +441,7 @@ class _StagedAttention(torch.autograd.Function):
                 d_local[:, :hkv] += dk_g
                 d_local[:, hkv:] += dv_g
         d_local = d_local.to(q.dtype)
-        return dq.to(q.dtype), d_local[:, :hkv], d_local[:, hkv:], None, None, None, None
+        return dq.to(q.dtype), d_local[:, :hkv], d_local[:, hkv:], None, None, None, None, None
 
 
 def attention(
@@ -456,6 +457,7 @@ def attention(
     cost_model: CostModel | None = None,
     hierarchical: bool = True,
     early: bool = False,
+    comm_lead_us: float = COMM_LEAD_US,
 ):
     """Context-parallel attention of this rank's tokens under ``plan``.
 
@@ -474,12 +476,16 @@ def attention(
     path, compute the rows that need only this rank's own keys while the exchange is in flight
     (``planner.early``; exact, row-disjoint). Off by default: measured no faster on NVLink, where the
     concurrent kernel can starve NCCL's all-to-all (module doc); for slower links, measure it with
-    ``tools/bench_dist.py --impls megatron-cp,megatron-cp-early``.
+    ``tools/bench_dist.py --impls megatron-cp,megatron-cp-early``. ``comm_lead_us``: in the staged
+    forward, microseconds the compute stream waits after issuing a stage's all-to-all before the kernel
+    that overlaps it, so that NCCL's kernel gets multiprocessors first (``comm.comm_lead``; 0: off).
     """
     rank = _group_rank(plan, group)
     _check_inputs(q, k, v, plan, rank, softmax_scale)
     if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 0):
         raise ValueError(f"stages must be None or an int >= 0, got {stages!r}")
+    if isinstance(comm_lead_us, bool) or not isinstance(comm_lead_us, (int, float)) or not 0 <= comm_lead_us < 1e4:
+        raise ValueError(f"comm_lead_us must be a number of microseconds in [0, 1e4), got {comm_lead_us!r}")
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
     _backend(backend, q.device)  # unknown names / bad objects raise here, before any collective
@@ -500,4 +506,4 @@ def attention(
         return _CPAttention.apply(q, k, v, rt, grp, scale, bool(early), gr)
     sched = build_schedule(plan, stages, cost=cost_model, work=work, hierarchical=hierarchical)
     rt = _staged_runtime(plan, sched, rank, q.device, backend)
-    return _StagedAttention.apply(q, k, v, rt, grp, scale, gr)
+    return _StagedAttention.apply(q, k, v, rt, grp, scale, gr, float(comm_lead_us))
