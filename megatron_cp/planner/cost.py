@@ -119,8 +119,6 @@ class CostModel:
     blocky_block_m: int = 128
     blocky_block_n: int = 64
     blocky_full_fraction: float = 0.8
-    long_block_m: int = 128  # forward block of the long-row class (for reference: no term uses it)
-    long_block_n: int = 128
     bwd_block_m: int = 64  # backward blocks (dQ and dK/dV kernels) of the short and blocky classes
     bwd_block_n: int = 64
     # dense pieces with few keys or few rows run below the dense peak: a piece costs
@@ -338,7 +336,7 @@ class CostModel:
         if not len(ent) or ent.max() <= 0:
             return t_list
         e_max = float(ent.max())
-        n_long = int((ent >= 0.9 * e_max).sum()) * work.num_heads
+        n_long = int((ent >= 0.9 * e_max).sum()) * work.num_heads  # programs within 10% of the longest
         if n_long >= self.num_sms:  # as many long programs as multiprocessors: the throughput model's case
             return t_list
         per_entry = 4.0 * work.head_dim * block_m * block_n
