@@ -188,12 +188,19 @@ def _order_case(rank, world):
     real_fwd, real_bwd = backend.forward, backend.backward
     backend.forward = lambda *a, **k_: (events.append(("fwd",)), real_fwd(*a, **k_))[1]
     backend.backward = lambda *a, **k_: (events.append(("bwd",)), real_bwd(*a, **k_))[1]
+    import importlib
+
+    rt_mod = importlib.import_module("megatron_cp.runtime.attention")  # the module (the package exports the function)
+
+    real_lead = rt_mod.comm_lead
+    rt_mod.comm_lead = lambda device, us: events.append((f"lead{us:g}",))
     dist.all_to_all_single = spy
     try:
-        out, _ = mcp.attention(q, k, v, plan, group, stages=3)
+        out, _ = mcp.attention(q, k, v, plan, group, stages=3, comm_lead_us=7.5)
         out.sum().backward()
     finally:
         dist.all_to_all_single = real_a2a
+        rt_mod.comm_lead = real_lead
         backend.forward, backend.backward = real_fwd, real_bwd
     return [e[0] if e[0] != "a2a" else ("a2a" if e[1] else "sync_a2a") for e in events]
 
@@ -337,8 +344,9 @@ def test_next_stage_cast_is_issued_before_current_kernel(cp4):
         assert "sync_a2a" not in ev
         fwd = ev[: ev.index("bwd")]
         bwd = ev[ev.index("bwd"):]
-        # forward of 3 remote stages on a full mask: a2a(1) fwd(0) a2a(2) fwd(1) a2a(3) fwd(2) fwd(3)
-        assert fwd == ["a2a", "fwd", "a2a", "fwd", "a2a", "fwd", "fwd"], fwd
+        # forward of 3 remote stages on a full mask: a2a(1) fwd(0) a2a(2) fwd(1) a2a(3) fwd(2) fwd(3), each
+        # kernel that overlaps an all-to-all queued after the lead given to mcp.attention (comm_lead)
+        assert fwd == ["a2a", "lead7.5", "fwd", "a2a", "lead7.5", "fwd", "a2a", "lead7.5", "fwd", "fwd"], fwd
         # backward: bwd(1) a2a(1) bwd(2) a2a(2) bwd(3) a2a(3) bwd(0): each reduce flies during a kernel
         assert bwd == ["bwd", "a2a", "bwd", "a2a", "bwd", "a2a", "bwd"], bwd
 
