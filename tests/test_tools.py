@@ -32,9 +32,9 @@ def _warm_counts(rank, world):
     bench = _tool("bench_dist")
     calls = []
 
-    def step():  # rank 1's steps take 10x longer: alone it would run 10x fewer of them
+    def step():  # rank 1's step outlasts the warm-up: alone it would run one; rank 0's are ~60x shorter
         calls.append(1)
-        time.sleep(0.001 if rank == 0 else 0.01)
+        time.sleep(0.001 if rank == 0 else 0.06)
 
     bench.Timer(torch.device("cpu"), warm_seconds=0.05).warm(step, dist.group.WORLD)
     return len(calls)
@@ -44,7 +44,9 @@ def test_timer_warm_runs_the_same_number_of_steps_on_every_rank():
     """Warm-up steps contain collectives in a real run: every rank must run as many as the others (the
     most any rank needs), however fast its own steps are."""
     counts = run_ranks(_warm_counts, 2)
-    assert counts[0] == counts[1] >= 40, counts
+    # the most any rank needs (rank 0's: 50 unloaded; >= 3 while its steps take up to 25 ms on a busy
+    # machine), not rank 1's one
+    assert counts[0] == counts[1] >= 3, counts
 
 
 def _ring_case(cost):
@@ -100,3 +102,25 @@ def test_ulysses_model_pays_layouts_at_the_head_split_rate():
     layout = 2 * tok * (8 + 2 * 4) + 2 * tok * 8
     for phase in ("fwd_s", "bwd_s"):
         assert slow[phase] - same[phase] == pytest.approx(layout / 100e9 - layout / 1000e9, rel=1e-9)
+
+
+def test_summary_reports_back_to_back_ratios_and_scaling(capsys):
+    """The benchmark's check line: back-to-back throughput against the peer and against kernel-only
+    (time ratios: same FLOPs), beside the GPU-time ones; absent timings are left out, not guessed."""
+    bench = _tool("bench_dist")
+    base = dict(mask="causal", seqlen=1024)
+    res = [dict(base, impl="megatron-cp", fwd_tflops_per_gpu=600.0, bwd_tflops_per_gpu=500.0, fwd_b2b_ms=10.0,
+                bwd_b2b_ms=20.0),
+           dict(base, impl="torch-sdpa-ring", fwd_tflops_per_gpu=500.0, bwd_tflops_per_gpu=500.0, fwd_b2b_ms=12.0,
+                bwd_b2b_ms=21.0),
+           dict(base, impl="kernel-only", fwd_tflops_per_gpu=650.0, bwd_tflops_per_gpu=520.0, fwd_b2b_ms=9.0,
+                bwd_b2b_ms=19.0)]
+    (c,) = bench.summarize(res)
+    assert c["fwd_ratio"] == pytest.approx(1.2) and c["fwd_b2b_ratio"] == pytest.approx(1.2)
+    assert c["bwd_b2b_ratio"] == pytest.approx(1.05) and c["fwd_b2b_scaling"] == pytest.approx(0.9)
+    assert c["bwd_b2b_scaling"] == pytest.approx(0.95)
+    assert "back to back: 1.20x / 1.05x, scaling 0.90 / 0.95" in capsys.readouterr().out
+    for r in res[1:]:  # a CPU run: nothing back to back
+        del r["fwd_b2b_ms"], r["bwd_b2b_ms"]
+    (c,) = bench.summarize(res)
+    assert "fwd_b2b_ratio" not in c and "fwd_b2b_scaling" not in c and "fwd_ratio" in c

@@ -233,7 +233,8 @@ def bench_ours(name, mask, args, ctx):
 
 def bench_kernel_only(plan, args, ctx):
     """Our kernel alone on this rank's megatron-cp tiles and K/V buffer (and, with guest rows, the call
-    over the guest tiles on its own keys): (flops, fwd_s, bwd_s)."""
+    over the guest tiles on its own keys): (flops, fwd_s, bwd_s, fwd back to back, bwd back to back), the
+    last two the slowest rank's (None on CPU)."""
     rank, device, dtype = ctx["rank"], ctx["device"], ctx["dtype"]
     rp = plan.ranks[rank]
     be = ctx.get("backend") or kernels.get_backend(args.backend, device)  # the same backend as megatron-cp
@@ -282,8 +283,10 @@ def bench_kernel_only(plan, args, ctx):
             bwd()
         t.sync()
         t_f, t_b = (t1 - t0) / args.iters, (time.perf_counter() - t1) / args.iters
+    # and back to back, as the implementations' fwd_b2b_ms: the scaling of a training step's conditions
+    b2b = t._back_to_back(fwd, lambda _: bwd(), args.iters, ctx["group"])
     flops = 4.0 * rp.area * args.heads * args.head_dim  # the rank's cells, guest cells included
-    return flops, t_f, t_b
+    return (flops, t_f, t_b) + b2b
 
 
 _TORCH_CP_MODULES = (
@@ -496,7 +499,7 @@ def main(argv=None):
                         # the runtime's choice (planner.schedule.choose_stages; 0 = single exchange)
                         rec["stages"] = [v for k, v in plan.cache.items() if isinstance(k, tuple) and k[0] == "choose_stages"]
                         rec["dense_path_error"] = getattr(ctx["backend"], "fast_path_error", None)
-                        kf, kt_f, kt_b = bench_kernel_only(plan, args, ctx)
+                        kf, kt_f, kt_b, kb_f, kb_b = bench_kernel_only(plan, args, ctx)
                         t = torch.tensor([kf, kt_f, kt_b], dtype=torch.float64, device=device)
                         tmax = t.clone()
                         dist.all_reduce(t, group=group)
@@ -507,6 +510,8 @@ def main(argv=None):
                                             fwd_max_ms=float(tmax[1]) * 1e3, bwd_max_ms=float(tmax[2]) * 1e3,
                                             fwd_tflops_per_gpu=float(t[0]) / float(t[1]) / 1e12,
                                             bwd_tflops_per_gpu=2.5 * float(t[0]) / float(t[2]) / 1e12))
+                        if kb_f is not None:  # the slowest rank's, like the implementations' back to back
+                            results[-1].update(fwd_b2b_ms=kb_f * 1e3, bwd_b2b_ms=kb_b * 1e3)
                 except Exception as e:  # record and go on (a failure on every rank, e.g. an API missing)
                     rec["error"] = f"{type(e).__name__}: {e}"
                     if rank == 0:
@@ -570,6 +575,13 @@ def summarize(results):
                 if wall:
                     c.update(fwd_wall_scaling=ours["fwd_wall_tflops_per_gpu"] / kern["fwd_tflops_per_gpu"],
                              bwd_wall_scaling=ours["bwd_wall_tflops_per_gpu"] / kern["bwd_tflops_per_gpu"])
+            b2b = [r for r in (ours, ref, kern) if r is not None and r.get("fwd_b2b_ms")]
+            if ours in b2b and ref in b2b:  # same FLOPs: the time ratio is the throughput ratio
+                c.update(fwd_b2b_ratio=ref["fwd_b2b_ms"] / ours["fwd_b2b_ms"],
+                         bwd_b2b_ratio=ref["bwd_b2b_ms"] / ours["bwd_b2b_ms"])
+            if ours in b2b and kern in b2b:
+                c.update(fwd_b2b_scaling=kern["fwd_b2b_ms"] / ours["fwd_b2b_ms"],
+                         bwd_b2b_scaling=kern["bwd_b2b_ms"] / ours["bwd_b2b_ms"])
             checks.append(c)
             line = f"check S={s} {m:<15}"
             if "fwd_ratio" in c:
@@ -583,6 +595,13 @@ def summarize(results):
                 wall_parts.append(f"scaling {c['fwd_wall_scaling']:.2f} / {c['bwd_wall_scaling']:.2f}")
             if wall_parts:
                 line += "  | wall time: " + ", ".join(wall_parts)
+            b2b_parts = []
+            if "fwd_b2b_ratio" in c:
+                b2b_parts.append(f"{c['fwd_b2b_ratio']:.2f}x / {c['bwd_b2b_ratio']:.2f}x")
+            if "fwd_b2b_scaling" in c:
+                b2b_parts.append(f"scaling {c['fwd_b2b_scaling']:.2f} / {c['bwd_b2b_scaling']:.2f}")
+            if b2b_parts:
+                line += "  | back to back: " + ", ".join(b2b_parts)
             print(line)
     return checks
 
