@@ -108,8 +108,9 @@ def comm_lead(device: torch.device, us: float = COMM_LEAD_US) -> None:
     steps on 4 x H200 the staged causal forward's all-to-all started at the end of the first stage's
     14 ms cuDNN piece instead of beside it (over a high-priority NCCL stream too: that kernel's CTAs
     do not retire early), 1.2-12 ms exposed (benchmarks/dist/README.md, 02:40-02:43). A no-op off CUDA."""
-    if device.type == "cuda" and us > 0:
-        torch.cuda._sleep(int(us * 2000))
+    spin = getattr(torch.cuda, "_sleep", None)  # torch's spin kernel (a testing hook; skipped if ever gone)
+    if device.type == "cuda" and us > 0 and spin is not None:
+        spin(int(us * 2000))
 
 
 def cast_steps(x_local: torch.Tensor, route: DeviceRoute, group, out: torch.Tensor, pool: BufferPool | None, tag):
