@@ -588,20 +588,14 @@ def summarize(results):
                 line += f" vs {ref_name}: fwd {c['fwd_ratio']:.2f}x bwd {c['bwd_ratio']:.2f}x (need {c['need']}x)"
             if "fwd_scaling" in c:
                 line += f"  scaling vs kernel-only: fwd {c['fwd_scaling']:.2f} bwd {c['bwd_scaling']:.2f}"
-            wall_parts = []
-            if "fwd_wall_ratio" in c:
-                wall_parts.append(f"{c['fwd_wall_ratio']:.2f}x / {c['bwd_wall_ratio']:.2f}x")
-            if "fwd_wall_scaling" in c:
-                wall_parts.append(f"scaling {c['fwd_wall_scaling']:.2f} / {c['bwd_wall_scaling']:.2f}")
-            if wall_parts:
-                line += "  | wall time: " + ", ".join(wall_parts)
-            b2b_parts = []
-            if "fwd_b2b_ratio" in c:
-                b2b_parts.append(f"{c['fwd_b2b_ratio']:.2f}x / {c['bwd_b2b_ratio']:.2f}x")
-            if "fwd_b2b_scaling" in c:
-                b2b_parts.append(f"scaling {c['fwd_b2b_scaling']:.2f} / {c['bwd_b2b_scaling']:.2f}")
-            if b2b_parts:
-                line += "  | back to back: " + ", ".join(b2b_parts)
+            for tag, label in (("wall", "wall time"), ("b2b", "back to back")):  # the other two timings
+                parts = []
+                if f"fwd_{tag}_ratio" in c:
+                    parts.append(f"{c[f'fwd_{tag}_ratio']:.2f}x / {c[f'bwd_{tag}_ratio']:.2f}x")
+                if f"fwd_{tag}_scaling" in c:
+                    parts.append(f"scaling {c[f'fwd_{tag}_scaling']:.2f} / {c[f'bwd_{tag}_scaling']:.2f}")
+                if parts:
+                    line += f"  | {label}: " + ", ".join(parts)
             print(line)
     return checks
 
