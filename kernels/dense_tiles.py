@@ -22,6 +22,16 @@ n)`` stands for the ``n`` pieces ``b = 0 .. n-1`` of rows ``[qs + b r, qs + (b+1
 / n``) and keys ``[ks + b r, ke + b r)``, one cuDNN call with batch ``n``; ordinary pieces have ``n = 1``.
 The rows left below the last whole chunk stay one BI_CAUSAL tile in the rest.
 
+Band squares (forward only, ``split_band_squares``): a band of ``w = sk - sq >= min_window`` keys per
+row and at least ``min_window`` rows is cut into ``n = sq // C`` chunks of ``C = min(w, sq)`` rows; chunk ``b``
+(local rows ``[bC, bC + C)``) keeps an INV_CAUSAL square ``[bC, bC + C)`` of keys, a FULL rectangle
+``[bC + C, bC + w)`` (none when ``C = w``) and a square causal tile ``[bC + w, bC + w + C)``, three
+batched pieces. The INV_CAUSAL square (row i keeps j >= i) is a top-left causal square of the problem
+with rows and keys reversed, so cuDNN runs all three (the backend flips the rows in and the output back).
+
+Dense pieces are tuples ``(qs, qe, ks, ke, kind, n)`` with ``kind`` FULL (0), CAUSAL (1: square, top-left
+= bottom-right) or INV_CAUSAL (2: square, band squares only).
+
 The pieces of one tile are cell-disjoint and cover exactly its kept cells, so the decomposition of a
 cell-disjoint list is too (tests/test_dense_tiles.py checks this with dense masks). Pure host-side
 tensor code.
@@ -38,11 +48,11 @@ def split_dense(tiles: torch.Tensor, min_rows: int = 512, min_keys: int = 512, b
                 band_min_keys: int = 1024):
     """tiles int [n, 5] -> (dense, rest).
 
-    dense: list of (q_start, q_end, k_start, k_end, is_causal, n) with is_causal meaning a square tile
-    with top-left (== bottom-right) causal mask and n the batch of a band piece (see module doc; 1 for
+    dense: list of (q_start, q_end, k_start, k_end, kind, n) with kind FULL or CAUSAL (a square tile with
+    top-left (== bottom-right) causal mask) and n the batch of a band piece (see module doc; 1 for
     ordinary pieces); rest: int32 [m, 5] tiles left to the Triton kernel.
     """
-    dense: list[tuple[int, int, int, int, bool, int]] = []
+    dense: list[tuple[int, int, int, int, int, int]] = []
     rest: list[list[int]] = []
 
     def big(sq, sk):
@@ -52,7 +62,7 @@ def split_dense(tiles: torch.Tensor, min_rows: int = 512, min_keys: int = 512, b
         sq, sk = qe - qs, ke - ks
         if kind == FULL:
             if big(sq, sk):
-                dense.append((qs, qe, ks, ke, False, 1))
+                dense.append((qs, qe, ks, ke, FULL, 1))
             else:
                 rest.append([qs, qe, ks, ke, kind])
         elif kind == CAUSAL:
@@ -66,11 +76,11 @@ def split_dense(tiles: torch.Tensor, min_rows: int = 512, min_keys: int = 512, b
                 continue
             if d > 0:
                 if full_ok:
-                    dense.append((qs, qe, ks, ks + d, False, 1))
+                    dense.append((qs, qe, ks, ks + d, FULL, 1))
                 else:
                     rest.append([qs, qe, ks, ks + d, FULL])
             if sq_ok:
-                dense.append((qs, qe, ks + d, ke, True, 1))
+                dense.append((qs, qe, ks + d, ke, CAUSAL, 1))
             else:
                 rest.append([qs, qe, ks + d, ke, CAUSAL])
         elif kind == BI_CAUSAL and band_chunk > 0 and sk - sq >= band_chunk + band_min_keys \
@@ -78,8 +88,8 @@ def split_dense(tiles: torch.Tensor, min_rows: int = 512, min_keys: int = 512, b
             c, w = band_chunk, sk - sq
             n = sq // c
             e = qs + n * c  # rows of whole chunks end here
-            dense.append((qs, e, ks + c, ks + w, False, n))
-            dense.append((qs, e, ks + w, ks + w + c, True, n))
+            dense.append((qs, e, ks + c, ks + w, FULL, n))
+            dense.append((qs, e, ks + w, ks + w + c, CAUSAL, n))
             rest.extend([qs + b * c, qs + (b + 1) * c, ks + b * c, ks + (b + 1) * c, INV_CAUSAL] for b in range(n))
             if e < qe:
                 rest.append([e, qe, ks + n * c, ke, BI_CAUSAL])
@@ -89,11 +99,34 @@ def split_dense(tiles: torch.Tensor, min_rows: int = 512, min_keys: int = 512, b
     return dense, rest_t
 
 
+def split_band_squares(tiles: torch.Tensor, min_window: int):
+    """tiles int [n, 5] -> (pieces, rest): the band squares of every BI_CAUSAL tile with a window and rows
+    of at least ``min_window`` (module doc; pieces as split_dense's, kinds FULL / CAUSAL / INV_CAUSAL),
+    and the other tiles plus each band's rows below its last chunk (int32 [m, 5]). ``min_window`` 0: none."""
+    pieces: list[tuple[int, int, int, int, int, int]] = []
+    rest: list[list[int]] = []
+    for qs, qe, ks, ke, kind in tiles.to("cpu", torch.int64).tolist():
+        sq, w = qe - qs, ke - ks - (qe - qs)
+        c = min(w, sq)
+        if kind != BI_CAUSAL or min_window <= 0 or c < min_window:
+            rest.append([qs, qe, ks, ke, kind])
+            continue
+        n = sq // c
+        e = qs + n * c
+        pieces.append((qs, e, ks, ks + c, INV_CAUSAL, n))
+        if w > c:
+            pieces.append((qs, e, ks + c, ks + w, FULL, n))
+        pieces.append((qs, e, ks + w, ks + w + c, CAUSAL, n))
+        if e < qe:
+            rest.append([e, qe, ks + n * c, ke, BI_CAUSAL])
+    return pieces, torch.tensor(rest, dtype=torch.int32).reshape(-1, 5)
+
+
 def dense_tiles_tensor(dense) -> torch.Tensor:
-    """The dense pieces as an ordinary tile list (FULL, or CAUSAL for the square causal ones), a batched
-    piece as its ``n`` tiles."""
+    """The dense pieces as an ordinary tile list (FULL, CAUSAL or INV_CAUSAL tiles), a batched piece as its
+    ``n`` tiles."""
     out = []
-    for a, b, c, d, causal, n in dense:
+    for a, b, c, d, kind, n in dense:
         r = (b - a) // n
-        out += [[a + i * r, a + (i + 1) * r, c + i * r, d + i * r, CAUSAL if causal else FULL] for i in range(n)]
+        out += [[a + i * r, a + (i + 1) * r, c + i * r, d + i * r, int(kind)] for i in range(n)]
     return torch.tensor(out, dtype=torch.int32).reshape(-1, 5)

@@ -1,7 +1,9 @@
 """LSE merge of a partial attention result into a running one, in place, in one pass.
 
 The dense-tile path (cuDNN pieces beside Triton tiles) and the staged runtime add partial results
-(o, l) into a running (acc, lse): L = log(exp(lse) + exp(l)), acc = (exp(lse - L) acc + exp(l - L) o).
+(o, l) into a running (acc, lse): L = log(exp(lse) + exp(l)), acc = (exp(lse - L) acc + exp(l - L) o);
+one or two partials per pass, either of which may hold its positions in reverse order (the band
+squares' reversed pieces, kernels/dense_tiles.py).
 Done with torch ops this is ~8 passes over [s, H, D] fp32; the Triton kernel reads acc and o once and
 writes acc once, which matters when a rank merges a few 100 MB per stage. Rows where both sides are
 empty (lse = l = -inf) keep acc 0 and lse -inf; a row whose running lse is -inf takes o as it is
@@ -16,18 +18,35 @@ import triton.language as tl
 
 
 @triton.jit
-def _merge_kernel(ACC, LSE, O, L, n_rows, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+def _side(L, r64, ok, n_heads, n_rows, REV: tl.constexpr):
+    # row index of (position, head) pair r in a partial whose positions are reversed when REV
+    if REV:
+        src = (n_rows // n_heads - 1 - r64 // n_heads) * n_heads + r64 % n_heads
+    else:
+        src = r64
+    return src, tl.load(L + src, mask=ok, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def _merge_kernel(ACC, LSE, O, L, O2, L2, n_rows, n_heads, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                  REV: tl.constexpr, TWO: tl.constexpr, REV2: tl.constexpr):
     pid = tl.program_id(0)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = r < n_rows
     r64 = r.to(tl.int64)
     a_lse = tl.load(LSE + r64, mask=ok, other=float("-inf"))
-    b_lse = tl.load(L + r64, mask=ok, other=float("-inf")).to(tl.float32)
+    src1, b_lse = _side(L, r64, ok, n_heads, n_rows, REV)
     mx = tl.maximum(a_lse, b_lse)
+    if TWO:
+        src2, c_lse = _side(L2, r64, ok, n_heads, n_rows, REV2)
+        mx = tl.maximum(mx, c_lse)
     m0 = tl.where(mx == float("-inf"), 0.0, mx)
     wa = tl.exp(a_lse - m0)
     wb = tl.exp(b_lse - m0)
     tot = wa + wb
+    if TWO:
+        wc = tl.exp(c_lse - m0)
+        tot += wc
     keep = tot > 0.0
     tot_s = tl.where(keep, tot, 1.0)
     wa = wa / tot_s
@@ -35,9 +54,13 @@ def _merge_kernel(ACC, LSE, O, L, n_rows, HEAD_DIM: tl.constexpr, BLOCK_R: tl.co
     cols = tl.arange(0, HEAD_DIM)
     off = r64[:, None] * HEAD_DIM + cols[None, :]
     acc = tl.load(ACC + off, mask=ok[:, None], other=0.0)
-    o = tl.load(O + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    o = tl.load(O + src1[:, None] * HEAD_DIM + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     # weights of exactly 0 must not touch the other side: 0 * (garbage or inf) would give NaN
     new = tl.where(wa[:, None] > 0.0, acc * wa[:, None], 0.0) + tl.where(wb[:, None] > 0.0, o * wb[:, None], 0.0)
+    if TWO:
+        wc = wc / tot_s
+        o2 = tl.load(O2 + src2[:, None] * HEAD_DIM + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        new += tl.where(wc[:, None] > 0.0, o2 * wc[:, None], 0.0)
     tl.store(ACC + off, new, mask=ok[:, None])
     tl.store(LSE + r64, tl.where(keep, m0 + tl.log(tot_s), float("-inf")), mask=ok)
 
@@ -58,27 +81,37 @@ def merge_torch(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.
     lse.copy_(torch.where(keep, m0 + torch.log(s1), torch.full_like(m, float("-inf"))))
 
 
-def merge_into(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor, use_triton=None) -> None:
+def merge_into(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor, use_triton=None,
+               reverse: bool = False, o2: torch.Tensor | None = None, l2: torch.Tensor | None = None,
+               reverse2: bool = False) -> None:
     """In place: (acc fp32 [s, H, D], lse fp32 [s, H]) <- LSE merge with (o [s, H, D] any float dtype,
-    l [s, H]). ``use_triton``: None = on CUDA tensors with contiguous rows (the one-pass kernel), else
+    l [s, H]), and with (o2, l2) too when given (one pass for both). ``reverse`` / ``reverse2``: that
+    partial's positions run backwards (its row p is acc's row s - 1 - p; the band squares' reversed
+    pieces). ``use_triton``: None = on CUDA tensors with contiguous rows (the one-pass kernel), else
     torch ops; True forces the kernel (tests run it under the CPU interpreter)."""
     if acc.dtype != torch.float32 or lse.dtype != torch.float32:
         raise ValueError(f"running acc/lse must be float32, got {acc.dtype}/{lse.dtype}")
-    if o.shape != acc.shape or l.shape != lse.shape or lse.shape != acc.shape[:2]:
-        raise ValueError(f"shapes differ: acc {tuple(acc.shape)}, lse {tuple(lse.shape)}, "
-                         f"o {tuple(o.shape)}, l {tuple(l.shape)}")
+    parts = [(o, l)] + ([(o2, l2)] if o2 is not None else [])
+    for x, y in parts:
+        if x.shape != acc.shape or y is None or y.shape != lse.shape or lse.shape != acc.shape[:2]:
+            raise ValueError(f"shapes differ: acc {tuple(acc.shape)}, lse {tuple(lse.shape)}, "
+                             f"o {tuple(x.shape)}, l {None if y is None else tuple(y.shape)}")
     d = acc.shape[-1]
-    flat = all(t.is_contiguous() for t in (acc, lse, o, l)) and d >= 16 and d & (d - 1) == 0
+    flat = all(t.is_contiguous() for t in (acc, lse) + tuple(t for p in parts for t in p)) and d >= 16 and d & (d - 1) == 0
     if use_triton is None:
         use_triton = flat and acc.is_cuda
     if not use_triton or not flat:
         if use_triton:
             raise ValueError("the Triton merge needs contiguous tensors and a power-of-two head_dim >= 16")
-        merge_torch(acc, lse, o, l)
+        for (x, y), rev in zip(parts, (reverse, reverse2)):
+            merge_torch(acc, lse, x.flip(0) if rev else x, y.flip(0) if rev else y)
         return
     n = lse.numel()
     if n == 0:
         return
     block = max(1, min(64, 8192 // d))
-    _merge_kernel[(triton.cdiv(n, block),)](acc, lse, o, l.float() if l.dtype != torch.float32 else l, n,
-                                            HEAD_DIM=d, BLOCK_R=block, num_warps=4)
+    lf = [y.float() if y.dtype != torch.float32 else y for _, y in parts]
+    two = o2 is not None
+    _merge_kernel[(triton.cdiv(n, block),)](acc, lse, o, lf[0], o2 if two else o, lf[-1], n, lse.shape[1],
+                                            HEAD_DIM=d, BLOCK_R=block, REV=bool(reverse), TWO=two,
+                                            REV2=bool(reverse2) and two, num_warps=4)

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .tiles import check_tiles
+from .tiles import CAUSAL, INV_CAUSAL, check_tiles
 from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dkdv_reduce_kernel, attn_bwd_dq_kernel
 from .triton_fwd import LOG2E, attn_fwd_kernel
 from .dense_fast_path import (band_view, cudnn_backward, cudnn_backward_batched, cudnn_forward, cudnn_forward_batched,
                               dense_kind)
-from .dense_tiles import split_dense
+from .dense_tiles import split_band_squares, split_dense
 from .merge import merge_into
 from .triton_delta import head_major, row_delta
 from .triton_schedule import BlockSchedule, build_schedules, covered_rows, kept_area, tile_descriptors
@@ -95,6 +95,17 @@ class TritonConfig:
         measured on H200 (tools/bench_band.py, benchmarks/dist/run_2126/), the benchmark's window of 4096
         at S = 128k, cp 4: forward 5.12 / 5.22 / 5.36 ms at chunks 256 / 512 / 1024 vs 5.17 on Triton,
         backward 25.6 / 20.9 / 19.2 vs 15.0 (cuDNN's dK/dV of overlapping windows, folded afterwards).
+    band_squares: forward only, bands (BI_CAUSAL tiles) whose window and rows are both at least this many
+        run on cuDNN as batched squares (kernels/dense_tiles.py, split_band_squares: per chunk of
+        C = min(window, rows) rows a reversed-causal square, a full rectangle when the window is wider,
+        a causal square; the reversed square on flipped copies of the chunk's rows and keys), merged in one
+        pass; 0 keeps bands on Triton. The backward keeps bands on Triton (band_chunk aside): the flips and
+        the gradients' extra passes would cost what cuDNN gains. Default 8192, measured on H200 (one rank's
+        band of 32768 rows, bf16, Hq 32, Hkv 8, D 128; benchmarks/kernels/band_squares/): forward ms on
+        Triton vs squares, writing / accumulating into a float32 running pair as the staged runtime does:
+        window 8192 10.67 vs 8.85 / 10.83 vs 8.93, 16384 20.68 vs 16.73; window 4096 5.19 vs 5.70 /
+        5.49 vs 5.04 (flips, the merge and the running pair's passes, ~1.5 ms, eat most of cuDNN's 1.6 ms
+        gain), 2048 2.77 vs 3.58 (and 2.74 vs 3.47 ms in the 2 x H200 runtime, benchmarks/dist/run_0450_squares/).
     autotune: pick each kernel's KernelConfig per (head_dim, dtype, Hq // Hkv, row class, phase) by timing
         candidates on the first call that meets the key (CUDA only; cached process-wide, reused by later
         calls; kernels/triton_autotune.py). The first call is slow (compiles, times): run one untimed
@@ -113,6 +124,7 @@ class TritonConfig:
     dense_min_keys: int = 8192
     band_chunk: int = 0
     band_min_keys: int = 1024
+    band_squares: int = 8192
     bwd_mode: str = "deterministic"
     autotune: bool = False
     autotune_candidates: dict = field(default_factory=dict)
@@ -149,8 +161,15 @@ class TritonPrepared:
     row_class: str = "long"  # "long" / "short" (mean kept keys per row vs LONG_ROW_KEYS) / "blocky"
     dense: bool | None = None  # is_causal for the dense fast path, None when it does not apply
     split_min: int = 16
-    dense_plan: list = field(default_factory=list)  # dense pieces (qs, qe, ks, ke, is_causal, n) for cuDNN
+    dense_plan: list = field(default_factory=list)  # dense pieces (qs, qe, ks, ke, kind, n) for cuDNN
     rest: "TritonPrepared | None" = None  # the other tiles (Triton) when dense_plan is used; None: none
+    # the forward's own split when it differs (band squares): dense pieces and the Triton rest
+    fwd_plan: list | None = None
+    fwd_rest: "TritonPrepared | None" = None
+
+    def forward_parts(self):
+        """(dense pieces, Triton rest) of the forward."""
+        return (self.dense_plan, self.rest) if self.fwd_plan is None else (self.fwd_plan, self.fwd_rest)
     _host: dict = field(default_factory=dict)  # (bm, bn) -> (rows, cols) on cpu
     _dev: dict = field(default_factory=dict)  # (bm, bn, device) -> (desc, rows, cols)
 
@@ -267,12 +286,12 @@ class TritonBackend:
     def _fast(self, q, prepared) -> bool:
         return prepared.dense is not None and self._fast_ok(q)
 
-    def _general(self, q, prepared) -> bool:
+    def _general(self, q, prepared, forward: bool = False) -> bool:
         """Dense pieces on cuDNN, the rest on Triton: a list that is one dense tile (dense_fast_path) or
-        has dense pieces (TritonConfig.dense_tiles). Also serves the calls the single-call fast path
-        cannot: accumulating forwards and backwards given a delta."""
-        return (bool(prepared.dense_plan) and (prepared.dense is not None or self.config.dense_tiles)
-                and self._fast_ok(q))
+        has dense pieces (TritonConfig.dense_tiles; ``forward``: the forward's pieces). Also serves the
+        calls the single-call fast path cannot: accumulating forwards and backwards given a delta."""
+        plan = prepared.forward_parts()[0] if forward else prepared.dense_plan
+        return bool(plan) and (prepared.dense is not None or self.config.dense_tiles) and self._fast_ok(q)
 
     @staticmethod
     def _scale(softmax_scale, q):
@@ -296,6 +315,10 @@ class TritonBackend:
             if dense:
                 prep.dense_plan = dense
                 prep.rest = self._prepare(rest, seqlen_q, seqlen_k, head_dims) if rest.shape[0] else None
+            bands, rest_f = split_band_squares(rest, c.band_squares)
+            if bands:
+                prep.fwd_plan = dense + bands
+                prep.fwd_rest = self._prepare(rest_f, seqlen_q, seqlen_k, head_dims) if rest_f.shape[0] else None
         return prep
 
     def _prepare(self, tiles, seqlen_q, seqlen_k, head_dims) -> TritonPrepared:
@@ -329,7 +352,7 @@ class TritonBackend:
         skipped) will add into: float32 when one of them runs dense pieces on cuDNN (their merges then
         keep full precision and run in place), else q's (the Triton kernels merge in registers and round
         once; rows a call does not cover are left as they are)."""
-        return torch.float32 if any(p is not None and self._general(q, p) for p in prepared) else q.dtype
+        return torch.float32 if any(p is not None and self._general(q, p, True) for p in prepared) else q.dtype
 
     def forward(self, q, k, v, prepared: TritonPrepared, softmax_scale=None, out_dtype=None):
         """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (``out_dtype``, q's when None: float32
@@ -342,10 +365,10 @@ class TritonBackend:
                 return o.to(odt), lse
             except Exception as e:  # noqa: BLE001  e.g. no cuDNN for this shape/version: Triton from now on
                 self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
-        if self._general(q, prepared):
+        if self._general(q, prepared, True):
             try:
                 acc, lse = self._dense_forward(q, k, v, prepared, self._scale(softmax_scale, q))
-                self.last_path = "cudnn+triton" if prepared.rest is not None else "cudnn"
+                self.last_path = "cudnn+triton" if prepared.forward_parts()[1] is not None else "cudnn"
                 return acc.to(odt), lse
             except Exception as e:  # noqa: BLE001
                 self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
@@ -366,7 +389,7 @@ class TritonBackend:
             raise ValueError(f"running out/lse must be {tuple(q.shape)} {q.dtype} or float32 / "
                              f"{tuple(q.shape[:2])} float32; got {tuple(out.shape)} {out.dtype} / "
                              f"{tuple(lse.shape)} {lse.dtype}")
-        if self._general(q, prepared):
+        if self._general(q, prepared, True):
             scale = self._scale(softmax_scale, q)
             in_place = out.dtype == torch.float32 and out.is_contiguous() and lse.is_contiguous()
             done = []  # merges already made into (out, lse) when in place
@@ -377,7 +400,7 @@ class TritonBackend:
                     acc, lse_new = self._dense_forward(q, k, v, prepared, scale, out.float(), lse.clone())
                     out.copy_(acc)
                     lse.copy_(lse_new)
-                self.last_path = "cudnn+triton" if prepared.rest is not None else "cudnn"
+                self.last_path = "cudnn+triton" if prepared.forward_parts()[1] is not None else "cudnn"
                 return out, lse
             except Exception as e:  # noqa: BLE001
                 if done:  # falling back now would count the merged pieces twice
@@ -397,29 +420,48 @@ class TritonBackend:
         sq, hq, d = q.shape
         if sq != prepared.seqlen_q or k.shape[0] != prepared.seqlen_k:
             raise ValueError(f"q/k lengths {sq}/{k.shape[0]} differ from the prepared {prepared.seqlen_q}/{prepared.seqlen_k}")
-        rest_left = prepared.rest is not None
+        plan, rest = prepared.forward_parts()
+        rest_left = rest is not None
         if acc is None:
             if rest_left:  # the Triton rest writes the fp32 running output itself (no conversion pass)
                 acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
                 lse = torch.empty(sq, hq, device=q.device, dtype=torch.float32)
-                self._forward(q, k, v, prepared.rest, scale, acc, lse, accumulate=False)
+                self._forward(q, k, v, rest, scale, acc, lse, accumulate=False)
                 rest_left = False
             else:
                 acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
                 lse = torch.full((sq, hq), float("-inf"), device=q.device, dtype=torch.float32)
-        for qs, qe, ks, ke, causal, n in prepared.dense_plan:
+        pending = None  # a reversed piece's (rows, out, lse), merged together with the next piece on its rows
+        for qs, qe, ks, ke, kind, n in plan:
+            if kind == INV_CAUSAL:  # squares keeping j >= i: top-left causal with rows and keys reversed
+                r = (qe - qs) // n
+                span = (n - 1) * r + (ke - ks)
+                qr, kr, vr = q[qs:qe].flip(0), k[ks:ks + span].flip(0), v[ks:ks + span].flip(0)
+                o_t, l_t = cudnn_forward_batched(band_view(qr, 0, n, r, r), band_view(kr, 0, n, r, ke - ks),
+                                                 band_view(vr, 0, n, r, ke - ks), scale, True)
+                pending = (qs, qe, o_t.reshape(qe - qs, hq, d), l_t.reshape(qe - qs, hq).contiguous())
+                continue
             if n == 1:
-                o_t, l_t = cudnn_forward(q[qs:qe], k[ks:ke], v[ks:ke], scale, causal)
+                o_t, l_t = cudnn_forward(q[qs:qe], k[ks:ke], v[ks:ke], scale, kind == CAUSAL)
             else:  # a band piece: n chunks of r rows, keys sliding by r (one batched call)
                 r = (qe - qs) // n
                 o_t, l_t = cudnn_forward_batched(band_view(q, qs, n, r, r), band_view(k, ks, n, r, ke - ks),
-                                                 band_view(v, ks, n, r, ke - ks), scale, causal)
+                                                 band_view(v, ks, n, r, ke - ks), scale, kind == CAUSAL)
                 o_t, l_t = o_t.reshape(qe - qs, hq, d), l_t.reshape(qe - qs, hq)
-            merge_into(acc[qs:qe], lse[qs:qe], o_t, l_t)
+            if pending is not None and pending[:2] == (qs, qe):
+                merge_into(acc[qs:qe], lse[qs:qe], o_t, l_t, o2=pending[2], l2=pending[3], reverse2=True)
+                pending = None
+            else:
+                merge_into(acc[qs:qe], lse[qs:qe], o_t, l_t)
+            if progress is not None:
+                progress.append(1)
+        if pending is not None:
+            qs, qe, o_t, l_t = pending
+            merge_into(acc[qs:qe], lse[qs:qe], o_t, l_t, reverse=True)
             if progress is not None:
                 progress.append(1)
         if rest_left:
-            self._forward(q, k, v, prepared.rest, scale, acc, lse, accumulate=True)
+            self._forward(q, k, v, rest, scale, acc, lse, accumulate=True)
         return acc, lse
 
     def _forward(self, q, k, v, prepared, softmax_scale, out, lse, accumulate):
@@ -526,7 +568,8 @@ class TritonBackend:
             dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
             dk = torch.zeros(k.shape, device=q.device, dtype=torch.float32)
             dv = torch.zeros(v.shape, device=q.device, dtype=torch.float32)
-        for qs, qe, ks, ke, causal, n in prepared.dense_plan:
+        for qs, qe, ks, ke, kind, n in prepared.dense_plan:
+            causal = kind == CAUSAL  # split_dense's pieces are FULL or CAUSAL
             if n == 1:
                 gq, gk, gv = cudnn_backward(q[qs:qe], k[ks:ke], v[ks:ke], out[qs:qe], lse[qs:qe], dout[qs:qe],
                                             scale, causal)

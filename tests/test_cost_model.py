@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import megatron_cp as mcp
-from megatron_cp.kernels.dense_tiles import split_dense
+from megatron_cp.kernels.dense_tiles import split_band_squares, split_dense
 from megatron_cp.masks import builders as M
-from megatron_cp.planner.cost import (CostModel, Workload, block_counts, dense_pieces, dense_rest, row_block_entries,
-                                      tile_areas)
+from megatron_cp.planner.cost import (CostModel, Workload, band_square_pieces, band_square_rest, block_counts,
+                                      dense_pieces, dense_rest, row_block_entries, tile_areas)
 from megatron_cp.planner.schedule import choose_num_stages, clip_tiles
 
 
@@ -292,7 +292,7 @@ def test_dense_pieces_cost_per_row_and_key_column():
     w = Workload(8, 2, 64, 2)
     pf = 4.0 * 8 * 64
     base = dict(tile_us=0.0, launch_us=0.0, dense_fwd_tflops=600.0, dense_bwd_tflops=500.0, dense_piece_us=0.0,
-                dense_min_rows=512, dense_min_keys=1024, hbm_gbps=1e30)
+                dense_min_rows=512, dense_min_keys=1024, hbm_gbps=1e30, band_squares=0)
     m = CostModel(**base, dense_half_keys=300.0, dense_half_rows=100.0, dense_bwd_half_keys=700.0, dense_bwd_half_rows=50.0)
     for r, k in ((512, 8192), (4096, 1024)):
         t = np.array([[0, r, 0, k, 0]])
@@ -313,6 +313,57 @@ def test_dense_pieces_cost_per_row_and_key_column():
     assert mb.tile_time(band, w) == pytest.approx(pf * (full / 600e12 + causal / peak_c) + mb.tile_time(inv, w))
     assert CostModel(**{**mb.__dict__, "band_chunk": 0}).tile_time(band, w) == pytest.approx(
         CostModel(**{**m.__dict__, "dense_fwd_tflops": 0.0}).tile_time(band, w))
+
+
+def test_band_squares_cost_forward_only():
+    """Forward: a band of w >= band_squares keys and rows costs its cuDNN squares (a reversed one: flips
+    and a shared merge pass; a full rectangle when the window is wider than the rows) plus its tail rows
+    on Triton; backward: the band on Triton as with band_squares 0."""
+    w = Workload(8, 2, 64, 2)
+    pf = 4.0 * 8 * 64
+    hbm = 2000.0
+    m = CostModel(tile_us=0.0, launch_us=0.0, dense_fwd_tflops=600.0, dense_bwd_tflops=500.0,
+                  dense_causal_fwd_tflops=400.0, dense_piece_us=5.0, dense_min_rows=512, dense_min_keys=10**9,
+                  hbm_gbps=hbm, band_squares=1024)
+    off = CostModel(**{**m.__dict__, "band_squares": 0})
+    # w = 2048, 4096 + 100 rows: 2 chunks of 2048 (reversed + causal squares), 100 tail rows on Triton
+    band = np.array([[0, 4196, 0, 4196 + 2048, 3]])
+    tail = np.array([[4096, 4196, 4096, 4196 + 2048, 3]])
+    causal_cells = 2 * 2048 * 2049 / 2
+    elems = 4096 * 8 * 64
+    flips = 6.0 * elems + 8.0 * 4096 * 2 * 64  # q rows (4 bytes) + its merge share (2), K/V span flipped
+    t_sq = 2 * pf * causal_cells / 400e12 + 2 * 5e-6 + (flips + 10.0 * elems) / (hbm * 1e9)
+    assert m.tile_time(band, w) == pytest.approx(t_sq + off.tile_time(tail, w))
+    assert m.tile_time(band, w, True) == pytest.approx(off.tile_time(band, w, True))
+    assert m.rest_tiles(band).tolist() == tail.tolist() and m.rest_tiles(band, True).tolist() == band.tolist()
+    # window wider than the rows (C = 1500 rows): reversed square, a 1500 x 1548 rectangle, causal square
+    wide = np.array([[0, 1500, 0, 1500 + 3048, 3]])
+    rows, keys, cells, causal, batch, rev = band_square_pieces(wide, 1024)
+    assert rows.tolist() == [1500] * 3 and keys.tolist() == [1500, 1548, 1500] and batch.tolist() == [1, 1, 1]
+    assert causal.tolist() == [True, False, True] and rev.tolist() == [True, False, False]
+    assert float(cells.sum()) == float(tile_areas(wide)[0].sum())
+    assert len(band_square_rest(wide, 1024)) == 0
+    # below the threshold (rows or window): unchanged
+    for t in ([[0, 1000, 0, 1000 + 2048, 3]], [[0, 4096, 0, 4096 + 1000, 3]]):
+        assert m.tile_time(np.array(t), w) == pytest.approx(off.tile_time(np.array(t), w))
+
+
+def test_band_square_restatement_matches_kernel_split():
+    """cost.band_square_pieces / band_square_rest restate kernels/dense_tiles.split_band_squares."""
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        sq, w = int(rng.integers(1, 300)), int(rng.integers(0, 300))
+        qs, ks = int(rng.integers(0, 50)), int(rng.integers(0, 50))
+        kind = int(rng.choice([3, 3, 3, 0, 1, 2]))
+        t = np.array([[qs, qs + sq, ks, ks + sq + w, kind]], dtype=np.int64)
+        mw = int(rng.choice([0, 16, 64]))
+        pieces, rest = split_band_squares(torch.tensor(t.tolist(), dtype=torch.int32), mw)
+        rows, keys, cells, causal, batch, rev = band_square_pieces(t, mw)
+        got = sorted(zip(rows.tolist(), keys.tolist(), causal.tolist(), batch.tolist(), rev.tolist()))
+        want = sorted((float((qe - q0) // n), float(ke - k0), kd != 0, float(n), kd == 2)
+                      for q0, qe, k0, ke, kd, n in pieces)
+        assert got == want
+        assert band_square_rest(t, mw).tolist() == rest.tolist()
 
 
 def test_calibrate_dry_run_writes_a_loadable_model(tmp_path):

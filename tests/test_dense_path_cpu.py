@@ -92,11 +92,11 @@ def install_fake(monkeypatch=None):
             setattr(tb, name, val)
 
 
-def backend(min_rows=16, min_keys=16, d=16, band_chunk=0, band_min_keys=16):
+def backend(min_rows=16, min_keys=16, d=16, band_chunk=0, band_min_keys=16, band_squares=2048):
     c = tb.KernelConfig(16, 16, 4, 1, False)
     return FakeCudnnBackend(tb.TritonConfig({d: tb.StageConfigs(c, c, c)}, dense_min_rows=min_rows,
                                             dense_min_keys=min_keys, band_chunk=band_chunk,
-                                            band_min_keys=band_min_keys))
+                                            band_min_keys=band_min_keys, band_squares=band_squares))
 
 
 def _data(sq, sk, hq=4, hkv=2, d=16, seed=0):
@@ -132,6 +132,35 @@ def test_merge_one_pass_kernel(use_triton):
     fin = torch.isfinite(ref_lse)
     assert torch.allclose(lse[fin], ref_lse[fin], atol=1e-6)
     assert bool((acc[3:5] == 0).all()) and bool((lse[3:5] == float("-inf")).all())
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("two,rev,rev2", [(False, True, False), (True, False, True), (True, True, False)])
+def test_merge_reversed_and_pair(use_triton, two, rev, rev2):
+    """One pass merging one or two partials, either stored with its positions reversed, equals the
+    attention-weighted union computed directly: out = sum_i exp(l_i - L) o_i, L = logsumexp_i l_i."""
+    torch.manual_seed(1)
+    s, h, d = 29, 3, 16
+    acc, lse = torch.randn(s, h, d), torch.randn(s, h)
+    lse[:3] = float("-inf")
+    parts = [(torch.randn(s, h, d), torch.randn(s, h), rev)] + ([(torch.randn(s, h, d), torch.randn(s, h), rev2)]
+                                                               if two else [])
+    parts[0][1][2:6] = float("-inf")  # rows 2, 5: empty running side too for row 2
+    if two:
+        parts[1][1][2:4] = float("-inf")  # row 2, 3 (in stored order)
+    # in acc's order: a reversed partial's stored row p is position s - 1 - p
+    aligned = [(o.flip(0), l.flip(0)) if r else (o, l) for o, l, r in parts]
+    ls = torch.stack([lse] + [l for _, l in aligned])  # [k, s, h]
+    big = torch.logsumexp(ls, 0)
+    w = torch.where(torch.isinf(big), 0.0, torch.exp(ls - big.where(torch.isfinite(big), torch.zeros_like(big))))
+    ref = w[0, ..., None] * acc.where(torch.isfinite(lse)[..., None], torch.zeros_like(acc))
+    for (o, _), wi in zip(aligned, w[1:]):
+        ref = ref + wi[..., None] * o
+    kw = dict(o2=parts[1][0], l2=parts[1][1], reverse2=rev2) if two else {}
+    merge_into(acc, lse, parts[0][0], parts[0][1], use_triton=use_triton, reverse=rev, **kw)
+    assert torch.allclose(acc, ref, atol=1e-5) and not torch.isnan(acc).any()
+    assert torch.equal(torch.isinf(lse), torch.isinf(big))
+    assert torch.allclose(lse[torch.isfinite(big)], big[torch.isfinite(big)], atol=1e-5)
 
 
 def test_dense_pieces_forward_backward(monkeypatch):
@@ -189,6 +218,52 @@ def test_band_pieces_forward_backward(monkeypatch, w):
     CALLS.clear()
     dq, dk, dv = be.backward(q, k, v, out, lse, do, prep, 0.3, None)
     assert [c[0] for c in CALLS] == ["bwd_batched", "bwd_batched"]
+    for a, b in ((dq, dq_r), (dk, dk_r), (dv, dv_r)):
+        assert (a.double() - b).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("case", ["squares", "wide"])
+def test_band_squares_forward(monkeypatch, case):
+    """Forward band squares (TritonConfig.band_squares): a sliding window after a causal head, as a rank's
+    list. "squares": w = 16, chunks of 16 rows: a reversed causal square (cuDNN on flipped copies) and a
+    causal square, merged in one pass, the causal head and the tail rows on Triton. "wide": a window wider
+    than the band's rows: one chunk with a full rectangle between the squares. Forward (writing and
+    accumulating into a running pair) equals the fp64 reference; the backward keeps the band on Triton."""
+    install_fake(monkeypatch)
+    be = backend(min_keys=10**6, band_squares=12)  # no other dense pieces: only the band goes to cuDNN
+    if case == "squares":
+        sq, w = 70, 16
+        tiles = torch.tensor([[0, 8, 0, 8, CAUSAL], [8, sq, 8, sq + w, BI_CAUSAL]], dtype=torch.int32)
+        calls = [("fwd_batched", 3, 16, 16, True), ("fwd_batched", 3, 16, 16, True)]
+        kinds = [(INV_CAUSAL, 3), (CAUSAL, 3)]
+    else:
+        sq, w = 30, 40
+        tiles = torch.tensor([[0, 8, 0, 8, CAUSAL], [8, sq, 8, sq + w, BI_CAUSAL]], dtype=torch.int32)
+        calls = [("fwd_batched", 1, 22, 22, True), ("fwd", 22, 18, False), ("fwd", 22, 22, True)]
+        kinds = [(INV_CAUSAL, 1), (FULL, 1), (CAUSAL, 1)]
+    sk = sq + w
+    q, k, v, do = _data(sq, sk, seed=4)
+    prep = be.prepare(tiles, sq, sk)
+    assert prep.dense_plan == [] and [p[4:] for p in prep.fwd_plan] == kinds and prep.fwd_rest is not None
+    keep = dense_mask(tiles, sq, sk)
+    out_r, lse_r, dq_r, dk_r, dv_r = reference(q, k, v, keep, 0.3, do)
+    CALLS.clear()
+    out, lse = be.forward(q, k, v, prep, 0.3)
+    assert be.last_path == "cudnn+triton" and CALLS == calls, CALLS
+    assert (out.double() - out_r).abs().max() < 1e-4 and (lse.double() - lse_r).abs().max() < 1e-4
+    # accumulating: a first stage over other keys already in the running pair
+    k2, v2 = torch.randn(5, *k.shape[1:]), torch.randn(5, *v.shape[1:])
+    pre = torch.tensor([[0, sq, 0, 5, FULL]], dtype=torch.int32)
+    acc = torch.zeros(q.shape)
+    run_lse = torch.full(q.shape[:2], float("-inf"))
+    be.forward_accumulate(q, k2, v2, be.prepare(pre, sq, 5), 0.3, acc, run_lse)
+    be.forward_accumulate(q, k, v, prep, 0.3, acc, run_lse)
+    both = torch.cat([torch.ones(sq, 5, dtype=torch.bool), keep], 1)
+    out_b, lse_b = reference(q, torch.cat([k2, k]), torch.cat([v2, v]), both, 0.3)
+    assert (acc.double() - out_b).abs().max() < 1e-4 and (run_lse.double() - lse_b).abs().max() < 1e-4
+    CALLS.clear()
+    dq, dk, dv = be.backward(q, k, v, out, lse, do, prep, 0.3, None)
+    assert be.last_path == "triton" and not CALLS
     for a, b in ((dq, dq_r), (dk, dk_r), (dv, dv_r)):
         assert (a.double() - b).abs().max() < 1e-4
 

@@ -10,7 +10,7 @@ import random
 import torch
 
 from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
-from megatron_cp.kernels.dense_tiles import dense_tiles_tensor, split_dense
+from megatron_cp.kernels.dense_tiles import dense_tiles_tensor, split_band_squares, split_dense
 from megatron_cp.kernels.merge import merge_torch as _merge_lse
 
 
@@ -92,6 +92,49 @@ def test_band_pieces():
     for chunk, min_keys, min_rows in ((8, 33, 16), (32, 16, 16), (8, 16, 71)):
         dense, rest = check_split(tiles, 70, 120, min_rows, 16, chunk, min_keys)
         assert dense == [] and rest.tolist() == tiles.tolist()
+
+
+def check_band_squares(tiles, sq, sk, min_window):
+    pieces, rest = split_band_squares(tiles, min_window)
+    for qs, qe, ks, ke, kind, n in pieces:
+        r = (qe - qs) // n
+        assert (qe - qs) % n == 0 and r >= min_window and 0 <= qs < qe <= sq and 0 <= ks < ke + (n - 1) * r <= sk
+        if kind != FULL:
+            assert ke - ks == r  # squares: top-left causal, reversed or not
+    orig = cell_counts(tiles, sq, sk)
+    new = cell_counts(torch.cat([dense_tiles_tensor(pieces), rest]), sq, sk)
+    assert torch.equal(new, orig), "band squares must keep exactly the original cells, each once"
+    return pieces, rest
+
+
+def test_band_squares():
+    """Forward band squares: a window of 16 over 70 rows -> 4 chunks of 16 rows, each a reversed
+    (INV_CAUSAL) and a causal 16-square, and the 6 rows below; a window wider than the rows -> one chunk
+    of all rows with a full rectangle between its squares; below the threshold or not a band: unchanged."""
+    tiles = torch.tensor([[0, 70, 3, 3 + 70 + 16, BI_CAUSAL]], dtype=torch.int32)
+    pieces, rest = check_band_squares(tiles, 70, 89, 16)
+    assert pieces == [(0, 64, 3, 19, INV_CAUSAL, 4), (0, 64, 19, 35, CAUSAL, 4)]
+    assert rest.tolist() == [[64, 70, 67, 89, BI_CAUSAL]]
+    wide = torch.tensor([[5, 25, 0, 60, BI_CAUSAL]], dtype=torch.int32)  # 20 rows, w = 40
+    pieces, rest = check_band_squares(wide, 25, 60, 16)
+    assert pieces == [(5, 25, 0, 20, INV_CAUSAL, 1), (5, 25, 20, 40, FULL, 1), (5, 25, 40, 60, CAUSAL, 1)]
+    assert rest.shape[0] == 0
+    # off (0); window 16 < 17; rows 20 < 21: the tile stays whole
+    for t, sq, sk, mw in ((tiles, 70, 89, 0), (tiles, 70, 89, 17), (wide, 25, 60, 21)):
+        pieces, rest = check_band_squares(t, sq, sk, mw)
+        assert pieces == [] and rest.tolist() == t.tolist()
+    mixed = torch.tensor([[0, 8, 0, 8, CAUSAL], [8, 40, 0, 8, FULL], [8, 40, 8, 48, BI_CAUSAL]], dtype=torch.int32)
+    pieces, rest = check_band_squares(mixed, 40, 48, 8)
+    assert [p[4:] for p in pieces] == [(INV_CAUSAL, 4), (CAUSAL, 4)] and rest.tolist() == mixed[:2].tolist()
+
+
+def test_band_squares_random():
+    rng = random.Random(1)
+    for _ in range(200):
+        sq, w = rng.randint(1, 40), rng.randint(0, 40)
+        q0, k0 = rng.randint(0, 5), rng.randint(0, 5)
+        tiles = torch.tensor([[q0, q0 + sq, k0, k0 + sq + w, BI_CAUSAL]], dtype=torch.int32)
+        check_band_squares(tiles, q0 + sq, k0 + sq + w, rng.choice([1, 4, 8]))
 
 
 def test_random_lists():

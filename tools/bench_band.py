@@ -1,11 +1,15 @@
-"""Kernel-only time of one rank's sliding-window tiles by band chunk (kernels/dense_tiles.py), one GPU.
+"""Kernel-only time of one rank's sliding-window tiles by band split (kernels/dense_tiles.py), one GPU.
 
-The benchmark's sliding window (tools/_cp_masks.py) at ``--seqlen`` planned for ``--cp`` ranks; rank
-``--rank``'s tile list and K/V buffer run through the Triton backend with ``TritonConfig.band_chunk`` =
-each of ``--chunks`` (0: the band stays on Triton), forward and backward (delta given, as the runtime
-does). bf16, Hq 32, Hkv 8, D 128. Times: sustained (0.5 s warm-up, then ``--iters`` calls, CUDA sync).
+The benchmark's sliding window (tools/_cp_masks.py) at ``--seqlen`` planned for ``--cp`` ranks: rank
+``--rank``'s tile list and K/V buffer; with ``--windows``, instead one band per window (``seqlen / cp``
+rows, each keeping ``W + 1`` keys: one BI_CAUSAL tile, as the planner emits). Each runs through the Triton
+backend with every setting of ``--chunks`` (``TritonConfig.band_chunk``, band squares off) and of
+``--squares`` (``TritonConfig.band_squares``, band_chunk 0); 0 / 0 keeps the band on Triton. Forward and
+backward (delta given, as the runtime does). bf16, Hq 32, Hkv 8, D 128. Times: sustained (0.5 s
+warm-up, then ``--iters`` calls, CUDA sync); ``max_abs_diff_vs_first``: against the case's first setting.
 
     python tools/bench_band.py --out DIR          # writes DIR/bench_band.json
+    python tools/bench_band.py --windows 1024 2048 4096 8192 --chunks 0 --squares 1024 --out DIR
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -47,50 +52,76 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, default=1)
     ap.add_argument("--mask", default="sliding_window")
     ap.add_argument("--chunks", type=int, nargs="+", default=[0, 256, 512, 1024])
+    ap.add_argument("--squares", type=int, nargs="*", default=[2048])
+    ap.add_argument("--windows", type=int, nargs="*", default=[])
+    ap.add_argument("--profile", action="store_true", help="print a kernel table of one forward per band-square setting")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup-s", type=float, default=0.5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
-    plan = mcp.plan(_cp_masks.build(args.mask, args.seqlen), args.cp)
-    rp = plan.ranks[args.rank]
-    tiles = torch.from_numpy(rp.tiles.astype("int32"))
-    sq, sk = rp.num_tokens, rp.buffer_len
-    area = float(tile_areas(rp.tiles)[0].sum())
+    if args.windows:
+        rows_n = args.seqlen // args.cp
+        cases = [(f"band W={w}", np.array([[0, rows_n, 0, rows_n + w, 3]], dtype=np.int64), rows_n, rows_n + w)
+                 for w in args.windows]
+    else:
+        plan = mcp.plan(_cp_masks.build(args.mask, args.seqlen), args.cp)
+        rp = plan.ranks[args.rank]
+        cases = [(f"{args.mask} S={args.seqlen} cp{args.cp} rank {args.rank}", rp.tiles, rp.num_tokens, rp.buffer_len)]
+    settings = [(c, 0) for c in args.chunks] + [(0, x) for x in args.squares]
     hq, hkv, d = 32, 8, 128
-    g = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(sq, hq, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
-    k = torch.randn(sk, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
-    v = torch.randn(sk, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
-    do = torch.randn(sq, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
-    fl = 4.0 * area * hq * d
-    rows, ref = [], None
-    for c in args.chunks:
-        be = tb.TritonBackend(tb.TritonConfig(band_chunk=c))
-        prep = be.prepare(tiles, sq, sk)
-        out, lse = be.forward(q, k, v, prep)
-        path_f = be.last_path
-        delta = (do.float() * out.float()).sum(-1)
-        dq, dk, dv = be.backward(q, k, v, out, lse, do, prep, None, delta)
-        path_b = be.last_path
-        if ref is None:
-            ref = (out.float(), dq.float(), dk.float())
-        diff = max(float((a.float() - b).abs().max()) for a, b in zip((out, dq, dk), ref))
-        tf = _time(lambda: be.forward(q, k, v, prep), args.iters, args.warmup_s)
-        tbw = _time(lambda: be.backward(q, k, v, out, lse, do, prep, None, delta), args.iters, args.warmup_s)
-        torch.cuda.synchronize()
-        mem = torch.cuda.max_memory_allocated() / 2**30
-        torch.cuda.reset_peak_memory_stats()
-        r = dict(band_chunk=c, fwd_ms=tf * 1e3, bwd_ms=tbw * 1e3, fwd_tflops=fl / tf / 1e12,
-                 bwd_tflops=2.5 * fl / tbw / 1e12, paths=[path_f, path_b], max_abs_diff_vs_first=diff,
-                 dense_calls=len(prep.dense_plan), peak_mem_gib=mem)
-        rows.append(r)
-        print(f"{args.mask} S={args.seqlen} cp{args.cp} rank {args.rank} band_chunk {c:5d}: fwd {r['fwd_ms']:.2f} ms "
-              f"{r['fwd_tflops']:.0f} TF/s, bwd {r['bwd_ms']:.2f} ms {r['bwd_tflops']:.0f} TF/s  {path_f}/{path_b} "
-              f"calls {len(prep.dense_plan)}  |diff| {diff:.3g}  peak {mem:.1f} GiB", flush=True)
+    rows, tiles_out = [], []
+    for name, tiles_np, sq, sk in cases:
+        tiles = torch.from_numpy(tiles_np.astype("int32"))
+        tiles_out.append(dict(case=name, tiles=tiles_np.tolist(), seqlen_q=sq, seqlen_k=sk))
+        area = float(tile_areas(tiles_np)[0].sum())
+        g = torch.Generator(device=dev).manual_seed(0)
+        q = torch.randn(sq, hq, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
+        k = torch.randn(sk, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
+        v = torch.randn(sk, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
+        do = torch.randn(sq, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
+        fl = 4.0 * area * hq * d
+        ref = None
+        for c, sqr in settings:
+            be = tb.TritonBackend(tb.TritonConfig(band_chunk=c, band_squares=sqr))
+            prep = be.prepare(tiles, sq, sk)
+            out, lse = be.forward(q, k, v, prep)
+            path_f = be.last_path
+            delta = (do.float() * out.float()).sum(-1)
+            dq, dk, dv = be.backward(q, k, v, out, lse, do, prep, None, delta)
+            path_b = be.last_path
+            if ref is None:
+                ref = (out.float(), dq.float(), dk.float())
+            diff = max(float((a.float() - b).abs().max()) for a, b in zip((out, dq, dk), ref))
+            tf = _time(lambda: be.forward(q, k, v, prep), args.iters, args.warmup_s)
+            # as the staged runtime calls it: accumulated into a float32 running pair
+            acc = torch.zeros(q.shape, device=dev, dtype=torch.float32)
+            acc_lse = torch.full(q.shape[:2], float("-inf"), device=dev)
+            ta = _time(lambda: be.forward_accumulate(q, k, v, prep, None, acc, acc_lse), args.iters, args.warmup_s)
+            if args.profile and sqr:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    be.forward(q, k, v, prep)
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+            tbw = _time(lambda: be.backward(q, k, v, out, lse, do, prep, None, delta), args.iters, args.warmup_s)
+            torch.cuda.synchronize()
+            mem = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+            fwd_plan, _ = prep.forward_parts()
+            r = dict(case=name, band_chunk=c, band_squares=sqr, fwd_ms=tf * 1e3, fwd_accumulate_ms=ta * 1e3, bwd_ms=tbw * 1e3,
+                     fwd_tflops=fl / tf / 1e12, bwd_tflops=2.5 * fl / tbw / 1e12, paths=[path_f, path_b],
+                     max_abs_diff_vs_first=diff, fwd_dense_calls=len(fwd_plan), bwd_dense_calls=len(prep.dense_plan),
+                     peak_mem_gib=mem, fast_path_error=be.fast_path_error)
+            rows.append(r)
+            print(f"{name} band_chunk {c:5d} band_squares {sqr:5d}: fwd {r['fwd_ms']:.2f} ms {r['fwd_tflops']:.0f} TF/s "
+                  f"(accumulating {r['fwd_accumulate_ms']:.2f}), "
+                  f"bwd {r['bwd_ms']:.2f} ms {r['bwd_tflops']:.0f} TF/s  {path_f}/{path_b} calls "
+                  f"{len(fwd_plan)}/{len(prep.dense_plan)}  |diff| {diff:.3g}  peak {mem:.1f} GiB", flush=True)
+        torch.cuda.empty_cache()
     res = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               torch=torch.__version__, command=" ".join(sys.argv), tiles=rp.tiles.tolist(), seqlen_q=sq,
-               seqlen_k=sk, rows=rows)
+               torch=torch.__version__, command=" ".join(sys.argv), cases=tiles_out, rows=rows)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_band.json"), "w") as f:

@@ -10,7 +10,9 @@ the same per-GPU work that the scaling check compares against.
 Implementations: ``megatron-cp`` (planner + runtime, stage count chosen by the cost model;
 ``megatron-cp@N`` forces N stages, 0 = one exchange then one kernel call; ``megatron-cp-early``
 computes the rows needing only own keys during the exchange, ``mcp.attention(early=True)``;
-``megatron-cp-nolead`` runs the staged forward without its lead for NCCL, ``comm_lead_us=0``; any name
+``megatron-cp-nolead`` runs the staged forward without its lead for NCCL, ``comm_lead_us=0``;
+``megatron-cp-nosquares`` keeps sliding-window bands on Triton in the forward too,
+``TritonConfig(band_squares=0)`` (with ``--backend triton``); any name
 with ``+hp`` appended runs over a CP group whose NCCL stream has high priority, as Megatron's
 ``--high-priority-stream-groups cp`` makes it), ``ring``, ``ulysses``,
 ``usp`` (ulysses 2 x ring), ``head_context`` (ulysses 2 x our planned CP), ``allgather``
@@ -27,6 +29,7 @@ Writes benchmarks/dist/bench_<n>x<device>_<date>.json and .png (device, date and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -190,10 +193,17 @@ def bench_ours(name, mask, args, ctx):
         # "megatron-cp-nolead": the staged forward without its 20 us lead for NCCL (comm_lead_us=0)
         stages = int(name.split("@")[1]) if "@" in name else None
         early = name.startswith("megatron-cp-early")
+        # "megatron-cp-nosquares": bands stay on Triton in the forward (TritonConfig.band_squares = 0)
         lead = {"comm_lead_us": 0.0} if "-nolead" in name else {}
         plan = mcp.plan(mask, cp)
         cost = CostModel.load(args.cost) if args.cost else None
         be = ctx["backend"] = kernels.get_backend(args.backend, device)  # one object: its state is reported
+        if "-nosquares" in name:
+            if not hasattr(be, "config") or not hasattr(be.config, "band_squares"):
+                raise ValueError(f"{name} needs --backend triton (band squares are a TritonConfig option)")
+            be.config = dataclasses.replace(be.config, band_squares=0)
+            if cost is not None:
+                cost = dataclasses.replace(cost, band_squares=0)
         fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=be, cost_model=cost,  # noqa: E731
                                            stages=stages, early=early, **lead)
     else:

@@ -244,6 +244,9 @@ def _kernel(args, device, work: Workload):
         model_t = (mr * mk + hk_f * mr + hr_f * mk) * per_flop / peak_f / float(waves.wave_efficiency(mr, hq))
         out["dense_piece_us"] = max(0.0, (t_piece - out["launch_us"] * 1e-6 - model_t) * 1e6)
         out["dense_min_rows"], out["dense_min_keys"] = mr, mk
+        # the backend's band rules (not measured: what the kernel backend does with bands)
+        out["band_chunk"], out["band_min_keys"] = int(c.band_chunk), int(c.band_min_keys)
+        out["band_squares"] = int(c.band_squares)
     return out
 
 

@@ -7,7 +7,8 @@ the atomic-dQ backward). Rule (ANCHORS.md):
 rms error <= 2 x the rms error of a plain PyTorch reference run in the same low precision, plus a floor
 of 1e-6 x rms(reference). Also: no NaN anywhere, fully masked rows give out 0 / lse -inf, and a second
 forward + backward is bitwise identical (deterministic mode). --big adds S = 131072 (Hq 32, Hkv 8,
-D 128) no-NaN and peak-memory runs.
+D 128) no-NaN and peak-memory runs. Lists the default backend splits (a single dense tile, dense pieces, the
+forward's band squares) are also run through it; planner-style sliding-window bands are added (band_cases).
 
 Usage: python tools/gpu_kernel_check.py [--seqlens 1024 4096 16384] [--big] [--json out.json]
 """
@@ -93,8 +94,8 @@ def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed, be_atom
     det = all(torch.equal(a, b) for a, b in ((out, out2), (lse, lse2), (dq, dq2), (dk, dk2), (dv, dv2)))
     del out2, lse2, dq2, dk2, dv2
     runs = {"triton": (out, lse, dq, dk, dv)}
-    if prep.dense is not None:  # the default backend routes this mask to the dense fast path
-        prep_f = be.prepare(tiles, s, s, head_dims=(d,))
+    prep_f = be.prepare(tiles, s, s, head_dims=(d,))
+    if prep_f.dense is not None or prep_f.dense_plan or prep_f.fwd_plan:  # the default backend sends pieces to cuDNN
         o_f, l_f = be.forward(q, k, v, prep_f, scale)
         path_f = be.last_path
         g_f = be.backward(q, k, v, o_f, l_f, dout, prep_f, scale)
@@ -128,6 +129,16 @@ def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed, be_atom
     res["nan"] = any(res[p]["nan"] for p in runs)
     res["pass"] = ok
     return res
+
+
+def band_cases():
+    """Sliding windows as the planner emits them (a causal head, then one BI_CAUSAL band), for the forward's
+    band squares on cuDNN (run with TritonConfig.band_squares 2048, see main): whole chunks, chunks and
+    tail rows, and a window wider than the band's rows (one chunk with a full rectangle)."""
+    out = []
+    for s, w in ((8192, 2048), (8192 + 700, 2048), (6144, 4096)):
+        out.append((f"band_w{w}_s{s}", s, torch.tensor([[0, w, 0, w, 1], [w, s, 0, s, 3]], dtype=torch.int32)))
+    return out
 
 
 def extra_checks(be):
@@ -234,6 +245,19 @@ def main():
                 print(line, flush=True)
             del keep
             torch.cuda.empty_cache()
+    be_band = TritonBackend(TritonConfig(overrides, band_squares=2048))  # the default (8192) is wider than these windows
+    for name, s, tiles in band_cases():
+        keep = M.dense_mask_from_tiles(tiles, s, s, device="cuda")
+        for i, (d, dt, g, hkv) in enumerate([(128, torch.bfloat16, 4, 2), (128, torch.float16, 8, 1),
+                                             (64, torch.bfloat16, 1, 2)]):
+            r = check_case(be_band, be_det, name, s, d, dt, g, hkv, keep, tiles, seed=s + i, be_atomic=be_atomic)
+            results.append(r)
+            line = f"{'ok  ' if r['pass'] else 'FAIL'} {name:15s} S={s:6d} D={d:3d} {r['dtype']:8s} G={g}"
+            for p in r["paths"]:
+                worst = max(r[p][n]["ratio"] for n in ["out", "lse", "dq", "dk", "dv"])
+                line += f" | {p}: worst err/lowp_err={worst:.3f}"
+            print(line, flush=True)
+        del keep
     big = extra_checks(be_det)
     if args.big:
         big += big_runs(TritonBackend(TritonConfig(overrides, dense_fast_path=False)))

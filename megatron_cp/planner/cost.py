@@ -25,7 +25,8 @@ Dense pieces (``dense_fwd_tflops > 0``): the kernel backend runs full rectangles
 pieces of at least ``dense_min_rows`` x ``dense_min_keys`` on cuDNN (kernels/dense_tiles.py splits a
 bottom-right causal tile into a full rectangle and a square causal piece, and a band, a BI_CAUSAL tile,
 into batched full rectangles and square causal pieces of ``band_chunk`` rows; the rest stays on Triton and
-is classed as above); a piece of ``rows`` x ``keys`` costs
+is classed as above; the forward also cuts bands into squares, ``band_squares``); a piece of ``rows`` x
+``keys`` costs
 ``flops(cells + dense_half_keys * rows + dense_half_rows * keys) / dense peak`` (short and narrow pieces
 run below peak: per-row and per-key-column work), over the piece's wave efficiency (``num_sms``), plus ``dense_piece_us`` and one LSE merge (``merge_bytes_per_row`` per
 query row and head at ``hbm_gbps``) per piece. The rules (dense split, row class, visited blocks) are
@@ -86,6 +87,9 @@ class CostModel:
     dense_min_keys: int = 8192
     band_chunk: int = 0  # TritonConfig.band_chunk / band_min_keys: bands (sliding windows) on cuDNN
     band_min_keys: int = 1024
+    # TritonConfig.band_squares: forward only, bands of at least this window and rows run as batched
+    # cuDNN squares (a reversed one on flipped copies, merged with its causal partner in one pass)
+    band_squares: int = 8192
     dense_piece_us: float = 30.0  # fixed cost per cuDNN piece (launches, slicing)
     hbm_gbps: float = 3000.0  # memory bandwidth of the LSE merge of a piece
     split_gbps: float = 0.0  # head-splitting copies (Ulysses' send and receive layouts); 0: hbm_gbps
@@ -170,14 +174,29 @@ class CostModel:
                              f"{len(m.dense_grid_fwd_tflops)} / {len(m.dense_grid_bwd_tflops)}")
         return m
 
-    def rest_tiles(self, tiles: np.ndarray) -> np.ndarray:
+    def rest_tiles(self, tiles: np.ndarray, backward: bool = False) -> np.ndarray:
         """The part of ``tiles`` the kernel backend runs in its own kernels (all of it without a dense path): the
-        rest after the dense (cuDNN) pieces ``tile_time`` costs separately."""
+        rest after the dense (cuDNN) pieces ``tile_time`` costs separately (forward: after band squares too)."""
         tiles = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
         if self.dense_fwd_tflops <= 0 or not len(tiles):
             return tiles
         rule = (self.dense_min_rows, self.dense_min_keys, self.band_chunk, self.band_min_keys)
-        return dense_rest(tiles, *rule) if len(dense_pieces(tiles, *rule)[0]) else tiles
+        rest = dense_rest(tiles, *rule) if len(dense_pieces(tiles, *rule)[0]) else tiles
+        return rest if backward else band_square_rest(rest, self.band_squares)
+
+    def _pieces(self, tiles: np.ndarray, backward: bool, key_split: int):
+        """(dense pieces as ``dense_pieces``' arrays plus ``reverse`` (bool: a band square run on flipped
+        copies), the rest) of one call; (None, tiles) when nothing runs on cuDNN."""
+        rule = (self.dense_min_rows, self.dense_min_keys * key_split, self.band_chunk, self.band_min_keys * key_split)
+        pieces = dense_pieces(tiles, *rule)
+        rest = dense_rest(tiles, *rule) if len(pieces[0]) else tiles
+        pieces = pieces + (np.zeros(len(pieces[0]), bool),)
+        if not backward and key_split == 1 and self.band_squares > 0:
+            sq_p = band_square_pieces(rest, self.band_squares)
+            if len(sq_p[0]):
+                pieces = tuple(np.concatenate([a, b]) for a, b in zip(pieces, sq_p))
+                rest = band_square_rest(rest, self.band_squares)
+        return (pieces if len(pieces[0]) else None), rest
 
     def tile_time(self, tiles: np.ndarray, work: Workload, backward: bool = False, key_split: int = 1) -> float:
         """Seconds to run one kernel call over ``tiles`` (int [n, 5] rows q0, q1, k0, k1, kind).
@@ -192,15 +211,18 @@ class CostModel:
         t = self.launch_us * 1e-6
         rest = tiles
         if self.dense_fwd_tflops > 0:
-            rule = (self.dense_min_rows, self.dense_min_keys * key_split, self.band_chunk,
-                    self.band_min_keys * key_split)
-            pieces = dense_pieces(tiles, *rule)
-            if len(pieces[0]):
-                rest = dense_rest(tiles, *rule)
-                # the pieces (calls), each with a fixed cost and one LSE merge of its rows (per stage, not split)
-                merged_rows = float((pieces[0] * pieces[4]).sum())
-                t += (self._dense_time(pieces, work, backward, split) + len(pieces[0]) * self.dense_piece_us * 1e-6
-                      + merged_rows * work.num_heads * work.head_dim * 10.0 / (self.hbm_gbps * 1e9))
+            pieces, rest = self._pieces(tiles, backward, key_split)
+            if pieces is not None:
+                # the pieces (calls), each with a fixed cost and one LSE merge of its rows (per stage, not
+                # split): 10 bytes per [row, head, dim] element (fp32 running output read and written, the
+                # piece's bf16 output read); a reversed band square is merged in its partner's pass (2
+                # bytes) and first flips its rows of q (4 bytes) and its keys' K/V
+                rows, keys, cells, causal, batch, rev = pieces
+                elems = rows * batch * work.num_heads * work.head_dim
+                span = (batch - 1) * rows + keys
+                moved = np.where(rev, 6.0 * elems + 8.0 * span * work.num_kv_heads * work.head_dim, 10.0 * elems)
+                t += (self._dense_time(pieces[:5], work, backward, split) + len(rows) * self.dense_piece_us * 1e-6
+                      + float(moved.sum()) / (self.hbm_gbps * 1e9))
         if len(rest) == 0:
             return t
         cells, _ = tile_areas(rest)
@@ -463,6 +485,48 @@ def dense_rest(tiles: np.ndarray, min_rows: int, min_keys: float, band_chunk: in
         if e < qe[i]:
             parts.append(np.array([[e, qe[i], ks[i] + n[i] * band_chunk, ke[i], 3]], dtype=np.int64))
     out = np.concatenate(parts)
+    return out[np.lexsort((out[:, 2], out[:, 0]))] if len(out) else out
+
+
+def _band_squares(t: np.ndarray, min_window: int):
+    """(mask of BI_CAUSAL tiles cut into band squares, chunk rows C, chunk count n, window w): restates
+    kernels/dense_tiles.split_band_squares."""
+    sq, sk, kind = t[:, 1] - t[:, 0], t[:, 3] - t[:, 2], t[:, 4]
+    w = sk - sq
+    c = np.minimum(w, sq)
+    sel = (kind == 3) & (min_window > 0) & (c >= max(min_window, 1))
+    return sel, c, sq // np.maximum(c, 1), w
+
+
+def band_square_pieces(tiles: np.ndarray, min_window: int):
+    """The forward's band squares of ``tiles`` as ``dense_pieces``' arrays plus ``reverse``: per band, a
+    reversed (INV_CAUSAL) square of C rows, a full C x (w - C) rectangle when w > C, a causal square,
+    each a batch of n chunks."""
+    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
+    sel, c, n, w = _band_squares(t, min_window)
+    c, n, w = c[sel].astype(np.float64), n[sel].astype(np.float64), w[sel].astype(np.float64)
+    wide = w > c
+    nb, nw = len(c), int(wide.sum())
+    rows = np.concatenate([c, c[wide], c])
+    keys = np.concatenate([c, (w - c)[wide], c])
+    causal = np.concatenate([np.ones(nb, bool), np.zeros(nw, bool), np.ones(nb, bool)])
+    batch = np.concatenate([n, n[wide], n])
+    rev = np.concatenate([np.ones(nb, bool), np.zeros(nw + nb, bool)])
+    cells = batch * np.where(causal, rows * (rows + 1) / 2, rows * keys)
+    return rows, keys, cells, causal, batch, rev
+
+
+def band_square_rest(tiles: np.ndarray, min_window: int) -> np.ndarray:
+    """``tiles`` without the band squares' cells (as split_band_squares' rest): other tiles whole, each
+    cut band's rows below its last chunk as a BI_CAUSAL tile."""
+    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
+    sel, c, n, _ = _band_squares(t, min_window)
+    e = t[:, 0] + n * c
+    tail = t[sel & (e < t[:, 1])].copy()
+    cut = (n * c)[sel & (e < t[:, 1])]
+    tail[:, 0] += cut
+    tail[:, 2] += cut
+    out = np.concatenate([t[~sel], tail])
     return out[np.lexsort((out[:, 2], out[:, 0]))] if len(out) else out
 
 
