@@ -62,6 +62,27 @@ def band_bias(c, w, device):
     return torch.where(keep, 0.0, float("-inf")).to(torch.bfloat16)
 
 
+def write_result(out_dir, name, sq, sk, w, rows):
+    """out_dir/name: the rows with device, date, versions and the command (both probes)."""
+    if not out_dir:
+        return
+    res = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               torch=torch.__version__, cudnn=torch.backends.cudnn.version(), command=" ".join(sys.argv),
+               sq=sq, sk=sk, window=w, rows=rows)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def band_inputs(sq, sk, hq, hkv, d, dev):
+    """q, k, v (x 0.5) and dout, bf16, seed 0 (both probes)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(sq, hq, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
+    k = torch.randn(sk, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
+    v = torch.randn(sk, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
+    return q, k, v, torch.randn(sq, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sq", type=int, default=32768)
@@ -73,11 +94,7 @@ def main():
     hq, hkv, d, sq, w = 32, 8, 128, a.sq, a.w
     sk = sq + w
     scale = d ** -0.5
-    g = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(sq, hq, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
-    k = torch.randn(sk, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
-    v = torch.randn(sk, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
-    do = torch.randn(sq, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
+    q, k, v, do = band_inputs(sq, sk, hq, hkv, d, dev)
     area = sq * (w + 1)
     fl = 4.0 * area * hq * d
     rows = []
@@ -89,7 +106,7 @@ def main():
         print(name, {x: (round(y, 3) if isinstance(y, float) else y) for x, y in r.items() if x != "name"}, flush=True)
 
     # ours: Triton over one BI_CAUSAL tile
-    be = tb.TritonBackend(tb.TritonConfig())
+    be = tb.TritonBackend(tb.TritonConfig(band_squares=0))  # the band on Triton
     tiles = torch.tensor([[0, sq, 0, sk, 3]], dtype=torch.int32)
     prep = be.prepare(tiles, sq, sk)
     out, lse = be.forward(q, k, v, prep)
@@ -200,13 +217,7 @@ def main():
     except Exception as e:  # noqa: BLE001
         print(f"flex: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
-    res = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               torch=torch.__version__, cudnn=torch.backends.cudnn.version(), command=" ".join(sys.argv),
-               sq=sq, sk=sk, window=w, rows=rows)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "probe.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    write_result(a.out, "probe.json", sq, sk, w, rows)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,6 @@ per gradient (bwd); flips timed in. Against our Triton kernel on the same tile. 
 """
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -20,7 +18,7 @@ from megatron_cp.kernels.dense_fast_path import band_view, cudnn_backward_batche
 from megatron_cp.kernels.merge import merge_into
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe import timed  # noqa: E402
+from probe import band_inputs, timed, write_result  # noqa: E402
 
 
 def fwd_squares(q, k, v, w, scale):
@@ -69,13 +67,9 @@ def main():
     hq, hkv, d, sq, w = 32, 8, 128, a.sq, a.w
     sk = sq + w
     scale = d ** -0.5
-    g = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(sq, hq, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
-    k = torch.randn(sk, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
-    v = torch.randn(sk, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
-    do = torch.randn(sq, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
+    q, k, v, do = band_inputs(sq, sk, hq, hkv, d, dev)
     fl = 4.0 * sq * (w + 1) * hq * d
-    be = tb.TritonBackend(tb.TritonConfig())
+    be = tb.TritonBackend(tb.TritonConfig(band_squares=0))  # the band on Triton
     tiles = torch.tensor([[0, sq, 0, sk, 3]], dtype=torch.int32)
     prep = be.prepare(tiles, sq, sk)
     out, lse = be.forward(q, k, v, prep)
@@ -103,13 +97,7 @@ def main():
                      bwd_tflops=2.5 * fl / t_b / 1e9, one_causal_call_fwd_ms=t_f1, one_causal_call_bwd_ms=t_b1,
                      rel_err_vs_triton=errs))
     print(rows[-1], flush=True)
-    res = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               torch=torch.__version__, cudnn=torch.backends.cudnn.version(), command=" ".join(sys.argv),
-               sq=sq, sk=sk, window=w, rows=rows)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "probe_squares.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    write_result(a.out, "probe_squares.json", sq, sk, w, rows)
 
 
 if __name__ == "__main__":
