@@ -29,12 +29,15 @@ def _side(L, r64, ok, n_heads, n_rows, REV: tl.constexpr):
 
 @triton.jit
 def _merge_kernel(ACC, LSE, O, L, O2, L2, n_rows, n_heads, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                  REV: tl.constexpr, TWO: tl.constexpr, REV2: tl.constexpr):
+                  REV: tl.constexpr, TWO: tl.constexpr, REV2: tl.constexpr, FRESH: tl.constexpr):
     pid = tl.program_id(0)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = r < n_rows
     r64 = r.to(tl.int64)
-    a_lse = tl.load(LSE + r64, mask=ok, other=float("-inf"))
+    if FRESH:  # nothing written yet: the running side is empty and not read
+        a_lse = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    else:
+        a_lse = tl.load(LSE + r64, mask=ok, other=float("-inf"))
     src1, b_lse = _side(L, r64, ok, n_heads, n_rows, REV)
     mx = tl.maximum(a_lse, b_lse)
     if TWO:
@@ -53,15 +56,17 @@ def _merge_kernel(ACC, LSE, O, L, O2, L2, n_rows, n_heads, HEAD_DIM: tl.constexp
     wb = wb / tot_s
     cols = tl.arange(0, HEAD_DIM)
     off = r64[:, None] * HEAD_DIM + cols[None, :]
-    acc = tl.load(ACC + off, mask=ok[:, None], other=0.0)
     o = tl.load(O + src1[:, None] * HEAD_DIM + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     # weights of exactly 0 must not touch the other side: 0 * (garbage or inf) would give NaN
-    new = tl.where(wa[:, None] > 0.0, acc * wa[:, None], 0.0) + tl.where(wb[:, None] > 0.0, o * wb[:, None], 0.0)
+    new = tl.where(wb[:, None] > 0.0, o * wb[:, None], 0.0)
+    if not FRESH:
+        acc = tl.load(ACC + off, mask=ok[:, None], other=0.0).to(tl.float32)
+        new += tl.where(wa[:, None] > 0.0, acc * wa[:, None], 0.0)
     if TWO:
         wc = wc / tot_s
         o2 = tl.load(O2 + src2[:, None] * HEAD_DIM + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         new += tl.where(wc[:, None] > 0.0, o2 * wc[:, None], 0.0)
-    tl.store(ACC + off, new, mask=ok[:, None])
+    tl.store(ACC + off, new.to(ACC.dtype.element_ty), mask=ok[:, None])
     tl.store(LSE + r64, tl.where(keep, m0 + tl.log(tot_s), float("-inf")), mask=ok)
 
 
@@ -83,14 +88,16 @@ def merge_torch(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.
 
 def merge_into(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor, use_triton=None,
                reverse: bool = False, o2: torch.Tensor | None = None, l2: torch.Tensor | None = None,
-               reverse2: bool = False) -> None:
+               reverse2: bool = False, fresh: bool = False) -> None:
     """In place: (acc fp32 [s, H, D], lse fp32 [s, H]) <- LSE merge with (o [s, H, D] any float dtype,
     l [s, H]), and with (o2, l2) too when given (one pass for both). ``reverse`` / ``reverse2``: that
     partial's positions run backwards (its row p is acc's row s - 1 - p; the band squares' reversed
-    pieces). ``use_triton``: None = on CUDA tensors with contiguous rows (the one-pass kernel), else
-    torch ops; True forces the kernel (tests run it under the CPU interpreter)."""
-    if acc.dtype != torch.float32 or lse.dtype != torch.float32:
-        raise ValueError(f"running acc/lse must be float32, got {acc.dtype}/{lse.dtype}")
+    pieces). ``fresh``: acc and lse hold nothing yet, are not read, and acc may have any float dtype
+    (written once, rounded once: for the last merge of rows nothing else writes). ``use_triton``: None =
+    on CUDA tensors with contiguous rows (the one-pass kernel), else torch ops; True forces the kernel
+    (tests run it under the CPU interpreter)."""
+    if lse.dtype != torch.float32 or (acc.dtype != torch.float32 and not fresh) or not acc.is_floating_point():
+        raise ValueError(f"running acc/lse must be float32 (acc any float dtype when fresh), got {acc.dtype}/{lse.dtype}")
     parts = [(o, l)] + ([(o2, l2)] if o2 is not None else [])
     for x, y in parts:
         if x.shape != acc.shape or y is None or y.shape != lse.shape or lse.shape != acc.shape[:2]:
@@ -103,8 +110,13 @@ def merge_into(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.T
     if not use_triton or not flat:
         if use_triton:
             raise ValueError("the Triton merge needs contiguous tensors and a power-of-two head_dim >= 16")
+        run = torch.zeros(acc.shape, dtype=torch.float32, device=acc.device) if fresh else acc
+        if fresh:
+            lse.fill_(float("-inf"))
         for (x, y), rev in zip(parts, (reverse, reverse2)):
-            merge_torch(acc, lse, x.flip(0) if rev else x, y.flip(0) if rev else y)
+            merge_torch(run, lse, x.flip(0) if rev else x, y.flip(0) if rev else y)
+        if fresh:
+            acc.copy_(run)
         return
     n = lse.numel()
     if n == 0:
@@ -114,4 +126,4 @@ def merge_into(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.T
     two = o2 is not None
     _merge_kernel[(triton.cdiv(n, block),)](acc, lse, o, lf[0], o2 if two else o, lf[-1], n, lse.shape[1],
                                             HEAD_DIM=d, BLOCK_R=block, REV=bool(reverse), TWO=two,
-                                            REV2=bool(reverse2) and two, num_warps=4)
+                                            REV2=bool(reverse2) and two, FRESH=bool(fresh), num_warps=4)

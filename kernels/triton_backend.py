@@ -99,13 +99,13 @@ class TritonConfig:
         run on cuDNN as batched squares (kernels/dense_tiles.py, split_band_squares: per chunk of
         C = min(window, rows) rows a reversed-causal square, a full rectangle when the window is wider,
         a causal square; the reversed square on flipped copies of the chunk's rows and keys), merged in one
-        pass; 0 keeps bands on Triton. The backward keeps bands on Triton (band_chunk aside): the flips and
-        the gradients' extra passes would cost what cuDNN gains. Default 8192, measured on H200 (one rank's
-        band of 32768 rows, bf16, Hq 32, Hkv 8, D 128; benchmarks/kernels/band_squares/): forward ms on
-        Triton vs squares, writing / accumulating into a float32 running pair as the staged runtime does:
-        window 8192 10.67 vs 8.85 / 10.83 vs 8.93, 16384 20.68 vs 16.73; window 4096 5.19 vs 5.70 /
-        5.49 vs 5.04 (flips, the merge and the running pair's passes, ~1.5 ms, eat most of cuDNN's 1.6 ms
-        gain), 2048 2.77 vs 3.58 (and 2.74 vs 3.47 ms in the 2 x H200 runtime, benchmarks/dist/run_0450_squares/).
+        pass, straight into the output when the pairs' rows are theirs alone; 0 keeps bands on Triton.
+        The backward keeps bands on Triton (band_chunk aside): the flips and the gradients' extra passes
+        would cost what cuDNN gains. Default 4096, measured on H200 (one rank's band of 32768 rows, bf16,
+        Hq 32, Hkv 8, D 128; benchmarks/kernels/band_squares/direct_0517/): forward ms on Triton vs squares,
+        written / accumulated into a float32 running pair as the staged runtime does: window 2048 2.80 vs
+        3.17 / 3.03 vs 3.01, 4096 5.21 vs 4.77 / 5.47 vs 5.02 (1.09x; the benchmark's rank-1 tiles 5.31 vs
+        4.86 / 5.52 vs 5.05), 8192 10.65 vs 8.40 / 10.91 vs 8.83 (1.27x / 1.24x).
     autotune: pick each kernel's KernelConfig per (head_dim, dtype, Hq // Hkv, row class, phase) by timing
         candidates on the first call that meets the key (CUDA only; cached process-wide, reused by later
         calls; kernels/triton_autotune.py). The first call is slow (compiles, times): run one untimed
@@ -124,7 +124,7 @@ class TritonConfig:
     dense_min_keys: int = 8192
     band_chunk: int = 0
     band_min_keys: int = 1024
-    band_squares: int = 8192
+    band_squares: int = 4096
     bwd_mode: str = "deterministic"
     autotune: bool = False
     autotune_candidates: dict = field(default_factory=dict)
@@ -166,6 +166,10 @@ class TritonPrepared:
     # the forward's own split when it differs (band squares): dense pieces and the Triton rest
     fwd_plan: list | None = None
     fwd_rest: "TritonPrepared | None" = None
+    # the forward's pieces are band-square pairs whose rows nothing else touches: written straight into the
+    # output (one pass, its dtype); rows neither they nor the rest cover, as (start, end), filled empty
+    fwd_direct: bool = False
+    fwd_gaps: list = field(default_factory=list)
 
     def forward_parts(self):
         """(dense pieces, Triton rest) of the forward."""
@@ -319,6 +323,7 @@ class TritonBackend:
             if bands:
                 prep.fwd_plan = dense + bands
                 prep.fwd_rest = self._prepare(rest_f, seqlen_q, seqlen_k, head_dims) if rest_f.shape[0] else None
+                prep.fwd_direct, prep.fwd_gaps = _direct_pairs(dense, bands, rest_f, seqlen_q)
         return prep
 
     def _prepare(self, tiles, seqlen_q, seqlen_k, head_dims) -> TritonPrepared:
@@ -364,6 +369,13 @@ class TritonBackend:
                 self.last_path = "cudnn"
                 return o.to(odt), lse
             except Exception as e:  # noqa: BLE001  e.g. no cuDNN for this shape/version: Triton from now on
+                self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
+        if self._general(q, prepared, True) and prepared.fwd_direct:
+            try:
+                out, lse = self._direct_forward(q, k, v, prepared, self._scale(softmax_scale, q), odt)
+                self.last_path = "cudnn+triton" if prepared.fwd_rest is not None else "cudnn"
+                return out, lse
+            except Exception as e:  # noqa: BLE001
                 self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
         if self._general(q, prepared, True):
             try:
@@ -432,22 +444,12 @@ class TritonBackend:
                 acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
                 lse = torch.full((sq, hq), float("-inf"), device=q.device, dtype=torch.float32)
         pending = None  # a reversed piece's (rows, out, lse), merged together with the next piece on its rows
-        for qs, qe, ks, ke, kind, n in plan:
-            if kind == INV_CAUSAL:  # squares keeping j >= i: top-left causal with rows and keys reversed
-                r = (qe - qs) // n
-                span = (n - 1) * r + (ke - ks)
-                qr, kr, vr = q[qs:qe].flip(0), k[ks:ks + span].flip(0), v[ks:ks + span].flip(0)
-                o_t, l_t = cudnn_forward_batched(band_view(qr, 0, n, r, r), band_view(kr, 0, n, r, ke - ks),
-                                                 band_view(vr, 0, n, r, ke - ks), scale, True)
-                pending = (qs, qe, o_t.reshape(qe - qs, hq, d), l_t.reshape(qe - qs, hq).contiguous())
+        for piece in plan:
+            qs, qe = piece[:2]
+            o_t, l_t = _piece_forward(q, k, v, piece, scale)
+            if piece[4] == INV_CAUSAL:
+                pending = (qs, qe, o_t, l_t)
                 continue
-            if n == 1:
-                o_t, l_t = cudnn_forward(q[qs:qe], k[ks:ke], v[ks:ke], scale, kind == CAUSAL)
-            else:  # a band piece: n chunks of r rows, keys sliding by r (one batched call)
-                r = (qe - qs) // n
-                o_t, l_t = cudnn_forward_batched(band_view(q, qs, n, r, r), band_view(k, ks, n, r, ke - ks),
-                                                 band_view(v, ks, n, r, ke - ks), scale, kind == CAUSAL)
-                o_t, l_t = o_t.reshape(qe - qs, hq, d), l_t.reshape(qe - qs, hq)
             if pending is not None and pending[:2] == (qs, qe):
                 merge_into(acc[qs:qe], lse[qs:qe], o_t, l_t, o2=pending[2], l2=pending[3], reverse2=True)
                 pending = None
@@ -463,6 +465,28 @@ class TritonBackend:
         if rest_left:
             self._forward(q, k, v, rest, scale, acc, lse, accumulate=True)
         return acc, lse
+
+    def _direct_forward(self, q, k, v, prepared, scale, odt):
+        """Band-square pairs written straight into out (``odt``) by one fresh merge each; the Triton rest,
+        row-disjoint from them, writes its rows first (every row: its launch visits every block)."""
+        _check_qkv(q, k, v)
+        sq, hq, d = q.shape
+        if sq != prepared.seqlen_q or k.shape[0] != prepared.seqlen_k:
+            raise ValueError(f"q/k lengths {sq}/{k.shape[0]} differ from the prepared {prepared.seqlen_q}/{prepared.seqlen_k}")
+        out = torch.empty(q.shape, device=q.device, dtype=odt)
+        lse = torch.empty(sq, hq, device=q.device, dtype=torch.float32)
+        plan, rest = prepared.forward_parts()
+        if rest is not None:
+            self._forward(q, k, v, rest, scale, out, lse, accumulate=False)
+        for a, b in prepared.fwd_gaps:
+            out[a:b] = 0
+            lse[a:b] = float("-inf")
+        for inv, causal in zip(plan[0::2], plan[1::2]):
+            qs, qe = inv[:2]
+            o_r, l_r = _piece_forward(q, k, v, inv, scale)
+            o_c, l_c = _piece_forward(q, k, v, causal, scale)
+            merge_into(out[qs:qe], lse[qs:qe], o_c, l_c, o2=o_r, l2=l_r, reverse2=True, fresh=True)
+        return out, lse
 
     def _forward(self, q, k, v, prepared, softmax_scale, out, lse, accumulate):
         _check_qkv(q, k, v)
@@ -585,6 +609,51 @@ class TritonBackend:
             _fold_add(dk, gk, ks, r)
             _fold_add(dv, gv, ks, r)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _piece_forward(q, k, v, piece, scale):
+    """(out [rows, Hq, D], lse [rows, Hq]) of one dense piece on cuDNN; an INV_CAUSAL (band-square) piece's
+    rows come back reversed (row p is the piece's row rows - 1 - p): top-left causal squares of the problem
+    with its rows and keys flipped."""
+    qs, qe, ks, ke, kind, n = piece
+    hq, d = q.shape[1:]
+    r = (qe - qs) // n
+    if kind == INV_CAUSAL:
+        span = (n - 1) * r + (ke - ks)
+        qr, kr, vr = q[qs:qe].flip(0), k[ks:ks + span].flip(0), v[ks:ks + span].flip(0)
+        o_t, l_t = cudnn_forward_batched(band_view(qr, 0, n, r, r), band_view(kr, 0, n, r, ke - ks),
+                                         band_view(vr, 0, n, r, ke - ks), scale, True)
+    elif n == 1:
+        return cudnn_forward(q[qs:qe], k[ks:ke], v[ks:ke], scale, kind == CAUSAL)
+    else:  # a band piece: n chunks of r rows, keys sliding by r (one batched call)
+        o_t, l_t = cudnn_forward_batched(band_view(q, qs, n, r, r), band_view(k, ks, n, r, ke - ks),
+                                         band_view(v, ks, n, r, ke - ks), scale, kind == CAUSAL)
+    return o_t.reshape(qe - qs, hq, d), l_t.reshape(qe - qs, hq).contiguous()
+
+
+def _direct_pairs(dense, bands, rest, seqlen_q: int):
+    """(direct, gaps): whether the forward's pieces are only band-square pairs (reversed + causal square, no
+    rectangle) on rows no other piece nor ``rest`` tile touches, and the rows nothing covers (when there is no
+    rest, whose writing launch fills every row)."""
+    if dense or len(bands) % 2 or any(p[4] != INV_CAUSAL for p in bands[0::2]) \
+            or any(p[4] != CAUSAL or p[:2] != i[:2] for i, p in zip(bands[0::2], bands[1::2])):
+        return False, []
+    rows = sorted(p[:2] for p in bands[0::2])
+    if any(b[0] < a[1] for a, b in zip(rows, rows[1:])):
+        return False, []
+    if rest.shape[0]:
+        for qs, qe, *_ in rest.tolist():
+            if any(qs < b and a < qe for a, b in rows):
+                return False, []
+        return True, []
+    gaps, at = [], 0
+    for a, b in rows:
+        if a > at:
+            gaps.append((at, a))
+        at = b
+    if at < seqlen_q:
+        gaps.append((at, seqlen_q))
+    return True, gaps
 
 
 def _fold_add(dst, g, start: int, step: int):

@@ -2,6 +2,7 @@
 kernel code, the classes use their own fits, and stage choice respects the dense path."""
 
 import importlib.util
+import json
 import pathlib
 
 import numpy as np
@@ -364,6 +365,21 @@ def test_band_square_restatement_matches_kernel_split():
                       for q0, qe, k0, ke, kd, n in pieces)
         assert got == want
         assert band_square_rest(t, mw).tolist() == rest.tolist()
+
+
+def test_cost_file_without_band_squares_predates_them(tmp_path):
+    """A calibration file without band_squares was measured on a backend that ran bands on Triton: it loads
+    as 0 (the forward prices bands on Triton); a file with the field keeps its value."""
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    CostModel().save(str(new))
+    raw = json.loads(new.read_text())
+    assert raw["band_squares"] == CostModel().band_squares == 4096
+    del raw["band_squares"]
+    old.write_text(json.dumps(raw))
+    assert CostModel.load(str(old)).band_squares == 0 and CostModel.load(str(new)).band_squares == 4096
+    band = np.array([[0, 32768, 0, 32768 + 4096, 3]])
+    w = Workload()
+    assert CostModel.load(str(old)).tile_time(band, w) != CostModel.load(str(new)).tile_time(band, w)
 
 
 def test_calibrate_dry_run_writes_a_loadable_model(tmp_path):

@@ -157,10 +157,20 @@ def test_merge_reversed_and_pair(use_triton, two, rev, rev2):
     for (o, _), wi in zip(aligned, w[1:]):
         ref = ref + wi[..., None] * o
     kw = dict(o2=parts[1][0], l2=parts[1][1], reverse2=rev2) if two else {}
+    # fresh: the same partials into an output holding nothing yet (not read: NaN garbage), in bf16
+    fresh_out, fresh_lse = torch.full((s, h, d), float("nan")).bfloat16(), torch.full((s, h), float("nan"))
+    merge_into(fresh_out, fresh_lse, parts[0][0], parts[0][1], use_triton=use_triton, reverse=rev, fresh=True, **kw)
     merge_into(acc, lse, parts[0][0], parts[0][1], use_triton=use_triton, reverse=rev, **kw)
     assert torch.allclose(acc, ref, atol=1e-5) and not torch.isnan(acc).any()
     assert torch.equal(torch.isinf(lse), torch.isinf(big))
     assert torch.allclose(lse[torch.isfinite(big)], big[torch.isfinite(big)], atol=1e-5)
+    ls_f = torch.stack([l for _, l in aligned])
+    big_f = torch.logsumexp(ls_f, 0)
+    w_f = torch.where(torch.isinf(big_f), 0.0, torch.exp(ls_f - big_f.where(torch.isfinite(big_f), torch.zeros_like(big_f))))
+    ref_f = sum(wi[..., None] * o for (o, _), wi in zip(aligned, w_f))
+    assert not torch.isnan(fresh_out).any() and torch.allclose(fresh_out.float(), ref_f, atol=2e-2)
+    assert torch.equal(torch.isinf(fresh_lse), torch.isinf(big_f))
+    assert torch.allclose(fresh_lse[torch.isfinite(big_f)], big_f[torch.isfinite(big_f)], atol=1e-5)
 
 
 def test_dense_pieces_forward_backward(monkeypatch):
@@ -245,6 +255,8 @@ def test_band_squares_forward(monkeypatch, case):
     q, k, v, do = _data(sq, sk, seed=4)
     prep = be.prepare(tiles, sq, sk)
     assert prep.dense_plan == [] and [p[4:] for p in prep.fwd_plan] == kinds and prep.fwd_rest is not None
+    # squares: the pair's rows are the band's alone (head and tail rows on Triton): written directly
+    assert prep.fwd_direct == (case == "squares") and prep.fwd_gaps == []
     keep = dense_mask(tiles, sq, sk)
     out_r, lse_r, dq_r, dk_r, dv_r = reference(q, k, v, keep, 0.3, do)
     CALLS.clear()
@@ -266,6 +278,28 @@ def test_band_squares_forward(monkeypatch, case):
     assert be.last_path == "triton" and not CALLS
     for a, b in ((dq, dq_r), (dk, dk_r), (dv, dv_r)):
         assert (a.double() - b).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_band_squares_direct_with_gaps(monkeypatch, dtype):
+    """Band-square pairs alone (no Triton rest): written straight into the output in its dtype by one fresh
+    merge per pair; rows no tile covers (before and after the band) come out 0 with lse -inf."""
+    install_fake(monkeypatch)
+    be = backend(min_keys=10**6, band_squares=12)
+    sq, sk = 48, 60
+    tiles = torch.tensor([[8, 40, 8, 56, BI_CAUSAL]], dtype=torch.int32)  # w = 16: 2 chunks of 16 rows
+    prep = be.prepare(tiles, sq, sk)
+    assert prep.fwd_direct and prep.fwd_rest is None and prep.fwd_gaps == [(0, 8), (40, 48)]
+    q, k, v, _ = _data(sq, sk, seed=5)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out_r, lse_r = reference(q.float(), k.float(), v.float(), dense_mask(tiles, sq, sk), 0.3)
+    out, lse = be.forward(q, k, v, prep, 0.3)
+    assert out.dtype == dtype and be.last_path == "cudnn"
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert (out.double() - out_r).abs().max() < tol
+    fin = torch.isfinite(lse_r)
+    assert torch.equal(torch.isfinite(lse), fin) and (lse.double()[fin] - lse_r[fin]).abs().max() < 1e-4
+    assert bool((out[:8] == 0).all()) and bool((out[40:] == 0).all())
 
 
 @pytest.mark.parametrize("strided", [False, True])

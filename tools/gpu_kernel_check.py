@@ -245,7 +245,7 @@ def main():
                 print(line, flush=True)
             del keep
             torch.cuda.empty_cache()
-    be_band = TritonBackend(TritonConfig(overrides, band_squares=2048))  # the default (8192) is wider than these windows
+    be_band = TritonBackend(TritonConfig(overrides, band_squares=2048))  # these windows are 2048 and 4096
     for name, s, tiles in band_cases():
         keep = M.dense_mask_from_tiles(tiles, s, s, device="cuda")
         for i, (d, dt, g, hkv) in enumerate([(128, torch.bfloat16, 4, 2), (128, torch.float16, 8, 1),

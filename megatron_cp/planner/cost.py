@@ -88,8 +88,9 @@ class CostModel:
     band_chunk: int = 0  # TritonConfig.band_chunk / band_min_keys: bands (sliding windows) on cuDNN
     band_min_keys: int = 1024
     # TritonConfig.band_squares: forward only, bands of at least this window and rows run as batched
-    # cuDNN squares (a reversed one on flipped copies, merged with its causal partner in one pass)
-    band_squares: int = 8192
+    # cuDNN squares (a reversed one on flipped copies, merged with its causal partner in one pass); a
+    # calibration file without the field predates band squares (its backend ran bands on Triton): 0
+    band_squares: int = 4096
     dense_piece_us: float = 30.0  # fixed cost per cuDNN piece (launches, slicing)
     hbm_gbps: float = 3000.0  # memory bandwidth of the LSE merge of a piece
     split_gbps: float = 0.0  # head-splitting copies (Ulysses' send and receive layouts); 0: hbm_gbps
@@ -167,6 +168,7 @@ class CostModel:
         if unknown:
             raise ValueError(f"{path}: unknown cost-model fields {unknown}; known: {sorted(known)}")
         raw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+        raw.setdefault("band_squares", 0)  # calibrated before the backend had band squares
         m = cls(**raw)
         g = (len(m.dense_grid_rows), len(m.dense_grid_keys))
         if g[0] * g[1] and (len(m.dense_grid_fwd_tflops) != g[0] * g[1] or len(m.dense_grid_bwd_tflops) != g[0] * g[1]):
