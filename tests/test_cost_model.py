@@ -12,8 +12,8 @@ import torch
 import megatron_cp as mcp
 from megatron_cp.kernels.dense_tiles import split_band_squares, split_dense
 from megatron_cp.masks import builders as M
-from megatron_cp.planner.cost import (CostModel, Workload, band_square_pieces, band_square_rest, block_counts,
-                                      dense_pieces, dense_rest, row_block_entries, tile_areas)
+from megatron_cp.planner.cost import (CostModel, Workload, band_pairs_direct, band_square_pieces, band_square_rest,
+                                      block_counts, dense_pieces, dense_rest, row_block_entries, tile_areas)
 from megatron_cp.planner.schedule import choose_num_stages, clip_tiles
 
 
@@ -287,6 +287,29 @@ def test_short_and_blocky_classes_count_visited_blocks():
     assert plain.row_class(win, area, 4096) == "long"
 
 
+def test_blocky_bands_run_at_their_own_peaks():
+    """A blocky list mostly of band cells (a 2048-key sliding window) takes blocky_band_* peaks with the
+    blocky half terms and blocks; documents keep the blocky peaks; uncalibrated (0): the blocky numbers."""
+    w = Workload(8, 2, 64, 2)
+    pf = 4.0 * 8 * 64
+    m = CostModel(tile_us=0.0, launch_us=0.0, dense_fwd_tflops=0.0, short_fwd_tflops=300.0, short_bwd_tflops=250.0,
+                  short_half_keys=100.0, blocky_fwd_tflops=450.0, blocky_bwd_tflops=350.0, blocky_half_keys=50.0,
+                  blocky_bwd_half_keys=80.0, blocky_band_fwd_tflops=480.0, blocky_band_bwd_tflops=400.0)
+    win = clip_tiles(M.sliding_window(16384, 2048, 0).traps, None, [[0, 16384]])
+    area, n_rows = float(tile_areas(win)[0].sum()), 16384
+    assert m.row_class(win, area, n_rows) == "blocky"
+    assert (win[:, 4] == 3).any() and tile_areas(win[win[:, 4] == 3])[0].sum() >= 0.5 * area
+    vf = float(block_counts(win, 128, 64)[0].sum()) * 128 * 64
+    vb = float(block_counts(win, 64, 64)[0].sum()) * 64 * 64
+    assert m.tile_time(win, w) == pytest.approx(pf * (vf + 50.0 * n_rows) / 480e12)
+    assert m.tile_time(win, w, True) == pytest.approx(pf * (vb + 80.0 * n_rows) / (400e12 / 2.5))
+    off = CostModel(**{**m.__dict__, "blocky_band_fwd_tflops": 0.0, "blocky_band_bwd_tflops": 0.0})
+    assert off.tile_time(win, w) == pytest.approx(pf * (vf + 50.0 * n_rows) / 450e12)
+    assert off.tile_time(win, w, True) == pytest.approx(pf * (vb + 80.0 * n_rows) / (350e12 / 2.5))
+    bd = np.array([[i, i + 512, i, i + 512, 0] for i in range(0, 4096, 512)])
+    assert m.tile_time(bd, w) == pytest.approx(off.tile_time(bd, w))
+
+
 def test_dense_pieces_cost_per_row_and_key_column():
     """Dense pieces: cells + dense_half_keys x rows + dense_half_rows x keys at the dense peak; a band's
     batched calls count their pieces' rows and key columns and run in waves over the whole batch."""
@@ -334,7 +357,15 @@ def test_band_squares_cost_forward_only():
     elems = 4096 * 8 * 64
     flips = 6.0 * elems + 8.0 * 4096 * 2 * 64  # q rows (4 bytes) + its merge share (2), K/V span flipped
     t_sq = 2 * pf * causal_cells / 400e12 + 2 * 5e-6 + (flips + 10.0 * elems) / (hbm * 1e9)
-    assert m.tile_time(band, w) == pytest.approx(t_sq + off.tile_time(tail, w))
+    assert m.tile_time(band, w, accumulate=True) == pytest.approx(t_sq + off.tile_time(tail, w))
+    # the tail's rows are not the pairs': written directly, the pair's merge moves 4 bytes, not 10
+    assert band_pairs_direct(band, 1024)
+    t_direct = t_sq - 6.0 * elems / (hbm * 1e9)
+    assert m.tile_time(band, w) == pytest.approx(t_direct + off.tile_time(tail, w))
+    # another tile on the pairs' rows: accumulated, as the backend does
+    other = np.array([[0, 4196, 0, 4196 + 2048, 3], [100, 200, 9000, 9100, 0]])
+    assert not band_pairs_direct(other, 1024)
+    assert m.tile_time(other, w) == pytest.approx(m.tile_time(other, w, accumulate=True))
     assert m.tile_time(band, w, True) == pytest.approx(off.tile_time(band, w, True))
     assert m.rest_tiles(band).tolist() == tail.tolist() and m.rest_tiles(band, True).tolist() == band.tolist()
     # window wider than the rows (C = 1500 rows): reversed square, a 1500 x 1548 rectangle, causal square
@@ -367,6 +398,37 @@ def test_band_square_restatement_matches_kernel_split():
         assert band_square_rest(t, mw).tolist() == rest.tolist()
 
 
+def test_direct_band_pairs_restate_the_backend():
+    """cost.band_pairs_direct restates kernels/triton_backend._direct_pairs on lists without other dense
+    pieces: random bands (some cut into pairs, some with a rectangle) beside random other tiles."""
+    from megatron_cp.kernels.triton_backend import _direct_pairs
+
+    rng = np.random.default_rng(11)
+    seen = set()
+    for _ in range(400):
+        tiles, at = [], 0
+        for _ in range(int(rng.integers(1, 4))):  # bands on consecutive rows, some overlapping
+            sq, w = int(rng.integers(16, 200)), int(rng.integers(8, 120))
+            q0 = at - int(rng.integers(0, 20)) * int(rng.integers(0, 2))
+            q0 = max(q0, 0)
+            tiles.append([q0, q0 + sq, q0, q0 + sq + w, 3])
+            at = q0 + sq + int(rng.integers(0, 30))
+        for _ in range(int(rng.integers(0, 3))):
+            q0 = int(rng.integers(0, at + 1))
+            tiles.append([q0, q0 + int(rng.integers(1, 40)), 0, int(rng.integers(1, 64)), int(rng.integers(0, 3))])
+        t = np.array(tiles, dtype=np.int64)
+        t = t[np.lexsort((t[:, 2], t[:, 0]))]
+        mw = int(rng.choice([8, 32, 64]))
+        bands, rest = split_band_squares(torch.tensor(t.tolist(), dtype=torch.int32), mw)
+        if not bands:
+            assert not band_pairs_direct(t, mw)
+            continue
+        want = _direct_pairs([], bands, rest, int(t[:, 1].max()))[0]
+        assert band_pairs_direct(t, mw) == want, (t.tolist(), mw)
+        seen.add(want)
+    assert seen == {True, False}
+
+
 def test_cost_file_without_band_squares_predates_them(tmp_path):
     """A calibration file without band_squares was measured on a backend that ran bands on Triton: it loads
     as 0 (the forward prices bands on Triton); a file with the field keeps its value."""
@@ -394,7 +456,8 @@ def test_calibrate_dry_run_writes_a_loadable_model(tmp_path):
     out = tmp_path / "cost.json"
     mod.main(["--device", "cpu", "--tiny", "--out", str(out)])
     m = CostModel.load(str(out))
-    for f in ("fwd_tflops", "bwd_tflops", "short_fwd_tflops", "short_bwd_tflops", "blocky_fwd_tflops", "blocky_bwd_tflops"):
+    for f in ("fwd_tflops", "bwd_tflops", "short_fwd_tflops", "short_bwd_tflops", "blocky_fwd_tflops", "blocky_bwd_tflops",
+              "blocky_band_fwd_tflops", "blocky_band_bwd_tflops"):
         assert 0 < getattr(m, f) < 1e4, (f, getattr(m, f))
     assert m.launch_us > 0 and m.source.startswith("tools/calibrate.py on 1 x cpu")
     assert m.hbm_gbps > 0 and m.hbm_gbps != CostModel().hbm_gbps  # the passes' rate is measured too

@@ -120,21 +120,25 @@ def _kernel(args, device, work: Workload):
     reps = 2 if args.tiny else 10
     secs = 0.0 if args.tiny else args.seconds
 
-    def run(tiles, sq, sk, backward=False, backend=be, row_class=None, queued=False):
+    def run(tiles, sq, sk, backward=False, backend=be, row_class=None, queued=False, warm=True):
         g = torch.Generator(device="cpu").manual_seed(0)
         q, k, v = ((torch.randn(n, h, d, generator=g) * 0.5).to(device, dt) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
         prep = backend.prepare(torch.tensor(tiles, dtype=torch.int32), sq, sk)
         if row_class is not None and getattr(prep, "row_class", row_class) != row_class:
             raise RuntimeError(f"calibration list meant for the {row_class!r} class runs as {prep.row_class!r}")
         out, lse = backend.forward(q, k, v, prep, None)
-        if queued:  # back to back on the GPU: issued while a spin kernel holds the stream
-            # few enough calls that the host issues them all within the hold (200 tiny calls took longer
-            # and timed the host: 59 us a call on 4 x H200, 2026-11-22 00:28)
-            return _held(lambda: backend.forward(q, k, v, prep, None), device, 2 * reps)
         if not backward:
-            return _time(lambda: backend.forward(q, k, v, prep, None), device, reps, secs)
-        do = torch.randn_like(out)
-        return _time(lambda: backend.backward(q, k, v, out, lse, do, prep, None, None), device, reps, secs)
+            fn = lambda: backend.forward(q, k, v, prep, None)  # noqa: E731
+        else:
+            do = torch.randn_like(out)
+            fn = lambda: backend.backward(q, k, v, out, lse, do, prep, None, None)  # noqa: E731
+        if queued:  # back to back on the GPU: issued while a spin kernel holds the stream (after a
+            # sustained warm-up when ``warm``); few enough calls that the host issues them all within the
+            # hold (200 tiny calls took longer and timed the host: 59 us a call on 4 x H200, 2026-11-22 00:28)
+            if warm:
+                _time(fn, device, 1, secs)
+            return _held(fn, device, reps if warm else 2 * reps)
+        return _time(fn, device, reps, secs)
 
     from megatron_cp.planner.cost import block_counts, tile_areas
 
@@ -148,7 +152,7 @@ def _kernel(args, device, work: Workload):
     # no per-tile term: the kernels walk blocks, not tiles (their cost is in the per-block and per-row
     # terms); a probe of 64 tiny tiles measured noise of 0 to 0.5 us per tile, which on the strided
     # mask's 4160 tiles per rank added 2 ms that the kernel does not spend (2 x H200, 20:30)
-    out.update(launch_us=run([[0, 16, 0, 16, 0]], 16, 16, queued=True) * 1e6, tile_us=0.0)
+    out.update(launch_us=run([[0, 16, 0, 16, 0]], 16, 16, queued=True, warm=False) * 1e6, tile_us=0.0)
 
     def band(w):  # every row keeps w + 1 keys (k - q in [0, w]): one BI_CAUSAL tile
         return [[0, rows, 0, rows + w, 3]]
@@ -199,6 +203,22 @@ def _kernel(args, device, work: Workload):
             out[f"{cls}_half_keys"], out[f"{cls}_bwd_half_keys"] = half_f[0], half_b[0]
             out[f"{cls}_block_m"], out[f"{cls}_block_n"] = fwd_blk
             out["bwd_block_m"], out["bwd_block_n"] = bwd_blk
+        if cls == "blocky":
+            # bands in the blocky class (windows of 2048 and 3072 keys): their own peaks at the blocky
+            # half terms (a 2048-key band's backward ran 1.15-1.19x faster than this fit on documents said)
+            bf, bb = [], []
+            for w in ((40, 72) if args.tiny else (2048, 3072)):
+                tl = band(w)
+                tn = np.array(tl, dtype=np.int64)
+                tf = run(tl, rows, rows + w, row_class=cls) - t_launch
+                tb = run(tl, rows, rows + w, True, row_class=cls) - t_launch
+                cf = float(block_counts(tn, *fwd_blk)[0].sum()) * fwd_blk[0] * fwd_blk[1]
+                cb = float(block_counts(tn, *bwd_blk)[0].sum()) * bwd_blk[0] * bwd_blk[1]
+                bf.append(([cf, rows], tf / per_flop))
+                bb.append(([cb, rows], tb / (2.5 * per_flop)))
+            out["blocky_band_fwd_tflops"] = _linear_fit(bf, "blocky band", fixed=[out["blocky_half_keys"]])[0] / 1e12
+            out["blocky_band_bwd_tflops"] = _linear_fit(
+                bb, "blocky band", fixed=[out["blocky_bwd_half_keys"] or out["blocky_half_keys"]])[0] / 1e12
     hbm, split = _passes(args, device)
     out["hbm_gbps"], out["split_gbps"] = hbm / 1e9, split / 1e9
     if device.type == "cuda":
@@ -211,13 +231,18 @@ def _kernel(args, device, work: Workload):
         # guest piece's backward that the kernel does not spend: benchmarks/dist/README.md, 21:29)
         # the pieces' wave efficiency on this GPU, as the model applies it
         waves = CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
+        # GPU time of calls queued behind a held stream, less launch_us (as the model adds it per call): a
+        # synced call of a small piece is mostly the host's issue and round trip, and the synced tiny call
+        # subtracted from it (t_launch) varies by more than the piece's 0.1 ms of GPU work (4 x H200,
+        # 06:23: 512 x 8192 at "34098 TFLOP/s", a fit of 30593 and dense_piece_us 124)
         pf, pb, grid_f, grid_b = [], [], [], []
         g_rows, g_keys = (rows // 32, rows // 8, rows // 2), (keys_long // 2, 2 * keys_long, 4 * keys_long)
+        t_call = out["launch_us"] * 1e-6
         for r, kk in ((r, kk) for r in g_rows for kk in g_keys):
             full = [[0, r, 0, kk, 0]]
             ef, eb = float(waves.wave_efficiency(r, hq)), float(waves.wave_efficiency(kk, hq))
-            tf = run(full, r, kk, backend=dense_be) - t_launch
-            tb = run(full, r, kk, True, backend=dense_be) - t_launch
+            tf = run(full, r, kk, backend=dense_be, queued=True) - t_call
+            tb = run(full, r, kk, True, backend=dense_be, queued=True) - t_call
             pf.append(([r * kk, r, kk], tf * ef / per_flop))
             pb.append(([r * kk, r, kk], tb * eb / (2.5 * per_flop)))
             grid_f.append(r * kk * per_flop / tf / 1e12)
@@ -240,7 +265,7 @@ def _kernel(args, device, work: Workload):
         c = dense_be.config
         mr, mk = int(c.dense_min_rows), int(c.dense_min_keys)
         # (GPU time, queued behind a held stream, like launch_us)
-        t_piece = run([[0, mr, 0, mk, 0], [mr, mr + 16, 0, 16, 0]], mr + 16, mk, backend=dense_be, queued=True)
+        t_piece = run([[0, mr, 0, mk, 0], [mr, mr + 16, 0, 16, 0]], mr + 16, mk, backend=dense_be, queued=True, warm=False)
         model_t = (mr * mk + hk_f * mr + hr_f * mk) * per_flop / peak_f / float(waves.wave_efficiency(mr, hq))
         out["dense_piece_us"] = max(0.0, (t_piece - out["launch_us"] * 1e-6 - model_t) * 1e6)
         out["dense_min_rows"], out["dense_min_keys"] = mr, mk

@@ -143,7 +143,7 @@ def ours(mask, cp, g, cost, work, hierarchical=True, solver=None, guest_rows="au
         rows = r.num_tokens
         # the runtime's kernel model (dense pieces on cuDNN, row efficiency) on the rank's real tiles;
         # remote tiles once per split (stage pieces shrink, which can drop them off the dense path)
-        kern = {"own": (cost.tile_time(local, work), cost.tile_time(local, work, True)),
+        kern = {"own": (cost.tile_time(local, work, accumulate=True), cost.tile_time(local, work, True)),
                 "all": (cost.tile_time(r.tiles, work), cost.tile_time(r.tiles, work, True))}
         for n in (1, 2, 4, 8):
             kern[n] = (cost.tile_time(remote, work, key_split=n), cost.tile_time(remote, work, True, key_split=n))
@@ -216,7 +216,7 @@ def ring(mask, cp, g, cost, work, layout="contiguous", ri=None):
             step = [clip_tiles(traps, segs[r], segs[src[r]]) for r in range(cp)]
             # the accumulating Triton forward reads and writes the fp32 running output of the rows it
             # visits (dense pieces are merged into it by rows, which tile_time counts)
-            kf = max(cost.tile_time(t, work) + cost.stage_overhead(_covered_rows(cost.rest_tiles(t)), work)
+            kf = max(cost.tile_time(t, work, accumulate=True) + cost.stage_overhead(_covered_rows(cost.rest_tiles(t)), work)
                      if len(t) else 0.0 for t in step)
             kb = max(cost.tile_time(t, work, True) if len(t) else 0.0 for t in step)
         else:

@@ -12,9 +12,10 @@ three classes, each with its own block shapes and, when calibrated, its own fitt
 - "long" (mean kept keys per covered row >= ``long_row_keys``): ``fwd_tflops`` / ``bwd_tflops`` /
   ``half_keys``, ``cells`` = kept cells;
 - "blocky" (short rows whose ``blocky_block`` forward blocks are at least ``blocky_full_fraction`` full:
-  documents, strided blocks, banded blocks) and "short" (the other short lists: sliding windows):
-  ``blocky_*`` / ``short_*``, ``cells`` = the cells of every block the kernel visits, since a partly
-  kept block costs a whole one (forward blocks of the class, ``bwd_block`` backward).
+  documents, strided blocks, banded blocks, windows of 1024 to 4096 keys) and "short" (the other short
+  lists: narrow sliding windows): ``blocky_*`` / ``short_*``, ``cells`` = the cells of every block the
+  kernel visits, since a partly kept block costs a whole one (forward blocks of the class, ``bwd_block``
+  backward); a blocky list mostly of band cells runs at ``blocky_band_*`` peaks.
 
 A "blocky" forward list with a few very long rows among short ones (global rows) lasts at least as long
 as those rows' programs (one per q block and head), which start first, run at ``row_share`` of their
@@ -124,6 +125,12 @@ class CostModel:
     blocky_block_m: int = 128
     blocky_block_n: int = 64
     blocky_full_fraction: float = 0.8
+    # blocky lists that are mostly band cells (BI_CAUSAL tiles: sliding windows of 1024 to 4096 keys) run
+    # at their own peaks, with the blocky half terms and blocks: a 2048-key band's backward measured
+    # 1.15-1.19x faster in the runtime than the blocky fit, made on documents, predicted (2 x H200,
+    # benchmarks/dist/run_0501_final); 0: the blocky numbers
+    blocky_band_fwd_tflops: float = 0.0
+    blocky_band_bwd_tflops: float = 0.0
     bwd_block_m: int = 64  # backward blocks (dQ and dK/dV kernels) of the short and blocky classes
     bwd_block_n: int = 64
     # dense pieces with few keys or few rows run below the dense peak: a piece costs
@@ -186,25 +193,30 @@ class CostModel:
         rest = dense_rest(tiles, *rule) if len(dense_pieces(tiles, *rule)[0]) else tiles
         return rest if backward else band_square_rest(rest, self.band_squares)
 
-    def _pieces(self, tiles: np.ndarray, backward: bool, key_split: int):
+    def _pieces(self, tiles: np.ndarray, backward: bool, key_split: int, accumulate: bool = False):
         """(dense pieces as ``dense_pieces``' arrays plus ``reverse`` (bool: a band square run on flipped
-        copies), the rest) of one call; (None, tiles) when nothing runs on cuDNN."""
+        copies), the rest, direct) of one call; (None, tiles, False) when nothing runs on cuDNN. ``direct``:
+        the forward writes its band-square pairs straight into its output (``band_pairs_direct``)."""
         rule = (self.dense_min_rows, self.dense_min_keys * key_split, self.band_chunk, self.band_min_keys * key_split)
         pieces = dense_pieces(tiles, *rule)
         rest = dense_rest(tiles, *rule) if len(pieces[0]) else tiles
         pieces = pieces + (np.zeros(len(pieces[0]), bool),)
+        direct = False
         if not backward and key_split == 1 and self.band_squares > 0:
             sq_p = band_square_pieces(rest, self.band_squares)
             if len(sq_p[0]):
+                direct = not accumulate and not len(pieces[0]) and band_pairs_direct(rest, self.band_squares)
                 pieces = tuple(np.concatenate([a, b]) for a, b in zip(pieces, sq_p))
                 rest = band_square_rest(rest, self.band_squares)
-        return (pieces if len(pieces[0]) else None), rest
+        return (pieces if len(pieces[0]) else None), rest, direct
 
-    def tile_time(self, tiles: np.ndarray, work: Workload, backward: bool = False, key_split: int = 1) -> float:
+    def tile_time(self, tiles: np.ndarray, work: Workload, backward: bool = False, key_split: int = 1,
+                  accumulate: bool = False) -> float:
         """Seconds to run one kernel call over ``tiles`` (int [n, 5] rows q0, q1, k0, k1, kind).
 
         ``key_split`` > 1: one of ``key_split`` calls over equal key pieces of ``tiles`` (a stage of a
-        split), i.e. every tile with 1 / key_split of its keys and cells."""
+        split), i.e. every tile with 1 / key_split of its keys and cells. ``accumulate``: a forward that
+        adds into a running output (a stage), which never writes band-square pairs directly."""
         if len(tiles) == 0:
             return 0.0
         tiles = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
@@ -213,16 +225,18 @@ class CostModel:
         t = self.launch_us * 1e-6
         rest = tiles
         if self.dense_fwd_tflops > 0:
-            pieces, rest = self._pieces(tiles, backward, key_split)
+            pieces, rest, direct = self._pieces(tiles, backward, key_split, accumulate)
             if pieces is not None:
                 # the pieces (calls), each with a fixed cost and one LSE merge of its rows (per stage, not
                 # split): 10 bytes per [row, head, dim] element (fp32 running output read and written, the
                 # piece's bf16 output read); a reversed band square is merged in its partner's pass (2
-                # bytes) and first flips its rows of q (4 bytes) and its keys' K/V
+                # bytes) and first flips its rows of q (4 bytes) and its keys' K/V; written directly, a
+                # pair's merge reads the causal square's bf16 output and writes the call's (4 bytes)
                 rows, keys, cells, causal, batch, rev = pieces
                 elems = rows * batch * work.num_heads * work.head_dim
                 span = (batch - 1) * rows + keys
-                moved = np.where(rev, 6.0 * elems + 8.0 * span * work.num_kv_heads * work.head_dim, 10.0 * elems)
+                moved = np.where(rev, 6.0 * elems + 8.0 * span * work.num_kv_heads * work.head_dim,
+                                 (4.0 if direct else 10.0) * elems)
                 t += (self._dense_time(pieces[:5], work, backward, split) + len(rows) * self.dense_piece_us * 1e-6
                       + float(moved.sum()) / (self.hbm_gbps * 1e9))
         if len(rest) == 0:
@@ -244,6 +258,8 @@ class CostModel:
                  self.blocky_block_m, self.blocky_block_n) if cls == "blocky" else
                 (self.short_fwd_tflops, self.short_bwd_tflops, self.short_half_keys, self.short_bwd_half_keys,
                  self.short_block_m, self.short_block_n))
+            if cls == "blocky" and self.blocky_band_fwd_tflops > 0 and band_cells(rest, cells) >= 0.5 * cells.sum():
+                fwd_t, bwd_t = self.blocky_band_fwd_tflops, self.blocky_band_bwd_tflops or bwd_t
             peak = (bwd_t / 2.5 if backward else fwd_t) * 1e12
             half = (half_b or half_f) if backward else half_f
             if backward:
@@ -417,6 +433,11 @@ def tile_areas(tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return area.astype(np.float64), sq.astype(np.float64)
 
 
+def band_cells(tiles: np.ndarray, cells: np.ndarray) -> float:
+    """Kept cells of the band (BI_CAUSAL) tiles among ``tiles`` (``cells``: each tile's kept cells)."""
+    return float(cells[np.asarray(tiles).reshape(-1, 5)[:, 4] == 3].sum())
+
+
 def _bands(t: np.ndarray, min_rows: int, band_chunk: int, band_min_keys: float):
     """(mask of BI_CAUSAL tiles the dense split cuts into band pieces, their chunk count n, band w)."""
     sq, sk, kind = t[:, 1] - t[:, 0], t[:, 3] - t[:, 2], t[:, 4]
@@ -516,6 +537,28 @@ def band_square_pieces(tiles: np.ndarray, min_window: int):
     rev = np.concatenate([np.ones(nb, bool), np.zeros(nw + nb, bool)])
     cells = batch * np.where(causal, rows * (rows + 1) / 2, rows * keys)
     return rows, keys, cells, causal, batch, rev
+
+
+def band_pairs_direct(tiles: np.ndarray, min_window: int) -> bool:
+    """Whether the forward writes the band squares of ``tiles`` (a list without other dense pieces)
+    straight into its output: every cut band is a pair of squares (window = chunk rows, no rectangle) and
+    the pairs' rows are theirs alone (restates kernels/triton_backend._direct_pairs)."""
+    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
+    sel, c, n, w = _band_squares(t, min_window)
+    if not sel.any() or (w[sel] > c[sel]).any():
+        return False
+    a = t[sel, 0]
+    b = a + (n * c)[sel]
+    order = np.argsort(a)
+    a, b = a[order], b[order]
+    if (a[1:] < b[:-1]).any():
+        return False
+    rest = band_square_rest(t, min_window)
+    if not len(rest):
+        return True
+    i = np.searchsorted(a, rest[:, 1], side="left")  # pairs starting before each rest tile's end
+    prev_end = np.where(i > 0, b[np.maximum(i - 1, 0)], np.iinfo(np.int64).min)
+    return not (prev_end > rest[:, 0]).any()
 
 
 def band_square_rest(tiles: np.ndarray, min_window: int) -> np.ndarray:

@@ -332,10 +332,10 @@ def predict(plan: Plan, stage_ids, stage_tiles, topo: Topology | None, cost: Cos
     for r in range(cp):
         if split is not None:  # one remote stage's tiles, counted as ``split`` stages of equal key pieces
             own, one = stage_tiles[r][0], stage_tiles[r][1]
-            kf = [cost.tile_time(own, work)] + [cost.tile_time(one, work, key_split=split)] * split
+            kf = [cost.tile_time(own, work, accumulate=True)] + [cost.tile_time(one, work, key_split=split)] * split
             kb = [cost.tile_time(own, work, True)] + [cost.tile_time(one, work, True, key_split=split)] * split
         else:
-            kf = [cost.tile_time(t, work) for t in stage_tiles[r]]
+            kf = [cost.tile_time(t, work, accumulate=True) for t in stage_tiles[r]]  # stages add into a running output
             kb = [cost.tile_time(t, work, backward=True) for t in stage_tiles[r]]
         ov_f = cost.stage_overhead(plan.num_local(r), work)
         ov_b = cost.stage_overhead(plan.num_local(r), work, backward=True)
