@@ -124,3 +124,39 @@ def test_summary_reports_back_to_back_ratios_and_scaling(capsys):
         del r["fwd_b2b_ms"], r["bwd_b2b_ms"]
     (c,) = bench.summarize(res)
     assert "fwd_b2b_ratio" not in c and "fwd_b2b_scaling" not in c and "fwd_ratio" in c
+
+
+def test_compare_kernel_target_checks_kernel_only_rows(tmp_path, capsys):
+    """simulate --compare --target kernel: each kernel-only row (slowest rank) against tile_time of the
+    benchmark plan's calls, the rank's list and its guest call; rows without the slowest rank's times and
+    other implementations are left out."""
+    import json
+
+    import megatron_cp as mcp
+
+    sim = _tool("simulate")
+    masks = _tool("_cp_masks")
+    cost, w = CostModel(), Workload(8, 2, 64, 2)
+    res, want = [], {}
+    for name in ("sliding_window", "global_local"):
+        plan = mcp.plan(masks.build(name, 4096), 2)
+        per_rank = []
+        for rp in plan.ranks:
+            calls = [rp.tiles] + ([rp.guest_tiles] if len(rp.guest_tiles) and sum(rp.guest_recv_counts()) else [])
+            per_rank.append((sum(cost.tile_time(t, w) for t in calls), sum(cost.tile_time(t, w, True) for t in calls)))
+        f, b = (max(x[i] for x in per_rank) * 1e3 for i in (0, 1))
+        want[name] = (f, b)
+        # measured: the prediction over 1.1 (fwd) and 1.3 (bwd)
+        res.append(dict(mask=name, seqlen=4096, cp=2, impl="kernel-only", fwd_ms=f, bwd_ms=b,
+                        fwd_max_ms=f / 1.1, bwd_max_ms=b / 1.3))
+    res.append(dict(mask="causal", seqlen=4096, cp=2, impl="kernel-only", fwd_ms=1.0, bwd_ms=2.0))  # no max
+    res.append(dict(mask="causal", seqlen=4096, cp=2, impl="megatron-cp", fwd_ms=1.0, bwd_ms=2.0, fwd_max_ms=1.0,
+                    bwd_max_ms=1.0))
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(dict(heads=8, kv_heads=2, head_dim=64, results=res)))
+    rows = sim.compare(str(path), cost, w, 8, "kernel")
+    assert [r["mask"] for r in rows] == ["sliding_window", "global_local"]
+    for r in rows:
+        assert (r["fwd_pred_ms"], r["bwd_pred_ms"]) == pytest.approx(want[r["mask"]])
+        assert r["fwd_pred_ms"] / r["fwd_ms"] == pytest.approx(1.1) and r["bwd_pred_ms"] / r["bwd_ms"] == pytest.approx(1.3)
+    assert "0/2 within 15%" in capsys.readouterr().out

@@ -373,6 +373,18 @@ def _print(rows, strategies):
                   f"{r['inter_node_bytes_per_gpu'] / 2**20:9.1f}  {r['intra_node_bytes_per_gpu'] / 2**20:9.1f}")
 
 
+def _kernel_only(mask, cp, cost, work):
+    """(fwd s, bwd s) of bench_dist's kernel-only calls on the benchmark's plan (``mcp.plan(mask, cp)``):
+    each rank's tiles over its K/V buffer, plus its guest tiles' call; the slowest rank."""
+    plan = mcp.plan(mask, cp)
+    f = b = 0.0
+    for rp in plan.ranks:
+        calls = [rp.tiles] + ([rp.guest_tiles] if len(rp.guest_tiles) and sum(rp.guest_recv_counts()) else [])
+        f = max(f, sum(cost.tile_time(t, work) for t in calls))
+        b = max(b, sum(cost.tile_time(t, work, True) for t in calls))
+    return f, b
+
+
 def compare(path, cost, work, g, target="gpu"):
     """Predicted vs measured times of a tools/bench_dist.py JSON (per mask, strategy and cp).
 
@@ -380,15 +392,27 @@ def compare(path, cost, work, g, target="gpu"):
     as in training, where the host runs ahead), predicted without the calls' exposed host time
     (``call_fwd_us`` / ``call_bwd_us`` = 0); "b2b": the GPU time of steps run back to back (runs from
     2026-11-22 01:40 on; kernels at the sustained rate the model is calibrated at), predicted the same
-    way; "wall": the wall time of an isolated, synced step, predicted with the host time."""
+    way; "wall": the wall time of an isolated, synced step, predicted with the host time; "kernel": the
+    benchmark's kernel-only rows (megatron-cp's per-rank calls alone, held stream, slowest rank) against
+    ``tile_time`` of the same calls: the kernel model without communication or passes."""
     with open(path) as f:
         data = json.load(f)
     if target in ("gpu", "b2b"):
         cost = CostModel(**{**cost.__dict__, "call_fwd_us": 0.0, "call_bwd_us": 0.0})
     rows = []
     fn = {"megatron-cp": ours, "ring": ring, "ulysses": ulysses, "allgather": allgather}
+    if target == "kernel":
+        fn = {"kernel-only": _kernel_only}
     for r in data["results"]:
         if r.get("impl") not in fn or r.get("fwd_ms") is None:
+            continue
+        if target == "kernel":
+            if "fwd_max_ms" not in r:
+                continue
+            w = Workload(data["heads"], data["kv_heads"], data["head_dim"], 2)
+            pf, pb = _kernel_only(_cp_masks.build(r["mask"], r["seqlen"]), r["cp"], cost, w)
+            rows.append(dict(mask=r["mask"], impl=r["impl"], cp=r["cp"], seqlen=r["seqlen"], fwd_pred_ms=pf * 1e3,
+                             fwd_ms=r["fwd_max_ms"], bwd_pred_ms=pb * 1e3, bwd_ms=r["bwd_max_ms"]))
             continue
         key = {"gpu": "_ms", "wall": "_wall_ms", "b2b": "_b2b_ms"}[target]
         if "fwd" + key not in r:
@@ -405,8 +429,9 @@ def compare(path, cost, work, g, target="gpu"):
                          fwd_pred_ms=p["fwd_s"] * 1e3, fwd_ms=r["fwd" + key],
                          bwd_pred_ms=p["bwd_s"] * 1e3, bwd_ms=r["bwd" + key]))
     what = {"gpu": "GPU time (stream held while the host issues)", "wall": "wall time (isolated, synced step)",
-            "b2b": "GPU time of back-to-back steps"}[target]
-    if not rows and target == "b2b":  # benchmark runs before the back-to-back timing have none
+            "b2b": "GPU time of back-to-back steps",
+            "kernel": "kernel time of megatron-cp's calls alone (kernel-only, slowest rank)"}[target]
+    if not rows and target in ("b2b", "kernel"):  # benchmark runs before these timings have none
         return rows
     print(f"predicted vs measured {what}: {path}")
     print(f"{'mask':<15}{'impl':<13}{'cp':>3}{'S':>8}  fwd pred/meas (ratio)   bwd pred/meas (ratio)")
@@ -435,19 +460,20 @@ def main(argv=None):
     ap.add_argument("--max-ring-cp", type=int, default=64, help="ring/zigzag need cp^2 block areas; skip above")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--compare", default=None, help="bench_dist.py JSON: print predicted vs measured")
-    ap.add_argument("--target", default="all", choices=["gpu", "b2b", "wall", "all"],
+    ap.add_argument("--target", default="all", choices=["gpu", "b2b", "wall", "kernel", "all"],
                     help="predict GPU time (host ahead, as in training) or wall time of isolated steps (plus "
                          "each call's calibrated exposed host time); --compare checks the benchmark's GPU time, "
-                         "its back-to-back steps' GPU time (when measured) and wall time by default; the "
-                         "scaling tables predict GPU time unless 'wall'")
+                         "its back-to-back steps' GPU time (when measured), wall time and the kernel-only calls' "
+                         "time ('kernel': the kernel model alone) by default; the scaling tables predict GPU time "
+                         "unless 'wall'")
     args = ap.parse_args(argv)
     cost = CostModel.load(args.cost) if args.cost else CostModel()
     # the NIC figure is part of the question asked, the rest comes from calibration
     cost = CostModel(**{**cost.__dict__, "inter_gbps": args.inter_gbps})
     work = Workload(args.heads, args.kv_heads, args.head_dim, 2)
     if args.compare:
-        for t in (("gpu", "b2b", "wall") if args.target == "all" else (args.target,)):
-            if compare(args.compare, cost, work, args.gpus_per_node, t) or t != "b2b":
+        for t in (("gpu", "b2b", "wall", "kernel") if args.target == "all" else (args.target,)):
+            if compare(args.compare, cost, work, args.gpus_per_node, t) or t not in ("b2b", "kernel"):
                 print()
         return
     if args.target != "wall":  # GPU time: the calls' exposed host time is hidden, as in training
