@@ -205,7 +205,11 @@ def _kernel(args, device, work: Workload):
             out["bwd_block_m"], out["bwd_block_n"] = bwd_blk
         if cls == "blocky":
             # bands in the blocky class (windows of 2048 and 3072 keys): their own peaks at the blocky
-            # half terms (a 2048-key band's backward ran 1.15-1.19x faster than this fit on documents said)
+            # half terms (a 2048-key band's backward ran 1.15-1.19x faster than this fit on documents said).
+            # Like the class fits above, timed synced less a synced tiny forward (t_launch), which probably
+            # leaves a backward call's longer host lead in: the 2 x 64k band's kernel stayed 1.14x
+            # over-predicted against the same list timed behind a held stream (benchmarks/dist/
+            # run_0652_2gpu); timing these lists held, as the dense grid below, is the next step (untried)
             bf, bb = [], []
             for w in ((40, 72) if args.tiny else (2048, 3072)):
                 tl = band(w)

@@ -128,7 +128,8 @@ class CostModel:
     # blocky lists that are mostly band cells (BI_CAUSAL tiles: sliding windows of 1024 to 4096 keys) run
     # at their own peaks, with the blocky half terms and blocks: a 2048-key band's backward measured
     # 1.15-1.19x faster in the runtime than the blocky fit, made on documents, predicted (2 x H200,
-    # benchmarks/dist/run_0501_final); 0: the blocky numbers
+    # benchmarks/dist/run_0501_final); 0: the blocky numbers. Calibrated (395 against the documents' 358 on
+    # 2 x H200, run_0652_2gpu) it narrows that gap only a little (kernel alone 1.14x): see calibrate.py
     blocky_band_fwd_tflops: float = 0.0
     blocky_band_bwd_tflops: float = 0.0
     bwd_block_m: int = 64  # backward blocks (dQ and dK/dV kernels) of the short and blocky classes
