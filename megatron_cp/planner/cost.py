@@ -543,7 +543,8 @@ def band_square_pieces(tiles: np.ndarray, min_window: int):
 def band_pairs_direct(tiles: np.ndarray, min_window: int) -> bool:
     """Whether the forward writes the band squares of ``tiles`` (a list without other dense pieces)
     straight into its output: every cut band is a pair of squares (window = chunk rows, no rectangle) and
-    the pairs' rows are theirs alone (restates kernels/triton_backend._direct_pairs)."""
+    the pairs' rows are theirs alone (restates the Triton backend's ``_direct_pairs``;
+    tests/test_cost_model.py compares the two)."""
     t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
     sel, c, n, w = _band_squares(t, min_window)
     if not sel.any() or (w[sel] > c[sel]).any():
