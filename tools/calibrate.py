@@ -6,8 +6,11 @@ block-diagonal lists of 512 and 2048 (each class's peak and half-efficiency keys
 per visited block cell); one tiny tile (launch cost).
 Dense path (CUDA): cuDNN's forward/backward on full pieces of three shapes (peak, per-row and
 per-key-column terms), on a square causal piece, and the fixed cost of one dense piece beside Triton
-tiles. Every kernel time is sustained: a warm-up of ``--seconds`` then repeats for ``--seconds`` (short
-bursts run at boost clocks that a training step does not keep), on inputs of the benchmarks' scale.
+tiles. Every kernel time is GPU time, as tools/bench_dist.py times a step: after a sustained warm-up of
+``--seconds`` (a cold GPU's bursts run at boost clocks that a training step does not keep), calls issued
+while a spin kernel holds the stream, less the model's per-call ``launch_us``; inputs of the benchmarks'
+scale. (``--timing synced``: the lists timed in synced calls less a synced tiny call, the method before
+2026-11-22, for comparison.)
 Communication (when started under torchrun with several ranks): all_to_all_single time for small
 messages (latency) and large ones (bandwidth), inside a node and, with several nodes, across them;
 and the time a megatron-cp call exposes beyond its GPU work when timed alone (call_fwd_us / call_bwd_us).
@@ -120,7 +123,7 @@ def _kernel(args, device, work: Workload):
     reps = 2 if args.tiny else 10
     secs = 0.0 if args.tiny else args.seconds
 
-    def run(tiles, sq, sk, backward=False, backend=be, row_class=None, queued=False, warm=True):
+    def run(tiles, sq, sk, backward=False, backend=be, row_class=None, held=True, warm=True):
         g = torch.Generator(device="cpu").manual_seed(0)
         q, k, v = ((torch.randn(n, h, d, generator=g) * 0.5).to(device, dt) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
         prep = backend.prepare(torch.tensor(tiles, dtype=torch.int32), sq, sk)
@@ -132,19 +135,19 @@ def _kernel(args, device, work: Workload):
         else:
             do = torch.randn_like(out)
             fn = lambda: backend.backward(q, k, v, out, lse, do, prep, None, None)  # noqa: E731
-        if queued:  # back to back on the GPU: issued while a spin kernel holds the stream (after a
-            # sustained warm-up when ``warm``); few enough calls that the host issues them all within the
-            # hold (200 tiny calls took longer and timed the host: 59 us a call on 4 x H200, 2026-11-22 00:28)
+        if held:  # GPU time, as bench_dist times a step: calls issued while a spin kernel holds the stream
+            # (after a sustained warm-up when ``warm``); few enough calls that the host issues them all
+            # within the hold (200 tiny calls took longer and timed the host: 59 us a call on 4 x H200,
+            # 2026-11-22 00:28)
             if warm:
                 _time(fn, device, 1, secs)
             return _held(fn, device, reps if warm else 2 * reps)
-        return _time(fn, device, reps, secs)
+        return _time(fn, device, reps, secs)  # synced calls (``--timing synced``)
 
     from megatron_cp.planner.cost import block_counts, tile_areas
 
     per_flop = work.fwd_flops(1.0)
     out = {}
-    t_launch = run([[0, 16, 0, 16, 0]], 16, 16)  # synced: subtracted from the synced list timings below
     # launch_us: what one more kernel call adds to a step's GPU time (a tiny call, queued behind a held
     # stream: its small kernels and their gaps), neither a synced call's round trip (126 us on 4 x H200,
     # charged per call it over-predicted plans with guest rows and stages) nor the host's launch time of
@@ -152,7 +155,21 @@ def _kernel(args, device, work: Workload):
     # no per-tile term: the kernels walk blocks, not tiles (their cost is in the per-block and per-row
     # terms); a probe of 64 tiny tiles measured noise of 0 to 0.5 us per tile, which on the strided
     # mask's 4160 tiles per rank added 2 ms that the kernel does not spend (2 x H200, 20:30)
-    out.update(launch_us=run([[0, 16, 0, 16, 0]], 16, 16, queued=True, warm=False) * 1e6, tile_us=0.0)
+    out.update(launch_us=run([[0, 16, 0, 16, 0]], 16, 16, warm=False) * 1e6, tile_us=0.0)
+    # every list below: GPU time behind a held stream less launch_us (the model adds launch_us per call).
+    # Until 2026-11-22 the Triton lists (and the causal cuDNN square) were timed synced, less a synced
+    # tiny forward, which probably left the calls' host lead and a synced loop's clocks in: the bands'
+    # backward was over-predicted by 10-14% against the same calls held (benchmarks/dist/run_0652_2gpu,
+    # run_0638_x4: kernel target); ``--timing synced`` measures that way (the dense grid and piece stay
+    # held), for comparison
+    t_call = out["launch_us"] * 1e-6
+    synced = args.timing == "synced"
+    t_launch = run([[0, 16, 0, 16, 0]], 16, 16, held=False) if synced else 0.0
+
+    def timed(tl, sq, sk, backward=False, grid=False, **kw):
+        if synced and not grid:
+            return run(tl, sq, sk, backward, held=False, **kw) - t_launch
+        return run(tl, sq, sk, backward, **kw) - t_call
 
     def band(w):  # every row keeps w + 1 keys (k - q in [0, w]): one BI_CAUSAL tile
         return [[0, rows, 0, rows + w, 3]]
@@ -184,8 +201,10 @@ def _kernel(args, device, work: Workload):
         for tl in pair:
             tn = np.array(tl, dtype=np.int64)
             sk = int(tn[:, 3].max())
-            tf = run(tl, rows, sk, row_class=cls) - t_launch
-            tb = run(tl, rows, sk, True, row_class=cls) - t_launch
+            tf = timed(tl, rows, sk, row_class=cls)
+            tb = timed(tl, rows, sk, True, row_class=cls)
+            print(f"calibrate: {cls} list of {len(tl)} tiles, {rows} x {sk}: fwd {tf * 1e3:.3f} ms, bwd {tb * 1e3:.3f} ms",
+                  flush=True)
             if cls == "long":
                 cf = cb = float(tile_areas(tn)[0].sum())
             else:
@@ -206,16 +225,14 @@ def _kernel(args, device, work: Workload):
         if cls == "blocky":
             # bands in the blocky class (windows of 2048 and 3072 keys): their own peaks at the blocky
             # half terms (a 2048-key band's backward ran 1.15-1.19x faster than this fit on documents said).
-            # Like the class fits above, timed synced less a synced tiny forward (t_launch), which probably
-            # leaves a backward call's longer host lead in: the 2 x 64k band's kernel stayed 1.14x
-            # over-predicted against the same list timed behind a held stream (benchmarks/dist/
-            # run_0652_2gpu); timing these lists held, as the dense grid below, is the next step (untried)
             bf, bb = [], []
             for w in ((40, 72) if args.tiny else (2048, 3072)):
                 tl = band(w)
                 tn = np.array(tl, dtype=np.int64)
-                tf = run(tl, rows, rows + w, row_class=cls) - t_launch
-                tb = run(tl, rows, rows + w, True, row_class=cls) - t_launch
+                tf = timed(tl, rows, rows + w, row_class=cls)
+                tb = timed(tl, rows, rows + w, True, row_class=cls)
+                print(f"calibrate: blocky band {w}, {rows} x {rows + w}: fwd {tf * 1e3:.3f} ms, bwd {tb * 1e3:.3f} ms",
+                      flush=True)
                 cf = float(block_counts(tn, *fwd_blk)[0].sum()) * fwd_blk[0] * fwd_blk[1]
                 cb = float(block_counts(tn, *bwd_blk)[0].sum()) * bwd_blk[0] * bwd_blk[1]
                 bf.append(([cf, rows], tf / per_flop))
@@ -227,7 +244,7 @@ def _kernel(args, device, work: Workload):
     out["hbm_gbps"], out["split_gbps"] = hbm / 1e9, split / 1e9
     if device.type == "cuda":
         out["num_sms"] = torch.cuda.get_device_properties(device).multi_processor_count
-        out.update(_long_rows(run, out, work, rows, t_launch, args.tiny))
+        out.update(_long_rows(timed, out, work, rows, args.tiny))
     if dense_be is not None:
         # full pieces: cells + half_keys * rows + half_rows * keys at the peak, fitted on nine shapes that
         # span the pieces plans make (512 .. 8192 rows: guest rows, stage and ring pieces; 8192 .. 65536
@@ -235,18 +252,16 @@ def _kernel(args, device, work: Workload):
         # guest piece's backward that the kernel does not spend: benchmarks/dist/README.md, 21:29)
         # the pieces' wave efficiency on this GPU, as the model applies it
         waves = CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
-        # GPU time of calls queued behind a held stream, less launch_us (as the model adds it per call): a
-        # synced call of a small piece is mostly the host's issue and round trip, and the synced tiny call
-        # subtracted from it (t_launch) varies by more than the piece's 0.1 ms of GPU work (4 x H200,
-        # 06:23: 512 x 8192 at "34098 TFLOP/s", a fit of 30593 and dense_piece_us 124)
+        # (held, like every list: a synced call of a small piece is mostly the host's issue and round trip,
+        # and a synced tiny call subtracted from it varied by more than the piece's 0.1 ms of GPU work: 4 x
+        # H200, 06:23: 512 x 8192 at "34098 TFLOP/s", a fit of 30593 and dense_piece_us 124)
         pf, pb, grid_f, grid_b = [], [], [], []
         g_rows, g_keys = (rows // 32, rows // 8, rows // 2), (keys_long // 2, 2 * keys_long, 4 * keys_long)
-        t_call = out["launch_us"] * 1e-6
         for r, kk in ((r, kk) for r in g_rows for kk in g_keys):
             full = [[0, r, 0, kk, 0]]
             ef, eb = float(waves.wave_efficiency(r, hq)), float(waves.wave_efficiency(kk, hq))
-            tf = run(full, r, kk, backend=dense_be, queued=True) - t_call
-            tb = run(full, r, kk, True, backend=dense_be, queued=True) - t_call
+            tf = timed(full, r, kk, backend=dense_be, grid=True)
+            tb = timed(full, r, kk, True, backend=dense_be, grid=True)
             pf.append(([r * kk, r, kk], tf * ef / per_flop))
             pb.append(([r * kk, r, kk], tb * eb / (2.5 * per_flop)))
             grid_f.append(r * kk * per_flop / tf / 1e12)
@@ -261,17 +276,16 @@ def _kernel(args, device, work: Workload):
         causal = [[0, n, 0, n, 1]]
         c_area = n * (n + 1) / 2
         en = float(waves.wave_efficiency(n, hq))
-        out["dense_causal_fwd_tflops"] = (c_area + (hk_f + hr_f) * n) * per_flop / run(causal, n, n, backend=dense_be) / en / 1e12
-        out["dense_causal_bwd_tflops"] = (c_area + (hk_b + hr_b) * n) * 2.5 * per_flop / run(
+        out["dense_causal_fwd_tflops"] = (c_area + (hk_f + hr_f) * n) * per_flop / timed(causal, n, n, backend=dense_be) / en / 1e12
+        out["dense_causal_bwd_tflops"] = (c_area + (hk_b + hr_b) * n) * 2.5 * per_flop / timed(
             causal, n, n, True, backend=dense_be) / en / 1e12
         # fixed cost of one piece beside Triton tiles: a minimum-size dense piece next to one tiny tile,
         # less the piece's time in the model and the tiny tile's own call
         c = dense_be.config
         mr, mk = int(c.dense_min_rows), int(c.dense_min_keys)
-        # (GPU time, queued behind a held stream, like launch_us)
-        t_piece = run([[0, mr, 0, mk, 0], [mr, mr + 16, 0, 16, 0]], mr + 16, mk, backend=dense_be, queued=True, warm=False)
+        t_piece = run([[0, mr, 0, mk, 0], [mr, mr + 16, 0, 16, 0]], mr + 16, mk, backend=dense_be, warm=False)
         model_t = (mr * mk + hk_f * mr + hr_f * mk) * per_flop / peak_f / float(waves.wave_efficiency(mr, hq))
-        out["dense_piece_us"] = max(0.0, (t_piece - out["launch_us"] * 1e-6 - model_t) * 1e6)
+        out["dense_piece_us"] = max(0.0, (t_piece - t_call - model_t) * 1e6)
         out["dense_min_rows"], out["dense_min_keys"] = mr, mk
         # the backend's band rules (not measured: what the kernel backend does with bands)
         out["band_chunk"], out["band_min_keys"] = int(c.band_chunk), int(c.band_min_keys)
@@ -279,7 +293,7 @@ def _kernel(args, device, work: Workload):
     return out
 
 
-def _long_rows(run, fitted, work: Workload, rows: int, t_launch: float, tiny: bool) -> dict:
+def _long_rows(timed, fitted, work: Workload, rows: int, tiny: bool) -> dict:
     """``row_alone_tflops`` and ``row_share`` (CostModel.long_rows): one q block of 128 rows keeping
     every one of a long key range (global rows), beside (a) a light background of short rows, where the
     long programs run nearly alone, and (b) a background of 2048-key rows whose work is comparable to
@@ -291,8 +305,8 @@ def _long_rows(run, fitted, work: Workload, rows: int, t_launch: float, tiny: bo
     long_row = [[0, 128, 0, keys, 0]]
     light = long_row + [[i, i + 128, i, i + 64, 0] for i in range(128, rows, 128)]
     heavy = long_row + [[i, min(i + step, rows), i, i + bg, 0] for i in range(128, rows, step)]
-    t_light = run(light, rows, keys, row_class="blocky") - t_launch
-    t_heavy = run(heavy, rows, keys, row_class="blocky") - t_launch
+    t_light = timed(light, rows, keys, row_class="blocky")
+    t_heavy = timed(heavy, rows, keys, row_class="blocky")
     base = {k: v for k, v in fitted.items() if k in {f.name for f in dc_fields(CostModel)}}
     base.update(launch_us=0.0, tile_us=0.0, dense_fwd_tflops=0.0)
 
@@ -436,6 +450,9 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU dry run)")
     ap.add_argument("--seconds", type=float, default=0.5,
                     help="warm-up and measuring time of each kernel figure (sustained rates; default 0.5)")
+    ap.add_argument("--timing", default="held", choices=["held", "synced"],
+                    help="kernel lists: GPU time behind a held stream (default), or synced calls less a synced "
+                         "tiny call (the method before 2026-11-22; the dense grid stays held), for comparison")
     ap.add_argument("--gpus-per-node", type=int, default=None, help="for multi-node runs (default: world)")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -468,7 +485,8 @@ def main(argv=None):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     world = dist.get_world_size() if distributed else 1
     fields["source"] = (f"tools/calibrate.py on {world} x {name}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
-                        f"command: {' '.join(sys.argv)}")
+                        f"kernel lists timed {args.timing}, command: tools/calibrate.py "
+                        f"{' '.join(sys.argv[1:] if argv is None else argv)}")
     model = CostModel(**{**base.__dict__, **{k: v if isinstance(v, (str, int)) else tuple(v) if isinstance(v, list)
                                              else float(v) for k, v in fields.items()}})
     if not distributed or dist.get_rank() == 0:
