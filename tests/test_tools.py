@@ -160,3 +160,20 @@ def test_compare_kernel_target_checks_kernel_only_rows(tmp_path, capsys):
         assert (r["fwd_pred_ms"], r["bwd_pred_ms"]) == pytest.approx(want[r["mask"]])
         assert r["fwd_pred_ms"] / r["fwd_ms"] == pytest.approx(1.1) and r["bwd_pred_ms"] / r["bwd_ms"] == pytest.approx(1.3)
     assert "0/2 within 15%" in capsys.readouterr().out
+
+
+def test_calibrate_link_timing_ignores_one_stalled_group():
+    """calibrate.py times each link as the median of groups of calls: one stall (a rank held up once,
+    which holds every rank's collective) does not set the link's rate, as a mean over the calls did."""
+    import torch
+
+    cal = _tool("calibrate")
+    calls = []
+
+    def fn():  # the 15th call (one of the second group's timed calls) stalls 1 s; the others take ~1 ms
+        calls.append(1)
+        time.sleep(1.0 if len(calls) == 15 else 0.001)
+
+    t = cal._median_time(fn, torch.device("cpu"), 10)
+    assert len(calls) == 5 * 11  # five groups, each one warm-up call and ten timed ones
+    assert 0.0009 < t < 0.01, t  # a mean over all the calls would be ~19 ms, over the stalled group ~100 ms
