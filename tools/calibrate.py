@@ -159,10 +159,11 @@ def _kernel(args, device, work: Workload):
     out.update(launch_us=run([[0, 16, 0, 16, 0]], 16, 16, warm=False) * 1e6, tile_us=0.0)
     # every list below: GPU time behind a held stream less launch_us (the model adds launch_us per call).
     # Until 2026-11-22 the Triton lists (and the causal cuDNN square) were timed synced, less a synced
-    # tiny forward, which probably left the calls' host lead and a synced loop's clocks in: the bands'
-    # backward was over-predicted by 10-14% against the same calls held (benchmarks/dist/run_0652_2gpu,
-    # run_0638_x4: kernel target); ``--timing synced`` measures that way (the dense grid and piece stay
-    # held), for comparison
+    # tiny forward, which left the calls' host lead and a synced loop's clocks in: the bands' backward
+    # was over-predicted by 10-16% against the same calls held (kernel target). Both ways in one lease
+    # (2 x H200, benchmarks/dist/run_0752_2gpu): the 2 x 64k sliding-window backward 1.16 -> 1.11 kernel
+    # alone, 1.19 -> 1.13 GPU time. ``--timing synced`` measures the old way (the dense grid and piece
+    # stay held), for comparison
     t_call = out["launch_us"] * 1e-6
     synced = args.timing == "synced"
     t_launch = run([[0, 16, 0, 16, 0]], 16, 16, held=False) if synced else 0.0

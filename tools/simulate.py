@@ -391,7 +391,7 @@ def compare(path, cost, work, g, target="gpu"):
     ``target`` "gpu": the benchmark's GPU time (its headline: the step issued while the stream is held,
     as in training, where the host runs ahead), predicted without the calls' exposed host time
     (``call_fwd_us`` / ``call_bwd_us`` = 0); "b2b": the GPU time of steps run back to back (runs from
-    2026-11-22 01:40 on; kernels at the sustained rate the model is calibrated at), predicted the same
+    2026-11-22 01:40 on; kernels at sustained clocks, as a training step runs them), predicted the same
     way; "wall": the wall time of an isolated, synced step, predicted with the host time; "kernel": the
     benchmark's kernel-only rows (megatron-cp's per-rank calls alone, held stream, slowest rank) against
     ``tile_time`` of the same calls: the kernel model without communication or passes."""
