@@ -12,7 +12,8 @@ while a spin kernel holds the stream, less the model's per-call ``launch_us``; i
 scale. (``--timing synced``: the lists timed in synced calls less a synced tiny call, the method before
 2026-11-22, for comparison.)
 Communication (when started under torchrun with several ranks): all_to_all_single time for small
-messages (latency) and large ones (bandwidth), inside a node and, with several nodes, across them;
+messages (latency) and large ones (bandwidth), inside a node and, with several nodes, across them (each
+the median of five groups of ten calls);
 and the time a megatron-cp call exposes beyond its GPU work when timed alone (call_fwd_us / call_bwd_us).
 
     python tools/calibrate.py --out benchmarks/cost_model.json                     # one GPU, kernels only
@@ -458,7 +459,8 @@ def main(argv=None):
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU dry run)")
     ap.add_argument("--seconds", type=float, default=0.5,
-                    help="warm-up and measuring time of each kernel figure (sustained rates; default 0.5)")
+                    help="sustained warm-up before each kernel figure, and the measuring time of --timing synced "
+                         "(default 0.5)")
     ap.add_argument("--timing", default="held", choices=["held", "synced"],
                     help="kernel lists: GPU time behind a held stream (default), or synced calls less a synced "
                          "tiny call (the method before 2026-11-22; the dense grid stays held), for comparison")
