@@ -403,13 +403,13 @@ def compare(path, cost, work, g, target="gpu"):
     fn = {"megatron-cp": ours, "ring": ring, "ulysses": ulysses, "allgather": allgather}
     if target == "kernel":
         fn = {"kernel-only": _kernel_only}
+    w = Workload(data["heads"], data["kv_heads"], data["head_dim"], 2)
     for r in data["results"]:
         if r.get("impl") not in fn or r.get("fwd_ms") is None:
             continue
         if target == "kernel":
             if "fwd_max_ms" not in r:
                 continue
-            w = Workload(data["heads"], data["kv_heads"], data["head_dim"], 2)
             pf, pb = _kernel_only(_cp_masks.build(r["mask"], r["seqlen"]), r["cp"], cost, w)
             rows.append(dict(mask=r["mask"], impl=r["impl"], cp=r["cp"], seqlen=r["seqlen"], fwd_pred_ms=pf * 1e3,
                              fwd_ms=r["fwd_max_ms"], bwd_pred_ms=pb * 1e3, bwd_ms=r["bwd_max_ms"]))
@@ -417,7 +417,6 @@ def compare(path, cost, work, g, target="gpu"):
         key = {"gpu": "_ms", "wall": "_wall_ms", "b2b": "_b2b_ms"}[target]
         if "fwd" + key not in r:
             continue
-        w = Workload(data["heads"], data["kv_heads"], data["head_dim"], 2)
         mask = _cp_masks.build(r["mask"], r["seqlen"])
         # the ring's layout as the benchmark plans it (baselines.plan_for: zigzag unless contiguous is as
         # balanced)
