@@ -90,7 +90,8 @@ def summarize(events, host, title, gap_us=15.0, max_rows=80):
         for e in work:
             streams[e["args"].get("stream", "?")] = streams.get(e["args"].get("stream", "?"), 0.0) + e["dur"]
         lines.append(f"-- {phase}: host {host[phase]:.3f} ms; GPU span {(g1 - g0) / 1e3:.3f} ms from "
-                     f"{(g0 - h0) / 1e3:.3f} ms after the host began; busy per stream (ms) "
+                     f"{(g0 - h0) / 1e3:.3f} ms after the host began (profiler clock {g0:.1f} to {g1:.1f} us); "
+                     "busy per stream (ms) "
                      + ", ".join(f"{s}: {t / 1e3:.3f}" for s, t in sorted(streams.items(), key=str)))
         busy_end, gaps = g0, []
         for e in work:

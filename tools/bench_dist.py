@@ -154,24 +154,36 @@ class Timer:
         """(fwd, bwd) seconds of steps run back to back with no sync or hold between them (the host
         issues step i+1 while the GPU runs step i, as in training; kernels at the GPU's sustained rate,
         which a step behind a held stream exceeds by 5-17%: benchmarks/dist/README.md, 2026-11-22 00:45),
-        CUDA events around each phase, the first step dropped; (None, None) on CPU."""
+        CUDA events around each phase, the first step dropped; (None, None) on CPU. Each rank's medians
+        (GPU fwd, GPU bwd, host issue fwd, host issue bwd; seconds) are left in ``self.b2b_ranks``: a phase
+        whose host issue outlasts the GPU's work runs at the host's pace, and one rank's slower phase is
+        the max the others wait for at the next collective."""
         if self.device.type != "cuda":
             return None, None
         self.sync()
         dist.barrier(group)
-        evs = []
+        evs, host = [], []
         for _ in range(iters + 1):
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            h0 = time.perf_counter()
             ev[0].record()
             out = fwd()
             ev[1].record()
+            h1 = time.perf_counter()
             bwd(out)
             ev[2].record()
+            host.append((h1 - h0, time.perf_counter() - h1))
             del out
             evs.append(ev)
         self.sync()
-        t = torch.tensor([[a.elapsed_time(b) / 1e3, b.elapsed_time(c) / 1e3] for a, b, c in evs[1:]],
-                         dtype=torch.float64, device=self.device)
+        t = torch.tensor([[a.elapsed_time(b) / 1e3, b.elapsed_time(c) / 1e3] + list(h)
+                          for (a, b, c), h in zip(evs[1:], host[1:])], dtype=torch.float64, device=self.device)
+        # each rank's medians (GPU fwd, bwd, host issue fwd, bwd): where the slowest rank's time comes from
+        mine = t.median(dim=0).values
+        ranks = torch.empty(dist.get_world_size(group), 4, dtype=torch.float64, device=self.device)
+        dist.all_gather_into_tensor(ranks, mine, group=group)
+        self.b2b_ranks = ranks.tolist()
+        t = t[:, :2].contiguous()
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return tuple(float(x) for x in t.median(dim=0).values)
 
@@ -232,11 +244,11 @@ def bench_ours(name, mask, args, ctx):
 
         hold = (lambda: ctx["timer"]._hold(group)) if args.profile_held and device.type == "cuda" else None
         events, host = _profile.profile_step(fwd, bwd, ctx["timer"].sync, hold=hold, b2b=args.profile_b2b)
-        if rank == 0:
-            title = (f"{name} {ctx['mask_name']} S={ctx['seqlen']} rank 0 of {cp} ({ctx['dev_name']})"
+        if rank == 0 or args.profile_ranks == "all":  # the other ranks to FILE.rankN
+            title = (f"{name} {ctx['mask_name']} S={ctx['seqlen']} rank {rank} of {cp} ({ctx['dev_name']})"
                      + (", right after another step (back to back)" if args.profile_b2b else
                         ", stream held while the host issues each phase" if hold else ""))
-            with open(args.profile, "a") as f:
+            with open(args.profile + (f".rank{rank}" if rank else ""), "a") as f:
                 f.write(_profile.summarize(events, host, title))
     return times, plan
 
@@ -436,6 +448,9 @@ def main(argv=None):
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="append a GPU timeline of one profiled step per case of --profile-impls (rank 0) to FILE")
     ap.add_argument("--profile-impls", default="megatron-cp", help="comma list of implementations to profile")
+    ap.add_argument("--profile-ranks", default="0", choices=["0", "all"],
+                    help="whose timeline --profile writes: rank 0's, or every rank's (rank N's to FILE.rankN; "
+                         "the phases' GPU spans carry the profiler's clock, shared by the ranks of one host)")
     ap.add_argument("--profile-held", action="store_true",
                     help="profile with the stream held while the host issues each phase (bench_dist's GPU time)")
     ap.add_argument("--profile-b2b", action="store_true",
@@ -500,7 +515,8 @@ def main(argv=None):
                                fwd_wall_tflops_per_gpu=flops / cp / wf / 1e12,
                                bwd_wall_tflops_per_gpu=2.5 * flops / cp / wb / 1e12)
                     if sf is not None:  # back-to-back steps (Timer._back_to_back)
-                        rec.update(fwd_b2b_ms=sf * 1e3, bwd_b2b_ms=sb * 1e3)
+                        rec.update(fwd_b2b_ms=sf * 1e3, bwd_b2b_ms=sb * 1e3,
+                                   b2b_ranks_ms=[[x * 1e3 for x in r] for r in ctx["timer"].b2b_ranks])
                     if impl == "megatron-cp":
                         st = plan.stats()
                         rec["imbalance"] = st["imbalance"]
@@ -535,7 +551,10 @@ def main(argv=None):
                     log(f"S={s:>7} {mname:<15}{name:<22} fwd {rec['fwd_tflops_per_gpu']:7.1f}  bwd "
                         f"{rec['bwd_tflops_per_gpu']:7.1f} TFLOP/s/GPU  ({rec['fwd_ms']:.2f} / {rec['bwd_ms']:.2f} ms; "
                         f"wall {rec['fwd_wall_ms']:.2f} / {rec['bwd_wall_ms']:.2f} ms"
-                        + (f"; back to back {rec['fwd_b2b_ms']:.2f} / {rec['bwd_b2b_ms']:.2f} ms" if "fwd_b2b_ms" in rec else "")
+                        + (f"; back to back {rec['fwd_b2b_ms']:.2f} / {rec['bwd_b2b_ms']:.2f} ms, ranks' GPU fwd "
+                           + "|".join(f"{r[0]:.2f}" for r in rec["b2b_ranks_ms"]) + " ms, host issue "
+                           + f"{max(r[2] for r in rec['b2b_ranks_ms']):.2f} / {max(r[3] for r in rec['b2b_ranks_ms']):.2f} ms"
+                           if "fwd_b2b_ms" in rec else "")
                         + ")" + (f"  stages {rec['stages']}" if "stages" in rec else "")
                         + (f"  dense path off: {rec['dense_path_error']}" if rec.get("dense_path_error") else ""))
                 dist.barrier(group)
