@@ -580,34 +580,83 @@ class TritonBackend:
             _launch_dq(c, q, k, v, dout, lse, delta, dq, prepared, scale)
         return dq, dk, dv
 
-    def _dense_backward(self, q, k, v, out, lse, dout, prepared, scale, delta):
+    def backward_into(self, q, k, v, out, lse, dout, prepared: TritonPrepared, softmax_scale, delta, dq, dk, dv):
+        """``backward``'s gradients added into ``dq``/``dk``/``dv`` (float32 or float64 running sums shaped
+        like q/k/v, any strides: e.g. the K and V halves of a [rows, 2*Hkv, D] buffer) instead of returned:
+        what the staged runtime sums its stages' gradients in. The cuDNN pieces' gradients add straight
+        into them (no conversion to q's dtype and back, no rounding of a stage's partial sums); Triton's go
+        through a float32 result. Returns (dq, dk, dv)."""
+        _check_qkv(q, k, v)
+        if q.shape[0] != prepared.seqlen_q or k.shape[0] != prepared.seqlen_k:
+            raise ValueError(f"q/k lengths {q.shape[0]}/{k.shape[0]} differ from the prepared "
+                             f"{prepared.seqlen_q}/{prepared.seqlen_k}")
+        for name, acc, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+            if acc.shape != like.shape or not acc.is_floating_point() or acc.element_size() < 4:
+                raise ValueError(f"{name} must be a float32/float64 tensor of shape {tuple(like.shape)}, "
+                                 f"got {acc.dtype} {tuple(acc.shape)}")
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
+        if delta is None and (self._fast(q, prepared) or self._general(q, prepared)):
+            try:  # a cuDNN failure raises before anything is added (_dense_backward)
+                self._dense_backward(q, k, v, out, lse, dout, prepared, scale, row_delta(out, dout)
+                                     if prepared.rest is not None else None, acc=(dq, dk, dv))
+                self.last_path = "cudnn+triton" if prepared.dense is None and prepared.rest is not None else "cudnn"
+                return dq, dk, dv
+            except Exception as e:  # noqa: BLE001
+                self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
+        for acc, g in zip((dq, dk, dv), self.backward(q, k, v, out, lse, dout, prepared, scale, delta,
+                                                        grad_dtype=torch.float32)):
+            acc += g
+        return dq, dk, dv
+
+    def _dense_backward(self, q, k, v, out, lse, dout, prepared, scale, delta, acc=None):
         """Partial gradients of the dense pieces (cuDNN, global out/lse) and the rest (Triton, global lse
-        and delta), summed in fp32."""
+        and delta), summed in fp32; with ``acc`` (dq, dk, dv running sums) added into those instead. Every
+        cuDNN call runs before anything is summed, so a cuDNN failure leaves ``acc`` untouched."""
         lse = lse.float().contiguous()
         if prepared.dense is not None:  # one piece covering everything: cuDNN's gradients as they are
-            return cudnn_backward(q, k, v, out, lse, dout, scale, prepared.dense)
-        if prepared.rest is not None:  # fp32 straight from the kernels: the pieces add into them
-            dq, dk, dv = self.backward(q, k, v, out, lse, dout, prepared.rest, scale, delta, torch.float32)
-        else:
-            dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-            dk = torch.zeros(k.shape, device=q.device, dtype=torch.float32)
-            dv = torch.zeros(v.shape, device=q.device, dtype=torch.float32)
+            grads = cudnn_backward(q, k, v, out, lse, dout, scale, prepared.dense)
+            if acc is None:
+                return grads
+            for a, g in zip(acc, grads):
+                a += g
+            return acc
+        parts = []
         for qs, qe, ks, ke, kind, n in prepared.dense_plan:
             causal = kind == CAUSAL  # split_dense's pieces are FULL or CAUSAL
             if n == 1:
-                gq, gk, gv = cudnn_backward(q[qs:qe], k[ks:ke], v[ks:ke], out[qs:qe], lse[qs:qe], dout[qs:qe],
-                                            scale, causal)
+                parts.append(cudnn_backward(q[qs:qe], k[ks:ke], v[ks:ke], out[qs:qe], lse[qs:qe], dout[qs:qe],
+                                            scale, causal))
+                continue
+            r, kw = (qe - qs) // n, ke - ks
+            parts.append(cudnn_backward_batched(
+                band_view(q, qs, n, r, r), band_view(k, ks, n, r, kw), band_view(v, ks, n, r, kw),
+                band_view(out, qs, n, r, r), lse[qs:qe].view(n, r, -1), band_view(dout, qs, n, r, r), scale, causal))
+        if prepared.rest is not None:  # fp32 straight from the kernels: the pieces add into them
+            rest = self.backward(q, k, v, out, lse, dout, prepared.rest, scale, delta, torch.float32)
+            if acc is None:
+                dq, dk, dv = rest
+            else:
+                dq, dk, dv = acc
+                for a, g in zip(acc, rest):
+                    a += g
+        elif acc is None:
+            dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+            dk = torch.zeros(k.shape, device=q.device, dtype=torch.float32)
+            dv = torch.zeros(v.shape, device=q.device, dtype=torch.float32)
+        else:
+            dq, dk, dv = acc
+        for (qs, qe, ks, ke, kind, n), (gq, gk, gv) in zip(prepared.dense_plan, parts):
+            if n == 1:
                 dq[qs:qe] += gq
                 dk[ks:ke] += gk
                 dv[ks:ke] += gv
                 continue
-            r, kw = (qe - qs) // n, ke - ks
-            gq, gk, gv = cudnn_backward_batched(
-                band_view(q, qs, n, r, r), band_view(k, ks, n, r, kw), band_view(v, ks, n, r, kw),
-                band_view(out, qs, n, r, r), lse[qs:qe].view(n, r, -1), band_view(dout, qs, n, r, r), scale, causal)
+            r = (qe - qs) // n
             dq[qs:qe].view(n, r, *dq.shape[1:]).add_(gq)
             _fold_add(dk, gk, ks, r)
             _fold_add(dv, gv, ks, r)
+        if acc is not None:
+            return acc
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -302,6 +302,72 @@ def test_band_squares_direct_with_gaps(monkeypatch, dtype):
     assert bool((out[:8] == 0).all()) and bool((out[40:] == 0).all())
 
 
+BACKWARD_INTO_CASES = {
+    # (tiles, sq, sk, backend kwargs, what runs): pieces and a Triton rest / one dense tile / band pieces
+    "pieces+rest": (TILES, 56, 80, {}, "cudnn+triton"),
+    "one_piece": (torch.tensor([[0, 24, 0, 40, FULL]], dtype=torch.int32), 24, 40, {}, "cudnn"),
+    "band": (torch.tensor([[0, 8, 0, 8, CAUSAL], [8, 70, 8, 120, BI_CAUSAL]], dtype=torch.int32), 70, 120,
+             {"band_chunk": 16}, "cudnn+triton"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BACKWARD_INTO_CASES))
+@pytest.mark.parametrize("strided", [False, True])
+def test_backward_into_adds_to_running_sums(monkeypatch, case, strided):
+    """backward_into adds the gradients into given float32 running sums (already holding other stages'
+    sums; strided: the dK and dV halves of one [rows, 2*Hkv, D] buffer, as the staged runtime passes them)
+    and equals running sums + the fp64 reference's gradients; the cuDNN pieces still run."""
+    install_fake(monkeypatch)
+    tiles, sq, sk, kw, path = BACKWARD_INTO_CASES[case]
+    be = backend(**kw)
+    q, k, v, do = _data(sq, sk, seed=6)
+    prep = be.prepare(tiles, sq, sk)
+    out_r, lse_r, dq_r, dk_r, dv_r = reference(q, k, v, dense_mask(tiles, sq, sk), 0.3, do)
+    out, lse = be.forward(q, k, v, prep, 0.3)
+    g = torch.Generator().manual_seed(1)
+    dq0 = torch.randn(q.shape, generator=g)
+    dkv0 = torch.randn(sk, 2 * k.shape[1], k.shape[2], generator=g)
+    dq = dq0.clone()
+    dkv = dkv0.clone()
+    hkv = k.shape[1]
+    dk, dv = (dkv[:, :hkv], dkv[:, hkv:]) if strided else (dkv[:, :hkv].contiguous(), dkv[:, hkv:].contiguous())
+    CALLS.clear()
+    res = be.backward_into(q, k, v, out, lse, do, prep, 0.3, None, dq, dk, dv)
+    assert res[0] is dq and res[1] is dk and res[2] is dv
+    assert be.last_path == path and CALLS and all(c[0].startswith("bwd") for c in CALLS), (be.last_path, CALLS)
+    for got, before, ref in ((dq, dq0, dq_r), (dk, dkv0[:, :hkv], dk_r), (dv, dkv0[:, hkv:], dv_r)):
+        assert (got.double() - before.double() - ref).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="dq must be a float32/float64 tensor"):
+        be.backward_into(q, k, v, out, lse, do, prep, 0.3, None, dq.bfloat16(), dk, dv)
+
+
+def test_backward_into_cudnn_failure_adds_nothing_twice(monkeypatch):
+    """A cuDNN call that fails after another piece's succeeded leaves the running sums untouched; the
+    whole call then runs on Triton (once) and the fast path is switched off with the error kept."""
+    install_fake(monkeypatch)
+    n = {"calls": 0}
+
+    def flaky(*a, **k):
+        n["calls"] += 1
+        if n["calls"] == 2:
+            raise RuntimeError("cuDNN: no engine for this shape")
+        return fake_cudnn_backward(*a, **k)
+
+    monkeypatch.setattr(tb, "cudnn_backward", flaky)
+    be = backend()
+    sq, sk = 56, 80
+    q, k, v, do = _data(sq, sk, seed=7)
+    prep = be.prepare(TILES, sq, sk)
+    assert len(prep.dense_plan) == 2
+    _, _, dq_r, dk_r, dv_r = reference(q, k, v, dense_mask(TILES, sq, sk), 0.3, do)
+    out, lse = be.forward(q, k, v, prep, 0.3)
+    dq, dk, dv = torch.ones(q.shape), torch.ones(k.shape), torch.ones(v.shape)
+    be.backward_into(q, k, v, out, lse, do, prep, 0.3, None, dq, dk, dv)
+    assert n["calls"] == 2 and be.last_path == "triton" and "no engine" in be.fast_path_error
+    for got, ref in ((dq, dq_r), (dk, dk_r), (dv, dv_r)):
+        assert (got.double() - 1 - ref).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("strided", [False, True])
 def test_accumulate_stages_in_place(monkeypatch, strided):
     """Keys split in two stages (one a single dense tile, one with pieces + rest) accumulated into one

@@ -206,11 +206,17 @@ def _order_case(rank, world):
 
 
 class _AccumulatingReference:
-    """The reference backend plus an accumulating forward (the Triton backend's interface), so the
-    runtime's in-kernel merge path is exercised on CPU."""
+    """The reference backend plus an accumulating forward and a backward into running sums (the Triton
+    backend's interface), so the runtime's in-kernel merge and in-place gradient sums run on CPU."""
 
     def __init__(self, inner):
-        self.inner, self.name, self.calls = inner, "reference+accumulate", 0
+        self.inner, self.name, self.calls, self.into_calls = inner, "reference+accumulate", 0, 0
+
+    def backward_into(self, q, k, v, out, lse, dout, prepared, scale, delta, dq, dk, dv):
+        self.into_calls += 1
+        for acc, g in zip((dq, dk, dv), self.inner.backward(q, k, v, out, lse, dout, prepared, scale, delta)):
+            acc += g
+        return dq, dk, dv
 
     def prepare(self, *a):
         return self.inner.prepare(*a)
@@ -253,7 +259,7 @@ def _accumulate_case(rank, world):
         out, _ = mcp.attention(*ls, plan, group, softmax_scale=0.3, stages=3)
         ids = torch.from_numpy(plan.local_ids(rank))
         (out.double() * do[ids]).sum().backward()
-        assert rt.backend.calls > 0
+        assert rt.backend.calls > 0 and rt.backend.into_calls > 0
         res[name] = max(float((a.detach().double() - b.detach()).abs().max())
                         for a, b in ((out, o_ref[ids]), (ls[0].grad, qr.grad[ids]), (ls[1].grad, kr.grad[ids])))
     return res

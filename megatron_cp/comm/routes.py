@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -64,10 +65,23 @@ class DeviceRoute:
     b_send_counts: list | None
     b_recv_counts: list | None
     out_idx: torch.Tensor
+    # the stage buffer is the received rows as they arrive (out_idx = arange): cast receives into it and
+    # reduce sends from a gradient accumulated in it (``grad_buffer``), no gather and no scatter
+    out_identity: bool = False
+    # out_idx is a permutation (every received row placed once): the inverse permutation, with which
+    # reduce gathers a gradient into arrival order instead of scattering it by index_add
+    out_inv: torch.Tensor | None = None
 
     @classmethod
     def from_route(cls, r, device) -> "DeviceRoute":
         t = lambda a: None if a is None else torch.from_numpy(a).to(device)  # noqa: E731
+        out = np.asarray(r.out_idx, dtype=np.int64) - r.n_local
+        n_cat = int(sum(r.a_recv_counts)) + (int(sum(r.b_recv_counts)) if r.b_recv_counts is not None else 0)
+        identity = len(out) == n_cat and bool(np.array_equal(out, np.arange(n_cat)))
+        inv = None
+        if not identity and len(out) == n_cat and n_cat and len(np.unique(out)) == n_cat:
+            inv = np.empty(n_cat, dtype=np.int64)
+            inv[out] = np.arange(n_cat)
         return cls(
             n_local=r.n_local,
             a_send_idx=t(r.a_send_idx),
@@ -76,7 +90,9 @@ class DeviceRoute:
             b_send_idx=None if r.b_send_idx is None else t(r.b_send_idx - r.n_local),
             b_send_counts=None if r.b_send_counts is None else list(r.b_send_counts),
             b_recv_counts=None if r.b_recv_counts is None else list(r.b_recv_counts),
-            out_idx=t(r.out_idx - r.n_local),
+            out_idx=t(out),
+            out_identity=identity,
+            out_inv=t(inv),
         )
 
     @property
@@ -119,11 +135,11 @@ def cast_steps(x_local: torch.Tensor, route: DeviceRoute, group, out: torch.Tens
     x_local: [n_local, ...] contiguous. Yields after issuing each phase; finished when exhausted.
     """
     tail = tuple(x_local.shape[1:])
-    get = (lambda shape, t: pool.get(shape, x_local.dtype, x_local.device, (tag, t))) if pool else (
-        lambda shape, t: x_local.new_empty(shape))
+    get = _get(pool, x_local, x_local.dtype, tag)
     send = get((len(route.a_send_idx),) + tail, "a_send")
     torch.index_select(x_local, 0, route.a_send_idx, out=send)
-    cat = get((route.n_a + route.n_b,) + tail, "cat")
+    # rows arriving in stage order land in ``out`` itself
+    cat = out if route.out_identity else get((route.n_a + route.n_b,) + tail, "cat")
     recv_a = cat[: route.n_a]
     work = _a2a_async(recv_a, send, route.a_send_counts, route.a_recv_counts, group)
     yield
@@ -134,20 +150,48 @@ def cast_steps(x_local: torch.Tensor, route: DeviceRoute, group, out: torch.Tens
         work = _a2a_async(cat[route.n_a :], send_b, route.b_send_counts, route.b_recv_counts, group)
         yield
         work.wait()
-    torch.index_select(cat, 0, route.out_idx, out=out)
+    if not route.out_identity:
+        torch.index_select(cat, 0, route.out_idx, out=out)
+
+
+def _get(pool: BufferPool | None, like: torch.Tensor, dtype, tag):
+    return (lambda shape, t: pool.get(shape, dtype, like.device, (tag, t))) if pool else (
+        lambda shape, t: like.new_empty(shape, dtype=dtype))
+
+
+def grad_buffer(route: DeviceRoute, tail: tuple, dtype, device, pool: BufferPool | None, tag) -> torch.Tensor:
+    """A zeroed [buf_len, *tail] buffer of ``dtype`` to accumulate a stage's gradient rows in (stage order)
+    before ``reduce_steps(buffer, route, ..., tag)``: with ``out_identity`` that call's own send buffer
+    (the same pool slot), so the reduce sends it as it is."""
+    n = len(route.out_idx)
+    if route.out_identity and pool is not None:
+        buf = pool.get((n,) + tuple(tail), dtype, device, (tag, "g_cat"))
+    elif pool is not None:
+        buf = pool.get((n,) + tuple(tail), dtype, device, (tag, "grad"))
+    else:
+        buf = torch.empty((n,) + tuple(tail), dtype=dtype, device=device)
+    return buf.zero_()
 
 
 def reduce_steps(grad: torch.Tensor, route: DeviceRoute, group, d_local: torch.Tensor, pool: BufferPool | None, tag):
     """GroupReduce generator (adjoint of ``cast_steps``): adds the stage's gradient rows ``grad``
     ([buf_len, ...], stage order) into their owners' ``d_local`` ([n_local, ...], accumulated in place,
-    any float dtype). Relays pre-reduce their node's rows before they cross nodes."""
+    any float dtype). Relays pre-reduce their node's rows before they cross nodes. ``grad`` from
+    ``grad_buffer`` with ``d_local``'s dtype is sent without a copy when the stage order is the arrival
+    order, and gathered into arrival order when it is a permutation of it; otherwise scattered by adds."""
     tail = tuple(grad.shape[1:])
     acc = d_local.dtype
-    get = (lambda shape, t: pool.get(shape, acc, grad.device, (tag, t))) if pool else (
-        lambda shape, t: grad.new_empty(shape, dtype=acc))
+    get = _get(pool, grad, acc, tag)
     g_cat = get((route.n_a + route.n_b,) + tail, "g_cat")
-    g_cat.zero_()
-    g_cat.index_add_(0, route.out_idx, grad.to(acc))
+    if route.out_identity and grad.data_ptr() == g_cat.data_ptr() and grad.dtype == acc:
+        pass  # accumulated in the send buffer itself
+    elif route.out_identity:
+        g_cat.copy_(grad)
+    elif route.out_inv is not None:
+        torch.index_select(grad.to(acc), 0, route.out_inv, out=g_cat)
+    else:
+        g_cat.zero_()
+        g_cat.index_add_(0, route.out_idx, grad.to(acc))
     na = route.n_a
     if route.b_send_idx is not None:
         back_b = get((len(route.b_send_idx),) + tail, "b_back")

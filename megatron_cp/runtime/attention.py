@@ -9,7 +9,9 @@ Staged path (default): the schedule (``planner.schedule``) splits the remote key
 by the cost model; the GroupCast of stage ``s + 1`` is in flight while the kernel computes stage ``s``
 (own keys first), and stage outputs are merged by LSE. Backward computes the remote stages first and
 GroupReduces each one's dK/dV while the next stage computes, ending with the own-key stage so the
-last reduce hides behind it. Remote K/V are kept from forward (no second cast). Forward, a stage's
+last reduce hides behind it; the backend adds every stage's gradients into fp32 running sums in place
+(``backward_into``: one dQ, the own keys' dK|dV, and each remote stage's dK|dV in the buffer its reduce
+sends from, ``comm.grad_buffer``). Remote K/V are kept from forward (no second cast). Forward, a stage's
 kernel is queued ``comm_lead_us`` (default 20 us) after the next stage's all-to-all, so that NCCL's kernel
 reaches the multiprocessors before the attention kernel fills them (``comm.comm_lead``). With a multi-node
 ``plan.topology``, routes are hierarchical (one crossing per destination node). ``stages=0`` is the
@@ -36,7 +38,7 @@ import torch
 from .. import kernels
 from ..kernels.rows import reduce_rows
 from ..comm import (COMM_LEAD_US, BufferPool, DeviceRoute, all_to_all_v, cast_steps, check_same_on_all_ranks, comm_lead,
-                    reduce_steps)
+                    grad_buffer, reduce_steps)
 from ..masks.geometry import KINDS
 from ..planner import Plan
 from ..planner.early import early_split
@@ -329,6 +331,9 @@ def _staged_runtime(plan: Plan, sched: Schedule, rank: int, device, backend_arg)
                 prepared.append(backend.prepare(tiles, plan.num_local(rank), max(st.buf_len, 1)))
             else:
                 prepared.append(None)
+        idle = [i for i, st in enumerate(stages) if i > 0 and len(st.tiles) and not sched.active[i - 1]]
+        if idle:  # its keys would never arrive (and its backward has no reduce to join)
+            raise RuntimeError(f"rank {rank}: stages {idle} have tiles but exchange nothing (schedule bug)")
         rt = _StagedRuntime(
             s_local=plan.num_local(rank),
             backend=backend,
@@ -408,28 +413,25 @@ class _StagedAttention(torch.autograd.Function):
             kv = bufs[0]
             pend, dk_g, dv_g = guests.start_backward(ctx.gr, rt.backend, gq, kv[:, :hkv], kv[:, hkv:], out, lse,
                                                      dout, dlse, group, ctx.scale)
+        # running sums in fp32 (fp64): dq, the own keys' dK|dV, and each remote stage's dK|dV in the buffer
+        # its GroupReduce sends from (comm.grad_buffer); the backend adds into them (``backward_into``)
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         d_local = torch.zeros(bufs[0].shape, dtype=cdt, device=q.device)
         pending = []
         for s in list(range(1, n + 1)) + [0]:  # remote stages first; own keys hide the last reduce
             b = bufs[s]
-            if rt.prepared[s] is not None:
-                dq_s, dk_s, dv_s = rt.backend.backward(
-                    q, b[:, :hkv], b[:, hkv:], out, lse, dout, rt.prepared[s], ctx.scale, delta
-                )
-                dq += dq_s
-                dkv = torch.cat([dk_s, dv_s], dim=1)
-            else:
-                dkv = None
+            remote = s > 0 and rt.active[s]
+            tag = ("reduce", s % 3)
+            # (a slot is reused three stages later, when the reduce that last used it has finished)
+            dkv = d_local if s == 0 else grad_buffer(rt.routes[s], b.shape[1:], cdt, b.device, rt.pool, tag) \
+                if remote else None
+            if rt.prepared[s] is not None and dkv is not None:
+                _backward_into(rt.backend, q, b, out, lse, dout, rt.prepared[s], ctx.scale, delta, dq, dkv, hkv)
             for g in list(pending):  # advance in-flight reduces by one phase
                 if next(g, StopIteration) is StopIteration:
                     pending.remove(g)
-            if s == 0:
-                if dkv is not None:
-                    d_local += dkv
-            elif rt.active[s]:
-                grad = dkv if dkv is not None else b.new_zeros(b.shape)
-                g = reduce_steps(grad, rt.routes[s], group, d_local, rt.pool, ("reduce", s % 3))
+            if remote:  # every rank joins a stage's reduce, with zeros when it computed nothing there
+                g = reduce_steps(dkv, rt.routes[s], group, d_local, rt.pool, tag)
                 next(g)
                 pending.append(g)
         for g in pending:
@@ -442,6 +444,20 @@ class _StagedAttention(torch.autograd.Function):
                 d_local[:, hkv:] += dv_g
         d_local = d_local.to(q.dtype)
         return dq.to(q.dtype), d_local[:, :hkv], d_local[:, hkv:], None, None, None, None, None
+
+
+def _backward_into(be, q, kv, out, lse, dout, prepared, scale, delta, dq, dkv, hkv):
+    """One stage's gradients added into the running sums dq and dkv ([rows, 2*Hkv, D]: dK then dV) by a
+    backend's ``backward_into``, or by ``backward`` and adds for backends without it."""
+    k, v, dk, dv = kv[:, :hkv], kv[:, hkv:], dkv[:, :hkv], dkv[:, hkv:]
+    into = getattr(be, "backward_into", None)
+    if into is not None:
+        into(q, k, v, out, lse, dout, prepared, scale, delta, dq, dk, dv)
+        return
+    gq, gk, gv = be.backward(q, k, v, out, lse, dout, prepared, scale, delta)
+    dq += gq
+    dk += gk
+    dv += gv
 
 
 def attention(
