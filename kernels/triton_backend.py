@@ -197,6 +197,14 @@ def configs_from_json(obj: dict) -> dict:
     return out
 
 
+def _check_call(q, k, v, prepared) -> None:
+    """``_check_qkv`` and the lengths ``prepared`` was built for."""
+    _check_qkv(q, k, v)
+    if q.shape[0] != prepared.seqlen_q or k.shape[0] != prepared.seqlen_k:
+        raise ValueError(f"q/k lengths {q.shape[0]}/{k.shape[0]} differ from the prepared "
+                         f"{prepared.seqlen_q}/{prepared.seqlen_k}")
+
+
 def _check_qkv(q, k, v):
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [s, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -280,6 +288,10 @@ class TritonBackend:
         return c
 
     _fast_failed = False
+
+    def _fast_off(self, e: Exception) -> None:
+        """A cuDNN path failed: off for this backend from now on, the reason kept."""
+        self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
     fast_path_error = None  # why the dense fast path was switched off, if it was
     last_path = None  # "cudnn" or "triton": what the last forward/backward call ran
 
@@ -369,21 +381,21 @@ class TritonBackend:
                 self.last_path = "cudnn"
                 return o.to(odt), lse
             except Exception as e:  # noqa: BLE001  e.g. no cuDNN for this shape/version: Triton from now on
-                self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
+                self._fast_off(e)
         if self._general(q, prepared, True) and prepared.fwd_direct:
             try:
                 out, lse = self._direct_forward(q, k, v, prepared, self._scale(softmax_scale, q), odt)
                 self.last_path = "cudnn+triton" if prepared.fwd_rest is not None else "cudnn"
                 return out, lse
             except Exception as e:  # noqa: BLE001
-                self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
+                self._fast_off(e)
         if self._general(q, prepared, True):
             try:
                 acc, lse = self._dense_forward(q, k, v, prepared, self._scale(softmax_scale, q))
                 self.last_path = "cudnn+triton" if prepared.forward_parts()[1] is not None else "cudnn"
                 return acc.to(odt), lse
             except Exception as e:  # noqa: BLE001
-                self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
+                self._fast_off(e)
         self.last_path = "triton"
         out = torch.empty(q.shape, device=q.device, dtype=odt)
         lse = torch.empty(q.shape[0], q.shape[1], device=q.device, dtype=torch.float32)
@@ -417,7 +429,7 @@ class TritonBackend:
             except Exception as e:  # noqa: BLE001
                 if done:  # falling back now would count the merged pieces twice
                     raise RuntimeError("dense-tile forward failed after a partial in-place merge") from e
-                self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
+                self._fast_off(e)
         self.last_path = "triton"
         self._forward(q, k, v, prepared, softmax_scale, out, lse, accumulate=True)
         return out, lse
@@ -428,10 +440,8 @@ class TritonBackend:
         one. With a running pair the cuDNN pieces go first and the Triton rest merges inside its kernel
         (accumulating launch, no extra pass); ``progress`` (a list) gets one entry per merge done, so a
         caller can tell whether a failure left the running pair partly merged."""
-        _check_qkv(q, k, v)
+        _check_call(q, k, v, prepared)
         sq, hq, d = q.shape
-        if sq != prepared.seqlen_q or k.shape[0] != prepared.seqlen_k:
-            raise ValueError(f"q/k lengths {sq}/{k.shape[0]} differ from the prepared {prepared.seqlen_q}/{prepared.seqlen_k}")
         plan, rest = prepared.forward_parts()
         rest_left = rest is not None
         if acc is None:
@@ -469,10 +479,8 @@ class TritonBackend:
     def _direct_forward(self, q, k, v, prepared, scale, odt):
         """Band-square pairs written straight into out (``odt``) by one fresh merge each; the Triton rest,
         row-disjoint from them, writes its rows first (every row: its launch visits every block)."""
-        _check_qkv(q, k, v)
+        _check_call(q, k, v, prepared)
         sq, hq, d = q.shape
-        if sq != prepared.seqlen_q or k.shape[0] != prepared.seqlen_k:
-            raise ValueError(f"q/k lengths {sq}/{k.shape[0]} differ from the prepared {prepared.seqlen_q}/{prepared.seqlen_k}")
         out = torch.empty(q.shape, device=q.device, dtype=odt)
         lse = torch.empty(sq, hq, device=q.device, dtype=torch.float32)
         plan, rest = prepared.forward_parts()
@@ -489,11 +497,8 @@ class TritonBackend:
         return out, lse
 
     def _forward(self, q, k, v, prepared, softmax_scale, out, lse, accumulate):
-        _check_qkv(q, k, v)
+        _check_call(q, k, v, prepared)
         sq, hq, d = q.shape
-        sk, hkv = k.shape[0], k.shape[1]
-        if sq != prepared.seqlen_q or sk != prepared.seqlen_k:
-            raise ValueError(f"q/k lengths {sq}/{sk} differ from the prepared {prepared.seqlen_q}/{prepared.seqlen_k}")
         if sq == 0:
             return
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
@@ -513,11 +518,9 @@ class TritonBackend:
         delta [sq, Hq] fp32 = rowsum(dout * out) - dlse (computed from out, dout when None).
         ``grad_dtype``: the Triton kernels' gradient dtype when not q's (float32 for callers that add
         further partial gradients; the cuDNN paths return q's dtype)."""
-        _check_qkv(q, k, v)
+        _check_call(q, k, v, prepared)
         sq, hq, d = q.shape
         sk, hkv = k.shape[0], k.shape[1]
-        if sq != prepared.seqlen_q or sk != prepared.seqlen_k:
-            raise ValueError(f"q/k lengths {sq}/{sk} differ from the prepared {prepared.seqlen_q}/{prepared.seqlen_k}")
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
         if delta is None and self._fast(q, prepared):
             try:
@@ -525,7 +528,7 @@ class TritonBackend:
                 self.last_path = "cudnn"
                 return res
             except Exception as e:  # noqa: BLE001
-                self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
+                self._fast_off(e)
         if self._general(q, prepared):
             # cuDNN computes delta = rowsum(dout * out) itself: usable only when the given delta is that
             # (no LSE gradient); checked bitwise against the same fp32 computation, else Triton for all
@@ -540,7 +543,7 @@ class TritonBackend:
                     self.last_path = "cudnn+triton" if prepared.rest is not None else "cudnn"
                     return res
                 except Exception as e:  # noqa: BLE001
-                    self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
+                    self._fast_off(e)
         self.last_path = "triton"
         # head-major lse / delta: the kernels' per-block row reads are then contiguous
         delta = row_delta(out, dout) if delta is None else head_major(delta)
@@ -586,10 +589,7 @@ class TritonBackend:
         what the staged runtime sums its stages' gradients in. The cuDNN pieces' gradients add straight
         into them (no conversion to q's dtype and back, no rounding of a stage's partial sums); Triton's go
         through a float32 result. Returns (dq, dk, dv)."""
-        _check_qkv(q, k, v)
-        if q.shape[0] != prepared.seqlen_q or k.shape[0] != prepared.seqlen_k:
-            raise ValueError(f"q/k lengths {q.shape[0]}/{k.shape[0]} differ from the prepared "
-                             f"{prepared.seqlen_q}/{prepared.seqlen_k}")
+        _check_call(q, k, v, prepared)
         for name, acc, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
             if acc.shape != like.shape or not acc.is_floating_point() or acc.element_size() < 4:
                 raise ValueError(f"{name} must be a float32/float64 tensor of shape {tuple(like.shape)}, "
@@ -602,7 +602,7 @@ class TritonBackend:
                 self.last_path = "cudnn+triton" if prepared.dense is None and prepared.rest is not None else "cudnn"
                 return dq, dk, dv
             except Exception as e:  # noqa: BLE001
-                self._fast_failed, self.fast_path_error = True, f"{type(e).__name__}: {e}"[:300]
+                self._fast_off(e)
         for acc, g in zip((dq, dk, dv), self.backward(q, k, v, out, lse, dout, prepared, scale, delta,
                                                         grad_dtype=torch.float32)):
             acc += g

@@ -419,3 +419,18 @@ def test_staged_runtime_routes_dense_stages_to_cudnn():
     from test_attention_dist import _check
 
     _check(run_ranks(_dist_case, 2))
+
+
+def test_calls_with_other_lengths_than_prepared_raise():
+    """forward, backward and backward_into check q/k against the lengths the tile list was prepared for."""
+    be = backend()
+    q, k, v, do = _data(56, 80)
+    prep = be.prepare(TILES, 56, 80)
+    out, lse = be.forward(q, k, v, prep, 0.3)
+    short = (q[:50], k, v)
+    for call in (lambda: be.forward(*short, prep, 0.3),
+                 lambda: be.backward(*short, out[:50], lse[:50], do[:50], prep, 0.3),
+                 lambda: be.backward_into(*short, out[:50], lse[:50], do[:50], prep, 0.3, None,
+                                          torch.zeros(50, 4, 16), torch.zeros(k.shape), torch.zeros(v.shape))):
+        with pytest.raises(ValueError, match="q/k lengths 50/80 differ from the prepared 56/80"):
+            call()
