@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import numpy as np
 
-KINDS = ("full", "causal", "inv_causal", "bi_causal")
-KIND_CODE = {k: c for c, k in enumerate(KINDS)}
-# (lo slope, hi slope) -> kind code, and back
-_SLOPES_TO_KIND = {(0, 0): 0, (0, 1): 1, (1, 0): 2, (1, 1): 3}
+from ..kinds import KIND_NAMES as KINDS, Kind
+
+KIND_CODE = {k: Kind(c) for c, k in enumerate(KINDS)}
+# (lo slope, hi slope) -> kind, and back
+_SLOPES_TO_KIND = {(0, 0): Kind.FULL, (0, 1): Kind.CAUSAL, (1, 0): Kind.INV_CAUSAL, (1, 1): Kind.BI_CAUSAL}
 _KIND_TO_SLOPES = {v: k for k, v in _SLOPES_TO_KIND.items()}
 
 Q0, Q1, LO_A, LO_S, HI_A, HI_S = range(6)

@@ -2,8 +2,10 @@
 
 import torch
 
-FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = 0, 1, 2, 3
-KIND_CODES = {"full": FULL, "causal": CAUSAL, "inv_causal": INV_CAUSAL, "bi_causal": BI_CAUSAL}
+from ..kinds import KIND_NAMES, Kind
+
+FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = Kind.FULL, Kind.CAUSAL, Kind.INV_CAUSAL, Kind.BI_CAUSAL
+KIND_CODES = {name: Kind(c) for c, name in enumerate(KIND_NAMES)}
 
 
 def check_tiles(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int) -> None:

@@ -1,4 +1,4 @@
-"""Attention kernels over tile lists (importable as ``megatron_cp.kernels``).
+"""Attention kernels over tile lists.
 
 This package depends on torch (and triton for the fast backends) only; it never imports the rest of
 megatron_cp, so it can be tested and benchmarked on its own.
