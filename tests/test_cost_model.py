@@ -1,5 +1,6 @@
-"""Cost model: its restated kernel rules (dense split, rest list, visited blocks, row class) match the
-kernel code, the classes use their own fits, and stage choice respects the dense path."""
+"""Cost model: it prices what the kernels run (their own split into cuDNN pieces and Triton rest, their
+row class; its visited-block counts match the kernels' block schedule), the classes use their own fits,
+and the exchange choice respects the dense path."""
 
 import importlib.util
 import json
@@ -10,11 +11,12 @@ import pytest
 import torch
 
 import megatron_cp as mcp
-from megatron_cp.kernels.dense_tiles import split_band_squares, split_dense
+from megatron_cp.kernels.pieces import row_class as kernel_row_class, split_pieces
 from megatron_cp.masks import builders as M
-from megatron_cp.planner.cost import (CostModel, Workload, band_pairs_direct, band_square_pieces, band_square_rest,
-                                      block_counts, dense_pieces, dense_rest, row_block_entries, tile_areas)
-from megatron_cp.planner.schedule import choose_num_stages, clip_tiles
+from megatron_cp.masks.geometry import traps_to_tiles as clip_tiles
+from megatron_cp.planner import Workload
+from megatron_cp.runtime.cost import CostModel, block_counts, row_block_entries, tile_areas
+from megatron_cp.runtime.schedule import choose_num_stages
 
 
 def _random_tiles(rng, n):
@@ -26,47 +28,46 @@ def _random_tiles(rng, n):
     return np.array(out, dtype=np.int64)
 
 
-# (min_rows, min_keys, band_chunk, band_min_keys): band_chunk 0 keeps bands on Triton
-RULES = ((1, 1, 0, 1), (16, 32, 8, 20), (64, 64, 16, 8), (100, 250, 32, 40), (16, 32, 0, 20))
+def _pieces(tiles, **kw):
+    return split_pieces(torch.tensor(np.asarray(tiles).tolist(), dtype=torch.int32).reshape(-1, 5), **kw)
 
 
-def _kernel_calls(dense):
-    """split_dense's pieces as sorted (rows, keys, causal, batch, cells) of each call."""
-    out = []
-    for a, b, x, y, causal, n in dense:
-        rows, keys = (b - a) // n, y - x
-        cells = n * float(tile_areas(np.array([[0, rows, 0, keys, 1 if causal else 0]]))[0][0])
-        out.append((float(rows), float(keys), bool(causal), float(n), cells))
-    return sorted(out)
+@pytest.mark.parametrize("rule", [(1, 1, 0), (16, 32, 8), (64, 64, 16), (100, 250, 0)])
+def test_the_model_prices_the_kernels_own_split(rule):
+    """One split of tiles into kernel pieces, the kernels': the model's Triton rest and cuDNN pieces are
+    ``kernels.pieces.split_pieces``' (forward with band squares, backward without), and the pieces' cells
+    and the rest's add up to the list's."""
+    min_rows, min_keys, squares = rule
+    m = CostModel(dense_min_rows=min_rows, dense_min_keys=min_keys, band_squares=squares)
+    rng = np.random.default_rng(sum(rule))
+    seen = 0
+    for _ in range(60):
+        tiles = _random_tiles(rng, int(rng.integers(1, 6)))
+        for backward in (False, True):
+            p = _pieces(tiles, min_rows=min_rows, min_keys=min_keys, band_squares=squares, forward=not backward)
+            got = m.rest_tiles(tiles, backward)
+            assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, p.rest.tolist()))
+            pieces, rest, _ = m._pieces(tiles, backward, 1)
+            cells = 0.0 if pieces is None else float(pieces[2].sum())
+            assert cells + float(tile_areas(rest)[0].sum()) == float(tile_areas(tiles)[0].sum())
+            assert (pieces is None) == (len(p.cudnn) == 0)
+            seen += pieces is not None
+    assert seen > 10
 
 
-def test_dense_pieces_match_kernel_split():
-    rng = np.random.default_rng(0)
-    seen_band = 0
-    for rule in RULES:
-        tiles = _random_tiles(rng, 400)
-        for t in tiles:
-            dense, _ = split_dense(torch.tensor([t.tolist()], dtype=torch.int32), *rule)
-            rows, keys, cells, causal, batch = dense_pieces(t[None], *rule)
-            got = sorted(zip(rows.tolist(), keys.tolist(), causal.tolist(), batch.tolist(), cells.tolist()))
-            assert got == _kernel_calls(dense), (t, rule, got, dense)
-            seen_band += any(n > 1 for *_, n in dense)
-    assert seen_band > 50
-
-
-def test_dense_rest_matches_kernel_split():
-    rng = np.random.default_rng(1)
-    for rule in RULES:
-        tiles = _random_tiles(rng, 300)
-        for t in tiles:
-            _, rest = split_dense(torch.tensor([t.tolist()], dtype=torch.int32), *rule)
-            got = dense_rest(t[None], *rule)
-            assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, rest.tolist())), (t, got, rest)
-        # the whole list at once: the same multiset, sorted by (q0, k0)
-        _, rest = split_dense(torch.tensor(tiles, dtype=torch.int32), *rule)
-        got = dense_rest(tiles, *rule)
-        assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, rest.tolist()))
-        assert np.all(np.diff(got[:, 0]) >= 0)
+def test_the_models_row_class_is_the_kernels():
+    """The class of a Triton list is the kernels' (``kernels.pieces.row_class``); a model without numbers
+    for a class falls back (blocky -> short -> long)."""
+    s = 8192
+    lists = {"long": M.causal(s), "short": M.sliding_window(s, 512, 0), "blocky": M.strided(s, 512, 4, local_blocks=1)}
+    full = CostModel(short_fwd_tflops=1.0, blocky_fwd_tflops=1.0)
+    no_blocky = CostModel(short_fwd_tflops=1.0)
+    plain = CostModel()
+    for want, mask in lists.items():
+        tiles = mcp.plan(mask, 1).ranks[0].tiles
+        assert kernel_row_class(torch.from_numpy(tiles)) == want == full.row_class(tiles)
+        assert no_blocky.row_class(tiles) == ("short" if want == "blocky" else want)
+        assert plain.row_class(tiles) == "long"
 
 
 @pytest.mark.parametrize("bm,bn", [(128, 64), (64, 64), (32, 16), (16, 32)])
@@ -139,32 +140,6 @@ def test_p2p_time_interpolates_two_measured_sizes():
     assert one.p2p_time(2e9) == pytest.approx(2 * one.p2p_time(1e9))
 
 
-def test_row_class_matches_backend():
-    """The model's class of a Triton list is the one the backend's prepare() picks ("long" / "short" /
-    "blocky"), on benchmark-like lists of every class and on random ones."""
-    from megatron_cp.kernels.triton_backend import BLOCKY_FULL_FRACTION, TritonBackend, TritonConfig
-    from megatron_cp.kernels.triton_schedule import covered_rows
-
-    be = TritonBackend(TritonConfig(dense_tiles=False))
-    model = CostModel(short_fwd_tflops=1.0, blocky_fwd_tflops=1.0)
-    assert model.blocky_full_fraction == BLOCKY_FULL_FRACTION
-    s = 8192
-    lists = {"long": M.causal(s), "short": M.sliding_window(s, 512, 0), "blocky": M.strided(s, 512, 4, local_blocks=1)}
-    seen = set()
-    rng = np.random.default_rng(3)
-    cases = [(name, mcp.plan(m, 1).ranks[0].tiles) for name, m in lists.items()]
-    cases += [(None, _random_tiles(rng, int(rng.integers(1, 40))) * [8, 8, 8, 8, 1]) for _ in range(40)]
-    for want, tiles in cases:
-        tt = torch.tensor(tiles, dtype=torch.int32)
-        sq, sk = int(tiles[:, 1].max()), int(tiles[:, 3].max())
-        got = be.prepare(tt, sq, sk, head_dims=(128,)).row_class
-        mine = model.row_class(tiles, float(tile_areas(tiles)[0].sum()), covered_rows(tt))
-        assert mine == got, (tiles, mine, got)
-        assert want is None or got == want
-        seen.add(got)
-    assert seen == {"long", "short", "blocky"}
-
-
 def test_dense_path_changes_kernel_time_and_stage_choice():
     work = Workload(32, 8, 128, 2)
     full = np.array([[0, 16384, 0, 65536, 0]])
@@ -192,30 +167,31 @@ def test_dense_path_changes_kernel_time_and_stage_choice():
 
 
 def test_single_exchange_chosen_when_little_moves():
-    """choose_stages: packed short documents move a few boundary rows: one exchange and one kernel
+    """choose_schedule: packed short documents move a few boundary rows: one exchange and one kernel
     call beat the staged path's extra passes; a dense mask on slow links is staged (overlap pays)."""
-    from megatron_cp.planner.schedule import choose_stages, predict_single, schedule
+    from megatron_cp.runtime.schedule import choose_schedule, predict_single, schedule
 
     work = Workload(32, 8, 128, 2)
     model = CostModel(intra_gbps=300.0)
     docs = mcp.plan(M.varlen(list(range(0, 65536, 1000)) + [65536], causal=True), 4)
     assert max(r.num_remote for r in docs.ranks) > 0
-    assert choose_stages(docs, model, work) == 0
+    assert choose_schedule(docs, None, model, work) is None
     staged = schedule(docs, None, cost=model, work=work)
     single = predict_single(docs, model, work)
     assert single["fwd_s"] + single["bwd_s"] < staged.predicted["candidates"][staged.num_stages]
     causal = mcp.plan(M.causal(65536), 4, solver="zigzag")
-    assert choose_stages(causal, CostModel(intra_gbps=3.0, launch_us=5.0), work) >= 2
+    assert choose_schedule(causal, None, CostModel(intra_gbps=3.0, launch_us=5.0), work).num_stages >= 2
+    assert choose_schedule(causal, 0, model, work) is None and choose_schedule(causal, 3, model, work).num_stages == 3
 
 
 def test_flat_routes_on_several_nodes_pay_the_inter_node_link():
     """predict(): with flat routes (topo None) rows from another node of plan.topology still cross the
     slow link (once per receiving rank); hierarchical routes cross once per node, spread over its GPUs."""
-    from megatron_cp.planner.schedule import _stage_ids, _stage_tiles, predict, rank_traps
+    from megatron_cp.runtime.schedule import _stage_ids, _stage_tiles, predict
 
     work = Workload(32, 8, 128, 2)
     plan = mcp.plan(M.causal(8192), 4, topology=mcp.Topology(2, 2), solver="zigzag")
-    traps = [rank_traps(plan, r) for r in range(4)]
+    traps = [rp.traps for rp in plan.ranks]
     flat_ids = _stage_ids(plan, 1, None)
     flat_tiles = _stage_tiles(plan, flat_ids, traps)
     slow, fast = CostModel(inter_gbps=1.0, intra_gbps=1e4), CostModel(inter_gbps=1e4, intra_gbps=1e4)
@@ -232,9 +208,9 @@ def test_flat_routes_on_several_nodes_pay_the_inter_node_link():
 
 
 def test_short_row_class_uses_its_own_fit():
-    """A list whose mean kept keys per covered row is below long_row_keys runs the backend's short-row
-    block shapes: the model then uses the short-row peak and half-efficiency keys (when calibrated), and
-    decides the class exactly as kernels/triton_backend.py (area vs LONG_ROW_KEYS x covered rows)."""
+    """A list whose mean kept keys per covered row is below the kernels' LONG_ROW_KEYS runs the backend's
+    short-row block shapes: the model then uses the short-row peak and half-efficiency keys (when
+    calibrated)."""
     from megatron_cp.kernels.triton_backend import LONG_ROW_KEYS
     from megatron_cp.kernels.triton_schedule import covered_rows
 
@@ -242,7 +218,6 @@ def test_short_row_class_uses_its_own_fit():
                 dense_fwd_tflops=0.0)
     plain = CostModel(**base)
     fitted = CostModel(**base, short_fwd_tflops=500.0, short_bwd_tflops=450.0, short_half_keys=100.0)
-    assert fitted.long_row_keys == LONG_ROW_KEYS
     w = Workload(8, 2, 64, 2)
     flops = lambda area: 4.0 * area * 8 * 64  # noqa: E731
     # 2048 rows with 1024 keys each (short), and rows far apart (covered rows, not the span, count)
@@ -269,22 +244,22 @@ def test_short_and_blocky_classes_count_visited_blocks():
                   blocky_fwd_tflops=450.0, blocky_bwd_tflops=350.0, blocky_half_keys=50.0)
     # block-diagonal 512-blocks on 4096 rows: every 128 x 64 block full -> blocky; visited == kept cells
     bd = np.array([[i, i + 512, i, i + 512, 0] for i in range(0, 4096, 512)])
-    assert m.row_class(bd, 4096 * 512, 4096) == "blocky"
+    assert m.row_class(bd) == "blocky"
     assert m.tile_time(bd, w) == pytest.approx(pf * (4096 * 512 + 50.0 * 4096) / 450e12)
     assert m.tile_time(bd, w, True) == pytest.approx(pf * (4096 * 512 + 50.0 * 4096) / (350e12 / 2.5))  # no bwd half: fwd's
     # a 100-key band (causal window): mostly partial blocks -> short; costs its visited 64 x 64 blocks
     win = clip_tiles(M.sliding_window(4096, 100, 0).traps, None, [[0, 4096]])
     area = float(tile_areas(win)[0].sum())
-    assert m.row_class(win, area, 4096) == "short"
+    assert m.row_class(win) == "short"
     vis = float(block_counts(win, 64, 64)[0].sum()) * 64 * 64
     assert vis > 1.5 * area
     assert m.tile_time(win, w) == pytest.approx(pf * (vis + 100.0 * 4096) / 300e12)
     assert m.tile_time(win, w, True) == pytest.approx(pf * (vis + 150.0 * 4096) / (250e12 / 2.5))
     # without a blocky fit the block-diagonal list takes the short numbers; without a short fit, the long ones
     no_blocky = CostModel(**{**m.__dict__, "blocky_fwd_tflops": 0.0})
-    assert no_blocky.row_class(bd, 4096 * 512, 4096) == "short"
+    assert no_blocky.row_class(bd) == "short"
     plain = CostModel(**{**m.__dict__, "short_fwd_tflops": 0.0})
-    assert plain.row_class(win, area, 4096) == "long"
+    assert plain.row_class(win) == "long"
 
 
 def test_blocky_bands_run_at_their_own_peaks():
@@ -297,7 +272,7 @@ def test_blocky_bands_run_at_their_own_peaks():
                   blocky_bwd_half_keys=80.0, blocky_band_fwd_tflops=480.0, blocky_band_bwd_tflops=400.0)
     win = clip_tiles(M.sliding_window(16384, 2048, 0).traps, None, [[0, 16384]])
     area, n_rows = float(tile_areas(win)[0].sum()), 16384
-    assert m.row_class(win, area, n_rows) == "blocky"
+    assert m.row_class(win) == "blocky"
     assert (win[:, 4] == 3).any() and tile_areas(win[win[:, 4] == 3])[0].sum() >= 0.5 * area
     vf = float(block_counts(win, 128, 64)[0].sum()) * 128 * 64
     vb = float(block_counts(win, 64, 64)[0].sum()) * 64 * 64
@@ -311,8 +286,7 @@ def test_blocky_bands_run_at_their_own_peaks():
 
 
 def test_dense_pieces_cost_per_row_and_key_column():
-    """Dense pieces: cells + dense_half_keys x rows + dense_half_rows x keys at the dense peak; a band's
-    batched calls count their pieces' rows and key columns and run in waves over the whole batch."""
+    """Dense pieces: cells + dense_half_keys x rows + dense_half_rows x keys at the dense peak."""
     w = Workload(8, 2, 64, 2)
     pf = 4.0 * 8 * 64
     base = dict(tile_us=0.0, launch_us=0.0, dense_fwd_tflops=600.0, dense_bwd_tflops=500.0, dense_piece_us=0.0,
@@ -324,19 +298,6 @@ def test_dense_pieces_cost_per_row_and_key_column():
         assert m.tile_time(t, w, True) == pytest.approx(pf * (r * k + 700.0 * r + 50.0 * k) / (500e12 / 2.5))
         # a key split: each call runs 1 / split of the keys (the per-row term stays)
         assert m.tile_time(t, w) == pytest.approx(m.tile_time(np.array([[0, r, 0, k * 2, 0]]), w, key_split=2))
-    # a band of 4096 rows, w = 2048 (2049 keys per row), chunks of 512: 8 x (512 x 1536) full + 8 causal
-    # squares of 512 on cuDNN, the 8 INV_CAUSAL squares on Triton (long-row numbers, no short fit)
-    mb = CostModel(**{**m.__dict__, "band_chunk": 512, "band_min_keys": 1024, "num_sms": 132})
-    band = np.array([[0, 4096, 0, 4096 + 2048, 3]])
-    inv = np.array([[b, b + 512, b, b + 512, 2] for b in range(0, 4096, 512)])
-    progs = 4 * 8 * 8  # ceil(512 / 128) x 8 heads x 8 pieces: 256 programs, 2 waves of 132
-    eff = progs / (2 * 132)
-    full = (8 * 512 * 1536 + 100.0 * 1536 * 8 + 300.0 * 512 * 8) / eff
-    causal = (8 * 512 * 513 / 2 + 100.0 * 512 * 8 + 300.0 * 512 * 8) / eff
-    peak_c = mb.dense_causal_fwd_tflops * 1e12
-    assert mb.tile_time(band, w) == pytest.approx(pf * (full / 600e12 + causal / peak_c) + mb.tile_time(inv, w))
-    assert CostModel(**{**mb.__dict__, "band_chunk": 0}).tile_time(band, w) == pytest.approx(
-        CostModel(**{**m.__dict__, "dense_fwd_tflops": 0.0}).tile_time(band, w))
 
 
 def test_band_squares_cost_forward_only():
@@ -359,74 +320,25 @@ def test_band_squares_cost_forward_only():
     t_sq = 2 * pf * causal_cells / 400e12 + 2 * 5e-6 + (flips + 10.0 * elems) / (hbm * 1e9)
     assert m.tile_time(band, w, accumulate=True) == pytest.approx(t_sq + off.tile_time(tail, w))
     # the tail's rows are not the pairs': written directly, the pair's merge moves 4 bytes, not 10
-    assert band_pairs_direct(band, 1024)
+    assert _pieces(band, min_rows=512, min_keys=10**9, band_squares=1024, forward=True).direct
     t_direct = t_sq - 6.0 * elems / (hbm * 1e9)
     assert m.tile_time(band, w) == pytest.approx(t_direct + off.tile_time(tail, w))
     # another tile on the pairs' rows: accumulated, as the backend does
     other = np.array([[0, 4196, 0, 4196 + 2048, 3], [100, 200, 9000, 9100, 0]])
-    assert not band_pairs_direct(other, 1024)
+    assert not _pieces(other, min_rows=512, min_keys=10**9, band_squares=1024, forward=True).direct
     assert m.tile_time(other, w) == pytest.approx(m.tile_time(other, w, accumulate=True))
     assert m.tile_time(band, w, True) == pytest.approx(off.tile_time(band, w, True))
     assert m.rest_tiles(band).tolist() == tail.tolist() and m.rest_tiles(band, True).tolist() == band.tolist()
     # window wider than the rows (C = 1500 rows): reversed square, a 1500 x 1548 rectangle, causal square
     wide = np.array([[0, 1500, 0, 1500 + 3048, 3]])
-    rows, keys, cells, causal, batch, rev = band_square_pieces(wide, 1024)
+    (rows, keys, cells, causal, batch, rev), rest, _ = m._pieces(wide, False, 1)
     assert rows.tolist() == [1500] * 3 and keys.tolist() == [1500, 1548, 1500] and batch.tolist() == [1, 1, 1]
     assert causal.tolist() == [True, False, True] and rev.tolist() == [True, False, False]
     assert float(cells.sum()) == float(tile_areas(wide)[0].sum())
-    assert len(band_square_rest(wide, 1024)) == 0
+    assert len(rest) == 0
     # below the threshold (rows or window): unchanged
     for t in ([[0, 1000, 0, 1000 + 2048, 3]], [[0, 4096, 0, 4096 + 1000, 3]]):
         assert m.tile_time(np.array(t), w) == pytest.approx(off.tile_time(np.array(t), w))
-
-
-def test_band_square_restatement_matches_kernel_split():
-    """cost.band_square_pieces / band_square_rest restate kernels/dense_tiles.split_band_squares."""
-    rng = np.random.default_rng(5)
-    for _ in range(300):
-        sq, w = int(rng.integers(1, 300)), int(rng.integers(0, 300))
-        qs, ks = int(rng.integers(0, 50)), int(rng.integers(0, 50))
-        kind = int(rng.choice([3, 3, 3, 0, 1, 2]))
-        t = np.array([[qs, qs + sq, ks, ks + sq + w, kind]], dtype=np.int64)
-        mw = int(rng.choice([0, 16, 64]))
-        pieces, rest = split_band_squares(torch.tensor(t.tolist(), dtype=torch.int32), mw)
-        rows, keys, cells, causal, batch, rev = band_square_pieces(t, mw)
-        got = sorted(zip(rows.tolist(), keys.tolist(), causal.tolist(), batch.tolist(), rev.tolist()))
-        want = sorted((float((qe - q0) // n), float(ke - k0), kd != 0, float(n), kd == 2)
-                      for q0, qe, k0, ke, kd, n in pieces)
-        assert got == want
-        assert band_square_rest(t, mw).tolist() == rest.tolist()
-
-
-def test_direct_band_pairs_restate_the_backend():
-    """cost.band_pairs_direct restates kernels/triton_backend._direct_pairs on lists without other dense
-    pieces: random bands (some cut into pairs, some with a rectangle) beside random other tiles."""
-    from megatron_cp.kernels.triton_backend import _direct_pairs
-
-    rng = np.random.default_rng(11)
-    seen = set()
-    for _ in range(400):
-        tiles, at = [], 0
-        for _ in range(int(rng.integers(1, 4))):  # bands on consecutive rows, some overlapping
-            sq, w = int(rng.integers(16, 200)), int(rng.integers(8, 120))
-            q0 = at - int(rng.integers(0, 20)) * int(rng.integers(0, 2))
-            q0 = max(q0, 0)
-            tiles.append([q0, q0 + sq, q0, q0 + sq + w, 3])
-            at = q0 + sq + int(rng.integers(0, 30))
-        for _ in range(int(rng.integers(0, 3))):
-            q0 = int(rng.integers(0, at + 1))
-            tiles.append([q0, q0 + int(rng.integers(1, 40)), 0, int(rng.integers(1, 64)), int(rng.integers(0, 3))])
-        t = np.array(tiles, dtype=np.int64)
-        t = t[np.lexsort((t[:, 2], t[:, 0]))]
-        mw = int(rng.choice([8, 32, 64]))
-        bands, rest = split_band_squares(torch.tensor(t.tolist(), dtype=torch.int32), mw)
-        if not bands:
-            assert not band_pairs_direct(t, mw)
-            continue
-        want = _direct_pairs([], bands, rest, int(t[:, 1].max()))[0]
-        assert band_pairs_direct(t, mw) == want, (t.tolist(), mw)
-        seen.add(want)
-    assert seen == {True, False}
 
 
 def test_cost_file_without_band_squares_predates_them(tmp_path):
@@ -484,7 +396,7 @@ def test_calibrate_long_rows_recovers_the_model_parameters():
 
     def timed(tiles, sq, sk, row_class=None):  # calibrate's timer: GPU time less the per-call launch
         t = np.array(tiles, dtype=np.int64)
-        assert truth.row_class(t, float(tile_areas(t)[0].sum()), sq) == row_class == "blocky"
+        assert truth.row_class(t) == row_class == "blocky"
         seen.append(len(tiles))
         return truth.tile_time(t, w)
 
@@ -548,8 +460,6 @@ def test_rest_tiles_are_what_the_dense_pieces_leave():
     """``rest_tiles``: the cells the backend's own kernels run, i.e. the list minus its dense pieces (by
     the backend's rule); everything when the model has no dense path."""
     import numpy as np
-
-    from megatron_cp.planner.cost import tile_areas
 
     tiles = np.array([[0, 1024, 0, 16384, 0], [1024, 1040, 0, 16, 0], [1040, 1104, 0, 64, 1]])
     m = CostModel(dense_fwd_tflops=600.0, dense_min_rows=512, dense_min_keys=8192)

@@ -1,8 +1,8 @@
 """Guest rows (planner.guests, runtime.guests): query rows computed where their keys live.
 
 Planner: which rows become guests, exact cover of the mask by main and guest cells, loads that count
-guest cells at the key owner, less traffic for global + local. Runtime: every path (single exchange,
-early rows, staged) with automatic and explicit guest rows against the fp64 dense reference, forward
+guest cells at the key owner, less traffic for global + local. Runtime: both paths (single exchange,
+staged) with automatic and explicit guest rows against the fp64 dense reference, forward
 and backward (with and without an LSE gradient), fully masked guest rows, cp 1 / 2 / 4.
 """
 
@@ -15,7 +15,6 @@ import megatron_cp as mcp
 from megatron_cp import masks as M
 from megatron_cp.masks import geometry
 from megatron_cp.planner import guests
-from megatron_cp.planner.schedule import mask_traps
 
 from _dist import run_ranks
 from test_attention_dist import _case, _check, random_mask
@@ -67,7 +66,7 @@ def test_guest_plans_cover_the_mask_exactly(cp):
     s = 4096
     mask = M.global_local(s, 64, 1, 1)
     p = mcp.plan(mask, cp, guest_rows=[[0, 64]])
-    assert np.array_equal(_dense(mask_traps(p), s), mask.to_dense())
+    assert np.array_equal(_dense(p.computed_traps(), s), mask.to_dense())
     assert sum(r.area for r in p.ranks) == p.mask_area == _computed_cells(p)
     assert p.stats()["max_remote_kv_tokens"] <= 3 * 64
 
@@ -92,7 +91,7 @@ def test_explicit_guest_rows_tile_the_mask_on_random_masks():
         for cp in (2, 3):
             p = mcp.plan(mask, cp, guest_rows=runs)
             assert p.guest_runs.tolist() == runs
-            assert np.array_equal(_dense(mask_traps(p), s), mask.to_dense()), (seed, cp)
+            assert np.array_equal(_dense(p.computed_traps(), s), mask.to_dense()), (seed, cp)
             assert sum(r.area for r in p.ranks) == p.mask_area == _computed_cells(p), (seed, cp)
             # a guest row is sent exactly to the ranks owning keys it keeps
             dense = mask.to_dense()
@@ -127,8 +126,8 @@ def test_pair_rows_and_units():
     assert M_.sum(1).tolist() == [4 * int((owner[:16] == r).sum()) for r in range(4)]
     assert M_.sum(0).tolist() == [16] * 4
     u = guests.traffic_units(M_)
-    to_key, to_row = guests.row_bytes(mcp.planner.cost.Workload())
-    key = 2 * mcp.planner.cost.Workload().kv_bytes_per_token
+    to_key, to_row = guests.row_bytes(mcp.planner.Workload())
+    key = 2 * mcp.planner.Workload().kv_bytes_per_token
     for r in range(4):
         assert u[r] == pytest.approx(((16 - M_[r, r]) * to_key + (M_[r].sum() - M_[r, r]) * to_row) / key)
 
@@ -140,7 +139,7 @@ def _guest_cases(rank, world):
                 "star": (M.star(53, 8, 6), [[0, 8]])}
     cases = [(n, m, r) for n, (m, r) in explicit.items()]
     for name, mask, rows in cases:
-        for kw in ({"stages": 0}, {"stages": 0, "early": True}, {"stages": 1}, {"stages": 2}):
+        for kw in ({"stages": 0}, {"stages": 1}, {"stages": 2}):
             for lse_grad in (False, True):
                 res[(name, str(kw), lse_grad)] = _case(rank, world, mask, 4, 2, with_lse_grad=lse_grad,
                                                        guest_rows=rows, **kw)
@@ -173,3 +172,16 @@ def _triton_guest_cases(rank, world):
     mask = M.global_local(96, 4, 2, 1)
     plan = mcp.plan(mask, world, guest_rows=[[0, 8]])
     return {("triton", st): _case_backend(rank, world, mask, plan, "triton", stages=st) for st in (0, 1)}
+
+
+def test_guest_fixed_cost_is_the_cost_models_default():
+    """The planner prices the guest path's fixed time with the default calibration's figures (it may not
+    import the runtime's cost model): they must be the same numbers."""
+    from megatron_cp.runtime import CostModel
+
+    c = CostModel()
+    assert (guests.GUEST_LAUNCH_US, guests.GUEST_LATENCY_US, guests.GUEST_INTRA_GBPS) == (
+        c.launch_us, c.latency_us, c.intra_gbps)
+    w = mcp.planner.Workload()
+    want = (2 * c.launch_us + 5 * c.latency_us) * 1e-6 * c.intra_gbps * 1e9 / (2 * w.kv_bytes_per_token)
+    assert guests.fixed_units(w) == pytest.approx(want)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import megatron_cp as mcp
 from megatron_cp import masks as M
-from megatron_cp.planner.schedule import schedule
+from megatron_cp.runtime.schedule import schedule
 
 from _dist import run_ranks
 from reference import tiny_masks

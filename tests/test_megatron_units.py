@@ -324,38 +324,3 @@ def test_thd_layout_equals_sbhd(world1):
     assert max(rel_err(g1[k], g0[k]) for k in g0) <= 1e-6
     with pytest.raises(ValueError, match="qkv_format"):
         B.prepare_batch(tokens, labels, lm, B.MaskSpec("causal"), None, qkv_format="bshd")
-
-
-def test_auto_impl_picks_the_layout_the_planner_predicts():
-    """--context-parallel-impl auto: the workload comes from the model's heads per tensor-parallel rank,
-    and each micro-batch's plan and strategy are planner.choose_layout's answer (megatron_cp or
-    head_context), identical to building that layout directly."""
-    import megatron_cp as mcp
-    from megatron_cp import masks as M
-    from megatron_cp.baselines import plan_for
-    from megatron_cp.megatron.arguments import specs_from_args
-    from megatron_cp.megatron.batch import PlanOptions, _make_plan
-    from megatron_cp.planner import choose_layout
-    from megatron_cp.planner.cost import CostModel, Workload
-
-    a = _args("--context-parallel-impl", "auto", "--calculate-per-token-loss", "--cp-topology", "2x4")
-    a.num_attention_heads, a.num_query_groups, a.group_query_attention = 32, 8, True
-    a.kv_channels, a.hidden_size, a.tensor_model_parallel_size, a.bf16 = 128, 4096, 2, True
-    _, opts = specs_from_args(a, eod=7)
-    assert opts.strategy == "auto" and opts.workload == Workload(16, 4, 128, 2)
-    no_latency = CostModel(intra_gbps=150.0, inter_gbps=45.0, latency_us=0.0)
-    topo = mcp.Topology(2, 4)
-    seen = set()
-    for mask, cost in ((M.full(64), no_latency), (M.sliding_window(64, 3), no_latency), (M.full(64), None)):
-        o = PlanOptions(strategy="auto", topology=topo, workload=Workload(8, 4, 8, 2), cost_model=cost)
-        plan, strategy = _make_plan(mask, 8, o)
-        want = choose_layout(mask, 8, topo, Workload(8, 4, 8, 2), cost)
-        if want.layout == "head_context":
-            assert strategy == "head_context"
-            assert plan.digest == plan_for("head_context", mask, 8, ulysses_degree=want.ulysses_degree,
-                                           topology=topo).digest
-        else:
-            assert strategy == "megatron_cp" and plan.digest == mcp.plan(mask, 8, topology=topo).digest
-        seen.add(strategy)
-    assert seen == {"head_context", "megatron_cp"}  # both branches taken
-    assert _make_plan(M.full(64), 1, PlanOptions(strategy="auto"))[1] == "megatron_cp"

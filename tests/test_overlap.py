@@ -15,8 +15,11 @@ import megatron_cp as mcp
 from megatron_cp import masks as M
 from megatron_cp.comm import BufferPool
 from megatron_cp.masks import geometry
-from megatron_cp.planner.cost import CostModel, Workload
-from megatron_cp.planner.schedule import clip_tiles, mask_traps, schedule
+from megatron_cp.comm import device_pool
+from megatron_cp.planner import Workload
+from megatron_cp.runtime.cost import CostModel, tile_areas
+from megatron_cp.runtime.schedule import schedule
+from megatron_cp.runtime.state import states_of
 
 from _dist import run_ranks
 from reference import bf16_errors, dense_attention, local_errors, tiny_masks
@@ -53,7 +56,7 @@ def _dense_of_tiles(tiles, q_ids, k_ids, n):
 def test_stages_partition_each_ranks_cells(cp):
     for name, mask in list(_masks().items()) + [(f"random{s}", _random_mask(s)) for s in range(4)]:
         plan = mcp.plan(mask, cp)
-        assert np.array_equal(geometry.traps_to_dense(mask_traps(plan), S, S), mask.to_dense()), name
+        assert np.array_equal(geometry.traps_to_dense(plan.computed_traps(), S, S), mask.to_dense()), name
         for n in (1, 2, 3):
             sched = schedule(plan, n)
             assert sched.num_stages == n and len(sched.active) == n
@@ -78,12 +81,12 @@ def test_stages_partition_each_ranks_cells(cp):
             assert np.array_equal(total, mask.to_dense().astype(np.int32)), (name, cp, n)
 
 
-def test_clip_tiles_against_dense():
+def test_traps_to_tiles_against_dense():
     mask = _random_mask(11)
     traps = mask.traps
     q_runs = np.array([[40, 61], [3, 17]])
     k_runs = np.array([[30, 50], [0, 12], [55, 61]])
-    tiles = clip_tiles(traps, q_runs, k_runs)
+    tiles = geometry.traps_to_tiles(traps, q_runs, k_runs)
     q_ids = np.concatenate([np.arange(a, b) for a, b in q_runs])
     k_ids = np.concatenate([np.arange(a, b) for a, b in k_runs])
     got = _dense_of_tiles(tiles, q_ids, k_ids, S)
@@ -115,8 +118,6 @@ def test_cost_model_chooses_stages_and_round_trips(tmp_path):
 
 
 def test_tile_areas_match_geometry():
-    from megatron_cp.planner.cost import tile_areas
-
     rng = np.random.default_rng(0)
     tiles = []
     for _ in range(400):
@@ -183,11 +184,11 @@ def _order_case(rank, world):
     n = plan.num_local(rank)
     q, k, v = (torch.randn(n, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mcp.attention(q, k, v, plan, group, stages=3)  # builds and caches the runtime
-    rt = next(v_ for key, v_ in plan.cache.items() if key[0] == "staged")
+    (rt,) = [st for st in states_of(plan) if st.staged is not None]
     backend = rt.backend
-    real_fwd, real_bwd = backend.forward, backend.backward
-    backend.forward = lambda *a, **k_: (events.append(("fwd",)), real_fwd(*a, **k_))[1]
-    backend.backward = lambda *a, **k_: (events.append(("bwd",)), real_bwd(*a, **k_))[1]
+    real_fwd, real_bwd = backend.forward_accumulate, backend.backward_into
+    backend.forward_accumulate = lambda *a, **k_: (events.append(("fwd",)), real_fwd(*a, **k_))[1]
+    backend.backward_into = lambda *a, **k_: (events.append(("bwd",)), real_bwd(*a, **k_))[1]
     import importlib
 
     rt_mod = importlib.import_module("megatron_cp.runtime.attention")  # the module (the package exports the function)
@@ -201,46 +202,32 @@ def _order_case(rank, world):
     finally:
         dist.all_to_all_single = real_a2a
         rt_mod.comm_lead = real_lead
-        backend.forward, backend.backward = real_fwd, real_bwd
+        del backend.forward_accumulate, backend.backward_into  # the class's methods again
     return [e[0] if e[0] != "a2a" else ("a2a" if e[1] else "sync_a2a") for e in events]
 
 
-class _AccumulatingReference:
-    """The reference backend plus an accumulating forward and a backward into running sums (the Triton
-    backend's interface), so the runtime's in-kernel merge and in-place gradient sums run on CPU."""
+class _CountingBackend:
+    """The reference backend, counting the accumulating forwards and the backwards into running sums
+    that the staged runtime calls."""
 
     def __init__(self, inner):
-        self.inner, self.name, self.calls, self.into_calls = inner, "reference+accumulate", 0, 0
+        self.inner, self.name, self.calls, self.into_calls = inner, "counting", 0, 0
 
-    def backward_into(self, q, k, v, out, lse, dout, prepared, scale, delta, dq, dk, dv):
-        self.into_calls += 1
-        for acc, g in zip((dq, dk, dv), self.inner.backward(q, k, v, out, lse, dout, prepared, scale, delta)):
-            acc += g
-        return dq, dk, dv
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
-    def prepare(self, *a):
-        return self.inner.prepare(*a)
-
-    def forward(self, *a):
-        return self.inner.forward(*a)
-
-    def backward(self, *a):
-        return self.inner.backward(*a)
-
-    def forward_accumulate(self, q, k, v, prepared, scale, out, lse):
-        from megatron_cp.runtime.attention import merge_lse
-
+    def forward_accumulate(self, *a):
         self.calls += 1
-        o, l = self.inner.forward(q, k, v, prepared, scale)
-        acc, run = out.float(), lse.clone()
-        merge_lse(acc, run, o, l)
-        out.copy_(acc)
-        lse.copy_(run)
-        return out, lse
+        return self.inner.forward_accumulate(*a)
+
+    def backward_into(self, *a):
+        self.into_calls += 1
+        return self.inner.backward_into(*a)
 
 
 def _accumulate_case(rank, world):
-    """fp32 inputs through a backend with forward_accumulate match the fp64 reference."""
+    """fp32 inputs through the staged path (accumulating forwards, backwards into running sums) match the
+    fp64 reference."""
     res = {}
     for name in ("causal", "varlen", "global_local"):
         mask = _masks()[name]
@@ -254,8 +241,8 @@ def _accumulate_case(rank, world):
         (o_ref * do).sum().backward()
         ls = [mcp.dispatch(t.float(), plan, group).detach().requires_grad_() for t in (q, k, v)]
         mcp.attention(*ls, plan, group, softmax_scale=0.3, stages=3)  # build the runtime
-        rt = next(v_ for key, v_ in plan.cache.items() if key[0] == "staged")
-        rt.backend = _AccumulatingReference(rt.backend)
+        (rt,) = [st for st in states_of(plan) if st.staged is not None]
+        rt.backend = _CountingBackend(rt.backend)
         out, _ = mcp.attention(*ls, plan, group, softmax_scale=0.3, stages=3)
         ids = torch.from_numpy(plan.local_ids(rank))
         (out.double() * do[ids]).sum().backward()
@@ -266,8 +253,6 @@ def _accumulate_case(rank, world):
 
 
 def _pool_case(rank, world):
-    from megatron_cp.runtime.attention import buffer_pool
-
     plan = mcp.plan(M.causal(S), world)
     group = dist.group.WORLD
     n = plan.num_local(rank)
@@ -278,7 +263,7 @@ def _pool_case(rank, world):
             q, k, v = (torch.randn(n, 2, 8, requires_grad=True) for _ in range(3))
             out, _ = mcp.attention(q, k, v, plan, group, stages=stages)
             out.sum().backward()
-            sizes[stages].append(buffer_pool(q.device).nbytes())
+            sizes[stages].append(device_pool(q.device).nbytes())
     return sizes
 
 

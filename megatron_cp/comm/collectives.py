@@ -1,8 +1,9 @@
-"""GroupCast / GroupReduce as one all-to-all-v each.
+"""The collectives under GroupCast / GroupReduce: all-to-all-v and all-gather of rows, and a
+cross-rank consistency check.
 
-GroupCast sends selected rows of every rank's local tensor to the ranks that need them (each row
-to a rank at most once); GroupReduce is its adjoint: partial gradients of those rows travel back to
-their owner and are summed there.
+GroupCast sends selected rows of every rank's local tensor to the ranks that need them (each row to a
+rank at most once) as one all-to-all-v; GroupReduce is its adjoint: partial gradients of those rows
+travel back to their owner and are summed there (``routes``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 
-def _wire(t: torch.Tensor) -> torch.Tensor:
+def wire(t: torch.Tensor) -> torch.Tensor:
     """gloo lacks 16-bit dtypes: a pure data move on CPU travels as bytes (a view, no copy)."""
     if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16):
         return t.view(torch.uint8)
@@ -34,15 +35,10 @@ def all_to_all_v(x: torch.Tensor, send_counts: list[int], recv_counts: list[int]
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {shape}, got "
                          f"{out.dtype} {tuple(out.shape)}")
     work = dist.all_to_all_single(
-        _wire(out), _wire(x.contiguous()), output_split_sizes=list(recv_counts),
+        wire(out), wire(x.contiguous()), output_split_sizes=list(recv_counts),
         input_split_sizes=list(send_counts), group=group, async_op=async_op,
     )
     return (out, work) if async_op else out
-
-
-def all_gather_v(x: torch.Tensor, counts: list[int], group) -> list[torch.Tensor]:
-    """Every rank's ``x`` ([counts[rank], ...]) as a list in rank order (views of ``all_gather_rows``)."""
-    return list(all_gather_rows(x, counts, group).split(counts, dim=0))
 
 
 def all_gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
@@ -51,22 +47,10 @@ def all_gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
     pad, cp = max(counts), len(counts)
     buf = x if x.shape[0] == pad else torch.cat([x, x.new_zeros((pad - x.shape[0],) + tuple(x.shape[1:]))])
     out = x.new_empty((cp * pad,) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(_wire(out), _wire(buf.contiguous()), group=group)
+    dist.all_gather_into_tensor(wire(out), wire(buf.contiguous()), group=group)
     if all(c == pad for c in counts):
         return out
     return torch.cat([out[i * pad: i * pad + c] for i, c in enumerate(counts)])
-
-
-def group_cast(x_local, send_index, send_counts, recv_counts, group) -> torch.Tensor:
-    """Gather ``x_local[send_index]`` (destination-major) and exchange; returns received rows."""
-    return all_to_all_v(x_local.index_select(0, send_index), send_counts, recv_counts, group)
-
-
-def group_reduce(grad_recv, d_local, send_index, send_counts, recv_counts, group) -> torch.Tensor:
-    """Adjoint of ``group_cast``: return partial grads to their owners and add them into ``d_local``
-    (in place, also returned). ``grad_recv`` rows are in receive order (source-major)."""
-    back = all_to_all_v(grad_recv, recv_counts, send_counts, group)
-    return d_local.index_add_(0, send_index, back.to(d_local.dtype))
 
 
 def check_same_on_all_ranks(value: int, group, device, what: str) -> None:

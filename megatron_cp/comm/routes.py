@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .collectives import _wire
+from .collectives import wire
 
 
 class BufferPool:
@@ -50,6 +50,18 @@ class BufferPool:
 
     def clear(self) -> None:
         self._bufs.clear()
+
+
+_POOLS: dict = {}
+
+
+def device_pool(device) -> BufferPool:
+    """The communication scratch pool of ``device``: one per device, shared by every layer and plan
+    (bounded by the largest request per tag)."""
+    key = str(device)
+    if key not in _POOLS:
+        _POOLS[key] = BufferPool()
+    return _POOLS[key]
 
 
 @dataclass
@@ -106,7 +118,7 @@ class DeviceRoute:
 
 def _a2a_async(out, x, send_counts, recv_counts, group):
     return dist.all_to_all_single(
-        _wire(out), _wire(x), output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts),
+        wire(out), wire(x), output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts),
         group=group, async_op=True,
     )
 
@@ -123,7 +135,7 @@ def comm_lead(device: torch.device, us: float = COMM_LEAD_US) -> None:
     multiprocessor first and NCCL's kernel, which needs a few, waits for its last wave: in back-to-back
     steps on 4 x H200 the staged causal forward's all-to-all started at the end of the first stage's
     14 ms cuDNN piece instead of beside it (over a high-priority NCCL stream too: that kernel's CTAs
-    do not retire early), 1.2-12 ms exposed (benchmarks/dist/README.md, 02:40-02:43). A no-op off CUDA."""
+    do not retire early), 1.2-12 ms exposed (docs/design.md). A no-op off CUDA."""
     spin = getattr(torch.cuda, "_sleep", None)  # torch's spin kernel (a testing hook; skipped if ever gone)
     if device.type == "cuda" and us > 0 and spin is not None:
         spin(int(us * 2000))
@@ -204,9 +216,3 @@ def reduce_steps(grad: torch.Tensor, route: DeviceRoute, group, d_local: torch.T
     yield
     work.wait()
     d_local.index_add_(0, route.a_send_idx, back_a)
-
-
-def drain(gen) -> None:
-    """Run a cast/reduce generator to completion."""
-    for _ in gen:
-        pass

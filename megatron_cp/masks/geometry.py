@@ -211,6 +211,46 @@ def clip(traps: np.ndarray, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> list[
     return res
 
 
+def shift_rows(traps: np.ndarray, d: int) -> np.ndarray:
+    """``traps`` moved by ``d`` rows (int64 [n, 6]): row ``i`` becomes row ``i + d`` with the same keys."""
+    t = np.asarray(traps, dtype=np.int64).reshape(-1, 6).copy()
+    t[:, Q0] += d
+    t[:, Q1] += d
+    t[:, LO_A] -= t[:, LO_S] * d
+    t[:, HI_A] -= t[:, HI_S] * d
+    return t
+
+
+def traps_to_tiles(traps: np.ndarray, q_runs, k_runs) -> np.ndarray:
+    """Tiles (int32 [n, 5]) of the cells of ``traps`` (int64 [n, 6]) for queries laid out as the
+    concatenation of the row runs ``q_runs`` and keys as the concatenation of the key runs ``k_runs``
+    (int [m, 2] half-open). ``q_runs=None``: the trapezoids' rows are already the query positions (no
+    row clipping or shift). Neighbour tiles are joined (``merge_tiles``)."""
+    traps = np.asarray(traps, dtype=np.int64).reshape(-1, 6)
+    k_runs = np.asarray(k_runs, dtype=np.int64).reshape(-1, 2)
+    if q_runs is None:
+        q_list = [(int(traps[:, 0].min()) if len(traps) else 0, int(traps[:, 1].max()) if len(traps) else 0, 0)]
+    else:
+        q_runs = np.asarray(q_runs, dtype=np.int64).reshape(-1, 2)
+        qo = np.concatenate([[0], np.cumsum(q_runs[:, 1] - q_runs[:, 0])])
+        q_list = [(int(a), int(b), int(qo[i]) - int(a)) for i, (a, b) in enumerate(q_runs.tolist())]
+    ko = np.concatenate([[0], np.cumsum(k_runs[:, 1] - k_runs[:, 0])])
+    klo = traps[:, LO_A] + traps[:, LO_S] * traps[:, Q0]  # smallest key of each trapezoid
+    khi = traps[:, HI_A] + traps[:, HI_S] * (traps[:, Q1] - 1)  # one past its largest key
+    tiles = []
+    for qa, qb, dq in q_list:
+        rows = (traps[:, Q0] < qb) & (traps[:, Q1] > qa)
+        for j, (ka, kb) in enumerate(k_runs.tolist()):
+            sel = rows & (klo < kb) & (khi > ka)
+            if not sel.any():
+                continue
+            dk = int(ko[j]) - ka
+            for t in clip(traps[sel], qa, qb, ka, kb):
+                q0, q1, k0, k1, kind = trap_to_slice(t)
+                tiles.append((q0 + dq, q1 + dq, k0 + dk, k1 + dk, kind))
+    return merge_tiles(tiles)
+
+
 def traps_to_dense(traps: np.ndarray, seqlen_q: int, seqlen_k: int) -> np.ndarray:
     """Boolean [seqlen_q, seqlen_k] picture of ``traps`` (tests and small sizes only)."""
     d = np.zeros((seqlen_q, seqlen_k), dtype=bool)

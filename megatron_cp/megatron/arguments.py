@@ -17,7 +17,7 @@ import json
 
 from .batch import MASKS, MaskSpec, PlanOptions
 
-IMPLS = ("te", "megatron_cp", "ring", "ulysses", "usp", "allgather", "head_context", "auto")
+IMPLS = ("te", "megatron_cp", "ring", "ulysses", "usp", "allgather", "head_context")
 OURS = IMPLS[1:]  # every impl that uses megatron-cp's adapter
 
 
@@ -29,9 +29,7 @@ def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "for any mask, with its batch hook, RoPE and loss. ring / ulysses / usp / allgather: "
                         "megatron-cp's baseline strategies through the same adapter. head_context: Ulysses "
                         "all-to-all over heads inside each node x megatron-cp across nodes (node size from "
-                        "--cp-topology; without it one node). auto: megatron_cp or head_context per "
-                        "micro-batch, whichever the planner predicts to communicate faster "
-                        "(planner.choose_layout, for this model's heads per tensor-parallel rank).")
+                        "--cp-topology; without it one node).")
     g.add_argument("--cp-mask", choices=MASKS, default="causal",
                    help="causal per sample; packed: causal per EOD-separated document; sliding_window / "
                         "packed_sliding_window with --cp-window; or a megatron_cp.masks builder by name "
@@ -100,18 +98,4 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
         raise ValueError(f"--cp-chunk-size must be >= 1, got {args.cp_chunk_size}")
     return spec, PlanOptions(chunk_size=args.cp_chunk_size, topology=_topology(args.cp_topology),
                              solver=args.cp_solver, kernel_backend=args.cp_kernel_backend,
-                             strategy=args.context_parallel_impl, workload=_workload(args))
-
-
-def _workload(args):
-    """Attention shapes of one tensor-parallel rank (for --context-parallel-impl auto), else None."""
-    if args.context_parallel_impl != "auto":
-        return None
-    from megatron_cp.planner.cost import Workload
-
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    heads = int(args.num_attention_heads)
-    groups = int(args.num_query_groups) if getattr(args, "group_query_attention", False) else heads
-    head_dim = int(getattr(args, "kv_channels", None) or args.hidden_size // heads)
-    dtype_bytes = 4 if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 2
-    return Workload(max(1, heads // tp), max(1, groups // tp), head_dim, dtype_bytes)
+                             strategy=args.context_parallel_impl)

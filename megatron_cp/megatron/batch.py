@@ -72,25 +72,20 @@ class PlanOptions:
     ``megatron_cp.attention`` (kernel_backend: auto | triton | reference). ``strategy``:
     ``megatron_cp``, a baseline of ``megatron_cp.baselines`` (ring | ulysses | usp | allgather |
     head_context), which then also chooses the plan's layout (``baselines.plan_for``; ``solver`` is not
-    used), or ``auto``: per micro-batch, megatron_cp or head_context (Ulysses inside each node of
-    ``topology`` x megatron-cp across nodes), whichever ``planner.choose_layout`` predicts to communicate
-    faster for this mask and ``workload`` (the attention shapes of one tensor-parallel rank) under
-    ``cost_model`` (a calibration from tools/calibrate.py; default the library's)."""
+    used)."""
 
     chunk_size: int | None = None
     topology: object = None
     solver: str = "auto"
     kernel_backend: str = "auto"
     strategy: str = "megatron_cp"
-    workload: object = None  # planner.cost.Workload, for strategy="auto" (default: Workload())
-    cost_model: object = None  # planner.cost.CostModel for strategy="auto" (default: CostModel())
 
     def __post_init__(self):
-        if self.strategy not in ("megatron_cp", "auto"):
+        if self.strategy != "megatron_cp":
             from megatron_cp.baselines import STRATEGIES
 
             if self.strategy not in STRATEGIES:
-                raise ValueError(f"strategy={self.strategy!r} is unknown; choose megatron_cp, auto or one of "
+                raise ValueError(f"strategy={self.strategy!r} is unknown; choose megatron_cp or one of "
                                  f"{', '.join(STRATEGIES)}")
 
 
@@ -180,25 +175,10 @@ class CPBatch:
 
 
 def _make_plan(mask, cp_size: int, options: PlanOptions):
-    """(plan, strategy) of one micro-batch's mask: the strategy is options.strategy, or for "auto" the
-    layout ``planner.choose_layout`` picks (the same on every rank: it is a pure function of its inputs)."""
+    """(plan, strategy) of one micro-batch's mask (the strategy is ``options.strategy``)."""
     from megatron_cp.baselines import plan_for
 
     strategy = options.strategy
-    if strategy == "auto":
-        from megatron_cp.planner import choose_layout
-        from megatron_cp.planner.cost import Workload
-
-        if cp_size == 1:
-            strategy = "megatron_cp"
-        else:
-            choice = choose_layout(mask, cp_size, options.topology, options.workload or Workload(),
-                                   options.cost_model, chunk_size=options.chunk_size, solver=options.solver)
-            if choice.layout == "head_context":
-                plan = plan_for("head_context", mask, cp_size, ulysses_degree=choice.ulysses_degree,
-                                chunk_size=options.chunk_size, topology=options.topology)
-                return plan, "head_context"
-            strategy = "megatron_cp"
     if strategy == "megatron_cp":
         plan = mcp.plan(mask, cp_size, chunk_size=options.chunk_size, topology=options.topology,
                         solver=options.solver)
@@ -239,8 +219,7 @@ def prepare_batch(
     tok_np = tokens.detach().cpu().numpy()
     cu = document_bounds(tok_np, spec)
     key = (spec, b, S, cp_size, options, cu.tobytes() if spec.packed else b"")
-    plan_key = (key[:4] + (options.chunk_size, options.topology, options.solver, options.strategy, options.workload,
-                           options.cost_model) + key[5:])
+    plan_key = key[:4] + (options.chunk_size, options.topology, options.solver, options.strategy) + key[5:]
     plan, strategy = _PLANS.get(plan_key, lambda: _make_plan(build_mask(spec, cu, b, S), cp_size, options))
     if check and cp_size > 1:
         _check_same_plan(plan, cp_group)

@@ -19,7 +19,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..masks import geometry
-from .cost import CostModel, Workload, link_bytes
+from .workload import Workload
+
+# The guest path's fixed time: one more kernel call each way (launch) and five more collectives
+# (latency), and the intra-node bandwidth that turns it into key tokens: runtime.cost.CostModel's
+# default calibration (4 x H200, NVLink); a test checks the two agree.
+GUEST_LAUNCH_US = 90.0
+GUEST_LATENCY_US = 40.0
+GUEST_INTRA_GBPS = 335.0
 
 
 def candidate_rows(row_prefix: np.ndarray, seqlen: int, cp: int) -> np.ndarray:
@@ -153,53 +160,10 @@ def traffic_units(M: np.ndarray, work: Workload | None = None, topology=None) ->
     return (off.sum(0) * to_key + off.sum(1) * to_row) / key
 
 
-def plan_pairs(plan) -> np.ndarray:
-    """``M[a, b]`` of a built plan: guest rows rank ``a`` sends to rank ``b`` (self included)."""
-    cp = plan.cp_size
-    M = np.zeros((cp, cp), dtype=np.int64)
-    for rp in plan.ranks:
-        for b, runs in enumerate(rp.guest_send_runs):
-            M[rp.rank, b] = int((runs[:, 1] - runs[:, 0]).sum()) if len(runs) else 0
-    return M
-
-
-def traffic(plan, work: Workload) -> list[tuple[str, np.ndarray]]:
-    """The guest rows' exchanges as the runtime issues them, forward then backward: ``(phase,
-    bytes[src, dst])`` (float64 [cp, cp], self pairs included: callers ignore the diagonal)."""
-    if not plan.has_guests:
-        return []
-    M = plan_pairs(plan).astype(np.float64)
-    h, d, b = work.num_heads, work.head_dim, work.dtype_bytes
-    acc = 8 if b == 8 else 4
-    return [("guest_q", M * h * d * b), ("guest_out", M.T * h * (d + 1) * acc),
-            ("guest_dout", M * 2 * h * d * b), ("guest_lse", M * 2 * h * acc), ("guest_dq", M.T * h * d * b)]
-
-
-def predict(plan, cost, work: Workload) -> dict:
-    """Time the guest rows add to a step (seconds): their exchanges (each a collective; the busiest
-    GPU's bytes per link class) and the kernel calls over the guest tiles, the busiest rank's."""
-    if not plan.has_guests:
-        return {"fwd_s": 0.0, "bwd_s": 0.0}
-    cp = plan.cp_size
-    g = plan.topology.gpus_per_node if plan.topology is not None else cp
-    node = np.arange(cp) // g
-    t = {}
-    for name, B in traffic(plan, work):
-        intra, inter = link_bytes(B, node)
-        t[name] = cost.comm_time(intra, inter) if intra + inter > 0 else cost.latency_us * 1e-6
-    kf = max(cost.tile_time(rp.guest_tiles, work) for rp in plan.ranks)
-    kb = max(cost.tile_time(rp.guest_tiles, work, backward=True) for rp in plan.ranks)
-    # the partials / dq travel back while the own tiles compute: only their latency is exposed
-    lat = cost.latency_us * 1e-6
-    return {"fwd_s": t["guest_q"] + kf + min(t["guest_out"], lat),
-            "bwd_s": t["guest_dout"] + t["guest_lse"] + kb + min(t["guest_dq"], lat)}
-
-
-def fixed_units(cost=None, work: Workload | None = None) -> float:
+def fixed_units(work: Workload | None = None) -> float:
     """The guest path's fixed time (one more kernel call each way, five more collectives) in key
-    tokens' units at the intra-node bandwidth of ``cost`` (default: ``CostModel()``'s calibrated 4 x H200
-    figures, about 15k tokens): a plan's guests must save more than this."""
-    cost = cost or CostModel()
+    tokens' units at the intra-node bandwidth (``GUEST_*``: about 15k tokens): a plan's guests must
+    save more than this."""
     work = work or Workload()
-    t = 2 * cost.launch_us * 1e-6 + 5 * cost.latency_us * 1e-6
-    return t * cost.intra_gbps * 1e9 / (2 * work.kv_bytes_per_token)
+    t = 2 * GUEST_LAUNCH_US * 1e-6 + 5 * GUEST_LATENCY_US * 1e-6
+    return t * GUEST_INTRA_GBPS * 1e9 / (2 * work.kv_bytes_per_token)

@@ -90,6 +90,7 @@ class RankPlan:
     send_runs: tuple  # send_runs[dst]: own runs sent to rank dst
     buffer_runs: np.ndarray  # merged owned + received runs = key/value buffer order
     tiles: np.ndarray  # int32 [n, 5] (q local, k buffer, kind)
+    traps: np.ndarray  # int64 [n, 6]: the same cells as trapezoids, rows local, keys global (masks.geometry)
     area: int  # cells this rank computes (its rows' cells, and guest cells on its own keys)
     # guest rows (planner.guests): guest_send_runs[dst] = own rows whose cells on dst's keys dst computes
     # (dst == rank: computed here, with the same call); guest_recv_runs[src] = src's rows computed here;
@@ -108,6 +109,11 @@ class RankPlan:
 
     def local_ids(self) -> np.ndarray:
         return _runs_to_ids(self.segments)
+
+    def remote_ids(self) -> np.ndarray:
+        """Global ids of every key/value token this rank receives, sorted (int64)."""
+        runs = [r for r in self.recv_runs if len(r)]
+        return _runs_to_ids(_merge_runs(np.concatenate(runs))) if runs else np.zeros(0, dtype=np.int64)
 
     def send_index(self) -> tuple[np.ndarray, list[int]]:
         """Local positions to send, concatenated in destination order, and per-destination counts."""
@@ -141,7 +147,7 @@ class RankPlan:
         return [int((r[:, 1] - r[:, 0]).sum()) for r in self.guest_recv_runs]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
     """A context-parallel plan for one mask and ``cp_size`` ranks (see ``plan``)."""
 
@@ -159,7 +165,9 @@ class Plan:
     # guest rows (planner.guests): row runs computed by their keys' owners, and their cells
     guest_runs: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
     guest_traps: np.ndarray = field(default_factory=lambda: np.zeros((0, 6), dtype=np.int64))
-    cache: dict = field(default_factory=dict, compare=False, repr=False)  # runtime index tensors
+    # the mask's cells (int64 [n, 6] global trapezoids, ``AttnMask.traps``): the ranks' cells and the
+    # guest cells together
+    traps: np.ndarray = field(default_factory=lambda: np.zeros((0, 6), dtype=np.int64), repr=False)
 
     def local_ids(self, rank: int) -> np.ndarray:
         """Global token indices held by ``rank``, in its local order (int64 [s_local])."""
@@ -169,6 +177,18 @@ class Plan:
 
     def num_local(self, rank: int) -> int:
         return self.ranks[rank].num_tokens
+
+    def computed_traps(self) -> np.ndarray:
+        """The cells the ranks compute (their own rows, and guest cells), recovered from the ranks'
+        trapezoids in global coordinates (int64 [n, 6], canonical): equals ``traps`` for a correct plan."""
+        out = [self.guest_traps]
+        for rp in self.ranks:
+            segs = rp.segments
+            off = np.concatenate([[0], np.cumsum(segs[:, 1] - segs[:, 0])])
+            for i, (s, e) in enumerate(segs.tolist()):
+                part = geometry.clip(rp.traps, int(off[i]), int(off[i + 1]), 0, 1 << 62)
+                out.append(geometry.shift_rows(np.asarray(part, dtype=np.int64), s - int(off[i])))
+        return geometry.union([tuple(t) for a in out for t in np.asarray(a).reshape(-1, 6).tolist()])
 
     @property
     def has_guests(self) -> bool:
@@ -370,6 +390,7 @@ def plan(
         candidates=scores,
         guest_runs=g_runs,
         guest_traps=g_traps,
+        traps=traps,
     )
 
 
@@ -473,6 +494,7 @@ def _rank_plans(traps, prefix, spans, bounds, owner, cp, guest_traps=None) -> tu
         segs, remote = _remote_runs(ci, k0, k1, bounds, owner, r)
         parts.append((segs, remote, _split_by_owner(remote, bounds, owner, cp)))
     g_send = _guest_send(guest_traps, bounds, owner, cp)
+    local = [_local_traps(traps, segs) for segs, _, _ in parts]
     out = []
     for r, (segs, remote, recv) in enumerate(parts):
         buffer_runs = _merge_runs(np.concatenate([segs, remote]))
@@ -484,7 +506,8 @@ def _rank_plans(traps, prefix, spans, bounds, owner, cp, guest_traps=None) -> tu
                 recv_runs=tuple(recv),
                 send_runs=tuple(parts[dst][2][r] for dst in range(cp)),
                 buffer_runs=buffer_runs,
-                tiles=_tiles(traps, segs, buffer_runs),
+                tiles=_tiles(local[r], buffer_runs),
+                traps=local[r],
                 area=int(sum(prefix[e] - prefix[s] for s, e in segs.tolist())),
                 guest_send_runs=tuple(g_send[r]) if g_send else (),
                 guest_recv_runs=g_recv,
@@ -520,16 +543,24 @@ def _guest_tiles(guest_traps, recv_runs, segs) -> np.ndarray:
     return geometry.merge_tiles(tiles)
 
 
-def _tiles(traps, segs, buffer_runs) -> np.ndarray:
-    """Each mask trapezoid restricted to each owned run is one tile (q local, k in the buffer); then
-    ``geometry.merge_tiles`` joins the tiles that became neighbours in the buffer."""
-    tiles = []
-    q_off = 0
+def _local_traps(traps, segs) -> np.ndarray:
+    """The cells of ``traps`` on the owned rows ``segs``, rows in local order, keys global."""
+    out, q_off = [], 0
     for s, e in segs.tolist():
         cand = traps[(traps[:, 0] < e) & (traps[:, 1] > s)] if len(traps) else traps
-        for t in geometry.clip(cand, s, e, 0, 1 << 62):
-            q0, q1, k0, k1, kind = geometry.trap_to_slice(t)
-            kb = int(_positions(buffer_runs, np.array([k0]))[0])
-            tiles.append((q0 - s + q_off, q1 - s + q_off, kb, kb + k1 - k0, kind))
+        part = np.asarray(geometry.clip(cand, s, e, 0, 1 << 62), dtype=np.int64).reshape(-1, 6)
+        out.append(geometry.shift_rows(part, q_off - s))
         q_off += e - s
+    return np.concatenate(out) if out else np.zeros((0, 6), dtype=np.int64)
+
+
+def _tiles(local_traps, buffer_runs) -> np.ndarray:
+    """Each of the rank's trapezoids is one tile (q local, k in the buffer: its keys are a contiguous
+    range there, since the buffer holds every key the rank needs in global order); then
+    ``geometry.merge_tiles`` joins the tiles that became neighbours in the buffer."""
+    tiles = []
+    for t in local_traps.tolist():
+        q0, q1, k0, k1, kind = geometry.trap_to_slice(t)
+        kb = int(_positions(buffer_runs, np.array([k0]))[0])
+        tiles.append((q0, q1, kb, kb + k1 - k0, kind))
     return geometry.merge_tiles(tiles)

@@ -1,6 +1,15 @@
-"""Runtime: dispatch tokens by a plan and run distributed attention over it."""
+"""Runtime: dispatch tokens by a plan and run distributed attention over it.
 
-from .attention import attention
+``attention`` / ``dispatch`` / ``undispatch`` are the user API; ``check_inputs``, ``plan_rank``,
+``resolve_backend`` and ``merge_lse`` are what other strategies (``megatron_cp.baselines``) share with
+it; ``CostModel`` (``runtime.cost``) chooses the exchange and is what ``tools/sim`` calibrates.
+"""
+
+from .attention import attention, check_inputs, resolve_backend
+from .cost import CostModel
 from .dispatch import dispatch, undispatch
+from .groups import plan_rank
+from .merge import merge_lse
 
-__all__ = ["attention", "dispatch", "undispatch"]
+__all__ = ["attention", "dispatch", "undispatch", "check_inputs", "resolve_backend", "plan_rank", "merge_lse",
+           "CostModel"]

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..comm import BufferPool, all_to_all_v
+from ..comm import all_to_all_v, device_pool
+from ..kernels import accumulate_dtype
 from ..planner import Plan
 from .merge import merge_lse
 
@@ -33,40 +34,33 @@ class GuestRuntime:
     prepared: object  # guest tiles (q: received rows, k: own keys in local order); None when none
 
 
-def guest_runtime(plan: Plan, rank: int, device, backend, cache_key) -> GuestRuntime:
-    """Index tensors and prepared tiles of ``rank``'s guest rows; built once per (plan, rank, device,
-    backend)."""
-    key = ("guests", rank, str(device), cache_key)
-    gr = plan.cache.get(key)
-    if gr is None:
-        rp = plan.ranks[rank]
-        send, send_counts = rp.guest_send_index()
-        recv_counts = rp.guest_recv_counts()
-        rows = np.unique(send)
-        merge, off = [], 0
-        for c in send_counts:
-            if c:
-                pos = np.searchsorted(rows, send[off:off + c])
-                merge.append((slice(off, off + c), torch.from_numpy(pos.astype(np.int64)).to(device)))
-            off += c
-        n_recv = sum(recv_counts)
-        prepared = None
-        if len(rp.guest_tiles) and n_recv:
-            tiles = torch.from_numpy(rp.guest_tiles.astype("int32"))
-            prepared = backend.prepare(tiles, n_recv, rp.num_tokens)
-        gr = GuestRuntime(
-            send=torch.from_numpy(send).to(device),
-            send_counts=send_counts,
-            recv_counts=recv_counts,
-            rows=torch.from_numpy(rows.astype(np.int64)).to(device),
-            merge=merge,
-            prepared=prepared,
-        )
-        plan.cache[key] = gr
+def guest_runtime(plan: Plan, rank: int, device, backend) -> GuestRuntime:
+    """Index tensors and prepared tiles of ``rank``'s guest rows (part of the rank's runtime state,
+    built once)."""
+    rp = plan.ranks[rank]
+    send, send_counts = rp.guest_send_index()
+    recv_counts = rp.guest_recv_counts()
+    rows = np.unique(send)
+    merge, off = [], 0
+    for c in send_counts:
+        if c:
+            pos = np.searchsorted(rows, send[off:off + c])
+            merge.append((slice(off, off + c), torch.from_numpy(pos.astype(np.int64)).to(device)))
+        off += c
+    n_recv = sum(recv_counts)
+    prepared = None
+    if len(rp.guest_tiles) and n_recv:
+        tiles = torch.from_numpy(rp.guest_tiles.astype("int32"))
+        prepared = backend.prepare(tiles, n_recv, rp.num_tokens)
+    gr = GuestRuntime(
+        send=torch.from_numpy(send).to(device),
+        send_counts=send_counts,
+        recv_counts=recv_counts,
+        rows=torch.from_numpy(rows.astype(np.int64)).to(device),
+        merge=merge,
+        prepared=prepared,
+    )
     return gr
-
-
-_POOLS: dict = {}
 
 
 def _a2a(x, send_counts, recv_counts, group, async_op=False, tag=None):
@@ -76,7 +70,7 @@ def _a2a(x, send_counts, recv_counts, group, async_op=False, tag=None):
         return (x.contiguous(), None) if async_op else x.contiguous()
     out = None
     if tag is not None:
-        pool = _POOLS.setdefault(str(x.device), BufferPool())
+        pool = device_pool(x.device)
         out = pool.get((sum(recv_counts),) + tuple(x.shape[1:]), x.dtype, x.device, tag)
     return all_to_all_v(x.contiguous(), send_counts, recv_counts, group, out, async_op=async_op)
 
@@ -99,18 +93,18 @@ class _Pending:
 def start_forward(gr: GuestRuntime, backend, q, k, v, group, scale) -> _Pending:
     """Send the guest rows' q, compute the received rows over the own keys and start sending the
     partials back (in flight while the caller runs its own tiles; NCCL's kernel is launched first)."""
-    acc_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc_dt = accumulate_dtype(q.dtype)
     gq = _a2a(q[gr.send], gr.send_counts, gr.recv_counts, group)
     hq, d = q.shape[1], v.shape[2]
-    if gr.prepared is not None:
-        if callable(getattr(backend, "running_dtype", None)):  # full-precision partials
-            o, l = backend.forward(gq, k, v, gr.prepared, scale, out_dtype=acc_dt)
-        else:
-            o, l = backend.forward(gq, k, v, gr.prepared, scale)
-        part = torch.cat([o.to(acc_dt), l.to(acc_dt).unsqueeze(-1)], dim=-1)
-    else:  # rows with no cell here (or none received): an empty partial
-        part = torch.zeros((gq.shape[0], hq, d + 1), dtype=acc_dt, device=q.device)
-        part[..., d] = float("-inf")
+    # the partial and its lse side by side, one buffer to send; full precision (the owner merges them)
+    part = torch.zeros((gq.shape[0], hq, d + 1), dtype=acc_dt, device=q.device)
+    part[..., d] = float("-inf")
+    if gr.prepared is not None:  # rows with no cell here (or none received) send the empty partial
+        o = torch.zeros((gq.shape[0], hq, d), dtype=acc_dt, device=q.device)
+        l = torch.full((gq.shape[0], hq), float("-inf"), dtype=acc_dt, device=q.device)
+        backend.forward_accumulate(gq, k, v, gr.prepared, scale, o, l)
+        part[..., :d] = o
+        part[..., d] = l
     back, handle = _a2a(part, gr.recv_counts, gr.send_counts, group, async_op=True, tag="guest_out")
     return _Pending(back, handle, (part, gq))
 
@@ -137,7 +131,7 @@ def start_backward(gr: GuestRuntime, backend, gq, k, v, out, lse, dout, dlse, gr
     """Send dout and out (q's dtype) with lse and dlse of the guest rows, compute the received rows'
     gradients over the own keys and start sending the partial dq back; returns (pending dq, dk, dv)
     with dk / dv [s_local, Hkv, D] of the own keys (None when this rank computed no guest cell)."""
-    acc_dt = torch.float64 if out.dtype == torch.float64 else torch.float32
+    acc_dt = accumulate_dtype(out.dtype)
     hq = out.shape[1]
     sel = gr.send
     od = _a2a(torch.cat([dout[sel], out[sel].to(dout.dtype)], dim=1), gr.send_counts, gr.recv_counts, group)
@@ -163,7 +157,7 @@ def finish_backward(gr: GuestRuntime, pend: _Pending, dq: torch.Tensor) -> None:
     """Add the returned partial dq of the guest rows into ``dq`` [s_local, Hq, D] (summed in the
     accumulation dtype in source order, rounded once)."""
     back = pend.wait()
-    acc_dt = torch.float64 if dq.dtype == torch.float64 else torch.float32
+    acc_dt = accumulate_dtype(dq.dtype)
     if len(gr.rows):
         g = torch.zeros((len(gr.rows),) + tuple(dq.shape[1:]), dtype=acc_dt, device=dq.device)
         for sl, pos in gr.merge:

@@ -1,6 +1,6 @@
 """A small cost model: kernel time per tile shape and collective time per link, from calibrated numbers.
 
-Every figure is per GPU. ``tools/calibrate.py`` measures them on a machine and writes JSON that
+Every figure is per GPU. ``tools/sim/calibrate.py`` measures them on a machine and writes JSON that
 ``CostModel.load`` reads; the defaults are one such calibration on 4 x H200 (NVLink).
 
 Kernel time of a tile list (the kernel merges tiles sharing rows, so a row's cost follows the keys it
@@ -9,9 +9,9 @@ FLOPs), i.e. a tile runs at ``peak * keys / (keys + half_keys)`` with ``keys`` t
 rows: short rows run below peak because per-row work weighs more. The backend runs a list in one of
 three classes, each with its own block shapes and, when calibrated, its own fitted numbers:
 
-- "long" (mean kept keys per covered row >= ``long_row_keys``): ``fwd_tflops`` / ``bwd_tflops`` /
+- "long" (mean kept keys per covered row >= the kernels' ``LONG_ROW_KEYS``): ``fwd_tflops`` / ``bwd_tflops`` /
   ``half_keys``, ``cells`` = kept cells;
-- "blocky" (short rows whose ``blocky_block`` forward blocks are at least ``blocky_full_fraction`` full:
+- "blocky" (short rows whose forward blocks are mostly full (the kernels' ``BLOCKY_FULL_FRACTION``):
   documents, strided blocks, banded blocks, windows of 1024 to 4096 keys) and "short" (the other short
   lists: narrow sliding windows): ``blocky_*`` / ``short_*``, ``cells`` = the cells of every block the
   kernel visits, since a partly kept block costs a whole one (forward blocks of the class, ``bwd_block``
@@ -23,16 +23,14 @@ multiprocessor's share of the list's rate while other programs run, and at ``row
 (``long_rows``; calibrated).
 
 Dense pieces (``dense_fwd_tflops > 0``): the kernel backend runs full rectangles and square causal
-pieces of at least ``dense_min_rows`` x ``dense_min_keys`` on cuDNN (kernels/dense_tiles.py splits a
-bottom-right causal tile into a full rectangle and a square causal piece, and a band, a BI_CAUSAL tile,
-into batched full rectangles and square causal pieces of ``band_chunk`` rows; the rest stays on Triton and
-is classed as above; the forward also cuts bands into squares, ``band_squares``); a piece of ``rows`` x
+pieces of at least ``dense_min_rows`` x ``dense_min_keys`` on cuDNN, and in the forward bands cut into
+squares (``band_squares``); the rest stays on Triton and is classed as above. The split is the kernels'
+own (``kernels.pieces``: the cost model calls it, it never restates it); a piece of ``rows`` x
 ``keys`` costs
 ``flops(cells + dense_half_keys * rows + dense_half_rows * keys) / dense peak`` (short and narrow pieces
 run below peak: per-row and per-key-column work), over the piece's wave efficiency (``num_sms``), plus ``dense_piece_us`` and one LSE merge (``merge_bytes_per_row`` per
-query row and head at ``hbm_gbps``) per piece. The rules (dense split, row class, visited blocks) are
-restated here, since the planner may not import kernels: keep the two in step
-(tests/test_cost_model.py checks them against the kernel code).
+query row and head at ``hbm_gbps``) per piece. The row class is the kernels' too; the visited blocks
+follow the kernels' block schedule (tests/test_cost_model.py checks the count against it).
 Collective time: ``latency_us + intra_bytes / intra_gbps + inter_bytes / inter_gbps`` (per GPU, the
 busiest GPU's bytes of one collective; links of different kinds run concurrently, so it is the max).
 One neighbour's point-to-point transfer (the ring baseline's step): ``p2p_time``, measured at two sizes.
@@ -44,28 +42,21 @@ import json
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
+import torch
 
+from ..kernels.pieces import row_class as kernel_row_class, split_pieces
+from ..kinds import Kind
+from ..planner import Workload
 
-@dataclass(frozen=True)
-class Workload:
-    """Shapes that turn tokens into bytes and cells into FLOPs."""
-
-    num_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    dtype_bytes: int = 2
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
-
-    def fwd_flops(self, area: float) -> float:
-        return 4.0 * area * self.num_heads * self.head_dim
+# fields of older calibration files that no longer mean anything (the options they described were
+# removed, or the rule is now the kernels' own): dropped on load
+_RETIRED = frozenset({"band_chunk", "band_min_keys", "long_row_keys", "blocky_full_fraction"})
 
 
 @dataclass(frozen=True)
 class CostModel:
-    # defaults: tools/calibrate.py on 4 x H200 (NVLink), 2026-11-21 (benchmarks/dist/cost_model_4xH200.json)
+    # defaults: tools/sim/calibrate.py on 4 x H200 (NVLink), 2026-11-21
+    # (benchmarks/2026-11-21_4xH200_calibration-defaults/cost_model_4xH200.json)
     fwd_tflops: float = 420.0  # Triton attention forward on long rows (mask-area FLOPs), per GPU
     bwd_tflops: float = 370.0  # backward, counted as 2.5x the forward FLOPs
     half_keys: float = 216.0  # mean kept keys per row at which a tile runs at half of peak
@@ -75,8 +66,8 @@ class CostModel:
     inter_gbps: float = 45.0  # achieved per GPU between nodes (400 Gb/s NIC per GPU)
     p2p_gbps: float = 250.0  # one neighbour's send|receive pair inside a node (the ring baseline's steps)
     # the same transfer measured at twice p2p_bytes: NCCL's point-to-point time is not proportional to
-    # the bytes (4 x H200: a 268 MB fp32 block took 1.0-1.2 ms, a 134 MB bf16 one 0.8-1.0 ms:
-    # benchmarks/dist/run_0013_prof); p2p_time interpolates between the two (0: p2p_gbps at any size)
+    # the bytes (4 x H200: a 268 MB fp32 block took 1.0-1.2 ms, a 134 MB bf16 one 0.8-1.0 ms);
+    # p2p_time interpolates between the two (0: p2p_gbps at any size)
     p2p_big_gbps: float = 0.0
     p2p_bytes: float = 128 * 2**20
     latency_us: float = 40.0  # fixed cost per collective
@@ -86,8 +77,6 @@ class CostModel:
     dense_causal_bwd_tflops: float = 565.0
     dense_min_rows: int = 512  # TritonConfig.dense_min_rows / dense_min_keys
     dense_min_keys: int = 8192
-    band_chunk: int = 0  # TritonConfig.band_chunk / band_min_keys: bands (sliding windows) on cuDNN
-    band_min_keys: int = 1024
     # TritonConfig.band_squares: forward only, bands of at least this window and rows run as batched
     # cuDNN squares (a reversed one on flipped copies, merged with its causal partner in one pass); a
     # calibration file without the field predates band squares (its backend ran bands on Triton): 0
@@ -102,17 +91,16 @@ class CostModel:
     stage_bwd_bytes: float = 16.0
     # fixed time of one attention call from the caller to its first GPU work and back (host-side
     # dispatch, autograd, launches, a tiny collective), not overlapped when each call is timed alone:
-    # tools/calibrate.py times a tiny distributed call; defaults from the profile of 4 x H200 (host
-    # lead before the first kernel 0.2 ms forward, 0.4 ms backward: benchmarks/dist/run_1021)
+    # tools/sim/calibrate.py times a tiny distributed call; defaults from a profile on 4 x H200 (host
+    # lead before the first kernel 0.2 ms forward, 0.4 ms backward)
     call_fwd_us: float = 200.0
     call_bwd_us: float = 400.0
     # short-row class: the kernel backend runs lists whose mean kept keys per covered row is below
-    # long_row_keys with other block shapes (the kernel backend's LONG_ROW_KEYS), whose rate is
+    # its LONG_ROW_KEYS with other block shapes (``kernels.pieces.row_class``), whose rate is
     # fitted separately (peak and half-efficiency keys from two row lengths); 0: the long-row numbers
     short_fwd_tflops: float = 0.0
     short_bwd_tflops: float = 0.0
     short_half_keys: float = 0.0
-    long_row_keys: int = 4096
     short_bwd_half_keys: float = 0.0  # 0: short_half_keys
     short_block_m: int = 64  # forward block of the short class (the backend's config for the head dim)
     short_block_n: int = 64
@@ -124,12 +112,11 @@ class CostModel:
     blocky_bwd_half_keys: float = 0.0
     blocky_block_m: int = 128
     blocky_block_n: int = 64
-    blocky_full_fraction: float = 0.8
     # blocky lists that are mostly band cells (BI_CAUSAL tiles: sliding windows of 1024 to 4096 keys) run
     # at their own peaks, with the blocky half terms and blocks: a 2048-key band's backward measured
-    # 1.15-1.19x faster in the runtime than the blocky fit, made on documents, predicted (2 x H200,
-    # benchmarks/dist/run_0501_final); 0: the blocky numbers. Calibrated (395 against the documents' 358 on
-    # 2 x H200, run_0652_2gpu) it narrows that gap only a little (kernel alone 1.14x): see calibrate.py
+    # 1.15-1.19x faster in the runtime than the blocky fit, made on documents, predicted (2 x H200);
+    # 0: the blocky numbers. Calibrated (395 against the documents' 358 on 2 x H200) it narrows that gap
+    # only a little (kernel alone 1.14x): docs/cost-model.md
     blocky_band_fwd_tflops: float = 0.0
     blocky_band_bwd_tflops: float = 0.0
     bwd_block_m: int = 64  # backward blocks (dQ and dK/dV kernels) of the short and blocky classes
@@ -172,6 +159,7 @@ class CostModel:
         with open(path) as f:
             raw = json.load(f)
         known = {f.name for f in fields(cls)}
+        raw = {k: v for k, v in raw.items() if k not in _RETIRED}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"{path}: unknown cost-model fields {unknown}; known: {sorted(known)}")
@@ -190,26 +178,28 @@ class CostModel:
         tiles = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
         if self.dense_fwd_tflops <= 0 or not len(tiles):
             return tiles
-        rule = (self.dense_min_rows, self.dense_min_keys, self.band_chunk, self.band_min_keys)
-        rest = dense_rest(tiles, *rule) if len(dense_pieces(tiles, *rule)[0]) else tiles
-        return rest if backward else band_square_rest(rest, self.band_squares)
+        return self._pieces(tiles, backward, 1)[1]
 
     def _pieces(self, tiles: np.ndarray, backward: bool, key_split: int, accumulate: bool = False):
-        """(dense pieces as ``dense_pieces``' arrays plus ``reverse`` (bool: a band square run on flipped
-        copies), the rest, direct) of one call; (None, tiles, False) when nothing runs on cuDNN. ``direct``:
-        the forward writes its band-square pairs straight into its output (``band_pairs_direct``)."""
-        rule = (self.dense_min_rows, self.dense_min_keys * key_split, self.band_chunk, self.band_min_keys * key_split)
-        pieces = dense_pieces(tiles, *rule)
-        rest = dense_rest(tiles, *rule) if len(pieces[0]) else tiles
-        pieces = pieces + (np.zeros(len(pieces[0]), bool),)
-        direct = False
-        if not backward and key_split == 1 and self.band_squares > 0:
-            sq_p = band_square_pieces(rest, self.band_squares)
-            if len(sq_p[0]):
-                direct = not accumulate and not len(pieces[0]) and band_pairs_direct(rest, self.band_squares)
-                pieces = tuple(np.concatenate([a, b]) for a, b in zip(pieces, sq_p))
-                rest = band_square_rest(rest, self.band_squares)
-        return (pieces if len(pieces[0]) else None), rest, direct
+        """(dense pieces as arrays (rows, keys, cells, causal, batch, reverse) over calls, the rest, direct) of
+        one call, as the kernels split it (``kernels.pieces.split_pieces``); (None, tiles, False) when nothing
+        runs on cuDNN. ``reverse``: a band square run on flipped copies; ``direct``: the forward writes its
+        band-square pairs straight into its output (an accumulating forward never does). ``key_split`` > 1
+        stands for one of that many calls over equal key pieces: a piece must then be that much wider."""
+        p = split_pieces(torch.from_numpy(np.ascontiguousarray(tiles)), min_rows=self.dense_min_rows,
+                         min_keys=self.dense_min_keys * key_split,
+                         band_squares=self.band_squares if key_split == 1 else 0, forward=not backward)
+        rest = p.rest.numpy().astype(np.int64)
+        if not p.cudnn:
+            return None, rest, False
+        a = np.asarray(p.cudnn, dtype=np.int64).reshape(-1, 6)
+        batch = a[:, 5].astype(np.float64)
+        rows = ((a[:, 1] - a[:, 0]) // a[:, 5]).astype(np.float64)
+        keys = (a[:, 3] - a[:, 2]).astype(np.float64)
+        causal = a[:, 4] != Kind.FULL
+        rev = a[:, 4] == Kind.INV_CAUSAL
+        cells = batch * np.where(causal, rows * (rows + 1) / 2, rows * keys)
+        return (rows, keys, cells, causal, batch, rev), rest, bool(p.direct and not accumulate)
 
     def tile_time(self, tiles: np.ndarray, work: Workload, backward: bool = False, key_split: int = 1,
                   accumulate: bool = False) -> float:
@@ -247,9 +237,9 @@ class CostModel:
         # a kernel program walks every block of its q rows across all tiles, so a row's cost follows
         # the keys it keeps over the whole list, not per tile: each tile's share of rows is its cells
         # over the mean kept keys of its rows
-        row_cells, covered = _row_keys(rest, cells, covered=True)
+        row_cells = _row_keys(rest, cells)
         share = np.divide(cells * (rest[:, 1] - rest[:, 0]), row_cells, out=np.zeros_like(cells), where=row_cells > 0)
-        cls = self.row_class(rest, cells.sum() * split, covered)
+        cls = self.row_class(rest)
         if cls == "long":
             peak = (self.bwd_tflops / 2.5 if backward else self.fwd_tflops) * 1e12
             half, work_cells = self.half_keys, cells
@@ -272,22 +262,19 @@ class CostModel:
         if not backward and split == 1.0 and cls == "blocky":
             # the class the long-row rates are calibrated in (and the one lists with global rows run in);
             # a program of the long class's blocks (128 x 128, 8 warps) runs ~2.5x faster alone: a 256 x
-            # 32768 guest call measured at its throughput time (2 x H200, 02:48), not at this bound's
+            # 32768 guest call measured at its throughput time (2 x H200), not at this bound's
             t_list = self.long_rows(rest, t_list, int(self.blocky_block_m), int(self.blocky_block_n), work)
         return t + n_tiles * self.tile_us * 1e-6 + t_list
 
-    def row_class(self, tiles: np.ndarray, area: float, covered: int) -> str:
-        """The backend's class of a Triton tile list (kept ``area``, ``covered`` rows): "long" when its rows
-        keep at least ``long_row_keys`` keys on average, else "blocky" when at least
-        ``blocky_full_fraction`` of its visited ``blocky_block`` blocks are full, else "short"; classes
-        that are not calibrated fall back ("blocky" -> "short" -> "long")."""
-        if self.short_fwd_tflops <= 0 or area >= self.long_row_keys * max(covered, 1):
-            return "long"
-        if self.blocky_fwd_tflops > 0:
-            visited, full = block_counts(tiles, int(self.blocky_block_m), int(self.blocky_block_n))
-            if visited.sum() and full.sum() >= self.blocky_full_fraction * visited.sum():
-                return "blocky"
-        return "short"
+    def row_class(self, tiles: np.ndarray) -> str:
+        """The kernel backend's class of a Triton tile list (``kernels.pieces.row_class``), falling back for
+        classes this model has no numbers for ("blocky" -> "short" -> "long")."""
+        cls = kernel_row_class(torch.from_numpy(np.ascontiguousarray(tiles)))
+        if cls == "blocky" and self.blocky_fwd_tflops <= 0:
+            cls = "short"
+        if cls == "short" and self.short_fwd_tflops <= 0:
+            cls = "long"
+        return cls
 
     def _dense_time(self, pieces, work: Workload, backward: bool, split: float) -> float:
         """Seconds of the dense (cuDNN) ``pieces`` (``dense_pieces``' arrays), each with 1 / ``split`` of its
@@ -439,144 +426,6 @@ def band_cells(tiles: np.ndarray, cells: np.ndarray) -> float:
     return float(cells[np.asarray(tiles).reshape(-1, 5)[:, 4] == 3].sum())
 
 
-def _bands(t: np.ndarray, min_rows: int, band_chunk: int, band_min_keys: float):
-    """(mask of BI_CAUSAL tiles the dense split cuts into band pieces, their chunk count n, band w)."""
-    sq, sk, kind = t[:, 1] - t[:, 0], t[:, 3] - t[:, 2], t[:, 4]
-    w = sk - sq
-    band = ((kind == 3) & (band_chunk > 0) & (w >= band_chunk + band_min_keys)
-            & (sq // max(band_chunk, 1) * band_chunk >= max(min_rows, 1)))
-    return band, sq // max(band_chunk, 1), w
-
-
-def dense_pieces(tiles: np.ndarray, min_rows: int, min_keys: float, band_chunk: int = 0,
-                 band_min_keys: float = 1024):
-    """The dense (cuDNN) calls of ``tiles`` as arrays over calls: (rows, keys, cells, causal, batch) (float,
-    bool, float): rows and keys of one piece, ``batch`` pieces per call (band pieces: a full rectangle
-    ``band_chunk x (w - band_chunk)`` and a square causal ``band_chunk`` per chunk), cells of the whole
-    call. Restates kernels/dense_tiles.split_dense: a FULL tile of at least min_rows x min_keys; of a
-    bottom-right CAUSAL tile (rows trimmed to at most sk), its full part (sq x (sk - sq)) and its square
-    causal part (sq x sq) when each is that big; the band pieces of a BI_CAUSAL tile."""
-    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
-    sq, sk, kind = t[:, 1] - t[:, 0], t[:, 3] - t[:, 2], t[:, 4]
-    full = (kind == 0) & (sq >= min_rows) & (sk >= min_keys)
-    cq = np.minimum(sq, sk)
-    d = sk - cq
-    c_full = (kind == 1) & (d > 0) & (cq >= min_rows) & (d >= min_keys)
-    c_sq = (kind == 1) & (cq >= min_rows) & (cq >= min_keys)
-    band, n, w = _bands(t, min_rows, band_chunk, band_min_keys)
-    nb = int(band.sum())
-    c = np.full(nb, band_chunk, dtype=np.int64)
-    rows = np.concatenate([sq[full], cq[c_full], cq[c_sq], c, c]).astype(np.float64)
-    keys = np.concatenate([sk[full], d[c_full], cq[c_sq], w[band] - c, c]).astype(np.float64)
-    causal = np.concatenate([np.zeros(int(full.sum()) + int(c_full.sum()), bool), np.ones(int(c_sq.sum()), bool),
-                             np.zeros(nb, bool), np.ones(nb, bool)])
-    batch = np.concatenate([np.ones(int(full.sum() + c_full.sum() + c_sq.sum())), n[band], n[band]]).astype(np.float64)
-    cells = batch * np.where(causal, rows * (rows + 1) / 2, rows * keys)
-    return rows, keys, cells, causal, batch
-
-
-def dense_rest(tiles: np.ndarray, min_rows: int, min_keys: float, band_chunk: int = 0,
-               band_min_keys: float = 1024) -> np.ndarray:
-    """The tiles the dense split leaves to Triton (int [m, 5]), as kernels/dense_tiles.split_dense's rest
-    list: tiles with no dense piece whole (a CAUSAL one without its rows that keep nothing); of a CAUSAL
-    tile with one, the other piece (its full part as a FULL tile, its square part as a CAUSAL one) when
-    that piece is not dense too; of a band, its INV_CAUSAL squares and the rows below its last chunk."""
-    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
-    qs, qe, ks, ke, kind = t.T
-    sq, sk = qe - qs, ke - ks
-    big = lambda r, k: (r >= min_rows) & (k >= min_keys)  # noqa: E731
-    cq = np.minimum(sq, sk)
-    q0 = qe - cq
-    d = sk - cq
-    causal = kind == 1
-    full_ok = causal & (d > 0) & big(cq, d)
-    sq_ok = causal & big(cq, cq)
-    band, n, _ = _bands(t, min_rows, band_chunk, band_min_keys)
-    whole = np.where(kind == 0, ~big(sq, sk), ~(full_ok | sq_ok)) & ~band
-    kept = t[whole].copy()
-    kept[:, 0] = np.where(kept[:, 4] == 1, q0[whole], kept[:, 0])  # causal rows keeping nothing dropped
-    parts = [kept]
-    split = ~whole & causal
-    f = split & (d > 0) & ~full_ok
-    parts.append(np.stack([q0, qe, ks, ks + d, np.zeros_like(kind)], 1)[f])
-    c = split & ~sq_ok
-    parts.append(np.stack([q0, qe, ks + d, ke, np.ones_like(kind)], 1)[c])
-    for i in np.nonzero(band)[0].tolist():  # one row per chunk: the INV_CAUSAL squares, then the tail
-        b = np.arange(n[i], dtype=np.int64) * band_chunk
-        parts.append(np.stack([qs[i] + b, qs[i] + b + band_chunk, ks[i] + b, ks[i] + b + band_chunk,
-                               np.full_like(b, 2)], 1))
-        e = qs[i] + n[i] * band_chunk
-        if e < qe[i]:
-            parts.append(np.array([[e, qe[i], ks[i] + n[i] * band_chunk, ke[i], 3]], dtype=np.int64))
-    out = np.concatenate(parts)
-    return out[np.lexsort((out[:, 2], out[:, 0]))] if len(out) else out
-
-
-def _band_squares(t: np.ndarray, min_window: int):
-    """(mask of BI_CAUSAL tiles cut into band squares, chunk rows C, chunk count n, window w): restates
-    kernels/dense_tiles.split_band_squares."""
-    sq, sk, kind = t[:, 1] - t[:, 0], t[:, 3] - t[:, 2], t[:, 4]
-    w = sk - sq
-    c = np.minimum(w, sq)
-    sel = (kind == 3) & (min_window > 0) & (c >= max(min_window, 1))
-    return sel, c, sq // np.maximum(c, 1), w
-
-
-def band_square_pieces(tiles: np.ndarray, min_window: int):
-    """The forward's band squares of ``tiles`` as ``dense_pieces``' arrays plus ``reverse``: per band, a
-    reversed (INV_CAUSAL) square of C rows, a full C x (w - C) rectangle when w > C, a causal square,
-    each a batch of n chunks."""
-    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
-    sel, c, n, w = _band_squares(t, min_window)
-    c, n, w = c[sel].astype(np.float64), n[sel].astype(np.float64), w[sel].astype(np.float64)
-    wide = w > c
-    nb, nw = len(c), int(wide.sum())
-    rows = np.concatenate([c, c[wide], c])
-    keys = np.concatenate([c, (w - c)[wide], c])
-    causal = np.concatenate([np.ones(nb, bool), np.zeros(nw, bool), np.ones(nb, bool)])
-    batch = np.concatenate([n, n[wide], n])
-    rev = np.concatenate([np.ones(nb, bool), np.zeros(nw + nb, bool)])
-    cells = batch * np.where(causal, rows * (rows + 1) / 2, rows * keys)
-    return rows, keys, cells, causal, batch, rev
-
-
-def band_pairs_direct(tiles: np.ndarray, min_window: int) -> bool:
-    """Whether the forward writes the band squares of ``tiles`` (a list without other dense pieces)
-    straight into its output: every cut band is a pair of squares (window = chunk rows, no rectangle) and
-    the pairs' rows are theirs alone (restates the Triton backend's ``_direct_pairs``;
-    tests/test_cost_model.py compares the two)."""
-    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
-    sel, c, n, w = _band_squares(t, min_window)
-    if not sel.any() or (w[sel] > c[sel]).any():
-        return False
-    a = t[sel, 0]
-    b = a + (n * c)[sel]
-    order = np.argsort(a)
-    a, b = a[order], b[order]
-    if (a[1:] < b[:-1]).any():
-        return False
-    rest = band_square_rest(t, min_window)
-    if not len(rest):
-        return True
-    i = np.searchsorted(a, rest[:, 1], side="left")  # pairs starting before each rest tile's end
-    prev_end = np.where(i > 0, b[np.maximum(i - 1, 0)], np.iinfo(np.int64).min)
-    return not (prev_end > rest[:, 0]).any()
-
-
-def band_square_rest(tiles: np.ndarray, min_window: int) -> np.ndarray:
-    """``tiles`` without the band squares' cells (as split_band_squares' rest): other tiles whole, each
-    cut band's rows below its last chunk as a BI_CAUSAL tile."""
-    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
-    sel, c, n, _ = _band_squares(t, min_window)
-    e = t[:, 0] + n * c
-    tail = t[sel & (e < t[:, 1])].copy()
-    cut = (n * c)[sel & (e < t[:, 1])]
-    tail[:, 0] += cut
-    tail[:, 2] += cut
-    out = np.concatenate([t[~sel], tail])
-    return out[np.lexsort((out[:, 2], out[:, 0]))] if len(out) else out
-
-
 def _block_rows(t: np.ndarray, block_m: int, block_n: int):
     """Per (tile, q block) pair of ``t``: (tile id, q block, visited k blocks, full k blocks), as the
     kernels' block schedule (_block_pairs) counts them."""
@@ -623,13 +472,12 @@ def row_block_entries(tiles: np.ndarray, block_m: int, block_n: int) -> np.ndarr
     return np.bincount(m - m.min(), vis).astype(np.float64) if len(m) else np.zeros(0)
 
 
-def _row_keys(tiles: np.ndarray, cells: np.ndarray, covered: bool = False):
+def _row_keys(tiles: np.ndarray, cells: np.ndarray) -> np.ndarray:
     """For each tile, rows x (mean keys kept per row over the whole list) on its rows, with ``cells``
-    [n] the cells of each tile counted (spread evenly over the tile's rows). ``covered``: also the
-    number of rows with any counted cell, as ``(per_tile, covered)``."""
+    [n] the cells of each tile counted (spread evenly over the tile's rows)."""
     t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
     if len(t) == 0:
-        return (np.zeros(0), 0) if covered else np.zeros(0)
+        return np.zeros(0)
     q0, q1 = t[:, 0], t[:, 1]
     base = int(q0.min())
     n = int(q1.max()) - base
@@ -639,5 +487,49 @@ def _row_keys(tiles: np.ndarray, cells: np.ndarray, covered: bool = False):
     np.add.at(diff, q1 - base, -per_row)
     row = np.cumsum(diff[:-1])  # keys kept by each row over all tiles
     pre = np.concatenate([[0.0], np.cumsum(row)])
-    per_tile = pre[q1 - base] - pre[q0 - base]
-    return (per_tile, int((row > 1e-9).sum())) if covered else per_tile
+    return pre[q1 - base] - pre[q0 - base]
+
+
+# -- guest rows (planner.guests): what their exchanges and calls cost
+
+
+def guest_pairs(plan) -> np.ndarray:
+    """``M[a, b]`` of a built plan: guest rows rank ``a`` sends to rank ``b`` (self included)."""
+    cp = plan.cp_size
+    M = np.zeros((cp, cp), dtype=np.int64)
+    for rp in plan.ranks:
+        for b, runs in enumerate(rp.guest_send_runs):
+            M[rp.rank, b] = int((runs[:, 1] - runs[:, 0]).sum()) if len(runs) else 0
+    return M
+
+
+def guest_traffic(plan, work: Workload) -> list[tuple[str, np.ndarray]]:
+    """The guest rows' exchanges as the runtime issues them, forward then backward: ``(phase,
+    bytes[src, dst])`` (float64 [cp, cp], self pairs included: callers ignore the diagonal)."""
+    if not plan.has_guests:
+        return []
+    M = guest_pairs(plan).astype(np.float64)
+    h, d, b = work.num_heads, work.head_dim, work.dtype_bytes
+    acc = 8 if b == 8 else 4
+    return [("guest_q", M * h * d * b), ("guest_out", M.T * h * (d + 1) * acc),
+            ("guest_dout", M * 2 * h * d * b), ("guest_lse", M * 2 * h * acc), ("guest_dq", M.T * h * d * b)]
+
+
+def guest_predict(plan, cost: "CostModel", work: Workload) -> dict:
+    """Time the guest rows add to a step (seconds): their exchanges (each a collective; the busiest
+    GPU's bytes per link class) and the kernel calls over the guest tiles, the busiest rank's."""
+    if not plan.has_guests:
+        return {"fwd_s": 0.0, "bwd_s": 0.0}
+    cp = plan.cp_size
+    g = plan.topology.gpus_per_node if plan.topology is not None else cp
+    node = np.arange(cp) // g
+    t = {}
+    for name, B in guest_traffic(plan, work):
+        intra, inter = link_bytes(B, node)
+        t[name] = cost.comm_time(intra, inter) if intra + inter > 0 else cost.latency_us * 1e-6
+    kf = max(cost.tile_time(rp.guest_tiles, work) for rp in plan.ranks)
+    kb = max(cost.tile_time(rp.guest_tiles, work, backward=True) for rp in plan.ranks)
+    # the partials / dq travel back while the own tiles compute: only their latency is exposed
+    lat = cost.latency_us * 1e-6
+    return {"fwd_s": t["guest_q"] + kf + min(t["guest_out"], lat),
+            "bwd_s": t["guest_dout"] + t["guest_lse"] + kb + min(t["guest_dq"], lat)}

@@ -4,7 +4,7 @@ A ``Schedule`` splits every rank's work into stage 0 (its own keys: no communica
 ``num_stages`` remote stages. Remote stage ``s`` of rank ``r`` holds the ``s``-th of ``num_stages``
 equal pieces of ``r``'s remote key tokens in global order (of its node's, when routes are
 hierarchical, so a row shared by a node's GPUs travels in one stage); its tiles are the rank's tiles clipped to
-those keys (``geometry.clip``), in the stage buffer's coordinates (the stage's tokens in global order).
+those keys (``geometry.traps_to_tiles``), in the stage buffer's coordinates (the stage's tokens in global order).
 The runtime prefetches stage ``s + 1`` while computing stage ``s`` and merges stage outputs by LSE.
 
 A ``Route`` moves one stage's rows. Flat: one all-to-all-v (phase A). Hierarchical (topology with
@@ -26,10 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..masks import geometry
-from . import guests
-from .cost import CostModel, Workload
-from .plan import Plan, _merge_runs, _runs_to_ids
-from .topology import Topology
+from ..planner import Plan, Topology, Workload
+from .cost import CostModel, guest_predict
 
 
 @dataclass(frozen=True)
@@ -81,77 +79,6 @@ class Schedule:
     predicted: dict  # cost-model prediction (seconds) and the candidates tried
 
 
-def rank_traps(plan: Plan, rank: int) -> np.ndarray:
-    """The cells rank ``rank`` computes as trapezoids with rows in local and keys in global order."""
-    rp = plan.ranks[rank]
-    br = rp.buffer_runs
-    off = np.concatenate([[0], np.cumsum(br[:, 1] - br[:, 0])])
-    out = []
-    for q0, q1, k0, k1, kind in rp.tiles.tolist():
-        t = geometry.slice_to_trap(q0, q1, k0, k1, kind)
-        if t is None:
-            continue
-        # a (merged) tile may span several buffer runs: each piece shifts by its run's global offset
-        for i in range(int(np.searchsorted(off, k0, side="right")) - 1, len(br)):
-            if off[i] >= k1:
-                break
-            d = int(br[i, 0] - off[i])
-            for c in geometry.clip(np.array([t]), q0, q1, int(off[i]), int(off[i + 1])):
-                out.append((c[0], c[1], c[2] + d, c[3], c[4] + d, c[5]))
-    return np.asarray(out, dtype=np.int64).reshape(-1, 6)
-
-
-def mask_traps(plan: Plan) -> np.ndarray:
-    """The whole mask, recovered exactly from the plan, as global trapezoids (int64 [n, 6])."""
-    out = []
-    for r in range(plan.cp_size):
-        segs = plan.ranks[r].segments
-        off = np.concatenate([[0], np.cumsum(segs[:, 1] - segs[:, 0])])
-        for t in rank_traps(plan, r):
-            # a (merged) tile's rows may span several owned segments: each row piece shifts by its own
-            for i in range(int(np.searchsorted(off, t[0], side="right")) - 1, len(segs)):
-                if off[i] >= t[1]:
-                    break
-                a, b = max(int(t[0]), int(off[i])), min(int(t[1]), int(off[i + 1]))
-                if a >= b:
-                    continue
-                d = int(segs[i, 0] - off[i])
-                # rows shift by d: lo(i) = lo_a + lo_s*i keeps its value at the shifted row
-                out.append((a + d, b + d, t[2] - t[3] * d, t[3], t[4] - t[5] * d, t[5]))
-    out += [tuple(t) for t in plan.guest_traps.tolist()]  # guest rows' cells (computed by key owners)
-    return geometry.union(out)
-
-
-def clip_tiles(traps: np.ndarray, q_runs, k_runs) -> np.ndarray:
-    """Tiles of ``traps`` (global or local rows, global keys) for queries laid out as the
-    concatenation of ``q_runs`` and keys as the concatenation of ``k_runs`` (int32 [n, 5]).
-    ``q_runs=None`` means the trapezoid rows are already local (no row clipping or shift). Neighbour
-    tiles are joined (``geometry.merge_tiles``)."""
-    traps = np.asarray(traps, dtype=np.int64).reshape(-1, 6)
-    k_runs = np.asarray(k_runs, dtype=np.int64).reshape(-1, 2)
-    if q_runs is None:
-        q_list = [(int(traps[:, 0].min()) if len(traps) else 0, int(traps[:, 1].max()) if len(traps) else 0, 0)]
-    else:
-        q_runs = np.asarray(q_runs, dtype=np.int64).reshape(-1, 2)
-        qo = np.concatenate([[0], np.cumsum(q_runs[:, 1] - q_runs[:, 0])])
-        q_list = [(int(a), int(b), int(qo[i]) - int(a)) for i, (a, b) in enumerate(q_runs.tolist())]
-    ko = np.concatenate([[0], np.cumsum(k_runs[:, 1] - k_runs[:, 0])])
-    klo = traps[:, 2] + traps[:, 3] * traps[:, 0]  # smallest key of each trapezoid
-    khi = traps[:, 4] + traps[:, 5] * (traps[:, 1] - 1)  # one past its largest key
-    tiles = []
-    for qa, qb, dq in q_list:
-        rows = (traps[:, 0] < qb) & (traps[:, 1] > qa)
-        for j, (ka, kb) in enumerate(k_runs.tolist()):
-            sel = rows & (klo < kb) & (khi > ka)
-            if not sel.any():
-                continue
-            dk = int(ko[j]) - ka
-            for t in geometry.clip(traps[sel], qa, qb, ka, kb):
-                q0, q1, k0, k1, kind = geometry.trap_to_slice(t)
-                tiles.append((q0 + dq, q1 + dq, k0 + dk, k1 + dk, kind))
-    return geometry.merge_tiles(tiles)
-
-
 def _sorted_unique(x: np.ndarray) -> np.ndarray:
     """np.unique for int64 by sorting (numpy's hash-based unique is much slower on large arrays)."""
     if len(x) == 0:
@@ -161,14 +88,7 @@ def _sorted_unique(x: np.ndarray) -> np.ndarray:
 
 
 def _remote_ids(plan: Plan, rank: int) -> np.ndarray:
-    rp = plan.ranks[rank]
-    runs = [r for r in rp.recv_runs if len(r)]
-    return _runs_to_ids(_merge_runs(np.concatenate(runs))) if runs else np.zeros(0, dtype=np.int64)
-
-
-def _split(ids: np.ndarray, n: int) -> list[np.ndarray]:
-    cut = (np.arange(n + 1) * len(ids)) // n
-    return [ids[cut[i] : cut[i + 1]] for i in range(n)]
+    return plan.ranks[rank].remote_ids()
 
 
 def _ids_to_runs(ids: np.ndarray) -> np.ndarray:
@@ -288,8 +208,8 @@ def _stage_tiles(plan: Plan, stage_ids, traps_by_rank) -> list[list[np.ndarray]]
     out = []
     for r in range(plan.cp_size):
         segs = plan.ranks[r].segments
-        tl = [clip_tiles(traps_by_rank[r], None, segs)]
-        tl += [clip_tiles(traps_by_rank[r], None, _ids_to_runs(ids)) for ids in stage_ids[r]]
+        tl = [geometry.traps_to_tiles(traps_by_rank[r], None, segs)]
+        tl += [geometry.traps_to_tiles(traps_by_rank[r], None, _ids_to_runs(ids)) for ids in stage_ids[r]]
         out.append(tl)
     return out
 
@@ -361,7 +281,7 @@ def predict(plan: Plan, stage_ids, stage_tiles, topo: Topology | None, cost: Cos
             red = max(red, t) + comm[s - 1]
         t += kb[0]
         bwd[r] = max(t, red)
-    g = guests.predict(plan, cost, work)  # guest rows: their exchanges and call, after the stages
+    g = guest_predict(plan, cost, work)  # guest rows: their exchanges and call, after the stages
     return {"fwd_s": float(fwd.max()) + g["fwd_s"], "bwd_s": float(bwd.max()) + g["bwd_s"], "comm_s": comm}
 
 
@@ -378,7 +298,7 @@ def choose_num_stages(plan: Plan, cost: CostModel, work: Workload, topo: Topolog
     if plan.cp_size == 1 or all(r.num_remote == 0 for r in plan.ranks):
         return 0, {}
     if tiles_one is None:
-        traps = [rank_traps(plan, r) for r in range(plan.cp_size)]
+        traps = [rp.traps for rp in plan.ranks]
         tiles_one = _stage_tiles(plan, _stage_ids(plan, 1, topo), traps)
     min_rem = min(r.num_remote for r in plan.ranks if r.num_remote > 0)
     preds = {}
@@ -412,7 +332,7 @@ def predict_single(plan: Plan, cost: CostModel, work: Workload) -> dict:
         kf = max(kf, cost.tile_time(rp.tiles, work) + cost.exchange_passes(rp.num_tokens, n_recv, n_send, work))
         kb = max(kb, cost.tile_time(rp.tiles, work, backward=True)
                  + cost.exchange_passes(rp.num_tokens, n_recv, n_send, work, backward=True))
-    g = guests.predict(plan, cost, work)  # guest rows: their exchanges and call, after the main call
+    g = guest_predict(plan, cost, work)  # guest rows: their exchanges and call, after the main call
     return {"fwd_s": cost.call_time() + comm + kf + g["fwd_s"], "bwd_s": cost.call_time(True) + kb + comm + g["bwd_s"],
             "comm_s": [comm]}
 
@@ -424,26 +344,27 @@ def _exchange_rows(plan: Plan, r: int) -> tuple[int, int]:
     return int(rp.num_remote), n_send
 
 
-def choose_stages(plan: Plan, cost: CostModel | None = None, work: Workload | None = None,
-                  hierarchical: bool = True) -> int:
-    """The runtime's choice: 0 (single exchange) or the staged schedule's number of remote stages,
-    whichever the cost model predicts faster (ties go to 0: simpler, and no running-output passes).
-    Multi-node plans with hierarchical routes always stage (the single exchange is flat). Cached."""
-    cost = cost or CostModel()
-    work = work or Workload()
-    key = ("choose_stages", hierarchical, cost, work)
-    if key in plan.cache:
-        return plan.cache[key]
-    staged = schedule(plan, None, cost=cost, work=work, hierarchical=hierarchical)
+def choose_schedule(plan: Plan, stages: int | None, cost: CostModel, work: Workload,
+                    hierarchical: bool = True) -> "Schedule | None":
+    """The runtime's execution choice for ``plan``: None for the single exchange (one GroupCast of every
+    remote row, then one kernel call), else the staged schedule. ``stages`` 0 asks for the single
+    exchange, n > 0 for n remote stages, None lets the cost model choose the faster (ties go to the
+    single exchange: simpler, no running-output passes). Multi-node plans with hierarchical routes
+    always stage (the single exchange is flat)."""
+    if stages == 0:
+        return None
+    staged = schedule(plan, stages, cost=cost, work=work, hierarchical=hierarchical)
+    if stages is not None:
+        return staged
     n = staged.num_stages
     multi = hierarchical and plan.topology is not None and plan.topology.nodes > 1
-    if n > 0 and not multi:
+    if n == 0:
+        return None
+    if not multi:
         single = predict_single(plan, cost, work)
-        best = staged.predicted["candidates"][n]
-        if single["fwd_s"] + single["bwd_s"] <= best:
-            n = 0
-    plan.cache[key] = n
-    return n
+        if single["fwd_s"] + single["bwd_s"] <= staged.predicted["candidates"][n]:
+            return None
+    return staged
 
 
 def schedule(
@@ -457,19 +378,15 @@ def schedule(
     """Build the staged, routed schedule of ``plan`` (see module doc).
 
     ``num_stages``: remote stages; None lets the cost model choose. ``hierarchical``: use two-phase
-    routes when ``plan.topology`` has more than one node. Cached on the plan.
+    routes when ``plan.topology`` has more than one node. Pure: the runtime keeps what it builds.
     """
     if num_stages is not None and (not isinstance(num_stages, (int, np.integer)) or num_stages < 0):
         raise ValueError(f"num_stages must be None or an int >= 0, got {num_stages!r}")
     cost = cost or CostModel()
     work = work or Workload()
     topo = plan.topology if hierarchical else None
-    key = ("schedule", num_stages, hierarchical, cost, work)
-    cached = plan.cache.get(key)
-    if cached is not None:
-        return cached
     preds = {}
-    traps = [rank_traps(plan, r) for r in range(plan.cp_size)]
+    traps = [rp.traps for rp in plan.ranks]
     one = None
     if num_stages is None:
         if plan.cp_size > 1 and any(r.num_remote for r in plan.ranks):
@@ -495,5 +412,4 @@ def schedule(
         inter_node_rows=tuple(inter),
         predicted={"candidates": preds, **predict(plan, ids, tiles, plan.topology, cost, work)},
     )
-    plan.cache[key] = sched
     return sched

@@ -1,0 +1,172 @@
+"""Per-rank execution state: everything one rank needs to run a plan, built once from the plan.
+
+The plan says what each rank computes and receives; ``rank_state`` turns that into what the forward and
+backward calls use - index tensors on the device, tile lists prepared by the kernel backend, and the
+exchange the cost model chose (one GroupCast of everything, or staged GroupCasts overlapped with the
+kernels, ``runtime.schedule``) - and keeps it in a cache keyed weakly by the plan object, so a plan that
+is dropped takes its state with it. Nothing is written on the (frozen) plan and nothing is derived again
+from the planner's internals: the runtime reads the plan's public fields only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..comm import BufferPool, DeviceRoute, check_same_on_all_ranks, device_pool
+from ..kernels import Backend
+from ..planner import Plan, Workload
+from . import guests
+from .cost import CostModel
+from .rowmap import RowMap
+from .schedule import Schedule, choose_schedule
+
+
+@dataclass
+class SingleExchange:
+    """One GroupCast of every remote K/V row, then one kernel call over the rank's whole tile list.
+
+    K and V live in separate contiguous buffers (what cuDNN pieces and the kernels read best);
+    ``own``/``recv`` place the own and received rows in them, ``send`` gathers the rows to send and
+    ``own_rows``/``recv_rows`` take gradients back out. ``red_rows`` are the local rows that get
+    partial gradients from other ranks; the returned rows ``red_pos[red_ptr[i]:red_ptr[i+1]]`` add
+    into ``red_rows[i]``."""
+
+    buffer_len: int
+    send_counts: list
+    recv_counts: list
+    own: RowMap
+    recv: RowMap
+    send: RowMap
+    own_rows: RowMap
+    recv_rows: RowMap
+    red_rows: torch.Tensor
+    red_ptr: torch.Tensor
+    red_pos: torch.Tensor
+    prepared: object
+    # the local K/V are the buffer as they are: no exchange anywhere and the buffer is the local rows
+    identity: bool
+
+
+@dataclass
+class StagedExchange:
+    """Stage 0 computes the own keys; remote stage ``s`` receives its keys over ``routes[s]`` while
+    stage ``s - 1`` computes (``runtime.schedule``)."""
+
+    prepared: list  # per stage (None when the stage has no tile on this rank)
+    buf_len: list
+    routes: list  # per stage (None for stage 0)
+    active: list  # per stage: does its exchange move anything on any rank
+
+
+@dataclass
+class RankRuntime:
+    """One rank's execution state for one (plan, device, backend, exchange options)."""
+
+    rank: int
+    s_local: int
+    backend: Backend
+    exchanges: bool  # does any rank of the plan move a key (collectives are joined by every rank)
+    schedule: Schedule | None  # None: the single exchange
+    single: SingleExchange | None
+    staged: StagedExchange | None
+    guests: guests.GuestRuntime | None
+    pool: BufferPool
+
+
+_STATES: "weakref.WeakKeyDictionary[Plan, dict]" = weakref.WeakKeyDictionary()
+def _plan_cache(plan: Plan) -> dict:
+    d = _STATES.get(plan)
+    if d is None:
+        d = _STATES[plan] = {}
+    return d
+
+
+def states_of(plan: Plan) -> list[RankRuntime]:
+    """The execution states built for ``plan`` so far in this process (for inspection and tests)."""
+    return [v for k, v in _plan_cache(plan).items() if isinstance(k, tuple) and k[0] == "rank"]
+
+
+def verify_plan(plan: Plan, group, device) -> None:
+    """Once per (plan, group): every rank must hold the same plan (one tiny all-reduce)."""
+    if group is None or plan.cp_size == 1:
+        return
+    seen = _plan_cache(plan).setdefault("verified", set())
+    if id(group) not in seen:
+        check_same_on_all_ranks(plan.digest64, group, device, "plan digest")
+        seen.add(id(group))
+
+
+def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, backend_key, *,
+               stages: int | None, hierarchical: bool, cost: CostModel, work: Workload) -> RankRuntime:
+    """The cached ``RankRuntime`` of ``rank`` (built on first use; every rank makes the same exchange
+    choice, since the cost model's inputs are the same on every rank)."""
+    key = ("rank", rank, str(device), backend_key, stages, hierarchical, cost, work)
+    cache = _plan_cache(plan)
+    st = cache.get(key)
+    if st is None:
+        sched = choose_schedule(plan, stages, cost, work, hierarchical)
+        st = RankRuntime(
+            rank=rank,
+            s_local=plan.num_local(rank),
+            backend=backend,
+            exchanges=any(r.num_remote > 0 for r in plan.ranks),
+            schedule=sched,
+            single=_single(plan, rank, device, backend) if sched is None else None,
+            staged=_staged(plan, sched, rank, device, backend) if sched is not None else None,
+            guests=guests.guest_runtime(plan, rank, device, backend) if plan.has_guests else None,
+            pool=device_pool(device),
+        )
+        cache[key] = st
+    return st
+
+
+def _single(plan: Plan, rank: int, device, backend: Backend) -> SingleExchange:
+    rp = plan.ranks[rank]
+    send_index, send_counts = rp.send_index()
+    own_pos, recv_pos = rp.buffer_index()
+    buffer_len = max(rp.buffer_len, 1)
+    # returned partial rows grouped by the local row they add to (CSR, source order kept)
+    red_order = np.argsort(send_index, kind="stable")
+    red_rows, red_counts = np.unique(send_index, return_counts=True)
+    red_ptr = np.concatenate([[0], np.cumsum(red_counts)])
+    exchanges = any(r.num_remote > 0 for r in plan.ranks)
+    own_identity = len(own_pos) == rp.num_tokens and bool(np.array_equal(own_pos, np.arange(rp.num_tokens)))
+    return SingleExchange(
+        buffer_len=buffer_len,
+        send_counts=send_counts,
+        recv_counts=rp.recv_counts(),
+        own=RowMap(own_pos, None, device),
+        recv=RowMap(recv_pos, None, device),
+        send=RowMap(None, send_index, device),
+        own_rows=RowMap(None, own_pos, device),
+        recv_rows=RowMap(None, recv_pos, device),
+        red_rows=torch.from_numpy(red_rows.astype(np.int64)).to(device),
+        red_ptr=torch.from_numpy(red_ptr.astype(np.int64)).to(device),
+        red_pos=torch.from_numpy(red_order.astype(np.int64)).to(device),
+        prepared=backend.prepare(torch.from_numpy(rp.tiles.astype("int32")), rp.num_tokens, buffer_len),
+        identity=(not exchanges or plan.cp_size == 1) and own_identity and buffer_len == rp.num_tokens,
+    )
+
+
+def _staged(plan: Plan, sched: Schedule, rank: int, device, backend: Backend) -> StagedExchange:
+    stages = sched.ranks[rank]
+    prepared = []
+    for st in stages:
+        if len(st.tiles):
+            tiles = torch.from_numpy(st.tiles.astype("int32"))
+            prepared.append(backend.prepare(tiles, plan.num_local(rank), max(st.buf_len, 1)))
+        else:
+            prepared.append(None)
+    idle = [i for i, st in enumerate(stages) if i > 0 and len(st.tiles) and not sched.active[i - 1]]
+    if idle:  # its keys would never arrive (and its backward has no reduce to join)
+        raise RuntimeError(f"rank {rank}: stages {idle} have tiles but exchange nothing (schedule bug)")
+    return StagedExchange(
+        prepared=prepared,
+        buf_len=[st.buf_len for st in stages],
+        routes=[None] + [DeviceRoute.from_route(st.route, device) for st in stages[1:]],
+        active=[False] + list(sched.active),
+    )

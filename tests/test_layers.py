@@ -1,0 +1,241 @@
+"""The layer rules of docs/layers.md, checked on the code (ast; nothing is imported):
+
+- every import of a megatron_cp package is allowed by the layer table (kept here and in docs/layers.md:
+  the test checks that the two agree);
+- no import cycle among megatron_cp modules (function-level imports count);
+- no module imports another package's private names, nor reads a private attribute of another
+  package's module; tools/ and examples/ use public names only;
+- the runtime takes from the planner only what ``megatron_cp.planner`` exports;
+- only megatron_cp.megatron imports megatron; masks, planner and kernels never import torch.distributed.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PKG = ROOT / "megatron_cp"
+
+# layer -> the megatron_cp layers it may import (itself always allowed); docs/layers.md holds the same table
+LAYERS = {
+    "kinds": set(),
+    "masks": {"kinds"},
+    "planner": {"kinds", "masks"},
+    "kernels": {"kinds"},
+    "comm": set(),
+    "runtime": {"kinds", "masks", "planner", "kernels", "comm"},
+    "baselines": {"kinds", "masks", "planner", "kernels", "comm", "runtime"},
+    "megatron": {"kinds", "masks", "planner", "kernels", "comm", "runtime", "baselines"},
+}
+FRONT = {"kinds", "masks", "planner", "runtime"}  # what megatron_cp/__init__.py may re-export
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _imports(path: pathlib.Path, name: str):
+    """(module imported, names taken from it, line) for every import in the file, relative ones resolved;
+    ``names`` is None for ``import x``."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                mod = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                mod = node.module
+            out.append((mod, [a.name for a in node.names], node.lineno))
+    return tree, out
+
+
+def _layer(mod: str) -> str | None:
+    parts = mod.split(".")
+    if parts[0] != "megatron_cp":
+        return None
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _resolve(mod: str, names, mods: dict) -> list[str]:
+    """Modules an import statement depends on: ``from pkg import sub`` names a submodule when it is one."""
+    deps = [mod]
+    for n in names or ():
+        if f"{mod}.{n}" in mods:
+            deps.append(f"{mod}.{n}")
+    return deps
+
+
+def test_layer_table_matches_the_docs():
+    text = (ROOT / "docs" / "layers.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| megatron_cp\.(\w+) \| (.+?) \|$", text, flags=re.M)
+    assert rows, "docs/layers.md has no layer table"
+    doc = {}
+    for layer, pkg, allowed in rows:
+        assert layer == pkg
+        if allowed.strip() == "every layer above":
+            doc[layer] = set(doc)
+        else:
+            doc[layer] = set(re.findall(r"megatron_cp\.(\w+)", allowed))
+    assert doc == LAYERS
+
+
+def test_every_import_is_allowed_by_the_layer_table():
+    mods = _modules()
+    assert set(LAYERS) <= {_layer(m) for m in mods}, "a layer of the table has no module"
+    bad = []
+    for name, path in mods.items():
+        me = _layer(name)
+        _, imps = _imports(path, name)
+        for mod, names, line in imps:
+            # ``from megatron_cp import kernels`` imports the package megatron_cp.kernels
+            subs = [f"{mod}.{n}" for n in names or () if f"{mod}.{n}" in mods]
+            for target in subs or [mod]:
+                them = _layer(target)
+                if them is None or them == me:
+                    continue
+                assert me == "" or me in LAYERS, f"{name}: module outside the layer table"
+                # the adapter may use the public front (``import megatron_cp as mcp``), as users do
+                allowed = FRONT if me == "" else LAYERS[me] | ({""} if me == "megatron" else set())
+                if them not in allowed:
+                    bad.append(f"{path.relative_to(ROOT)}:{line} ({me}) imports {target} ({them or 'megatron_cp'})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle():
+    mods = _modules()
+    graph = {}
+    for name, path in mods.items():
+        _, imps = _imports(path, name)
+        deps = set()
+        for mod, names, _ in imps:
+            deps.update(d for d in _resolve(mod, names, mods) if d in mods and d != name)
+        graph[name] = deps
+    # a package imports its own submodules in __init__ and they import siblings through it: only edges
+    # from a module into a package it is not part of, or between modules, can close a real cycle
+    def edges(n):
+        return {d for d in graph[n] if not (n.startswith(d + ".") and mods[d].name == "__init__.py")}
+
+    state, stack, cycles = {}, [], []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for d in sorted(edges(n)):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _private_uses(path: pathlib.Path, name: str | None, tree, imps) -> list[str]:
+    """Private names of other megatron_cp packages this file imports or reads as attributes."""
+    me = _layer(name) if name else None
+    out = []
+    aliases = {}  # local name -> module it stands for (imports of megatron_cp modules)
+    for mod, names, line in imps:
+        them = _layer(mod)
+        if them is None or (me is not None and them == me):
+            continue
+        if any(_private(p) for p in mod.split(".")):
+            out.append(f"{path.relative_to(ROOT)}:{line} imports the private module {mod}")
+        for n in names or ():
+            if _private(n):
+                out.append(f"{path.relative_to(ROOT)}:{line} imports {mod}.{n}")
+            else:
+                aliases[n] = f"{mod}.{n}"
+        if names is None:
+            aliases[mod.split(".")[0]] = mod.split(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname and _layer(a.name) is not None and _layer(a.name) != me:
+                    aliases[a.asname] = a.name
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            root = node.value
+            chain = []
+            while isinstance(root, ast.Attribute):
+                chain.append(root.attr)
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in aliases:
+                out.append(f"{path.relative_to(ROOT)}:{node.lineno} reads {aliases[root.id]}"
+                           f"{''.join('.' + c for c in reversed(chain))}.{node.attr}")
+    return out
+
+
+def test_no_private_names_across_packages():
+    bad = []
+    for name, path in _modules().items():
+        tree, imps = _imports(path, name)
+        bad += _private_uses(path, name, tree, imps)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("folder", ["tools", "examples"])
+def test_tools_and_examples_use_public_names_only(folder):
+    bad = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        tree, imps = _imports(path, "x.y")
+        bad += _private_uses(path, None, tree, imps)
+        # nor each other's private modules through sys.path
+        bad += [f"{path.relative_to(ROOT)}:{line} imports the private module {mod}" for mod, _, line in imps
+                if mod != "__future__" and _private(mod.split(".")[0])]
+    assert not bad, "\n".join(bad)
+
+
+def test_runtime_takes_only_the_planners_exports():
+    import megatron_cp.planner as planner
+
+    bad = []
+    for name, path in _modules().items():
+        if _layer(name) not in ("runtime", "baselines"):
+            continue
+        _, imps = _imports(path, name)
+        for mod, names, line in imps:
+            if mod == "megatron_cp.planner":
+                bad += [f"{path.relative_to(ROOT)}:{line} {n}" for n in names or () if n not in planner.__all__]
+            elif mod.startswith("megatron_cp.planner.") and _layer(name) == "runtime":
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports planner internals from {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def test_third_party_rules():
+    bad = []
+    for name, path in _modules().items():
+        me = _layer(name)
+        _, imps = _imports(path, name)
+        for mod, _, line in imps:
+            top = mod.split(".")[0]
+            if top == "megatron" and me != "megatron":
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod} (only megatron_cp.megatron may)")
+            if mod.startswith("torch.distributed") and me in ("masks", "planner", "kernels", "kinds"):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod} ({me} is pure)")
+            if top in ("torch", "triton") and me == "planner":
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod} (the planner is numpy and scipy only)")
+    assert not bad, "\n".join(bad)
