@@ -1,8 +1,20 @@
-"""Shared helpers for the tests/test_megatron_*.py files (CPU, gloo, spawned processes)."""
+"""Shared helpers for the tests/test_megatron_*.py files (CPU, gloo, spawned processes).
+
+Importing this module puts ``examples/`` on ``sys.path``, so the tests can use the example model and
+training loop as ``tiny_llama.model`` / ``tiny_llama.trainer`` (examples are not installed with the
+package; spawned workers inherit the path).
+"""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
 
 EOD = 256
 

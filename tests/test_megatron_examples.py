@@ -1,4 +1,4 @@
-"""examples/llama: configs parse with Megatron's parser, SLURM dry runs, the stdlib data, the demo."""
+"""examples/llama: configs parse with Megatron's parser, SLURM dry runs; examples/tiny_llama: the stdlib data, the demo."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-LLAMA = ROOT / "examples" / "llama"
+from megatron_helpers import EXAMPLES  # also puts examples/ on sys.path (tiny_llama)
+
+LLAMA = EXAMPLES / "llama"
 sys.path.insert(0, str(LLAMA))
 import pretrain_llama  # noqa: E402
 
@@ -68,7 +69,7 @@ def test_prebuilt_dataset_helpers_skip_make_only_for_the_wheel(monkeypatch, tmp_
 
 
 def test_stdlib_documents_are_bytes_and_eod():
-    from megatron_cp.megatron.demo import EOD, stdlib_batches, stdlib_stream
+    from tiny_llama.demo import EOD, stdlib_batches, stdlib_stream
 
     s = stdlib_stream(5000, seed=0)
     assert s.shape == (5000,) and s.min() >= 0 and s.max() <= EOD
@@ -81,8 +82,8 @@ def test_stdlib_documents_are_bytes_and_eod():
 
 def test_cpu_demo_cp2_matches_cp1():
     """The README's main job at a smaller size: CP=2 vs CP=1 on packed stdlib documents, 3 steps."""
-    from megatron_cp.megatron.demo import run
-    from megatron_cp.megatron.model import LlamaShape
+    from tiny_llama.demo import run
+    from tiny_llama.model import LlamaShape
 
     res = run(cp=2, steps=3, shape=LlamaShape(2, 32, 4, 2, 48, 320, 64))
     assert len(res["loss_cp1"]) == 3 and res["max_rel_diff"] <= 1e-5

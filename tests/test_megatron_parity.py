@@ -27,7 +27,7 @@ LR = 1e-3
 
 
 def _build(shape):
-    from megatron_cp.megatron.model import build_llama
+    from tiny_llama.model import build_llama
 
     return build_llama(shape)
 
@@ -37,8 +37,8 @@ def _run(model, batches, spec, steps, lr, qkv_format="sbhd", strategy="megatron_
     from megatron.core import parallel_state as ps
 
     from megatron_cp import Topology
-    from megatron_cp.megatron import trainer
     from megatron_cp.megatron.batch import PlanOptions
+    from tiny_llama import trainer
 
     options = PlanOptions(strategy=strategy, topology=Topology(2, 2) if strategy == "head_context" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -59,9 +59,9 @@ def _worker(rank, world):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_cp.megatron import trainer
     from megatron_cp.megatron.batch import MaskSpec
-    from megatron_cp.megatron.model import LlamaShape
+    from tiny_llama import trainer
+    from tiny_llama.model import LlamaShape
 
     torch.set_num_threads(1)
     shape = LlamaShape(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -76,7 +76,7 @@ def _worker(rank, world):
         torch.manual_seed(7)
         ref = _build(shape)
         full_w = {k: p.detach().clone() for k, p in ref.named_parameters()}
-        from megatron_cp.megatron import trainer as T
+        from tiny_llama import trainer as T
 
         opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
         ref_losses, ref_g0 = [], None
@@ -116,7 +116,7 @@ def _worker(rank, world):
 
 @pytest.fixture(scope="module")
 def parity_report():
-    from megatron_cp.megatron.trainer import spawn
+    from tiny_llama.trainer import spawn
 
     return spawn(_worker, 4)
 

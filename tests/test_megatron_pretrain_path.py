@@ -9,9 +9,10 @@ pretraining data loader over the stdlib dataset, plugin.forward_step and its los
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-LLAMA = Path(__file__).resolve().parents[1] / "examples" / "llama"
+from megatron_helpers import EXAMPLES  # also puts examples/ on sys.path (tiny_llama)
+
+LLAMA = EXAMPLES / "llama"
 S = 64
 
 
@@ -27,8 +28,9 @@ def _worker(rank, world):
     from megatron.training.datasets.data_samplers import build_pretraining_data_loader
     from megatron.training.models.gpt import GPTModelBuilder
 
-    from megatron_cp.megatron import CPCoreAttention, PlanRotaryEmbedding, plugin, trainer
+    from megatron_cp.megatron import CPCoreAttention, PlanRotaryEmbedding, plugin
     from megatron_cp.megatron.arguments import add_megatron_cp_args
+    from tiny_llama import trainer
 
     sys.argv = ["pretrain_llama.py"] + PL.expand_argv(
         ["--config", "tiny", "--use-cpu-initialization", "--seq-length", str(S), "--max-position-embeddings", str(S)])
@@ -57,7 +59,7 @@ def _worker(rank, world):
 
 def test_megatron_training_pieces_run_at_cp2():
     from megatron_cp.megatron import CPCoreAttention, PlanRotaryEmbedding
-    from megatron_cp.megatron.trainer import spawn
+    from tiny_llama.trainer import spawn
 
     r = spawn(_worker, 2)
     assert r["kinds"] == {CPCoreAttention}

@@ -8,8 +8,8 @@
     torchrun ... examples/llama/pretrain_llama.py --config llama3-8b --data-path DATA_PREFIX \
         --tokenizer-model meta-llama/Meta-Llama-3-8B --tensor-model-parallel-size 2 --context-parallel-size 4
 
-    # CPU (gloo) or any machine: the same tiny model with megatron-cp's own small training loop,
-    # CP=4 beside CP=1 (this is what `./dev demo` runs):
+    # CPU (gloo) or any machine: the same tiny model with the small training loop of
+    # examples/tiny_llama, CP=4 beside CP=1 (this is what `./dev demo` runs):
     python examples/llama/pretrain_llama.py --loop --cp 4 --steps 30
 
 ``--config NAME`` prepends ``configs/NAME.args`` (Megatron flags, one per line) to the command line;
@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:  # examples/: the tiny_llama package (the stdlib data, the --loop demo)
+    sys.path.insert(0, str(HERE.parent))
 
 
 def config_args(name: str) -> list[str]:
@@ -56,7 +58,7 @@ class StdlibDataset:
     def __init__(self, num_samples: int, seq_length: int, seed: int):
         import torch
 
-        from megatron_cp.megatron.demo import stdlib_stream
+        from tiny_llama.demo import stdlib_stream
 
         stream = torch.from_numpy(stdlib_stream(num_samples * seq_length + 1, seed))
         self.samples = [stream[i * seq_length: i * seq_length + seq_length + 1] for i in range(num_samples)]
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--loop" in argv:
         argv.remove("--loop")
-        from megatron_cp.megatron.demo import main as demo_main
+        from tiny_llama.demo import main as demo_main
 
         return demo_main(argv)
     main_megatron(expand_argv(argv))

@@ -2,7 +2,7 @@
 # Done-when 3: tiny Llama, 50 steps, --context-parallel-impl megatron_cp, CP=4 vs CP=1 on NCCL (4 GPUs).
 #   OUT=benchmarks/llama_tiny_cp4 STEPS=50 bash examples/llama/run_gpu_parity.sh
 # Writes under $OUT: pretrain_cp1.log, pretrain_cp4.log (megatron.training.pretrain via torchrun),
-# loop.log + loop.json (megatron-cp's own loop, NCCL), parity.json (device, date, command, losses,
+# loop.log + loop.json (examples/tiny_llama's loop, NCCL), parity.json (device, date, command, losses,
 # max relative difference) and parity.png (loss curves).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,7 +23,7 @@ run_pretrain() {  # $1 = CP size
 run_pretrain 1
 run_pretrain 4
 run_loop() {  # $1 = kernel backend
-  timeout ${LOOP_TIMEOUT:-240} $PY -m megatron_cp.megatron.demo --backend nccl --cp 4 --steps "$STEPS" \
+  timeout ${LOOP_TIMEOUT:-240} $PY examples/llama/pretrain_llama.py --loop --backend nccl --cp 4 --steps "$STEPS" \
     --kernel-backend "$1" --json "$OUT/loop.json" 2>&1 | tee "$OUT/loop.log" | tail -n 3
 }
 run_loop auto || { echo "loop with the auto kernel backend failed; retrying with the reference backend"; run_loop reference; }

@@ -1,6 +1,7 @@
 """The tiny Llama demo: CP=N vs CP=1 on packed documents of Python standard-library source text.
 
-    python -m megatron_cp.megatron.demo --cp 4 --steps 30          (gloo on CPU; NCCL with --backend nccl)
+    ./dev demo --cp 4 --steps 30                                     (gloo on CPU; NCCL with --backend nccl)
+    PYTHONPATH=examples python -m tiny_llama.demo --cp 4 --steps 30  (the same, from the repository root)
 
 Bytes are tokens (vocab 320: 256 bytes, EOD = 256, the rest unused padding for TP divisibility).
 Documents are pieces of the stdlib's ``.py`` files (deterministic lengths 32..480 bytes), each ended
@@ -21,8 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .batch import MaskSpec, PlanOptions
-from .model import LlamaShape, TINY
+from megatron_cp.megatron import MaskSpec, PlanOptions
+
+from .model import TINY, LlamaShape
 
 EOD = 256
 

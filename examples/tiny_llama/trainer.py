@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .batch import MaskSpec, PlanOptions, prepare_batch
-from .loss import loss_func
+from megatron_cp.megatron import MaskSpec, PlanOptions, loss_func, prepare_batch
 
 
 def free_port() -> int:

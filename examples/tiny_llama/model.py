@@ -1,4 +1,4 @@
-"""Build a Llama-style ``GPTModel`` with megatron-cp attention (used by examples, tests, demo).
+"""Build a Llama-style ``GPTModel`` with megatron-cp attention (used by the demo and the Megatron tests).
 
 Llama = RMSNorm, SwiGLU (gated linear unit with SiLU), RoPE, GQA, no biases, untied embeddings.
 """
@@ -10,8 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import rope
-from .specs import get_llama_layer_spec
+from megatron_cp.megatron import get_llama_layer_spec, rope
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,9 @@
+"""A tiny Llama on megatron.core with megatron-cp attention: example code, not part of the plugin.
+
+    model.py    ``LlamaShape``, ``transformer_config``, ``build_llama`` (GPTModel + the plugin's layer spec and RoPE)
+    trainer.py  a small explicit training loop (CPU gloo or GPU NCCL) and ``spawn`` for local process groups
+    demo.py     ``./dev demo``: CP=N vs CP=1 on packed standard-library documents
+
+Importable as ``tiny_llama`` with ``examples/`` on ``sys.path`` (``./dev demo`` sets ``PYTHONPATH=examples``;
+the tests and ``examples/llama/pretrain_llama.py`` insert that folder themselves).
+"""
