@@ -1,4 +1,4 @@
-"""The benchmark and simulator tools' own rules (tools/bench_dist.py, tools/simulate.py) on CPU."""
+"""The benchmark and simulator tools' own rules (tools/bench_dist.py, the simulator, calibrate) on CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from megatron_cp.planner.cost import CostModel, Workload
+from megatron_cp.masks import catalog
+from megatron_cp.planner import Workload
+from megatron_cp.runtime import CostModel
 
 from _dist import run_ranks
 
@@ -17,9 +19,11 @@ TOOLS = pathlib.Path(__file__).resolve().parents[1] / "tools"
 
 
 def _tool(name):
+    """tools/NAME.py or tools/sim/NAME.py (the research instruments), loaded as a module."""
     if str(TOOLS) not in sys.path:
         sys.path.insert(0, str(TOOLS))
-    spec = importlib.util.spec_from_file_location(f"{name}_tool", TOOLS / f"{name}.py")
+    path = next(p for p in (TOOLS / f"{name}.py", TOOLS / "sim" / f"{name}.py") if p.exists())
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -51,9 +55,8 @@ def test_timer_warm_runs_the_same_number_of_steps_on_every_rank():
 
 def _ring_case(cost):
     sim = _tool("simulate")
-    masks = _tool("_cp_masks")
     w = Workload(8, 2, 64, 2)
-    mask = masks.build("causal", 4096)
+    mask = catalog.build("causal", 4096)
     return sim.ring(mask, 4, 8, cost, w, "zigzag"), w
 
 
@@ -91,9 +94,8 @@ def test_ulysses_model_pays_layouts_at_the_head_split_rate():
     bytes at that rate (q|k|v and out forward, dout and dq|dk|dv backward: 2 x (q|k|v + q) bytes each
     way), the rest of the step unchanged; without it, at ``hbm_gbps``."""
     sim = _tool("simulate")
-    masks = _tool("_cp_masks")
     w = Workload(8, 4, 64, 2)  # 4 K/V heads over cp 4: no head repeat
-    mask = masks.build("causal", 4096)
+    mask = catalog.build("causal", 4096)
     base = dict(launch_us=0.0, tile_us=0.0, latency_us=0.0, hbm_gbps=1000.0, dense_fwd_tflops=0.0, dense_bwd_tflops=0.0)
     same = sim.ulysses(mask, 4, 8, CostModel(**base), w)
     assert sim.ulysses(mask, 4, 8, CostModel(**base, split_gbps=1000.0), w) == same
@@ -135,11 +137,10 @@ def test_compare_kernel_target_checks_kernel_only_rows(tmp_path, capsys):
     import megatron_cp as mcp
 
     sim = _tool("simulate")
-    masks = _tool("_cp_masks")
     cost, w = CostModel(), Workload(8, 2, 64, 2)
     res, want = [], {}
     for name in ("sliding_window", "global_local"):
-        plan = mcp.plan(masks.build(name, 4096), 2)
+        plan = mcp.plan(catalog.build(name, 4096), 2)
         per_rank = []
         for rp in plan.ranks:
             calls = [rp.tiles] + ([rp.guest_tiles] if len(rp.guest_tiles) and sum(rp.guest_recv_counts()) else [])

@@ -1,6 +1,6 @@
 """Kernel-only time of one rank's sliding-window tiles by band split (kernels/dense_tiles.py), one GPU.
 
-The benchmark's sliding window (tools/_cp_masks.py) at ``--seqlen`` planned for ``--cp`` ranks: rank
+The benchmark's sliding window (megatron_cp.masks.catalog) at ``--seqlen`` planned for ``--cp`` ranks: rank
 ``--rank``'s tile list and K/V buffer; with ``--windows``, instead one band per window (``seqlen / cp``
 rows, each keeping ``W + 1`` keys: one BI_CAUSAL tile, as the planner emits). Each runs through the Triton
 backend with every setting of ``--chunks`` (``TritonConfig.band_chunk``, band squares off) and of
@@ -30,7 +30,7 @@ import megatron_cp as mcp  # noqa: E402
 from megatron_cp.kernels import triton_backend as tb  # noqa: E402
 from megatron_cp.planner.cost import tile_areas  # noqa: E402
 
-import _cp_masks  # noqa: E402
+from megatron_cp.masks import catalog  # noqa: E402
 
 
 def _time(fn, iters, warm_s):
@@ -65,7 +65,7 @@ def main(argv=None):
         cases = [(f"band W={w}", np.array([[0, rows_n, 0, rows_n + w, 3]], dtype=np.int64), rows_n, rows_n + w)
                  for w in args.windows]
     else:
-        plan = mcp.plan(_cp_masks.build(args.mask, args.seqlen), args.cp)
+        plan = mcp.plan(catalog.build(args.mask, args.seqlen), args.cp)
         rp = plan.ranks[args.rank]
         cases = [(f"{args.mask} S={args.seqlen} cp{args.cp} rank {args.rank}", rp.tiles, rp.num_tokens, rp.buffer_len)]
     settings = [(c, 0) for c in args.chunks] + [(0, x) for x in args.squares]

@@ -48,7 +48,7 @@ from megatron_cp import kernels  # noqa: E402
 from megatron_cp.baselines import get_strategy, plan_for  # noqa: E402
 from megatron_cp.planner.cost import CostModel  # noqa: E402
 
-import _cp_masks  # noqa: E402
+from megatron_cp.masks import catalog  # noqa: E402
 
 SPARSE = ["packed", "sliding_window", "block_causal", "strided", "global_local"]
 
@@ -409,7 +409,7 @@ def bench_torch_native(mask_name, s, args, ctx):
     mod = parallelize_module(Flex(), mesh, _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
     lb = _HeadTailLoadBalancer(s, cp, device)
     block = 128 if not args.tiny else 16
-    bm = _cp_block_mask(_cp_masks.mask_mod(mask_name, s, device), s, block, mesh, lb)
+    bm = _cp_block_mask(catalog.mask_mod(mask_name, s, device), s, block, mesh, lb)
     ql, kl, vl = _context_parallel_shard(mesh, [q, k, v], [2, 2, 2], load_balancer=lb)
     ql, kl, vl = (t.detach().contiguous().requires_grad_() for t in (ql, kl, vl))
     do = torch.randn_like(ql)
@@ -429,7 +429,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU dry run")
     ap.add_argument("--seqlens", default=None, help="comma list of total S (default 131072,262144; tiny 512,1024)")
-    ap.add_argument("--masks", default=",".join(_cp_masks.MASKS))
+    ap.add_argument("--masks", default=",".join(catalog.DIST_MASKS))
     ap.add_argument("--impls", default="megatron-cp,ring,ulysses,usp,allgather,torch-native")
     ap.add_argument("--heads", type=int, default=None)
     ap.add_argument("--kv-heads", type=int, default=None)
@@ -494,7 +494,7 @@ def main(argv=None):
 
     for s in seqlens:
         for mname in args.masks.split(","):
-            mask = _cp_masks.build(mname, s)
+            mask = catalog.build(mname, s)
             flops = 4.0 * mask.area() * args.heads * args.head_dim
             base = dict(mask=mname, seqlen=s, cp=cp, density=mask.density())
             ctx.update(mask_name=mname, seqlen=s, dev_name=dev_name)
@@ -563,7 +563,7 @@ def main(argv=None):
         meta = dict(device=dev_name, num_devices=cp, date=now.strftime("%Y-%m-%d %H:%M UTC"),
                     command="torchrun --nproc-per-node %d %s" % (cp, " ".join(sys.argv)),
                     torch=torch.__version__, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                    dtype=str(dtype), masks={m: _cp_masks.DESCRIPTIONS[m] for m in args.masks.split(",")},
+                    dtype=str(dtype), masks={m: catalog.DESCRIPTIONS[m] for m in args.masks.split(",")},
                     flops="forward 4*area*Hq*D, backward 2.5x; per GPU = total / cp / slowest rank's time")
         checks = summarize(results)
         os.makedirs(args.out_dir, exist_ok=True)

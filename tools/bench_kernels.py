@@ -1,6 +1,6 @@
 """Benchmark: our Triton tile-list kernels vs FlexAttention (torch.compile) vs cuDNN SDPA, one GPU.
 
-bf16, Hq=32, Hkv=8, D=128, batch 1. Masks from tools/_kernel_masks.py (same cells for every
+bf16, Hq=32, Hkv=8, D=128, batch 1. Masks: megatron_cp.masks.catalog.KERNEL_MASKS (same cells for every
 implementation: tile lists for ours, mask_mod/BlockMask for Flex, is_causal for cuDNN on dense masks).
 TFLOP/s with FLOPs = 4 * kept_area * Hq * D forward, 2.5x that backward; times are medians of
 triton.testing.do_bench (CUDA events). Backward times exclude the forward (Flex/cuDNN: autograd.grad on a
@@ -52,8 +52,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _kernel_masks as M  # noqa: E402
+from megatron_cp.masks import catalog  # noqa: E402
 
 try:  # installed package, else the repository checkout (kernels/ imports only torch and triton)
     from megatron_cp.kernels.triton_backend import (
@@ -169,7 +168,7 @@ def time_flex(name, s, q, k, v, do):
         torch._dynamo.config.cache_size_limit = 128
         torch._dynamo.config.accumulated_cache_size_limit = 512
         _flex = torch.compile(flex_attention, dynamic=False)
-    mod = M.mask_mod_for(name, s, "cuda")
+    mod = None if name == "full" else catalog.mask_mod(name, s, "cuda")  # full: Flex without a mask
     bm = None if mod is None else create_block_mask(mod, None, None, s, s, device="cuda")
     qf, kf, vf, dof = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v, do))
     qf.requires_grad_(True)
@@ -212,7 +211,7 @@ TUNE_DKDV = [KernelConfig(32, 64, 4, 3), KernelConfig(32, 64, 4, 3, True), Kerne
 TUNE_DQ = [KernelConfig(64, 64, 4, 3), KernelConfig(64, 64, 4, 3, True), KernelConfig(128, 64, 8, 3, True),
            KernelConfig(128, 128, 8, 3, True), KernelConfig(64, 64, 4, 4, True), KernelConfig(64, 128, 4, 3, True),
            KernelConfig(128, 64, 4, 3, True)]
-SHORT_MASKS = ("docs_causal", "sliding_window", "streaming", "global_local", "strided")
+SHORT_MASKS = ("docs_causal", "sliding_window_1024", "streaming_1024", "global_local_512", "strided_512x4")
 
 
 def pick_best(rows):
@@ -245,7 +244,7 @@ def tune(s, masks):
                               c if stage == "dq" else base.dq)
             be = TritonBackend(TritonConfig({D: sc}, dense_fast_path=False))
             for name in masks:
-                tiles = M.tiles_for(name, s)
+                tiles = catalog.tiles(catalog.build(name, s))
                 try:
                     tf, tb = time_ours(be, tiles, s, q, k, v, do)
                 except Exception as e:  # noqa: BLE001  (e.g. out of shared memory)
@@ -265,8 +264,8 @@ def tune(s, masks):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlens", type=int, nargs="+", default=[16384])
-    ap.add_argument("--masks", nargs="+", default=M.MASKS)
-    ap.add_argument("--row-masks", nargs="+", default=["full", "causal", "docs_causal", "sliding_window"],
+    ap.add_argument("--masks", nargs="+", default=list(catalog.KERNEL_MASKS))
+    ap.add_argument("--row-masks", nargs="+", default=["full", "causal", "docs_causal", "sliding_window_1024"],
                     help="masks run at the seqlens other than 16384")
     ap.add_argument("--out", default="benchmarks/kernels")
     ap.add_argument("--tag", default="")
@@ -305,7 +304,7 @@ def main():
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "command": "python " + " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
             "Hq": HQ, "Hkv": HKV, "D": D, "dtype": str(DTYPE).removeprefix("torch."), "bwd_mode": args.bwd_mode,
-            "autotune": args.autotune, "flops": "fwd 4*area*Hq*D, bwd 2.5x", "masks": M.DESCRIPTIONS}
+            "autotune": args.autotune, "flops": "fwd 4*area*Hq*D, bwd 2.5x", "masks": {m: catalog.DESCRIPTIONS[m] for m in args.masks + args.row_masks}}
     if args.tune:
         BENCH_MS.update(warmup=20, rep=80)
         rows = tune(args.seqlens[0], args.masks)
@@ -346,14 +345,14 @@ def main():
     for s in args.seqlens:
         q, k, v, do = make_inputs(s)
         for name in (args.masks if s == 16384 else args.row_masks):
-            tiles = M.tiles_for(name, s)
+            tiles = catalog.tiles(catalog.build(name, s))
             area = kept_area(tiles)
             ff = 4 * area * HQ * D
             r = {"S": s, "mask": name, "area": area, "density": area / s / s, "n_tiles": int(tiles.shape[0])}
             ours = {"ours": be}
             if args.compare_dense_tiles:
                 ours["ours_nodense"] = be_nodense
-            if M.dense_kind(name) is not None:  # record the measurement behind the dense fast path
+            if catalog.sdpa_is_causal(name) is not None:  # record the measurement behind the dense fast path
                 ours["ours_triton"] = be_triton
             grads = {}  # impl -> [dq deterministic, dq atomic] under --bwd-mode both
             impls = {}
@@ -370,8 +369,8 @@ def main():
                 if impl in tuned_of else [])}
             if not args.no_flex:
                 impls["flex"] = (lambda: time_flex(name, s, q, k, v, do), None)
-            if M.dense_kind(name) is not None and DEVICE == "cuda":
-                impls["cudnn"] = (lambda: time_cudnn(M.dense_kind(name), q, k, v, do), None)
+            if catalog.sdpa_is_causal(name) is not None and DEVICE == "cuda":
+                impls["cudnn"] = (lambda: time_cudnn(catalog.sdpa_is_causal(name), q, k, v, do), None)
             for impl, (fn, b) in impls.items():
                 try:
                     tf, tb = fn()

@@ -1,6 +1,6 @@
 """The cost model's kernel time against the kernel, call by call, on the benchmark's real tile lists.
 
-For each benchmark mask (tools/_cp_masks.py) at ``--seqlen`` planned for ``--cp`` ranks, every kernel
+For each benchmark mask (megatron_cp.masks.catalog) at ``--seqlen`` planned for ``--cp`` ranks, every kernel
 call that tools/bench_dist.py's implementations make, with its own tile list and shapes:
 
 - ``megatron-cp``: rank r's tiles over its K/V buffer (``mcp.plan(mask, cp)``, as the benchmark), and
@@ -44,7 +44,7 @@ from megatron_cp.planner.cost import CostModel, Workload, tile_areas  # noqa: E4
 from megatron_cp.planner.layout import kv_head_repeat  # noqa: E402
 from megatron_cp.planner.schedule import clip_tiles  # noqa: E402
 
-import _cp_masks  # noqa: E402
+from megatron_cp.masks import catalog  # noqa: E402
 
 IMPLS = ["megatron-cp", "ring", "ulysses", "allgather"]
 
@@ -52,7 +52,7 @@ IMPLS = ["megatron-cp", "ring", "ulysses", "allgather"]
 def calls(name: str, s: int, cp: int, impls, work: Workload):
     """Every kernel call of the benchmark's implementations on mask ``name``: dicts with the call's
     impl, rank, step, tiles, sq, sk, heads, kv_heads (the K/V heads the kernel sees)."""
-    mask = _cp_masks.build(name, s)
+    mask = catalog.build(name, s)
     out = []
     base = dict(mask=name, seqlen=s, cp=cp, heads=work.num_heads, kv_heads=work.num_kv_heads, head_dim=work.head_dim)
     if "megatron-cp" in impls:
@@ -130,7 +130,7 @@ def measure(c: dict, be, device, dtype, seconds: float) -> tuple[float, float]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--masks", default=",".join(_cp_masks.MASKS))
+    ap.add_argument("--masks", default=",".join(catalog.DIST_MASKS))
     ap.add_argument("--seqlen", type=int, default=131072)
     ap.add_argument("--cp", type=int, default=4)
     ap.add_argument("--impls", default=",".join(IMPLS))

@@ -34,7 +34,7 @@ from megatron_cp.masks import geometry  # noqa: E402
 from megatron_cp.planner.early import early_split  # noqa: E402
 from megatron_cp.planner.guests import candidate_rows  # noqa: E402
 
-import _cp_masks  # noqa: E402
+from megatron_cp.masks import catalog  # noqa: E402
 from gpu_kernel_check import chunked_reference, rms  # noqa: E402
 
 CUDNN_CALLS = {"fwd": 0, "bwd": 0, "fwd_band": 0, "bwd_band": 0}
@@ -85,7 +85,7 @@ def main(argv=None):
     scale = 1.0 / math.sqrt(d)
     results, ok_all = [], True
     for name in args.masks.split(","):
-        mask = _cp_masks.build(name, s)
+        mask = catalog.build(name, s)
         plan = mcp.plan(mask, cp)
         gen = torch.Generator(device=dev).manual_seed(1234)
         q = torch.randn(s, hq, d, device=dev, dtype=torch.bfloat16, generator=gen)

@@ -1,6 +1,6 @@
 """GPU correctness matrix of the Triton tile-list kernels (TritonBackend).
 
-For every benchmark mask (tools/_kernel_masks.py, tile lists checked cell by cell against their
+For every kernel-table mask (megatron_cp.masks.catalog.KERNEL_MASKS, tile lists checked cell by cell against their
 FlexAttention mask_mod), S in --seqlens, head_dim 64/128, bf16/fp16, GQA ratio 1/4/8:
 forward (out, lse) and backward (dq, dk, dv) are compared with a dense fp64 reference (with --atomic also
 the atomic-dQ backward). Rule (ANCHORS.md):
@@ -25,8 +25,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _kernel_masks as M  # noqa: E402
+from megatron_cp.masks import catalog  # noqa: E402
 
 try:  # installed package, else the repository checkout (kernels/ imports only torch and triton)
     from megatron_cp.kernels.triton_backend import TritonBackend, TritonConfig, configs_from_json
@@ -145,8 +144,8 @@ def extra_checks(be):
     """forward_accumulate (two stages == one) and float32 inputs, against the fp64 reference."""
     out = []
     s, d = 2048, 128
-    tiles = M.tiles_for("docs_causal", s)
-    keep = M.dense_mask_from_tiles(tiles, s, s, device="cuda")
+    tiles = catalog.tiles(catalog.build("docs_causal", s))
+    keep = catalog.tiles_to_dense(tiles, s, s, device="cuda")
     for dt in (torch.bfloat16, torch.float32):
         g = torch.Generator(device="cuda").manual_seed(7)
         q = torch.randn(s, 8, d, device="cuda", dtype=dt, generator=g)
@@ -182,7 +181,7 @@ def big_runs(be):
     """S = 131072, Hq 32, Hkv 8, D 128, bf16: no NaN, peak memory (no S^2 buffers)."""
     out = []
     s, hq, hkv, d = 131072, 32, 8, 128
-    for mask in ["causal", "docs_causal", "sliding_window"]:  # causal: Triton or the dense fast path
+    for mask in ["causal", "docs_causal", "sliding_window_1024"]:  # causal: Triton or the dense fast path
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         q = torch.randn(s, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -190,7 +189,7 @@ def big_runs(be):
         v = torch.randn(s, hkv, d, device="cuda", dtype=torch.bfloat16)
         dout = torch.randn_like(q)
         inputs = sum(x.numel() * x.element_size() for x in (q, k, v, dout))
-        prep = be.prepare(M.tiles_for(mask, s), s, s, head_dims=(d,))
+        prep = be.prepare(catalog.tiles(catalog.build(mask, s)), s, s, head_dims=(d,))
         o, lse = be.forward(q, k, v, prep)
         dq, dk, dv = be.backward(q, k, v, o, lse, dout, prep)
         torch.cuda.synchronize()
@@ -225,14 +224,14 @@ def main():
             combos = [(128, torch.bfloat16, 4, 2), (64, torch.float16, 8, 1), (128, torch.float16, 1, 2)]
         else:
             combos = [(d, dt, g, 2) for d, dt, g in itertools.product([64, 128], [torch.bfloat16, torch.float16], [1, 4, 8])]
-        for mask in M.MASKS:
-            tiles = M.tiles_for(mask, s)
-            keep = M.dense_mask_from_tiles(tiles, s, s, device="cuda")
-            same = bool((keep == M.dense_mask_from_mod(mask, s, device="cuda")).all())
+        for mask in catalog.KERNEL_MASKS:
+            tiles = catalog.tiles(catalog.build(mask, s))
+            keep = catalog.tiles_to_dense(tiles, s, s, device="cuda")
+            same = bool((keep == catalog.dense(mask, s, device="cuda")).all())
             if not same:
                 print(f"FAIL tile list of {mask} at S={s} differs from its mask_mod", flush=True)
             for i, (d, dt, g, hkv) in enumerate(combos):
-                r = check_case(be, be_det, mask, s, d, dt, g, hkv, keep, tiles, seed=s * 1000 + M.MASKS.index(mask) * 10 + i,
+                r = check_case(be, be_det, mask, s, d, dt, g, hkv, keep, tiles, seed=s * 1000 + catalog.KERNEL_MASKS.index(mask) * 10 + i,
                                be_atomic=be_atomic)
                 r["tiles_match_mask_mod"] = same
                 r["pass"] = r["pass"] and same
@@ -247,7 +246,7 @@ def main():
             torch.cuda.empty_cache()
     be_band = TritonBackend(TritonConfig(overrides, band_squares=2048))  # these windows are 2048 and 4096
     for name, s, tiles in band_cases():
-        keep = M.dense_mask_from_tiles(tiles, s, s, device="cuda")
+        keep = catalog.tiles_to_dense(tiles, s, s, device="cuda")
         for i, (d, dt, g, hkv) in enumerate([(128, torch.bfloat16, 4, 2), (128, torch.float16, 8, 1),
                                              (64, torch.bfloat16, 1, 2)]):
             r = check_case(be_band, be_det, name, s, d, dt, g, hkv, keep, tiles, seed=s + i, be_atomic=be_atomic)

@@ -44,7 +44,7 @@ from megatron_cp.planner.cost import CostModel, Workload  # noqa: E402
 from megatron_cp.planner.guests import predict as guest_predict, traffic as guest_traffic  # noqa: E402
 from megatron_cp.planner.schedule import clip_tiles, rank_traps  # noqa: E402
 
-import _cp_masks  # noqa: E402
+from megatron_cp.masks import catalog  # noqa: E402
 
 
 # ------------------------------------------------------------------------------- mask geometry
@@ -333,7 +333,7 @@ def simulate(masks, cps, tokens_per_gpu, g, cost, work, max_ring_cp, strategies)
     for name in masks:
         for cp in cps:
             s = tokens_per_gpu * cp
-            mask = _cp_masks.build(name, s)
+            mask = catalog.build(name, s)
             flops = work.fwd_flops(mask.area())
             ri = None
             for strat in strategies:
@@ -410,14 +410,14 @@ def compare(path, cost, work, g, target="gpu"):
         if target == "kernel":
             if "fwd_max_ms" not in r:
                 continue
-            pf, pb = _kernel_only(_cp_masks.build(r["mask"], r["seqlen"]), r["cp"], cost, w)
+            pf, pb = _kernel_only(catalog.build(r["mask"], r["seqlen"]), r["cp"], cost, w)
             rows.append(dict(mask=r["mask"], impl=r["impl"], cp=r["cp"], seqlen=r["seqlen"], fwd_pred_ms=pf * 1e3,
                              fwd_ms=r["fwd_max_ms"], bwd_pred_ms=pb * 1e3, bwd_ms=r["bwd_max_ms"]))
             continue
         key = {"gpu": "_ms", "wall": "_wall_ms", "b2b": "_b2b_ms"}[target]
         if "fwd" + key not in r:
             continue
-        mask = _cp_masks.build(r["mask"], r["seqlen"])
+        mask = catalog.build(r["mask"], r["seqlen"])
         # the ring's layout as the benchmark plans it (baselines.plan_for: zigzag unless contiguous is as
         # balanced)
         kw = {"layout": plan_for("ring", mask, r["cp"]).solver} if r["impl"] == "ring" else {}
@@ -446,7 +446,7 @@ def compare(path, cost, work, g, target="gpu"):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--masks", default="packed", help=f"comma list of {', '.join(_cp_masks.MASKS)}")
+    ap.add_argument("--masks", default="packed", help=f"comma list of {', '.join(catalog.DIST_MASKS)}")
     ap.add_argument("--cps", default="8,16,32,64,128,256,512,1024")
     ap.add_argument("--tokens-per-gpu", type=int, default=8192)
     ap.add_argument("--gpus-per-node", type=int, default=8)

@@ -2,6 +2,9 @@
 
 Builders: full, causal, sliding_window, varlen, block_causal, prefix_lm, strided, global_local,
 star, streaming, from_block_table (EMPTY/FULL/CAUSAL), from_mask_mod (FlexAttention-style).
+
+``megatron_cp.masks.catalog``: the named benchmark masks (AttnMask, mask_mod and kernel tile list of
+each), loaded on first use because it needs torch.
 """
 
 from .builders import (
@@ -30,3 +33,11 @@ BUILDERS = (
 )
 
 __all__ = ["AttnMask", "AttnSlice", "KINDS", "EMPTY", "FULL", "CAUSAL", "BUILDERS", *BUILDERS]
+
+
+def __getattr__(name):  # ``masks.catalog`` on first use: the rest of the package stays free of torch
+    if name == "catalog":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.catalog")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
