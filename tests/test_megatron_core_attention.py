@@ -198,6 +198,7 @@ def test_spawned_cp2():
     """The same class at CP=2: two gloo processes, every case inside each worker."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         pytest.skip("already running distributed (Megatron harness)")
-    from megatron_cp.megatron.trainer import spawn
+    from megatron_helpers import EXAMPLES  # noqa: F401  (puts examples/ on sys.path)
+    from tiny_llama.trainer import spawn
 
     assert spawn(_spawned, 2) == "ok"

@@ -15,9 +15,8 @@ from megatron_helpers import EOD, make_global_batch, rel_err, tp_gather, tp_shar
 
 TOL = 1e-5
 CONFIGS = [(1, 2), (1, 4), (2, 2)]
-THD_CONFIG = (2, 2)  # also run once with Megatron's THD layout (qkv_format="thd")
 BASELINES = ["ring", "ulysses", "usp", "allgather"]  # --context-parallel-impl baselines, at TP 1, CP 2
-HEAD_CONTEXT = (1, 4, "sbhd", "head_context")  # at CP 4 as 2 emulated nodes x 2 (Ulysses degree 2)
+HEAD_CONTEXT = (1, 4, "head_context")  # at CP 4 as 2 emulated nodes x 2 (Ulysses degree 2)
 MASKS = ["causal", "packed"]
 S, G, MBS, STEPS = 48, 4, 2, 2
 # Adam's first steps are ~lr * sign(g): elements whose gradient is at fp32 noise level may flip, so
@@ -32,7 +31,7 @@ def _build(shape):
     return build_llama(shape)
 
 
-def _run(model, batches, spec, steps, lr, qkv_format="sbhd", strategy="megatron_cp"):
+def _run(model, batches, spec, steps, lr, strategy="megatron_cp"):
     """``steps`` AdamW steps; returns (losses, grads of step 0 as {name: tensor})."""
     from megatron.core import parallel_state as ps
 
@@ -46,7 +45,7 @@ def _run(model, batches, spec, steps, lr, qkv_format="sbhd", strategy="megatron_
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         mbs = trainer.dp_shard(batches[step], ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), MBS)
-        s, n = trainer.forward_backward(model, mbs, spec, options, qkv_format=qkv_format)
+        s, n = trainer.forward_backward(model, mbs, spec, options)
         res = trainer.reduce_and_scale(model, s, n)
         if step == 0:
             grads0 = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
@@ -92,22 +91,22 @@ def _worker(rank, world):
         ref_w = {k: p.detach().clone() for k, p in ref.named_parameters()}
         del ref
 
-        runs = [(tp, cp, "sbhd", "megatron_cp") for tp, cp in CONFIGS] + [(*THD_CONFIG, "thd", "megatron_cp")]
-        runs += [(1, 2, "sbhd", name) for name in BASELINES] + [HEAD_CONTEXT]
-        for tp, cp, fmt, strategy in runs:
+        runs = [(tp, cp, "megatron_cp") for tp, cp in CONFIGS]
+        runs += [(1, 2, name) for name in BASELINES] + [HEAD_CONTEXT]
+        for tp, cp, strategy in runs:
             trainer.init_parallel(tp, cp)
             tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
             model = _build(shape)
             with torch.no_grad():
                 for k, p in model.named_parameters():
                     p.copy_(tp_shard(k, full_w[k], p, tp_rank, tp, glu=True))
-            losses, g0 = _run(model, batches, spec, STEPS, lr=LR, qkv_format=fmt, strategy=strategy)
+            losses, g0 = _run(model, batches, spec, STEPS, lr=LR, strategy=strategy)
             named = dict(model.named_parameters())
             gerr = max(rel_err(tp_gather(k, g0[k], named[k], tp_group, True), ref_g0[k]) for k in g0)
             werr = max(rel_err(tp_gather(k, p.detach(), p, tp_group, True), ref_w[k]) for k, p in named.items())
             lerr = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
             missing = set(ref_g0) - set(g0)
-            report.append(dict(mask=mask, tp=tp, cp=cp, fmt=fmt, strategy=strategy, loss_err=lerr, grad_err=gerr, weight_err=werr,
+            report.append(dict(mask=mask, tp=tp, cp=cp, strategy=strategy, loss_err=lerr, grad_err=gerr, weight_err=werr,
                                missing=sorted(missing), losses=losses, ref_losses=ref_losses))
             del model
         dist.barrier()
@@ -123,12 +122,11 @@ def parity_report():
 
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize(
-    "tp,cp,fmt,strategy",
-    [(tp, cp, "sbhd", "megatron_cp") for tp, cp in CONFIGS] + [(*THD_CONFIG, "thd", "megatron_cp")]
-    + [(1, 2, "sbhd", name) for name in BASELINES] + [HEAD_CONTEXT],
+    "tp,cp,strategy",
+    [(tp, cp, "megatron_cp") for tp, cp in CONFIGS] + [(1, 2, name) for name in BASELINES] + [HEAD_CONTEXT],
 )
-def test_parity_with_tp1_cp1(parity_report, mask, tp, cp, fmt, strategy):
-    (r,) = [r for r in parity_report if (r["mask"], r["tp"], r["cp"], r["fmt"], r["strategy"]) == (mask, tp, cp, fmt, strategy)]
+def test_parity_with_tp1_cp1(parity_report, mask, tp, cp, strategy):
+    (r,) = [r for r in parity_report if (r["mask"], r["tp"], r["cp"], r["strategy"]) == (mask, tp, cp, strategy)]
     assert not r["missing"], f"parameters missing from the parallel model: {r['missing']}"
     assert r["loss_err"] <= TOL, f"loss differs: {r['losses']} vs {r['ref_losses']}"
     assert r["grad_err"] <= TOL, f"worst parameter gradient relative error {r['grad_err']:.3e}"

@@ -129,7 +129,7 @@ def test_plan_rope_angles_equal_megatron_frequencies():
 def test_install_swaps_and_remove_restores(world1):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from megatron_cp.megatron.model import LlamaShape, transformer_config
+    from tiny_llama.model import LlamaShape, transformer_config
     from megatron_cp.megatron.rope import PlanRotaryEmbedding, install
     from megatron_cp.megatron.specs import get_llama_layer_spec
     from megatron.core.models.gpt import GPTModel
@@ -262,7 +262,7 @@ def test_llama_matches_megatron_dot_product_attention_on_packed_documents(world1
     monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: _NoRNG())
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_cp.megatron.model import LlamaShape, build_llama, transformer_config
+    from tiny_llama.model import LlamaShape, build_llama, transformer_config
     from megatron_cp.megatron.rope import PlanRotaryEmbedding
 
     shape = LlamaShape(2, 32, 4, 2, 48, 320, 32)
@@ -296,31 +296,3 @@ def test_llama_matches_megatron_dot_product_attention_on_packed_documents(world1
     with torch.no_grad():
         out_c = ours(bc.tokens, bc.position_ids, None, labels=bc.labels, packed_seq_params=bc.params)
     assert abs(float((out_c * bc.loss_mask).sum() / bc.loss_mask.sum()) - float(loss_ref)) > 1e-4
-
-
-def test_thd_layout_equals_sbhd(world1):
-    """qkv_format='thd' (Megatron squeezes the batch dim; CPCoreAttention applies the plan's RoPE)
-    gives the same loss and gradients as the default sbhd layout."""
-    from megatron_cp.megatron.model import LlamaShape, build_llama
-
-    shape = LlamaShape(2, 32, 4, 2, 48, 320, 32)
-    tokens, labels, lm = make_global_batch(2, 32, seed=13, packed=True)
-    torch.manual_seed(5)
-    model = build_llama(shape)
-    results = []
-    for fmt in ("sbhd", "thd"):
-        model.zero_grad(set_to_none=True)
-        bt = B.prepare_batch(tokens, labels, lm, B.MaskSpec("packed", eod=EOD), None, qkv_format=fmt)
-        assert bt.params.qkv_format == fmt
-        out = model(bt.tokens, bt.position_ids, None, labels=bt.labels, packed_seq_params=bt.params)
-        loss = (out * bt.loss_mask).sum() / bt.loss_mask.sum()
-        loss.backward()
-        results.append((float(loss), {k: p.grad.clone() for k, p in model.named_parameters()}))
-        if fmt == "thd":
-            assert bt.params.rope_angles is not None and bt.params.rope_angles.shape == (64, 1, 1, 8)
-            assert bt.params.cu_seqlens_q[-1] == 64
-    (l0, g0), (l1, g1) = results
-    assert abs(l0 - l1) <= 1e-6 * abs(l0)
-    assert max(rel_err(g1[k], g0[k]) for k in g0) <= 1e-6
-    with pytest.raises(ValueError, match="qkv_format"):
-        B.prepare_batch(tokens, labels, lm, B.MaskSpec("causal"), None, qkv_format="bshd")

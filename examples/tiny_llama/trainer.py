@@ -61,7 +61,7 @@ class StepResult:
 
 
 def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions = PlanOptions(),
-                     device=None, qkv_format: str = "sbhd"):
+                     device=None):
     """Run forward+backward on this rank's micro-batches; gradients are *sums* (not yet scaled).
 
     micro_batches: iterable of (tokens, labels, loss_mask), each ``[b, S]``, replicated in the CP
@@ -75,7 +75,7 @@ def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions 
     for tokens, labels, loss_mask in micro_batches:
         if device is not None:
             tokens, labels, loss_mask = tokens.to(device), labels.to(device), loss_mask.to(device)
-        bt = prepare_batch(tokens, labels, loss_mask, spec, cp_group, options, qkv_format=qkv_format)
+        bt = prepare_batch(tokens, labels, loss_mask, spec, cp_group, options)
         out = model(bt.tokens, bt.position_ids, None, labels=bt.labels, packed_seq_params=bt.params)
         loss, n, _ = loss_func(bt.loss_mask, out)
         loss.backward()

@@ -194,18 +194,13 @@ def prepare_batch(
     cp_group,
     options: PlanOptions = PlanOptions(),
     check: bool = True,
-    qkv_format: str = "sbhd",
 ) -> CPBatch:
     """Plan and dispatch one micro-batch.
 
     tokens / labels / loss_mask: ``[b, S]`` (int64, int64, float), the full micro-batch, identical on
     every rank of ``cp_group`` (as Megatron's data loader gives them). Returns ``[1, s_local]`` tensors
     on the same device plus ``params`` to pass as ``packed_seq_params``. ``cp_group=None`` means CP=1.
-    ``qkv_format="thd"`` makes Megatron's attention run its packed (THD) layout, with ``cu_seqlens``
-    set to the document bounds; the result is the same (see params.py).
     """
-    if qkv_format not in ("sbhd", "thd"):
-        raise ValueError(f"qkv_format must be 'sbhd' or 'thd', got {qkv_format!r}")
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [b, S], got shape {tuple(tokens.shape)}")
     for name, t in (("labels", labels), ("loss_mask", loss_mask)):
@@ -230,11 +225,6 @@ def prepare_batch(
         return None if x is None else x.reshape(-1).index_select(0, ids).unsqueeze(0)
 
     local_pos = take(pos)
-    extra = {}
-    if qkv_format == "thd":
-        cu_t = torch.from_numpy(cu.astype(np.int32)).to(tokens.device)
-        extra = dict(cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t)
     params = CPParams(plan=plan, position_ids=local_pos, cp_rank=cp_rank, cp_group=cp_group,
-                      kernel_backend=options.kernel_backend, strategy=strategy, qkv_format=qkv_format,
-                      **extra)
+                      kernel_backend=options.kernel_backend, strategy=strategy, qkv_format="sbhd")
     return CPBatch(take(tokens), take(labels), take(loss_mask), local_pos, params, cu)

@@ -99,23 +99,13 @@ class CPCoreAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        """q ``[s, b, Hq, D]``, k/v ``[s, b, Hkv, D]`` (local tokens in plan order) -> ``[s, b, Hq*D]``;
-        THD (``packed_seq_params.qkv_format == "thd"``): q ``[t, Hq, D]``, k/v ``[t, Hkv, D]`` -> ``[t, Hq*D]``."""
+        """q ``[s, b, Hq, D]``, k/v ``[s, b, Hkv, D]`` (local tokens in plan order) -> ``[s, b, Hq*D]``."""
         if attention_bias is not None:
             raise ValueError("CPCoreAttention does not support attention_bias (got a tensor)")
-        thd = isinstance(packed_seq_params, CPParams) and packed_seq_params.qkv_format == "thd"
-        if thd:
-            if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
-                raise ValueError(
-                    f"CPCoreAttention (thd) expects [t, h, d] tensors, got q {tuple(query.shape)}, "
-                    f"k {tuple(key.shape)}, v {tuple(value.shape)}"
-                )
-            query, key, value = self._thd_rope(query, key, value, packed_seq_params)
-            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        elif query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
             raise ValueError(
                 f"CPCoreAttention expects [s, b, h, d] tensors, got q {tuple(query.shape)}, "
-                f"k {tuple(key.shape)}, v {tuple(value.shape)} (for [t, h, d] pass CPParams with qkv_format='thd')"
+                f"k {tuple(key.shape)}, v {tuple(value.shape)}"
             )
         s, b, hq, d = query.shape
         hkv = key.shape[2]
@@ -161,19 +151,4 @@ class CPCoreAttention(MegatronModule):
             # lse is not used here: without its gradient Ulysses' backward exchange makes no host sync
             out, _lse = get_strategy(strategy, backend=backend, lse_grad=False)(q, k, v, plan, group,
                                                                                 self.softmax_scale)
-        return out.reshape(s, hq * d) if thd else out.reshape(s, b, hq * d)
-
-    def _thd_rope(self, query, key, value, params: CPParams):
-        """Apply the plan's RoPE angles (THD layout, see params.py) with Megatron's own RoPE function,
-        honouring ``rotary_interleaved``, RoPE fusion and ``no_rope_freq`` like its attention does."""
-        angles = params.rope_angles
-        no_rope = getattr(self.config, "no_rope_freq", None)
-        if angles is None or (no_rope and no_rope[self.layer_number - 1]):
-            return query, key, value
-        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
-        if angles.shape[0] != query.shape[0]:
-            raise ValueError(f"rope_angles cover {angles.shape[0]} tokens but q has {query.shape[0]}")
-        q = apply_rotary_pos_emb(query.unsqueeze(1), angles, config=self.config, cp_group=self.cp_group).squeeze(1)
-        k = apply_rotary_pos_emb(key.unsqueeze(1), angles, config=self.config, cp_group=self.cp_group).squeeze(1)
-        return q, k, value
+        return out.reshape(s, b, hq * d)

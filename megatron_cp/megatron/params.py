@@ -5,14 +5,9 @@ call (also into activation-recompute closures and across pipeline schedules), so
 ``PackedSeqParams`` and carry the plan there. No Megatron model class is edited and no module-level
 "current plan" is needed.
 
-Two layouts, both with the micro-batch as one sequence of ``s_local`` tokens on each rank:
-
-* ``qkv_format="sbhd"`` (default): Megatron keeps its ordinary ``[s, b=1, h, d]`` paths and applies
-  RoPE with the per-token angles of ``PlanRotaryEmbedding``.
-* ``qkv_format="thd"``: Megatron squeezes the batch dimension (``[t, h, d]``) and would apply its
-  THD RoPE, which slices every document zigzag; ``PlanRotaryEmbedding`` therefore returns no table in
-  this mode and leaves the angles in ``rope_angles``, and ``CPCoreAttention`` applies them.
-  ``cu_seqlens_q/kv`` hold the document bounds over the whole (undispatched) sequence.
+The micro-batch is one sequence of ``s_local`` tokens on each rank in Megatron's ordinary
+``[s, b=1, h, d]`` layout (``qkv_format="sbhd"``), with RoPE applied at the per-token angles of
+``PlanRotaryEmbedding``.
 """
 
 from __future__ import annotations
@@ -41,13 +36,12 @@ class CPParams(PackedSeqParams):
     cp_rank: int = 0
     kernel_backend: str = "auto"
     strategy: str = "megatron_cp"
-    rope_angles: torch.Tensor = None  # thd only: float32 [t, 1, 1, rot_dim], set during the forward
 
     def __post_init__(self):
         if self.qkv_format is None:
             self.qkv_format = "sbhd"
-        if self.qkv_format not in ("sbhd", "thd"):
-            raise ValueError(f"CPParams.qkv_format must be 'sbhd' or 'thd', got {self.qkv_format!r}")
+        if self.qkv_format != "sbhd":
+            raise ValueError(f"CPParams.qkv_format must be 'sbhd', got {self.qkv_format!r}")
         if self.plan is None:
             raise ValueError("CPParams needs a plan (got None)")
         # GPTModel asks packed_seq_params for the RoPE length; the full length of the sequence.

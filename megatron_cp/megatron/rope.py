@@ -59,11 +59,8 @@ class PlanRotaryEmbedding(nn.Module):
 
     def forward(self, max_seq_len: int = 0, offset: int = 0, packed_seq: bool = False, cp_group=None):
         if packed_seq:
-            # THD: Megatron's THD RoPE assumes the zigzag layout; the pre-hook stored the angles in
-            # CPParams.rope_angles and CPCoreAttention applies them, so Megatron gets no table.
-            if self._positions is None:
-                raise RuntimeError("PlanRotaryEmbedding (thd): call the model with packed_seq_params=CPParams")
-            return None
+            raise ValueError("PlanRotaryEmbedding: Megatron's packed (THD) layout is not supported; "
+                             "megatron-cp runs the sbhd layout (prepare_batch)")
         if offset:
             raise ValueError(f"PlanRotaryEmbedding: RoPE offset is not supported (got offset={offset})")
         if self._positions is None:
@@ -114,8 +111,6 @@ def install(model: nn.Module) -> Installed:
         def pre(mod, args, kwargs, _r=plan_rope):
             p = kwargs.get("packed_seq_params")
             _r.set_positions(p.position_ids if isinstance(p, CPParams) else None)
-            if isinstance(p, CPParams) and p.qkv_format == "thd":
-                p.rope_angles = _r.angles(p.position_ids)
 
         def post(mod, args, kwargs, out, _r=plan_rope):
             _r.set_positions(None)
