@@ -1,17 +1,36 @@
-"""Dense-tile decomposition (kernels/dense_tiles.py) and the LSE merge of the generalised dense fast path.
+"""The split of tile lists into kernel pieces (kernels/pieces.py) and the LSE merge of the pieces.
 
-Pure tensor code on CPU: the dense pieces and the rest must be cell-disjoint and cover exactly the cells
+Pure tensor code on CPU: the cuDNN pieces and the rest must be cell-disjoint and cover exactly the cells
 of the original tile list (checked with dense masks); merging per-piece (out, lse) must give the
-attention of the union.
+attention of the union; row classes and block counts follow the kernels' block schedule.
 """
 
 import random
 
 import torch
 
+import pytest
+
 from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
-from megatron_cp.kernels.dense_tiles import dense_tiles_tensor, split_band_squares, split_dense
 from megatron_cp.kernels.merge import merge_torch as _merge_lse
+from megatron_cp.kernels.pieces import (BLOCKY_FULL_FRACTION, LONG_ROW_KEYS, as_tiles, block_counts, row_class,
+                                        split_pieces)
+from megatron_cp.kernels.triton_schedule import build_schedules, covered_rows, kept_area
+
+NEVER = 1 << 62  # a piece size no list reaches
+
+
+def split_dense(tiles, min_rows, min_keys):
+    """The backward's split (no band squares) as (pieces, rest)."""
+    p = split_pieces(tiles, min_rows=min_rows, min_keys=min_keys, band_squares=4, forward=False)
+    assert not p.direct and not p.whole
+    return list(p.cudnn), p.rest
+
+
+def split_band_squares(tiles, min_window):
+    """The forward's band squares alone (no other piece is large enough) as (pieces, rest)."""
+    p = split_pieces(tiles, min_rows=NEVER, min_keys=NEVER, band_squares=min_window, forward=True)
+    return list(p.cudnn), p.rest
 
 
 def cell_counts(tiles, sq, sk):
@@ -33,17 +52,14 @@ def cell_counts(tiles, sq, sk):
     return cnt
 
 
-def check_split(tiles, sq, sk, min_rows, min_keys, band_chunk=0, band_min_keys=1):
-    dense, rest = split_dense(tiles, min_rows, min_keys, band_chunk, band_min_keys)
-    dt = dense_tiles_tensor(dense)
+def check_split(tiles, sq, sk, min_rows, min_keys):
+    dense, rest = split_dense(tiles, min_rows, min_keys)
+    dt = as_tiles(dense)
     for qs, qe, ks, ke, causal, n in dense:
-        r = (qe - qs) // n
-        assert (qe - qs) % n == 0 and 0 <= qs < qe <= sq and 0 <= ks < ke + (n - 1) * r <= sk
-        assert qe - qs >= min_rows
-        if n > 1 or ke - ks < min_keys:  # band pieces: chunks of band_chunk rows sliding down the diagonal
-            assert r == band_chunk and (causal or ke - ks >= band_min_keys)
+        assert n == 1 and 0 <= qs < qe <= sq and 0 <= ks < ke <= sk
+        assert qe - qs >= min_rows and ke - ks >= min_keys
         if causal:
-            assert r == ke - ks  # square: top-left == bottom-right
+            assert qe - qs == ke - ks  # square: top-left == bottom-right
     for qs, qe, ks, ke, _ in rest.tolist():
         assert 0 <= qs < qe <= sq and 0 <= ks < ke <= sk
     orig = cell_counts(tiles, sq, sk)
@@ -80,29 +96,46 @@ def test_sk_less_than_sq():
     assert dense == [(16, 40, 0, 24, True, 1)] and rest.shape[0] == 0
 
 
-def test_band_pieces():
-    """A sliding window (BI_CAUSAL, w = 40: row i keeps [i, i + 40]) of 70 rows in chunks of 8: 8 chunks
-    of a full 8 x 32 rectangle and a causal 8-square on cuDNN (two batched pieces), the chunks'
-    INV_CAUSAL squares and the 6 rows below the last chunk on Triton."""
-    tiles = torch.tensor([[0, 70, 3, 113, BI_CAUSAL]], dtype=torch.int32)
-    dense, rest = check_split(tiles, 70, 120, 16, 16, 8, 16)
-    assert dense == [(0, 64, 11, 43, False, 8), (0, 64, 43, 51, True, 8)]
-    assert rest.tolist() == [[b, b + 8, 3 + b, 11 + b, INV_CAUSAL] for b in range(0, 64, 8)] + [[64, 70, 67, 113, BI_CAUSAL]]
-    # too narrow for the chunk (w < band_chunk + band_min_keys), or too few rows: stays whole
-    for chunk, min_keys, min_rows in ((8, 33, 16), (32, 16, 16), (8, 16, 71)):
-        dense, rest = check_split(tiles, 70, 120, min_rows, 16, chunk, min_keys)
-        assert dense == [] and rest.tolist() == tiles.tolist()
+def test_backward_never_cuts_band_squares():
+    """forward=False: bands stay whole in the rest whatever band_squares says; forward=True cuts them."""
+    tiles = torch.tensor([[0, 70, 3, 3 + 70 + 16, BI_CAUSAL]], dtype=torch.int32)
+    bwd = split_pieces(tiles, min_rows=1, min_keys=1, band_squares=16, forward=False)
+    assert bwd.cudnn == () and bwd.rest.tolist() == tiles.tolist() and not bwd.direct
+    fwd = split_pieces(tiles, min_rows=1, min_keys=1, band_squares=16, forward=True)
+    assert len(fwd.cudnn) == 2 and fwd.direct
+
+
+def test_whole_call_piece():
+    """With the lengths given, one FULL tile or one square CAUSAL tile over everything is the whole call's
+    piece whatever its size; anything else (a bottom-right causal non-square, a partial cover) is not."""
+    for kind, sq, sk in ((FULL, 8, 12), (CAUSAL, 10, 10)):
+        t = torch.tensor([[0, sq, 0, sk, kind]], dtype=torch.int32)
+        for forward in (False, True):
+            p = split_pieces(t, min_rows=512, min_keys=8192, band_squares=4096, forward=forward, seqlen_q=sq,
+                             seqlen_k=sk)
+            assert p.whole and p.cudnn == ((0, sq, 0, sk, kind, 1),) and p.rest.shape[0] == 0
+        assert not split_pieces(t, min_rows=512, min_keys=8192, band_squares=0, forward=False).whole
+    for t, sq, sk in (([[0, 8, 0, 12, CAUSAL]], 8, 12), ([[0, 8, 0, 12, FULL]], 9, 12)):
+        p = split_pieces(torch.tensor(t, dtype=torch.int32), min_rows=512, min_keys=8192, band_squares=0,
+                         forward=False, seqlen_q=sq, seqlen_k=sk)
+        assert not p.whole and p.cudnn == () and p.rest.tolist() == t
 
 
 def check_band_squares(tiles, sq, sk, min_window):
     pieces, rest = split_band_squares(tiles, min_window)
+    if min_window > 0:  # direct: pairs only (no rectangle), each on rows nothing else covers
+        p = split_pieces(tiles, min_rows=NEVER, min_keys=NEVER, band_squares=min_window, forward=True)
+        pairs = bool(pieces) and all(x[4] != FULL for x in pieces)
+        rows = [x[:2] for x in pieces[0::2]]
+        alone = not any(a < r1 and r0 < b for a, b, *_ in rest.tolist() for r0, r1 in rows)
+        assert p.direct == (pairs and alone)
     for qs, qe, ks, ke, kind, n in pieces:
         r = (qe - qs) // n
         assert (qe - qs) % n == 0 and r >= min_window and 0 <= qs < qe <= sq and 0 <= ks < ke + (n - 1) * r <= sk
         if kind != FULL:
             assert ke - ks == r  # squares: top-left causal, reversed or not
     orig = cell_counts(tiles, sq, sk)
-    new = cell_counts(torch.cat([dense_tiles_tensor(pieces), rest]), sq, sk)
+    new = cell_counts(torch.cat([as_tiles(pieces), rest]), sq, sk)
     assert torch.equal(new, orig), "band squares must keep exactly the original cells, each once"
     return pieces, rest
 
@@ -152,9 +185,8 @@ def test_random_lists():
         if not tiles:
             continue
         t = torch.tensor(tiles, dtype=torch.int32)
-        for mr, mk, bc, bk in ((1, 1, 0, 1), (4, 4, 0, 1), (8, 3, 0, 1), (1000, 1000, 0, 1), (1, 1, 2, 1),
-                               (4, 4, 3, 2), (8, 3, 4, 1)):
-            check_split(t, sq, sk, mr, mk, bc, bk)
+        for mr, mk in ((1, 1), (4, 4), (8, 3), (1000, 1000)):
+            check_split(t, sq, sk, mr, mk)
 
 
 def _attn(q, k, v, keep, scale):
@@ -175,7 +207,7 @@ def test_merge_matches_union():
     full_keep[35:, :] = False  # rows with nothing kept: out 0, lse -inf
     o_ref, l_ref = _attn(q, k, v, full_keep, scale)
     dense, rest = split_dense(tiles, 4, 4)
-    pieces = dense_tiles_tensor(dense).tolist() + rest.tolist()
+    pieces = as_tiles(dense).tolist() + rest.tolist()
     acc = torch.full((sq, 1, d), float("nan"), dtype=torch.float32)  # ignored where lse is -inf
     lse = torch.full((sq, 1), float("-inf"), dtype=torch.float32)
     for p in pieces:
@@ -186,3 +218,34 @@ def test_merge_matches_union():
     fin = torch.isfinite(l_ref)
     assert torch.allclose(lse[fin, 0].double(), l_ref[fin], atol=1e-5)
     assert bool((lse[~fin] == float("-inf")).all()) and bool((acc[~fin] == 0).all())
+
+
+@pytest.mark.parametrize("bm,bn", [(128, 64), (64, 64), (32, 16), (16, 32)])
+def test_block_counts_match_the_schedule(bm, bn):
+    """block_counts per tile sum to the row-major schedule's entries and full entries."""
+    rng = random.Random(bm + bn)
+    tiles = []
+    for _ in range(60):
+        sq, sk = rng.randint(1, 300), rng.randint(1, 300)
+        q0, k0 = rng.randint(0, 50), rng.randint(0, 50)
+        tiles.append([q0, q0 + sq, k0, k0 + sk, rng.randint(0, 3)])
+    t = torch.tensor(tiles, dtype=torch.int32)
+    visited, full = block_counts(t, bm, bn)
+    assert visited.dtype == full.dtype == torch.int64 and visited.shape == full.shape == (len(tiles),)
+    rows, _ = build_schedules(t, 400, 400, bm, bn)
+    assert int(visited.sum()) == int(rows.ptr[0, -1]) and int(full.sum()) == rows.n_full
+    assert bool((full <= visited).all()) and int(visited.sum()) > int(full.sum()) > 0
+
+
+def test_row_class_rule():
+    """"long": mean kept keys per covered row >= LONG_ROW_KEYS; else "blocky" when >= BLOCKY_FULL_FRACTION of
+    the visited 128 x 64 blocks are full; else "short"."""
+    long_t = torch.tensor([[0, 128, 0, LONG_ROW_KEYS, FULL]], dtype=torch.int32)
+    assert kept_area(long_t) == LONG_ROW_KEYS * covered_rows(long_t) and row_class(long_t) == "long"
+    assert row_class(torch.tensor([[0, 128, 0, LONG_ROW_KEYS - 64, FULL]], dtype=torch.int32)) == "blocky"
+    docs = torch.tensor([[a, a + 512, a, a + 512, CAUSAL] for a in range(0, 4096, 512)], dtype=torch.int32)
+    visited, full = block_counts(docs, 128, 64)
+    assert (int(full.sum()) >= BLOCKY_FULL_FRACTION * int(visited.sum())) == (row_class(docs) == "blocky")
+    band = torch.tensor([[0, 1024, 0, 1024 + 100, BI_CAUSAL]], dtype=torch.int32)
+    assert row_class(band) == "short"
+    assert row_class(torch.zeros(0, 5, dtype=torch.int32)) == "short"

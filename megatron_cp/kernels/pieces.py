@@ -1,0 +1,234 @@
+"""How a tile list splits into kernel pieces: the one owner of these rules (``TritonBackend.prepare``
+calls exactly these functions; a cost model that needs the split calls them too, never restates them).
+
+cuDNN pieces
+------------
+cuDNN attention (PyTorch's SDPA cuDNN op) handles two shapes well: a full rectangle and a causal tile
+whose causal mask is top-left aligned, which equals our bottom-right aligned CAUSAL exactly when the
+tile is square. A bottom-right CAUSAL tile with ``sq`` rows and ``sk`` keys splits exactly into:
+
+* ``sk >= sq``: a FULL rectangle ``rows x [ks, ks + sk - sq)`` (every row keeps these keys, since
+  ``j <= i + (sk - sq)`` holds for ``j < sk - sq``) and a square causal tile ``rows x [ks + sk - sq, ke)``
+  (``j' = j - (sk - sq) <= i``);
+* ``sk < sq``: rows ``i < sq - sk`` keep nothing; the last ``sk`` rows are a square causal tile.
+
+Pieces of at least ``min_rows`` rows and ``min_keys`` keys go to cuDNN; smaller pieces (and every other
+tile kind) stay in the rest, for the Triton kernels, as valid tiles of the same cells. Measured on H100
+(benchmarks/): zigzag rank lists (pieces of 16k rows, >= 16k keys) run 1.35x faster forward and 1.49x
+backward this way, while packed documents at S = 16k with 512-key pieces ran 3.3x slower forward
+(per-piece launches and float32 merges dominate short rows), hence TritonConfig.dense_min_keys 8192.
+
+Whole call: a list of one FULL tile, or one square CAUSAL tile, covering all ``seqlen_q`` rows and
+``seqlen_k`` keys is one cuDNN piece whatever its size (cuDNN's output is the call's: no merge).
+
+Band squares (forward only): a BI_CAUSAL tile (a band, ``w = sk - sq`` keys past the diagonal per row)
+with ``C = min(w, sq) >= band_squares`` is cut into ``n = sq // C`` chunks of ``C`` rows; chunk ``b``
+(local rows ``[bC, bC + C)``) keeps an INV_CAUSAL square ``[bC, bC + C)`` of keys, a FULL rectangle
+``[bC + C, bC + w)`` (none when ``C = w``) and a causal square ``[bC + w, bC + w + C)``: three *batched*
+pieces. The INV_CAUSAL square (row i keeps j >= i) is a top-left causal square of the problem with rows
+and keys reversed, so cuDNN runs all three (the backend flips the rows in and the output back). The rows
+below the last whole chunk stay one BI_CAUSAL tile in the rest. The backward keeps bands on Triton: the
+flips and the gradients' extra passes would cost what cuDNN gains.
+
+Pieces are tuples ``(q_start, q_end, k_start, k_end, kind, batch)`` with ``kind`` a ``Kind``: FULL,
+CAUSAL (a square: top-left = bottom-right) or INV_CAUSAL (a square, band squares only). ``batch = n > 1``
+stands for the ``n`` pieces ``b = 0 .. n-1`` of rows ``[q_start + b r, q_start + (b+1) r)`` (``r =
+(q_end - q_start) / n``) and keys ``[k_start + b r, k_end + b r)``: one cuDNN call with batch ``n``.
+
+The pieces of one tile are cell-disjoint and cover exactly its kept cells, so the split of a cell-disjoint
+list is too (tests/test_dense_tiles.py checks this with dense masks). Pure host-side tensor code.
+
+Row classes
+-----------
+``row_class`` sorts the list the Triton kernels run into the classes that pick their block shapes
+(``TritonConfig.for_head_dim``): "long" when the mean kept keys per covered row is at least
+``LONG_ROW_KEYS`` (dense, causal-like), else "blocky" when at least ``BLOCKY_FULL_FRACTION`` of the
+visited ``BLOCKY_BLOCK`` (128 x 64) blocks are fully kept, else "short" (windows, short documents),
+where smaller blocks waste less on partial blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kinds import Kind
+from .triton_schedule import _block_pairs, covered_rows, kept_area, tile_descriptors
+
+LONG_ROW_KEYS = 4096
+# "blocky": short rows whose 128 x 64 forward blocks are mostly full (strided blocks, documents, global +
+# local), where a 128-row forward block with 4 warps pays. Measured on H200, S = 16k, forward TFLOP/s of
+# 128x64x4 vs 64x64x4: strided 414 vs 366 (full fraction 0.94), global + local 406 vs 395 (0.89),
+# documents 355 vs 340 (0.82); sliding window 342 vs 357 (0.78), streaming 319 vs 331 (0.74).
+BLOCKY_FULL_FRACTION = 0.8
+BLOCKY_BLOCK = (128, 64)
+
+Piece = tuple  # (q_start, q_end, k_start, k_end, kind: Kind, batch: int)
+
+
+@dataclass(frozen=True, eq=False)
+class Pieces:
+    """A tile list split for one direction: ``cudnn`` pieces (tuples, module doc), ``rest`` the tiles
+    left to the Triton kernels (int32 [m, 5], cells disjoint from the pieces'), ``direct`` (forward only)
+    the pieces are band-square pairs on rows nothing else covers, so each pair's merge can write the
+    output directly, ``whole`` the one piece is the whole call (cuDNN's output is the result)."""
+
+    cudnn: tuple
+    rest: torch.Tensor
+    direct: bool = False
+    whole: bool = False
+
+
+def split_pieces(tiles: torch.Tensor, *, min_rows: int, min_keys: int, band_squares: int, forward: bool,
+                 seqlen_q: int | None = None, seqlen_k: int | None = None) -> Pieces:
+    """tiles int [n, 5] -> Pieces: cuDNN pieces of at least ``min_rows`` x ``min_keys``, and for the
+    forward band squares of windows and rows of at least ``band_squares`` (0: none; never when
+    ``forward`` is False). With ``seqlen_q``/``seqlen_k``, a list that is one FULL or square CAUSAL tile
+    over everything is the whole call's single piece whatever its size."""
+    tiles = tiles.to("cpu", torch.int64).reshape(-1, 5)
+    if seqlen_q is not None and seqlen_k is not None:
+        kind = whole_kind(tiles, seqlen_q, seqlen_k)
+        if kind is not None:
+            return Pieces(((0, int(seqlen_q), 0, int(seqlen_k), kind, 1),), torch.zeros(0, 5, dtype=torch.int32),
+                          whole=True)
+    dense, rest = _split_dense(tiles, min_rows, min_keys)
+    if not forward or band_squares <= 0:
+        return Pieces(tuple(dense), rest)
+    bands, rest_f = _split_band_squares(rest, band_squares)
+    return Pieces(tuple(dense + bands), rest_f, direct=_direct_pairs(dense, bands, rest_f))
+
+
+def whole_kind(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int) -> Kind | None:
+    """Kind.FULL or Kind.CAUSAL when ``tiles`` is one full rectangle or one square causal tile covering all
+    ``seqlen_q`` rows and ``seqlen_k`` keys (cuDNN's causal is top-left aligned), else None."""
+    if tiles.shape[0] != 1:
+        return None
+    qs, qe, ks, ke, kind = (int(x) for x in tiles[0].tolist())
+    if (qs, qe, ks, ke) != (0, seqlen_q, 0, seqlen_k):
+        return None
+    if kind == Kind.FULL:
+        return Kind.FULL
+    if kind == Kind.CAUSAL and seqlen_q == seqlen_k:
+        return Kind.CAUSAL
+    return None
+
+
+def as_tiles(pieces) -> torch.Tensor:
+    """cuDNN pieces as an ordinary tile list (int32 [m, 5]; FULL, CAUSAL or INV_CAUSAL tiles), a batched
+    piece as its ``batch`` tiles."""
+    out = []
+    for a, b, c, d, kind, n in pieces:
+        r = (b - a) // n
+        out += [[a + i * r, a + (i + 1) * r, c + i * r, d + i * r, int(kind)] for i in range(n)]
+    return torch.tensor(out, dtype=torch.int32).reshape(-1, 5)
+
+
+def row_class(tiles: torch.Tensor) -> str:
+    """"long", "blocky" or "short" for the tile list ``tiles`` (int [n, 5]) the Triton kernels run (module
+    doc); the kept keys per row count over the rows the list covers (a list may cover a few rows of many)."""
+    tiles = tiles.to("cpu", torch.int64).reshape(-1, 5)
+    if kept_area(tiles) >= LONG_ROW_KEYS * max(covered_rows(tiles), 1):
+        return "long"
+    if tiles.shape[0]:
+        visited, full = block_counts(tiles, *BLOCKY_BLOCK)
+        v, f = int(visited.sum()), int(full.sum())
+        if v and f >= BLOCKY_FULL_FRACTION * v:
+            return "blocky"
+    return "short"
+
+
+def block_counts(tiles: torch.Tensor, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per tile of ``tiles`` (int [n, 5]): (visited, full), torch int64 [n]: the (block_m x block_n) blocks
+    the kernels' block schedule visits for it (those holding a kept cell of the tile) and those of them
+    whose every cell the tile keeps (no mask arithmetic)."""
+    tiles = tiles.to("cpu", torch.int64).reshape(-1, 5)
+    tid, _, _, full = _block_pairs(tile_descriptors(tiles), block_m, block_n)
+    n = tiles.shape[0]
+    return torch.bincount(tid, minlength=n), torch.bincount(tid[full], minlength=n)
+
+
+# -- the rules --------------------------------------------------------------------------------------------
+def _split_dense(tiles: torch.Tensor, min_rows: int, min_keys: int):
+    """tiles int64 [n, 5] -> (pieces: list of FULL / square CAUSAL pieces of batch 1, rest int32 [m, 5])."""
+    dense: list[Piece] = []
+    rest: list[list[int]] = []
+
+    def big(sq, sk):
+        return sq >= min_rows and sk >= min_keys
+
+    for qs, qe, ks, ke, kind in tiles.tolist():
+        sq, sk = qe - qs, ke - ks
+        if kind == Kind.FULL:
+            if big(sq, sk):
+                dense.append((qs, qe, ks, ke, Kind.FULL, 1))
+            else:
+                rest.append([qs, qe, ks, ke, kind])
+        elif kind == Kind.CAUSAL:
+            if sk < sq:  # the first sq - sk rows keep nothing
+                qs = qe - sk
+                sq = sk
+            d = sk - sq  # keys every row keeps
+            full_ok, sq_ok = d > 0 and big(sq, d), big(sq, sq)
+            if not full_ok and not sq_ok:
+                rest.append([qs, qe, ks, ke, kind])
+                continue
+            if d > 0:
+                if full_ok:
+                    dense.append((qs, qe, ks, ks + d, Kind.FULL, 1))
+                else:
+                    rest.append([qs, qe, ks, ks + d, Kind.FULL])
+            if sq_ok:
+                dense.append((qs, qe, ks + d, ke, Kind.CAUSAL, 1))
+            else:
+                rest.append([qs, qe, ks + d, ke, Kind.CAUSAL])
+        else:
+            rest.append([qs, qe, ks, ke, kind])
+    return dense, torch.tensor(rest, dtype=torch.int32).reshape(-1, 5)
+
+
+def _split_band_squares(tiles: torch.Tensor, min_window: int):
+    """tiles int [n, 5] -> (pieces, rest): the band squares of every BI_CAUSAL tile with a window and rows
+    of at least ``min_window`` (module doc), and the other tiles plus each band's rows below its last
+    chunk (int32 [m, 5]). ``min_window`` 0: none."""
+    pieces: list[Piece] = []
+    rest: list[list[int]] = []
+    for qs, qe, ks, ke, kind in tiles.to("cpu", torch.int64).tolist():
+        sq, w = qe - qs, ke - ks - (qe - qs)
+        c = min(w, sq)
+        if kind != Kind.BI_CAUSAL or min_window <= 0 or c < min_window:
+            rest.append([qs, qe, ks, ke, kind])
+            continue
+        n = sq // c
+        e = qs + n * c
+        pieces.append((qs, e, ks, ks + c, Kind.INV_CAUSAL, n))
+        if w > c:
+            pieces.append((qs, e, ks + c, ks + w, Kind.FULL, n))
+        pieces.append((qs, e, ks + w, ks + w + c, Kind.CAUSAL, n))
+        if e < qe:
+            rest.append([e, qe, ks + n * c, ke, Kind.BI_CAUSAL])
+    return pieces, torch.tensor(rest, dtype=torch.int32).reshape(-1, 5)
+
+
+def _direct_pairs(dense, bands, rest: torch.Tensor) -> bool:
+    """Whether the forward's pieces are only band-square pairs (reversed + causal square, no rectangle) on
+    rows no other piece nor ``rest`` tile touches: each pair's merge then writes the output directly."""
+    if dense or not bands or len(bands) % 2 or any(p[4] != Kind.INV_CAUSAL for p in bands[0::2]) \
+            or any(p[4] != Kind.CAUSAL or p[:2] != i[:2] for i, p in zip(bands[0::2], bands[1::2])):
+        return False
+    rows = sorted(p[:2] for p in bands[0::2])
+    if any(b[0] < a[1] for a, b in zip(rows, rows[1:])):
+        return False
+    return not any(qs < b and a < qe for qs, qe, *_ in rest.tolist() for a, b in rows)
+
+
+def uncovered_rows(pieces, seqlen_q: int) -> list[tuple[int, int]]:
+    """(start, end) row ranges of ``[0, seqlen_q)`` that no piece of ``pieces`` covers, in order."""
+    gaps, at = [], 0
+    for a, b in sorted(p[:2] for p in pieces):
+        if a > at:
+            gaps.append((at, a))
+        at = max(at, b)
+    if at < seqlen_q:
+        gaps.append((at, seqlen_q))
+    return gaps
