@@ -1,11 +1,13 @@
 """The dense (cuDNN) path's plumbing on CPU, with an fp64 stand-in for the cuDNN ops.
 
 cuDNN runs only on CUDA, so CI cannot run it; what CI can check is everything around it: which pieces
-go to cuDNN and which to Triton, the LSE merges (torch and the one-pass Triton merge kernel under the
-interpreter), the accumulating forward into a float32 running pair, the backward with and without an
-lse gradient, and the staged distributed runtime routing whole dense stages to it. The stand-in has
-cuDNN's contract exactly (square causal = top-left; backward from the given global out/lse, delta =
-rowsum(dout * out) recomputed inside) and computes in fp64, so any error is the plumbing's.
+go to cuDNN and which to Triton (kernels/pieces.py, as prepare calls it), the probe that picks a layout
+once per family, the LSE merges (torch and the one-pass Triton merge kernel under the interpreter), the
+accumulating forward into a float32 running pair, the backward with and without an lse gradient, and the
+staged distributed runtime routing whole dense stages to it. The stand-in replaces the two raw ops
+(kernels/cudnn.py: sdpa_forward / sdpa_backward) with cuDNN's contract exactly (square causal = top-left;
+backward from the given global out/lse, delta = rowsum(dout * out) recomputed inside) in fp64, so any
+error is the plumbing's.
 """
 
 import os
@@ -18,16 +20,16 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 import megatron_cp.kernels.triton_backend as tb  # noqa: E402
-from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: E402
+from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, cudnn  # noqa: E402
 from megatron_cp.kernels.merge import merge_into, merge_torch  # noqa: E402
+from megatron_cp.kernels.pieces import row_class, split_pieces  # noqa: E402
 from test_triton_kernels import dense_mask, reference  # noqa: E402
 
 CALLS = []
+QUIET = []  # non-empty while cudnn.probe runs: its calls are not recorded
 
 
-def fake_cudnn_forward(q, k, v, scale, is_causal):
-    """cuDNN's SDPA contract in fp64: q [sq,Hq,D], k/v [sk,Hkv,D] -> out (q.dtype), lse fp32."""
-    CALLS.append(("fwd", q.shape[0], k.shape[0], is_causal))
+def _one_forward(q, k, v, scale, is_causal):
     sq, sk = q.shape[0], k.shape[0]
     keep = torch.ones(sq, sk, dtype=torch.bool)
     if is_causal:
@@ -36,9 +38,8 @@ def fake_cudnn_forward(q, k, v, scale, is_causal):
     return out.to(q.dtype), lse.float()
 
 
-def fake_cudnn_backward(q, k, v, out, lse, dout, scale, is_causal):
+def _one_backward(q, k, v, out, lse, dout, scale, is_causal):
     """Gradients from the given (global) out and lse, delta = rowsum(dout * out), in fp64."""
-    CALLS.append(("bwd", q.shape[0], k.shape[0], is_causal))
     g = q.shape[1] // k.shape[1]
     qd, kd, vd, od, dod = (x.double() for x in (q, k, v, out, dout))
     kk, vv = kd.repeat_interleave(g, 1), vd.repeat_interleave(g, 1)
@@ -59,44 +60,54 @@ def fake_cudnn_backward(q, k, v, out, lse, dout, scale, is_causal):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def fake_cudnn_forward_batched(qb, kb, vb, scale, is_causal):
-    """The batched contract ([n, r, H, D] pieces, K/V windows possibly overlapping views), piece by piece."""
-    CALLS.append(("fwd_batched", qb.shape[0], qb.shape[1], kb.shape[1], is_causal))
-    res = [fake_cudnn_forward(q, k, v, scale, is_causal) for q, k, v in zip(qb, kb, vb)]
-    del CALLS[-len(res):]
+def fake_sdpa_forward(qb, kb, vb, scale, is_causal):
+    """cuDNN's SDPA contract in fp64: qb [n, r, Hq, D], kb/vb [n, kw, Hkv, D] (views, possibly overlapping)
+    -> out [n, r, Hq, D] (q's dtype), lse [n, r, Hq] fp32, piece by piece."""
+    if not QUIET:
+        CALLS.append(("fwd", qb.shape[0], qb.shape[1], kb.shape[1], is_causal))
+    res = [_one_forward(q, k, v, scale, is_causal) for q, k, v in zip(qb, kb, vb)]
     return torch.stack([o for o, _ in res]), torch.stack([l for _, l in res])
 
 
-def fake_cudnn_backward_batched(qb, kb, vb, ob, lseb, dob, scale, is_causal):
-    CALLS.append(("bwd_batched", qb.shape[0], qb.shape[1], kb.shape[1], is_causal))
-    res = [fake_cudnn_backward(*x, scale, is_causal) for x in zip(qb, kb, vb, ob, lseb, dob)]
-    del CALLS[-len(res):]
+def fake_sdpa_backward(qb, kb, vb, ob, lseb, dob, scale, is_causal):
+    if not QUIET:
+        CALLS.append(("bwd", qb.shape[0], qb.shape[1], kb.shape[1], is_causal))
+    res = [_one_backward(*x, scale, is_causal) for x in zip(qb, kb, vb, ob, lseb, dob)]
     return tuple(torch.stack(g) for g in zip(*res))
 
 
 class FakeCudnnBackend(tb.TritonBackend):
-    """TritonBackend whose dense path runs on CPU float32 (the stand-in above)."""
+    """TritonBackend whose cuDNN path runs on CPU float32 (the stand-in above); the probe runs as on CUDA."""
 
-    def _fast_ok(self, q):
-        return self.config.dense_fast_path and not self.config.deterministic and not self._fast_failed
+    def _cudnn_allowed(self, q):
+        return self._cudnn_wanted
+
+
+_REAL_PROBE = cudnn.probe
+
+
+def _quiet_probe(*args):
+    QUIET.append(1)
+    try:
+        return _REAL_PROBE(*args)
+    finally:
+        QUIET.pop()
 
 
 def install_fake(monkeypatch=None):
-    """Route the backend module's cuDNN calls to the stand-ins (also used in spawned ranks)."""
-    for name, val in (("cudnn_forward", fake_cudnn_forward), ("cudnn_backward", fake_cudnn_backward),
-                      ("cudnn_forward_batched", fake_cudnn_forward_batched),
-                      ("cudnn_backward_batched", fake_cudnn_backward_batched), ("_cuda_present", lambda: True)):
+    """Route the raw cuDNN ops to the stand-ins, and say CUDA is present (also used in spawned ranks)."""
+    for mod, name, val in ((cudnn, "sdpa_forward", fake_sdpa_forward), (cudnn, "sdpa_backward", fake_sdpa_backward),
+                           (cudnn, "probe", _quiet_probe), (tb, "_cuda_present", lambda: True)):
         if monkeypatch is not None:
-            monkeypatch.setattr(tb, name, val)
+            monkeypatch.setattr(mod, name, val)
         else:
-            setattr(tb, name, val)
+            setattr(mod, name, val)
 
 
-def backend(min_rows=16, min_keys=16, d=16, band_chunk=0, band_min_keys=16, band_squares=2048):
+def backend(min_rows=16, min_keys=16, d=16, band_squares=2048):
     c = tb.KernelConfig(16, 16, 4, 1, False)
-    return FakeCudnnBackend(tb.TritonConfig({d: tb.StageConfigs(c, c, c)}, dense_min_rows=min_rows,
-                                            dense_min_keys=min_keys, band_chunk=band_chunk,
-                                            band_min_keys=band_min_keys, band_squares=band_squares))
+    return FakeCudnnBackend(tb.TritonConfig({d: tb.PhaseConfigs(c, c, c)}, dense_min_rows=min_rows,
+                                            dense_min_keys=min_keys, band_squares=band_squares))
 
 
 def _data(sq, sk, hq=4, hkv=2, d=16, seed=0):
@@ -180,7 +191,8 @@ def test_dense_pieces_forward_backward(monkeypatch):
     sq, sk = 56, 80
     q, k, v, do = _data(sq, sk)
     prep = be.prepare(TILES, sq, sk)
-    assert prep.dense is None and len(prep.dense_plan) == 2 and prep.rest is not None
+    split = prep.cudnn_bwd
+    assert prep.cudnn_fwd is split and not split.whole and len(split.pieces) == 2 and split.rest is not None
     keep = dense_mask(TILES, sq, sk)
     out_r, lse_r, dq_r, dk_r, dv_r = reference(q, k, v, keep, 0.25, do)
     out, lse = be.forward(q, k, v, prep, 0.25)
@@ -205,33 +217,6 @@ def test_dense_pieces_forward_backward(monkeypatch):
         assert (a.double() - b).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("w", [48, 50])
-def test_band_pieces_forward_backward(monkeypatch, w):
-    """A sliding window (BI_CAUSAL band, w + 1 keys per row) after a causal head, as a rank's list: two
-    batched cuDNN calls (chunks of 16 rows: full rectangles over overlapping K windows, causal squares),
-    the INV_CAUSAL squares and the tail rows on Triton; forward and backward equal the fp64 reference.
-    w = 50: the rectangles' 34 keys are not a multiple of the chunk (dK/dV folded by index_add)."""
-    install_fake(monkeypatch)
-    be = backend(band_chunk=16, band_min_keys=16)
-    sq, sk = 70, 70 + w  # rows 8..70: a band of 62 rows, 3 chunks of 16 and 14 tail rows
-    tiles = torch.tensor([[0, 8, 0, 8, CAUSAL], [8, sq, 8, sk, BI_CAUSAL]], dtype=torch.int32)
-    q, k, v, do = _data(sq, sk, seed=3)
-    prep = be.prepare(tiles, sq, sk)
-    assert [p[4:] for p in prep.dense_plan] == [(False, 3), (True, 3)] and prep.rest is not None
-    keep = dense_mask(tiles, sq, sk)
-    out_r, lse_r, dq_r, dk_r, dv_r = reference(q, k, v, keep, 0.3, do)
-    CALLS.clear()
-    out, lse = be.forward(q, k, v, prep, 0.3)
-    assert be.last_path == "cudnn+triton"
-    assert CALLS == [("fwd_batched", 3, 16, w - 16, False), ("fwd_batched", 3, 16, 16, True)], CALLS
-    assert (out.double() - out_r).abs().max() < 1e-4 and (lse.double() - lse_r).abs().max() < 1e-4
-    CALLS.clear()
-    dq, dk, dv = be.backward(q, k, v, out, lse, do, prep, 0.3, None)
-    assert [c[0] for c in CALLS] == ["bwd_batched", "bwd_batched"]
-    for a, b in ((dq, dq_r), (dk, dk_r), (dv, dv_r)):
-        assert (a.double() - b).abs().max() < 1e-4
-
-
 @pytest.mark.parametrize("case", ["squares", "wide"])
 def test_band_squares_forward(monkeypatch, case):
     """Forward band squares (TritonConfig.band_squares): a sliding window after a causal head, as a rank's
@@ -244,19 +229,20 @@ def test_band_squares_forward(monkeypatch, case):
     if case == "squares":
         sq, w = 70, 16
         tiles = torch.tensor([[0, 8, 0, 8, CAUSAL], [8, sq, 8, sq + w, BI_CAUSAL]], dtype=torch.int32)
-        calls = [("fwd_batched", 3, 16, 16, True), ("fwd_batched", 3, 16, 16, True)]
+        calls = [("fwd", 3, 16, 16, True), ("fwd", 3, 16, 16, True)]
         kinds = [(INV_CAUSAL, 3), (CAUSAL, 3)]
     else:
         sq, w = 30, 40
         tiles = torch.tensor([[0, 8, 0, 8, CAUSAL], [8, sq, 8, sq + w, BI_CAUSAL]], dtype=torch.int32)
-        calls = [("fwd_batched", 1, 22, 22, True), ("fwd", 22, 18, False), ("fwd", 22, 22, True)]
+        calls = [("fwd", 1, 22, 22, True), ("fwd", 1, 22, 18, False), ("fwd", 1, 22, 22, True)]
         kinds = [(INV_CAUSAL, 1), (FULL, 1), (CAUSAL, 1)]
     sk = sq + w
     q, k, v, do = _data(sq, sk, seed=4)
     prep = be.prepare(tiles, sq, sk)
-    assert prep.dense_plan == [] and [p[4:] for p in prep.fwd_plan] == kinds and prep.fwd_rest is not None
+    fwd = prep.cudnn_fwd
+    assert prep.cudnn_bwd is None and [p[4:] for p in fwd.pieces] == kinds and fwd.rest is not None
     # squares: the pair's rows are the band's alone (head and tail rows on Triton): written directly
-    assert prep.fwd_direct == (case == "squares") and prep.fwd_gaps == []
+    assert fwd.direct == (case == "squares") and fwd.gaps == ()
     keep = dense_mask(tiles, sq, sk)
     out_r, lse_r, dq_r, dk_r, dv_r = reference(q, k, v, keep, 0.3, do)
     CALLS.clear()
@@ -289,7 +275,8 @@ def test_band_squares_direct_with_gaps(monkeypatch, dtype):
     sq, sk = 48, 60
     tiles = torch.tensor([[8, 40, 8, 56, BI_CAUSAL]], dtype=torch.int32)  # w = 16: 2 chunks of 16 rows
     prep = be.prepare(tiles, sq, sk)
-    assert prep.fwd_direct and prep.fwd_rest is None and prep.fwd_gaps == [(0, 8), (40, 48)]
+    fwd = prep.cudnn_fwd
+    assert fwd.direct and fwd.rest is None and fwd.gaps == ((0, 8), (40, 48))
     q, k, v, _ = _data(sq, sk, seed=5)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     out_r, lse_r = reference(q.float(), k.float(), v.float(), dense_mask(tiles, sq, sk), 0.3)
@@ -303,11 +290,9 @@ def test_band_squares_direct_with_gaps(monkeypatch, dtype):
 
 
 BACKWARD_INTO_CASES = {
-    # (tiles, sq, sk, backend kwargs, what runs): pieces and a Triton rest / one dense tile / band pieces
+    # (tiles, sq, sk, backend kwargs, what runs): pieces and a Triton rest / one dense tile
     "pieces+rest": (TILES, 56, 80, {}, "cudnn+triton"),
     "one_piece": (torch.tensor([[0, 24, 0, 40, FULL]], dtype=torch.int32), 24, 40, {}, "cudnn"),
-    "band": (torch.tensor([[0, 8, 0, 8, CAUSAL], [8, 70, 8, 120, BI_CAUSAL]], dtype=torch.int32), 70, 120,
-             {"band_chunk": 16}, "cudnn+triton"),
 }
 
 
@@ -333,39 +318,113 @@ def test_backward_into_adds_to_running_sums(monkeypatch, case, strided):
     dk, dv = (dkv[:, :hkv], dkv[:, hkv:]) if strided else (dkv[:, :hkv].contiguous(), dkv[:, hkv:].contiguous())
     CALLS.clear()
     res = be.backward_into(q, k, v, out, lse, do, prep, 0.3, None, dq, dk, dv)
-    assert res[0] is dq and res[1] is dk and res[2] is dv
+    assert res is None  # in place (protocol)
     assert be.last_path == path and CALLS and all(c[0].startswith("bwd") for c in CALLS), (be.last_path, CALLS)
     for got, before, ref in ((dq, dq0, dq_r), (dk, dkv0[:, :hkv], dk_r), (dv, dkv0[:, hkv:], dv_r)):
         assert (got.double() - before.double() - ref).abs().max() < 1e-4
-    with pytest.raises(ValueError, match="dq must be a float32/float64 tensor"):
+    with pytest.raises(ValueError, match="dq must be a float32 tensor"):
         be.backward_into(q, k, v, out, lse, do, prep, 0.3, None, dq.bfloat16(), dk, dv)
 
 
-def test_backward_into_cudnn_failure_adds_nothing_twice(monkeypatch):
-    """A cuDNN call that fails after another piece's succeeded leaves the running sums untouched; the
-    whole call then runs on Triton (once) and the fast path is switched off with the error kept."""
+def _raise(*a, **k):
+    raise RuntimeError("cuDNN: no engine for this shape")
+
+
+def test_probe_picks_the_first_layout_that_runs(monkeypatch):
+    """cudnn.probe with stand-in ops that reject strided views picks "contiguous"; that also reject K/V with
+    fewer heads than Q, "expand" (K/V expanded to Hq heads, dK/dV summed back); that reject everything,
+    or give wrong numbers, None with the reasons."""
+    def strict(op, contiguous=False, same_heads=False, wrong=False):
+        def run(qb, kb, vb, *rest):
+            if contiguous and not all(x.is_contiguous() for x in (qb, kb, vb)):
+                raise RuntimeError("cuDNN: no engine for strided views")
+            if same_heads and kb.shape[2] != qb.shape[2]:
+                raise RuntimeError("cuDNN: Hkv must equal Hq")
+            res = op(qb, kb, vb, *rest)
+            return (res[0] * 2,) + tuple(res[1:]) if wrong else res
+        return run
+
+    for kw, group, want in (({}, 2, "as_is"), ({"contiguous": True}, 2, "contiguous"),
+                            ({"contiguous": True, "same_heads": True}, 4, "expand"),
+                            ({"same_heads": True}, 1, "as_is")):
+        monkeypatch.setattr(cudnn, "sdpa_forward", strict(fake_sdpa_forward, **kw))
+        monkeypatch.setattr(cudnn, "sdpa_backward", strict(fake_sdpa_backward, **kw))
+        assert cudnn.probe("cpu", torch.float32, 16, group) == cudnn.CudnnSupport(want), (kw, group)
+    monkeypatch.setattr(cudnn, "sdpa_backward", _raise)
+    found = cudnn.probe("cpu", torch.float32, 16, 2)
+    assert found.layout is None and "no engine" in found.reason and "expand" in found.reason
+    monkeypatch.setattr(cudnn, "sdpa_forward", strict(fake_sdpa_forward, wrong=True))
+    monkeypatch.setattr(cudnn, "sdpa_backward", fake_sdpa_backward)
+    found = cudnn.probe("cpu", torch.float32, 16, 1)
+    assert found.layout is None and "out differs from the float32 reference" in found.reason
+
+
+def test_probe_once_per_family_then_cudnn_errors_raise(monkeypatch):
+    """The probe runs on a family's first call only (cached on the backend, per device, dtype, head_dim and
+    Hq / Hkv); after it, a cuDNN error is the caller's: nothing falls back to Triton, nothing is switched off."""
     install_fake(monkeypatch)
-    n = {"calls": 0}
-
-    def flaky(*a, **k):
-        n["calls"] += 1
-        if n["calls"] == 2:
-            raise RuntimeError("cuDNN: no engine for this shape")
-        return fake_cudnn_backward(*a, **k)
-
-    monkeypatch.setattr(tb, "cudnn_backward", flaky)
+    probes = []
+    monkeypatch.setattr(cudnn, "probe", lambda *a: probes.append(a) or _quiet_probe(*a))
     be = backend()
     sq, sk = 56, 80
     q, k, v, do = _data(sq, sk, seed=7)
     prep = be.prepare(TILES, sq, sk)
-    assert len(prep.dense_plan) == 2
-    _, _, dq_r, dk_r, dv_r = reference(q, k, v, dense_mask(TILES, sq, sk), 0.3, do)
     out, lse = be.forward(q, k, v, prep, 0.3)
+    be.forward(q, k, v, prep, 0.3)
+    be.backward(q, k, v, out, lse, do, prep, 0.3)
+    assert probes == [(torch.device("cpu"), torch.float32, 16, 2)] and be.last_path == "cudnn+triton"
+    assert be.cudnn_probes == {probes[0]: cudnn.CudnnSupport("as_is")}
+    be.forward(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), prep, 0.3)  # Hq / Hkv 1: a new family
+    assert probes[1:] == [(torch.device("cpu"), torch.float32, 16, 1)]
+    monkeypatch.setattr(cudnn, "sdpa_backward", _raise)
+    dq, dk, dv = torch.ones(q.shape), torch.ones(k.shape), torch.ones(v.shape)
+    with pytest.raises(RuntimeError, match="no engine"):
+        be.backward_into(q, k, v, out, lse, do, prep, 0.3, None, dq, dk, dv)
+    be.forward(q, k, v, prep, 0.3)
+    assert be.last_path == "cudnn+triton" and len(probes) == 2
+
+
+def test_family_the_probe_rejects_runs_on_triton(monkeypatch):
+    """A family cuDNN cannot run (every layout failed in the probe) runs on the Triton kernels alone, with
+    the probe's reason kept; results equal the fp64 reference."""
+    install_fake(monkeypatch)
+    monkeypatch.setattr(cudnn, "sdpa_forward", _raise)
+    CALLS.clear()
+    be = backend()
+    sq, sk = 56, 80
+    q, k, v, do = _data(sq, sk, seed=8)
+    prep = be.prepare(TILES, sq, sk)
+    out_r, lse_r, dq_r, dk_r, dv_r = reference(q, k, v, dense_mask(TILES, sq, sk), 0.3, do)
+    out, lse = be.forward(q, k, v, prep, 0.3)
+    assert be.last_path == "triton"
+    found = be.cudnn_probes[(torch.device("cpu"), torch.float32, 16, 2)]
+    assert found.layout is None and "no engine" in found.reason
     dq, dk, dv = torch.ones(q.shape), torch.ones(k.shape), torch.ones(v.shape)
     be.backward_into(q, k, v, out, lse, do, prep, 0.3, None, dq, dk, dv)
-    assert n["calls"] == 2 and be.last_path == "triton" and "no engine" in be.fast_path_error
+    assert be.last_path == "triton" and not CALLS
+    fin = torch.isfinite(lse_r)
+    assert (out.double() - out_r).abs().max() < 1e-4 and (lse[fin].double() - lse_r[fin]).abs().max() < 1e-4
     for got, ref in ((dq, dq_r), (dk, dk_r), (dv, dv_r)):
         assert (got.double() - 1 - ref).abs().max() < 1e-4
+
+
+def test_prepare_splits_with_split_pieces(monkeypatch):
+    """prepare's split is pieces.split_pieces called with the config's values (backward: no band squares),
+    and each prepared list's row class is pieces.row_class of its tiles."""
+    install_fake(monkeypatch)
+    seen = []
+    monkeypatch.setattr(tb, "split_pieces", lambda *a, **kw: seen.append(kw) or split_pieces(*a, **kw))
+    be = backend(min_rows=16, min_keys=20, band_squares=12)
+    sq, sk = 70, 86
+    tiles = torch.tensor([[0, 8, 0, 8, CAUSAL], [8, 40, 8, 40, FULL], [40, sq, 40, sk, BI_CAUSAL]], dtype=torch.int32)
+    prep = be.prepare(tiles, sq, sk)
+    common = dict(min_rows=16, min_keys=20, seqlen_q=sq, seqlen_k=sk)
+    assert seen == [dict(common, band_squares=0, forward=False), dict(common, band_squares=12, forward=True)]
+    for split, kw in ((prep.cudnn_bwd, seen[0]), (prep.cudnn_fwd, seen[1])):
+        want = split_pieces(tiles, **kw)
+        assert split.pieces == want.cudnn and torch.equal(split.rest.tiles, want.rest)
+        assert split.rest.row_class == row_class(want.rest)
+    assert len(prep.cudnn_fwd.pieces) > len(prep.cudnn_bwd.pieces) and prep.row_class == row_class(tiles)
 
 
 @pytest.mark.parametrize("strided", [False, True])
@@ -379,7 +438,7 @@ def test_accumulate_stages_in_place(monkeypatch, strided):
     # stage A: keys 0..80 with TILES; stage B: keys 80..96 as one full tile over all rows
     tiles_b = torch.tensor([[0, sq, 0, 16, FULL]], dtype=torch.int32)
     pa, pb = be.prepare(TILES, sq, 80), be.prepare(tiles_b, sq, 16)
-    assert pb.dense is False and pb.dense_plan == [(0, sq, 0, 16, False, 1)]
+    assert pb.cudnn_bwd.whole and pb.cudnn_bwd.pieces == ((0, sq, 0, 16, FULL, 1),)
     keep = torch.cat([dense_mask(TILES, sq, 80), torch.ones(sq, 16, dtype=torch.bool)], 1)
     out_r, lse_r = reference(q, k, v, keep, 0.3)
     # contiguous: merged in place; strided: through a float32 copy
@@ -387,7 +446,7 @@ def test_accumulate_stages_in_place(monkeypatch, strided):
     lse = torch.full(q.shape[:2], float("-inf"))
     CALLS.clear()
     be.forward_accumulate(q, k[80:], v[80:], pb, 0.3, acc, lse)
-    assert be.last_path == "cudnn" and CALLS == [("fwd", sq, 16, False)]
+    assert be.last_path == "cudnn" and CALLS == [("fwd", 1, sq, 16, False)]
     be.forward_accumulate(q, k[:80], v[:80], pa, 0.3, acc, lse)
     assert be.last_path == "cudnn+triton"
     assert (acc.double() - out_r).abs().max() < 1e-4 and (lse.double() - lse_r).abs().max() < 1e-4

@@ -14,15 +14,13 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: E402
-from megatron_cp.kernels.triton_backend import (  # noqa: E402
-    KernelConfig, StageConfigs, TritonBackend, TritonConfig,
-)
+from megatron_cp.kernels import KernelConfig, PhaseConfigs, TritonBackend, TritonConfig  # noqa: E402
 from megatron_cp.kernels.triton_schedule import build_schedules, kept_area  # noqa: E402
 
 
 def backend(bm=16, bn=16, d=16, tma=False, split_min=16):
     c = KernelConfig(bm, bn, 4, 1, tma)
-    return TritonBackend(TritonConfig({d: StageConfigs(c, KernelConfig(bn, bm, 4, 1, tma), c)},
+    return TritonBackend(TritonConfig({d: PhaseConfigs(c, KernelConfig(bn, bm, 4, 1, tma), c)},
                                       dkdv_split_min=split_min))
 
 
@@ -312,7 +310,7 @@ def test_row_classes_pick_block_shapes():
     """prepare() sorts tile lists into row classes: long rows, short rows whose 128 x 64 blocks are mostly
     full ("blocky": a 128-row forward block) and other short rows (64 x 64); head dims without a blocky
     entry fall back to their short configs."""
-    from megatron_cp.kernels.triton_backend import DEFAULT_CONFIGS, TritonConfig as TC
+    from megatron_cp.kernels import DEFAULT_CONFIGS, TritonConfig as TC
 
     s, b = 16384, 512
     be = TritonBackend(TC())
@@ -326,3 +324,81 @@ def test_row_classes_pick_block_shapes():
     assert be.prepare(torch.tensor([[0, 64, 0, 8192, FULL]]), 64, 8192, head_dims=(128,)).row_class == "long"
     assert TC().for_head_dim(128, "blocky").fwd == DEFAULT_CONFIGS[(128, "blocky")].fwd
     assert TC().for_head_dim(64, "blocky") == DEFAULT_CONFIGS[(64, "short")]
+
+
+# -- the backend protocol (kernels/protocol.py), every backend ----------------------------------------------
+def _protocol_backends():
+    from megatron_cp.kernels import ReferenceBackend
+
+    return {"reference": lambda: ReferenceBackend(block_q=16, block_k=16), "triton": lambda: backend()}
+
+
+@pytest.mark.parametrize("name,dtype", [("reference", torch.float64), ("reference", torch.float32),
+                                        ("triton", torch.float32)])
+def test_protocol_accumulate_and_backward_into(name, dtype):
+    """forward_accumulate over two tile lists equals one forward over their union and the fp64 dense reference
+    (tests/reference.py), rows a list does not cover stay bitwise as they were; backward_into adds exactly
+    backward's gradients into running sums of accumulate_dtype (dK / dV the strided halves of one buffer)."""
+    from reference import dense_attention
+
+    from megatron_cp.kernels import Backend, accumulate_dtype
+
+    be = _protocol_backends()[name]()
+    assert isinstance(be, Backend) and be.supports(torch.device("cpu"), dtype, 16) is None
+    sq, sk, hq, hkv, d, scale = 48, 64, 4, 2, 16, 0.3
+    t1 = [[0, 48, 0, 32, FULL]]
+    t2 = [[8, 40, 32, 64, CAUSAL]]  # rows 0..8 and 40..48 keep nothing of it
+    tiles = torch.tensor(t1 + t2, dtype=torch.int32)
+    g = torch.Generator().manual_seed(11)
+    q, k, v, dout = (torch.randn(n, h, d, generator=g, dtype=torch.float64)
+                     for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    o_ref, l_ref = dense_attention(qr, kr, vr, dense_mask(tiles, sq, sk), scale)
+    (o_ref * dout).sum().backward()
+    q, k, v, dout = (x.to(dtype) for x in (q, k, v, dout))
+    adt = accumulate_dtype(dtype)
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    p1, p2, p_all = (be.prepare(torch.tensor(t, dtype=torch.int32), sq, sk) for t in (t1, t2, t1 + t2))
+    out, lse = be.forward(q, k, v, p_all, scale)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    acc = torch.zeros(sq, hq, d, dtype=adt)
+    run = torch.full((sq, hq), float("-inf"), dtype=adt)
+    be.forward_accumulate(q, k, v, p1, scale, acc, run)
+    before = acc.clone(), run.clone()
+    be.forward_accumulate(q, k, v, p2, scale, acc, run)
+    outside = torch.cat([torch.arange(0, 8), torch.arange(40, 48)])
+    assert torch.equal(acc[outside], before[0][outside]) and torch.equal(run[outside], before[1][outside])
+    assert (acc - o_ref.detach()).abs().max() < tol and (run - l_ref.detach()).abs().max() < tol
+    # forward's lse is float32 whatever the inputs (protocol)
+    assert (out.to(adt) - acc).abs().max() < tol and (lse.to(adt) - run).abs().max() < max(tol, 1e-5)
+    with pytest.raises(ValueError, match="out must be a"):
+        be.forward_accumulate(q, k, v, p1, scale, acc.half(), run)
+    # backward_into == backward added, and both == the fp64 reference (the running lse: float64 for float64
+    # inputs, which the forward's float32 lse would round)
+    lse = run
+    gq, gk, gv = be.backward(q, k, v, out, lse, dout, p_all, scale, None)
+    dq0 = torch.randn(sq, hq, d, generator=g, dtype=adt)
+    dkv0 = torch.randn(sk, 2 * hkv, d, generator=g, dtype=adt)
+    dq, dkv = dq0.clone(), dkv0.clone()
+    assert be.backward_into(q, k, v, out, lse, dout, p_all, scale, None, dq, dkv[:, :hkv], dkv[:, hkv:]) is None
+    assert torch.equal(dq, dq0 + gq.to(adt))
+    assert torch.equal(dkv[:, :hkv], dkv0[:, :hkv] + gk.to(adt)) and torch.equal(dkv[:, hkv:], dkv0[:, hkv:] + gv.to(adt))
+    for got, want in ((gq, qr.grad), (gk, kr.grad), (gv, vr.grad)):
+        assert (got.double() - want).abs().max() < 4 * tol
+    with pytest.raises(ValueError, match="dq must be a"):
+        be.backward_into(q, k, v, out, lse, dout, p_all, scale, None, dq.half(), dkv[:, :hkv], dkv[:, hkv:])
+
+
+def test_supports_says_why_not():
+    """supports(): None for inputs a backend runs, else the reason (Triton: no float64, power-of-two
+    head_dim >= 16, CUDA or the CPU interpreter; the reference runs every float dtype anywhere)."""
+    from megatron_cp.kernels import ReferenceBackend
+
+    be = TritonBackend()
+    cpu = torch.device("cpu")
+    assert be.supports(cpu, torch.float32, 64) is None and be.supports("cuda", torch.bfloat16, 128) is None
+    assert "float64" in be.supports(cpu, torch.float64, 64) and "reference" in be.supports(cpu, torch.float64, 64)
+    assert "head_dim" in be.supports(cpu, torch.float16, 48)
+    ref = ReferenceBackend()
+    assert ref.supports(cpu, torch.float64, 48) is None and ref.supports("cuda", torch.bfloat16, 8) is None
+    assert "int32" in ref.supports(cpu, torch.int32, 16)

@@ -3,7 +3,7 @@
 The dense-tile path (cuDNN pieces beside Triton tiles) and the staged runtime add partial results
 (o, l) into a running (acc, lse): L = log(exp(lse) + exp(l)), acc = (exp(lse - L) acc + exp(l - L) o);
 one or two partials per pass, either of which may hold its positions in reverse order (the band
-squares' reversed pieces, kernels/dense_tiles.py).
+squares' reversed pieces, kernels/pieces.py).
 Done with torch ops this is ~8 passes over [s, H, D] fp32; the Triton kernel reads acc and o once and
 writes acc once, which matters when a rank merges a few 100 MB per stage. Rows where both sides are
 empty (lse = l = -inf) keep acc 0 and lse -inf; a row whose running lse is -inf takes o as it is

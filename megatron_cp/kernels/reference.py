@@ -1,7 +1,9 @@
 """Pure-PyTorch tile-list attention: the reference backend and the CPU fallback.
 
-Works blockwise like FlashAttention, so memory is bounded by one ``[block_q, block_k]`` score block
-per head, never by ``S^2``. Low-precision inputs are computed in fp32; fp64 inputs in fp64.
+Implements the whole backend protocol (kernels/protocol.py). Works blockwise like FlashAttention, so
+memory is bounded by one ``[block_q, block_k]`` score block per head, never by ``S^2``. Inputs are
+computed in ``accumulate_dtype`` (float64 for float64 inputs, float32 otherwise); running sums
+(``forward_accumulate``, ``backward_into``) take that precision as it is, unrounded.
 """
 
 from __future__ import annotations
@@ -10,14 +12,18 @@ import math
 
 import torch
 
-from .tiles import BI_CAUSAL, CAUSAL, INV_CAUSAL, check_tiles
+from ..kinds import Kind
+from .protocol import accumulate_dtype, check_running
+from .tiles import check_tiles
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _row_bounds(kind: int, sq: int, sk: int, rows: torch.Tensor):
     """Kept key interval [lo, hi) (tile-local) of tile-local ``rows`` for a tile of ``kind``."""
     d = sk - sq
-    lo = rows if kind in (INV_CAUSAL, BI_CAUSAL) else torch.zeros_like(rows)
-    hi = rows + d + 1 if kind in (CAUSAL, BI_CAUSAL) else torch.full_like(rows, sk)
+    lo = rows if kind in (Kind.INV_CAUSAL, Kind.BI_CAUSAL) else torch.zeros_like(rows)
+    hi = rows + d + 1 if kind in (Kind.CAUSAL, Kind.BI_CAUSAL) else torch.full_like(rows, sk)
     return lo.clamp(0, sk), hi.clamp(0, sk)
 
 
@@ -54,12 +60,20 @@ def _scores(qb, kb, scale, mask_bounds, k0):
 
 
 class ReferenceBackend:
-    """Blockwise PyTorch implementation of the backend interface (see ``kernels/__init__.py``)."""
+    """Blockwise PyTorch implementation of the backend protocol (``kernels/protocol.py``)."""
 
     name = "reference"
 
     def __init__(self, block_q: int = 128, block_k: int = 256):
         self.block_q, self.block_k = block_q, block_k
+
+    def supports(self, device, dtype: torch.dtype, head_dim: int) -> str | None:
+        """Any device; float16, bfloat16, float32 and float64; any head_dim >= 1."""
+        if dtype not in _DTYPES:
+            return f"the reference backend runs float16, bfloat16, float32 and float64 inputs, not {dtype}"
+        if head_dim < 1:
+            return f"head_dim must be >= 1, got {head_dim}"
+        return None
 
     def prepare(self, tiles: torch.Tensor, seqlen_q: int, seqlen_k: int):
         check_tiles(tiles, seqlen_q, seqlen_k)
@@ -69,11 +83,11 @@ class ReferenceBackend:
     def _setup(q, k, softmax_scale):
         sq, hq, d = q.shape
         hkv = k.shape[1]
-        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-        return sq, hq, hkv, hq // hkv, d, cdt, scale
+        return sq, hq, hkv, hq // hkv, d, accumulate_dtype(q.dtype), scale
 
-    def forward(self, q, k, v, prepared, softmax_scale=None):
+    def _forward(self, q, k, v, prepared, softmax_scale):
+        """(out [sq, Hq, D], lse [sq, Hq]) in accumulate_dtype; rows without a kept cell: 0 / -inf."""
         sq, hq, hkv, g, d, cdt, scale = self._setup(q, k, softmax_scale)
         qg = q.to(cdt).view(sq, hkv, g, d)
         kc, vc = k.to(cdt), v.to(cdt)
@@ -92,10 +106,30 @@ class ReferenceBackend:
             w_new = torch.exp(blk_lse - safe).masked_fill(torch.isinf(new), 0.0)
             acc[..., q0:q1, :] = acc[..., q0:q1, :] * w_old.unsqueeze(-1) + o * w_new.unsqueeze(-1)
             lse[..., q0:q1] = new
-        out = acc.permute(2, 0, 1, 3).reshape(sq, hq, v.shape[-1]).to(q.dtype)
-        return out, lse.permute(2, 0, 1).reshape(sq, hq).to(torch.float32)
+        return acc.permute(2, 0, 1, 3).reshape(sq, hq, v.shape[-1]), lse.permute(2, 0, 1).reshape(sq, hq)
 
-    def backward(self, q, k, v, out, lse, dout, prepared, softmax_scale=None, delta=None):
+    def forward(self, q, k, v, prepared, softmax_scale=None):
+        out, lse = self._forward(q, k, v, prepared, softmax_scale)
+        return out.to(q.dtype), lse.to(torch.float32)
+
+    def forward_accumulate(self, q, k, v, prepared, softmax_scale, out, lse) -> None:
+        """Merges this list's (o, l) into the running (out, lse) by LSE; rows with l = -inf (the list keeps
+        no cell of them) stay bitwise as they are, rows with a running lse of -inf take (o, l)."""
+        check_running("out", out, q, tuple(q.shape[:2]) + (v.shape[-1],))
+        check_running("lse", lse, q, tuple(q.shape[:2]))
+        o, l = self._forward(q, k, v, prepared, softmax_scale)
+        take = torch.isfinite(l)
+        had = torch.isfinite(lse)
+        new = torch.where(had, torch.logaddexp(lse, l), l)
+        safe = torch.where(take, new, torch.zeros_like(new))
+        w_old = torch.where(had & take, torch.exp(lse - safe), torch.zeros_like(new)).unsqueeze(-1)
+        w_new = torch.where(take, torch.exp(l - safe), torch.zeros_like(new)).unsqueeze(-1)
+        merged = torch.where(had.unsqueeze(-1), out * w_old, torch.zeros_like(out)) + o * w_new
+        out.copy_(torch.where(take.unsqueeze(-1), merged, out))
+        lse.copy_(torch.where(take, new, lse))
+
+    def _backward(self, q, k, v, out, lse, dout, prepared, softmax_scale, delta):
+        """(dq, dk, dv) in accumulate_dtype, shaped like q, k, v."""
         sq, hq, hkv, g, d, cdt, scale = self._setup(q, k, softmax_scale)
         qg = q.to(cdt).view(sq, hkv, g, d)
         kc, vc = k.to(cdt), v.to(cdt)
@@ -118,4 +152,14 @@ class ReferenceBackend:
             ds = p * (dp - dl_g[..., q0:q1].unsqueeze(-1)) * scale
             dq[q0:q1] += torch.einsum("hgqk,khd->qhgd", ds, kc[k0:k1])
             dk[k0:k1] += torch.einsum("hgqk,qhgd->khd", ds, qg[q0:q1])
-        return dq.reshape(sq, hq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq.reshape(sq, hq, d), dk, dv
+
+    def backward(self, q, k, v, out, lse, dout, prepared, softmax_scale=None, delta=None):
+        dq, dk, dv = self._backward(q, k, v, out, lse, dout, prepared, softmax_scale, delta)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def backward_into(self, q, k, v, out, lse, dout, prepared, softmax_scale, delta, dq, dk, dv) -> None:
+        for name, acc, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+            check_running(name, acc, q, tuple(like.shape))
+        for acc, g in zip((dq, dk, dv), self._backward(q, k, v, out, lse, dout, prepared, softmax_scale, delta)):
+            acc += g

@@ -1,11 +1,12 @@
-"""Tile-kind codes and tile-list validation shared by every backend."""
+"""Tile-list validation shared by every backend, and the kind codes (``megatron_cp.kinds.Kind``, the one
+definition) under short names."""
 
 import torch
 
 from ..kinds import KIND_NAMES, Kind
 
 FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = Kind.FULL, Kind.CAUSAL, Kind.INV_CAUSAL, Kind.BI_CAUSAL
-KIND_CODES = {name: Kind(c) for c, name in enumerate(KIND_NAMES)}
+KIND_CODES = {name: Kind(c) for c, name in enumerate(KIND_NAMES)}  # "causal" -> Kind.CAUSAL, ...
 
 
 def check_tiles(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int) -> None:
