@@ -1,15 +1,15 @@
-"""Kernel-only time of one rank's sliding-window tiles by band split (kernels/dense_tiles.py), one GPU.
+"""Kernel-only time of one rank's sliding-window tiles with and without band squares (kernels/pieces.py), one GPU.
 
 The benchmark's sliding window (megatron_cp.masks.catalog) at ``--seqlen`` planned for ``--cp`` ranks: rank
 ``--rank``'s tile list and K/V buffer; with ``--windows``, instead one band per window (``seqlen / cp``
 rows, each keeping ``W + 1`` keys: one BI_CAUSAL tile, as the planner emits). Each runs through the Triton
-backend with every setting of ``--chunks`` (``TritonConfig.band_chunk``, band squares off) and of
-``--squares`` (``TritonConfig.band_squares``, band_chunk 0); 0 / 0 keeps the band on Triton. Forward and
-backward (delta given, as the runtime does). bf16, Hq 32, Hkv 8, D 128. Times: sustained (0.5 s
+backend with every setting of ``--squares`` (``TritonConfig.band_squares``; 0 keeps the band on Triton).
+Forward (written, and accumulated into a float32 running pair as the staged runtime does) and backward
+(delta given, as the runtime does; bands stay on Triton there). bf16, Hq 32, Hkv 8, D 128. Times: sustained (0.5 s
 warm-up, then ``--iters`` calls, CUDA sync); ``max_abs_diff_vs_first``: against the case's first setting.
 
     python tools/bench_band.py --out DIR          # writes DIR/bench_band.json
-    python tools/bench_band.py --windows 1024 2048 4096 8192 --chunks 0 --squares 1024 --out DIR
+    python tools/bench_band.py --windows 1024 2048 4096 8192 --squares 0 1024 --out DIR
 """
 
 from __future__ import annotations
@@ -24,13 +24,9 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import megatron_cp as mcp  # noqa: E402
-from megatron_cp.kernels import triton_backend as tb  # noqa: E402
-from megatron_cp.planner.cost import tile_areas  # noqa: E402
-
-from megatron_cp.masks import catalog  # noqa: E402
+import megatron_cp as mcp
+from megatron_cp.kernels import TritonBackend, TritonConfig, kept_area
+from megatron_cp.masks import catalog
 
 
 def _time(fn, iters, warm_s):
@@ -51,8 +47,7 @@ def main(argv=None):
     ap.add_argument("--cp", type=int, default=4)
     ap.add_argument("--rank", type=int, default=1)
     ap.add_argument("--mask", default="sliding_window")
-    ap.add_argument("--chunks", type=int, nargs="+", default=[0, 256, 512, 1024])
-    ap.add_argument("--squares", type=int, nargs="*", default=[2048])
+    ap.add_argument("--squares", type=int, nargs="+", default=[0, 2048, 4096])
     ap.add_argument("--windows", type=int, nargs="*", default=[])
     ap.add_argument("--profile", action="store_true", help="print a kernel table of one forward per band-square setting")
     ap.add_argument("--iters", type=int, default=20)
@@ -68,13 +63,12 @@ def main(argv=None):
         plan = mcp.plan(catalog.build(args.mask, args.seqlen), args.cp)
         rp = plan.ranks[args.rank]
         cases = [(f"{args.mask} S={args.seqlen} cp{args.cp} rank {args.rank}", rp.tiles, rp.num_tokens, rp.buffer_len)]
-    settings = [(c, 0) for c in args.chunks] + [(0, x) for x in args.squares]
     hq, hkv, d = 32, 8, 128
     rows, tiles_out = [], []
     for name, tiles_np, sq, sk in cases:
         tiles = torch.from_numpy(tiles_np.astype("int32"))
         tiles_out.append(dict(case=name, tiles=tiles_np.tolist(), seqlen_q=sq, seqlen_k=sk))
-        area = float(tile_areas(tiles_np)[0].sum())
+        area = float(kept_area(tiles))
         g = torch.Generator(device=dev).manual_seed(0)
         q = torch.randn(sq, hq, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
         k = torch.randn(sk, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.5
@@ -82,8 +76,8 @@ def main(argv=None):
         do = torch.randn(sq, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
         fl = 4.0 * area * hq * d
         ref = None
-        for c, sqr in settings:
-            be = tb.TritonBackend(tb.TritonConfig(band_chunk=c, band_squares=sqr))
+        for sqr in args.squares:
+            be = TritonBackend(TritonConfig(band_squares=sqr))
             prep = be.prepare(tiles, sq, sk)
             out, lse = be.forward(q, k, v, prep)
             path_f = be.last_path
@@ -109,16 +103,17 @@ def main(argv=None):
             torch.cuda.synchronize()
             mem = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
-            fwd_plan, _ = prep.forward_parts()
-            r = dict(case=name, band_chunk=c, band_squares=sqr, fwd_ms=tf * 1e3, fwd_accumulate_ms=ta * 1e3, bwd_ms=tbw * 1e3,
+            n_fwd, n_bwd = (0 if x is None else len(x.pieces) for x in (prep.cudnn_fwd, prep.cudnn_bwd))
+            cudnn_found = {str(tuple(map(str, key))): f.layout or f.reason for key, f in be.cudnn_probes.items()}
+            r = dict(case=name, band_squares=sqr, fwd_ms=tf * 1e3, fwd_accumulate_ms=ta * 1e3, bwd_ms=tbw * 1e3,
                      fwd_tflops=fl / tf / 1e12, bwd_tflops=2.5 * fl / tbw / 1e12, paths=[path_f, path_b],
-                     max_abs_diff_vs_first=diff, fwd_dense_calls=len(fwd_plan), bwd_dense_calls=len(prep.dense_plan),
-                     peak_mem_gib=mem, fast_path_error=be.fast_path_error)
+                     max_abs_diff_vs_first=diff, fwd_cudnn_calls=n_fwd, bwd_cudnn_calls=n_bwd,
+                     peak_mem_gib=mem, cudnn=cudnn_found)
             rows.append(r)
-            print(f"{name} band_chunk {c:5d} band_squares {sqr:5d}: fwd {r['fwd_ms']:.2f} ms {r['fwd_tflops']:.0f} TF/s "
+            print(f"{name} band_squares {sqr:5d}: fwd {r['fwd_ms']:.2f} ms {r['fwd_tflops']:.0f} TF/s "
                   f"(accumulating {r['fwd_accumulate_ms']:.2f}), "
-                  f"bwd {r['bwd_ms']:.2f} ms {r['bwd_tflops']:.0f} TF/s  {path_f}/{path_b} calls "
-                  f"{len(fwd_plan)}/{len(prep.dense_plan)}  |diff| {diff:.3g}  peak {mem:.1f} GiB", flush=True)
+                  f"bwd {r['bwd_ms']:.2f} ms {r['bwd_tflops']:.0f} TF/s  {path_f}/{path_b} cuDNN calls "
+                  f"{n_fwd}/{n_bwd}  |diff| {diff:.3g}  peak {mem:.1f} GiB", flush=True)
         torch.cuda.empty_cache()
     res = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                torch=torch.__version__, command=" ".join(sys.argv), cases=tiles_out, rows=rows)

@@ -5,24 +5,14 @@ implementation: tile lists for ours, mask_mod/BlockMask for Flex, is_causal for 
 TFLOP/s with FLOPs = 4 * kept_area * Hq * D forward, 2.5x that backward; times are medians of
 triton.testing.do_bench (CUDA events). Backward times exclude the forward (Flex/cuDNN: autograd.grad on a
 retained graph; ours: backend.backward incl. its delta = rowsum(dout*out) preprocessing).
-cuDNN runs with K/V expanded to Hq heads (outside the timed region).
+cuDNN runs with K/V expanded to Hq heads (outside the timed region). Every impl of ours records the path
+it ran (cudnn / cudnn+triton / triton) and the block configs of its Triton kernels ("configs").
 
---bwd-mode picks our backward (TritonConfig.bwd_mode): deterministic (default), atomic (dQ by fp32 atomics
-inside the dK/dV programs), or both: every backend of ours is timed in each mode, the atomic one under
-the impl name + "_atomic" (ours_atomic, ours_triton_atomic, ...), with its dQ's max |difference| from the
-deterministic dQ (nonzero when the atomic kernel ran; the fast path's cuDNN ignores the mode).
+--tune times candidate block configs per phase instead (others at their defaults) and writes the fastest
+per row class as DIR/tuned_configs.json, the format ``--configs`` (and ``configs_from_json``) reads.
 
---autotune times, next to each backend of ours, its twin with TritonConfig(autotune=True) as impl name +
-"_tuned" (ours_tuned, ours_triton_tuned, ours_atomic_tuned, ...). Tuning happens in the untimed warmup call
-that precedes every timing (time_ours_rect), so no timed region contains it; the autotune cache is
-process-wide, so the first case of each (row class, phase) key tunes it and later cases of that key reuse
-its winners, as a training run would. Every impl of ours records the block configs it ran with
-("configs"), the output JSON the whole cache ("tuned": every candidate's median time) and DIR/tuned{tag}.json
-holds it for triton_autotune.load_tuned; the printed table adds tuned/default speed-ups.
-
-Usage: python tools/bench_kernels.py [--seqlens 16384] [--masks ...] [--out DIR] [--tune] [--bwd-mode both]
-       [--autotune]
-       python tools/bench_kernels.py --device cpu --tiny --bwd-mode both --out /tmp/bk   # CPU dry run
+Usage: python tools/bench_kernels.py [--seqlens 16384] [--masks ...] [--out DIR] [--tune] [--configs JSON]
+       python tools/bench_kernels.py --device cpu --tiny --out /tmp/bk   # CPU dry run
 Writes DIR/bench_kernels.json and DIR/bench_kernels.png (device, date and command inside).
 The CPU dry run (Triton's interpreter; fp16, Hq=4, Hkv=1, D=32, S=256, 32 x 32 blocks, one timed call
 each) checks that the program runs end to end; its times mean nothing.
@@ -31,7 +21,6 @@ each) checks that the program runs end to end; its times mean nothing.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -53,19 +42,9 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from megatron_cp.masks import catalog  # noqa: E402
-
-try:  # installed package, else the repository checkout (kernels/ imports only torch and triton)
-    from megatron_cp.kernels.triton_backend import (
-        DEFAULT_CONFIGS, KernelConfig, StageConfigs, TritonBackend, TritonConfig, configs_from_json,
-    )
-    from megatron_cp.kernels.triton_schedule import kept_area
-    from megatron_cp.kernels.triton_autotune import PHASES, TUNED, save_tuned, tuned_to_json, wall_timer
-except ImportError:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from kernels.triton_backend import (DEFAULT_CONFIGS, KernelConfig, StageConfigs, TritonBackend, TritonConfig,
-                                        configs_from_json)
-    from kernels.triton_schedule import kept_area
-    from kernels.triton_autotune import PHASES, TUNED, save_tuned, tuned_to_json, wall_timer
+from megatron_cp.kernels import (  # noqa: E402
+    DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonBackend, TritonConfig, configs_from_json, kept_area,
+)
 
 HQ, HKV, D = 32, 8, 128
 DEVICE = "cuda"  # --device cpu --tiny: "cpu" and the tiny sizes of main()
@@ -99,20 +78,18 @@ def make_inputs(s, seed=0):
     return q, k, v, do
 
 
-def time_ours(be, tiles, s, q, k, v, do, grads=None):
-    """(fwd ms, bwd ms) of backend be; grads: a list that receives this backward's dq."""
-    return time_ours_rect(be, tiles, s, s, q, k, v, do, grads)
+def time_ours(be, tiles, s, q, k, v, do):
+    """(fwd ms, bwd ms) of backend be."""
+    return time_ours_rect(be, tiles, s, s, q, k, v, do)
 
 
-def time_ours_rect(be, tiles, sq, sk, q, k, v, do, grads=None):
+def time_ours_rect(be, tiles, sq, sk, q, k, v, do):
     """time_ours for sq != sk (zigzag rank tile lists). The first forward and backward are untimed: compiles,
-    device schedules and, with TritonConfig.autotune, the tuning of keys met for the first time."""
+    device schedules and the cuDNN probe of a new (dtype, head_dim, Hq / Hkv) family."""
     prep = be.prepare(tiles, sq, sk, head_dims=(D,))
     be.last_configs.clear()  # so that it holds this case's configs afterwards
     out, lse = be.forward(q, k, v, prep)
-    dq = be.backward(q, k, v, out, lse, do, prep)[0]  # compile + build device schedules outside timing
-    if grads is not None:
-        grads.append(dq)
+    be.backward(q, k, v, out, lse, do, prep)  # compile + build device schedules outside timing
     tf = bench(lambda: be.forward(q, k, v, prep))
     tb = bench(lambda: be.backward(q, k, v, out, lse, do, prep))
     return tf, tb
@@ -128,23 +105,9 @@ def ours_record(b, tf, tb, ff):
             "path": b.last_path, "configs": {ph: cfg_list(c) for ph, c in b.last_configs.items()}}
 
 
-def tuned_speedups(r, tuned_of):
-    """r[<impl>_tuned_vs_default] = (default fwd ms / tuned fwd ms, same for bwd) where both ran."""
-    for impl in tuned_of:
-        x, y = r.get(impl, {}), r.get(impl + "_tuned", {})
-        if "fwd_ms" in x and "fwd_ms" in y:
-            r[f"{impl}_tuned_vs_default"] = {"fwd": x["fwd_ms"] / y["fwd_ms"], "bwd": x["bwd_ms"] / y["bwd_ms"]}
-
-
-# --autotune on the CPU dry run: candidates small enough for the interpreter (timed by wall clock there)
-TINY_CANDIDATES = (KernelConfig(32, 32, 4, 1), KernelConfig(16, 32, 4, 1), KernelConfig(32, 16, 4, 1, True))
-
-
-def dq_diff(grads):
-    """max |dq_deterministic - dq_atomic| from the dq list [deterministic, atomic], or None."""
-    if len(grads) != 2:
-        return None
-    return float((grads[0].float() - grads[1].float()).abs().max())
+def cudnn_status(be):
+    """What the cuDNN probe found per (device, dtype, head_dim, Hq / Hkv) family: a layout or why not."""
+    return {str(tuple(map(str, key))): found.layout or found.reason for key, found in be.cudnn_probes.items()}
 
 
 def zigzag_rank_tiles(s: int, cp: int, rank: int) -> torch.Tensor:
@@ -240,7 +203,7 @@ def tune(s, masks):
     rows = []
     for stage, cands in (("fwd", TUNE_FWD), ("dkdv", TUNE_DKDV), ("dq", TUNE_DQ)):
         for c in cands:
-            sc = StageConfigs(c if stage == "fwd" else base.fwd, c if stage == "dkdv" else base.dkdv,
+            sc = PhaseConfigs(c if stage == "fwd" else base.fwd, c if stage == "dkdv" else base.dkdv,
                               c if stage == "dq" else base.dq)
             be = TritonBackend(TritonConfig({D: sc}, dense_fast_path=False))
             for name in masks:
@@ -277,16 +240,10 @@ def main():
     ap.add_argument("--zigzag", type=int, nargs=2, default=None, metavar=("S", "CP"),
                     help="also time causal zigzag rank tile lists (q S/CP rows, keys S): ours vs ours_nodense")
     ap.add_argument("--zigzag-ranks", type=int, nargs="+", default=[0])
-    ap.add_argument("--bwd-mode", choices=["deterministic", "atomic", "both"], default="deterministic",
-                    help="our backward: TritonConfig.bwd_mode, or both (atomic timed as impl <name>_atomic)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: a dry run in Triton's interpreter (use with --tiny; no Flex, no cuDNN)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (Hq=4, Hkv=1, D=32, S=256, 32x32 blocks)")
-    ap.add_argument("--autotune", action="store_true",
-                    help="also time each backend of ours with TritonConfig(autotune=True) (impl <name>_tuned)")
     args = ap.parse_args()
-    if args.tune and args.autotune:
-        ap.error("--tune (offline sweep) and --autotune (runtime tuning next to the defaults) exclude each other")
     global DEVICE, DTYPE, HQ, HKV, D
     DEVICE = args.device
     if DEVICE == "cpu":
@@ -303,8 +260,7 @@ def main():
     meta = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (Triton interpreter)",
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "command": "python " + " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
-            "Hq": HQ, "Hkv": HKV, "D": D, "dtype": str(DTYPE).removeprefix("torch."), "bwd_mode": args.bwd_mode,
-            "autotune": args.autotune, "flops": "fwd 4*area*Hq*D, bwd 2.5x", "masks": {m: catalog.DESCRIPTIONS[m] for m in args.masks + args.row_masks}}
+            "Hq": HQ, "Hkv": HKV, "D": D, "dtype": str(DTYPE).removeprefix("torch."), "flops": "fwd 4*area*Hq*D, bwd 2.5x", "masks": {m: catalog.DESCRIPTIONS[m] for m in args.masks + args.row_masks}}
     if args.tune:
         BENCH_MS.update(warmup=20, rep=80)
         rows = tune(args.seqlens[0], args.masks)
@@ -318,29 +274,14 @@ def main():
     overrides = {}
     if args.tiny:  # small blocks: the interpreter's time grows with the block size
         c = KernelConfig(32, 32, 4, 1)
-        overrides = {D: StageConfigs(c, c, c)}
+        overrides = {D: PhaseConfigs(c, c, c)}
     if args.configs:
         with open(args.configs) as f:
             overrides = configs_from_json(json.load(f))
         meta["configs"] = {f"{d}/{c}": str(v) for (d, c), v in overrides.items()}
-    main_mode = "atomic" if args.bwd_mode == "atomic" else "deterministic"
-    be = TritonBackend(TritonConfig(overrides, bwd_mode=main_mode))
-    be_triton = TritonBackend(TritonConfig(overrides, dense_fast_path=False, bwd_mode=main_mode))
-    be_nodense = TritonBackend(TritonConfig(overrides, dense_tiles=False, bwd_mode=main_mode))
-    # --bwd-mode both: the same three in atomic mode, timed right after their deterministic twin
-    atomic_of = {}
-    if args.bwd_mode == "both":
-        atomic_of = {"ours": TritonBackend(TritonConfig(overrides, bwd_mode="atomic")),
-                     "ours_triton": TritonBackend(TritonConfig(overrides, dense_fast_path=False, bwd_mode="atomic")),
-                     "ours_nodense": TritonBackend(TritonConfig(overrides, dense_tiles=False, bwd_mode="atomic"))}
-    # --autotune: each of the above with autotune on, timed right after it as impl + "_tuned"
-    tuned_of = {}
-    if args.autotune:
-        kw = {"timer": wall_timer} if DEVICE == "cpu" else {}  # CPU: no CUDA events, exercise the path anyway
-        cands = {(D, ph): TINY_CANDIDATES for ph in PHASES} if args.tiny else {}
-        for impl, b in (("ours", be), ("ours_triton", be_triton), ("ours_nodense", be_nodense),
-                        *((i + "_atomic", a) for i, a in atomic_of.items())):
-            tuned_of[impl] = TritonBackend(dataclasses.replace(b.config, autotune=True, autotune_candidates=cands), **kw)
+    be = TritonBackend(TritonConfig(overrides))
+    be_triton = TritonBackend(TritonConfig(overrides, dense_fast_path=False))
+    be_nodense = TritonBackend(TritonConfig(overrides, dense_tiles=False))
     results = []
     for s in args.seqlens:
         q, k, v, do = make_inputs(s)
@@ -354,19 +295,7 @@ def main():
                 ours["ours_nodense"] = be_nodense
             if catalog.sdpa_is_causal(name) is not None:  # record the measurement behind the dense fast path
                 ours["ours_triton"] = be_triton
-            grads = {}  # impl -> [dq deterministic, dq atomic] under --bwd-mode both
-            impls = {}
-            for impl, b in ours.items():
-                keep = impl in atomic_of  # keep dq only to compare the two modes
-                impls[impl] = (lambda b=b, impl=impl, keep=keep: time_ours(
-                    b, tiles, s, q, k, v, do, grads.setdefault(impl, []) if keep else None), b)
-                if impl in atomic_of:
-                    a = atomic_of[impl]
-                    impls[impl + "_atomic"] = (
-                        lambda a=a, impl=impl: time_ours(a, tiles, s, q, k, v, do, grads.setdefault(impl, [])), a)
-            impls = {x: y for impl, fb in impls.items() for x, y in [(impl, fb)] + (
-                [(impl + "_tuned", ((lambda t=tuned_of[impl]: time_ours(t, tiles, s, q, k, v, do)), tuned_of[impl]))]
-                if impl in tuned_of else [])}
+            impls = {impl: ((lambda b=b: time_ours(b, tiles, s, q, k, v, do)), b) for impl, b in ours.items()}
             if not args.no_flex:
                 impls["flex"] = (lambda: time_flex(name, s, q, k, v, do), None)
             if catalog.sdpa_is_causal(name) is not None and DEVICE == "cuda":
@@ -381,8 +310,6 @@ def main():
                                    "bwd_tflops": 2.5 * ff / tb / 1e9}
                     if impl == "ours":
                         r["ours_path"] = be.last_path
-                    if impl.endswith("_atomic"):
-                        r[impl]["dq_maxdiff_vs_det"] = dq_diff(grads[impl[:-len("_atomic")]])
                 except Exception as e:  # noqa: BLE001  (record, keep going)
                     r[impl] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 empty_cache()
@@ -390,15 +317,9 @@ def main():
                 if other in r and "fwd_ms" in r[other] and "fwd_ms" in r["ours"]:
                     r[f"fwd_vs_{other}"] = r[other]["fwd_ms"] / r["ours"]["fwd_ms"]
                     r[f"bwd_vs_{other}"] = r[other]["bwd_ms"] / r["ours"]["bwd_ms"]
-            for impl in atomic_of:  # backward speed-up of atomic dQ over deterministic, same backend
-                x, y = r.get(impl, {}), r.get(impl + "_atomic", {})
-                if "bwd_ms" in x and "bwd_ms" in y:
-                    r[f"{impl}_bwd_atomic_vs_det"] = x["bwd_ms"] / y["bwd_ms"]
-            tuned_speedups(r, tuned_of)
             results.append(r)
             line = f"S={s:6d} {name:15s} dens={r['density']:.3f}"
-            for impl in [x for i in ("ours", "ours_atomic", "ours_nodense", "ours_nodense_atomic", "ours_triton",
-                                     "ours_triton_atomic") for x in (i, i + "_tuned")] + ["flex", "cudnn"]:
+            for impl in ("ours", "ours_nodense", "ours_triton", "flex", "cudnn"):
                 if impl in r:
                     x = r[impl]
                     line += (f" | {impl} fwd {x['fwd_tflops']:6.1f} bwd {x['bwd_tflops']:6.1f}" if "fwd_ms" in x
@@ -418,91 +339,41 @@ def main():
             r = {"S": zs, "mask": f"zigzag_cp{cp}_rank{rank}", "sq": sq, "sk": zs, "area": area,
                  "density": area / sq / zs, "n_tiles": int(tiles.shape[0]), "tiles": tiles.tolist()}
             line = f"zigzag S={zs} cp={cp} rank={rank} tiles={tiles.tolist()}"
-            grads = {}
-            runs = [("ours", be), ("ours_nodense", be_nodense)]
-            runs = [x for impl, b in runs for x in [(impl, b)] + ([(impl + "_atomic", atomic_of[impl])]
-                                                                   if impl in atomic_of else [])]
-            runs = [x for impl, b in runs for x in [(impl, b)] + ([(impl + "_tuned", tuned_of[impl])]
-                                                                   if impl in tuned_of else [])]
-            for impl, b in runs:
+            for impl, b in (("ours", be), ("ours_nodense", be_nodense)):
                 try:
-                    base = impl[:-len("_atomic")] if impl.endswith("_atomic") else impl
-                    keep = base in atomic_of  # keep dq only to compare the two modes
-                    tf, tb = time_ours_rect(b, tiles, sq, zs, q, k, v, do, grads.setdefault(base, []) if keep else None)
+                    tf, tb = time_ours_rect(b, tiles, sq, zs, q, k, v, do)
                     r[impl] = ours_record(b, tf, tb, ff)
-                    if impl.endswith("_atomic"):
-                        r[impl]["dq_maxdiff_vs_det"] = dq_diff(grads[base])
                     line += f" | {impl} [{b.last_path}] fwd {ff / tf / 1e9:6.1f} bwd {2.5 * ff / tb / 1e9:6.1f}"
                 except Exception as e:  # noqa: BLE001
                     r[impl] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                     line += f" | {impl} ERR {r[impl]['error'][:80]}"
                 empty_cache()
-            for impl in atomic_of:
-                x, y = r.get(impl, {}), r.get(impl + "_atomic", {})
-                if "bwd_ms" in x and "bwd_ms" in y:
-                    r[f"{impl}_bwd_atomic_vs_det"] = x["bwd_ms"] / y["bwd_ms"]
-            tuned_speedups(r, tuned_of)
             r["ours_path"] = r["ours"].get("path")
             results.append(r)
             print(line, flush=True)
         del q, k, v, do
     path = os.path.join(args.out, f"bench_kernels{args.tag}.json")
+    meta["cudnn"] = cudnn_status(be)
     out = {"meta": meta, "results": results}
-    if args.autotune:
-        out["tuned"] = tuned_to_json(TUNED)
-        save_tuned(os.path.join(args.out, f"tuned{args.tag}.json"))
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
-    print("wrote", path, "fast path error:", be.fast_path_error)
+    print("wrote", path, "cuDNN:", meta["cudnn"])
     plot(meta, results, os.path.join(args.out, f"bench_kernels{args.tag}.png"))
-    print(f"\nTFLOP/s; ours = default backend (path in brackets), triton = our kernel without the dense fast path; "
-          f"our backward: {args.bwd_mode}")
-    both = args.bwd_mode == "both"
-    extra = (" ours bwd atomic | triton bwd atomic | ours bwd atomic/det | triton bwd atomic/det |" if both else "")
+    print("\nTFLOP/s; ours = default backend (path in brackets), triton = our kernel without the dense fast path")
     print("| S | mask | ours fwd | triton fwd | flex fwd | cuDNN fwd | ours bwd | triton bwd | flex bwd | cuDNN bwd "
-          "| fwd/flex | bwd/flex |" + extra)
-    print("|---" * (12 + 4 * both) + "|")
+          "| fwd/flex | bwd/flex |")
+    print("|---" * 12 + "|")
     for r in results:
         def g(impl, key):
             x = r.get(impl, {})
             return f"{x[key]:.0f}" if key in x else "-"
-
-        def ratio(key):
-            return f"{r[key]:.2f}" if key in r else "-"
         line = (f"| {r['S']} | {r['mask']} | {g('ours', 'fwd_tflops')} [{r.get('ours_path')}] | "
                 f"{g('ours_triton', 'fwd_tflops')} | {g('flex', 'fwd_tflops')} | "
                 f"{g('cudnn', 'fwd_tflops')} | {g('ours', 'bwd_tflops')} | {g('ours_triton', 'bwd_tflops')} | "
                 f"{g('flex', 'bwd_tflops')} | "
                 f"{g('cudnn', 'bwd_tflops')} | {r.get('fwd_vs_flex', float('nan')):.2f} | "
                 f"{r.get('bwd_vs_flex', float('nan')):.2f} |")
-        if both:
-            line += (f" {g('ours_atomic', 'bwd_tflops')} [{r.get('ours_atomic', {}).get('path')}] | "
-                     f"{g('ours_triton_atomic', 'bwd_tflops')} | {ratio('ours_bwd_atomic_vs_det')} | "
-                     f"{ratio('ours_triton_bwd_atomic_vs_det')} |")
         print(line)
-    if args.autotune:
-        print_tuned(results, tuned_of)
-
-
-def print_tuned(results, tuned_of):
-    """Defaults vs autotuned, side by side: TFLOP/s and speed-ups per case, then each tuned key's
-    candidates with their median times (the winner first)."""
-    print("\nautotune: TFLOP/s default -> tuned (speed-up), per backend of ours")
-    impls = [i for i in tuned_of if any(i + "_tuned" in r for r in results)]
-    print("| S | mask | " + " | ".join(f"{i} fwd | {i} bwd" for i in impls) + " |")
-    print("|---" * (2 + 2 * len(impls)) + "|")
-    for r in results:
-        cells = []
-        for i in impls:
-            x, y, sp = r.get(i, {}), r.get(i + "_tuned", {}), r.get(f"{i}_tuned_vs_default")
-            for key, ph in (("fwd_tflops", "fwd"), ("bwd_tflops", "bwd")):
-                cells.append(f"{x[key]:.0f} -> {y[key]:.0f} ({sp[ph]:.2f}x)" if sp else "-")
-        print(f"| {r['S']} | {r['mask']} | " + " | ".join(cells) + " |")
-    print("\ntuned keys (device, head_dim, dtype, group, row class, phase): winner; candidates ms")
-    for key, res in TUNED.items():
-        times = sorted(res.times_ms.items(), key=lambda kv: kv[1])
-        print(f"{tuple(key)}: {cfg_list(res.config)}; " + ", ".join(f"{cfg_list(c)} {t:.3f}" for c, t in times)
-              + "".join(f"; {cfg_list(c)} {m[:60]}" for c, m in res.errors.items()))
 
 
 def plot(meta, results, path):
@@ -516,8 +387,7 @@ def plot(meta, results, path):
         return
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.3 * len(results)), 8))
     labels = [f"{r['mask']}\nS={r['S'] // 1024}k" if r["S"] >= 1024 else f"{r['mask']}\nS={r['S']}" for r in results]
-    impls = [i for i in ("ours", "ours_tuned", "ours_atomic", "ours_triton", "ours_triton_tuned", "ours_triton_atomic",
-                         "flex", "cudnn") if any(i in r for r in results)]
+    impls = [i for i in ("ours", "ours_nodense", "ours_triton", "flex", "cudnn") if any(i in r for r in results)]
     w = 0.8 / max(len(impls), 1)
     for ax, key in zip(axes, ("fwd_tflops", "bwd_tflops")):
         for j, impl in enumerate(impls):

@@ -2,13 +2,13 @@
 
 For every kernel-table mask (megatron_cp.masks.catalog.KERNEL_MASKS, tile lists checked cell by cell against their
 FlexAttention mask_mod), S in --seqlens, head_dim 64/128, bf16/fp16, GQA ratio 1/4/8:
-forward (out, lse) and backward (dq, dk, dv) are compared with a dense fp64 reference (with --atomic also
-the atomic-dQ backward). Rule (ANCHORS.md):
+forward (out, lse) and backward (dq, dk, dv) are compared with a dense fp64 reference. Rule (ANCHORS.md):
 rms error <= 2 x the rms error of a plain PyTorch reference run in the same low precision, plus a floor
 of 1e-6 x rms(reference). Also: no NaN anywhere, fully masked rows give out 0 / lse -inf, and a second
 forward + backward is bitwise identical (deterministic mode). --big adds S = 131072 (Hq 32, Hkv 8,
 D 128) no-NaN and peak-memory runs. Lists the default backend splits (a single dense tile, dense pieces, the
 forward's band squares) are also run through it; planner-style sliding-window bands are added (band_cases).
+The summary says what the cuDNN probe found per (dtype, head_dim, Hq / Hkv) family.
 
 Usage: python tools/gpu_kernel_check.py [--seqlens 1024 4096 16384] [--big] [--json out.json]
 """
@@ -19,19 +19,13 @@ import argparse
 import itertools
 import json
 import math
-import os
 import sys
 import time
 
 import torch
 
-from megatron_cp.masks import catalog  # noqa: E402
-
-try:  # installed package, else the repository checkout (kernels/ imports only torch and triton)
-    from megatron_cp.kernels.triton_backend import TritonBackend, TritonConfig, configs_from_json
-except ImportError:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from kernels.triton_backend import TritonBackend, TritonConfig, configs_from_json
+from megatron_cp.kernels import TritonBackend, TritonConfig, configs_from_json
+from megatron_cp.masks import catalog
 
 
 def chunked_reference(q, k, v, dout, keep, dt, scale, chunk=2048):
@@ -74,7 +68,7 @@ def rms(x):
     return float(x.double().pow(2).mean().sqrt()) if x.numel() else 0.0
 
 
-def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed, be_atomic=None):
+def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed):
     dev = "cuda"
     hq = hkv * g
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -94,15 +88,11 @@ def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed, be_atom
     del out2, lse2, dq2, dk2, dv2
     runs = {"triton": (out, lse, dq, dk, dv)}
     prep_f = be.prepare(tiles, s, s, head_dims=(d,))
-    if prep_f.dense is not None or prep_f.dense_plan or prep_f.fwd_plan:  # the default backend sends pieces to cuDNN
+    if prep_f.cudnn_fwd is not None or prep_f.cudnn_bwd is not None:  # the default backend sends pieces to cuDNN
         o_f, l_f = be.forward(q, k, v, prep_f, scale)
         path_f = be.last_path
         g_f = be.backward(q, k, v, o_f, l_f, dout, prep_f, scale)
         runs[f"fast_{path_f}_{be.last_path}"] = (o_f, l_f, *g_f)
-    if be_atomic is not None:  # Triton forward + the atomic-dQ backward (TritonConfig.bwd_mode="atomic")
-        prep_a = be_atomic.prepare(tiles, s, s, head_dims=(d,))
-        o_a, l_a = be_atomic.forward(q, k, v, prep_a, scale)
-        runs["triton_atomic"] = (o_a, l_a, *be_atomic.backward(q, k, v, o_a, l_a, dout, prep_a, scale))
     ref = chunked_reference(q, k, v, dout, keep, torch.float64, scale)
     low = chunked_reference(q, k, v, dout, keep, dtype, scale)
     empty = ~keep.any(1)
@@ -209,7 +199,6 @@ def main():
     ap.add_argument("--big", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--configs", default=None, help="tuned configs JSON (tools/bench_kernels.py --tune)")
-    ap.add_argument("--atomic", action="store_true", help="also check the atomic-dQ backward (bwd_mode='atomic')")
     args = ap.parse_args()
     overrides = {}
     if args.configs:
@@ -217,7 +206,6 @@ def main():
             overrides = configs_from_json(json.load(f))
     be = TritonBackend(TritonConfig(overrides))
     be_det = TritonBackend(TritonConfig(overrides, deterministic=True))
-    be_atomic = TritonBackend(TritonConfig(overrides, dense_fast_path=False, bwd_mode="atomic")) if args.atomic else None
     results, t0 = [], time.time()
     for s in args.seqlens:
         if s >= 16384:  # a diagonal of the matrix keeps the large size affordable
@@ -231,8 +219,7 @@ def main():
             if not same:
                 print(f"FAIL tile list of {mask} at S={s} differs from its mask_mod", flush=True)
             for i, (d, dt, g, hkv) in enumerate(combos):
-                r = check_case(be, be_det, mask, s, d, dt, g, hkv, keep, tiles, seed=s * 1000 + catalog.KERNEL_MASKS.index(mask) * 10 + i,
-                               be_atomic=be_atomic)
+                r = check_case(be, be_det, mask, s, d, dt, g, hkv, keep, tiles, seed=s * 1000 + catalog.KERNEL_MASKS.index(mask) * 10 + i)
                 r["tiles_match_mask_mod"] = same
                 r["pass"] = r["pass"] and same
                 results.append(r)
@@ -249,7 +236,7 @@ def main():
         keep = catalog.tiles_to_dense(tiles, s, s, device="cuda")
         for i, (d, dt, g, hkv) in enumerate([(128, torch.bfloat16, 4, 2), (128, torch.float16, 8, 1),
                                              (64, torch.bfloat16, 1, 2)]):
-            r = check_case(be_band, be_det, name, s, d, dt, g, hkv, keep, tiles, seed=s + i, be_atomic=be_atomic)
+            r = check_case(be_band, be_det, name, s, d, dt, g, hkv, keep, tiles, seed=s + i)
             results.append(r)
             line = f"{'ok  ' if r['pass'] else 'FAIL'} {name:15s} S={s:6d} D={d:3d} {r['dtype']:8s} G={g}"
             for p in r["paths"]:
@@ -260,12 +247,11 @@ def main():
     big = extra_checks(be_det)
     if args.big:
         big += big_runs(TritonBackend(TritonConfig(overrides, dense_fast_path=False)))
-        if args.atomic:
-            for r in (a := big_runs(TritonBackend(TritonConfig(overrides, dense_fast_path=False, bwd_mode="atomic")))):
-                r["bwd_mode"] = "atomic"
-            big += a
     n_fail = sum(not r["pass"] for r in results) + sum(not r["pass"] for r in big)
-    summary = {"configs": {f"{d}/{c}": str(v) for (d, c), v in overrides.items()}, "fast_path_error": be.fast_path_error, "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    # what the cuDNN probe found per (device, dtype, head_dim, Hq / Hkv) family: its layout, or why not
+    cudnn_found = {str(tuple(map(str, key))): f.layout or f.reason for b in (be, be_band)
+                   for key, f in b.cudnn_probes.items()}
+    summary = {"configs": {f"{d}/{c}": str(v) for (d, c), v in overrides.items()}, "cudnn": cudnn_found, "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                "command": " ".join(sys.argv), "torch": torch.__version__,
                "triton": __import__("triton").__version__, "cases": len(results) + len(big), "failed": n_fail,
                "seconds": time.time() - t0}
