@@ -144,8 +144,8 @@ def extra_checks(be):
         dout = torch.randn_like(q)
         ref = chunked_reference(q, k, v, dout, keep, torch.float64, d ** -0.5)
         low = chunked_reference(q, k, v, dout, keep, dt, d ** -0.5)
-        # accumulate: odd and even tiles as two stages into a running (out, lse)
-        o = torch.zeros_like(q)
+        # accumulate: odd and even tiles as two stages into a float32 running (out, lse)
+        o = torch.zeros(q.shape, device="cuda", dtype=torch.float32)
         lse = torch.full((s, 8), float("-inf"), device="cuda")
         for part in (tiles[0::2], tiles[1::2]):
             be.forward_accumulate(q, k, v, be.prepare(part, s, s, head_dims=(d,)), d ** -0.5, o, lse)
