@@ -356,38 +356,35 @@ def test_cost_file_without_band_squares_predates_them(tmp_path):
     assert CostModel.load(str(old)).tile_time(band, w) != CostModel.load(str(new)).tile_time(band, w)
 
 
-@pytest.mark.parametrize("timing", ["held", "synced"])
-def test_calibrate_dry_run_writes_a_loadable_model(tmp_path, timing):
-    """tools/calibrate.py on CPU with tiny sizes, either timing of the kernel lists: every kernel field
-    measured, the file loads back."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "calibrate.py"
+def _calibrate_tool():
+    """tools/sim/calibrate.py loaded as a module."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "sim" / "calibrate.py"
     spec = importlib.util.spec_from_file_location("calibrate_tool", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("timing", ["held", "synced"])
+def test_calibrate_dry_run_writes_a_loadable_model(tmp_path, timing):
+    """tools/sim/calibrate.py on CPU with tiny sizes, either timing of the kernel lists: every kernel field
+    measured, the file loads back."""
+    mod = _calibrate_tool()
     out = tmp_path / "cost.json"
     mod.main(["--device", "cpu", "--tiny", "--timing", timing, "--out", str(out)])
     m = CostModel.load(str(out))
     for f in ("fwd_tflops", "bwd_tflops", "short_fwd_tflops", "short_bwd_tflops", "blocky_fwd_tflops", "blocky_bwd_tflops",
               "blocky_band_fwd_tflops", "blocky_band_bwd_tflops"):
         assert 0 < getattr(m, f) < 1e4, (f, getattr(m, f))
-    assert m.launch_us > 0 and m.source.startswith("tools/calibrate.py on 1 x cpu") and timing in m.source
+    assert m.launch_us > 0 and m.source.startswith("tools/sim/calibrate.py on 1 x cpu") and timing in m.source
     assert m.hbm_gbps > 0 and m.hbm_gbps != CostModel().hbm_gbps  # the passes' rate is measured too
     assert (m.short_block_m, m.blocky_block_m, m.bwd_block_m) == (64, 128, 64)
 
 
 def test_calibrate_long_rows_recovers_the_model_parameters():
-    """tools/calibrate.py's long-row fit: given the forward times a model with known ``row_alone_tflops``
+    """tools/sim/calibrate.py's long-row fit: given the forward times a model with known ``row_alone_tflops``
     and ``row_share`` predicts for its two lists, it finds those two values again."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "calibrate.py"
-    spec = importlib.util.spec_from_file_location("calibrate_tool", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _calibrate_tool()
     w = Workload(32, 8, 128, 2)
     fitted = dict(short_fwd_tflops=460.0, short_bwd_tflops=300.0, short_half_keys=250.0, blocky_fwd_tflops=470.0,
                   blocky_bwd_tflops=320.0, blocky_half_keys=150.0, num_sms=132)
@@ -400,7 +397,7 @@ def test_calibrate_long_rows_recovers_the_model_parameters():
         seen.append(len(tiles))
         return truth.tile_time(t, w)
 
-    got = mod._long_rows(timed, fitted, w, 16384, tiny=False)
+    got = mod.fit_long_rows(timed, fitted, w, 16384, tiny=False)
     assert len(seen) == 2
     assert got["row_alone_tflops"] == pytest.approx(2.2, rel=1e-3)
     assert got["row_share"] == pytest.approx(0.35, rel=1e-3)
@@ -441,18 +438,15 @@ def test_dense_grid_reads_measured_rates_for_full_pieces():
 
 
 def test_calibrate_fit_is_least_squares_with_nonnegative_terms():
-    """tools/calibrate.py's fit: exact through consistent points, a term the points contradict is 0."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "calibrate.py"
-    spec = importlib.util.spec_from_file_location("calibrate_fit", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    """tools/sim/calibrate.py's fit: exact through consistent points, a term the points contradict is 0."""
+    mod = _calibrate_tool()
     peak, half = 500e12, 200.0
     pts = [([c, r], (c + half * r) / peak) for c, r in ((1e8, 1e4), (4e8, 1e4), (2e8, 5e4))]
-    p, h = mod._linear_fit(pts, "t")
+    p, h = mod.linear_fit(pts, "t")
     assert p == pytest.approx(peak) and h[0] == pytest.approx(half)
     # longer rows slower per cell (a negative half term would fit): the half term is 0, the peak between
     pts = [([1e8, 1e4], 1e8 / 500e12), ([4e8, 1e4], 4e8 / 400e12)]
-    p, h = mod._linear_fit(pts, "t")
+    p, h = mod.linear_fit(pts, "t")
     assert h == [0.0] and 400e12 < p < 500e12
 
 

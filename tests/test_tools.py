@@ -1,10 +1,10 @@
-"""The benchmark and simulator tools' own rules (tools/bench_dist.py, the simulator, calibrate) on CPU."""
+"""The benchmark and simulator tools' own rules on CPU: tools/timing.py (bench_dist's step timer),
+tools/bench_dist.py, and the research instruments tools/sim/simulate.py and tools/sim/calibrate.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import pathlib
-import sys
 import time
 
 import pytest
@@ -19,9 +19,8 @@ TOOLS = pathlib.Path(__file__).resolve().parents[1] / "tools"
 
 
 def _tool(name):
-    """tools/NAME.py or tools/sim/NAME.py (the research instruments), loaded as a module."""
-    if str(TOOLS) not in sys.path:
-        sys.path.insert(0, str(TOOLS))
+    """tools/NAME.py or tools/sim/NAME.py (the research instruments), loaded as a module (each tool finds
+    the tools/ modules it uses itself)."""
     path = next(p for p in (TOOLS / f"{name}.py", TOOLS / "sim" / f"{name}.py") if p.exists())
     spec = importlib.util.spec_from_file_location(f"{name}_tool", path)
     mod = importlib.util.module_from_spec(spec)
@@ -33,14 +32,14 @@ def _warm_counts(rank, world):
     import torch
     import torch.distributed as dist
 
-    bench = _tool("bench_dist")
+    timing = _tool("timing")
     calls = []
 
     def step():  # rank 1's step outlasts the warm-up: alone it would run one; rank 0's are ~60x shorter
         calls.append(1)
         time.sleep(0.001 if rank == 0 else 0.06)
 
-    bench.Timer(torch.device("cpu"), warm_seconds=0.05).warm(step, dist.group.WORLD)
+    timing.Timer(torch.device("cpu"), warm_seconds=0.05).warm(step, dist.group.WORLD)
     return len(calls)
 
 
@@ -61,7 +60,7 @@ def _ring_case(cost):
 
 
 def test_ring_model_pays_forward_transfers_after_kernels_and_overlaps_backward_ones():
-    """The ring model (tools/simulate.py): each forward transfer adds to its step (NCCL's kernel waits for
+    """The ring model (tools/sim/simulate.py): each forward transfer adds to its step (NCCL's kernel waits for
     the step's kernels to free the multiprocessors), each backward transfer but the last hides behind
     the next step's kernel."""
     base = dict(launch_us=0.0, tile_us=0.0, latency_us=0.0, hbm_gbps=1e9, dense_fwd_tflops=0.0, dense_bwd_tflops=0.0)
@@ -85,8 +84,8 @@ def test_timer_back_to_back_is_a_gpu_measurement():
     and the runner says so (None), rather than a host timing under the same name."""
     import torch
 
-    bench = _tool("bench_dist")
-    assert bench.Timer(torch.device("cpu"))._back_to_back(lambda: None, lambda out: None, 2, None) == (None, None)
+    timing = _tool("timing")
+    assert timing.Timer(torch.device("cpu")).back_to_back(lambda: None, lambda out: None, 2, None) == (None, None)
 
 
 def test_ulysses_model_pays_layouts_at_the_head_split_rate():
@@ -164,7 +163,7 @@ def test_compare_kernel_target_checks_kernel_only_rows(tmp_path, capsys):
 
 
 def test_calibrate_link_timing_ignores_one_stalled_group():
-    """calibrate.py times each link as the median of groups of calls: one stall (a rank held up once,
+    """tools/sim/calibrate.py times each link as the median of groups of calls: one stall (a rank held up once,
     which holds every rank's collective) does not set the link's rate, as a mean over the calls did."""
     import torch
 
@@ -175,6 +174,6 @@ def test_calibrate_link_timing_ignores_one_stalled_group():
         calls.append(1)
         time.sleep(1.0 if len(calls) == 15 else 0.001)
 
-    t = cal._median_time(fn, torch.device("cpu"), 10)
+    t = cal.median_time(fn, torch.device("cpu"), 10)
     assert len(calls) == 5 * 11  # five groups, each one warm-up call and ten timed ones
     assert 0.0009 < t < 0.01, t  # a mean over all the calls would be ~19 ms, over the stalled group ~100 ms

@@ -8,8 +8,7 @@ the tiles and K/V buffer megatron-cp gives that rank ("kernel-only"), the single
 the same per-GPU work that the scaling check compares against.
 
 Implementations: ``megatron-cp`` (planner + runtime, stage count chosen by the cost model;
-``megatron-cp@N`` forces N stages, 0 = one exchange then one kernel call; ``megatron-cp-early``
-computes the rows needing only own keys during the exchange, ``mcp.attention(early=True)``;
+``megatron-cp@N`` forces N stages, 0 = one exchange then one kernel call;
 ``megatron-cp-nolead`` runs the staged forward without its lead for NCCL, ``comm_lead_us=0``;
 ``megatron-cp-nosquares`` keeps sliding-window bands on Triton in the forward too,
 ``TritonConfig(band_squares=0)`` (with ``--backend triton``); any name
@@ -23,7 +22,9 @@ with ``+hp`` appended runs over a CP group whose NCCL stream has high priority, 
     torchrun --nproc-per-node 4 tools/bench_dist.py                      # 4 GPUs, S = 128k, 256k
     torchrun --nproc-per-node 2 tools/bench_dist.py --device cpu --tiny  # CPU dry run (gloo)
 
-Writes benchmarks/dist/bench_<n>x<device>_<date>.json and .png (device, date and command inside).
+Writes <--out-dir>/bench_<n>x<device>_<date>.json and .png (device, date and command inside); the default
+out/ is ignored by git. Results the README quotes go to a dated folder, benchmarks/YYYY-MM-DD_<device>_<what>/,
+with a README.md giving the command, indexed in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -41,151 +42,18 @@ import traceback
 import torch
 import torch.distributed as dist
 
+import megatron_cp as mcp
+from megatron_cp import kernels
+from megatron_cp.baselines import get_strategy, plan_for
+from megatron_cp.masks import catalog
+from megatron_cp.runtime import CostModel
+from megatron_cp.runtime.state import states_of
+
+# tools/ (this script's folder, first on sys.path when it runs as a script): the shared step timer and
+# the profiler summary, modules of their own so that tools/sim/calibrate.py times kernels the same way
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import megatron_cp as mcp  # noqa: E402
-from megatron_cp import kernels  # noqa: E402
-from megatron_cp.baselines import get_strategy, plan_for  # noqa: E402
-from megatron_cp.planner.cost import CostModel  # noqa: E402
-
-from megatron_cp.masks import catalog  # noqa: E402
-
-SPARSE = ["packed", "sliding_window", "block_causal", "strided", "global_local"]
-
-
-class Timer:
-    """Times one forward + backward step per iteration, two ways (medians of the slowest rank's times),
-    then a few steps back to back (the third way, ``_back_to_back``):
-
-    * GPU time (the headline): the stream is held by a spin kernel (then a tiny all-reduce that
-      releases every GPU at once) while the host issues the step, so CUDA events time the GPU work
-      alone. In training the host runs ahead of the GPU (other layers' kernels are queued).
-      ``kernel-only`` below is timed the same way (its calls queued behind a held stream), so that
-      both start from the same GPU state (after a hold, the same kernels ran 5-17% faster than in a
-      loop of calls: benchmarks/dist/README.md, 2026-11-22 00:45); a step whose host issue outlasts
-      the hold shows that as GPU idle time.
-    * wall time: host issue + GPU of an isolated step (sync, barrier, time, sync), which also counts
-      the host's launch latency before the first kernel.
-    * back to back (``fwd_b2b_ms``): steps with no sync or hold between them, CUDA events around each
-      phase: a training step's conditions (host ahead when it can be, kernels at sustained clocks).
-    On CPU (gloo dry runs) the first two are wall time and the third is not measured."""
-
-    HOLD_CYCLES = 20_000_000  # ~10 ms of GPU clock: longer than any implementation's host issue time
-
-    def __init__(self, device, warm_seconds=0.0):
-        self.device = device
-        self.warm_seconds = warm_seconds
-
-    def warm(self, step, group=None):
-        """Run ``step`` back to back for about ``warm_seconds`` before timing (a GPU that has been busy,
-        not only the few warm-up steps; on 4 x H200 it changed nothing beyond run-to-run spread, 00:34).
-        With ``group``, every rank runs the same number of steps (their collectives must match): the most
-        any rank needs."""
-        if self.warm_seconds <= 0:
-            return
-        self.sync()
-        t0 = time.perf_counter()
-        step()
-        self.sync()
-        n = torch.tensor([math.ceil(self.warm_seconds / max(time.perf_counter() - t0, 1e-6))], device=self.device)
-        if group is not None:
-            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
-        for _ in range(int(n.item()) - 1):
-            step()
-        self.sync()
-
-    def sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _hold(self, group):
-        """Hold this GPU's stream, then (with ``group``) line the GPUs up: the spin lasts a different time
-        on each GPU (clocks differ), so a tiny all-reduce queued behind it releases all of them together."""
-        torch.cuda._sleep(self.HOLD_CYCLES)
-        if group is not None:
-            dist.all_reduce(torch.zeros(1, device=self.device), group=group)
-
-    def held(self, fwd, bwd, group=None):
-        """(fwd, bwd) GPU seconds of one step, each phase issued while the stream is held (CUDA events from
-        the end of the hold); ``group``: the GPUs are released together."""
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        self.sync()
-        self._hold(group)
-        ev[0].record()
-        out = fwd()
-        ev[1].record()
-        self._hold(group)
-        ev[2].record()
-        bwd(out)
-        ev[3].record()
-        self.sync()
-        del out
-        return ev[0].elapsed_time(ev[1]) / 1e3, ev[2].elapsed_time(ev[3]) / 1e3
-
-    def run(self, fwd, bwd, warmup, iters, group):
-        """(fwd, bwd, fwd wall, bwd wall, fwd back to back, bwd back to back) seconds (the last two None on
-        CPU)."""
-        cuda = self.device.type == "cuda"
-        rows = []
-        self.warm(lambda: bwd(fwd()), group)
-        for i in range(warmup + iters):
-            self.sync()
-            dist.barrier(group)
-            t0 = time.perf_counter()
-            out = fwd()
-            self.sync()
-            t1 = time.perf_counter()
-            bwd(out)
-            self.sync()
-            t2 = time.perf_counter()
-            del out
-            gf, gb = t1 - t0, t2 - t1
-            if cuda:
-                dist.barrier(group)
-                gf, gb = self.held(fwd, bwd, group)
-            if i >= warmup:
-                t = torch.tensor([gf, gb, t1 - t0, t2 - t1], dtype=torch.float64, device=self.device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-                rows.append(t.tolist())
-        rows = torch.tensor(rows, dtype=torch.float64)
-        return tuple(float(x) for x in rows.median(dim=0).values) + self._back_to_back(fwd, bwd, iters, group)
-
-    def _back_to_back(self, fwd, bwd, iters, group):
-        """(fwd, bwd) seconds of steps run back to back with no sync or hold between them (the host
-        issues step i+1 while the GPU runs step i, as in training; kernels at the GPU's sustained rate,
-        which a step behind a held stream exceeds by 5-17%: benchmarks/dist/README.md, 2026-11-22 00:45),
-        CUDA events around each phase, the first step dropped; (None, None) on CPU. Each rank's medians
-        (GPU fwd, GPU bwd, host issue fwd, host issue bwd; seconds) are left in ``self.b2b_ranks``: a phase
-        whose host issue outlasts the GPU's work runs at the host's pace, and one rank's slower phase is
-        the max the others wait for at the next collective."""
-        if self.device.type != "cuda":
-            return None, None
-        self.sync()
-        dist.barrier(group)
-        evs, host = [], []
-        for _ in range(iters + 1):
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            h0 = time.perf_counter()
-            ev[0].record()
-            out = fwd()
-            ev[1].record()
-            h1 = time.perf_counter()
-            bwd(out)
-            ev[2].record()
-            host.append((h1 - h0, time.perf_counter() - h1))
-            del out
-            evs.append(ev)
-        self.sync()
-        t = torch.tensor([[a.elapsed_time(b) / 1e3, b.elapsed_time(c) / 1e3] + list(h)
-                          for (a, b, c), h in zip(evs[1:], host[1:])], dtype=torch.float64, device=self.device)
-        # each rank's medians (GPU fwd, bwd, host issue fwd, bwd): where the slowest rank's time comes from
-        mine = t.median(dim=0).values
-        ranks = torch.empty(dist.get_world_size(group), 4, dtype=torch.float64, device=self.device)
-        dist.all_gather_into_tensor(ranks, mine, group=group)
-        self.b2b_ranks = ranks.tolist()
-        t = t[:, :2].contiguous()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return tuple(float(x) for x in t.median(dim=0).values)
+import profiling  # noqa: E402
+from timing import Timer  # noqa: E402
 
 
 def _rand_local(n, h, d, dtype, device, seed):
@@ -201,23 +69,23 @@ def bench_ours(name, mask, args, ctx):
     if name.startswith("megatron-cp"):
         # "megatron-cp@N": the same with the stage count forced to N (0 = single exchange), to compare
         # against the cost model's own choice
-        # "megatron-cp-early": the single exchange computing own-key rows while it flies (opt-in)
         # "megatron-cp-nolead": the staged forward without its 20 us lead for NCCL (comm_lead_us=0)
-        stages = int(name.split("@")[1]) if "@" in name else None
-        early = name.startswith("megatron-cp-early")
         # "megatron-cp-nosquares": bands stay on Triton in the forward (TritonConfig.band_squares = 0)
-        lead = {"comm_lead_us": 0.0} if "-nolead" in name else {}
+        m = re.fullmatch(r"megatron-cp((?:-nolead|-nosquares)*)(?:@(\d+))?", name)
+        if m is None:
+            raise ValueError(f"unknown implementation {name!r}: megatron-cp[-nolead][-nosquares][@N]")
+        stages = int(m.group(2)) if m.group(2) is not None else None
+        lead = {"comm_lead_us": 0.0} if "-nolead" in m.group(1) else {}
         plan = mcp.plan(mask, cp)
         cost = CostModel.load(args.cost) if args.cost else None
         be = ctx["backend"] = kernels.get_backend(args.backend, device)  # one object: its state is reported
-        if "-nosquares" in name:
-            if not hasattr(be, "config") or not hasattr(be.config, "band_squares"):
+        if "-nosquares" in m.group(1):
+            if not isinstance(be, kernels.TritonBackend):
                 raise ValueError(f"{name} needs --backend triton (band squares are a TritonConfig option)")
             be.config = dataclasses.replace(be.config, band_squares=0)
-            if cost is not None:
-                cost = dataclasses.replace(cost, band_squares=0)
+            cost = dataclasses.replace(cost or CostModel(), band_squares=0)  # the model prices what runs
         fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=be, cost_model=cost,  # noqa: E731
-                                           stages=stages, early=early, **lead)
+                                           stages=stages, **lead)
     else:
         # usp / head_context: groups of 2 GPUs (on one machine: 2-GPU "nodes" emulated) x cp / 2
         opts = {"ulysses_degree": 2} if name in ("usp", "head_context") and cp % 2 == 0 and cp > 2 else {}
@@ -240,16 +108,14 @@ def bench_ours(name, mask, args, ctx):
 
     times = ctx["timer"].run(fwd, bwd, args.warmup, args.iters, group)
     if args.profile and name in args.profile_impls.split(","):  # one more step under torch.profiler (all ranks)
-        import _profile
-
-        hold = (lambda: ctx["timer"]._hold(group)) if args.profile_held and device.type == "cuda" else None
-        events, host = _profile.profile_step(fwd, bwd, ctx["timer"].sync, hold=hold, b2b=args.profile_b2b)
+        hold = (lambda: ctx["timer"].hold(group)) if args.profile_held and device.type == "cuda" else None
+        events, host = profiling.profile_step(fwd, bwd, ctx["timer"].sync, hold=hold, b2b=args.profile_b2b)
         if rank == 0 or args.profile_ranks == "all":  # the other ranks to FILE.rankN
             title = (f"{name} {ctx['mask_name']} S={ctx['seqlen']} rank {rank} of {cp} ({ctx['dev_name']})"
                      + (", right after another step (back to back)" if args.profile_b2b else
                         ", stream held while the host issues each phase" if hold else ""))
             with open(args.profile + (f".rank{rank}" if rank else ""), "a") as f:
-                f.write(_profile.summarize(events, host, title))
+                f.write(profiling.summarize(events, host, title))
     return times, plan
 
 
@@ -306,7 +172,7 @@ def bench_kernel_only(plan, args, ctx):
         t.sync()
         t_f, t_b = (t1 - t0) / args.iters, (time.perf_counter() - t1) / args.iters
     # and back to back, as the implementations' fwd_b2b_ms: the scaling of a training step's conditions
-    b2b = t._back_to_back(fwd, lambda _: bwd(), args.iters, ctx["group"])
+    b2b = t.back_to_back(fwd, lambda _: bwd(), args.iters, ctx["group"])
     flops = 4.0 * rp.area * args.heads * args.head_dim  # the rank's cells, guest cells included
     return (flops, t_f, t_b) + b2b
 
@@ -435,7 +301,7 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--head-dim", type=int, default=None)
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--cost", default=None, help="CostModel JSON (tools/calibrate.py) for megatron-cp's stage choice")
+    ap.add_argument("--cost", default=None, help="CostModel JSON (tools/sim/calibrate.py) for megatron-cp's stage choice")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--kernel-only-timing", default="held", choices=["held", "loop"],
                     help="kernel-only: each phase behind a held stream, as the implementations' GPU time "
@@ -443,7 +309,9 @@ def main(argv=None):
     ap.add_argument("--warm-seconds", type=float, default=0.0,
                     help="before timing each case, run it back to back this long (0: the warm-up steps only)")
     ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--out-dir", default="benchmarks/dist")
+    ap.add_argument("--out-dir", default="out",
+                    help="folder for the JSON and PNG (default out/, ignored by git); results the README quotes "
+                         "go to a dated folder benchmarks/YYYY-MM-DD_<device>_<what>/ (benchmarks/RESULTS.md)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="append a GPU timeline of one profiled step per case of --profile-impls (rank 0) to FILE")
@@ -514,7 +382,7 @@ def main(argv=None):
                                fwd_wall_ms=wf * 1e3, bwd_wall_ms=wb * 1e3,
                                fwd_wall_tflops_per_gpu=flops / cp / wf / 1e12,
                                bwd_wall_tflops_per_gpu=2.5 * flops / cp / wb / 1e12)
-                    if sf is not None:  # back-to-back steps (Timer._back_to_back)
+                    if sf is not None:  # back-to-back steps (Timer.back_to_back)
                         rec.update(fwd_b2b_ms=sf * 1e3, bwd_b2b_ms=sb * 1e3,
                                    b2b_ranks_ms=[[x * 1e3 for x in r] for r in ctx["timer"].b2b_ranks])
                     if impl == "megatron-cp":
@@ -522,9 +390,11 @@ def main(argv=None):
                         rec["imbalance"] = st["imbalance"]
                         rec["max_remote_kv_tokens"] = st["max_remote_kv_tokens"]
                         rec["guest_rows"] = st["guest_rows"]
-                        # the runtime's choice (planner.schedule.choose_stages; 0 = single exchange)
-                        rec["stages"] = [v for k, v in plan.cache.items() if isinstance(k, tuple) and k[0] == "choose_stages"]
-                        rec["dense_path_error"] = getattr(ctx["backend"], "fast_path_error", None)
+                        # the runtime's exchange choice (runtime.schedule.choose_schedule; 0 = single exchange)
+                        rec["stages"] = [0 if st.schedule is None else st.schedule.num_stages for st in states_of(plan)]
+                        be = ctx["backend"]  # families the cuDNN probe turned down (run on Triton alone)
+                        rec["cudnn_off"] = ({str(key): found.reason for key, found in be.cudnn_probes.items()
+                                             if found.layout is None} if isinstance(be, kernels.TritonBackend) else {})
                         kf, kt_f, kt_b, kb_f, kb_b = bench_kernel_only(plan, args, ctx)
                         t = torch.tensor([kf, kt_f, kt_b], dtype=torch.float64, device=device)
                         tmax = t.clone()
@@ -556,7 +426,7 @@ def main(argv=None):
                            + f"{max(r[2] for r in rec['b2b_ranks_ms']):.2f} / {max(r[3] for r in rec['b2b_ranks_ms']):.2f} ms"
                            if "fwd_b2b_ms" in rec else "")
                         + ")" + (f"  stages {rec['stages']}" if "stages" in rec else "")
-                        + (f"  dense path off: {rec['dense_path_error']}" if rec.get("dense_path_error") else ""))
+                        + (f"  cuDNN off: {rec['cudnn_off']}" if rec.get("cudnn_off") else ""))
                 dist.barrier(group)
     if rank == 0:
         now = datetime.datetime.now(datetime.UTC)

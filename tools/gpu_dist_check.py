@@ -1,16 +1,17 @@
 """GPU correctness of the distributed runtime with the production kernel paths (NCCL, torchrun).
 
 Each rank runs megatron-cp attention (planner + staged GroupCast runtime, and the single-exchange path
-``stages=0``, with and without early rows during the exchange; masks with rows keeping most keys also
-with those rows as guest rows, ``planner.guests``, when ``auto`` keeps them home), and each baseline strategy of
-``--strategies`` on its own plan layout, forward and backward on its tokens of one random bf16 problem, with the Triton backend
-whose dense pieces go to cuDNN (``dense_min_keys`` lowered so that pieces occur at this size), and
-compares its rows of out / lse / dq and its tokens of dk / dv with a dense fp64 reference. Rule
-(ANCHORS.md): rms error <= 2 x the rms error of the same dense computation run in bf16, plus 1e-6 x
-rms(reference); no NaN; fully masked rows give out 0 and lse -inf. Also counts the cuDNN calls, so a
-run that silently fell back to Triton is visible.
+``stages=0``; masks with rows keeping most keys also with those rows as guest rows, ``planner.guests``,
+when ``auto`` keeps them home), and each baseline strategy of ``--strategies`` on its own plan layout,
+forward and backward on its tokens of one random bf16 problem, with the Triton backend whose dense
+pieces go to cuDNN (``dense_min_keys`` lowered so that pieces occur at this size), and compares its rows
+of out / lse / dq and its tokens of dk / dv with a dense fp64 reference. Rule (ANCHORS.md): rms error
+<= 2 x the rms error of the same dense computation run in bf16, plus 1e-6 x rms(reference); no NaN;
+fully masked rows give out 0 and lse -inf. Also counts the cuDNN calls, so a run where cuDNN never ran
+is visible, and records the families the backend's cuDNN probe turned down.
 
     torchrun --nproc-per-node 4 tools/gpu_dist_check.py --json out.json
+    torchrun --nproc-per-node 2 tools/gpu_dist_check.py --device cpu --seqlen 512   # CPU dry run (gloo)
 """
 
 from __future__ import annotations
@@ -25,19 +26,21 @@ import sys
 import torch
 import torch.distributed as dist
 
+import megatron_cp as mcp
+from megatron_cp import kernels
+from megatron_cp.baselines import get_strategy, plan_for
+from megatron_cp.kernels import cudnn
+from megatron_cp.masks import catalog, geometry
+from megatron_cp.planner.guests import candidate_rows
+
+# tools/ (this script's folder): the chunked dense reference of the kernel check
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import megatron_cp as mcp  # noqa: E402
-from megatron_cp.kernels import triton_backend as tb  # noqa: E402
-from megatron_cp.baselines import get_strategy, plan_for  # noqa: E402
-from megatron_cp.masks import geometry  # noqa: E402
-from megatron_cp.planner.early import early_split  # noqa: E402
-from megatron_cp.planner.guests import candidate_rows  # noqa: E402
-
-from megatron_cp.masks import catalog  # noqa: E402
 from gpu_kernel_check import chunked_reference, rms  # noqa: E402
 
-CUDNN_CALLS = {"fwd": 0, "bwd": 0, "fwd_band": 0, "bwd_band": 0}
+# cuDNN calls by kind: the backend calls these functions of megatron_cp.kernels.cudnn, which main()
+# wraps to count them
+CUDNN_OPS = {"fwd": "forward", "bwd": "backward", "fwd_band": "forward_batched", "bwd_band": "backward_batched"}
+CUDNN_CALLS = dict.fromkeys(CUDNN_OPS, 0)
 
 
 def _count(name, fn):
@@ -55,9 +58,6 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dense-min-keys", type=int, default=2048)
-    ap.add_argument("--band-chunk", type=int, default=128, help="TritonConfig.band_chunk (bands on cuDNN)")
-    ap.add_argument("--band-min-keys", type=int, default=128)
-    ap.add_argument("--bwd-mode", default="deterministic", choices=["deterministic", "atomic"])
     ap.add_argument("--strategies", default="ring,ulysses,usp,allgather,head_context",
                     help="baseline strategies checked the same way (each on its plan_for layout); '' for none")
     ap.add_argument("--json", default=None)
@@ -69,12 +69,9 @@ def main(argv=None):
         torch.cuda.set_device(rank_env)
         dev = torch.device("cuda", rank_env)
         dist.init_process_group("nccl")
-        tb.cudnn_forward = _count("fwd", tb.cudnn_forward)
-        tb.cudnn_backward = _count("bwd", tb.cudnn_backward)
-        tb.cudnn_forward_batched = _count("fwd_band", tb.cudnn_forward_batched)
-        tb.cudnn_backward_batched = _count("bwd_band", tb.cudnn_backward_batched)
-        backend = tb.TritonBackend(tb.TritonConfig(dense_min_keys=args.dense_min_keys, bwd_mode=args.bwd_mode,
-                                                   band_chunk=args.band_chunk, band_min_keys=args.band_min_keys))
+        for key, op in CUDNN_OPS.items():
+            setattr(cudnn, op, _count(key, getattr(cudnn, op)))
+        backend = kernels.TritonBackend(kernels.TritonConfig(dense_min_keys=args.dense_min_keys))
     else:
         dev = torch.device("cpu")
         dist.init_process_group("gloo")
@@ -95,24 +92,21 @@ def main(argv=None):
         keep = torch.from_numpy(mask.to_dense()).to(dev)
         ref = chunked_reference(q, k, v, do, keep, torch.float64, scale)
         low = chunked_reference(q, k, v, do, keep, torch.bfloat16, scale)
-        sp = early_split(plan, rank)
-        has_early = bool(len(sp.early)) and plan.ranks[rank].num_remote + sum(plan.ranks[rank].send_index()[1]) > 0
-        variants = [("megatron-cp", None, False, plan), ("megatron-cp", 0, False, plan), ("megatron-cp", 0, True, plan)]
+        variants = [("megatron-cp", None, plan), ("megatron-cp", 0, plan)]
         # rows keeping most keys: also run them as guest rows (planner.guests) where auto keeps them home
         cand = candidate_rows(geometry.row_area_prefix(mask.traps, s), s, cp)
         if len(cand) and not plan.has_guests:
             gplan = mcp.plan(mask, cp, guest_rows=cand)
-            variants += [("megatron-cp", None, False, gplan), ("megatron-cp", 0, False, gplan)]
-        variants += [(x, None, False, None) for x in args.strategies.split(",") if x]
-        for impl, stages, early, vplan in variants:
-            CUDNN_CALLS.update(fwd=0, bwd=0, fwd_band=0, bwd_band=0)
+            variants += [("megatron-cp", None, gplan), ("megatron-cp", 0, gplan)]
+        variants += [(x, None, None) for x in args.strategies.split(",") if x]
+        for impl, stages, vplan in variants:
+            CUDNN_CALLS.update(dict.fromkeys(CUDNN_OPS, 0))
             vplan = vplan if vplan is not None else plan_for(impl, mask, cp)
             ids = torch.from_numpy(vplan.local_ids(rank)).to(dev)
             empty = ~keep[ids].any(1)
             ql, kl, vl = (t[ids].clone().requires_grad_() for t in (q, k, v))
             if impl == "megatron-cp":
-                out, lse = mcp.attention(ql, kl, vl, vplan, group, softmax_scale=scale, backend=backend, stages=stages,
-                                         early=early)
+                out, lse = mcp.attention(ql, kl, vl, vplan, group, softmax_scale=scale, backend=backend, stages=stages)
             else:
                 out, lse = get_strategy(impl, backend=backend)(ql, kl, vl, vplan, group, scale)
             out.backward(do[ids])
@@ -134,12 +128,12 @@ def main(argv=None):
             guest_rows = int((vplan.guest_runs[:, 1] - vplan.guest_runs[:, 0]).sum())
             rec = {"mask": name, "impl": impl, "stages": "auto" if stages is None else stages, "rank": rank, "ok": ok, "nan": nan,
                    "guest_rows": guest_rows,
-                   "early_rows": early and has_early and stages == 0,
                    "empty_rows_ok": empty_ok, "rms_err_vs_bf16_ref": errs, "cudnn_calls": dict(CUDNN_CALLS),
-                   "fast_path_error": getattr(backend, "fast_path_error", None)}
+                   "cudnn_off": ({str(key): found.reason for key, found in backend.cudnn_probes.items()
+                                  if found.layout is None} if isinstance(backend, kernels.TritonBackend) else {})}
             results.append(rec)
             ok_all = ok_all and ok
-            print(f"rank {rank} {name:<15} {impl:<13} stages={rec['stages']!s:<5} early={rec['early_rows']!s:<5} "
+            print(f"rank {rank} {name:<15} {impl:<13} stages={rec['stages']!s:<5} "
                   f"guests={guest_rows:<4} "
                   f"{'ok' if ok else 'FAIL'} cudnn={CUDNN_CALLS} "
                   + " ".join(f"{key} {e:.2e}/{el:.2e}" for key, (e, el) in errs.items()), flush=True)
@@ -150,8 +144,7 @@ def main(argv=None):
         flat = [r for rr in gathered for r in rr]
         allok = all(r["ok"] for r in flat)
         print(f"GPU distributed check: {sum(r['ok'] for r in flat)}/{len(flat)} rank-cases pass "
-              f"({sum(r['early_rows'] for r in flat)} with early rows during the exchange, "
-              f"{sum(r['guest_rows'] > 0 for r in flat)} with guest rows); "
+              f"({sum(r['guest_rows'] > 0 for r in flat)} with guest rows); "
               f"cuDNN calls fwd {sum(r['cudnn_calls']['fwd'] for r in flat)}, bwd {sum(r['cudnn_calls']['bwd'] for r in flat)}")
         if args.json:
             meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "num_devices": cp, "torch": torch.__version__,

@@ -1,7 +1,7 @@
 """Print plan.stats() for every builder mask at S=131072, cp=8, for the default solver beside
 contiguous and zigzag, and save the table as JSON.
 
-    python tools/plan_report.py [--seqlen 131072] [--cp 8] [--json benchmarks/plan_report.json]
+    python tools/plan_report.py [--seqlen 131072] [--cp 8] [--json out/plan_report.json]
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 import time
@@ -96,6 +97,7 @@ def main(argv=None):
             "command": " ".join(["python"] + sys.argv),
             "machine": platform.processor() or platform.machine(),
         }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0 if worst <= 0.05 else 1

@@ -1,4 +1,7 @@
-"""Measure the cost model's numbers on this machine and write them as JSON (``CostModel.load`` reads it).
+"""Research instrument (the cost model's calibration; not needed to use megatron-cp).
+
+Measures the cost model's numbers on this machine and writes them as JSON (``CostModel.load`` reads it;
+pass it to ``mcp.attention(cost_model=...)``, tools/bench_dist.py ``--cost`` or tools/sim/simulate.py).
 
 Kernel (Triton, dense path off), each row class on two lists the backend really runs in that class
 (checked): "long" bands of 4096 and 16384 keys per row, "short" bands of 256 and 1024, "blocky"
@@ -6,19 +9,23 @@ block-diagonal lists of 512 and 2048 (each class's peak and half-efficiency keys
 per visited block cell); one tiny tile (launch cost).
 Dense path (CUDA): cuDNN's forward/backward on full pieces of three shapes (peak, per-row and
 per-key-column terms), on a square causal piece, and the fixed cost of one dense piece beside Triton
-tiles. Every kernel time is GPU time, as tools/bench_dist.py times a step: after a sustained warm-up of
-``--seconds`` (a cold GPU's bursts run at boost clocks that a training step does not keep), calls issued
-while a spin kernel holds the stream, less the model's per-call ``launch_us``; inputs of the benchmarks'
-scale. (``--timing synced``: the lists timed in synced calls less a synced tiny call, the method before
+tiles. Every kernel time is GPU time, as tools/bench_dist.py times a step (tools/timing.py): after a
+sustained warm-up of ``--seconds`` (a cold GPU's bursts run at boost clocks that a training step does
+not keep), calls issued while a spin kernel holds the stream, less the model's per-call ``launch_us``;
+inputs of the benchmarks' scale. (``--timing synced``: the lists timed in synced calls less a synced tiny call, the method before
 2026-11-22, for comparison.)
 Communication (when started under torchrun with several ranks): all_to_all_single time for small
 messages (latency) and large ones (bandwidth), inside a node and, with several nodes, across them (each
 the median of five groups of ten calls);
 and the time a megatron-cp call exposes beyond its GPU work when timed alone (call_fwd_us / call_bwd_us).
 
-    python tools/calibrate.py --out benchmarks/cost_model.json                     # one GPU, kernels only
-    torchrun --nproc-per-node 4 tools/calibrate.py --out benchmarks/cost_model.json  # plus NCCL links
-    python tools/calibrate.py --device cpu --tiny --out /tmp/cost.json             # dry run on CPU
+    python tools/sim/calibrate.py --out out/cost.json                      # one GPU, kernels only
+    torchrun --nproc-per-node 4 tools/sim/calibrate.py --out out/cost.json   # plus NCCL links
+    python tools/sim/calibrate.py --device cpu --tiny --out /tmp/cost.json  # dry run on CPU
+
+It reads the library through public names and these documented internals: ``megatron_cp.runtime.cost``
+(``CostModel`` and its tile counters ``tile_areas`` / ``block_counts``), the Triton backend's configs
+(``kernels.TritonConfig.for_head_dim``) and its prepared lists' ``row_class``.
 """
 
 from __future__ import annotations
@@ -36,7 +43,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp import kernels
-from megatron_cp.planner.cost import CostModel, Workload
+from megatron_cp.planner import Workload
+from megatron_cp.runtime import CostModel
+from megatron_cp.runtime.cost import block_counts, tile_areas
+
+# tools/ (this file's parent folder): the benchmark's step timer, so that the kernels are timed as
+# tools/bench_dist.py times a step (its Timer.HOLD_CYCLES and Timer.run)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from timing import Timer  # noqa: E402
 
 
 def _time(fn, device, reps, seconds=0.0):
@@ -68,8 +82,6 @@ def _held(fn, device, n):
         for _ in range(n):
             fn()
         return (time.perf_counter() - t0) / n
-    from bench_dist import Timer
-
     while True:
         torch.cuda.synchronize(device)
         h, e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
@@ -100,7 +112,7 @@ def _passes(args, device) -> tuple[float, float]:
     an fp32 add of gradient sums (the ring's, the exchange's reductions) and a head-splitting copy of
     bf16 rows (Ulysses' send layout, the exchanges' row placements); bytes read plus written over their
     time. ``split_gbps``: the head-splitting copy alone, the only kind of pass Ulysses' layouts make
-    (profiled on 2 x H200 at ~1.55 TB/s against 2.49 for the blend: benchmarks/dist/run_0258_2gpu_prof).
+    (profiled on 2 x H200 at ~1.55 TB/s against 2.49 for the blend).
     (3000 GB/s was assumed before; in the profile of 4 x H200, 2026-11-22 00:13, such passes ran at
     1.6 TB/s, a head-splitting copy, to 4.3 TB/s, an fp32 to bf16 convert.)"""
     n, h, d, u = (256, 8, 16, 2) if args.tiny else (32768, 32, 128, 4)
@@ -126,10 +138,8 @@ def _kernel(args, device, work: Workload):
     """Triton numbers (dense path off), then, on CUDA, the dense (cuDNN) path's."""
     be = kernels.get_backend(args.backend, device)
     dense_be = None
-    if device.type == "cuda" and be.name == "triton":
-        from megatron_cp.kernels.triton_backend import TritonBackend, TritonConfig
-
-        dense_be, be = be, TritonBackend(TritonConfig(dense_fast_path=False))
+    if device.type == "cuda" and isinstance(be, kernels.TritonBackend):
+        dense_be, be = be, kernels.TritonBackend(kernels.TritonConfig(dense_fast_path=False))
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     hq, hkv, d = work.num_heads, work.num_kv_heads, work.head_dim
     rows = 256 if args.tiny else 16384
@@ -158,8 +168,6 @@ def _kernel(args, device, work: Workload):
             return _held(fn, device, reps if warm else 2 * reps)
         return _time(fn, device, reps, secs)  # synced calls (``--timing synced``)
 
-    from megatron_cp.planner.cost import block_counts, tile_areas
-
     per_flop = work.fwd_flops(1.0)
     out = {}
     who = f" (rank {dist.get_rank()})" if dist.is_initialized() else ""  # every rank measures; rank 0's are kept
@@ -175,7 +183,7 @@ def _kernel(args, device, work: Workload):
     # Until 2026-11-22 the Triton lists (and the causal cuDNN square) were timed synced, less a synced
     # tiny forward, which left the calls' host lead and a synced loop's clocks in: the bands' backward
     # was over-predicted by 10-16% against the same calls held (kernel target). Both ways in one lease
-    # (2 x H200, benchmarks/dist/run_0752_2gpu): the 2 x 64k sliding-window backward 1.16 -> 1.11 kernel
+    # (2 x H200): the 2 x 64k sliding-window backward 1.16 -> 1.11 kernel
     # alone, 1.19 -> 1.13 GPU time. ``--timing synced`` measures the old way (the dense grid and piece
     # stay held), for comparison
     t_call = out["launch_us"] * 1e-6
@@ -195,7 +203,7 @@ def _kernel(args, device, work: Workload):
     # and 1024 keys, mostly partial blocks, and causal documents of 1024; "blocky": block-diagonal lists
     # of 512, 1024 and 2048, all blocks full, and causal documents of 2048), fitted in relative error over
     # the class's lists (packed documents ran 11% slower than bands and full blocks alone predicted:
-    # tools/cost_check.py on 2 x 64k, 22:46)
+    # tools/sim/cost_check.py on 2 x 64k)
     hd = work.head_dim
     def docs(b, kind):  # block-diagonal: documents of b tokens, each full (kind 0) or causal (kind 1)
         return [[i, i + b, i, i + b, kind] for i in range(0, rows, b)]
@@ -229,11 +237,11 @@ def _kernel(args, device, work: Workload):
             rf.append(([cf, rows], tf / per_flop))
             rb.append(([cb, rows], tb / (2.5 * per_flop)))
         pre = "" if cls == "long" else f"{cls}_"
-        (peak_f, half_f), (peak_b, half_b) = _linear_fit(rf, cls), _linear_fit(rb, cls)
+        (peak_f, half_f), (peak_b, half_b) = linear_fit(rf, cls), linear_fit(rb, cls)
         out[f"{pre}fwd_tflops"], out[f"{pre}bwd_tflops"] = peak_f / 1e12, peak_b / 1e12
         if cls == "long":  # one half-efficiency for both phases
             out["half_keys"] = half_f[0]
-            out["bwd_tflops"] = _linear_fit(rb, cls, fixed=half_f)[0] / 1e12
+            out["bwd_tflops"] = linear_fit(rb, cls, fixed=half_f)[0] / 1e12
         else:
             out[f"{cls}_half_keys"], out[f"{cls}_bwd_half_keys"] = half_f[0], half_b[0]
             out[f"{cls}_block_m"], out[f"{cls}_block_n"] = fwd_blk
@@ -253,19 +261,19 @@ def _kernel(args, device, work: Workload):
                 cb = float(block_counts(tn, *bwd_blk)[0].sum()) * bwd_blk[0] * bwd_blk[1]
                 bf.append(([cf, rows], tf / per_flop))
                 bb.append(([cb, rows], tb / (2.5 * per_flop)))
-            out["blocky_band_fwd_tflops"] = _linear_fit(bf, "blocky band", fixed=[out["blocky_half_keys"]])[0] / 1e12
-            out["blocky_band_bwd_tflops"] = _linear_fit(
+            out["blocky_band_fwd_tflops"] = linear_fit(bf, "blocky band", fixed=[out["blocky_half_keys"]])[0] / 1e12
+            out["blocky_band_bwd_tflops"] = linear_fit(
                 bb, "blocky band", fixed=[out["blocky_bwd_half_keys"] or out["blocky_half_keys"]])[0] / 1e12
     hbm, split = _passes(args, device)
     out["hbm_gbps"], out["split_gbps"] = hbm / 1e9, split / 1e9
     if device.type == "cuda":
         out["num_sms"] = torch.cuda.get_device_properties(device).multi_processor_count
-        out.update(_long_rows(timed, out, work, rows, args.tiny))
+        out.update(fit_long_rows(timed, out, work, rows, args.tiny))
     if dense_be is not None:
         # full pieces: cells + half_keys * rows + half_rows * keys at the peak, fitted on nine shapes that
         # span the pieces plans make (512 .. 8192 rows: guest rows, stage and ring pieces; 8192 .. 65536
         # keys), so that no piece is an extrapolation (three exact shapes put 1.9 ms on a 512 x 32768
-        # guest piece's backward that the kernel does not spend: benchmarks/dist/README.md, 21:29)
+        # guest piece's backward that the kernel does not spend)
         # the pieces' wave efficiency on this GPU, as the model applies it
         waves = CostModel(num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
         # (held, like every list: a synced call of a small piece is mostly the host's issue and round trip,
@@ -285,7 +293,7 @@ def _kernel(args, device, work: Workload):
         # the measured rates themselves: the model reads full pieces off this grid
         out.update(dense_grid_rows=list(g_rows), dense_grid_keys=list(g_keys), dense_grid_fwd_tflops=grid_f,
                    dense_grid_bwd_tflops=grid_b, dense_grid_heads=hq)
-        (peak_f, (hk_f, hr_f)), (peak_b, (hk_b, hr_b)) = _linear_fit(pf, "dense"), _linear_fit(pb, "dense")
+        (peak_f, (hk_f, hr_f)), (peak_b, (hk_b, hr_b)) = linear_fit(pf, "dense"), linear_fit(pb, "dense")
         out.update(dense_fwd_tflops=peak_f / 1e12, dense_half_keys=hk_f, dense_half_rows=hr_f,
                    dense_bwd_tflops=peak_b / 1e12, dense_bwd_half_keys=hk_b, dense_bwd_half_rows=hr_b)
         n = 2 * rows  # a square causal piece: its own peak, with the full pieces' row and key terms
@@ -305,13 +313,12 @@ def _kernel(args, device, work: Workload):
         print(f"calibrate{who}: a {mr} x {mk} cuDNN piece beside a tiny tile: {t_piece * 1e6:.1f} us a call, "
               f"{model_t * 1e6:.1f} of it the piece's kernel model: dense_piece_us {out['dense_piece_us']:.1f}", flush=True)
         out["dense_min_rows"], out["dense_min_keys"] = mr, mk
-        # the backend's band rules (not measured: what the kernel backend does with bands)
-        out["band_chunk"], out["band_min_keys"] = int(c.band_chunk), int(c.band_min_keys)
+        # the backend's band rule (not measured: what the kernel backend does with bands)
         out["band_squares"] = int(c.band_squares)
     return out
 
 
-def _long_rows(timed, fitted, work: Workload, rows: int, tiny: bool) -> dict:
+def fit_long_rows(timed, fitted, work: Workload, rows: int, tiny: bool) -> dict:
     """``row_alone_tflops`` and ``row_share`` (CostModel.long_rows): one q block of 128 rows keeping
     every one of a long key range (global rows), beside (a) a light background of short rows, where the
     long programs run nearly alone, and (b) a background of 2048-key rows whose work is comparable to
@@ -345,7 +352,7 @@ def _long_rows(timed, fitted, work: Workload, rows: int, tiny: bool) -> dict:
     return dict(row_alone_tflops=alone, row_share=share)
 
 
-def _linear_fit(points, what, fixed=None):
+def linear_fit(points, what, fixed=None):
     """(peak FLOP/s, [half terms]) of t = (cells + sum(half_i * x_i)) / peak through ``points`` = [([cells,
     x_1, ...], t / flops per cell)]: least squares in relative error over every point, terms >= 0 (the
     best fit over the subsets of half terms left free: a term the points do not support is 0).
@@ -377,11 +384,11 @@ def _linear_fit(points, what, fixed=None):
     return 1.0 / x[0], (x[1:] / x[0]).tolist()
 
 
-def _median_time(fn, device, reps, groups=5):
+def median_time(fn, device, reps, groups=5):
     """Median over ``groups`` of ``_time(fn, device, reps)``: one slow group (a stall on one rank holds
     every rank's collective) does not set a link's rate (4 x H200, 2026-11-22 08:10: a mean of 10
     all-to-alls gave intra_gbps 216 where every other lease measured 297-452 and that lease's Ulysses and
-    all-gather steps ran as fast as the previous lease's; benchmarks/dist/run_0807_x4)."""
+    all-gather steps ran as fast as the previous lease's)."""
     return float(np.median([_time(fn, device, reps) for _ in range(groups)]))
 
 
@@ -396,7 +403,7 @@ def _links(args, device):
         per_peer = (1 << 20 if args.tiny else 64 << 20) if big else 1024
         x = torch.empty(per_peer * world, dtype=torch.uint8, device=device)
         y = torch.empty_like(x)
-        res[name] = _median_time(lambda: dist.all_to_all_single(y, x), device, reps)
+        res[name] = median_time(lambda: dist.all_to_all_single(y, x), device, reps)
     # one neighbour: each rank sends a block to the next rank and receives one from the previous, as the
     # ring baseline's steps do (NCCL point-to-point: fewer channels than an all-to-all's)
     # at two sizes (the time is not proportional to the bytes: CostModel.p2p_time)
@@ -411,7 +418,7 @@ def _links(args, device):
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
 
-            res[key] = _median_time(ring_step, device, reps)
+            res[key] = median_time(ring_step, device, reps)
             del xs, xr
     # bytes leaving each GPU (to the other ranks) per all-to-all
     per_peer = 1 << 20 if args.tiny else 64 << 20
@@ -440,11 +447,9 @@ def _call(args, device, work: Workload, fields: dict):
     (its ``Timer``): alone (wall) and with the stream held while the host issues it (GPU time, CUDA
     events); the difference, medians of the slowest rank. (A tiny call would time its whole host path,
     0.5 / 1.3 ms on 4 x H200, much of which a real call runs while its kernels do; a queued loop of calls
-    absorbs the ranks' skew in its all-to-alls and left 0.08 / 0.49 ms: benchmarks/dist/README.md.)"""
+    absorbs the ranks' skew in its all-to-alls and left 0.08 / 0.49 ms.)"""
     import megatron_cp as mcp
     from megatron_cp import masks
-    from bench_dist import Timer
-
     world, rank = dist.get_world_size(), dist.get_rank()
     s = (256 if args.tiny else 8192) * world
     plan = mcp.plan(masks.causal(s), world)
@@ -510,8 +515,8 @@ def main(argv=None):
         fields["num_sms"] = torch.cuda.get_device_properties(device).multi_processor_count
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     world = dist.get_world_size() if distributed else 1
-    fields["source"] = (f"tools/calibrate.py on {world} x {name}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
-                        f"kernel lists timed {args.timing}, command: tools/calibrate.py "
+    fields["source"] = (f"tools/sim/calibrate.py on {world} x {name}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+                        f"kernel lists timed {args.timing}, command: tools/sim/calibrate.py "
                         f"{' '.join(sys.argv[1:] if argv is None else argv)}")
     model = CostModel(**{**base.__dict__, **{k: v if isinstance(v, (str, int)) else tuple(v) if isinstance(v, list)
                                              else float(v) for k, v in fields.items()}})

@@ -1,4 +1,6 @@
-"""Predict context-parallel attention time, bytes per link and imbalance from plans and a cost model.
+"""Research instrument (the cost model's simulator; not needed to use megatron-cp).
+
+Predicts context-parallel attention time, bytes per link and imbalance from plans and a cost model.
 
 For cp = 8 .. 1024 GPUs (``--gpus-per-node`` 8, ``--inter-gbps`` 50 GB/s = 400 Gb/s per GPU between
 nodes) and a fixed number of tokens per GPU, compares:
@@ -16,35 +18,36 @@ nodes) and a fixed number of tokens per GPU, compares:
 - ``ulysses``: all-to-all over heads (cp <= query heads), full-sequence attention per head group.
 
 The kernel rates (per row class, dense pieces), memory-pass and link bandwidths come from ``--cost``
-(``tools/calibrate.py`` output; defaults otherwise). Predictions are GPU times of a step with the host
+(``tools/sim/calibrate.py`` output; defaults otherwise). Predictions are GPU times of a step with the host
 ahead, as in training (``--compare`` checks them against the benchmark's GPU time, and adds each call's
 calibrated exposed host time to check wall times). Predicted per-GPU TFLOP/s counts mask-area FLOPs
 (4 * area * Hq * D forward, 2.5x backward) divided by cp and by the predicted time.
 
-    python tools/simulate.py                                   # packed docs, cp 8..1024, 8k tokens/GPU
-    python tools/simulate.py --masks packed,causal --cps 8,16,32,64 --json out.json
-    python tools/simulate.py --compare benchmarks/dist/bench_4gpu.json   # predicted vs measured
+    python tools/sim/simulate.py                               # packed docs, cp 8..1024, 8k tokens/GPU
+    python tools/sim/simulate.py --masks packed,causal --cps 8,16,32,64 --json out.json
+    python tools/sim/simulate.py --compare out/bench_4x....json --cost cost.json   # predicted vs measured
+
+It reads the library through public names and these documented internals of the runtime's cost model:
+``megatron_cp.runtime.cost`` (``guest_predict``, ``guest_traffic``) and the plan's fields (``Plan.traps``,
+``RankPlan.traps`` / ``recv_runs`` / ``send_runs``); mask geometry through ``masks.geometry.traps_to_tiles``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import megatron_cp as mcp  # noqa: E402
-from megatron_cp.baselines import plan_for  # noqa: E402
-from megatron_cp.planner.cost import CostModel, Workload  # noqa: E402
-from megatron_cp.planner.guests import predict as guest_predict, traffic as guest_traffic  # noqa: E402
-from megatron_cp.planner.schedule import clip_tiles, rank_traps  # noqa: E402
-
-from megatron_cp.masks import catalog  # noqa: E402
+import megatron_cp as mcp
+from megatron_cp.baselines import plan_for
+from megatron_cp.masks import catalog
+from megatron_cp.masks.geometry import traps_to_tiles
+from megatron_cp.planner import Workload
+from megatron_cp.runtime import CostModel
+from megatron_cp.runtime.cost import guest_predict, guest_traffic
 
 
 # ------------------------------------------------------------------------------- mask geometry
@@ -83,18 +86,23 @@ def _kernel_time(cost: CostModel, work: Workload, area: float, rows: float, back
     return cost.launch_us * 1e-6 + tiles * cost.tile_us * 1e-6 + work.fwd_flops(area) / (peak * eff)
 
 
-def _covered_rows(tiles) -> int:
-    """Query rows that a tile list touches (the union of its row ranges)."""
-    t = np.asarray(tiles).reshape(-1, 5)
-    if not len(t):
+def _union_len(runs) -> int:
+    """Length of the union of half-open runs (int [n, 2])."""
+    r = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    if not len(r):
         return 0
-    t = t[np.argsort(t[:, 0], kind="stable")]
-    tot, lo, hi = 0, int(t[0, 0]), int(t[0, 1])
-    for a, b in t[1:, :2].tolist():
+    r = r[np.argsort(r[:, 0], kind="stable")]
+    tot, lo, hi = 0, int(r[0, 0]), int(r[0, 1])
+    for a, b in r[1:].tolist():
         if a > hi:
             tot, lo = tot + hi - lo, a
         hi = max(hi, b)
     return tot + hi - lo
+
+
+def _covered_rows(tiles) -> int:
+    """Query rows that a tile list touches (the union of its row ranges)."""
+    return _union_len(np.asarray(tiles).reshape(-1, 5)[:, :2])
 
 
 def _pipeline(local_c, remote_c, comm, n, latency):
@@ -128,18 +136,15 @@ def ours(mask, cp, g, cost, work, hierarchical=True, solver=None, guest_rows="au
             for src, runs in enumerate(r.recv_runs):
                 if src // gpn != r.rank // gpn and len(runs):
                     seen[r.rank // gpn].append(runs)
-        from megatron_cp.planner.plan import _merge_runs
-
-        for n in range(nodes):
+        for n in range(nodes):  # each K/V row a node needs from other nodes crosses into it once
             if seen[n]:
-                m = _merge_runs(np.concatenate(seen[n]))
-                node_inter[n] = (m[:, 1] - m[:, 0]).sum()
+                node_inter[n] = _union_len(np.concatenate(seen[n]))
     fwd, inter_b, intra_b = [], [], []
     for r in plan.ranks:
-        traps = rank_traps(plan, r.rank)
-        local = clip_tiles(traps, None, r.segments)
+        traps = r.traps  # the rank's cells: rows local, keys global
+        local = traps_to_tiles(traps, None, r.segments)
         runs = [x for x in r.recv_runs if len(x)]
-        remote = clip_tiles(traps, None, np.sort(np.concatenate(runs), axis=0)) if runs else local[:0]
+        remote = traps_to_tiles(traps, None, np.sort(np.concatenate(runs), axis=0)) if runs else local[:0]
         rows = r.num_tokens
         # the runtime's kernel model (dense pieces on cuDNN, row efficiency) on the rank's real tiles;
         # remote tiles once per split (stage pieces shrink, which can drop them off the dense path)
@@ -213,7 +218,7 @@ def ring(mask, cp, g, cost, work, layout="contiguous", ri=None):
         src = (np.arange(cp) - i) % cp
         a = areas[np.arange(cp), src]
         if exact:
-            step = [clip_tiles(traps, segs[r], segs[src[r]]) for r in range(cp)]
+            step = [traps_to_tiles(traps, segs[r], segs[src[r]]) for r in range(cp)]
             # the accumulating Triton forward reads and writes the fp32 running output of the rows it
             # visits (dense pieces are merged into it by rows, which tile_time counts)
             kf = max(cost.tile_time(t, work, accumulate=True) + cost.stage_overhead(_covered_rows(cost.rest_tiles(t)), work)
@@ -266,7 +271,7 @@ def ulysses(mask, cp, g, cost, work):
         f += 1
     hkv = work.num_kv_heads * f
     w = Workload(hq // cp, hkv // cp, work.head_dim, work.dtype_bytes)
-    tiles = clip_tiles(mask.traps, None, [[0, s]])  # the whole mask as one tile list
+    tiles = traps_to_tiles(mask.traps, None, [[0, s]])  # the whole mask as one tile list
     kf = cost.tile_time(tiles, w)
     kb = cost.tile_time(tiles, w, True)
     n = s / cp
@@ -451,7 +456,7 @@ def main(argv=None):
     ap.add_argument("--tokens-per-gpu", type=int, default=8192)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--inter-gbps", type=float, default=50.0, help="GB/s per GPU between nodes (400 Gb/s = 50)")
-    ap.add_argument("--cost", default=None, help="CostModel JSON from tools/calibrate.py")
+    ap.add_argument("--cost", default=None, help="CostModel JSON from tools/sim/calibrate.py")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)

@@ -1,4 +1,6 @@
-"""The cost model's kernel time against the kernel, call by call, on the benchmark's real tile lists.
+"""Research instrument (the cost model's check; not needed to use megatron-cp).
+
+The cost model's kernel time against the kernel, call by call, on the benchmark's real tile lists.
 
 For each benchmark mask (megatron_cp.masks.catalog) at ``--seqlen`` planned for ``--cp`` ranks, every kernel
 call that tools/bench_dist.py's implementations make, with its own tile list and shapes:
@@ -6,9 +8,10 @@ call that tools/bench_dist.py's implementations make, with its own tile list and
 - ``megatron-cp``: rank r's tiles over its K/V buffer (``mcp.plan(mask, cp)``, as the benchmark), and
   its guest rows' tiles over its own keys when the plan has guest rows (``megatron-cp-guest``);
 - ``ring``: step i of rank r, its rows against the block of rank (r - i) % cp (``plan_for("ring")``'s
-  layout; forward through ``forward_accumulate``, as the ring runs it);
-- ``ulysses``: the whole mask on Hq / cp query heads (K/V heads repeated as the baseline does);
-- ``allgather``: rank r's rows against every key, in rank order.
+  layout, ``baselines.ring_tiles``; forward through ``forward_accumulate``, as the ring runs it);
+- ``ulysses``: the whole mask on Hq / cp query heads (``baselines.mask_tiles``; K/V heads repeated as
+  the baseline does, ``planner.layout.kv_head_repeat``);
+- ``allgather``: rank r's rows against every key, in rank order (``baselines.rank_tiles``).
 
 Each call runs forward and backward (delta computed by the kernel, as the runtime asks) with the
 default backend (Triton with cuDNN dense pieces), queued: calls back to back for ``--seconds`` after as
@@ -18,8 +21,8 @@ written (``--out``): measured and predicted (``CostModel.tile_time`` with ``--co
 Under torchrun the calls are shared round-robin over the processes (one GPU each, no communication
 but the final gather), so a 4-GPU machine checks 4 x faster. bf16, Hq 32, Hkv 8, D 128.
 
-    torchrun --nproc-per-node 4 tools/cost_check.py --cost cost.json --out check.json
-    python tools/cost_check.py --device cpu --tiny --out /tmp/cc.json      # CPU dry run
+    torchrun --nproc-per-node 4 tools/sim/cost_check.py --cost cost.json --out out/check.json
+    python tools/sim/cost_check.py --device cpu --tiny --out /tmp/cc.json      # CPU dry run
 """
 
 from __future__ import annotations
@@ -35,16 +38,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import megatron_cp as mcp  # noqa: E402
-from megatron_cp import kernels  # noqa: E402
-from megatron_cp.baselines import plan_for  # noqa: E402
-from megatron_cp.planner.cost import CostModel, Workload, tile_areas  # noqa: E402
-from megatron_cp.planner.layout import kv_head_repeat  # noqa: E402
-from megatron_cp.planner.schedule import clip_tiles  # noqa: E402
-
-from megatron_cp.masks import catalog  # noqa: E402
+import megatron_cp as mcp
+from megatron_cp import kernels
+from megatron_cp.baselines import mask_tiles, plan_for, rank_tiles, ring_tiles
+from megatron_cp.masks import catalog
+from megatron_cp.planner import Workload
+from megatron_cp.planner.layout import kv_head_repeat
+from megatron_cp.runtime import CostModel
+from megatron_cp.runtime.cost import tile_areas
 
 IMPLS = ["megatron-cp", "ring", "ulysses", "allgather"]
 
@@ -66,25 +67,21 @@ def calls(name: str, s: int, cp: int, impls, work: Workload):
                                 sq=n_guest, sk=r.num_tokens))
     if "ring" in impls:
         plan = plan_for("ring", mask, cp)
-        runs = [r.segments for r in plan.ranks]
         n = [r.num_tokens for r in plan.ranks]
         for r in range(cp):
-            for i in range(cp):
+            for i, t in enumerate(ring_tiles(plan, 1, r)):  # step i: rank r's rows x rank (r - i) % cp's keys
                 src = (r - i) % cp
-                t = clip_tiles(mask.traps, runs[r], runs[src])
                 if len(t):
                     out.append(dict(base, impl="ring", rank=r, step=i, tiles=t, sq=n[r], sk=n[src],
                                     layout=plan.solver))
     if "ulysses" in impls and work.num_heads % cp == 0:
         f = kv_head_repeat(work.num_heads, work.num_kv_heads, cp)
-        out.append(dict(base, impl="ulysses", rank=0, step=0, tiles=clip_tiles(mask.traps, None, [[0, s]]),
+        out.append(dict(base, impl="ulysses", rank=0, step=0, tiles=mask_tiles(plan_for("ulysses", mask, cp)),
                         sq=s, sk=s, heads=work.num_heads // cp, kv_heads=work.num_kv_heads * f // cp))
     if "allgather" in impls:
         plan = plan_for("allgather", mask, cp)
-        from megatron_cp.baselines.strategies import _allgather_tiles
-
         for r in range(cp):
-            out.append(dict(base, impl="allgather", rank=r, step=0, tiles=_allgather_tiles(plan, r),
+            out.append(dict(base, impl="allgather", rank=r, step=0, tiles=rank_tiles(plan, r),
                             sq=plan.num_local(r), sk=s))
     return [c for c in out if len(c["tiles"])]
 
@@ -116,11 +113,10 @@ def measure(c: dict, be, device, dtype, seconds: float) -> tuple[float, float]:
     prep = be.prepare(torch.from_numpy(np.asarray(c["tiles"]).astype("int32")), c["sq"], c["sk"])
     out, lse = be.forward(q, k, v, prep, None)
     do = torch.randn_like(out)
-    acc_fn = getattr(be, "forward_accumulate", None) if c["impl"] == "ring" else None
-    if acc_fn is not None:
-        acc = torch.zeros(out.shape, dtype=torch.float32, device=device)
-        lacc = torch.full(out.shape[:2], float("-inf"), dtype=torch.float32, device=device)
-        fwd = lambda: acc_fn(q, k, v, prep, None, acc, lacc)  # noqa: E731
+    if c["impl"] == "ring":  # the ring adds every step into a running output (kernels.Backend protocol)
+        acc = torch.zeros(out.shape, dtype=kernels.accumulate_dtype(dtype), device=device)
+        lacc = torch.full(out.shape[:2], float("-inf"), dtype=kernels.accumulate_dtype(dtype), device=device)
+        fwd = lambda: be.forward_accumulate(q, k, v, prep, None, acc, lacc)  # noqa: E731
     else:
         fwd = lambda: be.forward(q, k, v, prep, None)  # noqa: E731
     tf = _time(fwd, device, seconds)
@@ -134,7 +130,7 @@ def main(argv=None):
     ap.add_argument("--seqlen", type=int, default=131072)
     ap.add_argument("--cp", type=int, default=4)
     ap.add_argument("--impls", default=",".join(IMPLS))
-    ap.add_argument("--cost", default=None, help="CostModel JSON (tools/calibrate.py); default CostModel()")
+    ap.add_argument("--cost", default=None, help="CostModel JSON (tools/sim/calibrate.py); default CostModel()")
     ap.add_argument("--seconds", type=float, default=0.2, help="warm-up and measuring time of each figure")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--backend", default="auto")

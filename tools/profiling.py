@@ -22,7 +22,7 @@ DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 def profile_step(fwd, bwd, sync, phases=("fwd", "bwd"), hold=None, b2b=False):
     """Run fwd() then bwd(out) once under torch.profiler; returns (trace events, host ms per phase).
 
-    ``hold``: called before each phase (e.g. bench_dist's ``Timer._hold``, a spin kernel on the stream):
+    ``hold``: called before each phase (e.g. ``timing.Timer.hold``, a spin kernel on the stream):
     the host then issues the phase while the GPU is busy, so the timeline shows GPU work without the
     host's launch gaps, as bench_dist's GPU time does; host ms is then the issue time.
     ``b2b``: as bench_dist's back-to-back timing: one unrecorded step first, then the profiled one, with
