@@ -166,7 +166,7 @@ def _bad_input_cases(rank, world):
         "scale": (lambda: mcp.attention(q, k, v, plan, group, softmax_scale=-1.0), "softmax_scale"),
         "dispatch_len": (lambda: mcp.dispatch(torch.randn(39, 2), plan, group), "39 entries, expected 40"),
         "backend": (lambda: mcp.attention(q, k, v, plan, group, backend="cudnn"), "unknown attention backend 'cudnn'"),
-        "backend_obj": (lambda: mcp.attention(q, k, v, plan, group, backend=object()), "prepare/forward/backward"),
+        "backend_obj": (lambda: mcp.attention(q, k, v, plan, group, backend=object()), "implementing megatron_cp.kernels.Backend"),
     }
     out = raise_before_collectives(bad)
     # plans that differ across ranks: same local sizes (contiguous), different masks

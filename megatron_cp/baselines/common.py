@@ -2,14 +2,13 @@
 backend call over a tile list, and the permutation between rank order and global order.
 
 Per-plan state (prepared tile lists, group plans, row permutations) is derived once from the plan's
-public fields and kept in a dictionary keyed weakly by the plan object: nothing is written on the
-(frozen) plan, and a plan that is dropped takes its state with it.
+public fields and kept in the runtime's per-plan dictionary (``runtime.plan_cache``, keyed weakly by the
+plan object): nothing is written on the (frozen) plan, and a plan that is dropped takes its state with it.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 
 import numpy as np
 import torch
@@ -17,16 +16,12 @@ import torch
 from ..kernels import accumulate_dtype
 from ..masks import geometry
 from ..planner import Plan
-from ..runtime import check_inputs, plan_rank, resolve_backend
-
-_STATE: "weakref.WeakKeyDictionary[Plan, dict]" = weakref.WeakKeyDictionary()
+from ..runtime import check_inputs, plan_cache, plan_rank, resolve_backend
 
 
 def cached(plan: Plan, key, build):
     """``build()``, computed once per (plan, key) and kept while the plan lives (None is a value too)."""
-    state = _STATE.get(plan)
-    if state is None:
-        state = _STATE[plan] = {}
+    state = plan_cache(plan).setdefault("baselines", {})
     if key not in state:
         state[key] = build()
     return state[key]

@@ -1,16 +1,15 @@
 """Masks: ``AttnSlice``, ``AttnMask`` (union of slices) and builders for common patterns.
 
 Builders: full, causal, sliding_window, varlen, block_causal, prefix_lm, strided, global_local,
-star, streaming, from_block_table (EMPTY/FULL/CAUSAL), from_mask_mod (FlexAttention-style).
+star, streaming, from_block_table (``Block.EMPTY`` / ``FULL`` / ``CAUSAL`` entries), from_mask_mod
+(FlexAttention-style).
 
 ``megatron_cp.masks.catalog``: the named benchmark masks (AttnMask, mask_mod and kernel tile list of
 each), loaded on first use because it needs torch.
 """
 
 from .builders import (
-    CAUSAL,
-    EMPTY,
-    FULL,
+    Block,
     block_causal,
     causal,
     from_block_table,
@@ -32,7 +31,7 @@ BUILDERS = (
     "global_local", "star", "streaming", "from_block_table", "from_mask_mod",
 )
 
-__all__ = ["AttnMask", "AttnSlice", "KINDS", "EMPTY", "FULL", "CAUSAL", "BUILDERS", *BUILDERS]
+__all__ = ["AttnMask", "AttnSlice", "KINDS", "Block", "BUILDERS", *BUILDERS]
 
 
 def __getattr__(name):  # ``masks.catalog`` on first use: the rest of the package stays free of torch

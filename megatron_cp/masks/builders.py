@@ -19,6 +19,8 @@ Pictures in the docstrings: rows are queries (top = 0), columns are keys, ``#`` 
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import operator
 
 import numpy as np
@@ -26,9 +28,7 @@ import numpy as np
 from .slices import AttnMask, AttnSlice
 
 __all__ = [
-    "EMPTY",
-    "FULL",
-    "CAUSAL",
+    "Block",
     "full",
     "causal",
     "sliding_window",
@@ -43,10 +43,16 @@ __all__ = [
     "from_mask_mod",
 ]
 
-# Block-table entries understood by ``from_block_table``.
-EMPTY = 0
-FULL = 1
-CAUSAL = 2
+class Block(IntEnum):
+    """Entries of a block table (``from_block_table``): what a block keeps. Not the cell kinds of
+    slices and tiles (``megatron_cp.kinds.Kind``), which code a whole trapezoid's shape."""
+
+    EMPTY = 0
+    FULL = 1
+    CAUSAL = 2
+
+
+EMPTY, FULL, CAUSAL = Block.EMPTY, Block.FULL, Block.CAUSAL  # this module's own shorthand
 
 _SLOPES_TO_KIND = {(0, 0): "full", (0, 1): "causal", (1, 0): "inv_causal", (1, 1): "bi_causal"}
 

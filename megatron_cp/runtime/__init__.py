@@ -1,8 +1,9 @@
 """Runtime: dispatch tokens by a plan and run distributed attention over it.
 
 ``attention`` / ``dispatch`` / ``undispatch`` are the user API; ``check_inputs``, ``plan_rank``,
-``resolve_backend`` and ``merge_lse`` are what other strategies (``megatron_cp.baselines``) share with
-it; ``CostModel`` (``runtime.cost``) chooses the exchange and is what ``tools/sim`` calibrates.
+``resolve_backend``, ``merge_lse`` and ``plan_cache`` (state derived from a plan, kept weakly by it)
+are what other strategies (``megatron_cp.baselines``) share with it; ``CostModel`` (``runtime.cost``)
+chooses the exchange and is what ``tools/sim`` calibrates.
 """
 
 from .attention import attention, check_inputs, resolve_backend
@@ -10,6 +11,7 @@ from .cost import CostModel
 from .dispatch import dispatch, undispatch
 from .groups import plan_rank
 from .merge import merge_lse
+from .state import plan_cache
 
 __all__ = ["attention", "dispatch", "undispatch", "check_inputs", "resolve_backend", "plan_rank", "merge_lse",
-           "CostModel"]
+           "plan_cache", "CostModel"]

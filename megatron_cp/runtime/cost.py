@@ -132,7 +132,7 @@ class CostModel:
     # and rows, as Ulysses' head groups have); 0: not modelled
     num_sms: int = 0
     dense_block: int = 128
-    # measured full pieces (tools/calibrate.py): TFLOP/s of a rows x keys piece on a grid of rows x keys
+    # measured full pieces (tools/sim/calibrate.py): TFLOP/s of a rows x keys piece on a grid of rows x keys
     # (row-major, ``dense_grid_heads`` query heads); when present, a full piece's rate is read off it
     # (bilinear in log2 rows and keys, clamped to the grid's edges) instead of the peak and half terms
     # above, which square causal pieces keep using
@@ -144,7 +144,7 @@ class CostModel:
     # a forward program (one q block, one head) walks every k block of its row: a list with a few very
     # long rows among short ones (global rows) lasts at least as long as those programs. A long program
     # runs at row_share of its multiprocessor's share of the list's rate while other programs run beside
-    # it, at row_alone_tflops once they are done (tools/calibrate.py measures both in the "blocky" class,
+    # it, at row_alone_tflops once they are done (tools/sim/calibrate.py measures both in the "blocky" class,
     # and the model applies them to that class's lists; 0, or num_sms 0: not modelled)
     row_alone_tflops: float = 0.0
     row_share: float = 0.0

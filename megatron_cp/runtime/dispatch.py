@@ -6,17 +6,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import all_gather_rows
+from ..comm import all_gather_rows
 from ..planner import Plan
 from .groups import plan_rank
+from .state import plan_cache
 
 
 def _ids(plan: Plan, rank: int, device) -> torch.Tensor:
+    cache = plan_cache(plan)
     key = ("ids", rank, str(device))
-    t = plan.cache.get(key)
+    t = cache.get(key)
     if t is None:
-        t = torch.from_numpy(plan.local_ids(rank)).to(device)
-        plan.cache[key] = t
+        t = cache[key] = torch.from_numpy(plan.local_ids(rank)).to(device)
     return t
 
 
@@ -49,14 +50,14 @@ def _gather(x_local: torch.Tensor, plan: Plan, group, seq_dim: int) -> torch.Ten
     """All-gather variable-length local parts (padded to the longest) into global order."""
     x = x_local.movedim(seq_dim, 0).contiguous()
     rows = all_gather_rows(x, [plan.num_local(r) for r in range(plan.cp_size)], group)
+    cache = plan_cache(plan)
     key = ("gather_order", str(x.device))
-    order = plan.cache.get(key)
+    order = cache.get(key)
     if order is None:
         ids = np.concatenate([plan.local_ids(r) for r in range(plan.cp_size)])
         inv = np.empty_like(ids)
         inv[ids] = np.arange(len(ids))
-        order = torch.from_numpy(inv).to(x.device)
-        plan.cache[key] = order
+        order = cache[key] = torch.from_numpy(inv).to(x.device)
     full = rows.index_select(0, order)
     return full.movedim(0, seq_dim)
 

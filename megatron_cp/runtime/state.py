@@ -78,7 +78,9 @@ class RankRuntime:
 
 
 _STATES: "weakref.WeakKeyDictionary[Plan, dict]" = weakref.WeakKeyDictionary()
-def _plan_cache(plan: Plan) -> dict:
+def plan_cache(plan: Plan) -> dict:
+    """The runtime's dict of things derived from ``plan`` (per-rank states, dispatch indices), created on
+    first use and dropped with the plan."""
     d = _STATES.get(plan)
     if d is None:
         d = _STATES[plan] = {}
@@ -87,14 +89,14 @@ def _plan_cache(plan: Plan) -> dict:
 
 def states_of(plan: Plan) -> list[RankRuntime]:
     """The execution states built for ``plan`` so far in this process (for inspection and tests)."""
-    return [v for k, v in _plan_cache(plan).items() if isinstance(k, tuple) and k[0] == "rank"]
+    return [v for k, v in plan_cache(plan).items() if isinstance(k, tuple) and k[0] == "rank"]
 
 
 def verify_plan(plan: Plan, group, device) -> None:
     """Once per (plan, group): every rank must hold the same plan (one tiny all-reduce)."""
     if group is None or plan.cp_size == 1:
         return
-    seen = _plan_cache(plan).setdefault("verified", set())
+    seen = plan_cache(plan).setdefault("verified", set())
     if id(group) not in seen:
         check_same_on_all_ranks(plan.digest64, group, device, "plan digest")
         seen.add(id(group))
@@ -105,7 +107,7 @@ def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, ba
     """The cached ``RankRuntime`` of ``rank`` (built on first use; every rank makes the same exchange
     choice, since the cost model's inputs are the same on every rank)."""
     key = ("rank", rank, str(device), backend_key, stages, hierarchical, cost, work)
-    cache = _plan_cache(plan)
+    cache = plan_cache(plan)
     st = cache.get(key)
     if st is None:
         sched = choose_schedule(plan, stages, cost, work, hierarchical)
