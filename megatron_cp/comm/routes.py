@@ -1,6 +1,6 @@
 """Staged, optionally hierarchical GroupCast / GroupReduce over precomputed routes.
 
-A route (``planner.schedule.Route`` converted by ``DeviceRoute``) is one or two all-to-all-v phases:
+A route (``runtime.schedule.Route`` converted by ``DeviceRoute``) is one or two all-to-all-v phases:
 phase A (any rank to any rank; across nodes only to the rail-aligned relay) and, when hierarchical,
 phase B (relays forward inside their node). ``cast_steps`` / ``reduce_steps`` are generators: each
 ``next()`` issues the next collective asynchronously and yields; the caller computes in between, so

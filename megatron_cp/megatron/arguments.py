@@ -1,4 +1,4 @@
-"""Command-line arguments: ``--context-parallel-impl {te,megatron_cp,ring,ulysses,usp,allgather,head_context,auto}``
+"""Command-line arguments: ``--context-parallel-impl {te,megatron_cp,ring,ulysses,usp,allgather,head_context}``
 and the mask/plan options.
 
 Megatron has no CP plugin registry; its entry point for extra flags is ``extra_args_provider``
@@ -6,8 +6,7 @@ Megatron has no CP plugin registry; its entry point for extra flags is ``extra_a
 default) leaves Megatron untouched; ``ring``, ``ulysses``, ``usp`` and ``allgather`` run megatron-cp's
 baseline strategies (``megatron_cp.baselines``) through the same spec, batch hook, RoPE and loss;
 ``head_context`` runs Ulysses over heads inside each node x megatron-cp across nodes (groups of
-GPUs-per-node ranks from ``--cp-topology``; without it the CP group is one node, i.e. plain Ulysses);
-``auto`` picks megatron_cp or head_context per micro-batch from the planner's predicted communication.
+GPUs-per-node ranks from ``--cp-topology``; without it the CP group is one node, i.e. plain Ulysses).
 """
 
 from __future__ import annotations
