@@ -177,11 +177,13 @@ def _triton_guest_cases(rank, world):
 def test_guest_fixed_cost_is_the_cost_models_default():
     """The planner prices the guest path's fixed time with the default calibration's figures (it may not
     import the runtime's cost model): they must be the same numbers."""
+    from megatron_cp.planner import LINKS
     from megatron_cp.runtime import CostModel
 
     c = CostModel()
-    assert (guests.GUEST_LAUNCH_US, guests.GUEST_LATENCY_US, guests.GUEST_INTRA_GBPS) == (
-        c.launch_us, c.latency_us, c.intra_gbps)
+    assert guests.GUEST_LAUNCH_US == c.launch_us
+    assert (LINKS.intra_gbps, LINKS.inter_gbps, LINKS.latency_us) == (c.intra_gbps, c.inter_gbps, c.latency_us)
+    assert (mcp.Topology(2, 2).intra_node_gbps, mcp.Topology(2, 2).inter_node_gbps) == (c.intra_gbps, c.inter_gbps)
     w = mcp.planner.Workload()
     want = (2 * c.launch_us + 5 * c.latency_us) * 1e-6 * c.intra_gbps * 1e9 / (2 * w.kv_bytes_per_token)
     assert guests.fixed_units(w) == pytest.approx(want)

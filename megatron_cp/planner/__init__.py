@@ -3,7 +3,7 @@
 from .layout import group_plan, head_context_plan
 from .plan import Plan, RankPlan, plan
 from .solvers import SOLVERS
-from .topology import Topology
+from .topology import LINKS, Links, Topology
 from .workload import Workload
 
-__all__ = ["Plan", "RankPlan", "plan", "Topology", "Workload", "SOLVERS", "head_context_plan", "group_plan"]
+__all__ = ["Plan", "RankPlan", "plan", "Topology", "Links", "LINKS", "Workload", "SOLVERS", "head_context_plan", "group_plan"]

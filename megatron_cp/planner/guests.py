@@ -19,14 +19,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..masks import geometry
+from .topology import LINKS
 from .workload import Workload
 
-# The guest path's fixed time: one more kernel call each way (launch) and five more collectives
-# (latency), and the intra-node bandwidth that turns it into key tokens: runtime.cost.CostModel's
-# default calibration (4 x H200, NVLink); a test checks the two agree.
+# The guest path's fixed time is one more kernel call each way (this launch cost: runtime.cost.CostModel's
+# default launch_us, a test checks they agree) and five more collectives (LINKS.latency_us each).
 GUEST_LAUNCH_US = 90.0
-GUEST_LATENCY_US = 40.0
-GUEST_INTRA_GBPS = 335.0
 
 
 def candidate_rows(row_prefix: np.ndarray, seqlen: int, cp: int) -> np.ndarray:
@@ -162,8 +160,8 @@ def traffic_units(M: np.ndarray, work: Workload | None = None, topology=None) ->
 
 def fixed_units(work: Workload | None = None) -> float:
     """The guest path's fixed time (one more kernel call each way, five more collectives) in key
-    tokens' units at the intra-node bandwidth (``GUEST_*``: about 15k tokens): a plan's guests must
-    save more than this."""
+    tokens' units at the intra-node bandwidth (``LINKS``: about 15k tokens): a plan's guests must save
+    more than this."""
     work = work or Workload()
-    t = 2 * GUEST_LAUNCH_US * 1e-6 + 5 * GUEST_LATENCY_US * 1e-6
-    return t * GUEST_INTRA_GBPS * 1e9 / (2 * work.kv_bytes_per_token)
+    t = 2 * GUEST_LAUNCH_US * 1e-6 + 5 * LINKS.latency_us * 1e-6
+    return t * LINKS.intra_gbps * 1e9 / (2 * work.kv_bytes_per_token)

@@ -46,7 +46,7 @@ import torch
 
 from ..kernels.pieces import row_class as kernel_row_class, split_pieces
 from ..kinds import Kind
-from ..planner import Workload
+from ..planner import LINKS, Workload
 
 # fields of older calibration files that no longer mean anything (the options they described were
 # removed, or the rule is now the kernels' own): dropped on load
@@ -62,15 +62,16 @@ class CostModel:
     half_keys: float = 216.0  # mean kept keys per row at which a tile runs at half of peak
     tile_us: float = 1.0  # fixed cost per tile
     launch_us: float = 90.0  # fixed cost per kernel call (one per stage)
-    intra_gbps: float = 335.0  # achieved all-to-all bandwidth per GPU inside a node (GB/s)
-    inter_gbps: float = 45.0  # achieved per GPU between nodes (400 Gb/s NIC per GPU)
+    # links: planner.LINKS until a calibration measures them (the planner weighs bytes with the same)
+    intra_gbps: float = LINKS.intra_gbps  # achieved all-to-all bandwidth per GPU inside a node (GB/s)
+    inter_gbps: float = LINKS.inter_gbps  # achieved per GPU between nodes (400 Gb/s NIC per GPU)
     p2p_gbps: float = 250.0  # one neighbour's send|receive pair inside a node (the ring baseline's steps)
     # the same transfer measured at twice p2p_bytes: NCCL's point-to-point time is not proportional to
     # the bytes (4 x H200: a 268 MB fp32 block took 1.0-1.2 ms, a 134 MB bf16 one 0.8-1.0 ms);
     # p2p_time interpolates between the two (0: p2p_gbps at any size)
     p2p_big_gbps: float = 0.0
     p2p_bytes: float = 128 * 2**20
-    latency_us: float = 40.0  # fixed cost per collective
+    latency_us: float = LINKS.latency_us  # fixed cost per collective
     dense_fwd_tflops: float = 680.0  # cuDNN full pieces (0: no dense path modelled)
     dense_bwd_tflops: float = 565.0
     dense_causal_fwd_tflops: float = 680.0  # cuDNN square causal pieces (0: as full ones)
