@@ -230,7 +230,8 @@ def main():
     ap.add_argument("--masks", nargs="+", default=list(catalog.KERNEL_MASKS))
     ap.add_argument("--row-masks", nargs="+", default=["full", "causal", "docs_causal", "sliding_window_1024"],
                     help="masks run at the seqlens other than 16384")
-    ap.add_argument("--out", default="benchmarks/kernels")
+    ap.add_argument("--out", default="out/kernels",
+                    help="output folder (results the README quotes go to a dated benchmarks/ folder: benchmarks/RESULTS.md)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--tune", action="store_true", help="time candidate block configs instead")
