@@ -38,6 +38,9 @@ from .rowmap import RowMap
 from .state import RankRuntime, rank_state, verify_plan
 
 
+_DEFAULT_COST = CostModel()  # built once: the state cache hashes it on every call
+
+
 def resolve_backend(backend, device) -> tuple[object, kernels.Backend]:
     """(cache key, backend object) for a backend name or an object implementing ``kernels.Backend``."""
     if isinstance(backend, str):
@@ -286,7 +289,7 @@ def attention(
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     work = Workload(q.shape[1], k.shape[1], q.shape[2], q.element_size())
     rt = rank_state(plan, rank, q.device, be, bkey, stages=stages, hierarchical=hierarchical,
-                    cost=cost_model or CostModel(), work=work)
+                    cost=cost_model or _DEFAULT_COST, work=work)
     grp = group if plan.cp_size > 1 else None
     if rt.schedule is None:
         return _SingleExchangeAttention.apply(q, k, v, rt, grp, scale)
