@@ -98,12 +98,9 @@ class TritonConfig:
     band_squares: forward only, bands (BI_CAUSAL tiles: sliding windows) whose window and rows are both
         at least this many run on cuDNN as batched squares (kernels/pieces.py), merged in one pass,
         straight into the output when the pairs' rows are theirs alone; 0 keeps bands on Triton. The
-        backward keeps bands on Triton. Default 4096, measured on H200 (one rank's band of 32768 rows,
-        bf16, Hq 32, Hkv 8, D 128): forward ms on Triton vs squares, written / accumulated into a float32
-        running pair as the staged runtime does: window 2048 2.80 vs 3.17 / 3.03 vs 3.01, 4096 5.21 vs
-        4.77 / 5.47 vs 5.02 (1.09x), 8192 10.65 vs 8.40 / 10.91 vs 8.83 (1.27x / 1.24x). Tried and lost:
-        bands cut into chunks whose rectangles and causal squares ran as batched cuDNN calls in both
-        directions (at S = 128k, cp 4, window 4096: forward even, backward 19-26 ms vs 15 ms on Triton).
+        backward keeps bands on Triton. Default 4096: from that window on the squares beat the Triton
+        band (1.09x at 4096, 1.27x at 8192 on H200), below it their extra passes cost more than cuDNN
+        gains (benchmarks/2026-11-22_1xH200_band-squares; docs/tried-and-lost.md for band chunks).
     """
 
     overrides: dict = field(default_factory=dict)
