@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 
 from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: E402
 from megatron_cp.kernels import KernelConfig, PhaseConfigs, TritonBackend, TritonConfig  # noqa: E402
-from megatron_cp.kernels.triton_schedule import build_schedules, kept_area  # noqa: E402
+from megatron_cp.kernels.triton_blocks import build_schedules, kept_area  # noqa: E402
 
 
 def backend(bm=16, bn=16, d=16, tma=False, split_min=16):
@@ -237,7 +237,7 @@ def test_accumulate_leaves_rows_without_tiles_untouched():
 
 def test_row_class_counts_covered_rows_only():
     """A list covering a few long rows of a long sequence is "long" (the early/late split's late list)."""
-    from megatron_cp.kernels.triton_schedule import covered_rows
+    from megatron_cp.kernels.triton_blocks import covered_rows
 
     be = backend()
     t = torch.tensor([[0, 128, 0, 8192, FULL], [100, 256, 0, 8192, FULL]], dtype=torch.int32)

@@ -18,7 +18,7 @@ from .registry import available_backends, get_backend
 from .rows import copy_rows, reduce_rows
 from .tiles import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, KIND_CODES, check_tiles
 from .triton_backend import DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonBackend, TritonConfig, configs_from_json
-from .triton_schedule import kept_area
+from .triton_blocks import kept_area
 
 __all__ = [
     "Backend",

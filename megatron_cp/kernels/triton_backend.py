@@ -29,7 +29,7 @@ from .tiles import check_tiles
 from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dkdv_reduce_kernel, attn_bwd_dq_kernel
 from .triton_delta import head_major, row_delta
 from .triton_fwd import LOG2E, attn_fwd_kernel
-from .triton_schedule import BlockSchedule, build_schedules, tile_descriptors
+from .triton_blocks import BlockSchedule, build_schedules, tile_descriptors
 
 __all__ = ["BLOCKY_FULL_FRACTION", "DEFAULT_CONFIGS", "KernelConfig", "LONG_ROW_KEYS", "PhaseConfigs", "TritonBackend",
            "TritonConfig", "TritonPrepared", "CudnnSplit", "configs_from_json"]
@@ -90,7 +90,7 @@ class TritonConfig:
     dense_fast_path: run dense pieces on cuDNN (CUDA, float16 / bfloat16, not deterministic): a list
         that is one full / square causal tile over everything as one cuDNN call, and with dense_tiles
         the pieces of other lists (kernels/pieces.py).
-    dkdv_split_min: see triton_schedule.column_work (long key columns run as several programs).
+    dkdv_split_min: see triton_blocks.column_work (long key columns run as several programs).
     dense_tiles: with dense_fast_path, also split other lists into cuDNN pieces (full rectangles, square
         causal tiles; bottom-right causal tiles split into both) of at least dense_min_rows x
         dense_min_keys, the rest on Triton, merged by LSE. dense_min_keys 8192: short pieces lose

@@ -111,7 +111,7 @@ def attn_bwd_dkdv_kernel(
     pid = tl.program_id(0)
     hk = pid % n_kv_heads
     i = pid // n_kv_heads
-    # work item i: segment seg of nseg of k block n's entry list (see triton_schedule.ColumnWork)
+    # work item i: segment seg of nseg of k block n's entry list (see triton_blocks.ColumnWork)
     n = tl.load(W_N + i)
     seg = tl.load(W_SEG + i)
     nseg = tl.load(W_NSEG + i)
