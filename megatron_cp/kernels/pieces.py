@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kinds import Kind
-from .triton_blocks import _block_pairs, covered_rows, kept_area, tile_descriptors
+from .triton_blocks import covered_rows, kept_area
 
 LONG_ROW_KEYS = 4096
 # "blocky": short rows whose 128 x 64 forward blocks are mostly full (strided blocks, documents, global +
@@ -138,14 +138,43 @@ def row_class(tiles: torch.Tensor) -> str:
     return "short"
 
 
+def block_rows(tiles: torch.Tensor, block_m: int, block_n: int):
+    """Per (tile, q block) pair of ``tiles`` (int [n, 5]), torch int64 each: (tile id, q block index, k blocks
+    the kernels' block schedule visits in that row for that tile, those of them fully kept). Closed forms
+    per row of blocks (the kept keys of a block's rows form one run), never one entry per block: equal to
+    counting ``triton_blocks``' schedule entries (tests/test_cost_model.py checks it)."""
+    t = tiles.to("cpu", torch.int64).reshape(-1, 5)
+    qs, qe, ks, ke, kind = t.unbind(1)
+    big = 1 << 40
+    # a tile keeps lo <= k - q <= hi
+    hi = torch.where((kind == Kind.CAUSAL) | (kind == Kind.BI_CAUSAL), ke - qe, torch.full_like(ke, big))
+    lo = torch.where((kind == Kind.INV_CAUSAL) | (kind == Kind.BI_CAUSAL), ks - qs, torch.full_like(ks, -big))
+    m0, m1 = qs // block_m, (qe - 1) // block_m + 1
+    cnt = (m1 - m0).clamp_min(0)
+    tid = torch.repeat_interleave(torch.arange(len(t)), cnt)
+    first = torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
+    m = torch.repeat_interleave(m0, cnt) + torch.arange(int(cnt.sum())) - first
+    bq0, bq1 = m * block_m, (m + 1) * block_m - 1
+    r0, r1 = torch.maximum(qs[tid], bq0), torch.minimum(qe[tid] - 1, bq1)
+    c0, c1 = torch.maximum(ks[tid], r0 + lo[tid]), torch.minimum(ke[tid] - 1, r1 + hi[tid])
+    visited = torch.where(c1 >= c0, c1 // block_n - c0 // block_n + 1, 0)
+    # a full block: all its rows in the tile and every key of it kept by every row
+    a = torch.maximum(ks[tid], lo[tid] + bq1)
+    b = torch.minimum(ke[tid] - 1, hi[tid] + bq0)
+    inside = (qs[tid] <= bq0) & (qe[tid] - 1 >= bq1)
+    full = torch.where(inside, ((b + 1) // block_n - 1 - (-(-a // block_n)) + 1).clamp_min(0), 0)
+    return tid, m, visited, full
+
+
 def block_counts(tiles: torch.Tensor, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per tile of ``tiles`` (int [n, 5]): (visited, full), torch int64 [n]: the (block_m x block_n) blocks
     the kernels' block schedule visits for it (those holding a kept cell of the tile) and those of them
     whose every cell the tile keeps (no mask arithmetic)."""
     tiles = tiles.to("cpu", torch.int64).reshape(-1, 5)
-    tid, _, _, full = _block_pairs(tile_descriptors(tiles), block_m, block_n)
     n = tiles.shape[0]
-    return torch.bincount(tid, minlength=n), torch.bincount(tid[full], minlength=n)
+    tid, _, visited, full = block_rows(tiles, block_m, block_n)
+    zero = torch.zeros(n, dtype=torch.int64)
+    return zero.index_add(0, tid, visited), zero.index_add(0, tid, full)
 
 
 # -- the rules --------------------------------------------------------------------------------------------

@@ -29,8 +29,8 @@ own (``kernels.pieces``: the cost model calls it, it never restates it); a piece
 ``keys`` costs
 ``flops(cells + dense_half_keys * rows + dense_half_rows * keys) / dense peak`` (short and narrow pieces
 run below peak: per-row and per-key-column work), over the piece's wave efficiency (``num_sms``), plus ``dense_piece_us`` and one LSE merge (``merge_bytes_per_row`` per
-query row and head at ``hbm_gbps``) per piece. The row class is the kernels' too; the visited blocks
-follow the kernels' block schedule (tests/test_cost_model.py checks the count against it).
+query row and head at ``hbm_gbps``) per piece. The row class and the count of visited blocks are the kernels'
+too (``kernels.pieces.row_class`` / ``block_counts``).
 Collective time: ``latency_us + intra_bytes / intra_gbps + inter_bytes / inter_gbps`` (per GPU, the
 busiest GPU's bytes of one collective; links of different kinds run concurrently, so it is the max).
 One neighbour's point-to-point transfer (the ring baseline's step): ``p2p_time``, measured at two sizes.
@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 import torch
 
+from ..kernels.pieces import block_counts as kernel_block_counts, block_rows as kernel_block_rows
 from ..kernels.pieces import row_class as kernel_row_class, split_pieces
 from ..kinds import Kind
 from ..planner import LINKS, Workload
@@ -187,7 +188,7 @@ class CostModel:
         runs on cuDNN. ``reverse``: a band square run on flipped copies; ``direct``: the forward writes its
         band-square pairs straight into its output (an accumulating forward never does). ``key_split`` > 1
         stands for one of that many calls over equal key pieces: a piece must then be that much wider."""
-        p = split_pieces(torch.from_numpy(np.ascontiguousarray(tiles)), min_rows=self.dense_min_rows,
+        p = split_pieces(_torch_tiles(tiles), min_rows=self.dense_min_rows,
                          min_keys=self.dense_min_keys * key_split,
                          band_squares=self.band_squares if key_split == 1 else 0, forward=not backward)
         rest = p.rest.numpy().astype(np.int64)
@@ -270,7 +271,7 @@ class CostModel:
     def row_class(self, tiles: np.ndarray) -> str:
         """The kernel backend's class of a Triton tile list (``kernels.pieces.row_class``), falling back for
         classes this model has no numbers for ("blocky" -> "short" -> "long")."""
-        cls = kernel_row_class(torch.from_numpy(np.ascontiguousarray(tiles)))
+        cls = kernel_row_class(_torch_tiles(tiles))
         if cls == "blocky" and self.blocky_fwd_tflops <= 0:
             cls = "short"
         if cls == "short" and self.short_fwd_tflops <= 0:
@@ -427,50 +428,28 @@ def band_cells(tiles: np.ndarray, cells: np.ndarray) -> float:
     return float(cells[np.asarray(tiles).reshape(-1, 5)[:, 4] == 3].sum())
 
 
-def _block_rows(t: np.ndarray, block_m: int, block_n: int):
-    """Per (tile, q block) pair of ``t``: (tile id, q block, visited k blocks, full k blocks), as the
-    kernels' block schedule (_block_pairs) counts them."""
-    qs, qe, ks, ke, kind = t.T
-    big = 1 << 40
-    hi = np.where((kind == 1) | (kind == 3), ke - qe, big)  # lo <= k - q <= hi
-    lo = np.where((kind == 2) | (kind == 3), ks - qs, -big)
-    m0, m1 = qs // block_m, (qe - 1) // block_m + 1
-    cnt = np.maximum(m1 - m0, 0)
-    tid = np.repeat(np.arange(len(t)), cnt)
-    m = np.repeat(m0, cnt) + np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-    bq0, bq1 = m * block_m, (m + 1) * block_m - 1
-    r0, r1 = np.maximum(qs[tid], bq0), np.minimum(qe[tid] - 1, bq1)
-    # keys some row of the block keeps form one run (rows' ranges shift by one per row)
-    c0, c1 = np.maximum(ks[tid], r0 + lo[tid]), np.minimum(ke[tid] - 1, r1 + hi[tid])
-    vis = np.where(c1 >= c0, c1 // block_n - c0 // block_n + 1, 0)
-    # a full block: all its rows in the tile and every key of it kept by every row
-    a = np.maximum(ks[tid], lo[tid] + bq1)
-    b = np.minimum(ke[tid] - 1, hi[tid] + bq0)
-    inside = (qs[tid] <= bq0) & (qe[tid] - 1 >= bq1)
-    full = np.where(inside, np.maximum((b + 1) // block_n - 1 - (-(-a // block_n)) + 1, 0), 0)
-    return tid, m, vis, full
-
-
 def block_counts(tiles: np.ndarray, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(visited, full) per tile: its block_m x block_n blocks holding a kept cell (the kernel visits them)
-    and those whose every cell is kept, as the kernels' block schedule (_block_pairs) counts them."""
-    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
-    if len(t) == 0:
-        return np.zeros(0), np.zeros(0)
-    tid, _, vis, full = _block_rows(t, block_m, block_n)
-    n = len(t)
-    return (np.bincount(tid, vis, minlength=n).astype(np.float64),
-            np.bincount(tid, full, minlength=n).astype(np.float64))
+    """(visited, full) per tile, float64: the kernels' own count (``kernels.pieces.block_counts``) of the
+    block_m x block_n blocks the kernel visits and of those whose every cell is kept."""
+    v, f = kernel_block_counts(_torch_tiles(tiles), block_m, block_n)
+    return v.numpy().astype(np.float64), f.numpy().astype(np.float64)
 
 
 def row_block_entries(tiles: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
     """Entries of each q block's row in the forward schedule: the k blocks a program of that q block
-    visits over all tiles (a block met by two tiles counts twice, as the schedule lists it)."""
-    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
-    if len(t) == 0:
+    visits over all tiles (a block met by two tiles counts twice, as the schedule lists it); from the first
+    q block with an entry."""
+    t = _torch_tiles(tiles)
+    if t.shape[0] == 0:
         return np.zeros(0)
-    _, m, vis, _ = _block_rows(t, block_m, block_n)
-    return np.bincount(m - m.min(), vis).astype(np.float64) if len(m) else np.zeros(0)
+    _, m, vis, _ = kernel_block_rows(t, block_m, block_n)
+    if len(m) == 0:
+        return np.zeros(0)
+    return np.bincount((m - m.min()).numpy(), vis.numpy()).astype(np.float64)
+
+
+def _torch_tiles(tiles) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(tiles, dtype=np.int64).reshape(-1, 5)))
 
 
 def _row_keys(tiles: np.ndarray, cells: np.ndarray) -> np.ndarray:
