@@ -111,13 +111,14 @@ def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, ba
     st = cache.get(key)
     if st is None:
         sched = choose_schedule(plan, stages, cost, work, hierarchical)
+        exchanges = any(r.num_remote > 0 for r in plan.ranks)
         st = RankRuntime(
             rank=rank,
             s_local=plan.num_local(rank),
             backend=backend,
-            exchanges=any(r.num_remote > 0 for r in plan.ranks),
+            exchanges=exchanges,
             schedule=sched,
-            single=_single(plan, rank, device, backend) if sched is None else None,
+            single=_single(plan, rank, device, backend, exchanges) if sched is None else None,
             staged=_staged(plan, sched, rank, device, backend) if sched is not None else None,
             guests=guests.guest_runtime(plan, rank, device, backend) if plan.has_guests else None,
             pool=device_pool(device),
@@ -126,7 +127,7 @@ def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, ba
     return st
 
 
-def _single(plan: Plan, rank: int, device, backend: Backend) -> SingleExchange:
+def _single(plan: Plan, rank: int, device, backend: Backend, exchanges: bool) -> SingleExchange:
     rp = plan.ranks[rank]
     send_index, send_counts = rp.send_index()
     own_pos, recv_pos = rp.buffer_index()
@@ -135,7 +136,6 @@ def _single(plan: Plan, rank: int, device, backend: Backend) -> SingleExchange:
     red_order = np.argsort(send_index, kind="stable")
     red_rows, red_counts = np.unique(send_index, return_counts=True)
     red_ptr = np.concatenate([[0], np.cumsum(red_counts)])
-    exchanges = any(r.num_remote > 0 for r in plan.ranks)
     own_identity = len(own_pos) == rp.num_tokens and bool(np.array_equal(own_pos, np.arange(rp.num_tokens)))
     return SingleExchange(
         buffer_len=buffer_len,
