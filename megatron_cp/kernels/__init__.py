@@ -2,16 +2,19 @@
 
 The backend protocol - the tile list, the layouts, what each method takes and returns - is specified in
 ``megatron_cp/kernels/protocol.py`` (``Backend``); every backend implements all of it: ``TritonBackend``
-(Triton kernels, dense pieces on cuDNN) and ``ReferenceBackend`` (blockwise PyTorch, float64-capable).
+(Triton kernels, dense pieces on cuDNN), ``FA4Backend`` (FlashAttention-4 varlen window calls, when
+flash-attn-4 is installed; Triton where FA4 cannot run) and ``ReferenceBackend`` (blockwise PyTorch,
+float64-capable).
 How a tile list splits into kernel pieces is ``megatron_cp/kernels/pieces.py``, the one owner of those
 rules.
 
-This package depends on torch and triton only (and ``megatron_cp.kinds``, the kind codes); it never
+This package depends on torch and triton only (flash-attn-4 optionally, imported on first use) (and ``megatron_cp.kinds``, the kind codes); it never
 imports the rest of megatron_cp, so it can be tested and benchmarked on its own.
 """
 
 from ..kinds import Kind
 from . import merge, pieces
+from .fa4_backend import FA4Backend, fa4_unavailable
 from .protocol import Backend, accumulate_dtype
 from .reference import ReferenceBackend
 from .registry import available_backends, get_backend
@@ -35,6 +38,8 @@ __all__ = [
     "available_backends",
     "ReferenceBackend",
     "TritonBackend",
+    "FA4Backend",
+    "fa4_unavailable",
     "TritonConfig",
     "KernelConfig",
     "PhaseConfigs",

@@ -71,8 +71,8 @@ def _merge_kernel(ACC, LSE, O, L, O2, L2, n_rows, n_heads, HEAD_DIM: tl.constexp
 
 
 def merge_torch(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
-    """In place: (acc fp32 [s, H, D], lse fp32 [s, H]) <- merge with (o [s, H, D], l [s, H])."""
-    l = l.float()
+    """In place: (acc [s, H, D], lse [s, H], float32 or float64) <- merge with (o [s, H, D], l [s, H])."""
+    l = l.to(lse.dtype)
     m = torch.maximum(lse, l)
     m0 = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w1 = torch.exp(lse - m0)
@@ -81,7 +81,7 @@ def merge_torch(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.
     keep = s > 0
     s1 = torch.where(keep, s, torch.ones_like(s))
     a = torch.where((w1 > 0).unsqueeze(-1), acc * (w1 / s1).unsqueeze(-1), torch.zeros_like(acc))
-    b = torch.where((w2 > 0).unsqueeze(-1), o.float() * (w2 / s1).unsqueeze(-1), torch.zeros_like(acc))
+    b = torch.where((w2 > 0).unsqueeze(-1), o.to(acc.dtype) * (w2 / s1).unsqueeze(-1), torch.zeros_like(acc))
     acc.copy_(a + b)
     lse.copy_(torch.where(keep, m0 + torch.log(s1), torch.full_like(m, float("-inf"))))
 
@@ -95,9 +95,12 @@ def merge_into(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.T
     pieces). ``fresh``: acc and lse hold nothing yet, are not read, and acc may have any float dtype
     (written once, rounded once: for the last merge of rows nothing else writes). ``use_triton``: None =
     on CUDA tensors with contiguous rows (the one-pass kernel), else torch ops; True forces the kernel
-    (tests run it under the CPU interpreter)."""
-    if lse.dtype != torch.float32 or (acc.dtype != torch.float32 and not fresh) or not acc.is_floating_point():
-        raise ValueError(f"running acc/lse must be float32 (acc any float dtype when fresh), got {acc.dtype}/{lse.dtype}")
+    (tests run it under the CPU interpreter). float64 running pairs (float64 inputs) merge by torch ops."""
+    wide = lse.dtype == torch.float64 and (acc.dtype == torch.float64 or fresh)
+    if not wide and (lse.dtype != torch.float32 or (acc.dtype != torch.float32 and not fresh)
+                     or not acc.is_floating_point()):
+        raise ValueError(f"running acc/lse must be float32 or float64 (acc any float dtype when fresh), got "
+                         f"{acc.dtype}/{lse.dtype}")
     parts = [(o, l)] + ([(o2, l2)] if o2 is not None else [])
     for x, y in parts:
         if x.shape != acc.shape or y is None or y.shape != lse.shape or lse.shape != acc.shape[:2]:
@@ -106,11 +109,11 @@ def merge_into(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.T
     d = acc.shape[-1]
     flat = all(t.is_contiguous() for t in (acc, lse) + tuple(t for p in parts for t in p)) and d >= 16 and d & (d - 1) == 0
     if use_triton is None:
-        use_triton = flat and acc.is_cuda
+        use_triton = flat and acc.is_cuda and not wide
     if not use_triton or not flat:
         if use_triton:
             raise ValueError("the Triton merge needs contiguous tensors and a power-of-two head_dim >= 16")
-        run = torch.zeros(acc.shape, dtype=torch.float32, device=acc.device) if fresh else acc
+        run = torch.zeros(acc.shape, dtype=lse.dtype, device=acc.device) if fresh else acc
         if fresh:
             lse.fill_(float("-inf"))
         for (x, y), rev in zip(parts, (reverse, reverse2)):

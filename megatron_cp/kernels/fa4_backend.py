@@ -1,0 +1,342 @@
+"""FlashAttention-4 backend: tile lists as FA4 varlen window calls (flash-attn-4, ``flash_attn.cute``).
+
+How the tiles become calls is ``fa4_calls.py`` (pure, tested on the CPU). Here the calls run:
+
+- forward: one call writes ``out`` / ``lse`` directly (rows no tile covers are set to 0 / -inf); with
+  several calls (segments sharing rows) each call's result is LSE-merged in float32 on the rows it
+  covers (``merge.merge_into``), rounded to q's dtype once at the end. ``forward_accumulate`` merges
+  every call into the caller's running pair.
+- backward: FA4's backward takes the merged (global) ``out`` and ``lse``, so each call's gradients are
+  the exact partial gradients of its cells; one call writes dq / dk / dv directly, several are summed in
+  float32 on the rows and keys they cover. A given ``delta`` (an lse gradient) reaches FA4 as
+  ``dlse = rowsum(dout * out) - delta``.
+
+FA4 runs float16 / bfloat16 on sm90 / sm100 with head_dim <= 192 in the backward (sm90). Whatever FA4
+cannot run goes to the Triton backend per phase, with the reason kept in ``describe()`` and
+``last_path`` - never silently: the reasons are decided from (device, dtype, head_dim) up front.
+The per-list device metadata (cu_seqlens, seqused) is built once per (list, device) and cached in the
+prepared object; no call synchronises with the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .fa4_calls import Call, Fa4Calls, fa4_calls
+from .merge import merge_into
+from .protocol import accumulate_dtype, check_running
+from .tiles import check_tiles
+from .triton_backend import TritonBackend, TritonConfig
+
+FA4_BWD_MAX_HEAD_DIM = 192  # FA4's sm90 backward (flash_bwd_sm90) supports head_dim <= 192
+FA4_ARCHS = (9, 10)  # sm90 (Hopper), sm100 (Blackwell)
+
+
+def _fa4_module():
+    """flash_attn.cute.interface, or the ImportError's text."""
+    try:
+        from flash_attn.cute import interface  # noqa: PLC0415  (optional accelerator)
+    except Exception as e:  # noqa: BLE001  (any failure to import means: not installed / not usable)
+        return f"flash-attn-4 does not import ({type(e).__name__}: {e})"
+    return interface
+
+
+def fa4_unavailable(device="cuda") -> str | None:
+    """None when FA4 can run on ``device``, else why not (in words)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"FA4 runs on CUDA GPUs, not {device}"
+    major = torch.cuda.get_device_capability(device)[0]
+    if major not in FA4_ARCHS:
+        return f"FA4 runs on sm90 / sm100, not sm{major}x"
+    mod = _fa4_module()
+    return mod if isinstance(mod, str) else None
+
+
+@dataclass
+class Fa4Functions:
+    """The two FA4 entry points the backend calls (``_flash_attn_fwd`` / ``_flash_attn_bwd``), swappable
+    so that the CPU tests run the same code against a reference of their semantics."""
+
+    fwd: Callable
+    bwd: Callable
+    version: str = "?"
+    dtypes: tuple = (torch.float16, torch.bfloat16)
+
+
+def _default_functions() -> Fa4Functions:
+    mod = _fa4_module()
+    if isinstance(mod, str):
+        raise RuntimeError(mod)
+    try:
+        from importlib.metadata import version  # noqa: PLC0415
+
+        ver = version("flash-attn-4")
+    except Exception:  # noqa: BLE001
+        ver = "?"
+    return Fa4Functions(mod._flash_attn_fwd, mod._flash_attn_bwd, ver)
+
+
+@dataclass
+class Fa4Prepared:
+    calls: Fa4Calls
+    tiles: torch.Tensor
+    head_dims: tuple
+    _device: dict = field(default_factory=dict)  # (device, direction) -> per-call kwargs with device tensors
+    _triton: object = None  # the Triton fallback's prepared list, built on first fallback
+
+    @property
+    def seqlen_q(self) -> int:
+        return self.calls.seqlen_q
+
+    @property
+    def seqlen_k(self) -> int:
+        return self.calls.seqlen_k
+
+    def call_args(self, direction: str, device) -> list[dict]:
+        key = (str(device), direction)
+        got = self._device.get(key)
+        if got is None:
+            got = []
+            for c in (self.calls.fwd if direction == "fwd" else self.calls.bwd):
+                kw = {"window_size_left": c.left, "window_size_right": c.right, "causal": c.causal}
+                if c.causal:
+                    kw["window_size_left"] = kw["window_size_right"] = None
+                if not c.dense:
+                    kw.update({n: torch.from_numpy(a).to(device) for n, a in c.arrays().items()})
+                    kw.update(max_seqlen_q=c.max_q, max_seqlen_k=c.max_k)
+                got.append(kw)
+            self._device[key] = got
+        return got
+
+
+class FA4Backend:
+    """Tile lists on FlashAttention-4 (see the module doc), Triton where FA4 cannot run.
+
+    last_path: what the latest call ran: "fa4" or "triton (<reason>)".
+    last_configs: the Triton fallback's kernel configs of its latest calls (empty while FA4 runs).
+    """
+
+    name = "fa4"
+
+    def __init__(self, config: TritonConfig | None = None, functions: Fa4Functions | None = None):
+        self.config = config or TritonConfig()
+        self.triton = TritonBackend(self.config)
+        self._functions = functions
+        self.last_path: str | None = None
+        self.fallbacks: dict[str, str] = {}  # phase/family -> reason, every fallback seen
+
+    @property
+    def last_configs(self):
+        return self.triton.last_configs
+
+    @property
+    def functions(self) -> Fa4Functions:
+        if self._functions is None:
+            self._functions = _default_functions()
+        return self._functions
+
+    def describe(self) -> dict:
+        """FA4 version, the device's arch, and every fallback to Triton met so far with its reason."""
+        arch = None
+        if torch.cuda.is_available():
+            arch = "sm%d%d" % torch.cuda.get_device_capability()
+        ver = self._functions.version if self._functions is not None else None
+        return {"backend": "fa4", "flash_attn_4": ver, "arch": arch, "deterministic": self.config.deterministic,
+                "fallbacks": dict(self.fallbacks)}
+
+    def supports(self, device, dtype: torch.dtype, head_dim: int) -> str | None:
+        """FA4 itself or the Triton fallback must run it; on a device without FA4 this backend does not."""
+        if self._functions is None:
+            why = fa4_unavailable(device)
+            if why is not None:
+                return why
+        if dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256:
+            return None
+        return self.triton.supports(device, dtype, head_dim)
+
+    def _fallback(self, phase: str, q: torch.Tensor) -> str | None:
+        """Why ``phase`` ("fwd" / "bwd") of inputs like ``q`` runs on Triton, or None (FA4 runs it)."""
+        why = None
+        d = q.shape[-1]
+        dtypes = self._functions.dtypes if self._functions is not None else (torch.float16, torch.bfloat16)
+        if q.dtype not in dtypes:
+            why = f"{q.dtype}: FA4 runs float16 / bfloat16"
+        elif d % 8 or d > 256:
+            why = f"head_dim {d}: FA4 runs multiples of 8 up to 256"
+        elif phase == "bwd" and d > FA4_BWD_MAX_HEAD_DIM:
+            why = f"head_dim {d}: FA4's sm90 backward runs head_dim <= {FA4_BWD_MAX_HEAD_DIM}"
+        if why is not None:
+            self.fallbacks[f"{phase} {q.dtype} d{d}"] = why
+            self.last_path = f"triton ({why})"
+        else:
+            self.last_path = "fa4"
+        return why
+
+    def _triton_prepared(self, prepared: Fa4Prepared):
+        if prepared._triton is None:
+            prepared._triton = self.triton.prepare(prepared.tiles, prepared.seqlen_q, prepared.seqlen_k,
+                                                   head_dims=prepared.head_dims)
+        return prepared._triton
+
+    @staticmethod
+    def _scale(softmax_scale, q):
+        return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+    # -- per list ---------------------------------------------------------------------------------
+    def prepare(self, tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, head_dims=(64, 128)) -> Fa4Prepared:
+        """tiles int [n, 5] (cpu) -> the list's FA4 calls (fa4_calls); the Triton fallback's schedules are
+        built on its first use."""
+        check_tiles(tiles, seqlen_q, seqlen_k)
+        tiles = tiles.to("cpu", torch.int32).contiguous()
+        return Fa4Prepared(fa4_calls(tiles.numpy(), seqlen_q, seqlen_k), tiles, tuple(head_dims))
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _run_fwd(self, q, k, v, call: Call, kw: dict, scale: float, out, lse_hm):
+        """One FA4 forward call writing its rows of ``out`` [sq, Hq, D] and ``lse_hm`` [Hq, sq]."""
+        f = self.functions.fwd
+        if call.dense:
+            f(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale=scale, return_lse=True,
+              out=out.unsqueeze(0), lse=lse_hm.unsqueeze(0), **kw)
+        else:
+            f(q, k, v, softmax_scale=scale, return_lse=True, out=out, lse=lse_hm, **kw)
+
+    def forward(self, q, k, v, prepared: Fa4Prepared, softmax_scale=None):
+        """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q's dtype), lse [sq, Hq] float32."""
+        if self._fallback("fwd", q) is not None:
+            return self.triton.forward(q, k, v, self._triton_prepared(prepared), softmax_scale)
+        _check_call(q, k, v, prepared)
+        scale = self._scale(softmax_scale, q)
+        calls = prepared.calls
+        sq, hq, _ = q.shape
+        if len(calls.fwd) > 1:
+            cdt = accumulate_dtype(q.dtype)
+            out = torch.zeros(q.shape, device=q.device, dtype=cdt)
+            lse = torch.full((sq, hq), float("-inf"), device=q.device, dtype=cdt)
+            self._accumulate(q, k, v, prepared, scale, out, lse)
+            return out.to(q.dtype), lse
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        lse_hm = torch.empty(hq, sq, device=q.device, dtype=accumulate_dtype(q.dtype))
+        if calls.fwd:
+            self._run_fwd(q, k, v, calls.fwd[0], prepared.call_args("fwd", q.device)[0], scale, out, lse_hm)
+        for a, b in calls.row_gaps:  # after the call: FA4 owns only its segments' rows
+            out[a:b] = 0
+            lse_hm[:, a:b] = float("-inf")
+        return out, lse_hm.t().contiguous()
+
+    def forward_accumulate(self, q, k, v, prepared: Fa4Prepared, softmax_scale, out, lse) -> None:
+        """Merge every call of the list into the running (out [sq, Hq, D], lse [sq, Hq]) in place (protocol)."""
+        if self._fallback("fwd", q) is not None:
+            self.triton.forward_accumulate(q, k, v, self._triton_prepared(prepared), softmax_scale, out, lse)
+            return
+        _check_call(q, k, v, prepared)
+        check_running("out", out, q, tuple(q.shape))
+        check_running("lse", lse, q, tuple(q.shape[:2]))
+        self._accumulate(q, k, v, prepared, self._scale(softmax_scale, q), out, lse)
+
+    def _accumulate(self, q, k, v, prepared: Fa4Prepared, scale, out, lse) -> None:
+        calls = prepared.calls.fwd
+        if not calls:
+            return
+        sq, hq, _ = q.shape
+        o_t = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        l_t = torch.empty(hq, sq, device=q.device, dtype=accumulate_dtype(q.dtype))
+        for call, kw in zip(calls, prepared.call_args("fwd", q.device)):
+            self._run_fwd(q, k, v, call, kw, scale, o_t, l_t)
+            for a, b in call.row_spans():
+                if out.is_contiguous() and lse.is_contiguous():
+                    merge_into(out[a:b], lse[a:b], o_t[a:b], l_t[:, a:b].t().contiguous())
+                else:
+                    acc, run = out[a:b].contiguous(), lse[a:b].contiguous()
+                    merge_into(acc, run, o_t[a:b], l_t[:, a:b].t().contiguous())
+                    out[a:b] = acc
+                    lse[a:b] = run
+
+    # -- backward ---------------------------------------------------------------------------------
+    def _run_bwd(self, q, k, v, out, dout, lse_hm, dlse_hm, call: Call, kw: dict, scale, dq, dk, dv):
+        f = self.functions.bwd
+        det = self.config.deterministic
+        if call.dense:
+            f(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), dout.unsqueeze(0),
+              lse_hm.unsqueeze(0), scale, deterministic=det, dq=dq.unsqueeze(0), dk=dk.unsqueeze(0),
+              dv=dv.unsqueeze(0), dlse=None if dlse_hm is None else dlse_hm.unsqueeze(0), **kw)
+        else:
+            f(q, k, v, out, dout, lse_hm, scale, deterministic=det, dq=dq, dk=dk, dv=dv, dlse=dlse_hm, **kw)
+
+    @staticmethod
+    def _head_major(lse, out, dout, delta):
+        cdt = accumulate_dtype(out.dtype)  # float32 wherever FA4 itself runs
+        lse_hm = lse.to(cdt).t().contiguous()
+        dlse_hm = None
+        if delta is not None:
+            dlse_hm = ((dout.to(cdt) * out.to(cdt)).sum(-1) - delta.to(cdt)).t().contiguous()
+        return lse_hm, dlse_hm
+
+    def backward(self, q, k, v, out, lse, dout, prepared: Fa4Prepared, softmax_scale=None, delta=None):
+        """Gradients (dq like q, dk/dv like k) from the merged out / lse [sq, Hq] (and delta, protocol)."""
+        if self._fallback("bwd", q) is not None:
+            return self.triton.backward(q, k, v, out, lse, dout, self._triton_prepared(prepared), softmax_scale, delta)
+        _check_call(q, k, v, prepared)
+        calls = prepared.calls
+        if len(calls.bwd) > 1:
+            cdt = accumulate_dtype(q.dtype)
+            dq = torch.zeros(q.shape, device=q.device, dtype=cdt)
+            dk = torch.zeros(k.shape, device=q.device, dtype=cdt)
+            dv = torch.zeros(v.shape, device=q.device, dtype=cdt)
+            self._backward_sum(q, k, v, out, lse, dout, prepared, self._scale(softmax_scale, q), delta, dq, dk, dv)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        dk = torch.empty(k.shape, device=q.device, dtype=k.dtype)
+        dv = torch.empty(v.shape, device=q.device, dtype=v.dtype)
+        if calls.bwd:
+            lse_hm, dlse_hm = self._head_major(lse, out, dout, delta)
+            kw = prepared.call_args("bwd", q.device)[0]
+            self._run_bwd(q, k, v, out.contiguous(), dout.contiguous(), lse_hm, dlse_hm, calls.bwd[0], kw,
+                          self._scale(softmax_scale, q), dq, dk, dv)
+        for a, b in calls.row_gaps:  # after the call: FA4 owns only its segments' rows and keys
+            dq[a:b] = 0
+        for a, b in calls.key_gaps:
+            dk[a:b] = 0
+            dv[a:b] = 0
+        return dq, dk, dv
+
+    def backward_into(self, q, k, v, out, lse, dout, prepared: Fa4Prepared, softmax_scale, delta, dq, dk, dv) -> None:
+        """``backward``'s gradients added into float32 running sums (any strides), unrounded (protocol)."""
+        if self._fallback("bwd", q) is not None:
+            self.triton.backward_into(q, k, v, out, lse, dout, self._triton_prepared(prepared), softmax_scale,
+                                      delta, dq, dk, dv)
+            return
+        _check_call(q, k, v, prepared)
+        for name, acc, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+            check_running(name, acc, q, tuple(like.shape))
+        self._backward_sum(q, k, v, out, lse, dout, prepared, self._scale(softmax_scale, q), delta, dq, dk, dv)
+
+    def _backward_sum(self, q, k, v, out, lse, dout, prepared, scale, delta, dq, dk, dv) -> None:
+        calls = prepared.calls.bwd
+        if not calls:
+            return
+        lse_hm, dlse_hm = self._head_major(lse, out, dout, delta)
+        gq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        gk = torch.empty(k.shape, device=q.device, dtype=k.dtype)
+        gv = torch.empty(v.shape, device=q.device, dtype=v.dtype)
+        out, dout = out.contiguous(), dout.contiguous()
+        for call, kw in zip(calls, prepared.call_args("bwd", q.device)):
+            self._run_bwd(q, k, v, out, dout, lse_hm, dlse_hm, call, kw, scale, gq, gk, gv)
+            for a, b in call.row_spans():
+                dq[a:b] += gq[a:b]
+            for a, b in call.key_spans():
+                dk[a:b] += gk[a:b]
+                dv[a:b] += gv[a:b]
+
+
+def _check_call(q, k, v, prepared: Fa4Prepared) -> None:
+    if q.shape[0] != prepared.seqlen_q or k.shape[0] != prepared.seqlen_k or v.shape[0] != prepared.seqlen_k:
+        raise ValueError(f"q/k/v rows {q.shape[0]}/{k.shape[0]}/{v.shape[0]} do not match the prepared list's "
+                         f"seqlen_q={prepared.seqlen_q}, seqlen_k={prepared.seqlen_k}")
+    if q.dim() != 3 or k.dim() != 3 or q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"need q [sq, Hq, D] and k/v [sk, Hkv, D] with Hkv dividing Hq, got {tuple(q.shape)} "
+                         f"and {tuple(k.shape)}")

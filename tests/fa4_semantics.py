@@ -1,0 +1,178 @@
+"""A small reference of FlashAttention-4's call semantics (``_flash_attn_fwd`` / ``_flash_attn_bwd`` of
+flash_attn.cute.interface, 4.0.0b36), for running the FA4 backend's calls on the CPU.
+
+What it models, and asserts where FA4 would be silently wrong:
+- dense calls (q [B, S, H, D]) and varlen calls (q [total, H, D] with int32 ``cu_seqlens_*`` of shape
+  [B + 1] and ``seqused_*`` [B]: sequence b is rows ``cu_q[b] : cu_q[b] + used_q[b]``); the q segments of
+  a call increase and are disjoint (FA4 writes out / lse / dq per sequence); in the backward the k
+  segments too (dK / dV and FA4's padded accumulators are laid out per sequence, in order);
+- windows bottom-right aligned per sequence: row i keeps key j iff
+  ``i + sk - sq - left <= j <= i + sk - sq + right`` (None unbounded), ``causal`` = (None, 0);
+- lse natural log, float32, head-major ([H, total] varlen, [B, H, S] dense); rows keeping no key give
+  out 0 and lse -inf; ``out`` / ``lse`` / ``dq`` / ``dk`` / ``dv`` given are written in place;
+- the backward uses the given (merged) out and lse: P = exp(s - lse), D = rowsum(dO O) - dlse.
+
+Stricter than FA4 on one point: rows and keys outside the call's sequences are overwritten with NaN in
+every output buffer, so a caller that reads what a call does not own fails.
+Computes in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _segments(n_total, cu, used, name, strict):
+    b = cu.shape[0] - 1
+    assert cu.dtype == torch.int32 and cu.dim() == 1, f"{name}: cu_seqlens must be int32 [B + 1]"
+    assert used is None or (used.dtype == torch.int32 and used.shape == (b,)), f"{name}: seqused int32 [B]"
+    starts = cu[:-1].tolist()
+    lens = used.tolist() if used is not None else (cu[1:] - cu[:-1]).tolist()
+    segs = list(zip(starts, lens))
+    for i, (a, n) in enumerate(segs):
+        assert n >= 0 and a >= 0 and a + n <= n_total, f"{name}: sequence {i} [{a}, {a + n}) out of [0, {n_total})"
+        if strict and i:
+            pa, pn = segs[i - 1]
+            assert pa + pn <= a, f"{name}: sequences {i - 1} and {i} overlap or are out of order"
+        if strict:
+            assert cu[i + 1] >= a + n, f"{name}: cu_seqlens[{i + 1}] < end of sequence {i}"
+    return segs
+
+
+def _window(causal, left, right):
+    if causal:
+        assert left is None and right is None, "causal with a window"
+        return None, 0
+    return left, right
+
+
+def _keep(sq, sk, left, right):
+    i = torch.arange(sq)[:, None]
+    j = torch.arange(sk)[None, :]
+    d = i + sk - sq
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if left is not None:
+        keep &= j >= d - left
+    if right is not None:
+        keep &= j <= d + right
+    return keep
+
+
+def _as_varlen(q, k, v, cu_q, cu_k, used_q, used_k):
+    """(q, k, v as [total, H, D], q segments, k segments, dense batch or None)."""
+    if cu_q is None:
+        assert q.dim() == 4 and k.dim() == 4 and cu_k is None and used_q is None and used_k is None
+        bsz, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        segs_q = [(b * sq, sq) for b in range(bsz)]
+        segs_k = [(b * sk, sk) for b in range(bsz)]
+        return q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), segs_q, segs_k, bsz
+    assert q.dim() == 3 and k.dim() == 3 and cu_k is not None
+    return q, k, v, None, None, None
+
+
+def _owned(n, segs):
+    m = torch.zeros(n, dtype=torch.bool)
+    for a, ln in segs:
+        m[a:a + ln] = True
+    return m
+
+
+def fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None,
+        max_seqlen_k=None, softmax_scale=None, causal=False, window_size_left=None, window_size_right=None,
+        return_lse=False, out=None, lse=None):
+    dense = cu_seqlens_q is None
+    qf, kf, vf, segs_q, segs_k, bsz = _as_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    if not dense:
+        segs_q = _segments(qf.shape[0], cu_seqlens_q, seqused_q, "q", strict=True)
+        segs_k = _segments(kf.shape[0], cu_seqlens_k, seqused_k, "k", strict=False)
+        assert max_seqlen_q is None or max_seqlen_q >= max(n for _, n in segs_q)
+        assert max_seqlen_k is None or max_seqlen_k >= max(n for _, n in segs_k)
+    total, h, d = qf.shape
+    hkv = kf.shape[1]
+    g = h // hkv
+    scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    left, right = _window(causal, window_size_left, window_size_right)
+    o = torch.zeros(total, h, d, dtype=torch.float64)
+    l = torch.full((h, total), float("-inf"), dtype=torch.float64)
+    for (qa, sq), (ka, sk) in zip(segs_q, segs_k):
+        if sq == 0:
+            continue
+        qs = qf[qa:qa + sq].double()
+        ks = kf[ka:ka + sk].double().repeat_interleave(g, 1)
+        vs = vf[ka:ka + sk].double().repeat_interleave(g, 1)
+        s = torch.einsum("ihd,jhd->hij", qs, ks) * scale
+        s = s.masked_fill(~_keep(sq, sk, left, right)[None], float("-inf"))
+        ls = torch.logsumexp(s, -1)
+        p = torch.where(torch.isfinite(ls)[..., None], torch.exp(s - ls[..., None]), torch.zeros_like(s))
+        o[qa:qa + sq] = torch.einsum("hij,jhd->ihd", p, vs)
+        l[:, qa:qa + sq] = ls
+    owned = _owned(total, segs_q)
+    o[~owned] = float("nan")
+    l[:, ~owned] = float("nan")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    if lse is None and return_lse:
+        lse = torch.empty((bsz, h, q.shape[1]) if dense else (h, total), dtype=torch.float32)
+    out_flat = out.flatten(0, 1) if dense else out
+    out_flat.copy_(o.to(out.dtype))
+    if lse is not None:
+        if dense:
+            lse.copy_(l.view(h, bsz, -1).transpose(0, 1).to(lse.dtype))
+        else:
+            assert lse.shape == (h, total), f"varlen lse must be [H, total], got {tuple(lse.shape)}"
+            lse.copy_(l.to(lse.dtype))
+    return out, lse, None, None, None
+
+
+def bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, window_size_left=None,
+        window_size_right=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+        max_seqlen_q=None, max_seqlen_k=None, deterministic=False, dq=None, dk=None, dv=None, dlse=None):
+    dense = cu_seqlens_q is None
+    qf, kf, vf, segs_q, segs_k, bsz = _as_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    of, dof = (out.flatten(0, 1), dout.flatten(0, 1)) if dense else (out, dout)
+    if dense:
+        lf = lse.transpose(0, 1).reshape(lse.shape[1], -1)
+        dlf = None if dlse is None else dlse.transpose(0, 1).reshape(dlse.shape[1], -1)
+    else:
+        segs_q = _segments(qf.shape[0], cu_seqlens_q, seqused_q, "q", strict=True)
+        segs_k = _segments(kf.shape[0], cu_seqlens_k, seqused_k, "k", strict=True)
+        assert lse.shape == (q.shape[1], q.shape[0]), "varlen lse must be [H, total]"
+        lf, dlf = lse, dlse
+    total, h, d = qf.shape
+    hkv = kf.shape[1]
+    g = h // hkv
+    scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    left, right = _window(causal, window_size_left, window_size_right)
+    gq = torch.zeros(total, h, d, dtype=torch.float64)
+    gk = torch.zeros(kf.shape, dtype=torch.float64)
+    gv = torch.zeros(vf.shape, dtype=torch.float64)
+    for (qa, sq), (ka, sk) in zip(segs_q, segs_k):
+        if sq == 0 or sk == 0:
+            continue
+        qs = qf[qa:qa + sq].double()
+        ks = kf[ka:ka + sk].double().repeat_interleave(g, 1)
+        vs = vf[ka:ka + sk].double().repeat_interleave(g, 1)
+        os_, dos = of[qa:qa + sq].double(), dof[qa:qa + sq].double()
+        ls = lf[:, qa:qa + sq].double()
+        s = torch.einsum("ihd,jhd->hij", qs, ks) * scale
+        keep = _keep(sq, sk, left, right)[None]
+        p = torch.where(keep & torch.isfinite(ls)[..., None], torch.exp(s - ls[..., None]), torch.zeros_like(s))
+        dp = torch.einsum("ihd,jhd->hij", dos, vs)
+        dd = (dos * os_).sum(-1).t()
+        if dlf is not None:
+            dd = dd - dlf[:, qa:qa + sq].double()
+        ds = p * (dp - dd[..., None])
+        gq[qa:qa + sq] = torch.einsum("hij,jhd->ihd", ds, ks) * scale
+        gk[ka:ka + sk] = torch.einsum("hij,ihd->jhd", ds, qs).reshape(sk, hkv, g, d).sum(2) * scale
+        gv[ka:ka + sk] = torch.einsum("hij,ihd->jhd", p, dos).reshape(sk, hkv, g, d).sum(2)
+    gq[~_owned(total, segs_q)] = float("nan")
+    nk = _owned(kf.shape[0], segs_k)
+    gk[~nk] = float("nan")
+    gv[~nk] = float("nan")
+    res = []
+    for buf, like, val in ((dq, q, gq), (dk, k, gk), (dv, v, gv)):
+        if buf is None:
+            buf = torch.empty(like.shape, dtype=like.dtype)
+        (buf.flatten(0, 1) if dense else buf).copy_(val.to(buf.dtype))
+        res.append(buf)
+    return tuple(res)

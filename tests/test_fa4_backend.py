@@ -1,0 +1,154 @@
+"""The FA4 backend's tile-to-call mapping on the CPU: its calls run through a reference of FA4's call
+semantics (tests/fa4_semantics.py: windows, varlen with seqused, in-place outputs, the merged-lse
+backward; it asserts FA4's preconditions and poisons what a call does not own) and the results are
+compared with the dense fp64 reference, forward and backward, for the benchmark masks, planner rank
+lists (sq != sk, every kind) and random cell-disjoint lists. A wrong mapping fails here, in CI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fa4_semantics
+import megatron_cp as mcp
+from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, FA4Backend, get_backend
+from megatron_cp.kernels.fa4_backend import Fa4Functions, fa4_unavailable
+from megatron_cp.kernels.fa4_calls import fa4_calls, segment_of
+from megatron_cp.masks import catalog
+from test_triton_kernels import dense_mask, reference
+
+EMULATED = Fa4Functions(fa4_semantics.fwd, fa4_semantics.bwd, "reference", (torch.float64,))
+
+
+def _inputs(sq, sk, hq=4, hkv=2, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, do = (torch.randn(sq, hq, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(sk, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    return q, k, v, do, torch.randn(sq, hq, generator=g, dtype=torch.float64)
+
+
+def _check(tiles, sq, sk, dlse=False, seed=0):
+    """FA4Backend (emulated FA4) against the fp64 dense reference: forward, forward_accumulate from an
+    empty running pair, backward and backward_into (with and without an lse gradient)."""
+    tiles = torch.as_tensor(np.asarray(tiles).reshape(-1, 5), dtype=torch.int32)
+    be = FA4Backend(functions=EMULATED)
+    prep = be.prepare(tiles, sq, sk)
+    q, k, v, do, dl = _inputs(sq, sk, seed=seed)
+    scale = 0.3
+    keep = dense_mask(tiles, sq, sk)
+    o_ref, l_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, keep, scale, do, dl if dlse else None)
+    out, lse = be.forward(q, k, v, prep, scale)
+    assert be.last_path == "fa4"
+    torch.testing.assert_close(out, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, l_ref, rtol=1e-10, atol=1e-10)  # -inf where a row keeps nothing
+    acc = torch.zeros_like(q)
+    run = torch.full(lse.shape, float("-inf"), dtype=torch.float64)
+    be.forward_accumulate(q, k, v, prep, scale, acc, run)
+    torch.testing.assert_close(acc, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(run, l_ref, rtol=1e-10, atol=1e-10)
+    delta = ((do * o_ref).sum(-1) - dl) if dlse else None
+    dq, dk, dv = be.backward(q, k, v, o_ref, l_ref, do, prep, scale, delta)
+    for got, want in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    sums = [torch.ones_like(t) for t in (q, k, v)]  # running sums start at 1: backward_into must add
+    be.backward_into(q, k, v, o_ref, l_ref, do, prep, scale, delta, *sums)
+    for got, want in zip(sums, (dq_ref, dk_ref, dv_ref)):
+        torch.testing.assert_close(got, want + 1, rtol=1e-9, atol=1e-9)
+    return prep.calls
+
+
+@pytest.mark.parametrize("name", catalog.KERNEL_MASKS)
+def test_kernel_masks(name):
+    s = 192
+    calls = _check(catalog.tiles(catalog.build(name, s)), s, s)
+    assert calls.fwd, name
+
+
+@pytest.mark.parametrize("name", catalog.DIST_MASKS)
+def test_dist_masks_with_lse_gradient(name):
+    s = 160
+    _check(catalog.tiles(catalog.build(name, s)), s, s, dlse=True)
+
+
+def test_the_natively_expressible_masks_are_one_call():
+    """What FA4 expresses natively maps to one call each way: full and causal dense, documents one varlen
+    call, a sliding window one window call (its causal head fused with its band)."""
+    s = 4096
+    for name, window in (("full", (None, None)), ("causal", (None, 0)), ("docs_causal", (None, 0)),
+                         ("sliding_window_1024", (1024, 0))):
+        c = fa4_calls(catalog.tiles(catalog.build(name, s)).numpy(), s, s)
+        assert len(c.fwd) == len(c.bwd) == 1, (name, c.describe())
+        assert (c.fwd[0].left, c.fwd[0].right) == window, name
+        assert c.fwd[0].dense == (name != "docs_causal"), name
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("name", ["causal", "packed", "sliding_window", "global_local"])
+def test_planner_rank_lists(name, cp):
+    """The lists the runtime gives the backend: a rank's rows against its key buffer (sq != sk)."""
+    s = 256
+    plan = mcp.plan(catalog.build(name, s), cp)
+    for rp in plan.ranks:
+        if len(rp.tiles):
+            sk = int((rp.buffer_runs[:, 1] - rp.buffer_runs[:, 0]).sum())
+            _check(rp.tiles, rp.num_tokens, sk, seed=rp.rank)
+
+
+def _random_disjoint(rng, sq, sk, n):
+    """Up to n random tiles of random kinds, dropping any that would share a cell with an earlier one."""
+    keep = torch.zeros(sq, sk, dtype=torch.bool)
+    out = []
+    for _ in range(n):
+        q0 = int(rng.integers(0, sq - 1)); q1 = int(rng.integers(q0 + 1, sq + 1))
+        k0 = int(rng.integers(0, sk - 1)); k1 = int(rng.integers(k0 + 1, sk + 1))
+        t = [q0, q1, k0, k1, int(rng.integers(0, 4))]
+        m = dense_mask(torch.tensor([t]), sq, sk)
+        if not (m & keep).any() and m.any():
+            keep |= m
+            out.append(t)
+    return np.array(out, dtype=np.int64).reshape(-1, 5)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_lists(seed):
+    rng = np.random.default_rng(seed)
+    sq, sk = int(rng.integers(8, 70)), int(rng.integers(8, 70))
+    _check(_random_disjoint(rng, sq, sk, int(rng.integers(1, 10))), sq, sk, dlse=bool(seed % 2), seed=seed)
+
+
+def test_segments_keep_exactly_the_tiles_cells():
+    """Each kind's window (and the trimming of rows that keep nothing) against the tile semantics."""
+    for kind in (FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL):
+        for sq in range(1, 9):
+            for sk in range(1, 9):
+                want = dense_mask(torch.tensor([[2, 2 + sq, 3, 3 + sk, kind]]), 12, 12).numpy()
+                seg = segment_of(2, 2 + sq, 3, 3 + sk, kind)
+                got = np.zeros_like(want)
+                if seg is not None:
+                    rows = np.arange(seg.q0, seg.q1)
+                    lo, hi = seg.bounds(rows)
+                    assert (hi > lo).all(), (kind, sq, sk)  # no empty row
+                    for r, a, b in zip(rows, lo, hi):
+                        got[r, a:b] = True
+                assert (got == want).all(), (kind, sq, sk)
+
+
+def test_fallbacks_are_reported():
+    """Inputs FA4 cannot run go to Triton with the reason in last_path and describe()."""
+    be = FA4Backend(functions=Fa4Functions(fa4_semantics.fwd, fa4_semantics.bwd, "reference"))
+    tiles = torch.tensor([[0, 32, 0, 32, CAUSAL]], dtype=torch.int32)
+    prep = be.prepare(tiles, 32, 32, head_dims=(16,))
+    q, k, v, do, _ = _inputs(32, 32, d=16)
+    q, k, v, do = (t.float() for t in (q, k, v, do))
+    out, lse = be.forward(q, k, v, prep)
+    assert be.last_path.startswith("triton (") and "float32" in be.last_path
+    assert any("float32" in r for r in be.describe()["fallbacks"].values())
+    o_ref, l_ref = reference(q, k, v, dense_mask(tiles, 32, 32), 16 ** -0.5)
+    torch.testing.assert_close(out.double(), o_ref, rtol=2e-5, atol=2e-5)
+
+
+def test_auto_and_availability_on_the_cpu():
+    assert fa4_unavailable("cpu") is not None
+    assert get_backend("auto", "cpu").name == "reference"
+    assert isinstance(get_backend("fa4"), FA4Backend)
