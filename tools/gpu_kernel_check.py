@@ -1,21 +1,30 @@
-"""GPU correctness matrix of the Triton tile-list kernels (TritonBackend).
+"""GPU correctness matrix of a tile-list attention backend: --backend triton (TritonBackend), fa4 (FA4Backend:
+FlashAttention-4, falling back to its Triton kernels where FA4 cannot run, e.g. float32, or head_dim > 192 in
+the backward) or auto (default: the one get_backend("auto", "cuda") picks), each built with
+TritonConfig(--configs).
 
 For every kernel-table mask (megatron_cp.masks.catalog.KERNEL_MASKS, tile lists checked cell by cell against their
 FlexAttention mask_mod), S in --seqlens, head_dim 64/128, bf16/fp16, GQA ratio 1/4/8:
 forward (out, lse) and backward (dq, dk, dv) are compared with a dense fp64 reference. Rule (ANCHORS.md):
 rms error <= 2 x the rms error of a plain PyTorch reference run in the same low precision, plus a floor
 of 1e-6 x rms(reference). Also: no NaN anywhere, fully masked rows give out 0 / lse -inf, and a second
-forward + backward is bitwise identical (deterministic mode). --big adds S = 131072 (Hq 32, Hkv 8,
-D 128) no-NaN and peak-memory runs. Lists the default backend splits (a single dense tile, dense pieces, the
-forward's band squares) are also run through it; planner-style sliding-window bands are added (band_cases).
-The summary says what the cuDNN probe found per (dtype, head_dim, Hq / Hkv) family.
+forward + backward of the backend in deterministic mode (TritonConfig(deterministic=True)) is bitwise
+identical: a failure for Triton; for other backends (FA4) reported per case ("deterministic") and counted
+in the summary, not failed. --big adds S = 131072 (Hq 32, Hkv 8, D 128) no-NaN and peak-memory runs.
+Triton: lists the default backend splits (a single dense tile, dense pieces, the forward's band squares) are
+also run through it (its cuDNN pieces); other backends: the default (non-deterministic) mode is always run as
+well. Planner-style sliding-window bands are added (band_cases). Each case records the path every run took
+(``last_path``: [forward's, backward's], e.g. "fa4" or a Triton fallback). The summary says what the cuDNN
+probe found per (dtype, head_dim, Hq / Hkv) family and the backend's describe() where it has one.
 
-Usage: python tools/gpu_kernel_check.py [--seqlens 1024 4096 16384] [--big] [--json out.json]
+Usage: python tools/gpu_kernel_check.py [--backend auto|triton|fa4] [--seqlens 1024 4096 16384] [--big]
+       [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import itertools
 import json
 import math
@@ -24,8 +33,39 @@ import time
 
 import torch
 
-from megatron_cp.kernels import TritonBackend, TritonConfig, configs_from_json
+from megatron_cp.kernels import TritonBackend, TritonConfig, configs_from_json, get_backend
 from megatron_cp.masks import catalog
+
+
+def make_backend(name, overrides, **config):
+    """Backend ``name`` (auto, triton, fa4) built with TritonConfig(overrides, **config): TritonBackend, or
+    FA4Backend (the config is its Triton fallback's); auto: the class get_backend("auto", "cuda") picks.
+    fa4 where FA4 cannot run here exits with the reason (instead of a matrix of Triton fallbacks)."""
+    cfg = TritonConfig(overrides, **config)
+    if name == "auto":
+        name = getattr(get_backend("auto", "cuda"), "name", "triton")
+    if name == "triton":
+        return TritonBackend(cfg)
+    if name != "fa4":
+        raise SystemExit(f"--backend auto picked {name!r}; this check runs triton or fa4")
+    try:
+        from megatron_cp.kernels import FA4Backend, fa4_unavailable
+    except ImportError as e:
+        raise SystemExit(f"--backend fa4: this checkout has no FA4 backend ({e})") from e
+    why = fa4_unavailable(torch.device("cuda"))
+    if why is not None:
+        raise SystemExit(f"--backend fa4: FA4 cannot run here: {why}")
+    return FA4Backend(cfg)
+
+
+def backend_info(**backends):
+    """The summary's record of the backend: its name and, where it has one, each instance's describe()
+    (each saw its own fallbacks)."""
+    be = next(iter(backends.values()))
+    info = {"name": getattr(be, "name", type(be).__name__)}
+    if hasattr(be, "describe"):
+        info["describe"] = {role: b.describe() for role, b in backends.items()}
+    return info
 
 
 def chunked_reference(q, k, v, dout, keep, dt, scale, chunk=2048):
@@ -77,29 +117,36 @@ def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed):
     v = torch.randn(s, hkv, d, device=dev, dtype=dtype, generator=gen)
     dout = torch.randn(s, hq, d, device=dev, dtype=dtype, generator=gen)
     scale = 1.0 / math.sqrt(d)
-    # deterministic mode (Triton kernels only): run twice, must be bitwise identical
+    # deterministic mode: run twice, bitwise identical (must be for Triton; reported for other backends)
+    triton = type(be_det) is TritonBackend
     prep = be_det.prepare(tiles, s, s, head_dims=(d,))
     out, lse = be_det.forward(q, k, v, prep, scale)
+    det_fwd_path = be_det.last_path
     dq, dk, dv = be_det.backward(q, k, v, out, lse, dout, prep, scale)
+    # the runs' keys (result fields too): Triton's as before; others "<name>_det" and "<name>_default"
+    last_path = {"triton" if triton else f"{be_det.name}_det": [det_fwd_path, be_det.last_path]}
     out2, lse2 = be_det.forward(q, k, v, prep, scale)
     dq2, dk2, dv2 = be_det.backward(q, k, v, out2, lse2, dout, prep, scale)
     torch.cuda.synchronize()
     det = all(torch.equal(a, b) for a, b in ((out, out2), (lse, lse2), (dq, dq2), (dk, dk2), (dv, dv2)))
     del out2, lse2, dq2, dk2, dv2
-    runs = {"triton": (out, lse, dq, dk, dv)}
+    runs = {next(iter(last_path)): (out, lse, dq, dk, dv)}
     prep_f = be.prepare(tiles, s, s, head_dims=(d,))
-    if prep_f.cudnn_fwd is not None or prep_f.cudnn_bwd is not None:  # the default backend sends pieces to cuDNN
+    # Triton: the default mode differs only where it sends pieces to cuDNN; other backends: always run it
+    if not triton or prep_f.cudnn_fwd is not None or prep_f.cudnn_bwd is not None:
         o_f, l_f = be.forward(q, k, v, prep_f, scale)
         path_f = be.last_path
         g_f = be.backward(q, k, v, o_f, l_f, dout, prep_f, scale)
-        runs[f"fast_{path_f}_{be.last_path}"] = (o_f, l_f, *g_f)
+        key = f"fast_{path_f}_{be.last_path}" if triton else f"{be.name}_default"
+        runs[key] = (o_f, l_f, *g_f)
+        last_path[key] = [path_f, be.last_path]
     ref = chunked_reference(q, k, v, dout, keep, torch.float64, scale)
     low = chunked_reference(q, k, v, dout, keep, dtype, scale)
     empty = ~keep.any(1)
     fin = ~empty
     res = {"mask": mask, "S": s, "D": d, "dtype": str(dtype).split(".")[-1], "G": g, "Hq": hq, "Hkv": hkv,
-           "deterministic": det, "empty_rows": int(empty.sum()), "paths": list(runs)}
-    ok = det
+           "deterministic": det, "empty_rows": int(empty.sum()), "paths": list(runs), "last_path": last_path}
+    ok = det or not triton
     for path, (out, lse, dq, dk, dv) in runs.items():
         nan = any(bool(torch.isnan(x).any()) for x in (out, lse, dq, dk, dv))
         empty_ok = bool((lse[empty] == float("-inf")).all()) and bool((out[empty] == 0).all())
@@ -152,7 +199,7 @@ def extra_checks(be):
         prep = be.prepare(tiles, s, s, head_dims=(d,))
         o1, l1 = be.forward(q, k, v, prep, d ** -0.5)
         grads = be.backward(q, k, v, o1, l1, dout, prep, d ** -0.5)
-        r = {"check": f"accumulate+{str(dt).split('.')[-1]}"}
+        r = {"check": f"accumulate+{str(dt).split('.')[-1]}", "last_path": be.last_path}
         ok = True
         for name, x, i in (("acc_out", o, 0), ("acc_lse", lse, 1), ("out", o1, 0), ("lse", l1, 1),
                            ("dq", grads[0], 2), ("dk", grads[1], 3), ("dv", grads[2], 4)):
@@ -185,7 +232,8 @@ def big_runs(be):
         torch.cuda.synchronize()
         nan = any(bool(torch.isnan(x).any()) for x in (o, lse, dq, dk, dv))
         peak = torch.cuda.max_memory_allocated()
-        r = {"mask": mask, "S": s, "nan": nan, "peak_GiB": peak / 2**30, "inputs_GiB": inputs / 2**30,
+        r = {"mask": mask, "S": s, "last_path": be.last_path, "nan": nan, "peak_GiB": peak / 2**30,
+             "inputs_GiB": inputs / 2**30,
              "S2_bf16_GiB_per_head": s * s * 2 / 2**30, "pass": (not nan) and peak < 4 * inputs}
         print(json.dumps(r), flush=True)
         out.append(r)
@@ -199,13 +247,16 @@ def main():
     ap.add_argument("--big", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--configs", default=None, help="tuned configs JSON (tools/bench_kernels.py --tune)")
+    ap.add_argument("--backend", choices=["auto", "triton", "fa4"], default="auto",
+                    help="the backend checked (auto: FA4 where it can run, else Triton)")
     args = ap.parse_args()
     overrides = {}
     if args.configs:
         with open(args.configs) as f:
             overrides = configs_from_json(json.load(f))
-    be = TritonBackend(TritonConfig(overrides))
-    be_det = TritonBackend(TritonConfig(overrides, deterministic=True))
+    be = make_backend(args.backend, overrides)
+    be_det = make_backend(args.backend, overrides, deterministic=True)
+    print(f"backend: {be.name} ({type(be).__name__})", flush=True)
     results, t0 = [], time.time()
     for s in args.seqlens:
         if s >= 16384:  # a diagonal of the matrix keeps the large size affordable
@@ -231,7 +282,7 @@ def main():
                 print(line, flush=True)
             del keep
             torch.cuda.empty_cache()
-    be_band = TritonBackend(TritonConfig(overrides, band_squares=2048))  # these windows are 2048 and 4096
+    be_band = make_backend(args.backend, overrides, band_squares=2048)  # these windows are 2048 and 4096
     for name, s, tiles in band_cases():
         keep = catalog.tiles_to_dense(tiles, s, s, device="cuda")
         for i, (d, dt, g, hkv) in enumerate([(128, torch.bfloat16, 4, 2), (128, torch.float16, 8, 1),
@@ -246,20 +297,34 @@ def main():
         del keep
     big = extra_checks(be_det)
     if args.big:
-        big += big_runs(TritonBackend(TritonConfig(overrides, dense_fast_path=False)))
+        be_big = make_backend(args.backend, overrides, dense_fast_path=False)
+        big += big_runs(be_big)
     n_fail = sum(not r["pass"] for r in results) + sum(not r["pass"] for r in big)
     # what the cuDNN probe found per (device, dtype, head_dim, Hq / Hkv) family: its layout, or why not
     cudnn_found = {str(tuple(map(str, key))): f.layout or f.reason for b in (be, be_band)
-                   for key, f in b.cudnn_probes.items()}
+                   for key, f in getattr(b, "cudnn_probes", {}).items()}
     summary = {"configs": {f"{d}/{c}": str(v) for (d, c), v in overrides.items()}, "cudnn": cudnn_found, "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                "command": " ".join(sys.argv), "torch": torch.__version__,
                "triton": __import__("triton").__version__, "cases": len(results) + len(big), "failed": n_fail,
                "seconds": time.time() - t0}
-    print(json.dumps(summary))
+    roles = {"default": be, "deterministic": be_det, "band_squares_2048": be_band}
+    if args.big:
+        roles["big"] = be_big
+    summary["backend"] = backend_info(**roles)
+    n_nondet = sum(not r["deterministic"] for r in results)  # a failure for Triton, counted for the others
+    if type(be_det) is not TritonBackend:
+        summary["not_bitwise_reproducible"] = n_nondet
+        try:
+            summary["flash_attn_4"] = importlib.metadata.version("flash-attn-4")
+        except importlib.metadata.PackageNotFoundError:
+            summary["flash_attn_4"] = None
+    print(json.dumps(summary, default=str))  # describe() may hold devices, dtypes
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"summary": summary, "results": results, "big": big}, f, indent=1)
-    print(f"gpu_kernel_check: {len(results) + len(big) - n_fail}/{len(results) + len(big)} passed")
+            json.dump({"summary": summary, "results": results, "big": big}, f, indent=1, default=str)
+    tail = ("" if type(be_det) is TritonBackend else
+            f" ({be.name}; deterministic mode bitwise reproducible in {len(results) - n_nondet}/{len(results)} cases)")
+    print(f"gpu_kernel_check: {len(results) + len(big) - n_fail}/{len(results) + len(big)} passed{tail}")
     sys.exit(1 if n_fail else 0)
 
 
