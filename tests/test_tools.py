@@ -1,5 +1,8 @@
 """The benchmark and simulator tools' own rules on CPU: tools/timing.py (bench_dist's step timer),
-tools/bench_dist.py, and the research instruments tools/sim/simulate.py and tools/sim/calibrate.py."""
+tools/bench_dist.py, the research instruments tools/sim/simulate.py and tools/sim/calibrate.py, and the
+parts of the single-GPU tools tools/bench_kernels.py and tools/gpu_kernel_check.py that run without a GPU
+(the FA4 peer's calls against FA4's documented semantics, the peer ratios and table, the backend choice,
+the CPU dry run). No test here asserts a timing."""
 
 from __future__ import annotations
 
@@ -177,3 +180,142 @@ def test_calibrate_link_timing_ignores_one_stalled_group():
     t = cal.median_time(fn, torch.device("cpu"), 10)
     assert len(calls) == 5 * 11  # five groups, each one warm-up call and ten timed ones
     assert 0.0009 < t < 0.01, t  # a mean over all the calls would be ~19 ms, over the stalled group ~100 ms
+
+
+# --------------------------------------------------------------------------------------------------
+# tools/bench_kernels.py and tools/gpu_kernel_check.py: the parts that run without a GPU
+
+
+def _fake_fa4_interface():
+    """flash_attn.cute.interface's two entry points as FA4 documents them, in plain PyTorch: causal is a
+    window's right edge 0; window (left, right) keeps key j for query i iff i + sk - sq - left <= j <=
+    i + sk - sq + right (bottom-right aligned, None: unbounded); varlen takes int32 cu_seqlens; GQA native.
+    flash_attn_func returns (out, lse), flash_attn_varlen_func out alone (FA4's return differs by version)."""
+    import types
+
+    import torch
+
+    def attend(q, k, v, scale, causal, window):  # one sequence: q [sq, H, D], k/v [sk, Hkv, D]
+        sq, sk = q.shape[0], k.shape[0]
+        left, right = window
+        right = 0 if causal else right
+        i, j = torch.arange(sq)[:, None] + (sk - sq), torch.arange(sk)[None]
+        keep = torch.ones(sq, sk, dtype=torch.bool)
+        if right is not None:
+            keep &= j <= i + right
+        if left is not None:
+            keep &= j >= i - left
+        g = q.shape[1] // k.shape[1]
+        s = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(g, 1)) * (scale or q.shape[-1] ** -0.5)
+        s = s.masked_fill(~keep, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v.repeat_interleave(g, 1)), s.logsumexp(-1)
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), **kw):
+        assert q.dim() == 4 and not kw, kw
+        res = [attend(q[b], k[b], v[b], softmax_scale, causal, window_size) for b in range(q.shape[0])]
+        return torch.stack([o for o, _ in res]), torch.stack([lse for _, lse in res])
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                               max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None), **kw):
+        assert q.dim() == 3 and not kw and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32, kw
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        assert max(b - a for a, b in zip(cq, cq[1:])) <= max_seqlen_q and cq[-1] == q.shape[0]
+        assert max(b - a for a, b in zip(ck, ck[1:])) <= max_seqlen_k and ck[-1] == k.shape[0]
+        return torch.cat([attend(q[a:b], k[c:d], v[c:d], softmax_scale, causal, window_size)[0]
+                          for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])])
+
+    return types.SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func)
+
+
+def test_bench_kernels_fa4_peer_keeps_each_masks_cells(monkeypatch):
+    """The FA4-direct column runs FA4 only on masks it expresses natively, and there each call (causal,
+    the window (1024, 0), varlen over the documents) keeps exactly the catalog mask's cells: its output
+    equals dense attention under catalog.dense; its timing runs end to end (forward, retained-graph grad)."""
+    import torch
+
+    bk = _tool("bench_kernels")
+    fake = _fake_fa4_interface()
+    monkeypatch.setattr(bk, "fa4_interface", lambda: fake)
+    monkeypatch.setattr(bk, "DEVICE", "cpu")
+    s, g = 2048, torch.Generator().manual_seed(0)
+    q, do = torch.randn(s, 4, 16, generator=g), torch.randn(s, 4, 16, generator=g)
+    k, v = torch.randn(s, 2, 16, generator=g), torch.randn(s, 2, 16, generator=g)
+    for name in bk.FA4_MASKS:
+        keep = catalog.dense(name, s)
+        sc = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(2, 1)) / 4.0
+        want = torch.einsum("hqk,khd->qhd", torch.softmax(sc.masked_fill(~keep, float("-inf")), -1),
+                            v.repeat_interleave(2, 1))
+        f, batched = bk.fa4_call(name, s)
+        got = f(q[None], k[None], v[None])[0] if batched else f(q, k, v)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+        tf, tb = bk.time_fa4(name, s, q, k, v, do)
+        assert tf > 0 and tb > 0
+
+
+def test_bench_kernels_fa4_peers_say_when_flash_attn_4_is_missing():
+    """Without flash-attn-4 both FA4 peers (FA4 direct, Flex's FLASH backend) stop with the error the row
+    records as it is, before compiling anything."""
+    bk = _tool("bench_kernels")
+    if bk.fa4_version() is not None:
+        pytest.skip("flash-attn-4 is installed here")
+    for fn in (lambda: bk.time_fa4("causal", 256, None, None, None, None),
+               lambda: bk.time_flex("causal", 256, None, None, None, None, backend="FLASH")):
+        with pytest.raises(bk.PeerMissing, match="^flash-attn-4 not installed$"):
+            fn()
+
+
+def test_bench_kernels_compares_ours_with_the_fastest_peer():
+    """Ratios are peer time / ours time per peer that ran (errors are not peers), and against the fastest
+    peer of each direction, which is named; the table shows TFLOP/s as fwd / bwd and those ratios."""
+    bk = _tool("bench_kernels")
+
+    def rec(f, b):
+        return {"fwd_ms": f, "bwd_ms": b, "fwd_tflops": 100.0 / f, "bwd_tflops": 250.0 / b}
+
+    r = {"S": 16384, "mask": "causal", "ours": dict(rec(1.0, 2.0), path="fa4", fwd_path="fa4"),
+         "triton": rec(1.5, 3.0), "flex": rec(2.0, 5.0), "flex_flash": rec(1.2, 1.8), "fa4": rec(0.9, 2.2),
+         "cudnn": {"error": "RuntimeError: no"}}
+    bk.compare_with_peers(r)
+    assert r["best_fwd_peer"] == "fa4" and r["fwd_vs_best"] == pytest.approx(0.9)
+    assert r["best_bwd_peer"] == "flex_flash" and r["bwd_vs_best"] == pytest.approx(0.9)
+    assert r["fwd_vs_flex"] == pytest.approx(2.0) and r["bwd_vs_fa4"] == pytest.approx(1.1)
+    assert "fwd_vs_cudnn" not in r and "fwd_vs_triton" not in r
+    row = bk.table([r], "fa4")[-1]
+    assert row == ("| 16384 | causal | 100 / 125 [fa4] | 67 / 83 | 50 / 50 | 83 / 139 | 111 / 114 | err | "
+                   "0.90 (fa4) | 0.90 (flex_flash) | 1.20 | 0.90 |")
+    lone = {"S": 256, "mask": "docs_causal", "ours": dict(rec(1.0, 1.0), path="triton")}  # the CPU dry run: no peers
+    bk.compare_with_peers(lone)
+    assert "fwd_vs_best" not in lone and bk.table([lone], "triton")[-1].endswith("| - | - | - | - |")
+
+
+def test_gpu_kernel_check_builds_the_chosen_backend_with_its_config():
+    """--backend triton builds TritonBackend with the run's TritonConfig (as before --backend); auto picks
+    Triton where FA4 cannot run; fa4 there stops with the reason rather than checking Triton fallbacks."""
+    import torch
+
+    from megatron_cp.kernels import TritonBackend
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU suite's view: no FA4 here")
+    gk = _tool("gpu_kernel_check")
+    for name in ("triton", "auto"):
+        be = gk.make_backend(name, {}, deterministic=True)
+        assert type(be) is TritonBackend and be.config.deterministic
+    with pytest.raises(SystemExit, match="--backend fa4: FA4 cannot run here"):
+        gk.make_backend("fa4", {})
+
+
+def test_bench_kernels_cpu_dry_run(tmp_path):
+    """The documented CPU dry run (Triton's interpreter, one mask to keep it short) runs end to end and
+    writes its JSON: ours is the Triton backend on the CPU, no peer runs, meta names the backend."""
+    import json
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, str(TOOLS / "bench_kernels.py"), "--device", "cpu", "--tiny",
+                    "--row-masks", "causal", "--out", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    out = json.loads((tmp_path / "bench_kernels.json").read_text())
+    assert out["meta"]["ours_backend"] == {"name": "triton"} and "flash_attn_4" in out["meta"]
+    (r,) = out["results"]
+    assert r["mask"] == "causal" and r["ours"]["path"] == "triton" and "ours_triton" in r
+    assert not any(p in r for p in ("triton", "flex", "flex_flash", "fa4", "cudnn"))

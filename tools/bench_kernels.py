@@ -1,26 +1,50 @@
-"""Benchmark: our Triton tile-list kernels vs FlexAttention (torch.compile) vs cuDNN SDPA, one GPU.
+"""Benchmark: our default attention backend vs the kernels it replaces and the peers, one GPU.
 
-bf16, Hq=32, Hkv=8, D=128, batch 1. Masks: megatron_cp.masks.catalog.KERNEL_MASKS (same cells for every
-implementation: tile lists for ours, mask_mod/BlockMask for Flex, is_causal for cuDNN on dense masks).
+bf16, Hq=32, Hkv=8, D=128, batch 1. Masks: megatron_cp.masks.catalog.KERNEL_MASKS (the same cells for every
+implementation). Implementations, the keys of each JSON row:
+
+    ours          the backend get_backend("auto", device) picks (FA4Backend where fa4_unavailable(device) is
+                  None, else TritonBackend), built with this run's TritonConfig (--configs, the dry run's
+                  blocks); tile lists
+    triton        TritonBackend(TritonConfig(...)), the default before FA4: what FA4 replaces (only when ours
+                  is not already it)
+    ours_triton   TritonBackend without the dense fast path (dense masks): the Triton kernel alone
+    ours_nodense  (--compare-dense-tiles) TritonBackend(TritonConfig(dense_tiles=False))
+    flex          torch.compile'd FlexAttention, catalog mask_mod -> BlockMask (full: no mask): Triton kernels
+    flex_flash    the same call and BlockMask with kernel_options={"BACKEND": "FLASH"}: Flex on FA4's kernels
+    fa4           FA4 called directly (flash_attn.cute.interface), only where it expresses the mask natively:
+                  full and causal (flash_attn_func, causal=True), sliding_window_1024 (window_size=(1024, 0):
+                  key j kept for query i iff i - 1024 <= j <= i), docs_causal (flash_attn_varlen_func over
+                  the documents' cu_seqlens, causal=True)
+    cudnn         SDPA's cuDNN backend on the dense masks (is_causal), K/V expanded to Hq heads outside the
+                  timed region
+flash-attn-4 not installed: flex_flash and fa4 record {"error": "flash-attn-4 not installed"}.
+
 TFLOP/s with FLOPs = 4 * kept_area * Hq * D forward, 2.5x that backward; times are medians of
-triton.testing.do_bench (CUDA events). Backward times exclude the forward (Flex/cuDNN: autograd.grad on a
-retained graph; ours: backend.backward incl. its delta = rowsum(dout*out) preprocessing).
-cuDNN runs with K/V expanded to Hq heads (outside the timed region). Every impl of ours records the path
-it ran (cudnn / cudnn+triton / triton) and the block configs of its Triton kernels ("configs").
+triton.testing.do_bench (CUDA events). Backward times exclude the forward (the peers: autograd.grad on a
+retained graph; ours: backend.backward incl. its delta = rowsum(dout*out) preprocessing). Every impl of ours
+records the path it ran (e.g. fa4 / cudnn / cudnn+triton / triton) and the block configs of its Triton
+kernels ("configs"). Per row, fwd_vs_P / bwd_vs_P = P's time / ours' time for each peer P in flex,
+flex_flash, fa4, cudnn that ran (> 1: ours is faster); fwd_vs_best / bwd_vs_best the same against the
+fastest of them per direction, named in best_fwd_peer / best_bwd_peer. The run ends with a markdown table.
 
---tune times candidate block configs per phase instead (others at their defaults) and writes the fastest
-per row class as DIR/tuned_configs.json, the format ``--configs`` (and ``configs_from_json``) reads.
+--tune times candidate block configs of TritonBackend per phase instead (others at their defaults) and
+writes the fastest per row class as DIR/tuned_configs.json, the format ``--configs`` (and
+``configs_from_json``) reads.
 
 Usage: python tools/bench_kernels.py [--seqlens 16384] [--masks ...] [--out DIR] [--tune] [--configs JSON]
        python tools/bench_kernels.py --device cpu --tiny --out /tmp/bk   # CPU dry run
-Writes DIR/bench_kernels.json and DIR/bench_kernels.png (device, date and command inside).
+Writes DIR/bench_kernels.json and DIR/bench_kernels.png (device, date, command, our backend's describe()
+and the flash-attn-4 version inside).
 The CPU dry run (Triton's interpreter; fp16, Hq=4, Hkv=1, D=32, S=256, 32 x 32 blocks, one timed call
-each) checks that the program runs end to end; its times mean nothing.
+each; no Flex, FA4 or cuDNN) checks that the program runs end to end; its times mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import itertools
 import json
 import os
 import sys
@@ -43,7 +67,8 @@ import triton  # noqa: E402
 
 from megatron_cp.masks import catalog  # noqa: E402
 from megatron_cp.kernels import (  # noqa: E402
-    DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonBackend, TritonConfig, configs_from_json, kept_area,
+    DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonBackend, TritonConfig, configs_from_json, get_backend,
+    kept_area,
 )
 
 HQ, HKV, D = 32, 8, 128
@@ -53,6 +78,10 @@ DTYPE = torch.bfloat16
 
 
 BENCH_MS = {"warmup": 50, "rep": 200}  # --tune uses shorter runs
+PEERS = ("flex", "flex_flash", "fa4", "cudnn")  # what ours is compared with (ratios, best peer)
+IMPLS = ("ours", "triton", "ours_nodense", "ours_triton") + PEERS  # print, table and plot order
+FA4_MASKS = ("full", "causal", "docs_causal", "sliding_window_1024")  # the masks FA4 expresses natively
+FA4_MISSING = "flash-attn-4 not installed"
 
 
 def bench(fn):
@@ -78,8 +107,25 @@ def make_inputs(s, seed=0):
     return q, k, v, do
 
 
+def default_backend(config):
+    """The backend get_backend("auto", DEVICE) picks (FA4Backend where fa4_unavailable(DEVICE) is None, else
+    TritonBackend), built with ``config`` (--configs, the dry run's small blocks) as auto's plain one is not.
+    Where auto picks neither (the reference backend on the CPU) TritonBackend: the dry run's interpreter."""
+    auto = get_backend("auto", DEVICE)
+    return type(auto)(config) if getattr(auto, "name", None) in ("triton", "fa4") else TritonBackend(config)
+
+
+def backend_info(be):
+    """meta's record of a backend: its name, and its describe() where it has one (FA4: version, arch,
+    the fallbacks it took)."""
+    info = {"name": getattr(be, "name", type(be).__name__)}
+    if hasattr(be, "describe"):
+        info["describe"] = be.describe()
+    return info
+
+
 def time_ours(be, tiles, s, q, k, v, do):
-    """(fwd ms, bwd ms) of backend be."""
+    """(fwd ms, bwd ms, forward's path) of backend be."""
     return time_ours_rect(be, tiles, s, s, q, k, v, do)
 
 
@@ -89,25 +135,30 @@ def time_ours_rect(be, tiles, sq, sk, q, k, v, do):
     prep = be.prepare(tiles, sq, sk, head_dims=(D,))
     be.last_configs.clear()  # so that it holds this case's configs afterwards
     out, lse = be.forward(q, k, v, prep)
+    fwd_path = be.last_path  # the backward's is be.last_path afterwards (FA4 may fall back in one only)
     be.backward(q, k, v, out, lse, do, prep)  # compile + build device schedules outside timing
     tf = bench(lambda: be.forward(q, k, v, prep))
     tb = bench(lambda: be.backward(q, k, v, out, lse, do, prep))
-    return tf, tb
+    return tf, tb, fwd_path
 
 
 def cfg_list(c):
     return [c.block_m, c.block_n, c.num_warps, c.num_stages, int(c.tma)]
 
 
-def ours_record(b, tf, tb, ff):
-    """Result dict of one of our backends: times, TFLOP/s, path and the block configs its kernels ran with."""
+def ours_record(b, tf, tb, ff, fwd_path):
+    """Result dict of one of our backends: times, TFLOP/s, paths (path: the backward's, fwd_path: the
+    forward's) and the block configs its Triton kernels ran with (none when FA4 ran everything)."""
     return {"fwd_ms": tf, "bwd_ms": tb, "fwd_tflops": ff / tf / 1e9, "bwd_tflops": 2.5 * ff / tb / 1e9,
-            "path": b.last_path, "configs": {ph: cfg_list(c) for ph, c in b.last_configs.items()}}
+            "path": b.last_path, "fwd_path": fwd_path,
+            "configs": {ph: cfg_list(c) for ph, c in b.last_configs.items()}}
 
 
-def cudnn_status(be):
-    """What the cuDNN probe found per (device, dtype, head_dim, Hq / Hkv) family: a layout or why not."""
-    return {str(tuple(map(str, key))): found.layout or found.reason for key, found in be.cudnn_probes.items()}
+def cudnn_status(*backends):
+    """What the cuDNN probes of these backends found per (device, dtype, head_dim, Hq / Hkv) family: a layout
+    or why not (backends without cuDNN pieces have no probes)."""
+    return {str(tuple(map(str, key))): found.layout or found.reason
+            for be in backends for key, found in getattr(be, "cudnn_probes", {}).items()}
 
 
 def zigzag_rank_tiles(s: int, cp: int, rank: int) -> torch.Tensor:
@@ -120,31 +171,107 @@ def zigzag_rank_tiles(s: int, cp: int, rank: int) -> torch.Tensor:
     return torch.tensor(t, dtype=torch.int32)
 
 
-_flex = None
+class PeerMissing(Exception):
+    """A peer that cannot run here (flash-attn-4 absent); its message is the row's error as it is."""
 
 
-def time_flex(name, s, q, k, v, do):
-    global _flex
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def time_autograd(f, leaves, dout):
+    """(fwd ms, bwd ms) of a peer: out = f(*leaves) timed under no_grad; the backward as torch.autograd.grad
+    of out on a retained graph (the forward excluded). The first calls (compiles) are untimed."""
+    with torch.no_grad():
+        f(*leaves)
+        tf = bench(lambda: f(*leaves))
+    o = f(*leaves)
+    torch.autograd.grad(o, leaves, dout, retain_graph=True)
+    tb = bench(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True))
+    return tf, tb
 
-    if _flex is None:
+
+def fa4_version():
+    """The installed flash-attn-4's version, or None."""
+    try:
+        return importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def fa4_interface():
+    """flash_attn.cute.interface (imported on first use); PeerMissing where flash-attn-4 is not installed."""
+    try:
+        from flash_attn.cute import interface
+    except ImportError as e:
+        if fa4_version() is None:
+            raise PeerMissing(FA4_MISSING) from e
+        raise  # installed but broken: the row records the ImportError itself
+    return interface
+
+
+_flex = {}  # kernel_options["BACKEND"] (None: Flex's default, its Triton kernels) -> compiled flex_attention
+_block_mask = {}  # (mask, S) -> BlockMask, the latest one: flex and flex_flash share it
+
+
+def flex_call(backend):
+    """torch.compile'd flex_attention(q, k, v, block_mask) with GQA, run by Flex's ``backend`` (None or "FLASH")."""
+    if backend not in _flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
         torch._dynamo.config.cache_size_limit = 128
         torch._dynamo.config.accumulated_cache_size_limit = 512
-        _flex = torch.compile(flex_attention, dynamic=False)
-    mod = None if name == "full" else catalog.mask_mod(name, s, "cuda")  # full: Flex without a mask
-    bm = None if mod is None else create_block_mask(mod, None, None, s, s, device="cuda")
+        opts = None if backend is None else {"BACKEND": backend}
+
+        def call(q, k, v, block_mask):
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=opts)
+
+        _flex[backend] = torch.compile(call, dynamic=False)
+    return _flex[backend]
+
+
+def block_mask(name, s):
+    """The BlockMask of catalog mask ``name`` at S (None for full: Flex without a mask)."""
+    if (name, s) not in _block_mask:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        _block_mask.clear()
+        _block_mask[(name, s)] = (None if name == "full" else
+                                  create_block_mask(catalog.mask_mod(name, s, "cuda"), None, None, s, s, device="cuda"))
+    return _block_mask[(name, s)]
+
+
+def time_flex(name, s, q, k, v, do, backend=None):
+    """Flex on [1, H, S, D] copies; backend "FLASH": kernel_options={"BACKEND": "FLASH"} (needs flash-attn-4)."""
+    if backend == "FLASH":
+        fa4_interface()  # Flex's FLASH backend runs flash_attn.cute: say so plainly when it is missing
+    fn, bm = flex_call(backend), block_mask(name, s)
     qf, kf, vf, dof = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v, do))
-    qf.requires_grad_(True)
-    kf.requires_grad_(True)
-    vf.requires_grad_(True)
-    with torch.no_grad():
-        tf = None
-        _flex(qf, kf, vf, block_mask=bm, enable_gqa=True)
-        tf = bench(lambda: _flex(qf, kf, vf, block_mask=bm, enable_gqa=True))
-    o = _flex(qf, kf, vf, block_mask=bm, enable_gqa=True)
-    torch.autograd.grad(o, (qf, kf, vf), dof, retain_graph=True)
-    tb = bench(lambda: torch.autograd.grad(o, (qf, kf, vf), dof, retain_graph=True))
-    return tf, tb
+    return time_autograd(lambda a, b, c: fn(a, b, c, bm), (qf.requires_grad_(True), kf.requires_grad_(True),
+                                                            vf.requires_grad_(True)), dof)
+
+
+def fa4_call(name, s):
+    """(f, batched): f(q, k, v) -> out runs FA4 directly on catalog mask ``name`` (one of FA4_MASKS) at S;
+    batched: f takes [1, S, H, D] (flash_attn_func), else [S, H, D] (flash_attn_varlen_func). GQA native."""
+    fa = fa4_interface()
+
+    def first(x):  # out, or (out, lse): FA4's return differs by version and return_lse
+        return x[0] if isinstance(x, tuple) else x
+
+    if name == "docs_causal":  # one causal sequence per document
+        lens = catalog.doc_lengths(name, s)
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEVICE)
+        mx = max(lens)
+        return (lambda q, k, v: first(fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                                 max_seqlen_q=mx, max_seqlen_k=mx, causal=True)),
+                False)
+    # FA4's window (left, right) keeps j in [i - left, i + right] (bottom-right aligned; S_q = S_k here):
+    # sliding_window_1024 is "k <= q and q - k <= 1024"
+    kw = {"full": {}, "causal": {"causal": True}, "sliding_window_1024": {"window_size": (1024, 0)}}[name]
+    return (lambda q, k, v: first(fa.flash_attn_func(q, k, v, **kw))), True
+
+
+def time_fa4(name, s, q, k, v, do):
+    f, batched = fa4_call(name, s)
+    q, k, v, do = (x.unsqueeze(0) if batched else x for x in (q, k, v, do))
+    return time_autograd(f, tuple(x.detach().requires_grad_(True) for x in (q, k, v)), do)
 
 
 def time_cudnn(is_causal, q, k, v, do):
@@ -153,16 +280,60 @@ def time_cudnn(is_causal, q, k, v, do):
     g = HQ // HKV
     qf, dof = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, do))
     kf, vf = (x.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0).contiguous() for x in (k, v))
-    qf.requires_grad_(True)
-    kf.requires_grad_(True)
-    vf.requires_grad_(True)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        with torch.no_grad():
-            tf = bench(lambda: F.scaled_dot_product_attention(qf, kf, vf, is_causal=is_causal))
-        o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=is_causal)
-        torch.autograd.grad(o, (qf, kf, vf), dof, retain_graph=True)
-        tb = bench(lambda: torch.autograd.grad(o, (qf, kf, vf), dof, retain_graph=True))
-    return tf, tb
+        return time_autograd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=is_causal),
+                             (qf.requires_grad_(True), kf.requires_grad_(True), vf.requires_grad_(True)), dof)
+
+
+def compare_with_peers(r):
+    """Adds to row r, for each peer P of PEERS that ran, fwd_vs_P / bwd_vs_P = P's ms / ours' ms (> 1: ours
+    is faster), and fwd_vs_best / bwd_vs_best against the fastest peer per direction, named in
+    best_fwd_peer / best_bwd_peer."""
+    ours = r.get("ours", {})
+    ran = [p for p in PEERS if "fwd_ms" in r.get(p, {})]
+    if "fwd_ms" not in ours or not ran:
+        return
+    for p in ran:
+        r[f"fwd_vs_{p}"] = r[p]["fwd_ms"] / ours["fwd_ms"]
+        r[f"bwd_vs_{p}"] = r[p]["bwd_ms"] / ours["bwd_ms"]
+    for d in ("fwd", "bwd"):
+        best = min(ran, key=lambda p: r[p][f"{d}_ms"])
+        r[f"best_{d}_peer"] = best
+        r[f"{d}_vs_best"] = r[best][f"{d}_ms"] / ours[f"{d}_ms"]
+
+
+def table(results, ours_name):
+    """The closing markdown table (lines): TFLOP/s as fwd / bwd per impl, ratios as in compare_with_peers."""
+    def tflops(r, impl):
+        x = r.get(impl)
+        if x is None:
+            return "-"
+        return f"{x['fwd_tflops']:.0f} / {x['bwd_tflops']:.0f}" if "fwd_ms" in x else "err"
+
+    def ratio(r, key, peer_key=None):
+        if key not in r:
+            return "-"
+        return f"{r[key]:.2f}" + (f" ({r[peer_key]})" if peer_key else "")
+
+    def ours(r):
+        x, cell = r.get("ours", {}), tflops(r, "ours")
+        if "fwd_ms" in x:  # one path, or the forward's / the backward's where they differ
+            bwd = x.get("path")
+            fwd = x.get("fwd_path", bwd)
+            cell += f" [{bwd}]" if fwd == bwd else f" [{fwd} / {bwd}]"
+        return cell
+
+    lines = [f"TFLOP/s as fwd / bwd; ours = {ours_name} (its path in brackets), triton = TritonBackend, the "
+             "default FA4 replaces; ratios = peer time / ours time (> 1: ours is faster)",
+             "| S | mask | ours fwd/bwd | triton | flex | flex FLASH | FA4 direct | cuDNN | ours/best peer fwd | bwd "
+             "| ours/flex FLASH fwd | bwd |",
+             "|---" * 12 + "|"]
+    for r in results:
+        lines.append(f"| {r['S']} | {r['mask']} | {ours(r)} | {tflops(r, 'triton')} | {tflops(r, 'flex')} | "
+                     f"{tflops(r, 'flex_flash')} | {tflops(r, 'fa4')} | {tflops(r, 'cudnn')} | "
+                     f"{ratio(r, 'fwd_vs_best', 'best_fwd_peer')} | {ratio(r, 'bwd_vs_best', 'best_bwd_peer')} | "
+                     f"{ratio(r, 'fwd_vs_flex_flash')} | {ratio(r, 'bwd_vs_flex_flash')} |")
+    return lines
 
 
 TUNE_FWD = [KernelConfig(128, 128, 8, 3), KernelConfig(64, 64, 4, 3), KernelConfig(128, 128, 8, 3, True),
@@ -209,7 +380,7 @@ def tune(s, masks):
             for name in masks:
                 tiles = catalog.tiles(catalog.build(name, s))
                 try:
-                    tf, tb = time_ours(be, tiles, s, q, k, v, do)
+                    tf, tb, _ = time_ours(be, tiles, s, q, k, v, do)
                 except Exception as e:  # noqa: BLE001  (e.g. out of shared memory)
                     print(f"tune {stage} {c} {name}: {type(e).__name__} {str(e)[:80]}", flush=True)
                     continue
@@ -233,16 +404,17 @@ def main():
     ap.add_argument("--out", default="out/kernels",
                     help="output folder (results the README quotes go to a dated benchmarks/ folder: benchmarks/RESULTS.md)")
     ap.add_argument("--tag", default="")
-    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--no-flex", action="store_true", help="no flex and flex_flash columns")
     ap.add_argument("--tune", action="store_true", help="time candidate block configs instead")
     ap.add_argument("--configs", default=None, help="tuned configs JSON (from --tune) to use")
     ap.add_argument("--compare-dense-tiles", action="store_true",
                     help="also time ours with TritonConfig(dense_tiles=False) (impl ours_nodense)")
     ap.add_argument("--zigzag", type=int, nargs=2, default=None, metavar=("S", "CP"),
-                    help="also time causal zigzag rank tile lists (q S/CP rows, keys S): ours vs ours_nodense")
+                    help="also time causal zigzag rank tile lists (q S/CP rows, keys S): ours vs ours_nodense "
+                         "(and triton when ours is not TritonBackend)")
     ap.add_argument("--zigzag-ranks", type=int, nargs="+", default=[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                    help="cpu: a dry run in Triton's interpreter (use with --tiny; no Flex, no cuDNN)")
+                    help="cpu: a dry run in Triton's interpreter (use with --tiny; no Flex, FA4 or cuDNN)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (Hq=4, Hkv=1, D=32, S=256, 32x32 blocks)")
     args = ap.parse_args()
     global DEVICE, DTYPE, HQ, HKV, D
@@ -280,7 +452,9 @@ def main():
         with open(args.configs) as f:
             overrides = configs_from_json(json.load(f))
         meta["configs"] = {f"{d}/{c}": str(v) for (d, c), v in overrides.items()}
-    be = TritonBackend(TritonConfig(overrides))
+    be = default_backend(TritonConfig(overrides))
+    # the default before FA4, a column of its own where ours is not it (a subclass is not it either)
+    be_tri = TritonBackend(TritonConfig(overrides)) if type(be) is not TritonBackend else None
     be_triton = TritonBackend(TritonConfig(overrides, dense_fast_path=False))
     be_nodense = TritonBackend(TritonConfig(overrides, dense_tiles=False))
     results = []
@@ -292,6 +466,8 @@ def main():
             ff = 4 * area * HQ * D
             r = {"S": s, "mask": name, "area": area, "density": area / s / s, "n_tiles": int(tiles.shape[0])}
             ours = {"ours": be}
+            if be_tri is not None:
+                ours["triton"] = be_tri
             if args.compare_dense_tiles:
                 ours["ours_nodense"] = be_nodense
             if catalog.sdpa_is_causal(name) is not None:  # record the measurement behind the dense fast path
@@ -299,28 +475,31 @@ def main():
             impls = {impl: ((lambda b=b: time_ours(b, tiles, s, q, k, v, do)), b) for impl, b in ours.items()}
             if not args.no_flex:
                 impls["flex"] = (lambda: time_flex(name, s, q, k, v, do), None)
+                impls["flex_flash"] = (lambda: time_flex(name, s, q, k, v, do, backend="FLASH"), None)
+            if name in FA4_MASKS and DEVICE == "cuda":
+                impls["fa4"] = (lambda: time_fa4(name, s, q, k, v, do), None)
             if catalog.sdpa_is_causal(name) is not None and DEVICE == "cuda":
                 impls["cudnn"] = (lambda: time_cudnn(catalog.sdpa_is_causal(name), q, k, v, do), None)
             for impl, (fn, b) in impls.items():
                 try:
-                    tf, tb = fn()
                     if b is not None:
-                        r[impl] = ours_record(b, tf, tb, ff)
+                        tf, tb, fwd_path = fn()
+                        r[impl] = ours_record(b, tf, tb, ff, fwd_path)
                     else:
+                        tf, tb = fn()
                         r[impl] = {"fwd_ms": tf, "bwd_ms": tb, "fwd_tflops": ff / tf / 1e9,
                                    "bwd_tflops": 2.5 * ff / tb / 1e9}
                     if impl == "ours":
                         r["ours_path"] = be.last_path
+                except PeerMissing as e:
+                    r[impl] = {"error": str(e)}
                 except Exception as e:  # noqa: BLE001  (record, keep going)
                     r[impl] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 empty_cache()
-            for other in ("flex", "cudnn"):
-                if other in r and "fwd_ms" in r[other] and "fwd_ms" in r["ours"]:
-                    r[f"fwd_vs_{other}"] = r[other]["fwd_ms"] / r["ours"]["fwd_ms"]
-                    r[f"bwd_vs_{other}"] = r[other]["bwd_ms"] / r["ours"]["bwd_ms"]
+            compare_with_peers(r)
             results.append(r)
             line = f"S={s:6d} {name:15s} dens={r['density']:.3f}"
-            for impl in ("ours", "ours_nodense", "ours_triton", "flex", "cudnn"):
+            for impl in IMPLS:
                 if impl in r:
                     x = r[impl]
                     line += (f" | {impl} fwd {x['fwd_tflops']:6.1f} bwd {x['bwd_tflops']:6.1f}" if "fwd_ms" in x
@@ -340,10 +519,12 @@ def main():
             r = {"S": zs, "mask": f"zigzag_cp{cp}_rank{rank}", "sq": sq, "sk": zs, "area": area,
                  "density": area / sq / zs, "n_tiles": int(tiles.shape[0]), "tiles": tiles.tolist()}
             line = f"zigzag S={zs} cp={cp} rank={rank} tiles={tiles.tolist()}"
-            for impl, b in (("ours", be), ("ours_nodense", be_nodense)):
+            for impl, b in (("ours", be), ("triton", be_tri), ("ours_nodense", be_nodense)):
+                if b is None:
+                    continue
                 try:
-                    tf, tb = time_ours_rect(b, tiles, sq, zs, q, k, v, do)
-                    r[impl] = ours_record(b, tf, tb, ff)
+                    tf, tb, fwd_path = time_ours_rect(b, tiles, sq, zs, q, k, v, do)
+                    r[impl] = ours_record(b, tf, tb, ff, fwd_path)
                     line += f" | {impl} [{b.last_path}] fwd {ff / tf / 1e9:6.1f} bwd {2.5 * ff / tb / 1e9:6.1f}"
                 except Exception as e:  # noqa: BLE001
                     r[impl] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -354,27 +535,16 @@ def main():
             print(line, flush=True)
         del q, k, v, do
     path = os.path.join(args.out, f"bench_kernels{args.tag}.json")
-    meta["cudnn"] = cudnn_status(be)
+    meta["cudnn"] = cudnn_status(be, be_tri)
+    meta["ours_backend"] = backend_info(be)  # after the runs: describe() lists the fallbacks it took
+    meta["flash_attn_4"] = fa4_version()
     out = {"meta": meta, "results": results}
     with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print("wrote", path, "cuDNN:", meta["cudnn"])
+        json.dump(out, f, indent=1, default=str)  # describe() may hold devices, dtypes
+    print("wrote", path, "cuDNN:", meta["cudnn"], "ours:", json.dumps(meta["ours_backend"], default=str))
     plot(meta, results, os.path.join(args.out, f"bench_kernels{args.tag}.png"))
-    print("\nTFLOP/s; ours = default backend (path in brackets), triton = our kernel without the dense fast path")
-    print("| S | mask | ours fwd | triton fwd | flex fwd | cuDNN fwd | ours bwd | triton bwd | flex bwd | cuDNN bwd "
-          "| fwd/flex | bwd/flex |")
-    print("|---" * 12 + "|")
-    for r in results:
-        def g(impl, key):
-            x = r.get(impl, {})
-            return f"{x[key]:.0f}" if key in x else "-"
-        line = (f"| {r['S']} | {r['mask']} | {g('ours', 'fwd_tflops')} [{r.get('ours_path')}] | "
-                f"{g('ours_triton', 'fwd_tflops')} | {g('flex', 'fwd_tflops')} | "
-                f"{g('cudnn', 'fwd_tflops')} | {g('ours', 'bwd_tflops')} | {g('ours_triton', 'bwd_tflops')} | "
-                f"{g('flex', 'bwd_tflops')} | "
-                f"{g('cudnn', 'bwd_tflops')} | {r.get('fwd_vs_flex', float('nan')):.2f} | "
-                f"{r.get('bwd_vs_flex', float('nan')):.2f} |")
-        print(line)
+    print()
+    print("\n".join(table(results, meta["ours_backend"]["name"])))
 
 
 def plot(meta, results, path):
@@ -388,7 +558,7 @@ def plot(meta, results, path):
         return
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.3 * len(results)), 8))
     labels = [f"{r['mask']}\nS={r['S'] // 1024}k" if r["S"] >= 1024 else f"{r['mask']}\nS={r['S']}" for r in results]
-    impls = [i for i in ("ours", "ours_nodense", "ours_triton", "flex", "cudnn") if any(i in r for r in results)]
+    impls = [i for i in IMPLS if any(i in r for r in results)]
     w = 0.8 / max(len(impls), 1)
     for ax, key in zip(axes, ("fwd_tflops", "bwd_tflops")):
         for j, impl in enumerate(impls):
@@ -399,7 +569,8 @@ def plot(meta, results, path):
         ax.set_xticklabels(labels, fontsize=7)
         ax.set_ylabel(key.replace("_", " "))
         ax.legend(fontsize=8)
-    fig.suptitle(f"{meta['device']}  {meta['date']}  {meta['dtype']} Hq={HQ} Hkv={HKV} D={D}\n{meta['command']}", fontsize=8)
+    fig.suptitle(f"{meta['device']}  {meta['date']}  {meta['dtype']} Hq={HQ} Hkv={HKV} D={D}  "
+                 f"ours = {meta.get('ours_backend', {}).get('name')}\n{meta['command']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print("wrote", path)
