@@ -12,13 +12,28 @@ import torch
 
 import fa4_semantics
 import megatron_cp as mcp
-from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, FA4Backend, get_backend
+from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, FA4Backend, TritonConfig, get_backend
 from megatron_cp.kernels.fa4_backend import Fa4Functions, fa4_unavailable
 from megatron_cp.kernels.fa4_calls import fa4_calls, segment_of
 from megatron_cp.masks import catalog
 from test_triton_kernels import dense_mask, reference
 
-EMULATED = Fa4Functions(fa4_semantics.fwd, fa4_semantics.bwd, "reference", (torch.float64,))
+@pytest.fixture(params=["default", "blocks", "varlen"])
+def route_rules(request, monkeypatch):
+    """Every list through each route: the default rules, the block-sparse form wherever it exists (also
+    for one-call lists), varlen calls however many."""
+    from megatron_cp.kernels import fa4_calls as fc
+
+    if request.param == "blocks":
+        monkeypatch.setattr(fc, "VARLEN_MAX_CALLS", 0)
+        monkeypatch.setattr(fc, "BWD_MAX_PARTIAL_FRACTION", 1.0)
+    elif request.param == "varlen":
+        monkeypatch.setattr(fc, "VARLEN_MAX_CALLS", 10 ** 9)
+    return request.param
+
+
+EMULATED = Fa4Functions(fa4_semantics.fwd, fa4_semantics.bwd, "reference", (torch.float64,),
+                        fa4_semantics.block_sparse, fa4_semantics.interval_mask)
 
 
 def _inputs(sq, sk, hq=4, hkv=2, d=8, seed=0):
@@ -28,16 +43,21 @@ def _inputs(sq, sk, hq=4, hkv=2, d=8, seed=0):
     return q, k, v, do, torch.randn(sq, hq, generator=g, dtype=torch.float64)
 
 
-def _check(tiles, sq, sk, dlse=False, seed=0):
+def _check(tiles, sq, sk, dlse=False, seed=0, deterministic=False):
     """FA4Backend (emulated FA4) against the fp64 dense reference: forward, forward_accumulate from an
     empty running pair, backward and backward_into (with and without an lse gradient)."""
     tiles = torch.as_tensor(np.asarray(tiles).reshape(-1, 5), dtype=torch.int32)
-    be = FA4Backend(functions=EMULATED)
+    be = FA4Backend(TritonConfig(deterministic=deterministic), functions=EMULATED)
     prep = be.prepare(tiles, sq, sk)
     q, k, v, do, dl = _inputs(sq, sk, seed=seed)
     scale = 0.3
     keep = dense_mask(tiles, sq, sk)
     o_ref, l_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, keep, scale, do, dl if dlse else None)
+    routes = {d: prep.calls.route(d) for d in ("fwd", "bwd")}
+    for d, r in routes.items():  # Triton's own tests cover those directions
+        assert (r == "triton") == bool(prep.calls.triton_reason(d)), (d, r)
+    if routes["fwd"] == "triton":
+        return prep.calls
     out, lse = be.forward(q, k, v, prep, scale)
     assert be.last_path == "fa4"
     torch.testing.assert_close(out, o_ref, rtol=1e-10, atol=1e-10)
@@ -47,6 +67,8 @@ def _check(tiles, sq, sk, dlse=False, seed=0):
     be.forward_accumulate(q, k, v, prep, scale, acc, run)
     torch.testing.assert_close(acc, o_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(run, l_ref, rtol=1e-10, atol=1e-10)
+    if routes["bwd"] == "triton":
+        return prep.calls
     delta = ((do * o_ref).sum(-1) - dl) if dlse else None
     dq, dk, dv = be.backward(q, k, v, o_ref, l_ref, do, prep, scale, delta)
     for got, want in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
@@ -59,14 +81,14 @@ def _check(tiles, sq, sk, dlse=False, seed=0):
 
 
 @pytest.mark.parametrize("name", catalog.KERNEL_MASKS)
-def test_kernel_masks(name):
+def test_kernel_masks(name, route_rules):
     s = 192
     calls = _check(catalog.tiles(catalog.build(name, s)), s, s)
     assert calls.fwd, name
 
 
 @pytest.mark.parametrize("name", catalog.DIST_MASKS)
-def test_dist_masks_with_lse_gradient(name):
+def test_dist_masks_with_lse_gradient(name, route_rules):
     s = 160
     _check(catalog.tiles(catalog.build(name, s)), s, s, dlse=True)
 
@@ -85,7 +107,7 @@ def test_the_natively_expressible_masks_are_one_call():
 
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("name", ["causal", "packed", "sliding_window", "global_local"])
-def test_planner_rank_lists(name, cp):
+def test_planner_rank_lists(name, cp, route_rules):
     """The lists the runtime gives the backend: a rank's rows against its key buffer (sq != sk)."""
     s = 256
     plan = mcp.plan(catalog.build(name, s), cp)
@@ -111,10 +133,30 @@ def _random_disjoint(rng, sq, sk, n):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_random_lists(seed):
+def test_random_lists(seed, route_rules):
+    """Small lists (one 128-block: the block-sparse route's partial blocks carry every cell) and lists
+    over several blocks; the deterministic mode runs the backward as varlen calls."""
     rng = np.random.default_rng(seed)
-    sq, sk = int(rng.integers(8, 70)), int(rng.integers(8, 70))
-    _check(_random_disjoint(rng, sq, sk, int(rng.integers(1, 10))), sq, sk, dlse=bool(seed % 2), seed=seed)
+    hi = 70 if seed % 3 else 400
+    sq, sk = int(rng.integers(8, hi)), int(rng.integers(8, hi))
+    tiles = _random_disjoint(rng, sq, sk, int(rng.integers(1, 10)))
+    _check(tiles, sq, sk, dlse=bool(seed % 2), seed=seed)
+    _check(tiles, sq, sk, seed=seed, deterministic=True)
+
+
+def test_routes():
+    """Up to two varlen calls per direction; else one block-sparse call (the strided mask's eight forward
+    calls, the block-causal backward's eight; full 128-blocks need no mask_mod), except a backward with
+    many partial blocks (streaming: Triton, with the reason)."""
+    s = 16384
+    for name, fwd, bwd in (("causal", "varlen", "varlen"), ("block_causal_2048", "varlen", "blocks"),
+                           ("strided_512x4", "blocks", "blocks"), ("streaming_1024", "blocks", "triton")):
+        c = fa4_calls(catalog.tiles(catalog.build(name, s)).numpy(), s, s)
+        assert (c.route("fwd"), c.route("bwd")) == (fwd, bwd), (name, c.describe())
+    c = fa4_calls(catalog.tiles(catalog.build("block_causal_2048", s)).numpy(), s, s)
+    assert c.blocks.partial_blocks == 0 and c.blocks.full_blocks == 16 * 16 * (1 + 2 + 3 + 4 + 5 + 6 + 7 + 8)
+    c = fa4_calls(catalog.tiles(catalog.build("streaming_1024", s)).numpy(), s, s)
+    assert "partial blocks" in c.triton_reason("bwd"), c.describe()
 
 
 def test_segments_keep_exactly_the_tiles_cells():

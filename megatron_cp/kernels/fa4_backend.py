@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from .fa4_calls import Call, Fa4Calls, fa4_calls
+from .fa4_calls import BLOCK, MASK_INTERVALS, Fa4Calls, fa4_calls
 from .merge import merge_into
 from .protocol import accumulate_dtype, check_running
 from .tiles import check_tiles
@@ -59,13 +59,16 @@ def fa4_unavailable(device="cuda") -> str | None:
 
 @dataclass
 class Fa4Functions:
-    """The two FA4 entry points the backend calls (``_flash_attn_fwd`` / ``_flash_attn_bwd``), swappable
-    so that the CPU tests run the same code against a reference of their semantics."""
+    """The FA4 entry points the backend uses (``_flash_attn_fwd`` / ``_flash_attn_bwd``, the block-sparse
+    tensor type and the interval ``mask_mod``), swappable so that the CPU tests run the same code
+    against a reference of their semantics (tests/fa4_semantics.py)."""
 
     fwd: Callable
     bwd: Callable
     version: str = "?"
     dtypes: tuple = (torch.float16, torch.bfloat16)
+    block_sparse: Callable | None = None  # (mask_cnt, mask_idx, full_cnt, full_idx, block_size) -> tensors
+    interval_mask: Callable | None = None  # mask_mod: key in one of the row's intervals (fa4_calls.BlockLists)
 
 
 def _default_functions() -> Fa4Functions:
@@ -78,7 +81,47 @@ def _default_functions() -> Fa4Functions:
         ver = version("flash-attn-4")
     except Exception:  # noqa: BLE001
         ver = "?"
-    return Fa4Functions(mod._flash_attn_fwd, mod._flash_attn_bwd, ver)
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: PLC0415
+
+    def block_sparse(mask_cnt, mask_idx, full_cnt, full_idx, block_size):
+        return BlockSparseTensorsTorch(mask_cnt, mask_idx, full_cnt, full_idx, block_size=block_size)
+
+    return Fa4Functions(mod._flash_attn_fwd, mod._flash_attn_bwd, ver, block_sparse=block_sparse,
+                        interval_mask=_interval_mask_mod())
+
+
+def _interval_mask_mod():
+    """The CuTe DSL mask_mod of block-sparse calls: row r keeps key c iff c lies in one of the row's
+    MASK_INTERVALS intervals, read from aux tensor 0 (int32 [sq, 2 * MASK_INTERVALS], fa4_calls.BlockLists).
+    FA4 evaluates it on partial blocks only."""
+    import cutlass  # noqa: PLC0415
+    import cutlass.cute as cute  # noqa: PLC0415
+    from flash_attn.cute import utils  # noqa: PLC0415
+
+    assert MASK_INTERVALS == 2
+
+    @cute.jit
+    def interval_mask(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+        bounds = aux_tensors[0]
+        r = m_idx[0]
+        lo0 = utils.scalar_to_ssa(bounds[r, 0], cutlass.Int32)
+        hi0 = utils.scalar_to_ssa(bounds[r, 1], cutlass.Int32)
+        lo1 = utils.scalar_to_ssa(bounds[r, 2], cutlass.Int32)
+        hi1 = utils.scalar_to_ssa(bounds[r, 3], cutlass.Int32)
+        return ((n_idx >= lo0) & (n_idx < hi0)) | ((n_idx >= lo1) & (n_idx < hi1))
+
+    return interval_mask
+
+
+@dataclass(frozen=True)
+class Run:
+    """One FA4 launch: ``dense`` (batch layout, no cu_seqlens) or varlen, its keyword arguments (device
+    tensors included) and the rows / keys it writes."""
+
+    dense: bool
+    kw: dict
+    row_spans: tuple
+    key_spans: tuple
 
 
 @dataclass
@@ -86,7 +129,7 @@ class Fa4Prepared:
     calls: Fa4Calls
     tiles: torch.Tensor
     head_dims: tuple
-    _device: dict = field(default_factory=dict)  # (device, direction) -> per-call kwargs with device tensors
+    _device: dict = field(default_factory=dict)  # (device, direction) -> [Run]
     _triton: object = None  # the Triton fallback's prepared list, built on first fallback
 
     @property
@@ -97,20 +140,31 @@ class Fa4Prepared:
     def seqlen_k(self) -> int:
         return self.calls.seqlen_k
 
-    def call_args(self, direction: str, device) -> list[dict]:
-        key = (str(device), direction)
+    def runs(self, direction: str, device, fns: "Fa4Functions", deterministic: bool) -> list[Run]:
+        """The direction's launches with their device metadata, built once per (device, direction)."""
+        route = "varlen" if deterministic and direction == "bwd" else self.calls.route(direction)
+        key = (str(device), direction, route)
         got = self._device.get(key)
-        if got is None:
+        if got is not None:
+            return got
+        c = self.calls
+        if route == "blocks":
+            b = c.blocks
+            lists = b.fwd if direction == "fwd" else b.bwd
+            t = [torch.from_numpy(a).to(device)[None, None] for a in lists]  # heads and batch broadcast
+            kw = {"block_sparse_tensors": fns.block_sparse(*t, block_size=(BLOCK, BLOCK)),
+                  "mask_mod": fns.interval_mask, "aux_tensors": [torch.from_numpy(b.bounds).to(device)]}
+            got = [Run(True, kw, ((0, c.seqlen_q),), ((0, c.seqlen_k),))]
+        else:
             got = []
-            for c in (self.calls.fwd if direction == "fwd" else self.calls.bwd):
-                kw = {"window_size_left": c.left, "window_size_right": c.right, "causal": c.causal}
-                if c.causal:
-                    kw["window_size_left"] = kw["window_size_right"] = None
-                if not c.dense:
-                    kw.update({n: torch.from_numpy(a).to(device) for n, a in c.arrays().items()})
-                    kw.update(max_seqlen_q=c.max_q, max_seqlen_k=c.max_k)
-                got.append(kw)
-            self._device[key] = got
+            for call in (c.fwd if direction == "fwd" else c.bwd):
+                kw = {"causal": call.causal, "window_size_left": None if call.causal else call.left,
+                      "window_size_right": None if call.causal else call.right}
+                if not call.dense:
+                    kw.update({n: torch.from_numpy(a).to(device) for n, a in call.arrays().items()})
+                    kw.update(max_seqlen_q=call.max_q, max_seqlen_k=call.max_k)
+                got.append(Run(call.dense, kw, tuple(call.row_spans()), tuple(call.key_spans())))
+        self._device[key] = got
         return got
 
 
@@ -159,7 +213,7 @@ class FA4Backend:
             return None
         return self.triton.supports(device, dtype, head_dim)
 
-    def _fallback(self, phase: str, q: torch.Tensor) -> str | None:
+    def _fallback(self, phase: str, q: torch.Tensor, prepared: Fa4Prepared) -> str | None:
         """Why ``phase`` ("fwd" / "bwd") of inputs like ``q`` runs on Triton, or None (FA4 runs it)."""
         why = None
         d = q.shape[-1]
@@ -170,8 +224,10 @@ class FA4Backend:
             why = f"head_dim {d}: FA4 runs multiples of 8 up to 256"
         elif phase == "bwd" and d > FA4_BWD_MAX_HEAD_DIM:
             why = f"head_dim {d}: FA4's sm90 backward runs head_dim <= {FA4_BWD_MAX_HEAD_DIM}"
+        elif prepared.calls.route(phase) == "triton":
+            why = prepared.calls.triton_reason(phase)
         if why is not None:
-            self.fallbacks[f"{phase} {q.dtype} d{d}"] = why
+            self.fallbacks[f"{phase} {q.dtype} d{d}" if "head_dim" in why or "float" in why else f"{phase} list"] = why
             self.last_path = f"triton ({why})"
         else:
             self.last_path = "fa4"
@@ -195,77 +251,83 @@ class FA4Backend:
         tiles = tiles.to("cpu", torch.int32).contiguous()
         return Fa4Prepared(fa4_calls(tiles.numpy(), seqlen_q, seqlen_k), tiles, tuple(head_dims))
 
+    def _runs(self, prepared: Fa4Prepared, direction: str, device) -> list[Run]:
+        return prepared.runs(direction, device, self.functions, self.config.deterministic)
+
     # -- forward ----------------------------------------------------------------------------------
-    def _run_fwd(self, q, k, v, call: Call, kw: dict, scale: float, out, lse_hm):
-        """One FA4 forward call writing its rows of ``out`` [sq, Hq, D] and ``lse_hm`` [Hq, sq]."""
+    def _run_fwd(self, q, k, v, run: Run, scale: float, out, lse_hm):
+        """One FA4 forward launch writing its rows of ``out`` [sq, Hq, D] and ``lse_hm`` [Hq, sq]."""
         f = self.functions.fwd
-        if call.dense:
+        if run.dense:
             f(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale=scale, return_lse=True,
-              out=out.unsqueeze(0), lse=lse_hm.unsqueeze(0), **kw)
+              out=out.unsqueeze(0), lse=lse_hm.unsqueeze(0), **run.kw)
         else:
-            f(q, k, v, softmax_scale=scale, return_lse=True, out=out, lse=lse_hm, **kw)
+            f(q, k, v, softmax_scale=scale, return_lse=True, out=out, lse=lse_hm, **run.kw)
 
     def forward(self, q, k, v, prepared: Fa4Prepared, softmax_scale=None):
         """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q's dtype), lse [sq, Hq] float32."""
-        if self._fallback("fwd", q) is not None:
+        if self._fallback("fwd", q, prepared) is not None:
             return self.triton.forward(q, k, v, self._triton_prepared(prepared), softmax_scale)
         _check_call(q, k, v, prepared)
         scale = self._scale(softmax_scale, q)
-        calls = prepared.calls
+        runs = self._runs(prepared, "fwd", q.device)
         sq, hq, _ = q.shape
-        if len(calls.fwd) > 1:
-            cdt = accumulate_dtype(q.dtype)
+        cdt = accumulate_dtype(q.dtype)
+        if len(runs) > 1:
             out = torch.zeros(q.shape, device=q.device, dtype=cdt)
             lse = torch.full((sq, hq), float("-inf"), device=q.device, dtype=cdt)
-            self._accumulate(q, k, v, prepared, scale, out, lse)
+            self._accumulate(q, k, v, runs, scale, out, lse)
             return out.to(q.dtype), lse
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-        lse_hm = torch.empty(hq, sq, device=q.device, dtype=accumulate_dtype(q.dtype))
-        if calls.fwd:
-            self._run_fwd(q, k, v, calls.fwd[0], prepared.call_args("fwd", q.device)[0], scale, out, lse_hm)
-        for a, b in calls.row_gaps:  # after the call: FA4 owns only its segments' rows
+        lse_hm = torch.empty(hq, sq, device=q.device, dtype=cdt)
+        if runs:
+            self._run_fwd(q, k, v, runs[0], scale, out, lse_hm)
+        for a, b in prepared.calls.row_gaps:  # after the launch: FA4 owns only the rows it covers
             out[a:b] = 0
             lse_hm[:, a:b] = float("-inf")
         return out, lse_hm.t().contiguous()
 
     def forward_accumulate(self, q, k, v, prepared: Fa4Prepared, softmax_scale, out, lse) -> None:
-        """Merge every call of the list into the running (out [sq, Hq, D], lse [sq, Hq]) in place (protocol)."""
-        if self._fallback("fwd", q) is not None:
+        """Merge the list into the running (out [sq, Hq, D], lse [sq, Hq]) in place (protocol)."""
+        if self._fallback("fwd", q, prepared) is not None:
             self.triton.forward_accumulate(q, k, v, self._triton_prepared(prepared), softmax_scale, out, lse)
             return
         _check_call(q, k, v, prepared)
         check_running("out", out, q, tuple(q.shape))
         check_running("lse", lse, q, tuple(q.shape[:2]))
-        self._accumulate(q, k, v, prepared, self._scale(softmax_scale, q), out, lse)
+        runs = self._runs(prepared, "fwd", q.device)
+        self._accumulate(q, k, v, runs, self._scale(softmax_scale, q), out, lse, prepared.calls.row_gaps)
 
-    def _accumulate(self, q, k, v, prepared: Fa4Prepared, scale, out, lse) -> None:
-        calls = prepared.calls.fwd
-        if not calls:
+    def _accumulate(self, q, k, v, runs: list[Run], scale, out, lse, gaps=()) -> None:
+        """LSE-merge each launch into (out, lse) on the rows it writes (rows in ``gaps`` keep no cell)."""
+        if not runs:
             return
         sq, hq, _ = q.shape
         o_t = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         l_t = torch.empty(hq, sq, device=q.device, dtype=accumulate_dtype(q.dtype))
-        for call, kw in zip(calls, prepared.call_args("fwd", q.device)):
-            self._run_fwd(q, k, v, call, kw, scale, o_t, l_t)
-            for a, b in call.row_spans():
-                if out.is_contiguous() and lse.is_contiguous():
-                    merge_into(out[a:b], lse[a:b], o_t[a:b], l_t[:, a:b].t().contiguous())
-                else:
-                    acc, run = out[a:b].contiguous(), lse[a:b].contiguous()
-                    merge_into(acc, run, o_t[a:b], l_t[:, a:b].t().contiguous())
+        flat = out.is_contiguous() and lse.is_contiguous()
+        for run in runs:
+            self._run_fwd(q, k, v, run, scale, o_t, l_t)
+            for a, b in run.row_spans:
+                for a, b in _minus((a, b), gaps):
+                    if flat:
+                        merge_into(out[a:b], lse[a:b], o_t[a:b], l_t[:, a:b].t().contiguous())
+                        continue
+                    acc, run_l = out[a:b].contiguous(), lse[a:b].contiguous()
+                    merge_into(acc, run_l, o_t[a:b], l_t[:, a:b].t().contiguous())
                     out[a:b] = acc
-                    lse[a:b] = run
+                    lse[a:b] = run_l
 
     # -- backward ---------------------------------------------------------------------------------
-    def _run_bwd(self, q, k, v, out, dout, lse_hm, dlse_hm, call: Call, kw: dict, scale, dq, dk, dv):
+    def _run_bwd(self, q, k, v, out, dout, lse_hm, dlse_hm, run: Run, scale, dq, dk, dv):
         f = self.functions.bwd
         det = self.config.deterministic
-        if call.dense:
+        if run.dense:
             f(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), dout.unsqueeze(0),
               lse_hm.unsqueeze(0), scale, deterministic=det, dq=dq.unsqueeze(0), dk=dk.unsqueeze(0),
-              dv=dv.unsqueeze(0), dlse=None if dlse_hm is None else dlse_hm.unsqueeze(0), **kw)
+              dv=dv.unsqueeze(0), dlse=None if dlse_hm is None else dlse_hm.unsqueeze(0), **run.kw)
         else:
-            f(q, k, v, out, dout, lse_hm, scale, deterministic=det, dq=dq, dk=dk, dv=dv, dlse=dlse_hm, **kw)
+            f(q, k, v, out, dout, lse_hm, scale, deterministic=det, dq=dq, dk=dk, dv=dv, dlse=dlse_hm, **run.kw)
 
     @staticmethod
     def _head_major(lse, out, dout, delta):
@@ -278,26 +340,26 @@ class FA4Backend:
 
     def backward(self, q, k, v, out, lse, dout, prepared: Fa4Prepared, softmax_scale=None, delta=None):
         """Gradients (dq like q, dk/dv like k) from the merged out / lse [sq, Hq] (and delta, protocol)."""
-        if self._fallback("bwd", q) is not None:
+        if self._fallback("bwd", q, prepared) is not None:
             return self.triton.backward(q, k, v, out, lse, dout, self._triton_prepared(prepared), softmax_scale, delta)
         _check_call(q, k, v, prepared)
+        runs = self._runs(prepared, "bwd", q.device)
+        scale = self._scale(softmax_scale, q)
         calls = prepared.calls
-        if len(calls.bwd) > 1:
+        if len(runs) > 1:
             cdt = accumulate_dtype(q.dtype)
             dq = torch.zeros(q.shape, device=q.device, dtype=cdt)
             dk = torch.zeros(k.shape, device=q.device, dtype=cdt)
             dv = torch.zeros(v.shape, device=q.device, dtype=cdt)
-            self._backward_sum(q, k, v, out, lse, dout, prepared, self._scale(softmax_scale, q), delta, dq, dk, dv)
+            self._backward_sum(q, k, v, out, lse, dout, runs, scale, delta, dq, dk, dv)
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         dk = torch.empty(k.shape, device=q.device, dtype=k.dtype)
         dv = torch.empty(v.shape, device=q.device, dtype=v.dtype)
-        if calls.bwd:
+        if runs:
             lse_hm, dlse_hm = self._head_major(lse, out, dout, delta)
-            kw = prepared.call_args("bwd", q.device)[0]
-            self._run_bwd(q, k, v, out.contiguous(), dout.contiguous(), lse_hm, dlse_hm, calls.bwd[0], kw,
-                          self._scale(softmax_scale, q), dq, dk, dv)
-        for a, b in calls.row_gaps:  # after the call: FA4 owns only its segments' rows and keys
+            self._run_bwd(q, k, v, out.contiguous(), dout.contiguous(), lse_hm, dlse_hm, runs[0], scale, dq, dk, dv)
+        for a, b in calls.row_gaps:  # after the launch: FA4 owns only the rows and keys it covers
             dq[a:b] = 0
         for a, b in calls.key_gaps:
             dk[a:b] = 0
@@ -306,31 +368,51 @@ class FA4Backend:
 
     def backward_into(self, q, k, v, out, lse, dout, prepared: Fa4Prepared, softmax_scale, delta, dq, dk, dv) -> None:
         """``backward``'s gradients added into float32 running sums (any strides), unrounded (protocol)."""
-        if self._fallback("bwd", q) is not None:
+        if self._fallback("bwd", q, prepared) is not None:
             self.triton.backward_into(q, k, v, out, lse, dout, self._triton_prepared(prepared), softmax_scale,
                                       delta, dq, dk, dv)
             return
         _check_call(q, k, v, prepared)
         for name, acc, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
             check_running(name, acc, q, tuple(like.shape))
-        self._backward_sum(q, k, v, out, lse, dout, prepared, self._scale(softmax_scale, q), delta, dq, dk, dv)
+        runs = self._runs(prepared, "bwd", q.device)
+        self._backward_sum(q, k, v, out, lse, dout, runs, self._scale(softmax_scale, q), delta, dq, dk, dv,
+                           prepared.calls.row_gaps, prepared.calls.key_gaps)
 
-    def _backward_sum(self, q, k, v, out, lse, dout, prepared, scale, delta, dq, dk, dv) -> None:
-        calls = prepared.calls.bwd
-        if not calls:
+    def _backward_sum(self, q, k, v, out, lse, dout, runs, scale, delta, dq, dk, dv, row_gaps=(), key_gaps=()):
+        """Add each launch's gradients into (dq, dk, dv) on the rows / keys it writes (minus the gaps:
+        rows and keys no cell touches)."""
+        if not runs:
             return
         lse_hm, dlse_hm = self._head_major(lse, out, dout, delta)
         gq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         gk = torch.empty(k.shape, device=q.device, dtype=k.dtype)
         gv = torch.empty(v.shape, device=q.device, dtype=v.dtype)
         out, dout = out.contiguous(), dout.contiguous()
-        for call, kw in zip(calls, prepared.call_args("bwd", q.device)):
-            self._run_bwd(q, k, v, out, dout, lse_hm, dlse_hm, call, kw, scale, gq, gk, gv)
-            for a, b in call.row_spans():
-                dq[a:b] += gq[a:b]
-            for a, b in call.key_spans():
-                dk[a:b] += gk[a:b]
-                dv[a:b] += gv[a:b]
+        for run in runs:
+            self._run_bwd(q, k, v, out, dout, lse_hm, dlse_hm, run, scale, gq, gk, gv)
+            for span in run.row_spans:
+                for a, b in _minus(span, row_gaps):
+                    dq[a:b] += gq[a:b]
+            for span in run.key_spans:
+                for a, b in _minus(span, key_gaps):
+                    dk[a:b] += gk[a:b]
+                    dv[a:b] += gv[a:b]
+
+
+def _minus(span, gaps):
+    """[a, b) minus the sorted disjoint ``gaps``, as a list of spans."""
+    a, b = span
+    out = []
+    for g0, g1 in gaps:
+        if g1 <= a or g0 >= b:
+            continue
+        if g0 > a:
+            out.append((a, g0))
+        a = max(a, g1)
+    if a < b:
+        out.append((a, b))
+    return out
 
 
 def _check_call(q, k, v, prepared: Fa4Prepared) -> None:

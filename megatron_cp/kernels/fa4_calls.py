@@ -20,6 +20,12 @@ allowed). FA4 writes each sequence's out / lse (forward) and dq / dk / dv (backw
 
 Segments that share rows go to different calls, merged by LSE (forward) and summed (backward).
 
+Lists that need more than one call in a direction run that direction as one FA4 block-sparse call
+instead (``BlockLists``): 128 x 128 blocks, the full ones in FA4's full lists (no mask arithmetic), the
+partial ones through a ``mask_mod`` that reads each row's kept key intervals from an aux tensor (exact
+cells; at most ``MASK_INTERVALS`` intervals per row on its partial blocks, else the list stays on
+varlen calls). The backward takes the transposed lists.
+
 Before grouping, tiles are normalised (rows with no kept key dropped: CAUSAL with sk < sq, INV_CAUSAL
 with sk < sq; an empty BI_CAUSAL dropped) and fused: row-adjacent segments whose union is one window
 segment become one (a sliding window's causal head and its band are one FA4 window sequence).
@@ -96,9 +102,36 @@ class Call:
         return _spans((s.k0, s.k1) for s in self.segments)
 
 
+BLOCK = 128  # FA4's block-sparse granularity (its sm90 backward needs 128 x 128)
+MASK_INTERVALS = 2  # kept key intervals per row the mask_mod reads (on the row's partial blocks)
+# Route rules, from benchmarks/ (H100, FA4 4.0.0b36): two varlen launches beat one block-sparse launch
+# (a causal zigzag rank's backward: 572 vs 511 TFLOP/s); with more, one block-sparse launch wins (strided
+# 507 vs 199 forward). FA4's block-sparse backward reads the mask_mod's intervals per element: with many
+# partial blocks (a sink + window list, 30% partial) it ran at 163 TFLOP/s where Triton ran 288.
+VARLEN_MAX_CALLS = 2
+BWD_MAX_PARTIAL_FRACTION = 0.2
+
+
+@dataclass(frozen=True, eq=False)
+class BlockLists:
+    """A list as FA4 block-sparse tensors (int32, 128 x 128 blocks; padded index rows, ascending).
+
+    fwd: per q-block ``(mask_cnt [M], mask_idx [M, N], full_cnt [M], full_idx [M, N])`` of k-blocks;
+    bwd: the transpose, per k-block ``(mask_cnt [N], mask_idx [N, M], full_cnt [N], full_idx [N, M])``;
+    bounds: int32 [sq, 2 * MASK_INTERVALS]: row r keeps key c of a partial block iff
+    ``bounds[r, 2i] <= c < bounds[r, 2i + 1]`` for some i (empty intervals are (0, 0))."""
+
+    fwd: tuple[np.ndarray, ...]
+    bwd: tuple[np.ndarray, ...]
+    bounds: np.ndarray
+    full_blocks: int
+    partial_blocks: int
+
+
 @dataclass(frozen=True)
 class Fa4Calls:
-    """The calls of one tile list, per direction, and what they leave uncovered."""
+    """The calls of one tile list, per direction, and what they leave uncovered. A direction with more
+    than one varlen call runs as one block-sparse call (``blocks``) when ``blocks`` is not None."""
 
     seqlen_q: int
     seqlen_k: int
@@ -106,9 +139,40 @@ class Fa4Calls:
     bwd: tuple[Call, ...]
     row_gaps: tuple[tuple[int, int], ...] = field(default=())  # rows no segment covers: out 0, lse -inf
     key_gaps: tuple[tuple[int, int], ...] = field(default=())  # keys no segment reads: dk = dv = 0
+    blocks: BlockLists | None = None
+
+    def route(self, direction: str) -> str:
+        """How the direction runs: "varlen" (its calls), "blocks" (one block-sparse call) or "triton"
+        (``triton_reason`` says why)."""
+        return self._route(direction)[0]
+
+    def triton_reason(self, direction: str) -> str | None:
+        return self._route(direction)[1]
+
+    def _route(self, direction: str) -> tuple[str, str | None]:
+        n = len(self.fwd if direction == "fwd" else self.bwd)
+        if n <= VARLEN_MAX_CALLS:
+            return "varlen", None
+        b = self.blocks
+        if b is None:
+            return "triton", (f"{n} varlen calls and rows with more than {MASK_INTERVALS} key intervals on "
+                              "partial blocks (no block-sparse form)")
+        frac = b.partial_blocks / max(1, b.partial_blocks + b.full_blocks)
+        if direction == "bwd" and frac > BWD_MAX_PARTIAL_FRACTION:
+            return "triton", (f"{frac:.0%} partial blocks: FA4's block-sparse backward is slower than Triton "
+                              f"above {BWD_MAX_PARTIAL_FRACTION:.0%}")
+        return "blocks", None
 
     def describe(self) -> str:
-        return f"{len(self.fwd)} forward / {len(self.bwd)} backward FA4 calls"
+        def one(d):
+            r = self.route(d)
+            if r == "blocks":
+                return f"1 block-sparse FA4 call ({self.blocks.full_blocks} full + {self.blocks.partial_blocks} partial blocks)"
+            if r == "triton":
+                return f"Triton ({self.triton_reason(d)})"
+            n = len(self.fwd if d == "fwd" else self.bwd)
+            return f"{n} varlen FA4 call(s)"
+        return f"forward: {one('fwd')}; backward: {one('bwd')}"
 
 
 def _spans(pairs) -> list[tuple[int, int]]:
@@ -233,6 +297,82 @@ def _calls(segs: list[Segment], seqlen_q: int, seqlen_k: int, keys_too: bool) ->
     return tuple(calls)
 
 
+def _row_intervals(segs: list[Segment]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row, lo, hi) of every row's kept key intervals, sorted, touching intervals of a row merged
+    (the segments are cell-disjoint, so intervals of a row never overlap)."""
+    parts = []
+    for s in segs:
+        r = np.arange(s.q0, s.q1, dtype=np.int64)
+        lo, hi = s.bounds(r)
+        parts.append((r, lo, hi))
+    row = np.concatenate([p[0] for p in parts])
+    lo = np.concatenate([p[1] for p in parts])
+    hi = np.concatenate([p[2] for p in parts])
+    order = np.lexsort((lo, row))
+    row, lo, hi = row[order], lo[order], hi[order]
+    new = np.ones(len(row), dtype=bool)
+    new[1:] = (row[1:] != row[:-1]) | (lo[1:] != hi[:-1])
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(row)) - 1
+    return row[first], lo[first], hi[last]
+
+
+def _block_cells(row, lo, hi, m_blocks: int, n_blocks: int) -> np.ndarray:
+    """Kept cells per (q-block, k-block) of 128 x 128 blocks, int64 [M, N]."""
+    m = row // BLOCK
+    a, b = lo // BLOCK, (hi - 1) // BLOCK
+    cells = np.zeros((m_blocks, n_blocks + 1), dtype=np.int64)
+    one = a == b
+    np.add.at(cells, (m[one], a[one]), (hi - lo)[one])
+    many = ~one
+    m, a, b, lo, hi = m[many], a[many], b[many], lo[many], hi[many]
+    np.add.at(cells, (m, a), (a + 1) * BLOCK - lo)
+    np.add.at(cells, (m, b), hi - b * BLOCK)
+    inner = np.zeros_like(cells)  # blocks strictly between a and b: BLOCK cells each
+    np.add.at(inner, (m, a + 1), BLOCK)
+    np.add.at(inner, (m, b), -BLOCK)
+    return (cells + np.cumsum(inner, axis=1))[:, :n_blocks]
+
+
+def _lists(full: np.ndarray, partial: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(mask_cnt, mask_idx, full_cnt, full_idx) of boolean [rows, cols] block maps, int32."""
+    def one(b):
+        cnt = b.sum(1).astype(np.int32)
+        idx = np.zeros(b.shape, dtype=np.int32)
+        r, c = np.nonzero(b)
+        pos = np.arange(len(r)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        idx[r, pos] = c
+        return cnt, idx
+    return (*one(partial), *one(full))
+
+
+def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int) -> BlockLists | None:
+    """The block-sparse form of ``segs`` (see BlockLists), or None when some row keeps more than
+    MASK_INTERVALS intervals on its partial blocks."""
+    if not segs:
+        return None
+    row, lo, hi = _row_intervals(segs)
+    mb, nb = -(-seqlen_q // BLOCK), -(-seqlen_k // BLOCK)
+    cells = _block_cells(row, lo, hi, mb, nb)
+    rows_in = np.minimum(BLOCK, seqlen_q - np.arange(mb) * BLOCK)
+    keys_in = np.minimum(BLOCK, seqlen_k - np.arange(nb) * BLOCK)
+    full = cells == rows_in[:, None] * keys_in[None, :]
+    partial = (cells > 0) & ~full
+    # a row's intervals that meet a partial block of its q-block: what the mask_mod must reproduce
+    pc = np.concatenate([np.zeros((mb, 1), np.int64), np.cumsum(partial, axis=1)], axis=1)
+    m = row // BLOCK
+    meets = pc[m, (hi - 1) // BLOCK + 1] - pc[m, lo // BLOCK] > 0
+    row, lo, hi = row[meets], lo[meets], hi[meets]
+    start = np.searchsorted(row, row, side="left")
+    slot = np.arange(len(row)) - start
+    if len(slot) and slot.max() >= MASK_INTERVALS:
+        return None
+    bounds = np.zeros((seqlen_q, 2 * MASK_INTERVALS), dtype=np.int32)
+    bounds[row, 2 * slot] = lo
+    bounds[row, 2 * slot + 1] = hi
+    return BlockLists(_lists(full, partial), _lists(full.T, partial.T), bounds, int(full.sum()), int(partial.sum()))
+
+
 def fa4_calls(tiles: np.ndarray, seqlen_q: int, seqlen_k: int) -> Fa4Calls:
     """The FA4 calls of tile list ``tiles`` (int [n, 5], kernels/protocol.py) on ``seqlen_q`` rows and
     ``seqlen_k`` keys."""
@@ -241,5 +381,7 @@ def fa4_calls(tiles: np.ndarray, seqlen_q: int, seqlen_k: int) -> Fa4Calls:
     segs = _fused(segs)
     rows = _spans((s.q0, s.q1) for s in segs)
     keys = _spans((s.k0, s.k1) for s in segs)
-    return Fa4Calls(int(seqlen_q), int(seqlen_k), _calls(segs, seqlen_q, seqlen_k, False),
-                    _calls(segs, seqlen_q, seqlen_k, True), _gaps(rows, seqlen_q), _gaps(keys, seqlen_k))
+    fwd = _calls(segs, seqlen_q, seqlen_k, False)
+    bwd = _calls(segs, seqlen_q, seqlen_k, True)
+    blocks = block_lists(segs, seqlen_q, seqlen_k) if max(len(fwd), len(bwd)) > VARLEN_MAX_CALLS else None
+    return Fa4Calls(int(seqlen_q), int(seqlen_k), fwd, bwd, _gaps(rows, seqlen_q), _gaps(keys, seqlen_k), blocks)
