@@ -58,8 +58,18 @@ def block_sparse(mask_cnt, mask_idx, full_cnt, full_idx, block_size):
     return Lists(mask_cnt, mask_idx, full_cnt, full_idx, block_size)
 
 
+def interval_masks() -> dict:
+    """The backend's mask_mods by intervals per row (each asserts the width of the bounds it reads)."""
+    def make(n):
+        def mask(rows, cols, aux_tensors):
+            assert aux_tensors[0].shape[1] == 2 * n, f"{n}-interval mask_mod given {aux_tensors[0].shape[1]} bounds"
+            return interval_mask(rows, cols, aux_tensors)
+        return mask
+    return {1: make(1), 2: make(2)}
+
+
 def interval_mask(rows, cols, aux_tensors):
-    """The backend's mask_mod: bool [len(rows), len(cols)], key in one of the row's intervals."""
+    """Key in one of the row's intervals: bool [len(rows), len(cols)]."""
     b = aux_tensors[0][rows].long()
     c = cols[None, :]
     keep = torch.zeros(len(rows), len(cols), dtype=torch.bool)

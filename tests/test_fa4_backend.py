@@ -33,7 +33,7 @@ def route_rules(request, monkeypatch):
 
 
 EMULATED = Fa4Functions(fa4_semantics.fwd, fa4_semantics.bwd, "reference", (torch.float64,),
-                        fa4_semantics.block_sparse, fa4_semantics.interval_mask)
+                        fa4_semantics.block_sparse, fa4_semantics.interval_masks())
 
 
 def _inputs(sq, sk, hq=4, hkv=2, d=8, seed=0):
@@ -145,11 +145,12 @@ def test_random_lists(seed, route_rules):
 
 
 def test_routes():
-    """Up to two varlen calls per direction; else one block-sparse call (the strided mask's eight forward
-    calls, the block-causal backward's eight; full 128-blocks need no mask_mod), except a backward with
-    many partial blocks (streaming: Triton, with the reason)."""
+    """A list of whole 128-blocks (block-causal) is one block-sparse call without mask arithmetic; else up
+    to two varlen calls per direction, more as one block-sparse call (the strided mask's eight), except a
+    backward with many partial blocks (streaming: Triton, with the reason)."""
     s = 16384
-    for name, fwd, bwd in (("causal", "varlen", "varlen"), ("block_causal_2048", "varlen", "blocks"),
+    for name, fwd, bwd in (("causal", "varlen", "varlen"), ("block_causal_2048", "blocks", "blocks"),
+                           ("docs_causal", "varlen", "varlen"), ("sliding_window_1024", "varlen", "varlen"),
                            ("strided_512x4", "blocks", "blocks"), ("streaming_1024", "blocks", "triton")):
         c = fa4_calls(catalog.tiles(catalog.build(name, s)).numpy(), s, s)
         assert (c.route("fwd"), c.route("bwd")) == (fwd, bwd), (name, c.describe())
@@ -157,6 +158,9 @@ def test_routes():
     assert c.blocks.partial_blocks == 0 and c.blocks.full_blocks == 16 * 16 * (1 + 2 + 3 + 4 + 5 + 6 + 7 + 8)
     c = fa4_calls(catalog.tiles(catalog.build("streaming_1024", s)).numpy(), s, s)
     assert "partial blocks" in c.triton_reason("bwd"), c.describe()
+    assert c.blocks.intervals == 2  # sink and window meet the same partial blocks
+    c = fa4_calls(catalog.tiles(catalog.build("strided_512x4", s)).numpy(), s, s)
+    assert c.blocks.intervals == 1  # one interval per row on its partial (diagonal) blocks
 
 
 def test_segments_keep_exactly_the_tiles_cells():

@@ -218,7 +218,7 @@ def big_runs(be):
     """S = 131072, Hq 32, Hkv 8, D 128, bf16: no NaN, peak memory (no S^2 buffers)."""
     out = []
     s, hq, hkv, d = 131072, 32, 8, 128
-    for mask in ["causal", "docs_causal", "sliding_window_1024"]:  # causal: Triton or the dense fast path
+    for mask in ["causal", "docs_causal", "sliding_window_1024", "strided_512x4"]:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         q = torch.randn(s, hq, d, device="cuda", dtype=torch.bfloat16)

@@ -104,10 +104,13 @@ class Call:
 
 BLOCK = 128  # FA4's block-sparse granularity (its sm90 backward needs 128 x 128)
 MASK_INTERVALS = 2  # kept key intervals per row the mask_mod reads (on the row's partial blocks)
-# Route rules, from benchmarks/ (H100, FA4 4.0.0b36): two varlen launches beat one block-sparse launch
-# (a causal zigzag rank's backward: 572 vs 511 TFLOP/s); with more, one block-sparse launch wins (strided
-# 507 vs 199 forward). FA4's block-sparse backward reads the mask_mod's intervals per element: with many
-# partial blocks (a sink + window list, 30% partial) it ran at 163 TFLOP/s where Triton ran 288.
+# Route rules, measured on H100 with FA4 4.0.0b36 (TFLOP/s fwd / bwd, benchmarks/2026-11-24_1xH100_fa4):
+# - a list whose blocks are all full or empty runs block-sparse: no mask arithmetic at all, and FA4's
+#   block-sparse launch beat its varlen launch over segments sharing keys (block-causal 667 vs 628 fwd);
+# - else up to two varlen launches beat one block-sparse launch (a causal zigzag rank's backward: 572 vs
+#   511), and with more one block-sparse launch wins (strided: 520 vs 199 fwd);
+# - FA4's block-sparse backward reads the mask_mod's intervals per element: with many partial blocks (a
+#   sink + window list, 30% partial) it ran at 163 where Triton ran 288.
 VARLEN_MAX_CALLS = 2
 BWD_MAX_PARTIAL_FRACTION = 0.2
 
@@ -118,14 +121,19 @@ class BlockLists:
 
     fwd: per q-block ``(mask_cnt [M], mask_idx [M, N], full_cnt [M], full_idx [M, N])`` of k-blocks;
     bwd: the transpose, per k-block ``(mask_cnt [N], mask_idx [N, M], full_cnt [N], full_idx [N, M])``;
-    bounds: int32 [sq, 2 * MASK_INTERVALS]: row r keeps key c of a partial block iff
-    ``bounds[r, 2i] <= c < bounds[r, 2i + 1]`` for some i (empty intervals are (0, 0))."""
+    bounds: int32 [sq, 2 * intervals]: row r keeps key c of a partial block iff
+    ``bounds[r, 2i] <= c < bounds[r, 2i + 1]`` for some i (empty intervals are (0, 0)); ``intervals``
+    (1 or 2) is the most any row needs, so the mask_mod reads no more than that."""
 
     fwd: tuple[np.ndarray, ...]
     bwd: tuple[np.ndarray, ...]
     bounds: np.ndarray
     full_blocks: int
     partial_blocks: int
+
+    @property
+    def intervals(self) -> int:
+        return self.bounds.shape[1] // 2
 
 
 @dataclass(frozen=True)
@@ -150,10 +158,14 @@ class Fa4Calls:
         return self._route(direction)[1]
 
     def _route(self, direction: str) -> tuple[str, str | None]:
-        n = len(self.fwd if direction == "fwd" else self.bwd)
+        calls = self.fwd if direction == "fwd" else self.bwd
+        n, b = len(calls), self.blocks
+        if n == 1 and calls[0].dense:
+            return "varlen", None
+        if b is not None and b.partial_blocks == 0:
+            return "blocks", None
         if n <= VARLEN_MAX_CALLS:
             return "varlen", None
-        b = self.blocks
         if b is None:
             return "triton", (f"{n} varlen calls and rows with more than {MASK_INTERVALS} key intervals on "
                               "partial blocks (no block-sparse form)")
@@ -367,7 +379,8 @@ def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int) -> BlockLists
     slot = np.arange(len(row)) - start
     if len(slot) and slot.max() >= MASK_INTERVALS:
         return None
-    bounds = np.zeros((seqlen_q, 2 * MASK_INTERVALS), dtype=np.int32)
+    used = int(slot.max()) + 1 if len(slot) else 1
+    bounds = np.zeros((seqlen_q, 2 * used), dtype=np.int32)
     bounds[row, 2 * slot] = lo
     bounds[row, 2 * slot + 1] = hi
     return BlockLists(_lists(full, partial), _lists(full.T, partial.T), bounds, int(full.sum()), int(partial.sum()))
@@ -383,5 +396,6 @@ def fa4_calls(tiles: np.ndarray, seqlen_q: int, seqlen_k: int) -> Fa4Calls:
     keys = _spans((s.k0, s.k1) for s in segs)
     fwd = _calls(segs, seqlen_q, seqlen_k, False)
     bwd = _calls(segs, seqlen_q, seqlen_k, True)
-    blocks = block_lists(segs, seqlen_q, seqlen_k) if max(len(fwd), len(bwd)) > VARLEN_MAX_CALLS else None
+    dense = len(fwd) == 1 and fwd[0].dense
+    blocks = None if dense else block_lists(segs, seqlen_q, seqlen_k)
     return Fa4Calls(int(seqlen_q), int(seqlen_k), fwd, bwd, _gaps(rows, seqlen_q), _gaps(keys, seqlen_k), blocks)
