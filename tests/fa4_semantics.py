@@ -68,6 +68,15 @@ def interval_masks() -> dict:
     return {1: make(1), 2: make(2)}
 
 
+def band_mask(dlo, dhi):
+    """The backend's band mask_mod: dlo <= key - row <= dhi (no aux tensors)."""
+    def mask(rows, cols, aux_tensors):
+        assert aux_tensors is None, "the band mask_mod reads no aux tensor"
+        d = cols[None, :] - rows[:, None]
+        return (d >= dlo) & (d <= dhi)
+    return mask
+
+
 def interval_mask(rows, cols, aux_tensors):
     """Key in one of the row's intervals: bool [len(rows), len(cols)]."""
     b = aux_tensors[0][rows].long()

@@ -33,7 +33,7 @@ def route_rules(request, monkeypatch):
 
 
 EMULATED = Fa4Functions(fa4_semantics.fwd, fa4_semantics.bwd, "reference", (torch.float64,),
-                        fa4_semantics.block_sparse, fa4_semantics.interval_masks())
+                        fa4_semantics.block_sparse, fa4_semantics.interval_masks(), fa4_semantics.band_mask)
 
 
 def _inputs(sq, sk, hq=4, hkv=2, d=8, seed=0):
@@ -160,7 +160,9 @@ def test_routes():
     assert "partial blocks" in c.triton_reason("bwd"), c.describe()
     assert c.blocks.intervals == 2  # sink and window meet the same partial blocks
     c = fa4_calls(catalog.tiles(catalog.build("strided_512x4", s)).numpy(), s, s)
-    assert c.blocks.intervals == 1  # one interval per row on its partial (diagonal) blocks
+    assert c.blocks.band == (-2 * s, 0) and c.blocks.intervals == 0  # causal diagonals: c - r <= 0
+    c = fa4_calls(catalog.tiles(catalog.build("global_local_512", s)).numpy(), s, s)
+    assert c.blocks.band == (-512, 512)  # the local band's edges
 
 
 def test_segments_keep_exactly_the_tiles_cells():
@@ -198,3 +200,20 @@ def test_auto_and_availability_on_the_cpu():
     assert fa4_unavailable("cpu") is not None
     assert get_backend("auto", "cpu").name == "reference"
     assert isinstance(get_backend("fa4"), FA4Backend)
+
+
+@pytest.mark.parametrize("name,s,band", [("strided_512x4", 2048, True), ("global_local_512", 2048, True),
+                                         ("streaming_1024", 1280, False), ("block_causal", 1280, False)])
+def test_block_sparse_lists_at_block_scale(name, s, band, monkeypatch):
+    """Lists over several 128-blocks through the block-sparse route (forced for the smaller sizes the dense
+    emulator affords): partial blocks masked by the band mask_mod (constants) where their cells are one
+    diagonal band, else by the rows' intervals."""
+    from megatron_cp.kernels import fa4_calls as fc
+
+    monkeypatch.setattr(fc, "VARLEN_MAX_CALLS", 0)
+    monkeypatch.setattr(fc, "BWD_MAX_PARTIAL_FRACTION", 1.0)
+    tiles = catalog.tiles(catalog.build(name, s)).numpy()
+    c = fa4_calls(tiles, s, s)
+    assert c.route("fwd") == c.route("bwd") == "blocks", c.describe()
+    assert c.blocks.partial_blocks > 0 and (c.blocks.band is not None) == band, c.blocks.band
+    _check(tiles, s, s, dlse=True)

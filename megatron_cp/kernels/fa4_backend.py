@@ -20,6 +20,7 @@ prepared object; no call synchronises with the host.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -69,6 +70,7 @@ class Fa4Functions:
     dtypes: tuple = (torch.float16, torch.bfloat16)
     block_sparse: Callable | None = None  # (mask_cnt, mask_idx, full_cnt, full_idx, block_size) -> tensors
     interval_masks: dict | None = None  # intervals per row (1, 2) -> mask_mod: key in one of the row's intervals
+    band_mask: Callable | None = None  # (dlo, dhi) -> mask_mod: dlo <= key - row <= dhi
 
 
 def _default_functions() -> Fa4Functions:
@@ -87,7 +89,23 @@ def _default_functions() -> Fa4Functions:
         return BlockSparseTensorsTorch(mask_cnt, mask_idx, full_cnt, full_idx, block_size=block_size)
 
     return Fa4Functions(mod._flash_attn_fwd, mod._flash_attn_bwd, ver, block_sparse=block_sparse,
-                        interval_masks=_interval_mask_mods())
+                        interval_masks=_interval_mask_mods(), band_mask=functools.lru_cache(maxsize=None)(_band_mask_mod))
+
+
+def _band_mask_mod(dlo: int, dhi: int):
+    """The CuTe DSL mask_mod ``dlo <= key - row <= dhi`` with the bounds as compile-time constants (FA4
+    keys its compile cache on a mask_mod's code and captured values: one kernel per band). Cached per
+    band, so a list's calls reuse one function object."""
+    import cutlass  # noqa: PLC0415
+    import cutlass.cute as cute  # noqa: PLC0415
+    from flash_attn.cute import utils  # noqa: PLC0415
+
+    @cute.jit
+    def band(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+        d = n_idx - m_idx
+        return (d >= utils.scalar_to_ssa(dlo, cutlass.Int32)) & (d <= utils.scalar_to_ssa(dhi, cutlass.Int32))
+
+    return band
 
 
 def _interval_mask_mods() -> dict:
@@ -161,8 +179,11 @@ class Fa4Prepared:
             b = c.blocks
             lists = b.fwd if direction == "fwd" else b.bwd
             t = [torch.from_numpy(a).to(device)[None, None] for a in lists]  # heads and batch broadcast
-            kw = {"block_sparse_tensors": fns.block_sparse(*t, block_size=(BLOCK, BLOCK)),
-                  "mask_mod": fns.interval_masks[b.intervals], "aux_tensors": [torch.from_numpy(b.bounds).to(device)]}
+            kw = {"block_sparse_tensors": fns.block_sparse(*t, block_size=(BLOCK, BLOCK))}
+            if b.band is not None:
+                kw["mask_mod"] = fns.band_mask(*b.band)
+            else:
+                kw.update(mask_mod=fns.interval_masks[b.intervals], aux_tensors=[torch.from_numpy(b.bounds).to(device)])
             got = [Run(True, kw, ((0, c.seqlen_q),), ((0, c.seqlen_k),))]
         else:
             got = []

@@ -22,9 +22,10 @@ Segments that share rows go to different calls, merged by LSE (forward) and summ
 
 Lists that need more than one call in a direction run that direction as one FA4 block-sparse call
 instead (``BlockLists``): 128 x 128 blocks, the full ones in FA4's full lists (no mask arithmetic), the
-partial ones through a ``mask_mod`` that reads each row's kept key intervals from an aux tensor (exact
-cells; at most ``MASK_INTERVALS`` intervals per row on its partial blocks, else the list stays on
-varlen calls). The backward takes the transposed lists.
+partial ones through a ``mask_mod``: two comparisons with constants when the partial blocks' cells form
+one diagonal band (a causal diagonal, a window's edges), else reads of each row's kept key intervals
+from an aux tensor (exact cells; at most ``MASK_INTERVALS`` intervals per row on its partial blocks,
+else the list does not run block-sparse). The backward takes the transposed lists.
 
 Before grouping, tiles are normalised (rows with no kept key dropped: CAUSAL with sk < sq, INV_CAUSAL
 with sk < sq; an empty BI_CAUSAL dropped) and fused: row-adjacent segments whose union is one window
@@ -121,15 +122,18 @@ class BlockLists:
 
     fwd: per q-block ``(mask_cnt [M], mask_idx [M, N], full_cnt [M], full_idx [M, N])`` of k-blocks;
     bwd: the transpose, per k-block ``(mask_cnt [N], mask_idx [N, M], full_cnt [N], full_idx [N, M])``;
+    band: (dlo, dhi) when the partial blocks' cells are one diagonal band, ``dlo <= c - r <= dhi`` (the
+    mask_mod then compares with constants); else
     bounds: int32 [sq, 2 * intervals]: row r keeps key c of a partial block iff
     ``bounds[r, 2i] <= c < bounds[r, 2i + 1]`` for some i (empty intervals are (0, 0)); ``intervals``
-    (1 or 2) is the most any row needs, so the mask_mod reads no more than that."""
+    (1 or 2) is the most any row needs, so the mask_mod reads no more than that (0 with a band)."""
 
     fwd: tuple[np.ndarray, ...]
     bwd: tuple[np.ndarray, ...]
     bounds: np.ndarray
     full_blocks: int
     partial_blocks: int
+    band: tuple[int, int] | None = None  # (lo, hi): partial-block cells are exactly lo <= c - r <= hi
 
     @property
     def intervals(self) -> int:
@@ -358,9 +362,47 @@ def _lists(full: np.ndarray, partial: np.ndarray) -> tuple[np.ndarray, ...]:
     return (*one(partial), *one(full))
 
 
-def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int) -> BlockLists | None:
+BAND_CHECK_MAX_CELLS = 1 << 26  # partial-block cells compared densely when looking for one band
+
+
+def _band(segs, row, lo, hi, partial: np.ndarray, seqlen_q: int, seqlen_k: int) -> tuple[int, int] | None:
+    """(dlo, dhi) when every partial block's kept cells are exactly those with dlo <= c - r <= dhi (one
+    diagonal band: a causal diagonal, a window's edges), found among the segments' own bands; else None.
+    Then the mask_mod is two comparisons with constants instead of reads of each row's intervals."""
+    mb, nb = np.nonzero(partial)
+    if not len(mb) or len(mb) * BLOCK * BLOCK > BAND_CHECK_MAX_CELLS:
+        return None
+    big = seqlen_q + seqlen_k  # an unbounded side
+    cands = []
+    for s in segs:
+        d = s.k0 + (s.k1 - s.k0) - (s.q1 - s.q0) - s.q0  # c - r on the segment's diagonal
+        c = (-big if s.left is None else d - s.left, big if s.right is None else d + s.right)
+        if c not in cands:
+            cands.append(c)
+    start = np.searchsorted(row, np.arange(seqlen_q + 1))  # row -> its intervals [start[r], start[r + 1])
+    width = int(np.diff(start).max())
+    ar = np.arange(BLOCK)
+    blocks = []
+    for m, n in zip(mb.tolist(), nb.tolist()):
+        r = m * BLOCK + ar[: min(BLOCK, seqlen_q - m * BLOCK)]
+        c = n * BLOCK + ar[: min(BLOCK, seqlen_k - n * BLOCK)]
+        idx = start[r][:, None] + np.arange(width)[None, :]
+        ok = idx < start[r + 1][:, None]
+        idx = np.minimum(idx, len(lo) - 1)
+        l_, h_ = np.where(ok, lo[idx], 0), np.where(ok, hi[idx], 0)
+        keep = ((c[None, None, :] >= l_[:, :, None]) & (c[None, None, :] < h_[:, :, None])).any(1)
+        blocks.append((r, c, keep))
+    for dlo, dhi in cands:
+        if all(np.array_equal(keep, ((c[None, :] - r[:, None]) >= dlo) & ((c[None, :] - r[:, None]) <= dhi))
+               for r, c, keep in blocks):
+            return int(max(dlo, -big)), int(min(dhi, big))
+    return None
+
+
+def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: bool = True) -> BlockLists | None:
     """The block-sparse form of ``segs`` (see BlockLists), or None when some row keeps more than
-    MASK_INTERVALS intervals on its partial blocks."""
+    MASK_INTERVALS intervals on its partial blocks, or when there are partial blocks and not
+    ``partial_ok`` (the caller wants the form only for lists of whole blocks)."""
     if not segs:
         return None
     row, lo, hi = _row_intervals(segs)
@@ -370,6 +412,9 @@ def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int) -> BlockLists
     keys_in = np.minimum(BLOCK, seqlen_k - np.arange(nb) * BLOCK)
     full = cells == rows_in[:, None] * keys_in[None, :]
     partial = (cells > 0) & ~full
+    if not partial_ok and partial.any():
+        return None
+    band = _band(segs, row, lo, hi, partial, seqlen_q, seqlen_k)
     # a row's intervals that meet a partial block of its q-block: what the mask_mod must reproduce
     pc = np.concatenate([np.zeros((mb, 1), np.int64), np.cumsum(partial, axis=1)], axis=1)
     m = row // BLOCK
@@ -377,13 +422,15 @@ def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int) -> BlockLists
     row, lo, hi = row[meets], lo[meets], hi[meets]
     start = np.searchsorted(row, row, side="left")
     slot = np.arange(len(row)) - start
-    if len(slot) and slot.max() >= MASK_INTERVALS:
+    if band is None and len(slot) and slot.max() >= MASK_INTERVALS:
         return None
-    used = int(slot.max()) + 1 if len(slot) else 1
+    used = 0 if band is not None else (int(slot.max()) + 1 if len(slot) else 1)
     bounds = np.zeros((seqlen_q, 2 * used), dtype=np.int32)
-    bounds[row, 2 * slot] = lo
-    bounds[row, 2 * slot + 1] = hi
-    return BlockLists(_lists(full, partial), _lists(full.T, partial.T), bounds, int(full.sum()), int(partial.sum()))
+    if used:
+        bounds[row, 2 * slot] = lo
+        bounds[row, 2 * slot + 1] = hi
+    return BlockLists(_lists(full, partial), _lists(full.T, partial.T), bounds, int(full.sum()), int(partial.sum()),
+                      band)
 
 
 def fa4_calls(tiles: np.ndarray, seqlen_q: int, seqlen_k: int) -> Fa4Calls:
@@ -397,5 +444,6 @@ def fa4_calls(tiles: np.ndarray, seqlen_q: int, seqlen_k: int) -> Fa4Calls:
     fwd = _calls(segs, seqlen_q, seqlen_k, False)
     bwd = _calls(segs, seqlen_q, seqlen_k, True)
     dense = len(fwd) == 1 and fwd[0].dense
-    blocks = None if dense else block_lists(segs, seqlen_q, seqlen_k)
+    many = max(len(fwd), len(bwd)) > VARLEN_MAX_CALLS
+    blocks = None if dense else block_lists(segs, seqlen_q, seqlen_k, partial_ok=many)
     return Fa4Calls(int(seqlen_q), int(seqlen_k), fwd, bwd, _gaps(rows, seqlen_q), _gaps(keys, seqlen_k), blocks)
