@@ -68,12 +68,12 @@ def interval_masks() -> dict:
     return {1: make(1), 2: make(2)}
 
 
-def band_mask(dlo, dhi):
-    """The backend's band mask_mod: dlo <= key - row <= dhi (no aux tensors)."""
+def band_mask(sink, dlo, dhi):
+    """The backend's band mask_mod: key - row <= dhi and (key < sink or key - row >= dlo); no aux tensors."""
     def mask(rows, cols, aux_tensors):
         assert aux_tensors is None, "the band mask_mod reads no aux tensor"
         d = cols[None, :] - rows[:, None]
-        return (d >= dlo) & (d <= dhi)
+        return (d <= dhi) & ((cols[None, :] < sink) | (d >= dlo))
     return mask
 
 

@@ -158,11 +158,12 @@ def test_routes():
     assert c.blocks.partial_blocks == 0 and c.blocks.full_blocks == 16 * 16 * (1 + 2 + 3 + 4 + 5 + 6 + 7 + 8)
     c = fa4_calls(catalog.tiles(catalog.build("streaming_1024", s)).numpy(), s, s)
     assert "partial blocks" in c.triton_reason("bwd"), c.describe()
-    assert c.blocks.intervals == 2  # sink and window meet the same partial blocks
     c = fa4_calls(catalog.tiles(catalog.build("strided_512x4", s)).numpy(), s, s)
-    assert c.blocks.band == (-2 * s, 0) and c.blocks.intervals == 0  # causal diagonals: c - r <= 0
+    assert c.blocks.band == (0, -2 * s, 0) and c.blocks.intervals == 0  # causal diagonals: c - r <= 0
     c = fa4_calls(catalog.tiles(catalog.build("global_local_512", s)).numpy(), s, s)
-    assert c.blocks.band == (-512, 512)  # the local band's edges
+    assert c.blocks.band == (0, -512, 512)  # the local band's edges
+    c = fa4_calls(catalog.tiles(catalog.build("streaming_1024", s)).numpy(), s, s)
+    assert c.blocks.band == (4, -1024, 0)  # a causal window of 1025 keys and 4 sink keys
 
 
 def test_segments_keep_exactly_the_tiles_cells():
@@ -203,7 +204,8 @@ def test_auto_and_availability_on_the_cpu():
 
 
 @pytest.mark.parametrize("name,s,band", [("strided_512x4", 2048, True), ("global_local_512", 2048, True),
-                                         ("streaming_1024", 1280, False), ("block_causal", 1280, False)])
+                                         ("streaming_1024", 1280, True), ("block_causal", 1280, False),
+                                         ("global_local", 1280, False)])
 def test_block_sparse_lists_at_block_scale(name, s, band, monkeypatch):
     """Lists over several 128-blocks through the block-sparse route (forced for the smaller sizes the dense
     emulator affords): partial blocks masked by the band mask_mod (constants) where their cells are one

@@ -70,7 +70,7 @@ class Fa4Functions:
     dtypes: tuple = (torch.float16, torch.bfloat16)
     block_sparse: Callable | None = None  # (mask_cnt, mask_idx, full_cnt, full_idx, block_size) -> tensors
     interval_masks: dict | None = None  # intervals per row (1, 2) -> mask_mod: key in one of the row's intervals
-    band_mask: Callable | None = None  # (dlo, dhi) -> mask_mod: dlo <= key - row <= dhi
+    band_mask: Callable | None = None  # (sink, dlo, dhi) -> mask_mod of fa4_calls.band_keep
 
 
 def _default_functions() -> Fa4Functions:
@@ -92,10 +92,10 @@ def _default_functions() -> Fa4Functions:
                         interval_masks=_interval_mask_mods(), band_mask=functools.lru_cache(maxsize=None)(_band_mask_mod))
 
 
-def _band_mask_mod(dlo: int, dhi: int):
-    """The CuTe DSL mask_mod ``dlo <= key - row <= dhi`` with the bounds as compile-time constants (FA4
-    keys its compile cache on a mask_mod's code and captured values: one kernel per band). Cached per
-    band, so a list's calls reuse one function object."""
+def _band_mask_mod(sink: int, dlo: int, dhi: int):
+    """The CuTe DSL mask_mod ``key - row <= dhi and (key < sink or key - row >= dlo)`` (fa4_calls.band_keep)
+    with the bounds as compile-time constants (FA4 keys its compile cache on a mask_mod's code and
+    captured values: one kernel per band). Cached per band, so a list's calls reuse one function object."""
     import cutlass  # noqa: PLC0415
     import cutlass.cute as cute  # noqa: PLC0415
     from flash_attn.cute import utils  # noqa: PLC0415
@@ -103,7 +103,10 @@ def _band_mask_mod(dlo: int, dhi: int):
     @cute.jit
     def band(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
         d = n_idx - m_idx
-        return (d >= utils.scalar_to_ssa(dlo, cutlass.Int32)) & (d <= utils.scalar_to_ssa(dhi, cutlass.Int32))
+        upper = d <= utils.scalar_to_ssa(dhi, cutlass.Int32)
+        if cutlass.const_expr(sink == 0):
+            return upper & (d >= utils.scalar_to_ssa(dlo, cutlass.Int32))
+        return upper & ((n_idx < utils.scalar_to_ssa(sink, cutlass.Int32)) | (d >= utils.scalar_to_ssa(dlo, cutlass.Int32)))
 
     return band
 

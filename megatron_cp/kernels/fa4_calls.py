@@ -122,8 +122,9 @@ class BlockLists:
 
     fwd: per q-block ``(mask_cnt [M], mask_idx [M, N], full_cnt [M], full_idx [M, N])`` of k-blocks;
     bwd: the transpose, per k-block ``(mask_cnt [N], mask_idx [N, M], full_cnt [N], full_idx [N, M])``;
-    band: (dlo, dhi) when the partial blocks' cells are one diagonal band, ``dlo <= c - r <= dhi`` (the
-    mask_mod then compares with constants); else
+    band: (sink, dlo, dhi) when the partial blocks' cells are exactly those with
+    ``c - r <= dhi and (c < sink or c - r >= dlo)``: one diagonal band, its lower edge lifted for the
+    first ``sink`` keys (attention sinks); the mask_mod then compares with constants. Else
     bounds: int32 [sq, 2 * intervals]: row r keeps key c of a partial block iff
     ``bounds[r, 2i] <= c < bounds[r, 2i + 1]`` for some i (empty intervals are (0, 0)); ``intervals``
     (1 or 2) is the most any row needs, so the mask_mod reads no more than that (0 with a band)."""
@@ -133,7 +134,7 @@ class BlockLists:
     bounds: np.ndarray
     full_blocks: int
     partial_blocks: int
-    band: tuple[int, int] | None = None  # (lo, hi): partial-block cells are exactly lo <= c - r <= hi
+    band: tuple[int, int, int] | None = None  # (sink, dlo, dhi), see _band
 
     @property
     def intervals(self) -> int:
@@ -365,10 +366,11 @@ def _lists(full: np.ndarray, partial: np.ndarray) -> tuple[np.ndarray, ...]:
 BAND_CHECK_MAX_CELLS = 1 << 26  # partial-block cells compared densely when looking for one band
 
 
-def _band(segs, row, lo, hi, partial: np.ndarray, seqlen_q: int, seqlen_k: int) -> tuple[int, int] | None:
-    """(dlo, dhi) when every partial block's kept cells are exactly those with dlo <= c - r <= dhi (one
-    diagonal band: a causal diagonal, a window's edges), found among the segments' own bands; else None.
-    Then the mask_mod is two comparisons with constants instead of reads of each row's intervals."""
+def _band(segs, row, lo, hi, partial: np.ndarray, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int] | None:
+    """(sink, dlo, dhi) when every partial block's kept cells are exactly those with
+    ``c - r <= dhi and (c < sink or c - r >= dlo)`` (a causal diagonal, a window's edges, a window with
+    attention sinks), the band among the segments' own and the sink among their full segments from key 0;
+    else None. Then the mask_mod compares with constants instead of reading each row's intervals."""
     mb, nb = np.nonzero(partial)
     if not len(mb) or len(mb) * BLOCK * BLOCK > BAND_CHECK_MAX_CELLS:
         return None
@@ -392,11 +394,18 @@ def _band(segs, row, lo, hi, partial: np.ndarray, seqlen_q: int, seqlen_k: int) 
         l_, h_ = np.where(ok, lo[idx], 0), np.where(ok, hi[idx], 0)
         keep = ((c[None, None, :] >= l_[:, :, None]) & (c[None, None, :] < h_[:, :, None])).any(1)
         blocks.append((r, c, keep))
-    for dlo, dhi in cands:
-        if all(np.array_equal(keep, ((c[None, :] - r[:, None]) >= dlo) & ((c[None, :] - r[:, None]) <= dhi))
-               for r, c, keep in blocks):
-            return int(max(dlo, -big)), int(min(dhi, big))
+    sinks = [0] + sorted({s.k1 for s in segs if s.k0 == 0 and s.left is None and s.right is None})
+    for sink in sinks:
+        for dlo, dhi in cands:
+            if all(np.array_equal(keep, band_keep(r, c, sink, dlo, dhi)) for r, c, keep in blocks):
+                return int(sink), int(max(dlo, -big)), int(min(dhi, big))
     return None
+
+
+def band_keep(r: np.ndarray, c: np.ndarray, sink: int, dlo: int, dhi: int) -> np.ndarray:
+    """The band mask_mod's cells [len(r), len(c)]: c - r <= dhi and (c < sink or c - r >= dlo)."""
+    d = c[None, :] - r[:, None]
+    return (d <= dhi) & ((c[None, :] < sink) | (d >= dlo))
 
 
 def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: bool = True) -> BlockLists | None:
