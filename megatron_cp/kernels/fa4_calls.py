@@ -109,7 +109,7 @@ MASK_INTERVALS = 2  # kept key intervals per row the mask_mod reads (on the row'
 # - a list whose blocks are all full or empty runs block-sparse: no mask arithmetic at all, and FA4's
 #   block-sparse launch beat its varlen launch over segments sharing keys (block-causal 667 vs 628 fwd);
 # - else up to two varlen launches beat one block-sparse launch (a causal zigzag rank's backward: 572 vs
-#   511), and with more one block-sparse launch wins (strided: 520 vs 199 fwd);
+#   511), and with more one block-sparse launch wins (strided: 507 vs 199 fwd);
 # - FA4's block-sparse backward reads the mask_mod's intervals per element: with many partial blocks (a
 #   sink + window list, 30% partial) it ran at 163 where Triton ran 288.
 VARLEN_MAX_CALLS = 2

@@ -42,8 +42,9 @@ def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--cp-solver", type=str, default="auto", help="planner solver (default: auto)")
     g.add_argument("--cp-topology", type=str, default=None,
                    help="NODESxGPUS_PER_NODE of the CP group, e.g. 2x8 (default: none)")
-    g.add_argument("--cp-kernel-backend", choices=("auto", "triton", "reference"), default="auto",
-                   help="attention kernels: auto (Triton on GPUs, PyTorch reference otherwise)")
+    g.add_argument("--cp-kernel-backend", choices=("auto", "fa4", "triton", "reference"), default="auto",
+                   help="attention kernels: auto (FlashAttention-4 where flash-attn-4 is installed on sm90 / "
+                        "sm100, else Triton on GPUs, PyTorch reference otherwise)")
     return parser
 
 

@@ -69,7 +69,7 @@ class MaskSpec:
 @dataclass(frozen=True)
 class PlanOptions:
     """Arguments passed through to ``megatron_cp.plan`` (chunk_size, topology, solver) and to
-    ``megatron_cp.attention`` (kernel_backend: auto | triton | reference). ``strategy``:
+    ``megatron_cp.attention`` (kernel_backend: auto | fa4 | triton | reference). ``strategy``:
     ``megatron_cp``, a baseline of ``megatron_cp.baselines`` (ring | ulysses | usp | allgather |
     head_context), which then also chooses the plan's layout (``baselines.plan_for``; ``solver`` is not
     used)."""
