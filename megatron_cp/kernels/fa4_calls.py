@@ -1,4 +1,4 @@
-"""How a tile list runs on FlashAttention-4: the tiles as FA4 calls (pure numpy; FA4 is not imported).
+"""How a tile list runs on FlashAttention-4: the tiles as FA4 calls (numpy; FA4 is not imported).
 
 Every tile kind is a window on its rectangle. FA4's windows are bottom-right aligned: in a sequence of
 ``sq`` rows and ``sk`` keys, local row ``i`` keeps key ``j`` iff
@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..kinds import Kind
+from .pieces import uncovered_rows
 
 
 @dataclass(frozen=True)
@@ -201,17 +202,6 @@ def _spans(pairs) -> list[tuple[int, int]]:
         else:
             out.append([a, b])
     return [(a, b) for a, b in out]
-
-
-def _gaps(spans, n: int) -> tuple[tuple[int, int], ...]:
-    gaps, at = [], 0
-    for a, b in spans:
-        if a > at:
-            gaps.append((at, a))
-        at = max(at, b)
-    if at < n:
-        gaps.append((at, n))
-    return tuple(gaps)
 
 
 def segment_of(q0: int, q1: int, k0: int, k1: int, kind: int) -> Segment | None:
@@ -455,4 +445,5 @@ def fa4_calls(tiles: np.ndarray, seqlen_q: int, seqlen_k: int) -> Fa4Calls:
     dense = len(fwd) == 1 and fwd[0].dense
     many = max(len(fwd), len(bwd)) > VARLEN_MAX_CALLS
     blocks = None if dense else block_lists(segs, seqlen_q, seqlen_k, partial_ok=many)
-    return Fa4Calls(int(seqlen_q), int(seqlen_k), fwd, bwd, _gaps(rows, seqlen_q), _gaps(keys, seqlen_k), blocks)
+    return Fa4Calls(int(seqlen_q), int(seqlen_k), fwd, bwd, tuple(uncovered_rows(rows, seqlen_q)),
+                    tuple(uncovered_rows(keys, seqlen_k)), blocks)
