@@ -120,6 +120,15 @@ class AttnMask:
             d[q0:q1, k0:k1] |= keep
         return d
 
+    def draw(self, path, **kwargs):
+        """Save a picture of the mask to ``path`` (PNG, or any format matplotlib writes) and return the
+        path: blocks shaded by the fraction of their cells kept, like FlexAttention's BlockMask picture
+        (``masks.draw.draw_mask`` for the keywords: ``block``, ``max_blocks``, ``title``, ``dpi``).
+        Needs matplotlib."""
+        from .draw import draw_mask
+
+        return draw_mask(self, path, **kwargs)
+
     def __eq__(self, other):
         if not isinstance(other, AttnMask):
             return NotImplemented

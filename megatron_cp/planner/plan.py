@@ -74,10 +74,48 @@ def _positions(runs: np.ndarray, x: np.ndarray) -> np.ndarray:
     return off[i] + x - runs[i, 0]
 
 
+def _run_tokens(runs: np.ndarray) -> int:
+    return int((runs[:, 1] - runs[:, 0]).sum())
+
+
 def _runs_to_ids(runs: np.ndarray) -> np.ndarray:
     if len(runs) == 0:
         return np.zeros(0, dtype=np.int64)
     return np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in runs.tolist()])
+
+
+_ELEMENT_SIZE = {
+    "float64": 8, "double": 8, "fp64": 8, "float32": 4, "float": 4, "fp32": 4, "tf32": 4,
+    "float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "fp8": 1,
+}
+
+
+def element_size(dtype) -> int:
+    """Bytes per element of ``dtype``: an int (bytes), a name (``"bfloat16"``, ``"torch.float32"``,
+    ``"fp8"``, ...) or an object with ``itemsize`` (torch and numpy dtypes; the planner imports no torch)."""
+    if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool):
+        n = int(dtype)
+    elif isinstance(dtype, str):
+        name = dtype.lower().removeprefix("torch.")
+        if name not in _ELEMENT_SIZE:
+            raise ValueError(f"unknown dtype name {dtype!r}; give bytes per element or one of {', '.join(_ELEMENT_SIZE)}")
+        n = _ELEMENT_SIZE[name]
+    elif isinstance(getattr(dtype, "itemsize", None), (int, np.integer)):
+        n = int(dtype.itemsize)
+    else:
+        raise ValueError(f"dtype must be bytes per element, a dtype name or a dtype, got {dtype!r}")
+    if n < 1:
+        raise ValueError(f"element size must be at least 1 byte, got {dtype!r}")
+    return n
+
+
+def kv_bytes_per_token(num_kv_heads: int, head_dim: int, dtype_bytes=2) -> int:
+    """Bytes of K and V for one token: ``2 * num_kv_heads * head_dim * element_size(dtype_bytes)``."""
+    for name, v in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return 2 * int(num_kv_heads) * int(head_dim) * element_size(dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -199,12 +237,19 @@ class Plan:
         """The digest as a signed 63-bit int (for an all-reduce consistency check)."""
         return int(self.digest[:15], 16)
 
-    def stats(self, num_kv_heads: int = 8, head_dim: int = 128, dtype_bytes: int = 2) -> dict:
-        """Balance and traffic figures. ``bytes_moved`` counts K and V of every received token."""
+    def stats(self, *, num_kv_heads: int = 8, head_dim: int = 128, dtype_bytes: int | str = 2) -> dict:
+        """Balance and traffic figures (a dict of ints, floats and per-rank lists).
+
+        Bytes are priced for the shapes given, K and V of every received token:
+        ``2 * num_kv_heads * head_dim * element size`` bytes per token. The defaults (8 K/V heads, head
+        dim 128, 2-byte elements: bf16) are one common shape, not yours: pass your model's.
+        ``dtype_bytes``: bytes per element, or a dtype name (``"bfloat16"``, ``"float32"``,
+        ``"torch.float16"``, ...) or any object with ``itemsize`` (a torch or numpy dtype).
+        """
         area = np.array([r.area for r in self.ranks], dtype=np.int64)
         remote = np.array([r.num_remote for r in self.ranks], dtype=np.int64)
         tokens = np.array([r.num_tokens for r in self.ranks], dtype=np.int64)
-        per_token = 2 * num_kv_heads * head_dim * dtype_bytes
+        per_token = kv_bytes_per_token(num_kv_heads, head_dim, dtype_bytes)
         mean = area.mean() if self.cp_size else 0.0
         out = {
             "solver": self.solver,
@@ -213,6 +258,7 @@ class Plan:
             "chunk_size": self.chunk_size,
             "num_chunks": len(self.owner),
             "mask_area": self.mask_area,
+            "kv_bytes_per_token": per_token,
             "area_per_rank": area.tolist(),
             "imbalance": float(area.max() / mean - 1.0) if mean > 0 else 0.0,
             "tokens_per_rank": tokens.tolist(),
@@ -240,6 +286,64 @@ class Plan:
             out["inter_node_bytes_hierarchical"] = int(sum(len(x) for x in nodes) * per_token)
         return out
 
+    def describe(self, *, num_kv_heads: int = 8, head_dim: int = 128, dtype_bytes: int | str = 2) -> str:
+        """What the planner did, as text: per rank its owned rows (tokens, runs), work (cells, and its
+        share against the mean), received K/V (tokens and bytes), tiles and guest rows; then totals and
+        the imbalance. Bytes are priced like ``stats`` (same arguments, same defaults: 8 K/V heads, head
+        dim 128, 2-byte elements; pass your model's)."""
+        st = self.stats(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
+        per_tok = st["kv_bytes_per_token"]
+        area = np.array(st["area_per_rank"], dtype=np.int64)
+        mean = float(area.mean()) if len(area) else 0.0
+        # own rows whose cells other ranks compute (guest rows sent out), per rank
+        g_out = [_run_tokens(_merge_runs(np.concatenate([np.zeros((0, 2), np.int64)] + [
+            runs for dst, runs in enumerate(r.guest_send_runs) if dst != r.rank]))) for r in self.ranks]
+        topo = f", topology {self.topology.nodes} x {self.topology.gpus_per_node}" if self.topology else ""
+        lines = [
+            f"Plan: S = {self.seqlen:,} tokens over cp = {self.cp_size} ranks{topo}; solver {self.solver}, "
+            f"chunk {self.chunk_size} ({len(self.owner)} chunks); mask {self.mask_area:,} cells "
+            f"({self.mask_area / float(self.seqlen) ** 2:.2%} dense)",
+            f"K/V priced at {per_tok:,} bytes per token (2 x {num_kv_heads} heads x {head_dim} x "
+            f"{element_size(dtype_bytes)} bytes)",
+            "",
+            f"{'rank':>4} {'tokens':>10} {'runs':>5} {'work (cells)':>16} {'vs mean':>8} "
+            f"{'recv K/V tokens':>15} {'recv bytes':>12} {'tiles':>6} {'guest in':>8} {'guest out':>9}",
+        ]
+        for r in self.ranks:
+            i = r.rank
+            share = area[i] / mean - 1.0 if mean > 0 else 0.0
+            lines.append(
+                f"{i:>4} {st['tokens_per_rank'][i]:>10,} {len(r.segments):>5} {int(area[i]):>16,} {share:>+8.2%} "
+                f"{st['remote_kv_tokens_per_rank'][i]:>15,} {_fmt_bytes(st['remote_kv_tokens_per_rank'][i] * per_tok):>12} "
+                f"{st['tiles_per_rank'][i]:>6} {st['guest_rows_in_per_rank'][i]:>8} {g_out[i]:>9}")
+        lines.append(
+            f"{'all':>4} {sum(st['tokens_per_rank']):>10,} {sum(len(r.segments) for r in self.ranks):>5} "
+            f"{int(area.sum()):>16,} {'':>8} {sum(st['remote_kv_tokens_per_rank']):>15,} "
+            f"{_fmt_bytes(st['bytes_moved']):>12} {sum(st['tiles_per_rank']):>6} "
+            f"{sum(st['guest_rows_in_per_rank']):>8} {sum(g_out):>9}")
+        lines += [
+            "",
+            f"imbalance {st['imbalance']:.2%} (most work / mean work - 1: {int(area.max()):,} / {mean:,.0f} cells)",
+            f"received K/V: at most {st['max_remote_kv_tokens']:,} tokens ({_fmt_bytes(st['max_bytes_received'])}) "
+            f"on one rank, {sum(st['remote_kv_tokens_per_rank']):,} tokens ({_fmt_bytes(st['bytes_moved'])}) in all",
+        ]
+        if st["guest_rows"]:
+            lines.append(f"guest rows: {st['guest_rows']:,} rows computed by their keys' owners "
+                         "(guest in: rows of other ranks computed here; guest out: own rows computed elsewhere)")
+        if "inter_node_bytes" in st:
+            lines.append(f"between nodes: {_fmt_bytes(st['inter_node_bytes'])} flat, "
+                         f"{_fmt_bytes(st['inter_node_bytes_hierarchical'])} routed once per node")
+        return "\n".join(lines)
+
+    def draw(self, path, **kwargs):
+        """Save a picture of the plan to ``path`` (PNG, or any format matplotlib writes) and return the
+        path: the mask's blocks coloured by the rank that computes them, each rank's owned rows, the
+        K/V traffic matrix and per-rank work and received bytes (``planner.draw.draw_plan`` for the
+        keywords). Needs matplotlib."""
+        from .draw import draw_plan
+
+        return draw_plan(self, path, **kwargs)
+
     def _inter_node_tokens(self) -> int:
         node = self.topology.node_of
         return sum(
@@ -248,6 +352,18 @@ class Plan:
             for src, runs in enumerate(r.recv_runs)
             if node(src) != node(r.rank)
         )
+
+
+def _fmt_bytes(n) -> str:
+    """Bytes in binary units with three significant figures (``4.00 MiB``, ``78.6 MiB``, ``1016 KiB``)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            break
+        n /= 1024
+    if unit == "B":
+        return f"{n:.0f} B"
+    return f"{n:.{2 if abs(n) < 10 else 1 if abs(n) < 100 else 0}f} {unit}"
 
 
 def _auto_chunk(seqlen: int, cp: int) -> int:
