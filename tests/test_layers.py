@@ -30,6 +30,8 @@ LAYERS = {
     "runtime": {"kinds", "masks", "planner", "kernels", "comm"},
     "baselines": {"kinds", "masks", "planner", "kernels", "comm", "runtime"},
     "megatron": {"kinds", "masks", "planner", "kernels", "comm", "runtime", "baselines"},
+    "cli": {"masks", "planner"},
+    "__main__": {"cli"},  # python -m megatron_cp
 }
 FRONT = {"kinds", "masks", "planner", "runtime"}  # what megatron_cp/__init__.py may re-export
 

@@ -1,9 +1,10 @@
 """Planner: a pure function from (mask, cp_size, topology) to a per-rank plan (numpy, scipy only)."""
 
 from .layout import group_plan, head_context_plan
+from .milp import ChunkOptimum, in_feasible_set, optimal_assignment
 from .plan import Plan, RankPlan, plan
 from .solvers import SOLVERS
 from .topology import LINKS, Links, Topology
 from .workload import Workload
 
-__all__ = ["Plan", "RankPlan", "plan", "Topology", "Links", "LINKS", "Workload", "SOLVERS", "head_context_plan", "group_plan"]
+__all__ = ["Plan", "RankPlan", "plan", "Topology", "Links", "LINKS", "Workload", "SOLVERS", "head_context_plan", "group_plan", "optimal_assignment", "in_feasible_set", "ChunkOptimum"]
