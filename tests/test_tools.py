@@ -312,10 +312,115 @@ def test_bench_kernels_cpu_dry_run(tmp_path):
     import subprocess
     import sys
 
-    subprocess.run([sys.executable, str(TOOLS / "bench_kernels.py"), "--device", "cpu", "--tiny",
-                    "--row-masks", "causal", "--out", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    p = subprocess.run([sys.executable, str(TOOLS / "bench_kernels.py"), "--device", "cpu", "--tiny",
+                        "--row-masks", "causal", "--out", str(tmp_path)], check=True, capture_output=True, text=True,
+                       timeout=300)
     out = json.loads((tmp_path / "bench_kernels.json").read_text())
     assert out["meta"]["ours_backend"] == {"name": "triton"} and "flash_attn_4" in out["meta"]
     (r,) = out["results"]
     assert r["mask"] == "causal" and r["ours"]["path"] == "triton" and "ours_triton" in r
     assert not any(p in r for p in ("triton", "flex", "flex_flash", "fa4", "cudnn"))
+    # stdout: the files written, then the summary table, a row for the one case; the case's own line
+    # (S=   256 causal ...) is not printed without --verbose, the progress bar is on stderr
+    table = _ends_with_one_table(p.stdout, 1)
+    assert table[2].startswith("| 256 | causal | ")
+    assert "dens=" not in p.stdout + p.stderr and "bench_kernels: 100%" in p.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# progress and the closing table (tools/progress.py): per-case lines off stdout, one table at its end
+
+
+def _ends_with_one_table(out: str, rows: int) -> list[str]:
+    """The table at the end of ``out`` (its lines), checked: a markdown table of a header, a rule and
+    ``rows`` rows, and the only table in ``out``."""
+    lines = out.rstrip("\n").splitlines()
+    n = len(lines)
+    while n and lines[n - 1].startswith("|"):
+        n -= 1
+    table = lines[n:]
+    assert len(table) == 2 + rows, out
+    assert set(table[1]) == set("|-") and all(line.count("|") == table[0].count("|") for line in table), out
+    assert not any(line.startswith("|") for line in lines[:n]), out
+    return table
+
+
+def test_simulate_prints_one_table_and_keeps_per_case_lines_off_stdout(capsys):
+    """tools/sim/simulate.py: stdout is a caption line and one table, a row per (mask, cp) with each
+    strategy's prediction and megatron-cp's details; the per-case timings go to stderr with --verbose only."""
+    sim = _tool("simulate")
+    argv = ["--masks", "causal", "--cps", "2,4", "--tokens-per-gpu", "256", "--strategies", "megatron-cp,ulysses"]
+    sim.main(argv)
+    out, err = capsys.readouterr()
+    table = _ends_with_one_table(out, 2)
+    assert len(out.splitlines()) == 1 + len(table)  # the caption, then the table: no per-case lines
+    assert table[0].startswith("| mask | cp | megatron-cp fwd / bwd TFLOP/s | ulysses fwd / bwd TFLOP/s |")
+    assert table[2].startswith("| causal | 2 |") and table[3].startswith("| causal | 4 |")
+    assert "simulated" not in out + err
+    sim.main(argv + ["--verbose"])
+    out_v, err_v = capsys.readouterr()
+    assert "simulated causal cp=4 ulysses" in err_v and "simulated" not in out_v
+    assert len(_ends_with_one_table(out_v, 2)) == len(table)
+
+
+def test_bench_plan_prints_one_table(tmp_path):
+    """tools/bench_plan.py (a subprocess: it pins itself to one core): the setup and candidates lines,
+    then one table of one row; the progress bar is on stderr."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, str(TOOLS / "bench_plan.py"), "--seqlen", "4096", "--docs", "5", "--cp", "2",
+                        "--repeat", "2"], capture_output=True, text=True, timeout=120)
+    table = _ends_with_one_table(p.stdout, 1)
+    assert len(p.stdout.splitlines()) == 2 + len(table)
+    assert table[0].startswith("| mask build ms (min) | plan() s: first |")
+    assert "plan(): 100%" in p.stderr and "2/2" in p.stderr
+
+
+def test_bench_dist_summary_table_has_a_row_per_case():
+    """bench_dist's closing table: per S and mask, each implementation's fwd / bwd TFLOP/s (err where it
+    failed, - where it did not run, kernel-only last) and the checks' text."""
+    bench = _tool("bench_dist")
+    res = [dict(mask="causal", seqlen=1024, impl="kernel-only", fwd_tflops_per_gpu=650.0, bwd_tflops_per_gpu=520.0),
+           dict(mask="causal", seqlen=1024, impl="megatron-cp", fwd_tflops_per_gpu=600.0, bwd_tflops_per_gpu=500.0),
+           dict(mask="causal", seqlen=1024, impl="ring", error="RuntimeError: no"),
+           dict(mask="packed", seqlen=1024, impl="ring", fwd_tflops_per_gpu=0.0123, bwd_tflops_per_gpu=0.5)]
+    checks = bench.summarize(res, show=False)
+    lines = bench.summary_table(res, checks)
+    assert lines[1] == "| S | mask | megatron-cp | ring | kernel-only | checks |"
+    assert lines[3] == "| 1024 | causal | 600.0 / 500.0 | err | 650.0 / 520.0 | scaling vs kernel-only: fwd 0.92 bwd 0.96 |"
+    assert lines[4] == "| 1024 | packed | - | 0.012 / 0.5 | - |  |"
+
+
+def test_gpu_tools_summary_tables_group_the_cases():
+    """The closing tables of the GPU-only tools, from records as they write them: gpu_kernel_check a row
+    per (mask, S) with passes, deterministic runs, worst error ratio and paths, then one per extra check;
+    gpu_dist_check a row per (mask, variant) over the ranks; cost_check a row per (mask, impl) with sums and
+    the worst call."""
+    gk, gd, cc = _tool("gpu_kernel_check"), _tool("gpu_dist_check"), _tool("cost_check")
+
+    def case(ratio, ok, det=True):
+        errs = {n: {"err": 1.0, "lowp_err": 1.0, "ratio": 1.0} for n in gk.ERR_KEYS}
+        errs["dq"]["ratio"] = ratio
+        return {"mask": "causal", "S": 1024, "pass": ok, "deterministic": det, "paths": ["triton"], "triton": errs,
+                "last_path": {"triton": ["triton", "triton"]}}
+
+    extra = {"check": "accumulate+bfloat16", "last_path": "triton", "pass": True,
+             "out": {"err": 3.0, "lowp_err": 2.0}, "dq": {"err": 1.0, "lowp_err": 2.0}}
+    lines = gk.summary_table([case(0.5, True), case(1.5, False, False)], [extra])
+    assert lines[2:] == ["| causal | 1024 | 1/2 | 1/2 | 1.500 | triton/triton |",
+                         "| accumulate+bfloat16 | 2048 | 1/1 | - | 1.500 | triton |"]
+
+    def rank(r, ok, e):
+        return {"mask": "packed", "impl": "ring", "stages": "auto", "rank": r, "ok": ok, "guest_rows": 0,
+                "rms_err_vs_bf16_ref": {"out": [e, 1.0], "dq": [0.1, 1.0]}, "cudnn_calls": {"fwd": 2, "bwd": 1}}
+
+    assert gd.summary_table([rank(0, True, 0.4), rank(1, False, 2.5)])[2:] == [
+        "| packed | ring | auto | 0 | 1/2 | 2.500 | 4 / 2 |"]
+
+    def call(r, f, fp):
+        return {"mask": "causal", "impl": "ring", "rank": r, "step": 1, "fwd_ms": f, "fwd_pred_ms": fp, "bwd_ms": 1.0,
+                "bwd_pred_ms": 1.0}
+
+    assert cc.summary_table([call(0, 1.0, 1.1), call(1, 2.0, 1.0)])[2:] == [
+        "| causal | ring | 2 | 3.000 / 2.100 (0.70) | 0.50 (rank 1 step 1) | 2.000 / 2.000 (1.00) | 1.00 (rank 0 step 1) |"]

@@ -10,6 +10,10 @@ warm-up, then ``--iters`` calls, CUDA sync); ``max_abs_diff_vs_first``: against 
 
     python tools/bench_band.py --out DIR          # writes DIR/bench_band.json
     python tools/bench_band.py --windows 1024 2048 4096 8192 --squares 0 1024 --out DIR
+
+While it runs a progress bar on stderr names the case and band-square setting being timed (redrawn at most
+every 30 s where stderr is not a terminal: tools/progress.py); each row's line goes to stderr with
+--verbose. Ends with one table on stdout, a row per case and setting.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ import torch
 import megatron_cp as mcp
 from megatron_cp.kernels import TritonBackend, TritonConfig, kept_area
 from megatron_cp.masks import catalog
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar and table
+from progress import Progress, markdown_table  # noqa: E402
 
 
 def _time(fn, iters, warm_s):
@@ -53,6 +60,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup-s", type=float, default=0.5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--verbose", action="store_true", help="each row's line on stderr as it finishes")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     if args.windows:
@@ -65,6 +73,7 @@ def main(argv=None):
         cases = [(f"{args.mask} S={args.seqlen} cp{args.cp} rank {args.rank}", rp.tiles, rp.num_tokens, rp.buffer_len)]
     hq, hkv, d = 32, 8, 128
     rows, tiles_out = [], []
+    bar = Progress(len(cases) * len(args.squares), "bench_band", verbose=args.verbose)
     for name, tiles_np, sq, sk in cases:
         tiles = torch.from_numpy(tiles_np.astype("int32"))
         tiles_out.append(dict(case=name, tiles=tiles_np.tolist(), seqlen_q=sq, seqlen_k=sk))
@@ -77,6 +86,7 @@ def main(argv=None):
         fl = 4.0 * area * hq * d
         ref = None
         for sqr in args.squares:
+            bar.running(f"{name} band_squares {sqr}")
             be = TritonBackend(TritonConfig(band_squares=sqr))
             prep = be.prepare(tiles, sq, sk)
             out, lse = be.forward(q, k, v, prep)
@@ -98,7 +108,7 @@ def main(argv=None):
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     be.forward(q, k, v, prep)
                     torch.cuda.synchronize()
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+                bar.note(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), file=sys.stdout)
             tbw = _time(lambda: be.backward(q, k, v, out, lse, do, prep, None, delta), args.iters, args.warmup_s)
             torch.cuda.synchronize()
             mem = torch.cuda.max_memory_allocated() / 2**30
@@ -110,17 +120,32 @@ def main(argv=None):
                      max_abs_diff_vs_first=diff, fwd_cudnn_calls=n_fwd, bwd_cudnn_calls=n_bwd,
                      peak_mem_gib=mem, cudnn=cudnn_found)
             rows.append(r)
-            print(f"{name} band_squares {sqr:5d}: fwd {r['fwd_ms']:.2f} ms {r['fwd_tflops']:.0f} TF/s "
+            bar.step(f"{name} band_squares {sqr:5d}: fwd {r['fwd_ms']:.2f} ms {r['fwd_tflops']:.0f} TF/s "
                   f"(accumulating {r['fwd_accumulate_ms']:.2f}), "
                   f"bwd {r['bwd_ms']:.2f} ms {r['bwd_tflops']:.0f} TF/s  {path_f}/{path_b} cuDNN calls "
-                  f"{n_fwd}/{n_bwd}  |diff| {diff:.3g}  peak {mem:.1f} GiB", flush=True)
+                  f"{n_fwd}/{n_bwd}  |diff| {diff:.3g}  peak {mem:.1f} GiB")
         torch.cuda.empty_cache()
+    bar.close()
     res = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                torch=torch.__version__, command=" ".join(sys.argv), cases=tiles_out, rows=rows)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_band.json"), "w") as f:
             json.dump(res, f, indent=1)
+        print("wrote", os.path.join(args.out, "bench_band.json"))
+    print("\n".join(summary_table(rows)))
+
+
+def summary_table(rows):
+    """The closing table (lines): per case and band-square setting, times, TFLOP/s, paths, cuDNN calls,
+    the difference to the case's first setting and peak memory."""
+    return markdown_table(
+        ["case", "band squares", "fwd ms", "fwd TF/s", "fwd accumulating ms", "bwd ms", "bwd TF/s", "paths fwd/bwd",
+         "cuDNN calls fwd/bwd", "max |diff|", "peak GiB"],
+        [[r["case"], r["band_squares"], f"{r['fwd_ms']:.2f}", f"{r['fwd_tflops']:.0f}", f"{r['fwd_accumulate_ms']:.2f}",
+          f"{r['bwd_ms']:.2f}", f"{r['bwd_tflops']:.0f}", "/".join(map(str, r["paths"])),
+          f"{r['fwd_cudnn_calls']}/{r['bwd_cudnn_calls']}", f"{r['max_abs_diff_vs_first']:.3g}",
+          f"{r['peak_mem_gib']:.1f}"] for r in rows])
 
 
 if __name__ == "__main__":

@@ -22,6 +22,11 @@ with ``+hp`` appended runs over a CP group whose NCCL stream has high priority, 
     torchrun --nproc-per-node 4 tools/bench_dist.py                      # 4 GPUs, S = 128k, 256k
     torchrun --nproc-per-node 2 tools/bench_dist.py --device cpu --tiny  # CPU dry run (gloo)
 
+While it runs, rank 0 shows a progress bar on stderr naming the case (S, mask, implementation) being run
+(redrawn at most every 30 s where stderr is not a terminal: tools/progress.py); each case's line goes to
+stderr with ``--verbose``. It ends with one table on stdout: per S and mask, each implementation's
+fwd / bwd TFLOP/s per GPU and the checks (``summarize``).
+
 Writes <--out-dir>/bench_<n>x<device>_<date>.json and .png (device, date and command inside); the default
 out/ is ignored by git. Results the README quotes go to a dated folder, benchmarks/YYYY-MM-DD_<device>_<what>/,
 with a README.md giving the command, indexed in benchmarks/RESULTS.md.
@@ -53,6 +58,7 @@ from megatron_cp.runtime.state import states_of
 # the profiler summary, modules of their own so that tools/sim/calibrate.py times kernels the same way
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import profiling  # noqa: E402
+from progress import Progress, markdown_table  # noqa: E402
 from timing import Timer  # noqa: E402
 
 
@@ -323,6 +329,7 @@ def main(argv=None):
                     help="profile with the stream held while the host issues each phase (bench_dist's GPU time)")
     ap.add_argument("--profile-b2b", action="store_true",
                     help="profile a step issued right after another, no sync or hold (the back-to-back timing)")
+    ap.add_argument("--verbose", action="store_true", help="each case's line on stderr (rank 0) as it finishes")
     args = ap.parse_args(argv)
     tiny = args.tiny
     args.heads = args.heads or (4 if tiny else 32)
@@ -355,13 +362,10 @@ def main(argv=None):
             opts.is_high_priority_stream = True
         ctx["hp_group"] = dist.new_group(list(range(cp)), pg_options=opts)
     results = []
-
-    def log(msg):
-        if rank == 0:
-            print(msg, flush=True)
-
+    masks = args.masks.split(",")
+    bar = Progress(len(seqlens) * len(masks) * len(impls), "bench_dist", enabled=rank == 0, verbose=args.verbose)
     for s in seqlens:
-        for mname in args.masks.split(","):
+        for mname in masks:
             mask = catalog.build(mname, s)
             flops = 4.0 * mask.area() * args.heads * args.head_dim
             base = dict(mask=mname, seqlen=s, cp=cp, density=mask.density())
@@ -372,6 +376,7 @@ def main(argv=None):
                 else:
                     name = impl
                 rec = dict(base, impl=name)
+                bar.running(f"S={s} {mname} {name}")
                 try:
                     if impl == "torch-native":
                         tf, tb, wf, wb, sf, sb = bench_torch_native(mname, s, args, ctx)
@@ -416,9 +421,11 @@ def main(argv=None):
                         torch.cuda.empty_cache()
                 results.append(rec)
                 if "error" in rec:
-                    log(f"S={s:>7} {mname:<15}{name:<22} ERROR {rec['error'][:150]}")
+                    if rank == 0:
+                        bar.note(f"S={s:>7} {mname:<15}{name:<22} ERROR {rec['error'][:150]}")
+                    bar.step()
                 else:
-                    log(f"S={s:>7} {mname:<15}{name:<22} fwd {rec['fwd_tflops_per_gpu']:7.1f}  bwd "
+                    bar.step(f"S={s:>7} {mname:<15}{name:<22} fwd {rec['fwd_tflops_per_gpu']:7.1f}  bwd "
                         f"{rec['bwd_tflops_per_gpu']:7.1f} TFLOP/s/GPU  ({rec['fwd_ms']:.2f} / {rec['bwd_ms']:.2f} ms; "
                         f"wall {rec['fwd_wall_ms']:.2f} / {rec['bwd_wall_ms']:.2f} ms"
                         + (f"; back to back {rec['fwd_b2b_ms']:.2f} / {rec['bwd_b2b_ms']:.2f} ms, ranks' GPU fwd "
@@ -428,6 +435,7 @@ def main(argv=None):
                         + ")" + (f"  stages {rec['stages']}" if "stages" in rec else "")
                         + (f"  cuDNN off: {rec['cudnn_off']}" if rec.get("cudnn_off") else ""))
                 dist.barrier(group)
+    bar.close()
     if rank == 0:
         now = datetime.datetime.now(datetime.UTC)
         meta = dict(device=dev_name, num_devices=cp, date=now.strftime("%Y-%m-%d %H:%M UTC"),
@@ -435,19 +443,21 @@ def main(argv=None):
                     torch=torch.__version__, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                     dtype=str(dtype), masks={m: catalog.DESCRIPTIONS[m] for m in args.masks.split(",")},
                     flops="forward 4*area*Hq*D, backward 2.5x; per GPU = total / cp / slowest rank's time")
-        checks = summarize(results)
+        checks = summarize(results, show=False)
         os.makedirs(args.out_dir, exist_ok=True)
         stem = os.path.join(args.out_dir, f"bench_{cp}x{dev_name.replace(' ', '_')}_{now:%Y%m%d_%H%M}{args.tag}")
         with open(stem + ".json", "w") as f:
             json.dump({**meta, "results": results, "checks": checks}, f, indent=1)
         plot(results, meta, stem + ".png")
         print(f"wrote {stem}.json and {stem}.png")
+        print("\n".join(summary_table(results, checks)))
     dist.destroy_process_group()
 
 
-def summarize(results):
+def summarize(results, show=True):
     """The issue's targets: causal vs torch SDPA ring (>= 1.1x), sparse masks vs torch Flex CP
-    (>= 1.5x), and megatron-cp per-GPU throughput >= 90% of kernel-only on the same work."""
+    (>= 1.5x), and megatron-cp per-GPU throughput >= 90% of kernel-only on the same work. Returns the
+    checks; ``show``: prints the summary table of ``results`` (``summary_table``) too."""
     checks = []
     get = lambda m, s, impl: next((r for r in results if r["mask"] == m and r["seqlen"] == s  # noqa: E731
                                    and r["impl"] == impl and "error" not in r), None)
@@ -482,21 +492,49 @@ def summarize(results):
                 c.update(fwd_b2b_scaling=kern["fwd_b2b_ms"] / ours["fwd_b2b_ms"],
                          bwd_b2b_scaling=kern["bwd_b2b_ms"] / ours["bwd_b2b_ms"])
             checks.append(c)
-            line = f"check S={s} {m:<15}"
-            if "fwd_ratio" in c:
-                line += f" vs {ref_name}: fwd {c['fwd_ratio']:.2f}x bwd {c['bwd_ratio']:.2f}x (need {c['need']}x)"
-            if "fwd_scaling" in c:
-                line += f"  scaling vs kernel-only: fwd {c['fwd_scaling']:.2f} bwd {c['bwd_scaling']:.2f}"
-            for tag, label in (("wall", "wall time"), ("b2b", "back to back")):  # the other two timings
-                parts = []
-                if f"fwd_{tag}_ratio" in c:
-                    parts.append(f"{c[f'fwd_{tag}_ratio']:.2f}x / {c[f'bwd_{tag}_ratio']:.2f}x")
-                if f"fwd_{tag}_scaling" in c:
-                    parts.append(f"scaling {c[f'fwd_{tag}_scaling']:.2f} / {c[f'bwd_{tag}_scaling']:.2f}")
-                if parts:
-                    line += f"  | {label}: " + ", ".join(parts)
-            print(line)
+    if show:
+        print("\n".join(summary_table(results, checks)))
     return checks
+
+
+def check_text(c):
+    """A check's cell of the summary table: ratios vs the torch peer (GPU time, need), scaling vs
+    kernel-only, and the same for wall time and back-to-back steps where measured."""
+    parts = []
+    if "fwd_ratio" in c:
+        parts.append(f"vs {c['vs']}: fwd {c['fwd_ratio']:.2f}x bwd {c['bwd_ratio']:.2f}x (need {c['need']}x)")
+    if "fwd_scaling" in c:
+        parts.append(f"scaling vs kernel-only: fwd {c['fwd_scaling']:.2f} bwd {c['bwd_scaling']:.2f}")
+    for tag, label in (("wall", "wall time"), ("b2b", "back to back")):  # the other two timings
+        sub = []
+        if f"fwd_{tag}_ratio" in c:
+            sub.append(f"{c[f'fwd_{tag}_ratio']:.2f}x / {c[f'bwd_{tag}_ratio']:.2f}x")
+        if f"fwd_{tag}_scaling" in c:
+            sub.append(f"scaling {c[f'fwd_{tag}_scaling']:.2f} / {c[f'bwd_{tag}_scaling']:.2f}")
+        if sub:
+            parts.append(f"{label}: " + ", ".join(sub))
+    return "; ".join(parts)
+
+
+def summary_table(results, checks):
+    """The closing table (lines): per S and mask, each implementation's fwd / bwd TFLOP/s per GPU (GPU
+    time; err: it failed) and the checks' text."""
+    impls = sorted(dict.fromkeys(r["impl"] for r in results), key=lambda i: i == "kernel-only")  # it last
+
+    def tf(x):  # CPU dry runs' tiny rates keep two digits
+        return f"{x:.1f}" if x >= 1 else f"{x:.2g}"
+
+    text = {(c["seqlen"], c["mask"]): check_text(c) for c in checks}
+    rows = []
+    for s, m in dict.fromkeys((r["seqlen"], r["mask"]) for r in results):
+        cells = []
+        for impl in impls:
+            r = next((x for x in results if x["seqlen"] == s and x["mask"] == m and x["impl"] == impl), None)
+            cells.append("-" if r is None else "err" if "error" in r else
+                         f"{tf(r['fwd_tflops_per_gpu'])} / {tf(r['bwd_tflops_per_gpu'])}")
+        rows.append([s, m, *cells, text.get((s, m), "")])
+    return (["TFLOP/s per GPU as fwd / bwd (GPU time); checks: megatron-cp vs the torch peer and vs kernel-only"]
+            + markdown_table(["S", "mask", *impls, "checks"], rows))
 
 
 def plot(results, meta, path):

@@ -26,11 +26,14 @@ retained graph; ours: backend.backward incl. its delta = rowsum(dout*out) prepro
 records the path it ran (e.g. fa4 / cudnn / cudnn+triton / triton) and the block configs of its Triton
 kernels ("configs"). Per row, fwd_vs_P / bwd_vs_P = P's time / ours' time for each peer P in flex,
 flex_flash, fa4, cudnn that ran (> 1: ours is faster); fwd_vs_best / bwd_vs_best the same against the
-fastest of them per direction, named in best_fwd_peer / best_bwd_peer. The run ends with a markdown table.
+fastest of them per direction, named in best_fwd_peer / best_bwd_peer. The run ends with a markdown table
+(stdout); while it runs a progress bar on stderr names the case and implementation being timed (redrawn
+at most every 30 s where stderr is not a terminal: tools/progress.py), and each case's line goes to
+stderr with --verbose.
 
 --tune times candidate block configs of TritonBackend per phase instead (others at their defaults) and
 writes the fastest per row class as DIR/tuned_configs.json, the format ``--configs`` (and
-``configs_from_json``) reads.
+``configs_from_json``) reads; it ends with a table of the chosen configs.
 
 Usage: python tools/bench_kernels.py [--seqlens 16384] [--masks ...] [--out DIR] [--tune] [--configs JSON]
        python tools/bench_kernels.py --device cpu --tiny --out /tmp/bk   # CPU dry run
@@ -49,6 +52,9 @@ import json
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar and table
+from progress import Progress, markdown_table  # noqa: E402
 
 
 def _interpret_on_cpu():
@@ -367,11 +373,12 @@ def pick_best(rows):
     return best
 
 
-def tune(s, masks):
-    """Time each candidate config per stage (others at default); prints a table, returns rows."""
+def tune(s, masks, verbose=False):
+    """Time each candidate config per stage (others at default); returns rows (each with --verbose)."""
     q, k, v, do = make_inputs(s)
     base = DEFAULT_CONFIGS[(D, "long")]
     rows = []
+    bar = Progress(len(masks) * (len(TUNE_FWD) + len(TUNE_DKDV) + len(TUNE_DQ)), "tune", verbose=verbose)
     for stage, cands in (("fwd", TUNE_FWD), ("dkdv", TUNE_DKDV), ("dq", TUNE_DQ)):
         for c in cands:
             sc = PhaseConfigs(c if stage == "fwd" else base.fwd, c if stage == "dkdv" else base.dkdv,
@@ -379,20 +386,27 @@ def tune(s, masks):
             be = TritonBackend(TritonConfig({D: sc}, dense_fast_path=False))
             for name in masks:
                 tiles = catalog.tiles(catalog.build(name, s))
+                bar.running(f"{stage} {cfg_list(c)} {name}")
                 try:
                     tf, tb, _ = time_ours(be, tiles, s, q, k, v, do)
                 except Exception as e:  # noqa: BLE001  (e.g. out of shared memory)
-                    print(f"tune {stage} {c} {name}: {type(e).__name__} {str(e)[:80]}", flush=True)
+                    bar.step(f"tune {stage} {c} {name}: {type(e).__name__} {str(e)[:80]}")
                     continue
                 area = kept_area(tiles)
                 ff = 4 * area * HQ * D
                 r = {"stage": stage, "cfg": [c.block_m, c.block_n, c.num_warps, c.num_stages, int(c.tma)], "mask": name,
                      "fwd_tflops": ff / tf / 1e9, "bwd_tflops": 2.5 * ff / tb / 1e9, "fwd_ms": tf, "bwd_ms": tb}
                 rows.append(r)
-                print(f"tune {stage:4s} {r['cfg']} {name:15s} fwd {r['fwd_tflops']:6.1f} bwd {r['bwd_tflops']:6.1f}",
-                      flush=True)
+                bar.step(f"tune {stage:4s} {r['cfg']} {name:15s} fwd {r['fwd_tflops']:6.1f} bwd {r['bwd_tflops']:6.1f}")
             empty_cache()
+    bar.close()
     return rows
+
+
+def tune_table(best):
+    """The closing table of --tune: the chosen config per row class and stage."""
+    return markdown_table(["class", "stage", "block_m", "block_n", "warps", "stages", "tma"],
+                          [[cls, st, *cfg] for cls, stages in best.items() for st, cfg in stages.items()])
 
 
 def main():
@@ -416,6 +430,7 @@ def main():
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: a dry run in Triton's interpreter (use with --tiny; no Flex, FA4 or cuDNN)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (Hq=4, Hkv=1, D=32, S=256, 32x32 blocks)")
+    ap.add_argument("--verbose", action="store_true", help="each case's line on stderr as it finishes")
     args = ap.parse_args()
     global DEVICE, DTYPE, HQ, HKV, D
     DEVICE = args.device
@@ -436,13 +451,14 @@ def main():
             "Hq": HQ, "Hkv": HKV, "D": D, "dtype": str(DTYPE).removeprefix("torch."), "flops": "fwd 4*area*Hq*D, bwd 2.5x", "masks": {m: catalog.DESCRIPTIONS[m] for m in args.masks + args.row_masks}}
     if args.tune:
         BENCH_MS.update(warmup=20, rep=80)
-        rows = tune(args.seqlens[0], args.masks)
+        rows = tune(args.seqlens[0], args.masks, args.verbose)
         best = pick_best(rows)
-        print("best:", json.dumps(best))
         with open(os.path.join(args.out, f"tune{args.tag}.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows, "best": best}, f, indent=1)
         with open(os.path.join(args.out, "tuned_configs.json"), "w") as f:
             json.dump(best, f)
+        print("wrote", os.path.join(args.out, f"tune{args.tag}.json"), "and", os.path.join(args.out, "tuned_configs.json"))
+        print("\n".join(tune_table(best)))
         return
     overrides = {}
     if args.tiny:  # small blocks: the interpreter's time grows with the block size
@@ -458,6 +474,8 @@ def main():
     be_triton = TritonBackend(TritonConfig(overrides, dense_fast_path=False))
     be_nodense = TritonBackend(TritonConfig(overrides, dense_tiles=False))
     results = []
+    n_cases = sum(len(args.masks if s == 16384 else args.row_masks) for s in args.seqlens)
+    bar = Progress(n_cases + (len(args.zigzag_ranks) if args.zigzag else 0), "bench_kernels", verbose=args.verbose)
     for s in args.seqlens:
         q, k, v, do = make_inputs(s)
         for name in (args.masks if s == 16384 else args.row_masks):
@@ -481,6 +499,7 @@ def main():
             if catalog.sdpa_is_causal(name) is not None and DEVICE == "cuda":
                 impls["cudnn"] = (lambda: time_cudnn(catalog.sdpa_is_causal(name), q, k, v, do), None)
             for impl, (fn, b) in impls.items():
+                bar.running(f"S={s} {name} {impl}")
                 try:
                     if b is not None:
                         tf, tb, fwd_path = fn()
@@ -504,7 +523,7 @@ def main():
                     x = r[impl]
                     line += (f" | {impl} fwd {x['fwd_tflops']:6.1f} bwd {x['bwd_tflops']:6.1f}" if "fwd_ms" in x
                              else f" | {impl} ERR {x['error'][:60]}")
-            print(line, flush=True)
+            bar.step(line)
         del q, k, v, do
         empty_cache()
     if args.zigzag:
@@ -522,6 +541,7 @@ def main():
             for impl, b in (("ours", be), ("triton", be_tri), ("ours_nodense", be_nodense)):
                 if b is None:
                     continue
+                bar.running(f"zigzag rank {rank} {impl}")
                 try:
                     tf, tb, fwd_path = time_ours_rect(b, tiles, sq, zs, q, k, v, do)
                     r[impl] = ours_record(b, tf, tb, ff, fwd_path)
@@ -532,8 +552,9 @@ def main():
                 empty_cache()
             r["ours_path"] = r["ours"].get("path")
             results.append(r)
-            print(line, flush=True)
+            bar.step(line)
         del q, k, v, do
+    bar.close()
     path = os.path.join(args.out, f"bench_kernels{args.tag}.json")
     meta["cudnn"] = cudnn_status(be, be_tri)
     meta["ours_backend"] = backend_info(be)  # after the runs: describe() lists the fallbacks it took
@@ -544,7 +565,7 @@ def main():
     print("wrote", path, "cuDNN:", meta["cudnn"], "ours:", json.dumps(meta["ours_backend"], default=str))
     plot(meta, results, os.path.join(args.out, f"bench_kernels{args.tag}.png"))
     print()
-    print("\n".join(table(results, meta["ours_backend"]["name"])))
+    print("\n".join(table(results, meta["ours_backend"]["name"])))  # the summary: the last lines of stdout
 
 
 def plot(meta, results, path):

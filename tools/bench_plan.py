@@ -2,7 +2,9 @@
 
     python tools/bench_plan.py [--seqlen 1048576] [--docs 1000] [--cp 64] [--repeat 5]
 
-Prints the wall time of each call (mask building separately) and the resulting balance and traffic.
+While it runs a progress bar on stderr counts the repeats (redrawn at most every 30 s where stderr is not
+a terminal: tools/progress.py). Ends with one table on stdout: the wall time of the calls (mask building
+separately; first, median, min) and the resulting balance and traffic.
 """
 
 from __future__ import annotations
@@ -10,11 +12,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
 
 import megatron_cp as mcp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar and table
+from progress import Progress, markdown_table  # noqa: E402
 
 
 def doc_cu_seqlens(total: int, docs: int, seed: int = 0) -> np.ndarray:
@@ -39,6 +45,7 @@ def main(argv=None):
     lens = np.diff(cu)
     print(f"S={args.seqlen} docs={args.docs} (len min {lens.min()} median {int(np.median(lens))} max {lens.max()}) cp={args.cp}, 1 core")
     times, mask_times = [], []
+    bar = Progress(args.repeat, "plan()")
     for _ in range(args.repeat):
         t0 = time.perf_counter()
         mask = mcp.masks.varlen(cu, causal=True)
@@ -48,11 +55,16 @@ def main(argv=None):
         t2 = time.perf_counter()
         mask_times.append(t1 - t0)
         times.append(t2 - t1)
+        bar.step()
+    bar.close()
     st = plan.stats()
-    print(f"mask build: {1e3 * min(mask_times):.1f} ms   plan(): first {times[0]:.3f} s, median {statistics.median(times):.3f} s, min {min(times):.3f} s")
-    print(f"solver {plan.solver}; imbalance {100 * st['imbalance']:.2f}%; tokens/rank {min(st['tokens_per_rank'])}..{max(st['tokens_per_rank'])}; "
-          f"max remote KV tokens {st['max_remote_kv_tokens']}; tiles/rank max {max(st['tiles_per_rank'])}")
     print(f"candidates (imbalance, max remote, total remote): {plan.candidates}")
+    print("\n".join(markdown_table(
+        ["mask build ms (min)", "plan() s: first", "median", "min", "solver", "imbalance", "tokens/rank",
+         "max remote KV tokens", "tiles/rank max"],
+        [[f"{1e3 * min(mask_times):.1f}", f"{times[0]:.3f}", f"{statistics.median(times):.3f}", f"{min(times):.3f}",
+          plan.solver, f"{100 * st['imbalance']:.2f}%", f"{min(st['tokens_per_rank'])}..{max(st['tokens_per_rank'])}",
+          st["max_remote_kv_tokens"], max(st["tiles_per_rank"])]])))
     return 0 if statistics.median(times) < 1.0 else 1
 
 

@@ -10,6 +10,12 @@ of out / lse / dq and its tokens of dk / dv with a dense fp64 reference. Rule (A
 fully masked rows give out 0 and lse -inf. Also counts the cuDNN calls, so a run where cuDNN never ran
 is visible, and records the families the backend's cuDNN probe turned down.
 
+While it runs, rank 0 shows a progress bar on stderr naming the mask and implementation being checked
+(redrawn at most every 30 s where stderr is not a terminal: tools/progress.py); every rank's line per
+case goes to stderr with ``--verbose``, a failing rank's always. Rank 0 ends with one table on stdout:
+per mask and variant, the ranks that pass, the worst error ratio to the bf16 reference and the cuDNN
+calls.
+
     torchrun --nproc-per-node 4 tools/gpu_dist_check.py --json out.json
     torchrun --nproc-per-node 2 tools/gpu_dist_check.py --device cpu --seqlen 512   # CPU dry run (gloo)
 """
@@ -36,6 +42,7 @@ from megatron_cp.planner.guests import candidate_rows
 # tools/ (this script's folder): the chunked dense reference of the kernel check
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_kernel_check import chunked_reference, rms  # noqa: E402
+from progress import Progress, markdown_table  # noqa: E402
 
 # cuDNN calls by kind: the backend calls these functions of megatron_cp.kernels.cudnn, which main()
 # wraps to count them
@@ -48,6 +55,21 @@ def _count(name, fn):
         CUDNN_CALLS[name] += 1
         return fn(*a, **k)
     return wrapped
+
+
+def summary_table(flat):
+    """The closing table (lines) of every rank's records: per mask and variant (implementation, stages,
+    guest rows), ranks passing, the worst rms error / bf16 reference's over outputs and ranks, cuDNN calls
+    (fwd / bwd, all ranks)."""
+    rows = []
+    for key in dict.fromkeys((r["mask"], r["impl"], str(r["stages"]), r["guest_rows"] > 0) for r in flat):
+        rs = [r for r in flat if (r["mask"], r["impl"], str(r["stages"]), r["guest_rows"] > 0) == key]
+        worst = max(e / max(el, 1e-30) for r in rs for e, el in r["rms_err_vs_bf16_ref"].values())
+        rows.append([*key[:3], max(r["guest_rows"] for r in rs), f"{sum(r['ok'] for r in rs)}/{len(rs)}",
+                     f"{worst:.3f}", f"{sum(r['cudnn_calls']['fwd'] for r in rs)} / "
+                     f"{sum(r['cudnn_calls']['bwd'] for r in rs)}"])
+    return markdown_table(["mask", "impl", "stages", "guest rows", "ranks ok", "worst err/bf16 err",
+                           "cuDNN fwd / bwd"], rows)
 
 
 def main(argv=None):
@@ -63,6 +85,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a dry run of this script (gloo, reference backend, tiny --seqlen)")
+    ap.add_argument("--verbose", action="store_true", help="every rank's line per case on stderr")
     args = ap.parse_args(argv)
     rank_env = int(os.environ.get("LOCAL_RANK", 0))
     if args.device == "cuda":
@@ -81,7 +104,10 @@ def main(argv=None):
     s, hq, hkv, d = args.seqlen, args.heads, args.kv_heads, args.head_dim
     scale = 1.0 / math.sqrt(d)
     results, ok_all = [], True
-    for name in args.masks.split(","):
+    masks, strategies = args.masks.split(","), [x for x in args.strategies.split(",") if x]
+    # guest-row variants (2 more) are counted when a mask turns out to have them
+    bar = Progress(len(masks) * (2 + len(strategies)), "gpu_dist_check", enabled=rank == 0, verbose=args.verbose)
+    for name in masks:
         mask = catalog.build(name, s)
         plan = mcp.plan(mask, cp)
         gen = torch.Generator(device=dev).manual_seed(1234)
@@ -98,8 +124,10 @@ def main(argv=None):
         if len(cand) and not plan.has_guests:
             gplan = mcp.plan(mask, cp, guest_rows=cand)
             variants += [("megatron-cp", None, gplan), ("megatron-cp", 0, gplan)]
-        variants += [(x, None, None) for x in args.strategies.split(",") if x]
+            bar.add(2)
+        variants += [(x, None, None) for x in strategies]
         for impl, stages, vplan in variants:
+            bar.running(f"{name} {impl} stages={'auto' if stages is None else stages}")
             CUDNN_CALLS.update(dict.fromkeys(CUDNN_OPS, 0))
             vplan = vplan if vplan is not None else plan_for(impl, mask, cp)
             ids = torch.from_numpy(vplan.local_ids(rank)).to(dev)
@@ -133,11 +161,15 @@ def main(argv=None):
                                   if found.layout is None} if isinstance(backend, kernels.TritonBackend) else {})}
             results.append(rec)
             ok_all = ok_all and ok
-            print(f"rank {rank} {name:<15} {impl:<13} stages={rec['stages']!s:<5} "
-                  f"guests={guest_rows:<4} "
-                  f"{'ok' if ok else 'FAIL'} cudnn={CUDNN_CALLS} "
-                  + " ".join(f"{key} {e:.2e}/{el:.2e}" for key, (e, el) in errs.items()), flush=True)
+            line = (f"rank {rank} {name:<15} {impl:<13} stages={rec['stages']!s:<5} "
+                    f"guests={guest_rows:<4} "
+                    f"{'ok' if ok else 'FAIL'} cudnn={CUDNN_CALLS} "
+                    + " ".join(f"{key} {e:.2e}/{el:.2e}" for key, (e, el) in errs.items()))
+            if args.verbose or not ok:  # every rank's (the bar is rank 0's)
+                bar.note(line)
+            bar.step()
         del ref, low, keep
+    bar.close()
     gathered = [None] * cp
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -146,6 +178,7 @@ def main(argv=None):
         print(f"GPU distributed check: {sum(r['ok'] for r in flat)}/{len(flat)} rank-cases pass "
               f"({sum(r['guest_rows'] > 0 for r in flat)} with guest rows); "
               f"cuDNN calls fwd {sum(r['cudnn_calls']['fwd'] for r in flat)}, bwd {sum(r['cudnn_calls']['bwd'] for r in flat)}")
+        print("\n".join(summary_table(flat)))
         if args.json:
             meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "num_devices": cp, "torch": torch.__version__,
                     "date": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",

@@ -17,8 +17,13 @@ well. Planner-style sliding-window bands are added (band_cases). Each case recor
 (``last_path``: [forward's, backward's], e.g. "fa4" or a Triton fallback). The summary says what the cuDNN
 probe found per (dtype, head_dim, Hq / Hkv) family and the backend's describe() where it has one.
 
+While it runs a progress bar on stderr names the case being checked (redrawn at most every 30 s where
+stderr is not a terminal: tools/progress.py); each case's line goes to stderr with --verbose, failures
+always. It ends with one table on stdout: per mask and S (and per extra check), cases passed, the worst
+error ratio to the low-precision reference and the paths that ran.
+
 Usage: python tools/gpu_kernel_check.py [--backend auto|triton|fa4] [--seqlens 1024 4096 16384] [--big]
-       [--json out.json]
+       [--json out.json] [--verbose]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import importlib.metadata
 import itertools
 import json
 import math
+import os
 import sys
 import time
 
@@ -35,6 +41,11 @@ import torch
 
 from megatron_cp.kernels import TritonBackend, TritonConfig, configs_from_json, get_backend
 from megatron_cp.masks import catalog
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar and table
+from progress import Progress, markdown_table  # noqa: E402
+
+ERR_KEYS = ("out", "lse", "dq", "dk", "dv")
 
 
 def make_backend(name, overrides, **config):
@@ -177,6 +188,30 @@ def band_cases():
     return out
 
 
+def worst_ratio(r):
+    """The largest rms error / low-precision reference's rms error over a case's runs and outputs."""
+    return max(r[p][n]["ratio"] for p in r["paths"] for n in ERR_KEYS)
+
+
+def summary_table(results, big):
+    """The closing table (lines): per (mask, S) of the matrix and band cases, cases passed, deterministic
+    runs, the worst error ratio and the paths [fwd / bwd] that ran; then each extra and --big check."""
+    rows = []
+    for mask, s in dict.fromkeys((r["mask"], r["S"]) for r in results):
+        rs = [r for r in results if r["mask"] == mask and r["S"] == s]
+        paths = sorted({"/".join(map(str, p)) for r in rs for p in r["last_path"].values()})
+        rows.append([mask, s, f"{sum(r['pass'] for r in rs)}/{len(rs)}", f"{sum(r['deterministic'] for r in rs)}/{len(rs)}",
+                     f"{max(worst_ratio(r) for r in rs):.3f}", ", ".join(paths)])
+    for r in big:
+        if "check" in r:  # extra_checks: errors against the fp64 reference
+            worst = max(r[n]["err"] / max(r[n]["lowp_err"], 1e-30) for n in r if isinstance(r[n], dict))
+            rows.append([r["check"], 2048, f"{int(r['pass'])}/1", "-", f"{worst:.3f}", r["last_path"]])
+        else:  # big_runs: no NaN, peak memory
+            rows.append([f"big {r['mask']} (peak {r['peak_GiB']:.1f} GiB)", r["S"], f"{int(r['pass'])}/1", "-", "-",
+                         r["last_path"]])
+    return markdown_table(["mask / check", "S", "passed", "deterministic", "worst err/lowp_err", "paths"], rows)
+
+
 def extra_checks(be):
     """forward_accumulate (two stages == one) and float32 inputs, against the fp64 reference."""
     out = []
@@ -209,7 +244,6 @@ def extra_checks(be):
             r[name] = {"err": e, "lowp_err": el}
             ok = ok and e <= bound and not bool(torch.isnan(x).any())
         r["pass"] = ok
-        print(json.dumps(r), flush=True)
         out.append(r)
     return out
 
@@ -235,7 +269,6 @@ def big_runs(be):
         r = {"mask": mask, "S": s, "last_path": be.last_path, "nan": nan, "peak_GiB": peak / 2**30,
              "inputs_GiB": inputs / 2**30,
              "S2_bf16_GiB_per_head": s * s * 2 / 2**30, "pass": (not nan) and peak < 4 * inputs}
-        print(json.dumps(r), flush=True)
         out.append(r)
         del q, k, v, dout, o, lse, dq, dk, dv
     return out
@@ -249,6 +282,7 @@ def main():
     ap.add_argument("--configs", default=None, help="tuned configs JSON (tools/bench_kernels.py --tune)")
     ap.add_argument("--backend", choices=["auto", "triton", "fa4"], default="auto",
                     help="the backend checked (auto: FA4 where it can run, else Triton)")
+    ap.add_argument("--verbose", action="store_true", help="each case's line on stderr as it finishes")
     args = ap.parse_args()
     overrides = {}
     if args.configs:
@@ -258,18 +292,26 @@ def main():
     be_det = make_backend(args.backend, overrides, deterministic=True)
     print(f"backend: {be.name} ({type(be).__name__})", flush=True)
     results, t0 = [], time.time()
-    for s in args.seqlens:
+
+    def combos_at(s):
         if s >= 16384:  # a diagonal of the matrix keeps the large size affordable
-            combos = [(128, torch.bfloat16, 4, 2), (64, torch.float16, 8, 1), (128, torch.float16, 1, 2)]
-        else:
-            combos = [(d, dt, g, 2) for d, dt, g in itertools.product([64, 128], [torch.bfloat16, torch.float16], [1, 4, 8])]
+            return [(128, torch.bfloat16, 4, 2), (64, torch.float16, 8, 1), (128, torch.float16, 1, 2)]
+        return [(d, dt, g, 2) for d, dt, g in itertools.product([64, 128], [torch.bfloat16, torch.float16], [1, 4, 8])]
+
+    band_combos = [(128, torch.bfloat16, 4, 2), (128, torch.float16, 8, 1), (64, torch.bfloat16, 1, 2)]
+    n_cases = (sum(len(combos_at(s)) for s in args.seqlens) * len(catalog.KERNEL_MASKS)
+               + len(band_cases()) * len(band_combos))
+    bar = Progress(n_cases, "gpu_kernel_check", verbose=args.verbose)
+    for s in args.seqlens:
+        combos = combos_at(s)
         for mask in catalog.KERNEL_MASKS:
             tiles = catalog.tiles(catalog.build(mask, s))
             keep = catalog.tiles_to_dense(tiles, s, s, device="cuda")
             same = bool((keep == catalog.dense(mask, s, device="cuda")).all())
             if not same:
-                print(f"FAIL tile list of {mask} at S={s} differs from its mask_mod", flush=True)
+                bar.note(f"FAIL tile list of {mask} at S={s} differs from its mask_mod")
             for i, (d, dt, g, hkv) in enumerate(combos):
+                bar.running(f"{mask} S={s} D={d} {str(dt).split('.')[-1]} G={g}")
                 r = check_case(be, be_det, mask, s, d, dt, g, hkv, keep, tiles, seed=s * 1000 + catalog.KERNEL_MASKS.index(mask) * 10 + i)
                 r["tiles_match_mask_mod"] = same
                 r["pass"] = r["pass"] and same
@@ -277,28 +319,34 @@ def main():
                 line = (f"{'ok  ' if r['pass'] else 'FAIL'} {mask:15s} S={s:6d} D={d:3d} {r['dtype']:8s} G={g} "
                         f"det={r['deterministic']} nan={r['nan']}")
                 for p in r["paths"]:
-                    worst = max(r[p][n]["ratio"] for n in ["out", "lse", "dq", "dk", "dv"])
+                    worst = max(r[p][n]["ratio"] for n in ERR_KEYS)
                     line += f" | {p}: worst err/lowp_err={worst:.3f} dq={r[p]['dq']['err']:.1e}"
-                print(line, flush=True)
+                if not r["pass"]:
+                    bar.note(line)
+                bar.step(line if r["pass"] else None)
             del keep
             torch.cuda.empty_cache()
     be_band = make_backend(args.backend, overrides, band_squares=2048)  # these windows are 2048 and 4096
     for name, s, tiles in band_cases():
         keep = catalog.tiles_to_dense(tiles, s, s, device="cuda")
-        for i, (d, dt, g, hkv) in enumerate([(128, torch.bfloat16, 4, 2), (128, torch.float16, 8, 1),
-                                             (64, torch.bfloat16, 1, 2)]):
+        for i, (d, dt, g, hkv) in enumerate(band_combos):
+            bar.running(f"{name} D={d} {str(dt).split('.')[-1]} G={g}")
             r = check_case(be_band, be_det, name, s, d, dt, g, hkv, keep, tiles, seed=s + i)
             results.append(r)
             line = f"{'ok  ' if r['pass'] else 'FAIL'} {name:15s} S={s:6d} D={d:3d} {r['dtype']:8s} G={g}"
             for p in r["paths"]:
-                worst = max(r[p][n]["ratio"] for n in ["out", "lse", "dq", "dk", "dv"])
+                worst = max(r[p][n]["ratio"] for n in ERR_KEYS)
                 line += f" | {p}: worst err/lowp_err={worst:.3f}"
-            print(line, flush=True)
+            if not r["pass"]:
+                bar.note(line)
+            bar.step(line if r["pass"] else None)
         del keep
+    bar.running("accumulate, float32" + (", S=131072 runs" if args.big else ""))
     big = extra_checks(be_det)
     if args.big:
         be_big = make_backend(args.backend, overrides, dense_fast_path=False)
         big += big_runs(be_big)
+    bar.close()
     n_fail = sum(not r["pass"] for r in results) + sum(not r["pass"] for r in big)
     # what the cuDNN probe found per (device, dtype, head_dim, Hq / Hkv) family: its layout, or why not
     cudnn_found = {str(tuple(map(str, key))): f.layout or f.reason for b in (be, be_band)
@@ -325,6 +373,7 @@ def main():
     tail = ("" if type(be_det) is TritonBackend else
             f" ({be.name}; deterministic mode bitwise reproducible in {len(results) - n_nondet}/{len(results)} cases)")
     print(f"gpu_kernel_check: {len(results) + len(big) - n_fail}/{len(results) + len(big)} passed{tail}")
+    print("\n".join(summary_table(results, big)))
     sys.exit(1 if n_fail else 0)
 
 

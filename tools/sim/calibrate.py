@@ -23,6 +23,11 @@ and the time a megatron-cp call exposes beyond its GPU work when timed alone (ca
     torchrun --nproc-per-node 4 tools/sim/calibrate.py --out out/cost.json   # plus NCCL links
     python tools/sim/calibrate.py --device cpu --tiny --out /tmp/cost.json  # dry run on CPU
 
+While it runs, rank 0 shows a progress bar on stderr naming the measurement under way (redrawn at most
+every 30 s where stderr is not a terminal: tools/progress.py); each list's times go to stderr with
+--verbose. Ends with one table on stdout: every field measured here beside CostModel's default (the
+JSON holds the whole model).
+
 It reads the library through public names and these documented internals: ``megatron_cp.runtime.cost``
 (``CostModel`` and its tile counters ``tile_areas`` / ``block_counts``), the Triton backend's configs
 (``kernels.TritonConfig.for_head_dim``) and its prepared lists' ``row_class``.
@@ -32,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -50,6 +54,7 @@ from megatron_cp.runtime.cost import block_counts, tile_areas
 # tools/ (this file's parent folder): the benchmark's step timer, so that the kernels are timed as
 # tools/bench_dist.py times a step (its Timer.HOLD_CYCLES and Timer.run)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from progress import Progress, markdown_table  # noqa: E402
 from timing import Timer  # noqa: E402
 
 
@@ -134,8 +139,10 @@ def _passes(args, device) -> tuple[float, float]:
     return moved / _held(both, device, 20), moved_split / _held(split, device, 20)
 
 
-def _kernel(args, device, work: Workload):
-    """Triton numbers (dense path off), then, on CUDA, the dense (cuDNN) path's."""
+def _kernel(args, device, work: Workload, bar=None):
+    """Triton numbers (dense path off), then, on CUDA, the dense (cuDNN) path's; ``bar``: a Progress to
+    which it adds and steps its measurements."""
+    bar = bar or Progress(None, "", enabled=False)
     be = kernels.get_backend(args.backend, device)
     dense_be = None
     if device.type == "cuda" and isinstance(be, kernels.TritonBackend):
@@ -178,6 +185,7 @@ def _kernel(args, device, work: Workload):
     # no per-tile term: the kernels walk blocks, not tiles (their cost is in the per-block and per-row
     # terms); a probe of 64 tiny tiles measured noise of 0 to 0.5 us per tile, which on the strided
     # mask's 4160 tiles per rank added 2 ms that the kernel does not spend (2 x H200, 20:30)
+    bar.running("launch")
     out.update(launch_us=run([[0, 16, 0, 16, 0]], 16, 16, warm=False) * 1e6, tile_us=0.0)
     # every list below: GPU time behind a held stream less launch_us (the model adds launch_us per call).
     # Until 2026-11-22 the Triton lists (and the causal cuDNN square) were timed synced, less a synced
@@ -213,6 +221,9 @@ def _kernel(args, device, work: Workload):
         "short": [band(w) for w in ((16, 48, 96) if args.tiny else (256, 512, 1024))] + [docs(64 if args.tiny else 1024, 1)],
         "blocky": [docs(b, 0) for b in ((128, 256) if args.tiny else (512, 1024, 2048))] + [docs(128 if args.tiny else 2048, 1)],
     }
+    # the steps: launch, each list, the blocky bands, the passes; on CUDA the long rows and the dense path
+    bar.add(1 + sum(map(len, lists.values())) + 2 + 1 + (device.type == "cuda") + (11 if dense_be is not None else 0))
+    bar.step()
     for cls, pair in lists.items():
         if hasattr(be, "config"):  # the Triton backend's blocks for this class
             stc = be.config.for_head_dim(hd, cls)
@@ -225,10 +236,10 @@ def _kernel(args, device, work: Workload):
         for tl in pair:
             tn = np.array(tl, dtype=np.int64)
             sk = int(tn[:, 3].max())
+            bar.running(f"{cls} list of {len(tl)} tiles, {rows} x {sk}")
             tf = timed(tl, rows, sk, row_class=cls)
             tb = timed(tl, rows, sk, True, row_class=cls)
-            print(f"calibrate{who}: {cls} list of {len(tl)} tiles, {rows} x {sk}: fwd {tf * 1e3:.3f} ms, bwd {tb * 1e3:.3f} ms",
-                  flush=True)
+            bar.step(f"calibrate{who}: {cls} list of {len(tl)} tiles, {rows} x {sk}: fwd {tf * 1e3:.3f} ms, bwd {tb * 1e3:.3f} ms")
             if cls == "long":
                 cf = cb = float(tile_areas(tn)[0].sum())
             else:
@@ -253,10 +264,10 @@ def _kernel(args, device, work: Workload):
             for w in ((40, 72) if args.tiny else (2048, 3072)):
                 tl = band(w)
                 tn = np.array(tl, dtype=np.int64)
+                bar.running(f"blocky band {w}")
                 tf = timed(tl, rows, rows + w, row_class=cls)
                 tb = timed(tl, rows, rows + w, True, row_class=cls)
-                print(f"calibrate{who}: blocky band {w}, {rows} x {rows + w}: fwd {tf * 1e3:.3f} ms, bwd {tb * 1e3:.3f} ms",
-                      flush=True)
+                bar.step(f"calibrate{who}: blocky band {w}, {rows} x {rows + w}: fwd {tf * 1e3:.3f} ms, bwd {tb * 1e3:.3f} ms")
                 cf = float(block_counts(tn, *fwd_blk)[0].sum()) * fwd_blk[0] * fwd_blk[1]
                 cb = float(block_counts(tn, *bwd_blk)[0].sum()) * bwd_blk[0] * bwd_blk[1]
                 bf.append(([cf, rows], tf / per_flop))
@@ -264,11 +275,15 @@ def _kernel(args, device, work: Workload):
             out["blocky_band_fwd_tflops"] = linear_fit(bf, "blocky band", fixed=[out["blocky_half_keys"]])[0] / 1e12
             out["blocky_band_bwd_tflops"] = linear_fit(
                 bb, "blocky band", fixed=[out["blocky_bwd_half_keys"] or out["blocky_half_keys"]])[0] / 1e12
+    bar.running("memory passes")
     hbm, split = _passes(args, device)
     out["hbm_gbps"], out["split_gbps"] = hbm / 1e9, split / 1e9
+    bar.step()
     if device.type == "cuda":
         out["num_sms"] = torch.cuda.get_device_properties(device).multi_processor_count
+        bar.running("long rows")
         out.update(fit_long_rows(timed, out, work, rows, args.tiny))
+        bar.step()
     if dense_be is not None:
         # full pieces: cells + half_keys * rows + half_rows * keys at the peak, fitted on nine shapes that
         # span the pieces plans make (512 .. 8192 rows: guest rows, stage and ring pieces; 8192 .. 65536
@@ -283,6 +298,7 @@ def _kernel(args, device, work: Workload):
         g_rows, g_keys = (rows // 32, rows // 8, rows // 2), (keys_long // 2, 2 * keys_long, 4 * keys_long)
         for r, kk in ((r, kk) for r in g_rows for kk in g_keys):
             full = [[0, r, 0, kk, 0]]
+            bar.running(f"dense piece {r} x {kk}")
             ef, eb = float(waves.wave_efficiency(r, hq)), float(waves.wave_efficiency(kk, hq))
             tf = timed(full, r, kk, backend=dense_be, grid=True)
             tb = timed(full, r, kk, True, backend=dense_be, grid=True)
@@ -290,6 +306,7 @@ def _kernel(args, device, work: Workload):
             pb.append(([r * kk, r, kk], tb * eb / (2.5 * per_flop)))
             grid_f.append(r * kk * per_flop / tf / 1e12)
             grid_b.append(2.5 * r * kk * per_flop / tb / 1e12)
+            bar.step(f"calibrate{who}: dense piece {r} x {kk}: fwd {tf * 1e3:.3f} ms, bwd {tb * 1e3:.3f} ms")
         # the measured rates themselves: the model reads full pieces off this grid
         out.update(dense_grid_rows=list(g_rows), dense_grid_keys=list(g_keys), dense_grid_fwd_tflops=grid_f,
                    dense_grid_bwd_tflops=grid_b, dense_grid_heads=hq)
@@ -300,22 +317,36 @@ def _kernel(args, device, work: Workload):
         causal = [[0, n, 0, n, 1]]
         c_area = n * (n + 1) / 2
         en = float(waves.wave_efficiency(n, hq))
+        bar.running("dense causal piece")
         out["dense_causal_fwd_tflops"] = (c_area + (hk_f + hr_f) * n) * per_flop / timed(causal, n, n, backend=dense_be) / en / 1e12
         out["dense_causal_bwd_tflops"] = (c_area + (hk_b + hr_b) * n) * 2.5 * per_flop / timed(
             causal, n, n, True, backend=dense_be) / en / 1e12
         # fixed cost of one piece beside Triton tiles: a minimum-size dense piece next to one tiny tile,
         # less the piece's time in the model and the tiny tile's own call
+        bar.step()
         c = dense_be.config
         mr, mk = int(c.dense_min_rows), int(c.dense_min_keys)
+        bar.running("dense piece beside a tile")
         t_piece = run([[0, mr, 0, mk, 0], [mr, mr + 16, 0, 16, 0]], mr + 16, mk, backend=dense_be, warm=False)
         model_t = (mr * mk + hk_f * mr + hr_f * mk) * per_flop / peak_f / float(waves.wave_efficiency(mr, hq))
         out["dense_piece_us"] = max(0.0, (t_piece - t_call - model_t) * 1e6)
-        print(f"calibrate{who}: a {mr} x {mk} cuDNN piece beside a tiny tile: {t_piece * 1e6:.1f} us a call, "
-              f"{model_t * 1e6:.1f} of it the piece's kernel model: dense_piece_us {out['dense_piece_us']:.1f}", flush=True)
+        bar.step(f"calibrate{who}: a {mr} x {mk} cuDNN piece beside a tiny tile: {t_piece * 1e6:.1f} us a call, "
+                 f"{model_t * 1e6:.1f} of it the piece's kernel model: dense_piece_us {out['dense_piece_us']:.1f}")
         out["dense_min_rows"], out["dense_min_keys"] = mr, mk
         # the backend's band rule (not measured: what the kernel backend does with bands)
         out["band_squares"] = int(c.band_squares)
     return out
+
+
+def summary_table(fields, default):
+    """The closing table (lines): each field measured (``fields``) beside ``default``'s value."""
+    def cell(v):
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(cell(x) for x in v) + "]"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    return markdown_table(["field", "measured", "default"],
+                          [[k, cell(v), cell(getattr(default, k, "-"))] for k, v in fields.items() if k != "source"])
 
 
 def fit_long_rows(timed, fitted, work: Workload, rows: int, tiny: bool) -> dict:
@@ -488,6 +519,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--verbose", action="store_true", help="each list's times on stderr (rank 0's)")
     args = ap.parse_args(argv)
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1  # set by torchrun
     if args.device == "cuda":
@@ -500,9 +532,13 @@ def main(argv=None):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     work = Workload(args.heads, args.kv_heads, args.head_dim, 2)
     base = CostModel()
-    fields = _kernel(args, device, work)
+    bar = Progress(2 if distributed else 0, "calibrate", enabled=not distributed or dist.get_rank() == 0,
+                   verbose=args.verbose)
+    fields = _kernel(args, device, work, bar)
     if distributed:
+        bar.running("links")
         intra, inter, lat, p2p = _links(args, device)
+        bar.step()
         fields["latency_us"] = lat
         if p2p is not None:
             fields.update(p2p)
@@ -510,7 +546,10 @@ def main(argv=None):
             fields["intra_gbps"] = intra
         if inter is not None:
             fields["inter_gbps"] = inter
+        bar.running("a megatron-cp call's exposed time")
         fields["call_fwd_us"], fields["call_bwd_us"] = _call(args, device, work, fields)
+        bar.step()
+    bar.close()
     if device.type == "cuda":
         fields["num_sms"] = torch.cuda.get_device_properties(device).multi_processor_count
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -523,7 +562,8 @@ def main(argv=None):
     if not distributed or dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         model.save(args.out)
-        print(json.dumps(model.__dict__, indent=2))
+        print("wrote", args.out)
+        print("\n".join(summary_table(fields, base)))
     if distributed:
         dist.destroy_process_group()
 

@@ -23,6 +23,11 @@ but the final gather), so a 4-GPU machine checks 4 x faster. bf16, Hq 32, Hkv 8,
 
     torchrun --nproc-per-node 4 tools/sim/cost_check.py --cost cost.json --out out/check.json
     python tools/sim/cost_check.py --device cpu --tiny --out /tmp/cc.json      # CPU dry run
+
+While it runs, rank 0 shows a progress bar on stderr over its share of the calls, naming the call being
+timed (redrawn at most every 30 s where stderr is not a terminal: tools/progress.py). It ends with one
+table on stdout: per mask and implementation, the calls' measured and predicted totals and the worst
+call; every call's line goes to stdout before it with --verbose (all of them are in the JSON).
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ from megatron_cp.planner import Workload
 from megatron_cp.planner.layout import kv_head_repeat
 from megatron_cp.runtime import CostModel
 from megatron_cp.runtime.cost import tile_areas
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: progress bar, table
+from progress import Progress, markdown_table  # noqa: E402
 
 IMPLS = ["megatron-cp", "ring", "ulysses", "allgather"]
 
@@ -124,6 +132,23 @@ def measure(c: dict, be, device, dtype, seconds: float) -> tuple[float, float]:
     return tf, tb
 
 
+def summary_table(rows):
+    """The closing table (lines): per mask and implementation, the number of calls, their summed measured
+    and predicted ms (predicted / measured) per phase, and the call whose prediction is furthest off."""
+    out = []
+    for key in dict.fromkeys((r["mask"], r["impl"]) for r in rows):
+        rs = [r for r in rows if (r["mask"], r["impl"]) == key]
+        cells = []
+        for ph in ("fwd", "bwd"):
+            meas, pred = sum(r[f"{ph}_ms"] for r in rs), sum(r[f"{ph}_pred_ms"] for r in rs)
+            worst = max(rs, key=lambda r: abs(np.log(r[f"{ph}_pred_ms"] / r[f"{ph}_ms"])))
+            cells += [f"{meas:.3f} / {pred:.3f} ({pred / meas:.2f})",
+                      f"{worst[f'{ph}_pred_ms'] / worst[f'{ph}_ms']:.2f} (rank {worst['rank']} step {worst['step']})"]
+        out.append([*key, len(rs), *cells])
+    return markdown_table(["mask", "impl", "calls", "fwd meas / pred ms (ratio)", "fwd worst call", "bwd meas / pred ms (ratio)",
+                           "bwd worst call"], out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--masks", default=",".join(catalog.DIST_MASKS))
@@ -136,6 +161,7 @@ def main(argv=None):
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: tiny sequence, fp32, no warm-up")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--verbose", action="store_true", help="every call's line before the summary table")
     args = ap.parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if args.device == "cuda":
@@ -157,7 +183,9 @@ def main(argv=None):
     # each process also appends its rows as they come (<out>.rank<N>.jsonl): a run cut short keeps them
     part = open(f"{args.out}.rank{me}.jsonl", "w") if args.out else None
     t0 = time.perf_counter()
+    bar = Progress(len(jobs[me::world]), "cost_check", enabled=me == 0)
     for c in jobs[me::world]:
+        bar.running(f"{c['mask']} {c['impl']} rank {c['rank']} step {c['step']}")
         tf, tb = measure(c, be, device, dtype, seconds)
         w = Workload(c["heads"], c["kv_heads"], c["head_dim"], 2)
         tiles = np.asarray(c["tiles"])
@@ -168,6 +196,8 @@ def main(argv=None):
         if part:
             part.write(json.dumps(mine[-1]) + "\n")
             part.flush()
+        bar.step()
+    bar.close()
     if part:
         part.close()
     rows = mine
@@ -179,17 +209,20 @@ def main(argv=None):
     if me:
         return
     rows.sort(key=lambda r: (r["mask"], r["impl"], r["step"], r["rank"]))
-    print(f"{'mask':<15}{'impl':<18}{'rank':>4}{'step':>5}{'tiles':>6}  fwd meas/pred (ratio)    bwd meas/pred (ratio)")
-    for r in rows:
-        print(f"{r['mask']:<15}{r['impl']:<18}{r['rank']:>4}{r['step']:>5}{r['n_tiles']:>6}  "
-              f"{r['fwd_ms']:7.3f}/{r['fwd_pred_ms']:<7.3f}({r['fwd_pred_ms'] / r['fwd_ms']:4.2f})   "
-              f"{r['bwd_ms']:7.3f}/{r['bwd_pred_ms']:<7.3f}({r['bwd_pred_ms'] / r['bwd_ms']:4.2f})")
+    if args.verbose:
+        print(f"{'mask':<15}{'impl':<18}{'rank':>4}{'step':>5}{'tiles':>6}  fwd meas/pred (ratio)    bwd meas/pred (ratio)")
+        for r in rows:
+            print(f"{r['mask']:<15}{r['impl']:<18}{r['rank']:>4}{r['step']:>5}{r['n_tiles']:>6}  "
+                  f"{r['fwd_ms']:7.3f}/{r['fwd_pred_ms']:<7.3f}({r['fwd_pred_ms'] / r['fwd_ms']:4.2f})   "
+                  f"{r['bwd_ms']:7.3f}/{r['bwd_pred_ms']:<7.3f}({r['bwd_pred_ms'] / r['bwd_ms']:4.2f})")
     if args.out:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         with open(args.out, "w") as f:
             json.dump({"device": f"{world} x {name}", "date": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
                        "command": " ".join(sys.argv), "cost": cost.source, "torch": torch.__version__,
                        "results": rows}, f, indent=1)
+        print("wrote", args.out)
+    print("\n".join(summary_table(rows)))
 
 
 if __name__ == "__main__":

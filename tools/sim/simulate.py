@@ -27,6 +27,12 @@ calibrated exposed host time to check wall times). Predicted per-GPU TFLOP/s cou
     python tools/sim/simulate.py --masks packed,causal --cps 8,16,32,64 --json out.json
     python tools/sim/simulate.py --compare out/bench_4x....json --cost cost.json   # predicted vs measured
 
+While it runs a progress bar on stderr names the case being simulated or compared (redrawn at most every
+30 s where stderr is not a terminal: tools/progress.py); each case's time goes to stderr with --verbose.
+It ends with one table on stdout: per mask and cp, each strategy's predicted per-GPU TFLOP/s and
+megatron-cp's solver, stages and bytes; with --compare, per target and benchmark row, predicted vs
+measured.
+
 It reads the library through public names and these documented internals of the runtime's cost model:
 ``megatron_cp.runtime.cost`` (``guest_predict``, ``guest_traffic``) and the plan's fields (``Plan.traps``,
 ``RankPlan.traps`` / ``recv_runs`` / ``send_runs``); mask geometry through ``masks.geometry.traps_to_tiles``.
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -48,6 +55,9 @@ from megatron_cp.masks.geometry import traps_to_tiles
 from megatron_cp.planner import Workload
 from megatron_cp.runtime import CostModel
 from megatron_cp.runtime.cost import guest_predict, guest_traffic
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: progress bar, table
+from progress import Progress, markdown_table  # noqa: E402
 
 
 # ------------------------------------------------------------------------------- mask geometry
@@ -333,8 +343,9 @@ STRATS = {"megatron-cp": ours, "greedy": greedy, "ring": ring,
           "zigzag": lambda m, cp, g, c, w, ri=None: ring(m, cp, g, c, w, "zigzag", ri), "ulysses": ulysses}
 
 
-def simulate(masks, cps, tokens_per_gpu, g, cost, work, max_ring_cp, strategies):
+def simulate(masks, cps, tokens_per_gpu, g, cost, work, max_ring_cp, strategies, verbose=False):
     out = []
+    bar = Progress(len(masks) * len(cps) * len(strategies), "simulate", verbose=verbose)
     for name in masks:
         for cp in cps:
             s = tokens_per_gpu * cp
@@ -343,39 +354,45 @@ def simulate(masks, cps, tokens_per_gpu, g, cost, work, max_ring_cp, strategies)
             ri = None
             for strat in strategies:
                 t0 = time.perf_counter()
+                bar.running(f"{name} cp={cp} {strat}")
                 if strat in ("ring", "zigzag"):
                     if cp > max_ring_cp:
+                        bar.step()
                         continue
                     ri = ri or RowIntervals(mask)
                     res = STRATS[strat](mask, cp, g, cost, work, ri=ri)
                 else:
                     res = STRATS[strat](mask, cp, g, cost, work)
                 if res is None:
+                    bar.step()
                     continue
-                print(f"  simulated {name} cp={cp} {strat} in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+                bar.step(f"  simulated {name} cp={cp} {strat} in {time.perf_counter() - t0:.1f}s")
                 res.update(mask=name, cp=cp, seqlen=s, strategy=strat,
                            fwd_tflops_per_gpu=flops / cp / res["fwd_s"] / 1e12,
                            bwd_tflops_per_gpu=2.5 * flops / cp / res["bwd_s"] / 1e12,
                            sim_seconds=time.perf_counter() - t0)
                 out.append(res)
+    bar.close()
     return out
 
 
-def _print(rows, strategies):
-    print(f"{'mask':<14}{'cp':>5}  " + "".join(f"{s:>22}" for s in strategies))
-    print(f"{'':<14}{'':>5}  " + "".join(f"{'fwd/bwd TFLOP/s':>22}" for _ in strategies))
-    keys = sorted({(r["mask"], r["cp"]) for r in rows}, key=lambda x: (x[0], x[1]))
-    for m, cp in keys:
-        line = f"{m:<14}{cp:>5}  "
+def summary_table(rows, strategies):
+    """The closing table (lines): per mask and cp, each strategy's predicted fwd / bwd TFLOP/s per GPU
+    (imbalance; n/a: not simulated), then megatron-cp's solver, stages and bytes per GPU."""
+    out = []
+    for m, cp in sorted({(r["mask"], r["cp"]) for r in rows}):
+        cells = []
         for s in strategies:
             r = next((x for x in rows if x["mask"] == m and x["cp"] == cp and x["strategy"] == s), None)
-            line += f"{'n/a':>22}" if r is None else f"{r['fwd_tflops_per_gpu']:>12.0f}/{r['bwd_tflops_per_gpu']:<4.0f}(i{r['imbalance']:.2f})"
-        print(line)
-    print("\nmegatron-cp details: cp, solver, stages, imbalance, inter-node MB/GPU, intra-node MB/GPU")
-    for r in rows:
-        if r["strategy"] == "megatron-cp":
-            print(f"  {r['mask']:<14}{r['cp']:>5}  {r['solver']:<13}{r['stages']:>3}  {r['imbalance']:.3f}  "
-                  f"{r['inter_node_bytes_per_gpu'] / 2**20:9.1f}  {r['intra_node_bytes_per_gpu'] / 2**20:9.1f}")
+            cells.append("n/a" if r is None else
+                         f"{r['fwd_tflops_per_gpu']:.0f} / {r['bwd_tflops_per_gpu']:.0f} (i{r['imbalance']:.2f})")
+        ours = next((x for x in rows if x["mask"] == m and x["cp"] == cp and x["strategy"] == "megatron-cp"), None)
+        cells += (["-"] * 4 if ours is None else
+                  [ours["solver"], ours["stages"], f"{ours['inter_node_bytes_per_gpu'] / 2**20:.1f}",
+                   f"{ours['intra_node_bytes_per_gpu'] / 2**20:.1f}"])
+        out.append([m, cp, *cells])
+    return markdown_table(["mask", "cp", *(f"{s} fwd / bwd TFLOP/s" for s in strategies), "megatron-cp solver",
+                           "stages", "inter-node MB/GPU", "intra-node MB/GPU"], out)
 
 
 def _kernel_only(mask, cp, cost, work):
@@ -390,7 +407,29 @@ def _kernel_only(mask, cp, cost, work):
     return f, b
 
 
-def compare(path, cost, work, g, target="gpu"):
+COMPARE_WHAT = {"gpu": "GPU time (stream held while the host issues)", "wall": "wall time (isolated, synced step)",
+                "b2b": "GPU time of back-to-back steps",
+                "kernel": "kernel time of megatron-cp's calls alone (kernel-only, slowest rank)"}
+
+
+def within_line(rows, target):
+    """How many rows' predictions are within 15% of the measurement, both phases."""
+    n = sum(abs(x["fwd_pred_ms"] / x["fwd_ms"] - 1) <= 0.15 and abs(x["bwd_pred_ms"] / x["bwd_ms"] - 1) <= 0.15
+            for x in rows)
+    return f"{n}/{len(rows)} within 15% (fwd and bwd), {COMPARE_WHAT[target]}"
+
+
+def compare_table(by_target):
+    """The closing table (lines) of --compare: per target and benchmark row, predicted / measured ms."""
+    return markdown_table(
+        ["target", "mask", "impl", "cp", "S", "fwd pred / meas ms (ratio)", "bwd pred / meas ms (ratio)"],
+        [[t, x["mask"], x["impl"], x["cp"], x["seqlen"],
+          f"{x['fwd_pred_ms']:.2f} / {x['fwd_ms']:.2f} ({x['fwd_pred_ms'] / x['fwd_ms']:.2f})",
+          f"{x['bwd_pred_ms']:.2f} / {x['bwd_ms']:.2f} ({x['bwd_pred_ms'] / x['bwd_ms']:.2f})"]
+         for t, rows in by_target.items() for x in rows])
+
+
+def compare(path, cost, work, g, target="gpu", show=True, bar=None):
     """Predicted vs measured times of a tools/bench_dist.py JSON (per mask, strategy and cp).
 
     ``target`` "gpu": the benchmark's GPU time (its headline: the step issued while the stream is held,
@@ -399,7 +438,8 @@ def compare(path, cost, work, g, target="gpu"):
     2026-11-22 01:40 on; kernels at sustained clocks, as a training step runs them), predicted the same
     way; "wall": the wall time of an isolated, synced step, predicted with the host time; "kernel": the
     benchmark's kernel-only rows (megatron-cp's per-rank calls alone, held stream, slowest rank) against
-    ``tile_time`` of the same calls: the kernel model without communication or passes."""
+    ``tile_time`` of the same calls: the kernel model without communication or passes. ``show``: prints
+    how many are within 15% and the table; ``bar``: a Progress stepped per benchmark row."""
     with open(path) as f:
         data = json.load(f)
     if target in ("gpu", "b2b"):
@@ -409,9 +449,12 @@ def compare(path, cost, work, g, target="gpu"):
     if target == "kernel":
         fn = {"kernel-only": _kernel_only}
     w = Workload(data["heads"], data["kv_heads"], data["head_dim"], 2)
+    bar = bar or Progress(None, "", enabled=False)
     for r in data["results"]:
+        bar.step()
         if r.get("impl") not in fn or r.get("fwd_ms") is None:
             continue
+        bar.running(f"{target} {r['mask']} S={r['seqlen']} {r['impl']}")
         if target == "kernel":
             if "fwd_max_ms" not in r:
                 continue
@@ -432,20 +475,10 @@ def compare(path, cost, work, g, target="gpu"):
         rows.append(dict(mask=r["mask"], impl=r["impl"], cp=r["cp"], seqlen=r["seqlen"],
                          fwd_pred_ms=p["fwd_s"] * 1e3, fwd_ms=r["fwd" + key],
                          bwd_pred_ms=p["bwd_s"] * 1e3, bwd_ms=r["bwd" + key]))
-    what = {"gpu": "GPU time (stream held while the host issues)", "wall": "wall time (isolated, synced step)",
-            "b2b": "GPU time of back-to-back steps",
-            "kernel": "kernel time of megatron-cp's calls alone (kernel-only, slowest rank)"}[target]
-    if not rows and target in ("b2b", "kernel"):  # benchmark runs before these timings have none
-        return rows
-    print(f"predicted vs measured {what}: {path}")
-    print(f"{'mask':<15}{'impl':<13}{'cp':>3}{'S':>8}  fwd pred/meas (ratio)   bwd pred/meas (ratio)")
-    within = 0
-    for x in rows:
-        rf, rb = x["fwd_pred_ms"] / x["fwd_ms"], x["bwd_pred_ms"] / x["bwd_ms"]
-        within += abs(rf - 1) <= 0.15 and abs(rb - 1) <= 0.15
-        print(f"{x['mask']:<15}{x['impl']:<13}{x['cp']:>3}{x['seqlen']:>8}  {x['fwd_pred_ms']:7.2f}/{x['fwd_ms']:<7.2f}({rf:4.2f})"
-              f"    {x['bwd_pred_ms']:7.2f}/{x['bwd_ms']:<7.2f}({rb:4.2f})")
-    print(f"{within}/{len(rows)} within 15% (fwd and bwd), {what}")
+    if show and (rows or target not in ("b2b", "kernel")):  # benchmark runs before these timings have none
+        print(f"predicted vs measured: {path}")
+        print(within_line(rows, target))
+        print("\n".join(compare_table({target: rows})))
     return rows
 
 
@@ -463,6 +496,7 @@ def main(argv=None):
     ap.add_argument("--strategies", default=",".join(STRATS))
     ap.add_argument("--max-ring-cp", type=int, default=64, help="ring/zigzag need cp^2 block areas; skip above")
     ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--verbose", action="store_true", help="each simulated case's time on stderr")
     ap.add_argument("--compare", default=None, help="bench_dist.py JSON: print predicted vs measured")
     ap.add_argument("--target", default="all", choices=["gpu", "b2b", "wall", "kernel", "all"],
                     help="predict GPU time (host ahead, as in training) or wall time of isolated steps (plus "
@@ -476,28 +510,37 @@ def main(argv=None):
     cost = CostModel(**{**cost.__dict__, "inter_gbps": args.inter_gbps})
     work = Workload(args.heads, args.kv_heads, args.head_dim, 2)
     if args.compare:
-        for t in (("gpu", "b2b", "wall", "kernel") if args.target == "all" else (args.target,)):
-            if compare(args.compare, cost, work, args.gpus_per_node, t) or t not in ("b2b", "kernel"):
-                print()
+        targets = ("gpu", "b2b", "wall", "kernel") if args.target == "all" else (args.target,)
+        with open(args.compare) as f:
+            n = len(json.load(f)["results"])
+        with Progress(n * len(targets), "compare", verbose=args.verbose) as bar:
+            by_target = {t: compare(args.compare, cost, work, args.gpus_per_node, t, show=False, bar=bar)
+                         for t in targets}
+        # benchmark runs before the back-to-back and kernel-only timings have no rows for them
+        by_target = {t: rows for t, rows in by_target.items() if rows or t not in ("b2b", "kernel")}
+        print(f"predicted vs measured: {args.compare}")
+        for t, rows in by_target.items():
+            print(within_line(rows, t))
+        print("\n".join(compare_table(by_target)))
         return
     if args.target != "wall":  # GPU time: the calls' exposed host time is hidden, as in training
         cost = CostModel(**{**cost.__dict__, "call_fwd_us": 0.0, "call_bwd_us": 0.0})
     strategies = args.strategies.split(",")
     rows = simulate(args.masks.split(","), [int(c) for c in args.cps.split(",")], args.tokens_per_gpu,
-                    args.gpus_per_node, cost, work, args.max_ring_cp, strategies)
+                    args.gpus_per_node, cost, work, args.max_ring_cp, strategies, args.verbose)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "verbose"}, "cost_model": cost.__dict__, "results": rows}, f, indent=1)
     print(f"{'wall' if args.target == 'wall' else 'GPU'} time; cost model: {cost.source}; "
           f"{args.tokens_per_gpu} tokens/GPU, {args.gpus_per_node} GPUs/node, "
           f"{args.inter_gbps} GB/s/GPU between nodes; Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim}")
-    _print(rows, strategies)
     for m in args.masks.split(","):
         pk = {r["cp"]: r for r in rows if r["mask"] == m and r["strategy"] == "megatron-cp"}
         if 8 in pk and 64 in pk:
-            print(f"\n{m}: megatron-cp predicted per-GPU fwd at cp 64 / cp 8 = "
+            print(f"{m}: megatron-cp predicted per-GPU fwd at cp 64 / cp 8 = "
                   f"{pk[64]['fwd_tflops_per_gpu'] / pk[8]['fwd_tflops_per_gpu']:.3f}, bwd "
                   f"{pk[64]['bwd_tflops_per_gpu'] / pk[8]['bwd_tflops_per_gpu']:.3f} (goal >= 0.90)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "cost_model": cost.__dict__, "results": rows}, f, indent=1)
+    print("\n".join(summary_table(rows, strategies)))
 
 
 if __name__ == "__main__":
