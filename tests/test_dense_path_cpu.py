@@ -23,7 +23,8 @@ import megatron_cp.kernels.triton_backend as tb  # noqa: E402
 from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, cudnn  # noqa: E402
 from megatron_cp.kernels.merge import merge_into, merge_torch  # noqa: E402
 from megatron_cp.kernels.pieces import row_class, split_pieces  # noqa: E402
-from test_triton_kernels import dense_mask, reference  # noqa: E402
+from megatron_cp.masks.catalog import tiles_to_dense  # noqa: E402
+from megatron_cp.testing import reference_attention  # noqa: E402
 
 CALLS = []
 QUIET = []  # non-empty while cudnn.probe runs: its calls are not recorded
@@ -34,7 +35,7 @@ def _one_forward(q, k, v, scale, is_causal):
     keep = torch.ones(sq, sk, dtype=torch.bool)
     if is_causal:
         keep = torch.tril(keep)
-    out, lse = reference(q, k, v, keep, scale)
+    out, lse = reference_attention(q, k, v, keep, scale)[:2]
     return out.to(q.dtype), lse.float()
 
 
@@ -193,8 +194,8 @@ def test_dense_pieces_forward_backward(monkeypatch):
     prep = be.prepare(TILES, sq, sk)
     split = prep.cudnn_bwd
     assert prep.cudnn_fwd is split and not split.whole and len(split.pieces) == 2 and split.rest is not None
-    keep = dense_mask(TILES, sq, sk)
-    out_r, lse_r, dq_r, dk_r, dv_r = reference(q, k, v, keep, 0.25, do)
+    keep = tiles_to_dense(TILES, sq, sk)
+    out_r, lse_r, dq_r, dk_r, dv_r = reference_attention(q, k, v, keep, 0.25, dout=do)
     out, lse = be.forward(q, k, v, prep, 0.25)
     assert be.last_path == "cudnn+triton" and [c[0] for c in CALLS] == ["fwd", "fwd"]
     fin = torch.isfinite(lse_r)
@@ -208,7 +209,7 @@ def test_dense_pieces_forward_backward(monkeypatch):
     # an lse gradient: cuDNN cannot take it (it recomputes delta itself), everything runs on Triton
     dlse = torch.randn(sq, q.shape[1])
     dlse[~fin] = 0
-    _, _, dq_l, dk_l, dv_l = reference(q, k, v, keep, 0.25, do, dlse)
+    _, _, dq_l, dk_l, dv_l = reference_attention(q, k, v, keep, 0.25, dout=do, dlse=dlse)
     CALLS.clear()
     delta = (do.double() * out.double()).sum(-1).float() - dlse
     dq, dk, dv = be.backward(q, k, v, out, lse, do, prep, 0.25, delta)
@@ -243,8 +244,8 @@ def test_band_squares_forward(monkeypatch, case):
     assert prep.cudnn_bwd is None and [p[4:] for p in fwd.pieces] == kinds and fwd.rest is not None
     # squares: the pair's rows are the band's alone (head and tail rows on Triton): written directly
     assert fwd.direct == (case == "squares") and fwd.gaps == ()
-    keep = dense_mask(tiles, sq, sk)
-    out_r, lse_r, dq_r, dk_r, dv_r = reference(q, k, v, keep, 0.3, do)
+    keep = tiles_to_dense(tiles, sq, sk)
+    out_r, lse_r, dq_r, dk_r, dv_r = reference_attention(q, k, v, keep, 0.3, dout=do)
     CALLS.clear()
     out, lse = be.forward(q, k, v, prep, 0.3)
     assert be.last_path == "cudnn+triton" and CALLS == calls, CALLS
@@ -257,7 +258,7 @@ def test_band_squares_forward(monkeypatch, case):
     be.forward_accumulate(q, k2, v2, be.prepare(pre, sq, 5), 0.3, acc, run_lse)
     be.forward_accumulate(q, k, v, prep, 0.3, acc, run_lse)
     both = torch.cat([torch.ones(sq, 5, dtype=torch.bool), keep], 1)
-    out_b, lse_b = reference(q, torch.cat([k2, k]), torch.cat([v2, v]), both, 0.3)
+    out_b, lse_b = reference_attention(q, torch.cat([k2, k]), torch.cat([v2, v]), both, 0.3)[:2]
     assert (acc.double() - out_b).abs().max() < 1e-4 and (run_lse.double() - lse_b).abs().max() < 1e-4
     CALLS.clear()
     dq, dk, dv = be.backward(q, k, v, out, lse, do, prep, 0.3, None)
@@ -279,7 +280,7 @@ def test_band_squares_direct_with_gaps(monkeypatch, dtype):
     assert fwd.direct and fwd.rest is None and fwd.gaps == ((0, 8), (40, 48))
     q, k, v, _ = _data(sq, sk, seed=5)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    out_r, lse_r = reference(q.float(), k.float(), v.float(), dense_mask(tiles, sq, sk), 0.3)
+    out_r, lse_r = reference_attention(q.float(), k.float(), v.float(), tiles_to_dense(tiles, sq, sk), 0.3)[:2]
     out, lse = be.forward(q, k, v, prep, 0.3)
     assert out.dtype == dtype and be.last_path == "cudnn"
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -307,7 +308,7 @@ def test_backward_into_adds_to_running_sums(monkeypatch, case, strided):
     be = backend(**kw)
     q, k, v, do = _data(sq, sk, seed=6)
     prep = be.prepare(tiles, sq, sk)
-    out_r, lse_r, dq_r, dk_r, dv_r = reference(q, k, v, dense_mask(tiles, sq, sk), 0.3, do)
+    out_r, lse_r, dq_r, dk_r, dv_r = reference_attention(q, k, v, tiles_to_dense(tiles, sq, sk), 0.3, dout=do)
     out, lse = be.forward(q, k, v, prep, 0.3)
     g = torch.Generator().manual_seed(1)
     dq0 = torch.randn(q.shape, generator=g)
@@ -394,7 +395,7 @@ def test_family_the_probe_rejects_runs_on_triton(monkeypatch):
     sq, sk = 56, 80
     q, k, v, do = _data(sq, sk, seed=8)
     prep = be.prepare(TILES, sq, sk)
-    out_r, lse_r, dq_r, dk_r, dv_r = reference(q, k, v, dense_mask(TILES, sq, sk), 0.3, do)
+    out_r, lse_r, dq_r, dk_r, dv_r = reference_attention(q, k, v, tiles_to_dense(TILES, sq, sk), 0.3, dout=do)
     out, lse = be.forward(q, k, v, prep, 0.3)
     assert be.last_path == "triton"
     found = be.cudnn_probes[(torch.device("cpu"), torch.float32, 16, 2)]
@@ -439,8 +440,8 @@ def test_accumulate_stages_in_place(monkeypatch, strided):
     tiles_b = torch.tensor([[0, sq, 0, 16, FULL]], dtype=torch.int32)
     pa, pb = be.prepare(TILES, sq, 80), be.prepare(tiles_b, sq, 16)
     assert pb.cudnn_bwd.whole and pb.cudnn_bwd.pieces == ((0, sq, 0, 16, FULL, 1),)
-    keep = torch.cat([dense_mask(TILES, sq, 80), torch.ones(sq, 16, dtype=torch.bool)], 1)
-    out_r, lse_r = reference(q, k, v, keep, 0.3)
+    keep = torch.cat([tiles_to_dense(TILES, sq, 80), torch.ones(sq, 16, dtype=torch.bool)], 1)
+    out_r, lse_r = reference_attention(q, k, v, keep, 0.3)[:2]
     # contiguous: merged in place; strided: through a float32 copy
     acc = torch.zeros(q.shape[1], sq, q.shape[2]).transpose(0, 1) if strided else torch.zeros(q.shape)
     lse = torch.full(q.shape[:2], float("-inf"))
@@ -474,7 +475,7 @@ def _dist_case(rank, world):
 
 
 def test_staged_runtime_routes_dense_stages_to_cudnn():
-    from _dist import run_ranks
+    from megatron_cp.testing import run_ranks
     from test_attention_dist import _check
 
     _check(run_ranks(_dist_case, 2))

@@ -16,7 +16,8 @@ from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, FA4Backend,
 from megatron_cp.kernels.fa4_backend import Fa4Functions, fa4_unavailable
 from megatron_cp.kernels.fa4_calls import fa4_calls, segment_of
 from megatron_cp.masks import catalog
-from test_triton_kernels import dense_mask, reference
+from megatron_cp.masks.catalog import tiles_to_dense
+from megatron_cp.testing import reference_attention
 
 @pytest.fixture(params=["default", "blocks", "varlen"])
 def route_rules(request, monkeypatch):
@@ -51,8 +52,8 @@ def _check(tiles, sq, sk, dlse=False, seed=0, deterministic=False):
     prep = be.prepare(tiles, sq, sk)
     q, k, v, do, dl = _inputs(sq, sk, seed=seed)
     scale = 0.3
-    keep = dense_mask(tiles, sq, sk)
-    o_ref, l_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, keep, scale, do, dl if dlse else None)
+    keep = tiles_to_dense(tiles, sq, sk)
+    o_ref, l_ref, dq_ref, dk_ref, dv_ref = reference_attention(q, k, v, keep, scale, dout=do, dlse=dl if dlse else None)
     routes = {d: prep.calls.route(d) for d in ("fwd", "bwd")}
     for d, r in routes.items():  # Triton's own tests cover those directions
         assert (r == "triton") == bool(prep.calls.triton_reason(d)), (d, r)
@@ -125,7 +126,7 @@ def _random_disjoint(rng, sq, sk, n):
         q0 = int(rng.integers(0, sq - 1)); q1 = int(rng.integers(q0 + 1, sq + 1))
         k0 = int(rng.integers(0, sk - 1)); k1 = int(rng.integers(k0 + 1, sk + 1))
         t = [q0, q1, k0, k1, int(rng.integers(0, 4))]
-        m = dense_mask(torch.tensor([t]), sq, sk)
+        m = tiles_to_dense(torch.tensor([t]), sq, sk)
         if not (m & keep).any() and m.any():
             keep |= m
             out.append(t)
@@ -171,7 +172,7 @@ def test_segments_keep_exactly_the_tiles_cells():
     for kind in (FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL):
         for sq in range(1, 9):
             for sk in range(1, 9):
-                want = dense_mask(torch.tensor([[2, 2 + sq, 3, 3 + sk, kind]]), 12, 12).numpy()
+                want = tiles_to_dense(torch.tensor([[2, 2 + sq, 3, 3 + sk, kind]]), 12, 12).numpy()
                 seg = segment_of(2, 2 + sq, 3, 3 + sk, kind)
                 got = np.zeros_like(want)
                 if seg is not None:
@@ -193,7 +194,7 @@ def test_fallbacks_are_reported():
     out, lse = be.forward(q, k, v, prep)
     assert be.last_path.startswith("triton (") and "float32" in be.last_path
     assert any("float32" in r for r in be.describe()["fallbacks"].values())
-    o_ref, l_ref = reference(q, k, v, dense_mask(tiles, 32, 32), 16 ** -0.5)
+    o_ref, l_ref = reference_attention(q, k, v, tiles_to_dense(tiles, 32, 32), 16 ** -0.5)[:2]
     torch.testing.assert_close(out.double(), o_ref, rtol=2e-5, atol=2e-5)
 
 

@@ -15,8 +15,8 @@ import megatron_cp as mcp
 from megatron_cp import masks as M
 from megatron_cp.masks import geometry
 from megatron_cp.planner import guests
+from megatron_cp.testing import run_ranks
 
-from _dist import run_ranks
 from test_attention_dist import _case, _check, random_mask
 
 

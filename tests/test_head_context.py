@@ -20,8 +20,9 @@ import megatron_cp as mcp
 from megatron_cp import masks as M
 from megatron_cp.baselines import get_strategy, plan_for
 from megatron_cp.planner.layout import group_order, group_plan, head_context_plan
+from megatron_cp.testing import run_ranks
 
-from _dist import raise_before_collectives, run_ranks
+from _dist import raise_before_collectives
 from test_baselines import _case, _masks
 
 FP64_TOL, FP32_TOL = 1e-5, 1e-4  # as tests/test_baselines.py and tests/test_attention_dist.py

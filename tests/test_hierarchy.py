@@ -14,8 +14,8 @@ import torch.distributed as dist
 import megatron_cp as mcp
 from megatron_cp import masks as M
 from megatron_cp.runtime.schedule import schedule
+from megatron_cp.testing import run_ranks
 
-from _dist import run_ranks
 from reference import tiny_masks
 from test_overlap import _case, _random_mask
 

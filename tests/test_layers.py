@@ -30,6 +30,7 @@ LAYERS = {
     "runtime": {"kinds", "masks", "planner", "kernels", "comm"},
     "baselines": {"kinds", "masks", "planner", "kernels", "comm", "runtime"},
     "megatron": {"kinds", "masks", "planner", "kernels", "comm", "runtime", "baselines"},
+    "testing": {"masks", "planner", "runtime"},
     "cli": {"masks", "planner"},
     "__main__": {"cli"},  # python -m megatron_cp
 }

@@ -10,12 +10,13 @@ runs the same class in-process at CP=1 and, through ``test_spawned_cp2``, in 2 g
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+
+from megatron_cp.testing import free_port, reference_attention
 
 try:  # inside Megatron-LM's tests/unit_tests harness
     from tests.unit_tests.test_utilities import Utils  # type: ignore
@@ -32,10 +33,7 @@ except Exception:  # standalone: a gloo group of whatever world size is initiali
                     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
                 dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
             if not dist.is_initialized():
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
-                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
             ps.destroy_model_parallel()
             ps.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size,
                                          context_parallel_size=context_parallel_size,
@@ -62,16 +60,14 @@ def _device():
         dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def dense_reference(q, k, v, mask: np.ndarray, scale: float):
-    """fp64 attention over full sequences: q [S, b, Hq, D], k/v [S, b, Hkv, D] -> [S, b, Hq*D]."""
+def dense_reference(q, k, v, mask: np.ndarray, scale: float, dout):
+    """fp64 attention over full sequences, batch by batch (megatron_cp.testing.reference_attention):
+    q [S, b, Hq, D], k/v [S, b, Hkv, D], dout [S, b, Hq*D] -> out [S, b, Hq*D], dq, dk, dv like q, k, v."""
     S, b, hq, d = q.shape
-    g = hq // k.shape[2]
-    k = k.double().repeat_interleave(g, 2)
-    v = v.double().repeat_interleave(g, 2)
-    s = torch.einsum("qbhd,kbhd->bhqk", q.double(), k) * scale
-    s = s.masked_fill(~torch.from_numpy(mask).to(s.device)[None, None], float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    return torch.einsum("bhqk,kbhd->qbhd", p, v).reshape(S, b, hq * d)
+    refs = [reference_attention(q[:, i], k[:, i], v[:, i], mask, scale, dout=dout[:, i].reshape(S, hq, d))
+            for i in range(b)]
+    out, dq, dk, dv = (torch.stack([getattr(r, n) for r in refs], 1) for n in ("out", "dq", "dk", "dv"))
+    return out.reshape(S, b, hq * d), dq, dk, dv
 
 
 class TestCPCoreAttention:
@@ -120,9 +116,7 @@ class TestCPCoreAttention:
         v = torch.randn(S, b, hkv, d, device=dev, dtype=torch.float64)
         dout = torch.randn(S, b, hq * d, device=dev, dtype=torch.float64)
         assert group.size() == dist.get_world_size()  # CP spans the whole world in this test
-        qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
-        ref = dense_reference(qr, kr, vr, mask.to_dense(), d ** -0.5)
-        ref.backward(dout)
+        ref, dq_ref, dk_ref, dv_ref = dense_reference(q, k, v, mask.to_dense(), d ** -0.5, dout)
 
         ids = torch.from_numpy(plan.local_ids(group.rank())).to(dev)
         ql, kl, vl = (t.index_select(0, ids).float().requires_grad_(True) for t in (q, k, v))
@@ -130,10 +124,10 @@ class TestCPCoreAttention:
         out = attn(ql, kl, vl, None, packed_seq_params=params)
         assert out.shape == (len(ids), b, hq * d)
         out.backward(dout.index_select(0, ids).float())
-        torch.testing.assert_close(out.double(), ref.detach().index_select(0, ids), atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(out.double(), ref.index_select(0, ids), atol=2e-5, rtol=2e-5)
         # dK/dV of a local token collect contributions from every rank's queries: the runtime
         # reduces them back to the owner, so the local slices equal the dense gradients.
-        for got, want in ((ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)):
+        for got, want in ((ql.grad, dq_ref), (kl.grad, dk_ref), (vl.grad, dv_ref)):
             torch.testing.assert_close(got.double(), want.index_select(0, ids), atol=2e-5, rtol=2e-5)
 
     def test_errors_name_bad_values_before_any_collective(self):

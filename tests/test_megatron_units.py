@@ -5,7 +5,6 @@ a whole Llama GPTModel with CPCoreAttention vs Megatron's DotProductAttention (C
 from __future__ import annotations
 
 import argparse
-import socket
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ import torch.distributed as dist
 from megatron_helpers import EOD, make_global_batch, rel_err
 
 from megatron_cp.megatron import batch as B
+from megatron_cp.testing import free_port
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +24,7 @@ def world1():
 
     created = not dist.is_initialized()
     if created:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1, context_parallel_size=1, create_gloo_process_groups=False)
     yield

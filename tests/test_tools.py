@@ -15,8 +15,7 @@ import pytest
 from megatron_cp.masks import catalog
 from megatron_cp.planner import Workload
 from megatron_cp.runtime import CostModel
-
-from _dist import run_ranks
+from megatron_cp.testing import run_ranks
 
 TOOLS = pathlib.Path(__file__).resolve().parents[1] / "tools"
 

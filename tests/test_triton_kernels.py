@@ -16,47 +16,14 @@ triton = pytest.importorskip("triton")
 from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: E402
 from megatron_cp.kernels import KernelConfig, PhaseConfigs, TritonBackend, TritonConfig  # noqa: E402
 from megatron_cp.kernels.triton_blocks import build_schedules, kept_area  # noqa: E402
+from megatron_cp.masks.catalog import tiles_to_dense  # noqa: E402
+from megatron_cp.testing import reference_attention  # noqa: E402
 
 
 def backend(bm=16, bn=16, d=16, tma=False, split_min=16):
     c = KernelConfig(bm, bn, 4, 1, tma)
     return TritonBackend(TritonConfig({d: PhaseConfigs(c, KernelConfig(bn, bm, 4, 1, tma), c)},
                                       dkdv_split_min=split_min))
-
-
-def dense_mask(tiles, sq, sk):
-    keep = torch.zeros(sq, sk, dtype=torch.bool)
-    for qs, qe, ks, ke, kind in tiles.tolist():
-        i = torch.arange(qe - qs)[:, None]
-        j = torch.arange(ke - ks)[None, :]
-        d = (ke - ks) - (qe - qs)
-        m = {FULL: torch.ones_like(i * j, dtype=torch.bool), CAUSAL: j <= i + d,
-             INV_CAUSAL: j >= i, BI_CAUSAL: (j >= i) & (j <= i + d)}[kind]
-        assert not (keep[qs:qe, ks:ke] & m).any(), "test tiles must be cell-disjoint"
-        keep[qs:qe, ks:ke] |= m
-    return keep
-
-
-def reference(q, k, v, keep, scale, dout=None, dlse=None):
-    """fp64 dense attention; returns out, lse and (if dout) dq, dk, dv."""
-    g = q.shape[1] // k.shape[1]
-    qd, kd, vd = (x.detach().double().requires_grad_(dout is not None) for x in (q, k, v))
-    s = torch.einsum("qhd,khd->hqk", qd, kd.repeat_interleave(g, 1)) * scale
-    s = s.masked_fill(~keep, float("-inf"))
-    mx = s.amax(-1, keepdim=True).detach()
-    mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
-    e = torch.exp(s - mx)
-    l = e.sum(-1, keepdim=True)
-    l_safe = torch.where(l == 0, torch.ones_like(l), l)
-    out = torch.einsum("hqk,khd->qhd", e / l_safe, vd.repeat_interleave(g, 1))
-    lse = torch.where(l == 0, torch.full_like(l, float("-inf")), mx + torch.log(l_safe))[..., 0].T
-    if dout is None:
-        return out, lse
-    loss = (out * dout.double()).sum()
-    if dlse is not None:
-        loss = loss + (torch.where(torch.isinf(lse), 0.0, lse) * dlse.double()).sum()
-    loss.backward()
-    return out.detach(), lse.detach(), qd.grad, kd.grad, vd.grad
 
 
 def run_case(tiles, sq, sk, hq=2, hkv=1, d=16, bm=16, bn=16, dtype=torch.float32, seed=0, with_dlse=False,
@@ -72,8 +39,8 @@ def run_case(tiles, sq, sk, hq=2, hkv=1, d=16, bm=16, bn=16, dtype=torch.float32
     be = backend(bm, bn, d, tma, split_min)
     prep = be.prepare(tiles, sq, sk, head_dims=(d,))
     out, lse = be.forward(q, k, v, prep, scale)
-    keep = dense_mask(tiles, sq, sk)
-    r_out, r_lse, r_dq, r_dk, r_dv = reference(q, k, v, keep, scale, dout, dlse)
+    keep = tiles_to_dense(tiles, sq, sk)  # raises if two tiles share a cell
+    r_out, r_lse, r_dq, r_dk, r_dv = reference_attention(q, k, v, keep, scale, dout=dout, dlse=dlse)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     empty = ~keep.any(1)
     assert torch.equal(torch.isinf(lse), empty[:, None].expand_as(lse)), "lse = -inf exactly on empty rows"
@@ -260,7 +227,7 @@ def test_schedule_covers_mask(bm, bn):
     sq, sk = 100, 90
     tiles = torch.tensor([[0, 40, 0, 45, CAUSAL], [40, 100, 0, 30, FULL], [40, 100, 30, 90, BI_CAUSAL],
                           [0, 40, 45, 90, INV_CAUSAL]], dtype=torch.int32)
-    keep = dense_mask(tiles, sq, sk)
+    keep = tiles_to_dense(tiles, sq, sk)
     assert kept_area(tiles) == int(keep.sum())
     rows, cols = build_schedules(tiles, sq, sk, bm, bn)
     covered = torch.zeros(sq, sk, dtype=torch.bool)
@@ -337,10 +304,8 @@ def _protocol_backends():
                                         ("triton", torch.float32)])
 def test_protocol_accumulate_and_backward_into(name, dtype):
     """forward_accumulate over two tile lists equals one forward over their union and the fp64 dense reference
-    (tests/reference.py), rows a list does not cover stay bitwise as they were; backward_into adds exactly
+    (megatron_cp.testing), rows a list does not cover stay bitwise as they were; backward_into adds exactly
     backward's gradients into running sums of accumulate_dtype (dK / dV the strided halves of one buffer)."""
-    from reference import dense_attention
-
     from megatron_cp.kernels import Backend, accumulate_dtype
 
     be = _protocol_backends()[name]()
@@ -352,9 +317,7 @@ def test_protocol_accumulate_and_backward_into(name, dtype):
     g = torch.Generator().manual_seed(11)
     q, k, v, dout = (torch.randn(n, h, d, generator=g, dtype=torch.float64)
                      for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
-    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-    o_ref, l_ref = dense_attention(qr, kr, vr, dense_mask(tiles, sq, sk), scale)
-    (o_ref * dout).sum().backward()
+    o_ref, l_ref, dq_ref, dk_ref, dv_ref = reference_attention(q, k, v, tiles_to_dense(tiles, sq, sk), scale, dout=dout)
     q, k, v, dout = (x.to(dtype) for x in (q, k, v, dout))
     adt = accumulate_dtype(dtype)
     tol = 1e-10 if dtype == torch.float64 else 1e-4
@@ -368,7 +331,7 @@ def test_protocol_accumulate_and_backward_into(name, dtype):
     be.forward_accumulate(q, k, v, p2, scale, acc, run)
     outside = torch.cat([torch.arange(0, 8), torch.arange(40, 48)])
     assert torch.equal(acc[outside], before[0][outside]) and torch.equal(run[outside], before[1][outside])
-    assert (acc - o_ref.detach()).abs().max() < tol and (run - l_ref.detach()).abs().max() < tol
+    assert (acc - o_ref).abs().max() < tol and (run - l_ref).abs().max() < tol
     # forward's lse is float32 whatever the inputs (protocol)
     assert (out.to(adt) - acc).abs().max() < tol and (lse.to(adt) - run).abs().max() < max(tol, 1e-5)
     with pytest.raises(ValueError, match="out must be a"):
@@ -383,7 +346,7 @@ def test_protocol_accumulate_and_backward_into(name, dtype):
     assert be.backward_into(q, k, v, out, lse, dout, p_all, scale, None, dq, dkv[:, :hkv], dkv[:, hkv:]) is None
     assert torch.equal(dq, dq0 + gq.to(adt))
     assert torch.equal(dkv[:, :hkv], dkv0[:, :hkv] + gk.to(adt)) and torch.equal(dkv[:, hkv:], dkv0[:, hkv:] + gv.to(adt))
-    for got, want in ((gq, qr.grad), (gk, kr.grad), (gv, vr.grad)):
+    for got, want in ((gq, dq_ref), (gk, dk_ref), (gv, dv_ref)):
         assert (got.double() - want).abs().max() < 4 * tol
     with pytest.raises(ValueError, match="dq must be a"):
         be.backward_into(q, k, v, out, lse, dout, p_all, scale, None, dq.half(), dkv[:, :hkv], dkv[:, hkv:])

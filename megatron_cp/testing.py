@@ -1,0 +1,301 @@
+"""Testing kit: check attention on your own masks the way megatron-cp checks its own.
+
+    import torch, megatron_cp as mcp, megatron_cp.testing as mt
+    mask = mcp.masks.varlen([0, 24, 64], causal=True)
+    q, k, v, dout = (torch.randn(64, h, 16, dtype=torch.float64) for h in (4, 2, 2, 4))
+    ours = mt.distributed_attention(mask, 2, q, k, v, dout, dtype=torch.bfloat16)
+    ref, plain = (mt.reference_attention(q, k, v, mask, dout=dout, dtype=t) for t in (torch.float64, torch.bfloat16))
+    mt.assert_low_precision_close(ours, ref, plain)
+
+Three pieces:
+
+- ``reference_attention``: dense softmax attention over the whole ``[sq, sk]`` mask, forward and (given
+  ``dout``) backward by the textbook formulas, in float64 (the reference) or in a low precision (the plain
+  PyTorch computation a low-precision result is measured against).
+- the 2x-low-precision rule (``low_precision_errors`` returns the numbers, ``assert_low_precision_close``
+  asserts): a low-precision result passes when its rms error against the fp64 reference is at most twice
+  the rms error of the plain PyTorch computation in the same precision, plus a floor of
+  ``1e-6 x rms(reference)``.
+- ``run_ranks``: a function on N CPU ranks (gloo) in spawned processes, each rank's result returned;
+  ``distributed_attention`` uses it to run ``megatron_cp.attention`` and gather full-sequence results.
+
+Layouts follow megatron_cp.attention: q ``[S, Hq, D]``, k/v ``[S, Hkv, D]`` (Hkv divides Hq), out like q,
+lse ``[S, Hq]`` natural log. Dense references hold ``Hq x sq x sk`` scores: small sizes only.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_cp.masks import AttnMask
+from megatron_cp.planner import plan as make_plan
+from megatron_cp.runtime import attention, dispatch
+
+__all__ = ["Attention", "LowPrecisionError", "dense_mask", "reference_attention", "low_precision_errors",
+           "assert_low_precision_close", "free_port", "run_ranks", "distributed_attention"]
+
+FIELDS = ("out", "lse", "dq", "dk", "dv")
+
+
+class Attention(NamedTuple):
+    """Attention results over whole sequences: out ``[sq, Hq, D]``, lse ``[sq, Hq]`` (natural log, -inf on
+    rows that keep no key) and, when a backward ran, dq ``[sq, Hq, D]``, dk / dv ``[sk, Hkv, D]`` (else None)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    dq: torch.Tensor | None = None
+    dk: torch.Tensor | None = None
+    dv: torch.Tensor | None = None
+
+
+class LowPrecisionError(NamedTuple):
+    """One tensor under the 2x rule: ``rms`` / ``max`` error of ours and ``plain_rms`` / ``plain_max`` of the
+    plain low-precision computation, both against the fp64 reference; ``bound`` = 2 x plain_rms + floor x
+    rms(reference); ``ok``: rms <= bound and ours is -inf / NaN exactly where the reference is."""
+
+    rms: float
+    plain_rms: float
+    bound: float
+    max: float
+    plain_max: float
+    ok: bool
+
+
+def dense_mask(mask: AttnMask | np.ndarray | torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool ``[sq, sk]`` tensor of ``mask``: an ``AttnMask`` (``to_dense()``) or a bool array / tensor as is."""
+    if isinstance(mask, AttnMask):
+        mask = mask.to_dense()
+    keep = torch.as_tensor(mask, device=device)
+    if keep.dtype != torch.bool or keep.dim() != 2:
+        raise ValueError(f"a dense mask must be a 2-D bool array, got {keep.dtype} of shape {tuple(keep.shape)}")
+    return keep
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask | np.ndarray | torch.Tensor,
+                        softmax_scale: float | None = None, *, dout: torch.Tensor | None = None,
+                        dlse: torch.Tensor | None = None, dtype: torch.dtype = torch.float64) -> Attention:
+    """Dense softmax attention of q ``[sq, Hq, D]``, k / v ``[sk, Hkv, D]`` (Hkv divides Hq) under ``mask``
+    (an ``AttnMask`` or a bool ``[sq, sk]``), computed in ``dtype`` (float64: the reference; a low precision:
+    the plain PyTorch computation the 2x rule measures against). softmax_scale defaults to ``D ** -0.5``.
+
+    Returns ``Attention`` in ``dtype``: out ``[sq, Hq, D]``, lse ``[sq, Hq]``; with ``dout`` ``[sq, Hq, D]``
+    (and optionally ``dlse`` ``[sq, Hq]``, the gradient of lse) also dq, dk, dv of the loss
+    ``sum(out * dout) + sum(lse * dlse)`` (lse's -inf rows excluded). Rows that keep no key give out 0,
+    lse -inf and zero gradients, never NaN. Nothing here is differentiable (plain formulas, no autograd).
+    """
+    sq, hq, d = q.shape
+    sk, hkv = k.shape[:2]
+    if k.shape != v.shape or k.shape[2] != d or hq % hkv:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected q [sq, Hq, D] and "
+                         "k, v [sk, Hkv, D] with Hkv dividing Hq")
+    keep = dense_mask(mask, q.device)
+    if tuple(keep.shape) != (sq, sk):
+        raise ValueError(f"mask shape {tuple(keep.shape)} != (sq, sk) = {(sq, sk)}")
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    g = hq // hkv
+    qd = q.detach().to(dtype)
+    kk, vv = (x.detach().to(dtype).repeat_interleave(g, 1) for x in (k, v))  # [sk, Hq, D]
+    s = torch.einsum("qhd,khd->hqk", qd, kk) * scale
+    s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, -1)  # [Hq, sq]; -inf on rows that keep nothing
+    empty = torch.isinf(lse)
+    p = torch.exp(s - torch.where(empty, 0.0, lse)[..., None])  # exp(-inf) = 0 on every masked cell
+    out = torch.einsum("hqk,khd->qhd", p, vv)
+    lse = lse.T.contiguous()
+    if dout is None:
+        return Attention(out, lse)
+    do = dout.detach().to(dtype)
+    delta = (do * out).sum(-1)  # [sq, Hq]; dlse enters as d(lse)/d(s) = p, i.e. delta - dlse
+    if dlse is not None:
+        delta = delta - torch.where(torch.isinf(lse), 0.0, dlse.detach().to(dtype))
+    ds = p * (torch.einsum("qhd,khd->hqk", do, vv) - delta.T[..., None])
+    dq = torch.einsum("hqk,khd->qhd", ds, kk) * scale
+    dk = (torch.einsum("hqk,qhd->khd", ds, qd) * scale).reshape(sk, hkv, g, d).sum(2)
+    dv = torch.einsum("hqk,qhd->khd", p, do).reshape(sk, hkv, g, d).sum(2)
+    return Attention(out, lse, dq, dk, dv)
+
+
+def _fields(x: Attention | Mapping[str, torch.Tensor | None] | torch.Tensor) -> dict[str, torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return {"out": x}
+    items = x._asdict().items() if isinstance(x, Attention) else x.items()
+    return {name: t for name, t in items if t is not None}
+
+
+def _rms(x: torch.Tensor) -> float:
+    return float(x.pow(2).mean().sqrt()) if x.numel() else 0.0
+
+
+def _maxabs(x: torch.Tensor) -> float:
+    return float(x.abs().max()) if x.numel() else 0.0
+
+
+def low_precision_errors(ours: Attention | Mapping[str, torch.Tensor | None] | torch.Tensor,
+                         reference: Attention | Mapping[str, torch.Tensor | None] | torch.Tensor,
+                         plain: Attention | Mapping[str, torch.Tensor | None] | torch.Tensor,
+                         floor: float = 1e-6) -> dict[str, LowPrecisionError]:
+    """The 2x-low-precision rule's numbers for every tensor ours has (``Attention`` fields, a mapping of
+    name -> tensor, or one tensor named "out"): ours, the fp64 ``reference`` and the ``plain`` computation
+    in ours' precision (``reference_attention(..., dtype=low)``), same shapes, any dtypes.
+
+    Entries where the reference is not finite (lse's -inf rows) are left out of the rms and max errors and
+    must be equal in ours (and are what the plain computation gives there too). Returns {name:
+    LowPrecisionError}; ``ok`` says whether that tensor passes.
+    """
+    ours, reference, plain = _fields(ours), _fields(reference), _fields(plain)
+    res = {}
+    for name, o in ours.items():
+        if name not in reference or name not in plain:
+            raise ValueError(f"{name!r} is in ours but not in the reference ({sorted(reference)}) or plain "
+                             f"({sorted(plain)})")
+        r, lo, o = reference[name].detach().double(), plain[name].detach().double(), o.detach().double()
+        if not (o.shape == r.shape == lo.shape):
+            raise ValueError(f"{name}: shapes differ: ours {tuple(o.shape)}, reference {tuple(r.shape)}, "
+                             f"plain {tuple(lo.shape)}")
+        fin = torch.isfinite(r)
+        same_specials = bool(torch.equal(o[~fin], r[~fin])) and not bool(torch.isnan(o[fin]).any())
+        e, el = o[fin] - r[fin], lo[fin] - r[fin]
+        bound = 2 * _rms(el) + floor * _rms(r[fin])
+        res[name] = LowPrecisionError(_rms(e), _rms(el), bound, _maxabs(e), _maxabs(el),
+                                      same_specials and _rms(e) <= bound)
+    return res
+
+
+def assert_low_precision_close(ours: Attention | Mapping[str, torch.Tensor | None] | torch.Tensor,
+                               reference: Attention | Mapping[str, torch.Tensor | None] | torch.Tensor,
+                               plain: Attention | Mapping[str, torch.Tensor | None] | torch.Tensor,
+                               floor: float = 1e-6) -> dict[str, LowPrecisionError]:
+    """``low_precision_errors`` and raise AssertionError naming every tensor that breaks the 2x rule, with
+    its numbers; returns the numbers when all pass."""
+    errs = low_precision_errors(ours, reference, plain, floor)
+    bad = [f"{name}: rms error {e.rms:.3g} > bound {e.bound:.3g} (2 x plain {e.plain_rms:.3g} + floor)"
+           if e.rms > e.bound else f"{name}: -inf / NaN entries differ from the reference's"
+           for name, e in errs.items() if not e.ok]
+    assert not bad, "2x-low-precision rule broken:\n  " + "\n  ".join(bad)
+    return errs
+
+
+# -- N ranks in spawned processes ----------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        results.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:  # report every failure to the parent, never leave it waiting
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+    """Call ``fn(rank, world, *args)`` on ``world`` CPU ranks, each a spawned process with a gloo process
+    group (the default group) set up; return the results in rank order.
+
+    ``fn`` and ``args`` must pickle (``fn`` a module-level function) and so must the results; return plain
+    values or numpy arrays rather than tensors (a tensor's shared memory may leave with its process). Raises
+    AssertionError with the remote traceback as soon as a rank fails, and when no further rank reports
+    within ``timeout`` seconds (a rank that died without a word, or a hang); leftover processes are
+    terminated, so nothing hangs. Scripts calling it need an ``if __name__ == "__main__":`` guard (spawn).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got, error = {}, None
+    try:
+        while len(got) < world and error is None:
+            try:
+                rank, status, payload = results.get(timeout=timeout)
+            except queue_mod.Empty:
+                missing = [r for r in range(world) if r not in got]
+                codes = {r: procs[r].exitcode for r in missing}
+                error = f"no result within {timeout}s from ranks {missing} (exit codes, None = still running: {codes})"
+                break
+            if status == "ok":
+                got[rank] = payload
+            else:
+                error = f"rank {rank} of {world} failed:\n{payload}"
+    finally:
+        for p in procs:
+            p.join(timeout=5 if error else 30)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    if error is not None:
+        raise AssertionError(error)
+    return [got[r] for r in range(world)]
+
+
+def _attention_rank(rank: int, world: int, mask: AttnMask, tensors: dict, scale: float | None, dtype: torch.dtype,
+                    plan_kwargs: dict, attention_kwargs: dict) -> dict:
+    """One rank of ``distributed_attention``: this rank's token ids and its results as float64 numpy arrays
+    (exact for every float dtype up to float64)."""
+    group = dist.group.WORLD
+    plan = make_plan(mask, world, **plan_kwargs)
+    q, k, v = (dispatch(torch.from_numpy(tensors[n]).to(dtype), plan, group).detach().requires_grad_()
+               for n in ("q", "k", "v"))
+    out, lse = attention(q, k, v, plan, group, softmax_scale=scale, **attention_kwargs)
+    ids = torch.from_numpy(plan.local_ids(rank))
+    res = {"ids": ids.numpy(), "out": out, "lse": lse}
+    if tensors.get("dout") is not None:
+        loss = (out.double() * torch.from_numpy(tensors["dout"])[ids].to(out.dtype).double()).sum()
+        if tensors.get("dlse") is not None:
+            loss = loss + (torch.where(torch.isinf(lse), 0.0, lse).double() * torch.from_numpy(tensors["dlse"])[ids]).sum()
+        loss.backward()
+        res.update(dq=q.grad, dk=k.grad, dv=v.grad)
+    return {n: (t.detach().double().numpy() if isinstance(t, torch.Tensor) else t) for n, t in res.items()}
+
+
+def distributed_attention(mask: AttnMask, world: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          dout: torch.Tensor | None = None, dlse: torch.Tensor | None = None, *,
+                          softmax_scale: float | None = None, dtype: torch.dtype | None = None,
+                          plan_kwargs: dict | None = None, timeout: float = 300.0, **attention_kwargs: Any) -> Attention:
+    """``megatron_cp.attention`` over ``mask`` on ``world`` gloo CPU ranks (``run_ranks``), results gathered
+    into whole-sequence order.
+
+    q ``[S, Hq, D]``, k / v ``[S, Hkv, D]`` and dout ``[S, Hq, D]`` / dlse ``[S, Hq]`` (optional; the gradient
+    of out / lse) are whole sequences; every rank plans ``megatron_cp.plan(mask, world, **plan_kwargs)``,
+    dispatches its part in ``dtype`` (default q's), runs attention with ``softmax_scale`` and
+    ``attention_kwargs`` and, given dout, backward of ``sum(out * dout) + sum(lse * dlse)`` (dout rounded to
+    ``dtype`` first, as ``reference_attention(..., dtype=dtype)`` does). Returns
+    ``Attention``: out, dq ``[S, Hq, D]`` and dk, dv ``[S, Hkv, D]`` in ``dtype``, lse ``[S, Hq]`` float32
+    (dq, dk, dv None without dout). Same script guard as ``run_ranks``.
+    """
+    dtype = q.dtype if dtype is None else dtype
+    tensors = {n: (None if t is None else t.detach().cpu().double().numpy())
+               for n, t in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dlse", dlse))}
+    ranks = run_ranks(_attention_rank, world, mask, tensors, softmax_scale, dtype, dict(plan_kwargs or {}),
+                      attention_kwargs, timeout=timeout)
+    full = {}
+    for name in FIELDS:
+        if name not in ranks[0]:
+            full[name] = None
+            continue
+        first = ranks[0][name]
+        t = torch.empty((q.shape[0], *first.shape[1:]), dtype=torch.float64)
+        for r in ranks:
+            t[torch.from_numpy(r["ids"])] = torch.from_numpy(r[name])
+        full[name] = t.to(torch.float32 if name == "lse" else dtype)
+    return Attention(**full)

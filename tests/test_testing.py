@@ -1,0 +1,132 @@
+"""megatron_cp.testing, the kit the other tests use: the fp64 reference against autograd through a plain
+masked softmax, the 2x-low-precision rule's numbers and message, run_ranks' results and failures, and the
+README's "Test your own masks" example run as written."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+
+import pytest
+import torch
+
+import megatron_cp as mcp
+import megatron_cp.testing as mt
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _inputs(sq, sk, hq, hkv, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, do = (torch.randn(sq, hq, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(sk, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    return q, k, v, do, torch.randn(sq, hq, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2), (4, 1)])
+def test_reference_matches_autograd_of_a_masked_softmax(hq, hkv):
+    # sq != sk, overlapping slices of every kind, rows 0..3 keep no key
+    mask = mcp.AttnMask([mcp.AttnSlice((3, 30), (0, 20), "causal"), mcp.AttnSlice((10, 37), (15, 44), "bi_causal"),
+                         mcp.AttnSlice((3, 37), (40, 44), "full"), mcp.AttnSlice((20, 37), (0, 9), "inv_causal")], 37, 44)
+    keep = torch.as_tensor(mask.to_dense())
+    empty = ~keep.any(1)
+    assert empty[:3].all() and not empty[3:].any()
+    q, k, v, do, dl = _inputs(37, 44, hq, hkv, 8)
+    ref = mt.reference_attention(q, k, v, mask, 0.4, dout=do, dlse=dl)
+    assert all(t.dtype == torch.float64 and not torch.isnan(t).any() for t in ref)
+    assert [tuple(t.shape) for t in ref] == [(37, hq, 8), (37, hq), (37, hq, 8), (44, hkv, 8), (44, hkv, 8)]
+    assert (ref.out[empty] == 0).all() and (ref.lse[empty] == float("-inf")).all() and (ref.dq[empty] == 0).all()
+    assert torch.isfinite(ref.lse[~empty]).all()
+    # the same loss by autograd, key heads repeated per query head, scores of empty rows left out
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    g = hq // hkv
+    s = torch.einsum("qhd,khd->hqk", qa[~empty], ka.repeat_interleave(g, 1)) * 0.4
+    s = s.masked_fill(~keep[~empty], float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), va.repeat_interleave(g, 1))
+    lse = torch.logsumexp(s, -1).T
+    ((out * do[~empty]).sum() + (lse * dl[~empty]).sum()).backward()
+    for got, want in ((ref.out[~empty], out), (ref.lse[~empty], lse), (ref.dq, qa.grad), (ref.dk, ka.grad),
+                      (ref.dv, va.grad)):
+        assert (got - want.detach()).abs().max() < 1e-12
+    # a dense bool mask gives the same; no dout, no gradients
+    fwd = mt.reference_attention(q, k, v, keep, 0.4)
+    assert fwd.dq is None and torch.equal(fwd.out, ref.out) and torch.equal(fwd.lse, ref.lse)
+    # low precision: the same computation in bf16, close to the fp64 one
+    low = mt.reference_attention(q, k, v, mask, 0.4, dout=do, dlse=dl, dtype=torch.bfloat16)
+    assert low.out.dtype == torch.bfloat16 and (low.out.double() - ref.out).abs().max() < 0.05
+    assert torch.equal(torch.isinf(low.lse), torch.isinf(ref.lse)) and not any(torch.isnan(t).any() for t in low)
+
+
+def test_reference_errors_name_the_bad_value():
+    q, k, v, _, _ = _inputs(8, 8, 4, 2, 4)
+    with pytest.raises(ValueError, match=r"k \(8, 3, 4\)"):
+        mt.reference_attention(q, torch.randn(8, 3, 4), torch.randn(8, 3, 4), mcp.masks.causal(8))
+    with pytest.raises(ValueError, match=r"mask shape \(8, 9\)"):
+        mt.reference_attention(q, k, v, mcp.masks.causal(8, 9))
+    with pytest.raises(ValueError, match="2-D bool"):
+        mt.reference_attention(q, k, v, torch.ones(8, 8))
+
+
+def test_low_precision_rule_numbers_and_message():
+    ref = {"out": torch.tensor([1.0, -1.0, 2.0, -2.0], dtype=torch.float64),
+           "lse": torch.tensor([0.5, float("-inf")], dtype=torch.float64)}
+    plain = {"out": ref["out"] + torch.tensor([0.1, -0.1, 0.1, -0.1]), "lse": torch.tensor([0.6, float("-inf")])}
+    floor = 1e-6 * (10 / 4) ** 0.5  # 1e-6 x rms(reference out)
+    e = mt.low_precision_errors({"out": ref["out"] + 0.2}, ref, plain)["out"]
+    assert e.rms == pytest.approx(0.2) and e.plain_rms == pytest.approx(0.1) and e.max == pytest.approx(0.2)
+    assert e.bound == pytest.approx(0.2 + floor) and e.ok
+    e = mt.low_precision_errors({"out": ref["out"] + 0.2 + 2 * floor}, ref, plain)["out"]
+    assert not e.ok
+    # -inf entries must coincide and are left out of the numbers
+    errs = mt.low_precision_errors({"lse": torch.tensor([0.55, float("-inf")])}, ref, plain)
+    assert errs["lse"].ok and errs["lse"].rms == pytest.approx(0.05)
+    assert not mt.low_precision_errors({"lse": torch.tensor([0.5, 0.0])}, ref, plain)["lse"].ok
+    # the assertion names each failing tensor with its numbers and passes the good ones through
+    with pytest.raises(AssertionError, match=r"out: rms error 0\.3 > bound 0\.2.*\n.*lse: -inf / NaN entries"):
+        mt.assert_low_precision_close({"out": ref["out"] + 0.3, "lse": torch.tensor([0.5, 0.0])}, ref, plain)
+    assert set(mt.assert_low_precision_close(mt.Attention(ref["out"], ref["lse"]), ref, plain)) == {"out", "lse"}
+    with pytest.raises(ValueError, match="'dq' is in ours"):
+        mt.low_precision_errors({"dq": ref["out"]}, ref, plain)
+
+
+def _rank_result(rank, world, tag):
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return (tag, rank, world, float(t))
+
+
+def _rank_fails(rank, world):
+    if rank == 1:
+        raise RuntimeError("rank one says no")
+    return rank
+
+
+def _rank_dies(rank, world):
+    if rank == 0:
+        os._exit(3)
+    return rank
+
+
+def test_run_ranks_results_and_failures():
+    assert mt.run_ranks(_rank_result, 3, "x") == [("x", r, 3, 6.0) for r in range(3)]
+    with pytest.raises(AssertionError, match=r"(?s)rank 1 of 2 failed:.*RuntimeError: rank one says no"):
+        mt.run_ranks(_rank_fails, 2)
+    # a rank that dies without a word: no hang, an error naming it once the timeout passes
+    with pytest.raises(AssertionError, match=r"no result within 20s from ranks \[0\].*0: 3"):
+        mt.run_ranks(_rank_dies, 2, timeout=20)
+
+
+def test_readme_example_runs_as_written():
+    text = README.read_text()
+    section = text[text.index("## Test your own masks"):text.index("## Further reading")]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(code.strip().splitlines()) == 6  # the import line and five more
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)  # raises if the 2x rule breaks
+    ours, ref = scope["ours"], scope["ref"]
+    assert ours.out.dtype == torch.bfloat16 and ours.lse.dtype == torch.float32 and ours.dk.shape == (64, 2, 16)
+    errs = mt.low_precision_errors(ours, ref, scope["plain"])
+    assert set(errs) == {"out", "lse", "dq", "dk", "dv"} and all(e.ok and 0 < e.rms for e in errs.values())
