@@ -30,9 +30,9 @@ LAYERS = {
     "runtime": {"kinds", "masks", "planner", "kernels", "comm"},
     "baselines": {"kinds", "masks", "planner", "kernels", "comm", "runtime"},
     "megatron": {"kinds", "masks", "planner", "kernels", "comm", "runtime", "baselines"},
-    "testing": {"masks", "planner", "runtime"},
     "cli": {"masks", "planner"},
     "__main__": {"cli"},  # python -m megatron_cp
+    "testing": {"masks", "planner", "runtime"},
 }
 FRONT = {"kinds", "masks", "planner", "runtime"}  # what megatron_cp/__init__.py may re-export
 

@@ -17,6 +17,7 @@ from megatron_cp.planner import Workload
 from megatron_cp.runtime import CostModel
 from megatron_cp.testing import run_ranks
 
+
 TOOLS = pathlib.Path(__file__).resolve().parents[1] / "tools"
 
 
