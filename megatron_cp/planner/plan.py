@@ -423,7 +423,7 @@ def plan(
     topology: Topology | None = None,
     solver: str = "auto",
     imbalance_target: float = 0.03,
-    guest_rows="auto",
+    guest_rows: str = "auto",
 ) -> Plan:
     """Plan ``mask`` (self-attention, seqlen_q == seqlen_k) over ``cp_size`` ranks.
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from .. import kernels
 from ..comm import COMM_LEAD_US, all_to_all_v, cast_steps, comm_lead, grad_buffer, reduce_steps
@@ -242,19 +243,19 @@ class _StagedAttention(torch.autograd.Function):
 
 
 def attention(
-    q,
-    k,
-    v,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     plan: Plan,
-    group=None,
-    softmax_scale=None,
+    group: dist.ProcessGroup | None = None,
+    softmax_scale: float | None = None,
     *,
-    backend="auto",
+    backend: str | kernels.Backend = "auto",
     stages: int | None = None,
     cost_model: CostModel | None = None,
     hierarchical: bool = True,
     comm_lead_us: float = COMM_LEAD_US,
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Context-parallel attention of this rank's tokens under ``plan``.
 
     q: [s_local, Hq, D], k/v: [s_local, Hkv, D] (Hkv divides Hq), this rank's tokens in the plan's

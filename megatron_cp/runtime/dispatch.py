@@ -77,7 +77,8 @@ class _Undispatch(torch.autograd.Function):
         return g.index_select(ctx.seq_dim, _ids(ctx.plan, ctx.rank, g.device)), None, None, None
 
 
-def dispatch(x: torch.Tensor, plan: Plan, group=None, seq_dim: int = 0, *, rank: int | None = None):
+def dispatch(x: torch.Tensor, plan: Plan, group: dist.ProcessGroup | None = None, seq_dim: int = 0, *,
+             rank: int | None = None) -> torch.Tensor:
     """This rank's part of ``x`` (the whole sequence, identical on every rank) along ``seq_dim``.
 
     Returns a tensor with ``plan.num_local(rank)`` entries along ``seq_dim``, in the plan's local
@@ -89,7 +90,8 @@ def dispatch(x: torch.Tensor, plan: Plan, group=None, seq_dim: int = 0, *, rank:
     return _Dispatch.apply(x, plan, r, group if rank is None else None, seq_dim)
 
 
-def undispatch(x_local: torch.Tensor, plan: Plan, group=None, seq_dim: int = 0):
+def undispatch(x_local: torch.Tensor, plan: Plan, group: dist.ProcessGroup | None = None,
+               seq_dim: int = 0) -> torch.Tensor:
     """The whole sequence from every rank's local part (an all-gather); inverse of ``dispatch``.
 
     Differentiable: the gradient of ``x_local`` is the sum over ranks of the output gradient's
