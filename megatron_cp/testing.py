@@ -25,7 +25,6 @@ lse ``[S, Hq]`` natural log. Dense references hold ``Hq x sq x sk`` scores: smal
 
 from __future__ import annotations
 
-import os
 import queue as queue_mod
 import socket
 import traceback
@@ -187,18 +186,16 @@ def assert_low_precision_close(ours: Attention | Mapping[str, torch.Tensor | Non
 
 # -- N ranks in spawned processes ----------------------------------------------------------------------------
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a tcp:// rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:  # the rendezvous is explicit (no MASTER_ADDR / MASTER_PORT read from the environment)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         results.put((rank, "ok", fn(rank, world, *args)))
     except BaseException:  # report every failure to the parent, never leave it waiting
         results.put((rank, "error", traceback.format_exc()))
