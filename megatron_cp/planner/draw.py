@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..masks.draw import auto_block, block_cells, block_sizes, require_matplotlib, tokens_label
+from .units import fmt_bytes
 
 
 def rank_colors(cp: int) -> np.ndarray:
@@ -76,19 +77,6 @@ def traffic_matrix(plan) -> np.ndarray:
     for r in plan.ranks:
         m[:, r.rank] = r.recv_counts()
     return m
-
-
-def _fmt_bytes(n) -> str:
-    """Bytes in binary units with three significant figures, as ``Plan.describe`` prints them (not imported
-    from plan.py: plan.py imports this module, lazily, for ``Plan.draw``)."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            break
-        n /= 1024
-    if unit == "B":
-        return f"{n:.0f} B"
-    return f"{n:.{2 if abs(n) < 10 else 1 if abs(n) < 100 else 0}f} {unit}"
 
 
 def draw_plan(plan, path, *, block: int | None = None, max_blocks: int = 1024, num_kv_heads: int = 8,
@@ -156,7 +144,7 @@ def draw_plan(plan, path, *, block: int | None = None, max_blocks: int = 1024, n
     fig.colorbar(im, ax=ax_m, fraction=0.05, pad=0.02, label="MiB")
     ax_m.set_xlabel("dst rank (receives)")
     ax_m.set_ylabel("src rank (owns the K/V)")
-    ax_m.set_title(f"K/V that travel: {sum(st['remote_kv_tokens_per_rank']):,} tokens, {_fmt_bytes(st['bytes_moved'])} "
+    ax_m.set_title(f"K/V that travel: {sum(st['remote_kv_tokens_per_rank']):,} tokens, {fmt_bytes(st['bytes_moved'])} "
                    f"({per_tok:,} B/token)", fontsize=10)
     if cp <= 16:
         ax_m.set_xticks(range(cp))
@@ -165,7 +153,7 @@ def draw_plan(plan, path, *, block: int | None = None, max_blocks: int = 1024, n
         for i in range(cp):
             for j in range(cp):
                 if mat[i, j]:
-                    ax_m.text(j, i, _fmt_bytes(mat[i, j]).replace(" ", "\n"), ha="center", va="center", fontsize=6.5,
+                    ax_m.text(j, i, fmt_bytes(mat[i, j]).replace(" ", "\n"), ha="center", va="center", fontsize=6.5,
                               color="white" if mat[i, j] > 0.6 * hi else "black")
 
     x = np.arange(cp)
@@ -181,7 +169,7 @@ def draw_plan(plan, path, *, block: int | None = None, max_blocks: int = 1024, n
     ax_r = fig.add_subplot(right[2])
     recv = np.asarray(st["remote_kv_tokens_per_rank"], dtype=np.int64) * per_tok
     ax_r.bar(x, recv / 2**20, color=colors, width=0.85)
-    ax_r.set_title(f"K/V received per rank: max {_fmt_bytes(st['max_bytes_received'])} "
+    ax_r.set_title(f"K/V received per rank: max {fmt_bytes(st['max_bytes_received'])} "
                    f"({st['max_remote_kv_tokens']:,} tokens)", fontsize=10)
     ax_r.set_ylabel("MiB")
     ax_r.set_xlabel("rank")

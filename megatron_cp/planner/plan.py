@@ -20,6 +20,7 @@ from ..masks import AttnMask
 from ..masks import geometry
 from . import guests, solvers
 from .topology import Topology
+from .units import fmt_bytes
 
 _VERSION = b"megatron-cp-plan-1"
 
@@ -314,25 +315,25 @@ class Plan:
             share = area[i] / mean - 1.0 if mean > 0 else 0.0
             lines.append(
                 f"{i:>4} {st['tokens_per_rank'][i]:>10,} {len(r.segments):>5} {int(area[i]):>16,} {share:>+8.2%} "
-                f"{st['remote_kv_tokens_per_rank'][i]:>15,} {_fmt_bytes(st['remote_kv_tokens_per_rank'][i] * per_tok):>12} "
+                f"{st['remote_kv_tokens_per_rank'][i]:>15,} {fmt_bytes(st['remote_kv_tokens_per_rank'][i] * per_tok):>12} "
                 f"{st['tiles_per_rank'][i]:>6} {st['guest_rows_in_per_rank'][i]:>8} {g_out[i]:>9}")
         lines.append(
             f"{'all':>4} {sum(st['tokens_per_rank']):>10,} {sum(len(r.segments) for r in self.ranks):>5} "
             f"{int(area.sum()):>16,} {'':>8} {sum(st['remote_kv_tokens_per_rank']):>15,} "
-            f"{_fmt_bytes(st['bytes_moved']):>12} {sum(st['tiles_per_rank']):>6} "
+            f"{fmt_bytes(st['bytes_moved']):>12} {sum(st['tiles_per_rank']):>6} "
             f"{sum(st['guest_rows_in_per_rank']):>8} {sum(g_out):>9}")
         lines += [
             "",
             f"imbalance {st['imbalance']:.2%} (most work / mean work - 1: {int(area.max()):,} / {mean:,.0f} cells)",
-            f"received K/V: at most {st['max_remote_kv_tokens']:,} tokens ({_fmt_bytes(st['max_bytes_received'])}) "
-            f"on one rank, {sum(st['remote_kv_tokens_per_rank']):,} tokens ({_fmt_bytes(st['bytes_moved'])}) in all",
+            f"received K/V: at most {st['max_remote_kv_tokens']:,} tokens ({fmt_bytes(st['max_bytes_received'])}) "
+            f"on one rank, {sum(st['remote_kv_tokens_per_rank']):,} tokens ({fmt_bytes(st['bytes_moved'])}) in all",
         ]
         if st["guest_rows"]:
             lines.append(f"guest rows: {st['guest_rows']:,} rows computed by their keys' owners "
                          "(guest in: rows of other ranks computed here; guest out: own rows computed elsewhere)")
         if "inter_node_bytes" in st:
-            lines.append(f"between nodes: {_fmt_bytes(st['inter_node_bytes'])} flat, "
-                         f"{_fmt_bytes(st['inter_node_bytes_hierarchical'])} routed once per node")
+            lines.append(f"between nodes: {fmt_bytes(st['inter_node_bytes'])} flat, "
+                         f"{fmt_bytes(st['inter_node_bytes_hierarchical'])} routed once per node")
         return "\n".join(lines)
 
     def draw(self, path, **kwargs):
@@ -352,18 +353,6 @@ class Plan:
             for src, runs in enumerate(r.recv_runs)
             if node(src) != node(r.rank)
         )
-
-
-def _fmt_bytes(n) -> str:
-    """Bytes in binary units with three significant figures (``4.00 MiB``, ``78.6 MiB``, ``1016 KiB``)."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            break
-        n /= 1024
-    if unit == "B":
-        return f"{n:.0f} B"
-    return f"{n:.{2 if abs(n) < 10 else 1 if abs(n) < 100 else 0}f} {unit}"
 
 
 def _auto_chunk(seqlen: int, cp: int) -> int:
