@@ -1,0 +1,91 @@
+"""What a selector may know about the sequence beyond this rank's own tokens (``SelectionView``).
+
+See docs/sparse.md for the contract and the exactness rule (``combine`` sums entries each written by
+one rank; reductions across key blocks run over a global-length axis).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..kernels.block_keep import block_classes
+from ..masks import AttnMask, geometry
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@dataclass
+class SelectionView:
+    """This rank's view for selectors.
+
+    block: tokens per block B; num_blocks: nb = seqlen / B; q_blocks long [nq]: global ids of this rank's
+    blocks in local order (its queries and keys alike); envelope int8 [nq, nb]: 0 empty, 1 partial,
+    2 full block pairs of the static mask; traps long [n, 6]: the mask's cells (``AttnMask.traps``) on
+    the device, for ``keeps``. ``combine``: sum over the CP group; ``envelope_keys``: see
+    docs/sparse.md.
+    """
+
+    block: int
+    num_blocks: int
+    q_blocks: torch.Tensor
+    envelope: torch.Tensor
+    traps: torch.Tensor
+    combine: Callable[[torch.Tensor], torch.Tensor] = _identity
+    envelope_keys: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def seqlen(self) -> int:
+        return self.block * self.num_blocks
+
+    @property
+    def device(self) -> torch.device:
+        return self.q_blocks.device
+
+    def q_positions(self) -> torch.Tensor:
+        """long [nq * B]: global position of each local row."""
+        b = self.block
+        return (self.q_blocks[:, None] * b + torch.arange(b, device=self.device)).reshape(-1)
+
+    def keeps(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """bool, broadcast of ``i`` and ``j`` (long tensors of global query / key positions): whether the
+        envelope keeps cell (i, j). For small index sets (the work is ``len(traps)`` x the broadcast)."""
+        i, j = torch.broadcast_tensors(i, j)
+        out = torch.zeros(i.shape, dtype=torch.bool, device=i.device)
+        for q0, q1, lo_a, lo_s, hi_a, hi_s in self.traps.tolist():
+            out |= (i >= q0) & (i < q1) & (j >= lo_a + lo_s * i) & (j < hi_a + hi_s * i)
+        return out
+
+
+def envelope_blocks(mask: AttnMask, q_blocks: np.ndarray, block: int) -> torch.Tensor:
+    """int8 [len(q_blocks), nb] block classes of ``mask`` for the given global q blocks (host)."""
+    s = mask.seqlen_q
+    runs = np.stack([q_blocks * block, q_blocks * block + block], 1)
+    tiles = geometry.traps_to_tiles(mask.traps, runs, np.array([[0, s]]))
+    return block_classes(torch.as_tensor(tiles, dtype=torch.int32), len(q_blocks) * block, s, block)
+
+
+def single_view(mask: AttnMask, block: int, k: torch.Tensor | None = None) -> SelectionView:
+    """The view of one process holding the whole sequence (CP = 1); ``k`` [S, Hkv, D] serves
+    ``envelope_keys`` when given. Raises ValueError unless the length is a multiple of ``block``."""
+    s = mask.seqlen_q
+    if not isinstance(block, int) or block < 1 or s % block:
+        raise ValueError(f"sequence length {s} must be a multiple of the selector's block {block!r}")
+    nb = s // block
+    dev = k.device if k is not None else torch.device("cpu")
+    ids = np.arange(nb)
+    env = envelope_blocks(mask, ids, block).to(dev)
+    view = SelectionView(block, nb, torch.arange(nb, device=dev), env,
+                         torch.as_tensor(np.asarray(mask.traps), dtype=torch.long, device=dev))
+    if k is not None:
+        def keys():
+            need = torch.nonzero((env > 0).any(0)).flatten()
+            return need, k.view(nb, block, *k.shape[1:])[need]
+        view.envelope_keys = keys
+    return view
