@@ -38,18 +38,21 @@ Members
     Once per tile list (per plan and stage), cached by the caller, never on the hot path. Every choice
     of how the list runs (which pieces go to which library) is made here, or once per backend and shape
     family (device, dtype, head_dim, Hq / Hkv) on first use; never by catching an exception per call.
-``forward(q, k, v, prepared, softmax_scale) -> (out, lse)``
-    ``out [sq, Hq, D]`` of q's dtype, ``lse [sq, Hq]`` float32.
+``forward(q, k, v, prepared, softmax_scale, keep=None) -> (out, lse)``
+    ``out [sq, Hq, D]`` of q's dtype, ``lse [sq, Hq]`` float32. ``keep``: None, or a
+    ``kernels.BlockKeep`` narrowing the list per query head (dynamic sparse attention,
+    ``kernels/block_keep.py``): cell (i, j) of head h is computed iff a tile keeps it and
+    ``keep.mask[h, i // keep.block, j // keep.block]``; read on the device, no host synchronisation.
 ``forward_accumulate(q, k, v, prepared, softmax_scale, out, lse) -> None``
     Adds this list's attention into the running ``(out [sq, Hq, D], lse [sq, Hq])`` of
     ``accumulate_dtype(q.dtype)`` in place, by LSE merge: ``L = log(exp(lse) + exp(l))``,
     ``out = exp(lse - L) out + exp(l - L) o``. A row whose running lse is -inf holds nothing (its out is
     ignored); rows the list does not cover are left untouched.
-``backward(q, k, v, out, lse, dout, prepared, softmax_scale, delta) -> (dq, dk, dv)``
+``backward(q, k, v, out, lse, dout, prepared, softmax_scale, delta, keep=None) -> (dq, dk, dv)``
     ``out``/``lse`` are the merged (global) results of every row, ``delta [sq, Hq]`` float32 is
     ``rowsum(dout * out) - dlse`` (dlse the gradient of lse), or None meaning ``rowsum(dout * out)`` (no
     lse gradient: a backend may then let a library recompute it). Gradients have the dtypes and shapes
-    of q, k, v.
+    of q, k, v. ``keep``: as in ``forward`` (the same selection the forward used).
 ``backward_into(q, k, v, out, lse, dout, prepared, softmax_scale, delta, dq, dk, dv) -> None``
     ``backward``'s gradients added into running sums ``dq [sq, Hq, D]``, ``dk``/``dv [sk, Hkv, D]`` of
     ``accumulate_dtype(q.dtype)`` (dk/dv may be strided views of one ``[sk, 2*Hkv, D]`` buffer), without
@@ -79,14 +82,14 @@ class Backend(Protocol):
     def prepare(self, tiles: torch.Tensor, seqlen_q: int, seqlen_k: int) -> Any: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: Any,
-                softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor]: ...
+                softmax_scale: float | None, keep: Any = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def forward_accumulate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: Any,
                            softmax_scale: float | None, out: torch.Tensor, lse: torch.Tensor) -> None: ...
 
     def backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  dout: torch.Tensor, prepared: Any, softmax_scale: float | None,
-                 delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+                 delta: torch.Tensor | None, keep: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def backward_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, dout: torch.Tensor, prepared: Any, softmax_scale: float | None,
