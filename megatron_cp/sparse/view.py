@@ -27,8 +27,8 @@ class SelectionView:
     block: tokens per block B; num_blocks: nb = seqlen / B; q_blocks long [nq]: global ids of this rank's
     blocks in local order (its queries and keys alike); envelope int8 [nq, nb]: 0 empty, 1 partial,
     2 full block pairs of the static mask; traps long [n, 6]: the mask's cells (``AttnMask.traps``) on
-    the device, for ``keeps``. ``combine``: sum over the CP group; ``envelope_keys``: see
-    docs/sparse.md.
+    the device, for ``keeps``. ``combine``: sum over the CP group; ``combine_max``: elementwise max over
+    the CP group (exact in any order); ``envelope_keys``: see docs/sparse.md.
     """
 
     block: int
@@ -37,6 +37,7 @@ class SelectionView:
     envelope: torch.Tensor
     traps: torch.Tensor
     combine: Callable[[torch.Tensor], torch.Tensor] = _identity
+    combine_max: Callable[[torch.Tensor], torch.Tensor] = _identity
     envelope_keys: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
     extras: dict = field(default_factory=dict)
 
