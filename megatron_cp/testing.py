@@ -71,12 +71,13 @@ class LowPrecisionError(NamedTuple):
 
 
 def dense_mask(mask: AttnMask | np.ndarray | torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Bool ``[sq, sk]`` tensor of ``mask``: an ``AttnMask`` (``to_dense()``) or a bool array / tensor as is."""
+    """Bool ``[sq, sk]`` tensor of ``mask``: an ``AttnMask`` (``to_dense()``) or a bool array / tensor as is
+    (``[Hq, sq, sk]`` per query head also passes)."""
     if isinstance(mask, AttnMask):
         mask = mask.to_dense()
     keep = torch.as_tensor(mask, device=device)
-    if keep.dtype != torch.bool or keep.dim() != 2:
-        raise ValueError(f"a dense mask must be a 2-D bool array, got {keep.dtype} of shape {tuple(keep.shape)}")
+    if keep.dtype != torch.bool or keep.dim() not in (2, 3):
+        raise ValueError(f"a dense mask must be a 2-D (or per-head 3-D) bool array, got {keep.dtype} of shape {tuple(keep.shape)}")
     return keep
 
 
@@ -84,7 +85,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
                         softmax_scale: float | None = None, *, dout: torch.Tensor | None = None,
                         dlse: torch.Tensor | None = None, dtype: torch.dtype = torch.float64) -> Attention:
     """Dense softmax attention of q ``[sq, Hq, D]``, k / v ``[sk, Hkv, D]`` (Hkv divides Hq) under ``mask``
-    (an ``AttnMask`` or a bool ``[sq, sk]``), computed in ``dtype`` (float64: the reference; a low precision:
+    (an ``AttnMask``, a bool ``[sq, sk]``, or a bool ``[Hq, sq, sk]`` per query head), computed in ``dtype`` (float64: the reference; a low precision:
     the plain PyTorch computation the 2x rule measures against). softmax_scale defaults to ``D ** -0.5``.
 
     Returns ``Attention`` in ``dtype``: out ``[sq, Hq, D]``, lse ``[sq, Hq]``; with ``dout`` ``[sq, Hq, D]``
@@ -98,8 +99,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected q [sq, Hq, D] and "
                          "k, v [sk, Hkv, D] with Hkv dividing Hq")
     keep = dense_mask(mask, q.device)
-    if tuple(keep.shape) != (sq, sk):
-        raise ValueError(f"mask shape {tuple(keep.shape)} != (sq, sk) = {(sq, sk)}")
+    if tuple(keep.shape) not in ((sq, sk), (hq, sq, sk)):
+        raise ValueError(f"mask shape {tuple(keep.shape)} is neither (sq, sk) = {(sq, sk)} nor (Hq, sq, sk)")
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
     g = hq // hkv
     qd = q.detach().to(dtype)

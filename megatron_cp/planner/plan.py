@@ -413,6 +413,7 @@ def plan(
     solver: str = "auto",
     imbalance_target: float = 0.03,
     guest_rows: str = "auto",
+    block: int = 1,
 ) -> Plan:
     """Plan ``mask`` (self-attention, seqlen_q == seqlen_k) over ``cp_size`` ranks.
 
@@ -425,6 +426,8 @@ def plan(
     instead of its keys). ``auto``: rows keeping at least half of all keys when they are few (at most
     half a rank's share) and the plan with them balances and moves fewer bytes; ``none``; or explicit
     sorted disjoint row runs ``[n, 2]`` (always used).
+    ``block``: every chunk boundary a multiple of ``block`` (each rank holds whole blocks of ``block``
+    tokens: what dynamic sparse attention needs, ``megatron_cp.sparse``); ``seqlen`` must be a multiple.
     """
     if not isinstance(mask, AttnMask):
         raise TypeError(f"plan() needs an AttnMask, got {type(mask).__name__}")
@@ -443,8 +446,11 @@ def plan(
         raise ValueError(f"chunk_size={chunk_size} must be in [1, {seqlen}]")
     if topology is not None and topology.world_size != cp_size:
         raise ValueError(f"topology {topology} has {topology.world_size} ranks, cp_size={cp_size}")
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1 or seqlen % block:
+        raise ValueError(f"block={block!r} must be a positive int dividing the sequence length {seqlen}")
     cp = int(cp_size)
     chunk = int(chunk_size) if chunk_size is not None else _auto_chunk(seqlen, cp)
+    chunk = -(-chunk // block) * block
     traps = mask.traps
     row_prefix = geometry.row_area_prefix(traps, seqlen)
     cuts = solvers.independent_cuts(traps, seqlen)
@@ -454,7 +460,7 @@ def plan(
         g_runs = guests.candidate_rows(row_prefix, seqlen, cp) if guest_rows == "auto" else np.zeros((0, 2), np.int64)
     else:
         g_runs = guests.check_runs(guest_rows, seqlen)
-    args = (seqlen, cp, chunk, topology, solver, imbalance_target, cuts)
+    args = (seqlen, cp, chunk, topology, solver, imbalance_target, cuts, int(block))
 
     best, bounds, owner, scores = _choose(traps, row_prefix, solvers.KeySpans(traps, seqlen), *args)
     main, g_traps, prefix = traps, np.zeros((0, 6), dtype=np.int64), row_prefix
@@ -499,7 +505,16 @@ def plan(
     )
 
 
-def _choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts):
+def _snap(bounds: np.ndarray, owner: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Move every cut to the nearest multiple of ``block``; a chunk keeps the owner of the original chunk
+    holding its first token (chunks that vanish are dropped)."""
+    snapped = np.unique(np.round(np.asarray(bounds, dtype=np.float64) / block).astype(np.int64) * block)
+    starts = snapped[:-1]
+    o = np.asarray(owner)[np.searchsorted(bounds, starts, side="right") - 1]
+    return snapped, o
+
+
+def _choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts, block=1):
     """The candidate layouts of ``solver`` for ``traps`` (loads by ``prefix``), scored; returns (name,
     bounds, owner, scores) of the one with least traffic among those within ``tol`` (else the best
     balanced)."""
@@ -523,6 +538,8 @@ def _choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts
     if (multi_node and solver == "auto") or solver == "hierarchical":
         topo = topology if topology is not None else Topology(1, cp)
         candidates.update(_hierarchical(traps, spans, prefix, seqlen, topo, chunk, tol, cuts))
+    if block > 1:
+        candidates = {n: _snap(b, o, block) for n, (b, o) in candidates.items()}
     scores = {}
     for name, (b, o) in candidates.items():
         scores[name] = _score(traps, spans, b, o, cp, prefix)
@@ -531,6 +548,8 @@ def _choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts
     if solver == "auto" and not any(sc[0] <= tol for sc in scores.values()):
         # nothing balances whole chunks: deal the heaviest chunks out in pieces (dense rows)
         candidates["greedy_split"] = solvers.greedy(seqlen, cp, split_heavy=True, **kw)
+        if block > 1:
+            candidates["greedy_split"] = _snap(*candidates["greedy_split"], block)
         scores["greedy_split"] = _score(traps, spans, *candidates["greedy_split"], cp, prefix)
     # least traffic among balanced candidates; otherwise the best balanced one
     ok = [n for n in candidates if scores[n][0] <= tol]

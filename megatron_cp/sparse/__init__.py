@@ -1,6 +1,13 @@
-"""Dynamic block-sparse attention under context parallelism (docs/sparse.md)."""
+"""Dynamic block-sparse attention under context parallelism (docs/sparse.md).
 
+    keep = selector.select(q_local, k_local, view)          # per head, q block: key blocks to compute
+    out, lse = megatron_cp.sparse.sparse_attention(q, k, v, plan, group, selector)
+"""
+
+from .attention import sparse_attention, select_blocks
+from .layout import SparseLayout, sparse_layout
 from .selector import Selector
 from .view import SelectionView, single_view
 
-__all__ = ["Selector", "SelectionView", "single_view"]
+__all__ = ["Selector", "SelectionView", "SparseLayout", "single_view", "sparse_attention", "select_blocks",
+           "sparse_layout"]

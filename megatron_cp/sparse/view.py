@@ -64,11 +64,12 @@ class SelectionView:
         return out
 
 
-def envelope_blocks(mask: AttnMask, q_blocks: np.ndarray, block: int) -> torch.Tensor:
-    """int8 [len(q_blocks), nb] block classes of ``mask`` for the given global q blocks (host)."""
-    s = mask.seqlen_q
+def envelope_blocks(traps: np.ndarray, seqlen: int, q_blocks: np.ndarray, block: int) -> torch.Tensor:
+    """int8 [len(q_blocks), nb] block classes of the cells ``traps`` (``AttnMask.traps``) for the given
+    global q blocks (host)."""
+    s = seqlen
     runs = np.stack([q_blocks * block, q_blocks * block + block], 1)
-    tiles = geometry.traps_to_tiles(mask.traps, runs, np.array([[0, s]]))
+    tiles = geometry.traps_to_tiles(traps, runs, np.array([[0, s]]))
     return block_classes(torch.as_tensor(tiles, dtype=torch.int32), len(q_blocks) * block, s, block)
 
 
@@ -81,7 +82,7 @@ def single_view(mask: AttnMask, block: int, k: torch.Tensor | None = None) -> Se
     nb = s // block
     dev = k.device if k is not None else torch.device("cpu")
     ids = np.arange(nb)
-    env = envelope_blocks(mask, ids, block).to(dev)
+    env = envelope_blocks(mask.traps, s, ids, block).to(dev)
     view = SelectionView(block, nb, torch.arange(nb, device=dev), env,
                          torch.as_tensor(np.asarray(mask.traps), dtype=torch.long, device=dev))
     if k is not None:

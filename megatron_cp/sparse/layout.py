@@ -1,0 +1,93 @@
+"""The static part of sparse attention for one rank: blocks, envelope, key buffer, owners.
+
+Built once per (plan, rank, block) on the host and cached with the plan. The key/value buffer of a rank
+holds every global key block its envelope touches (``env_ids``, ascending); a call fills only the blocks
+some head selected (``sparse.exchange``), and the kernels' tile list covers the envelope over
+(local q rows, buffer rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..masks import geometry
+from ..planner import Plan
+from .view import envelope_blocks
+
+
+@dataclass(frozen=True)
+class SparseLayout:
+    """rank's static layout at ``block`` tokens per block.
+
+    q_blocks int64 [nq]: global ids of the rank's blocks in local order; envelope int8 [nq, nb] (CPU);
+    env_ids int64 [ne]: buffer blocks (ascending global ids); tiles int32 [n, 5]: the envelope over
+    (local q rows, buffer rows); owner int64 [nb]: rank of each global block; owner_pos int64 [nb]: its
+    index in the owner's local block order; buffer_pos int64 [nb]: its index in this rank's buffer or -1.
+    """
+
+    rank: int
+    cp_size: int
+    block: int
+    num_blocks: int
+    q_blocks: np.ndarray
+    envelope: torch.Tensor
+    env_ids: np.ndarray
+    tiles: torch.Tensor
+    owner: np.ndarray
+    owner_pos: np.ndarray
+    buffer_pos: np.ndarray
+    traps: np.ndarray
+
+    @property
+    def nq(self) -> int:
+        return len(self.q_blocks)
+
+    @property
+    def ne(self) -> int:
+        return len(self.env_ids)
+
+
+def _local_blocks(plan: Plan, rank: int, block: int) -> np.ndarray:
+    ids = plan.local_ids(rank)
+    return ids[::block] // block
+
+
+def check_plan(plan: Plan, block: int) -> None:
+    """ValueError unless ``plan`` lays tokens out in whole blocks of ``block`` and has no guest rows."""
+    if plan.seqlen % block:
+        raise ValueError(f"sparse attention needs the sequence length ({plan.seqlen}) to be a multiple of the "
+                         f"selector's block ({block})")
+    bad = np.asarray(plan.bounds) % block
+    if bad.any():
+        raise ValueError(f"sparse attention needs every plan chunk to be whole blocks of {block} tokens; this plan "
+                         f"has chunk_size {plan.chunk_size} (cut at {int(np.asarray(plan.bounds)[bad.nonzero()[0][0]])})"
+                         f": make it with chunk_size a multiple of {block}")
+    if plan.has_guests:
+        raise ValueError("sparse attention runs every query row on its own rank: make the plan with "
+                         "guest_rows='none'")
+
+
+def sparse_layout(plan: Plan, rank: int, block: int) -> SparseLayout:
+    """The layout of ``rank`` (see ``SparseLayout``); raises ValueError via ``check_plan``."""
+    check_plan(plan, block)
+    nb = plan.seqlen // block
+    owner = np.zeros(nb, dtype=np.int64)
+    owner_pos = np.zeros(nb, dtype=np.int64)
+    for r in range(plan.cp_size):
+        g = _local_blocks(plan, r, block)
+        owner[g] = r
+        owner_pos[g] = np.arange(len(g))
+    q_blocks = _local_blocks(plan, rank, block)
+    env = envelope_blocks(plan.traps, plan.seqlen, q_blocks, block)
+    env_ids = np.nonzero(env.numpy().any(0))[0].astype(np.int64)
+    buffer_pos = np.full(nb, -1, dtype=np.int64)
+    buffer_pos[env_ids] = np.arange(len(env_ids))
+    q_runs = np.stack([q_blocks * block, q_blocks * block + block], 1)
+    k_runs = np.stack([env_ids * block, env_ids * block + block], 1)
+    tiles = geometry.traps_to_tiles(plan.traps, q_runs, k_runs) if len(env_ids) else np.zeros((0, 5), np.int32)
+    return SparseLayout(rank, plan.cp_size, block, nb, q_blocks, env, env_ids,
+                        torch.as_tensor(np.asarray(tiles), dtype=torch.int32), owner, owner_pos, buffer_pos,
+                        np.asarray(plan.traps))
