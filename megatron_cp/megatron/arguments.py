@@ -15,6 +15,7 @@ import argparse
 import json
 
 from .batch import MASKS, MaskSpec, PlanOptions
+from .sparse_spec import METHODS, spec_from_args
 
 IMPLS = ("te", "megatron_cp", "ring", "ulysses", "usp", "allgather", "head_context")
 OURS = IMPLS[1:]  # every impl that uses megatron-cp's adapter
@@ -45,6 +46,27 @@ def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--cp-kernel-backend", choices=("auto", "fa4", "triton", "reference"), default="auto",
                    help="attention kernels: auto (FlashAttention-4 where flash-attn-4 is installed on sm90 / "
                         "sm100, else Triton on GPUs, PyTorch reference otherwise)")
+    s = parser.add_argument_group("megatron-cp dynamic sparse attention (docs/sparse.md)")
+    s.add_argument("--cp-sparse", choices=METHODS, default="none",
+                   help="per head and q block, compute only the key blocks a selector chooses at run time, "
+                        "inside the --cp-mask envelope: moba (top-k blocks by q . mean(K); trainable from "
+                        "scratch), xattention (antidiagonal scoring, threshold), flexprefill (query-aware or "
+                        "vertical-slash per head), minference (per-head patterns from --cp-minference-config)")
+    s.add_argument("--cp-sparse-block", type=int, default=None,
+                   help="selection block in tokens (default: moba 512, others 128); divides --seq-length")
+    s.add_argument("--cp-sparse-layers", type=str, default="all",
+                   help="1-based layers that run sparse, e.g. '3-24' or '1,5,9' (default all; others dense)")
+    s.add_argument("--cp-moba-top-k", type=int, default=3, help="MoBA: key blocks per q block besides its own")
+    s.add_argument("--cp-xattn-stride", type=int, default=8, help="XAttention: antidiagonal stride (8 or 16)")
+    s.add_argument("--cp-xattn-threshold", type=str, default="0.9",
+                   help="XAttention: cumulative block mass to keep, or one value per query head (comma list)")
+    s.add_argument("--cp-flexprefill-gamma", type=float, default=0.9, help="FlexPrefill: coverage gamma")
+    s.add_argument("--cp-flexprefill-tau", type=float, default=0.1,
+                   help="FlexPrefill: Jensen-Shannon threshold between query-aware and vertical-slash")
+    s.add_argument("--cp-flexprefill-min-budget", type=int, default=None, help="FlexPrefill: min budget")
+    s.add_argument("--cp-flexprefill-max-budget", type=int, default=None, help="FlexPrefill: max budget")
+    s.add_argument("--cp-minference-config", type=str, default=None,
+                   help="MInference: per-layer, per-head pattern JSON (tools/minference_search.py)")
     return parser
 
 
@@ -96,6 +118,10 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
     spec = MaskSpec(args.cp_mask, window=args.cp_window, eod=eod, kwargs=tuple(sorted(kwargs.items())))
     if args.cp_chunk_size is not None and args.cp_chunk_size < 1:
         raise ValueError(f"--cp-chunk-size must be >= 1, got {args.cp_chunk_size}")
+    sparse = spec_from_args(args)
+    if sparse is not None and args.context_parallel_impl != "megatron_cp":
+        raise ValueError(f"--cp-sparse {sparse.method} runs with --context-parallel-impl megatron_cp, not "
+                         f"{args.context_parallel_impl}")
     return spec, PlanOptions(chunk_size=args.cp_chunk_size, topology=_topology(args.cp_topology),
                              solver=args.cp_solver, kernel_backend=args.cp_kernel_backend,
-                             strategy=args.context_parallel_impl)
+                             strategy=args.context_parallel_impl, sparse=sparse)

@@ -79,6 +79,7 @@ class PlanOptions:
     solver: str = "auto"
     kernel_backend: str = "auto"
     strategy: str = "megatron_cp"
+    sparse: object = None  # a SparseSpec (--cp-sparse): plans in whole blocks, selectors per layer
 
     def __post_init__(self):
         if self.strategy != "megatron_cp":
@@ -180,8 +181,10 @@ def _make_plan(mask, cp_size: int, options: PlanOptions):
 
     strategy = options.strategy
     if strategy == "megatron_cp":
+        # dynamic sparse attention needs whole blocks per rank and every row on its own rank
+        sparse = {} if options.sparse is None else {"block": options.sparse.block, "guest_rows": "none"}
         plan = mcp.plan(mask, cp_size, chunk_size=options.chunk_size, topology=options.topology,
-                        solver=options.solver)
+                        solver=options.solver, **sparse)
         return plan, strategy
     return plan_for(strategy, mask, cp_size, chunk_size=options.chunk_size, topology=options.topology), strategy
 
@@ -214,7 +217,8 @@ def prepare_batch(
     tok_np = tokens.detach().cpu().numpy()
     cu = document_bounds(tok_np, spec)
     key = (spec, b, S, cp_size, options, cu.tobytes() if spec.packed else b"")
-    plan_key = key[:4] + (options.chunk_size, options.topology, options.solver, options.strategy) + key[5:]
+    block = None if options.sparse is None else options.sparse.block
+    plan_key = key[:4] + (options.chunk_size, options.topology, options.solver, options.strategy, block) + key[5:]
     plan, strategy = _PLANS.get(plan_key, lambda: _make_plan(build_mask(spec, cu, b, S), cp_size, options))
     if check and cp_size > 1:
         _check_same_plan(plan, cp_group)
@@ -226,5 +230,6 @@ def prepare_batch(
 
     local_pos = take(pos)
     params = CPParams(plan=plan, position_ids=local_pos, cp_rank=cp_rank, cp_group=cp_group,
-                      kernel_backend=options.kernel_backend, strategy=strategy, qkv_format="sbhd")
+                      kernel_backend=options.kernel_backend, strategy=strategy, sparse=options.sparse,
+                      qkv_format="sbhd")
     return CPBatch(take(tokens), take(labels), take(loss_mask), local_pos, params, cu)

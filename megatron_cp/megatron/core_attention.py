@@ -115,10 +115,12 @@ class CPCoreAttention(MegatronModule):
                 f"v {tuple(value.shape)} (need equal s, b, d and Hkv dividing Hq)"
             )
         cp_rank, cp_size = self._cp_rank_size()
-        backend, strategy = "auto", "megatron_cp"
+        backend, strategy, selector = "auto", "megatron_cp", None
         if isinstance(packed_seq_params, CPParams):
             plan = packed_seq_params.plan
             backend, strategy = packed_seq_params.kernel_backend, packed_seq_params.strategy
+            if packed_seq_params.sparse is not None:
+                selector = packed_seq_params.sparse.selector(self.layer_number)
         elif packed_seq_params is None and cp_size == 1:
             # No batch hook (e.g. evaluation at CP=1): plain causal attention over the sequence.
             kind = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -143,7 +145,10 @@ class CPCoreAttention(MegatronModule):
         k = key.reshape(s, b * hkv, d)
         v = value.reshape(s, b * hkv, d)
         group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
-        if strategy == "megatron_cp":
+        if selector is not None:
+            out, _lse = mcp.sparse.sparse_attention(q, k, v, plan, group, selector, softmax_scale=self.softmax_scale,
+                                                    backend=backend)
+        elif strategy == "megatron_cp":
             out, _lse = mcp.attention(q, k, v, plan, group, softmax_scale=self.softmax_scale, backend=backend)
         else:
             from megatron_cp.baselines import get_strategy

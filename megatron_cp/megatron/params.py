@@ -29,6 +29,7 @@ class CPParams(PackedSeqParams):
     kernel_backend: megatron_cp.attention's kernel backend (auto | triton | reference)
     strategy:      megatron_cp, or a strategy of megatron_cp.baselines (ring | ulysses | usp | allgather |
                    head_context)
+    sparse:        a ``SparseSpec`` (--cp-sparse) or None: the layers' dynamic sparse selectors
     """
 
     plan: Any = None
@@ -36,6 +37,7 @@ class CPParams(PackedSeqParams):
     cp_rank: int = 0
     kernel_backend: str = "auto"
     strategy: str = "megatron_cp"
+    sparse: Any = None
 
     def __post_init__(self):
         if self.qkv_format is None:

@@ -1,0 +1,133 @@
+"""``--cp-sparse``: which dynamic sparse method runs in which layers, with its hyperparameters.
+
+A ``SparseSpec`` is hashable (it is part of the plan cache key: sparse plans lay tokens out in whole
+blocks) and builds each layer's selector once (``selector(layer_number)``; None for a dense layer).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+METHODS = ("none", "moba", "xattention", "flexprefill", "minference")
+DEFAULT_BLOCK = {"moba": 512, "xattention": 128, "flexprefill": 128, "minference": 128}
+
+
+def _parse_layers(text: str | None) -> frozenset | None:
+    """'all' / None -> None (every layer); '1-4,7' -> {1, 2, 3, 4, 7} (Megatron's 1-based numbers)."""
+    if text is None or text == "all":
+        return None
+    out = set()
+    try:
+        for part in text.split(","):
+            a, _, b = part.partition("-")
+            lo, hi = int(a), int(b or a)
+            if lo < 1 or hi < lo:
+                raise ValueError
+            out.update(range(lo, hi + 1))
+    except ValueError:
+        raise ValueError(f"--cp-sparse-layers must be 'all' or 1-based layer numbers and ranges like '1-4,7', "
+                         f"got {text!r}") from None
+    return frozenset(out)
+
+
+@dataclass(frozen=True)
+class SparseSpec:
+    """method: moba | xattention | flexprefill | minference; params: the selector's keyword arguments as
+    sorted (name, value) pairs; layers: 1-based layer numbers that run sparse (None: all);
+    config: MInference's per-layer pattern JSON."""
+
+    method: str
+    params: tuple = ()
+    layers: frozenset | None = None
+    config: str | None = None
+
+    @property
+    def block(self) -> int:
+        return dict(self.params).get("block", DEFAULT_BLOCK[self.method])
+
+    @cached_property
+    def _selectors(self) -> dict:
+        return {}
+
+    def selector(self, layer_number: int):
+        """The selector of Megatron layer ``layer_number`` (1-based), or None when it runs dense."""
+        if self.layers is not None and layer_number not in self.layers:
+            return None
+        sel = self._selectors.get(layer_number)
+        if sel is None:
+            sel = self._selectors[layer_number] = build_selector(self, layer_number)
+        return sel
+
+
+def build_selector(spec: SparseSpec, layer_number: int):
+    kw = dict(spec.params)
+    if spec.method == "moba":
+        from megatron_cp.sparse.moba import MoBA
+        return MoBA(**kw)
+    if spec.method == "xattention":
+        from megatron_cp.sparse.xattention import XAttention
+        return XAttention(**kw)
+    if spec.method == "flexprefill":
+        from megatron_cp.sparse.flexprefill import FlexPrefill
+        return FlexPrefill(**kw)
+    from megatron_cp.sparse.minference import MInference
+    return MInference.from_json(spec.config, layer_number - 1)
+
+
+def _threshold(text: str):
+    vals = [float(x) for x in text.split(",")]
+    return vals[0] if len(vals) == 1 else tuple(vals)
+
+
+def spec_from_args(args) -> SparseSpec | None:
+    """The ``SparseSpec`` of the parsed flags (None for ``--cp-sparse none``); builds every selector once
+    and runs its ``check`` so a bad hyperparameter fails at start-up, naming the flag's value."""
+    method = getattr(args, "cp_sparse", "none") or "none"
+    if method == "none":
+        return None
+    params = {}
+    if args.cp_sparse_block is not None:
+        params["block"] = args.cp_sparse_block
+    if method == "moba":
+        params["top_k"] = args.cp_moba_top_k
+    elif method == "xattention":
+        params["stride"] = args.cp_xattn_stride
+        try:
+            params["threshold"] = _threshold(args.cp_xattn_threshold)
+        except ValueError:
+            raise ValueError(f"--cp-xattn-threshold must be a number or comma-separated numbers (one per "
+                             f"query head), got {args.cp_xattn_threshold!r}") from None
+    elif method == "flexprefill":
+        params.update(gamma=args.cp_flexprefill_gamma, tau=args.cp_flexprefill_tau)
+        if args.cp_flexprefill_min_budget is not None:
+            params["min_budget"] = args.cp_flexprefill_min_budget
+        if args.cp_flexprefill_max_budget is not None:
+            params["max_budget"] = args.cp_flexprefill_max_budget
+    elif method == "minference":
+        if not args.cp_minference_config:
+            raise ValueError("--cp-sparse minference needs --cp-minference-config FILE (a pattern JSON from "
+                             "tools/minference_search.py)")
+        try:
+            json.load(open(args.cp_minference_config))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--cp-minference-config {args.cp_minference_config!r} is not a readable JSON "
+                             f"file ({e})") from None
+    spec = SparseSpec(method, tuple(sorted(params.items())), _parse_layers(args.cp_sparse_layers),
+                      args.cp_minference_config if method == "minference" else None)
+    heads, kv = getattr(args, "num_attention_heads", None), getattr(args, "num_query_groups", None)
+    seq = getattr(args, "seq_length", None)
+    if seq and seq % spec.block:
+        raise ValueError(f"--seq-length {seq} must be a multiple of the sparse block {spec.block} "
+                         f"(--cp-sparse-block)")
+    if heads:
+        kv = kv or heads
+        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+        hd = getattr(args, "kv_channels", None) or (args.hidden_size // heads if getattr(args, "hidden_size", None)
+                                                     else 128)
+        layers = spec.layers or range(1, (getattr(args, "num_layers", 1) or 1) + 1)
+        for n in layers:
+            sel = spec.selector(n)
+            sel.check(heads // tp, max(1, kv // tp), hd, seq or spec.block)
+    return spec
