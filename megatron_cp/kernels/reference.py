@@ -48,14 +48,20 @@ def _blocks(tiles: torch.Tensor, block_q: int, block_k: int):
                 )
 
 
-def _scores(qb, kb, scale, mask_bounds, k0):
-    """Scores [Hkv, G, bq, bk] of q block [bq, Hkv, G, D] against k block [bk, Hkv, D]."""
+def _scores(qb, kb, scale, mask_bounds, k0, keep=None, q0=0):
+    """Scores [Hkv, G, bq, bk] of q block [bq, Hkv, G, D] (rows q0..) against k block [bk, Hkv, D] (keys
+    k0..); cells outside the tile's bounds or, with ``keep`` (a BlockKeep), outside the selection: -inf."""
     s = torch.einsum("qhgd,khd->hgqk", qb, kb) * scale
     if mask_bounds is not None:
         lo, hi = mask_bounds
         j = torch.arange(k0, k0 + kb.shape[0])
-        keep = (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
-        s = s.masked_fill(~keep, float("-inf"))
+        keep_t = (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
+        s = s.masked_fill(~keep_t, float("-inf"))
+    if keep is not None:
+        rows = torch.arange(q0, q0 + qb.shape[0], device=keep.mask.device)
+        cols = torch.arange(k0, k0 + kb.shape[0], device=keep.mask.device)
+        sel = keep.cells(rows, cols).view(s.shape)  # [Hq, bq, bk] -> [Hkv, G, bq, bk]: q head h = (h // G, h % G)
+        s = s.masked_fill(~sel, float("-inf"))
     return s
 
 
@@ -86,15 +92,16 @@ class ReferenceBackend:
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
         return sq, hq, hkv, hq // hkv, d, accumulate_dtype(q.dtype), scale
 
-    def _forward(self, q, k, v, prepared, softmax_scale):
-        """(out [sq, Hq, D], lse [sq, Hq]) in accumulate_dtype; rows without a kept cell: 0 / -inf."""
+    def _forward(self, q, k, v, prepared, softmax_scale, keep=None):
+        """(out [sq, Hq, D], lse [sq, Hq]) in accumulate_dtype; rows without a kept cell: 0 / -inf.
+        keep: None or a BlockKeep narrowing the list per q head (checked by the caller)."""
         sq, hq, hkv, g, d, cdt, scale = self._setup(q, k, softmax_scale)
         qg = q.to(cdt).view(sq, hkv, g, d)
         kc, vc = k.to(cdt), v.to(cdt)
         acc = torch.zeros(hkv, g, sq, v.shape[-1], dtype=cdt, device=q.device)
         lse = torch.full((hkv, g, sq), float("-inf"), dtype=cdt, device=q.device)
         for q0, q1, k0, k1, bounds in prepared:
-            s = _scores(qg[q0:q1], kc[k0:k1], scale, bounds, k0)
+            s = _scores(qg[q0:q1], kc[k0:k1], scale, bounds, k0, keep, q0)
             blk_lse = torch.logsumexp(s, dim=-1)  # -inf on rows with no kept key
             p = torch.exp(s - blk_lse.unsqueeze(-1).clamp_min(torch.finfo(cdt).min))
             p = torch.nan_to_num(p, nan=0.0)
@@ -108,8 +115,12 @@ class ReferenceBackend:
             lse[..., q0:q1] = new
         return acc.permute(2, 0, 1, 3).reshape(sq, hq, v.shape[-1]), lse.permute(2, 0, 1).reshape(sq, hq)
 
-    def forward(self, q, k, v, prepared, softmax_scale=None):
-        out, lse = self._forward(q, k, v, prepared, softmax_scale)
+    def forward(self, q, k, v, prepared, softmax_scale=None, keep=None):
+        """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q's dtype), lse [sq, Hq] float32; ``keep``: None
+        or a BlockKeep (per-head block selection; ValueError when it does not fit q, k)."""
+        if keep is not None:
+            keep.check(q, k)
+        out, lse = self._forward(q, k, v, prepared, softmax_scale, keep)
         return out.to(q.dtype), lse.to(torch.float32)
 
     def forward_accumulate(self, q, k, v, prepared, softmax_scale, out, lse) -> None:
@@ -128,7 +139,7 @@ class ReferenceBackend:
         out.copy_(torch.where(take.unsqueeze(-1), merged, out))
         lse.copy_(torch.where(take, new, lse))
 
-    def _backward(self, q, k, v, out, lse, dout, prepared, softmax_scale, delta):
+    def _backward(self, q, k, v, out, lse, dout, prepared, softmax_scale, delta, keep=None):
         """(dq, dk, dv) in accumulate_dtype, shaped like q, k, v."""
         sq, hq, hkv, g, d, cdt, scale = self._setup(q, k, softmax_scale)
         qg = q.to(cdt).view(sq, hkv, g, d)
@@ -142,7 +153,7 @@ class ReferenceBackend:
         dk = torch.zeros_like(kc)
         dv = torch.zeros_like(vc)
         for q0, q1, k0, k1, bounds in prepared:
-            s = _scores(qg[q0:q1], kc[k0:k1], scale, bounds, k0)
+            s = _scores(qg[q0:q1], kc[k0:k1], scale, bounds, k0, keep, q0)
             l = lse_g[..., q0:q1].unsqueeze(-1)
             p = torch.exp(s - torch.where(torch.isinf(l), torch.zeros_like(l), l))
             p = p.masked_fill(torch.isinf(l) | torch.isinf(s), 0.0)
@@ -154,8 +165,11 @@ class ReferenceBackend:
             dk[k0:k1] += torch.einsum("hgqk,qhgd->khd", ds, qg[q0:q1])
         return dq.reshape(sq, hq, d), dk, dv
 
-    def backward(self, q, k, v, out, lse, dout, prepared, softmax_scale=None, delta=None):
-        dq, dk, dv = self._backward(q, k, v, out, lse, dout, prepared, softmax_scale, delta)
+    def backward(self, q, k, v, out, lse, dout, prepared, softmax_scale=None, delta=None, keep=None):
+        """(dq, dk, dv) in the dtypes of q, k, v; ``keep`` as in ``forward`` (the forward's selection)."""
+        if keep is not None:
+            keep.check(q, k)
+        dq, dk, dv = self._backward(q, k, v, out, lse, dout, prepared, softmax_scale, delta, keep)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     def backward_into(self, q, k, v, out, lse, dout, prepared, softmax_scale, delta, dq, dk, dv) -> None:

@@ -8,10 +8,14 @@ How a list runs is decided in ``prepare`` (the split into cuDNN pieces and a Tri
 kernels/pieces.py) and, for cuDNN, once per (device, dtype, head_dim, Hq / Hkv) by a probe
 (kernels/cudnn.py) on the first call of that family: a family cuDNN cannot run goes to the Triton
 kernels alone, and a cuDNN error after the probe is raised.
+
+A ``BlockKeep`` (``forward`` / ``backward``'s ``keep``, dynamic sparse attention) runs on the Triton kernels
+alone, over per-head schedules built on the device per call (kernels/triton_sparse.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -30,6 +34,7 @@ from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dkdv_reduce_kernel, attn_
 from .triton_delta import head_major, row_delta
 from .triton_fwd import LOG2E, attn_fwd_kernel
 from .triton_blocks import BlockSchedule, build_schedules, tile_descriptors
+from .triton_sparse import head_schedule, kernel_blocks, static_entries
 
 __all__ = ["BLOCKY_FULL_FRACTION", "DEFAULT_CONFIGS", "KernelConfig", "LONG_ROW_KEYS", "PhaseConfigs", "TritonBackend",
            "TritonConfig", "TritonPrepared", "CudnnSplit", "configs_from_json"]
@@ -152,6 +157,7 @@ class TritonPrepared:
     cudnn_bwd: CudnnSplit | None = None
     _host: dict = field(default_factory=dict)  # (bm, bn) -> (rows, cols) on cpu
     _dev: dict = field(default_factory=dict)  # (bm, bn, device) -> (desc, rows, cols)
+    _entries: dict = field(default_factory=dict)  # (bm, bn, keep block, device) -> (rows, cols) StaticEntries
 
     def schedules(self, block_m: int, block_n: int, device) -> tuple[torch.Tensor, BlockSchedule, BlockSchedule]:
         key = (block_m, block_n, str(device))
@@ -162,6 +168,21 @@ class TritonPrepared:
             rows, cols = self._host[(block_m, block_n)]
             self._dev[key] = (self.desc.to(device), rows.to(device), cols.to(device))
         return self._dev[key]
+
+    def keep_schedule(self, block_m: int, block_n: int, keep, rows: bool) -> tuple[torch.Tensor, BlockSchedule]:
+        """(desc, per-head schedule) of the row-major (``rows``) or column-major schedule narrowed by
+        ``keep`` (a BlockKeep whose block block_m and block_n divide), built on the mask's device by
+        ``triton_sparse.head_schedule``; the static parts (schedules, ``static_entries``) are cached here."""
+        dev = keep.mask.device
+        desc, r, c = self.schedules(block_m, block_n, dev)
+        key = (block_m, block_n, keep.block, str(dev))
+        if key not in self._entries:
+            hr, hc = self._host[(block_m, block_n)]
+            nkk = -(-self.seqlen_k // keep.block)
+            self._entries[key] = (static_entries(hr, block_m, keep.block, nkk, True, dev),
+                                  static_entries(hc, block_n, keep.block, nkk, False, dev))
+        s = r if rows else c
+        return desc, head_schedule(self._entries[key][0 if rows else 1], keep.mask, s.n_full, s.n_partial)
 
 
 def configs_from_json(obj: dict) -> dict:
@@ -281,8 +302,14 @@ class TritonBackend:
             found = self.cudnn_probes[key] = cudnn.probe(*key)
         return found.layout
 
-    def _kernel_config(self, phase: str, q, prepared) -> KernelConfig:
+    def _kernel_config(self, phase: str, q, prepared, keep=None) -> KernelConfig:
+        """The phase's KernelConfig; with ``keep`` its blocks reduced to divide keep.block
+        (``triton_sparse.kernel_blocks``: ValueError when they cannot)."""
         c = getattr(self.config.for_head_dim(q.shape[2], prepared.row_class, q.dtype), phase)
+        if keep is not None:
+            bm, bn = kernel_blocks(c.block_m, c.block_n, keep.block)
+            if (bm, bn) != (c.block_m, c.block_n):
+                c = dataclasses.replace(c, block_m=bm, block_n=bn)
         self.last_configs[phase] = c
         return c
 
@@ -331,17 +358,23 @@ class TritonBackend:
         return prep
 
     # -- forward ----------------------------------------------------------------------------------
-    def forward(self, q, k, v, prepared: TritonPrepared, softmax_scale=None):
-        """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q's dtype), lse [sq, Hq] float32."""
+    def forward(self, q, k, v, prepared: TritonPrepared, softmax_scale=None, keep=None):
+        """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q's dtype), lse [sq, Hq] float32.
+
+        keep: None or a BlockKeep (per-head selection, kernels/block_keep.py): then the Triton kernels run
+        per-head schedules built on the device (no cuDNN pieces: their split does not know the selection),
+        with kernel blocks that divide keep.block."""
         _check_call(q, k, v, prepared)
         scale = self._scale(softmax_scale, q)
-        split = prepared.cudnn_fwd
+        if keep is not None:
+            keep.check(q, k)
+        split = prepared.cudnn_fwd if keep is None else None
         layout = self._cudnn_layout(q, k) if split is not None else None
         if layout is None:
             self.last_path = "triton"
             out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
             lse = torch.empty(q.shape[0], q.shape[1], device=q.device, dtype=torch.float32)
-            self._forward(q, k, v, prepared, scale, out, lse, accumulate=False)
+            self._forward(q, k, v, prepared, scale, out, lse, accumulate=False, keep=keep)
             return out, lse
         self.last_path = _path(split)
         if split.whole:
@@ -426,18 +459,24 @@ class TritonBackend:
             merge_into(out[qs:qe], lse[qs:qe], o_c, l_c, o2=o_r, l2=l_r, reverse2=True, fresh=True)
         return out, lse
 
-    def _forward(self, q, k, v, prepared, scale, out, lse, accumulate):
+    def _forward(self, q, k, v, prepared, scale, out, lse, accumulate, keep=None):
         if q.shape[0] == 0:
             return
         q, k, v = _rows(q), _rows(k), _rows(v)
-        _launch_fwd(self._kernel_config("fwd", q, prepared), q, k, v, out, lse, prepared, scale, accumulate)
+        _launch_fwd(self._kernel_config("fwd", q, prepared, keep), q, k, v, out, lse, prepared, scale, accumulate,
+                    keep)
 
     # -- backward ---------------------------------------------------------------------------------
-    def backward(self, q, k, v, out, lse, dout, prepared: TritonPrepared, softmax_scale=None, delta=None):
+    def backward(self, q, k, v, out, lse, dout, prepared: TritonPrepared, softmax_scale=None, delta=None, keep=None):
         """Gradients (dq like q, dk/dv like k) from the merged lse [sq, Hq] and
-        delta [sq, Hq] float32 = rowsum(dout * out) - dlse (computed from out, dout when None)."""
+        delta [sq, Hq] float32 = rowsum(dout * out) - dlse (computed from out, dout when None).
+        keep: as in ``forward`` (Triton kernels only, per-head schedules; dK/dV without column splitting)."""
         _check_call(q, k, v, prepared)
         scale = self._scale(softmax_scale, q)
+        if keep is not None:
+            keep.check(q, k)
+            self.last_path = "triton"
+            return self._triton_backward(q, k, v, out, lse, dout, prepared, scale, delta, q.dtype, keep)
         split = prepared.cudnn_bwd
         layout = self._cudnn_layout(q, k) if split is not None else None
         # cuDNN computes delta = rowsum(dout * out) itself: usable only when the given delta is that (no LSE
@@ -471,8 +510,9 @@ class TritonBackend:
                                                               torch.float32)):
             acc += g
 
-    def _triton_backward(self, q, k, v, out, lse, dout, prepared, scale, delta, gdt):
-        """The Triton kernels' gradients of the whole of ``prepared``, of dtype ``gdt``."""
+    def _triton_backward(self, q, k, v, out, lse, dout, prepared, scale, delta, gdt, keep=None):
+        """The Triton kernels' gradients of the whole of ``prepared`` (narrowed by ``keep`` when given), of
+        dtype ``gdt``."""
         sq, hq, d = q.shape
         sk, hkv = k.shape[0], k.shape[1]
         # head-major lse / delta: the kernels' per-block row reads are then contiguous
@@ -483,9 +523,11 @@ class TritonBackend:
         dv = torch.empty(v.shape, device=v.device, dtype=gdt)
         dq = torch.empty(q.shape, device=q.device, dtype=gdt)
         if sk > 0 and hkv > 0:
-            _launch_dkdv(self._kernel_config("dkdv", q, prepared), q, k, v, dout, lse, delta, dk, dv, prepared, scale)
+            _launch_dkdv(self._kernel_config("dkdv", q, prepared, keep), q, k, v, dout, lse, delta, dk, dv, prepared,
+                         scale, keep)
         if sq > 0:
-            _launch_dq(self._kernel_config("dq", q, prepared), q, k, v, dout, lse, delta, dq, prepared, scale)
+            _launch_dq(self._kernel_config("dq", q, prepared, keep), q, k, v, dout, lse, delta, dq, prepared, scale,
+                       keep)
         return dq, dk, dv
 
     def _pieces_backward(self, q, k, v, out, lse, dout, split: CudnnSplit, scale, delta, layout, acc=None):
@@ -575,12 +617,24 @@ def _fold_add(dst, g, start: int, step: int):
 
 
 # -- launches (one KernelConfig each) --------------------------------------------------------------------
-def _launch_fwd(c: KernelConfig, q, k, v, out, lse, prepared: TritonPrepared, scale: float, accumulate: bool):
+def _head_strides(s: BlockSchedule) -> tuple[int, int]:
+    """(sched_stride_b, sched_stride_e) of a per-head schedule: the head strides of ptr and off."""
+    return s.ptr.stride(0), s.off.stride(0)
+
+
+def _launch_fwd(c: KernelConfig, q, k, v, out, lse, prepared: TritonPrepared, scale: float, accumulate: bool,
+                keep=None):
     """Forward kernel with config c: q [sq, Hq, D], k/v [sk, Hkv, D] (unit stride along D), out [sq, Hq, D]
-    (q's dtype or float32) and lse [sq, Hq] float32 written, or merged into when ``accumulate``."""
+    (q's dtype or float32) and lse [sq, Hq] float32 written, or merged into when ``accumulate``; ``keep``
+    (BlockKeep or None): per-head row schedules (not with ``accumulate``)."""
     sq, hq, d = q.shape
     sk, hkv = k.shape[0], k.shape[1]
-    desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
+    if keep is None:
+        desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
+        sb = se = 0
+    else:
+        desc, rows = prepared.keep_schedule(c.block_m, c.block_n, keep, rows=True)
+        sb, se = _head_strides(rows)
     # an accumulating launch leaves rows without tiles as they are: it skips their (empty) blocks;
     # a writing launch visits every block (rows without tiles get out 0, lse -inf)
     nm = rows.n_busy if accumulate else rows.order.shape[1]
@@ -591,7 +645,7 @@ def _launch_fwd(c: KernelConfig, q, k, v, out, lse, prepared: TritonPrepared, sc
     attn_fwd_kernel[(nm * hq,)](
         q, k, v, out, lse, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), 0, 0,
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), sb, se,
         sq, sk, hq, scale * LOG2E,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         ACCUM=accumulate, IEEE=q.dtype == torch.float32, TMA=tma,
@@ -599,13 +653,20 @@ def _launch_fwd(c: KernelConfig, q, k, v, out, lse, prepared: TritonPrepared, sc
     )
 
 
-def _launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared: TritonPrepared, scale: float):
+def _launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared: TritonPrepared, scale: float,
+                 keep=None):
     """dK/dV kernels (and the fixed-order reduce of split key columns) with config c: q/dout [sq, Hq, D],
     k/v [sk, Hkv, D] (sk, Hkv > 0), lse/delta [sq, Hq] float32 of one layout (head-major views in
-    backward(), contiguous rows also work); dk/dv like k, written."""
+    backward(), contiguous rows also work); dk/dv like k, written. ``keep`` (BlockKeep or None): per-head
+    column schedules, each q head of a kv group walking its own list; one work item per k block."""
     sq, hq, d = q.shape
     sk, hkv = k.shape[0], k.shape[1]
-    desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
+    if keep is None:
+        desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
+        sb = se = 0
+    else:
+        desc, cols = prepared.keep_schedule(c.block_m, c.block_n, keep, rows=False)
+        sb, se = _head_strides(cols)
     w = cols.work
     tma = _use_tma(c, q)
     qd, dod = (_descriptor(x, c.block_m) for x in (q, dout)) if tma else (q, dout)
@@ -619,7 +680,7 @@ def _launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared: T
         w.n, w.seg, w.nseg, w.slot, wk, wv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        lse.stride(0), lse.stride(1), 0, 0,
+        lse.stride(0), lse.stride(1), sb, se,
         sq, sk, hkv, scale * LOG2E, scale,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         IEEE=q.dtype == torch.float32, TMA=tma,
@@ -633,11 +694,17 @@ def _launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared: T
         )
 
 
-def _launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, prepared: TritonPrepared, scale: float):
-    """dQ kernel with config c: shapes as _launch_dkdv (sq > 0); dq like q, written."""
+def _launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, prepared: TritonPrepared, scale: float, keep=None):
+    """dQ kernel with config c: shapes as _launch_dkdv (sq > 0); dq like q, written; ``keep``: per-head row
+    schedules."""
     sq, hq, d = q.shape
     sk, hkv = k.shape[0], k.shape[1]
-    desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
+    if keep is None:
+        desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
+        sb = se = 0
+    else:
+        desc, rows = prepared.keep_schedule(c.block_m, c.block_n, keep, rows=True)
+        sb, se = _head_strides(rows)
     nm = rows.order.shape[1]
     tma = _use_tma(c, q)
     kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
@@ -645,7 +712,7 @@ def _launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, prepared: TritonP
         q, k, v, dout, lse, delta, dq, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), lse.stride(1),
-        0, 0, sq, sk, hq, scale * LOG2E, scale,
+        sb, se, sq, sk, hq, scale * LOG2E, scale,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         IEEE=q.dtype == torch.float32, TMA=tma,
         num_warps=c.num_warps, num_stages=c.num_stages,

@@ -27,8 +27,9 @@ Column-major schedule (dK/dV), per k block ``n``: the transpose, holding q token
 blocks with no entry come last (``n_busy`` of them are not), so a launch that must leave untouched
 rows as they are (an accumulating forward) runs over ``order[:n_busy]`` only.
 
-Every array has a leading head axis (size 1 today: all heads share one schedule); the kernels take its
-stride, so per-head block lists (dynamic sparse attention) can later be passed without kernel changes.
+Every array has a leading head axis (size 1 here: all heads share one schedule); the kernels take its
+stride, so per-head block lists (dynamic sparse attention, ``triton_sparse.head_schedule``) run on the same
+kernels.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class BlockSchedule:
     """One direction's block lists for a fixed (block_m, block_n).
 
     ptr [H, nb+1], mid [H, nb], order [H, nb]: int32 (nb = number of blocks along the major axis);
-    off [H, E] int32 token offset of the minor block; tile [H, E] int32 descriptor row. H is 1 today.
+    off [H, E] int32 token offset of the minor block; tile [H, E] int32 descriptor row. H is 1 here (Hq in
+    ``triton_sparse.head_schedule``).
     """
 
     ptr: torch.Tensor

@@ -128,7 +128,7 @@ def attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for g in range(GROUP):
         h = hk * GROUP + g
-        # per-head schedule rows (stride 0 today: one schedule shared by all heads)
+        # this q head's own schedule row (stride 0 when all heads share one; per-head lists under BlockKeep)
         p0 = tl.load(PTR + h * sched_stride_b + n)
         p1 = tl.load(PTR + h * sched_stride_b + n + 1)
         mid = tl.load(MID + h * sched_stride_b + n)
