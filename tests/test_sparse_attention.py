@@ -103,7 +103,10 @@ def test_pattern_selection_exact_under_cp(world, chunk):
         want = getattr(ref, name)
         fin = torch.isfinite(want)
         assert torch.equal(torch.isfinite(got), fin), name
-        torch.testing.assert_close(got[fin], want[fin], rtol=1e-10, atol=1e-10, msg=name)
+        # out is exact in fp64; lse is float32 by the backend protocol, and the backward recomputes the
+        # probabilities from it, so lse and the gradients carry float32 rounding of lse (|lse| < 10)
+        tol = 1e-10 if name == "out" else 2e-6
+        torch.testing.assert_close(got[fin], want[fin], rtol=tol, atol=tol, msg=name)
     # each rank's selection is the single-process selection of its blocks
     for r in ranks:
         assert np.array_equal(r["keep"], keep[:, r["q_blocks"]].numpy())
@@ -111,3 +114,45 @@ def test_pattern_selection_exact_under_cp(world, chunk):
     got_rows = sum(r["stats"]["blocks_received"] for r in ranks) * B
     dense_rows = sum(r["dense_rows"] for r in ranks)
     assert 0 < got_rows < dense_rows
+
+
+def _single(mask, **kw):
+    plan = mcp.plan(mask, 1, **kw)
+    t = _tensors()
+    return plan, t["q"], t["k"], t["v"]
+
+
+def test_bad_input_raises_before_any_collective():
+    from megatron_cp.sparse.layout import check_plan
+
+    mask = _mask()
+    # a plan cut at document ends (40, 100, 180) is not in whole blocks of 16
+    with pytest.raises(ValueError, match="whole blocks of 16"):
+        check_plan(mcp.plan(mask, 2, solver="documents"), B)
+    check_plan(mcp.plan(mask, 2, solver="documents", block=B), B)
+    plan, q, k, v = _single(mask, block=B, guest_rows="none")
+    with pytest.raises(ValueError, match="density"):
+        mcp.sparse.sparse_attention(q, k, v, plan, None, Pattern(density=1.5), backend="reference")
+    with pytest.raises(ValueError, match="Selector"):
+        mcp.sparse.sparse_attention(q, k, v, plan, None, object(), backend="reference")
+    with pytest.raises(ValueError, match="block=24"):
+        mcp.plan(mask, 2, block=24)
+    heavy = mcp.masks.causal(S)
+    gplan = mcp.plan(heavy, 4, block=B, guest_rows=np.array([[S - 16, S]]))
+    assert gplan.has_guests
+    with pytest.raises(ValueError, match="guest_rows='none'"):
+        check_plan(gplan, B)
+
+
+def test_single_process_matches_reference():
+    sel = Pattern(density=0.3, seed=3)
+    t = _tensors(1)
+    keep, ref = _reference(sel, t)
+    plan = mcp.plan(_mask(), 1, block=B, guest_rows="none")
+    q, k, v = (t[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    out, lse = mcp.sparse.sparse_attention(q, k, v, plan, None, sel, backend="reference")
+    torch.testing.assert_close(out, ref.out, rtol=1e-10, atol=1e-10)
+    ((out * t["dout"]).sum() + (torch.where(torch.isinf(lse), 0.0, lse) * t["dlse"]).sum()).backward()
+    for name, g in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        torch.testing.assert_close(g, getattr(ref, name), rtol=2e-6, atol=2e-6, msg=name)
+    assert keep.any() and not keep.all()

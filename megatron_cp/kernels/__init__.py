@@ -14,6 +14,7 @@ imports the rest of megatron_cp, so it can be tested and benchmarked on its own.
 
 from ..kinds import Kind
 from . import merge, pieces
+from .block_keep import BlockKeep, block_classes
 from .fa4_backend import FA4Backend, fa4_unavailable
 from .protocol import Backend, accumulate_dtype
 from .reference import ReferenceBackend
@@ -25,6 +26,8 @@ from .triton_blocks import kept_area
 
 __all__ = [
     "Backend",
+    "BlockKeep",
+    "block_classes",
     "accumulate_dtype",
     "Kind",
     "FULL",
