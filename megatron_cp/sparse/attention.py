@@ -155,12 +155,15 @@ def sparse_attention(
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     keep = _select(selector, q, k, st, grp)
     dev: exchange.DeviceLayout = st["dev"]
-    r = exchange.route(keep.any(1).any(0), dev, grp)
-    kbuf, vbuf = exchange.GatherBlocks.apply(r, dev, grp, k, v)
+    if st["layout"].identity:  # nothing to move or place: the kernels skip unselected blocks
+        r, kbuf, vbuf = None, k, v
+    else:
+        r = exchange.route(keep.any(1).any(0), dev, grp)
+        kbuf, vbuf = exchange.GatherBlocks.apply(r, dev, grp, k, v)
     bk = BlockKeep(keep[:, :, dev.env_ids].contiguous(), selector.block)
     out, lse = _SparseKernel.apply(q, kbuf, vbuf, bk, st["prepared"], be, scale)
     if stats is not None:
-        stats["blocks_received"] = r.blocks_received
+        stats["blocks_received"] = 0 if r is None else r.blocks_received
         stats["blocks_selected"] = int(keep.sum())
         stats["blocks_envelope"] = int((st["envelope"] > 0).sum()) * q.shape[1]
     return out, lse

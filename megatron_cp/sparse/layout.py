@@ -42,6 +42,11 @@ class SparseLayout:
     traps: np.ndarray
 
     @property
+    def identity(self) -> bool:
+        """The buffer is the local K/V itself (one rank holding every block its rows need, in order)."""
+        return len(self.env_ids) == len(self.q_blocks) and bool((self.env_ids == self.q_blocks).all())
+
+    @property
     def nq(self) -> int:
         return len(self.q_blocks)
 
