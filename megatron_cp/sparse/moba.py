@@ -1,0 +1,136 @@
+"""MoBA: Mixture of Block Attention (Lu et al. 2025, "MoBA: Mixture of Block Attention for Long-Context
+LLMs", arXiv:2502.13189). Published defaults: block (``moba_chunk_size``) 512, top-k 3.
+
+Gating is parameter free: the key blocks are scored by the dot product of the query with the mean-pooled
+keys of each block, the top-k blocks are kept, and the query's own block is always computed (with its
+static mask inside). Here the gate is taken per q block (mean of the block's queries . mean of each key
+block's keys, i.e. the mean over the block's queries of the paper's per-token gate) because the kernels
+select whole block pairs; the candidates are the blocks of the static mask's envelope other than the
+q block's own one, and ``top_k`` counts those candidates (the own block comes on top of them).
+
+Context parallelism: the pooled key of block ``g`` is computed by the owner of ``g`` from its own tokens,
+written into a zero [nb, Hkv, D] tensor and summed over the group (``view.combine``: each entry written by
+exactly one rank, so the sum is exact). Every reduction whose operand size depends on how many blocks a
+rank holds (the token means, the dot products over D) is an elementwise pairwise fold (``tree_sum``), so
+each value is the same sequence of floating-point operations on every layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .selector import check_block
+from .view import SelectionView
+
+
+def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over ``dim`` (removed) by pairwise elementwise folds: the order of additions depends only on the
+    length of ``dim``, never on the other dimensions or the device's reduction heuristics."""
+    dim = dim % x.dim()
+    while x.shape[dim] > 1:
+        n = x.shape[dim]
+        h = n // 2
+        y = x.narrow(dim, 0, h) + x.narrow(dim, h, h)
+        if n % 2:
+            y = torch.cat([y, x.narrow(dim, 2 * h, 1)], dim)
+        x = y
+    return x.squeeze(dim)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 inputs, else float32 (gates and pooled keys are accumulated in it)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def block_means(x: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """x [n*block, H, D] -> [n, H, D] in ``dtype``: the mean of each block's rows by ``tree_sum``, converted
+    in chunks of blocks so the upcast copy stays small (chunking does not change any value)."""
+    n = x.shape[0] // block
+    xb = x.reshape(n, block, *x.shape[1:])
+    out = torch.empty(n, *x.shape[1:], dtype=dtype, device=x.device)
+    c = max(1, (1 << 24) // max(1, xb[0].numel()))
+    for s in range(0, n, c):
+        out[s:s + c] = tree_sum(xb[s:s + c].to(dtype), 1) / block
+    return out
+
+
+def check_heads(name: str, num_q_heads, num_kv_heads, head_dim) -> None:
+    """ValueError unless the head counts / head size are positive ints with Hq a multiple of Hkv."""
+    for what, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: {what} must be a positive int, got {v!r}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{name}: num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+
+
+@dataclass(frozen=True)
+class MoBA:
+    """MoBA selector: per q head and q block, the ``top_k`` envelope key blocks (own block excluded) with the
+    highest gate (mean query of the q block . mean key of the key block; q head h reads kv head
+    h // (Hq / Hkv)), plus the own block when it is in the envelope. Ties: lower block id first.
+
+    ``block``: tokens per block (default 512, the paper's); ``top_k``: gated blocks per q block (default 3).
+    """
+
+    block: int = 512
+    top_k: int = 3
+    name: ClassVar[str] = "moba"
+
+    def check(self, num_q_heads: int, num_kv_heads: int, head_dim: int, seqlen: int) -> None:
+        """ValueError naming the bad value (block, top_k, head counts); no collective."""
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"MoBA: top_k must be a positive int, got {self.top_k!r}")
+        check_block("MoBA", self.block, seqlen)
+        check_heads("MoBA", num_q_heads, num_kv_heads, head_dim)
+
+    # -- the two halves of ``select``: owner-side summary, then the local selection ------------------------
+
+    def summaries(self, k: torch.Tensor, view: SelectionView) -> torch.Tensor:
+        """This rank's contribution to the pooled keys: [nb, Hkv, D] (float32, float64 for float64 k), the
+        mean key of each local block at its global id, 0 elsewhere. ``view.combine`` of it is the pooled
+        keys of every block (each entry written by its owner only)."""
+        b, nb = self.block, view.num_blocks
+        pooled = block_means(k, b, acc_dtype(k.dtype))  # [nq, Hkv, D]
+        out = torch.zeros(nb, *pooled.shape[1:], dtype=pooled.dtype, device=pooled.device)
+        out[view.q_blocks] = pooled
+        return out
+
+    def gates(self, q: torch.Tensor, pooled: torch.Tensor, view: SelectionView) -> torch.Tensor:
+        """Gate scores [Hq, nq, nb] (pooled's dtype): mean query of each local q block . pooled key of each
+        global block, through the q head's kv head. q [nq*B, Hq, D]; pooled [nb, Hkv, D] (combined)."""
+        nq = view.q_blocks.numel()
+        hq, hkv = q.shape[1], pooled.shape[1]
+        qm = block_means(q, self.block, pooled.dtype)  # [nq, Hq, D]
+        kp = pooled.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, nb, D]
+        qm = qm.transpose(0, 1)  # [Hq, nq, D]
+        out = torch.empty(hq, nq, view.num_blocks, dtype=pooled.dtype, device=pooled.device)
+        # the dot product over D is a fold of [Hq, c, nb, D] products: chunked over q blocks to bound memory
+        # (any chunking gives the same values: every operation is elementwise)
+        c = max(1, (1 << 24) // max(1, hq * view.num_blocks * qm.shape[-1]))
+        for s in range(0, nq, c):
+            out[:, s:s + c] = tree_sum(qm[:, s:s + c, None, :] * kp[:, None], -1)
+        return out
+
+    def select_from(self, q: torch.Tensor, pooled: torch.Tensor, view: SelectionView) -> torch.Tensor:
+        """keep bool [Hq, nq, nb] from the local queries q [nq*B, Hq, D] and the combined pooled keys
+        [nb, Hkv, D] (``view.combine(self.summaries(k, view))``)."""
+        gate = self.gates(q, pooled, view)
+        hq, nq, nb = gate.shape
+        env = view.envelope > 0  # [nq, nb]
+        diag = torch.arange(nb, device=env.device)[None, :] == view.q_blocks[:, None]  # own block
+        cand = (env & ~diag)[None].expand(hq, nq, nb)
+        # descending gate, ties by lower block id: a stable ascending sort of the negated gate
+        key = torch.where(cand, -gate, torch.full_like(gate, float("inf")))
+        order = torch.sort(key, dim=-1, stable=True).indices[..., : min(self.top_k, nb)]
+        keep = torch.zeros(hq, nq, nb, dtype=torch.bool, device=env.device)
+        keep.scatter_(-1, order, True)
+        keep &= cand  # fewer candidates than top_k: the filler picks are not candidates
+        return keep | (diag & env)[None]
+
+    def select(self, q: torch.Tensor, k: torch.Tensor, view: SelectionView) -> torch.Tensor:
+        """q [nq*B, Hq, D], k [nq*B, Hkv, D] (this rank's blocks, local order) -> keep bool [Hq, nq, nb].
+        One all-reduce of [nb, Hkv, D] (``view.combine``); no host synchronisation."""
+        return self.select_from(q, view.combine(self.summaries(k, view)), view)
