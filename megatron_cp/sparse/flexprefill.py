@@ -1,0 +1,381 @@
+"""FlexPrefill: per head, query-aware or vertical-slash block selection (Lai et al., "FlexPrefill: A
+Context-Aware Sparse Attention Mechanism for Efficient Long-Sequence Inference", ICLR 2025;
+github.com/bytedance/FlexPrefill).
+
+Published defaults (README / ``flex_prefill_attention``): ``block_size=128``, ``gamma=0.9``,
+``tau=0.1``, ``min_budget=512`` tokens, ``max_budget=None``. Same here.
+
+Per query head ``h`` (GQA: q head ``h`` reads kv head ``h // (Hq // Hkv)``, Megatron's grouping):
+
+1. Estimation queries: the rows of the last block of the sequence (global block ``nb - 1``; for packed
+   documents that is the *last document's* last block, so the estimate describes that document's head
+   behaviour and is applied to every document). Their attention over all keys, masked by the envelope
+   of those rows, gives ``P [B, S]``.
+2. "True" block distribution ``a[kb]`` = sum of ``P`` over the key block's columns, averaged over the
+   rows; estimate ``e = softmax_kb(mean-pooled last-block query . mean-pooled keys)`` over the last
+   row's envelope blocks (scaled by 1/sqrt(D)). Jensen-Shannon *distance* (natural log, the square root
+   of the divergence, as published) ``js(e, a) < tau``: query-aware head, else vertical-slash head.
+3. Query-aware: for every local q block, ``softmax`` over its envelope blocks of pooled q . pooled k;
+   the candidates are the smallest set of blocks reaching ``gamma`` of the mass.
+   Vertical-slash: from ``P``, column mass (vertical, per key token) and diagonal mass (slash, per offset
+   ``o = i - j``); the smallest set of columns and of diagonals reaching ``gamma`` each; a block pair is
+   a candidate when it contains a kept column or a cell of a kept diagonal (block granularity: the
+   kernel intersects with the cell mask anyway).
+4. Budget: the number of key blocks kept per (head, q block), *including the diagonal block*, is
+   clamped to ``[ceil(min_budget / B), ceil(max_budget / B)]`` (budgets in tokens as published) and to
+   the envelope blocks of the row. Blocks are ranked (diagonal block first, then candidates, then the
+   other envelope blocks; inside each class by score: the query-aware probability, or the vertical
+   mass of the key block plus the slash mass of the block diagonal; ties by block id) and the first
+   ``n`` kept. The diagonal block is always kept.
+
+Deviations from the published code, and why: (a) query-aware coverage is per q block (published: one
+``gamma * nb`` cover over the whole flattened block matrix), which needs no global sort across ranks;
+(b) the published method counts tokens of the vertical / slash cover and then keeps that many *blocks*
+(``// 128 + 1``) of block-summed mass; here the covers are per token column / diagonal and converted to
+block pairs exactly (what the paper describes); (c) query-aware heads do not also get ``min_budget``
+vertical / slash blocks; instead the budget clamp fills any row up to ``min_budget`` with its best
+blocks; (d) the envelope (packed documents, windows) masks the estimation rows and every softmax.
+
+Context parallelism (docs/sparse.md). ``select = select_from(q, summaries(q, k, view), view)``:
+
+- ``summaries`` is the owner-side step with the collectives, four rounds of small all-reduces:
+  (1) ``combine``: the last-block queries (their owner writes them, other ranks zeros), the last row's
+  envelope classes, the mean-pooled keys ``[nb, Hkv, D]`` (each block by its owner);
+  (2) ``combine_max``: the global row max of the estimation scores (each rank scores its own key blocks
+  against the broadcast queries); (3) ``combine``: per key block partial sums of ``exp(s - max)``
+  ``[nb, Hq, L]``, summed over the global ``nb`` axis; (4) ``combine``: column masses ``[nb, Hq, B]``
+  and per key block diagonal masses ``[nb, Hq, L + B - 1]``, folded over a global-length offset axis.
+- ``select_from`` is local: it reads only the combined summaries and this rank's queries.
+
+Every quantity reduced inside a block (pooling, scores, per-block sums) is computed block by block with
+the same shapes on every layout (a Python loop over local blocks: GEMM / reduction kernels are chosen by
+shape, so batching a layout-dependent number of blocks could change rounding); every reduction across
+blocks runs over a global-length axis. The selection with CP = 2, 4, 8 therefore equals the
+single-process one bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .selector import check_block, check_fraction
+from .view import SelectionView
+
+NEG = float("-inf")
+
+
+# --------------------------------------------------------------------------------------------------
+# shared helpers (also used by MInference)
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 inputs stay float64 (tests); everything else selects in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def local_index(view: SelectionView) -> torch.Tensor:
+    """long [nb]: local block index of each global block on this rank, -1 where another rank owns it."""
+    nq = view.q_blocks.shape[0]
+    loc = torch.full((view.num_blocks,), -1, dtype=torch.long, device=view.device)
+    loc[view.q_blocks] = torch.arange(nq, device=view.device)
+    return loc
+
+
+def combine_parts(fn, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Apply one collective ``fn`` (``view.combine``) to several tensors of one dtype at once."""
+    flat = torch.cat([p.reshape(-1) for p in parts])
+    out = fn(flat)
+    res, o = [], 0
+    for p in parts:
+        res.append(out[o:o + p.numel()].view(p.shape))
+        o += p.numel()
+    return res
+
+
+def cells(traps: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """bool [R, C]: does the mask (``traps`` long [n, 6], ``AttnMask.traps``) keep cell (rows[r], cols[c])
+    (global positions). On the device, no host synchronisation (the loop runs over trap chunks, a
+    shape)."""
+    i, j = rows[:, None], cols[None, :]
+    out = torch.zeros(rows.shape[0], cols.shape[0], dtype=torch.bool, device=rows.device)
+    n = traps.shape[0]
+    step = max(1, (1 << 24) // max(1, rows.shape[0] * cols.shape[0]))
+    for a in range(0, n, step):
+        t = traps[a:a + step, :, None, None]
+        q0, q1, la, ls, ha, hs = t.unbind(1)
+        out |= ((i >= q0) & (i < q1) & (j >= la + ls * i) & (j < ha + hs * i)).any(0)
+    return out
+
+
+def block_means(x: torch.Tensor, block: int, dt: torch.dtype) -> torch.Tensor:
+    """[nq, H, D] mean of each block of ``x`` [nq*B, H, D] (block by block: same shapes on every
+    layout)."""
+    nq = x.shape[0] // block
+    xb = x.view(nq, block, *x.shape[1:])
+    if nq == 0:
+        return torch.zeros(0, *x.shape[1:], dtype=dt, device=x.device)
+    return torch.stack([xb[c].to(dt).mean(0) for c in range(nq)])
+
+
+def pooled_keys(k: torch.Tensor, view: SelectionView, dt: torch.dtype) -> torch.Tensor:
+    """Partial [nb, Hkv, D]: this rank's blocks' mean keys at their global ids, zeros elsewhere (to be
+    ``combine``d: each block written by its owner)."""
+    out = torch.zeros(view.num_blocks, *k.shape[1:], dtype=dt, device=k.device)
+    out[view.q_blocks] = block_means(k, view.block, dt)
+    return out
+
+
+def pooled_scores(qv: torch.Tensor, kp: torch.Tensor) -> torch.Tensor:
+    """[Hq, nb]: ``qv`` [Hq, D] (one pooled query per head) . ``kp`` [nb, Hkv, D] (GQA grouping)."""
+    hq, d = qv.shape
+    hkv = kp.shape[1]
+    return torch.matmul(qv.view(hkv, hq // hkv, d), kp.permute(1, 2, 0)).reshape(hq, -1)
+
+
+def cover(x: torch.Tensor, gamma: float) -> torch.Tensor:
+    """bool like ``x`` [..., n] (non-negative): the smallest set of entries of the last axis whose mass
+    reaches ``gamma`` of the row's total (descending; ties by index; zero entries never kept)."""
+    v, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    cs = torch.cumsum(v, -1)
+    excl = torch.cat([torch.zeros_like(cs[..., :1]), cs[..., :-1]], -1)
+    keep = (excl < gamma * cs[..., -1:]) & (v > 0)
+    return torch.zeros_like(keep).scatter(-1, idx, keep)
+
+
+def top_n(score: torch.Tensor, prio: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """bool like ``score`` [..., nb]: the first ``n`` [...] entries ranked by ``prio`` (int, descending),
+    then ``score`` (descending), then index (ascending)."""
+    o1 = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    o2 = torch.sort(prio.gather(-1, o1), dim=-1, descending=True, stable=True).indices
+    order = o1.gather(-1, o2)
+    rank_ok = torch.arange(score.shape[-1], device=score.device) < n[..., None]
+    return torch.zeros_like(rank_ok).scatter(-1, order, rank_ok)
+
+
+def diag_sums(x: torch.Tensor) -> torch.Tensor:
+    """[..., L + B - 1]: sums of ``x`` [..., L, B] along its diagonals, entry ``d = r - c + B - 1``."""
+    *lead, l, b = x.shape
+    y = torch.nn.functional.pad(x.flip(-1), (0, l))  # row r shifted right by r after the re-view below
+    y = y.reshape(*lead, l * (b + l))[..., : l * (b + l - 1)].reshape(*lead, l, b + l - 1)
+    return y.sum(-2)
+
+
+def last_rows_summaries(q: torch.Tensor, k: torch.Tensor, view: SelectionView, rows: int, dt: torch.dtype,
+                        extra: list[torch.Tensor] = ()) -> dict:
+    """Owner-side attention statistics of the last ``rows`` queries of the sequence over all keys.
+
+    q [nq*B, Hq, D], k [nq*B, Hkv, D] (this rank). Returns (all combined, identical on every rank):
+    ``qe`` [L, Hq, D] the queries; ``vertical`` [Hq, S] column mass (mean over the rows of the
+    envelope-masked softmax); ``slash`` [Hq, S + L - 1] diagonal mass, entry ``o + L - 1`` for offset
+    ``o = i - j``; ``extra``: the given partial tensors (dtype ``dt``), combined in round 1.
+    Four collectives: combine, combine_max, combine, combine.
+    """
+    b, nb, s = view.block, view.num_blocks, view.seqlen
+    nq = q.shape[0] // b
+    hq, d = q.shape[1:]
+    hkv = k.shape[1]
+    g = hq // hkv
+    L = rows
+    dev = q.device
+    scale = 1.0 / math.sqrt(d)
+    # round 1: the estimation rows' queries from their owners (zeros elsewhere), plus the extras
+    loc = local_index(view)
+    pos = s - L + torch.arange(L, device=dev)
+    li = loc[pos // b]
+    qrow = q.view(nq, b, hq, d)[li.clamp(min=0), pos % b] if nq else torch.zeros(L, hq, d, dtype=q.dtype, device=dev)
+    qe_part = torch.where((li >= 0)[:, None, None], qrow.to(dt), torch.zeros((), dtype=dt, device=dev))
+    qe, *ext = combine_parts(view.combine, [qe_part, *extra])
+    # round 2: each rank scores its own key blocks (block by block: same GEMM shapes on every layout)
+    qs = (qe * scale).view(L, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * L, d)
+    kb = k.view(nq, b, hkv, d)
+    keep = cells(view.traps, pos, view.q_positions()).view(L, nq, b).permute(1, 0, 2)  # [nq, L, B]
+    sc = [torch.matmul(qs, kb[c].to(dt).permute(1, 2, 0)).view(hq, L, b) for c in range(nq)]
+    sc = torch.stack(sc) if nq else torch.zeros(0, hq, L, b, dtype=dt, device=dev)
+    sc = sc.masked_fill(~keep[:, None], NEG)
+    mloc = sc.amax(dim=(0, 3)) if nq else torch.full((hq, L), NEG, dtype=dt, device=dev)
+    m = view.combine_max(mloc)  # exact in any order
+    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=dt, device=dev))  # rows with no key
+    # round 3: per key block partial sums of exp(s - max), summed over the global block axis
+    p = torch.exp(sc - m[None, :, :, None])
+    zpart = torch.zeros(nb, hq, L, dtype=dt, device=dev)
+    if nq:
+        zpart[view.q_blocks] = torch.stack([p[c].sum(-1) for c in range(nq)])
+    z = view.combine(zpart).sum(0)
+    z = torch.where(z > 0, z, torch.ones((), dtype=dt, device=dev))
+    # round 4: column masses and per (key block, local diagonal) masses of the normalised rows
+    p = p / z[None, :, :, None]
+    cpart = torch.zeros(nb, hq, b, dtype=dt, device=dev)
+    dpart = torch.zeros(nb, hq, L + b - 1, dtype=dt, device=dev)
+    if nq:
+        cpart[view.q_blocks] = torch.stack([p[c].sum(1) for c in range(nq)]) / L
+        dpart[view.q_blocks] = torch.stack([diag_sums(p[c]) for c in range(nq)]) / L
+    col, dia = combine_parts(view.combine, [cpart, dpart])
+    vertical = col.permute(1, 0, 2).reshape(hq, s)
+    # fold: block kb's local diagonal dd sits at offset index (nb-1-kb)*B + dd; chunks of B entries of
+    # the flipped blocks tile the axis without overlap, summed chunk by chunk in a fixed order
+    w = L + b - 1
+    mm = -(-w // b)
+    rev = torch.nn.functional.pad(dia.flip(0), (0, mm * b - w)).view(nb, hq, mm, b)
+    slash = torch.zeros(nb + mm - 1, hq, b, dtype=dt, device=dev)
+    for t in range(mm):
+        slash = slash + torch.nn.functional.pad(rev[:, :, t], (0, 0, 0, 0, t, mm - 1 - t))
+    slash = slash.permute(1, 0, 2).reshape(hq, -1)[:, : s + L - 1]
+    return {"qe": qe, "vertical": vertical, "slash": slash, "extra": ext}
+
+
+def vertical_slash_blocks(colkeep: torch.Tensor, slashkeep: torch.Tensor, view: SelectionView, rows: int,
+                          slash_mass: torch.Tensor | None = None):
+    """Block pairs holding a kept column / a cell of a kept diagonal.
+
+    colkeep bool [Hq, S]; slashkeep bool [Hq, S + L - 1] (entry ``o + L - 1``). Returns bool
+    [Hq, nq, nb] and, when ``slash_mass`` [Hq, S + L - 1] is given, float [Hq, nq, nb]: the slash mass
+    of the block pair's offsets ``(qb - kb) * B +- (B - 1)``.
+    """
+    b, nb, s = view.block, view.num_blocks, view.seqlen
+    hq = colkeep.shape[0]
+    L = rows
+    colblk = colkeep.view(hq, nb, b).any(-1)
+
+    def windows(x):  # x [Hq, S + L - 1] on offsets -> [Hq, 2nb - 1] per block diagonal delta = qb - kb
+        full = torch.zeros(hq, 2 * s + 2 * b, dtype=x.dtype, device=x.device)
+        full[:, s + b - (L - 1): s + b + s] = x  # index o + S + B
+        return full[:, b + 1:].unfold(-1, 2 * b - 1, b)[:, : 2 * nb - 1].sum(-1)
+
+    delta = view.q_blocks[:, None] - torch.arange(nb, device=view.device)[None, :] + nb - 1  # [nq, nb]
+    sd = windows(slashkeep.to(torch.int32)) > 0
+    blk = colblk[:, None, :] | sd[:, delta]
+    if slash_mass is None:
+        return blk
+    return blk, windows(slash_mass)[:, delta]
+
+
+def diagonal_blocks(view: SelectionView) -> torch.Tensor:
+    """bool [nq, nb]: each local q block's own key block."""
+    return view.q_blocks[:, None] == torch.arange(view.num_blocks, device=view.device)[None, :]
+
+
+def check_heads(name: str, num_q_heads, num_kv_heads, head_dim) -> None:
+    for what, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: {what} must be a positive int, got {v!r}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{name}: num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+
+
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FlexPrefill:
+    """FlexPrefill selector (see the module doc).
+
+    block: tokens per block (128); gamma: attention coverage in (0, 1] (0.9); tau: Jensen-Shannon
+    distance threshold in [0, 1] below which a head is query-aware (0.1); min_budget / max_budget:
+    tokens (None: no bound; 512 / None as published), converted to ``ceil(budget / block)`` key blocks
+    per (head, q block), the diagonal block included.
+    """
+
+    name: ClassVar[str] = "flexprefill"
+    block: int = 128
+    gamma: float = 0.9
+    tau: float = 0.1
+    min_budget: int | None = 512
+    max_budget: int | None = None
+
+    def __post_init__(self):
+        self._check_params()
+
+    def _check_params(self) -> None:
+        n = self.name
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"{n}: block must be a positive int, got {self.block!r}")
+        check_fraction(n, "gamma", self.gamma)
+        check_fraction(n, "tau", self.tau, closed_low=True)
+        for what, v, low in (("min_budget", self.min_budget, 0), ("max_budget", self.max_budget, 1)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ValueError(f"{n}: {what} must be None or an int >= {low} (tokens), got {v!r}")
+        if self.min_budget is not None and self.max_budget is not None and self.max_budget < self.min_budget:
+            raise ValueError(f"{n}: max_budget {self.max_budget} is below min_budget {self.min_budget}")
+
+    def check(self, num_q_heads: int, num_kv_heads: int, head_dim: int, seqlen: int) -> None:
+        """ValueError naming the bad hyperparameter / value (no collective)."""
+        self._check_params()
+        check_block(self.name, self.block, seqlen)
+        check_heads(self.name, num_q_heads, num_kv_heads, head_dim)
+
+    def _budget_blocks(self, nb: int) -> tuple[int, int]:
+        b = self.block
+        lo = 0 if self.min_budget is None else -(-self.min_budget // b)
+        hi = nb if self.max_budget is None else max(1, -(-self.max_budget // b))
+        return lo, hi
+
+    def summaries(self, q: torch.Tensor, k: torch.Tensor, view: SelectionView) -> dict:
+        """Owner-side step (collectives: combine, combine_max, combine, combine). q [nq*B, Hq, D],
+        k [nq*B, Hkv, D]. Returns, identical on every rank: ``qe`` [B, Hq, D] last-block queries,
+        ``env_last`` [nb] the last q block's envelope classes, ``kp`` [nb, Hkv, D] pooled keys,
+        ``vertical`` [Hq, S], ``slash`` [Hq, S + B - 1] (float32, float64 for float64 inputs)."""
+        dt = compute_dtype(q.dtype)
+        loc = local_index(view)
+        li = loc[view.num_blocks - 1]
+        env_row = view.envelope[li.clamp(min=0)].to(dt) if view.envelope.shape[0] else \
+            torch.zeros(view.num_blocks, dtype=dt, device=q.device)
+        env_last = torch.where(li >= 0, env_row, torch.zeros((), dtype=dt, device=q.device))
+        r = last_rows_summaries(q, k, view, self.block, dt, [env_last, pooled_keys(k, view, dt)])
+        return {"qe": r["qe"], "env_last": r["extra"][0], "kp": r["extra"][1], "vertical": r["vertical"],
+                "slash": r["slash"]}
+
+    def head_kinds(self, sm: dict, view: SelectionView) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query_aware bool [Hq], js distance [Hq]) from the summaries (identical on every rank)."""
+        hq, d = sm["qe"].shape[1:]
+        nb, b = view.num_blocks, view.block
+        est = pooled_scores(sm["qe"].mean(0) / math.sqrt(d), sm["kp"])
+        est = torch.softmax(est.masked_fill(~(sm["env_last"] > 0)[None], NEG), -1).nan_to_num(0.0)
+        true = sm["vertical"].view(hq, nb, b).sum(-1)
+        mid = (est + true) / 2
+
+        def kl(p):
+            return torch.where(p > 0, p * torch.log(p / mid), torch.zeros((), dtype=p.dtype, device=p.device)).sum(-1)
+
+        js = torch.sqrt((0.5 * kl(est) + 0.5 * kl(true)).clamp(min=0))
+        return js < self.tau, js
+
+    def select_from(self, q: torch.Tensor, sm: dict, view: SelectionView) -> torch.Tensor:
+        """Local step: keep bool [Hq, nq, nb] from this rank's q [nq*B, Hq, D] and ``summaries``."""
+        b, nb = view.block, view.num_blocks
+        nq = q.shape[0] // b
+        hq, d = q.shape[1:]
+        dt = sm["kp"].dtype
+        dev = q.device
+        env = view.envelope > 0
+        qa_head, _ = self.head_kinds(sm, view)
+        # query-aware: pooled q . pooled k per local q block, softmax over the envelope blocks
+        qp = block_means(q, b, dt) / math.sqrt(d)
+        lg = torch.stack([pooled_scores(qp[c], sm["kp"]) for c in range(nq)], 1) if nq else \
+            torch.zeros(hq, 0, nb, dtype=dt, device=dev)
+        pa = torch.softmax(lg.masked_fill(~env[None], NEG), -1).nan_to_num(0.0)
+        cand_qa = cover(pa, self.gamma)
+        # vertical-slash: covers of columns and diagonals of the last block's attention
+        L = b
+        colkeep = cover(sm["vertical"], self.gamma)
+        slashkeep = cover(sm["slash"], self.gamma)
+        cand_vs, smass = vertical_slash_blocks(colkeep, slashkeep, view, L, sm["slash"])
+        vmass = sm["vertical"].view(hq, nb, b).sum(-1)
+        score_vs = vmass[:, None, :] + smass
+        qa = qa_head[:, None, None]
+        cand = torch.where(qa, cand_qa, cand_vs)
+        score = torch.where(qa, pa, score_vs)
+        # budget: diagonal block, then candidates, then the other envelope blocks
+        diag = diagonal_blocks(view)[None] & env[None]
+        envh = env[None].expand(hq, nq, nb)
+        prio = envh.to(torch.int32) + (cand & envh).to(torch.int32) + 2 * diag.to(torch.int32)
+        count = ((cand & envh) | diag).sum(-1)
+        lo, hi = self._budget_blocks(nb)
+        n = torch.minimum(count.clamp(min=lo, max=hi), envh.sum(-1))
+        n = torch.maximum(n, diag.sum(-1))
+        return top_n(score, prio, n) & envh
+
+    def select(self, q: torch.Tensor, k: torch.Tensor, view: SelectionView) -> torch.Tensor:
+        """keep bool [Hq, nq, nb] (docs/sparse.md); ``select_from(q, summaries(q, k, view), view)``."""
+        return self.select_from(q, self.summaries(q, k, view), view)
