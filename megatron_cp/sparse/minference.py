@@ -34,7 +34,8 @@ Deviations from the published method: the forced columns / diagonals come on top
 granularity they cost at most one sink block and two block diagonals per row, while the published
 floors would make every vertical-slash head near-dense at short lengths; block granularity (the
 kernels compute whole blocks of the selection; MInference's vertical-slash kernel works per token
-column / diagonal); the diagonal block is always kept (so that no row is left without keys); block-sparse uses the selector's block, not 64.
+column / diagonal); the diagonal block is always kept (so that no row is left without keys);
+block-sparse uses the selector's block, not 64.
 
 Context parallelism: ``select = select_from(q, summaries(q, k, view), view)``; ``summaries`` runs the
 collectives only for the kinds present in the layer (static): vertical-slash heads need the last-rows
