@@ -13,7 +13,8 @@ Triton). Each JSON row (one per method and S) holds:
 
     kept_blocks          selected (head, q block, key block) pairs / the envelope's pairs (x Hq)
     kept_cells           cells of the selected pairs that the envelope keeps / the envelope's cells (x Hq)
-    select_ms            select_blocks alone (the selector and its view), forward only
+    select_ms            the selection alone: selector.select on the one-process view (single_view; what
+                         select_blocks runs at CP = 1), forward only
     fwd_ms, bwd_ms       sparse_attention: selection + block gather + kernel; backward = autograd through it
     attn_fwd_ms          fwd_ms - select_ms: the attention part of the call
     kernel_fwd_ms/_bwd   the backend's forward / backward with the run's BlockKeep on the layout's prepared
@@ -70,6 +71,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar, table, timer
 from progress import Progress, markdown_table  # noqa: E402
@@ -83,7 +85,8 @@ from megatron_cp import kernels  # noqa: E402
 from megatron_cp.kernels.block_keep import BlockKeep  # noqa: E402
 from megatron_cp.masks import catalog  # noqa: E402
 from megatron_cp.masks.draw import block_grid  # noqa: E402
-from megatron_cp.sparse import select_blocks, sparse_attention, sparse_layout  # noqa: E402
+from megatron_cp.runtime import plan_cache, resolve_backend  # noqa: E402
+from megatron_cp.sparse import single_view, sparse_attention, sparse_layout  # noqa: E402
 from megatron_cp.sparse.draw import block_mass, draw_selection  # noqa: E402
 
 METHODS = ("moba", "xattention", "flexprefill", "minference")
@@ -370,32 +373,62 @@ def dense_case(mask, t: dict, be, clock: Clock) -> dict:
             "cells": cells, "tflops_fwd": flops / kf / 1e9, "tflops_bwd": 2.5 * flops / kb / 1e9, "out": out}
 
 
-def sparse_case(method, sel, mask, t: dict, be, clock: Clock, dense: dict, args) -> dict:
+def sparse_plan(mask, block: int, cache: dict):
+    """The one-rank sparse plan of ``mask`` at ``block``, one per (mask, block) in ``cache``: the sparse
+    runtime keeps its layout and prepared tiles with the plan object (built on the host on first use:
+    seconds at 128k tokens), so methods of one block share them."""
+    key = (id(mask), block)
+    if key not in cache:
+        plan = mcp.plan(mask, 1, guest_rows="none", block=block)
+        if not np.array_equal(plan.local_ids(0), np.arange(plan.seqlen)):  # CP = 1 keeps global order
+            raise RuntimeError("a one-rank plan reordered the tokens")
+        cache[key] = (mask, plan)  # the mask held too: its id stays unique while cached
+    return cache[key][1]
+
+
+def runtime_layout(plan, block: int, be, device):
+    """(SparseLayout, prepared tiles) exactly as sparse_attention ran them: from the runtime's per-plan
+    cache when its entry is there (megatron_cp/sparse/attention.py's _state key), else built here."""
+    bkey, _ = resolve_backend(be, device)
+    st = plan_cache(plan).get(("sparse", 0, block, str(device), bkey))
+    if st is not None and "layout" in st and "prepared" in st:
+        return st["layout"], st["prepared"]
+    lay = sparse_layout(plan, 0, block)
+    return lay, be.prepare(lay.tiles, lay.nq * block, lay.ne * block)
+
+
+def sparse_case(method, sel, mask, t: dict, be, clock: Clock, dense: dict, args, plans: dict) -> dict:
     """One method at one S: selection, the sparse call, its kernel alone, against ``dense``."""
     s, hq, d = t["q"].shape
     B = sel.block
-    plan = mcp.plan(mask, 1, guest_rows="none", block=B)
-    if not np.array_equal(plan.local_ids(0), np.arange(s)):  # CP = 1 keeps global order: no dispatch needed
-        raise RuntimeError("a one-rank plan reordered the tokens")
+    plan = sparse_plan(mask, B, plans)
     scale = 1.0 / math.sqrt(d)
     q, k = t["q"], t["k"]
-    keep = select_blocks(q, k, plan, None, sel)  # [Hq, nb, nb]: q blocks in global order at CP = 1
-    select_ms, _ = clock(lambda: select_blocks(q, k, plan, None, sel))
+    # the selection alone: what select_blocks runs at CP = 1 (the selector on the one-process view; the
+    # view is static and built once, outside the timing)
+    sel.check(hq, k.shape[1], d, s)
+    view = single_view(mask, B, k)
+    env = view.envelope > 0
+    with torch.no_grad():
+        keep = sel.select(q, k, view) & env[None]  # [Hq, nb, nb]: q blocks in global order at CP = 1
+        select_ms, _ = clock(lambda: sel.select(q, k, view))
     stats = {}
     with torch.no_grad():
         sparse_attention(q, k, t["v"], plan, None, sel, backend=be, stats=stats)
+    if stats["blocks_selected"] != int(keep.sum()):  # the runtime selected what the view gave
+        raise RuntimeError(f"sparse_attention selected {stats['blocks_selected']} blocks, the selector on "
+                           f"single_view {int(keep.sum())}")
     f, b, out = time_api(lambda q_, k_, v_: sparse_attention(q_, k_, v_, plan, None, sel, backend=be), t, clock)
 
     # the kernel alone: the layout's tile list over (rows, key buffer) narrowed by this selection; at CP = 1
     # the buffer holds the envelope's key blocks in ascending order (all of them for causal and documents)
-    lay = sparse_layout(plan, 0, B)
+    lay, prep = runtime_layout(plan, B, be, q.device)
     ids = torch.as_tensor(lay.env_ids, dtype=torch.long, device=q.device)
     kbuf, vbuf = t["k"], t["v"]
     if lay.ne != s // B:
         rows = (ids[:, None] * B + torch.arange(B, device=q.device)).reshape(-1)
         kbuf, vbuf = kbuf[rows], vbuf[rows]
     bk = BlockKeep(keep[:, :, ids].contiguous(), B)
-    prep = be.prepare(lay.tiles, lay.nq * B, lay.ne * B)
     kf, kb, path = time_kernel(be, prep, t, kbuf, vbuf, scale, bk, clock)
 
     grid = torch.as_tensor(block_grid(mask.traps, s, s, B), device=q.device)
@@ -419,11 +452,11 @@ def sparse_case(method, sel, mask, t: dict, be, clock: Clock, dense: dict, args)
     r["tflops_ratio_ok"] = min(r["tflops_ratio_fwd"], r["tflops_ratio_bwd"]) >= RATIO_TARGET
     r.update(row_errors(out, dense["out"]))
     if args.png and args.png_done.get(method) is None:
-        r["recall"] = draw_case(method, sel, mask, t, keep, plan, args)
+        r["recall"] = draw_case(method, sel, mask, t, keep, env, args)
     return r
 
 
-def draw_case(method, sel, mask, t: dict, keep, plan, args) -> dict:
+def draw_case(method, sel, mask, t: dict, keep, env, args) -> dict:
     """selection_<method>_S<S>.png: the selection of --png-heads beside dense attention's block mass;
     returns {head: recall} (the dense mass the selection keeps)."""
     s, hq = t["q"].shape[:2]
@@ -431,7 +464,6 @@ def draw_case(method, sel, mask, t: dict, keep, plan, args) -> dict:
     # default: the first q head of each of the first K/V heads, one per structure kind
     heads = [h for h in (args.png_heads or [j * (hq // hkv) for j in range(min(len(STRUCTURE_KINDS), hkv))]) if h < hq]
     dense = block_mass(t["q"], t["k"], sel.block, heads, mask, rows_per_block=args.png_rows)
-    env = sparse_layout(plan, 0, sel.block).envelope
     path = os.path.join(args.out, f"selection_{method}_S{s}.png")
     draw_selection(keep, path, heads=heads, dense=dense, envelope=env,
                    title=f"{selector_label(sel)}  S={s}  {args.envelope} envelope, {args.inputs} inputs")
@@ -513,6 +545,11 @@ def plot(meta: dict, rows: list, path: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+def save(path: str, meta: dict, rows: list) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": rows}, f, indent=1, default=str)  # describe() may hold dtypes
+
+
 def fa4_version():
     try:
         return importlib.metadata.version("flash-attn-4")
@@ -545,8 +582,8 @@ def parse_args(argv=None):
     ap.add_argument("--flexprefill-max-budget", type=int, default=None, help="tokens (default: FlexPrefill's)")
     ap.add_argument("--minference-config", default=None,
                     help="MInference pattern JSON (tools/minference_search.py); default: bench_sparse's stand-in")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per measurement (FA4 compiles on the first)")
+    ap.add_argument("--iters", type=int, default=5, help="timed steps per measurement (medians)")
     ap.add_argument("--png", action="store_true",
                     help="also draw each method's selection at the first S beside dense attention's mass")
     ap.add_argument("--png-heads", type=int, nargs="+", default=None,
@@ -594,10 +631,12 @@ def main(argv=None):
             "inputs": args.inputs, "warmup": args.warmup, "iters": args.iters,
             "timing": "medians; CUDA: Timer.held (GPU time behind a held stream); CPU: wall clock",
             "flops": "fwd 4*D*kept cells (sum over heads), bwd 2.5x; dense: 4*Hq*D*envelope cells",
-            "backend": {"name": getattr(be, "name", type(be).__name__)}}
+            "backend": {"name": getattr(be, "name", type(be).__name__)},
+            "selection_png": args.png_done}  # filled as the pictures are drawn
     if args.inputs == "model":
         meta.update(qkv=args.qkv, layer=args.layer)
     rows = []
+    path = os.path.join(args.out, f"bench_sparse{args.tag}.json")
     bar = Progress(len(args.seqlens) * (1 + len(args.methods)), "bench_sparse", verbose=args.verbose)
     clock = Clock(device, args.warmup, args.iters)
     for s in args.seqlens:
@@ -607,6 +646,7 @@ def main(argv=None):
                                  "q_heads_per_kv_head": args.heads // args.kv_heads}
         meta.update(Hq=t["q"].shape[1], Hkv=t["k"].shape[1], D=t["q"].shape[2])
         mask = make_envelope(args.envelope, s)
+        plans = {}
         bar.running(f"S={s} dense")
         try:
             dense = dense_case(mask, t, be, clock)
@@ -614,37 +654,37 @@ def main(argv=None):
                      f"kernel {dense['tflops_fwd']:.0f} / {dense['tflops_bwd']:.0f} TFLOP/s")
         except Exception as e:  # noqa: BLE001  (record, go on with the next length)
             bar.note(f"S={s} dense: {type(e).__name__}: {e}")
-            rows += [{"method": m, "S": s, "error": f"dense: {type(e).__name__}: {str(e)[:200]}"}
-                     for m in args.methods]
+            rows += [{"method": m, "S": s, "error": f"dense: {type(e).__name__}: {str(e)[:200]}",
+                      "traceback": traceback.format_exc()[-3000:]} for m in args.methods]
+            save(path, meta, rows)
             bar.step(n=1 + len(args.methods))
             continue
         for method in args.methods:
             bar.running(f"S={s} {method}")
             try:
                 sel = make_selector(method, args, t["q"].shape[1], t["k"].shape[1])
-                r = sparse_case(method, sel, mask, t, be, clock, dense, args)
+                r = sparse_case(method, sel, mask, t, be, clock, dense, args, plans)
                 line = (f"S={s:7d} {method:11s} kept {100 * r['kept_blocks']:5.1f}% fwd {r['fwd_ms']:.2f} ms "
                         f"(x{r['speedup_fwd']:.2f}) bwd {r['bwd_ms']:.2f} ms (x{r['speedup_bwd']:.2f}) "
                         f"TFLOP/s ratio {r['tflops_ratio_fwd']:.2f} / {r['tflops_ratio_bwd']:.2f} "
                         f"err {r['out_rel_err']:.2e} kernel {r['kernel_path']}")
             except Exception as e:  # noqa: BLE001  (record, keep going: e.g. out of memory)
-                r = {"method": method, "S": s, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                r = {"method": method, "S": s, "error": f"{type(e).__name__}: {str(e)[:200]}",
+                     "traceback": traceback.format_exc()[-3000:]}
                 line = f"S={s:7d} {method:11s} ERR {r['error']}"
                 bar.note(line)
             rows.append(r)
+            save(path, meta, rows)  # after every case: a run cut short keeps what it measured
             bar.step(line)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        del t, dense
+        del t, dense, plans
         if device.type == "cuda":
             torch.cuda.empty_cache()
     bar.close()
     if hasattr(be, "describe"):
         meta["backend"]["describe"] = be.describe()  # after the runs: the fallbacks it took
-    meta["selection_png"] = args.png_done
-    path = os.path.join(args.out, f"bench_sparse{args.tag}.json")
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=1, default=str)
+    save(path, meta, rows)
     print("wrote", path)
     plot(meta, rows, os.path.join(args.out, f"bench_sparse{args.tag}.png"))
     for p in args.png_done.values():
