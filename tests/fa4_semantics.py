@@ -12,10 +12,12 @@ What it models, and asserts where FA4 would be silently wrong:
   out 0 and lse -inf; ``out`` / ``lse`` / ``dq`` / ``dk`` / ``dv`` given are written in place;
 - the backward uses the given (merged) out and lse: P = exp(s - lse), D = rowsum(dO O) - dlse.
 
-- block-sparse calls (dense layout, batch 1): ``block_sparse_tensors`` (mask_cnt, mask_idx, full_cnt,
-  full_idx, block_size; heads and batch broadcast) list per q-block (forward) or, transposed, per k-block
-  (backward) the blocks to compute; full ones keep every cell, partial ones the cells ``mask_mod`` keeps
-  (here ``interval_mask``: the row's key intervals in ``aux_tensors[0]``).
+- block-sparse calls (dense layout, batch 1): ``block_sparse_tensors`` (mask_cnt [1, H, R], mask_idx
+  [1, H, R, C], full_cnt, full_idx, block_size) list per q-block (forward) or, transposed, per k-block
+  (backward) the blocks to compute; ``H`` is 1 (broadcast over heads) or the number of QUERY heads (per-head
+  lists; GQA: query head h reads K/V head h // (Hq // Hkv), as FA4's block_sparsity normalisation takes
+  ``num_head = q.shape[-2]``); full ones keep every cell, partial ones the cells ``mask_mod`` keeps (here
+  ``interval_mask``: the row's key intervals in ``aux_tensors[0]``, or ``band_mask``).
 
 Stricter than FA4 on one point: rows and keys outside the call's sequences are overwritten with NaN in
 every output buffer, so a caller that reads what a call does not own fails.
@@ -87,25 +89,32 @@ def interval_mask(rows, cols, aux_tensors):
     return keep
 
 
-def _block_keep(lists, mask_mod, aux, sq, sk, transposed):
-    """Kept cells [sq, sk] of block-sparse lists (per q-block, or per k-block when ``transposed``)."""
+def _block_keep(lists, mask_mod, aux, sq, sk, heads, transposed):
+    """Kept cells [H, sq, sk] of block-sparse lists (per q-block, or per k-block when ``transposed``); H is
+    the lists' head axis: 1 (broadcast) or ``heads`` (the query heads)."""
     bq, bk = lists.block_size
+    hb = lists.mask_cnt.shape[1]
+    assert hb in (1, heads), f"lists' head axis {hb} is neither 1 nor the {heads} query heads"
     for t in (lists.mask_cnt, lists.mask_idx, lists.full_cnt, lists.full_idx):
-        assert t.dtype == torch.int32 and t.shape[:2] == (1, 1), "lists are int32 [1, 1, ...] (broadcast)"
+        assert t.dtype == torch.int32 and t.shape[:2] == (1, hb), "lists are int32 [1, H, ...], one H for all"
     n_rows = -(-(sk if transposed else sq) // (bk if transposed else bq))
     n_cols = -(-(sq if transposed else sk) // (bq if transposed else bk))
     assert lists.mask_cnt.shape[2] == n_rows and lists.mask_idx.shape[2:] == (n_rows, n_cols)
-    keep = torch.zeros(sq, sk, dtype=torch.bool)
+    assert lists.full_cnt.shape[2] == n_rows and lists.full_idx.shape[2:] == (n_rows, n_cols)
+    keep = torch.zeros(hb, sq, sk, dtype=torch.bool)
     rows_all, cols_all = torch.arange(sq), torch.arange(sk)
-    for full, (cnt, idx) in ((True, (lists.full_cnt, lists.full_idx)), (False, (lists.mask_cnt, lists.mask_idx))):
-        for i in range(n_rows):
-            js = idx[0, 0, i, :int(cnt[0, 0, i])].tolist()
-            assert js == sorted(set(js)), "block indices ascend, no repeats"
-            for j in js:
-                m, n = (j, i) if transposed else (i, j)
-                r, c = rows_all[m * bq:(m + 1) * bq], cols_all[n * bk:(n + 1) * bk]
-                assert not keep[r[0]:r[-1] + 1, c[0]:c[-1] + 1].any(), "block listed twice"
-                keep[r[0]:r[-1] + 1, c[0]:c[-1] + 1] = True if full else mask_mod(r, c, aux)
+    for h in range(hb):
+        for full, (cnt, idx) in ((True, (lists.full_cnt, lists.full_idx)), (False, (lists.mask_cnt, lists.mask_idx))):
+            for i in range(n_rows):
+                c_i = int(cnt[0, h, i])
+                assert 0 <= c_i <= n_cols, f"count {c_i} out of [0, {n_cols}]"
+                js = idx[0, h, i, :c_i].tolist()
+                assert js == sorted(set(js)) and all(0 <= j < n_cols for j in js), "block indices ascend, no repeats"
+                for j in js:
+                    m, n = (j, i) if transposed else (i, j)
+                    r, c = rows_all[m * bq:(m + 1) * bq], cols_all[n * bk:(n + 1) * bk]
+                    assert not keep[h, r[0]:r[-1] + 1, c[0]:c[-1] + 1].any(), "block listed twice"
+                    keep[h, r[0]:r[-1] + 1, c[0]:c[-1] + 1] = True if full else mask_mod(r, c, aux)
     return keep
 
 
@@ -154,7 +163,7 @@ def fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k
     blocks = None
     if block_sparse_tensors is not None:
         assert dense and q.shape[0] == 1 and not causal and window_size_left is None and window_size_right is None
-        blocks = _block_keep(block_sparse_tensors, mask_mod, aux_tensors, q.shape[1], k.shape[1], False)
+        blocks = _block_keep(block_sparse_tensors, mask_mod, aux_tensors, q.shape[1], k.shape[1], q.shape[2], False)
     qf, kf, vf, segs_q, segs_k, bsz = _as_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     if not dense:
         segs_q = _segments(qf.shape[0], cu_seqlens_q, seqused_q, "q", strict=True)
@@ -175,7 +184,7 @@ def fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k
         ks = kf[ka:ka + sk].double().repeat_interleave(g, 1)
         vs = vf[ka:ka + sk].double().repeat_interleave(g, 1)
         s = torch.einsum("ihd,jhd->hij", qs, ks) * scale
-        s = s.masked_fill(~(_keep(sq, sk, left, right) if blocks is None else blocks)[None], float("-inf"))
+        s = s.masked_fill(~(_keep(sq, sk, left, right)[None] if blocks is None else blocks), float("-inf"))
         ls = torch.logsumexp(s, -1)
         p = torch.where(torch.isfinite(ls)[..., None], torch.exp(s - ls[..., None]), torch.zeros_like(s))
         o[qa:qa + sq] = torch.einsum("hij,jhd->ihd", p, vs)
@@ -207,7 +216,7 @@ def bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, 
     if block_sparse_tensors is not None:
         assert dense and q.shape[0] == 1 and not causal and window_size_left is None and window_size_right is None
         assert not deterministic, "FA4's sm90 block-sparse backward is not deterministic"
-        blocks = _block_keep(block_sparse_tensors, mask_mod, aux_tensors, q.shape[1], k.shape[1], True)
+        blocks = _block_keep(block_sparse_tensors, mask_mod, aux_tensors, q.shape[1], k.shape[1], q.shape[2], True)
     qf, kf, vf, segs_q, segs_k, bsz = _as_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     of, dof = (out.flatten(0, 1), dout.flatten(0, 1)) if dense else (out, dout)
     if dense:
@@ -235,7 +244,7 @@ def bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, 
         os_, dos = of[qa:qa + sq].double(), dof[qa:qa + sq].double()
         ls = lf[:, qa:qa + sq].double()
         s = torch.einsum("ihd,jhd->hij", qs, ks) * scale
-        keep = (_keep(sq, sk, left, right) if blocks is None else blocks)[None]
+        keep = _keep(sq, sk, left, right)[None] if blocks is None else blocks
         p = torch.where(keep & torch.isfinite(ls)[..., None], torch.exp(s - ls[..., None]), torch.zeros_like(s))
         dp = torch.einsum("ihd,jhd->hij", dos, vs)
         dd = (dos * os_).sum(-1).t()

@@ -16,6 +16,11 @@ cannot run goes to the Triton backend per phase, with the reason kept in ``descr
 ``last_path`` - never silently: the reasons are decided from (device, dtype, head_dim) up front.
 The per-list device metadata (cu_seqlens, seqused) is built once per (list, device) and cached in the
 prepared object; no call synchronises with the host.
+
+With a ``BlockKeep`` (``keep``, dynamic sparse attention) each direction is ONE FA4 block-sparse call with
+per-query-head lists built on the device per call (``fa4_sparse.py``); what that call cannot run (fp32,
+keep blocks not multiples of 128, rows with more than two key intervals on partial blocks, head_dim > 128
+in the backward, the deterministic backward) goes to the Triton backend's ``keep`` path, with the reason.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from . import fa4_sparse
 from .fa4_calls import BLOCK, MASK_INTERVALS, Fa4Calls, fa4_calls
 from .merge import merge_into
 from .protocol import accumulate_dtype, check_running
@@ -161,6 +167,13 @@ class Fa4Prepared:
     head_dims: tuple
     _device: dict = field(default_factory=dict)  # (device, direction) -> [Run]
     _triton: object = None  # the Triton fallback's prepared list, built on first fallback
+    _sparse: object = None  # fa4_sparse.SparseStatic, built on the first call with a BlockKeep
+
+    def sparse(self) -> "fa4_sparse.SparseStatic":
+        """The list's per-head block-sparse static part (host, built once)."""
+        if self._sparse is None:
+            self._sparse = fa4_sparse.sparse_static(self.tiles.numpy(), self.seqlen_q, self.seqlen_k)
+        return self._sparse
 
     @property
     def seqlen_q(self) -> int:
@@ -297,8 +310,11 @@ class FA4Backend:
         else:
             f(q, k, v, softmax_scale=scale, return_lse=True, out=out, lse=lse_hm, **run.kw)
 
-    def forward(self, q, k, v, prepared: Fa4Prepared, softmax_scale=None):
-        """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q's dtype), lse [sq, Hq] float32."""
+    def forward(self, q, k, v, prepared: Fa4Prepared, softmax_scale=None, keep=None):
+        """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q's dtype), lse [sq, Hq] float32.
+        keep: None or a BlockKeep (per-head block selection): one per-head block-sparse FA4 call."""
+        if keep is not None:
+            return self._sparse_forward(q, k, v, prepared, softmax_scale, keep)
         if self._fallback("fwd", q, prepared) is not None:
             return self.triton.forward(q, k, v, self._triton_prepared(prepared), softmax_scale)
         _check_call(q, k, v, prepared)
@@ -371,8 +387,11 @@ class FA4Backend:
             dlse_hm = ((dout.to(cdt) * out.to(cdt)).sum(-1) - delta.to(cdt)).t().contiguous()
         return lse_hm, dlse_hm
 
-    def backward(self, q, k, v, out, lse, dout, prepared: Fa4Prepared, softmax_scale=None, delta=None):
-        """Gradients (dq like q, dk/dv like k) from the merged out / lse [sq, Hq] (and delta, protocol)."""
+    def backward(self, q, k, v, out, lse, dout, prepared: Fa4Prepared, softmax_scale=None, delta=None, keep=None):
+        """Gradients (dq like q, dk/dv like k) from the merged out / lse [sq, Hq] (and delta, protocol).
+        keep: as in ``forward`` (the same selection)."""
+        if keep is not None:
+            return self._sparse_backward(q, k, v, out, lse, dout, prepared, softmax_scale, delta, keep)
         if self._fallback("bwd", q, prepared) is not None:
             return self.triton.backward(q, k, v, out, lse, dout, self._triton_prepared(prepared), softmax_scale, delta)
         _check_call(q, k, v, prepared)
@@ -431,6 +450,57 @@ class FA4Backend:
                 for a, b in _minus(span, key_gaps):
                     dk[a:b] += gk[a:b]
                     dv[a:b] += gv[a:b]
+
+    # -- per-head block-sparse (BlockKeep) ------------------------------------------------------------
+    def _sparse_fallback(self, phase: str, q, k, v, prepared: Fa4Prepared, keep) -> str | None:
+        """Check the call and ``keep``; why ``phase`` with ``keep`` runs on Triton (recorded), or None."""
+        _check_call(q, k, v, prepared)
+        keep.check(q, k)
+        dtypes = self._functions.dtypes if self._functions is not None else (torch.float16, torch.bfloat16)
+        why = fa4_sparse.input_reason(phase, q, keep, dtypes, self.config.deterministic)
+        what = f"{q.dtype} d{q.shape[-1]} block {keep.block}"
+        if why is None:  # the inputs suit FA4: the list's static part decides
+            why, what = prepared.sparse().reason, "list"
+        if why is None:
+            self.last_path = "fa4 (per-head block-sparse)"
+            return None
+        self.fallbacks[f"{phase} keep {what}"] = why
+        self.last_path = f"triton ({why})"
+        return why
+
+    def _sparse_forward(self, q, k, v, prepared: Fa4Prepared, softmax_scale, keep):
+        if self._sparse_fallback("fwd", q, k, v, prepared, keep) is not None:
+            return self.triton.forward(q, k, v, self._triton_prepared(prepared), softmax_scale, keep=keep)
+        static = prepared.sparse()
+        sq, hq, _ = q.shape
+        cdt = accumulate_dtype(q.dtype)
+        if static.empty:  # no tile keeps a cell
+            return torch.zeros(q.shape, device=q.device, dtype=q.dtype), torch.full(
+                (sq, hq), float("-inf"), device=q.device, dtype=cdt)
+        run = Run(True, fa4_sparse.call_kwargs(static, keep, "fwd", self.functions), ((0, sq),), ((0, k.shape[0]),))
+        # the block-sparse call is dense-layout: FA4 writes every row (out 0 / lse -inf where nothing is kept)
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        lse_hm = torch.empty(hq, sq, device=q.device, dtype=cdt)
+        self._run_fwd(q, k, v, run, self._scale(softmax_scale, q), out, lse_hm)
+        return out, lse_hm.t().contiguous()
+
+    def _sparse_backward(self, q, k, v, out, lse, dout, prepared: Fa4Prepared, softmax_scale, delta, keep):
+        if self._sparse_fallback("bwd", q, k, v, prepared, keep) is not None:
+            return self.triton.backward(q, k, v, out, lse, dout, self._triton_prepared(prepared), softmax_scale,
+                                        delta, keep=keep)
+        static = prepared.sparse()
+        if static.empty:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        run = Run(True, fa4_sparse.call_kwargs(static, keep, "bwd", self.functions), ((0, q.shape[0]),),
+                  ((0, k.shape[0]),))
+        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        dk = torch.empty(k.shape, device=q.device, dtype=k.dtype)
+        dv = torch.empty(v.shape, device=q.device, dtype=v.dtype)
+        lse_hm, dlse_hm = self._head_major(lse, out, dout, delta)
+        # FA4 writes every row and key (zeros for k blocks no q block of a head reaches)
+        self._run_bwd(q, k, v, out.contiguous(), dout.contiguous(), lse_hm, dlse_hm, run,
+                      self._scale(softmax_scale, q), dq, dk, dv)
+        return dq, dk, dv
 
 
 def _minus(span, gaps):
