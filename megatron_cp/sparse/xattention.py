@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import torch
 
-from .moba import acc_dtype, check_heads
+from .moba import acc_dtype, check_heads, tree_sum
 from .selector import check_block, check_fraction
 from .view import SelectionView
 
@@ -56,6 +56,33 @@ def envelope_cells(view: SelectionView, rows: torch.Tensor, stride: int) -> torc
     return diff.cumsum(1)[:, :ncols] > 0
 
 
+def exclusive_prefix_sum(x: torch.Tensor) -> torch.Tensor:
+    """Exclusive prefix sum along the last dim by Hillis-Steele doubling (elementwise adds): the order of
+    additions depends only on the length of the last dim, not on the other dims or the device."""
+    n = x.shape[-1]
+    y = torch.cat([torch.zeros_like(x[..., :1]), x[..., :-1]], -1)
+    step = 1
+    while step < n:
+        y = torch.cat([y[..., :step], y[..., step:] + y[..., :-step]], -1)
+        step *= 2
+    return y
+
+
+def scores(qm: torch.Tensor, kt: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
+    """alpha * qm @ kt in ``dtype``: qm [b, m, k], kt [b, k, n]. Half-precision inputs on CUDA write float32
+    straight from the GEMM (``out_dtype``, no rounding of the scores to half precision); elsewhere the
+    product is in the inputs' dtype, then converted."""
+    shape = (qm.shape[0], qm.shape[1], kt.shape[2])
+    if qm.is_cuda and qm.dtype in (torch.float16, torch.bfloat16) and dtype == torch.float32:
+        try:
+            return torch.baddbmm(torch.empty(shape, dtype=dtype, device=qm.device), qm, kt, beta=0, alpha=alpha,
+                                 out_dtype=dtype)
+        except (RuntimeError, TypeError):  # a PyTorch without baddbmm(out_dtype=)
+            pass
+    out = torch.baddbmm(torch.empty(shape, dtype=qm.dtype, device=qm.device), qm, kt, beta=0, alpha=alpha)
+    return out.to(dtype)
+
+
 @dataclass(frozen=True)
 class XAttention:
     """XAttention selector (see the module doc).
@@ -70,7 +97,7 @@ class XAttention:
     block: int = 128
     stride: int = 8
     threshold: float | tuple[float, ...] = 0.9
-    chunk_elements: int = 1 << 25
+    chunk_elements: int = 1 << 26
     name: ClassVar[str] = "xattention"
 
     def __post_init__(self):
@@ -110,14 +137,35 @@ class XAttention:
         """[Hq] thresholds in ``dtype``."""
         th = self.threshold
         vals = list(th) if isinstance(th, tuple) else [th] * num_q_heads
-        return torch.tensor([float(x) for x in vals], dtype=dtype, device=device)
+        t = torch.tensor([float(x) for x in vals], dtype=dtype)
+        if torch.device(device).type == "cuda":  # pinned + non_blocking: the copy does not wait for the stream
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device)
+
+    @staticmethod
+    def _choose(mass: torch.Tensor, env: torch.Tensor, q_blocks: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
+        """keep bool [Hq, n, nb] from the block masses [Hq, n, nb], env bool [n, nb], the q blocks' global
+        ids [n] and the thresholds [Hq, 1, 1]: per (head, q block) the fewest envelope blocks, by descending
+        normalised mass (ties: lower id), whose mass reaches the threshold (all of them if it is never
+        reached, e.g. no mass at all), plus the row's first envelope block and the diagonal one."""
+        nb = mass.shape[-1]
+        tot = tree_sum(mass, -1)[..., None]
+        frac = torch.where((tot > 0) & env[None], mass / torch.where(tot > 0, tot, 1), 0)
+        order = torch.sort(torch.where(env[None], -frac, float("inf")), dim=-1, stable=True).indices
+        before = exclusive_prefix_sum(frac.gather(-1, order))  # mass of the blocks before each, in that order
+        keep = torch.zeros(mass.shape, dtype=torch.bool, device=mass.device).scatter_(-1, order, before < thr)
+        col = torch.arange(nb, device=mass.device)[None]
+        first = col == env.to(torch.int8).argmax(-1, keepdim=True)  # first envelope block of the row
+        diag = col == q_blocks[:, None]
+        return (keep | (first | diag)[None]) & env[None]
 
     def select(self, q: torch.Tensor, k: torch.Tensor, view: SelectionView) -> torch.Tensor:
         """q [nq*B, Hq, D], k [nq*B, Hkv, D] (this rank's blocks, local order) -> keep bool [Hq, nq, nb].
 
         K of the row comes from ``view.envelope_keys()`` (k itself is not needed beyond it). The scores are
-        a matmul in q's dtype; softmax and masses in float32 (float64 for float64 q). Peak extra memory:
-        the reduced keys [Hkv, S / stride, stride * D] plus about 1.5 x ``chunk_elements`` floats."""
+        a matmul of q's dtype written in float32 (float64 for float64 q), as are the softmax and masses.
+        Peak extra memory: the reduced keys (a copy of K, S x Hkv x D) plus about 2 x ``chunk_elements``
+        float32 (scores and probabilities of one chunk); about 0.8 GiB at Hq 32, Hkv 8, D 128, S 128k."""
         if view.envelope_keys is None:
             raise ValueError("XAttention: the view has no envelope_keys (K of the rows' envelope is needed)")
         b, st = self.block, self.stride
@@ -130,56 +178,49 @@ class XAttention:
 
         # reduced keys [Hkv, ncols, S*D] over the global key axis: zeros where no local row looks
         ids, keys = view.envelope_keys()
-        ks = torch.zeros(hkv, nb, nr, st * d, dtype=mdt, device=dev)
-        ks[:, ids] = keys.reshape(-1, nr, st, hkv, d).permute(3, 0, 1, 2, 4).reshape(hkv, -1, nr, st * d).to(mdt)
+        ks = torch.zeros(hkv, nb, nr, st, d, dtype=mdt, device=dev)
+        ks[:, ids] = keys.reshape(-1, nr, st, hkv, d).permute(3, 0, 1, 2, 4).to(mdt)  # no staging copy of K
         kt = ks.view(hkv, ncols, st * d).transpose(1, 2)  # [Hkv, S*D, ncols]
 
-        qr = q.reshape(nq, nr, st, hq, d).flip(2)  # reversed within each row group: the antidiagonal
+        qr = q.reshape(nq, nr, st, hq, d)
         thr = self.thresholds(hq, adt, dev)[:, None, None]
         scale = 1.0 / (d ** 0.5) / st
         c = self.chunk_blocks(hq, nb)
-        col = torch.arange(nb, device=dev)
         sub = torch.arange(nr, device=dev) * st + st - 1  # sample row of each row group, within a block
-        keep = torch.empty(hq, nq, nb, dtype=torch.bool, device=dev)
-        for s0 in range(0, nq, c):
-            m = min(c, nq - s0)
-            # chunk padded to c q blocks: fixed shapes on every layout (padding rows keep nothing)
-            qc = torch.zeros(c, nr, st, hq, d, dtype=mdt, device=dev)
-            qc[:m] = qr[s0:s0 + m]
-            qb = torch.full((c,), -1, dtype=torch.long, device=dev)
-            qb[:m] = view.q_blocks[s0:s0 + m]
-            env = torch.zeros(c, nb, dtype=view.envelope.dtype, device=dev)
-            env[:m] = view.envelope[s0:s0 + m]
-
-            rows = torch.where(qb[:, None] >= 0, qb[:, None] * b + sub[None], -1).reshape(-1)  # [c*nr]
-            er = env.repeat_interleave(nr, 0)[:, :, None]  # [c*nr, nb, 1]
-            allowed = (er == 2) | ((er == 1) & envelope_cells(view, rows, st).view(c * nr, nb, nr))
-
+        nch = -(-nq // c)
+        # padded to whole chunks of c q blocks (padding: block id -1, empty envelope, zero queries)
+        qb = torch.full((nch * c,), -1, dtype=torch.long, device=dev)
+        qb[:nq] = view.q_blocks
+        envp = torch.zeros(nch * c, nb, dtype=view.envelope.dtype, device=dev)
+        envp[:nq] = view.envelope
+        rows = torch.where(qb[:, None] >= 0, qb[:, None] * b + sub[None], -1).view(nch, c * nr)
+        rev = torch.arange(st - 1, -1, -1, device=dev)
+        mass = torch.empty(hq, nch * c, nb, dtype=adt, device=dev)
+        for ci in range(nch):
+            s0, m = ci * c, min(c, nq - ci * c)
+            # one chunk: shapes fixed by (selector, Hq, Hkv, D, nb) alone, so every value below is the same
+            # sequence of operations on every layout
+            qc = qr[s0:s0 + m].index_select(2, rev)  # reversed within each row group: the antidiagonal
+            if m < c:
+                qc = torch.cat([qc, qc.new_zeros(c - m, *qc.shape[1:])])
             qm = qc.permute(3, 0, 1, 2, 4).reshape(hkv, g * c * nr, st * d)
-            sc = torch.bmm(qm, kt).to(adt).view(hq, c * nr, ncols)
+            sc = scores(qm, kt, scale, adt).view(hq, c * nr, ncols)
             del qm
-            sc.mul_(scale).masked_fill_(~allowed.view(1, c * nr, ncols), float("-inf"))
-            # row softmax over the whole reduced row; a row with no kept cell gets probability 0 everywhere
-            mx = sc.amax(-1, keepdim=True)
-            sc.sub_(torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))).exp_()
-            den = sc.sum(-1, keepdim=True)
-            sc.div_(torch.where(den > 0, den, torch.ones_like(den)))
-            mass = sc.view(hq, c, nr, nb, nr).sum(-1).sum(2)  # [hq, c, nb]
+            er = envp[s0:s0 + c].repeat_interleave(nr, 0)[:, :, None]  # [c*nr, nb, 1]
+            allowed = ((er == 2) | ((er == 1) & envelope_cells(view, rows[ci], st).view(c * nr, nb, nr)))
+            sc.masked_fill_(~allowed.view(1, c * nr, ncols), float("-inf"))
+            # row softmax over the whole reduced row; a row with no kept cell is all NaN there: nansum over
+            # the rows gives it probability 0 (rows first: a coalesced reduction, then the small in-block one)
+            p = torch.softmax(sc, -1)
             del sc
+            mass[:, s0:s0 + c] = torch.nansum(p.view(hq, c, nr, nb, nr), 2).sum(-1)
+            del p
 
-            tot = mass.sum(-1, keepdim=True)
-            frac = torch.where(tot > 0, mass / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.zeros_like(mass))
-            inenv = (env > 0)[None].expand(hq, c, nb)
-            frac = torch.where(inenv, frac, torch.zeros_like(frac))
-            # descending mass, ties by lower block id (stable sort of the negation); non-envelope blocks last
-            order = torch.sort(torch.where(inenv, -frac, torch.full_like(frac, float("inf"))), dim=-1,
-                               stable=True).indices
-            srt = frac.gather(-1, order)
-            cum = srt.cumsum(-1)
-            before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], -1)  # mass of the blocks before
-            kc = torch.zeros(hq, c, nb, dtype=torch.bool, device=dev).scatter_(-1, order, before < thr)
-            first = col[None] == (env > 0).to(torch.int8).argmax(-1, keepdim=True)  # first envelope block
-            diag = col[None] == qb[:, None]
-            kc = (kc | (first | diag)[None]) & inenv
-            keep[:, s0:s0 + m] = kc[:, :m]
+        # selection from the masses: only elementwise folds (tree_sum, exclusive_prefix_sum), a stable sort,
+        # gathers and scatters, so any grouping of the q blocks gives the same values (groups bound memory)
+        keep = torch.empty(hq, nq, nb, dtype=torch.bool, device=dev)
+        cq = max(1, (1 << 22) // (hq * nb))
+        for s0 in range(0, nq, cq):
+            sl = slice(s0, min(nq, s0 + cq))
+            keep[:, sl] = self._choose(mass[:, sl], view.envelope[sl] > 0, view.q_blocks[sl], thr)
         return keep
