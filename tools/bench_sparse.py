@@ -88,6 +88,10 @@ from megatron_cp.masks.draw import block_grid  # noqa: E402
 from megatron_cp.runtime import plan_cache, resolve_backend  # noqa: E402
 from megatron_cp.sparse import single_view, sparse_attention, sparse_layout  # noqa: E402
 from megatron_cp.sparse.draw import block_mass, draw_selection  # noqa: E402
+from megatron_cp.sparse.flexprefill import FlexPrefill  # noqa: E402
+from megatron_cp.sparse.minference import HeadPattern, MInference  # noqa: E402
+from megatron_cp.sparse.moba import MoBA  # noqa: E402
+from megatron_cp.sparse.xattention import XAttention  # noqa: E402
 
 METHODS = ("moba", "xattention", "flexprefill", "minference")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -106,19 +110,15 @@ def make_selector(method: str, args, hq: int, hkv: int):
     block = args.block if args.block is not None else (DRY_RUN_BLOCK[method] if args.dry_run else None)
     kw = {} if block is None else {"block": block}
     if method == "moba":
-        from megatron_cp.sparse.moba import MoBA
         return MoBA(top_k=args.moba_top_k, **kw)
     if method == "xattention":
-        from megatron_cp.sparse.xattention import XAttention
         return XAttention(stride=args.xattn_stride, threshold=args.xattn_threshold, **kw)
     if method == "flexprefill":
-        from megatron_cp.sparse.flexprefill import FlexPrefill
         for n in ("min_budget", "max_budget"):  # unset: the selector's defaults (512 / None, as published)
             if getattr(args, f"flexprefill_{n}") is not None:
                 kw[n] = getattr(args, f"flexprefill_{n}")
         return FlexPrefill(gamma=args.flexprefill_gamma, tau=args.flexprefill_tau, **kw)
     if method == "minference":
-        from megatron_cp.sparse.minference import MInference
         if args.minference_config:
             return MInference.from_json(args.minference_config, args.layer, block=block or 128)
         return MInference(patterns=default_patterns(hq, hkv), **kw)
@@ -143,8 +143,6 @@ def default_patterns(hq: int, hkv: int) -> list:
     3968; vertical 1000, slash 6096; top 6400 tokens' worth of blocks; scaled to S by the selector). On
     other inputs it is just that cycle over the heads: a stand-in that runs every kind's path, not a
     model's searched config (pass one with --minference-config)."""
-    from megatron_cp.sparse.minference import HeadPattern
-
     kind = {"a-shape": "a_shape", "vertical-slash": "vertical_slash", "local": "a_shape", "random": "block_sparse"}
     per_kv = [HeadPattern(kind=kind[k]) for k in structure_kinds(hkv)]
     return [per_kv[h // (hq // hkv)] for h in range(hq)]
