@@ -48,8 +48,8 @@ Context parallelism (docs/sparse.md). ``select = select_from(q, summaries(q, k, 
 - ``select_from`` is local: it reads only the combined summaries and this rank's queries.
 
 Every quantity reduced inside a block (pooling, scores, per-block sums) is computed block by block with
-the same shapes on every layout (a Python loop over local blocks: GEMM / reduction kernels are chosen by
-shape, so batching a layout-dependent number of blocks could change rounding); every reduction across
+the same shapes on every layout (``per_block``: fixed chunks of 16 blocks; GEMM / reduction kernels are
+chosen by shape, so batching a layout-dependent number of blocks could change rounding); every reduction across
 blocks runs over a global-length axis. The selection with CP = 2, 4, 8 therefore equals the
 single-process one bit for bit.
 """
@@ -110,14 +110,29 @@ def cells(traps: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.
     return out
 
 
+CHUNK = 16
+
+
+def per_block(fn, *xs: torch.Tensor) -> torch.Tensor:
+    """``fn`` over fixed chunks of ``CHUNK`` blocks (leading axis of every ``x``; the last chunk is
+    zero-padded, its padding dropped). Every call of ``fn`` sees the same shapes on every layout, so the
+    kernels (GEMM algorithm, reduction order) and hence each block's rounding do not depend on how many
+    blocks a rank holds; a block's result depends only on its own inputs."""
+    n = xs[0].shape[0]
+    outs = []
+    for a in range(0, max(n, 1), CHUNK):
+        part = [x[a:a + CHUNK] for x in xs]
+        m = part[0].shape[0]
+        if m < CHUNK:
+            part = [torch.cat([t, t.new_zeros(CHUNK - m, *t.shape[1:])]) for t in part]
+        outs.append(fn(*part)[:m])
+    return torch.cat(outs)
+
+
 def block_means(x: torch.Tensor, block: int, dt: torch.dtype) -> torch.Tensor:
-    """[nq, H, D] mean of each block of ``x`` [nq*B, H, D] (block by block: same shapes on every
-    layout)."""
+    """[nq, H, D] mean of each block of ``x`` [nq*B, H, D] (``per_block``)."""
     nq = x.shape[0] // block
-    xb = x.view(nq, block, *x.shape[1:])
-    if nq == 0:
-        return torch.zeros(0, *x.shape[1:], dtype=dt, device=x.device)
-    return torch.stack([xb[c].to(dt).mean(0) for c in range(nq)])
+    return per_block(lambda t: t.to(dt).mean(1), x.view(nq, block, *x.shape[1:]))
 
 
 def pooled_keys(k: torch.Tensor, view: SelectionView, dt: torch.dtype) -> torch.Tensor:
@@ -129,10 +144,13 @@ def pooled_keys(k: torch.Tensor, view: SelectionView, dt: torch.dtype) -> torch.
 
 
 def pooled_scores(qv: torch.Tensor, kp: torch.Tensor) -> torch.Tensor:
-    """[Hq, nb]: ``qv`` [Hq, D] (one pooled query per head) . ``kp`` [nb, Hkv, D] (GQA grouping)."""
-    hq, d = qv.shape
+    """[Hq, nq, nb]: ``qv`` [nq, Hq, D] (pooled queries per block and head) . ``kp`` [nb, Hkv, D] (GQA
+    grouping), ``per_block`` over the q blocks."""
+    nq, hq, d = qv.shape
     hkv = kp.shape[1]
-    return torch.matmul(qv.view(hkv, hq // hkv, d), kp.permute(1, 2, 0)).reshape(hq, -1)
+    kt = kp.permute(1, 2, 0)
+    out = per_block(lambda t: torch.matmul(t.view(-1, hkv, hq // hkv, d), kt).reshape(t.shape[0], hq, -1), qv)
+    return out.transpose(0, 1)
 
 
 def cover(x: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -185,15 +203,15 @@ def last_rows_summaries(q: torch.Tensor, k: torch.Tensor, view: SelectionView, r
     loc = local_index(view)
     pos = s - L + torch.arange(L, device=dev)
     li = loc[pos // b]
-    qrow = q.view(nq, b, hq, d)[li.clamp(min=0), pos % b] if nq else torch.zeros(L, hq, d, dtype=q.dtype, device=dev)
+    qrow = q.view(nq, b, hq, d)[li.clamp(min=0), pos % b] if nq else \
+        torch.zeros(L, hq, d, dtype=q.dtype, device=dev)
     qe_part = torch.where((li >= 0)[:, None, None], qrow.to(dt), torch.zeros((), dtype=dt, device=dev))
     qe, *ext = combine_parts(view.combine, [qe_part, *extra])
     # round 2: each rank scores its own key blocks (block by block: same GEMM shapes on every layout)
     qs = (qe * scale).view(L, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * L, d)
     kb = k.view(nq, b, hkv, d)
     keep = cells(view.traps, pos, view.q_positions()).view(L, nq, b).permute(1, 0, 2)  # [nq, L, B]
-    sc = [torch.matmul(qs, kb[c].to(dt).permute(1, 2, 0)).view(hq, L, b) for c in range(nq)]
-    sc = torch.stack(sc) if nq else torch.zeros(0, hq, L, b, dtype=dt, device=dev)
+    sc = per_block(lambda t: torch.matmul(qs, t.to(dt).permute(0, 2, 3, 1)).view(-1, hq, L, b), kb)
     sc = sc.masked_fill(~keep[:, None], NEG)
     mloc = sc.amax(dim=(0, 3)) if nq else torch.full((hq, L), NEG, dtype=dt, device=dev)
     m = view.combine_max(mloc)  # exact in any order
@@ -202,7 +220,7 @@ def last_rows_summaries(q: torch.Tensor, k: torch.Tensor, view: SelectionView, r
     p = torch.exp(sc - m[None, :, :, None])
     zpart = torch.zeros(nb, hq, L, dtype=dt, device=dev)
     if nq:
-        zpart[view.q_blocks] = torch.stack([p[c].sum(-1) for c in range(nq)])
+        zpart[view.q_blocks] = per_block(lambda t: t.sum(-1), p)
     z = view.combine(zpart).sum(0)
     z = torch.where(z > 0, z, torch.ones((), dtype=dt, device=dev))
     # round 4: column masses and per (key block, local diagonal) masses of the normalised rows
@@ -210,8 +228,8 @@ def last_rows_summaries(q: torch.Tensor, k: torch.Tensor, view: SelectionView, r
     cpart = torch.zeros(nb, hq, b, dtype=dt, device=dev)
     dpart = torch.zeros(nb, hq, L + b - 1, dtype=dt, device=dev)
     if nq:
-        cpart[view.q_blocks] = torch.stack([p[c].sum(1) for c in range(nq)]) / L
-        dpart[view.q_blocks] = torch.stack([diag_sums(p[c]) for c in range(nq)]) / L
+        cpart[view.q_blocks] = per_block(lambda t: t.sum(2), p) / L
+        dpart[view.q_blocks] = per_block(diag_sums, p) / L
     col, dia = combine_parts(view.combine, [cpart, dpart])
     vertical = col.permute(1, 0, 2).reshape(hq, s)
     # fold: block kb's local diagonal dd sits at offset index (nb-1-kb)*B + dd; chunks of B entries of
@@ -330,7 +348,7 @@ class FlexPrefill:
         """(query_aware bool [Hq], js distance [Hq]) from the summaries (identical on every rank)."""
         hq, d = sm["qe"].shape[1:]
         nb, b = view.num_blocks, view.block
-        est = pooled_scores(sm["qe"].mean(0) / math.sqrt(d), sm["kp"])
+        est = pooled_scores((sm["qe"].mean(0) / math.sqrt(d))[None], sm["kp"])[:, 0]
         est = torch.softmax(est.masked_fill(~(sm["env_last"] > 0)[None], NEG), -1).nan_to_num(0.0)
         true = sm["vertical"].view(hq, nb, b).sum(-1)
         mid = (est + true) / 2
@@ -347,13 +365,11 @@ class FlexPrefill:
         nq = q.shape[0] // b
         hq, d = q.shape[1:]
         dt = sm["kp"].dtype
-        dev = q.device
         env = view.envelope > 0
         qa_head, _ = self.head_kinds(sm, view)
         # query-aware: pooled q . pooled k per local q block, softmax over the envelope blocks
         qp = block_means(q, b, dt) / math.sqrt(d)
-        lg = torch.stack([pooled_scores(qp[c], sm["kp"]) for c in range(nq)], 1) if nq else \
-            torch.zeros(hq, 0, nb, dtype=dt, device=dev)
+        lg = pooled_scores(qp, sm["kp"])
         pa = torch.softmax(lg.masked_fill(~env[None], NEG), -1).nan_to_num(0.0)
         cand_qa = cover(pa, self.gamma)
         # vertical-slash: covers of columns and diagonals of the last block's attention

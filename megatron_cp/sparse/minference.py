@@ -232,8 +232,7 @@ class MInference:
             hs = [h for h in range(hq) if kinds[h] == "block_sparse"]
             dt = sm["kp"].dtype
             qp = block_means(q, b, dt) / math.sqrt(d)
-            lg = torch.stack([pooled_scores(qp[c], sm["kp"]) for c in range(nq)], 1) if nq else \
-                torch.zeros(hq, 0, nb, dtype=dt, device=dev)
+            lg = pooled_scores(qp, sm["kp"])
             lg = lg[hs].masked_fill(~env[None], NEG)
             topk = [pats[h].top_k if pats[h].top_k is not None else -(-BLOCK_SPARSE_TOKENS // b) for h in hs]
             topk = torch.tensor([self._scaled(pats[h], t, 1, s) for h, t in zip(hs, topk)], device=dev)
