@@ -391,3 +391,35 @@ def test_search_tool_planted_heads(tmp_path, capsys):
     q, k = tool.synthetic(512, 64, 32, 0)
     keep = sel.select(q, k, single_view(masks.causal(512), 32))
     assert keep.shape == (4, 16, 16)
+
+
+# ----------------------------------------------------------------------------- real runtime, gloo ranks
+
+def _runtime_rank(rank, world, tensors):
+    import torch.distributed as dist
+
+    import megatron_cp as mcp
+    from megatron_cp.sparse import attention as sparse_mod
+
+    mask = MASKS["docs"]()
+    out = {}
+    for name, sel in (("flex", FLEX[1]), ("mi", mi_selector())):
+        plan = mcp.plan(mask, world, chunk_size=B, guest_rows="none", block=B)
+        q, k = (mcp.dispatch(torch.from_numpy(tensors[n]), plan, dist.group.WORLD) for n in ("q", "k"))
+        out[name] = sparse_mod.select_blocks(q, k, plan, dist.group.WORLD, sel).numpy()
+        out["q_blocks"] = plan.local_ids(rank)[::B] // B
+    return out
+
+
+def test_runtime_select_blocks_equal_single_process():
+    """Through the runtime (plan, dispatch, select_blocks: all-reduces on gloo CPU ranks)."""
+    from megatron_cp.testing import run_ranks
+
+    q, k = inputs(3, torch.float32)
+    ranks = run_ranks(_runtime_rank, 2, {"q": q.numpy(), "k": k.numpy()})
+    view = single_view(MASKS["docs"](), B)
+    for name, sel in (("flex", FLEX[1]), ("mi", mi_selector())):
+        one = sel.select(q, k, view)
+        assert sum(len(r["q_blocks"]) for r in ranks) == NB
+        for r in ranks:
+            assert np.array_equal(r[name], one[:, r["q_blocks"]].numpy()), name
