@@ -34,15 +34,16 @@ Triton). Each JSON row (one per method and S) holds:
 
 Times are medians over --iters steps after --warmup: on the GPU each phase is issued while the stream is
 held (tools/timing.py's Timer.held: CUDA events time the GPU work, not the host's issue; a host
-synchronisation inside a call, such as the sparse call's block count copy, shows as GPU idle time); on
-the CPU dry run wall clock.
+synchronisation inside a call, or a host issue longer than the hold (~10 ms), shows as GPU idle time);
+on the CPU dry run wall clock.
 
 Inputs (--inputs): random (i.i.d. normal q, k, v: attention nearly uniform, selection has nothing to find),
-structured (synthetic q / k with known structure per K/V head, cycling through: sink tokens + local band
-("a-shape"), vertical lines + slashes ("vertical-slash"), local band, random; meta.structure names each
-head's kind), model (q / k / v captured from a trained checkpoint: --qkv FILE, a torch.save'd dict
-{"q", "k", "v"} of [S, H, D] tensors (a leading batch dimension of 1 is dropped), or a list / dict of such
-per layer, --layer picking one; the run's S must not exceed the file's, longer files are cut to S).
+structured (the default: synthetic q / k with known structure per K/V head, cycling through: sink tokens
++ local band ("a-shape"), vertical lines + slashes ("vertical-slash"), local band, random; meta.structure
+names each head's kind; see structured_qk), model (q / k / v captured from a trained checkpoint, q and k
+after the rotary embedding, as attention sees them: --qkv FILE, a torch.save'd dict {"q", "k", "v"} of
+[S, H, D] tensors (a leading batch dimension of 1 is dropped), or a list / dict of such per layer,
+--layer picking one; the run's S must not exceed the file's, longer files are cut to S).
 Capturing q / k / v from the example Llama is not part of this tool.
 
 Output: one markdown table on stdout (the last lines), a progress bar on stderr (each case's line with
