@@ -86,7 +86,8 @@ def ref_xattention(q, k, dense, block, stride, threshold) -> torch.Tensor:
             sc = np.full(ncol, -np.inf)
             for j in range(ncol):
                 if dense[i, j * stride]:  # the antidiagonal's corner next to the diagonal
-                    sc[j] = sum(q[r * stride + stride - 1 - s, h] @ k[j * stride + s, kh] for s in range(stride)) * scale
+                    anti = (q[r * stride + stride - 1 - s, h] @ k[j * stride + s, kh] for s in range(stride))
+                    sc[j] = sum(anti) * scale
             if np.isfinite(sc).any():
                 p = np.exp(sc - sc.max())
                 p = p / p.sum()
@@ -306,3 +307,35 @@ def test_good_hyperparameters():
     XAttention().check(32, 8, 128, 1 << 17)
     XAttention(stride=16, threshold=[0.9] * 32).check(32, 8, 128, 1 << 17)
     XAttention(threshold=1).check(4, 4, 64, 1024)
+
+
+# --------------------------------------------------------------------- the runtime, on gloo CPU ranks
+
+
+def _runtime_rank(rank, world, selectors, q, k, chunk):
+    import megatron_cp as mcp
+    import torch.distributed as dist
+    from megatron_cp.sparse import select_blocks
+
+    group = dist.group.WORLD
+    plan = mcp.plan(MASKS["docs"](), world, chunk_size=chunk, guest_rows="none", block=selectors[0].block)
+    ql = mcp.dispatch(torch.from_numpy(q), plan, group)
+    kl = mcp.dispatch(torch.from_numpy(k), plan, group)
+    q_blocks = plan.local_ids(rank)[::selectors[0].block] // selectors[0].block
+    return q_blocks, [select_blocks(ql, kl, plan, group, s).numpy() for s in selectors]
+
+
+@pytest.mark.parametrize("world,chunk", [(2, 16), (4, 32)])
+def test_runtime_select_blocks_exact(world, chunk):
+    """select_blocks under a real plan (view.combine = all-reduce, envelope_keys = the runtime's K exchange)
+    equals the single-process selection of each rank's blocks."""
+    from megatron_cp.testing import run_ranks
+
+    b = 16
+    sels = [MoBA(block=b, top_k=2), XAttention(block=b, stride=4, threshold=(0.5, 0.8, 0.9, 0.95))]
+    q, k = qk(8)
+    m = MASKS["docs"]()
+    want = [s.select(q, k, single_view(m, b, k)) & (single_view(m, b).envelope > 0)[None] for s in sels]
+    for q_blocks, keeps in run_ranks(_runtime_rank, world, sels, q.numpy(), k.numpy(), chunk):
+        for w, got in zip(want, keeps):
+            assert np.array_equal(got, w[:, q_blocks].numpy())

@@ -8,6 +8,12 @@ block's keys, i.e. the mean over the block's queries of the paper's per-token ga
 select whole block pairs; the candidates are the blocks of the static mask's envelope other than the
 q block's own one, and ``top_k`` counts those candidates (the own block comes on top of them).
 
+Departures from the paper, and why: the gate is per q block, not per query token (the kernels select
+block pairs); ``top_k`` counts the gated blocks besides the own block, whereas the paper forces the current
+block into its top-k (so its default 3 means 2 gated + the own block; here the defaults give 3 + 1); the
+candidates are the envelope's blocks (the paper's "no future block" rule generalised to any static mask,
+e.g. packed documents: no block of another document).
+
 Context parallelism: the pooled key of block ``g`` is computed by the owner of ``g`` from its own tokens,
 written into a zero [nb, Hkv, D] tensor and summed over the group (``view.combine``: each entry written by
 exactly one rank, so the sum is exact). Every reduction whose operand size depends on how many blocks a
