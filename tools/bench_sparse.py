@@ -59,6 +59,7 @@ Usage (one GPU; FA4 is used where flash-attn-4 is installed, e.g. pip install -e
     python tools/bench_sparse.py --methods moba xattention --seqlens 65536 --envelope packed
     python tools/bench_sparse.py --inputs model --qkv qkv.pt --layer 3 --minference-config patterns.json
     python tools/bench_sparse.py --dry-run        # CPU: S 1024, Hq 4, Hkv 2, D 32, fp32, reference kernels
+    python tools/bench_sparse.py --dry-run --backend triton   # CPU: Triton's interpreter, S 512, D 64, fp16
 The dry run checks that the whole pipeline runs; its times mean nothing.
 """
 
@@ -75,6 +76,22 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar, table, timer
+
+
+def _interpret_on_cpu():
+    """--dry-run --backend triton runs the Triton kernels in Triton's interpreter, which must be on before
+    triton is imported (as tools/bench_kernels.py --device cpu)."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--backend", default="auto")
+    known = ap.parse_known_args()[0]
+    if known.dry_run and known.backend == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+if __name__ == "__main__":
+    _interpret_on_cpu()
+
 from progress import Progress, markdown_table  # noqa: E402
 from timing import Timer  # noqa: E402
 
@@ -593,16 +610,22 @@ def parse_args(argv=None):
     ap.add_argument("--tag", default="")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true",
-                    help="CPU: S 1024, Hq 4, Hkv 2, D 32, fp32, reference kernels, blocks 64 (MoBA 128)")
+                    help="CPU: S 1024, Hq 4, Hkv 2, D 32, fp32, reference kernels, blocks 64 (MoBA 128); with "
+                         "--backend triton: Triton's interpreter, S 512, D 64, fp16")
     ap.add_argument("--verbose", action="store_true", help="each case's line on stderr as it finishes")
     args = ap.parse_args(argv)
     if args.inputs == "model" and not args.qkv:
         ap.error("--inputs model needs --qkv FILE")
     if args.dry_run:
+        interp = args.backend == "triton"  # Triton's interpreter (_interpret_on_cpu): slow, so smaller
         if args.seqlens == ap.get_default("seqlens"):
-            args.seqlens = [1024]
-        args.heads, args.kv_heads, args.head_dim, args.dtype = 4, 2, 32, "fp32"
-        args.backend, args.warmup, args.iters = "reference", 1, 1
+            args.seqlens = [512 if interp else 1024]
+        # fp16 in the interpreter: it computes bf16 tl.dot wrongly (tools/bench_kernels.py); D 64: a head
+        # size the Triton backend prepares by default
+        args.heads, args.kv_heads = 4, 2
+        args.head_dim, args.dtype = (64, "fp16") if interp else (32, "fp32")
+        args.backend = "triton" if interp else "reference"
+        args.warmup, args.iters = 1, 1
     return ap, args
 
 
@@ -612,7 +635,8 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device: run on a GPU, or --dry-run on the CPU")
     dtype = DTYPES[args.dtype]
-    dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (reference kernels)"
+    dev_name = (torch.cuda.get_device_name() if device.type == "cuda" else
+                "cpu (Triton interpreter)" if args.backend == "triton" else "cpu (reference kernels)")
     if args.out is None:
         if args.dated:
             short = dev_name.replace("NVIDIA ", "").split()[0] if device.type == "cuda" else "CPU"
