@@ -73,7 +73,7 @@ def build_selector(spec: SparseSpec, layer_number: int):
         from megatron_cp.sparse.flexprefill import FlexPrefill
         return FlexPrefill(**kw)
     from megatron_cp.sparse.minference import MInference
-    return MInference.from_json(spec.config, layer_number - 1)
+    return MInference.from_json(spec.config, layer_number - 1, block=spec.block)
 
 
 def _threshold(text: str):

@@ -5,9 +5,13 @@
 """
 
 from .attention import sparse_attention, select_blocks
+from .flexprefill import FlexPrefill
+from .minference import HeadPattern, MInference
+from .moba import MoBA
+from .xattention import XAttention
 from .layout import SparseLayout, sparse_layout
 from .selector import Selector
 from .view import SelectionView, single_view
 
-__all__ = ["Selector", "SelectionView", "SparseLayout", "single_view", "sparse_attention", "select_blocks",
+__all__ = ["MoBA", "XAttention", "FlexPrefill", "MInference", "HeadPattern", "Selector", "SelectionView", "SparseLayout", "single_view", "sparse_attention", "select_blocks",
            "sparse_layout"]

@@ -15,7 +15,7 @@ import torch
 
 from ..masks import geometry
 from ..planner import Plan
-from .view import envelope_blocks
+from .view import block_runs, envelope_blocks
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,7 @@ def sparse_layout(plan: Plan, rank: int, block: int) -> SparseLayout:
     env_ids = np.nonzero(env.numpy().any(0))[0].astype(np.int64)
     buffer_pos = np.full(nb, -1, dtype=np.int64)
     buffer_pos[env_ids] = np.arange(len(env_ids))
-    q_runs = np.stack([q_blocks * block, q_blocks * block + block], 1)
-    k_runs = np.stack([env_ids * block, env_ids * block + block], 1)
+    q_runs, k_runs = block_runs(q_blocks, block), block_runs(env_ids, block)
     tiles = geometry.traps_to_tiles(plan.traps, q_runs, k_runs) if len(env_ids) else np.zeros((0, 5), np.int32)
     return SparseLayout(rank, plan.cp_size, block, nb, q_blocks, env, env_ids,
                         torch.as_tensor(np.asarray(tiles), dtype=torch.int32), owner, owner_pos, buffer_pos,

@@ -64,12 +64,24 @@ class SelectionView:
         return out
 
 
+def block_runs(blocks: np.ndarray, block: int) -> np.ndarray:
+    """int64 [n, 2] token runs of the blocks ``blocks`` (in the given order), consecutive blocks merged
+    (the tile builders loop over runs: one run per block would make them quadratic in the blocks)."""
+    blocks = np.asarray(blocks, dtype=np.int64)
+    if len(blocks) == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    new = np.ones(len(blocks), dtype=bool)
+    new[1:] = blocks[1:] != blocks[:-1] + 1
+    starts = blocks[new]
+    ends = np.append(blocks[np.flatnonzero(new)[1:] - 1], blocks[-1]) + 1
+    return np.stack([starts * block, ends * block], 1)
+
+
 def envelope_blocks(traps: np.ndarray, seqlen: int, q_blocks: np.ndarray, block: int) -> torch.Tensor:
     """int8 [len(q_blocks), nb] block classes of the cells ``traps`` (``AttnMask.traps``) for the given
     global q blocks (host)."""
     s = seqlen
-    runs = np.stack([q_blocks * block, q_blocks * block + block], 1)
-    tiles = geometry.traps_to_tiles(traps, runs, np.array([[0, s]]))
+    tiles = geometry.traps_to_tiles(traps, block_runs(q_blocks, block), np.array([[0, s]]))
     return block_classes(torch.as_tensor(tiles, dtype=torch.int32), len(q_blocks) * block, s, block)
 
 
