@@ -43,8 +43,10 @@ class SparseLayout:
 
     @property
     def identity(self) -> bool:
-        """The buffer is the local K/V itself (one rank holding every block its rows need, in order)."""
-        return len(self.env_ids) == len(self.q_blocks) and bool((self.env_ids == self.q_blocks).all())
+        """The buffer is the local K/V itself: one process holding every block its rows need, in order.
+        (With several ranks every rank joins the exchange, even one that needs nothing from the others.)"""
+        return (self.cp_size == 1 and len(self.env_ids) == len(self.q_blocks)
+                and bool((self.env_ids == self.q_blocks).all()))
 
     @property
     def nq(self) -> int:
