@@ -65,7 +65,8 @@ def _view(st: dict, k: torch.Tensor, group) -> SelectionView:
         # every block the local envelope touches: a dense K exchange (XAttention reads every key of a row)
         need = torch.zeros(lay.num_blocks, dtype=torch.bool, device=k.device)
         need[dev.env_ids] = True
-        r = exchange.route(need, dev, group if multi else None)
+        # whole blocks: the antidiagonal sums of a partial block read keys the envelope does not
+        r = exchange.route(need, dev, group if multi else None, whole=True)
         buf = exchange.fill(r, k, dev, group if multi else None)
         return dev.env_ids, buf.view(lay.ne, lay.block, *k.shape[1:])
     view.envelope_keys = envelope_keys
@@ -138,7 +139,7 @@ def sparse_attention(
     chunks must be whole blocks of ``selector.block`` and it must have no guest rows (``plan(...,
     chunk_size=<multiple of block>, guest_rows="none")``). Returns ``out`` [s_local, Hq, D] (q's dtype) and
     ``lse`` [s_local, Hq] float32; rows with no kept key give 0 / -inf. Differentiable in q, k, v (not
-    through the selection). ``stats``: a dict filled with ``blocks_received`` (K/V blocks this rank
+    through the selection). ``stats``: a dict filled with ``rows_received`` (K/V rows this rank
     received), ``blocks_selected`` and ``blocks_envelope`` (head x q block x key block pairs kept / in the
     envelope): host values, so passing it synchronises. Bad input raises ValueError before any collective.
     """
@@ -163,7 +164,7 @@ def sparse_attention(
     bk = BlockKeep(keep[:, :, dev.env_ids].contiguous(), selector.block)
     out, lse = _SparseKernel.apply(q, kbuf, vbuf, bk, st["prepared"], be, scale)
     if stats is not None:
-        stats["blocks_received"] = 0 if r is None else r.blocks_received
+        stats["rows_received"] = 0 if r is None else r.rows_received
         stats["blocks_selected"] = int(keep.sum())
         stats["blocks_envelope"] = int((st["envelope"] > 0).sum()) * q.shape[1]
     return out, lse

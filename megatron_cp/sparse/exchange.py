@@ -1,8 +1,10 @@
 """Moving only the key/value blocks some head selected (forward) and their gradients back (backward).
 
 ``need[g]`` (bool [nb] on the device) says this rank's selection uses global key block ``g``. Needs are
-all-gathered (nb bytes per rank), so every owner knows which of its blocks each rank wants; the blocks
-then travel in one all-to-all-v, by source rank and ascending block id. The all-to-all-v's row counts
+all-gathered (nb bytes per rank), so every owner knows which of its blocks each rank wants. Of a wanted
+block only the rows the receiver's envelope reads travel (the dense plan's rows: a block at a document
+edge is read in part), so the exchange never moves more than the dense plan; they travel in one
+all-to-all-v, by source rank and ascending global position. The all-to-all-v's row counts
 must be on the host: one device-to-host copy of the counts per call (the exchange's only host
 synchronisation). The backward is the adjoint: each buffer block's gradient travels back to its owner
 and is summed there in the accumulation dtype (float32, float64 for float64 inputs).
@@ -22,8 +24,9 @@ from .layout import SparseLayout
 
 @dataclass(frozen=True)
 class DeviceLayout:
-    """``SparseLayout``'s index arrays on the device (long): owner [nb], owner_pos [nb], buffer_pos [nb],
-    env_ids [ne]."""
+    """``SparseLayout``'s index arrays on the device: owner [nb], owner_pos [nb], buffer_pos [nb],
+    env_ids [ne], perm / row_block [n_local], buf_owner / buf_block [ne * B] (long); send_need [cp, n_local],
+    recv_need [ne * B] (bool)."""
 
     rank: int
     cp_size: int
@@ -33,12 +36,20 @@ class DeviceLayout:
     owner_pos: torch.Tensor
     buffer_pos: torch.Tensor
     env_ids: torch.Tensor
+    perm: torch.Tensor
+    send_need: torch.Tensor
+    row_block: torch.Tensor
+    recv_need: torch.Tensor
+    buf_owner: torch.Tensor
+    buf_block: torch.Tensor
 
     @staticmethod
     def of(lay: SparseLayout, device) -> "DeviceLayout":
         t = lambda a: torch.as_tensor(a, dtype=torch.long, device=device)  # noqa: E731
+        b = lambda a: torch.as_tensor(a, dtype=torch.bool, device=device)  # noqa: E731
         return DeviceLayout(lay.rank, lay.cp_size, lay.block, lay.num_blocks, t(lay.owner), t(lay.owner_pos),
-                            t(lay.buffer_pos), t(lay.env_ids))
+                            t(lay.buffer_pos), t(lay.env_ids), t(lay.perm), b(lay.send_need), t(lay.row_block),
+                            b(lay.recv_need), t(lay.buf_owner), t(lay.buf_block))
 
 
 def _rows(blocks: torch.Tensor, b: int) -> torch.Tensor:
@@ -56,20 +67,21 @@ def _first(mask: torch.Tensor, n: int) -> torch.Tensor:
 class Route:
     """One call's exchange: rows to send / receive / copy locally, and the counts (host ints)."""
 
-    send_local: torch.Tensor  # long [n_send * B] local rows, in destination order
-    recv_buffer: torch.Tensor  # long [n_recv * B] buffer rows, in receive order
+    send_local: torch.Tensor  # long [n_send] local rows, by destination, then global position
+    recv_buffer: torch.Tensor  # long [n_recv] buffer rows, by source, then global position
     own_local: torch.Tensor
     own_buffer: torch.Tensor
     send_counts: list
     recv_counts: list
 
     @property
-    def blocks_received(self) -> int:
+    def rows_received(self) -> int:
         return sum(self.recv_counts)
 
 
-def route(need: torch.Tensor, lay: DeviceLayout, group) -> Route:
-    """The exchange for ``need`` (bool [nb]); one all-gather of needs and one count synchronisation."""
+def route(need: torch.Tensor, lay: DeviceLayout, group, whole: bool = False) -> Route:
+    """The exchange for ``need`` (bool [nb]); one all-gather of needs and one count synchronisation.
+    ``whole``: every row of a wanted block travels (selectors that read keys the envelope does not)."""
     cp, me, nb, b = lay.cp_size, lay.rank, lay.num_blocks, lay.block
     if group is None or cp == 1:
         needs = need[None]
@@ -79,16 +91,22 @@ def route(need: torch.Tensor, lay: DeviceLayout, group) -> Route:
         needs = needs.view(cp, nb).bool()
     ranks = torch.arange(cp, device=need.device)
     own = lay.owner == me
-    send = needs & own[None] & (ranks != me)[:, None]
-    recv = needs[me][None] & (lay.owner[None] == ranks[:, None]) & (ranks != me)[:, None]
+    # rows: wanted block and read by the receiver's envelope (send_need is all False for d == me)
+    if whole:
+        send = (ranks != me)[:, None] & needs[:, lay.row_block]
+        read = lay.buf_owner != me
+    else:
+        send = lay.send_need & needs[:, lay.row_block]
+        read = lay.recv_need
+    recv = (lay.buf_owner[None] == ranks[:, None]) & (read & needs[me][lay.buf_block])[None]
     own_need = needs[me] & own
     counts = torch.cat([send.sum(1), recv.sum(1), own_need.sum()[None]]).tolist()  # the host sync
     send_counts, recv_counts, n_own = counts[:cp], counts[cp:2 * cp], counts[-1]
-    g_send = _first(send, sum(send_counts)) % nb
-    g_recv = _first(recv, sum(recv_counts)) % nb
+    send_local = lay.perm[_first(send, sum(send_counts)) % send.shape[1]]
+    recv_buffer = _first(recv, sum(recv_counts)) % max(recv.shape[1], 1)
     g_own = _first(own_need, n_own)
-    return Route(_rows(lay.owner_pos[g_send], b), _rows(lay.buffer_pos[g_recv], b), _rows(lay.owner_pos[g_own], b),
-                 _rows(lay.buffer_pos[g_own], b), send_counts, recv_counts)
+    return Route(send_local, recv_buffer, _rows(lay.owner_pos[g_own], b), _rows(lay.buffer_pos[g_own], b),
+                 send_counts, recv_counts)
 
 
 def fill(r: Route, x: torch.Tensor, lay: DeviceLayout, group) -> torch.Tensor:
@@ -98,7 +116,7 @@ def fill(r: Route, x: torch.Tensor, lay: DeviceLayout, group) -> torch.Tensor:
     buf = x.new_zeros((lay.env_ids.numel() * b,) + tuple(x.shape[1:]))
     buf[r.own_buffer] = x[r.own_local]
     if group is not None and lay.cp_size > 1:
-        got = all_to_all_v(x[r.send_local], [c * b for c in r.send_counts], [c * b for c in r.recv_counts], group)
+        got = all_to_all_v(x[r.send_local], r.send_counts, r.recv_counts, group)
         buf[r.recv_buffer] = got
     return buf
 
@@ -110,8 +128,7 @@ def drain(r: Route, g: torch.Tensor, n_local: int, lay: DeviceLayout, group) -> 
     acc = torch.zeros((n_local,) + tuple(g.shape[1:]), dtype=accumulate_dtype(g.dtype), device=g.device)
     acc.index_add_(0, r.own_local, g[r.own_buffer].to(acc.dtype))
     if group is not None and lay.cp_size > 1:
-        back = all_to_all_v(g[r.recv_buffer].contiguous(), [c * b for c in r.recv_counts],
-                            [c * b for c in r.send_counts], group)
+        back = all_to_all_v(g[r.recv_buffer].contiguous(), r.recv_counts, r.send_counts, group)
         acc.index_add_(0, r.send_local, back.to(acc.dtype))
     return acc
 

@@ -26,6 +26,12 @@ class SparseLayout:
     env_ids int64 [ne]: buffer blocks (ascending global ids); tiles int32 [n, 5]: the envelope over
     (local q rows, buffer rows); owner int64 [nb]: rank of each global block; owner_pos int64 [nb]: its
     index in the owner's local block order; buffer_pos int64 [nb]: its index in this rank's buffer or -1.
+
+    Rows the envelope reads from other ranks (the dense plan's exchange, ``RankPlan.send_runs`` /
+    ``recv_runs``): perm int64 [n_local]: local rows in ascending global order; send_need bool
+    [cp, n_local]: in that order, rows rank d's envelope reads from this rank; row_block int64 [n_local]:
+    their global blocks; recv_need bool [ne * B]: buffer rows this rank's envelope reads from others;
+    buf_owner / buf_block int64 [ne * B]: owner rank and global block of each buffer row.
     """
 
     rank: int
@@ -40,6 +46,12 @@ class SparseLayout:
     owner_pos: np.ndarray
     buffer_pos: np.ndarray
     traps: np.ndarray
+    perm: np.ndarray
+    send_need: np.ndarray
+    row_block: np.ndarray
+    recv_need: np.ndarray
+    buf_owner: np.ndarray
+    buf_block: np.ndarray
 
     @property
     def identity(self) -> bool:
@@ -94,6 +106,24 @@ def sparse_layout(plan: Plan, rank: int, block: int) -> SparseLayout:
     buffer_pos[env_ids] = np.arange(len(env_ids))
     q_runs, k_runs = block_runs(q_blocks, block), block_runs(env_ids, block)
     tiles = geometry.traps_to_tiles(plan.traps, q_runs, k_runs) if len(env_ids) else np.zeros((0, 5), np.int32)
+    rp = plan.ranks[rank]
+    ids = plan.local_ids(rank)
+    perm = np.argsort(ids, kind="stable")
+    sorted_ids = ids[perm]
+    send_need = np.zeros((plan.cp_size, len(ids)), dtype=bool)
+    for d, runs in enumerate(rp.send_runs):
+        _mark(send_need[d], sorted_ids, runs)
+    buf_ids = (env_ids[:, None] * block + np.arange(block)).reshape(-1)
+    recv_need = np.zeros(len(buf_ids), dtype=bool)
+    for runs in rp.recv_runs:
+        _mark(recv_need, buf_ids, runs)
     return SparseLayout(rank, plan.cp_size, block, nb, q_blocks, env, env_ids,
                         torch.as_tensor(np.asarray(tiles), dtype=torch.int32), owner, owner_pos, buffer_pos,
-                        np.asarray(plan.traps))
+                        np.asarray(plan.traps), perm.astype(np.int64), send_need, sorted_ids // block, recv_need,
+                        owner[buf_ids // block], buf_ids // block)
+
+
+def _mark(flags: np.ndarray, sorted_ids: np.ndarray, runs) -> None:
+    """Set ``flags[i]`` where ascending ``sorted_ids[i]`` lies in one of the half-open global ``runs``."""
+    for a, b in np.asarray(runs, dtype=np.int64).reshape(-1, 2).tolist():
+        flags[np.searchsorted(sorted_ids, a): np.searchsorted(sorted_ids, b)] = True
