@@ -29,12 +29,13 @@ LAYERS = {
     "comm": set(),
     "runtime": {"kinds", "masks", "planner", "kernels", "comm"},
     "baselines": {"kinds", "masks", "planner", "kernels", "comm", "runtime"},
-    "megatron": {"kinds", "masks", "planner", "kernels", "comm", "runtime", "baselines"},
+    "sparse": {"kinds", "masks", "planner", "kernels", "comm", "runtime"},
+    "megatron": {"kinds", "masks", "planner", "kernels", "comm", "runtime", "baselines", "sparse"},
     "cli": {"masks", "planner"},
     "__main__": {"cli"},  # python -m megatron_cp
     "testing": {"masks", "planner", "runtime"},
 }
-FRONT = {"kinds", "masks", "planner", "runtime"}  # what megatron_cp/__init__.py may re-export
+FRONT = {"kinds", "masks", "planner", "runtime", "sparse"}  # what megatron_cp/__init__.py may re-export
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -217,13 +218,13 @@ def test_runtime_takes_only_the_planners_exports():
 
     bad = []
     for name, path in _modules().items():
-        if _layer(name) not in ("runtime", "baselines"):
+        if _layer(name) not in ("runtime", "baselines", "sparse"):
             continue
         _, imps = _imports(path, name)
         for mod, names, line in imps:
             if mod == "megatron_cp.planner":
                 bad += [f"{path.relative_to(ROOT)}:{line} {n}" for n in names or () if n not in planner.__all__]
-            elif mod.startswith("megatron_cp.planner.") and _layer(name) == "runtime":
+            elif mod.startswith("megatron_cp.planner.") and _layer(name) in ("runtime", "sparse"):
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports planner internals from {mod}")
     assert not bad, "\n".join(bad)
 
