@@ -11,7 +11,7 @@ import pytest
 from megatron_helpers import EOD, make_global_batch
 
 TOL = 1e-5
-S, G, MBS, STEPS = 64, 2, 2, 3
+S, G, MBS, STEPS = 64, 4, 2, 3
 FLAGS = {
     "moba": ["--cp-sparse", "moba", "--cp-sparse-block", "16", "--cp-moba-top-k", "2"],
     "xattention": ["--cp-sparse", "xattention", "--cp-sparse-block", "16", "--cp-xattn-stride", "4",
