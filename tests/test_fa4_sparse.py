@@ -347,19 +347,3 @@ def test_bad_keep_is_a_value_error():
     with pytest.raises(ValueError, match="BlockKeep.mask"):
         be.forward(q, k, v, prep, keep=BlockKeep(torch.ones(4, 3, 2, dtype=torch.bool), 128))
 
-
-def test_gpu_self_check():
-    """The GPU self-check (tools/fa4_sparse_check.py) at a small size, where FA4 runs."""
-    from megatron_cp.kernels.fa4_backend import fa4_unavailable
-
-    why = fa4_unavailable("cuda")
-    if why is not None:
-        pytest.skip(why)
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "fa4_sparse_check.py"
-    spec = importlib.util.spec_from_file_location("fa4_sparse_check", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.main(["--seqlen", "1024"]) == 0

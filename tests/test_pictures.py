@@ -182,13 +182,13 @@ def test_draw_at_128k_is_fast(tmp_path):
 
 
 def test_matplotlib_only_in_the_draw_modules_and_lazily():
-    """Only the two draw modules import matplotlib, and only inside their functions, so every package
+    """Only the draw modules import matplotlib, and only inside their functions, so every package
     imports without it (docs/layers.md)."""
     import ast
     import pathlib
 
     root = pathlib.Path(mcp.__file__).resolve().parent
-    draw = {root / "masks" / "draw.py", root / "planner" / "draw.py"}
+    draw = {root / "masks" / "draw.py", root / "planner" / "draw.py", root / "sparse" / "draw.py"}
     seen = set()
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text())
