@@ -64,8 +64,22 @@ def test_reference_errors_name_the_bad_value():
         mt.reference_attention(q, torch.randn(8, 3, 4), torch.randn(8, 3, 4), mcp.masks.causal(8))
     with pytest.raises(ValueError, match=r"mask shape \(8, 9\)"):
         mt.reference_attention(q, k, v, mcp.masks.causal(8, 9))
-    with pytest.raises(ValueError, match="2-D bool"):
+    with pytest.raises(ValueError, match=r"2-D \(or per-head 3-D\) bool array, got torch.float32"):
         mt.reference_attention(q, k, v, torch.ones(8, 8))
+    with pytest.raises(ValueError, match=r"mask shape \(3, 8, 8\)"):
+        mt.reference_attention(q, k, v, torch.ones(3, 8, 8, dtype=torch.bool))
+
+
+def test_reference_per_head_mask_is_each_head_alone():
+    q, k, v, dout, _ = _inputs(8, 8, 4, 2, 4)
+    g = torch.Generator().manual_seed(5)
+    masks = torch.rand(4, 8, 8, generator=g) < 0.5
+    both = mt.reference_attention(q, k, v, masks, dout=dout)
+    for h in range(4):
+        one = mt.reference_attention(q[:, h:h + 1], k[:, h // 2:h // 2 + 1], v[:, h // 2:h // 2 + 1], masks[h],
+                                     dout=dout[:, h:h + 1])
+        torch.testing.assert_close(both.out[:, h], one.out[:, 0], rtol=0, atol=0)
+        torch.testing.assert_close(both.dq[:, h], one.dq[:, 0], rtol=1e-12, atol=1e-12)
 
 
 def test_low_precision_rule_numbers_and_message():
