@@ -20,6 +20,7 @@ from .builders import (
     sliding_window,
     star,
     streaming,
+    streaming_within,
     strided,
     varlen,
 )
@@ -31,7 +32,7 @@ BUILDERS = (
     "global_local", "star", "streaming", "from_block_table", "from_mask_mod",
 )
 
-__all__ = ["AttnMask", "AttnSlice", "KINDS", "Block", "BUILDERS", *BUILDERS]
+__all__ = ["AttnMask", "AttnSlice", "KINDS", "Block", "BUILDERS", "streaming_within", *BUILDERS]
 
 
 def __getattr__(name):  # ``masks.catalog`` on first use: the rest of the package stays free of torch

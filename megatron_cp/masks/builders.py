@@ -25,6 +25,7 @@ import operator
 
 import numpy as np
 
+from . import geometry
 from .slices import AttnMask, AttnSlice
 
 __all__ = [
@@ -647,3 +648,25 @@ def from_mask_mod(mask_mod, seqlen_q: int, seqlen_k: int | None = None, block: i
     done.extend(tr.slice() for tr in open_.values())
     done.sort(key=lambda x: (x.q_range, x.k_range))
     return AttnMask(done, sq, sk)
+
+
+def streaming_within(mask: AttnMask, sink: int, window: int) -> AttnMask:
+    """The streaming part of ``mask`` (DuoAttention's streaming heads): of the cells ``mask`` keeps, each row
+    keeps its ``sink`` first keys (attention sinks) and the keys within ``window`` of the query
+    (``i - window < j``). "First" is per interval of the row: for causal masks the sequence's first tokens,
+    for packed documents each document's. ``streaming_within(causal(n), s, w) == streaming(n, s, w)``."""
+    if not isinstance(mask, AttnMask):
+        raise ValueError(f"streaming_within needs an AttnMask, got {type(mask).__name__}")
+    s = _int("sink", sink, 0)
+    w = _int("window", window, 1)
+    n = mask.seqlen_q
+    traps = mask.traps
+    band = np.array([[0, n, 1 - w, 1, mask.seqlen_k, 0]], dtype=np.int64)  # keys i - w < j
+    parts = [geometry.intersect(traps, band)]
+    if s:
+        sinks = traps.copy()
+        sinks[:, geometry.HI_A] = traps[:, geometry.LO_A] + s
+        sinks[:, geometry.HI_S] = traps[:, geometry.LO_S]
+        parts.append(geometry.intersect(traps, sinks))
+    both = geometry.union([tuple(t) for p in parts for t in p.tolist()])
+    return AttnMask.from_traps(both, mask.seqlen_q, mask.seqlen_k)

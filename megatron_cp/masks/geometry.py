@@ -296,3 +296,38 @@ def merge_tiles(tiles) -> np.ndarray:
         arr = _coalesce(_join_rows(arr))
     out = np.array([trap_to_slice(a) for a in arr.tolist()], dtype=np.int64).reshape(-1, 5)
     return out[np.lexsort((out[:, 2], out[:, 0]))].astype(np.int32)
+
+
+def _pieces(r0: int, r1: int, a1: int, s1: int, a2: int, s2: int, upper: bool) -> list[tuple[int, int, int, int]]:
+    """Rows [r0, r1) cut where lines (a1 + s1 i) and (a2 + s2 i) cross; each piece with the larger line
+    (``upper``) or the smaller one: [(p0, p1, a, s)]."""
+    if s1 == s2:
+        a = max(a1, a2) if upper else min(a1, a2)
+        return [(r0, r1, a, s1)]
+    # (s1 - s2) is +1 or -1: line 1 - line 2 = (a1 - a2) + (s1 - s2) i changes sign once
+    c = a2 - a1 if s1 > s2 else a1 - a2 + 1  # first row where the rising line is at least the other
+    rising, flat = ((a1, s1), (a2, s2)) if s1 > s2 else ((a2, s2), (a1, s1))
+    before, after = (flat, rising) if upper else (rising, flat)
+    out = []
+    if r0 < min(c, r1):
+        out.append((r0, min(c, r1)) + before)
+    if max(c, r0) < r1:
+        out.append((max(c, r0), r1) + after)
+    return out
+
+
+def intersect(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The cells in both trapezoid lists ``a`` and ``b`` (int64 [n, 6] each), canonical (``union``)."""
+    a = np.asarray(a, dtype=np.int64).reshape(-1, 6)
+    b = np.asarray(b, dtype=np.int64).reshape(-1, 6)
+    out = []
+    for t in a.tolist():
+        rows = (b[:, Q0] < t[Q1]) & (b[:, Q1] > t[Q0])
+        for u in b[rows].tolist():
+            r0, r1 = max(t[Q0], u[Q0]), min(t[Q1], u[Q1])
+            for p0, p1, la, ls in _pieces(r0, r1, t[LO_A], t[LO_S], u[LO_A], u[LO_S], upper=True):
+                for q0, q1, ha, hs in _pieces(p0, p1, t[HI_A], t[HI_S], u[HI_A], u[HI_S], upper=False):
+                    n0, n1 = _nonempty_rows(q0, q1, la, ls, ha, hs)
+                    if n0 < n1:
+                        out.append((n0, n1, la, ls, ha, hs))
+    return union(out)

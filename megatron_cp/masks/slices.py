@@ -92,6 +92,19 @@ class AttnMask:
             out.append(AttnSlice((q0, q1), (k0, k1), KINDS[code]))
         return AttnMask(out, self.seqlen_q, self.seqlen_k)
 
+    @staticmethod
+    def from_traps(traps: np.ndarray, seqlen_q: int, seqlen_k: int | None = None) -> "AttnMask":
+        """The mask of trapezoids ``traps`` (int64 [n, 6], ``geometry``)."""
+        out = [AttnSlice((q0, q1), (k0, k1), KINDS[code])
+               for q0, q1, k0, k1, code in (geometry.trap_to_slice(t) for t in np.asarray(traps).reshape(-1, 6))]
+        return AttnMask(out, seqlen_q, seqlen_k)
+
+    def __and__(self, other: "AttnMask") -> "AttnMask":
+        """The cells both masks keep (same shape)."""
+        if not isinstance(other, AttnMask) or (other.seqlen_q, other.seqlen_k) != (self.seqlen_q, self.seqlen_k):
+            raise ValueError(f"can only intersect masks of the same shape: {self!r} & {other!r}")
+        return AttnMask.from_traps(geometry.intersect(self.traps, other.traps), self.seqlen_q, self.seqlen_k)
+
     def area(self) -> int:
         """Number of kept (query, key) cells, exact."""
         return geometry.traps_area(self.traps)

@@ -2,9 +2,9 @@
 
 from .layout import group_plan, head_context_plan
 from .milp import ChunkOptimum, in_feasible_set, optimal_assignment
-from .plan import Plan, RankPlan, plan
+from .plan import Plan, RankPlan, plan, plan_like
 from .solvers import SOLVERS
 from .topology import LINKS, Links, Topology
 from .workload import Workload
 
-__all__ = ["Plan", "RankPlan", "plan", "Topology", "Links", "LINKS", "Workload", "SOLVERS", "head_context_plan", "group_plan", "optimal_assignment", "in_feasible_set", "ChunkOptimum"]
+__all__ = ["Plan", "RankPlan", "plan", "plan_like", "Topology", "Links", "LINKS", "Workload", "SOLVERS", "head_context_plan", "group_plan", "optimal_assignment", "in_feasible_set", "ChunkOptimum"]

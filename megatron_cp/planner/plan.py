@@ -514,6 +514,33 @@ def _snap(bounds: np.ndarray, owner: np.ndarray, block: int) -> tuple[np.ndarray
     return snapped, o
 
 
+def plan_like(mask: AttnMask, like: Plan) -> Plan:
+    """A plan of ``mask`` with ``like``'s token layout (the same chunks on the same ranks, no guest
+    rows): a second mask over tokens already dispatched by ``like``, e.g. the streaming heads'
+    ``masks.streaming_within(mask, ...)`` beside the full heads' mask. Pure, like ``plan``."""
+    if not isinstance(mask, AttnMask) or not isinstance(like, Plan):
+        raise TypeError(f"plan_like(mask: AttnMask, like: Plan), got {type(mask).__name__}, {type(like).__name__}")
+    if mask.seqlen_q != mask.seqlen_k or mask.seqlen_q != like.seqlen:
+        raise ValueError(f"plan_like: mask [{mask.seqlen_q}, {mask.seqlen_k}] must be square with the layout's "
+                         f"length {like.seqlen}")
+    traps = mask.traps
+    prefix = geometry.row_area_prefix(traps, like.seqlen)
+    ranks = _rank_plans(traps, prefix, solvers.KeySpans(traps, like.seqlen), like.bounds, like.owner, like.cp_size)
+    return Plan(
+        cp_size=like.cp_size,
+        seqlen=like.seqlen,
+        solver=f"like:{like.solver}",
+        chunk_size=like.chunk_size,
+        bounds=like.bounds,
+        owner=like.owner,
+        ranks=ranks,
+        mask_area=int(prefix[-1]),
+        topology=like.topology,
+        digest=plan_digest(like.cp_size, like.seqlen, like.chunk_size, like.bounds, like.owner, traps),
+        traps=traps,
+    )
+
+
 def _choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts, block=1):
     """The candidate layouts of ``solver`` for ``traps`` (loads by ``prefix``), scored; returns (name,
     bounds, owner, scores) of the one with least traffic among those within ``tol`` (else the best
