@@ -131,3 +131,20 @@ def test_intersection_and_streaming_within_match_dense():
     start = np.array([0, 10, 25])[np.searchsorted([10, 25, 40], np.arange(40), side="right")]
     want = m.to_dense() & ((j - start[i] < 2) | (i - j < 4))
     assert np.array_equal(mcp.masks.streaming_within(m, 2, 4).to_dense(), want)
+
+
+def test_bench_heads_dry_run(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "tools" / "bench_heads.py"), "--dry-run", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[-5].startswith("| sparsity") and len(lines[-3:]) == 3
+    rows = json.loads((tmp_path / "bench_heads.json").read_text())["rows"]
+    assert [x["streaming_kv_heads"] for x in rows] == [0, 2, 3]
+    assert (tmp_path / "bench_heads.png").stat().st_size > 0
