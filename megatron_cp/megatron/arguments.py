@@ -15,10 +15,12 @@ import argparse
 import json
 
 from .batch import MASKS, MaskSpec, PlanOptions
+from .gating import DEFAULT_SINK, DEFAULT_WINDOW, GatingSpec
 from .sparse_spec import METHODS, spec_from_args
 
 IMPLS = ("te", "megatron_cp", "ring", "ulysses", "usp", "allgather", "head_context")
 OURS = IMPLS[1:]  # every impl that uses megatron-cp's adapter
+GATING_METHODS = ("none", "duo", "prulong")
 
 
 def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -67,7 +69,78 @@ def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     s.add_argument("--cp-flexprefill-max-budget", type=int, default=None, help="FlexPrefill: max budget")
     s.add_argument("--cp-minference-config", type=str, default=None,
                    help="MInference: per-layer, per-head pattern JSON (tools/minference_search.py)")
+    h = parser.add_argument_group("megatron-cp head-gated hybrid attention (DuoAttention / PruLong)")
+    h.add_argument("--cp-head-gating", choices=GATING_METHODS, default="none",
+                   help="learn per (layer, KV head) whether attention is full or streaming (sink + recent window): "
+                        "duo (DuoAttention: frozen weights, gates alpha in [0, 1] by distillation + L1) or prulong "
+                        "(hard-concrete L0 gates + Lagrangian sparsity target). Gate training runs in a loop that "
+                        "owns the gates (examples/tiny_llama/train_gates.py)")
+    h.add_argument("--cp-sink-tokens", type=int, default=None,
+                   help=f"streaming heads keep each document's first N keys (default {DEFAULT_SINK}, "
+                        "DuoAttention's training setting; or the pattern file's)")
+    h.add_argument("--cp-local-window", type=int, default=None,
+                   help=f"streaming heads keep the N most recent keys (default {DEFAULT_WINDOW}; or the pattern "
+                        "file's)")
+    h.add_argument("--cp-target-sparsity", type=float, default=None,
+                   help="fraction of KV heads that end streaming: PruLong's Lagrangian target and the "
+                        "discretisation level (default 0.5)")
+    h.add_argument("--cp-head-pattern", type=str, default=None,
+                   help="a learned head pattern JSON ({\"layers\": [[true/false per KV head], ...], \"sink\", "
+                        "\"window\"}): full heads run the full plan, the others only sink + window "
+                        "(inference / continued training with fixed heads)")
     return parser
+
+
+def gating_from_args(args) -> GatingSpec | None:
+    """The ``GatingSpec`` of the head-gating flags (None when off). Raises ValueError naming the flag."""
+    method = getattr(args, "cp_head_gating", "none") or "none"
+    path = getattr(args, "cp_head_pattern", None)
+    sink, window = getattr(args, "cp_sink_tokens", None), getattr(args, "cp_local_window", None)
+    target = getattr(args, "cp_target_sparsity", None)
+    if method == "none" and path is None:
+        for flag, v in (("--cp-sink-tokens", sink), ("--cp-local-window", window), ("--cp-target-sparsity", target)):
+            if v is not None:
+                raise ValueError(f"{flag} needs --cp-head-gating duo|prulong or --cp-head-pattern FILE")
+        return None
+    if method not in GATING_METHODS:
+        raise ValueError(f"--cp-head-gating must be one of {', '.join(GATING_METHODS)}, got {method!r}")
+    if method != "none" and path is not None:
+        raise ValueError(f"--cp-head-gating {method} learns the heads; --cp-head-pattern {path} fixes them: "
+                         "give one of the two")
+    if target is not None and not 0.0 <= target < 1.0:
+        raise ValueError(f"--cp-target-sparsity must be in [0, 1), got {target}")
+    if sink is not None and sink < 0:
+        raise ValueError(f"--cp-sink-tokens must be >= 0, got {sink}")
+    if window is not None and window < 1:
+        raise ValueError(f"--cp-local-window must be >= 1, got {window}")
+    if getattr(args, "cp_sparse", "none") not in (None, "none"):
+        raise ValueError(f"--cp-head-gating / --cp-head-pattern do not combine with --cp-sparse {args.cp_sparse}")
+    if args.context_parallel_impl != "megatron_cp":
+        raise ValueError(f"--cp-head-gating / --cp-head-pattern run with --context-parallel-impl megatron_cp, not "
+                         f"{args.context_parallel_impl}")
+    if path is None:
+        return GatingSpec(sink=DEFAULT_SINK if sink is None else sink,
+                          window=DEFAULT_WINDOW if window is None else window, mode="train", method=method,
+                          target_sparsity=0.5 if target is None else target)
+    from megatron_cp.sparse.head_gates import load_pattern
+
+    try:
+        obj = load_pattern(path)
+    except ValueError as e:
+        raise ValueError(f"--cp-head-pattern: {e}") from None
+    for flag, v, key in (("--cp-sink-tokens", sink, "sink"), ("--cp-local-window", window, "window")):
+        if v is not None and obj[key] is not None and v != obj[key]:
+            raise ValueError(f"{flag} {v} differs from the {key}={obj[key]} the pattern {path} was learned with")
+    sink = sink if sink is not None else (obj["sink"] if obj["sink"] is not None else DEFAULT_SINK)
+    window = window if window is not None else (obj["window"] if obj["window"] is not None else DEFAULT_WINDOW)
+    layers, kv = getattr(args, "num_layers", None), getattr(args, "num_query_groups", None)
+    kv = kv or getattr(args, "num_attention_heads", None)
+    if layers and len(obj["layers"]) != layers:
+        raise ValueError(f"--cp-head-pattern {path} has {len(obj['layers'])} layers, the model --num-layers {layers}")
+    if kv and len(obj["layers"][0]) != kv:
+        raise ValueError(f"--cp-head-pattern {path} has {len(obj['layers'][0])} KV heads per layer, the model "
+                         f"{kv} (--num-query-groups)")
+    return GatingSpec(sink=sink, window=window, mode="pattern", pattern=str(path))
 
 
 def compose(*providers):
@@ -122,6 +195,7 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
     if sparse is not None and args.context_parallel_impl != "megatron_cp":
         raise ValueError(f"--cp-sparse {sparse.method} runs with --context-parallel-impl megatron_cp, not "
                          f"{args.context_parallel_impl}")
+    gating = gating_from_args(args)
     return spec, PlanOptions(chunk_size=args.cp_chunk_size, topology=_topology(args.cp_topology),
                              solver=args.cp_solver, kernel_backend=args.cp_kernel_backend,
-                             strategy=args.context_parallel_impl, sparse=sparse)
+                             strategy=args.context_parallel_impl, sparse=sparse, gating=gating)

@@ -27,6 +27,8 @@ import torch.distributed as dist
 
 import megatron_cp as mcp
 
+from megatron_cp.planner import plan_like
+
 from .params import CPParams
 
 # masks built from document boundaries; everything else is a builder in megatron_cp.masks
@@ -80,8 +82,14 @@ class PlanOptions:
     kernel_backend: str = "auto"
     strategy: str = "megatron_cp"
     sparse: object = None  # a SparseSpec (--cp-sparse): plans in whole blocks, selectors per layer
+    gating: object = None  # a gating.GatingSpec (--cp-head-gating / --cp-head-pattern): adds a streaming plan
 
     def __post_init__(self):
+        if self.gating is not None:
+            if self.strategy != "megatron_cp":
+                raise ValueError(f"head gating runs with strategy megatron_cp, not {self.strategy!r}")
+            if self.sparse is not None:
+                raise ValueError("head gating and dynamic sparse attention (--cp-sparse) do not combine")
         if self.strategy != "megatron_cp":
             from megatron_cp.baselines import STRATEGIES
 
@@ -197,12 +205,18 @@ def prepare_batch(
     cp_group,
     options: PlanOptions = PlanOptions(),
     check: bool = True,
+    gating=None,
 ) -> CPBatch:
     """Plan and dispatch one micro-batch.
 
     tokens / labels / loss_mask: ``[b, S]`` (int64, int64, float), the full micro-batch, identical on
     every rank of ``cp_group`` (as Megatron's data loader gives them). Returns ``[1, s_local]`` tensors
     on the same device plus ``params`` to pass as ``packed_seq_params``. ``cp_group=None`` means CP=1.
+
+    With ``options.gating`` (a ``GatingSpec``) the params also carry the streaming plan
+    (``plan_like(streaming_within(mask, sink, window), plan)``) and a gating object: ``gating`` if given
+    (train mode needs one: a ``gating.GateSource`` over the training loop's gates), else the spec's own
+    (pattern mode: the ``--cp-head-pattern`` file).
     """
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [b, S], got shape {tuple(tokens.shape)}")
@@ -222,6 +236,18 @@ def prepare_batch(
     plan, strategy = _PLANS.get(plan_key, lambda: _make_plan(build_mask(spec, cu, b, S), cp_size, options))
     if check and cp_size > 1:
         _check_same_plan(plan, cp_group)
+    stream_plan = None
+    if options.gating is not None:
+        g = options.gating
+        gating = gating if gating is not None else g.source()
+        if gating is None:
+            raise ValueError("head gating in train mode needs prepare_batch(..., gating=GateSource(...)): the "
+                             "gates are the training loop's parameters")
+        # the same token layout as the full plan: one dispatch serves both kinds of heads
+        stream_plan = _PLANS.get(plan_key + ("stream", g.sink, g.window), lambda: plan_like(
+            mcp.masks.streaming_within(build_mask(spec, cu, b, S), g.sink, g.window), plan))
+    elif gating is not None:
+        raise ValueError("prepare_batch(gating=...) needs PlanOptions.gating (sink, window) for the streaming plan")
     ids = torch.from_numpy(np.ascontiguousarray(plan.local_ids(cp_rank))).to(tokens.device)
     pos = torch.from_numpy(positions_from_bounds(cu)).to(tokens.device)
 
@@ -231,5 +257,5 @@ def prepare_batch(
     local_pos = take(pos)
     params = CPParams(plan=plan, position_ids=local_pos, cp_rank=cp_rank, cp_group=cp_group,
                       kernel_backend=options.kernel_backend, strategy=strategy, sparse=options.sparse,
-                      qkv_format="sbhd")
+                      gating=gating, stream_plan=stream_plan, qkv_format="sbhd")
     return CPBatch(take(tokens), take(labels), take(loss_mask), local_pos, params, cu)

@@ -13,6 +13,11 @@ plan carried by ``packed_seq_params`` (a ``CPParams``, made by ``prepare_batch``
 is folded into the head dimension (batch-major), which keeps the GQA head mapping intact, so all
 samples of a micro-batch share one plan; ``prepare_batch`` emits ``b = 1`` with the samples
 concatenated as documents, which covers any per-sample mask.
+
+Head gating (``CPParams.gating``, see ``gating.py``): in train mode each KV head mixes full and streaming
+attention by its gate (``sparse.gated_attention``), in pattern mode each KV head runs one of the two
+(``sparse.pattern_attention``). Gates and patterns are per model KV head; this rank takes its tensor-parallel
+slice and repeats it per folded batch element.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
 import megatron_cp as mcp
+from megatron_cp.sparse.gated import gated_attention, pattern_attention
 
 from .params import CPParams
 
@@ -77,6 +83,7 @@ class CPCoreAttention(MegatronModule):
         self.pg_collection = pg_collection
         self.cp_group = pg_collection.cp
         tp = pg_collection.tp.size()
+        self.tp_rank, self.tp_size = pg_collection.tp.rank(), tp
         self.head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
         self.heads_per_partition = divide(config.num_attention_heads, tp)
         self.softmax_scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
@@ -115,12 +122,13 @@ class CPCoreAttention(MegatronModule):
                 f"v {tuple(value.shape)} (need equal s, b, d and Hkv dividing Hq)"
             )
         cp_rank, cp_size = self._cp_rank_size()
-        backend, strategy, selector = "auto", "megatron_cp", None
+        backend, strategy, selector, gating = "auto", "megatron_cp", None, None
         if isinstance(packed_seq_params, CPParams):
             plan = packed_seq_params.plan
             backend, strategy = packed_seq_params.kernel_backend, packed_seq_params.strategy
             if packed_seq_params.sparse is not None:
                 selector = packed_seq_params.sparse.selector(self.layer_number)
+            gating = packed_seq_params.gating
         elif packed_seq_params is None and cp_size == 1:
             # No batch hook (e.g. evaluation at CP=1): plain causal attention over the sequence.
             kind = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -145,6 +153,11 @@ class CPCoreAttention(MegatronModule):
         k = key.reshape(s, b * hkv, d)
         v = value.reshape(s, b * hkv, d)
         group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
+        if gating is not None:
+            out = self._gated(q, k, v, b, hkv, plan, packed_seq_params.stream_plan, group, gating, backend,
+                              strategy, selector)
+            if out is not None:
+                return out.reshape(s, b, hq * d)
         if selector is not None:
             out, _lse = mcp.sparse.sparse_attention(q, k, v, plan, group, selector, softmax_scale=self.softmax_scale,
                                                     backend=backend)
@@ -157,3 +170,36 @@ class CPCoreAttention(MegatronModule):
             out, _lse = get_strategy(strategy, backend=backend, lse_grad=False)(q, k, v, plan, group,
                                                                                 self.softmax_scale)
         return out.reshape(s, b, hq * d)
+
+    def _local_heads(self, values, hkv: int, what: str):
+        """This TP rank's ``hkv`` entries of a per-model-KV-head sequence (gate tensor or bool list)."""
+        n = len(values)
+        if n == hkv * self.tp_size:
+            lo = self.tp_rank * hkv
+            return values[lo:lo + hkv]
+        raise ValueError(f"layer {self.layer_number}: the head {what} has {n} entries; the model has "
+                         f"{hkv * self.tp_size} KV heads ({hkv} per tensor-parallel rank)")
+
+    def _gated(self, q, k, v, b, hkv, plan, stream_plan, group, gating, backend, strategy, selector):
+        """Head-gated attention of the folded ``[s, b * H, d]`` tensors, or None when this layer is ungated."""
+        if selector is not None or strategy != "megatron_cp":
+            raise ValueError("head gating runs with strategy megatron_cp and without --cp-sparse")
+        if stream_plan is None:
+            raise ValueError("CPParams.gating needs CPParams.stream_plan")
+        if gating.mode == "train":
+            gate = gating.gate(self.layer_number)
+            if gate is None:
+                return None
+            # batch-major folding: folded KV head i * hkv + h is sample i's head h
+            gate = self._local_heads(gate, hkv, "gate").repeat(b)
+            return gated_attention(q, k, v, plan, stream_plan, group, gate, self.softmax_scale,
+                                              backend=backend)
+        if gating.mode == "pattern":
+            pattern = gating.pattern(self.layer_number)
+            if pattern is None:
+                return None
+            full_heads = list(self._local_heads(list(pattern), hkv, "pattern")) * b
+            out, _lse = pattern_attention(q, k, v, plan, stream_plan, group, full_heads,
+                                                     self.softmax_scale, backend=backend)
+            return out
+        raise ValueError(f"CPParams.gating.mode must be 'train' or 'pattern', got {gating.mode!r}")

@@ -30,6 +30,11 @@ class CPParams(PackedSeqParams):
     strategy:      megatron_cp, or a strategy of megatron_cp.baselines (ring | ulysses | usp | allgather |
                    head_context)
     sparse:        a ``SparseSpec`` (--cp-sparse) or None: the layers' dynamic sparse selectors
+    gating:        None, or a head-gating object (``gating.GateSource`` / ``PatternSource``): ``mode`` in
+                   {train, pattern}, ``gate(layer_number)`` -> float [Hkv] or None, ``pattern(layer_number)``
+                   -> Hkv bools or None (--cp-head-gating / --cp-head-pattern)
+    stream_plan:   the streaming heads' plan (``plan_like(streaming_within(mask, sink, window), plan)``:
+                   the same token layout as ``plan``); required with ``gating``
     """
 
     plan: Any = None
@@ -38,6 +43,8 @@ class CPParams(PackedSeqParams):
     kernel_backend: str = "auto"
     strategy: str = "megatron_cp"
     sparse: Any = None
+    gating: Any = None
+    stream_plan: Any = None
 
     def __post_init__(self):
         if self.qkv_format is None:
@@ -46,6 +53,12 @@ class CPParams(PackedSeqParams):
             raise ValueError(f"CPParams.qkv_format must be 'sbhd', got {self.qkv_format!r}")
         if self.plan is None:
             raise ValueError("CPParams needs a plan (got None)")
+        if self.gating is not None:
+            if getattr(self.gating, "mode", None) not in ("train", "pattern"):
+                raise ValueError(f"CPParams.gating.mode must be 'train' or 'pattern', got "
+                                 f"{getattr(self.gating, 'mode', None)!r}")
+            if self.stream_plan is None:
+                raise ValueError("CPParams with gating needs stream_plan (prepare_batch with PlanOptions.gating)")
         # GPTModel asks packed_seq_params for the RoPE length; the full length of the sequence.
         self.max_seqlen_q = self.max_seqlen_kv = int(self.plan.seqlen)
         super().__post_init__()

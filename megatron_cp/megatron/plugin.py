@@ -57,7 +57,11 @@ def validate_args(args) -> None:
         raise ValueError(f"megatron_cp needs --position-embedding-type rope, got {args.position_embedding_type!r}")
     if args.spec is None:
         args.spec = list(SPEC)
-    specs_from_args(args, eod=0)  # flag checks only; the EOD comes from the tokenizer later
+    _, options = specs_from_args(args, eod=0)  # flag checks only; the EOD comes from the tokenizer later
+    if options.gating is not None and options.gating.mode == "train":
+        raise ValueError(f"--cp-head-gating {options.gating.method} trains gates in a loop that owns them "
+                         "(examples/tiny_llama/train_gates.py); pretrain_gpt.py runs a learned pattern with "
+                         "--cp-head-pattern FILE")
 
 
 def wrap_parse(parse_and_validate_args):

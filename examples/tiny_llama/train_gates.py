@@ -1,0 +1,295 @@
+"""Learn which KV heads of the tiny Llama need the whole context (DuoAttention or PruLong) under CP.
+
+    PYTHONPATH=examples python -m tiny_llama.train_gates --method duo --cp 2          (gloo on CPU)
+    PYTHONPATH=examples python -m tiny_llama.train_gates --method prulong --cp 2 --sparsity 0.5
+
+Four stages, all through the Megatron adapter (``prepare_batch`` -> ``GPTModel`` with ``CPCoreAttention``):
+
+a. pretrain the tiny Llama on synthetic passkeys (``passkey.py``; loss only on the answer), so that some
+   heads learn to retrieve the key from far back;
+b. train the gates with the model frozen:
+   * duo: ``DuoGates`` alpha per (layer, KV head), loss = MSE between the gated model's and the full model's
+     final hidden states on the answer positions + ``l1_weight`` * mean |alpha|, alpha clamped to [0, 1];
+   * prulong: ``HardConcreteGates`` sampled per step (the same draw on every CP rank), loss = the LM loss on
+     the answer + the ``LagrangianSparsity`` term (target warmed up linearly; multipliers maximised);
+c. discretise at ``--sparsity`` (top ``1 - sparsity`` of heads by gate stay full) and save the pattern JSON;
+d. held-out passkey accuracy of the full model, the discretised model, two controls at the same budget
+   (the inverse pattern: the lowest-gated heads full; every head streaming) and one table.
+
+Streaming heads keep ``--sink`` first keys and a ``--window`` of recent keys; the key sits at depth 10-80 %
+of the filler, so beyond the window of the answer: a head that must find it cannot be streaming.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .model import LlamaShape
+from .passkey import PasskeyTask
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    method: str = "duo"
+    cp: int = 2
+    sparsity: float = 0.5
+    sink: int = 2
+    window: int = 8
+    seq_length: int = 64
+    digits: int = 2
+    pretrain_steps: int = 400
+    pretrain_lr: float = 1e-2
+    gate_steps: int = 30
+    gate_lr: float = 5e-2
+    l1_weight: float = 0.05  # DuoAttention's reg weight
+    warmup_steps: int = 20  # PruLong: steps to reach the target sparsity
+    batch: int = 16
+    eval_samples: int = 64
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 8
+    kv_heads: int = 4
+    seed: int = 1234
+    out: str = "head_pattern.json"
+
+
+def shape_of(cfg: GateConfig) -> LlamaShape:
+    return LlamaShape(num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
+                      num_query_groups=cfg.kv_heads, ffn_hidden_size=2 * cfg.hidden, vocab_size=256,
+                      seq_length=cfg.seq_length)
+
+
+def _cp():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_group()
+
+
+def _allreduce_grads(params, group) -> None:
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
+
+
+def _global_count(mask: torch.Tensor, group) -> float:
+    import torch.distributed as dist
+
+    n = mask.sum().to(torch.float64).reshape(1)
+    dist.all_reduce(n, group=group)
+    return max(float(n), 1.0)
+
+
+@torch.no_grad()
+def evaluate(model, task: PasskeyTask, n: int, seed: int, spec, options, gating=None):
+    """(digit accuracy, whole-key accuracy) of argmax predictions on ``n`` held-out samples."""
+    import torch.distributed as dist
+
+    from megatron_cp.megatron import prepare_batch
+
+    group = _cp()
+    tokens, labels, mask = task.batch(n, seed)
+    bt = prepare_batch(tokens, labels, mask, spec, group, options, gating=gating)
+    logits = model(bt.tokens, bt.position_ids, None, packed_seq_params=bt.params)  # [1, s_local, V]
+    pred = logits.argmax(-1).reshape(-1)
+    hit = ((pred == bt.labels.reshape(-1)) & (bt.loss_mask.reshape(-1) > 0)).to(torch.float64)
+    ids = torch.from_numpy(bt.params.plan.local_ids(bt.params.cp_rank).astype("int64"))
+    per_sample = torch.zeros(n, dtype=torch.float64).index_add_(0, ids // task.seq_length, hit)
+    dist.all_reduce(per_sample, group=group)
+    return float(per_sample.sum()) / (n * task.digits), float((per_sample == task.digits).double().mean())
+
+
+def _pretrain(model, task, cfg, spec, options):
+    from . import trainer
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    losses = []
+    for step in range(cfg.pretrain_steps):
+        opt.zero_grad(set_to_none=True)
+        s, n = trainer.forward_backward(model, [task.batch(cfg.batch, cfg.seed + step)], spec, options)
+        res = trainer.reduce_and_scale(model, s, n, group=_cp())
+        opt.step()
+        losses.append(res.loss)
+    return losses
+
+
+def _final_hidden(model, bt, store):
+    """Run ``model`` on the dispatched batch; returns the decoder's output (after the final norm) [s, 1, H]."""
+    h = model.decoder.register_forward_hook(lambda m, a, out: store.__setitem__("h", out))
+    try:
+        model(bt.tokens, bt.position_ids, None, packed_seq_params=bt.params)
+    finally:
+        h.remove()
+    return store.pop("h")
+
+
+def _train_duo(model, task, cfg, spec, full_opts, gated_opts):
+    from megatron_cp.megatron import prepare_batch
+    from megatron_cp.megatron.gating import GateSource
+    from megatron_cp.sparse.head_gates import DuoGates
+
+    group, cp = _cp(), cfg.cp
+    gates = DuoGates(cfg.layers, cfg.kv_heads)
+    opt = torch.optim.AdamW(gates.parameters(), lr=cfg.gate_lr, weight_decay=0.0)
+    source = GateSource(gates.values)
+    log = []
+    for step in range(cfg.gate_steps):
+        opt.zero_grad(set_to_none=True)
+        tokens, labels, mask = task.batch(cfg.batch, cfg.seed + 10_000 + step)
+        with torch.no_grad():
+            ref = _final_hidden(model, prepare_batch(tokens, labels, mask, spec, group, full_opts), {})
+        bt = prepare_batch(tokens, labels, mask, spec, group, gated_opts, gating=source)
+        out = _final_hidden(model, bt, {})
+        sel = bt.loss_mask.reshape(-1) > 0
+        diff = (out.reshape(-1, out.shape[-1])[sel].float() - ref.reshape(-1, ref.shape[-1])[sel].float())
+        distill = diff.pow(2).mean(-1).sum() / _global_count(bt.loss_mask, group)
+        # the regulariser is replicated: each CP rank adds 1/cp of it, the all-reduce sums it back to one
+        loss = distill + cfg.l1_weight * gates.l1() / cp
+        loss.backward()
+        _allreduce_grads(gates.parameters(), group)
+        opt.step()
+        gates.clamp_()
+        log.append(float(distill))
+    return gates.values().detach().clone(), log
+
+
+def _train_prulong(model, task, cfg, spec, gated_opts):
+    from megatron_cp.megatron import loss_func, prepare_batch
+    from megatron_cp.megatron.gating import GateSource
+    from megatron_cp.sparse.head_gates import HardConcreteGates, LagrangianSparsity
+
+    group, cp = _cp(), cfg.cp
+    gates = HardConcreteGates(cfg.layers, cfg.kv_heads, generator=torch.Generator().manual_seed(cfg.seed))
+    lag = LagrangianSparsity(cfg.sparsity, cfg.warmup_steps)
+    opt = torch.optim.AdamW(gates.parameters(), lr=cfg.gate_lr, weight_decay=0.0)
+    opt_lag = torch.optim.AdamW(lag.parameters(), lr=cfg.gate_lr, weight_decay=0.0, maximize=True)
+    log = []
+    for step in range(cfg.gate_steps):
+        opt.zero_grad(set_to_none=True)
+        opt_lag.zero_grad(set_to_none=True)
+        # one draw for the whole CP group: the same seed on every rank
+        z = gates.sample(torch.Generator().manual_seed(cfg.seed * 7919 + step))
+        tokens, labels, mask = task.batch(cfg.batch, cfg.seed + 10_000 + step)
+        bt = prepare_batch(tokens, labels, mask, spec, group, gated_opts, gating=GateSource(lambda: z))
+        out = model(bt.tokens, bt.position_ids, None, labels=bt.labels, packed_seq_params=bt.params)
+        lm_sum, _n, _ = loss_func(bt.loss_mask, out)
+        lm = lm_sum / _global_count(bt.loss_mask, group)
+        loss = lm + lag(gates.expected_sparsity(), step) / cp
+        loss.backward()
+        _allreduce_grads(list(gates.parameters()) + list(lag.parameters()), group)
+        opt.step()
+        opt_lag.step()
+        log.append(float(lm))
+    return gates.expected().detach().clone(), log
+
+
+def _worker(rank, world, cfg: GateConfig):
+    import torch.distributed as dist
+
+    from megatron_cp.megatron import MaskSpec, PlanOptions
+    from megatron_cp.megatron.gating import GatingSpec, PatternSource
+    from megatron_cp.sparse.head_gates import discretize, save_pattern
+
+    from . import trainer
+    from .model import build_llama
+
+    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    trainer.init_parallel(1, cfg.cp)
+    t0 = time.perf_counter()
+    task = PasskeyTask(cfg.seq_length, cfg.digits)
+    spec = MaskSpec("causal")
+    full_opts = PlanOptions()
+    gated_opts = PlanOptions(gating=GatingSpec(cfg.sink, cfg.window, "train", method=cfg.method,
+                                               target_sparsity=cfg.sparsity))
+    torch.manual_seed(cfg.seed)
+    model = build_llama(shape_of(cfg))
+    pre = _pretrain(model, task, cfg, spec, full_opts)
+    t_pre = time.perf_counter() - t0
+    model.requires_grad_(False)  # both objectives here train the gates only
+    if cfg.method == "duo":
+        values, glog = _train_duo(model, task, cfg, spec, full_opts, gated_opts)
+        init = 1.0
+    else:
+        values, glog = _train_prulong(model, task, cfg, spec, gated_opts)
+        init = None
+    pattern = discretize(values, cfg.sparsity)
+    meta = dict(sparsity=cfg.sparsity, sink=cfg.sink, window=cfg.window, method=cfg.method,
+                gates=[[round(float(x), 4) for x in row] for row in values])
+    if rank == 0:
+        save_pattern(cfg.out, pattern, meta)
+    dist.barrier()
+    pat_opts = PlanOptions(gating=GatingSpec(cfg.sink, cfg.window, "pattern", pattern=str(cfg.out)))
+    L, H = values.shape
+    # controls at the same budget: the heads the gates ranked lowest kept full instead; nothing full
+    inverse = discretize(-values, cfg.sparsity)
+    rows = []
+    es, ev = cfg.eval_samples, cfg.seed + 99_999
+    rows.append(("full (every head full)", L * H, *evaluate(model, task, es, ev, spec, full_opts)))
+    rows.append(("discretised (learned)", sum(map(sum, pattern)), *evaluate(model, task, es, ev, spec, pat_opts)))
+    rows.append(("inverse (lowest gates)", sum(map(sum, inverse)),
+                 *evaluate(model, task, es, ev, spec, pat_opts, gating=PatternSource(inverse))))
+    rows.append(("streaming only", 0, *evaluate(model, task, es, ev, spec, pat_opts,
+                                                gating=PatternSource([[False] * H for _ in range(L)]))))
+    return dict(config=asdict(cfg), rows=rows, gates=values.tolist(), pattern=pattern, gate_init=init,
+                pretrain_loss=[pre[0], pre[-1]], gate_log=[glog[0], glog[-1]], pretrain_s=round(t_pre, 1),
+                total_s=round(time.perf_counter() - t0, 1), total_heads=L * H)
+
+
+def table(res: dict) -> str:
+    c = res["config"]
+    lines = [f"head gating: method {c['method']}  cp {c['cp']}  sparsity {c['sparsity']}  sink {c['sink']}  "
+             f"window {c['window']}  seq {c['seq_length']}  key digits {c['digits']}",
+             f"pretrain loss {res['pretrain_loss'][0]:.3f} -> {res['pretrain_loss'][1]:.3f}; gate objective "
+             f"{res['gate_log'][0]:.4f} -> {res['gate_log'][1]:.4f}",
+             f"{'model':<26}{'full heads':>12}{'digit acc':>11}{'key acc':>9}"]
+    for name, full, dacc, kacc in res["rows"]:
+        lines.append(f"{name:<26}{f'{full}/{res["total_heads"]}':>12}{dacc:>11.3f}{kacc:>9.3f}")
+    lines.append("gates (layer: per KV head; * = kept full):")
+    for i, (g, p) in enumerate(zip(res["gates"], res["pattern"])):
+        lines.append(f"  layer {i + 1}: " + "  ".join(f"{x:.3f}{'*' if f else ' '}" for x, f in zip(g, p)))
+    lines.append(f"pattern: {c['out']}   ({res['total_s']:.1f} s, pretraining {res['pretrain_s']:.1f} s)")
+    return "\n".join(lines)
+
+
+def parse(argv=None) -> GateConfig:
+    d = GateConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--method", choices=("duo", "prulong"), default=d.method)
+    for name in ("cp", "sink", "window", "seq_length", "digits", "pretrain_steps", "gate_steps", "warmup_steps",
+                 "batch", "eval_samples", "layers", "hidden", "heads", "kv_heads", "seed"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    for name in ("sparsity", "pretrain_lr", "gate_lr", "l1_weight"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    p.add_argument("--out", default=d.out, help="the pattern JSON to write")
+    p.add_argument("--json", default=None, help="also write the results here")
+    a = p.parse_args(argv)
+    if a.cp < 1:
+        p.error(f"--cp must be >= 1, got {a.cp}")
+    if not 0.0 <= a.sparsity < 1.0:
+        p.error(f"--sparsity must be in [0, 1), got {a.sparsity}")
+    kw = {k: v for k, v in vars(a).items() if k != "json"}
+    return GateConfig(**kw), a.json
+
+
+def main(argv=None) -> dict:
+    from .trainer import spawn
+
+    cfg, json_out = parse(argv)
+    cfg = GateConfig(**{**asdict(cfg), "out": str(Path(cfg.out).resolve())})
+    res = spawn(_worker, cfg.cp, cfg)
+    print(table(res), flush=True)
+    if json_out:
+        Path(json_out).write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    main()
