@@ -29,7 +29,7 @@ def test_hard_concrete_defaults_samples_and_expectation():
     assert abs(float(la.mean()) - 4.5) < 0.02 and float(la.std()) < 0.05
     # at init (log_alpha ~ 4.5) every head is full in expectation: sparsity ~ 0
     assert torch.equal(g.expected(), torch.ones(3, 4))
-    assert float(g.expected_sparsity()) < 0.01
+    assert float(g.expected_sparsity().detach()) < 0.01
     # samples live in [0, 1] and hit both ends with positive probability at log_alpha = 0
     with torch.no_grad():
         g.log_alpha.zero_()
@@ -310,7 +310,7 @@ def test_gated_core_attention_cp2_folded_batch():
 
 # ---------------------------------------------------------------- the recipe, end to end
 
-RECIPE = ["--cp", "2", "--pretrain-steps", "120", "--gate-steps", "25", "--eval-samples", "64"]
+RECIPE = ["--method", "both", "--cp", "2"]  # the defaults: seq 64, 400 pretraining steps, 40 gate steps
 
 
 @pytest.fixture(scope="module")
@@ -325,23 +325,35 @@ def recipe_run(tmp_path_factory):
     return res, out, time.perf_counter() - t0
 
 
-def test_recipe_duo_end_to_end(recipe_run, capsys):
+def test_recipe_end_to_end(recipe_run, capsys):
+    """One pretraining on passkeys, then DuoAttention and PruLong gates from the same frozen model, CP = 2.
+    Measured here (seed 1234; see the printed table): full model 0.750 digit / 0.547 key accuracy; both
+    discretised patterns (4 of 8 KV heads full) 0.750 / 0.547; their inverse controls and streaming only
+    0.078 / 0.016 (chance 0.1 / 0.01)."""
     from tiny_llama.train_gates import table
 
     res, out, seconds = recipe_run
     text = table(res)
-    assert "full (every head full)" in text and "discretised (learned)" in text and "streaming only" in text
+    with capsys.disabled():
+        print("\n" + text + f"\n(recipe wall time {seconds:.1f} s)")
+    for name in ("full (every head full)", "duo: discretised", "duo: inverse control", "prulong: discretised",
+                 "prulong: inverse control", "streaming only", "duo gates (alpha", "prulong gates (log_alpha"):
+        assert name in text, text
     rows = {r[0]: r[1:] for r in res["rows"]}
-    assert rows["discretised (learned)"][0] == 4 and rows["streaming only"][0] == 0
-    gates = torch.tensor(res["gates"])
-    assert float((gates - 1.0).abs().max()) > 0.1, f"DuoAttention gates did not move from 1: {gates}"
-    assert gates.min() >= 0 and gates.max() <= 1
-    pat = load_pattern(out)
-    assert pat["layers"] == res["pattern"] and pat["sparsity"] == 0.5 and (pat["sink"], pat["window"]) == (2, 8)
-    # measured, not promised: report the accuracies (see the test's output) and hold only what is reliable:
-    # the full model learnt retrieval well above chance (1/10 per digit), and with nothing full it is lost
-    full_digit, stream_digit = rows["full (every head full)"][1], rows["streaming only"][1]
-    print("\n" + text + f"\n(recipe wall time {seconds:.1f} s)")
-    assert full_digit > 0.5, text
-    assert stream_digit < full_digit, text
+    assert rows["duo: discretised"][0] == 4 and rows["prulong: discretised"][0] == 4 and rows["streaming only"][0] == 0
+    duo, pl = (torch.tensor(res["methods"][m]["gates"]) for m in ("duo", "prulong"))
+    assert float((duo - 1.0).abs().max()) > 0.5, f"DuoAttention gates did not move from 1: {duo}"
+    assert duo.min() >= 0 and duo.max() <= 1
+    assert float((pl - 4.5).abs().max()) > 1.0, f"PruLong log_alpha did not move from 4.5: {pl}"
+    for m in ("duo", "prulong"):
+        info = res["methods"][m]
+        pat = load_pattern(info["path"])
+        assert pat["layers"] == info["pattern"] and pat["sparsity"] == 0.5 and (pat["sink"], pat["window"]) == (2, 8)
+    # what holds with margin: the full model retrieves well above chance, nothing-full is near chance, and
+    # the learned patterns beat their inverse at the same budget (the gates found the retrieval heads)
+    full = rows["full (every head full)"][1]
+    assert full > 0.5, text
+    assert rows["streaming only"][1] < 0.3, text
+    for m in ("duo", "prulong"):
+        assert rows[f"{m}: discretised"][1] > rows[f"{m}: inverse control"][1] + 0.2, text
     assert seconds < 90, f"recipe took {seconds:.1f} s"

@@ -2,6 +2,7 @@
 
     PYTHONPATH=examples python -m tiny_llama.train_gates --method duo --cp 2          (gloo on CPU)
     PYTHONPATH=examples python -m tiny_llama.train_gates --method prulong --cp 2 --sparsity 0.5
+    PYTHONPATH=examples python -m tiny_llama.train_gates --method both --cp 2   (one pretraining, both; ~40 s)
 
 Four stages, all through the Megatron adapter (``prepare_batch`` -> ``GPTModel`` with ``CPCoreAttention``):
 
@@ -13,8 +14,10 @@ b. train the gates with the model frozen:
    * prulong: ``HardConcreteGates`` sampled per step (the same draw on every CP rank), loss = the LM loss on
      the answer + the ``LagrangianSparsity`` term (target warmed up linearly; multipliers maximised);
 c. discretise at ``--sparsity`` (top ``1 - sparsity`` of heads by gate stay full) and save the pattern JSON;
-d. held-out passkey accuracy of the full model, the discretised model, two controls at the same budget
-   (the inverse pattern: the lowest-gated heads full; every head streaming) and one table.
+d. held-out passkey accuracy of the full model, the discretised model, two controls (the inverse pattern at
+   the same budget: the lowest-gated heads full; every head streaming) and one table.
+
+The model weights stay frozen in both objectives here (PruLong can also train them; not in this recipe).
 
 Streaming heads keep ``--sink`` first keys and a ``--window`` of recent keys; the key sits at depth 10-80 %
 of the filler, so beyond the window of the answer: a head that must find it cannot be streaming.
@@ -45,8 +48,8 @@ class GateConfig:
     digits: int = 2
     pretrain_steps: int = 400
     pretrain_lr: float = 1e-2
-    gate_steps: int = 30
-    gate_lr: float = 5e-2
+    gate_steps: int = 40
+    gate_lr: float | None = None  # duo: 0.05; prulong: 0.2 (log_alpha starts at 4.5 and must travel)
     l1_weight: float = 0.05  # DuoAttention's reg weight
     warmup_steps: int = 20  # PruLong: steps to reach the target sparsity
     batch: int = 16
@@ -138,7 +141,7 @@ def _train_duo(model, task, cfg, spec, full_opts, gated_opts):
 
     group, cp = _cp(), cfg.cp
     gates = DuoGates(cfg.layers, cfg.kv_heads)
-    opt = torch.optim.AdamW(gates.parameters(), lr=cfg.gate_lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(gates.parameters(), lr=cfg.gate_lr or 0.05, weight_decay=0.0)
     source = GateSource(gates.values)
     log = []
     for step in range(cfg.gate_steps):
@@ -169,8 +172,9 @@ def _train_prulong(model, task, cfg, spec, gated_opts):
     group, cp = _cp(), cfg.cp
     gates = HardConcreteGates(cfg.layers, cfg.kv_heads, generator=torch.Generator().manual_seed(cfg.seed))
     lag = LagrangianSparsity(cfg.sparsity, cfg.warmup_steps)
-    opt = torch.optim.AdamW(gates.parameters(), lr=cfg.gate_lr, weight_decay=0.0)
-    opt_lag = torch.optim.AdamW(lag.parameters(), lr=cfg.gate_lr, weight_decay=0.0, maximize=True)
+    lr = cfg.gate_lr or 0.2
+    opt = torch.optim.AdamW(gates.parameters(), lr=lr, weight_decay=0.0)
+    opt_lag = torch.optim.AdamW(lag.parameters(), lr=lr, weight_decay=0.0, maximize=True)
     log = []
     for step in range(cfg.gate_steps):
         opt.zero_grad(set_to_none=True)
@@ -188,7 +192,16 @@ def _train_prulong(model, task, cfg, spec, gated_opts):
         opt.step()
         opt_lag.step()
         log.append(float(lm))
-    return gates.expected().detach().clone(), log
+    # rank by log_alpha: the expected gates clamp to exactly 1 (or 0) and would tie
+    return gates.log_alpha.detach().clone(), log, float(gates.expected_sparsity())
+
+
+def pattern_path(cfg: GateConfig, method: str) -> str:
+    """Where ``method``'s pattern goes: ``--out`` itself, or with both methods ``NAME.METHOD.json``."""
+    if cfg.method != "both":
+        return cfg.out
+    p = Path(cfg.out)
+    return str(p.with_name(f"{p.stem}.{method}{p.suffix or '.json'}"))
 
 
 def _worker(rank, world, cfg: GateConfig):
@@ -196,7 +209,7 @@ def _worker(rank, world, cfg: GateConfig):
 
     from megatron_cp.megatron import MaskSpec, PlanOptions
     from megatron_cp.megatron.gating import GatingSpec, PatternSource
-    from megatron_cp.sparse.head_gates import discretize, save_pattern
+    from megatron_cp.sparse.head_gates import LOG_ALPHA_MEAN, discretize, save_pattern
 
     from . import trainer
     from .model import build_llama
@@ -207,67 +220,82 @@ def _worker(rank, world, cfg: GateConfig):
     task = PasskeyTask(cfg.seq_length, cfg.digits)
     spec = MaskSpec("causal")
     full_opts = PlanOptions()
-    gated_opts = PlanOptions(gating=GatingSpec(cfg.sink, cfg.window, "train", method=cfg.method,
-                                               target_sparsity=cfg.sparsity))
     torch.manual_seed(cfg.seed)
     model = build_llama(shape_of(cfg))
     pre = _pretrain(model, task, cfg, spec, full_opts)
     t_pre = time.perf_counter() - t0
     model.requires_grad_(False)  # both objectives here train the gates only
-    if cfg.method == "duo":
-        values, glog = _train_duo(model, task, cfg, spec, full_opts, gated_opts)
-        init = 1.0
-    else:
-        values, glog = _train_prulong(model, task, cfg, spec, gated_opts)
-        init = None
-    pattern = discretize(values, cfg.sparsity)
-    meta = dict(sparsity=cfg.sparsity, sink=cfg.sink, window=cfg.window, method=cfg.method,
-                gates=[[round(float(x), 4) for x in row] for row in values])
-    if rank == 0:
-        save_pattern(cfg.out, pattern, meta)
-    dist.barrier()
-    pat_opts = PlanOptions(gating=GatingSpec(cfg.sink, cfg.window, "pattern", pattern=str(cfg.out)))
-    L, H = values.shape
-    # controls at the same budget: the heads the gates ranked lowest kept full instead; nothing full
-    inverse = discretize(-values, cfg.sparsity)
-    rows = []
+    L, H = cfg.layers, cfg.kv_heads
     es, ev = cfg.eval_samples, cfg.seed + 99_999
-    rows.append(("full (every head full)", L * H, *evaluate(model, task, es, ev, spec, full_opts)))
-    rows.append(("discretised (learned)", sum(map(sum, pattern)), *evaluate(model, task, es, ev, spec, pat_opts)))
-    rows.append(("inverse (lowest gates)", sum(map(sum, inverse)),
-                 *evaluate(model, task, es, ev, spec, pat_opts, gating=PatternSource(inverse))))
-    rows.append(("streaming only", 0, *evaluate(model, task, es, ev, spec, pat_opts,
-                                                gating=PatternSource([[False] * H for _ in range(L)]))))
-    return dict(config=asdict(cfg), rows=rows, gates=values.tolist(), pattern=pattern, gate_init=init,
-                pretrain_loss=[pre[0], pre[-1]], gate_log=[glog[0], glog[-1]], pretrain_s=round(t_pre, 1),
-                total_s=round(time.perf_counter() - t0, 1), total_heads=L * H)
+    res = dict(config=asdict(cfg), pretrain_loss=[pre[0], pre[-1]], pretrain_s=round(t_pre, 1), total_heads=L * H,
+               rows=[("full (every head full)", L * H, *evaluate(model, task, es, ev, spec, full_opts))], methods={})
+    pat_opts = None
+    for method in (("duo", "prulong") if cfg.method == "both" else (cfg.method,)):
+        gated_opts = PlanOptions(gating=GatingSpec(cfg.sink, cfg.window, "train", method=method,
+                                                   target_sparsity=cfg.sparsity))
+        if method == "duo":
+            values, glog = _train_duo(model, task, cfg, spec, full_opts, gated_opts)
+            init, exp_sparsity = 1.0, None
+        else:
+            values, glog, exp_sparsity = _train_prulong(model, task, cfg, spec, gated_opts)
+            init = LOG_ALPHA_MEAN
+        pattern = discretize(values, cfg.sparsity)
+        path = pattern_path(cfg, method)
+        meta = dict(sparsity=cfg.sparsity, sink=cfg.sink, window=cfg.window, method=method,
+                    gates=[[round(float(x), 4) for x in row] for row in values])
+        if rank == 0:
+            save_pattern(path, pattern, meta)
+        dist.barrier()
+        # the learned pattern runs from its file, as --cp-head-pattern would
+        pat_opts = PlanOptions(gating=GatingSpec(cfg.sink, cfg.window, "pattern", pattern=path))
+        # control at the same budget: the heads the gates ranked lowest kept full instead
+        inverse = discretize(-values, cfg.sparsity)
+        res["rows"].append((f"{method}: discretised", sum(map(sum, pattern)),
+                            *evaluate(model, task, es, ev, spec, pat_opts)))
+        res["rows"].append((f"{method}: inverse control", sum(map(sum, inverse)),
+                            *evaluate(model, task, es, ev, spec, pat_opts, gating=PatternSource(inverse))))
+        res["methods"][method] = dict(gates=values.tolist(), pattern=pattern, gate_init=init, path=path,
+                                      gate_name="alpha" if method == "duo" else "log_alpha",
+                                      expected_sparsity=exp_sparsity, gate_log=[glog[0], glog[-1]])
+    res["rows"].append(("streaming only", 0, *evaluate(model, task, es, ev, spec, pat_opts,
+                                                       gating=PatternSource([[False] * H for _ in range(L)]))))
+    res["total_s"] = round(time.perf_counter() - t0, 1)
+    return res
 
 
 def table(res: dict) -> str:
     c = res["config"]
+    n = res["total_heads"]
     lines = [f"head gating: method {c['method']}  cp {c['cp']}  sparsity {c['sparsity']}  sink {c['sink']}  "
-             f"window {c['window']}  seq {c['seq_length']}  key digits {c['digits']}",
-             f"pretrain loss {res['pretrain_loss'][0]:.3f} -> {res['pretrain_loss'][1]:.3f}; gate objective "
-             f"{res['gate_log'][0]:.4f} -> {res['gate_log'][1]:.4f}",
+             f"window {c['window']}  seq {c['seq_length']}  key digits {c['digits']}  "
+             f"({c['layers']} layers x {c['kv_heads']} KV heads)",
+             f"pretrain loss {res['pretrain_loss'][0]:.3f} -> {res['pretrain_loss'][1]:.3f}  "
+             f"(chance: digit acc 0.1, key acc {0.1 ** c['digits']:g})",
              f"{'model':<26}{'full heads':>12}{'digit acc':>11}{'key acc':>9}"]
     for name, full, dacc, kacc in res["rows"]:
-        lines.append(f"{name:<26}{f'{full}/{res["total_heads"]}':>12}{dacc:>11.3f}{kacc:>9.3f}")
-    lines.append("gates (layer: per KV head; * = kept full):")
-    for i, (g, p) in enumerate(zip(res["gates"], res["pattern"])):
-        lines.append(f"  layer {i + 1}: " + "  ".join(f"{x:.3f}{'*' if f else ' '}" for x, f in zip(g, p)))
-    lines.append(f"pattern: {c['out']}   ({res['total_s']:.1f} s, pretraining {res['pretrain_s']:.1f} s)")
+        lines.append(f"{name:<26}{f'{full}/{n}':>12}{dacc:>11.3f}{kacc:>9.3f}")
+    for method, m in res["methods"].items():
+        es = m["expected_sparsity"]
+        lines.append(f"{method} gates ({m['gate_name']}, init {m['gate_init']}; * = kept full; objective "
+                     f"{m['gate_log'][0]:.4f} -> {m['gate_log'][1]:.4f}"
+                     + ("" if es is None else f"; expected sparsity {es:.3f}") + f") -> {m['path']}")
+        for i, (g, p) in enumerate(zip(m["gates"], m["pattern"])):
+            lines.append(f"  layer {i + 1}: " + "  ".join(f"{x:7.3f}{'*' if f else ' '}" for x, f in zip(g, p)))
+    lines.append(f"({res['total_s']:.1f} s, pretraining {res['pretrain_s']:.1f} s)")
     return "\n".join(lines)
 
 
 def parse(argv=None) -> GateConfig:
     d = GateConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--method", choices=("duo", "prulong"), default=d.method)
+    p.add_argument("--method", choices=("duo", "prulong", "both"), default=d.method,
+                   help="both: one pretraining, then each objective from the same frozen model")
     for name in ("cp", "sink", "window", "seq_length", "digits", "pretrain_steps", "gate_steps", "warmup_steps",
                  "batch", "eval_samples", "layers", "hidden", "heads", "kv_heads", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("sparsity", "pretrain_lr", "gate_lr", "l1_weight"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name),
+                       help="default: duo 0.05, prulong 0.2" if name == "gate_lr" else None)
     p.add_argument("--out", default=d.out, help="the pattern JSON to write")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args(argv)
