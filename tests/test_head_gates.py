@@ -308,6 +308,56 @@ def test_gated_core_attention_cp2_folded_batch():
     assert res["pattern"][0] < 1e-10, res
 
 
+def _model_worker(rank, world):
+    from megatron_cp.megatron import MaskSpec, PlanOptions, prepare_batch
+    from megatron_cp.megatron.gating import GateSource, GatingSpec, PatternSource
+    from megatron_helpers import EOD, make_global_batch
+    from tiny_llama import trainer
+    from tiny_llama.model import LlamaShape, build_llama
+
+    torch.set_num_threads(1)
+    trainer.init_parallel(1, 2)
+    shape = LlamaShape(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                       ffn_hidden_size=48, vocab_size=320, seq_length=48)
+    torch.manual_seed(3)
+    model = build_llama(shape)
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_context_parallel_group()
+    spec = MaskSpec("packed", eod=EOD)
+    tokens, labels, mask = make_global_batch(2, 48, seed=9, packed=True)
+    gspec = GatingSpec(2, 5, "train")
+
+    def logits(options, gating=None):
+        bt = prepare_batch(tokens, labels, mask, spec, group, options, gating=gating)
+        with torch.no_grad():
+            return model(bt.tokens, bt.position_ids, None, packed_seq_params=bt.params), bt
+
+    plain, _ = logits(PlanOptions())
+    ones, bt = logits(PlanOptions(gating=gspec), GateSource(lambda: torch.ones(2, 2)))
+    zeros, _ = logits(PlanOptions(gating=gspec), GateSource(lambda: torch.zeros(2, 2)))
+    full_pat, _ = logits(PlanOptions(gating=gspec), PatternSource([[True, True]] * 2))
+    stream_pat, _ = logits(PlanOptions(gating=gspec), PatternSource([[False, False]] * 2))
+    layer1_only, _ = logits(PlanOptions(gating=gspec), GateSource(lambda: torch.zeros(2, 2), layers={1}))
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    stream = bt.params.stream_plan
+    return dict(ones_plain=rel(ones, plain), full_pat=rel(full_pat, plain), zeros_stream=rel(zeros, stream_pat),
+                stream_differs=rel(stream_pat, plain), layer1=rel(layer1_only, stream_pat),
+                same_layout=bool((stream.owner == bt.params.plan.owner).all()))
+
+
+def test_gated_model_wiring_packed_cp2():
+    """Tiny Llama at CP = 2 on packed documents through prepare_batch: gates 1 == pattern all-full == the
+    plain model; gates 0 == pattern all-streaming != plain; gating only layer 1 differs from gating both."""
+    from tiny_llama.trainer import spawn
+
+    r = spawn(_model_worker, 2)
+    assert r["ones_plain"] < 1e-6 and r["full_pat"] < 1e-6, r
+    assert r["zeros_stream"] < 1e-6, r
+    assert r["stream_differs"] > 1e-3 and r["layer1"] > 1e-4, r
+    assert r["same_layout"], r
+
+
 # ---------------------------------------------------------------- the recipe, end to end
 
 RECIPE = ["--method", "both", "--cp", "2"]  # the defaults: seq 64, 400 pretraining steps, 40 gate steps
