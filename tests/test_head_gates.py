@@ -294,18 +294,37 @@ def _core_worker(rank, world):
             dist.all_reduce(gr, group=ps.get_context_parallel_group())
             grad_err = float((gq - gr).norm() / gr.norm())
         out[name] = (err, grad_err)
+    # TP = 2, CP = 1: each rank runs its half of the KV heads with its half of the model's gates / pattern
+    trainer.init_parallel(2, 1)
+    attn = CPCoreAttention(transformer_config(shape), layer_number=2, attn_mask_type=None, attention_type="self")
+    plan1, stream1 = streaming_plans(mcp.masks.causal(S), 1, SINK, WIN)
+    hq, hkv = HQ // 2, HKV // 2
+    q, k, v = qf[:, :, rank * hq:(rank + 1) * hq], kf[:, :, rank * hkv:(rank + 1) * hkv], vf[:, :, rank * hkv:(rank + 1) * hkv]
+    for name, gating, a in (("tp_train", GateSource(lambda: gates.detach()), gates.detach()[1, rank]),
+                            ("tp_pattern", PatternSource([[True, True], [False, True]]), float(rank == 1))):
+        params = CPParams(plan=plan1, position_ids=torch.arange(S)[None], cp_rank=0, kernel_backend="reference",
+                          gating=gating, stream_plan=stream1)
+        o = attn(q, k, v, None, packed_seq_params=params)
+        ref = []
+        for b in range(B):
+            qb, kb, vb = q[:, b], k[:, b].repeat_interleave(hq // hkv, 1), v[:, b].repeat_interleave(hq // hkv, 1)
+            full, st = _dense(qb, kb, vb, full_m, attn.softmax_scale), _dense(qb, kb, vb, stream_m, attn.softmax_scale)
+            ref.append(a * full + (1 - a) * st)
+        ref = torch.stack(ref, 1).reshape(S, B, hq * D)
+        out[name] = (float((o - ref).norm() / ref.norm()), None)
     return out
 
 
 def test_gated_core_attention_cp2_folded_batch():
     """CPCoreAttention (CP = 2, b = 2 folded into heads, GQA 2:1) in train mode equals the fp64 mixture of
     full and streaming attention with layer 2's gates, gate gradients included; pattern mode equals the
-    per-head reference of its pattern."""
+    per-head reference of its pattern; at TP = 2 each rank applies its slice of the model's KV heads."""
     from tiny_llama.trainer import spawn
 
     res = spawn(_core_worker, 2)
     assert res["train"][0] < 1e-10 and res["train"][1] < 1e-10, res
     assert res["pattern"][0] < 1e-10, res
+    assert res["tp_train"][0] < 1e-10 and res["tp_pattern"][0] < 1e-10, res  # TP slices of gates / pattern
 
 
 def _model_worker(rank, world):
