@@ -226,13 +226,15 @@ def test_bad_gating_flags_fail_at_start_up(tmp_path, extra, over, needle):
         specs_from_args(_args(extra, **over))
 
 
-def test_pretrain_plugin_refuses_gate_training():
+def test_pretrain_plugin_runs_patterns_and_refuses_gate_training(tmp_path):
     from megatron_cp.megatron.plugin import validate_args
 
-    a = _args(["--cp-head-gating", "duo"], pipeline_model_parallel_size=1, attention_backend="auto",
-              position_embedding_type="rope", spec=None)
+    common = dict(pipeline_model_parallel_size=1, attention_backend="auto", position_embedding_type="rope", spec=None)
     with pytest.raises(ValueError, match="train_gates.py"):
-        validate_args(a)
+        validate_args(_args(["--cp-head-gating", "duo"], **common))
+    path = tmp_path / "p.json"
+    save_pattern(path, [[True, False]] * 3, dict(sink=16, window=64))
+    validate_args(_args(["--cp-head-pattern", str(path)], **common))  # pattern mode runs in pretrain_gpt.py
 
 
 # ---------------------------------------------------------------- CPCoreAttention with gating, CP = 2

@@ -122,12 +122,13 @@ def gating_from_args(args) -> GatingSpec | None:
         return GatingSpec(sink=DEFAULT_SINK if sink is None else sink,
                           window=DEFAULT_WINDOW if window is None else window, mode="train", method=method,
                           target_sparsity=0.5 if target is None else target)
-    from megatron_cp.sparse.head_gates import load_pattern
+    from .gating import _pattern_source
 
-    try:
-        obj = load_pattern(path)
+    try:  # cached per path: forward_step re-reads the flags every micro-batch
+        src = _pattern_source(str(path))
     except ValueError as e:
         raise ValueError(f"--cp-head-pattern: {e}") from None
+    obj = dict(src.meta, layers=src.layers)
     for flag, v, key in (("--cp-sink-tokens", sink, "sink"), ("--cp-local-window", window, "window")):
         if v is not None and obj[key] is not None and v != obj[key]:
             raise ValueError(f"{flag} {v} differs from the {key}={obj[key]} the pattern {path} was learned with")
