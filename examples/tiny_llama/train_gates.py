@@ -59,7 +59,7 @@ class GateConfig:
     heads: int = 8
     kv_heads: int = 4
     seed: int = 1234
-    out: str = "head_pattern.json"
+    out: str = "out/head_pattern.json"  # /out/ is git-ignored
 
 
 def shape_of(cfg: GateConfig) -> LlamaShape:

@@ -216,6 +216,7 @@ def save_pattern(path, pattern, meta: dict | None = None) -> dict:
             raise ValueError("meta must not contain 'layers'")
         obj[k] = v
     _validate(obj, str(path))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(obj, indent=1) + "\n")
     return obj
 
