@@ -617,9 +617,15 @@ def _fold_add(dst, g, start: int, step: int):
 
 
 # -- launches (one KernelConfig each) --------------------------------------------------------------------
-def _head_strides(s: BlockSchedule) -> tuple[int, int]:
-    """(sched_stride_b, sched_stride_e) of a per-head schedule: the head strides of ptr and off."""
-    return s.ptr.stride(0), s.off.stride(0)
+def _schedule(prepared: TritonPrepared, c: KernelConfig, device, keep, rows: bool):
+    """(descriptors, the row (``rows``) or column schedule, sched_stride_b, sched_stride_e) for config c:
+    the list's shared schedule (head strides 0), or with ``keep`` its per-head one (the head strides of
+    ptr and off)."""
+    if keep is None:
+        desc, r, col = prepared.schedules(c.block_m, c.block_n, device)
+        return desc, (r if rows else col), 0, 0
+    desc, sched = prepared.keep_schedule(c.block_m, c.block_n, keep, rows=rows)
+    return desc, sched, sched.ptr.stride(0), sched.off.stride(0)
 
 
 def _launch_fwd(c: KernelConfig, q, k, v, out, lse, prepared: TritonPrepared, scale: float, accumulate: bool,
@@ -629,12 +635,7 @@ def _launch_fwd(c: KernelConfig, q, k, v, out, lse, prepared: TritonPrepared, sc
     (BlockKeep or None): per-head row schedules (not with ``accumulate``)."""
     sq, hq, d = q.shape
     sk, hkv = k.shape[0], k.shape[1]
-    if keep is None:
-        desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
-        sb = se = 0
-    else:
-        desc, rows = prepared.keep_schedule(c.block_m, c.block_n, keep, rows=True)
-        sb, se = _head_strides(rows)
+    desc, rows, sb, se = _schedule(prepared, c, q.device, keep, rows=True)
     # an accumulating launch leaves rows without tiles as they are: it skips their (empty) blocks;
     # a writing launch visits every block (rows without tiles get out 0, lse -inf)
     nm = rows.n_busy if accumulate else rows.order.shape[1]
@@ -661,12 +662,7 @@ def _launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared: T
     column schedules, each q head of a kv group walking its own list; one work item per k block."""
     sq, hq, d = q.shape
     sk, hkv = k.shape[0], k.shape[1]
-    if keep is None:
-        desc, _, cols = prepared.schedules(c.block_m, c.block_n, q.device)
-        sb = se = 0
-    else:
-        desc, cols = prepared.keep_schedule(c.block_m, c.block_n, keep, rows=False)
-        sb, se = _head_strides(cols)
+    desc, cols, sb, se = _schedule(prepared, c, q.device, keep, rows=False)
     w = cols.work
     tma = _use_tma(c, q)
     qd, dod = (_descriptor(x, c.block_m) for x in (q, dout)) if tma else (q, dout)
@@ -699,12 +695,7 @@ def _launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, prepared: TritonP
     schedules."""
     sq, hq, d = q.shape
     sk, hkv = k.shape[0], k.shape[1]
-    if keep is None:
-        desc, rows, _ = prepared.schedules(c.block_m, c.block_n, q.device)
-        sb = se = 0
-    else:
-        desc, rows = prepared.keep_schedule(c.block_m, c.block_n, keep, rows=True)
-        sb, se = _head_strides(rows)
+    desc, rows, sb, se = _schedule(prepared, c, q.device, keep, rows=True)
     nm = rows.order.shape[1]
     tma = _use_tma(c, q)
     kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
