@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         plt.close(fig)
     except ImportError:
         print("matplotlib missing: no PNG (pip install megatron-cp[plot])", file=sys.stderr)
-    print(f"\n| sparsity | streaming KV heads | fwd ms | bwd ms | speedup fwd / bwd | ideal |")
+    print("\n| sparsity | streaming KV heads | fwd ms | bwd ms | speedup fwd / bwd | ideal |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['sparsity']:.2f} | {r['streaming_kv_heads']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | "

@@ -124,7 +124,6 @@ def fill(r: Route, x: torch.Tensor, lay: DeviceLayout, group) -> torch.Tensor:
 def drain(r: Route, g: torch.Tensor, n_local: int, lay: DeviceLayout, group) -> torch.Tensor:
     """Adjoint of ``fill``: buffer gradients [ne * B, H, D] summed into the local rows [n_local, H, D] of
     their owners, in the accumulation dtype."""
-    b = lay.block
     acc = torch.zeros((n_local,) + tuple(g.shape[1:]), dtype=accumulate_dtype(g.dtype), device=g.device)
     acc.index_add_(0, r.own_local, g[r.own_buffer].to(acc.dtype))
     if group is not None and lay.cp_size > 1:

@@ -62,7 +62,9 @@ from typing import ClassVar
 
 import torch
 
-from .selector import check_block, check_fraction
+from ..kernels import accumulate_dtype
+from .moba import block_means
+from .selector import check_block, check_fraction, check_heads
 from .view import SelectionView
 
 NEG = float("-inf")
@@ -70,11 +72,6 @@ NEG = float("-inf")
 
 # --------------------------------------------------------------------------------------------------
 # shared helpers (also used by MInference)
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 inputs stay float64 (tests); everything else selects in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
 
 def local_index(view: SelectionView) -> torch.Tensor:
     """long [nb]: local block index of each global block on this rank, -1 where another rank owns it."""
@@ -127,12 +124,6 @@ def per_block(fn, *xs: torch.Tensor) -> torch.Tensor:
             part = [torch.cat([t, t.new_zeros(CHUNK - m, *t.shape[1:])]) for t in part]
         outs.append(fn(*part)[:m])
     return torch.cat(outs)
-
-
-def block_means(x: torch.Tensor, block: int, dt: torch.dtype) -> torch.Tensor:
-    """[nq, H, D] mean of each block of ``x`` [nq*B, H, D] (``per_block``)."""
-    nq = x.shape[0] // block
-    return per_block(lambda t: t.to(dt).mean(1), x.view(nq, block, *x.shape[1:]))
 
 
 def pooled_keys(k: torch.Tensor, view: SelectionView, dt: torch.dtype) -> torch.Tensor:
@@ -275,14 +266,6 @@ def diagonal_blocks(view: SelectionView) -> torch.Tensor:
     return view.q_blocks[:, None] == torch.arange(view.num_blocks, device=view.device)[None, :]
 
 
-def check_heads(name: str, num_q_heads, num_kv_heads, head_dim) -> None:
-    for what, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}: {what} must be a positive int, got {v!r}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{name}: num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-
-
 # --------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -334,7 +317,7 @@ class FlexPrefill:
         k [nq*B, Hkv, D]. Returns, identical on every rank: ``qe`` [B, Hq, D] last-block queries,
         ``env_last`` [nb] the last q block's envelope classes, ``kp`` [nb, Hkv, D] pooled keys,
         ``vertical`` [Hq, S], ``slash`` [Hq, S + B - 1] (float32, float64 for float64 inputs)."""
-        dt = compute_dtype(q.dtype)
+        dt = accumulate_dtype(q.dtype)
         loc = local_index(view)
         li = loc[view.num_blocks - 1]
         env_row = view.envelope[li.clamp(min=0)].to(dt) if view.envelope.shape[0] else \

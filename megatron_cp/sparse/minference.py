@@ -52,9 +52,11 @@ from typing import ClassVar
 
 import torch
 
-from .flexprefill import (NEG, block_means, check_heads, combine_parts, compute_dtype, diagonal_blocks,
-                          last_rows_summaries, pooled_keys, pooled_scores, top_n, vertical_slash_blocks)
-from .selector import check_block
+from ..kernels import accumulate_dtype
+from .flexprefill import (NEG, combine_parts, diagonal_blocks, last_rows_summaries, pooled_keys, pooled_scores, top_n,
+                          vertical_slash_blocks)
+from .moba import block_means
+from .selector import check_block, check_heads
 from .view import SelectionView
 
 KINDS = ("a_shape", "vertical_slash", "block_sparse")
@@ -184,7 +186,7 @@ class MInference:
         Returns ``vertical`` [Hq, S], ``slash`` [Hq, S + L - 1] (vertical-slash heads present),
         ``kp`` [nb, Hkv, D] pooled keys (block-sparse heads present); ``rows`` L."""
         kinds = {p.kind for p in self.patterns}
-        dt = compute_dtype(q.dtype)
+        dt = accumulate_dtype(q.dtype)
         out = {"rows": min(self.last_q, view.seqlen)}
         extra = [pooled_keys(k, view, dt)] if "block_sparse" in kinds else []
         if "vertical_slash" in kinds:

@@ -28,7 +28,8 @@ from typing import ClassVar
 
 import torch
 
-from .selector import check_block
+from ..kernels import accumulate_dtype
+from .selector import check_block, check_heads
 from .view import SelectionView
 
 
@@ -46,11 +47,6 @@ def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.squeeze(dim)
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 for float64 inputs, else float32 (gates and pooled keys are accumulated in it)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def block_means(x: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
     """x [n*block, H, D] -> [n, H, D] in ``dtype``: the mean of each block's rows by ``tree_sum``, converted
     in chunks of blocks so the upcast copy stays small (chunking does not change any value)."""
@@ -61,15 +57,6 @@ def block_means(x: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor
     for s in range(0, n, c):
         out[s:s + c] = tree_sum(xb[s:s + c].to(dtype), 1) / block
     return out
-
-
-def check_heads(name: str, num_q_heads, num_kv_heads, head_dim) -> None:
-    """ValueError unless the head counts / head size are positive ints with Hq a multiple of Hkv."""
-    for what, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}: {what} must be a positive int, got {v!r}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{name}: num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
 
 
 @dataclass(frozen=True)
@@ -99,7 +86,7 @@ class MoBA:
         mean key of each local block at its global id, 0 elsewhere. ``view.combine`` of it is the pooled
         keys of every block (each entry written by its owner only)."""
         b, nb = self.block, view.num_blocks
-        pooled = block_means(k, b, acc_dtype(k.dtype))  # [nq, Hkv, D]
+        pooled = block_means(k, b, accumulate_dtype(k.dtype))  # [nq, Hkv, D]
         out = torch.zeros(nb, *pooled.shape[1:], dtype=pooled.dtype, device=pooled.device)
         out[view.q_blocks] = pooled
         return out

@@ -38,8 +38,9 @@ from typing import ClassVar
 
 import torch
 
-from .moba import acc_dtype, check_heads, tree_sum
-from .selector import check_block, check_fraction
+from ..kernels import accumulate_dtype
+from .moba import tree_sum
+from .selector import check_block, check_fraction, check_heads
 from .view import SelectionView
 
 
@@ -183,7 +184,7 @@ class XAttention:
         nq, hq, d = view.q_blocks.numel(), q.shape[1], q.shape[2]
         hkv = k.shape[1]
         g = hq // hkv
-        dev, mdt, adt = q.device, q.dtype, acc_dtype(q.dtype)
+        dev, mdt, adt = q.device, q.dtype, accumulate_dtype(q.dtype)
 
         # reduced keys [Hkv, ncols, S*D] over the global key axis: zeros where no local row looks
         ids, keys = view.envelope_keys()
