@@ -103,7 +103,6 @@ from megatron_cp import kernels  # noqa: E402
 from megatron_cp.kernels.block_keep import BlockKeep  # noqa: E402
 from megatron_cp.masks import catalog  # noqa: E402
 from megatron_cp.masks.draw import block_grid  # noqa: E402
-from megatron_cp.runtime import plan_cache, resolve_backend  # noqa: E402
 from megatron_cp.sparse import single_view, sparse_attention, sparse_layout  # noqa: E402
 from megatron_cp.sparse.draw import block_mass, draw_selection  # noqa: E402
 from megatron_cp.sparse.flexprefill import FlexPrefill  # noqa: E402
@@ -391,8 +390,7 @@ def dense_case(mask, t: dict, be, clock: Clock) -> dict:
 
 def sparse_plan(mask, block: int, cache: dict):
     """The one-rank sparse plan of ``mask`` at ``block``, one per (mask, block) in ``cache``: the sparse
-    runtime keeps its layout and prepared tiles with the plan object (built on the host on first use:
-    seconds at 128k tokens), so methods of one block share them."""
+    runtime keeps its layout and prepared tiles with the plan object, so methods of one block share them."""
     key = (id(mask), block)
     if key not in cache:
         plan = mcp.plan(mask, 1, guest_rows="none", block=block)
@@ -402,13 +400,9 @@ def sparse_plan(mask, block: int, cache: dict):
     return cache[key][1]
 
 
-def runtime_layout(plan, block: int, be, device):
-    """(SparseLayout, prepared tiles) exactly as sparse_attention ran them: from the runtime's per-plan
-    cache when its entry is there (megatron_cp/sparse/attention.py's _state key), else built here."""
-    bkey, _ = resolve_backend(be, device)
-    st = plan_cache(plan).get(("sparse", 0, block, str(device), bkey))
-    if st is not None and "layout" in st and "prepared" in st:
-        return st["layout"], st["prepared"]
+def runtime_layout(plan, block: int, be):
+    """(SparseLayout, prepared tiles) of rank 0, as sparse_attention builds them (a layout costs well under a
+    second at 128k)."""
     lay = sparse_layout(plan, 0, block)
     return lay, be.prepare(lay.tiles, lay.nq * block, lay.ne * block)
 
@@ -438,7 +432,7 @@ def sparse_case(method, sel, mask, t: dict, be, clock: Clock, dense: dict, args,
 
     # the kernel alone: the layout's tile list over (rows, key buffer) narrowed by this selection; at CP = 1
     # the buffer holds the envelope's key blocks in ascending order (all of them for causal and documents)
-    lay, prep = runtime_layout(plan, B, be, q.device)
+    lay, prep = runtime_layout(plan, B, be)
     ids = torch.as_tensor(lay.env_ids, dtype=torch.long, device=q.device)
     kbuf, vbuf = t["k"], t["v"]
     if lay.ne != s // B:

@@ -26,7 +26,8 @@ from .view import SelectionView
 
 
 def _state(plan: Plan, rank: int, block: int, device, be, bkey) -> dict:
-    """Cached per (plan, rank, block, device, backend): the layout, its device arrays, prepared tiles."""
+    """Cached per (plan, rank, block, device, backend): the layout, its device arrays, prepared tiles
+    (``be`` None: none)."""
     cache = plan_cache(plan)
     key = ("sparse", rank, block, str(device), bkey)
     st = cache.get(key)
@@ -38,7 +39,8 @@ def _state(plan: Plan, rank: int, block: int, device, be, bkey) -> dict:
             "envelope": lay.envelope.to(device),
             "q_blocks": torch.as_tensor(lay.q_blocks, dtype=torch.long, device=device),
             "traps": torch.as_tensor(lay.traps, dtype=torch.long, device=device),
-            "prepared": be.prepare(lay.tiles, lay.nq * block, lay.ne * block),
+            # selection alone (select_blocks) needs no kernel: no prepared tiles
+            "prepared": None if be is None else be.prepare(lay.tiles, lay.nq * block, lay.ne * block),
         }
         cache[key] = st
     return st
@@ -87,7 +89,7 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, plan: Plan, group, selector:
     rank = plan_rank(plan, group)
     check_inputs(q, k, k, plan, rank, None)
     check_selector(selector, q, k, plan)
-    st = _state(plan, rank, selector.block, q.device, kernels.ReferenceBackend(), "reference")
+    st = _state(plan, rank, selector.block, q.device, None, None)
     grp = group if plan.cp_size > 1 else None
     return _select(selector, q, k, st, grp)
 
