@@ -10,7 +10,7 @@
 from . import masks, sparse
 from .masks import AttnMask, AttnSlice
 from .planner import Plan, Topology, plan
-from .runtime import attention, dispatch, undispatch
+from .runtime import apply_sink, attention, dispatch, undispatch
 
 __version__ = "0.1.0"
-__all__ = ["masks", "sparse", "AttnMask", "AttnSlice", "Plan", "Topology", "plan", "attention", "dispatch", "undispatch"]
+__all__ = ["masks", "sparse", "AttnMask", "AttnSlice", "Plan", "Topology", "plan", "attention", "apply_sink", "dispatch", "undispatch"]

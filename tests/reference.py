@@ -86,3 +86,29 @@ def tiny_masks(s: int, names=None) -> dict:
         "block_causal": M.block_causal(s, 8),
     }
     return every if names is None else {n: every[n] for n in names}
+
+
+def dense_attention(q, k, v, keep, scale: float, sink=None):
+    """Differentiable dense attention (autograd; pass float64 leaves for the reference): q ``[S, Hq, Dk]``,
+    k ``[S, Hkv, Dk]``, v ``[S, Hkv, Dv]`` (Dv may differ from Dk, MLA), ``keep`` bool ``[S, S]``, ``sink``
+    None or ``[Hq]`` (a sink column with that logit and a zero value). Returns (out ``[S, Hq, Dv]``, lse
+    ``[S, Hq]``, the sink column included). Rows that keep nothing (and have no sink) give out 0, lse -inf
+    and zero gradients, never NaN."""
+    hq, hkv = q.shape[1], k.shape[1]
+    g = hq // hkv
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    cells = keep[None].expand(hq, -1, -1)
+    if sink is not None:
+        s = torch.cat([s, sink.to(s.dtype)[:, None, None].expand(hq, s.shape[1], 1)], -1)
+        cells = torch.cat([cells, torch.ones(hq, s.shape[1], 1, dtype=torch.bool)], -1)
+    empty = ~cells.any(-1, keepdim=True)
+    s = torch.where(cells, s, float("-inf"))
+    s = torch.where(empty, 0.0, s)  # a finite row: logsumexp's backward stays NaN-free
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    p = torch.exp(s - lse) * (~empty)
+    if sink is not None:
+        p = p[..., :-1]
+    out = torch.einsum("hqk,khd->qhd", p, vv)
+    lse = torch.where(empty, float("-inf"), lse)[..., 0].T
+    return out, lse

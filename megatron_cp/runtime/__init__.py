@@ -1,6 +1,7 @@
 """Runtime: dispatch tokens by a plan and run distributed attention over it.
 
-``attention`` / ``dispatch`` / ``undispatch`` are the user API; ``check_inputs``, ``plan_rank``,
+``attention`` / ``dispatch`` / ``undispatch`` are the user API (``apply_sink`` adds attention sinks to any
+strategy's merged ``(out, lse)``, ``runtime.sinks``); ``check_inputs``, ``plan_rank``,
 ``resolve_backend``, ``merge_lse`` and ``plan_cache`` (state derived from a plan, kept weakly by it)
 are what other strategies (``megatron_cp.baselines``) share with it; ``CostModel`` (``runtime.cost``)
 chooses the exchange and is what ``tools/sim`` calibrates.
@@ -11,7 +12,8 @@ from .cost import CostModel
 from .dispatch import dispatch, undispatch
 from .groups import plan_rank
 from .merge import merge_lse
+from .sinks import apply_sink
 from .state import plan_cache
 
-__all__ = ["attention", "dispatch", "undispatch", "check_inputs", "resolve_backend", "plan_rank", "merge_lse",
+__all__ = ["attention", "apply_sink", "dispatch", "undispatch", "check_inputs", "resolve_backend", "plan_rank", "merge_lse",
            "plan_cache", "CostModel"]
