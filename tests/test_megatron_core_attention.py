@@ -175,6 +175,99 @@ class TestCPCoreAttention:
         with pytest.raises(ValueError, match="cross"):
             CPCoreAttention(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="cross")
 
+    def test_sinks_cp_equals_cp1(self):
+        """Learnable and off-by-one sinks over packed documents: CPCoreAttention on the CP group (all ranks)
+        equals CPCoreAttention at CP=1 on the whole sequence (a one-rank CP group) - out, dq, dk, dv and the
+        sink parameter's gradient summed over CP ranks (Megatron reduces it over dp-cp) - within 1e-5 (fp32)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.enums import AttnMaskType
+
+        import megatron_cp as mcp
+        from megatron_cp.megatron import CPCoreAttention, CPParams
+
+        group = ps.get_context_parallel_group()
+        world, rank = group.size(), group.rank()
+        singles = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank creates every group
+        one = ProcessGroupCollection(tp=ps.get_tensor_model_parallel_group(), cp=singles[dist.get_rank()])
+        S, b, hq, hkv, d = 40, 2, 4, 2, 16
+        mask = mcp.masks.varlen(np.array([0, 7, 23, 40]), causal=True)
+        plan, plan1 = mcp.plan(mask, world), mcp.plan(mask, 1)
+        ids = torch.from_numpy(plan.local_ids(rank))
+        gen = torch.Generator().manual_seed(7)
+        q, dout = torch.randn(S, b, hq, d, generator=gen), torch.randn(S, b, hq * d, generator=gen)
+        k, v = torch.randn(S, b, hkv, d, generator=gen), torch.randn(S, b, hkv, d, generator=gen)
+        for softmax_type in ("learnable", "off-by-one"):
+            cfg = self._config()
+            cfg.softmax_type = softmax_type
+            mods = [CPCoreAttention(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                    attention_type="self", pg_collection=pg) for pg in (None, one)]
+            if softmax_type == "learnable":
+                assert isinstance(mods[0].softmax_offset, torch.nn.Parameter)
+                assert mods[0].softmax_offset.shape == (hq,)  # heads of this TP rank (TP 1 here)
+                with torch.no_grad():
+                    for m in mods:
+                        m.softmax_offset.copy_(torch.linspace(-1.0, 1.5, hq))
+            else:
+                assert not any(True for _ in mods[0].parameters()) and float(mods[0].softmax_offset.abs().sum()) == 0
+            got = []
+            for m, p, rows in ((mods[0], plan, ids), (mods[1], plan1, torch.arange(S))):
+                ls = [t.index_select(0, rows).clone().requires_grad_() for t in (q, k, v)]
+                out = m(*ls, None, packed_seq_params=CPParams(plan=p, position_ids=rows[None], cp_rank=0 if p is plan1 else rank))
+                out.backward(dout.index_select(0, rows))
+                gs = m.softmax_offset.grad.clone() if softmax_type == "learnable" else torch.zeros(hq)
+                got.append((out.detach(), [t.grad for t in ls], gs))
+            (o, gq, gs), (o1, gq1, gs1) = got
+            if world > 1:
+                dist.all_reduce(gs, group=group)
+            torch.testing.assert_close(o, o1[ids], atol=1e-5, rtol=1e-5)
+            for a, w in zip(gq, gq1):
+                torch.testing.assert_close(a, w[ids], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(gs, gs1, atol=1e-5, rtol=1e-5)
+            if softmax_type == "learnable":
+                assert float(gs1.abs().max()) > 1e-3  # the sink is in play
+        for g in singles:
+            dist.destroy_process_group(g)
+
+    def test_ranks_that_disagree_raise_on_every_rank(self):
+        """Head counts, head dims or dtypes that differ across CP ranks: a RuntimeError on every rank naming
+        the values (one all-reduce once per plan), before the attention's exchanges."""
+        from megatron.core import parallel_state as ps
+
+        import megatron_cp as mcp
+        from megatron_cp.megatron import CPParams
+
+        group = ps.get_context_parallel_group()
+        world, rank = group.size(), group.rank()
+        if world == 1:
+            return  # nothing to disagree with: the spawned CP=2 run checks it
+        n = 24
+        results = {}
+        for what, (hq, hkv, d, dtype), pattern in (
+            ("heads", (4 + 4 * rank, 2, 16, torch.float32), r"query heads differs across ranks \(this rank: \d, seen from 4 to 8\)"),
+            ("dtype", (4, 2, 16, (torch.float32, torch.float64)[rank % 2]), "dtype differs across ranks .*float32 to float64"),
+            ("head_dim", (4, 2, 8 * (1 + rank % 2), torch.float32), "q/k head_dim differs"),
+        ):
+            plan = mcp.plan(mcp.masks.causal(n), world)  # a fresh plan: checked once per plan
+            m = len(plan.local_ids(rank))
+            cfg = self._config(heads=hq, kv=d)
+            attn = self._module(cfg)
+            q, k = torch.randn(m, 1, hq, d, dtype=dtype), torch.randn(m, 1, hkv, d, dtype=dtype)
+            try:
+                attn(q, k, k, None, packed_seq_params=CPParams(plan=plan, position_ids=None, cp_rank=rank))
+                results[what] = "no error"
+            except RuntimeError as e:
+                import re
+
+                results[what] = "ok" if re.search(pattern, str(e)) else repr(e)
+        assert all(r == "ok" for r in results.values()), results
+        # the same plan with agreeing inputs then runs (the check passed and is not repeated)
+        plan = mcp.plan(mcp.masks.causal(n), world)
+        m = len(plan.local_ids(rank))
+        attn = self._module(self._config())
+        q, k = torch.randn(m, 1, 4, 16), torch.randn(m, 1, 2, 16)
+        assert attn(q, k, k, None, packed_seq_params=CPParams(plan=plan, position_ids=None, cp_rank=rank)).shape == (m, 1, 64)
+
 
 def _spawned(rank, world):
     t = TestCPCoreAttention()
@@ -182,9 +275,11 @@ def _spawned(rank, world):
         t.setup_method(None)
         t.test_forward_backward_match_dense(*case)
         t.teardown_method(None)
-    t.setup_method(None)
-    t.test_errors_name_bad_values_before_any_collective()
-    t.teardown_method(None)
+    for name in ("test_errors_name_bad_values_before_any_collective", "test_sinks_cp_equals_cp1",
+                 "test_ranks_that_disagree_raise_on_every_rank"):
+        t.setup_method(None)
+        getattr(t, name)()
+        t.teardown_method(None)
     return "ok"
 
 
@@ -196,3 +291,77 @@ def test_spawned_cp2():
     from tiny_llama.trainer import spawn
 
     assert spawn(_spawned, 2) == "ok"
+
+
+class _CPUBuffer:
+    def get_tensor(self, shape, dtype, name):
+        return torch.empty(shape, dtype=dtype)
+
+
+class _NoRNG:
+    def fork(self, *a, **k):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
+def test_sinks_match_megatron_dot_product_attention(softmax_type, monkeypatch):
+    """CPCoreAttention with sinks at CP=1 equals Megatron's own DotProductAttention with the same
+    softmax_type (its SoftmaxOne: a sink column per head) on packed documents, fp32: out, dq, dk, dv and the
+    sink parameter's gradient; the parameter has DotProductAttention's name and shape (checkpoints carry over)."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    import megatron_cp as mcp
+    from megatron_cp.megatron import CPCoreAttention, CPParams
+
+    # DotProductAttention places its offset and score buffer on the current CUDA device and forks the CUDA
+    # RNG around (zero-probability) dropout; on CPU it gets a CPU device, buffer and no fork.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(parallel_state, "get_global_memory_buffer", lambda: _CPUBuffer())
+    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: _NoRNG())
+    Utils.initialize_model_parallel(1, context_parallel_size=1)
+    try:
+        t = TestCPCoreAttention()
+        cfg = t._config()
+        cfg.context_parallel_size = 1
+        cfg.softmax_type = softmax_type
+        kw = dict(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        torch.manual_seed(0)
+        ref = DotProductAttention(**kw)
+        torch.manual_seed(0)
+        ours = CPCoreAttention(**kw)
+        assert sorted(ours.state_dict()) == sorted(ref.state_dict())
+        if softmax_type == "learnable":
+            assert ours.softmax_offset.shape == ref.softmax_offset.shape == (4,)
+            torch.testing.assert_close(ours.softmax_offset, ref.softmax_offset)  # same init (config.init_method)
+            with torch.no_grad():  # sinks of both signs, one large enough to take most of a row
+                for m in (ours, ref):
+                    m.softmax_offset.copy_(torch.tensor([-1.0, 0.3, 2.5, 0.0]))
+        S, b = 40, 2
+        mask = mcp.masks.varlen(np.array([0, 7, 23, 40]), causal=True)
+        gen = torch.Generator().manual_seed(1)
+        q, dout = torch.randn(S, b, 4, 16, generator=gen), torch.randn(S, b, 64, generator=gen)
+        k, v = torch.randn(S, b, 2, 16, generator=gen), torch.randn(S, b, 2, 16, generator=gen)
+        got = []
+        for m in (ref, ours):
+            ls = [x.clone().requires_grad_() for x in (q, k, v)]
+            if m is ref:  # Megatron's mask: True = masked out
+                out = m(*ls, torch.as_tensor(~mask.to_dense())[None, None])
+            else:
+                out = m(*ls, None, packed_seq_params=CPParams(plan=mcp.plan(mask, 1), position_ids=None, cp_rank=0))
+            out.backward(dout)
+            got.append([out.detach()] + [x.grad for x in ls] +
+                       ([m.softmax_offset.grad] if softmax_type == "learnable" else []))
+        for a, w in zip(got[1], got[0]):
+            torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)
+        if softmax_type == "learnable":
+            assert float(got[0][4].abs().max()) > 1e-3
+        # and it is not vanilla attention: the sink changes the output
+        van = CPCoreAttention(**{**kw, "config": t._config()})
+        plain = van(q, k, v, None, packed_seq_params=CPParams(plan=mcp.plan(mask, 1), position_ids=None, cp_rank=0))
+        assert float((plain - got[1][0]).abs().max()) > 1e-2
+    finally:
+        Utils.destroy_model_parallel()

@@ -18,6 +18,16 @@ Head gating (``CPParams.gating``, see ``gating.py``): in train mode each KV head
 attention by its gate (``sparse.gated_attention``), in pattern mode each KV head runs one of the two
 (``sparse.pattern_attention``). Gates and patterns are per model KV head; this rank takes its tensor-parallel
 slice and repeats it per folded batch element.
+
+Attention sinks (``config.softmax_type`` ``off-by-one`` / ``learnable``, as Megatron's DotProductAttention):
+the parameter ``softmax_offset`` ``[Hq/tp]`` (learnable: params_dtype, ``config.init_method``, sharded over
+TP ranks by head in checkpoints) is applied once per row after the CP merge (``runtime.sinks.apply_sink``),
+with every strategy (baselines then return lse with its gradient) and in head-pattern mode; head gating in
+train mode refuses it.
+
+Cross-rank consistency: the first forward of a plan all-reduces (with the plan digest) the head counts,
+head dims, dtype, batch and softmax type; ranks that differ raise a RuntimeError on every rank naming the
+values, before any exchange.
 """
 
 from __future__ import annotations
@@ -30,12 +40,18 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
 import megatron_cp as mcp
+from megatron_cp.runtime import apply_sink
+from megatron_cp.runtime.state import input_fields, verify_plan
 from megatron_cp.sparse.gated import gated_attention, pattern_attention
 
 from .params import CPParams
+
+
+_SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 @lru_cache(maxsize=16)
@@ -73,8 +89,10 @@ class CPCoreAttention(MegatronModule):
                 f"config.window_size={config.window_size} is Megatron's own window; with megatron-cp "
                 "describe the window in the mask (--cp-mask sliding_window --cp-window W)"
             )
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ValueError(f"CPCoreAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if softmax_type not in _SOFTMAX_TYPES:
+            raise ValueError(f"CPCoreAttention: softmax_type must be one of {', '.join(_SOFTMAX_TYPES)}, got "
+                             f"{softmax_type!r}")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         for name in ("tp", "cp"):
@@ -87,6 +105,20 @@ class CPCoreAttention(MegatronModule):
         self.head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
         self.heads_per_partition = divide(config.num_attention_heads, tp)
         self.softmax_scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
+        self.softmax_type = softmax_type
+        # Attention sinks: the same tensor Megatron's DotProductAttention keeps (name ``softmax_offset``,
+        # shape [heads of this TP rank], params_dtype, config.init_method), so checkpoints carry over; a
+        # per-head logit added to each row's normaliser once, after the CP merge (runtime.sinks).
+        self.softmax_offset = None
+        if softmax_type != "vanilla":
+            dev = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+            t = torch.zeros(self.heads_per_partition, device=dev, dtype=config.params_dtype)
+            if softmax_type == "off-by-one":
+                self.softmax_offset = t
+            else:
+                self.softmax_offset = torch.nn.Parameter(t)
+                if config.perform_initialization:
+                    config.init_method(self.softmax_offset)
         # apply_query_key_layer_scaling divides the scores by layer_number and multiplies them back
         # inside the fp32 softmax: the net scale is unchanged, so it needs nothing here.
 
@@ -115,12 +147,15 @@ class CPCoreAttention(MegatronModule):
                 f"k {tuple(key.shape)}, v {tuple(value.shape)}"
             )
         s, b, hq, d = query.shape
-        hkv = key.shape[2]
-        if key.shape[:2] != (s, b) or value.shape != key.shape or key.shape[3] != d or hq % hkv:
+        hkv, dv = key.shape[2], value.shape[3]
+        if key.shape[:2] != (s, b) or value.shape[:3] != key.shape[:3] or key.shape[3] != d or hq % hkv:
             raise ValueError(
                 f"CPCoreAttention shape mismatch: q {tuple(query.shape)}, k {tuple(key.shape)}, "
                 f"v {tuple(value.shape)} (need equal s, b, d and Hkv dividing Hq)"
             )
+        if self.softmax_offset is not None and self.softmax_offset.shape[0] != hq:
+            raise ValueError(f"layer {self.layer_number}: the attention sink has {self.softmax_offset.shape[0]} "
+                             f"heads but q has {hq} heads")
         cp_rank, cp_size = self._cp_rank_size()
         backend, strategy, selector, gating = "auto", "megatron_cp", None, None
         if isinstance(packed_seq_params, CPParams):
@@ -151,25 +186,41 @@ class CPCoreAttention(MegatronModule):
         # Fold batch into heads, batch-major: q head (i, h) maps to kv head (i, h // (hq // hkv)).
         q = query.reshape(s, b * hq, d)
         k = key.reshape(s, b * hkv, d)
-        v = value.reshape(s, b * hkv, d)
+        v = value.reshape(s, b * hkv, dv)
         group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
+        if cp_size > 1:
+            # once per plan, before any exchange: ranks that disagree on heads, head dims, dtype or sinks
+            # raise here, every one of them, instead of aborting in mismatched collectives
+            fields = input_fields(q, k, v)
+            fields.update({"batch": b, "softmax_type": _SOFTMAX_TYPES.index(self.softmax_type)})
+            verify_plan(plan, group, q.device, fields)
+        sink = None if self.softmax_offset is None else self.softmax_offset.repeat(b)  # folded heads, batch-major
         if gating is not None:
             out = self._gated(q, k, v, b, hkv, plan, packed_seq_params.stream_plan, group, gating, backend,
-                              strategy, selector)
+                              strategy, selector, sink)
             if out is not None:
-                return out.reshape(s, b, hq * d)
+                return out.reshape(s, b, hq * dv)
         if selector is not None:
-            out, _lse = mcp.sparse.sparse_attention(q, k, v, plan, group, selector, softmax_scale=self.softmax_scale,
-                                                    backend=backend)
+            out, lse = mcp.sparse.sparse_attention(q, k, v, plan, group, selector, softmax_scale=self.softmax_scale,
+                                                   backend=backend)
         elif strategy == "megatron_cp":
-            out, _lse = mcp.attention(q, k, v, plan, group, softmax_scale=self.softmax_scale, backend=backend)
+            out, lse = mcp.attention(q, k, v, plan, group, softmax_scale=self.softmax_scale, backend=backend)
         else:
             from megatron_cp.baselines import get_strategy
 
-            # lse is not used here: without its gradient Ulysses' backward exchange makes no host sync
-            out, _lse = get_strategy(strategy, backend=backend, lse_grad=False)(q, k, v, plan, group,
-                                                                                self.softmax_scale)
-        return out.reshape(s, b, hq * d)
+            # lse needs its gradient only under sinks: without it Ulysses' backward exchange makes no host sync
+            out, lse = get_strategy(strategy, backend=backend, lse_grad=sink is not None)(q, k, v, plan, group,
+                                                                                          self.softmax_scale)
+        if sink is not None:
+            out, lse = apply_sink(out, lse, sink)
+        return out.reshape(s, b, hq * dv)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The learnable sink sharded over TP ranks along its head axis (as Megatron's DotProductAttention)."""
+        state_dict = self.state_dict(prefix="", keep_vars=True) if self.softmax_type == "learnable" else {}
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   tp_group=self.pg_collection.tp,
+                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
     def _local_heads(self, values, hkv: int, what: str):
         """This TP rank's ``hkv`` entries of a per-model-KV-head sequence (gate tensor or bool list)."""
@@ -180,8 +231,10 @@ class CPCoreAttention(MegatronModule):
         raise ValueError(f"layer {self.layer_number}: the head {what} has {n} entries; the model has "
                          f"{hkv * self.tp_size} KV heads ({hkv} per tensor-parallel rank)")
 
-    def _gated(self, q, k, v, b, hkv, plan, stream_plan, group, gating, backend, strategy, selector):
-        """Head-gated attention of the folded ``[s, b * H, d]`` tensors, or None when this layer is ungated."""
+    def _gated(self, q, k, v, b, hkv, plan, stream_plan, group, gating, backend, strategy, selector, sink):
+        """Head-gated attention of the folded ``[s, b * H, d]`` tensors, or None when this layer is ungated.
+        ``sink``: None or the folded heads' sink logits (pattern mode applies them per head; train mode,
+        a mix of two attentions, has none)."""
         if selector is not None or strategy != "megatron_cp":
             raise ValueError("head gating runs with strategy megatron_cp and without --cp-sparse")
         if stream_plan is None:
@@ -190,6 +243,9 @@ class CPCoreAttention(MegatronModule):
             gate = gating.gate(self.layer_number)
             if gate is None:
                 return None
+            if sink is not None:
+                raise ValueError(f"head gating in train mode (--cp-head-gating) mixes two attentions and has no "
+                                 f"attention sink; got softmax_type={self.softmax_type!r}")
             # batch-major folding: folded KV head i * hkv + h is sample i's head h
             gate = self._local_heads(gate, hkv, "gate").repeat(b)
             return gated_attention(q, k, v, plan, stream_plan, group, gate, self.softmax_scale,
@@ -199,7 +255,7 @@ class CPCoreAttention(MegatronModule):
             if pattern is None:
                 return None
             full_heads = list(self._local_heads(list(pattern), hkv, "pattern")) * b
-            out, _lse = pattern_attention(q, k, v, plan, stream_plan, group, full_heads,
-                                                     self.softmax_scale, backend=backend)
-            return out
+            out, lse = pattern_attention(q, k, v, plan, stream_plan, group, full_heads,
+                                         self.softmax_scale, backend=backend)
+            return out if sink is None else apply_sink(out, lse, sink)[0]
         raise ValueError(f"CPParams.gating.mode must be 'train' or 'pattern', got {gating.mode!r}")

@@ -36,7 +36,7 @@ from . import guests
 from .cost import CostModel
 from .groups import plan_rank
 from .rowmap import RowMap
-from .state import RankRuntime, rank_state, verify_plan
+from .state import RankRuntime, input_fields, rank_state, verify_plan
 
 
 _DEFAULT_COST = CostModel()  # built once: the state cache hashes it on every call
@@ -286,7 +286,7 @@ def attention(
     why = be.supports(q.device, q.dtype, q.shape[2])
     if why is not None:
         raise ValueError(f"backend {be.name!r} cannot run these inputs: {why}")
-    verify_plan(plan, group, q.device)
+    verify_plan(plan, group, q.device, input_fields(q, k, v))
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     work = Workload(q.shape[1], k.shape[1], q.shape[2], q.element_size())
     rt = rank_state(plan, rank, q.device, be, bkey, stages=stages, hierarchical=hierarchical,

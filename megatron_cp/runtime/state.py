@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from ..comm import BufferPool, DeviceRoute, check_same_on_all_ranks, device_pool
+from ..comm import BufferPool, DeviceRoute, device_pool
 from ..kernels import Backend
 from ..planner import Plan, Workload
 from . import guests
@@ -92,14 +93,42 @@ def states_of(plan: Plan) -> list[RankRuntime]:
     return [v for k, v in plan_cache(plan).items() if isinstance(k, tuple) and k[0] == "rank"]
 
 
-def verify_plan(plan: Plan, group, device) -> None:
-    """Once per (plan, group): every rank must hold the same plan (one tiny all-reduce)."""
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+
+
+def input_fields(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """The attention inputs' facts every CP rank must share, as named ints for ``verify_plan``."""
+    return {"query heads": q.shape[1], "key/value heads": k.shape[1], "q/k head_dim": q.shape[2],
+            "v head_dim": v.shape[2], "dtype": DTYPE_CODES.get(q.dtype, -1)}
+
+
+def _shown(name: str, x: int) -> str:
+    if name == "dtype":
+        return next((str(t).removeprefix("torch.") for t, c in DTYPE_CODES.items() if c == x), str(x))
+    return str(x)
+
+
+def verify_plan(plan: Plan, group, device, fields: dict | None = None) -> None:
+    """Once per (plan, group): every rank must hold the same plan and the same ``fields`` (named ints, e.g.
+    ``input_fields``: head counts, head dims, dtype code). One tiny all-reduce of (max, -max) of the digest
+    and the fields; where ranks differ, a RuntimeError on every rank naming this rank's value and the range
+    seen across ranks, before any exchange of the attention (whose mismatched sizes would abort gloo)."""
     if group is None or plan.cp_size == 1:
         return
     seen = plan_cache(plan).setdefault("verified", set())
-    if id(group) not in seen:
-        check_same_on_all_ranks(plan.digest64, group, device, "plan digest")
-        seen.add(id(group))
+    if id(group) in seen:
+        return
+    names = ["plan digest"] + list(fields or {})
+    vals = [int(plan.digest64)] + [int(x) for x in (fields or {}).values()]
+    t = torch.tensor(vals + [-x for x in vals], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    hi, lo = t[:len(vals)].tolist(), [-x for x in t[len(vals):].tolist()]
+    bad = [f"{n} differs across ranks (this rank: {_shown(n, x)}, seen from {_shown(n, a)} to {_shown(n, b)})"
+           for n, x, a, b in zip(names, vals, lo, hi) if a != b]
+    if bad:
+        raise RuntimeError("CP ranks disagree: " + "; ".join(bad) + ". Every rank of a CP group must build the "
+                           "same plan from the same mask and run attention with the same heads, head dims and dtype")
+    seen.add(id(group))
 
 
 def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, backend_key, *,
