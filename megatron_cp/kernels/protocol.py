@@ -21,7 +21,8 @@ softmax, so ``out``/``lse`` are those of the union of the tiles' cells. A row no
 
 Layouts
 -------
-``q [sq, Hq, D]``, ``k``/``v [sk, Hkv, D]`` with ``Hkv`` dividing ``Hq`` (GQA / MQA: q head ``h`` reads
+``q [sq, Hq, D]``, ``k [sk, Hkv, D]``, ``v [sk, Hkv, Dv]`` (``Dv = D`` unless ``supports`` accepted
+another v head dim; ``out``, ``dout`` and running outputs have ``Dv``) with ``Hkv`` dividing ``Hq`` (GQA / MQA: q head ``h`` reads
 k/v head ``h // (Hq // Hkv)``); k and v may be strided views (e.g. the two halves of a ``[sk, 2*Hkv, D]``
 buffer). ``lse`` is the natural-log sum of exp of the scaled scores of a row, float32 ``[sq, Hq]``.
 ``softmax_scale`` None means ``1 / sqrt(D)``. Running sums (``forward_accumulate``, ``backward_into``)
@@ -31,9 +32,11 @@ Members
 -------
 ``name: str``
     What ``get_backend`` calls it.
-``supports(device, dtype, head_dim) -> str | None``
-    None when the backend can run inputs of this device, dtype and head_dim, else the reason in words.
-    Callers ask before their first collective and raise ``ValueError`` with the reason.
+``supports(device, dtype, head_dim, head_dim_v=None) -> str | None``
+    None when the backend can run inputs of this device, dtype and head_dim (q and k), else the reason in
+    words. ``head_dim_v``: v's head dim when it differs from q/k's (MLA: 192 / 128; out and dout then have
+    it too); callers pass it only then. Callers ask before their first collective and raise
+    ``ValueError`` with the reason.
 ``prepare(tiles, seqlen_q, seqlen_k) -> prepared``
     Once per tile list (per plan and stage), cached by the caller, never on the hot path. Every choice
     of how the list runs (which pieces go to which library) is made here, or once per backend and shape
@@ -77,7 +80,8 @@ class Backend(Protocol):
 
     name: str
 
-    def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None: ...
+    def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int,
+                 head_dim_v: int | None = None) -> str | None: ...
 
     def prepare(self, tiles: torch.Tensor, seqlen_q: int, seqlen_k: int) -> Any: ...
 

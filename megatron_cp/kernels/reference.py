@@ -73,12 +73,12 @@ class ReferenceBackend:
     def __init__(self, block_q: int = 128, block_k: int = 256):
         self.block_q, self.block_k = block_q, block_k
 
-    def supports(self, device, dtype: torch.dtype, head_dim: int) -> str | None:
-        """Any device; float16, bfloat16, float32 and float64; any head_dim >= 1."""
+    def supports(self, device, dtype: torch.dtype, head_dim: int, head_dim_v: int | None = None) -> str | None:
+        """Any device; float16, bfloat16, float32 and float64; any head_dim >= 1 and any v head dim."""
         if dtype not in _DTYPES:
             return f"the reference backend runs float16, bfloat16, float32 and float64 inputs, not {dtype}"
-        if head_dim < 1:
-            return f"head_dim must be >= 1, got {head_dim}"
+        if head_dim < 1 or (head_dim_v is not None and head_dim_v < 1):
+            return f"head dims must be >= 1, got {head_dim} (q/k) and {head_dim_v} (v)"
         return None
 
     def prepare(self, tiles: torch.Tensor, seqlen_q: int, seqlen_k: int):

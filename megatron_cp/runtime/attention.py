@@ -52,8 +52,9 @@ def resolve_backend(backend, device) -> tuple[object, kernels.Backend]:
     return ("object", id(backend)), backend
 
 
-def check_inputs(q, k, v, plan: Plan, rank: int, softmax_scale) -> None:
-    """Raise ValueError naming the bad value unless q/k/v fit ``plan``'s rank ``rank``; no collective."""
+def check_inputs(q, k, v, plan: Plan, rank: int, softmax_scale, *, value_head_dim: bool = False) -> None:
+    """Raise ValueError naming the bad value unless q/k/v fit ``plan``'s rank ``rank``; no collective.
+    ``value_head_dim``: v may have its own head dim (MLA), as ``attention`` allows; other strategies not."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor [s_local, heads, head_dim], got {getattr(t, 'shape', t)}")
@@ -61,8 +62,10 @@ def check_inputs(q, k, v, plan: Plan, rank: int, softmax_scale) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.shape[0] != n:
             raise ValueError(f"{name} has {t.shape[0]} tokens but the plan gives rank {rank} {n} tokens")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2] or (k.shape[2] != v.shape[2] and not value_head_dim):
+        why = "" if k.shape[:2] != v.shape[:2] else (
+            " (a v head_dim of its own, as MLA's, runs with megatron-cp's own attention only, not this strategy)")
+        raise ValueError(f"k and v shapes differ: k {tuple(k.shape)}, v {tuple(v.shape)}{why}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"head_dim of q ({q.shape[2]}) and k ({k.shape[2]}) differ")
     hq, hkv = q.shape[1], k.shape[1]
@@ -78,17 +81,29 @@ def check_inputs(q, k, v, plan: Plan, rank: int, softmax_scale) -> None:
         raise ValueError(f"softmax_scale must be a positive number, got {softmax_scale!r}")
 
 
+def kv_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """K and V (or dK and dV; [rows, H, Da] and [rows, H, Db]) side by side in one row per token,
+    [rows, H*Da + H*Db]: one exchange moves both, whatever their head dims (MLA: 192 and 128)."""
+    return torch.cat([a.flatten(1), b.flatten(1)], dim=1)
+
+
+def split_kv(buf: torch.Tensor, h: int, da: int, db: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views ([rows, H, Da], [rows, H, Db]) of a ``kv_rows`` buffer (unit stride along the head dim; with
+    Da == Db the same strides as the two halves of a [rows, 2H, D] buffer)."""
+    return buf[:, :h * da].unflatten(1, (h, da)), buf[:, h * da:].unflatten(1, (h, db))
+
+
 def _cast_kv(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_counts, group, pool, tag):
-    """Rows ``pick`` selects of ``a`` and ``b`` (K and V, or dK and dV: [rows, H, D] each) travel together
-    in one all-to-all-v; returns the received [rows, 2H, D] (H of a, then H of b). Both buffers come
-    from the shared pool (bounded, reused by every layer)."""
-    h = a.shape[1]
-    row = (2 * h,) + tuple(a.shape[2:])
-    send = pool.get((pick.n,) + row, a.dtype, a.device, (tag, "send"))
-    pick.copy(send[:, :h], a)
-    pick.copy(send[:, h:], b)
-    recv = pool.get((sum(recv_counts),) + row, a.dtype, a.device, (tag, "recv"))
-    return all_to_all_v(send, send_counts, recv_counts, group, recv)
+    """Rows ``pick`` selects of ``a`` and ``b`` (K and V, or dK and dV: [rows, H, Da] / [rows, H, Db])
+    travel together in one all-to-all-v; returns the received rows as views (a's, b's). Both buffers
+    come from the shared pool (bounded, reused by every layer)."""
+    h, da, db = a.shape[1], a.shape[2], b.shape[2]
+    send = pool.get((pick.n, h * (da + db)), a.dtype, a.device, (tag, "send"))
+    sa, sb = split_kv(send, h, da, db)
+    pick.copy(sa, a)
+    pick.copy(sb, b)
+    recv = pool.get((sum(recv_counts), h * (da + db)), a.dtype, a.device, (tag, "recv"))
+    return split_kv(all_to_all_v(send, send_counts, recv_counts, group, recv), h, da, db)
 
 
 def _delta(dout, out, dlse):
@@ -111,13 +126,13 @@ class _SingleExchangeAttention(torch.autograd.Function):
             kbuf, vbuf = k, v  # the buffer is the local K/V: nothing to place
         else:
             kbuf = k.new_empty((ex.buffer_len,) + tuple(k.shape[1:]))
-            vbuf = v.new_empty(kbuf.shape)
+            vbuf = v.new_empty((ex.buffer_len,) + tuple(v.shape[1:]))
             ex.own.copy(kbuf, k)
             ex.own.copy(vbuf, v)
         if group is not None and rt.exchanges:
-            got = _cast_kv(ex.send, k, v, ex.send_counts, ex.recv_counts, group, rt.pool, "single_fwd")
-            ex.recv.copy(kbuf, got[:, :hkv])
-            ex.recv.copy(vbuf, got[:, hkv:])
+            got_k, got_v = _cast_kv(ex.send, k, v, ex.send_counts, ex.recv_counts, group, rt.pool, "single_fwd")
+            ex.recv.copy(kbuf, got_k)
+            ex.recv.copy(vbuf, got_v)
         out, lse = be.forward(q, kbuf, vbuf, ex.prepared, scale)
         gq = guests.finish_forward(gr, pend, out, lse) if gr is not None else None
         # k / v themselves only for guest rows (their dK/dV are of the own keys in local order)
@@ -142,10 +157,10 @@ class _SingleExchangeAttention(torch.autograd.Function):
             back = _cast_kv(ex.recv_rows, dk_buf, dv_buf, ex.recv_counts, ex.send_counts, group, rt.pool, "single_bwd")
         # own rows: a view of the buffer's gradient when they are one run (no copy)
         dk, dv = ex.own_rows.gather(dk_buf), ex.own_rows.gather(dv_buf)
-        if back is not None and back.shape[0]:
+        if back is not None and back[0].shape[0]:
             # rows with partials from other ranks: summed in fp32 (fp64), in source order, rounded once
-            reduce_rows(dk, back[:, :hkv], ex.red_rows, ex.red_ptr, ex.red_pos)
-            reduce_rows(dv, back[:, hkv:], ex.red_rows, ex.red_ptr, ex.red_pos)
+            reduce_rows(dk, back[0], ex.red_rows, ex.red_ptr, ex.red_pos)
+            reduce_rows(dv, back[1], ex.red_rows, ex.red_ptr, ex.red_pos)
         if gr is not None:  # guest rows' dq back; dK/dV of the own keys from the rows computed here
             guests.finish_backward(gr, pend, dq)
             if dk_g is not None:
@@ -158,8 +173,9 @@ class _StagedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rt: RankRuntime, group, scale, lead_us):
         hkv, ex, be, gr = k.shape[1], rt.staged, rt.backend, rt.guests
+        dims = (hkv, k.shape[2], v.shape[2])
         pend = guests.start_forward(gr, be, q, k, v, group, scale) if gr is not None else None
-        kv = torch.cat([k, v], dim=1)  # [s, 2*Hkv, D]: one exchange for K and V
+        kv = kv_rows(k, v)  # [s, Hkv*(Dk+Dv)]: one exchange for K and V
         n = len(ex.prepared) - 1
         bufs = [kv] + [None] * n
         gens = {}
@@ -185,28 +201,26 @@ class _StagedAttention(torch.autograd.Function):
             if ex.prepared[s] is not None:
                 if s + 1 in gens:  # its all-to-all's kernel reaches the multiprocessors before this stage's
                     comm_lead(q.device, lead_us)
-                b = bufs[s]
-                be.forward_accumulate(q, b[:, :hkv], b[:, hkv:], ex.prepared[s], scale, acc, lse)
+                be.forward_accumulate(q, *split_kv(bufs[s], *dims), ex.prepared[s], scale, acc, lse)
         out = acc.to(q.dtype)
         lse = lse.to(torch.float32)
         gq = guests.finish_forward(gr, pend, out, lse) if gr is not None else None
         ctx.save_for_backward(q, out, lse, gq, *bufs)
-        ctx.rt, ctx.group, ctx.scale, ctx.hkv = rt, group, scale, hkv
+        ctx.rt, ctx.group, ctx.scale, ctx.dims = rt, group, scale, dims
         ctx.set_materialize_grads(False)  # an unused lse gives dlse None, not a zero tensor
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, out, lse, gq, *bufs = ctx.saved_tensors
-        rt, group, hkv = ctx.rt, ctx.group, ctx.hkv
+        rt, group, dims = ctx.rt, ctx.group, ctx.dims
         ex, be, gr = rt.staged, rt.backend, rt.guests
         cdt = accumulate_dtype(q.dtype)
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         delta = _delta(dout, out, dlse)
         n = len(bufs) - 1
         if gr is not None:  # guest rows first (see _SingleExchangeAttention.backward)
-            kv = bufs[0]
-            pend, dk_g, dv_g = guests.start_backward(gr, be, gq, kv[:, :hkv], kv[:, hkv:], out, lse, dout, dlse,
+            pend, dk_g, dv_g = guests.start_backward(gr, be, gq, *split_kv(bufs[0], *dims), out, lse, dout, dlse,
                                                      group, ctx.scale)
         # running sums in fp32 (fp64): dq, the own keys' dK|dV, and each remote stage's dK|dV in the buffer
         # its GroupReduce sends from (comm.grad_buffer); the backend adds into them (``backward_into``)
@@ -221,8 +235,8 @@ class _StagedAttention(torch.autograd.Function):
             dkv = d_local if s == 0 else grad_buffer(ex.routes[s], b.shape[1:], cdt, b.device, rt.pool, tag) \
                 if remote else None
             if ex.prepared[s] is not None and dkv is not None:
-                be.backward_into(q, b[:, :hkv], b[:, hkv:], out, lse, dout, ex.prepared[s], ctx.scale, delta, dq,
-                                 dkv[:, :hkv], dkv[:, hkv:])
+                be.backward_into(q, *split_kv(b, *dims), out, lse, dout, ex.prepared[s], ctx.scale, delta, dq,
+                                 *split_kv(dkv, *dims))
             for g in list(pending):  # advance in-flight reduces by one phase
                 if next(g, StopIteration) is StopIteration:
                     pending.remove(g)
@@ -236,10 +250,10 @@ class _StagedAttention(torch.autograd.Function):
         if gr is not None:
             guests.finish_backward(gr, pend, dq)
             if dk_g is not None:
-                d_local[:, :hkv] += dk_g
-                d_local[:, hkv:] += dv_g
-        d_local = d_local.to(q.dtype)
-        return dq.to(q.dtype), d_local[:, :hkv], d_local[:, hkv:], None, None, None, None
+                dk_l, dv_l = split_kv(d_local, *dims)
+                dk_l += dk_g
+                dv_l += dv_g
+        return dq.to(q.dtype), *split_kv(d_local.to(q.dtype), *dims), None, None, None, None
 
 
 def attention(
@@ -258,11 +272,14 @@ def attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Context-parallel attention of this rank's tokens under ``plan``.
 
-    q: [s_local, Hq, D], k/v: [s_local, Hkv, D] (Hkv divides Hq), this rank's tokens in the plan's
-    local order (``dispatch``); float32/bfloat16/float16/float64. ``group``: the CP process group
-    (None when ``plan.cp_size == 1``). Returns ``out`` [s_local, Hq, D] (q's dtype) and ``lse``
+    q: [s_local, Hq, D], k: [s_local, Hkv, D], v: [s_local, Hkv, Dv] (Hkv divides Hq; Dv = D, or its own
+    head dim as MLA's 192 / 128 where the backend supports it), this rank's tokens in the plan's local
+    order (``dispatch``); float32/bfloat16/float16/float64. ``group``: the CP process group
+    (None when ``plan.cp_size == 1``). Returns ``out`` [s_local, Hq, Dv] (q's dtype) and ``lse``
     [s_local, Hq] float32 natural log; rows with no kept key give out 0 and lse -inf.
-    Differentiable in q, k, v; bad input raises before any collective.
+    Differentiable in q, k, v and through lse (attention sinks: ``apply_sink``); bad input raises before
+    any collective, and once per plan the CP ranks check they agree on the plan, head counts, head dims
+    and dtype (a RuntimeError on every rank otherwise).
 
     ``backend``: a kernel backend name (``auto``, ``triton``, ``reference``) or an object implementing
     ``kernels.Backend``, e.g. ``kernels.TritonBackend(kernels.TritonConfig(deterministic=True))`` (its
@@ -275,7 +292,7 @@ def attention(
     kernel gets multiprocessors first (``comm.comm_lead``; 0: off).
     """
     rank = plan_rank(plan, group)
-    check_inputs(q, k, v, plan, rank, softmax_scale)
+    check_inputs(q, k, v, plan, rank, softmax_scale, value_head_dim=True)
     if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 0):
         raise ValueError(f"stages must be None or an int >= 0, got {stages!r}")
     if isinstance(comm_lead_us, bool) or not isinstance(comm_lead_us, (int, float)) or not 0 <= comm_lead_us < 1e4:
@@ -283,7 +300,9 @@ def attention(
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
     bkey, be = resolve_backend(backend, q.device)  # unknown names / bad objects raise here, before any collective
-    why = be.supports(q.device, q.dtype, q.shape[2])
+    # a v head dim of its own (MLA) is asked about only then: backends that predate it keep working
+    why = be.supports(q.device, q.dtype, q.shape[2]) if v.shape[2] == q.shape[2] else \
+        be.supports(q.device, q.dtype, q.shape[2], v.shape[2])
     if why is not None:
         raise ValueError(f"backend {be.name!r} cannot run these inputs: {why}")
     verify_plan(plan, group, q.device, input_fields(q, k, v))

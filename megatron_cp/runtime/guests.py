@@ -148,7 +148,7 @@ def start_backward(gr: GuestRuntime, backend, gq, k, v, out, lse, dout, dlse, gr
                                        scale, delta)
         dqp = dqp.to(dout.dtype)
     else:
-        dqp = dout.new_zeros((gq.shape[0],) + tuple(dout.shape[1:]))
+        dqp = dout.new_zeros(gq.shape)  # q's head dim (v's may differ: MLA)
     back, handle = _a2a(dqp, gr.recv_counts, gr.send_counts, group, async_op=True, tag="guest_dq")
     return _Pending(back, handle, (dqp,)), dk, dv
 
