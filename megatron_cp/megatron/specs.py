@@ -1,8 +1,14 @@
 """Layer specs with ``core_attention=CPCoreAttention``.
 
-We take Megatron's own GPT layer spec (local or Transformer Engine backend) and replace only the
-``core_attention`` slot of ``SelfAttentionSubmodules``; everything else (RMSNorm, SwiGLU MLP, GQA
-projections) stays Megatron's. Usable from ``--spec megatron_cp.megatron.specs get_llama_layer_spec``.
+``megatron_cp_layer_spec`` (the ``--spec megatron_cp.megatron.specs megatron_cp_layer_spec`` entry point)
+asks Megatron for the spec of the user's configuration - ``megatron.training.models.gpt.default_layer_spec``,
+the function ``GPTModelBuilder`` calls when no ``--spec`` is given: MoE block specs, qk-layernorm,
+Transformer Engine or local modules, heterogeneous layers - and replaces only the ``core_attention``
+slot of every layer's self-attention. Nothing else of the model changes: an MoE model keeps its
+``MoELayer``s, a dense one its MLP, and the parameter count equals Megatron's own spec's.
+
+``get_llama_layer_spec`` is the same swap over Megatron's plain dense GPT layer (no config needed), used by
+the tiny examples.
 """
 
 from __future__ import annotations
@@ -14,20 +20,63 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from .core_attention import CPCoreAttention
 
 
-def _swap_core_attention(spec: ModuleSpec) -> ModuleSpec:
-    attn = spec.submodules.self_attention
-    sub = dataclasses.replace(attn.submodules, core_attention=CPCoreAttention)
-    attn = dataclasses.replace(attn, submodules=sub)
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
+def _replaceable():
+    """The core attentions our attention may stand in for (same inputs, same math, no parameters)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    kinds = [DotProductAttention]
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE, TEDotProductAttention
+
+        if HAVE_TE:
+            kinds.append(TEDotProductAttention)
+    except ImportError:
+        pass
+    return tuple(kinds)
+
+
+def _swap_layer(spec: ModuleSpec, kinds) -> tuple[ModuleSpec, int]:
+    """One transformer layer spec with its self-attention's core attention swapped -> (spec, 1), or
+    (spec, 0) when the layer has no self-attention (heterogeneous no-op layers)."""
+    sub = getattr(spec, "submodules", None)
+    attn = getattr(sub, "self_attention", None)
+    attn_sub = getattr(attn, "submodules", None)
+    if attn_sub is None or not hasattr(attn_sub, "core_attention"):
+        return spec, 0
+    core = attn_sub.core_attention
+    core_cls = core.module if isinstance(core, ModuleSpec) else core
+    if core_cls is CPCoreAttention:
+        return spec, 1
+    if not (isinstance(core_cls, type) and issubclass(core_cls, kinds)):
+        raise ValueError(f"the layer spec's core attention is {getattr(core_cls, '__name__', core_cls)!r}; megatron-cp "
+                         f"replaces only {', '.join(k.__name__ for k in kinds)}")
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn_sub, core_attention=CPCoreAttention))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(sub, self_attention=attn)), 1
+
+
+def swap_core_attention(spec):
+    """A copy of a layer spec (``ModuleSpec`` of a ``TransformerLayer``) or block spec
+    (``TransformerBlockSubmodules``) whose self-attention core attention is ``CPCoreAttention``; every
+    other submodule is Megatron's, untouched (the input spec is not mutated)."""
+    kinds = _replaceable()
+    if hasattr(spec, "layer_specs"):
+        layers = [_swap_layer(s, kinds) for s in spec.layer_specs]
+        if spec.layer_specs and not sum(n for _, n in layers):
+            raise ValueError("no layer of the block spec has a self-attention core attention to replace")
+        return dataclasses.replace(spec, layer_specs=[s for s, _ in layers])
+    out, n = _swap_layer(spec, kinds)
+    if not n:
+        raise ValueError(f"the layer spec {spec!r} has no self-attention core attention to replace")
+    return out
 
 
 def get_llama_layer_spec(backend: str = "auto", qk_layernorm: bool = False,
                          normalization: str = "RMSNorm") -> ModuleSpec:
-    """Transformer layer spec for Llama (RMSNorm, SwiGLU, GQA, RoPE) with megatron-cp attention.
+    """Dense GPT layer spec (Llama: RMSNorm, SwiGLU, GQA, RoPE from the TransformerConfig) with
+    megatron-cp attention. For a model with MoE or other options use ``megatron_cp_layer_spec(config)``.
 
     backend: "local" (Megatron-Core modules only, runs on CPU), "te" (Transformer Engine linears
-    and norms) or "auto" (te when transformer_engine imports, else local). SwiGLU and GQA come from
-    the TransformerConfig (``gated_linear_unit``, ``activation_func``, ``num_query_groups``).
+    and norms) or "auto" (te when transformer_engine imports, else local).
     """
     if backend not in ("auto", "local", "te"):
         raise ValueError(f"backend must be 'auto', 'local' or 'te', got {backend!r}")
@@ -41,18 +90,27 @@ def get_llama_layer_spec(backend: str = "auto", qk_layernorm: bool = False,
         spec = g.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
         spec = g.get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
-    return _swap_core_attention(spec)
+    return swap_core_attention(spec)
 
 
-def megatron_cp_layer_spec(config=None, vp_stage: int | None = None) -> ModuleSpec:
+def megatron_layer_spec(config, vp_stage: int | None = None):
+    """Megatron's own spec for ``config`` (a ``GPTModelConfig``, or a ``TransformerConfig`` which is
+    wrapped in one): exactly what ``GPTModelBuilder`` builds when no ``--spec`` is given."""
+    from megatron.training.models.gpt import GPTModelConfig, default_layer_spec
+
+    if not hasattr(config, "transformer"):
+        config = GPTModelConfig(transformer=config)
+    return default_layer_spec(config, vp_stage)
+
+
+def megatron_cp_layer_spec(config, vp_stage: int | None = None):
     """The ``--spec megatron_cp.megatron.specs megatron_cp_layer_spec`` entry point.
 
-    Megatron's GPT builder calls a callable spec with its ``GPTModelConfig`` (``megatron/training/
-    models/gpt.py``); we read the backend (``transformer_impl``) and ``qk_layernorm`` from it and
-    return Megatron's layer spec with ``core_attention=CPCoreAttention``.
+    config: the ``GPTModelConfig`` Megatron's GPT builder passes to a callable spec (or a
+    ``TransformerConfig``). Returns Megatron's own spec for it (``megatron_layer_spec``: a layer
+    ``ModuleSpec`` or, for MoE models, a ``TransformerBlockSubmodules``) with only the core attention
+    replaced by ``CPCoreAttention``.
     """
-    tcfg = getattr(config, "transformer", config)
-    impl = getattr(tcfg, "transformer_impl", "local") if tcfg is not None else "local"
-    backend = "te" if impl == "transformer_engine" else "local"
-    return get_llama_layer_spec(backend, qk_layernorm=bool(getattr(tcfg, "qk_layernorm", False)),
-                                normalization=getattr(tcfg, "normalization", "RMSNorm") or "RMSNorm")
+    if config is None:
+        raise ValueError("megatron_cp_layer_spec needs the model config (GPTModelConfig or TransformerConfig)")
+    return swap_core_attention(megatron_layer_spec(config, vp_stage))
