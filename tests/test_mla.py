@@ -63,7 +63,11 @@ def _cases(rank, world):
         res[(name, "reference", "mla")] = mla_case(rank, world, mask, 24, 16, "reference", torch.float64)
         res[(name, "reference", "mla", "sink")] = mla_case(rank, world, mask, 24, 16, "reference", torch.float64,
                                                              sink=True)
+    # Triton (CPU interpreter): q/k 48 padded to a 64 block beside v 32, MLA's 192 / 128 in miniature
+    res[("packed", "triton")] = mla_case(rank, world, masks["packed"], 48, 32, "triton", torch.float32)
     if world > 1:
+        res[("causal", "triton", "staged")] = mla_case(rank, world, masks["causal"], 48, 32, "triton", torch.float32,
+                                                       stages=1)
         res[("packed", "staged")] = mla_case(rank, world, masks["packed"], 24, 16, "reference", torch.float64,
                                              stages=1)
         res[("packed", "single")] = mla_case(rank, world, masks["packed"], 24, 16, "reference", torch.float64,
@@ -78,7 +82,7 @@ def _check(results):
     for rank, r in enumerate(results):
         for key, errs in r.items():
             # float64 inputs; lse is float32 by protocol, which the sink's weight carries (test_sinks)
-            tol = 1e-6 if "reference" in key or "staged" in key or "single" in key or "guests" in key else 1e-4
+            tol = 1e-4 if "triton" in key else 1e-6
             bad = {n: e for n, e in errs.items() if e > tol}
             assert not bad, (rank, key, bad)
 

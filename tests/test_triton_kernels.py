@@ -353,15 +353,80 @@ def test_protocol_accumulate_and_backward_into(name, dtype):
 
 
 def test_supports_says_why_not():
-    """supports(): None for inputs a backend runs, else the reason (Triton: no float64, power-of-two
-    head_dim >= 16, CUDA or the CPU interpreter; the reference runs every float dtype anywhere)."""
+    """supports(): None for inputs a backend runs, else the reason (Triton: no float64, head dims 16 .. 256
+    (padded to a power of two inside), a v head dim of its own, CUDA or the CPU interpreter; the reference
+    runs every float dtype anywhere)."""
     from megatron_cp.kernels import ReferenceBackend
 
     be = TritonBackend()
     cpu = torch.device("cpu")
     assert be.supports(cpu, torch.float32, 64) is None and be.supports("cuda", torch.bfloat16, 128) is None
     assert "float64" in be.supports(cpu, torch.float64, 64) and "reference" in be.supports(cpu, torch.float64, 64)
-    assert "head_dim" in be.supports(cpu, torch.float16, 48)
+    assert be.supports(cpu, torch.float16, 48) is None and be.supports(cpu, torch.bfloat16, 192, 128) is None
+    assert "head_dim" in be.supports(cpu, torch.float16, 8) and "head_dim" in be.supports(cpu, torch.float16, 320)
+    assert "v head_dim" in be.supports(cpu, torch.float16, 192, 512)
     ref = ReferenceBackend()
     assert ref.supports(cpu, torch.float64, 48) is None and ref.supports("cuda", torch.bfloat16, 8) is None
     assert "int32" in ref.supports(cpu, torch.int32, 16)
+
+
+# -- MLA / large heads: a v head dim of its own, head dims that are not powers of two, 256 ---------------
+def run_dims(tiles, sq, sk, dk, dv, hq=4, hkv=2, bm=16, bn=16, split_min=1 << 30, with_dlse=True, seed=0):
+    """Forward and backward with q/k head dim ``dk`` and v head dim ``dv`` against fp64 autograd
+    (reference.dense_attention); returns the max abs errors."""
+    from reference import dense_attention
+
+    torch.manual_seed(seed)
+    tiles = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 5)
+    q, k, v = torch.randn(sq, hq, dk), torch.randn(sk, hkv, dk), torch.randn(sk, hkv, dv)
+    dout, dlse = torch.randn(sq, hq, dv), torch.randn(sq, hq)
+    be = backend(bm, bn, dk, split_min=split_min)
+    prep = be.prepare(tiles, sq, sk, head_dims=(dk,))
+    out, lse = be.forward(q, k, v, prep, 0.3)
+    assert out.shape == (sq, hq, dv)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ro, rl = dense_attention(*leaves, tiles_to_dense(tiles, sq, sk), 0.3)
+    fin = torch.isfinite(rl)
+    ((ro * dout.double()).sum() + (torch.where(fin, rl, 0) * dlse.double()).sum()).backward()
+    delta = (dout * out).sum(-1) - (dlse if with_dlse else 0)
+    grads = be.backward(q, k, v, out, lse, dout, prep, 0.3, delta)
+    errs = {"out": (out.double() - ro).abs().max(), "lse": (lse.double()[fin] - rl[fin]).abs().max()}
+    for n, g, r in zip(("dq", "dk", "dv"), grads, leaves):
+        assert g.shape == r.shape
+        errs[n] = (g.double() - r.grad).abs().max()
+    return {n: float(e) for n, e in errs.items()}
+
+
+@pytest.mark.parametrize("dk,dv", [(48, 32), (32, 48), (256, 256)])
+def test_value_head_dim_of_its_own_and_padded_dims(dk, dv):
+    """MLA's 192/128 in miniature (48/32: q/k padded to a 64 block, v exact), a padded v, and 256; packed
+    documents with an empty row, tiles sharing rows, partial blocks."""
+    tiles = [[0, 13, 0, 13, CAUSAL], [14, 40, 14, 40, CAUSAL], [14, 40, 0, 5, FULL]]
+    errs = run_dims(tiles, 40, 40, dk, dv)
+    assert max(errs.values()) < 1e-4, errs
+
+
+def test_value_head_dim_split_columns_and_accumulate():
+    """Split key columns (the dK/dV workspace of padded blocks) and the staged protocol (forward_accumulate,
+    backward_into) with v head dim 32 beside q/k 48."""
+    tiles = [[0, 64, 0, 64, CAUSAL]]
+    errs = run_dims(tiles, 64, 64, 48, 32, split_min=16)
+    assert max(errs.values()) < 1e-4, errs
+    torch.manual_seed(1)
+    q, k, v = torch.randn(40, 2, 48), torch.randn(40, 1, 48), torch.randn(40, 1, 32)
+    be = backend(16, 16, 48)
+    a = be.prepare(torch.tensor([[0, 40, 0, 20, FULL]], dtype=torch.int32), 40, 40, head_dims=(48,))
+    b = be.prepare(torch.tensor([[0, 40, 20, 40, CAUSAL]], dtype=torch.int32), 40, 40, head_dims=(48,))
+    whole = be.prepare(torch.tensor([[0, 40, 0, 20, FULL], [0, 40, 20, 40, CAUSAL]], dtype=torch.int32), 40, 40,
+                       head_dims=(48,))
+    acc, lse = torch.zeros(40, 2, 32), torch.full((40, 2), float("-inf"))
+    be.forward_accumulate(q, k, v, a, 0.3, acc, lse)
+    be.forward_accumulate(q, k, v, b, 0.3, acc, lse)
+    out, lse1 = be.forward(q, k, v, whole, 0.3)
+    assert (acc - out).abs().max() < 1e-5 and (lse - lse1).abs().max() < 1e-5
+    dout = torch.randn(40, 2, 32)
+    want = be.backward(q, k, v, out, lse1, dout, whole, 0.3)
+    run = [torch.zeros(40, 2, 48), torch.zeros(40, 1, 48), torch.zeros(40, 1, 32)]
+    for p in (a, b):
+        be.backward_into(q, k, v, out, lse1, dout, p, 0.3, None, *run)
+    assert all((x - w).abs().max() < 1e-5 for x, w in zip(run, want))

@@ -31,7 +31,7 @@ from .pieces import BLOCKY_FULL_FRACTION, LONG_ROW_KEYS, Pieces, row_class, spli
 from .protocol import check_running
 from .tiles import check_tiles
 from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dkdv_reduce_kernel, attn_bwd_dq_kernel
-from .triton_delta import head_major, row_delta
+from .triton_delta import block_dim, head_major, row_delta
 from .triton_fwd import LOG2E, attn_fwd_kernel
 from .triton_blocks import BlockSchedule, build_schedules, tile_descriptors
 from .triton_sparse import head_schedule, kernel_blocks, static_entries
@@ -205,17 +205,38 @@ def _check_call(q, k, v, prepared) -> None:
 def _check_qkv(q, k, v):
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [s, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same rows and heads; got {tuple(k.shape)} and {tuple(v.shape)}")
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     if k.shape[2] != d:
         raise ValueError(f"q and k head_dim differ: {d} vs {k.shape[2]}")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"Hkv={hkv} must divide Hq={hq}")
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"TritonBackend supports power-of-two head_dim >= 16, got {d}")
+    why = _head_dims_unsupported(d, v.shape[2])
+    if why is not None:
+        raise ValueError(why)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one of fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _head_dims_unsupported(d: int, dv: int) -> str | None:
+    """Why the kernels cannot run q/k head dim ``d`` with v head dim ``dv``, or None: any of 16 .. 256 (a
+    dim that is not a power of two runs in its power-of-two block, the padding masked)."""
+    for name, x in (("head_dim", d), ("v head_dim", dv)):
+        if not 16 <= x <= 256:
+            return f"TritonBackend supports {name} 16 .. 256, got {x}"
+    return None
+
+
+def _plain_dims(q, v) -> bool:
+    """q/k and v share one power-of-two head dim (tensor descriptors and cuDNN pieces need that)."""
+    return q.shape[-1] == v.shape[-1] == block_dim(q.shape[-1])
+
+
+def _dims(q, v) -> dict:
+    """The kernels' head-dim constants: power-of-two blocks and the true dims of q/k and v."""
+    return dict(HEAD_DIM=block_dim(q.shape[-1]), DIM_QK=q.shape[-1], HEAD_DIM_V=block_dim(v.shape[-1]),
+                DIM_V=v.shape[-1])
 
 
 def _descriptor(t: torch.Tensor, block_rows: int):
@@ -271,12 +292,13 @@ class TritonBackend:
         self.last_path: str | None = None
         self.last_configs: dict[str, KernelConfig] = {}
 
-    def supports(self, device, dtype: torch.dtype, head_dim: int) -> str | None:
+    def supports(self, device, dtype: torch.dtype, head_dim: int, head_dim_v: int | None = None) -> str | None:
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return (f"TritonBackend runs float16, bfloat16 and float32 inputs, not {dtype} "
                     "(the reference backend runs float64)")
-        if head_dim < 16 or head_dim & (head_dim - 1):
-            return f"TritonBackend needs a power-of-two head_dim >= 16, got {head_dim}"
+        why = _head_dims_unsupported(head_dim, head_dim if head_dim_v is None else head_dim_v)
+        if why is not None:
+            return why
         device = torch.device(device)
         if device.type == "cuda" or (device.type == "cpu" and INTERPRETED):
             return None
@@ -291,10 +313,11 @@ class TritonBackend:
         """The rules known up front: cuDNN wanted by the config, CUDA tensors, float16 / bfloat16."""
         return self._cudnn_wanted and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
-    def _cudnn_layout(self, q, k) -> str | None:
+    def _cudnn_layout(self, q, k, v) -> str | None:
         """The cuDNN layout of this call's family (cudnn.probe, run on the family's first call), or None:
-        no cuDNN for it (config, device, dtype, or the probe found none), the whole list runs on Triton."""
-        if not self._cudnn_allowed(q):
+        no cuDNN for it (config, device, dtype, head dims other than one power of two, or the probe found
+        none), the whole list runs on Triton."""
+        if not self._cudnn_allowed(q) or not _plain_dims(q, v):
             return None
         key = (q.device, q.dtype, q.shape[2], q.shape[1] // k.shape[1])
         found = self.cudnn_probes.get(key)
@@ -369,10 +392,10 @@ class TritonBackend:
         if keep is not None:
             keep.check(q, k)
         split = prepared.cudnn_fwd if keep is None else None
-        layout = self._cudnn_layout(q, k) if split is not None else None
+        layout = self._cudnn_layout(q, k, v) if split is not None else None
         if layout is None:
             self.last_path = "triton"
-            out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+            out = torch.empty(q.shape[:2] + (v.shape[2],), device=q.device, dtype=q.dtype)
             lse = torch.empty(q.shape[0], q.shape[1], device=q.device, dtype=torch.float32)
             self._forward(q, k, v, prepared, scale, out, lse, accumulate=False, keep=keep)
             return out, lse
@@ -389,11 +412,11 @@ class TritonBackend:
         The Triton kernels merge in registers and skip rows the list does not cover; cuDNN pieces merge in
         one pass each (through a contiguous copy when out or lse is strided)."""
         _check_call(q, k, v, prepared)
-        check_running("out", out, q, tuple(q.shape))
+        check_running("out", out, q, tuple(q.shape[:2]) + (v.shape[2],))
         check_running("lse", lse, q, tuple(q.shape[:2]))
         scale = self._scale(softmax_scale, q)
         split = prepared.cudnn_fwd
-        layout = self._cudnn_layout(q, k) if split is not None else None
+        layout = self._cudnn_layout(q, k, v) if split is not None else None
         if layout is None:
             self.last_path = "triton"
             self._forward(q, k, v, prepared, scale, out, lse, accumulate=True)
@@ -478,7 +501,7 @@ class TritonBackend:
             self.last_path = "triton"
             return self._triton_backward(q, k, v, out, lse, dout, prepared, scale, delta, q.dtype, keep)
         split = prepared.cudnn_bwd
-        layout = self._cudnn_layout(q, k) if split is not None else None
+        layout = self._cudnn_layout(q, k, v) if split is not None else None
         # cuDNN computes delta = rowsum(dout * out) itself: usable only when the given delta is that (no LSE
         # gradient); checked bitwise against the same float32 computation, else Triton for all
         if layout is not None and (delta is None or torch.equal(delta.float(), (dout.float() * out.float()).sum(-1))):
@@ -499,7 +522,7 @@ class TritonBackend:
             check_running(name, acc, q, tuple(like.shape))
         scale = self._scale(softmax_scale, q)
         split = prepared.cudnn_bwd
-        layout = self._cudnn_layout(q, k) if split is not None and delta is None else None
+        layout = self._cudnn_layout(q, k, v) if split is not None and delta is None else None
         if layout is not None:
             self.last_path = _path(split)
             self._pieces_backward(q, k, v, out, lse, dout, split, scale,
@@ -641,14 +664,14 @@ def _launch_fwd(c: KernelConfig, q, k, v, out, lse, prepared: TritonPrepared, sc
     nm = rows.n_busy if accumulate else rows.order.shape[1]
     if nm == 0:
         return
-    tma = _use_tma(c, q)
+    tma = _use_tma(c, q) and _plain_dims(q, v)
     kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
     attn_fwd_kernel[(nm * hq,)](
         q, k, v, out, lse, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), sb, se,
         sq, sk, hq, scale * LOG2E,
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        GROUP=hq // hkv, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **_dims(q, v),
         ACCUM=accumulate, IEEE=q.dtype == torch.float32, TMA=tma,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
@@ -664,11 +687,11 @@ def _launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared: T
     sk, hkv = k.shape[0], k.shape[1]
     desc, cols, sb, se = _schedule(prepared, c, q.device, keep, rows=False)
     w = cols.work
-    tma = _use_tma(c, q)
+    tma = _use_tma(c, q) and _plain_dims(q, v)
     qd, dod = (_descriptor(x, c.block_m) for x in (q, dout)) if tma else (q, dout)
-    if w.n_slots:
-        wk = torch.empty(w.n_slots, hkv, c.block_n, d, device=q.device, dtype=torch.float32)
-        wv = torch.empty_like(wk)
+    if w.n_slots:  # workspace blocks of the padded head dims
+        wk = torch.empty(w.n_slots, hkv, c.block_n, block_dim(d), device=q.device, dtype=torch.float32)
+        wv = torch.empty(w.n_slots, hkv, c.block_n, block_dim(v.shape[2]), device=q.device, dtype=torch.float32)
     else:
         wk = wv = dk  # unused
     attn_bwd_dkdv_kernel[(w.n.shape[0] * hkv,)](
@@ -678,7 +701,7 @@ def _launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared: T
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         lse.stride(0), lse.stride(1), sb, se,
         sq, sk, hkv, scale * LOG2E, scale,
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        GROUP=hq // hkv, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **_dims(q, v),
         IEEE=q.dtype == torch.float32, TMA=tma,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
@@ -686,7 +709,7 @@ def _launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared: T
         attn_bwd_dkdv_reduce_kernel[(w.red_n.shape[0] * hkv,)](
             wk, wv, dk, dv, w.red_n, w.red_slot0, w.red_nseg,
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), sk, hkv,
-            HEAD_DIM=d, BLOCK_N=c.block_n, num_warps=4,
+            BLOCK_N=c.block_n, **_dims(q, v), num_warps=4,
         )
 
 
@@ -697,14 +720,14 @@ def _launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, prepared: TritonP
     sk, hkv = k.shape[0], k.shape[1]
     desc, rows, sb, se = _schedule(prepared, c, q.device, keep, rows=True)
     nm = rows.order.shape[1]
-    tma = _use_tma(c, q)
+    tma = _use_tma(c, q) and _plain_dims(q, v)
     kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
     attn_bwd_dq_kernel[(nm * hq,)](
         q, k, v, dout, lse, delta, dq, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), lse.stride(1),
         sb, se, sq, sk, hq, scale * LOG2E, scale,
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        GROUP=hq // hkv, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **_dims(q, v),
         IEEE=q.dtype == torch.float32, TMA=tma,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )

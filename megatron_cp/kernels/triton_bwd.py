@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .triton_fwd import load_block, store_block
+
 
 @triton.jit
 def _tile_keep(DESC, TID, e, offs_m, offs_n, TRANSPOSED: tl.constexpr):
@@ -41,8 +43,9 @@ def _tile_keep(DESC, TID, e, offs_m, offs_n, TRANSPOSED: tl.constexpr):
 
 @triton.jit
 def _load_rows(base, desc, row0, col0, n_rows, stride, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-               MASKED: tl.constexpr, TMA: tl.constexpr):
-    """Rows row0 .. row0+BLOCK of a [n_rows, HEAD_DIM] matrix; rows past n_rows read as 0 when MASKED.
+               MASKED: tl.constexpr, TMA: tl.constexpr, DIM: tl.constexpr):
+    """Rows row0 .. row0+BLOCK of a [n_rows, DIM] matrix as a [BLOCK, HEAD_DIM] block (HEAD_DIM: DIM's
+    power-of-two block, padded columns read as 0); rows past n_rows read as 0 when MASKED.
     TMA: through the tensor descriptor ``desc`` of the [rows, heads * HEAD_DIM] view at column col0
     (the copy engine zero-fills rows out of bounds); else plain pointers from ``base`` (row stride
     ``stride``)."""
@@ -51,22 +54,20 @@ def _load_rows(base, desc, row0, col0, n_rows, stride, BLOCK: tl.constexpr, HEAD
     else:
         offs = row0 + tl.arange(0, BLOCK)
         ptrs = base + offs.to(tl.int64)[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :]
-        if MASKED:
-            x = tl.load(ptrs, mask=(offs < n_rows)[:, None], other=0.0)
-        else:
-            x = tl.load(ptrs)
+        x = load_block(ptrs, offs < n_rows, DIM, HEAD_DIM, MASKED)
     return x
 
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, offs_n, Qh, DOh, QD, DOD, col0, lse_h, delta_h, stride_qs, stride_dos, stride_ls,
                 OFF, TID, DESC, e0, e1, sq, qk_scale, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-                MASKED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+                MASKED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, DIM_QK: tl.constexpr,
+                HEAD_DIM_V: tl.constexpr, DIM_V: tl.constexpr):
     for e in range(e0, e1):
         m0 = tl.load(OFF + e)
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        q = _load_rows(Qh, QD, m0, col0, sq, stride_qs, BLOCK_M, HEAD_DIM, MASKED, TMA)
-        do = _load_rows(DOh, DOD, m0, col0, sq, stride_dos, BLOCK_M, HEAD_DIM, MASKED, TMA)
+        q = _load_rows(Qh, QD, m0, col0, sq, stride_qs, BLOCK_M, HEAD_DIM, MASKED, TMA, DIM_QK)
+        do = _load_rows(DOh, DOD, m0, col0, sq, stride_dos, BLOCK_M, HEAD_DIM_V, MASKED, TMA, DIM_V)
         if MASKED:
             ok = offs_m < sq
             lse = tl.load(lse_h + offs_m * stride_ls, mask=ok, other=float("inf"))
@@ -106,7 +107,7 @@ def attn_bwd_dkdv_kernel(
     sched_stride_b, sched_stride_e,
     sq, sk, n_kv_heads, qk_scale, sm_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr, DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, DIM_V: tl.constexpr,
 ):
     pid = tl.program_id(0)
     hk = pid % n_kv_heads
@@ -119,13 +120,14 @@ def attn_bwd_dkdv_kernel(
     offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n64 = offs_n.to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
     col_ok = offs_n < sk
-    k = tl.load(K + offs_n64[:, None] * stride_ks + hk * stride_kh + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + offs_n64[:, None] * stride_vs + hk * stride_vh + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
+    k = load_block(K + offs_n64[:, None] * stride_ks + hk * stride_kh + offs_d[None, :], col_ok, DIM_QK, HEAD_DIM,
+                   True)
+    v = load_block(V + offs_n64[:, None] * stride_vs + hk * stride_vh + offs_dv[None, :], col_ok, DIM_V,
+                   HEAD_DIM_V, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], tl.float32)
     for g in range(GROUP):
         h = hk * GROUP + g
         # this q head's own schedule row (stride 0 when all heads share one; per-head lists under BlockKeep)
@@ -144,27 +146,28 @@ def attn_bwd_dkdv_kernel(
         col0 = h * HEAD_DIM
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qh, doh, QD, DOD, col0, lse_h, delta_h, stride_qs, stride_dos,
                              stride_ls, off, tid, DESC, e0, e_mid, sq, qk_scale, BLOCK_M, HEAD_DIM, False, IEEE,
-                             TMA)
+                             TMA, DIM_QK, HEAD_DIM_V, DIM_V)
         dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, qh, doh, QD, DOD, col0, lse_h, delta_h, stride_qs, stride_dos,
                              stride_ls, off, tid, DESC, e_mid, e1, sq, qk_scale, BLOCK_M, HEAD_DIM, True, IEEE,
-                             TMA)
+                             TMA, DIM_QK, HEAD_DIM_V, DIM_V)
     dk = dk * sm_scale
     if slot < 0:
-        tl.store(DK + offs_n64[:, None] * stride_dks + hk * stride_dkh + offs_d[None, :],
-                 dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-        tl.store(DV + offs_n64[:, None] * stride_dvs + hk * stride_dvh + offs_d[None, :],
-                 dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
-    else:  # one segment of a split k block: fp32 partial into its workspace slot
-        tile = tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM + offs_d[None, :]
-        base = (slot * n_kv_heads + hk).to(tl.int64) * (BLOCK_N * HEAD_DIM)
-        tl.store(WK + base + tile, dk)
-        tl.store(WV + base + tile, dv)
+        store_block(DK + offs_n64[:, None] * stride_dks + hk * stride_dkh + offs_d[None, :],
+                    dk.to(DK.dtype.element_ty), col_ok, DIM_QK, HEAD_DIM)
+        store_block(DV + offs_n64[:, None] * stride_dvs + hk * stride_dvh + offs_dv[None, :],
+                    dv.to(DV.dtype.element_ty), col_ok, DIM_V, HEAD_DIM_V)
+    else:  # one segment of a split k block: fp32 partial into its workspace slot (whole padded blocks)
+        base = (slot * n_kv_heads + hk).to(tl.int64)
+        tl.store(WK + base * (BLOCK_N * HEAD_DIM) + tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM + offs_d[None, :], dk)
+        tl.store(WV + base * (BLOCK_N * HEAD_DIM_V) + tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM_V + offs_dv[None, :],
+                 dv)
 
 
 @triton.jit
 def attn_bwd_dkdv_reduce_kernel(
     WK, WV, DK, DV, RED_N, RED_SLOT0, RED_NSEG, stride_dks, stride_dkh, stride_dvs, stride_dvh, sk, n_kv_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    DIM_V: tl.constexpr,
 ):
     """dK/dV of split k blocks: the sum of their segments' partials, always in slot order."""
     pid = tl.program_id(0)
@@ -174,31 +177,34 @@ def attn_bwd_dkdv_reduce_kernel(
     s0 = tl.load(RED_SLOT0 + i)
     ns = tl.load(RED_NSEG + i)
     offs_d = tl.arange(0, HEAD_DIM)
-    tile = tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM + offs_d[None, :]
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    tile_k = tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM + offs_d[None, :]
+    tile_v = tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM_V + offs_dv[None, :]
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], tl.float32)
     for s in range(s0, s0 + ns):
-        base = (s * n_kv_heads + hk).to(tl.int64) * (BLOCK_N * HEAD_DIM)
-        dk += tl.load(WK + base + tile)
-        dv += tl.load(WV + base + tile)
+        base = (s * n_kv_heads + hk).to(tl.int64)
+        dk += tl.load(WK + base * (BLOCK_N * HEAD_DIM) + tile_k)
+        dv += tl.load(WV + base * (BLOCK_N * HEAD_DIM_V) + tile_v)
     offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n64 = offs_n.to(tl.int64)
     col_ok = offs_n < sk
-    tl.store(DK + offs_n64[:, None] * stride_dks + hk * stride_dkh + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DV + offs_n64[:, None] * stride_dvs + hk * stride_dvh + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+    store_block(DK + offs_n64[:, None] * stride_dks + hk * stride_dkh + offs_d[None, :],
+                dk.to(DK.dtype.element_ty), col_ok, DIM_QK, HEAD_DIM)
+    store_block(DV + offs_n64[:, None] * stride_dvs + hk * stride_dvh + offs_dv[None, :],
+                dv.to(DV.dtype.element_ty), col_ok, DIM_V, HEAD_DIM_V)
 
 
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, offs_m, Kh, Vh, KD, VD, col0, stride_ks, stride_vs, OFF, TID, DESC, e0,
               e1, sk, qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-              IEEE: tl.constexpr, TMA: tl.constexpr):
+              IEEE: tl.constexpr, TMA: tl.constexpr, DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              DIM_V: tl.constexpr):
     for e in range(e0, e1):
         n0 = tl.load(OFF + e)
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = _load_rows(Kh, KD, n0, col0, sk, stride_ks, BLOCK_N, HEAD_DIM, MASKED, TMA)
-        v = _load_rows(Vh, VD, n0, col0, sk, stride_vs, BLOCK_N, HEAD_DIM, MASKED, TMA)
+        k = _load_rows(Kh, KD, n0, col0, sk, stride_ks, BLOCK_N, HEAD_DIM, MASKED, TMA, DIM_QK)
+        v = _load_rows(Vh, VD, n0, col0, sk, stride_vs, BLOCK_N, HEAD_DIM_V, MASKED, TMA, DIM_V)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
@@ -224,7 +230,7 @@ def attn_bwd_dq_kernel(
     stride_dqs, stride_dqh, stride_ls, stride_lh, sched_stride_b, sched_stride_e,
     sq, sk, n_heads, qk_scale, sm_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr, DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, DIM_V: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = pid % n_heads
@@ -243,10 +249,9 @@ def attn_bwd_dq_kernel(
     offs_m64 = offs_m.to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = offs_m < sq
-    q = tl.load(Q + offs_m64[:, None] * stride_qs + h * stride_qh + offs_d[None, :],
-                mask=ok[:, None], other=0.0)
-    do = tl.load(DO + offs_m64[:, None] * stride_dos + h * stride_doh + offs_d[None, :],
-                 mask=ok[:, None], other=0.0)
+    q = load_block(Q + offs_m64[:, None] * stride_qs + h * stride_qh + offs_d[None, :], ok, DIM_QK, HEAD_DIM, True)
+    do = load_block(DO + offs_m64[:, None] * stride_dos + h * stride_doh + tl.arange(0, HEAD_DIM_V)[None, :], ok,
+                    DIM_V, HEAD_DIM_V, True)
     lse = tl.load(LSE + offs_m64 * stride_ls + h * stride_lh, mask=ok, other=float("inf"))
     delta = tl.load(DELTA + offs_m64 * stride_ls + h * stride_lh, mask=ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -255,9 +260,9 @@ def attn_bwd_dq_kernel(
     Vh = V + hk * stride_vh
     col0 = hk * HEAD_DIM
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, Kh, Vh, KD, VD, col0, stride_ks, stride_vs, OFF, TID, DESC,
-                   e0, e_mid, sk, qk_scale, BLOCK_N, HEAD_DIM, False, IEEE, TMA)
+                   e0, e_mid, sk, qk_scale, BLOCK_N, HEAD_DIM, False, IEEE, TMA, DIM_QK, HEAD_DIM_V, DIM_V)
     dq = _dq_inner(dq, q, do, lse2, delta, offs_m, Kh, Vh, KD, VD, col0, stride_ks, stride_vs, OFF, TID, DESC,
-                   e_mid, e1, sk, qk_scale, BLOCK_N, HEAD_DIM, True, IEEE, TMA)
+                   e_mid, e1, sk, qk_scale, BLOCK_N, HEAD_DIM, True, IEEE, TMA, DIM_QK, HEAD_DIM_V, DIM_V)
     dq = dq * sm_scale
-    tl.store(DQ + offs_m64[:, None] * stride_dqs + h * stride_dqh + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=ok[:, None])
+    store_block(DQ + offs_m64[:, None] * stride_dqs + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                ok, DIM_QK, HEAD_DIM)

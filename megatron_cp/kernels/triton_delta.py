@@ -15,17 +15,23 @@ import triton.language as tl
 BLOCK_S = 64
 
 
+def block_dim(d: int) -> int:
+    """The kernels' block along a head dim of ``d``: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, 1 << (int(d) - 1).bit_length())
+
+
 @triton.jit
 def row_delta_kernel(O, DO, DLSE, DELTA, stride_os, stride_oh, stride_dos, stride_doh, stride_ls, stride_lh, sq,
-                     HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     offs64 = offs.to(tl.int64)
     ok = offs < sq
-    d = tl.arange(0, HEAD_DIM)
-    o = tl.load(O + offs64[:, None] * stride_os + h * stride_oh + d[None, :], mask=ok[:, None], other=0.0)
-    do = tl.load(DO + offs64[:, None] * stride_dos + h * stride_doh + d[None, :], mask=ok[:, None], other=0.0)
+    d = tl.arange(0, HEAD_DIM)  # a power of two; columns from DIM on (a padded head dim) read as 0
+    m = ok[:, None] & (d < DIM)[None, :]
+    o = tl.load(O + offs64[:, None] * stride_os + h * stride_oh + d[None, :], mask=m, other=0.0)
+    do = tl.load(DO + offs64[:, None] * stride_dos + h * stride_doh + d[None, :], mask=m, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + offs64 * stride_ls + h * stride_lh, mask=ok, other=0.0).to(tl.float32)
@@ -35,7 +41,8 @@ def row_delta_kernel(O, DO, DLSE, DELTA, stride_os, stride_oh, stride_dos, strid
 def row_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None) -> torch.Tensor:
     """delta = rowsum(dout * out) - dlse as an fp32 [sq, Hq] view of a head-major [Hq, sq] buffer.
 
-    out, dout [sq, Hq, D] (unit stride along D, D a power of two); dlse [sq, Hq] or None."""
+    out, dout [sq, Hq, D] (unit stride along D; any D, the kernel pads it to a power of two); dlse [sq, Hq]
+    or None."""
     sq, hq, d = out.shape
     if dout.shape != out.shape:
         raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} differ")
@@ -51,7 +58,7 @@ def row_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None =
         row_delta_kernel[(triton.cdiv(sq, BLOCK_S), hq)](
             out, dout, dl, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
             dl.stride(0) if dlse is not None else 0, dl.stride(1) if dlse is not None else 0, sq,
-            HAS_DLSE=dlse is not None, HEAD_DIM=d, BLOCK=BLOCK_S, num_warps=4,
+            HAS_DLSE=dlse is not None, HEAD_DIM=block_dim(d), DIM=d, BLOCK=BLOCK_S, num_warps=4,
         )
     return delta.t()
 

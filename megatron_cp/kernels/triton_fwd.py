@@ -18,9 +18,37 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def load_block(ptrs, row_ok, DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """A [rows, BLOCK_D] block at ``ptrs``: rows where ``row_ok`` is False (when ROWS) and the columns from
+    DIM on (a head dim padded to the power of two BLOCK_D) read as 0; no mask at all when neither applies."""
+    if DIM < BLOCK_D:
+        cols = tl.arange(0, BLOCK_D) < DIM
+        if ROWS:
+            x = tl.load(ptrs, mask=row_ok[:, None] & cols[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=cols[None, :], other=0.0)
+    else:
+        if ROWS:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def store_block(ptrs, x, row_ok, DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store a [rows, BLOCK_D] block: rows where ``row_ok`` and the columns below DIM."""
+    if DIM < BLOCK_D:
+        tl.store(ptrs, x, mask=row_ok[:, None] & (tl.arange(0, BLOCK_D) < DIM)[None, :])
+    else:
+        tl.store(ptrs, x, mask=row_ok[:, None])
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, KD, VD, col0, stride_ks, stride_vs, OFF, TID, DESC,
                e0, e1, sk, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
-               TMA: tl.constexpr):
+               TMA: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               DIM_V: tl.constexpr):
     # k_base / v_base: pointers of k block 0 ([BLOCK_N, D], built once); an entry adds one scalar offset,
     # which keeps per-iteration address arithmetic to one add per element
     for e in range(e0, e1):
@@ -31,10 +59,7 @@ def _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, KD, VD, col0, stride_ks
         else:
             k_ptrs = k_base + n0.to(tl.int64) * stride_ks
             v_ptrs = v_base + n0.to(tl.int64) * stride_vs
-            if MASKED:
-                k = tl.load(k_ptrs, mask=(offs_n < sk)[:, None], other=0.0)
-            else:
-                k = tl.load(k_ptrs)
+            k = load_block(k_ptrs, offs_n < sk, DIM_QK, HEAD_DIM, MASKED)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -64,10 +89,8 @@ def _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, KD, VD, col0, stride_ks
         acc = acc * alpha[:, None]
         if TMA:
             v = VD.load([n0, col0])
-        elif MASKED:
-            v = tl.load(v_ptrs, mask=(offs_n < sk)[:, None], other=0.0)
         else:
-            v = tl.load(v_ptrs)
+            v = load_block(v_ptrs, offs_n < sk, DIM_V, HEAD_DIM_V, MASKED)
         if IEEE:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         else:
@@ -84,7 +107,10 @@ def attn_fwd_kernel(
     sq, sk, n_heads, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACCUM: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, DIM_V: tl.constexpr,
 ):
+    # HEAD_DIM / HEAD_DIM_V: power-of-two blocks of the q/k and v head dims DIM_QK / DIM_V (MLA: 192 -> 256
+    # and 128); padded columns read as 0 and are not written
     pid = tl.program_id(0)
     h = pid % n_heads
     i = pid // n_heads
@@ -102,31 +128,34 @@ def attn_fwd_kernel(
 
     offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
     row_ok = offs_m < sq
     q_ptrs = Q + offs_m.to(tl.int64)[:, None] * stride_qs + h * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q = load_block(q_ptrs, row_ok, DIM_QK, HEAD_DIM, True)
     offs_b = tl.arange(0, BLOCK_N)
     k_base = K + hk * stride_kh + offs_b[:, None] * stride_ks + offs_d[None, :]
-    v_base = V + hk * stride_vh + offs_b[:, None] * stride_vs + offs_d[None, :]
+    v_base = V + hk * stride_vh + offs_b[:, None] * stride_vs + offs_dv[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, KD, VD, hk * HEAD_DIM, stride_ks,
-                               stride_vs, OFF, TID, DESC, e0, e_mid, sk, qk_scale, BLOCK_N, False, IEEE, TMA)
+                               stride_vs, OFF, TID, DESC, e0, e_mid, sk, qk_scale, BLOCK_N, False, IEEE, TMA,
+                               HEAD_DIM, DIM_QK, HEAD_DIM_V, DIM_V)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, KD, VD, hk * HEAD_DIM, stride_ks,
-                               stride_vs, OFF, TID, DESC, e_mid, e1, sk, qk_scale, BLOCK_N, True, IEEE, TMA)
+                               stride_vs, OFF, TID, DESC, e_mid, e1, sk, qk_scale, BLOCK_N, True, IEEE, TMA,
+                               HEAD_DIM, DIM_QK, HEAD_DIM_V, DIM_V)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-    o_ptrs = O + offs_m.to(tl.int64)[:, None] * stride_os + h * stride_oh + offs_d[None, :]
+    o_ptrs = O + offs_m.to(tl.int64)[:, None] * stride_os + h * stride_oh + offs_dv[None, :]
     l_ptrs = LSE + offs_m.to(tl.int64) * stride_ls + h * stride_lh
     if ACCUM:
         # add this stage into the running (out, lse) of earlier stages: LSE-weighted merge
         lse_prev = tl.load(l_ptrs, mask=row_ok, other=float("-inf"))
-        out_prev = tl.load(o_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        out_prev = load_block(o_ptrs, row_ok, DIM_V, HEAD_DIM_V, True).to(tl.float32)
         mx = tl.maximum(lse_prev, lse)
         mx = tl.where(mx == float("-inf"), 0.0, mx)
         w_prev = tl.exp(lse_prev - mx)
@@ -135,5 +164,5 @@ def attn_fwd_kernel(
         tot_safe = tl.where(tot == 0.0, 1.0, tot)
         out = (out_prev * w_prev[:, None] + out * w_cur[:, None]) / tot_safe[:, None]
         lse = tl.where(tot == 0.0, float("-inf"), mx + tl.log(tot_safe))
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    store_block(o_ptrs, out.to(O.dtype.element_ty), row_ok, DIM_V, HEAD_DIM_V)
     tl.store(l_ptrs, lse, mask=row_ok)
