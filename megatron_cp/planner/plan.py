@@ -56,18 +56,6 @@ def _subtract_runs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.asarray(out, dtype=np.int64).reshape(-1, 2)
 
 
-def _split_by_owner(runs: np.ndarray, bounds: np.ndarray, owner: np.ndarray, cp: int) -> list[np.ndarray]:
-    """Split global runs at chunk bounds and group the pieces by owning rank (merged per rank)."""
-    per = [[] for _ in range(cp)]
-    for s, e in runs.tolist():
-        c = int(np.searchsorted(bounds, s, side="right")) - 1
-        while s < e:
-            t = min(e, int(bounds[c + 1]))
-            per[int(owner[c])].append((s, t))
-            s, c = t, c + 1
-    return [_merge_runs(np.asarray(p, dtype=np.int64).reshape(-1, 2)) for p in per]
-
-
 def _positions(runs: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Index of global token ``x`` in the concatenation of sorted ``runs`` (x must be covered)."""
     off = np.concatenate([[0], np.cumsum(runs[:, 1] - runs[:, 0])])
@@ -83,6 +71,54 @@ def _runs_to_ids(runs: np.ndarray) -> np.ndarray:
     if len(runs) == 0:
         return np.zeros(0, dtype=np.int64)
     return np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in runs.tolist()])
+
+
+# Run algebra over many groups at once (ranks or nodes): run [s, e) of group g is encoded as
+# [g * W + s, g * W + e) with W = seqlen + 1, so one sort or merge serves every group and no run of one
+# group touches another's.
+
+
+def _encode(runs: np.ndarray, group, W: int) -> np.ndarray:
+    return runs + (np.asarray(group, dtype=np.int64) * W)[:, None]
+
+
+def _decode(enc: np.ndarray, W: int) -> tuple[np.ndarray, np.ndarray]:
+    """(runs, group) of encoded runs."""
+    g = enc[:, 0] // W
+    return enc - (g * W)[:, None], g
+
+
+def _subtract_merged(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Maximal runs of ``a`` minus ``b`` (each merged: disjoint, sorted), by a sweep: between event
+    positions, coverage ``in_a + 2 * in_b`` is 1 exactly where ``a`` is kept."""
+    pos = np.concatenate([a[:, 0], a[:, 1], b[:, 0], b[:, 1]])
+    step = np.repeat(np.array([1, -1, 2, -2], dtype=np.int64), [len(a), len(a), len(b), len(b)])
+    o = np.argsort(pos, kind="stable")
+    pos, cover = pos[o], np.cumsum(step[o])
+    keep = (cover[:-1] == 1) & (pos[1:] > pos[:-1])
+    return _merge_runs(np.stack([pos[:-1][keep], pos[1:][keep]], axis=1))
+
+
+def _remote_all(ci, k0, k1, bounds, group) -> tuple[np.ndarray, np.ndarray]:
+    """(own runs, remote key runs), encoded by group: per group (``group[c]`` of chunk ``c``: a rank or
+    a node), its chunks' merged runs and the merged keys its chunks' rows need (key spans ``(ci, k0,
+    k1)`` of ``KeySpans.spans(bounds)``) that it does not own."""
+    W = int(bounds[-1]) + 1
+    group = np.asarray(group, dtype=np.int64)
+    own = _merge_runs(_encode(np.stack([bounds[:-1], bounds[1:]], axis=1), group, W))
+    need = _merge_runs(_encode(np.stack([k0, k1], axis=1), group[ci], W))
+    return own, _subtract_merged(need, own)
+
+
+def _split_at_chunks(runs, group, bounds, owner) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Non-empty runs cut at the chunk bounds: (pieces [n, 2], each piece's run's group, the rank owning
+    its chunk)."""
+    c0 = np.searchsorted(bounds, runs[:, 0], side="right") - 1
+    n = np.searchsorted(bounds, runs[:, 1], side="left") - c0
+    ri = np.repeat(np.arange(len(runs)), n)
+    c = np.repeat(c0, n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    pieces = np.stack([np.maximum(runs[ri, 0], bounds[c]), np.minimum(runs[ri, 1], bounds[c + 1])], axis=1)
+    return pieces, group[ri], np.asarray(owner, dtype=np.int64)[c]
 
 
 _ELEMENT_SIZE = {
@@ -361,27 +397,27 @@ def _auto_chunk(seqlen: int, cp: int) -> int:
     return int(min(4096, 1 << (c.bit_length() - 1)))
 
 
-def _remote_runs(ci, k0, k1, bounds, group, g) -> tuple[np.ndarray, np.ndarray]:
-    """(own runs, remote key runs) of the chunks with ``group == g`` (a rank or a node), from the key
-    spans ``(ci, k0, k1)`` of ``KeySpans.spans(bounds)``."""
-    mine = group == g
-    own = _merge_runs(np.stack([bounds[:-1][mine], bounds[1:][mine]], axis=1))
-    sel = mine[ci]
-    return own, _subtract_runs(_merge_runs(np.stack([k0[sel], k1[sel]], axis=1)), own)
-
-
 def _evaluate(traps, spans, bounds, owner, cp, prefix):
     """Area and remote-key tokens per rank of an assignment (cheap: no tiles)."""
     area = np.zeros(cp, dtype=np.int64)
     np.add.at(area, owner, prefix[bounds[1:]] - prefix[bounds[:-1]])
     ci, k0, k1 = spans.spans(bounds)
+    rem = _remote_all(ci, k0, k1, bounds, owner)[1]
     remote = np.zeros(cp, dtype=np.int64)
-    for r in range(cp):
-        rem = _remote_runs(ci, k0, k1, bounds, owner, r)[1]
-        remote[r] = int((rem[:, 1] - rem[:, 0]).sum())
+    np.add.at(remote, rem[:, 0] // (int(bounds[-1]) + 1), rem[:, 1] - rem[:, 0])
     mean = area.mean()
     imb = float(area.max() / mean - 1.0) if mean > 0 else 0.0
     return imb, remote
+
+
+def _remote_tokens(spans, bounds, owner, cp) -> np.ndarray:
+    """``M[r, s]``: key tokens rank ``r`` receives from rank ``s`` (int64 [cp, cp])."""
+    ci, k0, k1 = spans.spans(bounds)
+    rem = _remote_all(ci, k0, k1, bounds, owner)[1]
+    pieces, dst, src = _split_at_chunks(*_decode(rem, int(bounds[-1]) + 1), bounds, owner)
+    M = np.zeros((cp, cp), dtype=np.int64)
+    np.add.at(M, (dst, src), pieces[:, 1] - pieces[:, 0])
+    return M
 
 
 def _link_units(spans, bounds, owner, cp, topology) -> np.ndarray:
@@ -390,12 +426,11 @@ def _link_units(spans, bounds, owner, cp, topology) -> np.ndarray:
     multi = topology is not None and topology.nodes > 1
     ratio = topology.intra_node_gbps / topology.inter_node_gbps if multi else 1.0
     g = topology.gpus_per_node if multi else cp
-    ci, k0, k1 = spans.spans(bounds)
+    M = _remote_tokens(spans, bounds, owner, cp).astype(np.float64)
+    node = np.arange(cp) // g
     out = np.zeros(cp)
-    for r in range(cp):
-        rem = _remote_runs(ci, k0, k1, bounds, owner, r)[1]
-        for src, runs in enumerate(_split_by_owner(rem, bounds, owner, cp)):
-            out[r] += float((runs[:, 1] - runs[:, 0]).sum()) * (ratio if src // g != r // g else 1.0)
+    for src in range(cp):  # sources in order, as the sum per rank always ran
+        out += M[:, src] * np.where(node != src // g, ratio, 1.0)
     return out
 
 
@@ -597,20 +632,13 @@ def plan_digest(cp_size: int, seqlen: int, chunk_size: int, bounds, owner, traps
     return h.hexdigest()
 
 
-def _node_need(spans, bounds, owner, topology) -> list[np.ndarray]:
-    """Per node: merged runs of keys its rows need that live on other nodes."""
-    g = topology.gpus_per_node
-    ci, k0, k1 = spans.spans(bounds)
-    node = owner.astype(np.int64) // g
-    out = []
-    for n in range(topology.nodes):
-        out.append(_remote_runs(ci, k0, k1, bounds, node, n)[1])
-    return out
-
-
 def _inter_node_max(spans, bounds, owner, topology) -> int:
     """Most key tokens any node receives from other nodes (each token once per node)."""
-    return max(int((r[:, 1] - r[:, 0]).sum()) for r in _node_need(spans, bounds, owner, topology))
+    ci, k0, k1 = spans.spans(bounds)
+    node = np.asarray(owner, dtype=np.int64) // topology.gpus_per_node
+    rem = _remote_all(ci, k0, k1, bounds, node)[1]
+    W = int(bounds[-1]) + 1
+    return int(np.bincount(rem[:, 0] // W, weights=rem[:, 1] - rem[:, 0], minlength=topology.nodes).max())
 
 
 def _hierarchical(traps, spans, prefix, seqlen, topology, chunk, tol, cuts):
@@ -639,27 +667,41 @@ def _hierarchical(traps, spans, prefix, seqlen, topology, chunk, tol, cuts):
 
 
 def _rank_plans(traps, prefix, spans, bounds, owner, cp, guest_traps=None) -> tuple:
+    """Every rank's ``RankPlan`` for the layout (``bounds``, ``owner``) of ``traps`` (canonical, as
+    ``AttnMask.traps``: every row non-empty, keys in [0, seqlen]). All ranks are built together with the
+    run algebra over groups below (no loop over ranks or trapezoids in Python)."""
+    bounds, owner = np.asarray(bounds, dtype=np.int64), np.asarray(owner)
+    W = int(bounds[-1]) + 1
     ci, k0, k1 = spans.spans(bounds)
-    parts = []
-    for r in range(cp):
-        segs, remote = _remote_runs(ci, k0, k1, bounds, owner, r)
-        parts.append((segs, remote, _split_by_owner(remote, bounds, owner, cp)))
+    own, rem = _remote_all(ci, k0, k1, bounds, owner)
+    seg, seg_g = _decode(own, W)
+    seg_at = np.searchsorted(seg_g, np.arange(cp + 1))
+    # received runs by (destination, source): remote runs cut at chunk bounds, merged per pair
+    pieces, dst, src = _split_at_chunks(*_decode(rem, W), bounds, owner)
+    recv, pair = _decode(_merge_runs(_encode(pieces, dst * cp + src, W)), W)
+    recv_at = np.searchsorted(pair, np.arange(cp * cp + 1))
+    recv_runs = [tuple(recv[recv_at[d * cp + s]:recv_at[d * cp + s + 1]] for s in range(cp)) for d in range(cp)]
+    buf = _merge_runs(np.concatenate([own, rem]))  # each rank's key/value buffer, encoded
+    buf_at = np.searchsorted(buf[:, 0] // W, np.arange(cp + 1))
+    local, local_g = _local_traps(traps, seg, seg_g, seg_at)
+    tiles = _tiles(local, local_g, buf, buf_at, W, cp)
+    local_at = np.searchsorted(local_g, np.arange(cp + 1))
+    seg_area = np.concatenate([[0], np.cumsum(prefix[seg[:, 1]] - prefix[seg[:, 0]])])
     g_send = _guest_send(guest_traps, bounds, owner, cp)
-    local = [_local_traps(traps, segs) for segs, _, _ in parts]
     out = []
-    for r, (segs, remote, recv) in enumerate(parts):
-        buffer_runs = _merge_runs(np.concatenate([segs, remote]))
+    for r in range(cp):
+        segs = seg[seg_at[r]:seg_at[r + 1]]
         g_recv = tuple(g_send[src][r] for src in range(cp)) if g_send else ()
         out.append(
             RankPlan(
                 rank=r,
                 segments=segs,
-                recv_runs=tuple(recv),
-                send_runs=tuple(parts[dst][2][r] for dst in range(cp)),
-                buffer_runs=buffer_runs,
-                tiles=_tiles(local[r], buffer_runs),
-                traps=local[r],
-                area=int(sum(prefix[e] - prefix[s] for s, e in segs.tolist())),
+                recv_runs=recv_runs[r],
+                send_runs=tuple(recv_runs[dst][r] for dst in range(cp)),
+                buffer_runs=_decode(buf[buf_at[r]:buf_at[r + 1]], W)[0],
+                tiles=tiles[r],
+                traps=local[local_at[r]:local_at[r + 1]],
+                area=int(seg_area[seg_at[r + 1]] - seg_area[seg_at[r]]),
                 guest_send_runs=tuple(g_send[r]) if g_send else (),
                 guest_recv_runs=g_recv,
                 guest_tiles=_guest_tiles(guest_traps, g_recv, segs) if g_send else np.zeros((0, 5), np.int32),
@@ -694,24 +736,81 @@ def _guest_tiles(guest_traps, recv_runs, segs) -> np.ndarray:
     return geometry.merge_tiles(tiles)
 
 
-def _local_traps(traps, segs) -> np.ndarray:
-    """The cells of ``traps`` on the owned rows ``segs``, rows in local order, keys global."""
-    out, q_off = [], 0
-    for s, e in segs.tolist():
-        cand = traps[(traps[:, 0] < e) & (traps[:, 1] > s)] if len(traps) else traps
-        part = np.asarray(geometry.clip(cand, s, e, 0, 1 << 62), dtype=np.int64).reshape(-1, 6)
-        out.append(geometry.shift_rows(part, q_off - s))
-        q_off += e - s
-    return np.concatenate(out) if out else np.zeros((0, 6), dtype=np.int64)
+def _local_traps(traps, seg, seg_g, seg_at) -> tuple[np.ndarray, np.ndarray]:
+    """The cells of ``traps`` on every rank's owned rows, rows in the rank's local order, keys global:
+    (int64 [n, 6], their rank [n]), by rank, then owned run, then trapezoid. Owned runs ``seg`` (int64
+    [m, 2], sorted by (rank ``seg_g``, start); ``seg_at``: each rank's first run) cover [0, seqlen)."""
+    if len(traps) == 0:
+        return np.zeros((0, 6), dtype=np.int64), np.zeros(0, dtype=np.int64)
+    size = seg[:, 1] - seg[:, 0]
+    start = np.cumsum(size) - size
+    q_off = start - start[seg_at[:-1]][seg_g]  # each run's first local row
+    by_pos = np.argsort(seg[:, 0], kind="stable")
+    # each trapezoid meets the runs first..last in sequence order
+    first = np.searchsorted(seg[by_pos, 1], traps[:, 0], side="right")
+    last = np.searchsorted(seg[by_pos, 0], traps[:, 1], side="left") - 1
+    n = last - first + 1
+    ti = np.repeat(np.arange(len(traps)), n)
+    si = by_pos[np.repeat(first, n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)]
+    order = np.lexsort((ti, si))
+    ti, si = ti[order], si[order]
+    t = traps[ti].copy()
+    # a row range of a trapezoid is the same two lines on fewer rows (every row is non-empty)
+    t[:, 0] = np.maximum(t[:, 0], seg[si, 0])
+    t[:, 1] = np.minimum(t[:, 1], seg[si, 1])
+    d = q_off[si] - seg[si, 0]
+    t[:, 0] += d
+    t[:, 1] += d
+    t[:, 2] -= t[:, 3] * d
+    t[:, 4] -= t[:, 5] * d
+    return t, seg_g[si]
 
 
-def _tiles(local_traps, buffer_runs) -> np.ndarray:
-    """Each of the rank's trapezoids is one tile (q local, k in the buffer: its keys are a contiguous
-    range there, since the buffer holds every key the rank needs in global order); then
-    ``geometry.merge_tiles`` joins the tiles that became neighbours in the buffer."""
-    tiles = []
-    for t in local_traps.tolist():
-        q0, q1, k0, k1, kind = geometry.trap_to_slice(t)
-        kb = int(_positions(buffer_runs, np.array([k0]))[0])
-        tiles.append((q0, q1, kb, kb + k1 - k0, kind))
-    return geometry.merge_tiles(tiles)
+# kind of a trapezoid by its (lo slope, hi slope), and the slopes of a kind
+_KIND = np.array([[geometry.trap_to_slice((0, 1, 0, lo, 1, hi))[4] for hi in (0, 1)] for lo in (0, 1)])
+_LO_S, _HI_S = np.zeros(4, dtype=np.int64), np.zeros(4, dtype=np.int64)
+_LO_S[_KIND], _HI_S[_KIND] = np.array([[0, 0], [1, 1]]), np.array([[0, 1], [0, 1]])
+
+
+def _tiles(local, local_g, buf, buf_at, W, cp) -> list[np.ndarray]:
+    """Each rank's tiles (int32 [n, 5], as ``geometry.merge_tiles`` gives them): each of its trapezoids
+    ``local`` (rank ``local_g``) is one tile (q local, k in the rank's buffer ``buf``, encoded runs:
+    its keys are a contiguous range there, since the buffer holds every key the rank needs in global
+    order); then the tiles that became neighbours in the buffer join."""
+    q0, q1 = local[:, 0], local[:, 1]
+    k0 = local[:, 2] + local[:, 3] * q0
+    k1 = local[:, 4] + local[:, 5] * (q1 - 1)
+    size = buf[:, 1] - buf[:, 0]
+    start = np.cumsum(size) - size
+    ek = k0 + local_g * W
+    i = np.searchsorted(buf[:, 0], ek, side="right") - 1
+    kb = start[i] - start[buf_at[:-1]][local_g] + ek - buf[i, 0]
+    tiles = np.stack([q0, q1, kb, kb + k1 - k0, _KIND[local[:, 3], local[:, 5]]], axis=1)
+    return _merge_tiles(tiles, local_g, cp)
+
+
+def _merge_tiles(tiles, g, cp) -> list[np.ndarray]:
+    """``geometry.merge_tiles`` of each rank's tiles (int64 [n, 5] of non-empty tiles, ``g`` their
+    sorted rank): where no two tiles of a rank would join, that is the rank's tiles sorted by
+    (q0, k0), found without Python loops; a rank with a join goes through ``merge_tiles`` itself."""
+    at = np.searchsorted(g, np.arange(cp + 1))
+    q0, q1, k0, k1, kind = (tiles[:, j] for j in range(5))
+    lo_s, hi_s = _LO_S[kind], _HI_S[kind]
+    lo_a, hi_a = k0 - q0 * lo_s, k1 - (q1 - 1) * hi_s  # the tile as a trapezoid (geometry.slice_to_trap)
+    joins = np.zeros(cp, dtype=bool)
+    if len(tiles) > 1:
+        # merge_tiles' two joins pair neighbours in these orders: same rows, one's upper line the next
+        # one's lower line (geometry._join_rows); the same two lines on adjacent rows (geometry._coalesce)
+        o = np.lexsort((k0, q1, q0, g))
+        a, b = o[:-1], o[1:]
+        hit = (g[a] == g[b]) & (q0[a] == q0[b]) & (q1[a] == q1[b]) & (hi_a[a] == lo_a[b]) & (hi_s[a] == lo_s[b])
+        joins[g[a][hit]] = True
+        o = np.lexsort((q0, hi_s, hi_a, lo_s, lo_a, g))
+        a, b = o[:-1], o[1:]
+        hit = ((g[a] == g[b]) & (lo_a[a] == lo_a[b]) & (lo_s[a] == lo_s[b]) & (hi_a[a] == hi_a[b])
+               & (hi_s[a] == hi_s[b]) & (q1[a] == q0[b]))
+        joins[g[a][hit]] = True
+    o = np.lexsort((k0, q0, g))
+    out = tiles[o].astype(np.int32)
+    return [geometry.merge_tiles(tiles[at[r]:at[r + 1]]) if joins[r] and at[r + 1] - at[r] > 1
+            else out[at[r]:at[r + 1]] for r in range(cp)]

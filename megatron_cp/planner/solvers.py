@@ -28,6 +28,8 @@ plan that balances attention by giving one rank most of the tokens would only mo
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 
@@ -104,30 +106,58 @@ def greedy(
     for i, r in dealt.items():
         owner[i] = r
         load[r] += area[i]
-    count = np.zeros(cp, dtype=np.int64)
     n_free = n - len(dealt)
     hi_cap, n_hi = -(-n_free // cp), n_free % cp  # n_free % cp ranks may hold one chunk more
     slack = slack_frac * tol * total / cp
-    for i in np.lexsort((np.arange(n), -area)):
+    # One chunk at a time in Python scalars (the same float64 sums as numpy): ``ranked`` holds (load,
+    # rank) of the ranks with room, sorted, so the near-ties are a prefix of it; ``placed`` the sorted
+    # indices of placed chunks, so a key run without any is skipped.
+    load_l, count, own = load.tolist(), [0] * cp, owner.tolist()
+    size_l, area_l = size.tolist(), area.tolist()
+    first_l, last_l, starts_l = first.tolist(), last.tolist(), starts.tolist()
+    placed = sorted(dealt)
+    at_hi = 0  # ranks holding hi_cap chunks
+
+    def room(cap):
+        return sorted((load_l[r], r) for r in range(cp) if count[r] < cap)
+
+    cap = hi_cap  # no rank is full yet
+    ranked = room(cap)
+    for i in np.lexsort((np.arange(n), -area)).tolist():
         if i in dealt:
             continue
-        cap = hi_cap if (n_hi == 0 or (count == hi_cap).sum() < n_hi) else n_free // cp
-        cand = np.nonzero(count < cap)[0]
-        best = load[cand].min()
-        near = cand[load[cand] <= best + slack]
-        r = int(near[np.argmin(load[near])])
-        if len(near) > 1:
-            gain = np.zeros(cp)
-            for f, l in zip(first[starts[i]:starts[i + 1]], last[starts[i]:starts[i + 1]]):
-                o = owner[f : l + 1]
-                w = size[f : l + 1]
-                gain += np.bincount(o[o >= 0], weights=w[o >= 0], minlength=cp)
-            g = gain[near]
-            if g.max() > 0:
-                r = int(near[np.lexsort((load[near], -g))[0]])
-        owner[i] = r
-        load[r] += area[i]
+        r = ranked[0][1]  # least loaded, lowest rank first
+        thr = ranked[0][0] + slack
+        if len(ranked) > 1 and ranked[1][0] <= thr:  # near-ties: prefer the rank holding the chunk's keys
+            gain = {}
+            for j in range(starts_l[i], starts_l[i + 1]):
+                f, l = first_l[j], last_l[j]
+                if bisect.bisect_left(placed, f) == bisect.bisect_right(placed, l):
+                    continue
+                if l - f < 32:
+                    for k in range(f, l + 1):
+                        o = own[k]
+                        if o >= 0:
+                            gain[o] = gain.get(o, 0) + size_l[k]
+                else:
+                    o = owner[f : l + 1]
+                    w = np.bincount(o[o >= 0], weights=size[f : l + 1][o >= 0], minlength=cp)
+                    for o in np.nonzero(w)[0].tolist():
+                        gain[o] = gain.get(o, 0) + int(w[o])
+            best = [(-g, load_l[o], o) for o, g in gain.items() if g > 0 and count[o] < cap and load_l[o] <= thr]
+            if best:
+                r = min(best)[2]
+        ranked.pop(bisect.bisect_left(ranked, (load_l[r], r)))
+        owner[i] = own[i] = r
+        bisect.insort(placed, i)
+        load_l[r] += area_l[i]
         count[r] += 1
+        at_hi += count[r] == hi_cap
+        new_cap = hi_cap if (n_hi == 0 or at_hi < n_hi) else n_free // cp
+        if new_cap != cap:
+            cap, ranked = new_cap, room(new_cap)
+        elif count[r] < cap:
+            bisect.insort(ranked, (load_l[r], r))
     return bounds, owner
 
 
@@ -154,32 +184,49 @@ def swap_balanced(
     target = float(prefix[-1]) / cp
     first, last, starts = key_spans.chunk_runs(bounds)
     size = np.diff(bounds)
+    # held[r, k]: tokens of the chunks before chunk k that rank r owns (kept up to date by the swaps)
+    held = np.zeros((cp, n + 1), dtype=np.int64)
+    held[owner, np.arange(1, n + 1)] = size
+    held = np.cumsum(held, axis=1)
+    tot = np.concatenate([[0], np.cumsum(size)])
+    run_keys = tot[last + 1] - tot[first]  # key tokens of each key run
 
-    def foreign(x, r):  # key tokens chunk x needs that rank r does not own
-        tot = 0
-        for f, l in zip(first[starts[x]:starts[x + 1]], last[starts[x]:starts[x + 1]]):
-            tot += int(size[f : l + 1][owner[f : l + 1] != r].sum())
-        return tot
+    def foreign(xs, rs):  # per chunk xs[i], the key tokens its runs need that rank rs[i] does not own
+        cnt = starts[xs + 1] - starts[xs]
+        j = np.repeat(starts[xs] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
+        r = np.repeat(rs, cnt)
+        v = run_keys[j] - held[r, last[j] + 1] + held[r, first[j]]
+        return np.bincount(np.repeat(np.arange(len(xs)), cnt), weights=v, minlength=len(xs))  # exact: ints
 
+    mine = [np.nonzero(owner == r)[0] for r in range(cp)]  # each rank's chunks, ascending
     for _ in range(4 * n):
         a, b = int(np.argmax(load)), int(np.argmin(load))
         gap = load[a] - load[b]
         if target <= 0 or load[a] / target - 1 <= tol / 2 or gap <= 0:
             break
-        xa, xb = np.nonzero(owner == a)[0], np.nonzero(owner == b)[0]
-        delta = area[xa][:, None] - area[xb][None, :]
-        gain = np.where((delta > 0) & (delta < gap), np.minimum(delta, gap - delta), 0.0)
+        xa, xb = mine[a], mine[b]
+        delta = area[xa][:, None] - area[xb]
+        # min(delta, gap - delta) is positive exactly for 0 < delta < gap: no pair else can be picked
+        gain = np.minimum(delta, gap - delta)
         best = gain.max()
         if best <= 0:
             break
         ii, jj = np.nonzero(gain >= 0.9 * best)
-        if len(ii) > 16:
-            top = np.argsort(-gain[ii, jj], kind="stable")[:16]
-            ii, jj = ii[top], jj[top]
-        cost = [foreign(xa[i], b) + foreign(xb[j], a) for i, j in zip(ii, jj)]
-        k = int(np.argmin(cost))
+        if len(ii) > 16:  # the 16 largest gains, ties in row-major order
+            v = gain[ii, jj]
+            sel = np.flatnonzero(v >= np.partition(v, len(v) - 16)[len(v) - 16])
+            sel = sel[np.argsort(-v[sel], kind="stable")[:16]]
+            ii, jj = ii[sel], jj[sel]
+        m = len(ii)
+        cost = foreign(np.concatenate([xa[ii], xb[jj]]), np.repeat(np.array([b, a]), m))
+        k = int(np.argmin(cost[:m] + cost[m:]))
         x, y = xa[ii[k]], xb[jj[k]]
         owner[x], owner[y] = b, a
+        mine[a] = np.sort(np.append(xa[xa != x], y))
+        mine[b] = np.sort(np.append(xb[xb != y], x))
+        for z, src, dst in ((x, a, b), (y, b, a)):
+            held[src, z + 1:] -= size[z]
+            held[dst, z + 1:] += size[z]
         d = area[x] - area[y]
         load[a] -= d
         load[b] += d
@@ -277,30 +324,39 @@ def _pack(units: np.ndarray, prefix: np.ndarray, room: np.ndarray, target: float
     s0, s1, seg = units[:, 0], units[:, 1], units[:, 2]
     size = s1 - s0
     area = (prefix[s1] - prefix[s0]).astype(np.float64)
-    room = room.copy()
-    load = np.zeros(len(room))
+    # one unit at a time in Python scalars (loads are sums of whole cells: exact in float64);
+    # ``ranked``: (load, rank) of the ranks with room left, sorted, so the least loaded one that
+    # fits is the first that does
+    room_l, load_l = room.tolist(), [0.0] * len(room)
+    ranked = sorted((0.0, r) for r in range(len(room)) if room_l[r] > 0)
+    s0_l, s1_l, seg_l, size_l, area_l = s0.tolist(), s1.tolist(), seg.tolist(), size.tolist(), area.tolist()
     out = []
     deferred = []
-    for i in np.lexsort((s0, -size, -area)):
-        fits = np.nonzero(room >= size[i])[0]
-        if len(fits) == 0:
+
+    def place(k, r, a, b, cells):
+        ranked.pop(k)
+        load_l[r] += cells
+        room_l[r] -= b - a
+        if room_l[r] > 0:
+            bisect.insort(ranked, (load_l[r], r))
+
+    for i in np.lexsort((s0, -size, -area)).tolist():
+        k = next((k for k, (_, r) in enumerate(ranked) if room_l[r] >= size_l[i]), None)
+        if k is None:
             deferred.append(i)
             continue
-        r = int(fits[np.argmin(load[fits])])
-        out.append([int(s0[i]), int(s1[i]), r, int(seg[i])])
-        load[r] += area[i]
-        room[r] -= size[i]
-    for i in sorted(deferred, key=lambda i: s0[i]):  # cut to fill leftover room, least loaded first
-        a = int(s0[i])
-        while a < s1[i]:
-            cand = np.nonzero(room > 0)[0]
-            r = int(cand[np.argmin(load[cand])])
-            b = min(int(s1[i]), a + int(room[r]))
-            out.append([a, b, r, int(seg[i])])
-            load[r] += float(prefix[b] - prefix[a])
-            room[r] -= b - a
+        r = ranked[k][1]
+        out.append([s0_l[i], s1_l[i], r, seg_l[i]])
+        place(k, r, s0_l[i], s1_l[i], area_l[i])
+    for i in sorted(deferred, key=lambda i: s0_l[i]):  # cut to fill leftover room, least loaded first
+        a = s0_l[i]
+        while a < s1_l[i]:
+            r = ranked[0][1]
+            b = min(s1_l[i], a + room_l[r])
+            out.append([a, b, r, seg_l[i]])
+            place(0, r, a, b, float(prefix[b] - prefix[a]))
             a = b
-    return _trade(np.array(out, dtype=np.int64).reshape(-1, 4), prefix, len(room), tol, load, target)
+    return _trade(np.array(out, dtype=np.int64).reshape(-1, 4), prefix, len(room), tol, np.array(load_l), target)
 
 
 def _coarsen(cuts: np.ndarray, min_size: int) -> np.ndarray:
@@ -349,13 +405,17 @@ def _trade(u: np.ndarray, prefix: np.ndarray, cp: int, tol: float, load: np.ndar
         best = max(g.max() for g, _, _ in cands)
         if best <= 0:
             break
-        pick = None
-        for g, cost, kind in cands:
-            ii, jj = np.nonzero(g >= 0.9 * best)
-            for i, j in zip(ii.tolist(), jj.tolist()):
-                c = (float(cost[i, j]), -float(g[i, j]))
-                if pick is None or c < pick[0]:
-                    pick = (c, kind, i, j)
+        # least remote keys, then largest gain, among trades within 10% of the best gain; ties go to
+        # the first candidate kind, then row-major order (lexsort is stable)
+        hits = [(k, *np.nonzero(g >= 0.9 * best)) for k, (g, _, _) in enumerate(cands)]
+        g = np.concatenate([cands[k][0][ii, jj] for k, ii, jj in hits])
+        cost = np.concatenate([cands[k][1][ii, jj] for k, ii, jj in hits])
+        p = int(np.lexsort((-g, cost))[0])
+        for k, ii, jj in hits:
+            if p < len(ii):
+                pick = (None, cands[k][2], int(ii[p]), int(jj[p]))
+                break
+            p -= len(ii)
         _, (side, tail), i, j = pick
         ra, rb = ia[i], ib[j]
         if side is None:
