@@ -210,7 +210,6 @@ def test_flags_default_te_and_validate():
         (("--context-parallel-impl", "megatron_cp"), "calculate-per-token-loss"),
         (("--context-parallel-impl", "megatron_cp", "--calculate-per-token-loss", "--cp-mask-kwargs", "{x"), "not JSON"),
         (("--context-parallel-impl", "megatron_cp", "--calculate-per-token-loss", "--cp-topology", "8"), "'8'"),
-        (("--context-parallel-impl", "megatron_cp", "--calculate-per-token-loss", "--sequence-parallel"), "sequence-parallel"),
         (("--context-parallel-impl", "megatron_cp", "--calculate-per-token-loss", "--cp-mask", "sliding_window"), "window"),
     ]
     for argv, match in bad:

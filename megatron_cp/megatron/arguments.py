@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .batch import MASKS, MaskSpec, PlanOptions
+from .batch import DOC_MASKS, MASKS, MaskSpec, PlanOptions
 from .gating import DEFAULT_SINK, DEFAULT_WINDOW, GatingSpec
 from .sparse_spec import METHODS, spec_from_args
 
@@ -163,9 +163,9 @@ def _topology(text):
 
     try:
         nodes, gpus = (int(x) for x in text.lower().split("x"))
+        return Topology(nodes=nodes, gpus_per_node=gpus)
     except ValueError:
-        raise ValueError(f"--cp-topology must look like NODESxGPUS (e.g. 2x8), got {text!r}") from None
-    return Topology(nodes=nodes, gpus_per_node=gpus)
+        raise ValueError(f"--cp-topology must look like NODESxGPUS with both >= 1 (e.g. 2x8), got {text!r}") from None
 
 
 def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions]:
@@ -200,3 +200,152 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
     return spec, PlanOptions(chunk_size=args.cp_chunk_size, topology=_topology(args.cp_topology),
                              solver=args.cp_solver, kernel_backend=args.cp_kernel_backend,
                              strategy=args.context_parallel_impl, sparse=sparse, gating=gating)
+
+
+# Megatron options that megatron-cp attention does not honour: (attribute, is_set(value), message). Each is
+# refused when the arguments are parsed; a feature that gains support is lifted by deleting its row.
+UNSUPPORTED = (
+    ("attention_dropout", lambda v: bool(v),
+     "--attention-dropout {v}: megatron-cp attention has no attention dropout; pass --attention-dropout 0 "
+     "(Megatron's default is 0.1)"),
+    ("cp_comm_type", lambda v: list(v or ["p2p"]) != ["p2p"],
+     "--cp-comm-type {v} selects Transformer Engine's CP communication; megatron-cp plans its own. Drop the flag, "
+     "or pick a baseline with --context-parallel-impl ring|ulysses|usp|allgather|head_context"),
+    ("hierarchical_context_parallel_sizes", lambda v: bool(v),
+     "--hierarchical-context-parallel-sizes {v} is Transformer Engine's a2a+p2p CP; megatron-cp takes the CP "
+     "group's shape from --cp-topology NODESxGPUS"),
+    ("hybrid_context_parallel", lambda v: bool(v),
+     "--hybrid-context-parallel is Megatron's own packing-aware CP; it does not combine with --context-parallel-impl"),
+    ("window_attn_skip_freq", lambda v: v is not None,
+     "--window-attn-skip-freq {v}: megatron-cp applies one mask to every layer (describe a window with "
+     "--window-size or --cp-mask sliding_window --cp-window W)"),
+    ("mtp_num_layers", lambda v: bool(v),
+     "--mtp-num-layers {v}: Megatron's multi-token prediction shifts tokens across CP ranks with roll_tensor, "
+     "which assumes its own 2 x cp zigzag split, and builds its layers' attention from Megatron's spec; it "
+     "does not run under megatron-cp's token layout"),
+    ("multi_latent_attention", lambda v: bool(v),
+     "--multi-latent-attention: megatron-cp's core attention does not take MLA yet"),
+    ("experimental_attention_variant", lambda v: v is not None,
+     "--experimental-attention-variant {v} brings its own attention module; megatron-cp replaces only "
+     "Megatron's dot-product core attention"),
+    ("use_kitchen_attention", lambda v: bool(v),
+     "--use-kitchen-attention brings its own attention module; megatron-cp replaces only Megatron's "
+     "dot-product core attention"),
+    ("transformer_impl", lambda v: v == "inference_optimized",
+     "--transformer-impl inference_optimized has its own attention; use transformer_engine or local"),
+    ("overlap_moe_expert_parallel_comm", lambda v: bool(v),
+     "--overlap-moe-expert-parallel-comm builds schedule plans that bypass megatron-cp's batch hook"),
+    ("dataloader_inter_document_masking", lambda v: bool(v),
+     "--dataloader-inter-document-masking sends Megatron's THD cu_seqlens; with megatron-cp pass "
+     "--reset-attention-mask (or --cp-mask packed): documents are cut at EOD tokens"),
+    ("sft", lambda v: bool(v),
+     "--sft packs and pads sequences in Megatron's THD format, which megatron-cp's batch hook does not read"),
+)
+
+
+def _refuse_unsupported(args) -> None:
+    for attr, is_set, message in UNSUPPORTED:
+        v = getattr(args, attr, None)
+        if v is not None and is_set(v):
+            raise ValueError(message.format(v=v))
+
+
+def _map_documents_and_window(args) -> None:
+    """Megatron's document and window flags onto ``--cp-mask`` / ``--cp-window`` (edits ``args``).
+
+    ``--reset-attention-mask`` (attention stops at EOD) makes ``causal`` ``packed`` and
+    ``sliding_window`` ``packed_sliding_window``. ``--window-size L,R`` (Transformer Engine: query i
+    attends keys i-L..i+R; R must be 0 for causal attention, L = -1 means no window) becomes
+    ``--cp-window L`` (keys i-L..i) on the sliding variant of the mask; ``args.window_size`` is then
+    cleared, since the mask carries the window. Positions: a packed mask restarts them at every document
+    (``--reset-position-ids`` semantics), so ``--reset-position-ids`` without a packed mask is refused
+    (Megatron would restart positions where attention does not stop). A builder mask
+    (``--cp-mask block_causal`` etc.) conflicts with both flags.
+    """
+    mask, builder = args.cp_mask, args.cp_mask not in DOC_MASKS
+    if getattr(args, "reset_attention_mask", False):
+        if builder:
+            raise ValueError(f"--reset-attention-mask conflicts with --cp-mask {mask} (a per-sample builder mask): "
+                             "give one of the two")
+        mask = {"causal": "packed", "sliding_window": "packed_sliding_window"}.get(mask, mask)
+    window = getattr(args, "window_size", None)
+    if window is not None:
+        window = tuple(window)
+        if len(window) != 2 or window[1] != 0:
+            raise ValueError(f"--window-size {window}: megatron-cp masks are causal, so the right reach must be 0 "
+                             "(--window-size L,0)")
+        if builder:
+            raise ValueError(f"--window-size {window} conflicts with --cp-mask {mask} (a builder mask): give one "
+                             "of the two")
+        if window[0] >= 0:
+            if args.cp_window is not None and args.cp_window != window[0]:
+                raise ValueError(f"--window-size {window} and --cp-window {args.cp_window} differ: give one of the two")
+            mask = {"causal": "sliding_window", "packed": "packed_sliding_window"}.get(mask, mask)
+            args.cp_window = window[0]
+        args.window_size = None  # the mask carries it (CPCoreAttention refuses Megatron's own window)
+    if getattr(args, "reset_position_ids", False) and not mask.startswith("packed"):
+        raise ValueError(f"--reset-position-ids with --cp-mask {mask}: megatron-cp restarts positions exactly where "
+                         "its mask separates documents; add --reset-attention-mask (or --cp-mask packed)")
+    args.cp_mask = mask
+
+
+def _unused_flags(args) -> list[str]:
+    """Our flags set away from their defaults (they only act with --context-parallel-impl megatron_cp)."""
+    defaults = vars(add_megatron_cp_args(argparse.ArgumentParser()).parse_args([]))
+    return ["--" + k.replace("_", "-") for k, d in defaults.items()
+            if k != "context_parallel_impl" and hasattr(args, k) and getattr(args, k) != d]
+
+
+def check_megatron_args(args) -> None:
+    """Parse-time checks of Megatron's own flags against megatron-cp (ValueError naming the flag); maps
+    the document and window flags onto ours (``_map_documents_and_window``). With ``--context-parallel-impl
+    te`` it only refuses our flags, which would be ignored."""
+    if args.context_parallel_impl not in OURS:
+        unused = _unused_flags(args)
+        if unused:
+            raise ValueError(f"{', '.join(unused)} act only with --context-parallel-impl megatron_cp (or a "
+                             f"baseline), got --context-parallel-impl {args.context_parallel_impl}")
+        return
+    _refuse_unsupported(args)
+    if args.cp_solver not in _solvers():
+        raise ValueError(f"--cp-solver {args.cp_solver!r} is unknown; choose from {', '.join(_solvers())}")
+    topo = _topology(args.cp_topology)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    if topo is not None and topo.world_size != cp:
+        raise ValueError(f"--cp-topology {args.cp_topology} has {topo.world_size} GPUs; --context-parallel-size is {cp}")
+    _map_documents_and_window(args)
+
+
+def _solvers():
+    from megatron_cp.planner import SOLVERS
+
+    return SOLVERS
+
+
+def dry_run(args, spec: MaskSpec, options: PlanOptions) -> None:
+    """Build the mask and plan of one ``[micro-batch-size, seq-length]`` micro-batch (one document per
+    sample) at ``--context-parallel-size`` on this process, so a builder's keyword arguments, the chunk
+    size, the solver and the topology fail when the arguments are parsed, not at the first step."""
+    import dataclasses
+
+    import numpy as np
+
+    from .batch import _make_plan, build_mask
+
+    S = int(getattr(args, "seq_length", 0) or 0)
+    if S < 1:
+        return
+    b = int(getattr(args, "micro_batch_size", 1) or 1)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    if spec.packed and spec.eod is None:
+        spec = dataclasses.replace(spec, eod=0)  # the tokenizer's EOD is known only later; any id plans the same
+    try:
+        mask = build_mask(spec, np.arange(b + 1, dtype=np.int64) * S, b, S)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--cp-mask {spec.name} --cp-mask-kwargs {args.cp_mask_kwargs}: {e}") from None
+    try:
+        _make_plan(mask, cp, options)
+    except ValueError as e:
+        raise ValueError(f"the megatron-cp flags do not plan a {b} x {S} micro-batch at --context-parallel-size {cp} "
+                         f"(--cp-chunk-size {args.cp_chunk_size}, --cp-solver {args.cp_solver}, --cp-topology "
+                         f"{args.cp_topology}): {e}") from None

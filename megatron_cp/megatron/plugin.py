@@ -23,7 +23,7 @@ from functools import partial
 import torch
 
 from . import rope
-from .arguments import OURS, add_megatron_cp_args, compose, specs_from_args
+from .arguments import OURS, add_megatron_cp_args, check_megatron_args, compose, dry_run, specs_from_args
 from .batch import prepare_batch
 from .loss import loss_func
 
@@ -45,7 +45,11 @@ def ensure_installed(model) -> None:
 
 
 def validate_args(args) -> None:
-    """Checks for ``--context-parallel-impl`` megatron_cp (or a baseline), raising ValueError naming the flag."""
+    """Parse-time checks for ``--context-parallel-impl`` megatron_cp (or a baseline), raising ValueError naming
+    the flag: Megatron options we do not honour (``arguments.UNSUPPORTED``), Megatron's document and window
+    flags mapped onto ``--cp-mask`` (``arguments.check_megatron_args``), every ``--cp-*`` flag, and a dry run
+    that builds the mask and plan of one micro-batch (``arguments.dry_run``). Under ``te`` our flags are refused."""
+    check_megatron_args(args)
     if args.context_parallel_impl not in OURS:
         return
     if getattr(args, "pipeline_model_parallel_size", 1) > 1:
@@ -57,11 +61,16 @@ def validate_args(args) -> None:
         raise ValueError(f"megatron_cp needs --position-embedding-type rope, got {args.position_embedding_type!r}")
     if args.spec is None:
         args.spec = list(SPEC)
-    _, options = specs_from_args(args, eod=0)  # flag checks only; the EOD comes from the tokenizer later
+    elif not str(args.spec[0]).startswith("megatron_cp."):
+        raise ValueError(f"--spec {' '.join(args.spec)} builds Megatron's own core attention, which would run on "
+                         "megatron-cp's token layout; leave --spec out (megatron-cp then takes Megatron's spec for the "
+                         f"model's config and swaps only core attention: --spec {' '.join(SPEC)})")
+    spec, options = specs_from_args(args, eod=0)  # any EOD id plans alike; the real one comes from the tokenizer later
     if options.gating is not None and options.gating.mode == "train":
         raise ValueError(f"--cp-head-gating {options.gating.method} trains gates in a loop that owns them "
                          "(examples/tiny_llama/train_gates.py); pretrain_gpt.py runs a learned pattern with "
                          "--cp-head-pattern FILE")
+    dry_run(args, spec, options)
 
 
 def wrap_parse(parse_and_validate_args):

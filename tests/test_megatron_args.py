@@ -1,0 +1,144 @@
+"""Every megatron-cp flag, and every Megatron option megatron-cp does not honour, is checked when the
+arguments are parsed: Megatron's own parser (``add_megatron_arguments``, built once) with our flags
+reads a tiny config, and ``plugin.validate_args`` (what ``wrap_parse`` runs right
+after Megatron's ``parse_and_validate_args``) raises ValueError naming the flag. Megatron's document and
+window flags map onto our masks. No process is spawned, no model built."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import numpy as np
+import pytest
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--micro-batch-size", "2", "--position-embedding-type", "rope",
+        "--calculate-per-token-loss", "--context-parallel-size", "2", "--context-parallel-impl", "megatron_cp"]
+NO_DROPOUT = ["--attention-dropout", "0"]
+
+
+@functools.lru_cache(maxsize=1)
+def _parser():
+    """Megatron's parser (``add_megatron_arguments``, what ``parse_args`` builds) plus our flags, built once."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_cp.megatron.arguments import add_megatron_cp_args
+
+    return add_megatron_cp_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+
+
+def _parse(argv, dropout=True):
+    return _parser().parse_args(BASE + (NO_DROPOUT if dropout else []) + list(argv))
+
+
+def _validate(argv, dropout=True):
+    from megatron_cp.megatron import plugin
+
+    args = _parse(argv, dropout)
+    plugin.validate_args(args)
+    return args
+
+
+REFUSED = {
+    "solver typo": (["--cp-solver", "zigzagg"], r"--cp-solver 'zigzagg' is unknown"),
+    "mask kwargs typo": (["--cp-mask", "block_causal", "--cp-mask-kwargs", '{"blok": 8}'], r"--cp-mask-kwargs .*blok"),
+    "mask kwargs missing": (["--cp-mask", "block_causal"], r"--cp-mask block_causal --cp-mask-kwargs \{\}.*block"),
+    "mask kwargs bad value": (["--cp-mask", "block_causal", "--cp-mask-kwargs", '{"block": 0}'], r"--cp-mask-kwargs"),
+    "mask kwargs not json": (["--cp-mask-kwargs", "{x"], r"--cp-mask-kwargs is not JSON"),
+    "topology size": (["--cp-topology", "2x2"], r"--cp-topology 2x2 has 4 GPUs; --context-parallel-size is 2"),
+    "topology shape": (["--cp-topology", "0x2"], r"--cp-topology must look like NODESxGPUS"),
+    "chunk size": (["--cp-chunk-size", "0"], r"--cp-chunk-size must be >= 1"),
+    "chunk size too big": (["--cp-chunk-size", "1000"], r"--cp-chunk-size 1000.*chunk_size=1000"),
+    "sliding window without W": (["--cp-mask", "sliding_window"], r"window"),
+    "attention dropout default": ([], r"--attention-dropout 0\.1.*pass --attention-dropout 0"),
+    "cp comm type": (["--cp-comm-type", "a2a"], r"--cp-comm-type \['a2a'\]"),
+    "hierarchical cp": (["--hierarchical-context-parallel-sizes", "1", "2"], r"--hierarchical-context-parallel-sizes"),
+    "window right reach": (["--window-size", "8,4"], r"--window-size \(8, 4\).*right reach must be 0"),
+    "window and cp-window": (["--window-size", "8,0", "--cp-window", "4"], r"--window-size \(8, 0\) and --cp-window 4"),
+    "window and builder": (["--window-size", "8,0", "--cp-mask", "prefix_lm", "--cp-mask-kwargs", '{"prefix": 8}'],
+                           r"--window-size .* conflicts with --cp-mask prefix_lm"),
+    "window skip": (["--window-size", "8,0", "--window-attn-skip-freq", "2"], r"--window-attn-skip-freq"),
+    "reset mask and builder": (["--reset-attention-mask", "--cp-mask", "prefix_lm", "--cp-mask-kwargs",
+                                '{"prefix": 8}'], r"--reset-attention-mask conflicts with --cp-mask prefix_lm"),
+    "reset positions alone": (["--reset-position-ids"], r"--reset-position-ids with --cp-mask causal"),
+    "mtp": (["--mtp-num-layers", "1"], r"--mtp-num-layers 1"),
+    "mla": (["--multi-latent-attention"], r"--multi-latent-attention"),
+    "attention variant": (["--experimental-attention-variant", "dsa"], r"--experimental-attention-variant dsa"),
+    "moe overlap": (["--overlap-moe-expert-parallel-comm"], r"--overlap-moe-expert-parallel-comm"),
+    "thd loader": (["--dataloader-inter-document-masking"], r"--dataloader-inter-document-masking"),
+    "sft": (["--sft"], r"--sft"),
+    "inference impl": (["--transformer-impl", "inference_optimized"], r"--transformer-impl inference_optimized"),
+    "foreign spec": (["--spec", "local"], r"--spec local builds Megatron's own core attention"),
+    "local backend": (["--attention-backend", "local"], r"--attention-backend"),
+    "no rope": (["--position-embedding-type", "learned_absolute"], r"--position-embedding-type rope"),
+    "per-token loss": (["--context-parallel-impl", "megatron_cp"], None),  # placeholder, replaced below
+    "our flags under te": (["--context-parallel-impl", "te", "--cp-mask", "packed"],
+                           r"--cp-mask act only with --context-parallel-impl megatron_cp"),
+}
+del REFUSED["per-token loss"]  # BASE passes --calculate-per-token-loss; its refusal is tested in test_megatron_units
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_refused_at_parse_time_naming_the_flag(case):
+    argv, pattern = REFUSED[case]
+    with pytest.raises(ValueError, match=pattern):
+        _validate(argv, dropout=case != "attention dropout default")
+
+
+@pytest.mark.parametrize("argv,mask,window", [
+    ([], "causal", None),
+    (["--reset-attention-mask", "--reset-position-ids"], "packed", None),
+    (["--reset-attention-mask"], "packed", None),
+    (["--cp-mask", "packed", "--reset-position-ids"], "packed", None),
+    (["--reset-attention-mask", "--cp-mask", "sliding_window", "--cp-window", "8"], "packed_sliding_window", 8),
+    (["--window-size", "8,0"], "sliding_window", 8),
+    (["--window-size", "(8,0)", "--reset-attention-mask", "--reset-position-ids"], "packed_sliding_window", 8),
+    (["--window-size", "8,0", "--cp-window", "8"], "sliding_window", 8),
+    (["--window-size=-1,0"], "causal", None),
+    (["--cp-mask", "block_causal", "--cp-mask-kwargs", '{"block": 8}'], "block_causal", None),
+])
+def test_megatron_document_and_window_flags_map_onto_our_masks(argv, mask, window):
+    args = _validate(argv)
+    assert (args.cp_mask, args.cp_window, args.window_size) == (mask, window, None)
+    from megatron_cp.megatron.plugin import validate_args
+
+    validate_args(args)  # idempotent: pretrain_llama.py validates after wrap_parse-style parsing too
+    assert (args.cp_mask, args.cp_window) == (mask, window)
+
+
+def test_window_size_semantics_equal_megatrons():
+    """Transformer Engine's ``window_size=(L, 0)`` lets query i see keys i-L..i; the mapped mask keeps exactly those."""
+    from megatron_cp.megatron.batch import MaskSpec, build_mask
+
+    args = _validate(["--window-size", "5,0", "--reset-attention-mask"])
+    cu = np.array([0, 20, 32], dtype=np.int64)  # two documents
+    got = build_mask(MaskSpec(args.cp_mask, window=args.cp_window, eod=0), cu, 1, 32).to_dense()
+    i, j = np.meshgrid(np.arange(32), np.arange(32), indexing="ij")
+    doc = np.searchsorted(cu, np.arange(32), side="right")
+    want = (j <= i) & (j >= i - 5) & (doc[i] == doc[j])
+    assert np.array_equal(np.asarray(got, dtype=bool), want)
+
+
+def test_wrap_parse_raises_before_returning_args():
+    """``wrap_parse`` (what ``install_into`` puts in pretrain_gpt.py) runs the checks right after Megatron's parser."""
+    from megatron_cp.megatron import plugin
+
+    seen = []
+
+    def megatron_parse(extra_args_provider=None, **kw):  # stands for parse_and_validate_args (parser only)
+        from megatron.training.arguments import parse_args
+
+        saved = sys.argv
+        try:
+            sys.argv = ["pretrain_gpt.py"] + BASE + NO_DROPOUT + ["--cp-solver", "zigzagg"]
+            args = parse_args(extra_args_provider)
+        finally:
+            sys.argv = saved
+        seen.append(args)
+        return args
+
+    with pytest.raises(ValueError, match="--cp-solver 'zigzagg'"):
+        plugin.wrap_parse(megatron_parse)()
+    assert len(seen) == 1 and seen[0].cp_solver == "zigzagg"
