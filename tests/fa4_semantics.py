@@ -175,7 +175,7 @@ def fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k
     g = h // hkv
     scale = softmax_scale if softmax_scale is not None else d ** -0.5
     left, right = _window(causal, window_size_left, window_size_right)
-    o = torch.zeros(total, h, d, dtype=torch.float64)
+    o = torch.zeros(total, h, vf.shape[-1], dtype=torch.float64)  # v's head dim (MLA: 192 / 128)
     l = torch.full((h, total), float("-inf"), dtype=torch.float64)
     for (qa, sq), (ka, sk) in zip(segs_q, segs_k):
         if sq == 0:
@@ -193,7 +193,7 @@ def fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k
     o[~owned] = float("nan")
     l[:, ~owned] = float("nan")
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype)
+        out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
     if lse is None and return_lse:
         lse = torch.empty((bsz, h, q.shape[1]) if dense else (h, total), dtype=torch.float32)
     out_flat = out.flatten(0, 1) if dense else out
@@ -253,7 +253,7 @@ def bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, 
         ds = p * (dp - dd[..., None])
         gq[qa:qa + sq] = torch.einsum("hij,jhd->ihd", ds, ks) * scale
         gk[ka:ka + sk] = torch.einsum("hij,ihd->jhd", ds, qs).reshape(sk, hkv, g, d).sum(2) * scale
-        gv[ka:ka + sk] = torch.einsum("hij,ihd->jhd", p, dos).reshape(sk, hkv, g, d).sum(2)
+        gv[ka:ka + sk] = torch.einsum("hij,ihd->jhd", p, dos).reshape(sk, hkv, g, -1).sum(2)
     gq[~_owned(total, segs_q)] = float("nan")
     nk = _owned(kf.shape[0], segs_k)
     gk[~nk] = float("nan")

@@ -90,3 +90,41 @@ def _check(results):
 @pytest.mark.parametrize("world", [1, 2])
 def test_value_head_dim_of_its_own_matches_fp64(world):
     _check(run_ranks(_cases, world))
+
+
+def test_fa4_backend_value_head_dim_emulated():
+    """FA4Backend's calls with q/k 48 and v 32 through the emulated FA4 (tests/fa4_semantics.py, FA4's call
+    semantics in fp64 on the CPU): forward, forward_accumulate, backward with an lse gradient and
+    backward_into against fp64 autograd; and the head-dim pairs FA4 itself cannot run go to Triton with
+    the reason (sm100 runs (192, 128) only)."""
+    import fa4_semantics
+
+    from megatron_cp.kernels import CAUSAL, FULL
+    from megatron_cp.kernels.fa4_backend import FA4Backend, Fa4Functions, fa4_head_dims_reason
+    from megatron_cp.masks.catalog import tiles_to_dense
+
+    be = FA4Backend(functions=Fa4Functions(fa4_semantics.fwd, fa4_semantics.bwd, "reference", (torch.float64,)))
+    tiles = torch.tensor([[0, 13, 0, 13, CAUSAL], [14, 40, 14, 40, CAUSAL], [14, 40, 0, 5, FULL]], dtype=torch.int32)
+    prep = be.prepare(tiles, 40, 40)
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(40, 4, 48, generator=gen, dtype=torch.float64), torch.randn(40, 2, 48, generator=gen, dtype=torch.float64)
+    v, do = torch.randn(40, 2, 32, generator=gen, dtype=torch.float64), torch.randn(40, 4, 32, generator=gen, dtype=torch.float64)
+    dl = torch.randn(40, 4, generator=gen, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ro, rl = dense_attention(*leaves, tiles_to_dense(tiles, 40, 40), 0.3)
+    fin = torch.isfinite(rl)
+    ((ro * do).sum() + (torch.where(fin, rl, 0) * dl).sum()).backward()
+    out, lse = be.forward(q, k, v, prep, 0.3)
+    assert be.last_path == "fa4" and out.shape == (40, 4, 32)
+    assert (out - ro.detach()).abs().max() < 1e-10 and (lse[fin] - rl.detach()[fin]).abs().max() < 1e-6
+    acc, run = torch.zeros(40, 4, 32, dtype=torch.float64), torch.full((40, 4), float("-inf"), dtype=torch.float64)
+    be.forward_accumulate(q, k, v, prep, 0.3, acc, run)
+    assert (acc - ro.detach()).abs().max() < 1e-10
+    delta = (do * out).sum(-1) - torch.where(fin, dl, 0)
+    grads = be.backward(q, k, v, out, lse, do, prep, 0.3, delta)
+    sums = [torch.zeros_like(t) for t in (q, k, v)]
+    be.backward_into(q, k, v, out, lse, do, prep, 0.3, delta, *sums)
+    for g, s, r in zip(grads, sums, leaves):
+        assert be.last_path == "fa4" and (g - r.grad).abs().max() < 1e-6 and (s - r.grad).abs().max() < 1e-6
+    assert fa4_head_dims_reason(192, 128, 10) is None and fa4_head_dims_reason(192, 128, 9) is None
+    assert "sm100" in fa4_head_dims_reason(256, 128, 10) and "v head_dim" in fa4_head_dims_reason(192, 12, 9)

@@ -11,7 +11,8 @@ How the tiles become calls is ``fa4_calls.py`` (pure, tested on the CPU). Here t
   float32 on the rows and keys they cover. A given ``delta`` (an lse gradient) reaches FA4 as
   ``dlse = rowsum(dout * out) - delta``.
 
-FA4 runs float16 / bfloat16 on sm90 / sm100 with head_dim <= 192 in the backward (sm90). Whatever FA4
+FA4 runs float16 / bfloat16 on sm90 / sm100 with head_dim <= 192 in the backward (sm90), and a v head dim
+of its own (MLA's 192 / 128: any pair of multiples of 8 up to 256 on sm90, (192, 128) on sm100). Whatever FA4
 cannot run goes to the Triton backend per phase, with the reason kept in ``describe()`` and
 ``last_path`` - never silently: the reasons are decided from (device, dtype, head_dim) up front.
 The per-list device metadata (cu_seqlens, seqused) is built once per (list, device) and cached in the
@@ -249,20 +250,23 @@ class FA4Backend:
         return {"backend": "fa4", "flash_attn_4": ver, "arch": arch, "deterministic": self.config.deterministic,
                 "fallbacks": dict(self.fallbacks)}
 
-    def supports(self, device, dtype: torch.dtype, head_dim: int) -> str | None:
+    def supports(self, device, dtype: torch.dtype, head_dim: int, head_dim_v: int | None = None) -> str | None:
         """FA4 itself or the Triton fallback must run it; on a device without FA4 this backend does not."""
         if self._functions is None:
             why = fa4_unavailable(device)
             if why is not None:
                 return why
-        if dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256:
-            return None
-        return self.triton.supports(device, dtype, head_dim)
+        if head_dim_v is None:
+            if dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256:
+                return None
+            return self.triton.supports(device, dtype, head_dim)
+        # a v head dim of its own: wherever FA4 cannot run the pair, the Triton fallback must
+        return self.triton.supports(device, dtype, head_dim, head_dim_v)
 
-    def _fallback(self, phase: str, q: torch.Tensor, prepared: Fa4Prepared) -> str | None:
-        """Why ``phase`` ("fwd" / "bwd") of inputs like ``q`` runs on Triton, or None (FA4 runs it)."""
+    def _fallback(self, phase: str, q: torch.Tensor, v: torch.Tensor, prepared: Fa4Prepared) -> str | None:
+        """Why ``phase`` ("fwd" / "bwd") of inputs like ``q``, ``v`` runs on Triton, or None (FA4 runs it)."""
         why = None
-        d = q.shape[-1]
+        d, dv = q.shape[-1], v.shape[-1]
         dtypes = self._functions.dtypes if self._functions is not None else (torch.float16, torch.bfloat16)
         if q.dtype not in dtypes:
             why = f"{q.dtype}: FA4 runs float16 / bfloat16"
@@ -270,10 +274,13 @@ class FA4Backend:
             why = f"head_dim {d}: FA4 runs multiples of 8 up to 256"
         elif phase == "bwd" and d > FA4_BWD_MAX_HEAD_DIM:
             why = f"head_dim {d}: FA4's sm90 backward runs head_dim <= {FA4_BWD_MAX_HEAD_DIM}"
-        elif prepared.calls.route(phase) == "triton":
+        elif dv != d:
+            why = fa4_head_dims_reason(d, dv, _arch_major(q.device))
+        if why is None and prepared.calls.route(phase) == "triton":
             why = prepared.calls.triton_reason(phase)
         if why is not None:
-            self.fallbacks[f"{phase} {q.dtype} d{d}" if "head_dim" in why or "float" in why else f"{phase} list"] = why
+            tag = f"{phase} {q.dtype} d{d}" + (f"/{dv}" if dv != d else "")
+            self.fallbacks[tag if "head_dim" in why or "float" in why else f"{phase} list"] = why
             self.last_path = f"triton ({why})"
         else:
             self.last_path = "fa4"
@@ -315,7 +322,7 @@ class FA4Backend:
         keep: None or a BlockKeep (per-head block selection): one per-head block-sparse FA4 call."""
         if keep is not None:
             return self._sparse_forward(q, k, v, prepared, softmax_scale, keep)
-        if self._fallback("fwd", q, prepared) is not None:
+        if self._fallback("fwd", q, v, prepared) is not None:
             return self.triton.forward(q, k, v, self._triton_prepared(prepared), softmax_scale)
         _check_call(q, k, v, prepared)
         scale = self._scale(softmax_scale, q)
@@ -323,11 +330,11 @@ class FA4Backend:
         sq, hq, _ = q.shape
         cdt = accumulate_dtype(q.dtype)
         if len(runs) > 1:
-            out = torch.zeros(q.shape, device=q.device, dtype=cdt)
+            out = torch.zeros(_out_shape(q, v), device=q.device, dtype=cdt)
             lse = torch.full((sq, hq), float("-inf"), device=q.device, dtype=cdt)
             self._accumulate(q, k, v, runs, scale, out, lse)
             return out.to(q.dtype), lse
-        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        out = torch.empty(_out_shape(q, v), device=q.device, dtype=q.dtype)
         lse_hm = torch.empty(hq, sq, device=q.device, dtype=cdt)
         if runs:
             self._run_fwd(q, k, v, runs[0], scale, out, lse_hm)
@@ -338,11 +345,11 @@ class FA4Backend:
 
     def forward_accumulate(self, q, k, v, prepared: Fa4Prepared, softmax_scale, out, lse) -> None:
         """Merge the list into the running (out [sq, Hq, D], lse [sq, Hq]) in place (protocol)."""
-        if self._fallback("fwd", q, prepared) is not None:
+        if self._fallback("fwd", q, v, prepared) is not None:
             self.triton.forward_accumulate(q, k, v, self._triton_prepared(prepared), softmax_scale, out, lse)
             return
         _check_call(q, k, v, prepared)
-        check_running("out", out, q, tuple(q.shape))
+        check_running("out", out, q, _out_shape(q, v))
         check_running("lse", lse, q, tuple(q.shape[:2]))
         runs = self._runs(prepared, "fwd", q.device)
         self._accumulate(q, k, v, runs, self._scale(softmax_scale, q), out, lse, prepared.calls.row_gaps)
@@ -352,7 +359,7 @@ class FA4Backend:
         if not runs:
             return
         sq, hq, _ = q.shape
-        o_t = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        o_t = torch.empty(_out_shape(q, v), device=q.device, dtype=q.dtype)
         l_t = torch.empty(hq, sq, device=q.device, dtype=accumulate_dtype(q.dtype))
         flat = out.is_contiguous() and lse.is_contiguous()
         for run in runs:
@@ -392,7 +399,7 @@ class FA4Backend:
         keep: as in ``forward`` (the same selection)."""
         if keep is not None:
             return self._sparse_backward(q, k, v, out, lse, dout, prepared, softmax_scale, delta, keep)
-        if self._fallback("bwd", q, prepared) is not None:
+        if self._fallback("bwd", q, v, prepared) is not None:
             return self.triton.backward(q, k, v, out, lse, dout, self._triton_prepared(prepared), softmax_scale, delta)
         _check_call(q, k, v, prepared)
         runs = self._runs(prepared, "bwd", q.device)
@@ -420,7 +427,7 @@ class FA4Backend:
 
     def backward_into(self, q, k, v, out, lse, dout, prepared: Fa4Prepared, softmax_scale, delta, dq, dk, dv) -> None:
         """``backward``'s gradients added into float32 running sums (any strides), unrounded (protocol)."""
-        if self._fallback("bwd", q, prepared) is not None:
+        if self._fallback("bwd", q, v, prepared) is not None:
             self.triton.backward_into(q, k, v, out, lse, dout, self._triton_prepared(prepared), softmax_scale,
                                       delta, dq, dk, dv)
             return
@@ -458,6 +465,8 @@ class FA4Backend:
         keep.check(q, k)
         dtypes = self._functions.dtypes if self._functions is not None else (torch.float16, torch.bfloat16)
         why = fa4_sparse.input_reason(phase, q, keep, dtypes, self.config.deterministic)
+        if why is None and v.shape[-1] != q.shape[-1]:
+            why = f"v head_dim {v.shape[-1]} differs from q/k's {q.shape[-1]}: the block-sparse calls run one head dim"
         what = f"{q.dtype} d{q.shape[-1]} block {keep.block}"
         if why is None:  # the inputs suit FA4: the list's static part decides
             why, what = prepared.sparse().reason, "list"
@@ -475,11 +484,11 @@ class FA4Backend:
         sq, hq, _ = q.shape
         cdt = accumulate_dtype(q.dtype)
         if static.empty:  # no tile keeps a cell
-            return torch.zeros(q.shape, device=q.device, dtype=q.dtype), torch.full(
+            return torch.zeros(_out_shape(q, v), device=q.device, dtype=q.dtype), torch.full(
                 (sq, hq), float("-inf"), device=q.device, dtype=cdt)
         run = Run(True, fa4_sparse.call_kwargs(static, keep, "fwd", self.functions), ((0, sq),), ((0, k.shape[0]),))
         # the block-sparse call is dense-layout: FA4 writes every row (out 0 / lse -inf where nothing is kept)
-        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        out = torch.empty(_out_shape(q, v), device=q.device, dtype=q.dtype)
         lse_hm = torch.empty(hq, sq, device=q.device, dtype=cdt)
         self._run_fwd(q, k, v, run, self._scale(softmax_scale, q), out, lse_hm)
         return out, lse_hm.t().contiguous()
@@ -522,6 +531,27 @@ def _check_call(q, k, v, prepared: Fa4Prepared) -> None:
     if q.shape[0] != prepared.seqlen_q or k.shape[0] != prepared.seqlen_k or v.shape[0] != prepared.seqlen_k:
         raise ValueError(f"q/k/v rows {q.shape[0]}/{k.shape[0]}/{v.shape[0]} do not match the prepared list's "
                          f"seqlen_q={prepared.seqlen_q}, seqlen_k={prepared.seqlen_k}")
-    if q.dim() != 3 or k.dim() != 3 or q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"need q [sq, Hq, D] and k/v [sk, Hkv, D] with Hkv dividing Hq, got {tuple(q.shape)} "
-                         f"and {tuple(k.shape)}")
+    if q.dim() != 3 or k.dim() != 3 or q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2] or v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"need q [sq, Hq, D], k [sk, Hkv, D] and v [sk, Hkv, Dv] with Hkv dividing Hq, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def _out_shape(q, v) -> tuple:
+    """out [sq, Hq, Dv]: q's rows and heads, v's head dim."""
+    return tuple(q.shape[:2]) + (v.shape[-1],)
+
+
+def _arch_major(device) -> int | None:
+    device = torch.device(device)
+    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+
+
+def fa4_head_dims_reason(d: int, dv: int, arch_major: int | None) -> str | None:
+    """Why FA4 (flash_attn.cute, its head-dim validation) cannot run q/k head dim ``d`` with a different v
+    head dim ``dv``, or None: sm90 runs both in 8..256 (multiples of 8; the backward's q/k limit is checked
+    apart), sm100 the DeepSeek pair (192, 128) or both <= 128."""
+    if dv % 8 or not 8 <= dv <= 256:
+        return f"v head_dim {dv}: FA4 runs multiples of 8 up to 256"
+    if arch_major == 10 and not ((d, dv) == (192, 128) or (d <= 128 and dv <= 128)):
+        return f"head dims ({d}, {dv}): FA4 on sm100 runs (192, 128) or both <= 128"
+    return None
