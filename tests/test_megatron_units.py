@@ -159,6 +159,52 @@ def test_loss_func_sums_and_counts():
     assert float(loss) == 8.0 and int(n) == 3 and rep["lm loss"].tolist() == [8.0, 3.0]
 
 
+def test_loss_func_keeps_megatrons_nan_inf_and_spiky_checks(monkeypatch):
+    from megatron_cp.megatron import loss_func
+
+    # Megatron's rejection message names the CUDA device; this CPU test gives it one
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    mask = torch.ones(1, 3)
+    for bad, what in ((float("nan"), "NaN"), (float("inf"), "Inf")):
+        out = torch.tensor([[1.0, bad, 2.0]])
+        with pytest.raises(RuntimeError, match=f"found {what} in local forward loss"):
+            loss_func(mask, out, check_nan=True)
+        loss, n, _ = loss_func(mask, out)  # checks off (--no-check-for-nan-in-loss-and-grad): no error
+        assert int(n) == 3
+    loss, n, _ = loss_func(mask, torch.tensor([[1.0, 2.0, 3.0]]), check_nan=True, check_spiky=True)
+    assert float(loss) == 6.0
+
+
+def test_packed_documents_feed_megatrons_flops_accounting(world1):
+    from megatron.training.training import consume_seqlen_stats_in_iteration, num_floating_point_operations
+
+    from megatron_cp.megatron.loss import record_documents
+
+    class Chunk(torch.nn.Module):
+        def __init__(self, vp_stage):
+            super().__init__()
+            self.vp_stage = vp_stage
+
+    class Wrapper(torch.nn.Module):  # like DDP / Float16Module: the model under .module
+        def __init__(self, m):
+            super().__init__()
+            self.module = m
+
+    assert consume_seqlen_stats_in_iteration() == (None, None)
+    record_documents(np.array([0, 10, 32, 64]), Wrapper(Chunk(None)))
+    record_documents(np.array([0, 64]), Wrapper(Chunk(0)))
+    record_documents(np.array([0, 64]), Chunk(1))  # a later virtual chunk: the micro-batch is counted once
+    tokens, sq = consume_seqlen_stats_in_iteration()
+    assert (tokens, sq) == (128.0, 10**2 + 22**2 + 32**2 + 64**2)
+    from megatron.training.arguments import add_megatron_arguments
+
+    args = add_megatron_arguments(argparse.ArgumentParser()).parse_args(
+        ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64", "--swiglu"])
+    args.ffn_hidden_size, args.kv_channels, args.num_query_groups, args.padded_vocab_size = 48, 8, 4, 320
+    packed = num_floating_point_operations(args, 2, seqlen_squared_sum_in_batch=sq, total_real_tokens_in_batch=tokens)
+    assert packed < num_floating_point_operations(args, 2)  # attention within documents costs less than 2 x 64^2
+
+
 def test_layer_spec_swaps_only_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

@@ -25,7 +25,7 @@ import torch
 from . import rope
 from .arguments import OURS, add_megatron_cp_args, check_megatron_args, compose, dry_run, specs_from_args
 from .batch import prepare_batch
-from .loss import loss_func
+from .loss import loss_func, record_documents
 
 _SAVED = "_megatron_cp_saved"
 SPEC = ["megatron_cp.megatron.specs", "megatron_cp_layer_spec"]
@@ -124,9 +124,12 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     tokens, labels, loss_mask = _broadcast_batch(data_iterator, args)
     cp_group = ps.get_context_parallel_group()
     bt = prepare_batch(tokens, labels, loss_mask, spec, cp_group, options)
+    if spec.packed:  # Megatron's FLOPs count attention per document, as for its own packed (THD) batches
+        record_documents(bt.cu_seqlens, model)
     output = model(bt.tokens, bt.position_ids, None, labels=bt.labels, loss_mask=bt.loss_mask,
                    packed_seq_params=bt.params)
-    return output, partial(loss_func, bt.loss_mask)
+    return output, partial(loss_func, bt.loss_mask, check_nan=args.check_for_nan_in_loss_and_grad,
+                           check_spiky=args.check_for_spiky_loss)
 
 
 def install_into(namespace: dict) -> None:
