@@ -4,6 +4,13 @@
     PYTHONPATH=examples python -m tiny_llama.train_gates --method prulong --cp 2 --sparsity 0.5
     PYTHONPATH=examples python -m tiny_llama.train_gates --method both --cp 2   (one pretraining, both; ~40 s)
 
+At long context on one GPU (a curriculum of pretraining lengths, gates learned and evaluated at 64k, and the
+model's forward + backward time of each discretised pattern against full attention):
+
+    PYTHONPATH=examples python -m tiny_llama.train_gates --method both --cp 1 --device cuda \
+        --seq-length 65536 --schedule 256:400:16,4096:150:2,65536:40:1 --gate-batch 1 --eval-samples 32 \
+        --hidden 256 --heads 8 --kv-heads 4 --sink 64 --window 256 --sparsities 0.5,0.75 --time-steps 5
+
 Four stages, all through the Megatron adapter (``prepare_batch`` -> ``GPTModel`` with ``CPCoreAttention``):
 
 a. pretrain the tiny Llama on synthetic passkeys (``passkey.py``; loss only on the answer), so that some
@@ -60,12 +67,42 @@ class GateConfig:
     kv_heads: int = 4
     seed: int = 1234
     out: str = "out/head_pattern.json"  # /out/ is git-ignored
+    device: str = "cpu"  # cuda: one GPU per CP rank (NCCL)
+    # pretraining stages "LEN:STEPS:BATCH,...", shortest first (retrieval learned short, then lengthened);
+    # empty: seq_length x pretrain_steps x batch. Gates are learned and evaluated at seq_length.
+    schedule: str = ""
+    gate_batch: int | None = None  # samples per gate step and per evaluation chunk (default: batch)
+    sparsities: str = ""  # extra discretisation levels to evaluate, e.g. "0.5,0.75" (default: sparsity only)
+    time_steps: int = 0  # > 0: time the model's forward + backward at seq_length, full vs each pattern
+
+    def stages(self) -> list[tuple[int, int, int]]:
+        """The pretraining stages as (length, steps, batch)."""
+        if not self.schedule:
+            return [(self.seq_length, self.pretrain_steps, self.batch)]
+        out = []
+        for part in self.schedule.split(","):
+            try:
+                length, steps, batch = (int(x) for x in part.split(":"))
+            except ValueError:
+                raise ValueError(f"--schedule entries are LEN:STEPS:BATCH, got {part!r}") from None
+            if length < 1 or steps < 0 or batch < 1:
+                raise ValueError(f"--schedule entry {part!r}: need LEN >= 1, STEPS >= 0, BATCH >= 1")
+            out.append((length, steps, batch))
+        return out
+
+    def levels(self) -> list[float]:
+        """The sparsity levels discretised and evaluated: ``sparsity`` first, then ``sparsities``."""
+        extra = [float(x) for x in self.sparsities.split(",") if x.strip()]
+        for x in extra:
+            if not 0.0 <= x < 1.0:
+                raise ValueError(f"--sparsities values must be in [0, 1), got {x}")
+        return list(dict.fromkeys([self.sparsity] + extra))
 
 
 def shape_of(cfg: GateConfig) -> LlamaShape:
     return LlamaShape(num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
                       num_query_groups=cfg.kv_heads, ffn_hidden_size=2 * cfg.hidden, vocab_size=256,
-                      seq_length=cfg.seq_length)
+                      seq_length=max([cfg.seq_length] + [length for length, _, _ in cfg.stages()]))
 
 
 def _cp():
@@ -92,20 +129,26 @@ def _global_count(mask: torch.Tensor, group) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, task: PasskeyTask, n: int, seed: int, spec, options, gating=None):
-    """(digit accuracy, whole-key accuracy) of argmax predictions on ``n`` held-out samples."""
+def evaluate(model, task: PasskeyTask, n: int, seed: int, spec, options, gating=None, chunk: int | None = None,
+             device="cpu"):
+    """(digit accuracy, whole-key accuracy) of argmax predictions on ``n`` held-out samples, ``chunk`` samples
+    per forward (default all)."""
     import torch.distributed as dist
 
     from megatron_cp.megatron import prepare_batch
 
     group = _cp()
-    tokens, labels, mask = task.batch(n, seed)
-    bt = prepare_batch(tokens, labels, mask, spec, group, options, gating=gating)
-    logits = model(bt.tokens, bt.position_ids, None, packed_seq_params=bt.params)  # [1, s_local, V]
-    pred = logits.argmax(-1).reshape(-1)
-    hit = ((pred == bt.labels.reshape(-1)) & (bt.loss_mask.reshape(-1) > 0)).to(torch.float64)
-    ids = torch.from_numpy(bt.params.plan.local_ids(bt.params.cp_rank).astype("int64"))
-    per_sample = torch.zeros(n, dtype=torch.float64).index_add_(0, ids // task.seq_length, hit)
+    tokens, labels, mask = (t.to(device) for t in task.batch(n, seed))
+    per_sample = torch.zeros(n, dtype=torch.float64, device=device)
+    chunk = chunk or n
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        bt = prepare_batch(tokens[lo:hi], labels[lo:hi], mask[lo:hi], spec, group, options, gating=gating)
+        logits = model(bt.tokens, bt.position_ids, None, packed_seq_params=bt.params)  # [1, s_local, V]
+        pred = logits.argmax(-1).reshape(-1)
+        hit = ((pred == bt.labels.reshape(-1)) & (bt.loss_mask.reshape(-1) > 0)).to(torch.float64)
+        ids = torch.from_numpy(bt.params.plan.local_ids(bt.params.cp_rank).astype("int64")).to(device)
+        per_sample.index_add_(0, lo + ids // task.seq_length, hit)
     dist.all_reduce(per_sample, group=group)
     return float(per_sample.sum()) / (n * task.digits), float((per_sample == task.digits).double().mean())
 
@@ -114,13 +157,17 @@ def _pretrain(model, task, cfg, spec, options):
     from . import trainer
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    losses = []
-    for step in range(cfg.pretrain_steps):
-        opt.zero_grad(set_to_none=True)
-        s, n = trainer.forward_backward(model, [task.batch(cfg.batch, cfg.seed + step)], spec, options)
-        res = trainer.reduce_and_scale(model, s, n, group=_cp())
-        opt.step()
-        losses.append(res.loss)
+    losses, step = [], 0
+    for length, steps, batch in cfg.stages():
+        stage = PasskeyTask(length, task.digits)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            s, n = trainer.forward_backward(model, [stage.batch(batch, cfg.seed + step)], spec, options,
+                                            device=cfg.device)
+            res = trainer.reduce_and_scale(model, s, n, group=_cp())
+            opt.step()
+            losses.append(res.loss)
+            step += 1
     return losses
 
 
@@ -140,13 +187,14 @@ def _train_duo(model, task, cfg, spec, full_opts, gated_opts):
     from megatron_cp.sparse.head_gates import DuoGates
 
     group, cp = _cp(), cfg.cp
-    gates = DuoGates(cfg.layers, cfg.kv_heads)
+    gates = DuoGates(cfg.layers, cfg.kv_heads).to(cfg.device)
     opt = torch.optim.AdamW(gates.parameters(), lr=cfg.gate_lr or 0.05, weight_decay=0.0)
     source = GateSource(gates.values)
     log = []
     for step in range(cfg.gate_steps):
         opt.zero_grad(set_to_none=True)
-        tokens, labels, mask = task.batch(cfg.batch, cfg.seed + 10_000 + step)
+        tokens, labels, mask = (t.to(cfg.device) for t in task.batch(cfg.gate_batch or cfg.batch,
+                                                                      cfg.seed + 10_000 + step))
         with torch.no_grad():
             ref = _final_hidden(model, prepare_batch(tokens, labels, mask, spec, group, full_opts), {})
         bt = prepare_batch(tokens, labels, mask, spec, group, gated_opts, gating=source)
@@ -172,6 +220,8 @@ def _train_prulong(model, task, cfg, spec, gated_opts):
     group, cp = _cp(), cfg.cp
     gates = HardConcreteGates(cfg.layers, cfg.kv_heads, generator=torch.Generator().manual_seed(cfg.seed))
     lag = LagrangianSparsity(cfg.sparsity, cfg.warmup_steps)
+    gates.to(cfg.device)
+    lag.to(cfg.device)
     lr = cfg.gate_lr or 0.2
     opt = torch.optim.AdamW(gates.parameters(), lr=lr, weight_decay=0.0)
     opt_lag = torch.optim.AdamW(lag.parameters(), lr=lr, weight_decay=0.0, maximize=True)
@@ -181,7 +231,8 @@ def _train_prulong(model, task, cfg, spec, gated_opts):
         opt_lag.zero_grad(set_to_none=True)
         # one draw for the whole CP group: the same seed on every rank
         z = gates.sample(torch.Generator().manual_seed(cfg.seed * 7919 + step))
-        tokens, labels, mask = task.batch(cfg.batch, cfg.seed + 10_000 + step)
+        tokens, labels, mask = (t.to(cfg.device) for t in task.batch(cfg.gate_batch or cfg.batch,
+                                                                      cfg.seed + 10_000 + step))
         bt = prepare_batch(tokens, labels, mask, spec, group, gated_opts, gating=GateSource(lambda: z))
         out = model(bt.tokens, bt.position_ids, None, labels=bt.labels, packed_seq_params=bt.params)
         lm_sum, _n, _ = loss_func(bt.loss_mask, out)
@@ -196,12 +247,40 @@ def _train_prulong(model, task, cfg, spec, gated_opts):
     return gates.log_alpha.detach().clone(), log, float(gates.expected_sparsity())
 
 
-def pattern_path(cfg: GateConfig, method: str) -> str:
-    """Where ``method``'s pattern goes: ``--out`` itself, or with both methods ``NAME.METHOD.json``."""
-    if cfg.method != "both":
-        return cfg.out
+def pattern_path(cfg: GateConfig, method: str, sparsity: float | None = None) -> str:
+    """Where ``method``'s pattern goes: ``--out`` itself, or with both methods ``NAME.METHOD.json``; a level
+    other than ``--sparsity`` adds ``.sLEVEL``."""
     p = Path(cfg.out)
-    return str(p.with_name(f"{p.stem}.{method}{p.suffix or '.json'}"))
+    tag = "" if cfg.method != "both" else f".{method}"
+    if sparsity is not None and sparsity != cfg.sparsity:
+        tag += f".s{sparsity:g}"
+    return str(p.with_name(f"{p.stem}{tag}{p.suffix or '.json'}")) if tag else cfg.out
+
+
+def _step_ms(model, task, cfg, spec, options, gating=None) -> float:
+    """Median wall time (ms) of one forward + backward of the model on one sample of ``task`` (weights given
+    gradients for the measurement only), after one warm-up; CUDA-synchronised on GPU."""
+    from megatron_cp.megatron import loss_func, prepare_batch
+
+    tokens, labels, mask = (t.to(cfg.device) for t in task.batch(1, cfg.seed + 77_777))
+    model.requires_grad_(True)
+    times = []
+    try:
+        for i in range(cfg.time_steps + 1):
+            if cfg.device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            bt = prepare_batch(tokens, labels, mask, spec, _cp(), options, gating=gating)
+            out = model(bt.tokens, bt.position_ids, None, labels=bt.labels, packed_seq_params=bt.params)
+            loss_func(bt.loss_mask, out)[0].backward()
+            if cfg.device == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times.append(1e3 * (time.perf_counter() - t0))
+            model.zero_grad(set_to_none=True)
+    finally:
+        model.requires_grad_(False)
+    return sorted(times)[len(times) // 2]
 
 
 def _worker(rank, world, cfg: GateConfig):
@@ -221,14 +300,22 @@ def _worker(rank, world, cfg: GateConfig):
     spec = MaskSpec("causal")
     full_opts = PlanOptions()
     torch.manual_seed(cfg.seed)
-    model = build_llama(shape_of(cfg))
+    model = build_llama(shape_of(cfg)).to(cfg.device)
     pre = _pretrain(model, task, cfg, spec, full_opts)
     t_pre = time.perf_counter() - t0
     model.requires_grad_(False)  # both objectives here train the gates only
     L, H = cfg.layers, cfg.kv_heads
     es, ev = cfg.eval_samples, cfg.seed + 99_999
-    res = dict(config=asdict(cfg), pretrain_loss=[pre[0], pre[-1]], pretrain_s=round(t_pre, 1), total_heads=L * H,
-               rows=[("full (every head full)", L * H, *evaluate(model, task, es, ev, spec, full_opts))], methods={})
+    ekw = dict(chunk=cfg.gate_batch, device=cfg.device)
+    ends, n = [], 0
+    for _, steps, _ in cfg.stages():
+        n += steps
+        if steps:
+            ends.append(round(pre[n - 1], 4))
+    res = dict(config=asdict(cfg), pretrain_loss=[pre[0], pre[-1]], stage_end_loss=ends, pretrain_s=round(t_pre, 1),
+               total_heads=L * H, methods={},
+               rows=[("full (every head full)", L * H, *evaluate(model, task, es, ev, spec, full_opts, **ekw))])
+    timing = {"full (every head full)": _step_ms(model, task, cfg, spec, full_opts)} if cfg.time_steps else {}
     pat_opts = None
     for method in (("duo", "prulong") if cfg.method == "both" else (cfg.method,)):
         gated_opts = PlanOptions(gating=GatingSpec(cfg.sink, cfg.window, "train", method=method,
@@ -239,26 +326,38 @@ def _worker(rank, world, cfg: GateConfig):
         else:
             values, glog, exp_sparsity = _train_prulong(model, task, cfg, spec, gated_opts)
             init = LOG_ALPHA_MEAN
-        pattern = discretize(values, cfg.sparsity)
-        path = pattern_path(cfg, method)
-        meta = dict(sparsity=cfg.sparsity, sink=cfg.sink, window=cfg.window, method=method,
-                    gates=[[round(float(x), 4) for x in row] for row in values])
-        if rank == 0:
-            save_pattern(path, pattern, meta)
-        dist.barrier()
-        # the learned pattern runs from its file, as --cp-head-pattern would
-        pat_opts = PlanOptions(gating=GatingSpec(cfg.sink, cfg.window, "pattern", pattern=path))
-        # control at the same budget: the heads the gates ranked lowest kept full instead
-        inverse = discretize(-values, cfg.sparsity)
-        res["rows"].append((f"{method}: discretised", sum(map(sum, pattern)),
-                            *evaluate(model, task, es, ev, spec, pat_opts)))
-        res["rows"].append((f"{method}: inverse control", sum(map(sum, inverse)),
-                            *evaluate(model, task, es, ev, spec, pat_opts, gating=PatternSource(inverse))))
-        res["methods"][method] = dict(gates=values.tolist(), pattern=pattern, gate_init=init, path=path,
+        values = values.cpu()
+        res["methods"][method] = dict(gates=values.tolist(), gate_init=init, patterns={},
                                       gate_name="alpha" if method == "duo" else "log_alpha",
                                       expected_sparsity=exp_sparsity, gate_log=[glog[0], glog[-1]])
+        for level in cfg.levels():
+            pattern = discretize(values, level)
+            path = pattern_path(cfg, method, level)
+            meta = dict(sparsity=level, sink=cfg.sink, window=cfg.window, method=method,
+                        gates=[[round(float(x), 4) for x in row] for row in values])
+            if rank == 0:
+                save_pattern(path, pattern, meta)
+            dist.barrier()
+            # the learned pattern runs from its file, as --cp-head-pattern would
+            pat_opts = PlanOptions(gating=GatingSpec(cfg.sink, cfg.window, "pattern", pattern=path))
+            # control at the same budget: the heads the gates ranked lowest kept full instead
+            inverse = discretize(-values, level)
+            name = method if len(cfg.levels()) == 1 else f"{method} @{level:g}"
+            res["rows"].append((f"{name}: discretised", sum(map(sum, pattern)),
+                                *evaluate(model, task, es, ev, spec, pat_opts, **ekw)))
+            res["rows"].append((f"{name}: inverse control", sum(map(sum, inverse)),
+                                *evaluate(model, task, es, ev, spec, pat_opts, gating=PatternSource(inverse), **ekw)))
+            res["methods"][method]["patterns"][f"{level:g}"] = dict(pattern=pattern, path=path)
+            if level == cfg.sparsity:
+                res["methods"][method].update(pattern=pattern, path=path)
+            if cfg.time_steps:
+                timing[f"{name}: discretised"] = _step_ms(model, task, cfg, spec, pat_opts)
     res["rows"].append(("streaming only", 0, *evaluate(model, task, es, ev, spec, pat_opts,
-                                                       gating=PatternSource([[False] * H for _ in range(L)]))))
+                                                       gating=PatternSource([[False] * H for _ in range(L)]), **ekw)))
+    if cfg.time_steps:
+        timing["streaming only"] = _step_ms(model, task, cfg, spec, pat_opts,
+                                            gating=PatternSource([[False] * H for _ in range(L)]))
+        res["step_ms"] = {k: round(v, 2) for k, v in timing.items()}
     res["total_s"] = round(time.perf_counter() - t0, 1)
     return res
 
@@ -271,9 +370,14 @@ def table(res: dict) -> str:
              f"({c['layers']} layers x {c['kv_heads']} KV heads)",
              f"pretrain loss {res['pretrain_loss'][0]:.3f} -> {res['pretrain_loss'][1]:.3f}  "
              f"(chance: digit acc 0.1, key acc {0.1 ** c['digits']:g})",
-             f"{'model':<26}{'full heads':>12}{'digit acc':>11}{'key acc':>9}"]
+             f"{'model':<30}{'full heads':>12}{'digit acc':>11}{'key acc':>9}"]
+    step = res.get("step_ms", {})
+    lines[-1] += f"{'fwd+bwd ms':>12}{'speedup':>9}" if step else ""
     for name, full, dacc, kacc in res["rows"]:
-        lines.append(f"{name:<26}{f'{full}/{n}':>12}{dacc:>11.3f}{kacc:>9.3f}")
+        row = f"{name:<30}{f'{full}/{n}':>12}{dacc:>11.3f}{kacc:>9.3f}"
+        if name in step:
+            row += f"{step[name]:>12.1f}{step['full (every head full)'] / step[name]:>9.2f}"
+        lines.append(row)
     for method, m in res["methods"].items():
         es = m["expected_sparsity"]
         lines.append(f"{method} gates ({m['gate_name']}, init {m['gate_init']}; * = kept full; objective "
@@ -293,6 +397,14 @@ def parse(argv=None) -> GateConfig:
     for name in ("cp", "sink", "window", "seq_length", "digits", "pretrain_steps", "gate_steps", "warmup_steps",
                  "batch", "eval_samples", "layers", "hidden", "heads", "kv_heads", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    for name in ("gate_batch", "time_steps"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    p.add_argument("--device", choices=("cpu", "cuda"), default=d.device, help="cuda: one GPU per CP rank (NCCL)")
+    p.add_argument("--schedule", default=d.schedule,
+                   help="pretraining stages LEN:STEPS:BATCH,... shortest first (default: --seq-length x "
+                        "--pretrain-steps x --batch); gates are learned and evaluated at --seq-length")
+    p.add_argument("--sparsities", default=d.sparsities,
+                   help="further discretisation levels to evaluate (and time), e.g. 0.5,0.75")
     for name in ("sparsity", "pretrain_lr", "gate_lr", "l1_weight"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name),
                        help="default: duo 0.05, prulong 0.2" if name == "gate_lr" else None)
@@ -304,7 +416,12 @@ def parse(argv=None) -> GateConfig:
     if not 0.0 <= a.sparsity < 1.0:
         p.error(f"--sparsity must be in [0, 1), got {a.sparsity}")
     kw = {k: v for k, v in vars(a).items() if k != "json"}
-    return GateConfig(**kw), a.json
+    cfg = GateConfig(**kw)
+    try:
+        cfg.stages(), cfg.levels()
+    except ValueError as e:
+        p.error(str(e))
+    return cfg, a.json
 
 
 def main(argv=None) -> dict:
@@ -312,7 +429,7 @@ def main(argv=None) -> dict:
 
     cfg, json_out = parse(argv)
     cfg = GateConfig(**{**asdict(cfg), "out": str(Path(cfg.out).resolve())})
-    res = spawn(_worker, cfg.cp, cfg)
+    res = spawn(_worker, cfg.cp, cfg, backend="nccl" if cfg.device == "cuda" else "gloo")
     print(table(res), flush=True)
     if json_out:
         Path(json_out).write_text(json.dumps(res, indent=1) + "\n")
