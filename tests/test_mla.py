@@ -6,6 +6,7 @@ CP 1 and 2 (gloo, spawned ranks, one spawn per world size); strategies that cann
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -128,3 +129,132 @@ def test_fa4_backend_value_head_dim_emulated():
         assert be.last_path == "fa4" and (g - r.grad).abs().max() < 1e-6 and (s - r.grad).abs().max() < 1e-6
     assert fa4_head_dims_reason(192, 128, 10) is None and fa4_head_dims_reason(192, 128, 9) is None
     assert "sm100" in fa4_head_dims_reason(256, 128, 10) and "v head_dim" in fa4_head_dims_reason(192, 12, 9)
+
+
+# -- Megatron's MLASelfAttention with CPCoreAttention in its core_attention slot ----------------------------
+def _mla_module(rope: str, pg_collection=None, seed=0):
+    """A tiny MLASelfAttention (4 heads, q/k head dim 32 + 16 rotary = 48, v head dim 16: MLA's 192 / 128 in
+    miniature) with local linear layers and CPCoreAttention; YaRN with scaling 4 when ``rope == 'yarn'``."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_cp.megatron import CPCoreAttention
+
+    yarn = rope == "yarn"
+    cfg = MLATransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                               qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=16, rope_type=rope,
+                               use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
+                               rotary_scaling_factor=4.0 if yarn else 1.0, original_max_position_embeddings=16,
+                               mscale=1.0, mscale_all_dim=1.0 if yarn else 0.0,
+                               context_parallel_size=pg_collection.cp.size() if pg_collection is not None else 1)
+    sub = MLASelfAttentionSubmodules(linear_q_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+                                     linear_kv_up_proj=ColumnParallelLinear, core_attention=CPCoreAttention,
+                                     linear_proj=RowParallelLinear, q_layernorm=IdentityOp, kv_layernorm=IdentityOp)
+    torch.manual_seed(seed)
+    return MLASelfAttention(cfg, sub, layer_number=1, attn_mask_type=AttnMaskType.causal, pg_collection=pg_collection)
+
+
+@pytest.fixture
+def megatron_world1(monkeypatch):
+    """Megatron parallel state on a one-rank gloo group; Megatron's own rotary tables land on the CPU."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_cp.testing import free_port
+
+    was = dist.is_initialized()
+    if not was:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1, context_parallel_size=1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    yield
+    ps.destroy_model_parallel()
+    if not was:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("rope", ["rope", "yarn"])
+def test_mla_with_cp_core_attention_matches_megatrons_own_rotary(rope, megatron_world1):
+    """CP = 1, one causal sequence: MLASelfAttention with CPParams (our angles at the plan's positions,
+    install_mla, MLA's packed [s, H, D] path) equals the same module without (Megatron's own rotary and
+    YaRN mscale, the [s, b, H, D] path); other relative positions change it (the angles are in play)."""
+    from megatron_cp.megatron import CPParams
+    from megatron_cp.megatron.mla import PlanMLARotary, install_mla
+
+    m = _mla_module(rope)
+    x = torch.randn(24, 1, 64, generator=torch.Generator().manual_seed(1))
+    ref, _ = m(x, None)
+    handle = install_mla(m)
+    assert isinstance(m.rotary_pos_emb, PlanMLARotary) and m.core_attention.v_head_dim == 16
+    plan = mcp.plan(M.causal(24), 1)
+    out, _ = m(x, None, packed_seq_params=CPParams(plan=plan, position_ids=torch.arange(24)[None], cp_rank=0))
+    scale = float(ref.detach().abs().max())  # tiny-init outputs (~1e-2): errors relative to it
+    assert out.shape == ref.shape and float((out - ref).detach().abs().max()) <= 1e-6 * scale
+    spread, _ = m(x, None, packed_seq_params=CPParams(plan=plan, position_ids=torch.arange(24)[None] * 2, cp_rank=0))
+    assert float((spread - ref).detach().abs().max()) > 1e-3 * scale
+    handle.remove()
+    assert not isinstance(m.rotary_pos_emb, PlanMLARotary)
+
+
+def _mla_cp_cases(rank, world):
+    """MLASelfAttention at CP = world against the same module at CP = 1 (a one-rank CP group) on packed
+    documents (positions restart per document): outputs of the local rows, input gradients and every
+    parameter's gradient (summed over CP ranks) within 1e-5, for rope and YaRN."""
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_cp.megatron import CPParams
+    from megatron_cp.megatron.mla import install_mla
+
+    ps.initialize_model_parallel(1, 1, context_parallel_size=world)
+    torch.cuda.current_device = lambda: "cpu"  # this spawned process only
+    # YaRN's constructor caches Megatron's own CP-sliced table, slicing with an index made on CUDA;
+    # install_mla's angles never read that cache
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+
+    yarn.get_pos_emb_on_this_cp_rank = lambda emb, seq_dim, cp_group: emb
+    singles = [dist.new_group([r]) for r in range(world)]
+    cp_pg = ProcessGroupCollection.use_mpu_process_groups()
+    one_pg = ProcessGroupCollection.use_mpu_process_groups()
+    one_pg.cp = singles[rank]
+    S = 40
+    cu = np.array([0, 9, 26, S])
+    mask = M.varlen(cu, causal=True)
+    pos = torch.from_numpy(np.concatenate([np.arange(b - a) for a, b in zip(cu[:-1], cu[1:])]))
+    x = torch.randn(S, 1, 64, generator=torch.Generator().manual_seed(2))
+    dout = torch.randn(S, 1, 64, generator=torch.Generator().manual_seed(3))
+    res = {}
+    for rope in ("rope", "yarn"):
+        got = []
+        for pg, w in ((cp_pg, world), (one_pg, 1)):
+            m = _mla_module(rope, pg)
+            install_mla(m)
+            plan = mcp.plan(mask, w)
+            ids = torch.from_numpy(plan.local_ids(rank if w > 1 else 0))
+            xl = x[ids].clone().requires_grad_()
+            out, _ = m(xl, None, packed_seq_params=CPParams(plan=plan, position_ids=pos[ids][None], cp_rank=rank if w > 1 else 0))
+            (out * dout[ids]).sum().backward()
+            # (linear_proj's bias is returned apart, skip_bias_add: not in this loss)
+            grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+            if w > 1:
+                for g in grads.values():
+                    dist.all_reduce(g, group=pg.cp)
+            got.append((ids, out.detach(), xl.grad, grads))
+        (ids, o, gx, g), (_, o1, gx1, g1) = got
+        rel = lambda a, b: float((a - b).abs().max()) / float(b.abs().max())  # noqa: E731  (tiny-init scales)
+        errs = {"out": rel(o, o1[ids]), "dx": rel(gx, gx1[ids])}
+        errs.update({n: rel(g[n], g1[n]) for n in g1})
+        assert len(g1) >= 4 and all(float(t.abs().max()) > 0 for t in g1.values())
+        res[rope] = errs
+    return res
+
+
+def test_mla_cp2_equals_cp1():
+    for r in run_ranks(_mla_cp_cases, 2):
+        for rope, errs in r.items():
+            bad = {n: e for n, e in errs.items() if e > 1e-5}
+            assert not bad, (rope, bad)

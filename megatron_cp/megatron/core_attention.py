@@ -72,6 +72,8 @@ class CPCoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
         super().__init__(config=config)
         self.config = config
@@ -102,7 +104,10 @@ class CPCoreAttention(MegatronModule):
         self.cp_group = pg_collection.cp
         tp = pg_collection.tp.size()
         self.tp_rank, self.tp_size = pg_collection.tp.rank(), tp
-        self.head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
+        # MLA passes its q/k head dim (qk_head_dim + qk_pos_emb_head_dim) and v head dim explicitly
+        self.head_dim = k_channels if k_channels is not None else divide(
+            config.kv_channels * config.num_attention_heads, config.num_attention_heads)
+        self.v_head_dim = v_channels if v_channels is not None else self.head_dim
         self.heads_per_partition = divide(config.num_attention_heads, tp)
         self.softmax_scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
         self.softmax_type = softmax_type
@@ -138,9 +143,13 @@ class CPCoreAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        """q ``[s, b, Hq, D]``, k/v ``[s, b, Hkv, D]`` (local tokens in plan order) -> ``[s, b, Hq*D]``."""
+        """q ``[s, b, Hq, D]``, k ``[s, b, Hkv, D]``, v ``[s, b, Hkv, Dv]`` (local tokens in plan order; Dv = D
+        but for MLA) -> ``[s, b, Hq*Dv]``. MLA with ``CPParams`` passes ``[s, H, D]`` (its packed convention
+        drops the batch dim; b = 1) and gets ``[s, 1, Hq*Dv]``."""
         if attention_bias is not None:
             raise ValueError("CPCoreAttention does not support attention_bias (got a tensor)")
+        if isinstance(packed_seq_params, CPParams) and query.dim() == key.dim() == value.dim() == 3:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
             raise ValueError(
                 f"CPCoreAttention expects [s, b, h, d] tensors, got q {tuple(query.shape)}, "
