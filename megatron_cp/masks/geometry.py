@@ -76,23 +76,19 @@ def traps_area(traps: np.ndarray) -> int:
 
 def row_area_prefix(traps: np.ndarray, seqlen_q: int) -> np.ndarray:
     """``P[r]`` = number of cells in rows ``[0, r)``; int64 [seqlen_q + 1]. O(n + seqlen_q)."""
-    # The width of a trapezoid row is w0 + ws*(i - q0): piecewise linear, accumulated with two
-    # difference arrays (constant part and slope part) and two prefix sums.
-    const = np.zeros(seqlen_q + 1, dtype=np.int64)
-    slope = np.zeros(seqlen_q + 1, dtype=np.int64)
+    # A row's width is piecewise linear in the row, so the third difference of P is non-zero only
+    # next to the trapezoids' first and last rows: scatter it there, then three prefix sums in place.
+    d = np.zeros(seqlen_q + 3, dtype=np.int64)
     if len(traps):
         t = traps.astype(np.int64)
-        ws = t[:, HI_S] - t[:, LO_S]
-        c = t[:, HI_A] - t[:, LO_A]  # width(i) = c + ws * i
-        np.add.at(const, t[:, Q0], c)
-        np.add.at(const, t[:, Q1], -c)
-        np.add.at(slope, t[:, Q0], ws)
-        np.add.at(slope, t[:, Q1], -ws)
-    rows = np.arange(seqlen_q, dtype=np.int64)
-    width = np.cumsum(const)[:seqlen_q] + np.cumsum(slope)[:seqlen_q] * rows
-    out = np.zeros(seqlen_q + 1, dtype=np.int64)
-    np.cumsum(width, out=out[1:])
-    return out
+        q0, q1, ws = t[:, Q0], t[:, Q1], t[:, HI_S] - t[:, LO_S]
+        w0 = t[:, HI_A] - t[:, LO_A] + ws * q0  # width of the first row
+        w1 = w0 + ws * (q1 - 1 - q0)  # and of the last
+        np.add.at(d, np.concatenate([q0, q0 + 1, q0 + 1, q1, q1, q1 + 1]) + 1,
+                  np.concatenate([w0, -w0, ws, -ws, -w1, w1]))
+    for _ in range(3):
+        np.cumsum(d, out=d)
+    return d[: seqlen_q + 1]
 
 
 def union(traps: list[tuple]) -> np.ndarray:

@@ -37,6 +37,17 @@ def candidate_rows(row_prefix: np.ndarray, seqlen: int, cp: int) -> np.ndarray:
     return ids_to_runs(rows)
 
 
+def widest_row(traps: np.ndarray, row_prefix: np.ndarray) -> int:
+    """Most keys any row keeps (0 for no cells), read off ``row_prefix`` at the rows next to the
+    trapezoids' ends (int64 [n, 6]): between them every row's width is linear. O(traps): a cheap
+    test that ``candidate_rows`` has none (for most masks no row keeps half of all keys)."""
+    s = len(row_prefix) - 1
+    if len(traps) == 0 or s < 1:
+        return 0
+    rows = np.clip(np.concatenate([traps[:, 0], traps[:, 1]])[:, None] + np.array([-1, 0]), 0, s - 1).ravel()
+    return int((row_prefix[rows + 1] - row_prefix[rows]).max())
+
+
 def ids_to_runs(ids: np.ndarray) -> np.ndarray:
     """Sorted unique ids -> merged half-open runs (int64 [n, 2])."""
     ids = np.asarray(ids, dtype=np.int64)

@@ -492,7 +492,8 @@ def plan(
     if isinstance(guest_rows, str):
         if guest_rows not in ("auto", "none"):
             raise ValueError(f"guest_rows must be 'auto', 'none' or row runs [n, 2], got {guest_rows!r}")
-        g_runs = guests.candidate_rows(row_prefix, seqlen, cp) if guest_rows == "auto" else np.zeros((0, 2), np.int64)
+        wide = guest_rows == "auto" and 2 * guests.widest_row(traps, row_prefix) >= seqlen
+        g_runs = guests.candidate_rows(row_prefix, seqlen, cp) if wide else np.zeros((0, 2), np.int64)
     else:
         g_runs = guests.check_runs(guest_rows, seqlen)
     args = (seqlen, cp, chunk, topology, solver, imbalance_target, cuts, int(block))

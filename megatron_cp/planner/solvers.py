@@ -132,14 +132,12 @@ def greedy(
             gain = {}
             for j in range(starts_l[i], starts_l[i + 1]):
                 f, l = first_l[j], last_l[j]
-                if bisect.bisect_left(placed, f) == bisect.bisect_right(placed, l):
-                    continue
                 if l - f < 32:
                     for k in range(f, l + 1):
                         o = own[k]
                         if o >= 0:
                             gain[o] = gain.get(o, 0) + size_l[k]
-                else:
+                elif bisect.bisect_left(placed, f) != bisect.bisect_right(placed, l):
                     o = owner[f : l + 1]
                     w = np.bincount(o[o >= 0], weights=size[f : l + 1][o >= 0], minlength=cp)
                     for o in np.nonzero(w)[0].tolist():
@@ -222,8 +220,10 @@ def swap_balanced(
         k = int(np.argmin(cost[:m] + cost[m:]))
         x, y = xa[ii[k]], xb[jj[k]]
         owner[x], owner[y] = b, a
-        mine[a] = np.sort(np.append(xa[xa != x], y))
-        mine[b] = np.sort(np.append(xb[xb != y], x))
+        for r, xs, i, z in ((a, xa, ii[k], y), (b, xb, jj[k], x)):
+            mine[r] = xs.copy()
+            mine[r][i] = z
+            mine[r].sort()
         for z, src, dst in ((x, a, b), (y, b, a)):
             held[src, z + 1:] -= size[z]
             held[dst, z + 1:] += size[z]
@@ -235,26 +235,29 @@ def swap_balanced(
 
 def independent_cuts(traps: np.ndarray, seqlen: int) -> np.ndarray:
     """Sorted positions ``0 = c_0 < ... < c_m = seqlen`` where the mask falls apart: no row on one side
-    of a cut keeps a key on the other (document boundaries of packed documents). O(traps + seqlen).
+    of a cut keeps a key on the other (document boundaries of packed documents). O(traps log traps + cuts).
 
     A trapezoid's rows ``>= p`` keep a key ``< p`` exactly for ``p`` in ``(lo(q0), q1)`` when its lower
     line is flat or lies below the diagonal (else never); its rows ``< p`` keep a key ``>= p`` exactly
     for ``p`` in ``(q0, hi(q1 - 1))`` when its upper line is flat or lies above the diagonal."""
-    blocked = np.zeros(seqlen + 1, dtype=np.int64)
-    if len(traps):
-        t = traps.astype(np.int64)
-        q0, q1, lo_a, lo_s, hi_a, hi_s = (t[:, j] for j in range(6))
-        m1 = (lo_s == 0) | (lo_a < 0)
-        m2 = (hi_s == 0) | (hi_a > 1)
-        a = np.concatenate([(lo_a + lo_s * q0)[m1] + 1, q0[m2] + 1])  # blocked p in [a, b)
-        b = np.concatenate([q1[m1], (hi_a + hi_s * (q1 - 1))[m2]])
-        a, b = np.clip(a, 1, seqlen), np.clip(b, 1, seqlen)
-        keep = a < b
-        np.add.at(blocked, a[keep], 1)
-        np.add.at(blocked, b[keep], -1)
-    free = np.cumsum(blocked)[:seqlen] == 0
-    free[0] = True
-    return np.append(np.nonzero(free)[0], seqlen).astype(np.int64)
+    t = np.asarray(traps, dtype=np.int64).reshape(-1, 6)
+    q0, q1, lo_a, lo_s, hi_a, hi_s = (t[:, j] for j in range(6))
+    m1 = (lo_s == 0) | (lo_a < 0)
+    m2 = (hi_s == 0) | (hi_a > 1)
+    a = np.concatenate([(lo_a + lo_s * q0)[m1] + 1, q0[m2] + 1])  # blocked p in [a, b)
+    b = np.concatenate([q1[m1], (hi_a + hi_s * (q1 - 1))[m2]])
+    a, b = np.clip(a, 1, seqlen), np.clip(b, 1, seqlen)
+    a, b = a[a < b], b[a < b]
+    # the free positions are the gaps between the blocked intervals, merged
+    o = np.argsort(a, kind="stable")
+    a, b = a[o], np.maximum.accumulate(b[o])
+    new = np.ones(len(a), dtype=bool)
+    new[1:] = a[1:] > b[:-1]
+    gap0 = np.concatenate([[0], b[np.append(np.nonzero(new)[0][1:] - 1, len(a) - 1)]]) if len(a) else np.zeros(1, np.int64)
+    gap1 = np.append(a[new], seqlen)
+    n = gap1 - gap0
+    free = np.repeat(gap0 - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
+    return np.append(free, seqlen).astype(np.int64)
 
 
 def documents(
@@ -369,14 +372,7 @@ def _coarsen(cuts: np.ndarray, min_size: int) -> np.ndarray:
     return np.array(keep + [int(cuts[-1])], dtype=np.int64)
 
 
-def _piece(x: np.ndarray, t: np.ndarray, prefix: np.ndarray, tail: bool):
-    """Area of the ``t``-token tail (or head) of units ``x`` [..., 4] and the keys that cutting it off
-    makes remote, approximately: a tail needs its segment's keys before it, and the rest of a unit
-    whose head leaves needs that head (plus any keys before the unit)."""
-    st, e, seg = x[..., 0], x[..., 1], x[..., 3]
-    if tail:
-        return prefix[e] - prefix[np.maximum(e - t, st)], (e - t - seg).astype(np.float64)
-    return prefix[np.minimum(st + t, e)] - prefix[st], (st - seg + t).astype(np.float64)
+_TRADES = ((None, False), ("a", True), ("b", True), ("a", False), ("b", False))  # (side cut, tail?)
 
 
 def _trade(u: np.ndarray, prefix: np.ndarray, cp: int, tol: float, load: np.ndarray, target: float) -> np.ndarray:
@@ -387,36 +383,34 @@ def _trade(u: np.ndarray, prefix: np.ndarray, cp: int, tol: float, load: np.ndar
         gap = load[a] - load[b]
         if target <= 0 or load[a] / target - 1 <= tol / 2 or gap <= 0:
             break
-        ia, ib = np.nonzero(u[:, 2] == a)[0], np.nonzero(u[:, 2] == b)[0]
-        xa, xb = u[ia][:, None, :], u[ib][None, :, :]  # pairs (unit of a, unit of b)
-        la, lb = xa[..., 1] - xa[..., 0], xb[..., 1] - xb[..., 0]
-        ar_a, ar_b = prefix[xa[..., 1]] - prefix[xa[..., 0]], prefix[xb[..., 1]] - prefix[xb[..., 0]]
+        ia, ib = np.flatnonzero(u[:, 2] == a), np.flatnonzero(u[:, 2] == b)
+        A, B = u[ia], u[ib]
+        sa, ea, ga = A[:, 0, None], A[:, 1, None], A[:, 3, None]  # pairs (unit of a: rows, unit of b: columns)
+        sb, eb, gb = B[:, 0], B[:, 1], B[:, 3]
+        la, lb = ea - sa, eb - sb
+        ar_a, ar_b = prefix[ea] - prefix[sa], prefix[eb] - prefix[sb]
         t = np.minimum(la, lb)  # tokens traded: the smaller unit's size
-        cands = []  # (gain, remote keys, kind): kind = (side cut or None, tail?)
-        d = (ar_a - ar_b).astype(np.float64)
-        cands.append((np.where(la == lb, d, 0.0), np.zeros(d.shape), (None, False)))
-        for tail in (True, False):  # a piece of a's unit for b's whole unit, and the reverse
-            piece, cost = _piece(xa, t, prefix, tail)
-            cands.append((np.where(la > lb, piece - ar_b, 0.0), cost, ("a", tail)))
-            piece, cost = _piece(xb, t, prefix, tail)
-            cands.append((np.where(lb > la, ar_a - piece, 0.0), cost, ("b", tail)))
-        cands = [(np.where((d > 0) & (d < gap), np.minimum(d, gap - d), 0.0), np.broadcast_to(c, d.shape), k)
-                 for d, c, k in cands]
-        best = max(g.max() for g, _, _ in cands)
+        # per trade of _TRADES, the area it shifts from a to b and the keys it makes remote,
+        # approximately: a tail needs its segment's keys before it, and the rest of a unit whose
+        # head leaves needs that head (plus any keys before the unit)
+        d = np.zeros((5,) + t.shape)
+        cost = np.zeros((5,) + t.shape)
+        d[0] = np.where(la == lb, ar_a - ar_b, 0)  # whole units of one size
+        d[1] = np.where(la > lb, prefix[ea] - prefix[np.maximum(ea - t, sa)] - ar_b, 0)
+        d[2] = np.where(lb > la, ar_a - prefix[eb] + prefix[np.maximum(eb - t, sb)], 0)
+        d[3] = np.where(la > lb, prefix[np.minimum(sa + t, ea)] - prefix[sa] - ar_b, 0)
+        d[4] = np.where(lb > la, ar_a - prefix[np.minimum(sb + t, eb)] + prefix[sb], 0)
+        cost[1], cost[2] = ea - t - ga, eb - t - gb
+        cost[3], cost[4] = sa - ga + t, sb - gb + t
+        g = np.minimum(d, gap - d)  # the gain: positive exactly for 0 < d < gap
+        best = g.max()
         if best <= 0:
             break
         # least remote keys, then largest gain, among trades within 10% of the best gain; ties go to
-        # the first candidate kind, then row-major order (lexsort is stable)
-        hits = [(k, *np.nonzero(g >= 0.9 * best)) for k, (g, _, _) in enumerate(cands)]
-        g = np.concatenate([cands[k][0][ii, jj] for k, ii, jj in hits])
-        cost = np.concatenate([cands[k][1][ii, jj] for k, ii, jj in hits])
-        p = int(np.lexsort((-g, cost))[0])
-        for k, ii, jj in hits:
-            if p < len(ii):
-                pick = (None, cands[k][2], int(ii[p]), int(jj[p]))
-                break
-            p -= len(ii)
-        _, (side, tail), i, j = pick
+        # the first trade kind, then row-major order (lexsort is stable)
+        kk, ii, jj = np.nonzero(g >= 0.9 * best)
+        p = int(np.lexsort((-g[kk, ii, jj], cost[kk, ii, jj]))[0])
+        (side, tail), i, j = _TRADES[kk[p]], int(ii[p]), int(jj[p])
         ra, rb = ia[i], ib[j]
         if side is None:
             u[ra, 2], u[rb, 2] = b, a
