@@ -88,3 +88,53 @@ def test_cpu_demo_cp2_matches_cp1():
     res = run(cp=2, steps=3, shape=LlamaShape(2, 32, 4, 2, 48, 320, 64))
     assert len(res["loss_cp1"]) == 3 and res["max_rel_diff"] <= 1e-5
     assert res["loss_cp1"][-1] < res["loss_cp1"][0]  # it trains
+
+
+PRETRAIN_GPT_STAND_IN = '''from megatron.training.arguments import parse_and_validate_args
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    return None
+
+
+if __name__ == "__main__":
+    args = parse_and_validate_args(extra_args_provider=None, args_defaults={})
+'''
+
+
+def test_run_pretrain_gpt_dry_run_patches_and_launches_flags_that_validate(tmp_path):
+    """examples/llama/run_pretrain_gpt.sh (GPU only: Megatron's training entry asserts CUDA) patches the
+    checkout and launches Megatron's pretrain_gpt.py with flags our parse-time checks accept."""
+    import argparse
+    import shlex
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_cp.megatron import plugin
+    from megatron_cp.megatron.arguments import add_megatron_cp_args
+
+    mlm = tmp_path / "Megatron-LM"
+    mlm.mkdir()
+    (mlm / "pretrain_gpt.py").write_text(PRETRAIN_GPT_STAND_IN)
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "DRY_RUN": "1", "MLM": str(mlm), "OUT": str(tmp_path / "out"),
+           "PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(LLAMA / "run_pretrain_gpt.sh")], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "install_into(globals())" in (mlm / "pretrain_gpt.py").read_text()  # patched
+    launches = [shlex.split(line) for line in r.stdout.splitlines() if "torch.distributed.run" in line]
+    assert [cmd[cmd.index("--nproc-per-node") + 1] for cmd in launches] == ["1", "2", "2", "1", "2", "1", "2"]
+    parser = add_megatron_cp_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    for cmd in launches:
+        i = cmd.index(str(mlm / "pretrain_gpt.py"))
+        assert cmd[i - 1].endswith("examples/llama/megatron_script.py")
+        args = parser.parse_args(cmd[i + 1:])
+        plugin.validate_args(args)
+        assert args.context_parallel_impl == "megatron_cp" and args.context_parallel_size == int(cmd[4])
+        assert args.cp_mask == ("packed" if args.reset_attention_mask else "causal")
+
+
+def test_megatron_script_refuses_a_missing_script():
+    r = subprocess.run([sys.executable, str(LLAMA / "megatron_script.py"), "/nonexistent/pretrain_gpt.py"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "usage: megatron_script.py" in r.stderr
