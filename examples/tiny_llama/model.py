@@ -52,20 +52,84 @@ def transformer_config(shape: LlamaShape, dtype=torch.float32, cpu_init: bool = 
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
     )
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp > 1:
+        # a rank's token count follows the micro-batch's plan: stages send activation shapes with the data;
+        # Megatron refuses that beside its default MoE dispatcher (allgather), unused by this dense model
+        kw.update(pipeline_model_parallel_size=pp, pipeline_dtype=dtype, variable_seq_lengths=True,
+                  moe_token_dispatcher_type="alltoall")
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None:
+        # interleaved 1F1B sends both ways between the same two ranks at pp 2: Megatron then needs
+        # unbatched, overlapped p2p (megatron.training asserts the same)
+        kw.update(virtual_pipeline_model_parallel_size=vpp, overlap_p2p_comm=True, batch_p2p_comm=False)
     kw.update(overrides)
     return TransformerConfig(**kw)
 
 
-def build_llama(shape: LlamaShape, config=None, backend: str = "local", pre_process=True, post_process=True):
-    """GPTModel with ``get_llama_layer_spec`` and megatron-cp RoPE installed (``rope.install``)."""
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm with its weight marked ``sequence_parallel`` (what Transformer Engine's norms do).
+
+    Megatron's CPU fallback norm (``WrappedTorchNorm``) refuses ``sequence_parallel``: it would not mark the
+    weight, whose gradient then misses the TP all-reduce of the other ranks' sequence shards. The norm
+    itself is per token, so it runs unchanged on a rank's shard.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+def _layer_spec(config, backend: str, vp_stage):
+    spec = get_llama_layer_spec(backend)
+    if not config.sequence_parallel or backend != "local":
+        return spec
+    import dataclasses
+
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    sub = dataclasses.replace(spec.submodules, input_layernorm=SequenceParallelRMSNorm,
+                              pre_mlp_layernorm=SequenceParallelRMSNorm)
+    layer = dataclasses.replace(spec, submodules=sub)
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
+                                      layer_norm=SequenceParallelRMSNorm)
+
+
+def build_llama(shape: LlamaShape, config=None, backend: str = "local", pre_process=True, post_process=True,
+                vp_stage: int | None = None):
+    """GPTModel with ``get_llama_layer_spec`` and megatron-cp RoPE installed (``rope.install``).
+
+    ``pre_process`` / ``post_process`` / ``vp_stage``: the pipeline stage's (virtual) model chunk, as
+    Megatron's ``get_model`` builds it. With ``config.sequence_parallel`` on the local backend the norms are
+    ``SequenceParallelRMSNorm``.
+    """
     from megatron.core.models.gpt import GPTModel
 
     config = config or transformer_config(shape)
     model = GPTModel(
-        config, get_llama_layer_spec(backend), vocab_size=shape.vocab_size,
+        config, _layer_spec(config, backend, vp_stage), vocab_size=shape.vocab_size,
         max_sequence_length=shape.seq_length, pre_process=pre_process, post_process=post_process,
         position_embedding_type="rope", rotary_base=shape.rotary_base,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=False, vp_stage=vp_stage,
     )
     model._megatron_cp_rope = rope.install(model)
     return model
+
+
+def build_pipeline_stage(shape: LlamaShape, config=None, backend: str = "local") -> list:
+    """This pipeline rank's model chunks, as Megatron's ``get_model`` builds them: one chunk, or one per
+    virtual stage (``virtual_pipeline_model_parallel_size`` of the process groups); the first chunk of the
+    first stage embeds, the last chunk of the last stage has the output layer. Each chunk's layers carry
+    their global ``layer_number``."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    config = config or transformer_config(shape)
+    chunks = []
+    for v in range(vpp or 1):
+        vp = None if vpp is None else v
+        chunks.append(build_llama(shape, config, backend,
+                                  pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                                  post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                                  vp_stage=vp))
+    return chunks

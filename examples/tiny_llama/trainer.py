@@ -17,6 +17,7 @@ from __future__ import annotations
 import queue
 import socket
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(tp: int, cp: int, pp: int = 1) -> None:
-    """Megatron process groups on an initialised default group (sizes checked before any collective)."""
+def init_parallel(tp: int, cp: int, pp: int = 1, vpp: int | None = None) -> None:
+    """Megatron process groups on an initialised default group (sizes checked before any collective);
+    ``vpp``: virtual pipeline stages (model chunks) per pipeline rank, or None."""
     from megatron.core import parallel_state
 
     world = dist.get_world_size()
@@ -40,11 +42,13 @@ def init_parallel(tp: int, cp: int, pp: int = 1) -> None:
             raise ValueError(f"{name} size must be >= 1, got {v}")
     if world % (tp * cp * pp):
         raise ValueError(f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}")
+    if vpp is not None and (pp < 2 or vpp < 1):
+        raise ValueError(f"virtual pipeline stages need pp >= 2 and vpp >= 1, got pp={pp}, vpp={vpp}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-        create_gloo_process_groups=False,
+        virtual_pipeline_model_parallel_size=vpp, create_gloo_process_groups=False,
     )
 
 
@@ -60,6 +64,21 @@ class StepResult:
     tokens: int  # global number of loss tokens
 
 
+def forward_step(model, batch, spec: MaskSpec, options: PlanOptions = PlanOptions(), device=None):
+    """One micro-batch through ``model`` (a whole model or one pipeline stage's chunk): plan, dispatch,
+    forward. batch: (tokens, labels, loss_mask) ``[b, S]``, replicated in the CP group; every stage passes
+    it (each builds the same plan from the tokens). Returns (output, loss function) as Megatron's
+    ``forward_step_func`` does: per-token losses ``[1, s_local]`` on the last stage, else hidden states."""
+    from megatron.core import parallel_state
+
+    tokens, labels, loss_mask = batch
+    if device is not None:
+        tokens, labels, loss_mask = tokens.to(device), labels.to(device), loss_mask.to(device)
+    bt = prepare_batch(tokens, labels, loss_mask, spec, parallel_state.get_context_parallel_group(), options)
+    out = model(bt.tokens, bt.position_ids, None, labels=bt.labels, packed_seq_params=bt.params)
+    return out, partial(loss_func, bt.loss_mask)
+
+
 def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions = PlanOptions(),
                      device=None):
     """Run forward+backward on this rank's micro-batches; gradients are *sums* (not yet scaled).
@@ -67,32 +86,69 @@ def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions 
     micro_batches: iterable of (tokens, labels, loss_mask), each ``[b, S]``, replicated in the CP
     group. Returns (local loss sum tensor, local token count tensor).
     """
-    from megatron.core import parallel_state
-
-    cp_group = parallel_state.get_context_parallel_group()
     total = None
     count = None
-    for tokens, labels, loss_mask in micro_batches:
-        if device is not None:
-            tokens, labels, loss_mask = tokens.to(device), labels.to(device), loss_mask.to(device)
-        bt = prepare_batch(tokens, labels, loss_mask, spec, cp_group, options)
-        out = model(bt.tokens, bt.position_ids, None, labels=bt.labels, packed_seq_params=bt.params)
-        loss, n, _ = loss_func(bt.loss_mask, out)
+    for batch in micro_batches:
+        out, loss_fn = forward_step(model, batch, spec, options, device)
+        loss, n, _ = loss_fn(out)
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
         count = n.to(torch.float64) if count is None else count + n.to(torch.float64)
     return total.to(torch.float64), count
 
 
+def pipeline_forward_backward(chunks, micro_batches, spec: MaskSpec, options: PlanOptions = PlanOptions(),
+                              device=None):
+    """Forward+backward of this pipeline stage with Megatron's own schedule
+    (``get_forward_backward_func``: 1F1B, or interleaved 1F1B with one chunk per virtual stage).
+
+    chunks: this stage's model chunks (``build_llama(pre_process=..., post_process=..., vp_stage=i)``);
+    micro_batches: list of (tokens, labels, loss_mask) ``[b, S]``, the same list on every stage: each
+    stage (and virtual chunk) reads them from its own iterator and plans them itself, so no collective
+    spans stages besides the schedule's own sends. Gradients are sums (not yet scaled). Returns
+    (loss sum, token count) float64 tensors: this rank's share on the last stage, zeros elsewhere.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    micro_batches = list(micro_batches)
+    b, S = micro_batches[0][0].shape
+    iters = [iter(micro_batches) for _ in chunks]
+    reports = get_forward_backward_func()(
+        forward_step_func=lambda it, model: forward_step(model, next(it), spec, options, device),
+        data_iterator=iters if len(chunks) > 1 else iters[0], model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micro_batches), seq_length=S, micro_batch_size=b, forward_only=False)
+    total = torch.zeros(2, dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        for r in reports:
+            total += r["lm loss"].detach().to("cpu", torch.float64)
+    return total[0], total[1]
+
+
 def reduce_and_scale(model, loss_sum, count, group=None) -> StepResult:
-    """Sum loss, count and gradients over DP x CP, then divide the gradients by the token count."""
+    """Sum loss, count and gradients over DP x CP, then divide the gradients by the token count.
+
+    ``model``: a module or a pipeline stage's list of chunks. As Megatron's ``finalize_model_grads``:
+    gradients of ``sequence_parallel`` parameters (norms, under --sequence-parallel) are first summed over
+    the TP group (each TP rank saw only its shard of the tokens), and the token count comes from the last
+    pipeline stage (the other stages contribute zeros)."""
+    from megatron.core import parallel_state
+
     group = group or dp_cp_group()
-    stats = torch.stack([loss_sum.to(torch.float64), count.to(torch.float64)]).to(loss_sum.device)
+    params = [p for m in (model if isinstance(model, (list, tuple)) else [model]) for p in m.parameters()]
+    stats = torch.stack([loss_sum.to(torch.float64), count.to(torch.float64)])
+    if params:
+        stats = stats.to(params[0].device)
     dist.all_reduce(stats, group=group)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(stats, group=parallel_state.get_pipeline_model_parallel_group())
     n = max(float(stats[1]), 1.0)
-    for p in model.parameters():
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        if getattr(p, "sequence_parallel", False) and dist.get_world_size(tp_group) > 1:
+            dist.all_reduce(p.grad, group=tp_group)
         dist.all_reduce(p.grad, group=group)
         p.grad.div_(n)
     return StepResult(float(stats[0]) / n, int(stats[1]))

@@ -180,8 +180,6 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
             "--context-parallel-impl megatron_cp needs --calculate-per-token-loss: CP ranks hold different "
             "token counts, and only the per-token path normalises by the global count"
         )
-    if getattr(args, "sequence_parallel", False):
-        raise ValueError("--sequence-parallel is not supported with --context-parallel-impl megatron_cp yet")
     try:
         kwargs = json.loads(args.cp_mask_kwargs or "{}")
     except json.JSONDecodeError as e:

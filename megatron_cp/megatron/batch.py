@@ -18,6 +18,7 @@ the sample), so shifting happens before dispatch and stays exact.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -83,8 +84,23 @@ class PlanOptions:
     strategy: str = "megatron_cp"
     sparse: object = None  # a SparseSpec (--cp-sparse): plans in whole blocks, selectors per layer
     gating: object = None  # a gating.GatingSpec (--cp-head-gating / --cp-head-pattern): adds a streaming plan
+    # every rank's token count a multiple of this: the TP size under --sequence-parallel, whose regions
+    # (norms, residual, dropout) split a rank's local tokens evenly over its TP ranks
+    token_multiple: int = 1
+
+    @property
+    def block(self) -> int:
+        """Every chunk cut of the plan a multiple of this: lcm of the sparse block and ``token_multiple``."""
+        return math.lcm(1 if self.sparse is None else int(self.sparse.block), int(self.token_multiple))
 
     def __post_init__(self):
+        if isinstance(self.token_multiple, bool) or not isinstance(self.token_multiple, int) or self.token_multiple < 1:
+            raise ValueError(f"token_multiple must be a positive int (the TP size under --sequence-parallel), "
+                             f"got {self.token_multiple!r}")
+        if self.token_multiple > 1 and self.strategy == "head_context":
+            raise ValueError("--sequence-parallel does not combine with --context-parallel-impl head_context: its "
+                             "Ulysses pieces split a group's tokens in equal parts that need not divide by the TP "
+                             "size; use megatron_cp, ring, ulysses, usp or allgather")
         if self.gating is not None:
             if self.strategy != "megatron_cp":
                 raise ValueError(f"head gating runs with strategy megatron_cp, not {self.strategy!r}")
@@ -190,11 +206,13 @@ def _make_plan(mask, cp_size: int, options: PlanOptions):
     strategy = options.strategy
     if strategy == "megatron_cp":
         # dynamic sparse attention needs whole blocks per rank and every row on its own rank
-        sparse = {} if options.sparse is None else {"block": options.sparse.block, "guest_rows": "none"}
+        sparse = {} if options.sparse is None else {"guest_rows": "none"}
         plan = mcp.plan(mask, cp_size, chunk_size=options.chunk_size, topology=options.topology,
-                        solver=options.solver, **sparse)
+                        solver=options.solver, block=options.block, **sparse)
         return plan, strategy
-    return plan_for(strategy, mask, cp_size, chunk_size=options.chunk_size, topology=options.topology), strategy
+    block = {} if options.block == 1 else {"block": options.block}  # head_context takes no block (refused)
+    return plan_for(strategy, mask, cp_size, chunk_size=options.chunk_size, topology=options.topology,
+                    **block), strategy
 
 
 def prepare_batch(
@@ -231,7 +249,10 @@ def prepare_batch(
     tok_np = tokens.detach().cpu().numpy()
     cu = document_bounds(tok_np, spec)
     key = (spec, b, S, cp_size, options, cu.tobytes() if spec.packed else b"")
-    block = None if options.sparse is None else options.sparse.block
+    if (b * S) % options.token_multiple:
+        raise ValueError(f"--sequence-parallel needs the micro-batch's {b}x{S} tokens divisible by the TP size "
+                         f"{options.token_multiple}")
+    block = options.block
     plan_key = key[:4] + (options.chunk_size, options.topology, options.solver, options.strategy, block) + key[5:]
     plan, strategy = _PLANS.get(plan_key, lambda: _make_plan(build_mask(spec, cu, b, S), cp_size, options))
     if check and cp_size > 1:

@@ -5,19 +5,22 @@
     import megatron_cp.megatron.plugin as _megatron_cp  # megatron-cp
     _megatron_cp.install_into(globals())                 # megatron-cp
 
-``install_into`` rebinds, in that script's namespace only, the two names its main block reads:
+``install_into`` rebinds, in that script's namespace only, the names its main block and data set-up read:
 
 * ``parse_and_validate_args``: adds ``--context-parallel-impl`` and the ``--cp-*`` flags to whatever
   ``extra_args_provider`` the script passes, and with ``megatron_cp`` selects our layer spec
   (``--spec megatron_cp.megatron.specs megatron_cp_layer_spec``) unless one was given;
 * ``forward_step``: with ``--context-parallel-impl te`` the script's own function runs unchanged; with
-  ``megatron_cp`` our ``forward_step`` runs (batch hook, RoPE, per-token loss).
+  ``megatron_cp`` our ``forward_step`` runs (batch hook, RoPE, per-token loss);
+* ``is_dataset_built_on_rank`` (where the script has it): with ``megatron_cp`` every pipeline stage's TP
+  rank 0 reads the data, as Megatron does for packed sequences: each stage plans the micro-batch itself.
 
 ``uninstall_from(namespace)`` restores the originals. Nothing in Megatron's packages is patched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import torch
@@ -44,6 +47,15 @@ def ensure_installed(model) -> None:
         inner._megatron_cp_rope = rope.install(inner)
 
 
+def plan_specs(args, eod: int | None = None):
+    """``specs_from_args`` plus what Megatron's own flags imply for the plan: under ``--sequence-parallel``
+    every rank's token count is a multiple of ``--tensor-model-parallel-size`` (``PlanOptions.token_multiple``)."""
+    spec, options = specs_from_args(args, eod=eod)
+    if getattr(args, "sequence_parallel", False):
+        options = dataclasses.replace(options, token_multiple=int(args.tensor_model_parallel_size))
+    return spec, options
+
+
 def validate_args(args) -> None:
     """Parse-time checks for ``--context-parallel-impl`` megatron_cp (or a baseline), raising ValueError naming
     the flag: Megatron options we do not honour (``arguments.UNSUPPORTED``), Megatron's document and window
@@ -53,7 +65,17 @@ def validate_args(args) -> None:
     if args.context_parallel_impl not in OURS:
         return
     if getattr(args, "pipeline_model_parallel_size", 1) > 1:
-        raise ValueError("--context-parallel-impl megatron_cp does not support --pipeline-model-parallel-size > 1 yet")
+        # a rank's token count depends on the micro-batch's plan, so stages exchange activation shapes
+        # with every send (Megatron's mechanism for data with variable sequence lengths; no CLI flag).
+        # Megatron refuses that beside the allgather MoE dispatcher, its default even for dense models.
+        dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
+        if dispatcher == "allgather":
+            if getattr(args, "num_experts", None):
+                raise ValueError("--pipeline-model-parallel-size > 1 with megatron_cp exchanges variable activation "
+                                 "shapes, which Megatron's --moe-token-dispatcher-type allgather does not support: "
+                                 "use --moe-token-dispatcher-type alltoall (or flex)")
+            args.moe_token_dispatcher_type = "alltoall"  # no MoE layer: the dispatcher is never built
+        args.variable_seq_lengths = True
     backend = str(getattr(args, "attention_backend", "auto"))
     if backend.endswith("local"):
         raise ValueError(f"--attention-backend {backend} makes Megatron swap in DotProductAttention; use auto")
@@ -65,7 +87,7 @@ def validate_args(args) -> None:
         raise ValueError(f"--spec {' '.join(args.spec)} builds Megatron's own core attention, which would run on "
                          "megatron-cp's token layout; leave --spec out (megatron-cp then takes Megatron's spec for the "
                          f"model's config and swaps only core attention: --spec {' '.join(SPEC)})")
-    spec, options = specs_from_args(args, eod=0)  # any EOD id plans alike; the real one comes from the tokenizer later
+    spec, options = plan_specs(args, eod=0)  # any EOD id plans alike; the real one comes from the tokenizer later
     if options.gating is not None and options.gating.mode == "train":
         raise ValueError(f"--cp-head-gating {options.gating.method} trains gates in a loop that owns them "
                          "(examples/tiny_llama/train_gates.py); pretrain_gpt.py runs a learned pattern with "
@@ -84,30 +106,49 @@ def wrap_parse(parse_and_validate_args):
 
 
 def _broadcast_batch(data_iterator, args):
-    """tokens / labels / loss_mask ``[mbs, S]`` on every TP rank (the loader lives on TP rank 0)."""
+    """tokens / labels / loss_mask ``[mbs, S]`` on every TP rank (the loader lives on TP rank 0).
+
+    Runs on every pipeline stage (and virtual chunk): each builds the micro-batch's plan from the
+    tokens of its own data iterator, so no stage waits on another for it. A TP rank 0 without an
+    iterator sends tokens starting with -1 (no extra collective), and every TP rank raises together.
+    """
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
     src = ps.get_tensor_model_parallel_src_rank()
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     shape = (args.micro_batch_size, args.seq_length)
-    if ps.get_tensor_model_parallel_rank() == 0:
+    missing = False
+    if ps.get_tensor_model_parallel_rank() == 0 and data_iterator is not None:
         data = next(data_iterator)
         tokens = data["tokens"].to(dev, torch.int64)
         labels = data["labels"].to(dev, torch.int64)
         loss_mask = data["loss_mask"].to(dev, torch.float32)
     else:
-        tokens = torch.empty(shape, dtype=torch.int64, device=dev)
+        missing = ps.get_tensor_model_parallel_rank() == 0
+        tokens = torch.full(shape, -1, dtype=torch.int64, device=dev)
         labels = torch.empty(shape, dtype=torch.int64, device=dev)
         loss_mask = torch.empty(shape, dtype=torch.float32, device=dev)
     if ps.get_tensor_model_parallel_world_size() > 1:
         for t in (tokens, labels, loss_mask):
             torch.distributed.broadcast(t, src, group=tp_group)
+    if missing or int(tokens[0, 0]) == -1:
+        raise ValueError(
+            f"pipeline stage {ps.get_pipeline_model_parallel_rank()} has no data iterator on its tensor-parallel "
+            "rank 0: megatron_cp builds each micro-batch's plan from its tokens on every pipeline stage, so every "
+            "stage (and virtual chunk) needs the data set (install_into makes pretrain_gpt.py build it there; a "
+            "dataset provider with is_distributed=True builds it on every rank)")
     return tokens, labels, loss_mask
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    """``forward_step_func`` for ``megatron.training.pretrain`` with megatron-cp context parallelism."""
+    """``forward_step_func`` for ``megatron.training.pretrain`` with megatron-cp context parallelism.
+
+    Every pipeline stage plans the micro-batch itself (the plan is a pure function of its tokens) and
+    passes it in ``packed_seq_params``: the first stage embeds the dispatched tokens, every stage applies
+    RoPE at the dispatched positions and runs attention by the plan, the last computes the per-token loss.
+    No collective spans pipeline stages (the schedules call this at different times on each stage).
+    """
     from megatron.core import parallel_state as ps
     from megatron.training import get_args, get_tokenizer
 
@@ -120,7 +161,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         eod = get_tokenizer().eod
     except Exception:  # no tokenizer built (e.g. mock data without one): --cp-eod-token is then needed
         pass
-    spec, options = specs_from_args(args, eod=eod)
+    spec, options = plan_specs(args, eod=eod)
     tokens, labels, loss_mask = _broadcast_batch(data_iterator, args)
     cp_group = ps.get_context_parallel_group()
     bt = prepare_batch(tokens, labels, loss_mask, spec, cp_group, options)
@@ -151,6 +192,20 @@ def install_into(namespace: dict) -> None:
 
     namespace["parse_and_validate_args"] = wrap_parse(namespace["parse_and_validate_args"])
     namespace["forward_step"] = dispatch_forward_step
+    original_built = namespace.get("is_dataset_built_on_rank")
+    if original_built is not None:
+        namespace[_SAVED]["is_dataset_built_on_rank"] = original_built
+
+        def built_on_rank(*a, **kw):
+            """Every pipeline stage reads the micro-batches (TP rank 0): each plans them itself."""
+            from megatron.core import parallel_state as ps
+            from megatron.training import get_args
+
+            if get_args().context_parallel_impl in OURS:
+                return ps.get_tensor_model_parallel_rank() == 0
+            return original_built(*a, **kw)
+
+        namespace["is_dataset_built_on_rank"] = built_on_rank
 
 
 def uninstall_from(namespace: dict) -> None:

@@ -1,0 +1,123 @@
+"""Pipeline parallelism with megatron-cp: a 4-layer Llama GPTModel at (PP 2, CP 2) under Megatron's 1F1B
+schedule and at (PP 2, virtual stages 2, CP 2) under its interleaved 1F1B schedule
+(``megatron.core.pipeline_parallel.get_forward_backward_func``) equals the same model at (PP 1, CP 1):
+loss, every parameter gradient and two AdamW steps (fp32, relative error <= 1e-5), for causal and
+packed-with-EOD masks, 4 micro-batches of 2 samples per step.
+
+Every stage and virtual chunk reads the micro-batches from its own iterator and builds the same plan from
+the tokens (``trainer.forward_step``), as ``plugin.forward_step`` does in ``pretrain_gpt.py``; ranks
+hold plan-dependent token counts, so stages exchange activation shapes (``variable_seq_lengths``).
+
+Test-only shim: Megatron's p2p code allocates on ``torch.cuda.current_device()`` and its schedules make
+``device="cuda"`` token counters; the CPU workers map both to the CPU (``megatron_helpers.cuda_to_cpu_shim``).
+One spawn of 4 gloo processes runs every case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_helpers import EOD, cuda_to_cpu_shim, make_global_batch, rel_err
+
+TOL = 1e-5
+MASKS = ["causal", "packed"]
+LAYOUTS = [(2, None), (2, 2)]  # (pipeline stages, virtual stages per pipeline rank)
+CP = 2
+S, G, MBS, STEPS, LR = 48, 8, 2, 2, 1e-3
+
+
+def _full_name(chunk, name: str) -> str:
+    """A chunk's parameter name in the whole model (layers renumbered by their global layer_number)."""
+    if not name.startswith("decoder.layers."):
+        return name
+    _, _, j, rest = name.split(".", 3)
+    return f"decoder.layers.{chunk.decoder.layers[int(j)].layer_number - 1}.{rest}"
+
+
+def _worker(rank, world):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_cp.megatron.batch import MaskSpec
+    from tiny_llama import trainer
+    from tiny_llama.model import LlamaShape, build_llama, build_pipeline_stage
+
+    torch.set_num_threads(1)
+    cuda_to_cpu_shim(schedules=True)
+    shape = LlamaShape(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                       ffn_hidden_size=48, vocab_size=320, seq_length=S)
+    report = []
+    for mask in MASKS:
+        spec = MaskSpec(mask, eod=EOD if mask == "packed" else None)
+        batches = [make_global_batch(G, S, seed=500 + i, packed=mask == "packed") for i in range(STEPS)]
+        trainer.init_parallel(1, 1)
+        torch.manual_seed(11)
+        ref = build_llama(shape)
+        full_w = {k: p.detach().clone() for k, p in ref.named_parameters()}
+        opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+        ref_losses, ref_g0 = [], None
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            s, n = trainer.forward_backward(ref, trainer.dp_shard(batches[step], 0, 1, MBS), spec)
+            for p in ref.parameters():
+                p.grad.div_(float(n))
+            if step == 0:
+                ref_g0 = {k: p.grad.detach().clone() for k, p in ref.named_parameters()}
+            opt.step()
+            ref_losses.append(float(s) / float(n))
+        ref_w = {k: p.detach().clone() for k, p in ref.named_parameters()}
+        del ref
+
+        for pp, vpp in LAYOUTS:
+            trainer.init_parallel(1, CP, pp=pp, vpp=vpp)
+            chunks = build_pipeline_stage(shape)
+            named = {_full_name(c, k): p for c in chunks for k, p in c.named_parameters()}
+            with torch.no_grad():
+                for k, p in named.items():
+                    p.copy_(full_w[k])
+            params = [p for c in chunks for p in c.parameters()]
+            opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+            losses, gerr = [], 0.0
+            for step in range(STEPS):
+                opt.zero_grad(set_to_none=True)
+                mbs = trainer.dp_shard(batches[step], ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                                       MBS)
+                s, n = trainer.pipeline_forward_backward(chunks, mbs, spec)
+                res = trainer.reduce_and_scale(chunks, s, n)
+                if step == 0:
+                    gerr = max(rel_err(p.grad, ref_g0[k]) for k, p in named.items())
+                opt.step()
+                losses.append(res.loss)
+            werr = max(rel_err(p.detach(), ref_w[k]) for k, p in named.items())
+            lerr = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+            mine = dict(names=sorted(named), grad_err=gerr, weight_err=werr, loss_err=lerr, losses=losses,
+                        chunks=len(chunks))
+            every = [None] * world
+            dist.all_gather_object(every, mine)
+            report.append(dict(mask=mask, pp=pp, vpp=vpp, ref_names=sorted(ref_w), ref_losses=ref_losses,
+                               names=sorted({n for r in every for n in r["names"]}),
+                               grad_err=max(r["grad_err"] for r in every),
+                               weight_err=max(r["weight_err"] for r in every),
+                               loss_err=max(r["loss_err"] for r in every), losses=mine["losses"],
+                               chunks=[r["chunks"] for r in every]))
+            del chunks, named, params, opt
+    return report
+
+
+@pytest.fixture(scope="module")
+def pp_report():
+    from tiny_llama.trainer import spawn
+
+    return spawn(_worker, 4)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("pp,vpp", LAYOUTS)
+def test_pipeline_parity_with_pp1_cp1(pp_report, mask, pp, vpp):
+    (r,) = [r for r in pp_report if (r["mask"], r["pp"], r["vpp"]) == (mask, pp, vpp)]
+    assert r["names"] == r["ref_names"], "the stages' parameters together are not the whole model"
+    assert r["chunks"] == [vpp or 1] * 4
+    assert r["loss_err"] <= TOL, f"loss differs: {r['losses']} vs {r['ref_losses']}"
+    assert r["grad_err"] <= TOL, f"worst parameter gradient relative error {r['grad_err']:.3e}"
+    assert r["weight_err"] <= TOL, f"weights after {STEPS} AdamW steps differ: {r['weight_err']:.3e}"
