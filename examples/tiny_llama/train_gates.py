@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -153,7 +154,7 @@ def evaluate(model, task: PasskeyTask, n: int, seed: int, spec, options, gating=
     return float(per_sample.sum()) / (n * task.digits), float((per_sample == task.digits).double().mean())
 
 
-def _pretrain(model, task, cfg, spec, options):
+def _pretrain(model, task, cfg, spec, options, log=lambda what: None):
     from . import trainer
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -168,6 +169,8 @@ def _pretrain(model, task, cfg, spec, options):
             opt.step()
             losses.append(res.loss)
             step += 1
+        if steps:
+            log(f"pretraining stage {length} tokens x {steps} steps: loss {losses[-1]:.3f}")
     return losses
 
 
@@ -283,6 +286,12 @@ def _step_ms(model, task, cfg, spec, options, gating=None) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _progress(rank: int, t0: float, what: str) -> None:
+    """One line per finished phase on rank 0's stderr (long runs show where they are)."""
+    if rank == 0:
+        print(f"[train_gates {time.perf_counter() - t0:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def _worker(rank, world, cfg: GateConfig):
     import torch.distributed as dist
 
@@ -301,8 +310,9 @@ def _worker(rank, world, cfg: GateConfig):
     full_opts = PlanOptions()
     torch.manual_seed(cfg.seed)
     model = build_llama(shape_of(cfg)).to(cfg.device)
-    pre = _pretrain(model, task, cfg, spec, full_opts)
+    pre = _pretrain(model, task, cfg, spec, full_opts, log=lambda what: _progress(rank, t0, what))
     t_pre = time.perf_counter() - t0
+    _progress(rank, t0, f"pretrained: loss {pre[0]:.3f} -> {pre[-1]:.3f}")
     model.requires_grad_(False)  # both objectives here train the gates only
     L, H = cfg.layers, cfg.kv_heads
     es, ev = cfg.eval_samples, cfg.seed + 99_999
@@ -315,6 +325,7 @@ def _worker(rank, world, cfg: GateConfig):
     res = dict(config=asdict(cfg), pretrain_loss=[pre[0], pre[-1]], stage_end_loss=ends, pretrain_s=round(t_pre, 1),
                total_heads=L * H, methods={},
                rows=[("full (every head full)", L * H, *evaluate(model, task, es, ev, spec, full_opts, **ekw))])
+    _progress(rank, t0, f"full model: digit / key accuracy {res['rows'][0][2]:.3f} / {res['rows'][0][3]:.3f}")
     timing = {"full (every head full)": _step_ms(model, task, cfg, spec, full_opts)} if cfg.time_steps else {}
     pat_opts = None
     for method in (("duo", "prulong") if cfg.method == "both" else (cfg.method,)):
@@ -327,6 +338,7 @@ def _worker(rank, world, cfg: GateConfig):
             values, glog, exp_sparsity = _train_prulong(model, task, cfg, spec, gated_opts)
             init = LOG_ALPHA_MEAN
         values = values.cpu()
+        _progress(rank, t0, f"{method} gates learned: {[[round(float(x), 3) for x in row] for row in values]}")
         res["methods"][method] = dict(gates=values.tolist(), gate_init=init, patterns={},
                                       gate_name="alpha" if method == "duo" else "log_alpha",
                                       expected_sparsity=exp_sparsity, gate_log=[glog[0], glog[-1]])
@@ -347,6 +359,8 @@ def _worker(rank, world, cfg: GateConfig):
                                 *evaluate(model, task, es, ev, spec, pat_opts, **ekw)))
             res["rows"].append((f"{name}: inverse control", sum(map(sum, inverse)),
                                 *evaluate(model, task, es, ev, spec, pat_opts, gating=PatternSource(inverse), **ekw)))
+            _progress(rank, t0, f"{name}: discretised {res['rows'][-2][2]:.3f} / {res['rows'][-2][3]:.3f}, inverse "
+                                f"{res['rows'][-1][2]:.3f} / {res['rows'][-1][3]:.3f}")
             res["methods"][method]["patterns"][f"{level:g}"] = dict(pattern=pattern, path=path)
             if level == cfg.sparsity:
                 res["methods"][method].update(pattern=pattern, path=path)
