@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,19 +157,43 @@ def build_mask(spec: MaskSpec, cu: np.ndarray, b: int, S: int):
 
 
 class PlanCache:
-    """LRU cache of plans keyed by (mask spec, document bounds, cp size); plans are pure."""
+    """LRU cache of plans keyed by (mask spec, document bounds, cp size); plans are pure.
+
+    Thread-safe: a background thread may plan ahead (``plan_ahead.PlanAhead``) while the step asks for
+    the same key; a key being made is made once, and a second asker waits for that result (an error
+    of ``make`` reaches every asker). ``made``: how many values ``make`` built."""
 
     def __init__(self, size: int = 64):
         self.size, self._d = size, OrderedDict()
+        self._lock = threading.Lock()
+        self._making: dict = {}  # key -> Future of a value being made
+        self.made = 0
 
     def get(self, key, make):
-        if key in self._d:
-            self._d.move_to_end(key)
-            return self._d[key]
-        val = make()
-        self._d[key] = val
-        if len(self._d) > self.size:
-            self._d.popitem(last=False)
+        with self._lock:
+            if key in self._d:
+                self._d.move_to_end(key)
+                return self._d[key]
+            fut = self._making.get(key)
+            mine = fut is None
+            if mine:
+                fut = self._making[key] = Future()
+        if not mine:
+            return fut.result()
+        try:
+            val = make()
+        except BaseException as e:
+            with self._lock:
+                del self._making[key]
+            fut.set_exception(e)
+            raise
+        with self._lock:
+            self._d[key] = val
+            self.made += 1
+            if len(self._d) > self.size:
+                self._d.popitem(last=False)
+            del self._making[key]
+        fut.set_result(val)
         return val
 
 
@@ -213,6 +239,26 @@ def _make_plan(mask, cp_size: int, options: PlanOptions):
     block = {} if options.block == 1 else {"block": options.block}  # head_context takes no block (refused)
     return plan_for(strategy, mask, cp_size, chunk_size=options.chunk_size, topology=options.topology,
                     **block), strategy
+
+
+def plan_for_batch(tokens, spec: MaskSpec, cp_size: int, options: PlanOptions = PlanOptions()):
+    """(plan, strategy) of the micro-batch ``tokens`` (int ``[b, S]``, tensor or array), made and cached
+    under the key ``prepare_batch`` uses, so ``prepare_batch`` of the same tokens (same spec, CP size and
+    options) then finds it without planning: what ``plan_ahead.PlanAhead`` runs ahead of the step.
+    Pure host work (no collective); thread-safe."""
+    tok = tokens.detach().cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
+    if tok.ndim != 2:
+        raise ValueError(f"tokens must be [b, S], got shape {tuple(tok.shape)}")
+    b, S = tok.shape
+    if b * S < cp_size:
+        raise ValueError(f"micro-batch of {b}x{S} tokens is smaller than cp_size={cp_size}")
+    if (b * S) % options.token_multiple:
+        raise ValueError(f"--sequence-parallel needs the micro-batch's {b}x{S} tokens divisible by the TP size "
+                         f"{options.token_multiple}")
+    cu = document_bounds(tok, spec)
+    plan_key = (spec, b, S, cp_size, options.chunk_size, options.topology, options.solver, options.strategy,
+                options.block, cu.tobytes() if spec.packed else b"")
+    return _PLANS.get(plan_key, lambda: _make_plan(build_mask(spec, cu, b, S), cp_size, options))
 
 
 def prepare_batch(

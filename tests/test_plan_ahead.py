@@ -1,0 +1,169 @@
+"""Planning off the step's critical path (megatron_cp.megatron.plan_ahead, batch.plan_for_batch, PlanCache).
+
+One process, no model: a training loop whose step takes a known time (a sleep: the step waiting on the
+GPU with the GIL released) consumes micro-batches of packed documents with varying boundaries. The time
+the loop spends blocked on plans is measured, with planning ahead and without.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import megatron_cp as mcp
+from megatron_cp.megatron import batch as B
+from megatron_cp.megatron.plan_ahead import PlanAhead, plan_ahead
+
+EOD = 0
+S, CP = 32768, 8
+SPEC = B.MaskSpec("packed", eod=EOD)
+OPTIONS = B.PlanOptions()
+
+
+class _Group:
+    """A CP group as prepare_batch reads it (size, rank) for check=False: no collective is run."""
+
+    def size(self):
+        return CP
+
+    def rank(self):
+        return 0
+
+
+def _tokens(seed: int) -> torch.Tensor:
+    """[1, S] int64 of packed documents (log-normal lengths, each ending in EOD), boundaries by seed."""
+    rng = np.random.default_rng(seed)
+    w = rng.lognormal(0.0, 1.0, 200)
+    ends = np.unique(np.clip(np.cumsum(w / w.sum() * S).astype(np.int64), 1, S)) - 1
+    tok = rng.integers(1, 1000, size=S)
+    tok[ends] = EOD
+    return torch.from_numpy(tok).reshape(1, S)
+
+
+def _direct_digest(tokens: torch.Tensor) -> str:
+    """The plan's digest computed from this micro-batch's own boundaries, without any cache."""
+    cu = B.document_bounds(tokens.numpy(), SPEC)
+    return mcp.plan(mcp.masks.varlen(cu, causal=True), CP).digest
+
+
+def _plan_fn(batch):
+    return B.plan_for_batch(batch["tokens"], SPEC, CP, OPTIONS)
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch):
+    cache = B.PlanCache()
+    monkeypatch.setattr(B, "_PLANS", cache)
+    return cache
+
+
+def _train(batches, depth: int, step_s: float):
+    """The loop: pull a micro-batch, get its plan as the step does (plan_for_batch: a cache hit when
+    planned ahead), then 'compute' for step_s. Returns (PlanAhead, the plans the loop used)."""
+    it = PlanAhead(batches, _plan_fn, depth=depth)
+    plans = []
+    for batch in it:
+        plans.append(B.plan_for_batch(batch["tokens"], SPEC, CP, OPTIONS)[0])
+        time.sleep(step_s)
+    return it, plans
+
+
+def test_step_never_waits_on_plans_planned_ahead(fresh_cache, monkeypatch):
+    batches = [{"tokens": _tokens(100 + i)} for i in range(12)]
+    plan_s = []
+    for i in range(3):  # the plan's cost here, on this machine now
+        t = time.perf_counter()
+        _direct_digest(_tokens(900 + i))
+        plan_s.append(time.perf_counter() - t)
+    step_s = min(0.3, max(0.03, 10 * min(plan_s)))  # a step ten plans long (bounded: the test stays short)
+
+    it, plans = _train(batches, depth=2, step_s=step_s)
+    st = it.stats()
+    # each layout planned once, by the thread: the step's own plan_for_batch only ever hit the cache
+    assert st["micro_batches"] == len(batches) and fresh_cache.made == len(batches)
+    # the first micro-batch is planned when the loop starts; after it the step never waits on a plan
+    assert sum(it.waits[1:]) < 0.05 * sum(it.plan_times[1:]), (it.waits, it.plan_times)
+    assert [p.digest for p in plans] == [_direct_digest(b["tokens"]) for b in batches]
+
+    # the same loop planning inline (depth 0): the step waits for every plan, so the check above fails
+    monkeypatch.setattr(B, "_PLANS", B.PlanCache())
+    inline, plans0 = _train(batches, depth=0, step_s=step_s)
+    assert B._PLANS.made == len(batches)
+    assert sum(inline.waits[1:]) >= 0.9 * sum(inline.plan_times[1:]) > 0
+    assert not sum(inline.waits[1:]) < 0.05 * sum(inline.plan_times[1:])
+    assert [p.digest for p in plans0] == [p.digest for p in plans]
+
+
+def test_each_micro_batch_gets_its_own_plan_and_prepare_batch_finds_it(fresh_cache):
+    seeds = [1, 2, 1, 3, 4, 2, 5]  # repeated layouts share one plan; distinct ones never mix
+    batches = [{"tokens": _tokens(s), "seed": s} for s in seeds]
+    it = PlanAhead(batches, _plan_fn, depth=3)
+    seen = {}
+    for batch in it:
+        made = fresh_cache.made
+        bt = B.prepare_batch(batch["tokens"], None, None, SPEC, _Group(), OPTIONS, check=False)
+        assert fresh_cache.made == made  # found in the cache: prepare_batch did not plan
+        assert bt.params.plan.digest == _direct_digest(batch["tokens"])
+        seen.setdefault(batch["seed"], bt.params.plan)
+        assert bt.params.plan is seen[batch["seed"]]
+        assert torch.equal(bt.tokens.reshape(-1), batch["tokens"].reshape(-1)[torch.from_numpy(bt.params.plan.local_ids(0))])
+    assert fresh_cache.made == len(set(seeds))
+    assert len({p.digest for p in seen.values()}) == len(set(seeds))
+
+
+def test_plan_cache_makes_a_key_once_across_threads():
+    cache, calls = B.PlanCache(), []
+
+    def make():
+        calls.append(1)
+        time.sleep(0.2)
+        return object()
+
+    got = [None, None]
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, cache.get("k", make))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and cache.made == 1 and got[0] is got[1] is not None
+
+    def bad():
+        time.sleep(0.1)
+        raise ValueError("no plan")
+
+    errors = []
+
+    def ask():
+        try:
+            cache.get("bad", bad)
+        except ValueError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == ["no plan", "no plan"] and cache.made == 1  # both askers see the error; nothing cached
+
+
+def test_plan_ahead_wraps_once_and_reports_errors(fresh_cache):
+    def gen():
+        yield {"tokens": _tokens(7)}
+        yield {"tokens": torch.zeros(S, dtype=torch.int64)}  # 1-D: plan_for_batch refuses it
+
+    g = gen()
+    a = plan_ahead(g, _plan_fn)
+    assert plan_ahead(g, _plan_fn) is a and plan_ahead(a, _plan_fn) is a
+    assert next(a)["tokens"].shape == (1, S)
+    with pytest.raises(ValueError, match=r"tokens must be \[b, S\]"):
+        next(a)
+    with pytest.raises(TypeError, match="weakly reference"):
+        plan_ahead(iter([1, 2]), _plan_fn)
+    with pytest.raises(ValueError, match="depth"):
+        PlanAhead([], _plan_fn, depth=-1)
+    assert list(PlanAhead([], _plan_fn)) == []
