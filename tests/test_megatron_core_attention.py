@@ -144,8 +144,8 @@ class TestCPCoreAttention:
         p = CPParams(plan=plan, position_ids=torch.zeros(1, n, dtype=torch.long), cp_rank=dist.get_rank())
         with pytest.raises(ValueError, match="attention_bias"):
             attn(q, kv, kv, None, attention_bias=torch.zeros(1), packed_seq_params=p)
-        with pytest.raises(ValueError, match=r"\[s, b, h, d\]"):
-            attn(q[:, 0], kv[:, 0], kv[:, 0], None, packed_seq_params=p)
+        with pytest.raises(ValueError, match=r"\[s, b, h, d\]"):  # (3-D is MLA's [s, h, d] with CPParams)
+            attn(q[:, 0, 0], kv[:, 0, 0], kv[:, 0, 0], None, packed_seq_params=p)
         with pytest.raises(ValueError, match="holds"):
             attn(q[:-1], kv[:-1], kv[:-1], None, packed_seq_params=p)
         with pytest.raises(ValueError, match="Hkv dividing Hq"):

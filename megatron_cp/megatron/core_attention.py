@@ -152,7 +152,7 @@ class CPCoreAttention(MegatronModule):
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
             raise ValueError(
-                f"CPCoreAttention expects [s, b, h, d] tensors, got q {tuple(query.shape)}, "
+                f"CPCoreAttention expects [s, b, h, d] tensors (MLA: [s, h, d] with CPParams), got q {tuple(query.shape)}, "
                 f"k {tuple(key.shape)}, v {tuple(value.shape)}"
             )
         s, b, hq, d = query.shape
