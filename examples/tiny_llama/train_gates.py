@@ -67,6 +67,7 @@ class GateConfig:
     heads: int = 8
     kv_heads: int = 4
     seed: int = 1234
+    rotary_base: int = 10000  # long context: a large base keeps low RoPE frequencies for content matching
     out: str = "out/head_pattern.json"  # /out/ is git-ignored
     device: str = "cpu"  # cuda: one GPU per CP rank (NCCL)
     # pretraining stages "LEN:STEPS:BATCH,...", shortest first (retrieval learned short, then lengthened);
@@ -103,7 +104,8 @@ class GateConfig:
 def shape_of(cfg: GateConfig) -> LlamaShape:
     return LlamaShape(num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
                       num_query_groups=cfg.kv_heads, ffn_hidden_size=2 * cfg.hidden, vocab_size=256,
-                      seq_length=max([cfg.seq_length] + [length for length, _, _ in cfg.stages()]))
+                      seq_length=max([cfg.seq_length] + [length for length, _, _ in cfg.stages()]),
+                      rotary_base=cfg.rotary_base)
 
 
 def _cp():
@@ -409,7 +411,7 @@ def parse(argv=None) -> GateConfig:
     p.add_argument("--method", choices=("duo", "prulong", "both"), default=d.method,
                    help="both: one pretraining, then each objective from the same frozen model")
     for name in ("cp", "sink", "window", "seq_length", "digits", "pretrain_steps", "gate_steps", "warmup_steps",
-                 "batch", "eval_samples", "layers", "hidden", "heads", "kv_heads", "seed"):
+                 "batch", "eval_samples", "layers", "hidden", "heads", "kv_heads", "seed", "rotary_base"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("gate_batch", "time_steps"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
