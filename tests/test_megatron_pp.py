@@ -121,3 +121,78 @@ def test_pipeline_parity_with_pp1_cp1(pp_report, mask, pp, vpp):
     assert r["loss_err"] <= TOL, f"loss differs: {r['losses']} vs {r['ref_losses']}"
     assert r["grad_err"] <= TOL, f"worst parameter gradient relative error {r['grad_err']:.3e}"
     assert r["weight_err"] <= TOL, f"weights after {STEPS} AdamW steps differ: {r['weight_err']:.3e}"
+
+
+def _parsed(*argv):
+    """Megatron's own parser with our flags (no Megatron validation: that one reads CUDA at CP > 1)."""
+    import sys
+
+    from megatron.training.arguments import parse_args
+
+    from megatron_cp.megatron.arguments import add_megatron_cp_args
+
+    saved = sys.argv
+    try:
+        sys.argv = ["pretrain_gpt.py", "--context-parallel-impl", "megatron_cp", "--calculate-per-token-loss",
+                    "--position-embedding-type", "rope", "--attention-dropout", "0", "--seq-length", "64",
+                    "--micro-batch-size", "2", "--context-parallel-size", "2", *argv]
+        return parse_args(add_megatron_cp_args)
+    finally:
+        sys.argv = saved
+
+
+def test_validate_args_sets_variable_shapes_for_pipelines():
+    from megatron_cp.megatron import plugin
+
+    a = _parsed("--pipeline-model-parallel-size", "2")
+    a.variable_seq_lengths = False  # as Megatron's validate_args leaves it
+    plugin.validate_args(a)
+    assert a.variable_seq_lengths is True and a.moe_token_dispatcher_type == "alltoall"
+    a = _parsed()
+    a.variable_seq_lengths = False
+    plugin.validate_args(a)
+    assert a.variable_seq_lengths is False and a.moe_token_dispatcher_type == "allgather"
+    a = _parsed("--pipeline-model-parallel-size", "2", "--num-experts", "4")
+    with pytest.raises(ValueError, match="--moe-token-dispatcher-type alltoall"):
+        plugin.validate_args(a)
+
+
+def test_install_into_builds_the_data_on_every_stage(monkeypatch):
+    import argparse
+
+    import megatron.training as mt
+    from megatron.core import parallel_state as ps
+
+    from megatron_cp.megatron import plugin
+
+    ns = dict(parse_and_validate_args=lambda **kw: None, forward_step=lambda it, m: None,
+              is_dataset_built_on_rank=lambda vp_stage=None, is_packed_sequence=False: "first or last stage")
+    original = ns["is_dataset_built_on_rank"]
+    plugin.install_into(ns)
+    for tp_rank in (0, 1):
+        monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda r=tp_rank: r)
+        monkeypatch.setattr(mt, "get_args", lambda: argparse.Namespace(context_parallel_impl="megatron_cp"))
+        assert ns["is_dataset_built_on_rank"](vp_stage=1) is (tp_rank == 0)
+        monkeypatch.setattr(mt, "get_args", lambda: argparse.Namespace(context_parallel_impl="te"))
+        assert ns["is_dataset_built_on_rank"](vp_stage=1) == "first or last stage"
+    plugin.uninstall_from(ns)
+    assert ns["is_dataset_built_on_rank"] is original
+
+
+def test_a_stage_without_data_raises(monkeypatch):
+    import argparse
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_cp.megatron import plugin
+
+    for name, value in (("get_tensor_model_parallel_group", None), ("get_tensor_model_parallel_src_rank", 0),
+                        ("get_tensor_model_parallel_rank", 0), ("get_tensor_model_parallel_world_size", 1),
+                        ("get_pipeline_model_parallel_rank", 1)):
+        monkeypatch.setattr(ps, name, lambda v=value: v)
+    args = argparse.Namespace(micro_batch_size=2, seq_length=8)
+    with pytest.raises(ValueError, match="pipeline stage 1 has no data iterator"):
+        plugin._broadcast_batch(None, args)
+    data = dict(tokens=torch.arange(16).view(2, 8), labels=torch.arange(16).view(2, 8), loss_mask=torch.ones(2, 8))
+    tokens, labels, loss_mask = plugin._broadcast_batch(iter([data]), args)
+    assert tokens.equal(data["tokens"]) and loss_mask.dtype == torch.float32

@@ -141,3 +141,30 @@ def test_token_multiple_checks():
         PlanOptions(token_multiple=0)
     with pytest.raises(ValueError, match="--sequence-parallel.*head_context"):
         PlanOptions(token_multiple=2, strategy="head_context")
+
+
+def test_sequence_parallel_flags():
+    """``plan_specs`` takes the TP size under --sequence-parallel; head_context is refused when parsed."""
+    import sys
+
+    from megatron.training.arguments import parse_args
+
+    from megatron_cp.megatron import plugin
+    from megatron_cp.megatron.arguments import add_megatron_cp_args
+
+    def parsed(*argv):
+        saved = sys.argv
+        try:
+            sys.argv = ["pretrain_gpt.py", "--calculate-per-token-loss", "--position-embedding-type", "rope",
+                        "--attention-dropout", "0", "--seq-length", "64", "--micro-batch-size", "2",
+                        "--context-parallel-size", "2", "--tensor-model-parallel-size", "2", *argv]
+            return parse_args(add_megatron_cp_args)
+        finally:
+            sys.argv = saved
+
+    a = parsed("--context-parallel-impl", "megatron_cp", "--sequence-parallel")
+    plugin.validate_args(a)
+    assert plugin.plan_specs(a, eod=0)[1].token_multiple == 2
+    assert plugin.plan_specs(parsed("--context-parallel-impl", "megatron_cp"), eod=0)[1].token_multiple == 1
+    with pytest.raises(ValueError, match="--sequence-parallel does not combine"):
+        plugin.validate_args(parsed("--context-parallel-impl", "head_context", "--sequence-parallel"))
