@@ -5,8 +5,10 @@ loss, every parameter gradient and two AdamW steps (fp32, relative error <= 1e-5
 packed-with-EOD masks, 4 micro-batches of 2 samples per step.
 
 Every stage and virtual chunk reads the micro-batches from its own iterator and builds the same plan from
-the tokens (``trainer.forward_step``), as ``plugin.forward_step`` does in ``pretrain_gpt.py``; ranks
-hold plan-dependent token counts, so stages exchange activation shapes (``variable_seq_lengths``).
+the tokens (``trainer.forward_step``); ranks hold plan-dependent token counts, so stages exchange
+activation shapes (``variable_seq_lengths``). The (PP 2, VPP 2, CP 2) packed case also runs Megatron's
+interleaved schedule with ``plugin.forward_step`` itself (the ``pretrain_gpt.py`` hook, on Megatron's
+parsed and validated-by-us arguments) for one step's gradients.
 
 Test-only shim: Megatron's p2p code allocates on ``torch.cuda.current_device()`` and its schedules make
 ``device="cuda"`` token counters; the CPU workers map both to the CPU (``megatron_helpers.cuda_to_cpu_shim``).
@@ -33,6 +35,34 @@ def _full_name(chunk, name: str) -> str:
         return name
     _, _, j, rest = name.split(".", 3)
     return f"decoder.layers.{chunk.decoder.layers[int(j)].layer_number - 1}.{rest}"
+
+
+def _plugin_grads(chunks, batch, named):
+    """One step of Megatron's schedule with ``plugin.forward_step`` on ``chunks`` -> {full name: grad}."""
+    import megatron.training.global_vars as gv
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_cp.megatron import plugin
+    from tiny_llama import trainer
+
+    args = _parsed("--pipeline-model-parallel-size", "2", "--cp-mask", "packed", "--cp-eod-token", str(EOD),
+                   seq_length=S, micro_batch_size=MBS)
+    args.variable_seq_lengths = False  # as Megatron's validate_args leaves it
+    plugin.validate_args(args)
+    gv.set_args(args)
+    tokens, labels, loss_mask = batch
+    data = [dict(tokens=tokens[i:i + MBS], labels=labels[i:i + MBS], loss_mask=loss_mask[i:i + MBS])
+            for i in range(0, G, MBS)]
+    for c in chunks:
+        c.zero_grad(set_to_none=True)
+    reports = get_forward_backward_func()(
+        forward_step_func=plugin.forward_step, data_iterator=[iter(data) for _ in chunks], model=chunks,
+        num_microbatches=len(data), seq_length=S, micro_batch_size=MBS, forward_only=False)
+    total = torch.zeros(2, dtype=torch.float64)
+    for r in reports:
+        total += r["lm loss"].to(torch.float64)
+    trainer.reduce_and_scale(chunks, total[0], total[1])
+    return {k: p.grad.detach().clone() for k, p in named.items()}
 
 
 def _worker(rank, world):
@@ -90,9 +120,16 @@ def _worker(rank, world):
                 opt.step()
                 losses.append(res.loss)
             werr = max(rel_err(p.detach(), ref_w[k]) for k, p in named.items())
+            plugin_err = None
+            if vpp and mask == "packed":
+                with torch.no_grad():
+                    for k, p in named.items():
+                        p.copy_(full_w[k])
+                g = _plugin_grads(chunks, batches[0], named)
+                plugin_err = max(rel_err(g[k], ref_g0[k]) for k in g)
             lerr = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
             mine = dict(names=sorted(named), grad_err=gerr, weight_err=werr, loss_err=lerr, losses=losses,
-                        chunks=len(chunks))
+                        chunks=len(chunks), plugin_err=plugin_err)
             every = [None] * world
             dist.all_gather_object(every, mine)
             report.append(dict(mask=mask, pp=pp, vpp=vpp, ref_names=sorted(ref_w), ref_losses=ref_losses,
@@ -100,7 +137,8 @@ def _worker(rank, world):
                                grad_err=max(r["grad_err"] for r in every),
                                weight_err=max(r["weight_err"] for r in every),
                                loss_err=max(r["loss_err"] for r in every), losses=mine["losses"],
-                               chunks=[r["chunks"] for r in every]))
+                               chunks=[r["chunks"] for r in every],
+                               plugin_err=None if plugin_err is None else max(r["plugin_err"] for r in every)))
             del chunks, named, params, opt
     return report
 
@@ -121,9 +159,11 @@ def test_pipeline_parity_with_pp1_cp1(pp_report, mask, pp, vpp):
     assert r["loss_err"] <= TOL, f"loss differs: {r['losses']} vs {r['ref_losses']}"
     assert r["grad_err"] <= TOL, f"worst parameter gradient relative error {r['grad_err']:.3e}"
     assert r["weight_err"] <= TOL, f"weights after {STEPS} AdamW steps differ: {r['weight_err']:.3e}"
+    if vpp and mask == "packed":
+        assert r["plugin_err"] is not None and r["plugin_err"] <= TOL, f"plugin.forward_step: {r['plugin_err']}"
 
 
-def _parsed(*argv):
+def _parsed(*argv, seq_length=64, micro_batch_size=2):
     """Megatron's own parser with our flags (no Megatron validation: that one reads CUDA at CP > 1)."""
     import sys
 
@@ -134,8 +174,9 @@ def _parsed(*argv):
     saved = sys.argv
     try:
         sys.argv = ["pretrain_gpt.py", "--context-parallel-impl", "megatron_cp", "--calculate-per-token-loss",
-                    "--position-embedding-type", "rope", "--attention-dropout", "0", "--seq-length", "64",
-                    "--micro-batch-size", "2", "--context-parallel-size", "2", *argv]
+                    "--position-embedding-type", "rope", "--attention-dropout", "0", "--seq-length",
+                    str(seq_length), "--micro-batch-size", str(micro_batch_size), "--context-parallel-size", "2",
+                    *argv]
         return parse_args(add_megatron_cp_args)
     finally:
         sys.argv = saved
