@@ -57,25 +57,24 @@ def mla_case(rank, world, mask, dk, dv, backend, dtype, hq=4, hkv=2, stages=None
 
 
 def _cases(rank, world):
+    """Runtime cases at CP 1 (in every process, no group) and CP = world."""
     torch.set_num_threads(1)
     masks = {"causal": M.causal(S), "packed": M.varlen([0, 6, 19, 20, S], causal=True)}
     res = {}
-    for name, mask in masks.items():
-        res[(name, "reference", "mla")] = mla_case(rank, world, mask, 24, 16, "reference", torch.float64)
-        res[(name, "reference", "mla", "sink")] = mla_case(rank, world, mask, 24, 16, "reference", torch.float64,
-                                                             sink=True)
-    # Triton (CPU interpreter): q/k 48 padded to a 64 block beside v 32, MLA's 192 / 128 in miniature
-    res[("packed", "triton")] = mla_case(rank, world, masks["packed"], 48, 32, "triton", torch.float32)
-    if world > 1:
-        res[("causal", "triton", "staged")] = mla_case(rank, world, masks["causal"], 48, 32, "triton", torch.float32,
-                                                       stages=1)
-        res[("packed", "staged")] = mla_case(rank, world, masks["packed"], 24, 16, "reference", torch.float64,
-                                             stages=1)
-        res[("packed", "single")] = mla_case(rank, world, masks["packed"], 24, 16, "reference", torch.float64,
-                                             stages=0)
-        plan = mcp.plan(masks["causal"], world, guest_rows=[[S - 5, S]])
-        res[("causal", "guests")] = mla_case(rank, world, masks["causal"], 24, 16, "reference", torch.float64,
-                                             plan=plan)
+    for cp in (1, world):
+        r = rank if cp > 1 else 0
+        for name, mask in masks.items():
+            res[(cp, name, "reference")] = mla_case(r, cp, mask, 24, 16, "reference", torch.float64)
+        res[(cp, "packed", "reference", "sink")] = mla_case(r, cp, masks["packed"], 24, 16, "reference",
+                                                            torch.float64, sink=True)
+    res[("packed", "staged")] = mla_case(rank, world, masks["packed"], 24, 16, "reference", torch.float64, stages=1)
+    res[("packed", "single")] = mla_case(rank, world, masks["packed"], 24, 16, "reference", torch.float64, stages=0)
+    plan = mcp.plan(masks["causal"], world, guest_rows=[[S - 5, S]])
+    res[("causal", "guests")] = mla_case(rank, world, masks["causal"], 24, 16, "reference", torch.float64, plan=plan)
+    # Triton (CPU interpreter), staged: q/k 48 padded to a 64 block beside v 32 (MLA's 192 / 128 in
+    # miniature), K/V as strided views of the exchanged rows
+    res[("causal", "triton", "staged")] = mla_case(rank, world, masks["causal"], 48, 32, "triton", torch.float32,
+                                                   stages=1)
     return res
 
 
@@ -88,9 +87,6 @@ def _check(results):
             assert not bad, (rank, key, bad)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_value_head_dim_of_its_own_matches_fp64(world):
-    _check(run_ranks(_cases, world))
 
 
 def test_fa4_backend_value_head_dim_emulated():
@@ -210,6 +206,7 @@ def _mla_cp_cases(rank, world):
     from megatron_cp.megatron import CPParams
     from megatron_cp.megatron.mla import install_mla
 
+    ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1, context_parallel_size=world)
     torch.cuda.current_device = lambda: "cpu"  # this spawned process only
     # YaRN's constructor caches Megatron's own CP-sliced table, slicing with an index made on CUDA;
@@ -253,8 +250,79 @@ def _mla_cp_cases(rank, world):
     return res
 
 
-def test_mla_cp2_equals_cp1():
-    for r in run_ranks(_mla_cp_cases, 2):
-        for rope, errs in r.items():
+
+
+def _gpt_mla_cases(rank, world, softmax_type):
+    """A 2-layer GPTModel with MLA (YaRN) from Megatron's local spec with core attention swapped
+    (specs.swap_core_attention) and install_mla, packed documents through prepare_batch: CP = world against
+    the same model at CP = 1 in every process (loss and every parameter gradient, summed over CP ranks)."""
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_helpers import EOD, make_global_batch
+    from megatron_cp.megatron import batch as B
+    from megatron_cp.megatron.mla import install_mla
+    from megatron_cp.megatron.specs import swap_core_attention
+
+    torch.cuda.current_device = lambda: "cpu"  # this spawned process only (see _mla_cp_cases)
+    yarn.get_pos_emb_on_this_cp_rank = lambda emb, seq_dim, cp_group: emb
+    tokens, labels, lm = make_global_batch(1, 48, seed=4, packed=True)
+    res = {}
+    for cp in (world, 1):
+        ps.destroy_model_parallel()
+        # CP = 1 inside a world of `world` ranks: data parallel over the rest (each rank the whole batch)
+        ps.initialize_model_parallel(1, 1, context_parallel_size=cp)
+        cfg = MLATransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, q_lora_rank=None,
+                                   kv_lora_rank=32, qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=16,
+                                   rope_type="yarn", rotary_scaling_factor=4.0, original_max_position_embeddings=16,
+                                   mscale=1.0, mscale_all_dim=1.0, ffn_hidden_size=128, normalization="RMSNorm",
+                                   use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
+                                   context_parallel_size=cp, softmax_type=softmax_type)
+        spec = swap_core_attention(get_gpt_layer_local_spec(multi_latent_attention=True, normalization="RMSNorm"))
+        torch.manual_seed(5)
+        model = GPTModel(cfg, spec, vocab_size=320, max_sequence_length=48, position_embedding_type="rope")
+        install_mla(model)
+        group = ps.get_context_parallel_group() if cp > 1 else None
+        bt = B.prepare_batch(tokens, labels, lm, B.MaskSpec("packed", eod=EOD), group)
+        out = model(bt.tokens, bt.position_ids, None, labels=bt.labels, packed_seq_params=bt.params)
+        num, den = (out * bt.loss_mask).sum(), bt.loss_mask.sum()
+        if group is not None:  # the CP ranks' partial sums make the micro-batch's loss
+            pair = torch.stack([num.detach(), den.detach()])
+            dist.all_reduce(pair, group=group)
+            loss_value = float(pair[0] / pair[1])
+            (num / pair[1]).backward()
+        else:
+            loss_value = float(num / den)
+            (num / den).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if group is not None:
+            for g in grads.values():
+                dist.all_reduce(g, group=group)
+        res[cp] = (loss_value, grads)
+    (loss, g), (loss1, g1) = res[world], res[1]
+    rel = {n: float((g[n] - g1[n]).abs().max()) / float(g1[n].abs().max()) for n in g1}
+    return {"loss": abs(loss - loss1) / abs(loss1), "n_grads": len(g1), "worst": max(rel.values()),
+            "where": max(rel, key=rel.get)}
+
+
+def _all_cp_cases(rank, world):
+    return {"runtime": _cases(rank, world), "module": _mla_cp_cases(rank, world),
+            "gpt": _gpt_mla_cases(rank, world, "learnable")}
+
+
+def test_mla_cp2_equals_cp1_and_fp64():
+    """One spawn of 2 gloo ranks: the runtime with a v head dim of its own at CP 1 and 2 against fp64
+    (reference and Triton backends, both exchange paths, guest rows, a sink); MLASelfAttention at CP 2 against
+    CP 1 (rope, YaRN); a 2-layer GPTModel with MLA and learnable sinks at CP 2 against CP 1 (loss and every
+    parameter gradient; MLA without sinks: the module cases)."""
+    for r in run_ranks(_all_cp_cases, 2):
+        _check([r["runtime"]])
+        for rope, errs in r["module"].items():
             bad = {n: e for n, e in errs.items() if e > 1e-5}
             assert not bad, (rope, bad)
+        g = r["gpt"]
+        assert g["n_grads"] >= 10 and g["loss"] <= 1e-6 and g["worst"] <= 1e-5, g

@@ -1,6 +1,6 @@
 """Attention sinks under CP (``mcp.apply_sink`` on the merged ``(out, lse)``) against a dense fp64 softmax
 with the sink column (``reference.dense_attention``): out, lse, dq, dk, dv and dsink, CP 1 / 2 / 4 (gloo,
-spawned ranks, every case in one spawn per world size), packed documents and rows that keep no key,
+spawned ranks, every case in one spawn per world size; CP 1 runs inside the CP 2 spawn), packed documents and rows that keep no key,
 megatron-cp's single-exchange and staged paths, guest rows, the Triton backend (CPU interpreter) and the
 baseline strategies."""
 
@@ -83,21 +83,25 @@ def _baseline(name):
 
 
 def _cases(rank, world):
-    """Every world size: each mask, GQA, the off-by-one sink; CP 2 adds MHA, both exchange paths, guest rows,
-    Triton and the baselines; CP 4 a subset (the suite's time budget)."""
+    """CP 1 (in every process, no group) and CP = world: each mask, GQA, the off-by-one sink; CP 2 adds MHA,
+    both exchange paths, guest rows, Triton and the baselines; CP 4 a subset (the suite's time budget)."""
     torch.set_num_threads(1)
     from megatron_cp.baselines import plan_for
 
     masks = _masks()
-    names = list(masks) if world < 4 else ["packed", "holes"]
     res = {}
-    for name in names:
-        res[(name, "fp64")] = sink_case(rank, world, masks[name], _ours(), torch.float64)
-    res[("holes", "off-by-one")] = sink_case(rank, world, masks["holes"], _ours(), torch.float64, fixed=True)
-    if world > 1:
+    if world == 4:  # packed documents on both exchange paths
+        res[("packed", "fp64")] = sink_case(rank, world, masks["packed"], _ours(), torch.float64)
         res[("holes", "staged")] = sink_case(rank, world, masks["holes"], _ours(stages=1), torch.float64)
-        res[("ulysses",)] = sink_case(rank, world, masks["packed"], _baseline("ulysses"), torch.float64,
-                                      plan=plan_for("ulysses", masks["packed"], world))
+        return res
+    for cp in (1, 2):
+        r = rank if cp > 1 else 0
+        for name in masks:
+            res[(cp, name, "fp64")] = sink_case(r, cp, masks[name], _ours(), torch.float64)
+        res[(cp, "holes", "off-by-one")] = sink_case(r, cp, masks["holes"], _ours(), torch.float64, fixed=True)
+    res[("holes", "staged")] = sink_case(rank, world, masks["holes"], _ours(stages=1), torch.float64)
+    res[("ulysses",)] = sink_case(rank, world, masks["packed"], _baseline("ulysses"), torch.float64,
+                                  plan=plan_for("ulysses", masks["packed"], world))
     if world == 2:
         res[("packed", "mha")] = sink_case(rank, world, masks["packed"], _ours(), torch.float64, hq=2, hkv=2)
         res[("holes", "single")] = sink_case(rank, world, masks["holes"], _ours(stages=0), torch.float64)
@@ -109,7 +113,6 @@ def _cases(rank, world):
             mask = masks["causal"] if strategy == "ring" else masks["packed"]
             res[(strategy,)] = sink_case(rank, world, mask, _baseline(strategy), torch.float64,
                                          plan=plan_for(strategy, mask, world))
-    if world < 4:
         res[("triton",)] = sink_case(rank, world, masks["packed"], _ours(backend="triton"), torch.float32, dk=16, dv=16)
     return res
 
@@ -124,7 +127,7 @@ def _check(results):
             assert not bad, (rank, key, bad)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [2, 4])
 def test_sinks_match_fp64_softmax_with_sink_column(world):
     _check(run_ranks(_cases, world))
 
