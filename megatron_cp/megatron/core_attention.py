@@ -25,6 +25,10 @@ TP ranks by head in checkpoints) is applied once per row after the CP merge (``r
 with every strategy (baselines then return lse with its gradient) and in head-pattern mode; head gating in
 train mode refuses it.
 
+MLA (``MLASelfAttention``): built with ``k_channels`` / ``v_channels`` (q/k and v head dims differ, 192 / 128)
+and called with ``[s, H, D]`` tensors when ``packed_seq_params`` is set; its rotary runs at the plan's
+positions through ``mla.install_mla`` (docs/sinks_mla.md).
+
 Cross-rank consistency: the first forward of a plan all-reduces (with the plan digest) the head counts,
 head dims, dtype, batch and softmax type; ranks that differ raise a RuntimeError on every rank naming the
 values, before any exchange.
