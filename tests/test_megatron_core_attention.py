@@ -205,6 +205,7 @@ class TestCPCoreAttention:
             if softmax_type == "learnable":
                 assert isinstance(mods[0].softmax_offset, torch.nn.Parameter)
                 assert mods[0].softmax_offset.shape == (hq,)  # heads of this TP rank (TP 1 here)
+                assert mods[0].softmax_offset.tensor_model_parallel and mods[0].softmax_offset.partition_dim == 0
                 with torch.no_grad():
                     for m in mods:
                         m.softmax_offset.copy_(torch.linspace(-1.0, 1.5, hq))

@@ -42,6 +42,7 @@ from functools import lru_cache
 import torch
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -128,6 +129,9 @@ class CPCoreAttention(MegatronModule):
                 self.softmax_offset = torch.nn.Parameter(t)
                 if config.perform_initialization:
                     config.init_method(self.softmax_offset)
+                # a TP shard by head (Megatron leaves it unmarked, so its grad norm counts TP rank 0's
+                # shard only): marked, every shard counts and TP tools shard it like other head params
+                set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
         # apply_query_key_layer_scaling divides the scores by layer_number and multiplies them back
         # inside the fp32 softmax: the net scale is unchanged, so it needs nothing here.
 
