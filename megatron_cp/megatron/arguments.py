@@ -284,6 +284,11 @@ def _map_documents_and_window(args) -> None:
     if getattr(args, "reset_position_ids", False) and not mask.startswith("packed"):
         raise ValueError(f"--reset-position-ids with --cp-mask {mask}: megatron-cp restarts positions exactly where "
                          "its mask separates documents; add --reset-attention-mask (or --cp-mask packed)")
+    if args.cp_window is not None and "sliding" not in mask:
+        raise ValueError(f"--cp-window {args.cp_window} acts only with --cp-mask sliding_window / packed_sliding_window "
+                         f"(or --window-size), got --cp-mask {mask}")
+    if not builder and (args.cp_mask_kwargs or "{}").strip() not in ("{}", ""):
+        raise ValueError(f"--cp-mask-kwargs {args.cp_mask_kwargs} acts only with a builder mask, got --cp-mask {mask}")
     args.cp_mask = mask
 
 
