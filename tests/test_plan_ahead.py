@@ -110,7 +110,8 @@ def test_each_micro_batch_gets_its_own_plan_and_prepare_batch_finds_it(fresh_cac
         assert bt.params.plan.digest == _direct_digest(batch["tokens"])
         seen.setdefault(batch["seed"], bt.params.plan)
         assert bt.params.plan is seen[batch["seed"]]
-        assert torch.equal(bt.tokens.reshape(-1), batch["tokens"].reshape(-1)[torch.from_numpy(bt.params.plan.local_ids(0))])
+        ids = torch.from_numpy(bt.params.plan.local_ids(0))
+        assert torch.equal(bt.tokens.reshape(-1), batch["tokens"].reshape(-1)[ids])  # dispatched by that plan
     assert fresh_cache.made == len(set(seeds))
     assert len({p.digest for p in seen.values()}) == len(set(seeds))
 

@@ -113,7 +113,8 @@ def run_case(mask_name: str, seqlen: int, cp: int, docs: int, repeat: int, bar: 
         "met": None if target is None else bool(median <= target and st["imbalance"] <= MAX_IMBALANCE),
         "solver": plan.solver, "imbalance": st["imbalance"], "tokens_per_rank": [min(st["tokens_per_rank"]),
                                                                                  max(st["tokens_per_rank"])],
-        "max_remote_kv_tokens": st["max_remote_kv_tokens"], "total_remote_kv_tokens": sum(st["remote_kv_tokens_per_rank"]),
+        "max_remote_kv_tokens": st["max_remote_kv_tokens"],
+        "total_remote_kv_tokens": sum(st["remote_kv_tokens_per_rank"]),
         "tiles_per_rank_max": max(st["tiles_per_rank"]), "digest": plan.digest,
     }
 

@@ -29,13 +29,15 @@ def _merge_runs(runs: np.ndarray) -> np.ndarray:
     """Sort and merge touching/overlapping half-open runs; int64 [n, 2]."""
     if len(runs) == 0:
         return np.zeros((0, 2), dtype=np.int64)
-    runs = runs[np.lexsort((runs[:, 1], runs[:, 0]))]
+    runs = runs[np.argsort(runs[:, 0], kind="stable")]  # the order of equal starts changes no merged run
     start, end = runs[:, 0], np.maximum.accumulate(runs[:, 1])
-    new = np.ones(len(runs), dtype=bool)
-    new[1:] = start[1:] > end[:-1]
-    idx = np.nonzero(new)[0]
-    ends = np.append(idx[1:] - 1, len(runs) - 1)
-    return np.stack([start[idx], end[ends]], axis=1).astype(np.int64)
+    new = np.empty(len(runs), dtype=bool)
+    new[0] = True
+    np.greater(start[1:], end[:-1], out=new[1:])
+    idx = np.flatnonzero(new)
+    ends = np.empty_like(idx)
+    ends[:-1], ends[-1] = idx[1:] - 1, len(runs) - 1
+    return np.stack([start[idx], end[ends]], axis=1).astype(np.int64, copy=False)
 
 
 def _subtract_runs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -108,6 +110,21 @@ def _remote_all(ci, k0, k1, bounds, group) -> tuple[np.ndarray, np.ndarray]:
     own = _merge_runs(_encode(np.stack([bounds[:-1], bounds[1:]], axis=1), group, W))
     need = _merge_runs(_encode(np.stack([k0, k1], axis=1), group[ci], W))
     return own, _subtract_merged(need, own)
+
+
+def _remote_counts(ci, k0, k1, bounds, group, n: int) -> np.ndarray:
+    """Per group (``group[c]`` of chunk ``c``, ``n`` groups), the key tokens its chunks' rows need (key
+    spans ``(ci, k0, k1)``) that it does not own (int64 [n]), by one sweep over the encoded spans (+1
+    each) and chunks (+m each, m = spans + 1): a stretch is remote where the count lies in (0, m)."""
+    W = int(bounds[-1]) + 1
+    off = np.asarray(group, dtype=np.int64) * W
+    m = len(k0) + 1
+    pos = np.concatenate([k0 + off[ci], k1 + off[ci], bounds[:-1] + off, bounds[1:] + off])
+    step = np.repeat(np.array([1, -1, m, -m], dtype=np.int64), [len(k0), len(k0), len(off), len(off)])
+    o = np.argsort(pos, kind="stable")
+    pos, cover = pos[o], np.cumsum(step[o])[:-1]
+    keep = (cover > 0) & (cover < m)
+    return np.bincount(pos[:-1][keep] // W, weights=np.diff(pos)[keep], minlength=n).astype(np.int64)
 
 
 def _split_at_chunks(runs, group, bounds, owner) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -399,12 +416,8 @@ def _auto_chunk(seqlen: int, cp: int) -> int:
 
 def _evaluate(traps, spans, bounds, owner, cp, prefix):
     """Area and remote-key tokens per rank of an assignment (cheap: no tiles)."""
-    area = np.zeros(cp, dtype=np.int64)
-    np.add.at(area, owner, prefix[bounds[1:]] - prefix[bounds[:-1]])
-    ci, k0, k1 = spans.spans(bounds)
-    rem = _remote_all(ci, k0, k1, bounds, owner)[1]
-    remote = np.zeros(cp, dtype=np.int64)
-    np.add.at(remote, rem[:, 0] // (int(bounds[-1]) + 1), rem[:, 1] - rem[:, 0])
+    area = np.bincount(owner, weights=prefix[bounds[1:]] - prefix[bounds[:-1]], minlength=cp).astype(np.int64)
+    remote = _remote_counts(*spans.spans(bounds), bounds, owner, cp)
     mean = area.mean()
     imb = float(area.max() / mean - 1.0) if mean > 0 else 0.0
     return imb, remote
@@ -635,11 +648,8 @@ def plan_digest(cp_size: int, seqlen: int, chunk_size: int, bounds, owner, traps
 
 def _inter_node_max(spans, bounds, owner, topology) -> int:
     """Most key tokens any node receives from other nodes (each token once per node)."""
-    ci, k0, k1 = spans.spans(bounds)
     node = np.asarray(owner, dtype=np.int64) // topology.gpus_per_node
-    rem = _remote_all(ci, k0, k1, bounds, node)[1]
-    W = int(bounds[-1]) + 1
-    return int(np.bincount(rem[:, 0] // W, weights=rem[:, 1] - rem[:, 0], minlength=topology.nodes).max())
+    return int(_remote_counts(*spans.spans(bounds), bounds, node, topology.nodes).max())
 
 
 def _hierarchical(traps, spans, prefix, seqlen, topology, chunk, tol, cuts):

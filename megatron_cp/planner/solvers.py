@@ -111,11 +111,12 @@ def greedy(
     slack = slack_frac * tol * total / cp
     # One chunk at a time in Python scalars (the same float64 sums as numpy): ``ranked`` holds (load,
     # rank) of the ranks with room, sorted, so the near-ties are a prefix of it; ``placed`` the sorted
-    # indices of placed chunks, so a key run without any is skipped.
+    # indices of placed chunks, so a long key run without any is skipped.
     load_l, count, own = load.tolist(), [0] * cp, owner.tolist()
     size_l, area_l = size.tolist(), area.tolist()
     first_l, last_l, starts_l = first.tolist(), last.tolist(), starts.tolist()
     placed = sorted(dealt)
+    long_runs = bool(len(first)) and bool((last - first >= 32).any())  # else ``placed`` is never read
     at_hi = 0  # ranks holding hi_cap chunks
 
     def room(cap):
@@ -147,7 +148,8 @@ def greedy(
                 r = min(best)[2]
         ranked.pop(bisect.bisect_left(ranked, (load_l[r], r)))
         owner[i] = own[i] = r
-        bisect.insort(placed, i)
+        if long_runs:
+            bisect.insort(placed, i)
         load_l[r] += area_l[i]
         count[r] += 1
         at_hi += count[r] == hi_cap
@@ -253,7 +255,8 @@ def independent_cuts(traps: np.ndarray, seqlen: int) -> np.ndarray:
     a, b = a[o], np.maximum.accumulate(b[o])
     new = np.ones(len(a), dtype=bool)
     new[1:] = a[1:] > b[:-1]
-    gap0 = np.concatenate([[0], b[np.append(np.nonzero(new)[0][1:] - 1, len(a) - 1)]]) if len(a) else np.zeros(1, np.int64)
+    last = np.append(np.flatnonzero(new)[1:] - 1, len(a) - 1)  # each merged interval's last member
+    gap0 = np.concatenate([[0], b[last]]) if len(a) else np.zeros(1, np.int64)
     gap1 = np.append(a[new], seqlen)
     n = gap1 - gap0
     free = np.repeat(gap0 - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
@@ -384,40 +387,44 @@ def _trade(u: np.ndarray, prefix: np.ndarray, cp: int, tol: float, load: np.ndar
         if target <= 0 or load[a] / target - 1 <= tol / 2 or gap <= 0:
             break
         ia, ib = np.flatnonzero(u[:, 2] == a), np.flatnonzero(u[:, 2] == b)
-        A, B = u[ia], u[ib]
-        sa, ea, ga = A[:, 0, None], A[:, 1, None], A[:, 3, None]  # pairs (unit of a: rows, unit of b: columns)
-        sb, eb, gb = B[:, 0], B[:, 1], B[:, 3]
+        sa, ea, ga = u[ia, 0], u[ia, 1], u[ia, 3]  # pairs (unit of a, unit of b), by flat index i * nb + j
+        sb, eb, gb = u[ib, 0], u[ib, 1], u[ib, 3]
         la, lb = ea - sa, eb - sb
         ar_a, ar_b = prefix[ea] - prefix[sa], prefix[eb] - prefix[sb]
-        t = np.minimum(la, lb)  # tokens traded: the smaller unit's size
-        # per trade of _TRADES, the area it shifts from a to b and the keys it makes remote,
-        # approximately: a tail needs its segment's keys before it, and the rest of a unit whose
-        # head leaves needs that head (plus any keys before the unit)
-        d = np.zeros((5,) + t.shape)
-        cost = np.zeros((5,) + t.shape)
-        d[0] = np.where(la == lb, ar_a - ar_b, 0)  # whole units of one size
-        d[1] = np.where(la > lb, prefix[ea] - prefix[np.maximum(ea - t, sa)] - ar_b, 0)
-        d[2] = np.where(lb > la, ar_a - prefix[eb] + prefix[np.maximum(eb - t, sb)], 0)
-        d[3] = np.where(la > lb, prefix[np.minimum(sa + t, ea)] - prefix[sa] - ar_b, 0)
-        d[4] = np.where(lb > la, ar_a - prefix[np.minimum(sb + t, eb)] + prefix[sb], 0)
-        cost[1], cost[2] = ea - t - ga, eb - t - gb
-        cost[3], cost[4] = sa - ga + t, sb - gb + t
-        g = np.minimum(d, gap - d)  # the gain: positive exactly for 0 < d < gap
-        best = g.max()
+        nb = len(ib)
+        # per trade of _TRADES, on the pairs it applies to (tokens traded: the smaller unit's size), the area
+        # it shifts from a to b and the keys it makes remote, approximately: a tail needs its segment's keys
+        # before it, and the rest of a unit whose head leaves needs that head (plus keys before the unit)
+        eq, gt, lt = (np.flatnonzero(f(la[:, None], lb)) for f in (np.equal, np.greater, np.less))
+        i0, j0, i1, j1, i2, j2 = eq // nb, eq % nb, gt // nb, gt % nb, lt // nb, lt % nb
+        t1, t2 = lb[j1], la[i2]
+        trades = (  # (pairs, area shift, remote keys)
+            (eq, ar_a[i0] - ar_b[j0], np.zeros(len(eq))),
+            (gt, prefix[ea[i1]] - prefix[ea[i1] - t1] - ar_b[j1], ea[i1] - t1 - ga[i1]),
+            (lt, ar_a[i2] - prefix[eb[j2]] + prefix[eb[j2] - t2], eb[j2] - t2 - gb[j2]),
+            (gt, prefix[sa[i1] + t1] - prefix[sa[i1]] - ar_b[j1], sa[i1] - ga[i1] + t1),
+            (lt, ar_a[i2] - prefix[sb[j2] + t2] + prefix[sb[j2]], sb[j2] - gb[j2] + t2),
+        )
+        gains = [np.minimum(d, gap - d) for _, d, _ in trades]  # positive exactly for 0 < d < gap
+        best = max((g.max() for g in gains if len(g)), default=0.0)
         if best <= 0:
             break
         # least remote keys, then largest gain, among trades within 10% of the best gain; ties go to
         # the first trade kind, then row-major order (lexsort is stable)
-        kk, ii, jj = np.nonzero(g >= 0.9 * best)
-        p = int(np.lexsort((-g[kk, ii, jj], cost[kk, ii, jj]))[0])
-        (side, tail), i, j = _TRADES[kk[p]], int(ii[p]), int(jj[p])
+        hits = [np.flatnonzero(g >= 0.9 * best) for g in gains]
+        g = np.concatenate([gains[k][h] for k, h in enumerate(hits)])
+        cost = np.concatenate([trades[k][2][h] for k, h in enumerate(hits)]).astype(np.float64)
+        p = int(np.lexsort((-g, cost))[0])
+        k = int(np.searchsorted(np.cumsum([len(h) for h in hits]), p, side="right"))
+        pair = int(trades[k][0][hits[k][p - sum(len(h) for h in hits[:k])]])
+        (side, tail), i, j = _TRADES[k], pair // nb, pair % nb
+        n = int(min(la[i], lb[j]))  # tokens traded
         ra, rb = ia[i], ib[j]
         if side is None:
             u[ra, 2], u[rb, 2] = b, a
         else:  # cut the piece off the unit of ``side``; it and the other side's whole unit change owner
             cut_row, whole_row, to = (ra, rb, b) if side == "a" else (rb, ra, a)
             st, e, _, seg = (int(x) for x in u[cut_row])
-            n = int(t[i, j])
             c = e - n if tail else st + n
             u[cut_row, :2] = [st, c] if tail else [c, e]
             u[whole_row, 2] = a if side == "a" else b
