@@ -19,8 +19,23 @@ with ``+hp`` appended runs over a CP group whose NCCL stream has high priority, 
 ``context_parallel`` over SDPA, head-tail balance; full and causal only) and ``torch-flex-allgather``
 (PyTorch's FlexAttention CP: all-gather K/V, compiled flex_attention, head-tail balance; other masks).
 
+Dynamic sparsity inside the mask's envelope (causal and packed documents only, ``SPARSE_ENVELOPES``):
+``megatron-cp+xattention`` and ``megatron-cp+moba`` run ``megatron_cp.sparse.sparse_attention`` with
+``XAttention()`` / ``MoBA()`` at their default thresholds (``--tiny``: the same with smaller blocks), on a
+plan made with ``block=`` the selector's block and ``guest_rows="none"``, by default on q / k with
+structured attention (``--sparse-inputs``; v random); the timed step includes the
+selection and its host synchronisation (the exchange's counts). Their rows add the kept fraction (head x q
+block x key block pairs kept / in the envelope) and bytes moved, beside the dense megatron-cp row's
+``kv_bytes`` (the plan's K/V traffic, ``Plan.stats``): ``kv_bytes`` (K/V rows of the selected blocks
+received, ``sparse_attention(stats=)``; the backward returns the same rows' dK/dV), ``envelope_kv_bytes``
+(what the dense exchange of the same block layout would move) and ``selector_bytes`` (XAttention: the keys
+of the whole envelope that its scoring reads; MoBA: its pooled-key all-reduce payload). Their TFLOP/s
+count the envelope's FLOPs (an effective rate); the summary compares their time and bytes with the dense
+envelope's megatron-cp row.
+
     torchrun --nproc-per-node 4 tools/bench_dist.py                      # 4 GPUs, S = 128k, 256k
     torchrun --nproc-per-node 2 tools/bench_dist.py --device cpu --tiny  # CPU dry run (gloo)
+    tools/run_dist_suite.sh OUT_DIR                                       # the whole multi-GPU sequence
 
 While it runs, rank 0 shows a progress bar on stderr naming the case (S, mask, implementation) being run
 (redrawn at most every 30 s where stderr is not a terminal: tools/progress.py); each case's line goes to
@@ -123,6 +138,82 @@ def bench_ours(name, mask, args, ctx):
             with open(args.profile + (f".rank{rank}" if rank else ""), "a") as f:
                 f.write(profiling.summarize(events, host, title))
     return times, plan
+
+
+SPARSE_IMPLS = ("megatron-cp+xattention", "megatron-cp+moba")
+SPARSE_ENVELOPES = ("causal", "packed")  # the envelopes the sparse rows run on (other masks: no row)
+
+
+def sparse_selector(name, tiny):
+    """The selector of a sparse implementation at its default thresholds; ``tiny``: smaller blocks (the
+    CPU dry run's sequences hold a few of the published 128 / 512)."""
+    from megatron_cp import sparse
+
+    if name == "megatron-cp+xattention":
+        return sparse.XAttention(block=32) if tiny else sparse.XAttention()
+    if name == "megatron-cp+moba":
+        return sparse.MoBA(block=64) if tiny else sparse.MoBA()
+    raise ValueError(f"unknown sparse implementation {name!r}: one of {SPARSE_IMPLS}")
+
+
+def bench_sparse(name, mask, args, ctx):
+    """megatron-cp with a dynamic sparse selector inside ``mask`` (the envelope): (times as Timer.run,
+    plan, figures): figures hold the selector's block and parameters, the kept fraction and the bytes
+    (module doc), summed over ranks, and the most K/V bytes one rank received."""
+    rank, cp, device, dtype, group = ctx["rank"], ctx["cp"], ctx["device"], ctx["dtype"], ctx["group"]
+    sel = sparse_selector(name, args.tiny)
+    # whole blocks per rank and every row computed at home: what sparse_attention needs
+    plan = mcp.plan(mask, cp, block=sel.block, guest_rows="none")
+    be = kernels.get_backend(args.backend, device)
+    n = plan.num_local(rank)
+    if args.sparse_inputs == "structured":
+        # q / k with attention of a known shape per K/V head (tools/bench_sparse.py): i.i.d. inputs give
+        # near-uniform attention, where a threshold keeps nearly every block
+        from bench_sparse import structured_qk
+
+        qf, kf = structured_qk(plan.seqlen, args.heads, args.kv_heads, args.head_dim, device)
+        q = mcp.dispatch(qf.to(dtype), plan, group, seq_dim=0).requires_grad_()
+        k = mcp.dispatch(kf.to(dtype), plan, group, seq_dim=0).requires_grad_()
+        del qf, kf
+    else:
+        q = _rand_local(n, args.heads, args.head_dim, dtype, device, 1 + rank).requires_grad_()
+        k = _rand_local(n, args.kv_heads, args.head_dim, dtype, device, 100 + rank).requires_grad_()
+    v = _rand_local(n, args.kv_heads, args.head_dim, dtype, device, 200 + rank).requires_grad_()
+    do = torch.randn_like(q)
+
+    def fwd():
+        return mcp.sparse.sparse_attention(q, k, v, plan, group, sel, backend=be)[0]
+
+    def bwd(out):
+        out.backward(do)
+        q.grad = k.grad = v.grad = None
+
+    # the figures from one call outside the timed steps (its stats synchronise); the inputs are the timed
+    # steps', so the selection is theirs
+    st = {}
+    with torch.no_grad():
+        mcp.sparse.sparse_attention(q, k, v, plan, group, sel, backend=be, stats=st)
+    times = ctx["timer"].run(fwd, bwd, args.warmup, args.iters, group)
+    lay = mcp.sparse.sparse_layout(plan, rank, sel.block)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    kv_row = 2 * args.kv_heads * args.head_dim * elem  # K and V of one token
+    if cp == 1:
+        sel_bytes = 0
+    elif name == "megatron-cp+xattention":  # the keys of every envelope block (whole blocks) held elsewhere
+        sel_bytes = int((lay.buf_owner != rank).sum()) * args.kv_heads * args.head_dim * elem
+    else:  # MoBA: an all-reduce of the pooled keys [nb, Hkv, D] in float32
+        sel_bytes = lay.num_blocks * args.kv_heads * args.head_dim * 4
+    t = torch.tensor([st["rows_received"] * kv_row, int(lay.recv_need.sum()) * kv_row, sel_bytes,
+                      st["blocks_selected"], st["blocks_envelope"]], dtype=torch.float64, device=device)
+    tmax = t.clone()
+    dist.all_reduce(t, group=group)
+    dist.all_reduce(tmax, op=dist.ReduceOp.MAX, group=group)
+    params = {f.name: getattr(sel, f.name) for f in dataclasses.fields(sel) if f.name not in ("block", "chunk_elements")}
+    figures = dict(selector=sel.name, block=sel.block, selector_params=params, inputs=args.sparse_inputs,
+                   kept_fraction=float(t[3] / t[4]) if t[4] > 0 else 0.0,
+                   kv_bytes=int(t[0]), max_kv_bytes_received=int(tmax[0]), envelope_kv_bytes=int(t[1]),
+                   selector_bytes=int(t[2]), bytes_moved=int(t[0] + t[2]))
+    return times, plan, figures
 
 
 def bench_kernel_only(plan, args, ctx):
@@ -302,7 +393,12 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU dry run")
     ap.add_argument("--seqlens", default=None, help="comma list of total S (default 131072,262144; tiny 512,1024)")
     ap.add_argument("--masks", default=",".join(catalog.DIST_MASKS))
-    ap.add_argument("--impls", default="megatron-cp,ring,ulysses,usp,allgather,torch-native")
+    ap.add_argument("--impls", default="megatron-cp,megatron-cp+xattention,megatron-cp+moba,ring,ulysses,usp,"
+                    "allgather,torch-native",
+                    help="comma list (module doc); the sparse ones run on the causal and packed masks only")
+    ap.add_argument("--sparse-inputs", default="structured", choices=["structured", "random"],
+                    help="q / k of the sparse rows: tools/bench_sparse.py's structured_qk (attention of a known "
+                         "shape per head, default) or i.i.d. normal like the dense rows")
     ap.add_argument("--heads", type=int, default=None)
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--head-dim", type=int, default=None)
@@ -371,6 +467,9 @@ def main(argv=None):
             base = dict(mask=mname, seqlen=s, cp=cp, density=mask.density())
             ctx.update(mask_name=mname, seqlen=s, dev_name=dev_name)
             for impl in impls:
+                if impl in SPARSE_IMPLS and mname not in SPARSE_ENVELOPES:
+                    bar.step()
+                    continue
                 if impl == "torch-native":
                     name = "torch-sdpa-ring" if mname in ("full", "causal") else "torch-flex-allgather"
                 else:
@@ -380,6 +479,9 @@ def main(argv=None):
                 try:
                     if impl == "torch-native":
                         tf, tb, wf, wb, sf, sb = bench_torch_native(mname, s, args, ctx)
+                    elif impl in SPARSE_IMPLS:
+                        (tf, tb, wf, wb, sf, sb), plan, figures = bench_sparse(impl, mask, args, ctx)
+                        rec.update(figures)
                     else:
                         (tf, tb, wf, wb, sf, sb), plan = bench_ours(impl, mask, args, ctx)
                     rec.update(fwd_ms=tf * 1e3, bwd_ms=tb * 1e3, fwd_tflops_per_gpu=flops / cp / tf / 1e12,
@@ -395,6 +497,10 @@ def main(argv=None):
                         rec["imbalance"] = st["imbalance"]
                         rec["max_remote_kv_tokens"] = st["max_remote_kv_tokens"]
                         rec["guest_rows"] = st["guest_rows"]
+                        # K/V bytes the plan moves (received, summed over ranks; the backward returns as many)
+                        kvb = plan.stats(num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype_bytes=dtype)
+                        rec["kv_bytes"] = kvb["bytes_moved"]
+                        rec["max_kv_bytes_received"] = kvb["max_bytes_received"]
                         # the runtime's exchange choice (runtime.schedule.choose_schedule; 0 = single exchange)
                         rec["stages"] = [0 if st.schedule is None else st.schedule.num_stages for st in states_of(plan)]
                         be = ctx["backend"]  # families the cuDNN probe turned down (run on Triton alone)
@@ -433,6 +539,9 @@ def main(argv=None):
                            + f"{max(r[2] for r in rec['b2b_ranks_ms']):.2f} / {max(r[3] for r in rec['b2b_ranks_ms']):.2f} ms"
                            if "fwd_b2b_ms" in rec else "")
                         + ")" + (f"  stages {rec['stages']}" if "stages" in rec else "")
+                        + (f"  kept {rec['kept_fraction']:.3f}, K/V bytes {rec['kv_bytes']}"
+                           f" (envelope {rec['envelope_kv_bytes']}), selector bytes {rec['selector_bytes']}"
+                           if "kept_fraction" in rec else "")
                         + (f"  cuDNN off: {rec['cudnn_off']}" if rec.get("cudnn_off") else ""))
                 dist.barrier(group)
     bar.close()
@@ -442,7 +551,10 @@ def main(argv=None):
                     command="torchrun --nproc-per-node %d %s" % (cp, " ".join(sys.argv)),
                     torch=torch.__version__, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                     dtype=str(dtype), masks={m: catalog.DESCRIPTIONS[m] for m in args.masks.split(",")},
-                    flops="forward 4*area*Hq*D, backward 2.5x; per GPU = total / cp / slowest rank's time")
+                    flops="forward 4*area*Hq*D, backward 2.5x; per GPU = total / cp / slowest rank's time "
+                          "(sparse rows: the envelope's area, an effective rate)",
+                    bytes="kv_bytes: K/V bytes received in the forward, summed over ranks (the backward returns "
+                          "as many dK/dV bytes); sparse rows add selector_bytes and envelope_kv_bytes")
         checks = summarize(results, show=False)
         os.makedirs(args.out_dir, exist_ok=True)
         stem = os.path.join(args.out_dir, f"bench_{cp}x{dev_name.replace(' ', '_')}_{now:%Y%m%d_%H%M}{args.tag}")
@@ -456,8 +568,12 @@ def main(argv=None):
 
 def summarize(results, show=True):
     """The issue's targets: causal vs torch SDPA ring (>= 1.1x), sparse masks vs torch Flex CP
-    (>= 1.5x), and megatron-cp per-GPU throughput >= 90% of kernel-only on the same work. Returns the
-    checks; ``show``: prints the summary table of ``results`` (``summary_table``) too."""
+    (>= 1.5x), and megatron-cp per-GPU throughput >= 90% of kernel-only on the same work; and each sparse
+    row against the dense envelope (the megatron-cp row of the same mask and S), ``sparse_vs_dense``: time
+    ratios (sparse / dense GPU time, below 1 is faster), bytes ratios (K/V bytes, and all bytes with the
+    selector's, over the dense row's K/V bytes; and K/V bytes over the dense exchange of the sparse plan's own
+    block layout; None where the reference moves none) and the kept fraction.
+    Returns the checks; ``show``: prints the summary table of ``results`` (``summary_table``) too."""
     checks = []
     get = lambda m, s, impl: next((r for r in results if r["mask"] == m and r["seqlen"] == s  # noqa: E731
                                    and r["impl"] == impl and "error" not in r), None)
@@ -484,6 +600,22 @@ def summarize(results, show=True):
                 if wall:
                     c.update(fwd_wall_scaling=ours["fwd_wall_tflops_per_gpu"] / kern["fwd_tflops_per_gpu"],
                              bwd_wall_scaling=ours["bwd_wall_tflops_per_gpu"] / kern["bwd_tflops_per_gpu"])
+            sparse = []
+            for impl in SPARSE_IMPLS:
+                sp = get(m, s, impl)
+                if sp is None:
+                    continue
+                dense_bytes = ours.get("kv_bytes") or 0
+                sparse.append(dict(impl=impl, kept_fraction=sp["kept_fraction"],
+                                   fwd_time_ratio=sp["fwd_ms"] / ours["fwd_ms"],
+                                   bwd_time_ratio=sp["bwd_ms"] / ours["bwd_ms"],
+                                   kv_bytes_ratio=sp["kv_bytes"] / dense_bytes if dense_bytes else None,
+                                   bytes_ratio=sp["bytes_moved"] / dense_bytes if dense_bytes else None,
+                                   # what the selection saves on its own block layout's dense exchange
+                                   layout_kv_bytes_ratio=(sp["kv_bytes"] / sp["envelope_kv_bytes"]
+                                                          if sp["envelope_kv_bytes"] else None)))
+            if sparse:
+                c["sparse_vs_dense"] = sparse
             b2b = [r for r in (ours, ref, kern) if r is not None and r.get("fwd_b2b_ms")]
             if ours in b2b and ref in b2b:  # same FLOPs: the time ratio is the throughput ratio
                 c.update(fwd_b2b_ratio=ref["fwd_b2b_ms"] / ours["fwd_b2b_ms"],
@@ -513,6 +645,12 @@ def check_text(c):
             sub.append(f"scaling {c[f'fwd_{tag}_scaling']:.2f} / {c[f'bwd_{tag}_scaling']:.2f}")
         if sub:
             parts.append(f"{label}: " + ", ".join(sub))
+    for x in c.get("sparse_vs_dense", ()):  # time and bytes of a sparse row over the dense envelope's
+        ratio = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
+        parts.append(f"{x['impl']} vs dense envelope: time fwd {x['fwd_time_ratio']:.2f}x bwd "
+                     f"{x['bwd_time_ratio']:.2f}x, K/V bytes {ratio(x['kv_bytes_ratio'])} (with selector "
+                     f"{ratio(x['bytes_ratio'])}; of its block layout's dense exchange "
+                     f"{ratio(x['layout_kv_bytes_ratio'])}), kept {x['kept_fraction']:.3f}")
     return "; ".join(parts)
 
 
@@ -533,7 +671,8 @@ def summary_table(results, checks):
             cells.append("-" if r is None else "err" if "error" in r else
                          f"{tf(r['fwd_tflops_per_gpu'])} / {tf(r['bwd_tflops_per_gpu'])}")
         rows.append([s, m, *cells, text.get((s, m), "")])
-    return (["TFLOP/s per GPU as fwd / bwd (GPU time); checks: megatron-cp vs the torch peer and vs kernel-only"]
+    return (["TFLOP/s per GPU as fwd / bwd (GPU time; sparse rows: the envelope's FLOPs); checks: megatron-cp "
+             "vs the torch peer and vs kernel-only, the sparse rows' time and bytes vs the dense envelope"]
             + markdown_table(["S", "mask", *impls, "checks"], rows))
 
 

@@ -495,7 +495,7 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--strategies", default=",".join(STRATS))
     ap.add_argument("--max-ring-cp", type=int, default=64, help="ring/zigzag need cp^2 block areas; skip above")
-    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--json", default=None, help="write results here (with --compare: the rows compared, per target)")
     ap.add_argument("--verbose", action="store_true", help="each simulated case's time on stderr")
     ap.add_argument("--compare", default=None, help="bench_dist.py JSON: print predicted vs measured")
     ap.add_argument("--target", default="all", choices=["gpu", "b2b", "wall", "kernel", "all"],
@@ -518,6 +518,9 @@ def main(argv=None):
                          for t in targets}
         # benchmark runs before the back-to-back and kernel-only timings have no rows for them
         by_target = {t: rows for t, rows in by_target.items() if rows or t not in ("b2b", "kernel")}
+        if args.json:  # the prediction beside the measurement, per target and benchmark row
+            with open(args.json, "w") as f:
+                json.dump({"compare": args.compare, "cost_model": cost.__dict__, "by_target": by_target}, f, indent=1)
         print(f"predicted vs measured: {args.compare}")
         for t, rows in by_target.items():
             print(within_line(rows, t))
