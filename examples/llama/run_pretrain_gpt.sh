@@ -19,6 +19,8 @@
 #   cp2_bf16       --bf16, CP 2, --use-distributed-optimizer (close to cp1_bf16, not equal)
 #   cp2_packed     fp32, CP 2, --reset-attention-mask --reset-position-ids (-> --cp-mask packed)
 #   cp1_packed     the same at CP 1
+#   cp1_moe        fp32, CP 1, 4 experts top-2 with the load-balancing aux loss (Megatron's MoE layers, our attention)
+#   cp2_moe        the same at CP 2
 # Writes $OUT/<run>.log and $OUT/summary.json (device, date, command, losses, CP 2 vs CP 1 differences).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -74,6 +76,9 @@ run cp1_bf16 1 --bf16
 run cp2_bf16 2 --bf16 --use-distributed-optimizer
 run cp1_packed 1 --reset-attention-mask --reset-position-ids
 run cp2_packed 2 --reset-attention-mask --reset-position-ids
+MOE=(--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 128 --moe-aux-loss-coeff 1e-2)
+run cp1_moe 1 "${MOE[@]}"
+run cp2_moe 2 "${MOE[@]}"
 [ -n "${DRY_RUN:-}" ] && exit 0
 
 $PY - "$OUT" "MLM=$MLM ITERS=$ITERS bash examples/llama/run_pretrain_gpt.sh" <<'EOF'
@@ -97,7 +102,7 @@ def rel(a, b):
 
 
 pairs = [("cp2", "cp1"), ("cp2_distopt", "cp1"), ("cp2_bf16", "cp1_bf16"), ("cp1_bf16", "cp1"),
-         ("cp2_packed", "cp1_packed")]
+         ("cp2_packed", "cp1_packed"), ("cp2_moe", "cp1_moe")]
 summary = dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                gpus=torch.cuda.device_count(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                command=command, losses=losses,
