@@ -62,6 +62,7 @@ REFUSED = {
     "cp-window without a sliding mask": (["--cp-window", "8"], r"--cp-window 8 acts only with --cp-mask sliding_window"),
     "mask kwargs with a document mask": (["--cp-mask", "packed", "--cp-mask-kwargs", '{"block": 8}'],
                                          r"--cp-mask-kwargs .* acts only with a builder mask"),
+    "fa4 without a GPU": (["--cp-kernel-backend", "fa4"], r"--cp-kernel-backend fa4: FA4 runs on CUDA GPUs"),
     "window skip": (["--window-size", "8,0", "--window-attn-skip-freq", "2"], r"--window-attn-skip-freq"),
     "reset mask and builder": (["--reset-attention-mask", "--cp-mask", "prefix_lm", "--cp-mask-kwargs",
                                 '{"prefix": 8}'], r"--reset-attention-mask conflicts with --cp-mask prefix_lm"),
@@ -84,8 +85,9 @@ del REFUSED["per-token loss"]  # BASE passes --calculate-per-token-loss; its ref
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
-def test_refused_at_parse_time_naming_the_flag(case):
+def test_refused_at_parse_time_naming_the_flag(case, monkeypatch):
     argv, pattern = REFUSED[case]
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # the CPU machine these messages describe
     with pytest.raises(ValueError, match=pattern):
         _validate(argv, dropout=case != "attention dropout default")
 

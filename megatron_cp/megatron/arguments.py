@@ -316,6 +316,12 @@ def check_megatron_args(args) -> None:
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     if topo is not None and topo.world_size != cp:
         raise ValueError(f"--cp-topology {args.cp_topology} has {topo.world_size} GPUs; --context-parallel-size is {cp}")
+    if args.cp_kernel_backend == "fa4":
+        from megatron_cp.kernels import fa4_unavailable
+
+        why = fa4_unavailable("cuda")  # on the rank's GPU kind: every GPU of a job is the same model
+        if why:
+            raise ValueError(f"--cp-kernel-backend fa4: {why}; use auto (FA4 where it runs, else Triton)")
     _map_documents_and_window(args)
 
 
