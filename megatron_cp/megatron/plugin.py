@@ -8,8 +8,9 @@
 ``install_into`` rebinds, in that script's namespace only, the names its main block and data set-up read:
 
 * ``parse_and_validate_args``: adds ``--context-parallel-impl`` and the ``--cp-*`` flags to whatever
-  ``extra_args_provider`` the script passes, and with ``megatron_cp`` selects our layer spec
-  (``--spec megatron_cp.megatron.specs megatron_cp_layer_spec``) unless one was given;
+  ``extra_args_provider`` the script passes, runs the parse-time checks (``validate_args``) and with
+  ``megatron_cp`` selects our layer spec (``--spec megatron_cp.megatron.specs megatron_cp_layer_spec``:
+  Megatron's spec for the model's config with core attention swapped; another ``--spec`` is refused);
 * ``forward_step``: with ``--context-parallel-impl te`` the script's own function runs unchanged; with
   ``megatron_cp`` our ``forward_step`` runs (batch hook, RoPE, per-token loss);
 * ``is_dataset_built_on_rank`` (where the script has it): with ``megatron_cp`` every pipeline stage's TP
