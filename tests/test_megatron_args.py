@@ -147,3 +147,31 @@ def test_wrap_parse_raises_before_returning_args():
     with pytest.raises(ValueError, match="--cp-solver 'zigzagg'"):
         plugin.wrap_parse(megatron_parse)()
     assert len(seen) == 1 and seen[0].cp_solver == "zigzagg"
+
+
+@pytest.mark.parametrize("eod,flags,error", [
+    (None, [], "tokenizer has none; pass --cp-eod-token"),
+    ("raise", [], "the tokenizer gives none .*pass --cp-eod-token"),
+    (7, [], None),
+    (None, ["--cp-eod-token", "3"], None),
+])
+def test_packed_mask_needs_an_eod_at_parse_time(monkeypatch, eod, flags, error):
+    """After Megatron's parser has built the tokenizer, ``wrap_parse`` checks a packed mask has an EOD id."""
+    import megatron.training
+
+    from megatron_cp.megatron import plugin
+
+    class Tokenizer:
+        @property
+        def eod(self):
+            if eod == "raise":
+                raise NotImplementedError("no eod")
+            return eod
+
+    monkeypatch.setattr(megatron.training, "get_tokenizer", lambda: Tokenizer())
+    parse = plugin.wrap_parse(lambda extra_args_provider=None, **kw: _parse(["--reset-attention-mask", *flags]))
+    if error is None:
+        assert parse().cp_mask == "packed"
+    else:
+        with pytest.raises(ValueError, match=error):
+            parse()

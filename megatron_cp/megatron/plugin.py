@@ -96,10 +96,28 @@ def validate_args(args) -> None:
     dry_run(args, spec, options)
 
 
+def check_eod(args) -> None:
+    """A packed mask needs an EOD id: ``--cp-eod-token`` or the tokenizer's, which Megatron's
+    ``parse_and_validate_args`` has built by now. Raises ValueError naming the flag."""
+    if args.context_parallel_impl not in OURS or not args.cp_mask.startswith("packed") or args.cp_eod_token is not None:
+        return
+    from megatron.training import get_tokenizer
+
+    try:
+        eod = get_tokenizer().eod
+    except Exception as e:  # no tokenizer, or one without an EOD token
+        raise ValueError(f"--cp-mask {args.cp_mask} cuts documents at the EOD token, and the tokenizer gives none "
+                         f"({type(e).__name__}: {e}); pass --cp-eod-token ID") from None
+    if eod is None:
+        raise ValueError(f"--cp-mask {args.cp_mask} cuts documents at the EOD token, and the tokenizer has none; pass "
+                         "--cp-eod-token ID")
+
+
 def wrap_parse(parse_and_validate_args):
     def parse(*a, extra_args_provider=None, **kw):
         args = parse_and_validate_args(*a, extra_args_provider=compose(extra_args_provider, add_megatron_cp_args), **kw)
         validate_args(args)
+        check_eod(args)
         return args
 
     parse._megatron_cp_original = parse_and_validate_args
