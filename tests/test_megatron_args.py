@@ -63,6 +63,8 @@ REFUSED = {
     "mask kwargs with a document mask": (["--cp-mask", "packed", "--cp-mask-kwargs", '{"block": 8}'],
                                          r"--cp-mask-kwargs .* acts only with a builder mask"),
     "fa4 without a GPU": (["--cp-kernel-backend", "fa4"], r"--cp-kernel-backend fa4: FA4 runs on CUDA GPUs"),
+    "cuda graphs": (["--cuda-graph-impl", "local"], r"--cuda-graph-impl local"),
+    "cuda graphs (old flag)": (["--enable-cuda-graph"], r"--enable-cuda-graph"),
     "window skip": (["--window-size", "8,0", "--window-attn-skip-freq", "2"], r"--window-attn-skip-freq"),
     "reset mask and builder": (["--reset-attention-mask", "--cp-mask", "prefix_lm", "--cp-mask-kwargs",
                                 '{"prefix": 8}'], r"--reset-attention-mask conflicts with --cp-mask prefix_lm"),

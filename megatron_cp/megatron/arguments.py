@@ -231,6 +231,15 @@ UNSUPPORTED = (
      "dot-product core attention"),
     ("transformer_impl", lambda v: v == "inference_optimized",
      "--transformer-impl inference_optimized has its own attention; use transformer_engine or local"),
+    ("cuda_graph_impl", lambda v: v != "none",
+     "--cuda-graph-impl {v}: megatron-cp's attention follows each micro-batch's plan, which a captured CUDA graph "
+     "would replay unchanged; use --cuda-graph-impl none"),
+    ("enable_cuda_graph", lambda v: bool(v),
+     "--enable-cuda-graph: megatron-cp's attention follows each micro-batch's plan, which a captured CUDA graph "
+     "would replay unchanged"),
+    ("external_cuda_graph", lambda v: bool(v),
+     "--external-cuda-graph: megatron-cp's attention follows each micro-batch's plan, which a captured CUDA graph "
+     "would replay unchanged"),
     ("overlap_moe_expert_parallel_comm", lambda v: bool(v),
      "--overlap-moe-expert-parallel-comm builds schedule plans that bypass megatron-cp's batch hook"),
     ("dataloader_inter_document_masking", lambda v: bool(v),
