@@ -9,10 +9,12 @@ and mask, masks ``packed`` by default). Packed documents: ``--docs`` log-normal 
 short, a few long) summing to S, causal within each (``doc_cu_seqlens``). While it runs a progress bar
 on stderr counts the plans (redrawn at most every 30 s where stderr is not a terminal: tools/progress.py).
 Per case one setup line and the auto solver's candidates on stdout, then one table: mask build time (min),
-plan() wall time (first, median, min) and CPU time (min), the target and whether the median meets it, the
+plan() wall time (first, median, min) and CPU time (median, min), the target and whether it is met, the
 chosen solver, imbalance (busiest rank's cells / mean - 1), tokens per rank and K/V tokens received (most
-on a rank, all ranks). The JSON (device, date, command, rows) goes to ``--json``. Exit status 1 when a
-case with a target misses it (median over target, or imbalance over 3%).
+on a rank, all ranks). A target is met when the median CPU time of plan() is within it and the imbalance
+within 3%: the cost of planning on one core, which the wall time shows too where nothing else needs the
+core (on a shared machine it also counts the time other processes held it). The JSON (device, date,
+command, load average, rows) goes to ``--json``. Exit status 1 when a case misses its target.
 """
 
 from __future__ import annotations
@@ -105,12 +107,13 @@ def run_case(mask_name: str, seqlen: int, cp: int, docs: int, repeat: int, bar: 
     st = plan.stats()
     print(f"candidates (imbalance, max remote, total remote): {plan.candidates}")
     target = TARGETS.get((mask_name, seqlen, cp))
-    median = statistics.median(wall)
+    cpu_median = statistics.median(cpu)
     return {
         "mask": mask_name, "seqlen": seqlen, "cp": cp, "docs": len(lens),
-        "mask_build_s_min": min(build), "plan_s_first": wall[0], "plan_s_median": median, "plan_s_min": min(wall),
-        "plan_cpu_s_min": min(cpu), "target_s": target,
-        "met": None if target is None else bool(median <= target and st["imbalance"] <= MAX_IMBALANCE),
+        "mask_build_s_min": min(build), "plan_s_first": wall[0], "plan_s_min": min(wall),
+        "plan_s_median": statistics.median(wall), "plan_cpu_s_median": cpu_median, "plan_cpu_s_min": min(cpu),
+        "target_s": target,
+        "met": None if target is None else bool(cpu_median <= target and st["imbalance"] <= MAX_IMBALANCE),
         "solver": plan.solver, "imbalance": st["imbalance"], "tokens_per_rank": [min(st["tokens_per_rank"]),
                                                                                  max(st["tokens_per_rank"])],
         "max_remote_kv_tokens": st["max_remote_kv_tokens"],
@@ -135,18 +138,22 @@ def main(argv=None):
     rows = [run_case(m, s, c, args.docs, args.repeat, bar) for m, s, c in cases]
     bar.close()
     print("\n".join(markdown_table(
-        ["mask build ms (min)", "plan() s: first", "median", "min", "CPU s (min)", "mask", "S", "cp", "target s",
+        ["mask build ms (min)", "plan() s: first", "median", "min", "CPU s: median", "min", "mask", "S", "cp",
+         "target s",
          "met", "solver", "imbalance", "tokens/rank", "max remote KV tokens", "all remote KV tokens",
          "tiles/rank max"],
         [[f"{1e3 * r['mask_build_s_min']:.1f}", f"{r['plan_s_first']:.4f}", f"{r['plan_s_median']:.4f}",
-          f"{r['plan_s_min']:.4f}", f"{r['plan_cpu_s_min']:.4f}", r["mask"], r["seqlen"], r["cp"],
+          f"{r['plan_s_min']:.4f}", f"{r['plan_cpu_s_median']:.4f}", f"{r['plan_cpu_s_min']:.4f}", r["mask"],
+          r["seqlen"], r["cp"],
           "-" if r["target_s"] is None else f"{r['target_s']:.3f}",
           "-" if r["met"] is None else ("yes" if r["met"] else "NO"), r["solver"], f"{100 * r['imbalance']:.2f}%",
           f"{r['tokens_per_rank'][0]}..{r['tokens_per_rank'][1]}", r["max_remote_kv_tokens"],
           r["total_remote_kv_tokens"], r["tiles_per_rank_max"]] for r in rows])))
     if args.json:
         meta = {"device": device(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "command": " ".join(["python"] + sys.argv), "numpy": np.__version__}
+                "command": " ".join(["python"] + sys.argv), "numpy": np.__version__,
+                "load_average_1_5_15_min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+                "cpus": os.cpu_count()}
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
