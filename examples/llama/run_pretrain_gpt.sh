@@ -40,14 +40,15 @@ $PY patches/megatron_lm.py apply "$MLM" || exit 2
 
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-if ! $PY -c "import megatron.core" 2>/dev/null; then
+if [ -z "${DRY_RUN:-}" ] && ! $PY -c "import megatron.core" 2>/dev/null; then
   WHEEL=${WHEEL:-$(ls .whl/megatron_core-*.whl 2>/dev/null | head -n 1)}
   [ -n "$WHEEL" ] || { echo "megatron.core does not import and no WHEEL given" >&2; exit 2; }
   SITE=${SITE:-/tmp/megatron_cp_site}
   $PY -m pip install -q --no-deps --target "$SITE" "$WHEEL" || exit 2
   export PYTHONPATH="$SITE:$PYTHONPATH"
 fi
-ngpu=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+ngpu=0
+[ -n "${DRY_RUN:-}" ] || ngpu=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 
 FLAGS=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2
   --ffn-hidden-size 176 --seq-length 256 --max-position-embeddings 256 --position-embedding-type rope
