@@ -6,6 +6,7 @@
 #
 #   MLM=out/megatron-lm bash examples/llama/run_pretrain_gpt.sh            # 1 GPU: CP 1 runs; 2+ GPUs: all
 #   DRY_RUN=1 MLM=... bash examples/llama/run_pretrain_gpt.sh              # print the launches only
+#   RUNS="cp1 cp2" MLM=... bash examples/llama/run_pretrain_gpt.sh         # only these runs (names below)
 #
 # MLM:   a Megatron-LM checkout, or a .tar/.tar.gz of one (at least pretrain_gpt.py, gpt_builders.py,
 #        model_provider.py); patched here with patches/megatron_lm.py (idempotent).
@@ -62,6 +63,7 @@ FLAGS=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-att
 
 run() {  # $1 = name, $2 = GPUs (= CP size here: DP 1), then extra flags
   local name=$1 n=$2; shift 2
+  if [ -n "${RUNS:-}" ] && [[ " $RUNS " != *" $name "* ]]; then return 0; fi
   local cmd=($PY -m torch.distributed.run --nproc-per-node "$n" --master-port $((29500 + RANDOM % 1000))
     examples/llama/megatron_script.py "$MLM/pretrain_gpt.py" "${FLAGS[@]}" --context-parallel-size "$n" "$@")
   if [ -n "${DRY_RUN:-}" ]; then echo "${cmd[*]}"; return 0; fi
