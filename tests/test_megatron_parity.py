@@ -3,7 +3,8 @@ gradient, and two AdamW steps (fp32, relative error <= 1e-5), for causal and pac
 micro-batches of 2 samples (folded into one sequence of 2 documents by prepare_batch). Also at CP 2: the
 baseline strategies, activation recomputation on the packed mask (selective: core attention; full: every
 layer, uniform and block methods; the plan travels into the recompute closures in packed_seq_params), and
-(TP 2, --sequence-parallel, CP 2) (more in tests/test_megatron_sp.py).
+(TP 2, --sequence-parallel, CP 2) with megatron_cp and with the ring baseline (more in
+tests/test_megatron_sp.py).
 
 One spawn of 4 gloo processes runs every case. The reference (1,1) model is computed on every rank
 on the whole global batch; the parallel runs load the same weights sharded for TP, run on their DP
@@ -34,10 +35,12 @@ VARIANTS = {
                                         recompute_num_layers=1), 1),
 }
 RUNS = ([(tp, cp, "megatron_cp", "") for tp, cp in CONFIGS] + [(1, 2, name, "") for name in BASELINES]
-        + [HEAD_CONTEXT + ("",)] + [(tp, cp, "megatron_cp", v) for v, (tp, cp, _, _) in VARIANTS.items()])
+        + [HEAD_CONTEXT + ("",)] + [(tp, cp, "megatron_cp", v) for v, (tp, cp, _, _) in VARIANTS.items()]
+        + [(2, 2, "ring", "sp")])  # a baseline's layout (zigzag) under the TP multiple too
 MASKS = ["causal", "packed"]
-# recomputation does not depend on the mask: packed only
-CASES = [(mask,) + run for mask in MASKS for run in RUNS if mask == "packed" or not run[3].startswith("recompute")]
+# recomputation does not depend on the mask, nor does the baseline under SP: packed only
+CASES = [(mask,) + run for mask in MASKS for run in RUNS
+         if mask == "packed" or not (run[3].startswith("recompute") or run[2:] == ("ring", "sp"))]
 S, G, MBS, STEPS = 48, 4, 2, 2
 # Adam's first steps are ~lr * sign(g): elements whose gradient is at fp32 noise level may flip, so
 # the weight comparison scales with lr. 1e-3 is a realistic rate; the gradients themselves are
