@@ -261,6 +261,15 @@ class TestCPCoreAttention:
                 import re
 
                 results[what] = "ok" if re.search(pattern, str(e)) else repr(e)
+        # megatron-cp's attention itself (no adapter) checks the same way: v head dims that differ
+        plan = mcp.plan(mcp.masks.causal(n), world)
+        m = len(plan.local_ids(rank))
+        q, k = torch.randn(m, 4, 16), torch.randn(m, 2, 16)
+        try:
+            mcp.attention(q, k, torch.randn(m, 2, 8 * (1 + rank % 2)), plan, group)
+            results["runtime v head_dim"] = "no error"
+        except RuntimeError as e:
+            results["runtime v head_dim"] = "ok" if "v head_dim differs across ranks" in str(e) else repr(e)
         assert all(r == "ok" for r in results.values()), results
         # the same plan with agreeing inputs then runs (the check passed and is not repeated)
         plan = mcp.plan(mcp.masks.causal(n), world)
