@@ -51,6 +51,7 @@ def test_dry_run_records_every_step_and_names_the_skipped_gpu_checks(dry_run):
     for name, st in suite["steps"].items():
         assert st["rc"] == 0 and st["outputs"] and all(p.startswith(out) for p in st["outputs"]), (name, st)
     assert "--nproc-per-node 2" in suite["steps"]["bench"]["command"]
+    assert suite["steps"]["bench"]["row_errors"] == []
 
 
 def test_bench_has_every_row_with_finite_times_and_sparse_bytes_within_the_envelope(dry_run):

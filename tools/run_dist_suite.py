@@ -17,7 +17,8 @@ In order, each step a subprocess whose output goes to <out>/logs/<step>.log:
 torchrun runs ``--nproc`` processes (default: every visible GPU; one GPU is CP = 1, where the
 distributed steps run on one rank). ``--cpu-dry-run`` runs the same sequence with gloo on CPU at tiny
 sizes, skipping the GPU-only steps (kernel_check, fa4_sparse: it names them in suite.json). A failed step
-is recorded and the next runs (bench rows record their own errors); predict needs calibrate and bench.
+is recorded and the next runs (bench rows record their own errors, listed in suite.json as the bench
+step's row_errors); predict needs calibrate and bench.
 ``--steps`` runs a subset (e.g. to stay within a per-command time limit: one call for the checks and
 calibration, one for the benchmark, one for the prediction, all into the same --out).
 
@@ -150,6 +151,10 @@ def main(argv=None):
         outputs = [out] if out and os.path.exists(out) else []
         record["steps"][name] = dict(command=" ".join(cmd), rc=rc, seconds=round(time.perf_counter() - t0, 1),
                                      log=log, outputs=outputs, date=now)
+        if name == "bench" and outputs:  # rows that failed (a case records its error and the run goes on)
+            with open(outputs[0]) as f:
+                record["steps"][name]["row_errors"] = [f"S={r['seqlen']} {r['mask']} {r['impl']}: {r['error']}"
+                                                       for r in json.load(f)["results"] if "error" in r]
         print(f"[suite] {name}: exit {rc} in {record['steps'][name]['seconds']} s (log {log})", flush=True)
         if rc != 0:
             failed.append(name)
