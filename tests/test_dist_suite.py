@@ -47,16 +47,19 @@ def test_dry_run_records_every_step_and_names_the_skipped_gpu_checks(dry_run):
     run = suite["runs"][-1]
     assert run["device"] == "cpu" and run["num_devices"] == 2 and run["date"] and "--cpu-dry-run" in run["command"]
     assert run["skipped_gpu_only"] == ["kernel_check"]
-    assert list(suite["steps"]) == ["bench", "predict", "scaling"]
-    for name, st in suite["steps"].items():
+    steps = {st["name"]: st for st in suite["steps"]}
+    assert [st["name"] for st in suite["steps"]] == ["bench", "predict", "scaling"]
+    for name, st in steps.items():
         assert st["rc"] == 0 and st["outputs"] and all(p.startswith(out) for p in st["outputs"]), (name, st)
-    assert "--nproc-per-node 2" in suite["steps"]["bench"]["command"]
-    assert suite["steps"]["bench"]["row_errors"] == []
+        assert os.path.exists(st["log"])
+    assert "--nproc-per-node 2" in steps["bench"]["command"]
+    assert steps["bench"]["row_errors"] == []
+    assert steps["predict"]["command"].split("--compare ")[1].split()[0] == steps["bench"]["outputs"][0]
 
 
 def test_bench_has_every_row_with_finite_times_and_sparse_bytes_within_the_envelope(dry_run):
     out, suite = dry_run
-    with open(suite["steps"]["bench"]["outputs"][0]) as f:
+    with open(suite["steps"][0]["outputs"][0]) as f:
         bench = json.load(f)
     rows = bench["results"]
     assert all("error" not in r for r in rows), [r["error"] for r in rows if "error" in r]
@@ -91,7 +94,8 @@ def test_bench_has_every_row_with_finite_times_and_sparse_bytes_within_the_envel
 
 def test_prediction_and_scaling_table_are_written(dry_run):
     out, suite = dry_run
-    with open(os.path.join(out, "sim_predict.json")) as f:
+    predict = next(st for st in suite["steps"] if st["name"] == "predict")
+    with open(predict["outputs"][0]) as f:
         pred = json.load(f)
     gpu = pred["by_target"]["gpu"]
     impls = {r["impl"] for r in gpu}

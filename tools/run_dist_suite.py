@@ -9,8 +9,8 @@ In order, each step a subprocess whose output goes to <out>/logs/<step>.log:
     bench          torchrun tools/bench_dist.py: S = 131072, 262144, every benchmark mask, megatron-cp and its
                    sparse rows (megatron-cp+xattention, megatron-cp+moba), the baselines and PyTorch's CP
                    (CPU: --device cpu --tiny)
-    predict        tools/sim/simulate.py --compare <the bench JSON> --cost <out>/cost.json: that lease's
-                   calibration predicting the measured cases
+    predict        tools/sim/simulate.py --compare <each bench JSON> --cost <out>/cost.json: that lease's
+                   calibration predicting the measured cases (sim_predict_<bench JSON's name>.json)
     scaling        tools/sim/simulate.py --masks packed --cps 8,16,32,64 --cost <out>/cost.json: the cp 8-64
                    table for packed documents (CPU: cp 2, 4 at 256 tokens per GPU)
 
@@ -20,10 +20,12 @@ sizes, skipping the GPU-only steps (kernel_check, fa4_sparse: it names them in s
 is recorded and the next runs (bench rows record their own errors, listed in suite.json as the bench
 step's row_errors); predict needs calibrate and bench.
 ``--steps`` runs a subset (e.g. to stay within a per-command time limit: one call for the checks and
-calibration, one for the benchmark, one for the prediction, all into the same --out).
+calibration, one for the benchmark per S, ``--steps bench --seqlens 131072``, one for the prediction and
+the table, all into the same --out).
 
-Writes <out>/suite.json: device, GPU count, date, command, and per step its command, exit status, seconds,
-log and outputs (appended to on each call, so split runs end in one record).
+Writes <out>/suite.json: per call (``runs``) device, GPU count, date and command, and per step run
+(``steps``, in order) its command, exit status, seconds, log and outputs; later calls into the same --out
+append, so split runs (e.g. bench once per S) end in one record.
 
     python tools/run_dist_suite.py --out benchmarks/2026-11-25_4xH200_dist                # 4 GPUs
     python tools/run_dist_suite.py --out out/suite --nproc 1                              # one GPU, CP = 1
@@ -45,7 +47,7 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 STEPS = ("kernel_check", "fa4_sparse", "dist_check", "calibrate", "bench", "predict", "scaling")
 GPU_ONLY = ("kernel_check", "fa4_sparse")
 OUTPUTS = {"kernel_check": "gpu_kernel_check.json", "dist_check": "gpu_dist_check.json", "calibrate": "cost.json",
-           "predict": "sim_predict.json", "scaling": "sim_packed_scaling.json"}  # bench: bench/bench_*.json
+           "scaling": "sim_packed_scaling.json"}  # bench: bench/bench_*.json; predict: sim_predict_<bench>.json
 
 
 def _torchrun(nproc, port):
@@ -54,8 +56,8 @@ def _torchrun(nproc, port):
 
 
 def step_commands(args) -> dict:
-    """{step: argv} of the steps to run (GPU-only ones left out on CPU), in STEPS order. ``bench``'s
-    output file is found after it runs (its name carries the date), so ``predict`` reads it then."""
+    """{step: argv} of the steps to run (GPU-only ones left out on CPU), in STEPS order. ``predict``'s
+    argv is a template: it runs once per benchmark JSON in the folder (their names carry the date)."""
     out, cpu, n = args.out, args.cpu_dry_run, args.nproc
     py = [sys.executable]
     tr = _torchrun(n, args.master_port)
@@ -63,6 +65,7 @@ def step_commands(args) -> dict:
     dev = ["--device", "cpu"] if cpu else []
     bench = [*tr, os.path.join(TOOLS, "bench_dist.py"), *dev, "--out-dir", os.path.join(out, "bench"),
              "--seqlens", args.seqlens or ("512" if cpu else "131072,262144")]
+    bench += ["--tag", "_s" + bench[-1].replace(",", "_")]  # split runs (one S each) write distinct files
     if cpu:
         bench.append("--tiny")
     if args.masks:
@@ -79,7 +82,7 @@ def step_commands(args) -> dict:
                      + (["--tiny"] if cpu else []),
         "bench": bench,
         "predict": [*py, os.path.join(TOOLS, "sim", "simulate.py"), "--compare", "<bench json>", "--cost", cost,
-                    "--json", os.path.join(out, "sim_predict.json")],
+                    "--json", "<predict json>"],
         "scaling": [*py, os.path.join(TOOLS, "sim", "simulate.py"), "--masks", "packed", "--cost", cost,
                     "--json", os.path.join(out, "sim_packed_scaling.json")]
                    + (["--cps", "2,4", "--tokens-per-gpu", "256", "--heads", "4", "--kv-heads", "2",
@@ -88,9 +91,9 @@ def step_commands(args) -> dict:
     return {s: cmds[s] for s in args.steps if not (cpu and s in GPU_ONLY)}
 
 
-def latest_bench(out):
-    found = sorted(glob.glob(os.path.join(out, "bench", "bench_*.json")), key=os.path.getmtime)
-    return found[-1] if found else None
+def bench_jsons(out):
+    """The benchmark JSONs in the folder, oldest first."""
+    return sorted(glob.glob(os.path.join(out, "bench", "bench_*.json")), key=os.path.getmtime)
 
 
 def main(argv=None):
@@ -123,45 +126,60 @@ def main(argv=None):
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     record_path = os.path.join(args.out, "suite.json")
-    record = {"runs": [], "steps": {}}
+    record = {"runs": [], "steps": []}
     if os.path.exists(record_path):
         with open(record_path) as f:
             record = json.load(f)
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    utc = datetime.datetime.now(datetime.UTC)
+    now, stamp = utc.strftime("%Y-%m-%d %H:%M UTC"), utc.strftime("%Y%m%d_%H%M%S")
     record["runs"].append(dict(device=device, num_devices=args.nproc, date=now, torch=torch.__version__,
                                command=" ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
                                skipped_gpu_only=[s for s in GPU_ONLY if args.cpu_dry_run and s in args.steps]))
     cmds = step_commands(args)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")) if args.cpu_dry_run else None
     failed = []
-    for name, cmd in cmds.items():
-        if name == "predict":
-            bench = latest_bench(args.out)
-            if bench is None or not os.path.exists(os.path.join(args.out, "cost.json")):
-                record["steps"][name] = dict(rc=None, error="needs the calibrate and bench steps' outputs in --out")
-                failed.append(name)
-                continue
-            cmd = [bench if c == "<bench json>" else c for c in cmd]
-        log = os.path.join(args.out, "logs", f"{name}.log")
-        print(f"[suite] {name}: {' '.join(cmd)}", flush=True)
-        t0 = time.perf_counter()
-        with open(log, "w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
-        out = latest_bench(args.out) if name == "bench" else OUTPUTS.get(name) and os.path.join(args.out, OUTPUTS[name])
-        outputs = [out] if out and os.path.exists(out) else []
-        record["steps"][name] = dict(command=" ".join(cmd), rc=rc, seconds=round(time.perf_counter() - t0, 1),
-                                     log=log, outputs=outputs, date=now)
-        if name == "bench" and outputs:  # rows that failed (a case records its error and the run goes on)
-            with open(outputs[0]) as f:
-                record["steps"][name]["row_errors"] = [f"S={r['seqlen']} {r['mask']} {r['impl']}: {r['error']}"
-                                                       for r in json.load(f)["results"] if "error" in r]
-        print(f"[suite] {name}: exit {rc} in {record['steps'][name]['seconds']} s (log {log})", flush=True)
-        if rc != 0:
-            failed.append(name)
+
+    def save():
         with open(record_path, "w") as f:
             json.dump(record, f, indent=1)
-    with open(record_path, "w") as f:
-        json.dump(record, f, indent=1)
+
+    for name, cmd in cmds.items():
+        runs = [(cmd, OUTPUTS.get(name) and os.path.join(args.out, OUTPUTS[name]))]
+        if name == "predict":  # one prediction per benchmark JSON in the folder (split runs write several)
+            benches = bench_jsons(args.out)
+            if not benches or not os.path.exists(os.path.join(args.out, "cost.json")):
+                record["steps"].append(dict(name=name, rc=None, date=now,
+                                            error="needs the calibrate and bench steps' outputs in --out"))
+                failed.append(name)
+                save()
+                continue
+            runs = []
+            for b in benches:
+                out = os.path.join(args.out, "sim_predict_" + os.path.splitext(os.path.basename(b))[0] + ".json")
+                runs.append(([b if c == "<bench json>" else out if c == "<predict json>" else c for c in cmd], out))
+        for i, (argv_i, out) in enumerate(runs):
+            log = os.path.join(args.out, "logs", f"{name}{'_%d' % i if len(runs) > 1 else ''}_{stamp}.log")
+            print(f"[suite] {name}: {' '.join(argv_i)}", flush=True)
+            before = set(bench_jsons(args.out))
+            t0 = time.perf_counter()
+            with open(log, "w") as f:
+                rc = subprocess.run(argv_i, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+            if name == "bench":
+                outputs = sorted(set(bench_jsons(args.out)) - before)
+            else:
+                outputs = [out] if out and os.path.exists(out) else []
+            st = dict(name=name, command=" ".join(argv_i), rc=rc, seconds=round(time.perf_counter() - t0, 1),
+                      log=log, outputs=outputs, date=now)
+            if name == "bench" and outputs:  # rows that failed (a case records its error and the run goes on)
+                with open(outputs[0]) as f:
+                    st["row_errors"] = [f"S={r['seqlen']} {r['mask']} {r['impl']}: {r['error']}"
+                                        for r in json.load(f)["results"] if "error" in r]
+            record["steps"].append(st)
+            print(f"[suite] {name}: exit {rc} in {st['seconds']} s (log {log})", flush=True)
+            if rc != 0 or (name == "bench" and not outputs):
+                failed.append(name)
+            save()
+    save()
     print(f"[suite] wrote {record_path}; failed: {failed or 'none'}")
     return 1 if failed else 0
 
