@@ -31,11 +31,14 @@ received, ``sparse_attention(stats=)``; the backward returns the same rows' dK/d
 (what the dense exchange of the same block layout would move) and ``selector_bytes`` (XAttention: the keys
 of the whole envelope that its scoring reads; MoBA: its pooled-key all-reduce payload). Their TFLOP/s
 count the envelope's FLOPs (an effective rate); the summary compares their time and bytes with the dense
-envelope's megatron-cp row.
+envelope's megatron-cp row, and their K/V bytes with their own layout's dense exchange: a plan in whole
+blocks can move more than the dense plan (packed documents at S 131072, cp 4: 246 MiB of K/V at block 128
+against the documents solver's 2 MiB, which a block size turns off), so the second ratio is what the
+selection itself saves.
 
     torchrun --nproc-per-node 4 tools/bench_dist.py                      # 4 GPUs, S = 128k, 256k
     torchrun --nproc-per-node 2 tools/bench_dist.py --device cpu --tiny  # CPU dry run (gloo)
-    tools/run_dist_suite.sh OUT_DIR                                       # the whole multi-GPU sequence
+    python tools/run_dist_suite.py --out DIR         # checks, calibration, this, the simulator's prediction
 
 While it runs, rank 0 shows a progress bar on stderr naming the case (S, mask, implementation) being run
 (redrawn at most every 30 s where stderr is not a terminal: tools/progress.py); each case's line goes to
