@@ -125,6 +125,9 @@ def test_fa4_backend_value_head_dim_emulated():
         assert be.last_path == "fa4" and (g - r.grad).abs().max() < 1e-6 and (s - r.grad).abs().max() < 1e-6
     assert fa4_head_dims_reason(192, 128, 10) is None and fa4_head_dims_reason(192, 128, 9) is None
     assert "sm100" in fa4_head_dims_reason(256, 128, 10) and "v head_dim" in fa4_head_dims_reason(192, 12, 9)
+    # measured on an H100: FA4's sm90 backward asserts head_dim == head_dim_v under GQA
+    assert "GQA" in fa4_head_dims_reason(192, 128, 9, phase="bwd", gqa=True)
+    assert fa4_head_dims_reason(192, 128, 9, phase="bwd", gqa=False) is None
 
 
 # -- Megatron's MLASelfAttention with CPCoreAttention in its core_attention slot ----------------------------

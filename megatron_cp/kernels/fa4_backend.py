@@ -275,7 +275,7 @@ class FA4Backend:
         elif phase == "bwd" and d > FA4_BWD_MAX_HEAD_DIM:
             why = f"head_dim {d}: FA4's sm90 backward runs head_dim <= {FA4_BWD_MAX_HEAD_DIM}"
         elif dv != d:
-            why = fa4_head_dims_reason(d, dv, _arch_major(q.device))
+            why = fa4_head_dims_reason(d, dv, _arch_major(q.device), phase=phase, gqa=q.shape[1] != v.shape[1])
         if why is None and prepared.calls.route(phase) == "triton":
             why = prepared.calls.triton_reason(phase)
         if why is not None:
@@ -546,12 +546,16 @@ def _arch_major(device) -> int | None:
     return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
 
 
-def fa4_head_dims_reason(d: int, dv: int, arch_major: int | None) -> str | None:
-    """Why FA4 (flash_attn.cute, its head-dim validation) cannot run q/k head dim ``d`` with a different v
-    head dim ``dv``, or None: sm90 runs both in 8..256 (multiples of 8; the backward's q/k limit is checked
-    apart), sm100 the DeepSeek pair (192, 128) or both <= 128."""
+def fa4_head_dims_reason(d: int, dv: int, arch_major: int | None, phase: str = "fwd",
+                         gqa: bool = False) -> str | None:
+    """Why FA4 (flash_attn.cute, its head-dim validation) cannot run ``phase`` ("fwd" / "bwd") with q/k head
+    dim ``d`` and a different v head dim ``dv``, or None: sm90 runs both in 8..256 (multiples of 8; the
+    backward's q/k limit is checked apart) but its backward only without GQA (``gqa``: fewer K/V heads than q
+    heads; flash-attn-4 4.0.0b36 asserts it on an H100), sm100 the DeepSeek pair (192, 128) or both <= 128."""
     if dv % 8 or not 8 <= dv <= 256:
         return f"v head_dim {dv}: FA4 runs multiples of 8 up to 256"
+    if arch_major == 9 and phase == "bwd" and gqa:
+        return f"head dims ({d}, {dv}) with GQA: FA4's sm90 backward needs head_dim == head_dim_v"
     if arch_major == 10 and not ((d, dv) == (192, 128) or (d <= 128 and dv <= 128)):
         return f"head dims ({d}, {dv}): FA4 on sm100 runs (192, 128) or both <= 128"
     return None
