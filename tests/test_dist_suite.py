@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from megatron_cp.runtime import CostModel
+from megatron_cp.testing import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE = os.path.join(ROOT, "tools", "run_dist_suite.py")
@@ -32,7 +33,7 @@ def dry_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("suite"))
     CostModel().save(os.path.join(out, "cost.json"))  # what the calibrate step writes
     cmd = [sys.executable, SUITE, "--out", out, "--cpu-dry-run", "--steps", "kernel_check,bench,predict,scaling",
-           "--seqlens", "256", "--masks", "causal,packed", "--impls", ",".join(IMPLS), "--master-port", "29623"]
+           "--seqlens", "256", "--masks", "causal,packed", "--impls", ",".join(IMPLS), "--master-port", str(free_port())]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     logs = {f: open(os.path.join(out, "logs", f)).read()[-3000:] for f in os.listdir(os.path.join(out, "logs"))}
