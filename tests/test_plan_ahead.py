@@ -168,3 +168,42 @@ def test_plan_ahead_wraps_once_and_reports_errors(fresh_cache):
     with pytest.raises(ValueError, match="depth"):
         PlanAhead([], _plan_fn, depth=-1)
     assert list(PlanAhead([], _plan_fn)) == []
+
+
+def test_forward_step_plans_below_megatrons_replay_buffer(fresh_cache):
+    """plugin.plan_ahead_of puts the planner under Megatron's RerunDataIterator (around the loader's
+    iterator): the step's micro-batches come out in order with their plans made ahead, and a rewind replays
+    exactly the iteration's micro-batches (not ones the planner read ahead of it)."""
+    from megatron.core.rerun_state_machine import RerunDataIterator, RerunMode, get_rerun_state_machine
+
+    from megatron_cp.megatron.plugin import plan_ahead_of
+
+    machine = get_rerun_state_machine()
+    mode = machine.get_mode()
+    machine.set_mode(RerunMode.VALIDATE_RESULTS)  # Megatron's default: the iterator saves for replay
+    try:
+        _replay_case(fresh_cache, RerunDataIterator, plan_ahead_of)
+    finally:
+        machine.set_mode(mode)
+
+
+def _replay_case(fresh_cache, RerunDataIterator, plan_ahead_of):
+
+    seeds = [11, 12, 13, 14, 15, 16]
+    loader = iter([{"tokens": _tokens(s), "seed": s} for s in seeds])
+    rerun = RerunDataIterator(loader)
+    it = plan_ahead_of(rerun, SPEC, OPTIONS, CP)
+    assert it is rerun and isinstance(rerun.iterable, PlanAhead)
+    assert plan_ahead_of(rerun, SPEC, OPTIONS, CP).iterable is rerun.iterable  # wrapped once
+    rerun.saved_microbatches.clear()
+    first = [next(it)["seed"] for _ in range(2)]  # one iteration of 2 micro-batches
+    saved = [b["seed"] for b in rerun.saved_microbatches]
+    rerun.rewind()
+    replay = [next(it)["seed"] for _ in range(2)]
+    rerun.advance()
+    rest = [next(it)["seed"] for _ in range(4)]
+    assert first == [11, 12] and replay == first and rest == [13, 14, 15, 16]
+    assert saved == [11, 12]  # what the step read, never micro-batches the planner read ahead
+    assert fresh_cache.made == len(seeds)  # every micro-batch planned once, by the planner thread
+    ahead = rerun.iterable
+    assert len(ahead.waits) == len(seeds) and len(ahead.plan_times) == len(seeds)

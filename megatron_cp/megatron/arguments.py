@@ -222,7 +222,9 @@ UNSUPPORTED = (
      "which assumes its own 2 x cp zigzag split, and builds its layers' attention from Megatron's spec; it "
      "does not run under megatron-cp's token layout"),
     ("multi_latent_attention", lambda v: bool(v),
-     "--multi-latent-attention: megatron-cp's core attention does not take MLA yet"),
+     "--multi-latent-attention: megatron-cp runs Megatron's MLASelfAttention from Python (CPCoreAttention in its "
+     "core_attention slot, megatron_cp.megatron.mla.install_mla for RoPE / YaRN at the plan's positions; CP 2 "
+     "equals CP 1 in tests/test_mla.py), but this plugin does not install MLA's plan RoPE in pretrain_gpt.py yet"),
     ("experimental_attention_variant", lambda v: v is not None,
      "--experimental-attention-variant {v} brings its own attention module; megatron-cp replaces only "
      "Megatron's dot-product core attention"),

@@ -28,7 +28,7 @@ import torch
 
 from . import rope
 from .arguments import OURS, add_megatron_cp_args, check_megatron_args, compose, dry_run, specs_from_args
-from .batch import prepare_batch
+from .batch import plan_for_batch, prepare_batch
 from .loss import loss_func, record_documents
 
 _SAVED = "_megatron_cp_saved"
@@ -160,6 +160,27 @@ def _broadcast_batch(data_iterator, args):
     return tokens, labels, loss_mask
 
 
+def plan_ahead_of(data_iterator, spec, options, cp_size: int):
+    """The iterator ``forward_step`` reads, with the next micro-batches planned in a background thread
+    (``plan_ahead.PlanAhead``; ``batch.plan_for_batch`` leaves each plan where ``prepare_batch`` finds it).
+
+    Megatron's ``RerunDataIterator`` keeps the micro-batches of an iteration to replay them (its rerun state
+    machine, on by default): reading ahead above it would mix the next iteration's micro-batches into a
+    replay, so the planner goes below it, around the loader's iterator (``.iterable``), which it reads in
+    order. Any other iterator is wrapped itself (once)."""
+    from .plan_ahead import PlanAhead, plan_ahead
+
+    def plan_fn(batch):
+        plan_for_batch(batch["tokens"], spec, cp_size, options)
+
+    inner = getattr(data_iterator, "iterable", None)
+    if inner is not None and callable(getattr(data_iterator, "rewind", None)):
+        if not isinstance(inner, PlanAhead):
+            data_iterator.iterable = PlanAhead(inner, plan_fn)
+        return data_iterator
+    return plan_ahead(data_iterator, plan_fn)
+
+
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     """``forward_step_func`` for ``megatron.training.pretrain`` with megatron-cp context parallelism.
 
@@ -181,6 +202,8 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     except Exception:  # no tokenizer built (e.g. mock data without one): --cp-eod-token is then needed
         pass
     spec, options = plan_specs(args, eod=eod)
+    if data_iterator is not None and ps.get_tensor_model_parallel_rank() == 0:  # each stage's reader plans ahead
+        data_iterator = plan_ahead_of(data_iterator, spec, options, ps.get_context_parallel_world_size())
     tokens, labels, loss_mask = _broadcast_batch(data_iterator, args)
     cp_group = ps.get_context_parallel_group()
     bt = prepare_batch(tokens, labels, loss_mask, spec, cp_group, options)
