@@ -16,8 +16,10 @@
 #   cp1            fp32, CP 1                          (1 GPU)
 #   cp2            fp32, CP 2                          (2 GPUs; equals cp1 up to fp32 reduction order)
 #   cp2_distopt    fp32, CP 2, --use-distributed-optimizer (shards over the DP x CP group of 2)
+#   cp1_distopt    fp32, CP 1, --use-distributed-optimizer (1 GPU: Megatron's DDP buffers + distributed optimizer)
 #   cp1_bf16       --bf16 (fp32 main params), CP 1
 #   cp2_bf16       --bf16, CP 2, --use-distributed-optimizer (close to cp1_bf16, not equal)
+#   cp1_bf16_distopt --bf16, CP 1, --use-distributed-optimizer
 #   cp2_packed     fp32, CP 2, --reset-attention-mask --reset-position-ids (-> --cp-mask packed)
 #   cp1_packed     the same at CP 1
 #   cp1_moe        fp32, CP 1, 4 experts top-2 with the load-balancing aux loss (Megatron's MoE layers, our attention)
@@ -75,8 +77,10 @@ run() {  # $1 = name, $2 = GPUs (= CP size here: DP 1), then extra flags
 run cp1 1
 run cp2 2
 run cp2_distopt 2 --use-distributed-optimizer
+run cp1_distopt 1 --use-distributed-optimizer
 run cp1_bf16 1 --bf16
 run cp2_bf16 2 --bf16 --use-distributed-optimizer
+run cp1_bf16_distopt 1 --bf16 --use-distributed-optimizer
 run cp1_packed 1 --reset-attention-mask --reset-position-ids
 run cp2_packed 2 --reset-attention-mask --reset-position-ids
 MOE=(--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 128 --moe-aux-loss-coeff 1e-2)
@@ -104,7 +108,8 @@ def rel(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(losses[a], losses[b]))
 
 
-pairs = [("cp2", "cp1"), ("cp2_distopt", "cp1"), ("cp2_bf16", "cp1_bf16"), ("cp1_bf16", "cp1"),
+pairs = [("cp2", "cp1"), ("cp2_distopt", "cp1"), ("cp1_distopt", "cp1"), ("cp2_bf16", "cp1_bf16"),
+         ("cp1_bf16_distopt", "cp1_bf16"), ("cp1_bf16", "cp1"),
          ("cp2_packed", "cp1_packed"), ("cp2_moe", "cp1_moe")]
 summary = dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                gpus=torch.cuda.device_count(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
