@@ -123,7 +123,7 @@ def test_run_pretrain_gpt_dry_run_patches_and_launches_flags_that_validate(tmp_p
     assert r.returncode == 0, r.stderr
     assert "install_into(globals())" in (mlm / "pretrain_gpt.py").read_text()  # patched
     launches = [shlex.split(line) for line in r.stdout.splitlines() if "torch.distributed.run" in line]
-    assert [cmd[cmd.index("--nproc-per-node") + 1] for cmd in launches] == ["1", "2", "2", "1", "2", "1", "2", "1", "2"]
+    assert [cmd[cmd.index("--nproc-per-node") + 1] for cmd in launches] == ["1", "2", "2", "1", "1", "2", "1", "1", "2", "1", "2"]
     parser = add_megatron_cp_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     for cmd in launches:
         i = cmd.index(str(mlm / "pretrain_gpt.py"))

@@ -207,3 +207,13 @@ def _replay_case(fresh_cache, RerunDataIterator, plan_ahead_of):
     assert fresh_cache.made == len(seeds)  # every micro-batch planned once, by the planner thread
     ahead = rerun.iterable
     assert len(ahead.waits) == len(seeds) and len(ahead.plan_times) == len(seeds)
+
+
+def test_forward_step_plans_inline_for_an_iterator_it_cannot_keep(fresh_cache):
+    """A built-in iterator (no weak reference, e.g. iter(list) handed to Megatron's schedule) is read as is:
+    nothing is read ahead of the step."""
+    from megatron_cp.megatron.plugin import plan_ahead_of
+
+    batches = iter([{"tokens": _tokens(s)} for s in (21, 22)])
+    assert plan_ahead_of(batches, SPEC, OPTIONS, CP) is batches
+    assert fresh_cache.made == 0

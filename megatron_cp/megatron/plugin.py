@@ -167,7 +167,8 @@ def plan_ahead_of(data_iterator, spec, options, cp_size: int):
     Megatron's ``RerunDataIterator`` keeps the micro-batches of an iteration to replay them (its rerun state
     machine, on by default): reading ahead above it would mix the next iteration's micro-batches into a
     replay, so the planner goes below it, around the loader's iterator (``.iterable``), which it reads in
-    order. Any other iterator is wrapped itself (once)."""
+    order. Any other iterator is wrapped itself (once); one that cannot be weakly referenced (a built-in
+    iterator such as ``iter(list)``, which a schedule may be handed) is returned as is and planned inline."""
     from .plan_ahead import PlanAhead, plan_ahead
 
     def plan_fn(batch):
@@ -178,7 +179,10 @@ def plan_ahead_of(data_iterator, spec, options, cp_size: int):
         if not isinstance(inner, PlanAhead):
             data_iterator.iterable = PlanAhead(inner, plan_fn)
         return data_iterator
-    return plan_ahead(data_iterator, plan_fn)
+    try:
+        return plan_ahead(data_iterator, plan_fn)
+    except TypeError:
+        return data_iterator
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
