@@ -98,15 +98,17 @@ def test_step_never_waits_on_plans_planned_ahead(fresh_cache, monkeypatch):
     assert [p.digest for p in plans0] == [p.digest for p in plans]
 
 
-def test_each_micro_batch_gets_its_own_plan_and_prepare_batch_finds_it(fresh_cache):
+def test_each_micro_batch_gets_its_own_plan_and_prepare_batch_finds_it(fresh_cache, monkeypatch):
     seeds = [1, 2, 1, 3, 4, 2, 5]  # repeated layouts share one plan; distinct ones never mix
     batches = [{"tokens": _tokens(s), "seed": s} for s in seeds]
+    planners = []  # the thread of every plan made (the planner thread keeps planning while the loop runs)
+    make = B._make_plan
+    monkeypatch.setattr(B, "_make_plan", lambda *a: (planners.append(threading.current_thread()), make(*a))[1])
     it = PlanAhead(batches, _plan_fn, depth=3)
     seen = {}
     for batch in it:
-        made = fresh_cache.made
         bt = B.prepare_batch(batch["tokens"], None, None, SPEC, _Group(), OPTIONS, check=False)
-        assert fresh_cache.made == made  # found in the cache: prepare_batch did not plan
+        assert threading.main_thread() not in planners  # found in the cache: prepare_batch did not plan
         assert bt.params.plan.digest == _direct_digest(batch["tokens"])
         seen.setdefault(batch["seed"], bt.params.plan)
         assert bt.params.plan is seen[batch["seed"]]
