@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .params import CPParams
-from .rope import Installed
+from .rope import Installed, swap_rotary
 
 
 def _yarn_frequencies(source) -> tuple[torch.Tensor, float]:
@@ -103,20 +102,7 @@ def install_mla(model: nn.Module) -> Installed:
         if getattr(cfg, "cache_mla_latents", False):
             raise ValueError("MLA latent caching (config.cache_mla_latents) is an inference path; megatron-cp "
                              "runs training")
-        original = owner.rotary_pos_emb
-        plan_rope = PlanMLARotary(original)
-        owner.rotary_pos_emb = plan_rope
-
-        def pre(mod, args, kwargs, _r=plan_rope):
-            p = kwargs.get("packed_seq_params")
-            _r.set_positions(p.position_ids if isinstance(p, CPParams) else None)
-
-        def post(mod, args, kwargs, out, _r=plan_rope):
-            _r.set_positions(None)
-
-        handle.hooks.append(owner.register_forward_pre_hook(pre, with_kwargs=True))
-        handle.hooks.append(owner.register_forward_hook(post, with_kwargs=True))
-        handle.swaps.append((owner, original))
+        swap_rotary(handle, owner, PlanMLARotary(owner.rotary_pos_emb))
     if not handle.swaps:
         raise ValueError(f"install_mla(): no multi-latent attention layer under {type(model).__name__}")
     return handle

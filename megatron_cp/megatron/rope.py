@@ -96,6 +96,24 @@ def _find_rope_owners(model: nn.Module):
             yield m
 
 
+def swap_rotary(handle: Installed, owner: nn.Module, plan_rope: nn.Module) -> None:
+    """Put ``plan_rope`` in ``owner.rotary_pos_emb`` and feed it each call's ``CPParams.position_ids``
+    (a forward pre-hook on ``owner``; cleared after the call); recorded in ``handle`` for ``remove()``."""
+    original = owner.rotary_pos_emb
+    owner.rotary_pos_emb = plan_rope
+
+    def pre(mod, args, kwargs):
+        p = kwargs.get("packed_seq_params")
+        plan_rope.set_positions(p.position_ids if isinstance(p, CPParams) else None)
+
+    def post(mod, args, kwargs, out):
+        plan_rope.set_positions(None)
+
+    handle.hooks.append(owner.register_forward_pre_hook(pre, with_kwargs=True))
+    handle.hooks.append(owner.register_forward_hook(post, with_kwargs=True))
+    handle.swaps.append((owner, original))
+
+
 def install(model: nn.Module) -> Installed:
     """Swap every plain ``RotaryEmbedding`` under ``model`` for ``PlanRotaryEmbedding``.
 
@@ -104,20 +122,7 @@ def install(model: nn.Module) -> Installed:
     """
     handle = Installed()
     for owner in list(_find_rope_owners(model)):
-        original = owner.rotary_pos_emb
-        plan_rope = PlanRotaryEmbedding(original)
-        owner.rotary_pos_emb = plan_rope
-
-        def pre(mod, args, kwargs, _r=plan_rope):
-            p = kwargs.get("packed_seq_params")
-            _r.set_positions(p.position_ids if isinstance(p, CPParams) else None)
-
-        def post(mod, args, kwargs, out, _r=plan_rope):
-            _r.set_positions(None)
-
-        handle.hooks.append(owner.register_forward_pre_hook(pre, with_kwargs=True))
-        handle.hooks.append(owner.register_forward_hook(post, with_kwargs=True))
-        handle.swaps.append((owner, original))
+        swap_rotary(handle, owner, PlanRotaryEmbedding(owner.rotary_pos_emb))
     if not handle.swaps:
         raise ValueError(
             f"install(): no RotaryEmbedding found under {type(model).__name__}; megatron-cp's RoPE "
