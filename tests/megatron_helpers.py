@@ -95,3 +95,19 @@ def cuda_to_cpu_shim(schedules: bool = False) -> None:
     mrandom.get_cuda_rng_tracker().set_states({mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME: torch.get_rng_state()})
     if schedules:
         _CudaToCpu().__enter__()
+
+
+class CPUBuffer:
+    """Stands in for Megatron's global memory buffer (CUDA) on CPU: a fresh tensor per request."""
+
+    def get_tensor(self, shape, dtype, name):
+        return torch.empty(shape, dtype=dtype)
+
+
+class NoRNG:
+    """Stands in for Megatron's CUDA RNG tracker on CPU: ``fork()`` changes nothing (no dropout here)."""
+
+    def fork(self, *a, **k):
+        import contextlib
+
+        return contextlib.nullcontext()

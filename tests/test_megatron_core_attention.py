@@ -303,16 +303,6 @@ def test_spawned_cp2():
     assert spawn(_spawned, 2) == "ok"
 
 
-class _CPUBuffer:
-    def get_tensor(self, shape, dtype, name):
-        return torch.empty(shape, dtype=dtype)
-
-
-class _NoRNG:
-    def fork(self, *a, **k):
-        import contextlib
-
-        return contextlib.nullcontext()
 
 
 @pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
@@ -321,6 +311,7 @@ def test_sinks_match_megatron_dot_product_attention(softmax_type, monkeypatch):
     softmax_type (its SoftmaxOne: a sink column per head) on packed documents, fp32: out, dq, dk, dv and the
     sink parameter's gradient; the parameter has DotProductAttention's name and shape (checkpoints carry over)."""
     from megatron.core import parallel_state, tensor_parallel
+    from megatron_helpers import CPUBuffer, NoRNG
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -330,8 +321,8 @@ def test_sinks_match_megatron_dot_product_attention(softmax_type, monkeypatch):
     # DotProductAttention places its offset and score buffer on the current CUDA device and forks the CUDA
     # RNG around (zero-probability) dropout; on CPU it gets a CPU device, buffer and no fork.
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    monkeypatch.setattr(parallel_state, "get_global_memory_buffer", lambda: _CPUBuffer())
-    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: _NoRNG())
+    monkeypatch.setattr(parallel_state, "get_global_memory_buffer", lambda: CPUBuffer())
+    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: NoRNG())
     Utils.initialize_model_parallel(1, context_parallel_size=1)
     try:
         t = TestCPCoreAttention()

@@ -7,24 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from megatron_cp.testing import free_port
-
-
-@pytest.fixture(scope="module")
-def world1():
-    from megatron.core import parallel_state as ps
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(1, 1, context_parallel_size=1, create_gloo_process_groups=False)
-    yield
-    ps.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 CASES = {

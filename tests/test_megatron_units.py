@@ -9,28 +9,10 @@ import argparse
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_helpers import EOD, make_global_batch, rel_err
 
 from megatron_cp.megatron import batch as B
-from megatron_cp.testing import free_port
-
-
-@pytest.fixture(scope="module")
-def world1():
-    """A 1-process gloo world with Megatron's groups (TP=CP=1), released at the end."""
-    from megatron.core import parallel_state as ps
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(1, 1, context_parallel_size=1, create_gloo_process_groups=False)
-    yield
-    ps.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 def megatron_ltor(tokens):
@@ -281,28 +263,19 @@ def test_flags_join_megatrons_own_parser():
 
 
 # ---------------------------------------------------------------- whole model vs Megatron's attention
-class _CPUBuffer:
-    def get_tensor(self, shape, dtype, name):
-        return torch.empty(shape, dtype=dtype)
-
-
-class _NoRNG:
-    def fork(self, *a, **k):
-        import contextlib
-
-        return contextlib.nullcontext()
 
 
 def test_llama_matches_megatron_dot_product_attention_on_packed_documents(world1, monkeypatch):
     """Same weights; Megatron's DotProductAttention with its own packed-document mask and reset
     positions (get_ltor_masks_and_position_ids) vs our batch hook + CPCoreAttention at CP=1."""
     from megatron.core import parallel_state, tensor_parallel
+    from megatron_helpers import CPUBuffer, NoRNG
     from megatron.core.models.gpt import GPTModel
 
     # DotProductAttention takes its score buffer from a CUDA-only global buffer and forks the CUDA
     # RNG around (zero-probability) dropout; on CPU the test gives it a CPU buffer and no fork.
-    monkeypatch.setattr(parallel_state, "get_global_memory_buffer", lambda: _CPUBuffer())
-    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: _NoRNG())
+    monkeypatch.setattr(parallel_state, "get_global_memory_buffer", lambda: CPUBuffer())
+    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: NoRNG())
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from tiny_llama.model import LlamaShape, build_llama, transformer_config
