@@ -111,3 +111,26 @@ class NoRNG:
         import contextlib
 
         return contextlib.nullcontext()
+
+
+def reference_run(model, batches, spec, lr: float, micro_batch_size: int):
+    """The CP = 1 / TP = 1 / PP = 1 reference: one AdamW step per global batch of ``batches`` on ``model``
+    (all of it on this rank, no DP reduction; gradients divided by the token count as Megatron's per-token
+    loss does). Returns (initial weights, per-step losses, step-0 gradients, final weights), each a
+    {name: tensor} copy (losses a list of floats)."""
+    from tiny_llama import trainer
+
+    named = dict(model.named_parameters())
+    w0 = {k: p.detach().clone() for k, p in named.items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    losses, g0 = [], None
+    for step, batch in enumerate(batches):
+        opt.zero_grad(set_to_none=True)
+        s, n = trainer.forward_backward(model, trainer.dp_shard(batch, 0, 1, micro_batch_size), spec)
+        for p in model.parameters():
+            p.grad.div_(float(n))
+        if step == 0:
+            g0 = {k: p.grad.detach().clone() for k, p in named.items()}
+        opt.step()
+        losses.append(float(s) / float(n))
+    return w0, losses, g0, {k: p.detach().clone() for k, p in named.items()}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_helpers import EOD, cuda_to_cpu_shim, make_global_batch, rel_err, tp_gather, tp_shard
+from megatron_helpers import EOD, cuda_to_cpu_shim, make_global_batch, reference_run, rel_err, tp_gather, tp_shard
 
 TOL = 1e-5
 CONFIGS = [(1, 2), (1, 4), (2, 2)]
@@ -100,21 +100,7 @@ def _worker(rank, world):
         trainer.init_parallel(1, 1)
         torch.manual_seed(7)
         ref = _build(shape)
-        full_w = {k: p.detach().clone() for k, p in ref.named_parameters()}
-        from tiny_llama import trainer as T
-
-        opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
-        ref_losses, ref_g0 = [], None
-        for step in range(STEPS):
-            opt.zero_grad(set_to_none=True)
-            s, n = T.forward_backward(ref, T.dp_shard(batches[step], 0, 1, MBS), spec)
-            for p in ref.parameters():
-                p.grad.div_(float(n))
-            if step == 0:
-                ref_g0 = {k: p.grad.detach().clone() for k, p in ref.named_parameters()}
-            opt.step()
-            ref_losses.append(float(s) / float(n))
-        ref_w = {k: p.detach().clone() for k, p in ref.named_parameters()}
+        full_w, ref_losses, ref_g0, ref_w = reference_run(ref, batches[:STEPS], spec, LR, MBS)
         del ref
 
         for tp, cp, strategy, variant in [c[1:] for c in CASES if c[0] == mask]:
