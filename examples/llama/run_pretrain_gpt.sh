@@ -88,7 +88,7 @@ run cp1_moe 1 "${MOE[@]}"
 run cp2_moe 2 "${MOE[@]}"
 [ -n "${DRY_RUN:-}" ] && exit 0
 
-$PY - "$OUT" "MLM=$MLM ITERS=$ITERS bash examples/llama/run_pretrain_gpt.sh" <<'EOF'
+$PY - "$OUT" "${RUNS:+RUNS=\"$RUNS\" }MLM=$MLM ITERS=$ITERS bash examples/llama/run_pretrain_gpt.sh" <<'EOF'
 import datetime, json, re, sys
 from pathlib import Path
 
