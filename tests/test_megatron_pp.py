@@ -20,21 +20,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_helpers import EOD, cuda_to_cpu_shim, make_global_batch, reference_run, rel_err
+from megatron_helpers import EOD, cuda_to_cpu_shim, full_param_name, make_global_batch, reference_run, rel_err
 
 TOL = 1e-5
 MASKS = ["causal", "packed"]
 LAYOUTS = [(2, None), (2, 2)]  # (pipeline stages, virtual stages per pipeline rank)
 CP = 2
 S, G, MBS, STEPS, LR = 48, 8, 2, 2, 1e-3
-
-
-def _full_name(chunk, name: str) -> str:
-    """A chunk's parameter name in the whole model (layers renumbered by their global layer_number)."""
-    if not name.startswith("decoder.layers."):
-        return name
-    _, _, j, rest = name.split(".", 3)
-    return f"decoder.layers.{chunk.decoder.layers[int(j)].layer_number - 1}.{rest}"
 
 
 def _plugin_grads(chunks, batch, named):
@@ -90,7 +82,7 @@ def _worker(rank, world):
         for pp, vpp in LAYOUTS:
             trainer.init_parallel(1, CP, pp=pp, vpp=vpp)
             chunks = build_pipeline_stage(shape)
-            named = {_full_name(c, k): p for c in chunks for k, p in c.named_parameters()}
+            named = {full_param_name(c, k): p for c in chunks for k, p in c.named_parameters()}
             with torch.no_grad():
                 for k, p in named.items():
                     p.copy_(full_w[k])

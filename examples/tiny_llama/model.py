@@ -133,3 +133,55 @@ def build_pipeline_stage(shape: LlamaShape, config=None, backend: str = "local")
                                   post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                                   vp_stage=vp))
     return chunks
+
+
+def full_param_name(chunk, name: str) -> str:
+    """A chunk's parameter name in the whole (PP = 1) model: layers renumbered by their global
+    ``layer_number``, which a pipeline stage's chunk keeps while indexing its layers from 0."""
+    if not name.startswith("decoder.layers."):
+        return name
+    _, _, j, rest = name.split(".", 3)
+    return f"decoder.layers.{chunk.decoder.layers[int(j)].layer_number - 1}.{rest}"
+
+
+def tp_shard(name: str, full: torch.Tensor, param, tp_rank: int, tp_size: int, glu: bool):
+    """The TP shard of a full (TP = 1) tensor for the parameter ``param`` of a TP model."""
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    if glu and name.endswith("mlp.linear_fc1.weight"):
+        # Megatron's SwiGLU: each TP rank holds [gate_r; up_r] of its slice of the FFN
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], 0)
+    return full.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def tp_gather(name: str, local: torch.Tensor, param, tp_group, glu: bool):
+    """Inverse of ``tp_shard``: the full tensor from every TP rank's shard."""
+    import torch.distributed as dist
+
+    tp_size = dist.get_world_size(tp_group)
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return local
+    parts = [torch.empty_like(local) for _ in range(tp_size)]
+    dist.all_gather(parts, local.contiguous(), group=tp_group)
+    if glu and name.endswith("mlp.linear_fc1.weight"):
+        gates = [p.chunk(2, 0)[0] for p in parts]
+        ups = [p.chunk(2, 0)[1] for p in parts]
+        return torch.cat(gates + ups, 0)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def load_full_state(chunks, full: dict) -> None:
+    """Copy a whole-model state (``{name: tensor}`` of the TP = 1, PP = 1 model) into this rank's chunks:
+    each parameter gets its pipeline stage's layer and its TP shard, cast to the parameter's dtype."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        for c in chunks:
+            for k, p in c.named_parameters():
+                name = full_param_name(c, k)
+                if name not in full:
+                    raise KeyError(f"parameter {name!r} is not in the whole-model state")
+                p.copy_(tp_shard(name, full[name], p, tp_rank, tp_size, glu=c.config.gated_linear_unit))

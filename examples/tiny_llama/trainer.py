@@ -125,17 +125,20 @@ def pipeline_forward_backward(chunks, micro_batches, spec: MaskSpec, options: Pl
     return total[0], total[1]
 
 
-def reduce_and_scale(model, loss_sum, count, group=None) -> StepResult:
+def reduce_and_scale(model, loss_sum, count, group=None, params=None) -> StepResult:
     """Sum loss, count and gradients over DP x CP, then divide the gradients by the token count.
 
     ``model``: a module or a pipeline stage's list of chunks. As Megatron's ``finalize_model_grads``:
     gradients of ``sequence_parallel`` parameters (norms, under --sequence-parallel) are first summed over
     the TP group (each TP rank saw only its shard of the tokens), and the token count comes from the last
-    pipeline stage (the other stages contribute zeros)."""
+    pipeline stage (the other stages contribute zeros). ``params``: the parameters whose ``.grad`` to reduce
+    (default: the model's; under mixed precision its fp32 master parameters, which carry the model
+    parameters' ``sequence_parallel`` marks)."""
     from megatron.core import parallel_state
 
     group = group or dp_cp_group()
-    params = [p for m in (model if isinstance(model, (list, tuple)) else [model]) for p in m.parameters()]
+    if params is None:
+        params = [p for m in (model if isinstance(model, (list, tuple)) else [model]) for p in m.parameters()]
     stats = torch.stack([loss_sum.to(torch.float64), count.to(torch.float64)])
     if params:
         stats = stats.to(params[0].device)

@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""Convergence recipes: a ~300M Llama (GQA, RoPE, SwiGLU) on packed documents at 32k tokens, trained under
+megatron-cp's context parallelism beside CP = 1 from the same weights on the same batches.
+
+    python examples/llama/recipes/run.py dense                 # 4 GPUs: CP 4 vs CP 1 (DP 4), bf16 + fp32 check
+    python examples/llama/recipes/run.py tp2cp2_sp pp2cp2      # TP 2 x CP 2 + SP; PP 2 x CP 2
+    python examples/llama/recipes/run.py moba xattention       # sparse attention against the dense run
+    python examples/llama/recipes/run.py gates                 # DuoAttention + PruLong gates at 64k, CP 4
+    python examples/llama/recipes/run.py dense --gpus 1 --steps 20     # one GPU: the runs that fit (CP 1)
+    python examples/llama/recipes/run.py all --size tiny --cpu         # every recipe, tiny, 4 CPU processes
+    sbatch examples/llama/recipes/recipe.sbatch dense                  # the same on a SLURM node
+
+Each recipe writes ``results.json`` (device, date, command, losses, throughput, the checks) and a PNG into
+``--out``/NAME; ``--runs`` picks runs by name, merged into an existing ``results.json`` (to split one recipe
+over several time-limited calls). The model code is examples/tiny_llama (Megatron-Core's GPTModel with
+megatron-cp's core attention and batch hook); the data are the Python standard library's sources, bytes as
+tokens, cut into documents that end with EOD (no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import shlex
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+EXAMPLES = HERE.parents[1]
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+
+from tiny_llama.convergence import Job, Layout, Run, Train, compare, spawn_jobs, tokens_per_s_per_gpu  # noqa: E402
+from tiny_llama.model import LlamaShape  # noqa: E402
+
+# ~293M parameters: 26 layers x (attention 2.6M + SwiGLU MLP 8.7M), byte vocabulary; head dim 128, GQA 8:2
+LLAMA_300M = LlamaShape(num_layers=26, hidden_size=1024, num_attention_heads=8, num_query_groups=2,
+                        ffn_hidden_size=2816, vocab_size=320, seq_length=32768, rotary_base=500000)
+TINY = LlamaShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176,
+                  vocab_size=320, seq_length=128)
+
+# Done-when thresholds of the parity recipes (bf16 every logged step, bf16 mean of the last 100, fp32 first 20)
+BF16_STEP, BF16_MEAN, FP32_STEP, FP32_STEPS = 1e-2, 5e-3, 1e-5, 20
+
+
+def _base(size: str, **kw) -> Train:
+    if size == "tiny":
+        t = Train(shape=TINY, steps=3, global_batch=4, lr=3e-3, min_lr=3e-3, doc_lengths=(16, 96), recursive=False)
+    else:
+        t = Train(shape=LLAMA_300M, steps=300, global_batch=8, lr=3e-4, min_lr=3e-5, warmup=30,
+                  doc_lengths=(256, 16384))
+    return replace(t, **kw)
+
+
+def _parity(layout: Layout):
+    def jobs(size: str, gpus: int, steps: int | None, pretrain_steps: int | None) -> list[Job]:
+        runs = [Run("cp1", Layout()), Run(layout.name, layout)]
+        bf16 = _base(size, **({"steps": steps} if steps else {}))
+        fp32 = replace(bf16, dtype="fp32", steps=min(bf16.steps, 2 if size == "tiny" else FP32_STEPS), warmup=0)
+        return [Job(bf16, runs), Job(fp32, runs)]
+    return jobs
+
+
+def _sparse(method: str, params: dict, finetune: bool):
+    def jobs(size: str, gpus: int, steps: int | None, pretrain_steps: int | None) -> list[Job]:
+        layout = Layout(cp=gpus)
+        start = "pretrained" if finetune else "init"
+        runs = [Run("dense", layout, start=start), Run(method, layout, (method, params), start)]
+        if size == "tiny":
+            t = _base(size, shape=replace(TINY, seq_length=256), speed_lengths=(256,), speed_steps=1)
+        else:
+            t = _base(size, speed_lengths=(32768, 65536), recompute=True)
+        if finetune:  # dense pretraining, then the two branches continue from the same weights and optimiser
+            t = replace(t, pretrain_steps=2 if size == "tiny" else 200, steps=2 if size == "tiny" else 100,
+                        warmup=0, lr=t.min_lr if size != "tiny" else t.lr)
+        if steps:
+            t = replace(t, steps=steps)
+        if finetune and pretrain_steps:
+            t = replace(t, pretrain_steps=pretrain_steps)
+        return [Job(t, runs)]
+    return jobs
+
+
+RECIPES = {
+    "dense": ("CP 4 (megatron-cp) vs CP 1 (DP 4), packed documents at 32k", _parity(Layout(cp=4))),
+    "tp2cp2_sp": ("TP 2 x CP 2 with sequence parallelism vs CP 1", _parity(Layout(tp=2, cp=2, sp=True))),
+    "pp2cp2": ("PP 2 x CP 2 (Megatron's 1F1B schedule) vs CP 1", _parity(Layout(cp=2, pp=2))),
+    "moba": ("--cp-sparse moba from scratch vs dense, CP = all GPUs", _sparse("moba", {"block": 512, "top_k": 3},
+                                                                             False)),
+    "xattention": ("XAttention fine-tuning of a dense-pretrained model vs dense fine-tuning",
+                   _sparse("xattention", {"block": 128, "stride": 8, "threshold": 0.9}, True)),
+    "gates": ("DuoAttention + PruLong head gates at 64k (examples/tiny_llama/train_gates.py)", None),
+}
+TINY_SPARSE = {"moba": {"block": 32, "top_k": 2}, "xattention": {"block": 32, "stride": 8, "threshold": 0.9}}
+
+
+def gates_argv(size: str, gpus: int, cpu: bool) -> list[str]:
+    """The gate recipe's train_gates flags: tiny = its CPU test's (seq 64, CP 2); full = 64k tokens, CP = gpus."""
+    if size == "tiny":
+        return ["--method", "both", "--cp", "2"]
+    return ["--method", "both", "--cp", str(gpus), "--device", "cpu" if cpu else "cuda", "--seq-length", "65536",
+            "--layers", "2", "--hidden", "256", "--heads", "8", "--kv-heads", "4", "--sink", "64", "--window", "256",
+            "--rotary-base", "1000000", "--schedule", "256:400:32,4096:100:4,65536:20:1", "--gate-batch", "1",
+            "--gate-steps", "40", "--eval-samples", "16", "--sparsities", "0.5,0.75", "--time-steps", "3"]
+
+
+def jobs_for(name: str, size: str, gpus: int, steps: int | None = None, pretrain_steps: int | None = None
+             ) -> list[Job]:
+    jobs = RECIPES[name][1](size, gpus, steps, pretrain_steps)
+    if size == "tiny" and name in TINY_SPARSE:
+        for j in jobs:
+            j.runs = [replace(r, sparse=(r.sparse[0], TINY_SPARSE[name])) if r.sparse else r for r in j.runs]
+    return jobs
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+def summarize(name: str, jobs: list[Job], results: list[dict]) -> dict:
+    """The recipe's figures and checks from its jobs' raw results."""
+    out = {"jobs": []}
+    for job, res in zip(jobs, results):
+        runs = res["runs"]
+        entry = {"train": _train_json(job.train), "runs": runs,
+                 "pretrain_losses": res.get("pretrain_losses")}
+        for r in runs.values():
+            r["tokens_per_s_per_gpu"] = tokens_per_s_per_gpu(r)
+        out["jobs"].append(entry)
+    checks = {}
+    kind = "parity" if name in ("dense", "tp2cp2_sp", "pp2cp2") else "sparse"
+    if kind == "parity":
+        for j, entry in enumerate(out["jobs"]):
+            runs = entry["runs"]
+            if "cp1" not in runs:
+                continue
+            for rn, r in runs.items():
+                if rn == "cp1":
+                    continue
+                c = compare(runs["cp1"]["losses"], r["losses"])
+                if entry["train"]["dtype"] == "bf16":
+                    checks[f"{rn} bf16 max rel diff <= {BF16_STEP:g}"] = [c["max_rel_diff"], c["max_rel_diff"] <= BF16_STEP]
+                    checks[f"{rn} bf16 mean of last {c['last']} within {BF16_MEAN:g}"] = [
+                        c["mean_last_rel_diff"], c["mean_last_rel_diff"] <= BF16_MEAN]
+                    checks[f"{rn} tokens/s per GPU (cp1: {runs['cp1']['tokens_per_s_per_gpu']:.0f})"] = [
+                        r["tokens_per_s_per_gpu"], None]
+                else:
+                    checks[f"{rn} fp32 max rel diff over {len(r['losses'])} steps <= {FP32_STEP:g}"] = [
+                        c["max_rel_diff"], c["max_rel_diff"] <= FP32_STEP]
+    else:
+        runs = out["jobs"][0]["runs"]
+        sparse = [k for k in runs if k != "dense"]
+        if "dense" in runs:
+            for rn in sparse:
+                c = compare(runs["dense"]["losses"], runs[rn]["losses"])
+                gap = [(b - a) / a for a, b in zip(runs["dense"]["losses"], runs[rn]["losses"])]
+                checks[f"{rn} loss gap at the last step (relative)"] = [gap[-1], None]
+                k = c["last"]
+                a, b = runs["dense"]["losses"][-k:], runs[rn]["losses"][-k:]
+                checks[f"{rn} loss gap, mean of the last {k} steps (relative)"] = [(sum(b) - sum(a)) / sum(a), None]
+                for length, sec in runs[rn]["speed_seconds"].items():
+                    checks[f"{rn} step speed-up over dense at {length} tokens"] = [
+                        runs["dense"]["speed_seconds"][length] / sec, None]
+    out["checks"] = checks
+    return out
+
+
+def plot(name: str, summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    main = summary["jobs"][0]
+    for rn, r in main["runs"].items():
+        axes[0].plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{rn} ({r['layout']})", lw=1)
+    if main.get("pretrain_losses"):
+        p = main["pretrain_losses"]
+        axes[0].plot(range(-len(p) + 1, 1), p, color="gray", lw=1, label="dense pretraining")
+    axes[0].set(xlabel="step", ylabel="loss (nats / byte)", title=f"{name}: {main['train']['dtype']} loss")
+    axes[0].legend(fontsize=8)
+    ref = "cp1" if "cp1" in main["runs"] else "dense"
+    for entry in summary["jobs"]:
+        runs = entry["runs"]
+        if ref not in runs:
+            continue
+        for rn, r in runs.items():
+            if rn == ref:
+                continue
+            a, b = runs[ref]["losses"], r["losses"]
+            diff = [abs(x - y) / abs(x) for x, y in zip(a, b)]
+            axes[1].semilogy(range(1, len(diff) + 1), [max(d, 1e-12) for d in diff], lw=1,
+                             label=f"|{rn} - {ref}| / {ref}, {entry['train']['dtype']}")
+    if ref == "cp1":
+        axes[1].axhline(BF16_STEP, color="red", ls="--", lw=0.8, label=f"bf16 bound {BF16_STEP:g}")
+        axes[1].axhline(FP32_STEP, color="purple", ls=":", lw=0.8, label=f"fp32 bound {FP32_STEP:g}")
+    axes[1].set(xlabel="step", ylabel="relative loss difference", title="difference to " + ref)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _device() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def _train_json(train: Train):
+    return json.loads(json.dumps({**asdict(train), "shape": asdict(train.shape)}))
+
+
+def _with_earlier(path: Path, jobs: list[Job], res: list[dict]) -> tuple[list[dict], str | None]:
+    """``res`` with the runs an earlier ``--runs`` call wrote to ``path`` for the same training settings
+    added (runs trained now replace theirs); and that call's command."""
+    if not path.exists():
+        return res, None
+    old = json.loads(path.read_text())
+    if len(old.get("jobs", [])) != len(jobs) or any(o["train"] != _train_json(j.train)
+                                                    for o, j in zip(old["jobs"], jobs)):
+        return res, None
+    merged = [{"runs": {**o["runs"], **r["runs"]}, "pretrain_losses": r["pretrain_losses"] or o["pretrain_losses"]}
+              for o, r in zip(old["jobs"], res)]
+    return merged, old.get("command")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipes", nargs="+", help=f"names ({', '.join(RECIPES)}) or 'all'")
+    ap.add_argument("--size", choices=("full", "tiny"), default="full")
+    ap.add_argument("--cpu", action="store_true", help="gloo on CPU processes (default: NCCL, one process per GPU)")
+    ap.add_argument("--gpus", type=int, default=None, help="world size (default: every visible GPU; 4 with --cpu)")
+    ap.add_argument("--steps", type=int, default=None, help="override the recipe's training steps")
+    ap.add_argument("--pretrain-steps", type=int, default=None, help="override a fine-tuning recipe's dense "
+                                                                      "pretraining steps")
+    ap.add_argument("--runs", default=None, help="comma-separated run names to train (default: all of the recipe's "
+                                                 "that fit the world)")
+    ap.add_argument("--out", default="out/recipes", help="one folder per recipe under this (default out/recipes)")
+    a = ap.parse_args(argv)
+    names = list(RECIPES) if a.recipes == ["all"] else a.recipes
+    for n in names:
+        if n not in RECIPES:
+            ap.error(f"unknown recipe {n!r}; choose from {', '.join(RECIPES)} or all")
+    import torch
+
+    if a.gpus is None:
+        a.gpus = 4 if a.cpu else torch.cuda.device_count()
+    if a.gpus < 1:
+        ap.error(f"--gpus must be >= 1 (found {a.gpus} GPUs; use --cpu for CPU processes)")
+    if not a.cpu and torch.cuda.device_count() < a.gpus:
+        ap.error(f"--gpus {a.gpus} but {torch.cuda.device_count()} GPU(s) visible")
+    command = "python examples/llama/recipes/run.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    meta = dict(device=_device(), date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                command=command, torch=torch.__version__, size=a.size, world=a.gpus)
+
+    # every training job of every recipe in one spawned world (each process starts once)
+    plan, skipped = [], {}
+    for n in names:
+        if n == "gates":
+            continue
+        jobs = jobs_for(n, a.size, a.gpus, a.steps, a.pretrain_steps)
+        for j in jobs:
+            fits = [r for r in j.runs if a.gpus % r.layout.size == 0 and j.train.global_batch % (
+                a.gpus // r.layout.size * j.train.micro_batch) == 0]
+            if a.runs:
+                fits = [r for r in fits if r.name in a.runs.split(",")]
+            skipped[n] = sorted({r.name for r in j.runs} - {r.name for r in fits} | set(skipped.get(n, [])))
+            j.runs = fits
+        plan.append((n, jobs))
+    todo = [j for _, jobs in plan for j in jobs if j.runs]
+    results = iter(spawn_jobs(todo, a.gpus, "cpu" if a.cpu else "cuda") if todo else [])
+    report = {}
+    for n, jobs in plan:
+        res = [next(results) if j.runs else {"runs": {}, "pretrain_losses": None} for j in jobs]
+        folder = Path(a.out) / n
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "results.json"
+        cmd = command
+        if a.runs:
+            res, earlier = _with_earlier(path, jobs, res)
+            cmd = command if earlier is None else earlier + " ; " + command
+        summary = {**meta, "command": cmd, "recipe": n, "about": RECIPES[n][0], **summarize(n, jobs, res),
+                   "skipped_runs": skipped.get(n, [])}
+        path.write_text(json.dumps(summary, indent=1) + "\n")
+        if any(e["runs"] for e in summary["jobs"]):
+            plot(n, summary, folder / f"{n}.png")
+        report[n] = summary
+        print(f"\n== {n}: {RECIPES[n][0]}  ({meta['device']}, world {a.gpus})")
+        for e in summary["jobs"]:
+            for rn, r in e["runs"].items():
+                print(f"  {e['train']['dtype']:>4} {rn:>14} ({r['layout']}, dp {r['dp']}): final loss "
+                      f"{r['losses'][-1]:.4f}, {r['tokens_per_s_per_gpu']:.0f} tokens/s per GPU")
+        for k, (v, ok) in summary["checks"].items():
+            print(f"  {k}: {v:.3e}" + ("" if ok is None else ("  PASS" if ok else "  FAIL")))
+        if skipped.get(n):
+            print(f"  not run (world {a.gpus} does not fit them, or --runs): {', '.join(skipped[n])}")
+        print(f"  -> {path}")
+    if "gates" in names:
+        from tiny_llama import train_gates
+
+        folder = Path(a.out) / "gates"
+        folder.mkdir(parents=True, exist_ok=True)
+        argv_g = gates_argv(a.size, a.gpus, a.cpu) + ["--out", str(folder / "head_pattern.json"),
+                                                      "--json", str(folder / "results.json")]
+        print(f"\n== gates: {RECIPES['gates'][0]}\n  train_gates {shlex.join(argv_g)}", flush=True)
+        report["gates"] = train_gates.main(argv_g)
+    return report
+
+
+if __name__ == "__main__":
+    main()

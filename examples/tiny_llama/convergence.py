@@ -1,0 +1,435 @@
+"""Convergence runs (examples/llama/recipes): one Llama trained under several parallel layouts (TP x CP x PP,
+sequence parallelism) or attention variants (dense, ``--cp-sparse``), all from the same weights on the same
+global batches, on CPU (gloo) or GPUs (NCCL, one process per GPU).
+
+Every run reports its loss and gradient norm per step and its wall time per step (tokens/s per GPU). The
+runs of one call share the world: a layout of ``tp * cp * pp`` ranks has ``world / (tp * cp * pp)``
+data-parallel replicas, so CP = 1 on 4 GPUs is DP = 4 and CP = 4 is DP = 1, with the same global batch.
+
+``dtype="bf16"`` is Megatron's ``--bf16``: bf16 parameters and activations, each micro-batch's gradients added
+into an fp32 main gradient, AdamW on fp32 master weights, clipping by the fp32 global gradient norm
+(weight decay on matrices only, as Megatron's default). ``"fp32"`` trains the parameters themselves.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_cp.megatron import MaskSpec, PlanOptions
+
+from .demo import EOD, stdlib_stream
+from .model import LlamaShape
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Megatron's parallel sizes of one run; ``sp``: sequence parallelism (needs ``tp > 1``)."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    sp: bool = False
+
+    def __post_init__(self):
+        for k in ("tp", "cp", "pp"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Layout.{k} must be an int >= 1, got {v!r}")
+        if self.sp and self.tp < 2:
+            raise ValueError(f"sequence parallelism needs tp >= 2, got tp={self.tp}")
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.cp * self.pp
+
+    @property
+    def name(self) -> str:
+        parts = [f"{k}{getattr(self, k)}" for k in ("tp", "cp", "pp") if getattr(self, k) > 1] or ["cp1"]
+        return "x".join(parts) + ("+sp" if self.sp else "")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: a layout and an attention variant. ``sparse``: ``(method, {param: value})`` of
+    ``--cp-sparse`` (None: dense). ``start``: ``"init"`` (the shared initial weights) or ``"pretrained"`` (the
+    weights after the job's dense ``pretrain_steps`` on this same layout: fine-tuning branches)."""
+
+    name: str
+    layout: Layout = Layout()
+    sparse: tuple | None = None
+    start: str = "init"
+
+    def __post_init__(self):
+        if self.start not in ("init", "pretrained"):
+            raise ValueError(f"Run.start must be 'init' or 'pretrained', got {self.start!r}")
+
+    def options(self, kernel_backend: str) -> PlanOptions:
+        from megatron_cp.megatron.sparse_spec import SparseSpec
+
+        sparse = None
+        if self.sparse is not None:
+            method, params = self.sparse
+            sparse = SparseSpec(method, tuple(sorted(dict(params).items())))
+        return PlanOptions(kernel_backend=kernel_backend, sparse=sparse,
+                           token_multiple=self.layout.tp if self.layout.sp else 1)
+
+
+@dataclass(frozen=True)
+class Train:
+    """What every run of a job shares: model, data, optimiser, schedule, precision."""
+
+    shape: LlamaShape
+    steps: int
+    global_batch: int
+    micro_batch: int = 1
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup: int = 0
+    clip: float = 1.0
+    weight_decay: float = 0.1
+    seed: int = 1234
+    dtype: str = "bf16"
+    doc_lengths: tuple[int, int] = (32, 480)  # bytes per document, uniform (stdlib sources; EOD after each)
+    recursive: bool = True  # the whole standard library (32 MB of text), not only its top folder
+    kernel_backend: str = "auto"
+    recompute: bool = False  # Megatron's full activation recompute, one layer at a time
+    pretrain_steps: int = 0  # dense steps on the pretrained runs' layout before they branch off
+    speed_lengths: tuple[int, ...] = ()  # after training: time each run at these sequence lengths
+    speed_steps: int = 3
+    mask: str = "packed"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"Train.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.steps < 1 or self.global_batch < 1 or self.micro_batch < 1:
+            raise ValueError(f"need steps, global_batch, micro_batch >= 1, got {self.steps}, "
+                             f"{self.global_batch}, {self.micro_batch}")
+
+    def lr_at(self, step: int, steps: int) -> float:
+        """Linear warm-up, then cosine decay to ``min_lr`` at ``steps`` (Megatron's cosine schedule)."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        frac = min(1.0, (step - self.warmup) / max(1, steps - self.warmup))
+        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+@dataclass
+class Job:
+    train: Train
+    runs: list = field(default_factory=list)
+
+    def check(self, world: int) -> None:
+        """Every layout fits the world and the batch: raised before any process starts."""
+        pre = [r for r in self.runs if r.start == "pretrained"]
+        if pre and self.train.pretrain_steps < 1:
+            raise ValueError(f"runs {[r.name for r in pre]} start 'pretrained' but pretrain_steps is 0")
+        if len({r.layout for r in pre}) > 1:
+            raise ValueError("every 'pretrained' run must share one layout (the pretraining's)")
+        for r in self.runs:
+            L = r.layout
+            if world % L.size:
+                raise ValueError(f"run {r.name!r}: world size {world} is not divisible by tp*cp*pp = {L.size}")
+            dp = world // L.size
+            if self.train.global_batch % (dp * self.train.micro_batch):
+                raise ValueError(f"run {r.name!r}: global batch {self.train.global_batch} is not divisible by "
+                                 f"dp * micro_batch = {dp} * {self.train.micro_batch}")
+            if L.pp > 1 and self.train.shape.num_layers % L.pp:
+                raise ValueError(f"run {r.name!r}: {self.train.shape.num_layers} layers do not split into "
+                                 f"pp = {L.pp} stages")
+            if self.train.shape.num_query_groups % L.tp:
+                raise ValueError(f"run {r.name!r}: {self.train.shape.num_query_groups} KV heads do not split "
+                                 f"over tp = {L.tp}")
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+class Corpus:
+    """Samples of ``length + 1`` tokens cut one after another from the packed stdlib stream."""
+
+    def __init__(self, train: Train, length: int, samples: int):
+        self.length = length
+        self.stream = torch.from_numpy(stdlib_stream(samples * length + 1, train.seed, train.doc_lengths,
+                                                     train.recursive))
+        self.samples = samples
+
+    def batch(self, first: int, n: int):
+        """(tokens, labels, loss_mask) ``[n, length]`` of samples first .. first + n - 1."""
+        if first + n > self.samples:
+            raise IndexError(f"samples {first}..{first + n - 1} beyond the {self.samples} prepared")
+        L = self.length
+        rows = torch.stack([self.stream[i * L: i * L + L + 1] for i in range(first, first + n)])
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), torch.ones(n, L)
+
+
+# ------------------------------------------------------------------------------------ mixed precision
+
+class MainParams:
+    """The parameters the optimiser steps and whose gradients are reduced.
+
+    fp32 models: the parameters themselves. bf16 models: fp32 master copies; a hook adds each micro-batch's
+    bf16 gradient into the master's fp32 ``.grad`` as soon as autograd has it and frees the bf16 one (what
+    Megatron's ``main_grad`` buffers do), and ``publish`` copies the stepped masters back into the model.
+    """
+
+    def __init__(self, chunks):
+        self.model = [p for c in chunks for p in c.parameters()]
+        self.names = [k for c in chunks for k, _ in c.named_parameters()]
+        if all(p.dtype == torch.float32 for p in self.model):
+            self.main = self.model
+            return
+        self.main = []
+        for p in self.model:
+            m = torch.nn.Parameter(p.detach().float().clone())
+            for attr in ("sequence_parallel", "tensor_model_parallel", "partition_dim"):
+                if hasattr(p, attr):
+                    setattr(m, attr, getattr(p, attr))
+            p.register_post_accumulate_grad_hook(self._accumulate(m))
+            self.main.append(m)
+
+    @staticmethod
+    def _accumulate(m):
+        def hook(p):
+            if m.grad is None:
+                m.grad = p.grad.float()
+            else:
+                m.grad.add_(p.grad)
+            p.grad = None
+        return hook
+
+    def publish(self) -> None:
+        if self.main is self.model:
+            return
+        with torch.no_grad():
+            for p, m in zip(self.model, self.main):
+                p.copy_(m)
+
+    def zero_grad(self) -> None:
+        for m in self.main:
+            m.grad = None
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Megatron's default: no weight decay on vectors (norm weights) and biases."""
+        decay = [m for m, k in zip(self.main, self.names) if m.dim() > 1 and not k.endswith(".bias")]
+        rest = [m for m, k in zip(self.main, self.names) if not (m.dim() > 1 and not k.endswith(".bias"))]
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def clip_grad_norm(main: list, max_norm: float) -> float:
+    """The global L2 norm of the (reduced, scaled) gradients over the whole model, then scale them to at most
+    ``max_norm`` (0: no clipping). TP shards add up over the TP group, pipeline stages over the PP group;
+    parameters replicated over TP (norm weights) count once."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    grads = [m.grad for m in main if m.grad is not None and (getattr(m, "tensor_model_parallel", False)
+                                                            or tp_rank == 0)]
+    dev = main[0].device
+    sq = torch.zeros((), dtype=torch.float64, device=dev)
+    for g in grads:
+        sq += g.double().pow(2).sum()
+    dist.all_reduce(sq, group=ps.get_model_parallel_group())
+    norm = float(sq.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for m in main:
+            if m.grad is not None:
+                m.grad.mul_(coef)
+    return norm
+
+
+# ---------------------------------------------------------------------------------------- the worker
+
+def _sync(device) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _full_init(train: Train, length: int) -> dict:
+    """The whole model's initial weights (fp32, CPU): built once from the seed as a TP = PP = 1 model, so
+    every layout starts from the same numbers."""
+    from . import trainer
+    from .model import build_llama, transformer_config
+
+    trainer.init_parallel(1, 1)
+    shape = replace(train.shape, seq_length=length)
+    torch.manual_seed(train.seed)
+    model = build_llama(shape, transformer_config(shape))
+    return {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def _build(train: Train, layout: Layout, length: int, full: dict, device):
+    from megatron.core import parallel_state as ps
+
+    from . import trainer
+    from .model import build_llama, build_pipeline_stage, load_full_state, transformer_config
+
+    trainer.init_parallel(layout.tp, layout.cp, layout.pp)
+    shape = replace(train.shape, seq_length=length)
+    over = dict(sequence_parallel=layout.sp)
+    if train.recompute:
+        over.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    config = transformer_config(shape, dtype=DTYPES[train.dtype], **over)
+    chunks = build_pipeline_stage(shape, config) if layout.pp > 1 else [build_llama(shape, config)]
+    load_full_state(chunks, full)
+    if device is not None:
+        chunks = [c.to(device) for c in chunks]
+    dp = (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    return chunks, dp
+
+
+def _train_steps(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, device, steps: int,
+                 first_sample: int, log=None):
+    from megatron.core import parallel_state as ps
+
+    from . import trainer
+
+    spec = MaskSpec(train.mask, eod=EOD if train.mask.startswith("packed") else None)
+    options = run.options(train.kernel_backend)
+    losses, norms, seconds = [], [], []
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = train.lr_at(step, steps)
+        _sync(device)
+        t0 = time.perf_counter()
+        batch = corpus.batch(first_sample + step * train.global_batch, train.global_batch)
+        mbs = trainer.dp_shard(batch, dp[0], dp[1], train.micro_batch)
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            s, n = trainer.pipeline_forward_backward(chunks, mbs, spec, options, device=device)
+        else:
+            s, n = trainer.forward_backward(chunks[0], mbs, spec, options, device=device)
+        res = trainer.reduce_and_scale(chunks, s, n, params=main.main)
+        norm = clip_grad_norm(main.main, train.clip)
+        opt.step()
+        main.publish()
+        main.zero_grad()
+        _sync(device)
+        seconds.append(time.perf_counter() - t0)
+        losses.append(res.loss)
+        norms.append(norm)
+        if log is not None:
+            log(step, res.loss, norm, seconds[-1])
+    return losses, norms, seconds
+
+
+def _optimizer(main: MainParams, train: Train):
+    return torch.optim.AdamW(main.param_groups(train.weight_decay), lr=train.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrained: dict | None, log):
+    chunks, dp = _build(train, run.layout, corpus.length, full, device)
+    main = MainParams(chunks)
+    if run.start == "pretrained":
+        with torch.no_grad():
+            for m, w in zip(main.main, pretrained["main"]):
+                m.copy_(w)
+        main.publish()
+    opt = _optimizer(main, train)
+    if run.start == "pretrained":
+        opt.load_state_dict(pretrained["opt"])
+    first = train.pretrain_steps * train.global_batch if run.start == "pretrained" else 0
+    losses, norms, seconds = _train_steps(chunks, main, opt, train, run, corpus, dp, device, train.steps, first,
+                                          log)
+    speed = {}
+    for length in train.speed_lengths:
+        sp_corpus = Corpus(train, length, train.global_batch * (train.speed_steps + 1))
+        _, _, sec = _train_steps(chunks, main, opt, train, run, sp_corpus, dp, device, train.speed_steps + 1, 0)
+        speed[str(length)] = float(np.median(sec[1:]))  # the first step builds plans and compiles kernels
+    return dict(losses=losses, grad_norms=norms, step_seconds=seconds, speed_seconds=speed)
+
+
+def _pretrain(train: Train, run: Run, full: dict, corpus: Corpus, device, log) -> dict:
+    """Dense steps on ``run``'s layout; returns this rank's master weights and optimiser state."""
+    chunks, dp = _build(train, run.layout, corpus.length, full, device)
+    main = MainParams(chunks)
+    opt = _optimizer(main, train)
+    dense = Run("pretrain", run.layout)
+    losses, _, _ = _train_steps(chunks, main, opt, train, dense, corpus, dp, device, train.pretrain_steps, 0, log)
+    return dict(main=[m.detach().clone() for m in main.main], opt=opt.state_dict(), losses=losses)
+
+
+def _kernels(train: Train, device) -> str:
+    """The attention backend ``kernel_backend`` resolves to here (FA4 hands fp32 to Triton)."""
+    from megatron_cp.kernels.registry import available_backends
+
+    name = train.kernel_backend
+    if name == "auto":
+        name = available_backends(device or "cpu")[0]
+    return name + (" (fp32 on triton)" if name == "fa4" and train.dtype == "fp32" else "")
+
+
+def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bool = True) -> list[dict]:
+    """Every job's runs in this world, one after the other; rank 0 returns one result per job."""
+    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    device = None
+    if device_kind == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        from .cpu import cuda_to_cpu_shim
+
+        cuda_to_cpu_shim(schedules=any(r.layout.pp > 1 for j in jobs for r in j.runs))
+    out = []
+    for job in jobs:
+        train = job.train
+        length = train.shape.seq_length
+        full = _full_init(train, max((length,) + tuple(train.speed_lengths)))
+        samples = (train.pretrain_steps + train.steps) * train.global_batch
+        corpus = Corpus(train, length, samples)
+        res = dict(runs={}, pretrain_losses=None)
+        pretrained = None
+        t_start = time.perf_counter()
+        for run in job.runs:
+            def log(step, loss, norm, sec, name=run.name):
+                if rank == 0 and verbose and (step < 3 or step % 10 == 9 or step == train.steps - 1):
+                    print(f"  [{train.dtype} {name}] step {step + 1:4d} loss {loss:.6f} grad norm {norm:.3f} "
+                          f"{sec * 1e3:.0f} ms  (+{time.perf_counter() - t_start:.0f} s)", flush=True)
+            if run.start == "pretrained" and pretrained is None:
+                pretrained = _pretrain(train, run, full, corpus, device, partial(log, name="dense pretraining"))
+                res["pretrain_losses"] = pretrained["losses"]
+            r = _one_run(train, run, full, corpus, device, pretrained, log)
+            r.update(layout=run.layout.name, world=world, dp=world // run.layout.size,
+                     tokens_per_step=train.global_batch * length, kernels=_kernels(train, device))
+            res["runs"][run.name] = r
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
+        out.append(res)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+def tokens_per_s_per_gpu(run: dict, skip: int | None = None) -> float:
+    """Median step time over the steps after the first ``skip`` (default: a tenth, at least 1 when there are
+    more than 2 steps: plan building and kernel compilation), as tokens per second per GPU."""
+    sec = run["step_seconds"]
+    skip = (max(1, len(sec) // 10) if len(sec) > 2 else 0) if skip is None else skip
+    return run["tokens_per_step"] / float(np.median(sec[skip:])) / run["world"]
+
+
+def compare(ref: list[float], other: list[float], last: int = 100) -> dict:
+    """Relative loss differences of ``other`` against ``ref``: the largest at any step, and that of the means
+    of the last ``last`` steps (fewer when the runs are shorter)."""
+    a, b = np.asarray(ref, dtype=np.float64), np.asarray(other, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"the runs logged {len(a)} and {len(b)} steps")
+    k = min(last, len(a))
+    return dict(max_rel_diff=float(np.max(np.abs(a - b) / np.abs(a))),
+                mean_last_rel_diff=float(abs(a[-k:].mean() - b[-k:].mean()) / abs(a[-k:].mean())), last=k)
+
+
+def spawn_jobs(jobs: list[Job], world: int, device_kind: str, verbose: bool = True, timeout_s: int = 3600):
+    from .trainer import spawn
+
+    for j in jobs:
+        j.check(world)
+    return spawn(worker, world, jobs, device_kind, verbose, backend="nccl" if device_kind == "cuda" else "gloo",
+                 timeout_s=timeout_s)
