@@ -50,8 +50,9 @@ def _base(size: str, **kw) -> Train:
     if size == "tiny":
         t = Train(shape=TINY, steps=3, global_batch=4, lr=3e-3, min_lr=3e-3, doc_lengths=(16, 96), recursive=False)
     else:
+        # activation recompute: 32k tokens of this model without it need more than an 80 GB GPU holds (fp32)
         t = Train(shape=LLAMA_300M, steps=300, global_batch=8, lr=3e-4, min_lr=3e-5, warmup=30,
-                  doc_lengths=(256, 16384))
+                  doc_lengths=(256, 16384), recompute=True)
     return replace(t, **kw)
 
 
@@ -72,7 +73,7 @@ def _sparse(method: str, params: dict, finetune: bool):
         if size == "tiny":
             t = _base(size, shape=replace(TINY, seq_length=256), speed_lengths=(256,), speed_steps=1)
         else:
-            t = _base(size, speed_lengths=(32768, 65536), recompute=True)
+            t = _base(size, speed_lengths=(32768, 65536))
         if finetune:  # dense pretraining, then the two branches continue from the same weights and optimiser
             t = replace(t, pretrain_steps=2 if size == "tiny" else 200, steps=2 if size == "tiny" else 100,
                         warmup=0, lr=t.min_lr if size != "tiny" else t.lr)
