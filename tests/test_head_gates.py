@@ -381,7 +381,15 @@ def test_gated_model_wiring_packed_cp2():
 
 # ---------------------------------------------------------------- the recipe, end to end
 
-RECIPE = ["--method", "both", "--cp", "2"]  # the defaults: seq 64, 400 pretraining steps, 40 gate steps
+def _recipe_argv() -> list[str]:
+    """The gates recipe's tiny flags (examples/llama/recipes/run.py): the defaults, seq 64, 400 pretraining steps,
+    40 gate steps, CP 2."""
+    from test_recipes import load_runner
+
+    return load_runner().gates_argv("tiny", 2, True)
+
+
+RECIPE = _recipe_argv()
 
 
 @pytest.fixture(scope="module")

@@ -71,14 +71,16 @@ class Run:
     def __post_init__(self):
         if self.start not in ("init", "pretrained"):
             raise ValueError(f"Run.start must be 'init' or 'pretrained', got {self.start!r}")
+        if self.sparse is not None:  # hashable: equal runs of several jobs train once (``worker``)
+            method, params = self.sparse
+            object.__setattr__(self, "sparse", (method, tuple(sorted(dict(params).items()))))
 
     def options(self, kernel_backend: str) -> PlanOptions:
         from megatron_cp.megatron.sparse_spec import SparseSpec
 
         sparse = None
         if self.sparse is not None:
-            method, params = self.sparse
-            sparse = SparseSpec(method, tuple(sorted(dict(params).items())))
+            sparse = SparseSpec(*self.sparse)
         return PlanOptions(kernel_backend=kernel_backend, sparse=sparse,
                            token_multiple=self.layout.tp if self.layout.sp else 1)
 
@@ -102,7 +104,8 @@ class Train:
     recursive: bool = True  # the whole standard library (32 MB of text), not only its top folder
     kernel_backend: str = "auto"
     recompute: bool = False  # Megatron's full activation recompute, one layer at a time
-    pretrain_steps: int = 0  # dense steps on the pretrained runs' layout before they branch off
+    pretrain_steps: int = 0  # dense steps (on the schedule above) on the pretrained runs' layout before they branch
+    finetune_lr: float | None = None  # the branches' constant learning rate (None: the schedule above)
     speed_lengths: tuple[int, ...] = ()  # after training: time each run at these sequence lengths
     speed_steps: int = 3
     mask: str = "packed"
@@ -114,8 +117,11 @@ class Train:
             raise ValueError(f"need steps, global_batch, micro_batch >= 1, got {self.steps}, "
                              f"{self.global_batch}, {self.micro_batch}")
 
-    def lr_at(self, step: int, steps: int) -> float:
-        """Linear warm-up, then cosine decay to ``min_lr`` at ``steps`` (Megatron's cosine schedule)."""
+    def lr_at(self, step: int, steps: int, finetune: bool = False) -> float:
+        """Linear warm-up, then cosine decay to ``min_lr`` at ``steps`` (Megatron's cosine schedule); fine-tuning
+        branches: ``finetune_lr`` when set."""
+        if finetune and self.finetune_lr is not None:
+            return self.finetune_lr
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
         frac = min(1.0, (step - self.warmup) / max(1, steps - self.warmup))
@@ -297,7 +303,7 @@ def _train_steps(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, 
     losses, norms, seconds = [], [], []
     for step in range(steps):
         for g in opt.param_groups:
-            g["lr"] = train.lr_at(step, steps)
+            g["lr"] = train.lr_at(step, steps, finetune=run.start == "pretrained")
         _sync(device)
         t0 = time.perf_counter()
         batch = corpus.batch(first_sample + step * train.global_batch, train.global_batch)
@@ -376,14 +382,18 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
         from .cpu import cuda_to_cpu_shim
 
         cuda_to_cpu_shim(schedules=any(r.layout.pp > 1 for j in jobs for r in j.runs))
-    out = []
+    out, done = [], {}
     for job in jobs:
         train = job.train
         length = train.shape.seq_length
+        res = dict(runs={}, pretrain_losses=None)
+        if all(r.start == "init" and (train, r) in done for r in job.runs):  # trained in an earlier job
+            res["runs"] = {r.name: done[(train, r)] for r in job.runs}
+            out.append(res)
+            continue
         full = _full_init(train, max((length,) + tuple(train.speed_lengths)))
         samples = (train.pretrain_steps + train.steps) * train.global_batch
         corpus = Corpus(train, length, samples)
-        res = dict(runs={}, pretrain_losses=None)
         pretrained = None
         t_start = time.perf_counter()
         for run in job.runs:
@@ -391,13 +401,16 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
                 if rank == 0 and verbose and (step < 3 or step % 10 == 9 or step == train.steps - 1):
                     print(f"  [{train.dtype} {name}] step {step + 1:4d} loss {loss:.6f} grad norm {norm:.3f} "
                           f"{sec * 1e3:.0f} ms  (+{time.perf_counter() - t_start:.0f} s)", flush=True)
+            if run.start == "init" and (train, run) in done:  # the same run in an earlier job (e.g. CP 1)
+                res["runs"][run.name] = done[(train, run)]
+                continue
             if run.start == "pretrained" and pretrained is None:
                 pretrained = _pretrain(train, run, full, corpus, device, partial(log, name="dense pretraining"))
                 res["pretrain_losses"] = pretrained["losses"]
             r = _one_run(train, run, full, corpus, device, pretrained, log)
             r.update(layout=run.layout.name, world=world, dp=world // run.layout.size,
                      tokens_per_step=train.global_batch * length, kernels=_kernels(train, device))
-            res["runs"][run.name] = r
+            res["runs"][run.name] = done[(train, run)] = r
             from megatron.core import parallel_state as ps
 
             ps.destroy_model_parallel()

@@ -4,12 +4,14 @@
     PYTHONPATH=examples python -m tiny_llama.train_gates --method prulong --cp 2 --sparsity 0.5
     PYTHONPATH=examples python -m tiny_llama.train_gates --method both --cp 2   (one pretraining, both; ~40 s)
 
-At long context on one GPU (a curriculum of pretraining lengths, gates learned and evaluated at 64k, and the
-model's forward + backward time of each discretised pattern against full attention):
+At long context on one GPU (bf16 on FA4, a curriculum of pretraining lengths, gates learned and evaluated at 64k,
+and the model's forward + backward time of each discretised pattern against full attention; ~2 minutes on an
+H100, benchmarks/2026-11-24_1xH100_gates64k): ``python examples/llama/recipes/run.py gates --gpus 1`` runs
 
-    PYTHONPATH=examples python -m tiny_llama.train_gates --method both --cp 1 --device cuda \
-        --seq-length 65536 --schedule 256:400:16,4096:150:2,65536:40:1 --gate-batch 1 --eval-samples 32 \
-        --hidden 256 --heads 8 --kv-heads 4 --sink 64 --window 256 --sparsities 0.5,0.75 --time-steps 5
+    PYTHONPATH=examples python -m tiny_llama.train_gates --method both --cp 1 --device cuda --dtype bf16 \
+        --seq-length 65536 --digits 2 --hidden 256 --heads 4 --kv-heads 4 --sink 64 --window 256 \
+        --rotary-base 100000000 --pretrain-lr 1e-2 --schedule 64:1500:64,1024:400:16,8192:400:4,65536:600:2 \
+        --gate-batch 1 --gate-steps 40 --eval-samples 64 --sparsities 0.5,0.75 --time-steps 5
 
 Four stages, all through the Megatron adapter (``prepare_batch`` -> ``GPTModel`` with ``CPCoreAttention``):
 
@@ -70,6 +72,9 @@ class GateConfig:
     rotary_base: int = 10000  # long context: a large base keeps low RoPE frequencies for content matching
     out: str = "out/head_pattern.json"  # /out/ is git-ignored
     device: str = "cpu"  # cuda: one GPU per CP rank (NCCL)
+    # bf16: Megatron's --bf16 arithmetic (fp32 master weights, tiny_llama.convergence.MainParams); the GPU's
+    # attention then runs on FA4 where it is installed (fp32 runs on Triton, ~40x slower at 64k)
+    dtype: str = "fp32"
     # pretraining stages "LEN:STEPS:BATCH,...", shortest first (retrieval learned short, then lengthened);
     # empty: seq_length x pretrain_steps x batch. Gates are learned and evaluated at seq_length.
     schedule: str = ""
@@ -158,17 +163,20 @@ def evaluate(model, task: PasskeyTask, n: int, seed: int, spec, options, gating=
 
 def _pretrain(model, task, cfg, spec, options, log=lambda what: None):
     from . import trainer
+    from .convergence import MainParams
 
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    main = MainParams([model])
+    opt = torch.optim.AdamW(main.param_groups(0.0), lr=cfg.pretrain_lr, betas=(0.9, 0.95))
     losses, step = [], 0
     for length, steps, batch in cfg.stages():
         stage = PasskeyTask(length, task.digits)
         for _ in range(steps):
-            opt.zero_grad(set_to_none=True)
             s, n = trainer.forward_backward(model, [stage.batch(batch, cfg.seed + step)], spec, options,
                                             device=cfg.device)
-            res = trainer.reduce_and_scale(model, s, n, group=_cp())
+            res = trainer.reduce_and_scale(model, s, n, group=_cp(), params=main.main)
             opt.step()
+            main.publish()
+            main.zero_grad()
             losses.append(res.loss)
             step += 1
         if steps:
@@ -302,7 +310,8 @@ def _worker(rank, world, cfg: GateConfig):
     from megatron_cp.sparse.head_gates import LOG_ALPHA_MEAN, discretize, save_pattern
 
     from . import trainer
-    from .model import build_llama
+    from .convergence import DTYPES
+    from .model import build_llama, transformer_config
 
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
     trainer.init_parallel(1, cfg.cp)
@@ -311,7 +320,8 @@ def _worker(rank, world, cfg: GateConfig):
     spec = MaskSpec("causal")
     full_opts = PlanOptions()
     torch.manual_seed(cfg.seed)
-    model = build_llama(shape_of(cfg)).to(cfg.device)
+    shape = shape_of(cfg)
+    model = build_llama(shape, transformer_config(shape, dtype=DTYPES[cfg.dtype])).to(cfg.device)
     pre = _pretrain(model, task, cfg, spec, full_opts, log=lambda what: _progress(rank, t0, what))
     t_pre = time.perf_counter() - t0
     _progress(rank, t0, f"pretrained: loss {pre[0]:.3f} -> {pre[-1]:.3f}")
@@ -416,6 +426,8 @@ def parse(argv=None) -> GateConfig:
     for name in ("gate_batch", "time_steps"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     p.add_argument("--device", choices=("cpu", "cuda"), default=d.device, help="cuda: one GPU per CP rank (NCCL)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=d.dtype,
+                   help="bf16: bf16 model with fp32 master weights (FA4 attention on GPUs)")
     p.add_argument("--schedule", default=d.schedule,
                    help="pretraining stages LEN:STEPS:BATCH,... shortest first (default: --seq-length x "
                         "--pretrain-steps x --batch); gates are learned and evaluated at --seq-length")
@@ -426,29 +438,68 @@ def parse(argv=None) -> GateConfig:
                        help="default: duo 0.05, prulong 0.2" if name == "gate_lr" else None)
     p.add_argument("--out", default=d.out, help="the pattern JSON to write")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--png", default=None, help="also draw accuracy (and time, with --time-steps) per model here")
     a = p.parse_args(argv)
     if a.cp < 1:
         p.error(f"--cp must be >= 1, got {a.cp}")
     if not 0.0 <= a.sparsity < 1.0:
         p.error(f"--sparsity must be in [0, 1), got {a.sparsity}")
-    kw = {k: v for k, v in vars(a).items() if k != "json"}
+    kw = {k: v for k, v in vars(a).items() if k not in ("json", "png")}
     cfg = GateConfig(**kw)
     try:
         cfg.stages(), cfg.levels()
     except ValueError as e:
         p.error(str(e))
-    return cfg, a.json
+    return cfg, a.json, a.png
+
+
+def plot(res: dict, path: str) -> None:
+    """Held-out passkey accuracy of every model row (digit and whole key, chance marked) and, when timed, the
+    model's forward + backward time of each discretised pattern against full attention."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c, rows, step = res["config"], res["rows"], res.get("step_ms", {})
+    fig, axes = plt.subplots(1, 2 if step else 1, figsize=(13 if step else 7, 4.6), squeeze=False)
+    ax = axes[0][0]
+    names = [f"{r[0]} ({r[1]}/{res['total_heads']})" for r in rows]
+    y = range(len(rows))
+    ax.barh([i + 0.2 for i in y], [r[2] for r in rows], 0.4, label="digit accuracy")
+    ax.barh([i - 0.2 for i in y], [r[3] for r in rows], 0.4, label="whole-key accuracy")
+    ax.axvline(0.1, color="gray", ls=":", lw=1, label="digit chance 0.1")
+    ax.set_yticks(list(y), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel="held-out passkey accuracy", xlim=(0, 1),
+           title=f"{c['seq_length']} tokens, CP {c['cp']}, {c['layers']} layers x {c['kv_heads']} KV heads")
+    ax.legend(fontsize=8, loc="lower right")
+    if step:
+        ax = axes[0][1]
+        keys = list(step)
+        ax.barh(range(len(keys)), [step[k] for k in keys], color="tab:green")
+        for i, k in enumerate(keys):
+            ax.text(step[k], i, f" {step[k]:.1f} ms ({step[keys[0]] / step[k]:.2f}x)", va="center", fontsize=8)
+        ax.set_yticks(range(len(keys)), keys, fontsize=8)
+        ax.invert_yaxis()
+        ax.set(xlabel="model forward + backward, ms (one sample)", xlim=(0, 1.35 * max(step.values())),
+               title=f"sink {c['sink']} + window {c['window']} for streaming heads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> dict:
     from .trainer import spawn
 
-    cfg, json_out = parse(argv)
+    cfg, json_out, png = parse(argv)
     cfg = GateConfig(**{**asdict(cfg), "out": str(Path(cfg.out).resolve())})
     res = spawn(_worker, cfg.cp, cfg, backend="nccl" if cfg.device == "cuda" else "gloo")
     print(table(res), flush=True)
     if json_out:
         Path(json_out).write_text(json.dumps(res, indent=1) + "\n")
+    if png:
+        plot(res, png)
     return res
 
 

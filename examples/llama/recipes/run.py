@@ -48,7 +48,7 @@ BF16_STEP, BF16_MEAN, FP32_STEP, FP32_STEPS = 1e-2, 5e-3, 1e-5, 20
 
 def _base(size: str, **kw) -> Train:
     if size == "tiny":
-        t = Train(shape=TINY, steps=3, global_batch=4, lr=3e-3, min_lr=3e-3, doc_lengths=(16, 96), recursive=False)
+        t = Train(shape=TINY, steps=2, global_batch=4, lr=3e-3, min_lr=3e-3, doc_lengths=(16, 96), recursive=False)
     else:
         # activation recompute: 32k tokens of this model without it need more than an 80 GB GPU holds (fp32)
         t = Train(shape=LLAMA_300M, steps=300, global_batch=8, lr=3e-4, min_lr=3e-5, warmup=30,
@@ -79,7 +79,7 @@ def _sparse(method: str, params: dict, finetune: bool):
             t = _base(size, speed_lengths=(32768, 65536))
         if finetune:  # dense pretraining, then the two branches continue from the same weights and optimiser
             t = replace(t, pretrain_steps=2 if size == "tiny" else 200, steps=2 if size == "tiny" else 100,
-                        warmup=0, lr=t.min_lr if size != "tiny" else t.lr)
+                        finetune_lr=t.min_lr)
         if steps:
             t = replace(t, steps=steps)
         if finetune and pretrain_steps:
@@ -102,13 +102,17 @@ TINY_SPARSE = {"moba": {"block": 32, "top_k": 2}, "xattention": {"block": 32, "s
 
 
 def gates_argv(size: str, gpus: int, cpu: bool) -> list[str]:
-    """The gate recipe's train_gates flags: tiny = its CPU test's (seq 64, CP 2); full = 64k tokens, CP = gpus."""
+    """The gate recipe's train_gates flags: tiny = its CPU test's (seq 64, CP 2); full = 64k tokens, CP = gpus, bf16:
+    a curriculum from 64 to 65536 tokens, RoPE base 1e8 (content lookups across 64k tokens need rotary pairs that
+    barely turn over that distance), 2 key digits. On one H100 at CP 1 this model retrieves at 64k (digit accuracy
+    0.42, chance 0.1; benchmarks/2026-11-24_1xH100_gates64k); with RoPE base 1e6 it did not."""
     if size == "tiny":
         return ["--method", "both", "--cp", "2"]
-    return ["--method", "both", "--cp", str(gpus), "--device", "cpu" if cpu else "cuda", "--seq-length", "65536",
-            "--layers", "2", "--hidden", "256", "--heads", "8", "--kv-heads", "4", "--sink", "64", "--window", "256",
-            "--rotary-base", "1000000", "--schedule", "256:400:32,4096:100:4,65536:20:1", "--gate-batch", "1",
-            "--gate-steps", "40", "--eval-samples", "16", "--sparsities", "0.5,0.75", "--time-steps", "3"]
+    return ["--method", "both", "--cp", str(gpus), "--device", "cpu" if cpu else "cuda", "--dtype", "bf16",
+            "--seq-length", "65536", "--digits", "2", "--layers", "2", "--hidden", "256", "--heads", "4",
+            "--kv-heads", "4", "--sink", "64", "--window", "256", "--rotary-base", "100000000", "--pretrain-lr", "1e-2",
+            "--schedule", "64:1500:64,1024:400:16,8192:400:4,65536:600:2", "--gate-batch", "1", "--gate-steps", "40",
+            "--eval-samples", "64", "--sparsities", "0.5,0.75", "--time-steps", "5"]
 
 
 def jobs_for(name: str, size: str, gpus: int, steps: int | None = None, pretrain_steps: int | None = None
@@ -265,7 +269,7 @@ def main(argv=None) -> dict:
                 command=command, torch=torch.__version__, size=a.size, world=a.gpus)
 
     # every training job of every recipe in one spawned world (each process starts once)
-    plan, skipped = [], {}
+    plan = []
     for n in names:
         if n == "gates":
             continue
@@ -277,7 +281,6 @@ def main(argv=None) -> dict:
                 fits = [r for r in fits if r.name in a.runs.split(",")]
             if a.precision not in ("both", j.train.dtype):
                 fits = []
-            skipped[n] = sorted({r.name for r in j.runs} - {r.name for r in fits} | set(skipped.get(n, [])))
             j.runs = fits
         plan.append((n, jobs))
     todo = [j for _, jobs in plan for j in jobs if j.runs]
@@ -292,8 +295,11 @@ def main(argv=None) -> dict:
         if a.runs:
             res, earlier = _with_earlier(path, jobs, res)
             cmd = command if earlier is None else earlier + " ; " + command
-        summary = {**meta, "command": cmd, "recipe": n, "about": RECIPES[n][0], **summarize(n, jobs, res),
-                   "skipped_runs": skipped.get(n, [])}
+        summary = {**meta, "command": cmd, "recipe": n, "about": RECIPES[n][0], **summarize(n, jobs, res)}
+        # (job dtype, run) pairs of the recipe with no result: a layout the world does not fit, --runs, --precision
+        summary["not_run"] = [f"{j.train.dtype} {r.name}" for j, e in zip(jobs_for(n, a.size, a.gpus, a.steps,
+                                                                                  a.pretrain_steps), summary["jobs"])
+                              for r in j.runs if r.name not in e["runs"]]
         path.write_text(json.dumps(summary, indent=1) + "\n")
         if any(e["runs"] for e in summary["jobs"]):
             plot(n, summary, folder / f"{n}.png")
@@ -305,8 +311,9 @@ def main(argv=None) -> dict:
                       f"{r['losses'][-1]:.4f}, {r['tokens_per_s_per_gpu']:.0f} tokens/s per GPU")
         for k, (v, ok) in summary["checks"].items():
             print(f"  {k}: {v:.3e}" + ("" if ok is None else ("  PASS" if ok else "  FAIL")))
-        if skipped.get(n):
-            print(f"  not run (world {a.gpus} does not fit them, or --runs): {', '.join(skipped[n])}")
+        if summary["not_run"]:
+            print(f"  not run (world {a.gpus} does not fit them, or --runs / --precision): "
+                  f"{', '.join(summary['not_run'])}")
         print(f"  -> {path}")
     if "gates" in names:
         from tiny_llama import train_gates
@@ -314,7 +321,8 @@ def main(argv=None) -> dict:
         folder = Path(a.out) / "gates"
         folder.mkdir(parents=True, exist_ok=True)
         argv_g = gates_argv(a.size, a.gpus, a.cpu) + ["--out", str(folder / "head_pattern.json"),
-                                                      "--json", str(folder / "results.json")]
+                                                      "--json", str(folder / "results.json"),
+                                                      "--png", str(folder / "gates.png")]
         print(f"\n== gates: {RECIPES['gates'][0]}\n  train_gates {shlex.join(argv_g)}", flush=True)
         report["gates"] = train_gates.main(argv_g)
     return report

@@ -1,0 +1,140 @@
+"""The convergence recipes (examples/llama/recipes/run.py) end to end at tiny size on CPU (gloo, 4 processes):
+every recipe but ``gates`` in one call of the runner, as a user types it; ``gates`` is train_gates with the
+recipe's tiny flags, run by tests/test_head_gates.py. The parity recipes must agree with CP 1 within the
+recipes' own bounds (bf16 1e-2 per step, fp32 1e-5); the sparse recipes must train and time both runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import megatron_helpers  # noqa: F401  (puts examples/ on sys.path)
+
+RUN_PY = Path(__file__).resolve().parents[1] / "examples" / "llama" / "recipes" / "run.py"
+PARITY = {"dense": "cp4", "tp2cp2_sp": "tp2xcp2+sp", "pp2cp2": "cp2xpp2"}
+SPARSE = ("moba", "xattention")
+
+
+def load_runner():
+    spec = importlib.util.spec_from_file_location("recipes_run", RUN_PY)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return load_runner()
+
+
+@pytest.fixture(scope="module")
+def tiny(runner, tmp_path_factory):
+    out = tmp_path_factory.mktemp("recipes")
+    report = runner.main([*PARITY, *SPARSE, "--size", "tiny", "--cpu", "--out", str(out)])
+    return report, out
+
+
+@pytest.mark.parametrize("name", list(PARITY))
+def test_parity_recipe_tiny(tiny, name):
+    report, out = tiny
+    rec = report[name]
+    on_disk = json.loads((out / name / "results.json").read_text())
+    assert on_disk["checks"] == rec["checks"] and (out / name / f"{name}.png").stat().st_size > 10_000
+    assert rec["command"].startswith("python examples/llama/recipes/run.py") and rec["world"] == 4
+    other = PARITY[name]
+    bf16, fp32 = rec["jobs"]
+    assert bf16["train"]["dtype"] == "bf16" and fp32["train"]["dtype"] == "fp32"
+    for job in (bf16, fp32):
+        assert set(job["runs"]) == {"cp1", other}
+        assert job["runs"]["cp1"]["dp"] == 4 and job["runs"][other]["dp"] == 1
+        for r in job["runs"].values():
+            assert len(r["losses"]) == job["train"]["steps"] and r["tokens_per_s_per_gpu"] > 0
+            assert r["losses"][-1] < r["losses"][0], r["losses"]  # it learns
+    # the same model and batches: fp32 within 1e-5 at every step, bf16 within 1e-2 (measured ~1e-7 / ~4e-5)
+    checks = rec["checks"]
+    assert len([k for k in checks if k.startswith(other)]) == 4, checks
+    assert all(ok for v, ok in checks.values() if ok is not None), checks
+    fp32_diff = max(abs(a - b) / a for a, b in zip(fp32["runs"]["cp1"]["losses"], fp32["runs"][other]["losses"]))
+    assert fp32_diff <= 1e-5
+    assert rec["not_run"] == []
+
+
+@pytest.mark.parametrize("name", SPARSE)
+def test_sparse_recipe_tiny(tiny, name):
+    report, out = tiny
+    rec = report[name]
+    (job,) = rec["jobs"]
+    runs = job["runs"]
+    assert set(runs) == {"dense", name} and (out / name / f"{name}.png").exists()
+    for r in runs.values():
+        assert r["layout"] == "cp4" and all(math.isfinite(x) for x in r["losses"])
+        assert set(r["speed_seconds"]) == {"256"} and r["speed_seconds"]["256"] > 0
+    # sparse attention changes the losses (the selectors dropped blocks), from the same start
+    assert runs["dense"]["losses"] != runs[name]["losses"]
+    assert abs(runs["dense"]["losses"][0] - runs[name]["losses"][0]) < 0.05 * runs["dense"]["losses"][0]
+    keys = list(rec["checks"])
+    assert any("speed-up over dense at 256" in k for k in keys) and any("loss gap" in k for k in keys)
+    if name == "xattention":  # fine-tuning: both branches start where the dense pretraining ended
+        pre = job["pretrain_losses"]
+        assert len(pre) == job["train"]["pretrain_steps"] == 2
+        assert runs["dense"]["losses"][0] < pre[0]
+
+
+def test_gates_recipe_flags(runner):
+    """The gates recipe's tiny flags are what tests/test_head_gates.py trains end to end; its full flags parse
+    into a 64k, CP = GPUs configuration on CUDA with the two timed sparsities."""
+    from tiny_llama.train_gates import parse
+
+    cfg, _, _ = parse(runner.gates_argv("full", 4, False))
+    assert (cfg.seq_length, cfg.cp, cfg.device, cfg.method, cfg.dtype) == (65536, 4, "cuda", "both", "bf16")
+    assert cfg.levels() == [0.5, 0.75] and cfg.stages()[-1][0] == 65536
+
+
+def test_runs_merge_into_earlier_results(runner, tmp_path):
+    """Splitting a recipe over calls (``--runs``): a later call's runs join an earlier results.json with the same
+    training settings; different settings start afresh."""
+    jobs = runner.jobs_for("dense", "tiny", 4)
+    path = tmp_path / "results.json"
+    first = [{"runs": {"cp1": {"losses": [2.0, 1.0]}}, "pretrain_losses": None}, {"runs": {}, "pretrain_losses": None}]
+    path.write_text(json.dumps({"command": "first", "jobs": [{"train": runner._train_json(j.train), **r}
+                                                             for j, r in zip(jobs, first)]}))
+    later = [{"runs": {"cp4": {"losses": [2.0, 1.01]}}, "pretrain_losses": None}, {"runs": {}, "pretrain_losses": None}]
+    merged, cmd = runner._with_earlier(path, jobs, later)
+    assert cmd == "first" and set(merged[0]["runs"]) == {"cp1", "cp4"}
+    other = runner.jobs_for("dense", "tiny", 4, steps=5)
+    again, cmd = runner._with_earlier(path, other, later)
+    assert cmd is None and again is later
+
+
+def test_bad_recipe_inputs_fail_before_spawning(runner):
+    from tiny_llama.convergence import Job, Layout, Run
+
+    with pytest.raises(SystemExit):
+        runner.main(["nonsense", "--cpu"])
+    with pytest.raises(ValueError, match="sequence parallelism needs tp >= 2"):
+        Layout(cp=2, sp=True)
+    with pytest.raises(ValueError, match="Layout.cp must be an int >= 1"):
+        Layout(cp=0)
+    train = runner.jobs_for("dense", "tiny", 4)[0].train
+    with pytest.raises(ValueError, match="world size 6 is not divisible by tp\\*cp\\*pp = 4"):
+        Job(train, [Run("x", Layout(cp=4))]).check(6)
+    with pytest.raises(ValueError, match="3 layers do not split into pp = 2"):
+        Job(type(train)(**{**train.__dict__, "shape": type(train.shape)(**{**train.shape.__dict__, "num_layers": 3})}),
+            [Run("x", Layout(pp=2))]).check(2)
+    with pytest.raises(ValueError, match="start 'pretrained' but pretrain_steps is 0"):
+        Job(train, [Run("x", start="pretrained")]).check(1)
+
+
+def test_sbatch_dry_run_launches_the_runner():
+    import subprocess
+
+    sbatch = RUN_PY.parent / "recipe.sbatch"
+    out = subprocess.run(["bash", str(sbatch), "--dry-run", "dense", "--out", "x y"], capture_output=True, text=True,
+                         check=True).stdout
+    line = out.splitlines()[-1]
+    assert line.startswith("srun --nodes 1 --ntasks 1") and "NCCL_NVLS_ENABLE=0" in line
+    assert line.rstrip().endswith(f"{RUN_PY} dense --out x\\ y"), line
