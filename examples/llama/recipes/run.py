@@ -105,7 +105,8 @@ def gates_argv(size: str, gpus: int, cpu: bool) -> list[str]:
     """The gate recipe's train_gates flags: tiny = its CPU test's (seq 64, CP 2); full = 64k tokens, CP = gpus, bf16:
     a curriculum from 64 to 65536 tokens, RoPE base 1e8 (content lookups across 64k tokens need rotary pairs that
     barely turn over that distance), 2 key digits. On one H100 at CP 1 this model retrieves at 64k (digit accuracy
-    0.42, chance 0.1; benchmarks/2026-11-24_1xH100_gates64k); with RoPE base 1e6 it did not."""
+    0.42, chance 0.1; benchmarks/2026-11-24_1xH100_gates64k); with RoPE base 1e6 (on a shorter curriculum) it did
+    not."""
     if size == "tiny":
         return ["--method", "both", "--cp", "2"]
     return ["--method", "both", "--cp", str(gpus), "--device", "cpu" if cpu else "cuda", "--dtype", "bf16",
