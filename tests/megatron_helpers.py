@@ -19,7 +19,7 @@ if str(EXAMPLES) not in sys.path:
 EOD = 256
 
 from tiny_llama.cpu import cuda_to_cpu_shim  # noqa: E402,F401  (the tests' names for them)
-from tiny_llama.model import full_param_name, tp_gather, tp_shard  # noqa: E402,F401
+from tiny_llama.model import full_param_name, tp_gather  # noqa: E402,F401
 
 
 def make_global_batch(G: int, S: int, seed: int, packed: bool, vocab: int = 250):

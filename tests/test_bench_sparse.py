@@ -3,7 +3,6 @@ picture (megatron_cp/sparse/draw.py). No test here asserts a timing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -14,6 +13,7 @@ import torch
 
 import megatron_cp as mcp
 from megatron_cp.sparse.draw import block_mass, draw_selection
+from scripts import load_script
 
 TOOLS = pathlib.Path(__file__).resolve().parents[1] / "tools"
 METHODS = ("moba", "xattention", "flexprefill", "minference")
@@ -23,10 +23,7 @@ FIELDS = ("kept_blocks", "kept_cells", "select_ms", "fwd_ms", "bwd_ms", "attn_fw
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("bench_sparse_tool", TOOLS / "bench_sparse.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(TOOLS / "bench_sparse.py")
 
 
 def _table(out: str) -> list[str]:

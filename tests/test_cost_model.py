@@ -2,9 +2,7 @@
 row class; its visited-block counts match the kernels' block schedule), the classes use their own fits,
 and the exchange choice respects the dense path."""
 
-import importlib.util
 import json
-import pathlib
 
 import numpy as np
 import pytest
@@ -17,6 +15,7 @@ from megatron_cp.masks.geometry import traps_to_tiles as clip_tiles
 from megatron_cp.planner import Workload
 from megatron_cp.runtime.cost import CostModel, block_counts, row_block_entries, tile_areas
 from megatron_cp.runtime.schedule import choose_num_stages
+from scripts import load_script
 
 
 def _random_tiles(rng, n):
@@ -358,11 +357,7 @@ def test_cost_file_without_band_squares_predates_them(tmp_path):
 
 def _calibrate_tool():
     """tools/sim/calibrate.py loaded as a module."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "sim" / "calibrate.py"
-    spec = importlib.util.spec_from_file_location("calibrate_tool", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("tools/sim/calibrate.py")
 
 
 @pytest.mark.parametrize("timing", ["held", "synced"])

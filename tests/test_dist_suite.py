@@ -4,7 +4,6 @@ scaling table, all under one output folder with suite.json. The calibration step
 model (CostModel().save) so the run stays small; the GPU-only self-checks are named as skipped."""
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -15,6 +14,7 @@ import pytest
 
 from megatron_cp.runtime import CostModel
 from megatron_cp.testing import free_port
+from scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE = os.path.join(ROOT, "tools", "run_dist_suite.py")
@@ -22,10 +22,7 @@ IMPLS = ["megatron-cp", "megatron-cp+xattention", "megatron-cp+moba", "ring", "u
 
 
 def _suite_module():
-    spec = importlib.util.spec_from_file_location("run_dist_suite", SUITE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SUITE)
 
 
 @pytest.fixture(scope="module")

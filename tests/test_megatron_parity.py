@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_helpers import EOD, cuda_to_cpu_shim, make_global_batch, reference_run, rel_err, tp_gather, tp_shard
+from megatron_helpers import EOD, cuda_to_cpu_shim, make_global_batch, reference_run, rel_err, tp_gather
 
 TOL = 1e-5
 CONFIGS = [(1, 2), (1, 4), (2, 2)]
@@ -85,7 +85,7 @@ def _worker(rank, world):
     from megatron_cp.megatron import CPCoreAttention
     from megatron_cp.megatron.batch import MaskSpec
     from tiny_llama import trainer
-    from tiny_llama.model import LlamaShape
+    from tiny_llama.model import LlamaShape, load_full_state
 
     torch.set_num_threads(1)
     cuda_to_cpu_shim()
@@ -105,15 +105,13 @@ def _worker(rank, world):
 
         for tp, cp, strategy, variant in [c[1:] for c in CASES if c[0] == mask]:
             trainer.init_parallel(tp, cp)
-            tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+            tp_group = ps.get_tensor_model_parallel_group()
             model = _build(shape, variant)
             calls = [0]  # core-attention calls: activation recompute runs each layer's attention twice
             for m in model.modules():
                 if isinstance(m, CPCoreAttention):
                     m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-            with torch.no_grad():
-                for k, p in model.named_parameters():
-                    p.copy_(tp_shard(k, full_w[k], p, tp_rank, tp, glu=True))
+            load_full_state([model], full_w)
             losses, g0 = _run(model, batches, spec, STEPS, lr=LR, strategy=strategy,
                               token_multiple=tp if variant == "sp" else 1)
             named = dict(model.named_parameters())

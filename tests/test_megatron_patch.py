@@ -7,7 +7,6 @@ parse_and_validate_args(extra_args_provider=...)); the tool checks exactly that 
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "patches"))
 import megatron_lm as tool  # noqa: E402
+from scripts import load_script  # noqa: E402
 
 STAND_IN = '''"""Stand-in with the structure of Megatron-LM's pretrain_gpt.py (megatron-core 0.19)."""
 from megatron.training.arguments import parse_and_validate_args
@@ -89,10 +89,7 @@ def test_patched_script_wires_flag_and_dispatches(checkout, monkeypatch):
     from megatron_cp.megatron import plugin
 
     tool.main(["apply", str(checkout)])
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_standin", checkout / "pretrain_gpt.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    ns = vars(mod)
+    ns = vars(load_script(checkout / "pretrain_gpt.py", "pretrain_gpt_standin"))
     assert ns["forward_step"].__name__ == "dispatch_forward_step"
     original_parse = ns[plugin._SAVED]["parse_and_validate_args"]
 

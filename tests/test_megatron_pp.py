@@ -63,7 +63,7 @@ def _worker(rank, world):
 
     from megatron_cp.megatron.batch import MaskSpec
     from tiny_llama import trainer
-    from tiny_llama.model import LlamaShape, build_llama, build_pipeline_stage
+    from tiny_llama.model import LlamaShape, build_llama, build_pipeline_stage, load_full_state
 
     torch.set_num_threads(1)
     cuda_to_cpu_shim(schedules=True)
@@ -83,9 +83,7 @@ def _worker(rank, world):
             trainer.init_parallel(1, CP, pp=pp, vpp=vpp)
             chunks = build_pipeline_stage(shape)
             named = {full_param_name(c, k): p for c in chunks for k, p in c.named_parameters()}
-            with torch.no_grad():
-                for k, p in named.items():
-                    p.copy_(full_w[k])
+            load_full_state(chunks, full_w)
             params = [p for c in chunks for p in c.parameters()]
             opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
             losses, gerr = [], 0.0
@@ -102,9 +100,7 @@ def _worker(rank, world):
             werr = max(rel_err(p.detach(), ref_w[k]) for k, p in named.items())
             plugin_err = None
             if vpp and mask == "packed":
-                with torch.no_grad():
-                    for k, p in named.items():
-                        p.copy_(full_w[k])
+                load_full_state(chunks, full_w)
                 g = _plugin_grads(chunks, batches[0], named)
                 plugin_err = max(rel_err(g[k], ref_g0[k]) for k in g)
             lerr = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_helpers import EOD, cuda_to_cpu_shim, make_global_batch, rel_err, tp_gather, tp_shard
+from megatron_helpers import EOD, cuda_to_cpu_shim, make_global_batch, rel_err, tp_gather
 
 TOL = 1e-5
 CONFIGS = [(2, 4)]
@@ -65,7 +65,7 @@ def _worker(rank, world):
     import megatron_cp as mcp
     from megatron_cp.megatron.batch import MaskSpec, PlanOptions, build_mask, document_bounds
     from tiny_llama import trainer
-    from tiny_llama.model import build_llama, transformer_config
+    from tiny_llama.model import build_llama, load_full_state, transformer_config
 
     torch.set_num_threads(1)
     cuda_to_cpu_shim()
@@ -82,11 +82,9 @@ def _worker(rank, world):
         del ref
         for tp, cp in CONFIGS:
             trainer.init_parallel(tp, cp)
-            tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+            tp_group = ps.get_tensor_model_parallel_group()
             model = build_llama(shape, transformer_config(shape, sequence_parallel=True))
-            with torch.no_grad():
-                for k, p in model.named_parameters():
-                    p.copy_(tp_shard(k, full_w[k], p, tp_rank, tp, glu=True))
+            load_full_state([model], full_w)
             options = PlanOptions(token_multiple=tp)
             losses, grads, counts = _grads(model, batches, spec, options, ps.get_data_parallel_rank(),
                                            ps.get_data_parallel_world_size())

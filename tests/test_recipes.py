@@ -5,7 +5,6 @@ recipes' own bounds (bf16 1e-2 per step, fp32 1e-5); the sparse recipes must tra
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import megatron_helpers  # noqa: F401  (puts examples/ on sys.path)
+from scripts import load_script
 
 RUN_PY = Path(__file__).resolve().parents[1] / "examples" / "llama" / "recipes" / "run.py"
 PARITY = {"dense": "cp4", "tp2cp2_sp": "tp2xcp2+sp", "pp2cp2": "cp2xpp2"}
@@ -20,10 +20,7 @@ SPARSE = ("moba", "xattention")
 
 
 def load_runner():
-    spec = importlib.util.spec_from_file_location("recipes_run", RUN_PY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(RUN_PY)
 
 
 @pytest.fixture(scope="module")

@@ -373,13 +373,9 @@ def test_minference_bad_config(tmp_path):
 # ----------------------------------------------------------------------------- search tool
 
 def test_search_tool_planted_heads(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
+    from scripts import load_script
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "minference_search.py"
-    spec = importlib.util.spec_from_file_location("minference_search", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_script("tools/minference_search.py")
     out = tmp_path / "mi.json"
     cfg = tool.main(["--synthetic", "--seqlen", "512", "--block", "32", "--budget", "0.6", "--out", str(out)])
     table = capsys.readouterr().out

@@ -6,7 +6,6 @@ the CPU dry run). No test here asserts a timing."""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import time
 
@@ -16,6 +15,7 @@ from megatron_cp.masks import catalog
 from megatron_cp.planner import Workload
 from megatron_cp.runtime import CostModel
 from megatron_cp.testing import run_ranks
+from scripts import load_script
 
 
 TOOLS = pathlib.Path(__file__).resolve().parents[1] / "tools"
@@ -24,11 +24,7 @@ TOOLS = pathlib.Path(__file__).resolve().parents[1] / "tools"
 def _tool(name):
     """tools/NAME.py or tools/sim/NAME.py (the research instruments), loaded as a module (each tool finds
     the tools/ modules it uses itself)."""
-    path = next(p for p in (TOOLS / f"{name}.py", TOOLS / "sim" / f"{name}.py") if p.exists())
-    spec = importlib.util.spec_from_file_location(f"{name}_tool", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(next(p for p in (TOOLS / f"{name}.py", TOOLS / "sim" / f"{name}.py") if p.exists()))
 
 
 def _warm_counts(rank, world):
