@@ -13,10 +13,13 @@ into an fp32 main gradient, AdamW on fp32 master weights, clipping by the fp32 g
 
 from __future__ import annotations
 
+import datetime
 import math
+import platform
+import textwrap
 import time
-from functools import partial
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -419,6 +422,24 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
 
 
 # ------------------------------------------------------------------------------------------ reading
+
+def run_record(command: str) -> dict:
+    """What every result file of a run carries: the device, the date (UTC), the command, torch's version."""
+    if torch.cuda.is_available():
+        device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    else:
+        device = f"CPU ({platform.processor() or platform.machine()})"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return dict(device=device, date=date, command=command, torch=torch.__version__)
+
+
+def sign_figure(fig, record: dict) -> None:
+    """Device, date and command along the bottom of a matplotlib figure (room made below the axes)."""
+    text = textwrap.fill(f"{record['device']}, {record['date']}: {record['command']}", 190)
+    lines = text.count("\n") + 1
+    fig.subplots_adjust(bottom=0.12 + 0.035 * lines)
+    fig.text(0.01, 0.01, text, fontsize=7, family="monospace", va="bottom")
+
 
 def tokens_per_s_per_gpu(run: dict, skip: int | None = None) -> float:
     """Median step time over the steps after the first ``skip`` (default: a tenth, at least 1 when there are

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -485,6 +486,10 @@ def plot(res: dict, path: str) -> None:
         ax.set(xlabel="model forward + backward, ms (one sample)", xlim=(0, 1.35 * max(step.values())),
                title=f"sink {c['sink']} + window {c['window']} for streaming heads")
     fig.tight_layout()
+    if "device" in res:
+        from .convergence import sign_figure
+
+        sign_figure(fig, res)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -495,6 +500,9 @@ def main(argv=None) -> dict:
     cfg, json_out, png = parse(argv)
     cfg = GateConfig(**{**asdict(cfg), "out": str(Path(cfg.out).resolve())})
     res = spawn(_worker, cfg.cp, cfg, backend="nccl" if cfg.device == "cuda" else "gloo")
+    from .convergence import run_record
+
+    res.update(run_record("python -m tiny_llama.train_gates " + shlex.join(sys.argv[1:] if argv is None else argv)))
     print(table(res), flush=True)
     if json_out:
         Path(json_out).write_text(json.dumps(res, indent=1) + "\n")

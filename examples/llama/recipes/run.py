@@ -20,9 +20,7 @@ tokens, cut into documents that end with EOD (no download).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
-import platform
 import shlex
 import sys
 from dataclasses import asdict, replace
@@ -33,7 +31,8 @@ EXAMPLES = HERE.parents[1]
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
-from tiny_llama.convergence import Job, Layout, Run, Train, compare, spawn_jobs, tokens_per_s_per_gpu  # noqa: E402
+from tiny_llama.convergence import (Job, Layout, Run, Train, compare, run_record, sign_figure,  # noqa: E402
+                                    spawn_jobs, tokens_per_s_per_gpu)
 from tiny_llama.model import LlamaShape  # noqa: E402
 
 # ~293M parameters: 26 layers x (attention 2.6M + SwiGLU MLP 8.7M), byte vocabulary; head dim 128, GQA 8:2
@@ -208,16 +207,9 @@ def plot(name: str, summary: dict, path: Path) -> None:
     axes[1].set(xlabel="step", ylabel="relative loss difference", title="difference to " + ref)
     axes[1].legend(fontsize=8)
     fig.tight_layout()
+    sign_figure(fig, summary)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _device() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    return f"CPU ({platform.processor() or platform.machine()})"
 
 
 def _train_json(train: Train):
@@ -266,8 +258,7 @@ def main(argv=None) -> dict:
     if not a.cpu and torch.cuda.device_count() < a.gpus:
         ap.error(f"--gpus {a.gpus} but {torch.cuda.device_count()} GPU(s) visible")
     command = "python examples/llama/recipes/run.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    meta = dict(device=_device(), date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                command=command, torch=torch.__version__, size=a.size, world=a.gpus)
+    meta = dict(run_record(command), size=a.size, world=a.gpus)
 
     # every training job of every recipe in one spawned world (each process starts once)
     plan = []
