@@ -71,6 +71,15 @@ def test_copy_rows_and_reduce_rows(use_triton):
     src_idx = torch.tensor([8, 0, 0, 5])
     copy_rows(send[:, h:], kbuf, None, src_idx, use_triton=use_triton)
     assert torch.equal(send[:, h:], kbuf[src_idx].float()) and not send[:, :h].any()
+    # a source whose heads lie apart in each row: K of Megatron's fused QKV ([s, groups, (q + 2) * D] split per
+    # group), the layout a GPU training step hands the runtime
+    qkv = torch.randn(9, h, 4 * d, generator=g).half()
+    k = qkv[:, :, 2 * d:3 * d]  # heads stride 4 * d, not d
+    kbuf.zero_()
+    copy_rows(kbuf, k, dst_idx, None, use_triton=use_triton)
+    ref.zero_()
+    ref[dst_idx] = k
+    assert torch.equal(kbuf, ref)
 
     # fp16: Triton's CPU interpreter here truncates fp32 -> bf16 instead of rounding (GPU rounds)
     dst = torch.randn(6, h, d, generator=g).half()

@@ -71,6 +71,16 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.shape[0], exp), (t.stride(0), 1))
 
 
+def _dense_rows(t: torch.Tensor) -> bool:
+    """Whether ``t``'s trailing dims form one dense block per row (``_rows2d`` can view it)."""
+    exp = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size > 1 and stride != exp:
+            return False
+        exp *= size
+    return True
+
+
 def _pair2d(dst: torch.Tensor, other: torch.Tensor, name: str):
     """Row views of dst and the other operand, and their common width."""
     d2, o2 = _rows2d(dst), _rows2d(other)
@@ -101,6 +111,10 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor | None
         else:
             dst.index_copy_(0, dst_idx, rows.to(dst.dtype))
         return
+    if not _dense_rows(src):
+        # e.g. K or V split off Megatron's fused QKV projection: each token's heads lie apart within its row,
+        # a layout the kernel's row view cannot address; one dense copy of the source rows
+        src = src.contiguous()
     d2, s2, width = _pair2d(dst, src, "src")
     _copy_rows_kernel[(triton.cdiv(n, BLOCK_R),)](
         d2, s2, dst_idx if dst_idx is not None else d2, src_idx if src_idx is not None else s2, n, width,
