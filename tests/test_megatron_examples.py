@@ -123,16 +123,22 @@ def test_run_pretrain_gpt_dry_run_patches_and_launches_flags_that_validate(tmp_p
     assert r.returncode == 0, r.stderr
     assert "install_into(globals())" in (mlm / "pretrain_gpt.py").read_text()  # patched
     launches = [shlex.split(line) for line in r.stdout.splitlines() if "torch.distributed.run" in line]
-    assert [cmd[cmd.index("--nproc-per-node") + 1] for cmd in launches] == ["1", "2", "2", "1", "1", "2", "1", "1", "2", "1", "2"]
+    names = [cmd[0].rstrip(":") for cmd in launches]
+    assert names[:4] == ["cp1", "cp1_packed", "cp1_bf16", "cp1_moe"]  # the CP 1 runs first: one GPU each, together
+    assert {"cp4", "cp4_packed", "cp4_bf16", "cp4_moe", "tp2cp2_sp", "pp2cp2", "tp2_sp", "pp2"} <= set(names)
     parser = add_megatron_cp_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     for cmd in launches:
         i = cmd.index(str(mlm / "pretrain_gpt.py"))
         assert cmd[i - 1].endswith("examples/llama/megatron_script.py")
         args = parser.parse_args(cmd[i + 1:])
         plugin.validate_args(args)
-        assert args.context_parallel_impl == "megatron_cp" and args.context_parallel_size == int(cmd[4])
+        nproc = int(cmd[cmd.index("--nproc-per-node") + 1])
+        assert args.context_parallel_impl == "megatron_cp"
+        # data parallel 1: every GPU of the run is a CP, TP or PP rank (the runs compare with CP 1 at equal batch)
+        assert args.context_parallel_size * args.tensor_model_parallel_size * args.pipeline_model_parallel_size == nproc
+        assert args.sequence_parallel == (args.tensor_model_parallel_size > 1)
         assert args.cp_mask == ("packed" if args.reset_attention_mask else "causal")
-    assert sum("--num-experts" in cmd for cmd in launches) == 2
+    assert sum("--num-experts" in cmd for cmd in launches) == 3
 
 
 def test_megatron_script_refuses_a_missing_script():

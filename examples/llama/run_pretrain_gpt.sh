@@ -12,19 +12,23 @@
 #        model_provider.py); patched here with patches/megatron_lm.py (idempotent).
 # WHEEL: megatron-core wheel installed (--no-deps) into $SITE (default /tmp/megatron_cp_site) when `import megatron.core` fails
 #        (default: .whl/megatron_core-*.whl).
-# Runs, same seed and data (tiny Llama, GQA 4:2, seq 256, global batch 4, ITERS iterations):
-#   cp1            fp32, CP 1                          (1 GPU)
-#   cp2            fp32, CP 2                          (2 GPUs; equals cp1 up to fp32 reduction order)
-#   cp2_distopt    fp32, CP 2, --use-distributed-optimizer (shards over the DP x CP group of 2)
-#   cp1_distopt    fp32, CP 1, --use-distributed-optimizer (1 GPU: Megatron's DDP buffers + distributed optimizer)
-#   cp1_bf16       --bf16 (fp32 main params), CP 1
-#   cp2_bf16       --bf16, CP 2, --use-distributed-optimizer (close to cp1_bf16, not equal)
-#   cp1_bf16_distopt --bf16, CP 1, --use-distributed-optimizer
-#   cp2_packed     fp32, CP 2, --reset-attention-mask --reset-position-ids (-> --cp-mask packed)
-#   cp1_packed     the same at CP 1
-#   cp1_moe        fp32, CP 1, 4 experts top-2 with the load-balancing aux loss (Megatron's MoE layers, our attention)
-#   cp2_moe        the same at CP 2
-# Writes $OUT/<run>.log and $OUT/summary.json (device, date, command, losses, CP 2 vs CP 1 differences).
+# Runs, same seed and data (tiny Llama, GQA 4:2, seq 256, global batch 4, ITERS iterations); GPUs in brackets:
+#   cp1 [1]            fp32, CP 1                   cp2 [2], cp4 [4]        the same at CP 2 / 4 (equal up to fp32
+#                                                                           reduction order)
+#   cp2_distopt [2]    fp32, CP 2, --use-distributed-optimizer (shards over the DP x CP group)
+#   cp1_distopt [1]    fp32, CP 1, --use-distributed-optimizer
+#   cp1_bf16 [1]       --bf16 (fp32 main params)    cp2_bf16 [2], cp4_bf16 [4]  --bf16 --use-distributed-optimizer
+#   cp1_bf16_distopt [1]  --bf16 --use-distributed-optimizer
+#   cp1_packed [1]     fp32, --reset-attention-mask --reset-position-ids (-> --cp-mask packed); cp2_packed, cp4_packed
+#   cp1_moe [1]        fp32, 4 experts top-2, aux loss (Megatron's MoE layers, our attention); cp2_moe, cp4_moe
+#   tp2_sp [2]         fp32, TP 2 --sequence-parallel, CP 1    tp2cp2_sp [4]  the same at CP 2
+#   pp2 [2]            fp32, PP 2, CP 1                        pp2cp2 [4]     the same at CP 2
+#   (TP and PP runs compare with the TP / PP run at CP 1: Megatron draws TP shards' and later stages' initial
+#   weights from seeds of their own, so they start from other weights than cp1)
+# Runs are packed onto the machine's GPUs (CUDA_VISIBLE_DEVICES): on 4 GPUs the four CP 1 runs start together,
+# then pairs of 2-GPU runs, then the 4-GPU runs one by one; a run that needs more GPUs than the machine has is skipped.
+# Writes $OUT/<run>.log and $OUT/summary.json (device, date, command, losses, Megatron's throughput line per run,
+# the pairs' relative loss differences).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -61,31 +65,47 @@ FLAGS=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-att
   --lr-decay-style constant --weight-decay 0 --clip-grad 0 --seed 1234 --init-method-std 0.02 --mock-data
   --calculate-per-token-loss --transformer-impl local --no-gradient-accumulation-fusion
   --no-masked-softmax-fusion --no-bias-swiglu-fusion --no-rope-fusion --no-persist-layer-norm
-  --eval-iters 0 --eval-interval 1000000 --log-interval 1 --context-parallel-impl megatron_cp)
+  --eval-iters 0 --eval-interval 1000000 --log-interval 1 --log-throughput --context-parallel-impl megatron_cp)
 
-run() {  # $1 = name, $2 = GPUs (= CP size here: DP 1), then extra flags
+slot=0 port=29500
+run() {  # $1 = name, $2 = GPUs, then extra flags (CP size, TP, PP, ...)
   local name=$1 n=$2; shift 2
   if [ -n "${RUNS:-}" ] && [[ " $RUNS " != *" $name "* ]]; then return 0; fi
-  local cmd=($PY -m torch.distributed.run --nproc-per-node "$n" --master-port $((29500 + RANDOM % 1000))
-    examples/llama/megatron_script.py "$MLM/pretrain_gpt.py" "${FLAGS[@]}" --context-parallel-size "$n" "$@")
-  if [ -n "${DRY_RUN:-}" ]; then echo "${cmd[*]}"; return 0; fi
+  port=$((port + 7))
+  local cmd=($PY -m torch.distributed.run --nproc-per-node "$n" --master-port $port
+    examples/llama/megatron_script.py "$MLM/pretrain_gpt.py" "${FLAGS[@]}" "$@")
+  if [ -n "${DRY_RUN:-}" ]; then echo "$name: ${cmd[*]}"; return 0; fi
   if [ "$ngpu" -lt "$n" ]; then echo "$name: needs $n GPUs, found $ngpu; skipped"; return 0; fi
-  echo "== $name: ${cmd[*]}" > "$OUT/$name.log"
-  timeout ${RUN_TIMEOUT:-300} "${cmd[@]}" >> "$OUT/$name.log" 2>&1
-  echo "$name: exit $? ($(grep -c 'lm loss' "$OUT/$name.log") logged iterations)"
+  if [ $((slot + n)) -gt "$ngpu" ]; then wait; slot=0; fi  # this wave is full: let it finish
+  local gpus; gpus=$(seq -s, $slot $((slot + n - 1)))
+  slot=$((slot + n))
+  echo "== $name (GPUs $gpus): ${cmd[*]}" > "$OUT/$name.log"
+  ( CUDA_VISIBLE_DEVICES=$gpus timeout ${RUN_TIMEOUT:-300} "${cmd[@]}" >> "$OUT/$name.log" 2>&1
+    echo "$name: exit $? ($(grep -c 'lm loss' "$OUT/$name.log") logged iterations)" ) &
 }
-run cp1 1
-run cp2 2
-run cp2_distopt 2 --use-distributed-optimizer
-run cp1_distopt 1 --use-distributed-optimizer
-run cp1_bf16 1 --bf16
-run cp2_bf16 2 --bf16 --use-distributed-optimizer
-run cp1_bf16_distopt 1 --bf16 --use-distributed-optimizer
-run cp1_packed 1 --reset-attention-mask --reset-position-ids
-run cp2_packed 2 --reset-attention-mask --reset-position-ids
+cpn() { echo --context-parallel-size "$1"; }
 MOE=(--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 128 --moe-aux-loss-coeff 1e-2)
-run cp1_moe 1 "${MOE[@]}"
-run cp2_moe 2 "${MOE[@]}"
+PACKED=(--reset-attention-mask --reset-position-ids)
+run cp1 1 $(cpn 1)
+run cp1_packed 1 $(cpn 1) "${PACKED[@]}"
+run cp1_bf16 1 $(cpn 1) --bf16
+run cp1_moe 1 $(cpn 1) "${MOE[@]}"
+run cp2 2 $(cpn 2)
+run cp2_packed 2 $(cpn 2) "${PACKED[@]}"
+run cp2_bf16 2 $(cpn 2) --bf16 --use-distributed-optimizer
+run cp2_moe 2 $(cpn 2) "${MOE[@]}"
+run cp2_distopt 2 $(cpn 2) --use-distributed-optimizer
+run cp1_distopt 1 $(cpn 1) --use-distributed-optimizer
+run cp1_bf16_distopt 1 $(cpn 1) --bf16 --use-distributed-optimizer
+run tp2_sp 2 $(cpn 1) --tensor-model-parallel-size 2 --sequence-parallel
+run pp2 2 $(cpn 1) --pipeline-model-parallel-size 2
+run cp4 4 $(cpn 4)
+run cp4_packed 4 $(cpn 4) "${PACKED[@]}"
+run cp4_bf16 4 $(cpn 4) --bf16 --use-distributed-optimizer
+run cp4_moe 4 $(cpn 4) "${MOE[@]}"
+run tp2cp2_sp 4 $(cpn 2) --tensor-model-parallel-size 2 --sequence-parallel
+run pp2cp2 4 $(cpn 2) --pipeline-model-parallel-size 2
+wait
 [ -n "${DRY_RUN:-}" ] && exit 0
 
 $PY - "$OUT" "${RUNS:+RUNS=\"$RUNS\" }MLM=$MLM ITERS=$ITERS bash examples/llama/run_pretrain_gpt.sh" <<'EOF'
@@ -108,12 +128,23 @@ def rel(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(losses[a], losses[b]))
 
 
-pairs = [("cp2", "cp1"), ("cp2_distopt", "cp1"), ("cp1_distopt", "cp1"), ("cp2_bf16", "cp1_bf16"),
-         ("cp1_bf16_distopt", "cp1_bf16"), ("cp1_bf16", "cp1"),
-         ("cp2_packed", "cp1_packed"), ("cp2_moe", "cp1_moe")]
+pairs = [("cp2", "cp1"), ("cp4", "cp1"), ("cp2_distopt", "cp1"), ("cp1_distopt", "cp1"),
+         ("cp2_packed", "cp1_packed"), ("cp4_packed", "cp1_packed"), ("cp2_moe", "cp1_moe"), ("cp4_moe", "cp1_moe"),
+         ("tp2cp2_sp", "tp2_sp"), ("pp2cp2", "pp2"), ("tp2_sp", "cp1"), ("pp2", "cp1"),
+         ("cp2_bf16", "cp1_bf16"), ("cp4_bf16", "cp1_bf16"), ("cp1_bf16_distopt", "cp1_bf16"), ("cp1_bf16", "cp1")]
+
+
+def throughput(text):
+    """Megatron's own line of the last logged iteration: ms per iteration and TFLOP/s per GPU."""
+    ms = re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)
+    tf = re.findall(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)", text)
+    return dict(ms_per_iteration=float(ms[-1]) if ms else None, tflops_per_gpu=float(tf[-1]) if tf else None)
+
+
+speed = {log.stem: throughput(log.read_text(errors="replace")) for log in sorted(out.glob("*.log"))}
 summary = dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                gpus=torch.cuda.device_count(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               command=command, losses=losses,
+               command=command, losses=losses, throughput=speed,
                max_rel_diff={f"{a} vs {b}": rel(a, b) for a, b in pairs})
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 for k, v in summary["max_rel_diff"].items():
