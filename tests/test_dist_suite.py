@@ -111,7 +111,7 @@ def test_commands_for_one_gpu_and_bad_steps():
     CPU dry run leaves the GPU-only checks out. A bad step name is refused."""
     mod = _suite_module()
     ns = argparse.Namespace(out="o", cpu_dry_run=False, nproc=1, steps=list(mod.STEPS), seqlens=None, masks=None,
-                            impls=None, master_port=1)
+                            impls=None, master_port=1, bench_args=[])
     cmds = mod.step_commands(ns)
     assert list(cmds) == list(mod.STEPS)
     for name in ("dist_check", "calibrate", "bench"):
@@ -119,6 +119,11 @@ def test_commands_for_one_gpu_and_bad_steps():
     bench = cmds["bench"]
     assert bench[bench.index("--seqlens") + 1] == "131072,262144" and "--device" not in bench
     assert cmds["scaling"][cmds["scaling"].index("--cps") + 1] == "8,16,32,64"
+    # arguments after "--" reach bench_dist as they are; other head counts get a file tag of their own
+    ns.bench_args, ns.seqlens = ["--heads", "64", "--kv-heads", "8"], "32768"
+    bench = mod.step_commands(ns)["bench"]
+    assert bench[-4:] == ["--heads", "64", "--kv-heads", "8"] and bench[bench.index("--tag") + 1] == "_s32768_hq64"
+    ns.bench_args, ns.seqlens = [], None
     ns.cpu_dry_run, ns.nproc = True, 2
     assert list(mod.step_commands(ns)) == [s for s in mod.STEPS if s not in mod.GPU_ONLY]
     with pytest.raises(ValueError, match="unknown step"):

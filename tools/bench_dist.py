@@ -462,6 +462,24 @@ def main(argv=None):
         ctx["hp_group"] = dist.new_group(list(range(cp)), pg_options=opts)
     results = []
     masks = args.masks.split(",")
+    now = datetime.datetime.now(datetime.UTC)
+    meta = dict(device=dev_name, num_devices=cp, date=now.strftime("%Y-%m-%d %H:%M UTC"),
+                command="torchrun --nproc-per-node %d %s" % (cp, " ".join(sys.argv)),
+                torch=torch.__version__, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                dtype=str(dtype), masks={m: catalog.DESCRIPTIONS[m] for m in args.masks.split(",")},
+                flops="forward 4*area*Hq*D, backward 2.5x; per GPU = total / cp / slowest rank's time "
+                      "(sparse rows: the envelope's area, an effective rate)",
+                bytes="kv_bytes: K/V bytes received in the forward, summed over ranks (the backward returns "
+                      "as many dK/dV bytes); sparse rows add selector_bytes and envelope_kv_bytes")
+    stem = os.path.join(args.out_dir, f"bench_{cp}x{dev_name.replace(' ', '_')}_{now:%Y%m%d_%H%M}{args.tag}")
+
+    def save(complete):
+        """The JSON of the cases so far (rank 0, after every mask: a run cut short keeps what it measured)."""
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(stem + ".json", "w") as f:
+            json.dump({**meta, "complete": complete, "results": results,
+                       "checks": summarize(results, show=False)}, f, indent=1)
+
     bar = Progress(len(seqlens) * len(masks) * len(impls), "bench_dist", enabled=rank == 0, verbose=args.verbose)
     for s in seqlens:
         for mname in masks:
@@ -547,25 +565,14 @@ def main(argv=None):
                            if "kept_fraction" in rec else "")
                         + (f"  cuDNN off: {rec['cudnn_off']}" if rec.get("cudnn_off") else ""))
                 dist.barrier(group)
+            if rank == 0:
+                save(complete=False)
     bar.close()
     if rank == 0:
-        now = datetime.datetime.now(datetime.UTC)
-        meta = dict(device=dev_name, num_devices=cp, date=now.strftime("%Y-%m-%d %H:%M UTC"),
-                    command="torchrun --nproc-per-node %d %s" % (cp, " ".join(sys.argv)),
-                    torch=torch.__version__, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                    dtype=str(dtype), masks={m: catalog.DESCRIPTIONS[m] for m in args.masks.split(",")},
-                    flops="forward 4*area*Hq*D, backward 2.5x; per GPU = total / cp / slowest rank's time "
-                          "(sparse rows: the envelope's area, an effective rate)",
-                    bytes="kv_bytes: K/V bytes received in the forward, summed over ranks (the backward returns "
-                          "as many dK/dV bytes); sparse rows add selector_bytes and envelope_kv_bytes")
-        checks = summarize(results, show=False)
-        os.makedirs(args.out_dir, exist_ok=True)
-        stem = os.path.join(args.out_dir, f"bench_{cp}x{dev_name.replace(' ', '_')}_{now:%Y%m%d_%H%M}{args.tag}")
-        with open(stem + ".json", "w") as f:
-            json.dump({**meta, "results": results, "checks": checks}, f, indent=1)
+        save(complete=True)
         plot(results, meta, stem + ".png")
         print(f"wrote {stem}.json and {stem}.png")
-        print("\n".join(summary_table(results, checks)))
+        print("\n".join(summary_table(results, summarize(results, show=False))))
     dist.destroy_process_group()
 
 

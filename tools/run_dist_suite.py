@@ -19,6 +19,7 @@ distributed steps run on one rank). ``--cpu-dry-run`` runs the same sequence wit
 sizes, skipping the GPU-only steps (kernel_check, fa4_sparse: it names them in suite.json). A failed step
 is recorded and the next runs (bench rows record their own errors, listed in suite.json as the bench
 step's row_errors); predict needs calibrate and bench.
+Arguments after ``--`` go to bench_dist unchanged (``-- --heads 64 --kv-heads 8 --iters 3``).
 ``--steps`` runs a subset (e.g. to stay within a per-command time limit: one call for the checks and
 calibration, one for the benchmark per S, ``--steps bench --seqlens 131072``, one for the prediction and
 the table, all into the same --out).
@@ -65,13 +66,16 @@ def step_commands(args) -> dict:
     dev = ["--device", "cpu"] if cpu else []
     bench = [*tr, os.path.join(TOOLS, "bench_dist.py"), *dev, "--out-dir", os.path.join(out, "bench"),
              "--seqlens", args.seqlens or ("512" if cpu else "131072,262144")]
-    bench += ["--tag", "_s" + bench[-1].replace(",", "_")]  # split runs (one S each) write distinct files
+    # split runs (one S each, or other head counts) write distinct files
+    heads = args.bench_args[args.bench_args.index("--heads") + 1] if "--heads" in args.bench_args else None
+    bench += ["--tag", "_s" + bench[-1].replace(",", "_") + (f"_hq{heads}" if heads else "")]
     if cpu:
         bench.append("--tiny")
     if args.masks:
         bench += ["--masks", args.masks]
     if args.impls:
         bench += ["--impls", args.impls]
+    bench += args.bench_args
     cmds = {
         "kernel_check": [*py, os.path.join(TOOLS, "gpu_kernel_check.py"), "--json",
                          os.path.join(out, "gpu_kernel_check.json")],
@@ -107,7 +111,10 @@ def main(argv=None):
     ap.add_argument("--masks", default=None, help="bench_dist's masks (default: its own, every benchmark mask)")
     ap.add_argument("--impls", default=None, help="bench_dist's implementations (default: its own, sparse rows included)")
     ap.add_argument("--master-port", type=int, default=29517)
-    args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])
+    args.bench_args = argv[cut + 1:]  # after "--": passed to bench_dist as they are (e.g. --heads 64 --kv-heads 8)
     steps = args.steps.split(",")
     bad = [s for s in steps if s not in STEPS]
     if bad:
