@@ -36,7 +36,7 @@ def tiny(runner, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(PARITY))
-def test_parity_recipe_tiny(tiny, name):
+def test_parity_recipe_tiny(tiny, runner, name):
     report, out = tiny
     rec = report[name]
     on_disk = json.loads((out / name / "results.json").read_text())
@@ -45,8 +45,10 @@ def test_parity_recipe_tiny(tiny, name):
     other = PARITY[name]
     bf16, fp32 = rec["jobs"]
     assert bf16["train"]["dtype"] == "bf16" and fp32["train"]["dtype"] == "fp32"
+    # bf16 adds the noise floor: CP 1 trained again, compared with cp1 like the layout
+    assert set(bf16["runs"]) == {"cp1", other, runner.NOISE_FLOOR} and set(fp32["runs"]) == {"cp1", other}
+    assert bf16["runs"][runner.NOISE_FLOOR]["dp"] == 4
     for job in (bf16, fp32):
-        assert set(job["runs"]) == {"cp1", other}
         assert job["runs"]["cp1"]["dp"] == 4 and job["runs"][other]["dp"] == 1
         for r in job["runs"].values():
             assert len(r["losses"]) == job["train"]["steps"] and r["tokens_per_s_per_gpu"] > 0
@@ -135,3 +137,27 @@ def test_sbatch_dry_run_launches_the_runner():
     line = out.splitlines()[-1]
     assert line.startswith("srun --nodes 1 --ntasks 1") and "NCCL_NVLS_ENABLE=0" in line
     assert line.rstrip().endswith(f"{RUN_PY} dense --out x\\ y"), line
+
+
+def test_throughput_tiny_on_cpu(tmp_path):
+    """examples/llama/recipes/throughput.py: the same model under megatron_cp and a baseline, CP 2 on gloo; every
+    run trains (finite losses), is timed and profiled, and the FLOPs count the documents' attention area."""
+    thr = load_script(RUN_PY.parent / "throughput.py")
+    out = tmp_path / "thr"
+    s = thr.main(["--size", "tiny", "--cpu", "--gpus", "2", "--lengths", "128", "--masks", "packed,causal",
+                  "--impls", "megatron_cp,ring", "--steps", "1", "--out", str(out)])
+    assert json.loads((out / "throughput.json").read_text())["rows"] == s["rows"]
+    assert (out / "throughput.png").stat().st_size > 10_000
+    assert [(r["mask"], r["impl"]) for r in s["rows"]] == [("packed", "megatron_cp"), ("packed", "ring"),
+                                                            ("causal", "megatron_cp"), ("causal", "ring")]
+    for r in s["rows"]:
+        assert math.isfinite(r["loss_last"]) and r["tokens_per_s_per_gpu"] > 0 and len(r["step_seconds"]) == 2
+        # CPU: the profiled step is timed; its GPU kernels by kind are none (0 ms each)
+        assert r["profile"]["step_ms"] > 0 and r["profile"]["attention_ms"] == r["profile"]["communication_ms"] == 0
+    by = {(r["mask"], r["impl"]): r for r in s["rows"]}
+    # the same tokens: causal over whole sequences does more attention work than within documents
+    assert by["causal", "ring"]["model_tflops_per_gpu"] * by["causal", "ring"]["step_s"] > \
+        by["packed", "ring"]["model_tflops_per_gpu"] * by["packed", "ring"]["step_s"]
+    assert {b["best_baseline"] for b in s["vs_best_baseline"]} == {"ring"}
+    with pytest.raises(SystemExit):
+        thr.main(["--size", "tiny", "--cpu", "--impls", "megatron_cp,te", "--out", str(out)])

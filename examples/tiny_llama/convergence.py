@@ -14,8 +14,11 @@ into an fp32 main gradient, AdamW on fp32 master weights, clipping by the fp32 g
 from __future__ import annotations
 
 import datetime
+import json
 import math
+import os
 import platform
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field, replace
@@ -64,12 +67,14 @@ class Layout:
 class Run:
     """One training run: a layout and an attention variant. ``sparse``: ``(method, {param: value})`` of
     ``--cp-sparse`` (None: dense). ``start``: ``"init"`` (the shared initial weights) or ``"pretrained"`` (the
-    weights after the job's dense ``pretrain_steps`` on this same layout: fine-tuning branches)."""
+    weights after the job's dense ``pretrain_steps`` on this same layout: fine-tuning branches). ``strategy``:
+    ``--context-parallel-impl`` (megatron_cp, or a baseline of megatron_cp.baselines through the same adapter)."""
 
     name: str
     layout: Layout = Layout()
     sparse: tuple | None = None
     start: str = "init"
+    strategy: str = "megatron_cp"
 
     def __post_init__(self):
         if self.start not in ("init", "pretrained"):
@@ -84,7 +89,7 @@ class Run:
         sparse = None
         if self.sparse is not None:
             sparse = SparseSpec(*self.sparse)
-        return PlanOptions(kernel_backend=kernel_backend, sparse=sparse,
+        return PlanOptions(kernel_backend=kernel_backend, sparse=sparse, strategy=self.strategy,
                            token_multiple=self.layout.tp if self.layout.sp else 1)
 
 
@@ -112,6 +117,7 @@ class Train:
     speed_lengths: tuple[int, ...] = ()  # after training: time each run at these sequence lengths
     speed_steps: int = 3
     mask: str = "packed"
+    profile: bool = False  # after training: one more step under torch.profiler, GPU time by kind (profile_summary)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -352,7 +358,41 @@ def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrai
         sp_corpus = Corpus(train, length, train.global_batch * (train.speed_steps + 1))
         _, _, sec = _train_steps(chunks, main, opt, train, run, sp_corpus, dp, device, train.speed_steps + 1, 0)
         speed[str(length)] = float(np.median(sec[1:]))  # the first step builds plans and compiles kernels
-    return dict(losses=losses, grad_norms=norms, step_seconds=seconds, speed_seconds=speed)
+    prof = None
+    if train.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            _, _, sec = _train_steps(chunks, main, opt, train, run, corpus, dp, device, 1, 0)
+        prof = profile_summary(p, sec[0])
+    return dict(losses=losses, grad_norms=norms, step_seconds=seconds, speed_seconds=speed, profile=prof)
+
+
+# kernel names by kind: NCCL's kernels; attention's (FA4's CuTe kernels, our Triton ones, cuDNN's SDPA)
+_COMM, _ATTN = ("nccl",), ("flash", "attn", "fmha", "sdpa")
+
+
+def profile_summary(prof, step_s: float) -> dict:
+    """GPU time of one profiled step by kind, milliseconds: ``attention`` (attention kernels), ``communication``
+    (NCCL kernels: the CP exchange and the gradient reductions), ``rest`` (every other kernel, copy and set),
+    summed over this rank's streams (overlapping streams can sum past the step), beside the step's wall time."""
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.remove(path)
+    kinds = dict(attention=0.0, communication=0.0, rest=0.0)
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        name = e.get("name", "").lower()
+        kind = "communication" if any(k in name for k in _COMM) else \
+            "attention" if any(k in name for k in _ATTN) else "rest"
+        kinds[kind] += e.get("dur", 0) / 1e3
+    return dict(step_ms=step_s * 1e3, **{f"{k}_ms": v for k, v in kinds.items()})
 
 
 def _pretrain(train: Train, run: Run, full: dict, corpus: Corpus, device, log) -> dict:

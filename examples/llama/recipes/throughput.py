@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""End-to-end training throughput: the recipes' ~300M Llama under each CP implementation of the adapter.
+
+    python examples/llama/recipes/throughput.py --out results/throughput              # 4 GPUs, CP 4
+    python examples/llama/recipes/throughput.py --size tiny --cpu --gpus 2 --out DIR  # CPU check (gloo)
+
+For every sequence length and mask (``packed``: causal within EOD-separated documents of the stdlib corpus, as
+the recipes train; ``causal``: one causal sequence), the same model, data and optimiser step run under
+``--context-parallel-impl`` megatron_cp and each baseline (``ring``, ``ulysses``, ``usp``, ``allgather``:
+stand-ins for Transformer Engine's p2p, a2a, a2a+p2p and all-gather CP, on the same kernels), CP = every GPU
+(DP 1). Each run trains ``--warmup`` steps (plans, kernel compilation) and ``--steps`` timed steps; a step is
+``--tokens`` tokens (sequences of the length), every micro-batch planned afresh as in training, activation
+recompute on (bf16, Megatron's arithmetic). Reported per run: tokens/s per GPU (median step), model TFLOP/s
+per GPU (Megatron's convention: 6 x matmul parameters x tokens + 12 x attention area x query heads x head dim
+x layers, recompute not counted), and at ``--profile-lengths`` one profiled step's GPU time by kind
+(attention kernels, NCCL, the rest). Writes ``throughput.json`` and ``throughput.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+EXAMPLES = HERE.parents[1]
+for p in (EXAMPLES, HERE):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from run import LLAMA_300M, TINY  # noqa: E402
+from tiny_llama.convergence import (Corpus, Job, Layout, Run, Train, run_record, sign_figure,  # noqa: E402
+                                    spawn_jobs)
+from tiny_llama.demo import EOD  # noqa: E402
+
+IMPLS = ("megatron_cp", "ring", "ulysses", "usp", "allgather")
+
+
+def jobs_for(size: str, gpus: int, lengths, masks, impls, tokens: int, warmup: int, steps: int,
+             profile_lengths) -> list[Job]:
+    base = LLAMA_300M if size == "full" else TINY
+    jobs = []
+    for length in lengths:
+        if tokens % length:
+            raise ValueError(f"--tokens {tokens} is not a multiple of the sequence length {length}")
+        for mask in masks:
+            train = Train(shape=replace(base, seq_length=length), steps=warmup + steps,
+                          global_batch=tokens // length, warmup=0, recompute=size == "full", mask=mask,
+                          doc_lengths=(256, 16384) if size == "full" else (16, 96), recursive=size == "full",
+                          profile=length in profile_lengths)
+            jobs.append(Job(train, [Run(impl, Layout(cp=gpus), strategy=impl) for impl in impls]))
+    return jobs
+
+
+def model_flops(train: Train, first_step: int) -> float:
+    """Model FLOPs of a step (Megatron's convention, module doc), the mean over the steps from ``first_step`` on:
+    their sequences read again from the corpus the runs trained on, the attention area from their documents
+    (packed) or whole sequences (causal)."""
+    sh = train.shape
+    h, f, layers, kv = sh.hidden_size, sh.ffn_hidden_size, sh.num_layers, sh.num_query_groups
+    hd = h // sh.num_attention_heads
+    # per layer: Q and output projections (h x h each), K and V (h x kv*hd each), SwiGLU (3 x h x f); logits
+    matmul = layers * (2 * h * h + 2 * h * kv * hd + 3 * h * f) + h * sh.vocab_size
+    corpus = Corpus(train, sh.seq_length, train.steps * train.global_batch)
+    steps = train.steps - first_step
+    tokens, _, _ = corpus.batch(first_step * train.global_batch, steps * train.global_batch)
+    area = 0.0
+    for row in tokens.numpy():
+        if train.mask == "packed":
+            cuts = np.concatenate([[0], np.nonzero(row == EOD)[0] + 1, [len(row)]])
+            d = np.diff(np.unique(cuts)).astype(np.float64)
+        else:
+            d = np.array([len(row)], dtype=np.float64)
+        area += float((d * (d + 1) / 2).sum()) / steps
+    n = train.global_batch * sh.seq_length
+    return 6.0 * matmul * n + 12.0 * area * sh.num_attention_heads * hd * layers
+
+
+def summarize(jobs: list[Job], results: list[dict], warmup: int, world: int) -> dict:
+    rows = []
+    for job, res in zip(jobs, results):
+        t = job.train
+        flops = model_flops(t, warmup)
+        for name, r in res["runs"].items():
+            sec = float(np.median(r["step_seconds"][warmup:]))
+            rows.append(dict(impl=name, seqlen=t.shape.seq_length, mask=t.mask, sequences_per_step=t.global_batch,
+                             step_s=sec, step_seconds=r["step_seconds"],
+                             tokens_per_s_per_gpu=t.global_batch * t.shape.seq_length / sec / world,
+                             model_tflops_per_gpu=flops / sec / world / 1e12, loss_last=r["losses"][-1],
+                             profile=r.get("profile"), kernels=r["kernels"]))
+    best = []
+    for (s, m) in dict.fromkeys((r["seqlen"], r["mask"]) for r in rows):
+        case = [r for r in rows if r["seqlen"] == s and r["mask"] == m]
+        ours = next((r for r in case if r["impl"] == "megatron_cp"), None)
+        base = [r for r in case if r["impl"] != "megatron_cp"]
+        if ours and base:
+            top = max(base, key=lambda r: r["tokens_per_s_per_gpu"])
+            best.append(dict(seqlen=s, mask=m, best_baseline=top["impl"],
+                             speedup=ours["tokens_per_s_per_gpu"] / top["tokens_per_s_per_gpu"]))
+    return dict(rows=rows, vs_best_baseline=best)
+
+
+def table(summary: dict) -> list[str]:
+    lines = ["| S | mask | impl | tokens/s per GPU | model TFLOP/s per GPU | step s | profiled step ms: attention / "
+             "NCCL / rest (GPU) |", "|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        p = r["profile"]
+        prof = "-" if not p else f"{p['step_ms']:.0f}: {p['attention_ms']:.0f} / {p['communication_ms']:.0f} / " \
+                                 f"{p['rest_ms']:.0f}"
+        lines.append(f"| {r['seqlen']} | {r['mask']} | {r['impl']} | {r['tokens_per_s_per_gpu']:.0f} | "
+                     f"{r['model_tflops_per_gpu']:.1f} | {r['step_s']:.3f} | {prof} |")
+    for b in summary["vs_best_baseline"]:
+        lines.append(f"megatron_cp vs the best baseline ({b['best_baseline']}) at {b['seqlen']} {b['mask']}: "
+                     f"{b['speedup']:.2f}x")
+    return lines
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    masks = list(dict.fromkeys(r["mask"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    lengths = sorted({r["seqlen"] for r in rows})
+    fig, axes = plt.subplots(1, len(masks), figsize=(6 * len(masks), 4.2), squeeze=False)
+    w = 0.8 / len(impls)
+    for ax, m in zip(axes[0], masks):
+        for i, impl in enumerate(impls):
+            ys = [next((r["tokens_per_s_per_gpu"] for r in rows if r["mask"] == m and r["impl"] == impl
+                        and r["seqlen"] == s), 0) for s in lengths]
+            ax.bar([x + i * w for x in range(len(lengths))], ys, w, label=impl)
+        ax.set_xticks([x + 0.4 - w / 2 for x in range(len(lengths))], [f"{s // 1024}k" for s in lengths])
+        ax.set(xlabel="tokens per sequence", ylabel="tokens/s per GPU", title=f"{m}: whole training step")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    sign_figure(fig, summary)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=("full", "tiny"), default="full")
+    ap.add_argument("--cpu", action="store_true", help="gloo on CPU processes (default: NCCL, one process per GPU)")
+    ap.add_argument("--gpus", type=int, default=None, help="world size = CP size (default: every visible GPU)")
+    ap.add_argument("--lengths", default=None, help="comma list of tokens per sequence (default 32768,65536,131072; "
+                                                    "tiny 128,256)")
+    ap.add_argument("--masks", default="packed,causal")
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default: the largest length)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--profile-lengths", default=None, help="lengths whose runs get one profiled step (default: "
+                                                            "the largest; 'none': no profile)")
+    ap.add_argument("--out", default="out/throughput")
+    a = ap.parse_args(argv)
+    import torch
+
+    lengths = [int(x) for x in (a.lengths or ("32768,65536,131072" if a.size == "full" else "128,256")).split(",")]
+    masks, impls = a.masks.split(","), a.impls.split(",")
+    for m in masks:
+        if m not in ("packed", "causal"):
+            ap.error(f"--masks: {m!r} is not packed or causal")
+    for i in impls:
+        if i not in IMPLS:
+            ap.error(f"--impls: {i!r} is not one of {', '.join(IMPLS)}")
+    if a.gpus is None:
+        a.gpus = 2 if a.cpu else torch.cuda.device_count()
+    if a.gpus < 1 or (not a.cpu and torch.cuda.device_count() < a.gpus):
+        ap.error(f"--gpus {a.gpus}: {torch.cuda.device_count()} GPU(s) visible (use --cpu for CPU processes)")
+    if a.warmup < 0 or a.steps < 1:
+        ap.error(f"--warmup must be >= 0 and --steps >= 1, got {a.warmup} and {a.steps}")
+    tokens = a.tokens or max(lengths)
+    prof = [] if a.profile_lengths == "none" else \
+        [max(lengths)] if a.profile_lengths is None else [int(x) for x in a.profile_lengths.split(",")]
+    try:
+        jobs = jobs_for(a.size, a.gpus, lengths, masks, impls, tokens, a.warmup, a.steps, prof)
+    except ValueError as e:
+        ap.error(str(e))
+    command = "python examples/llama/recipes/throughput.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    results = spawn_jobs(jobs, a.gpus, "cpu" if a.cpu else "cuda")
+    summary = dict(run_record(command), world=a.gpus, layout=f"CP {a.gpus} (DP 1)", tokens_per_step=tokens,
+                   warmup_steps=a.warmup, timed_steps=a.steps,
+                   flops="6 x matmul parameters x tokens + 12 x attention area x query heads x head dim x layers "
+                         "(Megatron's convention; recompute not counted)",
+                   **summarize(jobs, results, a.warmup, a.gpus))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "throughput.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(summary, out / "throughput.png")
+    print("\n".join(table(summary)))
+    print(f"-> {out / 'throughput.json'}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
