@@ -166,3 +166,13 @@ def test_sequence_parallel_flags():
     assert plugin.plan_specs(parsed("--context-parallel-impl", "megatron_cp"), eod=0)[1].token_multiple == 1
     with pytest.raises(ValueError, match="--sequence-parallel does not combine"):
         plugin.validate_args(parsed("--context-parallel-impl", "head_context", "--sequence-parallel"))
+    # Megatron's local modules without Apex take torch's norm, which refuses SP only once the model is built
+    # (seen on GPUs through pretrain_gpt.py): said at parse time
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    local = parsed("--context-parallel-impl", "megatron_cp", "--sequence-parallel", "--transformer-impl", "local")
+    if gpt_layer_specs.HAVE_APEX:
+        plugin.validate_args(local)
+    else:
+        with pytest.raises(ValueError, match="--sequence-parallel with --transformer-impl local needs Apex"):
+            plugin.validate_args(local)
