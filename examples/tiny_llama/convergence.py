@@ -475,7 +475,8 @@ def run_record(command: str) -> dict:
 
 def sign_figure(fig, record: dict) -> None:
     """Device, date and command along the bottom of a matplotlib figure (room made below the axes)."""
-    text = textwrap.fill(f"{record['device']}, {record['date']}: {record['command']}", 190)
+    # ~16 characters of 7-point monospace per inch of figure width
+    text = textwrap.fill(f"{record['device']}, {record['date']}: {record['command']}", int(fig.get_figwidth() * 16))
     lines = text.count("\n") + 1
     fig.subplots_adjust(bottom=0.12 + 0.035 * lines)
     fig.text(0.01, 0.01, text, fontsize=7, family="monospace", va="bottom")
