@@ -33,6 +33,8 @@ from . import masks as M
 from .masks import catalog
 from .planner import SOLVERS, Plan, Topology, in_feasible_set, optimal_assignment, plan
 
+__all__ = ["main"]
+
 DOC_MASKS = ("packed", "docs_causal")
 MILP_MAX_CP = 8
 MILP_MAX_CHUNKS = 64

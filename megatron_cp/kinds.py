@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+__all__ = ["Kind", "KIND_NAMES"]
+
 
 class Kind(IntEnum):
     FULL = 0

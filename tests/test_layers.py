@@ -5,6 +5,8 @@
 - no import cycle among megatron_cp modules (function-level imports count);
 - no module imports another package's private names, nor reads a private attribute of another
   package's module; tools/ and examples/ use public names only;
+- a name taken from another package is in that package's ``__all__`` (its public face; a public module
+  listed there, e.g. ``kernels.pieces``, may be imported and read);
 - the runtime takes from the planner only what ``megatron_cp.planner`` exports;
 - only megatron_cp.megatron imports megatron; masks, planner and kernels never import torch.distributed.
 """
@@ -211,6 +213,56 @@ def test_tools_and_examples_use_public_names_only(folder):
         bad += [f"{path.relative_to(ROOT)}:{line} imports the private module {mod}" for mod, _, line in imps
                 if mod != "__future__" and _private(mod.split(".")[0])]
     assert not bad, "\n".join(bad)
+
+
+def _public_faces(mods) -> dict:
+    """``__all__`` of every top-level megatron_cp package or module (imported: some are built with ``*``)."""
+    import importlib
+
+    faces = {}
+    for layer in sorted({_layer(m) for m in mods} - {None, "", "__main__"}):  # __main__ runs the CLI
+        faces[layer] = set(getattr(importlib.import_module(f"megatron_cp.{layer}"), "__all__", ()))
+    return faces
+
+
+def _outside_all(path: pathlib.Path, name: str, imps, faces: dict) -> list[str]:
+    """Imports in ``path`` (module ``name``) of names another package's ``__all__`` does not list."""
+    me, out = _layer(name), []
+    for mod, names, line in imps:
+        them = _layer(mod)
+        if them in (None, "", me):
+            continue
+        where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{line}"
+        if names is None:  # ``import megatron_cp.x.y``: only the package itself is a public face
+            if mod != f"megatron_cp.{them}":
+                out.append(f"{where} imports the module {mod}, not in megatron_cp.{them}.__all__")
+            continue
+        out += [f"{where} imports {mod}.{n}, not in megatron_cp.{them}.__all__" for n in names
+                if n not in faces.get(them, ())]
+    return out
+
+
+def test_cross_package_imports_take_only_names_in_all():
+    mods = _modules()
+    faces = _public_faces(mods)
+    assert all(faces[k] for k in ("masks", "planner", "kernels", "runtime", "sparse", "kinds")), faces
+    bad = []
+    for name, path in mods.items():
+        _, imps = _imports(path, name)
+        bad += _outside_all(path, name, imps, faces)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_all_rule_catches_a_planted_import(tmp_path):
+    """The check above would fail on a name a package does not export (here a planner helper taken by the
+    runtime from the submodule that defines it), and passes the same name through a public module."""
+    faces = _public_faces(_modules())
+    planted = tmp_path / "planted.py"
+    planted.write_text("from megatron_cp.planner.solvers import KeySpans\nfrom megatron_cp.kernels import pieces\n"
+                       "import megatron_cp.masks.builders\n")
+    _, imps = _imports(planted, "megatron_cp.runtime.planted")
+    bad = _outside_all(planted, "megatron_cp.runtime.planted", imps, faces)
+    assert len(bad) == 2 and "KeySpans" in bad[0] and "megatron_cp.masks.builders" in bad[1], bad
 
 
 def test_runtime_takes_only_the_planners_exports():

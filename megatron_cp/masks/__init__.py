@@ -32,7 +32,8 @@ BUILDERS = (
     "global_local", "star", "streaming", "from_block_table", "from_mask_mod",
 )
 
-__all__ = ["AttnMask", "AttnSlice", "KINDS", "Block", "BUILDERS", "streaming_within", *BUILDERS]
+# public modules beside the names: geometry (trapezoid arithmetic), catalog (named masks, needs torch), draw
+__all__ = ["AttnMask", "AttnSlice", "KINDS", "Block", "BUILDERS", "streaming_within", *BUILDERS, "geometry", "catalog", "draw"]
 
 
 def __getattr__(name):  # ``masks.catalog`` on first use: the rest of the package stays free of torch

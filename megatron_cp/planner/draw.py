@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..masks.draw import auto_block, block_cells, block_sizes, require_matplotlib, tokens_label
+from ..masks import draw as mask_draw
 from .units import fmt_bytes
 
 
@@ -41,7 +41,7 @@ def rank_blocks(plan, block: int) -> tuple[np.ndarray, np.ndarray]:
     nb = -(-s // block)
     g = np.asarray(plan.guest_runs, dtype=np.int64).reshape(-1, 2)
     cuts = np.union1d(plan.bounds, g.reshape(-1))
-    row, rb, kb, cells = block_cells(plan.traps, block, row_cuts=cuts)
+    row, rb, kb, cells = mask_draw.block_cells(plan.traps, block, row_cuts=cuts)
     rank = _owner_of(plan, row)
     if len(g):
         guest = (np.searchsorted(g[:, 0], row, side="right") - 1).clip(0)
@@ -91,20 +91,20 @@ def draw_plan(plan, path, *, block: int | None = None, max_blocks: int = 1024, n
     (4) received K/V bytes per rank, with exact counts in the titles. Bytes are priced like
     ``Plan.stats`` (``num_kv_heads``, ``head_dim``, ``dtype_bytes``; defaults 8, 128, 2 bytes).
     """
-    require_matplotlib("Plan.draw")
+    mask_draw.require_matplotlib("Plan.draw")
     import matplotlib
     from matplotlib.figure import Figure  # no pyplot: no backend or global figure state is touched
     import matplotlib.ticker
     from matplotlib.patches import Patch
 
     s, cp = plan.seqlen, plan.cp_size
-    b = int(block) if block is not None else auto_block(s, max_blocks)
+    b = int(block) if block is not None else mask_draw.auto_block(s, max_blocks)
     st = plan.stats(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
     per_tok = st["kv_bytes_per_token"]
     colors = rank_colors(cp)
 
     cells, top = rank_blocks(plan, b)
-    sizes = block_sizes(s, b)
+    sizes = mask_draw.block_sizes(s, b)
     frac = cells / np.outer(sizes, sizes)
     shade = np.where(cells > 0, 0.25 + 0.75 * frac, 0.0)[..., None]
     img = 1.0 - shade * (1.0 - colors[np.maximum(top, 0)])
@@ -131,7 +131,7 @@ def draw_plan(plan, path, *, block: int | None = None, max_blocks: int = 1024, n
     ticks = np.linspace(0, s, 9)
     for a, axis in ((ax, ax.xaxis), (ax_rows, ax_rows.yaxis)):
         axis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
-        axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: tokens_label(v)))
+        axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: mask_draw.tokens_label(v)))
     if cp <= 16:
         handles = [Patch(color=colors[r], label=f"rank {r}: {st['tokens_per_rank'][r]:,} tokens, "
                          f"{len(plan.ranks[r].segments)} runs") for r in range(cp)]

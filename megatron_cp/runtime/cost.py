@@ -44,8 +44,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 import torch
 
-from ..kernels.pieces import block_counts as kernel_block_counts, block_rows as kernel_block_rows
-from ..kernels.pieces import row_class as kernel_row_class, split_pieces
+from ..kernels import pieces
 from ..kinds import Kind
 from ..planner import LINKS, Workload
 
@@ -188,7 +187,7 @@ class CostModel:
         runs on cuDNN. ``reverse``: a band square run on flipped copies; ``direct``: the forward writes its
         band-square pairs straight into its output (an accumulating forward never does). ``key_split`` > 1
         stands for one of that many calls over equal key pieces: a piece must then be that much wider."""
-        p = split_pieces(_torch_tiles(tiles), min_rows=self.dense_min_rows,
+        p = pieces.split_pieces(_torch_tiles(tiles), min_rows=self.dense_min_rows,
                          min_keys=self.dense_min_keys * key_split,
                          band_squares=self.band_squares if key_split == 1 else 0, forward=not backward)
         rest = p.rest.numpy().astype(np.int64)
@@ -218,19 +217,19 @@ class CostModel:
         t = self.launch_us * 1e-6
         rest = tiles
         if self.dense_fwd_tflops > 0:
-            pieces, rest, direct = self._pieces(tiles, backward, key_split, accumulate)
-            if pieces is not None:
+            dense, rest, direct = self._pieces(tiles, backward, key_split, accumulate)
+            if dense is not None:
                 # the pieces (calls), each with a fixed cost and one LSE merge of its rows (per stage, not
                 # split): 10 bytes per [row, head, dim] element (fp32 running output read and written, the
                 # piece's bf16 output read); a reversed band square is merged in its partner's pass (2
                 # bytes) and first flips its rows of q (4 bytes) and its keys' K/V; written directly, a
                 # pair's merge reads the causal square's bf16 output and writes the call's (4 bytes)
-                rows, keys, cells, causal, batch, rev = pieces
+                rows, keys, cells, causal, batch, rev = dense
                 elems = rows * batch * work.num_heads * work.head_dim
                 span = (batch - 1) * rows + keys
                 moved = np.where(rev, 6.0 * elems + 8.0 * span * work.num_kv_heads * work.head_dim,
                                  (4.0 if direct else 10.0) * elems)
-                t += (self._dense_time(pieces[:5], work, backward, split) + len(rows) * self.dense_piece_us * 1e-6
+                t += (self._dense_time(dense[:5], work, backward, split) + len(rows) * self.dense_piece_us * 1e-6
                       + float(moved.sum()) / (self.hbm_gbps * 1e9))
         if len(rest) == 0:
             return t
@@ -271,22 +270,22 @@ class CostModel:
     def row_class(self, tiles: np.ndarray) -> str:
         """The kernel backend's class of a Triton tile list (``kernels.pieces.row_class``), falling back for
         classes this model has no numbers for ("blocky" -> "short" -> "long")."""
-        cls = kernel_row_class(_torch_tiles(tiles))
+        cls = pieces.row_class(_torch_tiles(tiles))
         if cls == "blocky" and self.blocky_fwd_tflops <= 0:
             cls = "short"
         if cls == "short" and self.short_fwd_tflops <= 0:
             cls = "long"
         return cls
 
-    def _dense_time(self, pieces, work: Workload, backward: bool, split: float) -> float:
-        """Seconds of the dense (cuDNN) ``pieces`` (``dense_pieces``' arrays), each with 1 / ``split`` of its
+    def _dense_time(self, dense, work: Workload, backward: bool, split: float) -> float:
+        """Seconds of the dense (cuDNN) pieces ``dense`` (``dense_pieces``' arrays), each with 1 / ``split`` of its
         keys."""
         dpeak = (self.dense_bwd_tflops / 2.5 if backward else self.dense_fwd_tflops) * 1e12
         cpeak = (self.dense_causal_bwd_tflops / 2.5 if backward else self.dense_causal_fwd_tflops) * 1e12
         cpeak = cpeak if cpeak > 0 else dpeak
         hk = self.dense_bwd_half_keys if backward else self.dense_half_keys
         hr = self.dense_bwd_half_rows if backward else self.dense_half_rows
-        rows, keys, cells, causal, batch = pieces
+        rows, keys, cells, causal, batch = dense
         extent = (keys / split) if backward else rows
         eff = self.wave_efficiency(extent, work.num_heads * batch)
         eq = ((cells + hr * keys * batch) / split + hk * rows * batch) / eff
@@ -431,7 +430,7 @@ def band_cells(tiles: np.ndarray, cells: np.ndarray) -> float:
 def block_counts(tiles: np.ndarray, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
     """(visited, full) per tile, float64: the kernels' own count (``kernels.pieces.block_counts``) of the
     block_m x block_n blocks the kernel visits and of those whose every cell is kept."""
-    v, f = kernel_block_counts(_torch_tiles(tiles), block_m, block_n)
+    v, f = pieces.block_counts(_torch_tiles(tiles), block_m, block_n)
     return v.numpy().astype(np.float64), f.numpy().astype(np.float64)
 
 
@@ -442,7 +441,7 @@ def row_block_entries(tiles: np.ndarray, block_m: int, block_n: int) -> np.ndarr
     t = _torch_tiles(tiles)
     if t.shape[0] == 0:
         return np.zeros(0)
-    _, m, vis, _ = kernel_block_rows(t, block_m, block_n)
+    _, m, vis, _ = pieces.block_rows(t, block_m, block_n)
     if len(m) == 0:
         return np.zeros(0)
     return np.bincount((m - m.min()).numpy(), vis.numpy()).astype(np.float64)

@@ -20,7 +20,7 @@ import textwrap
 import numpy as np
 import torch
 
-from ..masks.draw import require_matplotlib
+from ..masks import draw as mask_draw
 
 
 def _envelope_cells(traps: torch.Tensor, rows: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -95,7 +95,7 @@ def draw_selection(keep, path, heads=None, dense=None, *, envelope=None, title: 
     int8 / bool [nq, nb], the static mask's blocks (``view.envelope``), drawn in grey under the selection
     and used for the kept fraction (else the fraction is of all block pairs).
     """
-    require_matplotlib("draw_selection")
+    mask_draw.require_matplotlib("draw_selection")
     import matplotlib
     from matplotlib.colors import ListedColormap, LogNorm
     from matplotlib.figure import Figure  # no pyplot: no backend or global figure state is touched
