@@ -435,4 +435,3 @@ def test_recipe_end_to_end(recipe_run, capsys):
     assert rows["streaming only"][1] < 0.3, text
     for m in ("duo", "prulong"):
         assert rows[f"{m}: discretised"][1] > rows[f"{m}: inverse control"][1] + 0.2, text
-    assert seconds < 90, f"recipe took {seconds:.1f} s"
