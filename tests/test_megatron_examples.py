@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,22 @@ def test_cpu_demo_cp2_matches_cp1():
     res = run(cp=2, steps=3, shape=LlamaShape(2, 32, 4, 2, 48, 320, 64))
     assert len(res["loss_cp1"]) == 3 and res["max_rel_diff"] <= 1e-5
     assert res["loss_cp1"][-1] < res["loss_cp1"][0]  # it trains
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--cp", "300", "--seq-length", "100"], "cp=300 exceeds the sequence length 100"),
+    (["--cp", "100", "--seq-length", "256"], "tp \\* cp = 100 processes on CPU"),
+    (["--cp", "0"], "need cp, tp, steps >= 1"),
+])
+def test_cpu_demo_refuses_absurd_sizes_before_spawning(argv, needle, capsys, monkeypatch):
+    """``./dev demo --cp 300 --seq-length 100`` once spawned 300 processes and hung: one line, no process."""
+    from tiny_llama import demo, trainer
+
+    monkeypatch.setattr(trainer, "spawn", lambda *a, **k: pytest.fail("a process was started"))
+    with pytest.raises(SystemExit) as e:
+        demo.main(argv)
+    assert e.value.code == 2
+    assert re.search(needle, capsys.readouterr().err)
 
 
 PRETRAIN_GPT_STAND_IN = '''from megatron.training.arguments import parse_and_validate_args

@@ -107,6 +107,15 @@ def test_sparse_flags_build_selectors_per_layer():
     (["--cp-sparse", "moba", "--cp-sparse-block", "48"], "48"),
     (["--cp-sparse", "moba", "--cp-sparse-block", "16", "--cp-sparse-layers", "3-1"], "3-1"),
     (["--cp-sparse", "minference"], "--cp-minference-config"),
+    # given and then ignored before: a method's flag without --cp-sparse or with another method, layers past
+    # the model's, a negative EOD id
+    (["--cp-moba-top-k", "3"], "--cp-moba-top-k 3 acts only with --cp-sparse moba, got --cp-sparse none"),
+    (["--cp-sparse-block", "16"], r"--cp-sparse-block 16 acts only with --cp-sparse \(any method\)"),
+    (["--cp-sparse", "moba", "--cp-sparse-block", "16", "--cp-xattn-threshold", "0.5"],
+     "--cp-xattn-threshold 0.5 acts only with --cp-sparse xattention, got --cp-sparse moba"),
+    (["--cp-sparse", "moba", "--cp-sparse-block", "16", "--cp-sparse-layers", "2-9"],
+     r"--cp-sparse-layers 2-9 names layer 9; the model has 2 \(--num-layers\)"),
+    (["--cp-eod-token", "-1"], "--cp-eod-token must be a token id >= 0, got -1"),
 ])
 def test_bad_sparse_flags_fail_at_start_up(extra, needle):
     from megatron_cp.megatron.arguments import specs_from_args

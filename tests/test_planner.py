@@ -247,6 +247,9 @@ def test_topology_and_bad_arguments():
         mcp.plan(M.causal(256), 0)
     with pytest.raises(TypeError, match="needs an AttnMask"):
         mcp.plan("causal", 2)
+    for bad in (-1, float("nan"), "0.03"):  # accepted and ignored before (auto then took no candidate)
+        with pytest.raises(ValueError, match="imbalance_target must be a number >= 0"):
+            mcp.plan(M.causal(256), 2, imbalance_target=bad)
     with pytest.raises(ValueError, match="rank=5 is outside"):
         p.local_ids(5)
 

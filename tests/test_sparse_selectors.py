@@ -279,27 +279,41 @@ def test_xattention_cp_exact(mask, dtype):
 # --------------------------------------------------------------------------------------------- checks
 
 
-@pytest.mark.parametrize("sel,args,match", [
-    (MoBA(top_k=0), (4, 2, 16, 1024), "top_k must be a positive int, got 0"),
-    (MoBA(top_k=2.5), (4, 2, 16, 1024), "got 2.5"),
-    (MoBA(top_k=True), (4, 2, 16, 1024), "got True"),
-    (MoBA(block=100), (4, 2, 16, 1024), "not a multiple of block 100"),
-    (MoBA(block=0), (4, 2, 16, 1024), "block must be a positive int, got 0"),
-    (MoBA(block=64), (6, 4, 16, 1024), "num_q_heads 6 is not a multiple of num_kv_heads 4"),
-    (XAttention(threshold=1.5), (4, 2, 16, 1024), "threshold must be .* got 1.5"),
-    (XAttention(threshold=0.0), (4, 2, 16, 1024), "threshold must be .* got 0.0"),
-    (XAttention(threshold="0.9"), (4, 2, 16, 1024), "threshold must be"),
-    (XAttention(threshold=[0.9, 0.5]), (4, 2, 16, 1024), r"one value per query head \(4\), got 2"),
-    (XAttention(threshold=[0.9, 0.5, 0.1, 2.0]), (4, 2, 16, 1024), "got 2.0"),
-    (XAttention(stride=3), (4, 2, 16, 1024), "stride 3 must divide block 128"),
-    (XAttention(stride=0), (4, 2, 16, 1024), "stride must be a positive int, got 0"),
-    (XAttention(block=96), (4, 2, 16, 1024), "not a multiple of block 96"),
-    (XAttention(chunk_elements=0), (4, 2, 16, 1024), "chunk_elements must be a positive int, got 0"),
-    (XAttention(), (4, 0, 16, 1024), "num_kv_heads must be a positive int, got 0"),
+@pytest.mark.parametrize("make,args,match", [
+    (lambda: MoBA(top_k=0), (4, 2, 16, 1024), "top_k must be a positive int, got 0"),
+    (lambda: MoBA(top_k=2.5), (4, 2, 16, 1024), "got 2.5"),
+    (lambda: MoBA(top_k=True), (4, 2, 16, 1024), "got True"),
+    (lambda: MoBA(block=100), (4, 2, 16, 1024), "not a multiple of block 100"),
+    (lambda: MoBA(block=0), (4, 2, 16, 1024), "block must be a positive int, got 0"),
+    (lambda: MoBA(block=64), (6, 4, 16, 1024), "num_q_heads 6 is not a multiple of num_kv_heads 4"),
+    (lambda: XAttention(threshold=1.5), (4, 2, 16, 1024), "threshold must be .* got 1.5"),
+    (lambda: XAttention(threshold=0.0), (4, 2, 16, 1024), "threshold must be .* got 0.0"),
+    (lambda: XAttention(threshold="0.9"), (4, 2, 16, 1024), "threshold must be"),
+    (lambda: XAttention(threshold=[0.9, 0.5]), (4, 2, 16, 1024), r"one value per query head \(4\), got 2"),
+    (lambda: XAttention(threshold=[0.9, 0.5, 0.1, 2.0]), (4, 2, 16, 1024), "got 2.0"),
+    (lambda: XAttention(stride=3), (4, 2, 16, 1024), "stride 3 must divide block 128"),
+    (lambda: XAttention(stride=0), (4, 2, 16, 1024), "stride must be a positive int, got 0"),
+    (lambda: XAttention(block=96), (4, 2, 16, 1024), "not a multiple of block 96"),
+    (lambda: XAttention(chunk_elements=0), (4, 2, 16, 1024), "chunk_elements must be a positive int, got 0"),
+    (lambda: XAttention(), (4, 0, 16, 1024), "num_kv_heads must be a positive int, got 0"),
 ])
-def test_bad_hyperparameters(sel, args, match):
+def test_bad_hyperparameters(make, args, match):
     with pytest.raises(ValueError, match=match):
-        sel.check(*args)
+        make().check(*args)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: MoBA(top_k=0), "top_k must be a positive int, got 0"),
+    (lambda: MoBA(block=0), "block must be a positive int, got 0"),
+    (lambda: XAttention(threshold=2.0), "threshold must be .* got 2.0"),
+    (lambda: XAttention(threshold=[0.9, 2.0]), "got 2.0"),
+    (lambda: XAttention(stride=3), "stride 3 must divide block 128"),
+    (lambda: XAttention(chunk_elements=0), "chunk_elements must be a positive int, got 0"),
+])
+def test_bad_hyperparameters_refused_when_made(make, match):
+    """What needs no shapes fails when the selector is made, not at its first call."""
+    with pytest.raises(ValueError, match=match):
+        make()
 
 
 def test_good_hyperparameters():

@@ -99,14 +99,24 @@ def _train_worker(rank, world, tp, cp, steps, shape, global_batch, micro_batch, 
     return {"losses": losses, "seconds": time.time() - t0}
 
 
+MAX_CPU_RANKS = 64
+
+
 def run(cp: int = 4, steps: int = 30, tp: int = 1, shape: LlamaShape = TINY, global_batch: int = 2,
         micro_batch: int = 1, lr: float = 3e-3, backend: str = "gloo", seed: int = 1234,
         kernel_backend: str = "auto") -> dict:
     """Train CP=1 and CP=``cp`` (world = tp*cp each) and return both loss curves and the difference."""
     from .trainer import spawn
 
-    if cp < 1 or steps < 1:
-        raise ValueError(f"need cp >= 1 and steps >= 1, got cp={cp}, steps={steps}")
+    if cp < 1 or steps < 1 or tp < 1:
+        raise ValueError(f"need cp, tp, steps >= 1, got cp={cp}, tp={tp}, steps={steps}")
+    # refused before any process starts: every CP rank holds whole tokens, and each rank is a process here
+    if cp > shape.seq_length:
+        raise ValueError(f"cp={cp} exceeds the sequence length {shape.seq_length} (--seq-length): every CP rank "
+                         "needs tokens of its own")
+    if backend == "gloo" and tp * cp > MAX_CPU_RANKS:
+        raise ValueError(f"tp * cp = {tp * cp} processes on CPU (gloo): at most {MAX_CPU_RANKS} here (each rank is a "
+                         "process with its own model copy)")
     runs = {}
     for c in (1, cp):
         print(f"training tiny Llama with TP={tp} CP={c} ({backend}, {steps} steps) ...", flush=True)
@@ -139,8 +149,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=str, default=None, help="also write the result here")
     a = ap.parse_args(argv)
     shape = LlamaShape(**{**TINY.__dict__, "seq_length": a.seq_length})
-    res = run(cp=a.cp, tp=a.tp, steps=a.steps, shape=shape, global_batch=a.global_batch, backend=a.backend,
-              kernel_backend=a.kernel_backend)
+    try:
+        res = run(cp=a.cp, tp=a.tp, steps=a.steps, shape=shape, global_batch=a.global_batch, backend=a.backend,
+                  kernel_backend=a.kernel_backend)
+    except ValueError as e:  # bad sizes: one line, before any process starts
+        ap.error(str(e))
     print_table(res)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))

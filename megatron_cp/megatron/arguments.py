@@ -56,15 +56,21 @@ def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "vertical-slash per head), minference (per-head patterns from --cp-minference-config)")
     s.add_argument("--cp-sparse-block", type=int, default=None,
                    help="selection block in tokens (default: moba 512, others 128); divides --seq-length")
-    s.add_argument("--cp-sparse-layers", type=str, default="all",
+    # the method flags default to None (their values below apply then): a flag given for another method, or
+    # without --cp-sparse, is refused instead of ignored
+    s.add_argument("--cp-sparse-layers", type=str, default=None,
                    help="1-based layers that run sparse, e.g. '3-24' or '1,5,9' (default all; others dense)")
-    s.add_argument("--cp-moba-top-k", type=int, default=3, help="MoBA: key blocks per q block besides its own")
-    s.add_argument("--cp-xattn-stride", type=int, default=8, help="XAttention: antidiagonal stride (8 or 16)")
-    s.add_argument("--cp-xattn-threshold", type=str, default="0.9",
-                   help="XAttention: cumulative block mass to keep, or one value per query head (comma list)")
-    s.add_argument("--cp-flexprefill-gamma", type=float, default=0.9, help="FlexPrefill: coverage gamma")
-    s.add_argument("--cp-flexprefill-tau", type=float, default=0.1,
-                   help="FlexPrefill: Jensen-Shannon threshold between query-aware and vertical-slash")
+    s.add_argument("--cp-moba-top-k", type=int, default=None, help="MoBA: key blocks per q block besides its own "
+                                                                   "(default 3)")
+    s.add_argument("--cp-xattn-stride", type=int, default=None, help="XAttention: antidiagonal stride (8 or 16; "
+                                                                      "default 8)")
+    s.add_argument("--cp-xattn-threshold", type=str, default=None,
+                   help="XAttention: cumulative block mass to keep, or one value per query head (comma list; "
+                        "default 0.9)")
+    s.add_argument("--cp-flexprefill-gamma", type=float, default=None, help="FlexPrefill: coverage gamma (default "
+                                                                             "0.9)")
+    s.add_argument("--cp-flexprefill-tau", type=float, default=None,
+                   help="FlexPrefill: Jensen-Shannon threshold between query-aware and vertical-slash (default 0.1)")
     s.add_argument("--cp-flexprefill-min-budget", type=int, default=None, help="FlexPrefill: min budget")
     s.add_argument("--cp-flexprefill-max-budget", type=int, default=None, help="FlexPrefill: max budget")
     s.add_argument("--cp-minference-config", type=str, default=None,
@@ -186,6 +192,8 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
         raise ValueError(f"--cp-mask-kwargs is not JSON: {args.cp_mask_kwargs!r} ({e})") from None
     if not isinstance(kwargs, dict):
         raise ValueError(f"--cp-mask-kwargs must be a JSON object, got {args.cp_mask_kwargs!r}")
+    if args.cp_eod_token is not None and args.cp_eod_token < 0:
+        raise ValueError(f"--cp-eod-token must be a token id >= 0, got {args.cp_eod_token}")
     eod = args.cp_eod_token if args.cp_eod_token is not None else eod
     spec = MaskSpec(args.cp_mask, window=args.cp_window, eod=eod, kwargs=tuple(sorted(kwargs.items())))
     if args.cp_chunk_size is not None and args.cp_chunk_size < 1:

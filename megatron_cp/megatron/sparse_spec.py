@@ -81,26 +81,48 @@ def _threshold(text: str):
     return vals[0] if len(vals) == 1 else tuple(vals)
 
 
+# the method flags of --cp-sparse: (flag, attribute, the method it belongs to; "any": every method)
+METHOD_FLAGS = (
+    ("--cp-sparse-block", "cp_sparse_block", "any"), ("--cp-sparse-layers", "cp_sparse_layers", "any"),
+    ("--cp-moba-top-k", "cp_moba_top_k", "moba"), ("--cp-xattn-stride", "cp_xattn_stride", "xattention"),
+    ("--cp-xattn-threshold", "cp_xattn_threshold", "xattention"),
+    ("--cp-flexprefill-gamma", "cp_flexprefill_gamma", "flexprefill"),
+    ("--cp-flexprefill-tau", "cp_flexprefill_tau", "flexprefill"),
+    ("--cp-flexprefill-min-budget", "cp_flexprefill_min_budget", "flexprefill"),
+    ("--cp-flexprefill-max-budget", "cp_flexprefill_max_budget", "flexprefill"),
+    ("--cp-minference-config", "cp_minference_config", "minference"),
+)
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
 def spec_from_args(args) -> SparseSpec | None:
     """The ``SparseSpec`` of the parsed flags (None for ``--cp-sparse none``); builds every selector once
     and runs its ``check`` so a bad hyperparameter fails at start-up, naming the flag's value."""
     method = getattr(args, "cp_sparse", "none") or "none"
+    takes = {method, "any"} if method != "none" else set()
+    for flag, attr, owner in METHOD_FLAGS:
+        if getattr(args, attr, None) is not None and owner not in takes:
+            need = "--cp-sparse (any method)" if owner == "any" else f"--cp-sparse {owner}"
+            raise ValueError(f"{flag} {getattr(args, attr)} acts only with {need}, got --cp-sparse {method}")
     if method == "none":
         return None
     params = {}
     if args.cp_sparse_block is not None:
         params["block"] = args.cp_sparse_block
     if method == "moba":
-        params["top_k"] = args.cp_moba_top_k
+        params["top_k"] = _or(args.cp_moba_top_k, 3)
     elif method == "xattention":
-        params["stride"] = args.cp_xattn_stride
+        params["stride"] = _or(args.cp_xattn_stride, 8)
         try:
-            params["threshold"] = _threshold(args.cp_xattn_threshold)
+            params["threshold"] = _threshold(_or(args.cp_xattn_threshold, "0.9"))
         except ValueError:
             raise ValueError(f"--cp-xattn-threshold must be a number or comma-separated numbers (one per "
                              f"query head), got {args.cp_xattn_threshold!r}") from None
     elif method == "flexprefill":
-        params.update(gamma=args.cp_flexprefill_gamma, tau=args.cp_flexprefill_tau)
+        params.update(gamma=_or(args.cp_flexprefill_gamma, 0.9), tau=_or(args.cp_flexprefill_tau, 0.1))
         if args.cp_flexprefill_min_budget is not None:
             params["min_budget"] = args.cp_flexprefill_min_budget
         if args.cp_flexprefill_max_budget is not None:
@@ -116,6 +138,10 @@ def spec_from_args(args) -> SparseSpec | None:
                              f"file ({e})") from None
     spec = SparseSpec(method, tuple(sorted(params.items())), _parse_layers(args.cp_sparse_layers),
                       args.cp_minference_config if method == "minference" else None)
+    n_layers = getattr(args, "num_layers", None)
+    if spec.layers and n_layers and max(spec.layers) > n_layers:
+        raise ValueError(f"--cp-sparse-layers {args.cp_sparse_layers} names layer {max(spec.layers)}; the model has "
+                         f"{n_layers} (--num-layers)")
     heads, kv = getattr(args, "num_attention_heads", None), getattr(args, "num_query_groups", None)
     seq = getattr(args, "seq_length", None)
     if seq and seq % spec.block:

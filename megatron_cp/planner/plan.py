@@ -496,6 +496,10 @@ def plan(
         raise ValueError(f"topology {topology} has {topology.world_size} ranks, cp_size={cp_size}")
     if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1 or seqlen % block:
         raise ValueError(f"block={block!r} must be a positive int dividing the sequence length {seqlen}")
+    if isinstance(imbalance_target, bool) or not isinstance(imbalance_target, (int, float, np.number)) \
+            or not 0 <= imbalance_target < float("inf"):
+        raise ValueError(f"imbalance_target must be a number >= 0 (the work imbalance auto accepts for less "
+                         f"traffic, e.g. 0.03), got {imbalance_target!r}")
     cp = int(cp_size)
     chunk = int(chunk_size) if chunk_size is not None else _auto_chunk(seqlen, cp)
     chunk = -(-chunk // block) * block

@@ -72,10 +72,14 @@ class MoBA:
     top_k: int = 3
     name: ClassVar[str] = "moba"
 
-    def check(self, num_q_heads: int, num_kv_heads: int, head_dim: int, seqlen: int) -> None:
-        """ValueError naming the bad value (block, top_k, head counts); no collective."""
+    def __post_init__(self):  # what needs no shapes is refused when the selector is made, not at its first call
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
             raise ValueError(f"MoBA: top_k must be a positive int, got {self.top_k!r}")
+        check_block("MoBA", self.block, self.block if isinstance(self.block, int) else 1)
+
+    def check(self, num_q_heads: int, num_kv_heads: int, head_dim: int, seqlen: int) -> None:
+        """ValueError naming the bad value (block, top_k, head counts); no collective."""
+        self.__post_init__()
         check_block("MoBA", self.block, seqlen)
         check_heads("MoBA", num_q_heads, num_kv_heads, head_dim)
 

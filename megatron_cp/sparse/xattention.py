@@ -114,28 +114,28 @@ class XAttention:
         th = self.threshold
         if not isinstance(th, (int, float, str, bytes)) and hasattr(th, "__len__"):
             object.__setattr__(self, "threshold", tuple(th))  # hashable and immutable like the dataclass
-
-    def check(self, num_q_heads: int, num_kv_heads: int, head_dim: int, seqlen: int) -> None:
-        """ValueError naming the bad value (block, stride, threshold, chunk_elements, head counts)."""
-        check_block("XAttention", self.block, seqlen)
+        # what needs no shapes is refused when the selector is made, not at its first call
+        check_block("XAttention", self.block, self.block if isinstance(self.block, int) else 1)
         s = self.stride
         if isinstance(s, bool) or not isinstance(s, int) or s < 1:
             raise ValueError(f"XAttention: stride must be a positive int, got {s!r}")
         if self.block % s:
             raise ValueError(f"XAttention: stride {s} must divide block {self.block}")
-        check_heads("XAttention", num_q_heads, num_kv_heads, head_dim)
-        th = self.threshold
-        if isinstance(th, tuple):
-            if len(th) != num_q_heads:
-                raise ValueError(f"XAttention: per-head threshold needs one value per query head ({num_q_heads}), "
-                                 f"got {len(th)}: {th!r}")
-            for x in th:
-                check_fraction("XAttention", "threshold", x)
-        else:
-            check_fraction("XAttention", "threshold", th)
+        for x in self.threshold if isinstance(self.threshold, tuple) else (self.threshold,):
+            check_fraction("XAttention", "threshold", x)
         c = self.chunk_elements
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"XAttention: chunk_elements must be a positive int, got {c!r}")
+
+    def check(self, num_q_heads: int, num_kv_heads: int, head_dim: int, seqlen: int) -> None:
+        """ValueError naming the bad value (block, stride, threshold, chunk_elements, head counts)."""
+        self.__post_init__()
+        check_block("XAttention", self.block, seqlen)
+        check_heads("XAttention", num_q_heads, num_kv_heads, head_dim)
+        th = self.threshold
+        if isinstance(th, tuple) and len(th) != num_q_heads:
+            raise ValueError(f"XAttention: per-head threshold needs one value per query head ({num_q_heads}), "
+                             f"got {len(th)}: {th!r}")
 
     def chunk_blocks(self, num_q_heads: int, num_blocks: int) -> int:
         """q blocks per chunk: depends only on the selector, Hq and nb (the same on every rank)."""
