@@ -149,6 +149,10 @@ def _check(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--chunk-size {args.chunk_size} exceeds --seqlen {args.seqlen}")
     if getattr(args, "png", None) is not None and not hasattr(Plan, "draw"):
         ap.error("--png needs Plan.draw(path), which this megatron_cp does not have")
+    for flag in ("json", "png"):  # said before planning, not as a traceback after it
+        path = getattr(args, flag, None)
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            ap.error(f"--{flag} {path}: the folder {os.path.dirname(os.path.abspath(path))} does not exist")
     if args.command == "compare" and not args.milp_time_limit > 0:
         ap.error(f"--milp-time-limit must be > 0 seconds, got {args.milp_time_limit}")
     if args.command == "compare" and args.milp_chunks is not None:

@@ -193,11 +193,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _refuse_tensors(x, where: str) -> None:
+    """TypeError for a torch.Tensor anywhere in a result: its shared memory leaves with the rank's process, and
+    the parent then fails to unpickle it with a bare FileNotFoundError."""
+    if isinstance(x, torch.Tensor):
+        raise TypeError(f"{where} holds a torch.Tensor {tuple(x.shape)}: return t.numpy() (or plain values) from "
+                        "a run_ranks worker")
+    if isinstance(x, dict):
+        for k, v in x.items():
+            _refuse_tensors(v, f"{where}[{k!r}]")
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            _refuse_tensors(v, f"{where}[{i}]")
+
+
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results) -> None:
     torch.set_num_threads(1)
     try:  # the rendezvous is explicit (no MASTER_ADDR / MASTER_PORT read from the environment)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        results.put((rank, "ok", fn(rank, world, *args)))
+        out = fn(rank, world, *args)
+        _refuse_tensors(out, f"{getattr(fn, '__name__', fn)}'s result")
+        results.put((rank, "ok", out))
     except BaseException:  # report every failure to the parent, never leave it waiting
         results.put((rank, "error", traceback.format_exc()))
     finally:

@@ -188,6 +188,10 @@ def test_plan_errors():
         mcp.plan(M.causal(8, 9), 2)
     with pytest.raises(ValueError, match="unknown solver 'best'"):
         mcp.plan(M.causal(8), 2, solver="best")
+    import numpy as np
+
+    with pytest.raises(TypeError, match="dispatch takes a torch.Tensor, got ndarray"):
+        mcp.dispatch(np.zeros((8, 2)), mcp.plan(M.causal(8), 2), rank=0)
     with pytest.raises(ValueError, match="no process group"):
         mcp.attention(torch.randn(4, 1, 2), torch.randn(4, 1, 2), torch.randn(4, 1, 2), mcp.plan(M.causal(8), 2))
 

@@ -67,6 +67,10 @@ def test_document_lengths_from_a_file_or_a_seed(tmp_path, capsys):
     (["plan", "--mask", "causal", "--cp", "2"], "--seqlen is required"),
     (["plan", "--mask", "causal", "--seqlen", "64", "--cp", "6", "--nodes", "4"], "does not divide --cp 6"),
     (["compare", "--mask", "causal", "--seqlen", "64", "--cp", "2", "--milp-chunks", "3"], "--milp-chunks 3"),
+    (["plan", "--mask", "causal", "--seqlen", "64", "--cp", "2", "--png", "/nonexistent/x.png"],
+     "--png /nonexistent/x.png: the folder /nonexistent does not exist"),
+    (["compare", "--mask", "causal", "--seqlen", "64", "--cp", "2", "--json", "/nonexistent/c.json"],
+     "--json /nonexistent/c.json: the folder /nonexistent does not exist"),
 ])
 def test_bad_values_are_refused_before_any_work(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -144,6 +144,9 @@ def test_bad_input_raises_before_any_collective():
     # a plan cut at document ends (40, 100, 180) is not in whole blocks of 16
     with pytest.raises(ValueError, match="whole blocks of 16"):
         check_plan(mcp.plan(mask, 2, solver="documents"), B)
+    # a chunk of the block's size still cuts at document ends: the message names the argument that helps
+    with pytest.raises(ValueError, match=r"mcp.plan\(mask, cp_size, block=16, guest_rows='none'\)"):
+        check_plan(mcp.plan(mask, 2, chunk_size=B, solver="documents"), B)
     check_plan(mcp.plan(mask, 2, solver="documents", block=B), B)
     plan, q, k, v = _single(mask, block=B, guest_rows="none")
     with pytest.raises(ValueError, match="density"):

@@ -124,6 +124,10 @@ def _rank_dies(rank, world):
     return rank
 
 
+def _rank_returns_a_tensor(rank, world):
+    return {"out": torch.ones(2, 3)}
+
+
 def test_run_ranks_results_and_failures():
     assert mt.run_ranks(_rank_result, 3, "x") == [("x", r, 3, 6.0) for r in range(3)]
     with pytest.raises(AssertionError, match=r"(?s)rank 1 of 2 failed:.*RuntimeError: rank one says no"):
@@ -131,6 +135,9 @@ def test_run_ranks_results_and_failures():
     # a rank that dies without a word: no hang, an error naming it once the timeout passes
     with pytest.raises(AssertionError, match=r"no result within 20s from ranks \[0\].*0: 3"):
         mt.run_ranks(_rank_dies, 2, timeout=20)
+    # a tensor in a result: a message saying what to return, not the parent's bare FileNotFoundError
+    with pytest.raises(AssertionError, match=r"_rank_returns_a_tensor's result\['out'\] holds a torch.Tensor \(2, 3\)"):
+        mt.run_ranks(_rank_returns_a_tensor, 2)
 
 
 def test_readme_example_runs_as_written():

@@ -85,6 +85,8 @@ def dispatch(x: torch.Tensor, plan: Plan, group: dist.ProcessGroup | None = None
     order. ``rank=`` replaces ``group`` for single-process use. Differentiable: with a group, the
     gradient of ``x`` is the sum over ranks; with ``rank=``, it is this rank's part, zeros elsewhere.
     """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"dispatch takes a torch.Tensor, got {type(x).__name__} (e.g. torch.from_numpy(x) first)")
     r = plan_rank(plan, group, rank)
     _check_len(x, seq_dim, plan.seqlen, "dispatch input")
     return _Dispatch.apply(x, plan, r, group if rank is None else None, seq_dim)
@@ -97,6 +99,8 @@ def undispatch(x_local: torch.Tensor, plan: Plan, group: dist.ProcessGroup | Non
     Differentiable: the gradient of ``x_local`` is the sum over ranks of the output gradient's
     entries for this rank's tokens (reduce-scatter).
     """
+    if not isinstance(x_local, torch.Tensor):
+        raise TypeError(f"undispatch takes a torch.Tensor, got {type(x_local).__name__}")
     r = plan_rank(plan, group, None)
     _check_len(x_local, seq_dim, plan.num_local(r), f"undispatch input of rank {r}")
     if group is None or plan.cp_size == 1:

@@ -83,7 +83,8 @@ def check_plan(plan: Plan, block: int) -> None:
     if bad.any():
         raise ValueError(f"sparse attention needs every plan chunk to be whole blocks of {block} tokens; this plan "
                          f"has chunk_size {plan.chunk_size} (cut at {int(np.asarray(plan.bounds)[bad.nonzero()[0][0]])})"
-                         f": make it with chunk_size a multiple of {block}")
+                         f": make it with mcp.plan(mask, cp_size, block={block}, guest_rows='none') (a chunk_size "
+                         f"alone can still cut documents off the block grid)")
     if plan.has_guests:
         raise ValueError("sparse attention runs every query row on its own rank: make the plan with "
                          "guest_rows='none'")
