@@ -177,3 +177,18 @@ def test_packed_mask_needs_an_eod_at_parse_time(monkeypatch, eod, flags, error):
     else:
         with pytest.raises(ValueError, match=error):
             parse()
+
+
+def test_help_prints_with_megatrons_own_flags():
+    """``pretrain_gpt.py --help`` with our flags: megatron-core 0.19.2 has a help string with a bare ``%``
+    (``--moe-paged-stash-buffer-size-factor-cuda``: "10%)."), on which argparse's --help raised."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_cp.megatron.arguments import add_megatron_cp_args
+
+    text = add_megatron_cp_args(add_megatron_arguments(argparse.ArgumentParser())).format_help()
+    assert "--context-parallel-impl" in text and "--cp-moba-top-k" in text
+    if "--moe-paged-stash-buffer-size-factor-cuda" in text:
+        assert "10%)" in " ".join(text.split())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 from .batch import DOC_MASKS, MASKS, MaskSpec, PlanOptions
 from .gating import DEFAULT_SINK, DEFAULT_WINDOW, GatingSpec
@@ -94,7 +95,17 @@ def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="a learned head pattern JSON ({\"layers\": [[true/false per KV head], ...], \"sink\", "
                         "\"window\"}): full heads run the full plan, the others only sink + window "
                         "(inference / continued training with fixed heads)")
+    _escape_bare_percent(parser)
     return parser
+
+
+def _escape_bare_percent(parser: argparse.ArgumentParser) -> None:
+    """argparse formats every help string with ``%``: a bare one (megatron-core 0.19.2's
+    ``--moe-paged-stash-buffer-size-factor-cuda`` says "10%).") makes ``--help`` raise "unsupported format
+    character". Escaped here, in the parser our flags join, so that Megatron's scripts print their help."""
+    for action in parser._actions:
+        if isinstance(action.help, str) and action.help is not argparse.SUPPRESS:
+            action.help = re.sub(r"%%|%\(|%", lambda m: "%%" if m.group() == "%" else m.group(), action.help)
 
 
 def gating_from_args(args) -> GatingSpec | None:
