@@ -91,6 +91,21 @@ def test_cpu_demo_cp2_matches_cp1():
     assert res["loss_cp1"][-1] < res["loss_cp1"][0]  # it trains
 
 
+def test_cpu_demo_prints_its_result_last_without_warnings():
+    """``./dev demo`` as a user runs it: the result table ends the output; Megatron's start-up warnings (Transformer
+    Engine / Apex missing, one per module and rank) are said once, not two dozen times."""
+    import os
+
+    env = dict(os.environ, PYTHONPATH=str(EXAMPLES) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "tiny_llama.demo", "--cp", "2", "--steps", "1", "--seq-length", "64"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.strip().splitlines()
+    assert out[-1].startswith("max relative difference CP=2 vs CP=1 over 1 steps"), out[-3:]
+    assert not re.search(r"Warning|IS DEPRECATED|No CUDA runtime", r.stdout + r.stderr), r.stderr
+    assert sum("Transformer Engine" in line for line in out) <= 1
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--cp", "300", "--seq-length", "100"], "cp=300 exceeds the sequence length 100"),
     (["--cp", "100", "--seq-length", "256"], "tp \\* cp = 100 processes on CPU"),
@@ -161,3 +176,14 @@ def test_megatron_script_refuses_a_missing_script():
     r = subprocess.run([sys.executable, str(LLAMA / "megatron_script.py"), "/nonexistent/pretrain_gpt.py"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "usage: megatron_script.py" in r.stderr
+
+
+def test_pretrain_llama_on_a_cpu_machine_says_what_to_run_instead():
+    """A plain launch without a GPU: one line naming the CPU paths, not Megatron's "Found no NVIDIA driver"."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the launch would train")
+    with pytest.raises(SystemExit) as e:
+        pretrain_llama.main(["--config", "tiny"])
+    assert e.value.code == pretrain_llama.NO_CUDA and "./dev demo" in str(e.value.code)

@@ -124,7 +124,16 @@ def use_prebuilt_dataset_helpers() -> bool:
     return True
 
 
+NO_CUDA = ("pretrain_llama.py runs megatron.training.pretrain, which needs CUDA (Megatron's initialize asserts it), "
+           "and this machine has no GPU. On CPU: ./dev demo (CP vs CP 1), python examples/llama/recipes/run.py all "
+           "--size tiny --cpu (CP, TP + SP, PP, --cp-sparse, head gates), ./dev test")
+
+
 def main_megatron(argv: list[str]) -> None:
+    import torch
+
+    if not torch.cuda.is_available() and not {"-h", "--help"} & set(argv):
+        raise SystemExit(NO_CUDA)  # one line instead of Megatron's "Found no NVIDIA driver" traceback
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args

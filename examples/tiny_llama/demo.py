@@ -25,6 +25,7 @@ import torch
 from megatron_cp.megatron import MaskSpec, PlanOptions
 
 from .model import TINY, LlamaShape
+from .quiet import note
 
 EOD = 256
 
@@ -148,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-backend", choices=("auto", "triton", "reference"), default="auto")
     ap.add_argument("--json", type=str, default=None, help="also write the result here")
     a = ap.parse_args(argv)
+    if note():
+        print(note(), flush=True)
     shape = LlamaShape(**{**TINY.__dict__, "seq_length": a.seq_length})
     try:
         res = run(cp=a.cp, tp=a.tp, steps=a.steps, shape=shape, global_batch=a.global_batch, backend=a.backend,
