@@ -97,8 +97,19 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _version() -> str:
+    """The installed distribution's version (pip install / -e record it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-cp")
+    except PackageNotFoundError:
+        return "(not installed: run from a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m megatron_cp", description=__doc__.splitlines()[0])
+    ap.add_argument("--version", action="version", version=f"megatron-cp {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--mask", required=True, choices=catalog.NAMES, help="a mask of megatron_cp.masks.catalog")
@@ -112,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--imbalance-target", type=_fraction, default=0.03,
                         help="work imbalance the planner accepts (default 0.03)")
     common.add_argument("--json", metavar="PATH", help="write the figures here")
+    # the model's K/V shape, which prices the bytes moved (Plan.stats / describe / draw)
+    common.add_argument("--kv-heads", type=_positive, default=8, help="K/V heads per rank's attention (default 8)")
+    common.add_argument("--head-dim", type=_positive, default=128, help="head dim (default 128)")
+    common.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="K/V element type (default bfloat16)")
 
     p = sub.add_parser("plan", parents=[common], help="plan a mask and print what every rank does")
     p.add_argument("--solver", default="auto", choices=SOLVERS)
@@ -184,6 +200,11 @@ def _write_json(path: str, payload: dict) -> None:
         json.dump({"meta": meta, **payload}, f, indent=1)
 
 
+def _shape(args) -> dict:
+    """The keywords that price bytes in Plan.stats / describe / draw, from --kv-heads, --head-dim, --dtype."""
+    return dict(num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype_bytes=args.dtype)
+
+
 def _mask_label(args) -> str:
     src = f", docs from {args.docs}" if args.docs is not None else (f", docs seed {args.seed}" if args.seed is not None else "")
     return f"{args.mask}{src}"
@@ -196,13 +217,13 @@ def run_plan(args) -> int:
              imbalance_target=args.imbalance_target)
     dt = time.perf_counter() - t
     print(f"mask {_mask_label(args)}: planned in {dt:.2f} s")
-    print(p.describe())
+    print(p.describe(**_shape(args)))
     if args.json:
         _write_json(args.json, {"mask": args.mask, "solver_requested": args.solver, "plan_seconds": dt,
-                                "digest": p.digest, **p.stats()})
+                                "digest": p.digest, "kv_shape": _shape(args), **p.stats(**_shape(args))})
         print(f"wrote {args.json}")
     if args.png:
-        p.draw(args.png)
+        p.draw(args.png, **_shape(args))
         print(f"wrote {args.png}")
     return 0
 
@@ -233,7 +254,7 @@ def compare_rows(args, mask=None) -> tuple[list[dict], dict | None]:
         p = plan(mask, args.cp, chunk_size=chunk, topology=_topology(args), solver=solver,
                  imbalance_target=args.imbalance_target)
         dt = time.perf_counter() - t
-        rows.append({**p.stats(), "solver": solver, "chosen": p.solver + ("+guests" if p.has_guests else ""),
+        rows.append({**p.stats(**_shape(args)), "solver": solver, "chosen": p.solver + ("+guests" if p.has_guests else ""),
                      "plan_seconds": dt})
         plans.append(p)
     if n is None:

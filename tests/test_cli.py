@@ -173,3 +173,22 @@ def test_no_heuristic_beats_the_milp(name, s, cp, n):
     print(f"{name} S={s} cp={cp}, {n} chunks, imbalance <= 3%: optimum {res.max_remote} K/V tokens; default "
           f"solver ({p.solver}) {got} ({got / max(res.max_remote, 1) - 1:+.1%}; in the program's set: "
           f"{in_feasible_set(p, res)}); compared: {', '.join(compared)}")
+
+
+def test_bytes_priced_for_the_models_kv_shape_and_version(tmp_path, capsys):
+    """--kv-heads / --head-dim / --dtype price the bytes as Plan.stats does; --version names the release."""
+    import megatron_cp as mcp
+
+    out = tmp_path / "p.json"
+    assert cli.main(["plan", "--mask", "causal", "--seqlen", "256", "--cp", "2", "--kv-heads", "2", "--head-dim", "64",
+                     "--dtype", "float32", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    ref = mcp.plan(mcp.masks.causal(256), 2).stats(num_kv_heads=2, head_dim=64, dtype_bytes="float32")
+    default = mcp.plan(mcp.masks.causal(256), 2).stats()  # 8 K/V heads of 128, bf16
+    assert got["bytes_moved"] == ref["bytes_moved"] > 0
+    assert got["bytes_moved"] * (8 * 128 * 2) == default["bytes_moved"] * (2 * 64 * 4)  # bytes per token scale
+    assert got["kv_shape"] == {"num_kv_heads": 2, "head_dim": 64, "dtype_bytes": "float32"}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("megatron-cp ")
