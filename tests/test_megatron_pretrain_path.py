@@ -53,8 +53,34 @@ def _worker(rank, world):
     stats = torch.tensor([float(loss), float(n)], dtype=torch.float64)
     dist.all_reduce(stats)
     no_grad = [k for k, p in model.named_parameters() if p.grad is None]
+
+    # the planner's figures through Megatron's writers at its log interval: iterations 0..5 of one micro-batch
+    # each, --log-interval 2, so Megatron logs iterations 2, 4 and 6 (each written when the next one starts)
+    import megatron.training.global_vars as gv
+
+    class Writer:  # stands in for TensorBoard's SummaryWriter (add_scalar) and W&B's run (log)
+        def __init__(self):
+            self.scalars, self.logs = [], []
+
+        def add_scalar(self, name, value, step):
+            self.scalars.append((name, float(value), int(step)))
+
+        def log(self, values, step):
+            self.logs.append((dict(values), int(step)))
+
+    tb, wb = Writer(), Writer()
+    gv._GLOBAL_TENSORBOARD_WRITER, gv._GLOBAL_WANDB_WRITER = tb, wb
+    args.log_interval = 2
+    it = iter(build_pretraining_data_loader(PL.datasets_provider([16, 0, 0])[0], 0))
+    for i in range(6):
+        args.curr_iteration = i
+        plugin.forward_step(it, model)
+    model.eval()  # evaluation's micro-batches are left out
+    plugin.forward_step(it, model)
+    held = len(plugin.STEP_LOG.rows)
     return dict(kinds=kinds, rope=type(model.rotary_pos_emb), local_tokens=int(n), report=report["lm loss"].tolist(),
-                global_tokens=int(stats[1]), mean=float(stats[0] / stats[1]), no_grad=no_grad)
+                global_tokens=int(stats[1]), mean=float(stats[0] / stats[1]), no_grad=no_grad,
+                scalars=tb.scalars, logs=wb.logs, written=plugin.STEP_LOG.written, held=held)
 
 
 def test_megatron_training_pieces_run_at_cp2():
@@ -69,3 +95,16 @@ def test_megatron_training_pieces_run_at_cp2():
     assert r["report"][1] == r["local_tokens"]
     assert 4.0 < r["mean"] < 7.0  # ~ln(320) at initialisation
     assert not r["no_grad"], r["no_grad"]
+    # megatron-cp's figures reached Megatron's writers at the logged iterations, read back from them
+    from megatron_cp.megatron.step_log import FIGURES
+
+    assert [it for it, _ in r["written"]] == [2, 4]
+    assert sorted({s for _, _, s in r["scalars"]}) == [2, 4] and [s for _, s in r["logs"]] == [2, 4]
+    for it, figs in r["written"]:
+        assert {(f"megatron-cp/{k}", v, it) for k, v in figs.items()} <= set(r["scalars"])
+        assert next(v for v, s in r["logs"] if s == it) == {f"megatron-cp/{k}": v for k, v in figs.items()}
+        assert set(figs) == set(FIGURES)
+        # CP 2 over one causal sequence of 64 tokens: a rank receives K/V of the other's tokens
+        assert 0 <= figs["plan_imbalance_max"] < 0.5 and figs["kv_bytes_per_microbatch"] > 0
+        assert 0 < figs["max_kv_bytes_received"] <= figs["kv_bytes_per_microbatch"] and figs["prepare_batch_ms"] > 0
+    assert r["held"] == 1  # iteration 6's own micro-batch (written when the next starts), not evaluation's

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from functools import partial
 
 import torch
@@ -30,9 +31,12 @@ from . import rope
 from .arguments import OURS, add_megatron_cp_args, check_megatron_args, compose, dry_run, specs_from_args
 from .batch import plan_for_batch, prepare_batch
 from .loss import loss_func, record_documents
+from .step_log import StepLog
 
 _SAVED = "_megatron_cp_saved"
 SPEC = ["megatron_cp.megatron.specs", "megatron_cp_layer_spec"]
+
+STEP_LOG = StepLog()  # the planner's figures of each logged iteration (step_log.py)
 
 
 def _unwrap(model):
@@ -210,7 +214,10 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         data_iterator = plan_ahead_of(data_iterator, spec, options, ps.get_context_parallel_world_size())
     tokens, labels, loss_mask = _broadcast_batch(data_iterator, args)
     cp_group = ps.get_context_parallel_group()
+    t0 = time.perf_counter()
     bt = prepare_batch(tokens, labels, loss_mask, spec, cp_group, options)
+    if getattr(model, "training", True):  # evaluation's micro-batches are not the step's
+        STEP_LOG.record(args, bt.params.plan, (time.perf_counter() - t0) * 1e3)
     if spec.packed:  # Megatron's FLOPs count attention per document, as for its own packed (THD) batches
         record_documents(bt.cu_seqlens, model)
     output = model(bt.tokens, bt.position_ids, None, labels=bt.labels, loss_mask=bt.loss_mask,
