@@ -320,6 +320,9 @@ def test_from_mask_mod_shapes_and_empty():
     "call,match",
     [
         (lambda: B.full(0), "seqlen_q.*0"),
+        # a predicate that reads the head (or batch) index: it was taken at h = 0 for every head without a word
+        (lambda: B.from_mask_mod(lambda b, h, q, kv: kv <= q - 4 * h, 16), r"depends on b or h \(row 0 differs"),
+        (lambda: B.from_mask_mod(lambda b, h, q, kv: (kv <= q) & (b == 0), 16), "depends on b or h"),
         (lambda: B.full(4, -2), "seqlen_k.*-2"),
         (lambda: B.causal(2.5), "seqlen_q.*2.5"),
         (lambda: B.sliding_window(8, -1), "left.*-1"),

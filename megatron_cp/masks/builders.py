@@ -570,7 +570,7 @@ def from_mask_mod(mask_mod, seqlen_q: int, seqlen_k: int | None = None, block: i
     ``mask_mod`` is called with torch tensors: ``b = h = torch.tensor(0)``, ``q_idx`` int64 ``[n, 1]``
     (one block of at most ``block`` rows), ``kv_idx`` int64 ``[1, seqlen_k]``; it returns a bool
     tensor broadcastable to ``[n, seqlen_k]`` (any device). The predicate must not depend on
-    ``b``/``h``. Cost: ``seqlen_q * seqlen_k`` predicate evaluations (use a builder where one
+    ``b``/``h`` (one row per block is evaluated again at ``b = h = 1``: a difference raises). Cost: ``seqlen_q * seqlen_k`` predicate evaluations (use a builder where one
     exists for long sequences), memory ``O(block * seqlen_k)``.
 
     Recovery, exact for any predicate: each row's kept keys split into maximal runs ``[lo, hi]``;
@@ -601,7 +601,7 @@ def from_mask_mod(mask_mod, seqlen_q: int, seqlen_k: int | None = None, block: i
     sk = sq if seqlen_k is None else _int("seqlen_k", seqlen_k, 1)
     bs = _int("block", block, 1)
 
-    zero = torch.tensor(0)
+    zero, one = torch.tensor(0), torch.tensor(1)
     kv_idx = torch.arange(sk).view(1, sk)
     done: list[AttnSlice] = []
     open_: dict[int, _Open] = {}  # start key of the previous row's run -> its trapezoid
@@ -617,6 +617,13 @@ def from_mask_mod(mask_mod, seqlen_q: int, seqlen_k: int | None = None, block: i
             raise ValueError(
                 f"mask_mod returned shape {tuple(m.shape)}, not broadcastable to {(r1 - r0, sk)}"
             ) from None
+        # one row of each block again at b = h = 1: a predicate that reads b or h would otherwise be taken at
+        # b = h = 0 for every head without a word (one extra row per block: a 1 / block share of the cost)
+        alt = torch.as_tensor(mask_mod(one, one, torch.arange(r0, r0 + 1).view(1, 1), kv_idx))
+        if not torch.equal(torch.broadcast_to(alt, (1, sk)).to(m.device), m[:1]):
+            raise ValueError(f"mask_mod depends on b or h (row {r0} differs between b = h = 0 and b = h = 1): a mask "
+                             "is the same for every batch entry and head; per-head selections are megatron_cp.sparse's "
+                             "(selectors) and head gating's")
         dense = np.zeros((r1 - r0, sk + 2), dtype=np.int8)
         dense[:, 1:-1] = m.cpu().numpy()
         edges = np.diff(dense, axis=1)
