@@ -259,6 +259,8 @@ def compare_rows(args, mask=None) -> tuple[list[dict], dict | None]:
         plans.append(p)
     if n is None:
         return rows, None
+    print(f"solving the exact assignment of {n} chunks (scipy HiGHS, at most {args.milp_time_limit:g} s; --no-milp "
+          "skips it) ...", flush=True)
     res = optimal_assignment(mask, args.cp, n, imbalance_target=args.imbalance_target,
                              time_limit=args.milp_time_limit,
                              layouts=[(p.bounds, p.owner) for p in plans if not p.has_guests])

@@ -99,6 +99,7 @@ def test_compare_prints_every_solver_and_the_optimum(tmp_path, capsys):
         assert any(line.startswith(s + " ") for line in lines), s
     # causal over 2 ranks: the rank owning the last chunk needs every key before it but its own half
     assert "optimum 2,048 K/V tokens on the busiest rank" in text
+    assert "solving the exact assignment of 16 chunks (scipy HiGHS" in text  # said before the wait, not silent
     data = json.loads((tmp_path / "c.json").read_text())
     assert [r["solver"] for r in data["rows"]] == list(SOLVERS) and data["milp"]["status"] == "optimal"
     zig = data["rows"][SOLVERS.index("zigzag")]
