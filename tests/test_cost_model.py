@@ -456,3 +456,26 @@ def test_rest_tiles_are_what_the_dense_pieces_leave():
     assert tile_areas(rest)[0].sum() == tile_areas(tiles[1:])[0].sum()
     assert rest[:, 0].min() >= 1024  # the 1024 x 16384 piece went dense
     assert np.array_equal(CostModel(dense_fwd_tflops=0.0).rest_tiles(tiles), tiles)
+
+
+def test_tile_time_is_remembered_by_content(monkeypatch):
+    """A fresh plan's schedule choice prices the same tile lists once per candidate stage count and rank: the
+    cost model remembers tile_time, the row class and block counts by the list's content (same value, no
+    recount), and a list that differs in one value is priced anew."""
+    from megatron_cp.planner import Workload
+    from megatron_cp.runtime import CostModel
+    from megatron_cp.runtime import cost as C
+
+    tiles = np.array([[0, 64, 0, 64, 1], [64, 128, 0, 128, 1], [128, 200, 0, 50, 0]])
+    model, work = CostModel(), Workload()
+    first = model.tile_time(tiles, work)
+    back = model.tile_time(tiles, work, backward=True)
+    calls = []
+    real = C.pieces.row_class
+    monkeypatch.setattr(C.pieces, "row_class", lambda t: calls.append(len(t)) or real(t))
+    assert model.tile_time(tiles.copy(), work) == first and model.tile_time(tiles, work, backward=True) == back
+    assert model.tile_time(tiles, work, key_split=2) > 0  # another split: priced, its list's row class remembered
+    assert calls == []
+    other = tiles.copy()
+    other[2, 1] = 190
+    assert model.tile_time(other, work) != first and calls == [3]

@@ -38,7 +38,10 @@ One neighbour's point-to-point transfer (the ring baseline's step): ``p2p_time``
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -208,10 +211,17 @@ class CostModel:
 
         ``key_split`` > 1: one of ``key_split`` calls over equal key pieces of ``tiles`` (a stage of a
         split), i.e. every tile with 1 / key_split of its keys and cells. ``accumulate``: a forward that
-        adds into a running output (a stage), which never writes band-square pairs directly."""
+        adds into a running output (a stage), which never writes band-square pairs directly.
+
+        Remembered by the tile list's content (``_MEMO``): choosing a fresh plan's schedule prices the same
+        own-key and remote tile lists once per candidate stage count and rank."""
         if len(tiles) == 0:
             return 0.0
-        tiles = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
+        tiles = np.ascontiguousarray(np.asarray(tiles, dtype=np.int64).reshape(-1, 5))
+        key = ("tile_time", self, _content(tiles), work, bool(backward), int(key_split), bool(accumulate))
+        return _MEMO.get(key, lambda: self._tile_time(tiles, work, backward, key_split, accumulate))
+
+    def _tile_time(self, tiles: np.ndarray, work: Workload, backward: bool, key_split: int, accumulate: bool) -> float:
         split = float(key_split)
         per_flop = 4.0 * work.num_heads * work.head_dim
         t = self.launch_us * 1e-6
@@ -270,7 +280,8 @@ class CostModel:
     def row_class(self, tiles: np.ndarray) -> str:
         """The kernel backend's class of a Triton tile list (``kernels.pieces.row_class``), falling back for
         classes this model has no numbers for ("blocky" -> "short" -> "long")."""
-        cls = pieces.row_class(_torch_tiles(tiles))
+        t = np.ascontiguousarray(np.asarray(tiles, dtype=np.int64).reshape(-1, 5))
+        cls = _MEMO.get(("row_class", _content(t)), lambda: pieces.row_class(_torch_tiles(t)))
         if cls == "blocky" and self.blocky_fwd_tflops <= 0:
             cls = "short"
         if cls == "short" and self.short_fwd_tflops <= 0:
@@ -430,8 +441,15 @@ def band_cells(tiles: np.ndarray, cells: np.ndarray) -> float:
 def block_counts(tiles: np.ndarray, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
     """(visited, full) per tile, float64: the kernels' own count (``kernels.pieces.block_counts``) of the
     block_m x block_n blocks the kernel visits and of those whose every cell is kept."""
-    v, f = pieces.block_counts(_torch_tiles(tiles), block_m, block_n)
-    return v.numpy().astype(np.float64), f.numpy().astype(np.float64)
+    t = np.ascontiguousarray(np.asarray(tiles, dtype=np.int64).reshape(-1, 5))
+
+    def count():
+        v, f = pieces.block_counts(_torch_tiles(t), block_m, block_n)
+        v, f = v.numpy().astype(np.float64), f.numpy().astype(np.float64)
+        v.flags.writeable = f.flags.writeable = False  # shared through _MEMO
+        return v, f
+
+    return _MEMO.get(("block_counts", _content(t), int(block_m), int(block_n)), count)
 
 
 def row_block_entries(tiles: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
@@ -445,6 +463,34 @@ def row_block_entries(tiles: np.ndarray, block_m: int, block_n: int) -> np.ndarr
     if len(m) == 0:
         return np.zeros(0)
     return np.bincount((m - m.min()).numpy(), vis.numpy()).astype(np.float64)
+
+
+class _Memo:
+    """A bounded map (least recently used out) for the cost model's pure functions of a tile list, keyed by a
+    digest of its content; thread-safe (plans may be made and priced off the training thread)."""
+
+    def __init__(self, size: int):
+        self.size, self._d, self._lock = size, OrderedDict(), threading.Lock()
+
+    def get(self, key, make):
+        with self._lock:
+            if key in self._d:
+                self._d.move_to_end(key)
+                return self._d[key]
+        value = make()
+        with self._lock:
+            self._d[key] = value
+            while len(self._d) > self.size:
+                self._d.popitem(last=False)
+        return value
+
+
+_MEMO = _Memo(8192)
+
+
+def _content(tiles: np.ndarray) -> bytes:
+    """A 16-byte digest of an int64 [n, 5] tile list (its rows and every value)."""
+    return hashlib.blake2b(tiles.tobytes(), digest_size=16).digest() + len(tiles).to_bytes(8, "little")
 
 
 def _torch_tiles(tiles) -> torch.Tensor:
