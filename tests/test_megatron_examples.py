@@ -81,27 +81,23 @@ def test_stdlib_documents_are_bytes_and_eod():
     assert tokens.shape == (2, 64) and (labels[:, :-1] == tokens[:, 1:]).all()
 
 
-def test_cpu_demo_cp2_matches_cp1():
-    """The README's main job at a smaller size: CP=2 vs CP=1 on packed stdlib documents, 3 steps."""
-    from tiny_llama.demo import run
-    from tiny_llama.model import LlamaShape
-
-    res = run(cp=2, steps=3, shape=LlamaShape(2, 32, 4, 2, 48, 320, 64))
-    assert len(res["loss_cp1"]) == 3 and res["max_rel_diff"] <= 1e-5
-    assert res["loss_cp1"][-1] < res["loss_cp1"][0]  # it trains
-
-
-def test_cpu_demo_prints_its_result_last_without_warnings():
-    """``./dev demo`` as a user runs it: the result table ends the output; Megatron's start-up warnings (Transformer
+def test_cpu_demo_cp2_matches_cp1_and_prints_its_result_last(tmp_path):
+    """The README's main job as a user runs it, at a smaller size: CP=2 vs CP=1 on packed stdlib documents, 3 steps,
+    equal within 1e-5 and learning; the result table ends the output, and Megatron's start-up warnings (Transformer
     Engine / Apex missing, one per module and rank) are said once, not two dozen times."""
+    import json
     import os
 
     env = dict(os.environ, PYTHONPATH=str(EXAMPLES) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "tiny_llama.demo", "--cp", "2", "--steps", "1", "--seq-length", "64"],
-                       capture_output=True, text=True, env=env, timeout=300)
+    out_json = tmp_path / "demo.json"
+    r = subprocess.run([sys.executable, "-m", "tiny_llama.demo", "--cp", "2", "--steps", "3", "--seq-length", "64",
+                        "--json", str(out_json)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
+    res = json.loads(out_json.read_text())
+    assert len(res["loss_cp1"]) == 3 and res["max_rel_diff"] <= 1e-5
+    assert res["loss_cp1"][-1] < res["loss_cp1"][0]  # it trains
     out = r.stdout.strip().splitlines()
-    assert out[-1].startswith("max relative difference CP=2 vs CP=1 over 1 steps"), out[-3:]
+    assert out[-1].startswith("max relative difference CP=2 vs CP=1 over 3 steps"), out[-3:]
     assert not re.search(r"Warning|IS DEPRECATED|No CUDA runtime", r.stdout + r.stderr), r.stderr
     assert sum("Transformer Engine" in line for line in out) <= 1
 

@@ -145,13 +145,13 @@ def test_throughput_tiny_on_cpu(tmp_path):
     thr = load_script(RUN_PY.parent / "throughput.py")
     out = tmp_path / "thr"
     s = thr.main(["--size", "tiny", "--cpu", "--gpus", "2", "--lengths", "128", "--masks", "packed,causal",
-                  "--impls", "megatron_cp,ring", "--steps", "1", "--out", str(out)])
+                  "--impls", "megatron_cp,ring", "--warmup", "0", "--steps", "1", "--out", str(out)])
     assert json.loads((out / "throughput.json").read_text())["rows"] == s["rows"]
     assert (out / "throughput.png").stat().st_size > 10_000
     assert [(r["mask"], r["impl"]) for r in s["rows"]] == [("packed", "megatron_cp"), ("packed", "ring"),
                                                             ("causal", "megatron_cp"), ("causal", "ring")]
     for r in s["rows"]:
-        assert math.isfinite(r["loss_last"]) and r["tokens_per_s_per_gpu"] > 0 and len(r["step_seconds"]) == 2
+        assert math.isfinite(r["loss_last"]) and r["tokens_per_s_per_gpu"] > 0 and len(r["step_seconds"]) == 1
         # CPU: the profiled step is timed; its GPU kernels by kind are none (0 ms each)
         assert r["profile"]["step_ms"] > 0 and r["profile"]["attention_ms"] == r["profile"]["communication_ms"] == 0
     by = {(r["mask"], r["impl"]): r for r in s["rows"]}
