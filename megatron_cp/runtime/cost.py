@@ -467,7 +467,9 @@ def row_block_entries(tiles: np.ndarray, block_m: int, block_n: int) -> np.ndarr
 
 class _Memo:
     """A bounded map (least recently used out) for the cost model's pure functions of a tile list, keyed by a
-    digest of its content; thread-safe (plans may be made and priced off the training thread)."""
+    digest of its content; thread-safe (plans may be made and priced off the training thread). Not
+    functools.lru_cache: keyed by the arrays themselves it would keep every tile list alive (hundreds of KB
+    each at 128k tokens); a 24-byte digest keeps only the results."""
 
     def __init__(self, size: int):
         self.size, self._d, self._lock = size, OrderedDict(), threading.Lock()
