@@ -479,3 +479,60 @@ def test_tile_time_is_remembered_by_content(monkeypatch):
     other = tiles.copy()
     other[2, 1] = 190
     assert model.tile_time(other, work) != first and calls == [3]
+
+
+@pytest.mark.parametrize("case", ["packed", "causal_slow_links", "sliding"])
+def test_choose_schedule_builds_only_the_choice_it_returns(case):
+    """choose_schedule prices the candidates before building a staged schedule: its answer is the one the
+    full staged schedule and the single exchange's prediction give (None where the single exchange is no
+    slower), and a staged answer is the schedule ``schedule(plan, None)`` builds, stage for stage."""
+    from megatron_cp.runtime.schedule import choose_schedule, predict_single, schedule
+
+    work = Workload(32, 8, 128, 2)
+    plan, model = {
+        "packed": (mcp.plan(M.varlen(list(range(0, 65536, 1000)) + [65536], causal=True), 4), CostModel()),
+        "causal_slow_links": (mcp.plan(M.causal(65536), 4, solver="zigzag"), CostModel(intra_gbps=3.0, launch_us=5.0)),
+        "sliding": (mcp.plan(M.sliding_window(32768, 4096), 4), CostModel(intra_gbps=30.0)),
+    }[case]
+    staged = schedule(plan, None, cost=model, work=work)
+    single = predict_single(plan, model, work)
+    n = staged.num_stages
+    want_single = n == 0 or single["fwd_s"] + single["bwd_s"] <= staged.predicted["candidates"][n]
+    got = choose_schedule(plan, None, model, work)
+    if want_single:
+        assert got is None
+        return
+    assert got.num_stages == n and got.active == staged.active
+    assert got.predicted == staged.predicted
+    for a, b in zip(got.ranks, staged.ranks):
+        assert [np.array_equal(x.tiles, y.tiles) and x.buf_len == y.buf_len for x, y in zip(a, b)] == [True] * len(a)
+
+
+def test_prebuild_chooses_the_exchange_the_attention_then_uses(monkeypatch):
+    """runtime.prebuild makes the plan's exchange choice ahead (as a planning thread does); the attention's
+    first call on that plan with inputs of the same workload uses it instead of choosing again, and a
+    call with another workload chooses for itself."""
+    import importlib
+
+    from megatron_cp.runtime import state
+
+    default_cost = importlib.import_module("megatron_cp.runtime.attention")._DEFAULT_COST  # what attention() prices with
+    plan = mcp.plan(M.varlen([0, 100, 256], causal=True), 2)
+    calls = []
+    real = state.choose_schedule
+    monkeypatch.setattr(state, "choose_schedule", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    mcp.runtime.prebuild(plan, Workload(4, 2, 16, 4))
+    assert calls == [Workload(4, 2, 16, 4)]
+    q, k, v = (torch.randn(plan.num_local(0), h, 16) for h in (4, 2, 2))
+    for r in (0, 1):  # every rank's state from the one choice (no group: cp_size 2 planned, rank given)
+        state.rank_state(plan, r, torch.device("cpu"), mcp.kernels.get_backend("reference", "cpu"), "reference",
+                         stages=None, hierarchical=True, cost=default_cost,
+                         work=Workload(q.shape[1], k.shape[1], q.shape[2], q.element_size()))
+    assert len(calls) == 1
+    state.rank_state(plan, 0, torch.device("cpu"), mcp.kernels.get_backend("reference", "cpu"), "reference",
+                     stages=None, hierarchical=True, cost=CostModel(), work=Workload(8, 2, 16, 2))
+    assert calls == [Workload(4, 2, 16, 4), Workload(8, 2, 16, 2)]
+    with pytest.raises(ValueError, match="work must be a megatron_cp.planner.Workload"):
+        mcp.runtime.prebuild(plan, (4, 2, 16, 4))
+    with pytest.raises(ValueError, match="cost_model must be a CostModel"):
+        mcp.runtime.prebuild(plan, Workload(), cost_model="fast")

@@ -211,5 +211,6 @@ def test_a_stage_without_data_raises(monkeypatch):
     with pytest.raises(ValueError, match="pipeline stage 1 has no data iterator"):
         plugin._broadcast_batch(None, args)
     data = dict(tokens=torch.arange(16).view(2, 8), labels=torch.arange(16).view(2, 8), loss_mask=torch.ones(2, 8))
-    tokens, labels, loss_mask = plugin._broadcast_batch(iter([data]), args)
+    tokens, labels, loss_mask, host = plugin._broadcast_batch(iter([data]), args)
     assert tokens.equal(data["tokens"]) and loss_mask.dtype == torch.float32
+    assert (host == data["tokens"].numpy()).all()  # TP 1: the loader's host copy, what the plan is read from

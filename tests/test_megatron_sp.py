@@ -52,7 +52,7 @@ def _grads(model, batches, spec, options, dp_rank, dp_size):
     for batch in batches:
         model.zero_grad(set_to_none=True)
         mbs = trainer.dp_shard(batch, dp_rank, dp_size, MBS)
-        counts += [prepare_batch(*mb, spec, cp, options, check=False).tokens.shape[1] for mb in mbs]
+        counts += [prepare_batch(*mb, spec, cp, options).tokens.shape[1] for mb in mbs]
         s, n = trainer.forward_backward(model, mbs, spec, options)
         losses.append(trainer.reduce_and_scale(model, s, n).loss)
         grads.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})

@@ -25,7 +25,7 @@ OPTIONS = B.PlanOptions()
 
 
 class _Group:
-    """A CP group as prepare_batch reads it (size, rank) for check=False: no collective is run."""
+    """A CP group as prepare_batch reads it (size, rank): it runs no collective."""
 
     def size(self):
         return CP
@@ -107,7 +107,7 @@ def test_each_micro_batch_gets_its_own_plan_and_prepare_batch_finds_it(fresh_cac
     it = PlanAhead(batches, _plan_fn, depth=3)
     seen = {}
     for batch in it:
-        bt = B.prepare_batch(batch["tokens"], None, None, SPEC, _Group(), OPTIONS, check=False)
+        bt = B.prepare_batch(batch["tokens"], None, None, SPEC, _Group(), OPTIONS)
         assert threading.main_thread() not in planners  # found in the cache: prepare_batch did not plan
         assert bt.params.plan.digest == _direct_digest(batch["tokens"])
         seen.setdefault(batch["seed"], bt.params.plan)
@@ -219,3 +219,57 @@ def test_forward_step_plans_inline_for_an_iterator_it_cannot_keep(fresh_cache):
     batches = iter([{"tokens": _tokens(s)} for s in (21, 22)])
     assert plan_ahead_of(batches, SPEC, OPTIONS, CP) is batches
     assert fresh_cache.made == 0
+
+
+def test_planning_ahead_chooses_the_exchange_off_the_step(fresh_cache, monkeypatch):
+    """With ``PlanOptions.workload`` (what the plugin derives from Megatron's flags) the planning thread
+    also chooses each plan's exchange, for the workload the core attention will see (the micro-batch's b
+    sequences folded into heads): the step's first attention call then finds it instead of pricing the
+    candidates itself. Without a workload, or for a baseline's plan, nothing is chosen ahead."""
+    from megatron_cp.runtime import state
+
+    chooser = []
+    real = state.choose_schedule
+    monkeypatch.setattr(state, "choose_schedule",
+                        lambda *a, **k: chooser.append((threading.current_thread(), a[3])) or real(*a, **k))
+    work = mcp.planner.Workload(8, 2, 128, 2)
+    opts = B.PlanOptions(workload=work)
+    tok = torch.cat([_tokens(7), _tokens(8)])  # b = 2
+    it = PlanAhead([{"tokens": tok}], lambda b: B.plan_for_batch(b["tokens"], SPEC, CP, opts), depth=1)
+    for batch in it:
+        plan = B.prepare_batch(batch["tokens"], None, None, SPEC, _Group(), opts).params.plan
+    assert [w for _, w in chooser] == [mcp.planner.Workload(16, 4, 128, 2)]
+    assert chooser[0][0] is not threading.main_thread()
+    assert any(k[0] == "exchange" and k[4] == mcp.planner.Workload(16, 4, 128, 2)
+               for k in state.plan_cache(plan) if isinstance(k, tuple))
+    chooser.clear()
+    B.plan_for_batch(_tokens(9), SPEC, CP, OPTIONS)  # no workload
+    B.plan_for_batch(_tokens(9), SPEC, CP, B.PlanOptions(workload=work, strategy="ring"))
+    assert chooser == []
+
+
+def test_attention_workload_from_megatron_flags():
+    """The plugin's per-sequence attention shape: heads and query groups per TP rank, kv_channels (else
+    hidden / heads), 2 bytes under --bf16 / --fp16; none under MLA or heads the TP size does not divide."""
+    from types import SimpleNamespace as NS
+
+    from megatron_cp.megatron.plugin import attention_workload
+
+    base = dict(num_attention_heads=32, hidden_size=4096, num_query_groups=8, group_query_attention=True,
+                kv_channels=None, tensor_model_parallel_size=2, bf16=True, fp16=False)
+    assert attention_workload(NS(**base)) == mcp.planner.Workload(16, 4, 128, 2)
+    assert attention_workload(NS(**{**base, "group_query_attention": False, "bf16": False, "kv_channels": 96,
+                                     "tensor_model_parallel_size": 1})) == mcp.planner.Workload(32, 32, 96, 4)
+    assert attention_workload(NS(**{**base, "multi_latent_attention": True})) is None
+    assert attention_workload(NS(**{**base, "num_query_groups": 1})) is None  # 1 group over TP 2: replicated
+
+
+def test_prepare_batch_reads_the_plan_from_host_tokens(fresh_cache):
+    """Given the loader's host copy, prepare_batch plans from it and never reads ``tokens`` back (here on
+    the meta device, which has no data to read: a copy back would raise); a copy of another shape is refused."""
+    tok = _tokens(11)
+    meta = tok.to("meta")
+    bt = B.prepare_batch(meta, None, None, SPEC, _Group(), OPTIONS, host_tokens=tok.numpy())
+    assert bt.params.plan.digest == _direct_digest(tok) and bt.tokens.device.type == "meta"
+    with pytest.raises(ValueError, match=r"host_tokens shape \(1, 16\) differs from tokens \(1, 32768\)"):
+        B.prepare_batch(tok, None, None, SPEC, _Group(), OPTIONS, host_tokens=tok.numpy()[:, :16])

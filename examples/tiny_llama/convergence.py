@@ -83,14 +83,19 @@ class Run:
             method, params = self.sparse
             object.__setattr__(self, "sparse", (method, tuple(sorted(dict(params).items()))))
 
-    def options(self, kernel_backend: str) -> PlanOptions:
+    def options(self, train: "Train") -> PlanOptions:
         from megatron_cp.megatron.sparse_spec import SparseSpec
+        from megatron_cp.planner import Workload
 
         sparse = None
         if self.sparse is not None:
             sparse = SparseSpec(*self.sparse)
-        return PlanOptions(kernel_backend=kernel_backend, sparse=sparse, strategy=self.strategy,
-                           token_multiple=self.layout.tp if self.layout.sp else 1)
+        sh, tp = train.shape, self.layout.tp
+        # each rank's attention inputs (heads per TP rank): planning ahead then also chooses the exchange
+        work = Workload(sh.num_attention_heads // tp, sh.num_query_groups // tp,
+                        sh.hidden_size // sh.num_attention_heads, 4 if train.dtype == "fp32" else 2)
+        return PlanOptions(kernel_backend=train.kernel_backend, sparse=sparse, strategy=self.strategy,
+                           token_multiple=tp if self.layout.sp else 1, workload=work)
 
 
 @dataclass(frozen=True)
@@ -308,7 +313,7 @@ def _train_steps(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, 
     from . import trainer
 
     spec = MaskSpec(train.mask, eod=EOD if train.mask.startswith("packed") else None)
-    options = run.options(train.kernel_backend)
+    options = run.options(train)
     losses, norms, seconds = [], [], []
     for step in range(steps):
         for g in opt.param_groups:

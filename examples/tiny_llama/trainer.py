@@ -22,7 +22,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_cp.megatron import MaskSpec, PlanOptions, loss_func, prepare_batch
+from megatron_cp.megatron import MaskSpec, PlanAhead, PlanOptions, loss_func, plan_for_batch, prepare_batch
 
 
 def free_port() -> int:
@@ -72,9 +72,11 @@ def forward_step(model, batch, spec: MaskSpec, options: PlanOptions = PlanOption
     from megatron.core import parallel_state
 
     tokens, labels, loss_mask = batch
+    host = tokens.numpy() if tokens.device.type == "cpu" else None  # plans read these, not a GPU copy
     if device is not None:
         tokens, labels, loss_mask = tokens.to(device), labels.to(device), loss_mask.to(device)
-    bt = prepare_batch(tokens, labels, loss_mask, spec, parallel_state.get_context_parallel_group(), options)
+    bt = prepare_batch(tokens, labels, loss_mask, spec, parallel_state.get_context_parallel_group(), options,
+                       host_tokens=host)
     out = model(bt.tokens, bt.position_ids, None, labels=bt.labels, packed_seq_params=bt.params)
     return out, partial(loss_func, bt.loss_mask)
 
@@ -86,14 +88,23 @@ def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions 
     micro_batches: iterable of (tokens, labels, loss_mask), each ``[b, S]``, replicated in the CP
     group. Returns (local loss sum tensor, local token count tensor).
     """
+    from megatron.core import parallel_state
+
     total = None
     count = None
-    for batch in micro_batches:
-        out, loss_fn = forward_step(model, batch, spec, options, device)
-        loss, n, _ = loss_fn(out)
-        loss.backward()
-        total = loss.detach() if total is None else total + loss.detach()
-        count = n.to(torch.float64) if count is None else count + n.to(torch.float64)
+    cp = parallel_state.get_context_parallel_world_size()
+    # the next micro-batches are planned (and their exchanges chosen) in a thread while this one trains,
+    # as the Megatron plugin's forward_step does
+    ahead = PlanAhead(iter(micro_batches), lambda mb: plan_for_batch(mb[0], spec, cp, options))
+    try:
+        for batch in ahead:
+            out, loss_fn = forward_step(model, batch, spec, options, device)
+            loss, n, _ = loss_fn(out)
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+            count = n.to(torch.float64) if count is None else count + n.to(torch.float64)
+    finally:
+        ahead.close()
     return total.to(torch.float64), count
 
 

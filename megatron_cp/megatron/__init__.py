@@ -3,20 +3,22 @@
     --context-parallel-impl megatron_cp      (arguments.add_megatron_cp_args, via extra_args_provider)
     layer spec:  specs.get_llama_layer_spec  (core_attention = CPCoreAttention)
     batch hook:  batch.prepare_batch         (replaces get_batch_on_this_cp_rank; returns CPParams)
+    planning:    plan_ahead.PlanAhead        (the next micro-batches' plans, batch.plan_for_batch, in a thread)
     RoPE:        rope.install(model)         (RoPE at the dispatched positions, any device)
     loss:        loss.loss_func              (exact with uneven token counts per CP rank)
 
 Only this sub-package imports megatron.
 """
 
-from .batch import CPBatch, MaskSpec, PlanOptions, prepare_batch
+from .batch import CPBatch, MaskSpec, PlanOptions, plan_for_batch, prepare_batch
 from .core_attention import CPCoreAttention
 from .loss import loss_func
 from .params import CPParams
+from .plan_ahead import PlanAhead
 from .rope import PlanRotaryEmbedding, install
 from .specs import get_llama_layer_spec
 
 __all__ = [
     "CPBatch", "CPCoreAttention", "CPParams", "MaskSpec", "PlanOptions", "PlanRotaryEmbedding",
-    "get_llama_layer_spec", "install", "loss_func", "prepare_batch",
+    "get_llama_layer_spec", "install", "loss_func", "prepare_batch", "PlanAhead", "plan_for_batch",
 ]

@@ -17,7 +17,6 @@ the sample), so shifting happens before dispatch and stays exact.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 from collections import OrderedDict
@@ -26,11 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import megatron_cp as mcp
 
-from megatron_cp.planner import plan_like
+from megatron_cp.planner import Workload, plan_like
 
 from .params import CPParams
 
@@ -89,6 +87,9 @@ class PlanOptions:
     # every rank's token count a multiple of this: the TP size under --sequence-parallel, whose regions
     # (norms, residual, dropout) split a rank's local tokens evenly over its TP ranks
     token_multiple: int = 1
+    # the attention inputs' shape per sequence (query heads, key/value heads, head_dim, bytes per element: a
+    # planner Workload): where known, planning ahead also chooses each plan's exchange (runtime.prebuild)
+    workload: object = None
 
     @property
     def block(self) -> int:
@@ -200,21 +201,6 @@ class PlanCache:
 _PLANS = PlanCache()
 
 
-def _check_same_plan(plan, group) -> None:
-    """All CP ranks must hold the same plan (same data): compare a 62-bit digest hash."""
-    h = int(hashlib.sha256(str(plan.digest).encode()).hexdigest()[:15], 16)  # 60 bits, fits int64
-    t = torch.tensor([h, -h], dtype=torch.int64)
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    if int(t[0]) != h or int(t[1]) != -h:
-        raise RuntimeError(
-            f"CP ranks built different plans (local digest {plan.digest}): the ranks of one CP group "
-            "must read the same micro-batch"
-        )
-
-
 @dataclass
 class CPBatch:
     tokens: torch.Tensor
@@ -258,7 +244,13 @@ def plan_for_batch(tokens, spec: MaskSpec, cp_size: int, options: PlanOptions = 
     cu = document_bounds(tok, spec)
     plan_key = (spec, b, S, cp_size, options.chunk_size, options.topology, options.solver, options.strategy,
                 options.block, cu.tobytes() if spec.packed else b"")
-    return _PLANS.get(plan_key, lambda: _make_plan(build_mask(spec, cu, b, S), cp_size, options))
+    plan, strategy = _PLANS.get(plan_key, lambda: _make_plan(build_mask(spec, cu, b, S), cp_size, options))
+    w = options.workload
+    if w is not None and strategy == "megatron_cp" and options.sparse is None and options.gating is None:
+        # the exchange of the attention's first call on this plan, chosen here (core attention folds the
+        # micro-batch's b sequences into heads)
+        mcp.runtime.prebuild(plan, Workload(b * w.num_heads, b * w.num_kv_heads, w.head_dim, w.dtype_bytes))
+    return plan, strategy
 
 
 def prepare_batch(
@@ -268,19 +260,23 @@ def prepare_batch(
     spec: MaskSpec,
     cp_group,
     options: PlanOptions = PlanOptions(),
-    check: bool = True,
     gating=None,
+    host_tokens: np.ndarray | None = None,
 ) -> CPBatch:
     """Plan and dispatch one micro-batch.
 
     tokens / labels / loss_mask: ``[b, S]`` (int64, int64, float), the full micro-batch, identical on
     every rank of ``cp_group`` (as Megatron's data loader gives them). Returns ``[1, s_local]`` tensors
     on the same device plus ``params`` to pass as ``packed_seq_params``. ``cp_group=None`` means CP=1.
+    No collective: that the CP ranks hold the same plan is checked once per plan by the attention's first
+    call (``runtime.verify_plan``), before any exchange.
 
     With ``options.gating`` (a ``GatingSpec``) the params also carry the streaming plan
     (``plan_like(streaming_within(mask, sink, window), plan)``) and a gating object: ``gating`` if given
     (train mode needs one: a ``gating.GateSource`` over the training loop's gates), else the spec's own
-    (pattern mode: the ``--cp-head-pattern`` file).
+    (pattern mode: the ``--cp-head-pattern`` file). ``host_tokens``: the same tokens on the host where the
+    caller has them (the loader's copy): the plan is then found without copying ``tokens`` back from the
+    GPU, a copy that would make the host wait for the previous micro-batch's kernels.
     """
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [b, S], got shape {tuple(tokens.shape)}")
@@ -292,7 +288,12 @@ def prepare_batch(
     cp_rank = 0 if cp_group is None else cp_group.rank()
     if b * S < cp_size:
         raise ValueError(f"micro-batch of {b}x{S} tokens is smaller than cp_size={cp_size}")
-    tok_np = tokens.detach().cpu().numpy()
+    if host_tokens is None:
+        tok_np = tokens.detach().cpu().numpy()
+    else:
+        tok_np = np.asarray(host_tokens)
+        if tok_np.shape != tuple(tokens.shape):
+            raise ValueError(f"host_tokens shape {tok_np.shape} differs from tokens {tuple(tokens.shape)}")
     cu = document_bounds(tok_np, spec)
     key = (spec, b, S, cp_size, options, cu.tobytes() if spec.packed else b"")
     if (b * S) % options.token_multiple:
@@ -301,8 +302,6 @@ def prepare_batch(
     block = options.block
     plan_key = key[:4] + (options.chunk_size, options.topology, options.solver, options.strategy, block) + key[5:]
     plan, strategy = _PLANS.get(plan_key, lambda: _make_plan(build_mask(spec, cu, b, S), cp_size, options))
-    if check and cp_size > 1:
-        _check_same_plan(plan, cp_group)
     stream_plan = None
     if options.gating is not None:
         g = options.gating

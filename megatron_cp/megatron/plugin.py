@@ -27,6 +27,8 @@ from functools import partial
 
 import torch
 
+from megatron_cp.planner import Workload
+
 from . import rope
 from .arguments import OURS, add_megatron_cp_args, check_megatron_args, compose, dry_run, specs_from_args
 from .batch import plan_for_batch, prepare_batch
@@ -58,7 +60,27 @@ def plan_specs(args, eod: int | None = None):
     spec, options = specs_from_args(args, eod=eod)
     if getattr(args, "sequence_parallel", False):
         options = dataclasses.replace(options, token_multiple=int(args.tensor_model_parallel_size))
+    work = attention_workload(args)
+    if work is not None:
+        options = dataclasses.replace(options, workload=work)
     return spec, options
+
+
+def attention_workload(args):
+    """The shape of one sequence's core attention inputs on a rank (a planner ``Workload``: query heads and
+    key/value heads per TP rank, head_dim, bytes per element), from Megatron's flags; None under
+    ``--multi-latent-attention`` (its head dims are its own) or when the flags do not say."""
+    heads = getattr(args, "num_attention_heads", None)
+    hidden = getattr(args, "hidden_size", None)
+    if getattr(args, "multi_latent_attention", False) or not isinstance(heads, int) or not isinstance(hidden, int):
+        return None
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    kv = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+    head_dim = getattr(args, "kv_channels", None) or hidden // heads
+    if not isinstance(kv, int) or heads % tp or kv % tp:
+        return None
+    wide = getattr(args, "bf16", False) or getattr(args, "fp16", False)
+    return Workload(heads // tp, kv // tp, int(head_dim), 2 if wide else 4)
 
 
 def validate_args(args) -> None:
@@ -129,7 +151,8 @@ def wrap_parse(parse_and_validate_args):
 
 
 def _broadcast_batch(data_iterator, args):
-    """tokens / labels / loss_mask ``[mbs, S]`` on every TP rank (the loader lives on TP rank 0).
+    """tokens / labels / loss_mask ``[mbs, S]`` on every TP rank (the loader lives on TP rank 0), and the
+    loader's host copy of tokens where there is no TP broadcast (else None).
 
     Runs on every pipeline stage (and virtual chunk): each builds the micro-batch's plan from the
     tokens of its own data iterator, so no stage waits on another for it. A TP rank 0 without an
@@ -142,8 +165,11 @@ def _broadcast_batch(data_iterator, args):
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     shape = (args.micro_batch_size, args.seq_length)
     missing = False
+    host = None
     if ps.get_tensor_model_parallel_rank() == 0 and data_iterator is not None:
         data = next(data_iterator)
+        if ps.get_tensor_model_parallel_world_size() == 1 and data["tokens"].device.type == "cpu":
+            host = data["tokens"].numpy()  # plans read these: no copy back from the GPU, no wait for it
         tokens = data["tokens"].to(dev, torch.int64)
         labels = data["labels"].to(dev, torch.int64)
         loss_mask = data["loss_mask"].to(dev, torch.float32)
@@ -155,13 +181,13 @@ def _broadcast_batch(data_iterator, args):
     if ps.get_tensor_model_parallel_world_size() > 1:
         for t in (tokens, labels, loss_mask):
             torch.distributed.broadcast(t, src, group=tp_group)
-    if missing or int(tokens[0, 0]) == -1:
+    if missing or (host is None and int(tokens[0, 0]) == -1):
         raise ValueError(
             f"pipeline stage {ps.get_pipeline_model_parallel_rank()} has no data iterator on its tensor-parallel "
             "rank 0: megatron_cp builds each micro-batch's plan from its tokens on every pipeline stage, so every "
             "stage (and virtual chunk) needs the data set (install_into makes pretrain_gpt.py build it there; a "
             "dataset provider with is_distributed=True builds it on every rank)")
-    return tokens, labels, loss_mask
+    return tokens, labels, loss_mask, host
 
 
 def plan_ahead_of(data_iterator, spec, options, cp_size: int):
@@ -212,10 +238,10 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     spec, options = plan_specs(args, eod=eod)
     if data_iterator is not None and ps.get_tensor_model_parallel_rank() == 0:  # each stage's reader plans ahead
         data_iterator = plan_ahead_of(data_iterator, spec, options, ps.get_context_parallel_world_size())
-    tokens, labels, loss_mask = _broadcast_batch(data_iterator, args)
+    tokens, labels, loss_mask, host_tokens = _broadcast_batch(data_iterator, args)
     cp_group = ps.get_context_parallel_group()
     t0 = time.perf_counter()
-    bt = prepare_batch(tokens, labels, loss_mask, spec, cp_group, options)
+    bt = prepare_batch(tokens, labels, loss_mask, spec, cp_group, options, host_tokens=host_tokens)
     if getattr(model, "training", True):  # evaluation's micro-batches are not the step's
         STEP_LOG.record(args, bt.params.plan, (time.perf_counter() - t0) * 1e3)
     if spec.packed:  # Megatron's FLOPs count attention per document, as for its own packed (THD) batches

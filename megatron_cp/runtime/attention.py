@@ -36,7 +36,7 @@ from . import guests
 from .cost import CostModel
 from .groups import plan_rank
 from .rowmap import RowMap
-from .state import RankRuntime, input_fields, rank_state, verify_plan
+from .state import RankRuntime, exchange_choice, input_fields, rank_state, verify_plan
 
 
 _DEFAULT_COST = CostModel()  # built once: the state cache hashes it on every call
@@ -254,6 +254,22 @@ class _StagedAttention(torch.autograd.Function):
                 dk_l += dk_g
                 dv_l += dv_g
         return dq.to(q.dtype), *split_kv(d_local.to(q.dtype), *dims), None, None, None, None
+
+
+def prebuild(plan: Plan, work: Workload, *, stages: int | None = None, cost_model: CostModel | None = None,
+             hierarchical: bool = True) -> None:
+    """Choose ``plan``'s exchange (the cost model's single exchange or staged schedule) ahead of its first
+    ``attention`` call, for inputs of shape ``work`` (``Workload(query heads, key/value heads, head_dim,
+    bytes per element)`` of the q / k that call will get, batch folded into heads) and the same ``stages``
+    / ``cost_model`` / ``hierarchical``. Pricing a fresh plan's candidate schedules is the costliest host
+    work of a new plan (tens of milliseconds for packed documents at 32k tokens); a planning thread
+    (``megatron.plan_ahead``) runs it here, off the step. Pure host work, no collective; a ``work`` that
+    differs from the call's inputs only means the call chooses again."""
+    if not isinstance(work, Workload):
+        raise ValueError(f"work must be a megatron_cp.planner.Workload, got {type(work).__name__}")
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
+    exchange_choice(plan, stages=stages, hierarchical=hierarchical, cost=cost_model or _DEFAULT_COST, work=work)
 
 
 def attention(

@@ -353,18 +353,22 @@ def choose_schedule(plan: Plan, stages: int | None, cost: CostModel, work: Workl
     always stage (the single exchange is flat)."""
     if stages == 0:
         return None
-    staged = schedule(plan, stages, cost=cost, work=work, hierarchical=hierarchical)
     if stages is not None:
-        return staged
-    n = staged.num_stages
-    multi = hierarchical and plan.topology is not None and plan.topology.nodes > 1
+        return schedule(plan, stages, cost=cost, work=work, hierarchical=hierarchical)
+    topo = plan.topology if hierarchical else None
+    if plan.cp_size == 1 or not any(r.num_remote for r in plan.ranks):
+        return None
+    # price the candidates first and build the staged schedule (routes, per-stage tiles) only when it
+    # wins: for packed documents the single exchange usually does, and the build is half the choice's cost
+    one = _stage_tiles(plan, _stage_ids(plan, 1, topo), [rp.traps for rp in plan.ranks])
+    n, preds = choose_num_stages(plan, cost, work, topo, tiles_one=one)
     if n == 0:
         return None
-    if not multi:
+    if not (topo is not None and topo.nodes > 1):
         single = predict_single(plan, cost, work)
-        if single["fwd_s"] + single["bwd_s"] <= staged.predicted["candidates"][n]:
+        if single["fwd_s"] + single["bwd_s"] <= preds[n]:
             return None
-    return staged
+    return _build(plan, n, cost, work, topo, one, preds)
 
 
 def schedule(
@@ -386,14 +390,21 @@ def schedule(
     work = work or Workload()
     topo = plan.topology if hierarchical else None
     preds = {}
-    traps = [rp.traps for rp in plan.ranks]
     one = None
     if num_stages is None:
         if plan.cp_size > 1 and any(r.num_remote for r in plan.ranks):
-            one = _stage_tiles(plan, _stage_ids(plan, 1, topo), traps)
+            one = _stage_tiles(plan, _stage_ids(plan, 1, topo), [rp.traps for rp in plan.ranks])
         num_stages, preds = choose_num_stages(plan, cost, work, topo, tiles_one=one)
     if plan.cp_size == 1:
         num_stages = 0
+    return _build(plan, num_stages, cost, work, topo, one, preds)
+
+
+def _build(plan: Plan, num_stages: int, cost: CostModel, work: Workload, topo: Topology | None, one, preds: dict
+           ) -> Schedule:
+    """The schedule of ``num_stages`` remote stages (``one``: the one-stage tiles when already cut;
+    ``preds``: the candidates' predicted times, kept in ``predicted``)."""
+    traps = [rp.traps for rp in plan.ranks]
     ids = _stage_ids(plan, num_stages, topo)
     tiles = one if (num_stages == 1 and one is not None) else _stage_tiles(plan, ids, traps)
     per_rank = [[Stage(tiles[r][0], plan.ranks[r].num_tokens, None)] for r in range(plan.cp_size)]

@@ -131,6 +131,18 @@ def verify_plan(plan: Plan, group, device, fields: dict | None = None) -> None:
     seen.add(id(group))
 
 
+def exchange_choice(plan: Plan, *, stages: int | None, hierarchical: bool, cost: CostModel,
+                    work: Workload) -> Schedule | None:
+    """``choose_schedule``'s answer for ``plan`` (None: the single exchange), made once per (stages,
+    hierarchical, cost model, workload) and kept with the plan. Pure host work on the plan's public fields:
+    a planning thread may make it ahead of the step (``prebuild``); every rank makes the same choice."""
+    key = ("exchange", stages, hierarchical, cost, work)
+    cache = plan_cache(plan)
+    if key not in cache:
+        cache[key] = choose_schedule(plan, stages, cost, work, hierarchical)
+    return cache[key]
+
+
 def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, backend_key, *,
                stages: int | None, hierarchical: bool, cost: CostModel, work: Workload) -> RankRuntime:
     """The cached ``RankRuntime`` of ``rank`` (built on first use; every rank makes the same exchange
@@ -139,7 +151,7 @@ def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, ba
     cache = plan_cache(plan)
     st = cache.get(key)
     if st is None:
-        sched = choose_schedule(plan, stages, cost, work, hierarchical)
+        sched = exchange_choice(plan, stages=stages, hierarchical=hierarchical, cost=cost, work=work)
         exchanges = any(r.num_remote > 0 for r in plan.ranks)
         st = RankRuntime(
             rank=rank,
