@@ -446,7 +446,9 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
         t_start = time.perf_counter()
         for run in job.runs:
             def log(step, loss, norm, sec, name=run.name):
-                if rank == 0 and verbose and (step < 3 or step % 10 == 9 or step == train.steps - 1):
+                # short runs (timings) print every step: a run cut off by a time limit still leaves them all
+                if rank == 0 and verbose and (train.steps <= 20 or step < 3 or step % 10 == 9
+                                              or step == train.steps - 1):
                     print(f"  [{train.dtype} {name}] step {step + 1:4d} loss {loss:.6f} grad norm {norm:.3f} "
                           f"{sec * 1e3:.0f} ms  (+{time.perf_counter() - t_start:.0f} s)", flush=True)
             if run.start == "init" and (train, run) in done:  # the same run in an earlier job (e.g. CP 1)
