@@ -10,7 +10,9 @@ the mask with every solver and prints one row each (imbalance, busiest rank's re
 moved, planning time); on small instances (cp <= 8, at most 64 chunks) it also solves the chunk
 assignment exactly (``planner.milp``) and prints each solver's gap to that optimum.
 
-Masks are the named masks of ``megatron_cp.masks.catalog``. For the document masks (``packed``,
+Masks are the named masks of ``megatron_cp.masks.catalog``, or a builder of ``megatron_cp.masks`` with its
+sizes (``--mask prefix_lm --mask-args prefix=4096``; also sliding_window, block_causal, strided, global_local,
+star, streaming). For the document masks (``packed``,
 ``docs_causal``) ``--docs FILE`` gives the document lengths (one integer per line, or a JSON list) and
 ``--seed S`` draws new ones (lognormal, sigma 1, around a median of min(1500, S/64) tokens, clipped to
 [min(64, S/64), S/8]: the catalog's ``packed`` rule with another seed). Bad values are refused by the
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -97,6 +100,24 @@ def _fraction(text: str) -> float:
     return v
 
 
+# the builders of megatron_cp.masks that take (seqlen, integer sizes): --mask NAME --mask-args K=V,...
+BUILDER_MASKS = ("sliding_window", "block_causal", "prefix_lm", "strided", "global_local", "star", "streaming")
+MASK_CHOICES = tuple(catalog.NAMES) + tuple(n for n in BUILDER_MASKS if n not in catalog.NAMES)
+
+
+def _mask_args(text: str) -> dict:
+    out = {}
+    for item in text.split(","):
+        key, eq, value = item.partition("=")
+        try:
+            out[key.strip()] = int(value) if value.strip().lower() not in ("true", "false") else value.strip().lower() == "true"
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not K=V with an integer (or true / false) V") from None
+        if not eq or not key.strip():
+            raise argparse.ArgumentTypeError(f"{item!r} is not K=V")
+    return out
+
+
 def _version() -> str:
     """The installed distribution's version (pip install / -e record it)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -112,7 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"megatron-cp {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--mask", required=True, choices=catalog.NAMES, help="a mask of megatron_cp.masks.catalog")
+    common.add_argument("--mask", required=True, choices=MASK_CHOICES,
+                        help="a mask of megatron_cp.masks.catalog, or (with --mask-args) a builder of "
+                             f"megatron_cp.masks: {', '.join(BUILDER_MASKS)}")
+    common.add_argument("--mask-args", metavar="K=V[,K=V]", type=_mask_args,
+                        help="build --mask with megatron_cp.masks.<mask>(seqlen, K=V, ...) and these integer "
+                             "arguments instead of the catalog's sizes, e.g. --mask prefix_lm --mask-args prefix=4096")
     common.add_argument("--seqlen", type=_positive, help="sequence length (with --docs: their sum by default)")
     common.add_argument("--cp", type=_positive, required=True, help="context-parallel ranks")
     docs = common.add_mutually_exclusive_group()
@@ -143,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check(ap: argparse.ArgumentParser, args) -> None:
     """Every refusal before work: argparse's error (exit status 2) names the value."""
+    if args.mask_args is not None and args.mask not in BUILDER_MASKS:
+        ap.error(f"--mask-args builds one of {', '.join(BUILDER_MASKS)}, not --mask {args.mask}")
+    if args.mask_args is None and args.mask not in catalog.NAMES:
+        sig = inspect.signature(getattr(M, args.mask))
+        need = [n for n, p in list(sig.parameters.items())[1:] if p.default is inspect.Parameter.empty]
+        ap.error(f"--mask {args.mask} is a builder, not a catalog mask: give its sizes with --mask-args "
+                 f"({', '.join(f'{n}=...' for n in need)})")
     if (args.docs is not None or args.seed is not None) and args.mask not in DOC_MASKS:
         ap.error(f"--docs / --seed apply to the document masks {', '.join(DOC_MASKS)}, not --mask {args.mask}")
     if args.docs is not None:
@@ -159,6 +192,12 @@ def _check(ap: argparse.ArgumentParser, args) -> None:
         ap.error("--seqlen is required (unless --docs gives the document lengths)")
     if args.cp > args.seqlen:
         ap.error(f"--cp {args.cp} exceeds --seqlen {args.seqlen}")
+    if args.mask_args is not None:  # built here, so that a wrong size is an argument error, not a traceback
+        try:
+            args.built_mask = getattr(M, args.mask)(args.seqlen, **args.mask_args)
+        except (TypeError, ValueError) as e:
+            ap.error(f"--mask {args.mask} --mask-args {','.join(f'{k}={v}' for k, v in args.mask_args.items())}: "
+                     f"{e} (signature: {args.mask}{inspect.signature(getattr(M, args.mask))})")
     if args.cp % args.nodes:
         ap.error(f"--nodes {args.nodes} does not divide --cp {args.cp}")
     if args.chunk_size is not None and args.chunk_size > args.seqlen:
@@ -179,6 +218,8 @@ def _check(ap: argparse.ArgumentParser, args) -> None:
 
 
 def build_mask(args) -> M.AttnMask:
+    if args.mask_args is not None:
+        return args.built_mask
     if args.mask in DOC_MASKS and (args.docs is not None or args.seed is not None):
         lens = args.doc_lengths if args.docs is not None else random_doc_lengths(args.seqlen, args.seed)
         return M.varlen(np.concatenate([[0], np.cumsum(lens)]).tolist(), causal=True)
@@ -207,6 +248,8 @@ def _shape(args) -> dict:
 
 def _mask_label(args) -> str:
     src = f", docs from {args.docs}" if args.docs is not None else (f", docs seed {args.seed}" if args.seed is not None else "")
+    if args.mask_args is not None:
+        src = "(" + ", ".join(f"{k}={v}" for k, v in args.mask_args.items()) + ")"
     return f"{args.mask}{src}"
 
 
@@ -219,7 +262,8 @@ def run_plan(args) -> int:
     print(f"mask {_mask_label(args)}: planned in {dt:.2f} s")
     print(p.describe(**_shape(args)))
     if args.json:
-        _write_json(args.json, {"mask": args.mask, "solver_requested": args.solver, "plan_seconds": dt,
+        _write_json(args.json, {"mask": args.mask, "mask_args": args.mask_args, "solver_requested": args.solver,
+                                "plan_seconds": dt,
                                 "digest": p.digest, "kv_shape": _shape(args), **p.stats(**_shape(args))})
         print(f"wrote {args.json}")
     if args.png:
@@ -318,7 +362,8 @@ def run_compare(args) -> int:
     if milp is None and not args.no_milp:
         print(f"(no MILP: it runs for cp <= {MILP_MAX_CP}, with chunks that divide the sequence)")
     if args.json:
-        _write_json(args.json, {"mask": args.mask, "seqlen": args.seqlen, "cp": args.cp, "rows": rows, "milp": milp})
+        _write_json(args.json, {"mask": args.mask, "mask_args": args.mask_args, "seqlen": args.seqlen, "cp": args.cp,
+                                "rows": rows, "milp": milp})
         print(f"wrote {args.json}")
     return 0
 

@@ -71,6 +71,13 @@ def test_document_lengths_from_a_file_or_a_seed(tmp_path, capsys):
      "--png /nonexistent/x.png: the folder /nonexistent does not exist"),
     (["compare", "--mask", "causal", "--seqlen", "64", "--cp", "2", "--json", "/nonexistent/c.json"],
      "--json /nonexistent/c.json: the folder /nonexistent does not exist"),
+    (["plan", "--mask", "prefix_lm", "--seqlen", "64", "--cp", "2"], "give its sizes with --mask-args (prefix=...)"),
+    (["plan", "--mask", "causal", "--seqlen", "64", "--cp", "2", "--mask-args", "prefix=3"],
+     "--mask-args builds one of sliding_window"),
+    (["plan", "--mask", "star", "--seqlen", "64", "--cp", "2", "--mask-args", "anchr=3"],
+     "unexpected keyword argument 'anchr' (signature: star(seqlen"),
+    (["plan", "--mask", "streaming", "--seqlen", "64", "--cp", "2", "--mask-args", "sink=4,window=x"],
+     "'window=x' is not K=V with an integer"),
 ])
 def test_bad_values_are_refused_before_any_work(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -193,3 +200,21 @@ def test_bytes_priced_for_the_models_kv_shape_and_version(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.startswith("megatron-cp ")
+
+
+@pytest.mark.parametrize("name, margs", [("prefix_lm", "prefix=24"), ("star", "anchor=8"), ("streaming", "sink=4,window=16"),
+                                         ("sliding_window", "left=10"), ("block_causal", "block=16"),
+                                         ("strided", "block=8,stride=2"), ("global_local", "block=8,n_global=1,window_blocks=1")])
+def test_any_builder_mask_with_its_sizes(name, margs, tmp_path, capsys):
+    """--mask NAME --mask-args K=V,...: the planned mask is megatron_cp.masks.NAME(seqlen, K=V, ...) (the plan's
+    digest and cell count are those of planning that mask directly), in plan and compare alike."""
+    kw = {k: int(v) for k, v in (x.split("=") for x in margs.split(","))}
+    want = mcp.plan(getattr(mcp.masks, name)(128, **kw), 4)
+    cli.main(["plan", "--mask", name, "--seqlen", "128", "--cp", "4", "--mask-args", margs,
+              "--json", str(tmp_path / "p.json")])
+    got = json.loads((tmp_path / "p.json").read_text())
+    assert got["digest"] == want.digest and got["mask_args"] == kw
+    assert f"{name}({', '.join(f'{k}={v}' for k, v in kw.items())})" in capsys.readouterr().out
+    cli.main(["compare", "--mask", name, "--seqlen", "128", "--cp", "4", "--mask-args", margs, "--no-milp",
+              "--json", str(tmp_path / "c.json")])
+    assert json.loads((tmp_path / "c.json").read_text())["mask_args"] == kw
