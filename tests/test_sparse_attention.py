@@ -174,3 +174,24 @@ def test_single_process_matches_reference():
     for name, g in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         torch.testing.assert_close(g, getattr(ref, name), rtol=2e-6, atol=2e-6, msg=name)
     assert keep.any() and not keep.all()
+
+
+def _disagreeing_rank(rank, world):
+    """Rank 1 runs MoBA with another top_k than rank 0: both must raise the same error before any exchange."""
+    plan = mcp.plan(_mask(), world, block=B, guest_rows="none")
+    t = _tensors()
+    ids = torch.from_numpy(plan.local_ids(rank))
+    q, k, v = (t[n][ids].float() for n in ("q", "k", "v"))
+    sel = mcp.sparse.MoBA(block=B, top_k=2 if rank == 0 else 3)
+    try:
+        mcp.sparse.sparse_attention(q, k, v, plan, dist.group.WORLD, sel, backend="reference")
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_with_another_selector_raise_together():
+    """A rank whose selector differs (MoBA top_k 3 against 2) is named on every rank, before the exchange
+    (which would otherwise move other blocks on each rank, or wait for rows never sent)."""
+    msgs = run_ranks(_disagreeing_rank, 2)
+    assert all(m is not None and "sparse selector differs across ranks" in m for m in msgs), msgs

@@ -50,7 +50,7 @@ from megatron.core.utils import divide
 
 import megatron_cp as mcp
 from megatron_cp.runtime import apply_sink
-from megatron_cp.runtime.state import input_fields, verify_plan
+from megatron_cp.runtime.state import fingerprint, input_fields, verify_plan
 from megatron_cp.sparse.gated import gated_attention, pattern_attention
 
 from .params import CPParams
@@ -210,6 +210,9 @@ class CPCoreAttention(MegatronModule):
             # raise here, every one of them, instead of aborting in mismatched collectives
             fields = input_fields(q, k, v)
             fields.update({"batch": b, "softmax_type": _SOFTMAX_TYPES.index(self.softmax_type)})
+            if packed_seq_params is not None and packed_seq_params.sparse is not None:
+                sp = packed_seq_params.sparse  # the same on every layer: method, parameters, sparse layers
+                fields["sparse settings"] = fingerprint((sp.method, sp.params, sorted(sp.layers or ()), sp.config))
             verify_plan(plan, group, q.device, fields)
         sink = None if self.softmax_offset is None else self.softmax_offset.repeat(b)  # folded heads, batch-major
         if gating is not None:

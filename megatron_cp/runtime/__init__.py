@@ -14,9 +14,9 @@ from .dispatch import dispatch, undispatch
 from .groups import plan_rank
 from .merge import merge_lse
 from .sinks import apply_sink
-from .state import input_fields, plan_cache, verify_plan
+from .state import fingerprint, input_fields, plan_cache, verify_plan
 
 __all__ = ["attention", "prebuild", "apply_sink", "dispatch", "undispatch", "check_inputs", "resolve_backend", "plan_rank", "merge_lse",
            "plan_cache", "CostModel",
            # the cross-rank plan check and the per-call input record, for the sparse and Megatron entry points
-           "verify_plan", "input_fields"]
+           "verify_plan", "input_fields", "fingerprint"]

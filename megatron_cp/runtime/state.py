@@ -10,6 +10,7 @@ from the planner's internals: the runtime reads the plan's public fields only.
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from dataclasses import dataclass
 
@@ -100,6 +101,12 @@ def input_fields(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
     """The attention inputs' facts every CP rank must share, as named ints for ``verify_plan``."""
     return {"query heads": q.shape[1], "key/value heads": k.shape[1], "q/k head_dim": q.shape[2],
             "v head_dim": v.shape[2], "dtype": DTYPE_CODES.get(q.dtype, -1)}
+
+
+def fingerprint(obj) -> int:
+    """A 60-bit int of ``repr(obj)`` (sha256), the same in every process: a ``verify_plan`` field for
+    settings that are not ints (a sparse selector's method and parameters)."""
+    return int(hashlib.sha256(repr(obj).encode()).hexdigest()[:15], 16)
 
 
 def _shown(name: str, x: int) -> str:

@@ -18,7 +18,7 @@ from .. import kernels
 from ..kernels.block_keep import BlockKeep
 from ..planner import Plan
 from ..runtime import check_inputs, plan_cache, plan_rank, resolve_backend
-from ..runtime.state import verify_plan
+from ..runtime.state import fingerprint, input_fields, verify_plan
 from . import exchange
 from .layout import SparseLayout, sparse_layout
 from .selector import Selector
@@ -153,7 +153,8 @@ def sparse_attention(
     if why is not None:
         raise ValueError(f"backend {be.name!r} cannot run these inputs: {why}")
     st = _state(plan, rank, selector.block, q.device, be, bkey)  # raises on a plan not in whole blocks
-    verify_plan(plan, group, q.device)
+    # once per plan, before any exchange: ranks with another selector (method or parameters) raise together
+    verify_plan(plan, group, q.device, {**input_fields(q, k, v), "sparse selector": fingerprint(selector)})
     grp = group if plan.cp_size > 1 else None
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     keep = _select(selector, q, k, st, grp)
