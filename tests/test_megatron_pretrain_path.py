@@ -80,7 +80,8 @@ def _worker(rank, world):
     held = len(plugin.STEP_LOG.rows)
     return dict(kinds=kinds, rope=type(model.rotary_pos_emb), local_tokens=int(n), report=report["lm loss"].tolist(),
                 global_tokens=int(stats[1]), mean=float(stats[0] / stats[1]), no_grad=no_grad,
-                scalars=tb.scalars, logs=wb.logs, written=plugin.STEP_LOG.written, held=held)
+                scalars=tb.scalars, logs=wb.logs, written=plugin.STEP_LOG.written, held=held,
+                kernels=plugin.STEP_LOG.kernels_written)
 
 
 def test_megatron_training_pieces_run_at_cp2():
@@ -108,3 +109,5 @@ def test_megatron_training_pieces_run_at_cp2():
         assert 0 <= figs["plan_imbalance_max"] < 0.5 and figs["kv_bytes_per_microbatch"] > 0
         assert 0 < figs["max_kv_bytes_received"] <= figs["kv_bytes_per_microbatch"] and figs["prepare_batch_ms"] > 0
     assert r["held"] == 1  # iteration 6's own micro-batch (written when the next starts), not evaluation's
+    # the kernel path core attention ran, per logged iteration (CPU: the reference kernels)
+    assert r["kernels"] == [(2, "reference"), (4, "reference")]

@@ -312,3 +312,32 @@ def test_llama_matches_megatron_dot_product_attention_on_packed_documents(world1
     with torch.no_grad():
         out_c = ours(bc.tokens, bc.position_ids, None, labels=bc.labels, packed_seq_params=bc.params)
     assert abs(float((out_c * bc.loss_mask).sum() / bc.loss_mask.sum()) - float(loss_ref)) > 1e-4
+
+
+def test_step_log_reports_kernels_and_sparse_kept_fraction(capsys):
+    """At a logged iteration the step log adds what core attention reported: the kernel paths that ran and,
+    over the sparse layers, the blocks kept out of the mask's (overall and the least in one layer); the
+    line beside Megatron's says both, the writers get the numbers."""
+    import argparse
+
+    import megatron_cp as mcp
+    from megatron_cp.megatron.step_log import FIGURES, SPARSE_FIGURES, StepLog
+
+    log = StepLog()
+    args = argparse.Namespace(curr_iteration=0, log_interval=1, num_attention_heads=4, num_query_groups=2,
+                              hidden_size=64, tensor_model_parallel_size=1, bf16=True)
+    plan = mcp.plan(mcp.masks.causal(256), 2)
+    assert not log.collecting
+    log.record(args, plan, 1.5)
+    assert log.collecting
+    log.layer(1, "fa4", {"blocks_selected": 3, "blocks_envelope": 10})
+    log.layer(2, "triton (fp32)", {"blocks_selected": 5, "blocks_envelope": 10})
+    log.layer(3, "fa4")  # a dense layer
+    args.curr_iteration = 1
+    log.record(args, plan, 1.0)  # the next iteration flushes the first
+    (it, figs), = log.written
+    assert it == 1 and set(figs) == set(FIGURES) | set(SPARSE_FIGURES)
+    assert figs["sparse_kept_fraction"] == pytest.approx(0.4) and figs["sparse_kept_fraction_min_layer"] == 0.3
+    assert log.kernels_written == [(1, "fa4, triton (fp32)")]
+    line = capsys.readouterr().out
+    assert "kernels fa4, triton (fp32)" in line and "sparse kept 0.400 of the mask's blocks (least in a layer 0.300)" in line

@@ -49,14 +49,25 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
 import megatron_cp as mcp
-from megatron_cp.runtime import apply_sink
+from megatron_cp.runtime import apply_sink, plan_cache, resolve_backend
 from megatron_cp.runtime.state import fingerprint, input_fields, verify_plan
 from megatron_cp.sparse.gated import gated_attention, pattern_attention
 
 from .params import CPParams
+from .step_log import STEP_LOG
 
 
 _SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
+def _kernel_path(plan, backend, device) -> str:
+    """What the plan's latest call ran: the kernel backend's own account where it keeps one (FA4: ``fa4`` or
+    ``triton (<why not FA4>)``), else the backend's name."""
+    for v in plan_cache(plan).values():
+        path = getattr(getattr(v, "backend", None), "last_path", None)
+        if path:
+            return path
+    return resolve_backend(backend, device)[1].name
 
 
 @lru_cache(maxsize=16)
@@ -220,9 +231,11 @@ class CPCoreAttention(MegatronModule):
                               strategy, selector, sink)
             if out is not None:
                 return out.reshape(s, b, hq * dv)
+        report = STEP_LOG.collecting  # an iteration Megatron logs: say which kernels ran, what sparse layers kept
+        stats = {} if report and selector is not None else None
         if selector is not None:
             out, lse = mcp.sparse.sparse_attention(q, k, v, plan, group, selector, softmax_scale=self.softmax_scale,
-                                                   backend=backend)
+                                                   backend=backend, stats=stats)
         elif strategy == "megatron_cp":
             out, lse = mcp.attention(q, k, v, plan, group, softmax_scale=self.softmax_scale, backend=backend)
         else:
@@ -231,6 +244,8 @@ class CPCoreAttention(MegatronModule):
             # lse needs its gradient only under sinks: without it Ulysses' backward exchange makes no host sync
             out, lse = get_strategy(strategy, backend=backend, lse_grad=sink is not None)(q, k, v, plan, group,
                                                                                           self.softmax_scale)
+        if report:
+            STEP_LOG.layer(self.layer_number, _kernel_path(plan, backend, q.device), stats)
         if sink is not None:
             out, lse = apply_sink(out, lse, sink)
         return out.reshape(s, b, hq * dv)

@@ -33,12 +33,10 @@ from . import rope
 from .arguments import OURS, add_megatron_cp_args, check_megatron_args, compose, dry_run, specs_from_args
 from .batch import plan_for_batch, prepare_batch
 from .loss import loss_func, record_documents
-from .step_log import StepLog
+from .step_log import STEP_LOG
 
 _SAVED = "_megatron_cp_saved"
 SPEC = ["megatron_cp.megatron.specs", "megatron_cp_layer_spec"]
-
-STEP_LOG = StepLog()  # the planner's figures of each logged iteration (step_log.py)
 
 
 def _unwrap(model):
