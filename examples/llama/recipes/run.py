@@ -172,7 +172,7 @@ def summarize(name: str, jobs: list[Job], results: list[dict]) -> dict:
                 a, b = runs["dense"]["losses"][-k:], runs[rn]["losses"][-k:]
                 checks[f"{rn} loss gap, mean of the last {k} steps (relative)"] = [(sum(b) - sum(a)) / sum(a), None]
                 for length, sec in runs[rn]["speed_seconds"].items():
-                    checks[f"{rn} step speed-up over dense at {length} tokens"] = [
+                    checks[f"{rn} step speed-up over dense at {length} tokens (timed apart, after a warm-up step)"] = [
                         runs["dense"]["speed_seconds"][length] / sec, None]
     out["checks"] = checks
     return out
@@ -303,8 +303,11 @@ def main(argv=None) -> dict:
         print(f"\n== {n}: {RECIPES[n][0]}  ({meta['device']}, world {a.gpus})")
         for e in summary["jobs"]:
             for rn, r in e["runs"].items():
+                n = len(r["step_seconds"])
+                first = (max(1, n // 10) if n > 2 else 0) + 1  # tokens_per_s_per_gpu's default skip
                 print(f"  {e['train']['dtype']:>4} {rn:>14} ({r['layout']}, dp {r['dp']}): final loss "
-                      f"{r['losses'][-1]:.4f}, {r['tokens_per_s_per_gpu']:.0f} tokens/s per GPU")
+                      f"{r['losses'][-1]:.4f}, {r['tokens_per_s_per_gpu']:.0f} tokens/s per GPU (training steps "
+                      f"{first}-{n}" + (", the first included: compilation and planning" if first == 1 else "") + ")")
         for k, (v, ok) in summary["checks"].items():
             print(f"  {k}: {v:.3e}" + ("" if ok is None else ("  PASS" if ok else "  FAIL")))
         if summary["not_run"]:
