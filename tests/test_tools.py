@@ -420,3 +420,28 @@ def test_gpu_tools_summary_tables_group_the_cases():
 
     assert cc.summary_table([call(0, 1.0, 1.1), call(1, 2.0, 1.0)])[2:] == [
         "| causal | ring | 2 | 3.000 / 2.100 (0.70) | 0.50 (rank 1 step 1) | 2.000 / 2.000 (1.00) | 1.00 (rank 0 step 1) |"]
+
+
+def test_bench_train_runs_fresh_plans_per_micro_batch(tmp_path):
+    """tools/bench_train.py (training-like: a new packed mask per micro-batch, planned ahead, layers forward then
+    backward) on 2 gloo ranks: a row per implementation with the step, per-call and planning figures, the JSON
+    written; megatron-cp's planning thread also chose each plan's exchange (its plan time includes it)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(TOOLS / "bench_train.py"), "--cpu", "--world", "2", "--tiny",
+                          "--tokens-per-gpu", "64", "--impls", "megatron-cp,ring", "--layers", "2",
+                          "--micro-batches", "2", "--warmup", "1", "--steps", "1", "--out-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (path,) = tmp_path.glob("bench_train_2xcpu_*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["megatron-cp", "ring"]
+    for r in rows:
+        assert r["seqlen"] == 128 and r["layers"] == 2 and r["gpu_ms"] is None
+        assert r["step_ms"] > 0 and r["first_call_ms"] > 0 and r["call_ms"] > 0 and r["plan_ms"] > 0
+    assert "tokens/GPU  megatron-cp: step" in out.stdout
+    bad = subprocess.run([sys.executable, str(TOOLS / "bench_train.py"), "--cpu", "--impls", "te"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--impls: 'te' is not one of megatron-cp, ring" in bad.stderr

@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""Distributed attention as training runs it: a new packed-document mask every micro-batch, planned ahead.
+
+    torchrun --nproc-per-node 4 tools/bench_train.py --tokens-per-gpu 8192,32768 --out-dir results/
+    python tools/bench_train.py --cpu --world 2 --tiny                      # gloo dry run, spawned ranks
+
+Per implementation (megatron-cp and the baselines ring, ulysses, usp, allgather) and tokens per GPU: every
+micro-batch draws new document lengths (lognormal, sigma 1, median min(1500, S/64), clipped to [64, S/4]; the
+same on every rank and for every implementation), a background thread plans the next micro-batches as the
+Megatron plugin does (``megatron.PlanAhead`` over ``plan_for_batch``'s work: the plan, and megatron-cp's exchange
+choice, ``runtime.prebuild``), and the step runs ``--layers`` attention calls forward (each layer its own q, k, v),
+then their backward, micro-batch after micro-batch, with no synchronisation inside a step. Reported (rank 0, the
+slowest rank's figures where they differ):
+
+- ``step_ms``: wall time of a step of ``--micro-batches`` micro-batches (median over the timed steps);
+- ``gpu_ms``: the device time inside one such step (kernels and copies of rank 0, intervals merged over its
+  streams, torch.profiler; CUDA only): ``step_ms / gpu_ms`` is how much the host adds;
+- ``first_call_ms`` / ``call_ms``: host time to issue a micro-batch's first layer call (its plan's runtime state is
+  built there) and the median of the other forward calls;
+- ``plan_ms``: the planning thread's time per micro-batch, ``wait_ms`` what the step waited on it.
+
+Writes ``bench_train_<world>x<device>_<date>.json`` into ``--out-dir`` after every implementation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import megatron_cp as mcp
+from megatron_cp.baselines import get_strategy, plan_for
+from megatron_cp.megatron import PlanAhead
+from megatron_cp.planner import Workload
+
+IMPLS = ("megatron-cp", "ring", "ulysses", "usp", "allgather")
+
+
+def doc_lengths(seqlen: int, rng: np.random.Generator) -> list[int]:
+    """Document lengths summing to ``seqlen`` (the module doc's rule)."""
+    median, lo, hi = min(1500, max(8, seqlen // 64)), min(64, max(1, seqlen // 64)), max(2, seqlen // 4)
+    out, total = [], 0
+    while total < seqlen:
+        n = int(np.clip(rng.lognormal(np.log(median), 1.0), lo, hi))
+        n = min(n, seqlen - total)
+        out.append(n)
+        total += n
+    return out
+
+
+def micro_batch_masks(seqlen: int, count: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    return [mcp.masks.varlen(np.concatenate([[0], np.cumsum(doc_lengths(seqlen, rng))]).tolist(), causal=True)
+            for _ in range(count)]
+
+
+def _planner(impl: str, cp: int, work: Workload):
+    """mask -> (plan, attention function of (q, k, v, plan, group)): what the planning thread makes."""
+    if impl == "megatron-cp":
+        def make(mask):
+            plan = mcp.plan(mask, cp)
+            mcp.runtime.prebuild(plan, work)
+            return plan
+        return make, lambda q, k, v, plan, group: mcp.attention(q, k, v, plan, group)[0]
+    fn = get_strategy(impl)
+    return (lambda mask: plan_for(impl, mask, cp)), lambda q, k, v, plan, group: fn(q, k, v, plan, group)[0]
+
+
+def _busy_ms(prof) -> float:
+    """Rank 0's device time in a profiled step: kernel / copy / set intervals merged across streams."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, -1.0
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy / 1e3
+
+
+def bench(impl: str, seqlen: int, args, ctx) -> dict:
+    rank, cp, device, group, dtype = ctx["rank"], ctx["cp"], ctx["device"], ctx["group"], ctx["dtype"]
+    work = Workload(args.heads, args.kv_heads, args.head_dim, torch.finfo(dtype).bits // 8)
+    make, attend = _planner(impl, cp, work)
+    steps = args.warmup + args.steps + (1 if device.type == "cuda" else 0)
+    masks = micro_batch_masks(seqlen, steps * args.micro_batches, args.seed)
+    plans: dict[int, object] = {}
+    ahead = PlanAhead(iter(range(len(masks))), lambda i: plans.__setitem__(i, make(masks[i])), depth=2)
+    g = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    first, calls, step_ms, busy = [], [], [], None
+
+    def tensors(n):
+        def r(*s):
+            return torch.randn(*s, generator=g).to(device, dtype).requires_grad_()
+        return [(r(n, args.heads, args.head_dim), r(n, args.kv_heads, args.head_dim),
+                 r(n, args.kv_heads, args.head_dim)) for _ in range(args.layers)]
+
+    def step(timed):
+        for _ in range(args.micro_batches):
+            i = next(ahead)
+            plan = plans.pop(i)
+            layers = tensors(plan.num_local(rank))
+            outs = []
+            for j, (q, k, v) in enumerate(layers):
+                t = time.perf_counter()
+                outs.append(attend(q, k, v, plan, group))
+                if timed:
+                    (first if j == 0 else calls).append((time.perf_counter() - t) * 1e3)
+            sum(o.float().square().mean() for o in outs).backward()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier(group)
+
+    for _ in range(args.warmup):
+        step(False)
+    for _ in range(args.steps):
+        sync()
+        t = time.perf_counter()
+        step(True)
+        sync()
+        step_ms.append((time.perf_counter() - t) * 1e3)
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(False)
+            sync()
+        busy = _busy_ms(prof)
+    ahead.close()
+    mine = torch.tensor([float(np.median(step_ms)), float(np.median(first)), float(np.median(calls or [0.0]))],
+                        dtype=torch.float64, device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+    st = ahead.stats()
+    return dict(impl=impl, seqlen=seqlen, tokens_per_gpu=seqlen // cp, layers=args.layers,
+                micro_batches=args.micro_batches, step_ms=mine[0].item(), gpu_ms=busy,
+                host_over_gpu=None if busy is None else mine[0].item() / busy,
+                first_call_ms=mine[1].item(), call_ms=mine[2].item(),
+                plan_ms=1e3 * st["plan_s"] / max(st["micro_batches"], 1),
+                wait_ms=1e3 * st["wait_s"] / max(st["micro_batches"], 1))
+
+
+def run(rank: int, world: int, argv) -> list[dict]:
+    args = parse(argv)
+    if args.cpu:
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=10))
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    ctx = dict(rank=rank, cp=cp, device=device, group=dist.group.WORLD,
+               dtype=torch.float32 if args.cpu else torch.bfloat16)
+    name = "cpu" if args.cpu else torch.cuda.get_device_name(device)
+    now = datetime.datetime.now(datetime.UTC)
+    meta = dict(device=name, world=cp, date=now.strftime("%Y-%m-%d %H:%M UTC"), torch=torch.__version__,
+                command="python tools/bench_train.py " + " ".join(argv), heads=args.heads, kv_heads=args.kv_heads,
+                head_dim=args.head_dim, dtype=str(ctx["dtype"]))
+    path = os.path.join(args.out_dir, f"bench_train_{cp}x{name.replace(' ', '_')}_{now:%Y%m%d_%H%M}.json")
+    rows = []
+    for tpg in [int(x) for x in args.tokens_per_gpu.split(",")]:
+        for impl in args.impls.split(","):
+            rows.append(bench(impl, tpg * cp, args, ctx))
+            if rank == 0:
+                r = rows[-1]
+                gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f} (x{r['host_over_gpu']:.2f})"
+                print(f"{tpg:>7} tokens/GPU {impl:>12}: step {r['step_ms']:.2f} ms, GPU {gpu}, first call "
+                      f"{r['first_call_ms']:.2f} ms, call {r['call_ms']:.3f} ms, plan {r['plan_ms']:.2f} ms "
+                      f"(waited {r['wait_ms']:.2f})", flush=True)
+                os.makedirs(args.out_dir, exist_ok=True)
+                with open(path, "w") as f:
+                    json.dump({**meta, "rows": rows}, f, indent=1)
+    return rows
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens-per-gpu", default=None, help="comma list (default 8192,16384,32768; --tiny 64,128)")
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--layers", type=int, default=8, help="attention layers per micro-batch (default 8)")
+    ap.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default 4)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps (plans, compilation; default 2)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
+    ap.add_argument("--heads", type=int, default=None, help="query heads (default 32; --tiny 4)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default 8; --tiny 2)")
+    ap.add_argument("--head-dim", type=int, default=None, help="head dim (default 128; --tiny 16)")
+    ap.add_argument("--seed", type=int, default=0, help="document lengths' seed")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU dry run")
+    ap.add_argument("--cpu", action="store_true", help="gloo on spawned CPU processes (--world of them)")
+    ap.add_argument("--world", type=int, default=2, help="CPU processes with --cpu (default 2)")
+    ap.add_argument("--out-dir", default="out")
+    a = ap.parse_args(argv)
+    a.heads, a.kv_heads = a.heads or (4 if a.tiny else 32), a.kv_heads or (2 if a.tiny else 8)
+    a.head_dim = a.head_dim or (16 if a.tiny else 128)
+    a.tokens_per_gpu = a.tokens_per_gpu or ("64,128" if a.tiny else "8192,16384,32768")
+    for i in a.impls.split(","):
+        if i not in IMPLS:
+            ap.error(f"--impls: {i!r} is not one of {', '.join(IMPLS)}")
+    for name in ("layers", "micro_batches", "steps", "heads", "kv_heads", "head_dim", "world"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.warmup < 0 or a.heads % a.kv_heads:
+        ap.error(f"--warmup must be >= 0 and --kv-heads divide --heads (got {a.warmup}, {a.heads}:{a.kv_heads})")
+    if any(int(x) < 1 for x in a.tokens_per_gpu.split(",")):
+        ap.error(f"--tokens-per-gpu must be positive integers, got {a.tokens_per_gpu}")
+    if not a.cpu and not torch.cuda.is_available():
+        ap.error("no CUDA device: use --cpu (gloo processes) for a dry run")
+    return a
+
+
+def main(argv=None) -> list[dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse(argv)
+    if a.cpu:
+        from megatron_cp.testing import run_ranks
+
+        return run_ranks(run, a.world, argv)[0]
+    return run(0, 1, argv)
+
+
+if __name__ == "__main__":
+    main()
