@@ -55,3 +55,9 @@ def test_results_index_names_existing_folders_and_benchmarks_stay_small():
     assert sorted(set(index)) == [p.name for p in _folders()]
     files = [p for p in BENCH.rglob("*") if p.is_file()]
     assert len(files) <= MAX_BENCHMARK_FILES, f"benchmarks/ holds {len(files)} files (at most {MAX_BENCHMARK_FILES})"
+
+
+def test_readme_is_a_front_door():
+    """README.md stays at most 12 KiB: tables and matrices live in benchmarks/RESULTS.md, docs/ and examples/."""
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= 12 * 1024, f"README.md is {size} bytes"
