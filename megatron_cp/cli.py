@@ -319,7 +319,7 @@ def compare_rows(args, mask=None) -> tuple[list[dict], dict | None]:
     return rows, milp
 
 
-def format_table(rows: list[dict], milp: dict | None, target: float) -> str:
+def format_table(rows: list[dict], milp: dict | None, target: float, shape: dict) -> str:
     hdr = (f"{'solver':12s} {'chosen':22s} {'imbal':>7s} {'max recv K/V':>12s} {'MB moved':>9s} {'tiles':>6s} "
            f"{'plan s':>7s}" + (f" {'vs optimum':>12s}" if milp else ""))
     out = [hdr, "-" * len(hdr)]
@@ -349,7 +349,8 @@ def format_table(rows: list[dict], milp: dict | None, target: float) -> str:
                        f"{milp['lower_bound']:,} and {best} K/V tokens (gaps are to the upper end)")
         out.append("gap: busiest rank's received K/V over the optimum; * = not in the MILP's set (other chunk "
                    "cuts, unequal token counts or guest rows), so it can be negative")
-    out.append("MB moved: K and V of every received token, 8 K/V heads, head dim 128, bf16")
+    out.append(f"MB moved: K and V of every received token, {shape['num_kv_heads']} K/V heads, head dim "
+               f"{shape['head_dim']}, {shape['dtype_bytes']}")
     return "\n".join(out)
 
 
@@ -358,9 +359,16 @@ def run_compare(args) -> int:
     chunk = rows[0]["chunk_size"] if args.chunk_size is None and milp else args.chunk_size
     print(f"mask {_mask_label(args)}, S = {args.seqlen:,}, cp = {args.cp}"
           + (f", chunk_size {chunk} (the MILP's chunks)" if milp and args.chunk_size is None else ""))
-    print(format_table(rows, milp, args.imbalance_target))
+    print(format_table(rows, milp, args.imbalance_target, _shape(args)))
     if milp is None and not args.no_milp:
         print(f"(no MILP: it runs for cp <= {MILP_MAX_CP}, with chunks that divide the sequence)")
+    if milp is not None and args.chunk_size is None:
+        # the rows use the MILP's chunks; say what `plan` with the same arguments (the planner's own chunks) gives
+        p = plan(build_mask(args), args.cp, topology=_topology(args), imbalance_target=args.imbalance_target)
+        st = p.stats(**_shape(args))
+        print(f"`plan` with these arguments cuts chunks of {p.chunk_size} (the planner's default): solver {p.solver}, "
+              f"imbalance {st['imbalance']:.2%}, busiest rank's received K/V {st['max_remote_kv_tokens']:,}; "
+              f"`plan --chunk-size {chunk}` plans the MILP's chunks, as the rows above")
     if args.json:
         _write_json(args.json, {"mask": args.mask, "mask_args": args.mask_args, "seqlen": args.seqlen, "cp": args.cp,
                                 "rows": rows, "milp": milp})

@@ -218,3 +218,24 @@ def test_any_builder_mask_with_its_sizes(name, margs, tmp_path, capsys):
     cli.main(["compare", "--mask", name, "--seqlen", "128", "--cp", "4", "--mask-args", margs, "--no-milp",
               "--json", str(tmp_path / "c.json")])
     assert json.loads((tmp_path / "c.json").read_text())["mask_args"] == kw
+
+
+def test_plan_and_compare_agree_on_the_same_input(tmp_path, capsys):
+    """compare's rows use the MILP's chunks and say so; its last line gives what `plan` with the same arguments
+    prints (the planner's own chunks), and `plan --chunk-size <the MILP's>` reproduces compare's auto row; the
+    footer prices bytes for the given K/V shape."""
+    argv = ["--mask", "causal", "--seqlen", "16384", "--cp", "4", "--kv-heads", "2", "--dtype", "float32"]
+    cli.main(["compare", *argv, "--json", str(tmp_path / "c.json")])
+    out = capsys.readouterr().out
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    auto = next(r for r in rows if r["solver"] == "auto")
+    cli.main(["plan", *argv, "--json", str(tmp_path / "p.json")])
+    plain = json.loads((tmp_path / "p.json").read_text())
+    assert (f"`plan` with these arguments cuts chunks of {plain['chunk_size']} (the planner's default): solver "
+            f"{plain['solver']}, imbalance {plain['imbalance']:.2%}, busiest rank's received K/V "
+            f"{plain['max_remote_kv_tokens']:,}") in out
+    assert "2 K/V heads, head dim 128, float32" in out
+    cli.main(["plan", *argv, "--chunk-size", str(auto["chunk_size"]), "--json", str(tmp_path / "m.json")])
+    same = json.loads((tmp_path / "m.json").read_text())
+    assert (same["imbalance"], same["max_remote_kv_tokens"], same["bytes_moved"]) == (
+        auto["imbalance"], auto["max_remote_kv_tokens"], auto["bytes_moved"])

@@ -355,7 +355,7 @@ class Plan:
         topo = f", topology {self.topology.nodes} x {self.topology.gpus_per_node}" if self.topology else ""
         lines = [
             f"Plan: S = {self.seqlen:,} tokens over cp = {self.cp_size} ranks{topo}; solver {self.solver}, "
-            f"chunk {self.chunk_size} ({len(self.owner)} chunks); mask {self.mask_area:,} cells "
+            f"chunk {self.chunk_size} (cut into {len(self.owner)} pieces, each one rank's); mask {self.mask_area:,} cells "
             f"({self.mask_area / float(self.seqlen) ** 2:.2%} dense)",
             f"K/V priced at {per_tok:,} bytes per token (2 x {num_kv_heads} heads x {head_dim} x "
             f"{element_size(dtype_bytes)} bytes)",
