@@ -7,10 +7,10 @@
     out, lse = mcp.attention(q_local, k_local, v_local, plan, group)
 """
 
-from . import masks, sparse
+from . import gating, masks, sparse
 from .masks import AttnMask, AttnSlice
 from .planner import Plan, Topology, plan
 from .runtime import apply_sink, attention, dispatch, undispatch
 
 __version__ = "0.1.0"
-__all__ = ["masks", "sparse", "AttnMask", "AttnSlice", "Plan", "Topology", "plan", "attention", "apply_sink", "dispatch", "undispatch"]
+__all__ = ["masks", "sparse", "gating", "AttnMask", "AttnSlice", "Plan", "Topology", "plan", "attention", "apply_sink", "dispatch", "undispatch"]

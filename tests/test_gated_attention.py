@@ -1,4 +1,4 @@
-"""Head-gated hybrid attention (megatron_cp.sparse.gated) against the fp64 dense reference of
+"""Head-gated hybrid attention (megatron_cp.gating.attention) against the fp64 dense reference of
 alpha * full + (1 - alpha) * streaming, forward and every gradient (q, k, v, gate), CP = 1 / 2 / 4 on
 packed documents; a discretised pattern against the per-head mask reference; the streaming plan's
 received K/V tokens (window-sized)."""
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_cp as mcp
-from megatron_cp.sparse.gated import gated_attention, pattern_attention, streaming_plans
+from megatron_cp.gating.attention import gated_attention, pattern_attention, streaming_plans
 from megatron_cp.testing import reference_attention, run_ranks
 
 S, HQ, HKV, D = 256, 4, 2, 8

@@ -14,7 +14,7 @@ import torch
 
 from megatron_helpers import EXAMPLES  # noqa: F401  (puts examples/ on sys.path)
 
-from megatron_cp.sparse.head_gates import (
+from megatron_cp.gating.gates import (
     DuoGates, HardConcreteGates, LagrangianSparsity, discretize, load_pattern, pattern_sparsity, save_pattern,
 )
 
@@ -255,7 +255,7 @@ def _core_worker(rank, world):
     import megatron_cp as mcp
     from megatron_cp.megatron import CPCoreAttention, CPParams
     from megatron_cp.megatron.gating import GateSource, PatternSource
-    from megatron_cp.sparse.gated import streaming_plans
+    from megatron_cp.gating.attention import streaming_plans
     from tiny_llama import trainer
     from tiny_llama.model import LlamaShape, transformer_config
 

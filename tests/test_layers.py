@@ -32,12 +32,13 @@ LAYERS = {
     "runtime": {"kinds", "masks", "planner", "kernels", "comm"},
     "baselines": {"kinds", "masks", "planner", "kernels", "comm", "runtime"},
     "sparse": {"kinds", "masks", "planner", "kernels", "comm", "runtime"},
-    "megatron": {"kinds", "masks", "planner", "kernels", "comm", "runtime", "baselines", "sparse"},
+    "gating": {"kinds", "masks", "planner", "kernels", "comm", "runtime"},
+    "megatron": {"kinds", "masks", "planner", "kernels", "comm", "runtime", "baselines", "sparse", "gating"},
     "cli": {"masks", "planner"},
     "__main__": {"cli"},  # python -m megatron_cp
     "testing": {"masks", "planner", "runtime"},
 }
-FRONT = {"kinds", "masks", "planner", "runtime", "sparse"}  # what megatron_cp/__init__.py may re-export
+FRONT = {"kinds", "masks", "planner", "runtime", "sparse", "gating"}  # what megatron_cp/__init__.py may re-export
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -198,7 +198,7 @@ def _final_hidden(model, bt, store):
 def _train_duo(model, task, cfg, spec, full_opts, gated_opts):
     from megatron_cp.megatron import prepare_batch
     from megatron_cp.megatron.gating import GateSource
-    from megatron_cp.sparse.head_gates import DuoGates
+    from megatron_cp.gating.gates import DuoGates
 
     group, cp = _cp(), cfg.cp
     gates = DuoGates(cfg.layers, cfg.kv_heads).to(cfg.device)
@@ -229,7 +229,7 @@ def _train_duo(model, task, cfg, spec, full_opts, gated_opts):
 def _train_prulong(model, task, cfg, spec, gated_opts):
     from megatron_cp.megatron import loss_func, prepare_batch
     from megatron_cp.megatron.gating import GateSource
-    from megatron_cp.sparse.head_gates import HardConcreteGates, LagrangianSparsity
+    from megatron_cp.gating.gates import HardConcreteGates, LagrangianSparsity
 
     group, cp = _cp(), cfg.cp
     gates = HardConcreteGates(cfg.layers, cfg.kv_heads, generator=torch.Generator().manual_seed(cfg.seed))
@@ -308,7 +308,7 @@ def _worker(rank, world, cfg: GateConfig):
 
     from megatron_cp.megatron import MaskSpec, PlanOptions
     from megatron_cp.megatron.gating import GatingSpec, PatternSource
-    from megatron_cp.sparse.head_gates import LOG_ALPHA_MEAN, discretize, save_pattern
+    from megatron_cp.gating.gates import LOG_ALPHA_MEAN, discretize, save_pattern
 
     from . import trainer
     from .convergence import DTYPES

@@ -15,8 +15,8 @@ samples of a micro-batch share one plan; ``prepare_batch`` emits ``b = 1`` with 
 concatenated as documents, which covers any per-sample mask.
 
 Head gating (``CPParams.gating``, see ``gating.py``): in train mode each KV head mixes full and streaming
-attention by its gate (``sparse.gated_attention``), in pattern mode each KV head runs one of the two
-(``sparse.pattern_attention``). Gates and patterns are per model KV head; this rank takes its tensor-parallel
+attention by its gate (``gating.gated_attention``), in pattern mode each KV head runs one of the two
+(``gating.pattern_attention``). Gates and patterns are per model KV head; this rank takes its tensor-parallel
 slice and repeats it per folded batch element.
 
 Attention sinks (``config.softmax_type`` ``off-by-one`` / ``learnable``, as Megatron's DotProductAttention):
@@ -51,7 +51,7 @@ from megatron.core.utils import divide
 import megatron_cp as mcp
 from megatron_cp.runtime import apply_sink, plan_cache, resolve_backend
 from megatron_cp.runtime.state import fingerprint, input_fields, verify_plan
-from megatron_cp.sparse.gated import gated_attention, pattern_attention
+from megatron_cp.gating import gated_attention, pattern_attention
 
 from .params import CPParams
 from .step_log import STEP_LOG

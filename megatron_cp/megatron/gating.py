@@ -5,9 +5,9 @@ attention and which run streaming (sink + window) attention, per layer.
 made (``streaming_within(mask, sink, window)`` on the full plan's token layout) and which mode runs:
 
 * ``train``: every layer mixes ``alpha * full + (1 - alpha) * streaming`` per KV head
-  (``sparse.gated_attention``); alpha comes from a ``GateSource`` handed to ``prepare_batch(gating=...)``
-  (the gates are parameters of the training loop, e.g. ``sparse.head_gates.DuoGates``);
-* ``pattern``: each KV head runs either full or streaming (``sparse.pattern_attention``) by a fixed pattern
+  (``gating.gated_attention``); alpha comes from a ``GateSource`` handed to ``prepare_batch(gating=...)``
+  (the gates are parameters of the training loop, e.g. ``gating.DuoGates``);
+* ``pattern``: each KV head runs either full or streaming (``gating.pattern_attention``) by a fixed pattern
   (``PatternSource``, loaded from the JSON of ``--cp-head-pattern``).
 
 A runtime gating object (``CPParams.gating``) has ``mode`` and ``gate(layer_number)`` -> float tensor
@@ -103,7 +103,7 @@ class PatternSource:
 
 @lru_cache(maxsize=8)
 def _pattern_source(path: str) -> PatternSource:
-    from megatron_cp.sparse.head_gates import load_pattern
+    from megatron_cp.gating import load_pattern
 
     obj = load_pattern(path)
     return PatternSource(obj["layers"], {k: v for k, v in obj.items() if k != "layers"})

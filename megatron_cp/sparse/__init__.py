@@ -12,10 +12,6 @@ from .xattention import XAttention
 from .layout import SparseLayout, sparse_layout
 from .selector import Selector
 from .view import SelectionView, single_view
-from .gated import gated_attention, pattern_attention
-from .head_gates import load_pattern
 
 __all__ = ["MoBA", "XAttention", "FlexPrefill", "MInference", "HeadPattern", "Selector", "SelectionView", "SparseLayout", "single_view", "sparse_attention", "select_blocks",
-           "sparse_layout",
-           # head gating (DuoAttention / PruLong patterns)
-           "gated_attention", "pattern_attention", "load_pattern"]
+           "sparse_layout"]

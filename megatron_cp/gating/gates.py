@@ -1,6 +1,6 @@
 """Learned per-(layer, KV head) gates choosing full or streaming attention, and the head pattern file.
 
-Two ways to learn which KV heads need the whole context (``sparse.gated`` runs the mixture):
+Two ways to learn which KV heads need the whole context (``gating.attention`` runs the mixture):
 
 * ``DuoGates`` (DuoAttention, Xiao et al. 2024): one real gate ``alpha`` per (layer, KV head), initialised
   at 1 (all heads full). The model's weights are frozen; only alpha trains, on a distillation loss (the
