@@ -233,6 +233,13 @@ def plan_for_batch(tokens, spec: MaskSpec, cp_size: int, options: PlanOptions = 
     options) then finds it without planning: what ``plan_ahead.PlanAhead`` runs ahead of the step.
     Pure host work (no collective); thread-safe."""
     tok = tokens.detach().cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
+    plan, strategy, _, _ = _batch_plan(tok, spec, cp_size, options)
+    return plan, strategy
+
+
+def _batch_plan(tok: np.ndarray, spec: MaskSpec, cp_size: int, options: PlanOptions):
+    """(plan, strategy, document bounds, cache key) of host tokens ``tok`` [b, S]: the checks, the cached plan and,
+    given ``options.workload``, the exchange of the attention's first call on it (``runtime.prebuild``)."""
     if tok.ndim != 2:
         raise ValueError(f"tokens must be [b, S], got shape {tuple(tok.shape)}")
     b, S = tok.shape
@@ -247,10 +254,9 @@ def plan_for_batch(tokens, spec: MaskSpec, cp_size: int, options: PlanOptions = 
     plan, strategy = _PLANS.get(plan_key, lambda: _make_plan(build_mask(spec, cu, b, S), cp_size, options))
     w = options.workload
     if w is not None and strategy == "megatron_cp" and options.sparse is None and options.gating is None:
-        # the exchange of the attention's first call on this plan, chosen here (core attention folds the
-        # micro-batch's b sequences into heads)
+        # core attention folds the micro-batch's b sequences into heads
         mcp.runtime.prebuild(plan, Workload(b * w.num_heads, b * w.num_kv_heads, w.head_dim, w.dtype_bytes))
-    return plan, strategy
+    return plan, strategy, cu, plan_key
 
 
 def prepare_batch(
@@ -286,22 +292,13 @@ def prepare_batch(
     b, S = tokens.shape
     cp_size = 1 if cp_group is None else cp_group.size()
     cp_rank = 0 if cp_group is None else cp_group.rank()
-    if b * S < cp_size:
-        raise ValueError(f"micro-batch of {b}x{S} tokens is smaller than cp_size={cp_size}")
     if host_tokens is None:
         tok_np = tokens.detach().cpu().numpy()
     else:
         tok_np = np.asarray(host_tokens)
         if tok_np.shape != tuple(tokens.shape):
             raise ValueError(f"host_tokens shape {tok_np.shape} differs from tokens {tuple(tokens.shape)}")
-    cu = document_bounds(tok_np, spec)
-    key = (spec, b, S, cp_size, options, cu.tobytes() if spec.packed else b"")
-    if (b * S) % options.token_multiple:
-        raise ValueError(f"--sequence-parallel needs the micro-batch's {b}x{S} tokens divisible by the TP size "
-                         f"{options.token_multiple}")
-    block = options.block
-    plan_key = key[:4] + (options.chunk_size, options.topology, options.solver, options.strategy, block) + key[5:]
-    plan, strategy = _PLANS.get(plan_key, lambda: _make_plan(build_mask(spec, cu, b, S), cp_size, options))
+    plan, strategy, cu, plan_key = _batch_plan(tok_np, spec, cp_size, options)
     stream_plan = None
     if options.gating is not None:
         g = options.gating
