@@ -97,14 +97,15 @@ def test_megatron_training_pieces_run_at_cp2():
     assert 4.0 < r["mean"] < 7.0  # ~ln(320) at initialisation
     assert not r["no_grad"], r["no_grad"]
     # megatron-cp's figures reached Megatron's writers at the logged iterations, read back from them
-    from megatron_cp.megatron.step_log import FIGURES
+    from megatron_cp.megatron.step_log import FIGURES, PLANNING_FIGURES
 
     assert [it for it, _ in r["written"]] == [2, 4]
     assert sorted({s for _, _, s in r["scalars"]}) == [2, 4] and [s for _, s in r["logs"]] == [2, 4]
     for it, figs in r["written"]:
         assert {(f"megatron-cp/{k}", v, it) for k, v in figs.items()} <= set(r["scalars"])
         assert next(v for v, s in r["logs"] if s == it) == {f"megatron-cp/{k}": v for k, v in figs.items()}
-        assert set(figs) == set(FIGURES)
+        assert set(figs) == set(FIGURES) | set(PLANNING_FIGURES)  # forward_step plans in a thread
+        assert figs["plan_ms"] > 0 and figs["plan_wait_ms"] >= 0
         # CP 2 over one causal sequence of 64 tokens: a rank receives K/V of the other's tokens
         assert 0 <= figs["plan_imbalance_max"] < 0.5 and figs["kv_bytes_per_microbatch"] > 0
         assert 0 < figs["max_kv_bytes_received"] <= figs["kv_bytes_per_microbatch"] and figs["prepare_batch_ms"] > 0

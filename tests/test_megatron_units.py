@@ -321,14 +321,14 @@ def test_step_log_reports_kernels_and_sparse_kept_fraction(capsys):
     import argparse
 
     import megatron_cp as mcp
-    from megatron_cp.megatron.step_log import FIGURES, SPARSE_FIGURES, StepLog
+    from megatron_cp.megatron.step_log import FIGURES, PLANNING_FIGURES, SPARSE_FIGURES, StepLog
 
     log = StepLog()
     args = argparse.Namespace(curr_iteration=0, log_interval=1, num_attention_heads=4, num_query_groups=2,
                               hidden_size=64, tensor_model_parallel_size=1, bf16=True)
     plan = mcp.plan(mcp.masks.causal(256), 2)
     assert not log.collecting
-    log.record(args, plan, 1.5)
+    log.record(args, plan, 1.5, (4.0, 0.5))  # planned ahead in 4 ms; the step waited 0.5 ms for it
     assert log.collecting
     log.layer(1, "fa4", {"blocks_selected": 3, "blocks_envelope": 10})
     log.layer(2, "triton (fp32)", {"blocks_selected": 5, "blocks_envelope": 10})
@@ -336,8 +336,10 @@ def test_step_log_reports_kernels_and_sparse_kept_fraction(capsys):
     args.curr_iteration = 1
     log.record(args, plan, 1.0)  # the next iteration flushes the first
     (it, figs), = log.written
-    assert it == 1 and set(figs) == set(FIGURES) | set(SPARSE_FIGURES)
+    assert it == 1 and set(figs) == set(FIGURES) | set(SPARSE_FIGURES) | set(PLANNING_FIGURES)
+    assert (figs["plan_ms"], figs["plan_wait_ms"]) == (4.0, 0.5)
     assert figs["sparse_kept_fraction"] == pytest.approx(0.4) and figs["sparse_kept_fraction_min_layer"] == 0.3
     assert log.kernels_written == [(1, "fa4, triton (fp32)")]
     line = capsys.readouterr().out
+    assert "planning 4.00 ms ahead, step waited 0.50 ms" in line
     assert "kernels fa4, triton (fp32)" in line and "sparse kept 0.400 of the mask's blocks (least in a layer 0.300)" in line

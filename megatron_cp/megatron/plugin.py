@@ -33,6 +33,7 @@ from . import rope
 from .arguments import OURS, add_megatron_cp_args, check_megatron_args, compose, dry_run, specs_from_args
 from .batch import plan_for_batch, prepare_batch
 from .loss import loss_func, record_documents
+from .plan_ahead import PlanAhead
 from .step_log import STEP_LOG
 
 _SAVED = "_megatron_cp_saved"
@@ -197,7 +198,7 @@ def plan_ahead_of(data_iterator, spec, options, cp_size: int):
     replay, so the planner goes below it, around the loader's iterator (``.iterable``), which it reads in
     order. Any other iterator is wrapped itself (once); one that cannot be weakly referenced (a built-in
     iterator such as ``iter(list)``, which a schedule may be handed) is returned as is and planned inline."""
-    from .plan_ahead import PlanAhead, plan_ahead
+    from .plan_ahead import plan_ahead
 
     def plan_fn(batch):
         plan_for_batch(batch["tokens"], spec, cp_size, options)
@@ -237,11 +238,14 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     if data_iterator is not None and ps.get_tensor_model_parallel_rank() == 0:  # each stage's reader plans ahead
         data_iterator = plan_ahead_of(data_iterator, spec, options, ps.get_context_parallel_world_size())
     tokens, labels, loss_mask, host_tokens = _broadcast_batch(data_iterator, args)
+    ahead = data_iterator if isinstance(data_iterator, PlanAhead) else getattr(data_iterator, "iterable", None)
+    planning = (ahead.plan_times[-1] * 1e3, ahead.waits[-1] * 1e3) if isinstance(ahead, PlanAhead) and ahead.waits \
+        else None
     cp_group = ps.get_context_parallel_group()
     t0 = time.perf_counter()
     bt = prepare_batch(tokens, labels, loss_mask, spec, cp_group, options, host_tokens=host_tokens)
     if getattr(model, "training", True):  # evaluation's micro-batches are not the step's
-        STEP_LOG.record(args, bt.params.plan, (time.perf_counter() - t0) * 1e3)
+        STEP_LOG.record(args, bt.params.plan, (time.perf_counter() - t0) * 1e3, planning)
     if spec.packed:  # Megatron's FLOPs count attention per document, as for its own packed (THD) batches
         record_documents(bt.cu_seqlens, model)
     output = model(bt.tokens, bt.position_ids, None, labels=bt.labels, loss_mask=bt.loss_mask,

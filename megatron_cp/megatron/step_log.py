@@ -8,7 +8,8 @@ line beside Megatron's iteration line (printed by the last rank, as that line is
 Figures (``FIGURES``, plus ``SPARSE_FIGURES`` under ``--cp-sparse``): the work imbalance of the micro-batches' plans (worst), the K/V bytes they move (all ranks,
 per micro-batch on average) and the most one rank receives, priced for the model's K/V heads per TP rank, head
 dim and dtype; and this rank's host time in ``prepare_batch`` (planning not done ahead, the checks, dispatch),
-the figure that shows a step waiting on the planner. Plans are pure, so every rank computes the same plan figures
+the figure that shows a step waiting on the planner, and where a planning thread runs its time per plan and how
+long the step waited for it (``PLANNING_FIGURES``). Plans are pure, so every rank computes the same plan figures
 without a collective; nothing is computed at iterations that are not logged. At logged iterations core attention
 also reports which kernel path ran (``kernels``: e.g. ``fa4``, or ``triton (<why FA4 could not>)``) and, for
 sparse layers, the blocks its selector kept out of the mask's (``sparse_kept_fraction``, over every sparse layer
@@ -20,10 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["StepLog", "FIGURES", "SPARSE_FIGURES", "STEP_LOG"]
+__all__ = ["StepLog", "FIGURES", "SPARSE_FIGURES", "PLANNING_FIGURES", "STEP_LOG"]
 
 FIGURES = ("plan_imbalance_max", "kv_bytes_per_microbatch", "max_kv_bytes_received", "prepare_batch_ms")
 SPARSE_FIGURES = ("sparse_kept_fraction", "sparse_kept_fraction_min_layer")
+PLANNING_FIGURES = ("plan_ms", "plan_wait_ms")  # where a planning thread runs (forward_step's, by default)
 
 
 class StepLog:
@@ -36,6 +38,7 @@ class StepLog:
         self.kernels: set[str] = set()  # kernel paths core attention ran in the held micro-batches
         self.kernels_written: list[tuple[int, str]] = []  # (iteration, kernel paths) of the lines printed
         self.sparse: dict[int, list] = {}  # layer number -> [blocks selected, blocks in the envelope]
+        self.planning: list[tuple[float, float]] = []  # (planning thread ms, step's wait ms) per held micro-batch
 
     @property
     def collecting(self) -> bool:
@@ -52,17 +55,20 @@ class StepLog:
             acc[0] += int(sparse_stats["blocks_selected"])
             acc[1] += int(sparse_stats["blocks_envelope"])
 
-    def record(self, args, plan, host_ms: float) -> None:
-        """One micro-batch's plan and this rank's host milliseconds in ``prepare_batch``."""
+    def record(self, args, plan, host_ms: float, planning: tuple[float, float] | None = None) -> None:
+        """One micro-batch's plan, this rank's host milliseconds in ``prepare_batch`` and, when a planning thread
+        made the plan (``plan_ahead.PlanAhead``), (its planning ms, ms the step waited for it)."""
         it = getattr(args, "curr_iteration", None)
         if it is None:  # outside Megatron's training loop: nothing to log against
             return
         if it != self.iteration:
             self.flush(args)
-            self.iteration, self.rows = it, []
+            self.iteration, self.rows, self.planning = it, [], []
             self.kernels, self.sparse = set(), {}
         if self._logged(args, it):
             self.rows.append((plan, float(host_ms)))
+            if planning is not None:
+                self.planning.append(planning)
 
     @staticmethod
     def _logged(args, it: int) -> bool:
@@ -81,6 +87,9 @@ class StepLog:
                     kv_bytes_per_microbatch=float(np.mean([s["bytes_moved"] for s in stats])),
                     max_kv_bytes_received=float(max(s["max_bytes_received"] for s in stats)),
                     prepare_batch_ms=float(np.mean([ms for _, ms in self.rows])))
+        if self.planning:
+            figs.update(plan_ms=float(np.mean([p for p, _ in self.planning])),
+                        plan_wait_ms=float(np.mean([w for _, w in self.planning])))
         layers = {n: a / e for n, (a, e) in self.sparse.items() if e}
         if layers:
             sel, env = (sum(v[i] for v in self.sparse.values()) for i in (0, 1))
@@ -94,7 +103,7 @@ class StepLog:
         it = self.iteration + 1
         figs = self.figures(args)
         kernels = ", ".join(sorted(self.kernels)) or "-"
-        self.rows, self.kernels, self.sparse = [], set(), {}
+        self.rows, self.kernels, self.sparse, self.planning = [], set(), {}, []
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
         from megatron.training.utils import print_rank_last
 
@@ -107,7 +116,10 @@ class StepLog:
         print_rank_last(f" [megatron-cp] iteration {it:8d} | plan imbalance (max) {figs['plan_imbalance_max']:.4f} | "
                         f"K/V moved per micro-batch {figs['kv_bytes_per_microbatch'] / 2**20:.2f} MiB | "
                         f"most received by a rank {figs['max_kv_bytes_received'] / 2**20:.2f} MiB | "
-                        f"prepare_batch {figs['prepare_batch_ms']:.2f} ms (host) | kernels {kernels}"
+                        f"prepare_batch {figs['prepare_batch_ms']:.2f} ms (host)"
+                        + (f" | planning {figs['plan_ms']:.2f} ms ahead, step waited {figs['plan_wait_ms']:.2f} ms"
+                           if "plan_ms" in figs else "")
+                        + f" | kernels {kernels}"
                         + (f" | sparse kept {figs['sparse_kept_fraction']:.3f} of the mask's blocks (least in a "
                            f"layer {figs['sparse_kept_fraction_min_layer']:.3f})" if "sparse_kept_fraction" in figs
                            else ""))
