@@ -1,6 +1,6 @@
 """megatron_cp.testing, the kit the other tests use: the fp64 reference against autograd through a plain
 masked softmax, the 2x-low-precision rule's numbers and message, run_ranks' results and failures, and the
-README's "Test your own masks" example run as written."""
+docs/support.md's "Test your own masks" example run as written."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import megatron_cp as mcp
 import megatron_cp.testing as mt
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+SUPPORT = pathlib.Path(__file__).resolve().parents[1] / "docs" / "support.md"
 
 
 def _inputs(sq, sk, hq, hkv, d, seed=0):
@@ -140,13 +140,13 @@ def test_run_ranks_results_and_failures():
         mt.run_ranks(_rank_returns_a_tensor, 2)
 
 
-def test_readme_example_runs_as_written():
-    text = README.read_text()
-    section = text[text.index("## Test your own masks"):text.index("## Further reading")]
+def test_support_doc_example_runs_as_written():
+    text = SUPPORT.read_text()
+    section = text[text.index("## Test your own masks"):]
     (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert len(code.strip().splitlines()) == 6  # the import line and five more
     scope = {}
-    exec(compile(code, "README.md", "exec"), scope)  # raises if the 2x rule breaks
+    exec(compile(code, "docs/support.md", "exec"), scope)  # raises if the 2x rule breaks
     ours, ref = scope["ours"], scope["ref"]
     assert ours.out.dtype == torch.bfloat16 and ours.lse.dtype == torch.float32 and ours.dk.shape == (64, 2, 16)
     errs = mt.low_precision_errors(ours, ref, scope["plain"])
