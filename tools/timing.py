@@ -12,6 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_cp.comm import all_gather_single
+
 
 class Timer:
     """Times one forward + backward step per iteration, two ways (medians of the slowest rank's times),
@@ -141,7 +143,7 @@ class Timer:
         # each rank's medians (GPU fwd, bwd, host issue fwd, bwd): where the slowest rank's time comes from
         mine = t.median(dim=0).values
         ranks = torch.empty(dist.get_world_size(group), 4, dtype=torch.float64, device=self.device)
-        dist.all_gather_into_tensor(ranks, mine, group=group)
+        all_gather_single(ranks, mine, group=group)
         self.b2b_ranks = ranks.tolist()
         t = t[:, :2].contiguous()
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)

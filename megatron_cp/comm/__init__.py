@@ -1,9 +1,9 @@
 """Communication primitives over torch.distributed (no planner, kernel or Megatron imports)."""
 
-from .collectives import all_gather_rows, all_to_all_v, check_same_on_all_ranks, wire
+from .collectives import all_gather_rows, all_gather_single, all_to_all_v, check_same_on_all_ranks, wire
 from .routes import COMM_LEAD_US, BufferPool, DeviceRoute, cast_steps, comm_lead, device_pool, grad_buffer, reduce_steps
 
 __all__ = [
-    "all_gather_rows", "all_to_all_v", "check_same_on_all_ranks", "wire",
+    "all_gather_rows", "all_gather_single", "all_to_all_v", "check_same_on_all_ranks", "wire",
     "BufferPool", "DeviceRoute", "cast_steps", "COMM_LEAD_US", "comm_lead", "device_pool", "grad_buffer", "reduce_steps",
 ]

@@ -11,6 +11,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# newer torch names the one-buffer all-gather all_gather_single and warns on all_gather_into_tensor; the GPU
+# machines' torch 2.11 has only the old name
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def wire(t: torch.Tensor) -> torch.Tensor:
     """gloo lacks 16-bit dtypes: a pure data move on CPU travels as bytes (a view, no copy)."""
@@ -47,7 +51,7 @@ def all_gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
     pad, cp = max(counts), len(counts)
     buf = x if x.shape[0] == pad else torch.cat([x, x.new_zeros((pad - x.shape[0],) + tuple(x.shape[1:]))])
     out = x.new_empty((cp * pad,) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(wire(out), wire(buf.contiguous()), group=group)
+    all_gather_single(wire(out), wire(buf.contiguous()), group=group)
     if all(c == pad for c in counts):
         return out
     return torch.cat([out[i * pad: i * pad + c] for i, c in enumerate(counts)])

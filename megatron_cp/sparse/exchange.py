@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from ..comm import all_to_all_v
+from ..comm import all_gather_single, all_to_all_v
 from ..kernels import accumulate_dtype
 from .layout import SparseLayout
 
@@ -87,7 +86,7 @@ def route(need: torch.Tensor, lay: DeviceLayout, group, whole: bool = False) -> 
         needs = need[None]
     else:
         needs = torch.empty(cp * nb, dtype=torch.uint8, device=need.device)
-        dist.all_gather_into_tensor(needs, need.to(torch.uint8).contiguous(), group=group)
+        all_gather_single(needs, need.to(torch.uint8).contiguous(), group=group)
         needs = needs.view(cp, nb).bool()
     ranks = torch.arange(cp, device=need.device)
     own = lay.owner == me
