@@ -161,3 +161,23 @@ def test_throughput_tiny_on_cpu(tmp_path):
     assert {b["best_baseline"] for b in s["vs_best_baseline"]} == {"ring"}
     with pytest.raises(SystemExit):
         thr.main(["--size", "tiny", "--cpu", "--impls", "megatron_cp,te", "--out", str(out)])
+
+
+def test_profile_summary_sorts_device_work_by_kind():
+    """The profiled step's GPU time by kind from torch.profiler's events: NCCL kernels are communication, FA4 /
+    Triton / cuDNN attention kernels attention, every other device event the rest; host events are left out."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from tiny_llama.convergence import profile_summary
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, us, dev=cuda):
+        return NS(name=name, device_type=dev, time_range=NS(elapsed_us=lambda us=us: us))
+
+    events = [ev("ncclDevKernel_AllToAll", 3000), ev("flash_fwd_sm90_kernel", 5000), ev("_attn_bwd", 2000),
+              ev("ampere_bf16_gemm", 4000), ev("Memcpy HtoD (Pageable -> Device)", 500), ev("aten::mm", 9999, cpu)]
+    got = profile_summary(NS(events=lambda: events), 0.02)
+    assert got == dict(step_ms=20.0, attention_ms=7.0, communication_ms=3.0, rest_ms=4.5)

@@ -14,11 +14,8 @@ into an fp32 main gradient, AdamW on fp32 master weights, clipping by the fp32 g
 from __future__ import annotations
 
 import datetime
-import json
 import math
-import os
 import platform
-import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field, replace
@@ -381,22 +378,14 @@ def profile_summary(prof, step_s: float) -> dict:
     """GPU time of one profiled step by kind, milliseconds: ``attention`` (attention kernels), ``communication``
     (NCCL kernels: the CP exchange and the gradient reductions), ``rest`` (every other kernel, copy and set),
     summed over this rank's streams (overlapping streams can sum past the step), beside the step's wall time."""
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    finally:
-        os.remove(path)
     kinds = dict(attention=0.0, communication=0.0, rest=0.0)
-    for e in events:
-        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+    for e in prof.events():  # the device's work: kernels, copies and sets, as torch.profiler records them
+        if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        name = e.get("name", "").lower()
+        name = e.name.lower()
         kind = "communication" if any(k in name for k in _COMM) else \
             "attention" if any(k in name for k in _ATTN) else "rest"
-        kinds[kind] += e.get("dur", 0) / 1e3
+        kinds[kind] += e.time_range.elapsed_us() / 1e3
     return dict(step_ms=step_s * 1e3, **{f"{k}_ms": v for k, v in kinds.items()})
 
 
