@@ -49,9 +49,9 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
 import megatron_cp as mcp
+from megatron_cp.gating import gated_attention, pattern_attention
 from megatron_cp.runtime import apply_sink, plan_cache, resolve_backend
 from megatron_cp.runtime.state import fingerprint, input_fields, verify_plan
-from megatron_cp.gating import gated_attention, pattern_attention
 
 from .params import CPParams
 from .step_log import STEP_LOG

@@ -33,10 +33,14 @@ class StepLog:
 
     def __init__(self):
         self.iteration = None  # Megatron's args.curr_iteration of the micro-batches held
-        self.rows: list[tuple] = []
         self.written: list[tuple[int, dict]] = []  # (iteration, figures) written so far, newest last
-        self.kernels: set[str] = set()  # kernel paths core attention ran in the held micro-batches
         self.kernels_written: list[tuple[int, str]] = []  # (iteration, kernel paths) of the lines printed
+        self._clear()
+
+    def _clear(self) -> None:
+        """Drop the held micro-batches' figures."""
+        self.rows = []
+        self.kernels: set[str] = set()  # kernel paths core attention ran in the held micro-batches
         self.sparse: dict[int, list] = {}  # layer number -> [blocks selected, blocks in the envelope]
         self.planning: list[tuple[float, float]] = []  # (planning thread ms, step's wait ms) per held micro-batch
 
@@ -63,8 +67,8 @@ class StepLog:
             return
         if it != self.iteration:
             self.flush(args)
-            self.iteration, self.rows, self.planning = it, [], []
-            self.kernels, self.sparse = set(), {}
+            self._clear()
+            self.iteration = it
         if self._logged(args, it):
             self.rows.append((plan, float(host_ms)))
             if planning is not None:
@@ -103,7 +107,7 @@ class StepLog:
         it = self.iteration + 1
         figs = self.figures(args)
         kernels = ", ".join(sorted(self.kernels)) or "-"
-        self.rows, self.kernels, self.sparse, self.planning = [], set(), {}, []
+        self._clear()
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
         from megatron.training.utils import print_rank_last
 

@@ -356,12 +356,9 @@ def choose_schedule(plan: Plan, stages: int | None, cost: CostModel, work: Workl
     if stages is not None:
         return schedule(plan, stages, cost=cost, work=work, hierarchical=hierarchical)
     topo = plan.topology if hierarchical else None
-    if plan.cp_size == 1 or not any(r.num_remote for r in plan.ranks):
-        return None
     # price the candidates first and build the staged schedule (routes, per-stage tiles) only when it
     # wins: for packed documents the single exchange usually does, and the build is half the choice's cost
-    one = _stage_tiles(plan, _stage_ids(plan, 1, topo), [rp.traps for rp in plan.ranks])
-    n, preds = choose_num_stages(plan, cost, work, topo, tiles_one=one)
+    one, n, preds = _priced(plan, cost, work, topo)
     if n == 0:
         return None
     if not (topo is not None and topo.nodes > 1):
@@ -389,15 +386,22 @@ def schedule(
     cost = cost or CostModel()
     work = work or Workload()
     topo = plan.topology if hierarchical else None
-    preds = {}
-    one = None
+    preds, one = {}, None
     if num_stages is None:
-        if plan.cp_size > 1 and any(r.num_remote for r in plan.ranks):
-            one = _stage_tiles(plan, _stage_ids(plan, 1, topo), [rp.traps for rp in plan.ranks])
-        num_stages, preds = choose_num_stages(plan, cost, work, topo, tiles_one=one)
+        one, num_stages, preds = _priced(plan, cost, work, topo)
     if plan.cp_size == 1:
         num_stages = 0
     return _build(plan, num_stages, cost, work, topo, one, preds)
+
+
+def _priced(plan: Plan, cost: CostModel, work: Workload, topo: Topology | None):
+    """(the one-stage tiles, or None when nothing moves; the stage count the cost model picks; every
+    candidate's predicted fwd + bwd time)."""
+    one = None
+    if plan.cp_size > 1 and any(r.num_remote for r in plan.ranks):
+        one = _stage_tiles(plan, _stage_ids(plan, 1, topo), [rp.traps for rp in plan.ranks])
+    n, preds = choose_num_stages(plan, cost, work, topo, tiles_one=one)
+    return one, n, preds
 
 
 def _build(plan: Plan, num_stages: int, cost: CostModel, work: Workload, topo: Topology | None, one, preds: dict
