@@ -536,3 +536,39 @@ def test_prebuild_chooses_the_exchange_the_attention_then_uses(monkeypatch):
         mcp.runtime.prebuild(plan, (4, 2, 16, 4))
     with pytest.raises(ValueError, match="cost_model must be a CostModel"):
         mcp.runtime.prebuild(plan, Workload(), cost_model="fast")
+
+
+def test_prebuild_with_rank_and_device_builds_the_state_the_call_uses():
+    """Given rank and device, prebuild builds the rank's whole execution state (and an FA4 list's launch
+    metadata for both directions): the attention's first call finds that very state, builds nothing, and
+    gives the same result as a call on a plan nobody prebuilt."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_fa4_backend import EMULATED
+
+    from megatron_cp.kernels import FA4Backend
+    from megatron_cp.runtime import state
+
+    mask = M.varlen([0, 40, 100, 256], causal=True)
+    work = Workload(4, 2, 16, 8)
+    plan, fresh = mcp.plan(mask, 1), mcp.plan(mask, 1)
+    mcp.runtime.prebuild(plan, work, rank=0, device="cpu", backend="reference")
+    built = state.states_of(plan)
+    assert len(built) == 1
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(256, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    out, lse = mcp.attention(q, k, v, plan, backend="reference")
+    assert len(state.states_of(plan)) == 1 and state.states_of(plan)[0] is built[0]
+    want, want_lse = mcp.attention(q, k, v, fresh, backend="reference")
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+
+    fa4 = mcp.plan(mask, 1)  # a backend with launch metadata: both directions' on the device ahead
+    mcp.runtime.prebuild(fa4, work, rank=0, device="cpu", backend=FA4Backend(functions=EMULATED))
+    prepared = state.states_of(fa4)[0].prepared_lists()
+    assert prepared and all({key[1] for key in p._device} == {"fwd", "bwd"} for p in prepared)
+    with pytest.raises(ValueError, match="both rank and device"):
+        mcp.runtime.prebuild(plan, work, rank=0)
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 1\)"):
+        mcp.runtime.prebuild(plan, work, rank=1, device="cpu")

@@ -248,6 +248,20 @@ def test_planning_ahead_chooses_the_exchange_off_the_step(fresh_cache, monkeypat
     assert chooser == []
 
 
+def test_planning_ahead_builds_the_rank_state_given_state_on(fresh_cache):
+    """With ``PlanOptions.state_on`` (CP rank, device, stream: what the plugin sets on a GPU) the planning thread
+    builds that rank's execution state for the plan too, with the options' kernel backend; without it, none."""
+    from megatron_cp.runtime import state
+
+    work = mcp.planner.Workload(8, 2, 128, 4)
+    opts = B.PlanOptions(workload=work, kernel_backend="reference", state_on=(1, torch.device("cpu"), None))
+    plan, _ = B.plan_for_batch(_tokens(10), SPEC, CP, opts)
+    (st,) = state.states_of(plan)
+    assert st.rank == 1 and st.backend.name == "reference" and st.s_local == plan.num_local(1)
+    bare, _ = B.plan_for_batch(_tokens(11), SPEC, CP, B.PlanOptions(workload=work))
+    assert state.states_of(bare) == []
+
+
 def test_attention_workload_from_megatron_flags():
     """The plugin's per-sequence attention shape: heads and query groups per TP rank, kv_channels (else
     hidden / heads), 2 bytes under --bf16 / --fp16; none under MLA or heads the TP size does not divide."""

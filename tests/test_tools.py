@@ -442,6 +442,10 @@ def test_bench_train_runs_fresh_plans_per_micro_batch(tmp_path):
         assert r["seqlen"] == 128 and r["layers"] == 2 and r["gpu_ms"] is None
         assert r["step_ms"] > 0 and r["first_call_ms"] > 0 and r["call_ms"] > 0 and r["plan_ms"] > 0
     assert "tokens/GPU  megatron-cp: step" in out.stdout
+    # rank 0's host profile of one more megatron-cp step: the attention's forward among its functions
+    prof = (tmp_path / "host_profile_megatron-cp_64.txt").read_text()
+    assert "function calls" in prof and "runtime/attention.py" in prof
+    assert not list(tmp_path.glob("host_profile_ring_*"))
     bad = subprocess.run([sys.executable, str(TOOLS / "bench_train.py"), "--cpu", "--impls", "te"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--impls: 'te' is not one of megatron-cp, ring" in bad.stderr

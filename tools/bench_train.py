@@ -8,26 +8,32 @@ Per implementation (megatron-cp and the baselines ring, ulysses, usp, allgather)
 micro-batch draws new document lengths (lognormal, sigma 1, median min(1500, S/64), clipped to [64, S/4]; the
 same on every rank and for every implementation), a background thread plans the next micro-batches as the
 Megatron plugin does (``megatron.PlanAhead`` over ``plan_for_batch``'s work: the plan, and megatron-cp's exchange
-choice, ``runtime.prebuild``), and the step runs ``--layers`` attention calls forward (each layer its own q, k, v),
-then their backward, micro-batch after micro-batch, with no synchronisation inside a step. Reported (rank 0, the
+choice and execution state, ``runtime.prebuild``), and the step runs ``--layers`` attention calls forward (each
+layer its own q, k, v), then their backward, micro-batch after micro-batch, with no synchronisation inside a step. Reported (rank 0, the
 slowest rank's figures where they differ):
 
 - ``step_ms``: wall time of a step of ``--micro-batches`` micro-batches (median over the timed steps);
 - ``gpu_ms``: the device time inside one such step (kernels and copies of rank 0, intervals merged over its
   streams, torch.profiler; CUDA only): ``step_ms / gpu_ms`` is how much the host adds;
-- ``first_call_ms`` / ``call_ms``: host time to issue a micro-batch's first layer call (its plan's runtime state is
-  built there) and the median of the other forward calls;
+- ``first_call_ms`` / ``call_ms``: host time to issue a micro-batch's first layer call (the cross-rank plan check
+  waits there) and the median of the other forward calls;
 - ``plan_ms``: the planning thread's time per micro-batch, ``wait_ms`` what the step waited on it.
 
-Writes ``bench_train_<world>x<device>_<date>.json`` into ``--out-dir`` after every implementation.
+Writes ``bench_train_<world>x<device>_<date>.json`` into ``--out-dir`` after every implementation, and
+``host_profile_megatron-cp_<tokens per GPU>.txt``: rank 0's host time by function over one more step (cProfile,
+which on Python 3.12 sees the planning thread too).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import datetime
+import io
 import json
 import os
+import pstats
 import sys
 import time
 
@@ -61,12 +67,14 @@ def micro_batch_masks(seqlen: int, count: int, seed: int) -> list:
             for _ in range(count)]
 
 
-def _planner(impl: str, cp: int, work: Workload):
-    """mask -> (plan, attention function of (q, k, v, plan, group)): what the planning thread makes."""
+def _planner(impl: str, cp: int, work: Workload, rank: int, device):
+    """mask -> (plan, attention function of (q, k, v, plan, group)): what the planning thread makes (for
+    megatron-cp with the rank's execution state, on the stream the step runs on, as the plugin does)."""
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     if impl == "megatron-cp":
         def make(mask):
             plan = mcp.plan(mask, cp)
-            mcp.runtime.prebuild(plan, work)
+            mcp.runtime.prebuild(plan, work, rank=rank, device=device, stream=stream)
             return plan
         return make, lambda q, k, v, plan, group: mcp.attention(q, k, v, plan, group)[0]
     fn = get_strategy(impl)
@@ -88,8 +96,8 @@ def _busy_ms(prof) -> float:
 def bench(impl: str, seqlen: int, args, ctx) -> dict:
     rank, cp, device, group, dtype = ctx["rank"], ctx["cp"], ctx["device"], ctx["group"], ctx["dtype"]
     work = Workload(args.heads, args.kv_heads, args.head_dim, torch.finfo(dtype).bits // 8)
-    make, attend = _planner(impl, cp, work)
-    steps = args.warmup + args.steps + (1 if device.type == "cuda" else 0)
+    make, attend = _planner(impl, cp, work, rank, device)
+    steps = args.warmup + args.steps + (2 if device.type == "cuda" else 1)
     masks = micro_batch_masks(seqlen, steps * args.micro_batches, args.seed)
     plans: dict[int, object] = {}
     ahead = PlanAhead(iter(range(len(masks))), lambda i: plans.__setitem__(i, make(masks[i])), depth=2)
@@ -136,6 +144,16 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
             step(False)
             sync()
         busy = _busy_ms(prof)
+    # where the host's time goes: one more step, rank 0's under cProfile (every rank joins its collectives)
+    with cProfile.Profile() if rank == 0 and impl == "megatron-cp" else contextlib.nullcontext() as host_prof:
+        step(False)
+        sync()
+    if host_prof is not None:
+        text = io.StringIO()
+        pstats.Stats(host_prof, stream=text).sort_stats("tottime").print_stats(30)
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, f"host_profile_{impl}_{seqlen // cp}.txt"), "w") as f:
+            f.write(text.getvalue())
     ahead.close()
     mine = torch.tensor([float(np.median(step_ms)), float(np.median(first)), float(np.median(calls or [0.0]))],
                         dtype=torch.float64, device=device)

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from ..kernels import accumulate_dtype
+from ..kernels import accumulate_dtype, upload
 from ..masks import geometry
 from ..planner import Plan
 from ..runtime import check_inputs, plan_cache, plan_rank, resolve_backend
@@ -98,7 +98,7 @@ def global_order(plan: Plan, device):
             return None, None
         perm = np.empty_like(ids)
         perm[ids] = np.arange(len(ids))
-        return torch.from_numpy(perm).to(device), torch.from_numpy(ids).to(device)
+        return upload(perm, device), upload(ids, device)
 
     return cached(plan, ("global_order", str(device)), build)
 

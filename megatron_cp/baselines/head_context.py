@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..planner import Plan, group_plan
 from ..planner.layout import default_degree, group_order, head_context_degree, kv_head_repeat
+from ..kernels import upload
 from ..runtime import CostModel, attention
 from .common import cached, repeat_kv, setup
 from .ulysses import to_heads, to_seq
@@ -84,7 +85,7 @@ def _group_order(plan: Plan, u: int, g: int, device):
 
     def build():
         p = group_order(plan, u, g)
-        return None if p is None else (torch.from_numpy(p).to(device), torch.from_numpy(np.argsort(p)).to(device))
+        return None if p is None else (upload(p, device), upload(np.argsort(p), device))
 
     return cached(plan, ("head_context_order", u, g, str(device)), build)
 

@@ -86,7 +86,9 @@ class DeviceRoute:
 
     @classmethod
     def from_route(cls, r, device) -> "DeviceRoute":
-        t = lambda a: None if a is None else torch.from_numpy(a).to(device)  # noqa: E731
+        # pinned and non_blocking: a plain .to(cuda) would synchronise the host with the queued kernels
+        t = lambda a: None if a is None else (torch.from_numpy(a).pin_memory().to(device, non_blocking=True)
+                                              if torch.device(device).type == "cuda" else torch.from_numpy(a))  # noqa: E731
         out = np.asarray(r.out_idx, dtype=np.int64) - r.n_local
         n_cat = int(sum(r.a_recv_counts)) + (int(sum(r.b_recv_counts)) if r.b_recv_counts is not None else 0)
         identity = len(out) == n_cat and bool(np.array_equal(out, np.arange(n_cat)))

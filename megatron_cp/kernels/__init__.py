@@ -23,6 +23,7 @@ from .rows import copy_rows, reduce_rows
 from .tiles import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, KIND_CODES, check_tiles
 from .triton_backend import DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonBackend, TritonConfig, configs_from_json
 from .triton_blocks import kept_area
+from .upload import upload
 
 __all__ = [
     "Backend",
@@ -52,4 +53,5 @@ __all__ = [
     "reduce_rows",
     "merge",
     "pieces",
+    "upload",
 ]

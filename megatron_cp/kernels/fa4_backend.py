@@ -39,6 +39,7 @@ from .merge import merge_into
 from .protocol import accumulate_dtype, check_running
 from .tiles import check_tiles
 from .triton_backend import TritonBackend, TritonConfig
+from .upload import upload
 
 FA4_BWD_MAX_HEAD_DIM = 192  # FA4's sm90 backward (flash_bwd_sm90) supports head_dim <= 192
 FA4_ARCHS = (9, 10)  # sm90 (Hopper), sm100 (Blackwell)
@@ -195,12 +196,12 @@ class Fa4Prepared:
         if route == "blocks":
             b = c.blocks
             lists = b.fwd if direction == "fwd" else b.bwd
-            t = [torch.from_numpy(a).to(device)[None, None] for a in lists]  # heads and batch broadcast
+            t = [upload(a, device)[None, None] for a in lists]  # heads and batch broadcast
             kw = {"block_sparse_tensors": fns.block_sparse(*t, block_size=(BLOCK, BLOCK))}
             if b.band is not None:
                 kw["mask_mod"] = fns.band_mask(*b.band)
             else:
-                kw.update(mask_mod=fns.interval_masks[b.intervals], aux_tensors=[torch.from_numpy(b.bounds).to(device)])
+                kw.update(mask_mod=fns.interval_masks[b.intervals], aux_tensors=[upload(b.bounds, device)])
             got = [Run(True, kw, ((0, c.seqlen_q),), ((0, c.seqlen_k),))]
         else:
             got = []
@@ -208,7 +209,7 @@ class Fa4Prepared:
                 kw = {"causal": call.causal, "window_size_left": None if call.causal else call.left,
                       "window_size_right": None if call.causal else call.right}
                 if not call.dense:
-                    kw.update({n: torch.from_numpy(a).to(device) for n, a in call.arrays().items()})
+                    kw.update({n: upload(a, device) for n, a in call.arrays().items()})
                     kw.update(max_seqlen_q=call.max_q, max_seqlen_k=call.max_k)
                 got.append(Run(call.dense, kw, tuple(call.row_spans()), tuple(call.key_spans())))
         self._device[key] = got
@@ -303,6 +304,17 @@ class FA4Backend:
         check_tiles(tiles, seqlen_q, seqlen_k)
         tiles = tiles.to("cpu", torch.int32).contiguous()
         return Fa4Prepared(fa4_calls(tiles.numpy(), seqlen_q, seqlen_k), tiles, tuple(head_dims))
+
+    def upload(self, prepared: Fa4Prepared, device) -> None:
+        """Both directions' launch metadata (cu_seqlens, block lists) on ``device`` now, ahead of the first
+        call (``runtime.prebuild``, in a planning thread); nothing where FA4 is not installed or the list
+        runs on Triton."""
+        device = torch.device(device)
+        if self._functions is None and fa4_unavailable(device) is not None:
+            return
+        for direction in ("fwd", "bwd"):
+            if prepared.calls.route(direction) != "triton":
+                self._runs(prepared, direction, device)
 
     def _runs(self, prepared: Fa4Prepared, direction: str, device) -> list[Run]:
         return prepared.runs(direction, device, self.functions, self.config.deterministic)

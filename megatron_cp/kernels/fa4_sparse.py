@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .fa4_calls import BLOCK, MASK_INTERVALS, BlockLists, _fused, block_lists, segment_of
+from .upload import upload
 
 FA4_SPARSE_BWD_MAX_HEAD_DIM = 128  # see the module doc: 128 x 128 blocks in FA4's backward tiles
 
@@ -62,9 +63,9 @@ class SparseStatic:
         key = str(device)
         got = self._device.get(key)
         if got is None:
-            c = torch.from_numpy(self.classes).to(device)
+            c = upload(self.classes, device)
             b = self.blocks
-            aux = None if b is None or b.band is not None else [torch.from_numpy(b.bounds).to(device)]
+            aux = None if b is None or b.band is not None else [upload(b.bounds, device)]
             got = self._device[key] = (c == 2, c == 1, aux)
         return got
 

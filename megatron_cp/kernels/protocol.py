@@ -60,6 +60,9 @@ Members
     ``backward``'s gradients added into running sums ``dq [sq, Hq, D]``, ``dk``/``dv [sk, Hkv, D]`` of
     ``accumulate_dtype(q.dtype)`` (dk/dv may be strided views of one ``[sk, 2*Hkv, D]`` buffer), without
     rounding them to q's dtype first.
+``upload(prepared, device) -> None`` (optional)
+    Puts the list's device-side launch metadata on ``device`` ahead of the first call (the runtime calls it
+    from ``prebuild``, off the step); a backend without it builds that metadata on first use.
 """
 
 from __future__ import annotations

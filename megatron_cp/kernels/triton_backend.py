@@ -35,6 +35,7 @@ from .triton_delta import block_dim, head_major, row_delta
 from .triton_fwd import LOG2E, attn_fwd_kernel
 from .triton_blocks import BlockSchedule, build_schedules, tile_descriptors
 from .triton_sparse import head_schedule, kernel_blocks, static_entries
+from .upload import upload
 
 __all__ = ["BLOCKY_FULL_FRACTION", "DEFAULT_CONFIGS", "KernelConfig", "LONG_ROW_KEYS", "PhaseConfigs", "TritonBackend",
            "TritonConfig", "TritonPrepared", "CudnnSplit", "configs_from_json"]
@@ -166,7 +167,7 @@ class TritonPrepared:
                 self._host[(block_m, block_n)] = build_schedules(
                     self.tiles, self.seqlen_q, self.seqlen_k, block_m, block_n, self.split_min)
             rows, cols = self._host[(block_m, block_n)]
-            self._dev[key] = (self.desc.to(device), rows.to(device), cols.to(device))
+            self._dev[key] = (upload(self.desc, device), rows.to(device), cols.to(device))
         return self._dev[key]
 
     def keep_schedule(self, block_m: int, block_n: int, keep, rows: bool) -> tuple[torch.Tensor, BlockSchedule]:

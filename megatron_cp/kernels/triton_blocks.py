@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .tiles import BI_CAUSAL, CAUSAL, INV_CAUSAL
+from .upload import upload
 
 _BIG = 1 << 30  # "no band limit"; |k - q| < 2^30 for every supported length
 
@@ -64,8 +65,8 @@ class BlockSchedule:
 
     def to(self, device) -> "BlockSchedule":
         return BlockSchedule(
-            self.ptr.to(device), self.mid.to(device), self.order.to(device), self.off.to(device),
-            self.tile.to(device), self.n_full, self.n_partial, None if self.work is None else self.work.to(device),
+            upload(self.ptr, device), upload(self.mid, device), upload(self.order, device), upload(self.off, device),
+            upload(self.tile, device), self.n_full, self.n_partial, None if self.work is None else self.work.to(device),
             self.n_busy,
         )
 
@@ -90,7 +91,7 @@ class ColumnWork:
     n_slots: int
 
     def to(self, device) -> "ColumnWork":
-        f = lambda x: x.to(device)  # noqa: E731
+        f = lambda x: upload(x, device)  # noqa: E731
         return ColumnWork(f(self.n), f(self.seg), f(self.nseg), f(self.slot), f(self.red_n), f(self.red_slot0),
                           f(self.red_nseg), self.n_slots)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .triton_blocks import BlockSchedule, ColumnWork
+from .upload import upload
 
 
 @dataclass
@@ -66,7 +67,7 @@ def static_entries(sched: BlockSchedule, major_block: int, keep_block: int, n_ke
         zero = torch.zeros(nb, dtype=torch.int32, device=device)
         none = torch.zeros(0, dtype=torch.int32, device=device)
         work = (zero, zero + 1, zero - 1, none)
-    return StaticEntries((qb * n_keep_k + kb).to(device), bounds.to(device), entries.to(device), nb, work)
+    return StaticEntries(upload(qb * n_keep_k + kb, device), upload(bounds, device), upload(entries, device), nb, work)
 
 
 def head_schedule(st: StaticEntries, mask: torch.Tensor, n_full: int = 0, n_partial: int = 0) -> BlockSchedule:

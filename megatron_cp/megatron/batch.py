@@ -28,6 +28,7 @@ import torch
 
 import megatron_cp as mcp
 
+from megatron_cp.kernels import upload
 from megatron_cp.planner import Workload, plan_like
 
 from .params import CPParams
@@ -90,6 +91,9 @@ class PlanOptions:
     # the attention inputs' shape per sequence (query heads, key/value heads, head_dim, bytes per element: a
     # planner Workload): where known, planning ahead also chooses each plan's exchange (runtime.prebuild)
     workload: object = None
+    # (CP rank, device, stream) of the rank that plans: planning ahead then also builds that rank's execution
+    # state for the plan (runtime.prebuild: index tensors, prepared tiles, launch metadata) on that stream
+    state_on: tuple | None = None
 
     @property
     def block(self) -> int:
@@ -239,7 +243,8 @@ def plan_for_batch(tokens, spec: MaskSpec, cp_size: int, options: PlanOptions = 
 
 def _batch_plan(tok: np.ndarray, spec: MaskSpec, cp_size: int, options: PlanOptions):
     """(plan, strategy, document bounds, cache key) of host tokens ``tok`` [b, S]: the checks, the cached plan and,
-    given ``options.workload``, the exchange of the attention's first call on it (``runtime.prebuild``)."""
+    given ``options.workload``, the exchange of the attention's first call on it and, given ``options.state_on``,
+    that rank's execution state (``runtime.prebuild``)."""
     if tok.ndim != 2:
         raise ValueError(f"tokens must be [b, S], got shape {tuple(tok.shape)}")
     b, S = tok.shape
@@ -255,7 +260,8 @@ def _batch_plan(tok: np.ndarray, spec: MaskSpec, cp_size: int, options: PlanOpti
     w = options.workload
     if w is not None and strategy == "megatron_cp" and options.sparse is None and options.gating is None:
         # core attention folds the micro-batch's b sequences into heads
-        mcp.runtime.prebuild(plan, Workload(b * w.num_heads, b * w.num_kv_heads, w.head_dim, w.dtype_bytes))
+        on = dict(zip(("rank", "device", "stream"), options.state_on or ()), backend=options.kernel_backend)
+        mcp.runtime.prebuild(plan, Workload(b * w.num_heads, b * w.num_kv_heads, w.head_dim, w.dtype_bytes), **on)
     return plan, strategy, cu, plan_key
 
 
@@ -311,8 +317,8 @@ def prepare_batch(
             mcp.masks.streaming_within(build_mask(spec, cu, b, S), g.sink, g.window), plan))
     elif gating is not None:
         raise ValueError("prepare_batch(gating=...) needs PlanOptions.gating (sink, window) for the streaming plan")
-    ids = torch.from_numpy(np.ascontiguousarray(plan.local_ids(cp_rank))).to(tokens.device)
-    pos = torch.from_numpy(positions_from_bounds(cu)).to(tokens.device)
+    ids = upload(plan.local_ids(cp_rank), tokens.device)
+    pos = upload(positions_from_bounds(cu), tokens.device)
 
     def take(x):
         return None if x is None else x.reshape(-1).index_select(0, ids).unsqueeze(0)

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_gather_rows
+from ..kernels import upload
 from ..planner import Plan
 from .groups import plan_rank
 from .state import plan_cache
@@ -17,7 +18,7 @@ def _ids(plan: Plan, rank: int, device) -> torch.Tensor:
     key = ("ids", rank, str(device))
     t = cache.get(key)
     if t is None:
-        t = cache[key] = torch.from_numpy(plan.local_ids(rank)).to(device)
+        t = cache[key] = upload(plan.local_ids(rank), device)
     return t
 
 
@@ -57,7 +58,7 @@ def _gather(x_local: torch.Tensor, plan: Plan, group, seq_dim: int) -> torch.Ten
         ids = np.concatenate([plan.local_ids(r) for r in range(plan.cp_size)])
         inv = np.empty_like(ids)
         inv[ids] = np.arange(len(ids))
-        order = cache[key] = torch.from_numpy(inv).to(x.device)
+        order = cache[key] = upload(inv, x.device)
     full = rows.index_select(0, order)
     return full.movedim(0, seq_dim)
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..comm import all_to_all_v, device_pool
-from ..kernels import accumulate_dtype
+from ..kernels import accumulate_dtype, upload
 from ..planner import Plan
 from .merge import merge_lse
 
@@ -45,7 +45,7 @@ def guest_runtime(plan: Plan, rank: int, device, backend) -> GuestRuntime:
     for c in send_counts:
         if c:
             pos = np.searchsorted(rows, send[off:off + c])
-            merge.append((slice(off, off + c), torch.from_numpy(pos.astype(np.int64)).to(device)))
+            merge.append((slice(off, off + c), upload(pos.astype(np.int64), device)))
         off += c
     n_recv = sum(recv_counts)
     prepared = None
@@ -53,10 +53,10 @@ def guest_runtime(plan: Plan, rank: int, device, backend) -> GuestRuntime:
         tiles = torch.from_numpy(rp.guest_tiles.astype("int32"))
         prepared = backend.prepare(tiles, n_recv, rp.num_tokens)
     gr = GuestRuntime(
-        send=torch.from_numpy(send).to(device),
+        send=upload(send, device),
         send_counts=send_counts,
         recv_counts=recv_counts,
-        rows=torch.from_numpy(rows.astype(np.int64)).to(device),
+        rows=upload(rows.astype(np.int64), device),
         merge=merge,
         prepared=prepared,
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels.rows import copy_rows
+from ..kernels import copy_rows, upload
 
 MAX_RUNS = 1  # more runs than this: one indexed row-copy kernel instead of slice copies
 
@@ -51,8 +51,8 @@ class RowMap:
         self.gatherable = dst_idx is None
         self.runs = runs_of(d, s)
         self.indexed = len(self.runs) > (MAX_RUNS if max_runs is None else max_runs)
-        self.dst_t = None if (dst_idx is None or not self.indexed) else torch.from_numpy(d).to(device)
-        self.src_t = None if (src_idx is None or not self.indexed) else torch.from_numpy(s).to(device)
+        self.dst_t = None if (dst_idx is None or not self.indexed) else upload(d, device)
+        self.src_t = None if (src_idx is None or not self.indexed) else upload(s, device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Apply in place (dtype conversion included)."""

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import BufferPool, DeviceRoute, device_pool
-from ..kernels import Backend
+from ..kernels import Backend, upload
 from ..planner import Plan, Workload
 from . import guests
 from .cost import CostModel
@@ -77,6 +77,14 @@ class RankRuntime:
     staged: StagedExchange | None
     guests: guests.GuestRuntime | None
     pool: BufferPool
+
+    def prepared_lists(self) -> list:
+        """Every tile list this state prepared with its backend (the single exchange's, each stage's, the
+        guest rows')."""
+        out = [self.single.prepared] if self.single is not None else [p for p in self.staged.prepared if p is not None]
+        if self.guests is not None and self.guests.prepared is not None:
+            out.append(self.guests.prepared)
+        return out
 
 
 _STATES: "weakref.WeakKeyDictionary[Plan, dict]" = weakref.WeakKeyDictionary()
@@ -194,9 +202,9 @@ def _single(plan: Plan, rank: int, device, backend: Backend, exchanges: bool) ->
         send=RowMap(None, send_index, device),
         own_rows=RowMap(None, own_pos, device),
         recv_rows=RowMap(None, recv_pos, device),
-        red_rows=torch.from_numpy(red_rows.astype(np.int64)).to(device),
-        red_ptr=torch.from_numpy(red_ptr.astype(np.int64)).to(device),
-        red_pos=torch.from_numpy(red_order.astype(np.int64)).to(device),
+        red_rows=upload(red_rows.astype(np.int64), device),
+        red_ptr=upload(red_ptr.astype(np.int64), device),
+        red_pos=upload(red_order.astype(np.int64), device),
         prepared=backend.prepare(torch.from_numpy(rp.tiles.astype("int32")), rp.num_tokens, buffer_len),
         identity=(not exchanges or plan.cp_size == 1) and own_identity and buffer_len == rp.num_tokens,
     )
