@@ -101,14 +101,16 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
     masks = micro_batch_masks(seqlen, steps * args.micro_batches, args.seed)
     plans: dict[int, object] = {}
     ahead = PlanAhead(iter(range(len(masks))), lambda i: plans.__setitem__(i, make(masks[i])), depth=2)
-    g = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    g = torch.Generator(device=device).manual_seed(1234 + rank)
     first, calls, step_ms, busy = [], [], [], None
+    base: list = []  # per layer (q, k, v) on the device, made once: a step's inputs are views of their first rows
 
     def tensors(n):
-        def r(*s):
-            return torch.randn(*s, generator=g).to(device, dtype).requires_grad_()
-        return [(r(n, args.heads, args.head_dim), r(n, args.kv_heads, args.head_dim),
-                 r(n, args.kv_heads, args.head_dim)) for _ in range(args.layers)]
+        if not base or base[0][0].shape[0] < n:  # (re)made outside the timed steps but for a rare larger plan
+            base[:] = [tuple(torch.randn(max(n, 2 * seqlen // cp), h, args.head_dim, generator=g, device=device,
+                                         dtype=dtype) for h in (args.heads, args.kv_heads, args.kv_heads))
+                       for _ in range(args.layers)]
+        return [tuple(t[:n].detach().requires_grad_() for t in layer) for layer in base]
 
     def step(timed):
         for _ in range(args.micro_batches):
