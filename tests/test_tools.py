@@ -449,3 +449,21 @@ def test_bench_train_runs_fresh_plans_per_micro_batch(tmp_path):
     bad = subprocess.run([sys.executable, str(TOOLS / "bench_train.py"), "--cpu", "--impls", "te"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--impls: 'te' is not one of megatron-cp, ring" in bad.stderr
+
+
+def test_bench_train_gpu_time_keeps_nccl_apart():
+    """bench_train's device time of a profiled step: intervals merged across streams, NCCL kernels (which also
+    spin while a peer is still issuing) counted apart from the compute and copies."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    _busy_ms = _tool("bench_train")._busy_ms
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, a, b, dev=cuda):
+        return NS(name=name, device_type=dev, time_range=NS(start=a, end=b))
+
+    prof = NS(events=lambda: [ev("attn_fwd", 0, 1000), ev("copy", 500, 1500), ev("attn_bwd", 3000, 4000),
+                              ev("ncclDevKernel_SendRecv", 0, 9000), ev("cpu_op", 0, 99000, cpu)])
+    assert _busy_ms(prof) == (2.5, 9.0)

@@ -13,8 +13,9 @@ layer its own q, k, v), then their backward, micro-batch after micro-batch, with
 slowest rank's figures where they differ):
 
 - ``step_ms``: wall time of a step of ``--micro-batches`` micro-batches (median over the timed steps);
-- ``gpu_ms``: the device time inside one such step (kernels and copies of rank 0, intervals merged over its
-  streams, torch.profiler; CUDA only): ``step_ms / gpu_ms`` is how much the host adds;
+- ``gpu_ms``: the device time inside one such step outside NCCL (kernels and copies of rank 0, intervals merged
+  over its streams, torch.profiler; CUDA only): ``step_ms / gpu_ms`` bounds how much the host adds; ``nccl_ms``
+  the NCCL kernels' time apart (it includes their waits for the other ranks);
 - ``first_call_ms`` / ``call_ms``: host time to issue a micro-batch's first layer call (the cross-rank plan check
   waits there) and the median of the other forward calls;
 - ``plan_ms``: the planning thread's time per micro-batch, ``wait_ms`` what the step waited on it.
@@ -81,16 +82,22 @@ def _planner(impl: str, cp: int, work: Workload, rank: int, device):
     return (lambda mask: plan_for(impl, mask, cp)), lambda q, k, v, plan, group: fn(q, k, v, plan, group)[0]
 
 
-def _busy_ms(prof) -> float:
-    """Rank 0's device time in a profiled step: kernel / copy / set intervals merged across streams."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
-    busy, end = 0.0, -1.0
-    for a, b in spans:
-        if b > end:
-            busy += b - max(a, end)
-            end = b
-    return busy / 1e3
+def _busy_ms(prof) -> tuple[float, float]:
+    """Rank 0's device time in a profiled step, intervals merged across streams: (compute and copies, NCCL
+    kernels). Apart because an NCCL kernel also runs while it waits for a rank that is still issuing: counted
+    with the rest it can exceed the step itself."""
+    def merged(spans):
+        busy, end = 0.0, -1.0
+        for a, b in sorted(spans):
+            if b > end:
+                busy += b - max(a, end)
+                end = b
+        return busy / 1e3
+
+    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    nccl = [(e.time_range.start, e.time_range.end) for e in ev if "nccl" in e.name.lower()]
+    rest = [(e.time_range.start, e.time_range.end) for e in ev if "nccl" not in e.name.lower()]
+    return merged(rest), merged(nccl)
 
 
 def bench(impl: str, seqlen: int, args, ctx) -> dict:
@@ -102,7 +109,7 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
     plans: dict[int, object] = {}
     ahead = PlanAhead(iter(range(len(masks))), lambda i: plans.__setitem__(i, make(masks[i])), depth=2)
     g = torch.Generator(device=device).manual_seed(1234 + rank)
-    first, calls, step_ms, busy = [], [], [], None
+    first, calls, step_ms, busy, nccl = [], [], [], None, None
     base: list = []  # per layer (q, k, v) on the device, made once: a step's inputs are views of their first rows
 
     def tensors(n):
@@ -145,7 +152,7 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step(False)
             sync()
-        busy = _busy_ms(prof)
+        busy, nccl = _busy_ms(prof)
     # where the host's time goes: one more step, rank 0's under cProfile (every rank joins its collectives)
     with cProfile.Profile() if rank == 0 and impl == "megatron-cp" else contextlib.nullcontext() as host_prof:
         step(False)
@@ -162,7 +169,7 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
     st = ahead.stats()
     return dict(impl=impl, seqlen=seqlen, tokens_per_gpu=seqlen // cp, layers=args.layers,
-                micro_batches=args.micro_batches, step_ms=mine[0].item(), gpu_ms=busy,
+                micro_batches=args.micro_batches, step_ms=mine[0].item(), gpu_ms=busy, nccl_ms=nccl,
                 host_over_gpu=None if busy is None else mine[0].item() / busy,
                 first_call_ms=mine[1].item(), call_ms=mine[2].item(),
                 plan_ms=1e3 * st["plan_s"] / max(st["micro_batches"], 1),
