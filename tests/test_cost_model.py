@@ -572,3 +572,29 @@ def test_prebuild_with_rank_and_device_builds_the_state_the_call_uses():
         mcp.runtime.prebuild(plan, work, rank=0)
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, 1\)"):
         mcp.runtime.prebuild(plan, work, rank=1, device="cpu")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_staged_floor_is_under_every_candidate(seed):
+    """choose_schedule skips pricing the staged candidates when the single exchange is no slower than their
+    floor: the floor is under every candidate's predicted time (so skipping never changes the answer), on
+    random packed documents, causal and sliding-window plans under fast and slow links."""
+    from megatron_cp.runtime import schedule as S
+
+    rng = np.random.default_rng(seed)
+    cuts = np.unique(np.concatenate([[0, 32768], rng.integers(1, 32768, size=int(rng.integers(2, 60)))]))
+    work = Workload(32, 8, 128, 2)
+    for mask in (M.varlen(cuts.tolist(), causal=True), M.causal(32768), M.sliding_window(32768, 2048)):
+        for model in (CostModel(), CostModel(intra_gbps=3.0, launch_us=5.0)):
+            plan = mcp.plan(mask, 4)
+            one = S._stage_tiles(plan, S._stage_ids(plan, 1, None), [rp.traps for rp in plan.ranks])
+            floor = S._staged_floor(plan, one, model, work)
+            _, _, preds = S._priced(plan, model, work, None, one)
+            assert preds and floor <= min(preds.values())
+            single = S.predict_single(plan, model, work)
+            staged = S.schedule(plan, None, cost=model, work=work)
+            want_single = single["fwd_s"] + single["bwd_s"] <= staged.predicted["candidates"][staged.num_stages]
+            got = S.choose_schedule(plan, None, model, work)
+            assert (got is None) == want_single
+            if got is not None:
+                assert got.num_stages == staged.num_stages

@@ -356,16 +356,39 @@ def choose_schedule(plan: Plan, stages: int | None, cost: CostModel, work: Workl
     if stages is not None:
         return schedule(plan, stages, cost=cost, work=work, hierarchical=hierarchical)
     topo = plan.topology if hierarchical else None
-    # price the candidates first and build the staged schedule (routes, per-stage tiles) only when it
-    # wins: for packed documents the single exchange usually does, and the build is half the choice's cost
-    one, n, preds = _priced(plan, cost, work, topo)
-    if n == 0:
+    if plan.cp_size == 1 or all(r.num_remote == 0 for r in plan.ranks):
         return None
+    one = _stage_tiles(plan, _stage_ids(plan, 1, topo), [rp.traps for rp in plan.ranks])
+    single = None
     if not (topo is not None and topo.nodes > 1):
         single = predict_single(plan, cost, work)
-        if single["fwd_s"] + single["bwd_s"] <= preds[n]:
+        single = single["fwd_s"] + single["bwd_s"]
+        # no staged candidate can beat the single exchange when it is no slower than every candidate's floor
+        # (own keys' compute and passes, one stage's overhead more): then none is priced
+        if single <= _staged_floor(plan, one, cost, work):
             return None
+    # price the candidates first and build the staged schedule (routes, per-stage tiles) only when it
+    # wins: for packed documents the single exchange usually does, and the build is half the choice's cost
+    _, n, preds = _priced(plan, cost, work, topo, one)
+    if n == 0 or (single is not None and single <= preds[n]):
+        return None
     return _build(plan, n, cost, work, topo, one, preds)
+
+
+def _staged_floor(plan: Plan, one, cost: CostModel, work: Workload) -> float:
+    """A floor under ``predict``'s fwd + bwd time of every staged candidate (any stage count): each rank
+    computes its stages one after another, so a rank takes at least its own keys' stage (running-output
+    passes, call and exchange passes included) plus one remote stage's overhead, forward and backward."""
+    fwd = bwd = 0.0
+    for r in range(plan.cp_size):
+        n_recv, n_send = _exchange_rows(plan, r)
+        nl = plan.num_local(r)
+        fwd = max(fwd, cost.tile_time(one[r][0], work, accumulate=True) + 2 * cost.stage_overhead(nl, work)
+                  + cost.call_time() + cost.exchange_passes(nl, n_recv, n_send, work))
+        bwd = max(bwd, cost.tile_time(one[r][0], work, True) + 2 * cost.stage_overhead(nl, work, backward=True)
+                  + cost.call_time(True) + cost.exchange_passes(nl, n_recv, n_send, work, True, False))
+    g = guest_predict(plan, cost, work)
+    return fwd + bwd + g["fwd_s"] + g["bwd_s"]
 
 
 def schedule(
@@ -394,11 +417,10 @@ def schedule(
     return _build(plan, num_stages, cost, work, topo, one, preds)
 
 
-def _priced(plan: Plan, cost: CostModel, work: Workload, topo: Topology | None):
+def _priced(plan: Plan, cost: CostModel, work: Workload, topo: Topology | None, one=None):
     """(the one-stage tiles, or None when nothing moves; the stage count the cost model picks; every
-    candidate's predicted fwd + bwd time)."""
-    one = None
-    if plan.cp_size > 1 and any(r.num_remote for r in plan.ranks):
+    candidate's predicted fwd + bwd time). ``one``: the one-stage tiles when the caller has cut them."""
+    if one is None and plan.cp_size > 1 and any(r.num_remote for r in plan.ranks):
         one = _stage_tiles(plan, _stage_ids(plan, 1, topo), [rp.traps for rp in plan.ranks])
     n, preds = choose_num_stages(plan, cost, work, topo, tiles_one=one)
     return one, n, preds
