@@ -113,6 +113,12 @@ def build_llama(shape: LlamaShape, config=None, backend: str = "local", pre_proc
         share_embeddings_and_output_weights=False, vp_stage=vp_stage,
     )
     model._megatron_cp_rope = rope.install(model)
+    # every parameter in the training dtype, as Megatron's Float16Module casts the model under --bf16 (its local
+    # norms build fp32 weights, which then meet bf16 activations: an unfused rms_norm and a warning per call);
+    # parameters only: the plan RoPE's frequencies stay fp32
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != config.params_dtype:
+            p.data = p.data.to(config.params_dtype)
     return model
 
 
