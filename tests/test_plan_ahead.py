@@ -287,3 +287,37 @@ def test_prepare_batch_reads_the_plan_from_host_tokens(fresh_cache):
     assert bt.params.plan.digest == _direct_digest(tok) and bt.tokens.device.type == "meta"
     with pytest.raises(ValueError, match=r"host_tokens shape \(1, 16\) differs from tokens \(1, 32768\)"):
         B.prepare_batch(tok, None, None, SPEC, _Group(), OPTIONS, host_tokens=tok.numpy()[:, :16])
+
+
+def test_planning_thread_gets_the_gil_back_quickly_while_open(monkeypatch):
+    """While a PlanAhead plans in its thread, the interpreter's GIL switch interval is at most 0.5 ms (a numpy call
+    of the planner waits that long, not 5 ms, to get the GIL back from a busy training loop); the last one to
+    close, or to be collected unclosed, restores the previous interval. depth 0 (no thread) leaves it alone."""
+    import gc
+    import sys
+
+    from megatron_cp.megatron import plan_ahead as P
+
+    gc.collect()
+    # counted afresh: PlanAheads other tests left open (kept by their iterators) stay out of this count
+    monkeypatch.setattr(P, "_OPEN", {"count": 0, "saved": None})
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        inline = PlanAhead(iter(range(3)), lambda b: None, depth=0)
+        assert sys.getswitchinterval() == 0.005
+        a = PlanAhead(iter(range(3)), lambda b: None, depth=1)
+        b = PlanAhead(iter(range(3)), lambda b: None, depth=2)
+        assert sys.getswitchinterval() == P.SWITCH_INTERVAL_S
+        assert list(a) == [0, 1, 2]  # exhausted: closes itself
+        assert sys.getswitchinterval() == P.SWITCH_INTERVAL_S  # b still plans
+        del b
+        gc.collect()
+        assert sys.getswitchinterval() == 0.005
+        c = PlanAhead(iter(range(3)), lambda b: None, depth=1)
+        c.close()
+        c.close()  # twice: no double restore
+        assert sys.getswitchinterval() == 0.005 and list(inline) == [0, 1, 2]
+        assert list(c) == [0]  # closed: the micro-batch already queued, nothing more
+    finally:
+        sys.setswitchinterval(before)

@@ -7,15 +7,21 @@ the next ``depth`` micro-batches while the step computes; ``plan_fn`` leaves the
 ``next()`` yields each micro-batch unchanged once its plan is made and records how long it was blocked
 waiting for it (``waits``): zero when planning keeps ahead of the step.
 
-The planner is pure numpy and Python: the thread shares the GIL with the training loop, which mostly
-waits on the GPU (the GIL released) while kernels run. ``depth = 0`` plans inline in ``next()`` (the
-step then waits for every plan: the same measurement without planning ahead).
+The planner is pure numpy and Python: the thread shares the GIL with the training loop. Where the loop is
+busy on the host (small micro-batches: issuing kernels is all it does), every numpy call of the planner that
+releases the GIL then waits up to the interpreter's switch interval (5 ms by default) to get it back, and a
+plan of hundreds of such calls takes many times its own CPU time. While a ``PlanAhead`` is open the switch
+interval is at most ``SWITCH_INTERVAL_S`` (0.5 ms), restored when the last one closes; the setting matters
+only while two threads want the GIL, i.e. while a plan is being made. ``depth = 0`` plans
+inline in ``next()`` (the step then waits for every plan: the same measurement without planning ahead).
 
     data_iterator = plan_ahead(data_iterator, lambda d: plan_for_batch(d["tokens"], spec, cp_size, options))
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 import weakref
 from collections import deque
@@ -23,6 +29,30 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 _WRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+SWITCH_INTERVAL_S = 5e-4  # the GIL switch interval while a planning thread runs (module doc)
+_OPEN = {"count": 0, "saved": None}
+_OPEN_LOCK = threading.Lock()
+
+
+def _planning_started() -> None:
+    with _OPEN_LOCK:
+        if _OPEN["count"] == 0:
+            _OPEN["saved"] = sys.getswitchinterval()
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        _OPEN["count"] += 1
+
+
+def _release_pool(pool) -> None:
+    pool.shutdown(wait=False)
+    _planning_stopped()
+
+
+def _planning_stopped() -> None:
+    with _OPEN_LOCK:
+        _OPEN["count"] -= 1
+        if _OPEN["count"] == 0 and _OPEN["saved"] is not None:
+            sys.setswitchinterval(_OPEN["saved"])
+            _OPEN["saved"] = None
 
 
 class PlanAhead:
@@ -40,6 +70,10 @@ class PlanAhead:
         self._plan_fn = plan_fn
         self.depth = depth
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron_cp-plan") if depth else None
+        if self._pool is not None:
+            _planning_started()
+            # the switch interval comes back when this object closes or, never closed, is collected
+            self._release = weakref.finalize(self, _release_pool, self._pool)
         self._ahead: deque = deque()  # (batch, future of its plan_fn timing), oldest first
         self._done = False
         self.waits: list[float] = []
@@ -84,9 +118,13 @@ class PlanAhead:
         return batch
 
     def close(self) -> None:
-        """Stop the background thread (plans already queued finish first)."""
+        """Stop the background thread (plans already queued finish first); the last open ``PlanAhead`` to close
+        restores the switch interval."""
+        self._done = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+            self._pool = None
+            self._release()
 
     def stats(self) -> dict:
         """``{"micro_batches", "wait_s", "max_wait_s", "plan_s"}``: totals over the micro-batches yielded."""
