@@ -296,3 +296,33 @@ def test_third_party_rules():
             if top in ("torch", "triton") and me == "planner":
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod} (the planner is numpy and scipy only)")
     assert not bad, "\n".join(bad)
+
+
+def test_the_library_runs_without_megatron_core():
+    """megatron-core is the ``[megatron]`` extra, not a dependency: with it unimportable, ``import megatron_cp``,
+    planning and attention work, and ``megatron_cp.megatron`` fails with the install instruction."""
+    import subprocess
+    import sys
+    import tomllib
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(d.startswith("megatron-core") for d in meta["dependencies"])
+    assert any(d.startswith("megatron-core>=0.19") for d in meta["optional-dependencies"]["megatron"])
+    code = """
+import sys
+sys.modules["megatron"] = None  # as if megatron-core were not installed
+import torch
+import megatron_cp as mcp
+plan = mcp.plan(mcp.masks.varlen([0, 40, 100, 256], causal=True), 1)
+q, k, v = (torch.randn(256, h, 16, dtype=torch.float64) for h in (4, 2, 2))
+out, lse = mcp.attention(q, k, v, plan, backend="reference")
+assert out.shape == (256, 4, 16) and torch.isfinite(lse).all()
+try:
+    import megatron_cp.megatron
+except ImportError as e:
+    print("refused:", e)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'refused: megatron_cp.megatron is the Megatron-Core plugin and needs megatron-core >= 0.19: pip install ' \
+           '"megatron-cp[megatron]"' in r.stdout

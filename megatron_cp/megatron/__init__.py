@@ -7,8 +7,15 @@
     RoPE:        rope.install(model)         (RoPE at the dispatched positions, any device)
     loss:        loss.loss_func              (exact with uneven token counts per CP rank)
 
-Only this sub-package imports megatron.
+Only this sub-package imports megatron: megatron-core is the ``[megatron]`` extra (``pip install
+"megatron-cp[megatron]"``); without it this import fails with that instruction and the rest of megatron_cp works.
 """
+
+try:
+    import megatron.core  # noqa: F401
+except ImportError as e:  # the extra is not installed
+    raise ImportError(f"megatron_cp.megatron is the Megatron-Core plugin and needs megatron-core >= 0.19: pip install "
+                      f"\"megatron-cp[megatron]\" ({type(e).__name__}: {e})") from e
 
 from .batch import CPBatch, MaskSpec, PlanOptions, plan_for_batch, prepare_batch
 from .core_attention import CPCoreAttention
