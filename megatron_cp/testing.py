@@ -26,6 +26,7 @@ lse ``[S, Hq]`` natural log. Dense references hold ``Hq x sq x sk`` scores: smal
 from __future__ import annotations
 
 import queue as queue_mod
+import time
 import socket
 import traceback
 from collections.abc import Callable, Mapping
@@ -227,8 +228,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3
 
     ``fn`` and ``args`` must pickle (``fn`` a module-level function) and so must the results; return plain
     values or numpy arrays rather than tensors (a tensor's shared memory may leave with its process). Raises
-    AssertionError with the remote traceback as soon as a rank fails, and when no further rank reports
-    within ``timeout`` seconds (a rank that died without a word, or a hang); leftover processes are
+    AssertionError with the remote traceback as soon as a rank fails, within seconds when a rank exits without a
+    word, and when no further rank reports within ``timeout`` seconds (a hang); leftover processes are
     terminated, so nothing hangs. Scripts calling it need an ``if __name__ == "__main__":`` guard (spawn).
     """
     ctx = mp.get_context("spawn")
@@ -238,15 +239,26 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3
     for p in procs:
         p.start()
     got, error = {}, None
+    deadline, dead_since = time.monotonic() + timeout, {}
     try:
         while len(got) < world and error is None:
             try:
-                rank, status, payload = results.get(timeout=timeout)
+                rank, status, payload = results.get(timeout=1.0)
             except queue_mod.Empty:
+                now = time.monotonic()
                 missing = [r for r in range(world) if r not in got]
                 codes = {r: procs[r].exitcode for r in missing}
-                error = f"no result within {timeout}s from ranks {missing} (exit codes, None = still running: {codes})"
-                break
+                for r in missing:
+                    if codes[r] is not None:
+                        dead_since.setdefault(r, now)
+                # a rank that exited 2 s ago without a result will not send one (its queue has flushed)
+                gone = [r for r in missing if r in dead_since and now - dead_since[r] >= 2.0]
+                if gone:
+                    error = f"ranks {gone} exited without a result (exit codes, None = still running: {codes})"
+                elif now >= deadline:
+                    error = f"no result within {timeout}s from ranks {missing} (exit codes, None = still running: {codes})"
+                continue
+            deadline = time.monotonic() + timeout
             if status == "ok":
                 got[rank] = payload
             else:
