@@ -153,7 +153,7 @@ def test_run_pretrain_gpt_dry_run_patches_and_launches_flags_that_validate(tmp_p
     launches = [shlex.split(line) for line in r.stdout.splitlines() if "torch.distributed.run" in line]
     names = [cmd[0].rstrip(":") for cmd in launches]
     assert names[:4] == ["cp1", "cp1_packed", "cp1_bf16", "cp1_moe"]  # the CP 1 runs first: one GPU each, together
-    assert {"cp4", "cp4_packed", "cp4_bf16", "cp4_moe", "tp2cp2", "pp2cp2", "tp2", "pp2"} <= set(names)
+    assert {"cp4", "cp4_packed", "cp4_bf16", "cp4_moe", "tp2cp2", "tp2cp2_sp", "pp2cp2", "tp2", "tp2_sp", "pp2"} <= set(names)
     parser = add_megatron_cp_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     for cmd in launches:
         i = cmd.index(str(mlm / "pretrain_gpt.py"))

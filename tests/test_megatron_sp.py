@@ -10,7 +10,7 @@ Under SP Megatron scatters the embedding output over the TP ranks along the sequ
 before each column-parallel linear and reduce-scatters after each row-parallel one: core attention sees
 the rank's whole local sequence, so the plan gives every CP rank a token count divisible by the TP size
 (``PlanOptions.token_multiple``, set by ``plugin.plan_specs`` from ``--sequence-parallel``). Megatron's
-CPU norm refuses SP, so the model uses ``tiny_llama.model.SequenceParallelRMSNorm`` (torch RMSNorm with
+CPU norm refuses SP, so the model uses ``megatron_cp.megatron.norms.SequenceParallelTorchNorm`` (torch's norm with
 its weight marked ``sequence_parallel``, as Transformer Engine's norms are) and the loop sums those
 gradients over TP (``trainer.reduce_and_scale``, as Megatron's ``finalize_model_grads``).
 
@@ -166,13 +166,51 @@ def test_sequence_parallel_flags():
     assert plugin.plan_specs(parsed("--context-parallel-impl", "megatron_cp"), eod=0)[1].token_multiple == 1
     with pytest.raises(ValueError, match="--sequence-parallel does not combine"):
         plugin.validate_args(parsed("--context-parallel-impl", "head_context", "--sequence-parallel"))
-    # Megatron's local modules without Apex take torch's norm, which refuses SP only once the model is built
-    # (seen on GPUs through pretrain_gpt.py): said at parse time
-    from megatron.core.models.gpt import gpt_layer_specs
+    # Megatron's local modules without Apex take torch's norm, which refuses SP when the model is built: our spec
+    # swaps it for one that marks its parameters sequence-parallel, so the flags validate
+    plugin.validate_args(parsed("--context-parallel-impl", "megatron_cp", "--sequence-parallel",
+                                "--transformer-impl", "local"))
 
-    local = parsed("--context-parallel-impl", "megatron_cp", "--sequence-parallel", "--transformer-impl", "local")
-    if gpt_layer_specs.HAVE_APEX:
-        plugin.validate_args(local)
-    else:
-        with pytest.raises(ValueError, match="--sequence-parallel with --transformer-impl local needs Apex"):
-            plugin.validate_args(local)
+
+def test_sequence_parallel_spec_swaps_the_torch_norm(world1):
+    """Under --sequence-parallel, ``megatron_cp_layer_spec`` gives a block spec whose every norm (the layers' and
+    the final one) is ``SequenceParallelTorchNorm`` where Megatron's spec had its torch norm; the norm it builds
+    has Megatron's parameter names, marked sequence_parallel. Without SP the spec keeps Megatron's norm."""
+    import dataclasses
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_cp.megatron.norms import SequenceParallelTorchNorm
+    from megatron_cp.megatron.specs import megatron_cp_layer_spec
+
+    def config(sp):
+        return TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4, normalization="RMSNorm",
+                                 add_bias_linear=False, transformer_impl="local", sequence_parallel=sp,
+                                 tensor_model_parallel_size=2 if sp else 1)
+
+    def classes(x, out):
+        if isinstance(x, type):
+            out.append(x)
+        elif dataclasses.is_dataclass(x):
+            for f in dataclasses.fields(x):
+                classes(getattr(x, f.name), out)
+        elif isinstance(x, list):
+            for v in x:
+                classes(v, out)
+        return out
+
+    plain = megatron_cp_layer_spec(config(False))
+    if WrappedTorchNorm not in classes(plain, []):
+        pytest.skip("Megatron's spec takes Apex's or Transformer Engine's norm here (they run under SP as they are)")
+    sp = megatron_cp_layer_spec(config(True))
+    assert isinstance(sp, TransformerBlockSubmodules) and len(sp.layer_specs) == 3
+    found = classes(sp, [])
+    assert WrappedTorchNorm not in found and sp.layer_norm is SequenceParallelTorchNorm
+    assert found.count(SequenceParallelTorchNorm) == 3 * 2 + 1  # input and pre-MLP norm per layer, the final one
+    norm = SequenceParallelTorchNorm(config(True), 64, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and [n for n, _ in norm.named_parameters()] == ["weight"]
+    assert norm.weight.sequence_parallel is True
+    with pytest.raises(ValueError, match="layernorm_zero_centered_gamma is not supported by torch's norm"):
+        SequenceParallelTorchNorm(dataclasses.replace(config(True), layernorm_zero_centered_gamma=True), 64)

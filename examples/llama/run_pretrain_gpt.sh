@@ -21,8 +21,9 @@
 #   cp1_bf16_distopt [1]  --bf16 --use-distributed-optimizer
 #   cp1_packed [1]     fp32, --reset-attention-mask --reset-position-ids (-> --cp-mask packed); cp2_packed, cp4_packed
 #   cp1_moe [1]        fp32, 4 experts top-2, aux loss (Megatron's MoE layers, our attention); cp2_moe, cp4_moe
-#   tp2 [2]            fp32, TP 2, CP 1                        tp2cp2 [4]     the same at CP 2 (no --sequence-parallel:
-#                      with --transformer-impl local it needs Apex, which the parse-time check asks for)
+#   tp2 [2]            fp32, TP 2, CP 1                        tp2cp2 [4]     the same at CP 2
+#   tp2_sp [2]         fp32, TP 2, --sequence-parallel        tp2cp2_sp [4]  the same at CP 2 (Megatron's torch norm,
+#                      which refuses SP, is swapped for ours where neither Apex nor Transformer Engine is installed)
 #   pp2 [2]            fp32, PP 2, CP 1                        pp2cp2 [4]     the same at CP 2
 #   (TP and PP runs compare with the TP / PP run at CP 1: Megatron draws TP shards' and later stages' initial
 #   weights from seeds of their own, so they start from other weights than cp1)
@@ -99,12 +100,14 @@ run cp2_distopt 2 $(cpn 2) --use-distributed-optimizer
 run cp1_distopt 1 $(cpn 1) --use-distributed-optimizer
 run cp1_bf16_distopt 1 $(cpn 1) --bf16 --use-distributed-optimizer
 run tp2 2 $(cpn 1) --tensor-model-parallel-size 2
+run tp2_sp 2 $(cpn 1) --tensor-model-parallel-size 2 --sequence-parallel
 run pp2 2 $(cpn 1) --pipeline-model-parallel-size 2
 run cp4 4 $(cpn 4)
 run cp4_packed 4 $(cpn 4) "${PACKED[@]}"
 run cp4_bf16 4 $(cpn 4) --bf16 --use-distributed-optimizer
 run cp4_moe 4 $(cpn 4) "${MOE[@]}"
 run tp2cp2 4 $(cpn 2) --tensor-model-parallel-size 2
+run tp2cp2_sp 4 $(cpn 2) --tensor-model-parallel-size 2 --sequence-parallel
 run pp2cp2 4 $(cpn 2) --pipeline-model-parallel-size 2
 wait
 [ -n "${DRY_RUN:-}" ] && exit 0
@@ -131,7 +134,7 @@ def rel(a, b):
 
 pairs = [("cp2", "cp1"), ("cp4", "cp1"), ("cp2_distopt", "cp1"), ("cp1_distopt", "cp1"),
          ("cp2_packed", "cp1_packed"), ("cp4_packed", "cp1_packed"), ("cp2_moe", "cp1_moe"), ("cp4_moe", "cp1_moe"),
-         ("tp2cp2", "tp2"), ("pp2cp2", "pp2"), ("tp2", "cp1"), ("pp2", "cp1"),
+         ("tp2cp2", "tp2"), ("tp2_sp", "tp2"), ("tp2cp2_sp", "tp2"), ("pp2cp2", "pp2"), ("tp2", "cp1"), ("pp2", "cp1"),
          ("cp2_bf16", "cp1_bf16"), ("cp4_bf16", "cp1_bf16"), ("cp1_bf16_distopt", "cp1_bf16"), ("cp1_bf16", "cp1")]
 
 

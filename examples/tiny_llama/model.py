@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_cp.megatron import get_llama_layer_spec, rope
+from megatron_cp.megatron.specs import sequence_parallel_norms
 
 
 @dataclass(frozen=True)
@@ -67,32 +68,10 @@ def transformer_config(shape: LlamaShape, dtype=torch.float32, cpu_init: bool = 
     return TransformerConfig(**kw)
 
 
-class SequenceParallelRMSNorm(torch.nn.RMSNorm):
-    """torch's RMSNorm with its weight marked ``sequence_parallel`` (what Transformer Engine's norms do).
-
-    Megatron's CPU fallback norm (``WrappedTorchNorm``) refuses ``sequence_parallel``: it would not mark the
-    weight, whose gradient then misses the TP all-reduce of the other ranks' sequence shards. The norm
-    itself is per token, so it runs unchanged on a rank's shard.
-    """
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
-        super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = bool(config.sequence_parallel)
-
-
 def _layer_spec(config, backend: str, vp_stage):
-    spec = get_llama_layer_spec(backend)
-    if not config.sequence_parallel or backend != "local":
-        return spec
-    import dataclasses
-
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
-    sub = dataclasses.replace(spec.submodules, input_layernorm=SequenceParallelRMSNorm,
-                              pre_mlp_layernorm=SequenceParallelRMSNorm)
-    layer = dataclasses.replace(spec, submodules=sub)
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
-                                      layer_norm=SequenceParallelRMSNorm)
+    # under sequence parallelism Megatron's torch norm (the local modules' without Apex) is swapped for one
+    # that runs on a rank's shard of the sequence (megatron_cp.megatron.specs.sequence_parallel_norms)
+    return sequence_parallel_norms(get_llama_layer_spec(backend), config, vp_stage)
 
 
 def build_llama(shape: LlamaShape, config=None, backend: str = "local", pre_process=True, post_process=True,
@@ -101,7 +80,7 @@ def build_llama(shape: LlamaShape, config=None, backend: str = "local", pre_proc
 
     ``pre_process`` / ``post_process`` / ``vp_stage``: the pipeline stage's (virtual) model chunk, as
     Megatron's ``get_model`` builds it. With ``config.sequence_parallel`` on the local backend the norms are
-    ``SequenceParallelRMSNorm``.
+    ``megatron_cp.megatron.norms.SequenceParallelTorchNorm``.
     """
     from megatron.core.models.gpt import GPTModel
 

@@ -340,7 +340,6 @@ def check_megatron_args(args) -> None:
                              f"baseline), got --context-parallel-impl {args.context_parallel_impl}")
         return
     _refuse_unsupported(args)
-    _check_sequence_parallel_norms(args)
     if args.cp_solver not in _solvers():
         raise ValueError(f"--cp-solver {args.cp_solver!r} is unknown; choose from {', '.join(_solvers())}")
     topo = _topology(args.cp_topology)
@@ -354,20 +353,6 @@ def check_megatron_args(args) -> None:
         if why:
             raise ValueError(f"--cp-kernel-backend fa4: {why}; use auto (FA4 where it runs, else Triton)")
     _map_documents_and_window(args)
-
-
-def _check_sequence_parallel_norms(args) -> None:
-    """``--sequence-parallel`` on Megatron's local modules needs Apex's fused norms: without Apex its local spec
-    takes torch's norm (``WrappedTorchNorm``), which refuses sequence parallelism only when the model is built,
-    after every rank has initialised. Said here, at parse time, instead."""
-    if not getattr(args, "sequence_parallel", False) or getattr(args, "transformer_impl", None) != "local":
-        return
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    if not getattr(gpt_layer_specs, "HAVE_APEX", False):
-        raise ValueError("--sequence-parallel with --transformer-impl local needs Apex (Megatron's local layer spec "
-                         "then takes torch's norm, which refuses sequence parallelism): install Apex or Transformer "
-                         "Engine (--transformer-impl transformer_engine), or leave --sequence-parallel out")
 
 
 def _solvers():

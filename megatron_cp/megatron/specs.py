@@ -8,7 +8,9 @@ slot of every layer's self-attention. Nothing else of the model changes: an MoE 
 ``MoELayer``s, a dense one its MLP, and the parameter count equals Megatron's own spec's.
 
 ``get_llama_layer_spec`` is the same swap over Megatron's plain dense GPT layer (no config needed), used by
-the tiny examples.
+the tiny examples. Under ``--sequence-parallel`` on Megatron's local modules without Apex, the spec also takes
+``norms.SequenceParallelTorchNorm`` for Megatron's torch norm, which refuses sequence parallelism
+(``sequence_parallel_norms``).
 """
 
 from __future__ import annotations
@@ -103,6 +105,46 @@ def megatron_layer_spec(config, vp_stage: int | None = None):
     return default_layer_spec(config, vp_stage)
 
 
+def sequence_parallel_norms(spec, config, vp_stage: int | None = None):
+    """``spec`` (a layer ``ModuleSpec`` or a block spec) with Megatron's torch norm (``WrappedTorchNorm``, which
+    refuses sequence parallelism) replaced by ``norms.SequenceParallelTorchNorm`` everywhere, the block's final
+    norm included, when ``config.sequence_parallel``; ``spec`` itself otherwise, or when it has no torch norm
+    (Transformer Engine's and Apex's norms run under sequence parallelism as they are). A layer spec becomes the
+    block spec Megatron would make of it (``get_num_layers_to_build`` layers), with the final norm swapped too."""
+    if not getattr(config, "sequence_parallel", False):
+        return spec
+    from megatron.core.transformer import transformer_block as tb
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from .norms import SequenceParallelTorchNorm
+
+    found = []
+
+    def swap(x):
+        if x is WrappedTorchNorm:
+            found.append(x)
+            return SequenceParallelTorchNorm
+        if isinstance(x, ModuleSpec):
+            mod = swap(x.module)
+            sub = swap(x.submodules) if x.submodules is not None else None
+            return x if (mod is x.module and sub is x.submodules) else dataclasses.replace(x, module=mod, submodules=sub)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            new = {f.name: swap(getattr(x, f.name)) for f in dataclasses.fields(x)}
+            changed = {k: v for k, v in new.items() if v is not getattr(x, k)}
+            return dataclasses.replace(x, **changed) if changed else x
+        if isinstance(x, list):
+            out = [swap(v) for v in x]
+            return out if any(a is not b for a, b in zip(out, x)) else x
+        return x
+
+    out = swap(spec)
+    if isinstance(out, ModuleSpec) and tb.LayerNormImpl is WrappedTorchNorm:  # the final norm Megatron would add
+        found.append(WrappedTorchNorm)
+        out = tb.TransformerBlockSubmodules(layer_specs=[out] * tb.get_num_layers_to_build(config, vp_stage),
+                                            layer_norm=SequenceParallelTorchNorm)
+    return out if found else spec
+
+
 def megatron_cp_layer_spec(config, vp_stage: int | None = None):
     """The ``--spec megatron_cp.megatron.specs megatron_cp_layer_spec`` entry point.
 
@@ -113,4 +155,5 @@ def megatron_cp_layer_spec(config, vp_stage: int | None = None):
     """
     if config is None:
         raise ValueError("megatron_cp_layer_spec needs the model config (GPTModelConfig or TransformerConfig)")
-    return swap_core_attention(megatron_layer_spec(config, vp_stage))
+    spec = swap_core_attention(megatron_layer_spec(config, vp_stage))
+    return sequence_parallel_norms(spec, getattr(config, "transformer", config), vp_stage)
