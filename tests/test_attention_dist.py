@@ -198,7 +198,7 @@ def test_plan_errors():
 
 def _triton_cases(rank, world):
     """The distributed runtime on the Triton backend (CPU interpreter; K/V buffers are strided views)."""
-    from megatron_cp.kernels.triton_backend import TritonBackend
+    from megatron_cp.kernels.triton.backend import TritonBackend
 
     calls = []
     for name in ("forward", "forward_accumulate", "backward"):

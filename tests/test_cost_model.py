@@ -71,7 +71,7 @@ def test_the_models_row_class_is_the_kernels():
 
 @pytest.mark.parametrize("bm,bn", [(128, 64), (64, 64), (32, 16), (16, 32)])
 def test_block_counts_match_kernel_schedule(bm, bn):
-    from megatron_cp.kernels.triton_blocks import _block_pairs, tile_descriptors
+    from megatron_cp.kernels.triton.blocks import _block_pairs, tile_descriptors
 
     rng = np.random.default_rng(bm * 7 + bn)
     tiles = _random_tiles(rng, 300)
@@ -86,7 +86,7 @@ def test_block_counts_match_kernel_schedule(bm, bn):
 def test_row_block_entries_match_kernel_schedule(bm, bn):
     """A q block's entries in the model are the row-major schedule's entries of that block (what one
     forward program walks), duplicates across tiles included."""
-    from megatron_cp.kernels.triton_blocks import _block_pairs, tile_descriptors
+    from megatron_cp.kernels.triton.blocks import _block_pairs, tile_descriptors
 
     rng = np.random.default_rng(bm + bn)
     tiles = _random_tiles(rng, 200)
@@ -210,8 +210,8 @@ def test_short_row_class_uses_its_own_fit():
     """A list whose mean kept keys per covered row is below the kernels' LONG_ROW_KEYS runs the backend's
     short-row block shapes: the model then uses the short-row peak and half-efficiency keys (when
     calibrated)."""
-    from megatron_cp.kernels.triton_backend import LONG_ROW_KEYS
-    from megatron_cp.kernels.triton_blocks import covered_rows
+    from megatron_cp.kernels.triton.backend import LONG_ROW_KEYS
+    from megatron_cp.kernels.triton.blocks import covered_rows
 
     base = dict(fwd_tflops=400.0, bwd_tflops=300.0, half_keys=200.0, tile_us=0.0, launch_us=0.0,
                 dense_fwd_tflops=0.0)

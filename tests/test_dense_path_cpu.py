@@ -5,7 +5,7 @@ go to cuDNN and which to Triton (kernels/pieces.py, as prepare calls it), the pr
 once per family, the LSE merges (torch and the one-pass Triton merge kernel under the interpreter), the
 accumulating forward into a float32 running pair, the backward with and without an lse gradient, and the
 staged distributed runtime routing whole dense stages to it. The stand-in replaces the two raw ops
-(kernels/cudnn.py: sdpa_forward / sdpa_backward) with cuDNN's contract exactly (square causal = top-left;
+(kernels/triton/cudnn.py: sdpa_forward / sdpa_backward) with cuDNN's contract exactly (square causal = top-left;
 backward from the given global out/lse, delta = rowsum(dout * out) recomputed inside) in fp64, so any
 error is the plumbing's.
 """
@@ -19,8 +19,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-import megatron_cp.kernels.triton_backend as tb  # noqa: E402
-from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, cudnn  # noqa: E402
+import megatron_cp.kernels.triton.backend as tb  # noqa: E402
+from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: E402
+from megatron_cp.kernels.triton import cudnn  # noqa: E402
 from megatron_cp.kernels.merge import merge_into, merge_torch  # noqa: E402
 from megatron_cp.kernels.pieces import row_class, split_pieces  # noqa: E402
 from megatron_cp.masks.catalog import tiles_to_dense  # noqa: E402

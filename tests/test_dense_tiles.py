@@ -15,7 +15,7 @@ from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
 from megatron_cp.kernels.merge import merge_torch as _merge_lse
 from megatron_cp.kernels.pieces import (BLOCKY_FULL_FRACTION, LONG_ROW_KEYS, as_tiles, block_counts, row_class,
                                         split_pieces)
-from megatron_cp.kernels.triton_blocks import build_schedules, covered_rows, kept_area
+from megatron_cp.kernels.triton.blocks import build_schedules, covered_rows, kept_area
 
 NEVER = 1 << 62  # a piece size no list reaches
 

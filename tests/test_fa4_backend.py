@@ -13,8 +13,8 @@ import torch
 import fa4_semantics
 import megatron_cp as mcp
 from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, FA4Backend, TritonConfig, get_backend
-from megatron_cp.kernels.fa4_backend import Fa4Functions, fa4_unavailable
-from megatron_cp.kernels.fa4_calls import fa4_calls, segment_of
+from megatron_cp.kernels.fa4.backend import Fa4Functions, fa4_unavailable
+from megatron_cp.kernels.fa4.calls import fa4_calls, segment_of
 from megatron_cp.masks import catalog
 from megatron_cp.masks.catalog import tiles_to_dense
 from megatron_cp.testing import reference_attention
@@ -23,7 +23,7 @@ from megatron_cp.testing import reference_attention
 def route_rules(request, monkeypatch):
     """Every list through each route: the default rules, the block-sparse form wherever it exists (also
     for one-call lists), varlen calls however many."""
-    from megatron_cp.kernels import fa4_calls as fc
+    from megatron_cp.kernels.fa4 import calls as fc
 
     if request.param == "blocks":
         monkeypatch.setattr(fc, "VARLEN_MAX_CALLS", 0)
@@ -211,7 +211,7 @@ def test_block_sparse_lists_at_block_scale(name, s, band, monkeypatch):
     """Lists over several 128-blocks through the block-sparse route (forced for the smaller sizes the dense
     emulator affords): partial blocks masked by the band mask_mod (constants) where their cells are one
     diagonal band, else by the rows' intervals."""
-    from megatron_cp.kernels import fa4_calls as fc
+    from megatron_cp.kernels.fa4 import calls as fc
 
     monkeypatch.setattr(fc, "VARLEN_MAX_CALLS", 0)
     monkeypatch.setattr(fc, "BWD_MAX_PARTIAL_FRACTION", 1.0)

@@ -1,4 +1,4 @@
-"""FA4Backend with a BlockKeep (per-head block-sparse FA4 calls, kernels/fa4_sparse.py) on the CPU: the
+"""FA4Backend with a BlockKeep (per-head block-sparse FA4 calls, kernels/fa4/sparse.py) on the CPU: the
 calls run through the reference of FA4's call semantics (tests/fa4_semantics.py, per-head block lists
 included) and are compared with a dense float64 reference of the tile list AND the per-head block mask,
 forward and backward (with an lse gradient); the fallbacks to Triton's keep path with their reasons; the
@@ -14,8 +14,8 @@ import torch
 
 import fa4_semantics
 from megatron_cp.kernels import CAUSAL, FULL, BlockKeep, FA4Backend, TritonConfig
-from megatron_cp.kernels import fa4_sparse
-from megatron_cp.kernels.fa4_backend import Fa4Functions
+from megatron_cp.kernels.fa4 import sparse as fa4_sparse
+from megatron_cp.kernels.fa4.backend import Fa4Functions
 from megatron_cp.masks.catalog import tiles_to_dense
 from megatron_cp.testing import reference_attention
 

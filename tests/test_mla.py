@@ -97,7 +97,7 @@ def test_fa4_backend_value_head_dim_emulated():
     import fa4_semantics
 
     from megatron_cp.kernels import CAUSAL, FULL
-    from megatron_cp.kernels.fa4_backend import FA4Backend, Fa4Functions, fa4_head_dims_reason
+    from megatron_cp.kernels.fa4.backend import FA4Backend, Fa4Functions, fa4_head_dims_reason
     from megatron_cp.masks.catalog import tiles_to_dense
 
     be = FA4Backend(functions=Fa4Functions(fa4_semantics.fwd, fa4_semantics.bwd, "reference", (torch.float64,)))

@@ -18,8 +18,8 @@ triton = pytest.importorskip("triton")
 from megatron_cp.kernels import CAUSAL, FULL, INV_CAUSAL  # noqa: E402
 from megatron_cp.kernels import KernelConfig, PhaseConfigs, ReferenceBackend, TritonBackend, TritonConfig  # noqa: E402
 from megatron_cp.kernels.block_keep import BlockKeep  # noqa: E402
-from megatron_cp.kernels.triton_blocks import build_schedules  # noqa: E402
-from megatron_cp.kernels.triton_sparse import head_schedule, kernel_blocks, static_entries  # noqa: E402
+from megatron_cp.kernels.triton.blocks import build_schedules  # noqa: E402
+from megatron_cp.kernels.triton.sparse import head_schedule, kernel_blocks, static_entries  # noqa: E402
 from megatron_cp.masks.catalog import tiles_to_dense  # noqa: E402
 
 SCALE = 0.5

@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 
 from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: E402
 from megatron_cp.kernels import KernelConfig, PhaseConfigs, TritonBackend, TritonConfig  # noqa: E402
-from megatron_cp.kernels.triton_blocks import build_schedules, kept_area  # noqa: E402
+from megatron_cp.kernels.triton.blocks import build_schedules, kept_area  # noqa: E402
 from megatron_cp.masks.catalog import tiles_to_dense  # noqa: E402
 from megatron_cp.testing import reference_attention  # noqa: E402
 
@@ -204,7 +204,7 @@ def test_accumulate_leaves_rows_without_tiles_untouched():
 
 def test_row_class_counts_covered_rows_only():
     """A list covering a few long rows of a long sequence is "long" (the early/late split's late list)."""
-    from megatron_cp.kernels.triton_blocks import covered_rows
+    from megatron_cp.kernels.triton.blocks import covered_rows
 
     be = backend()
     t = torch.tensor([[0, 128, 0, 8192, FULL], [100, 256, 0, 8192, FULL]], dtype=torch.int32)
@@ -255,7 +255,7 @@ def test_row_delta_head_major(with_dlse):
     """delta = rowsum(dout * out) - dlse from the one-pass kernel, against fp64, on a strided out (a
     slice of a wider tensor) and a ragged length (sq not a multiple of the row block); its layout is the
     head-major view the backward kernels read contiguously."""
-    from megatron_cp.kernels.triton_delta import head_major, row_delta
+    from megatron_cp.kernels.triton.delta import head_major, row_delta
 
     g = torch.Generator().manual_seed(3)
     sq, hq, d = 77, 3, 16

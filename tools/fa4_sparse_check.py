@@ -1,4 +1,4 @@
-"""GPU self-check of FA4Backend with a BlockKeep (per-head block-sparse FA4 calls, kernels/fa4_sparse.py).
+"""GPU self-check of FA4Backend with a BlockKeep (per-head block-sparse FA4 calls, kernels/fa4/sparse.py).
 
 For a causal list and packed documents (catalog ``docs_causal``) at --seqlen (default 4096), Hq 8, Hkv 2,
 D 128, bf16, and a random per-head keep at ~30% density inside the list's blocks (keep.block 128 and 256):
@@ -21,7 +21,7 @@ import sys
 import torch
 
 from megatron_cp.kernels import BlockKeep, FA4Backend
-from megatron_cp.kernels import fa4_sparse
+from megatron_cp.kernels.fa4 import sparse as fa4_sparse
 from megatron_cp.masks import catalog
 
 

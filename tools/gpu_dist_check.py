@@ -35,7 +35,7 @@ import torch.distributed as dist
 import megatron_cp as mcp
 from megatron_cp import kernels
 from megatron_cp.baselines import get_strategy, plan_for
-from megatron_cp.kernels import cudnn
+from megatron_cp.kernels.triton import cudnn
 from megatron_cp.masks import catalog, geometry
 from megatron_cp.planner.guests import candidate_rows
 
@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_kernel_check import chunked_reference, rms  # noqa: E402
 from progress import Progress, markdown_table  # noqa: E402
 
-# cuDNN calls by kind: the backend calls these functions of megatron_cp.kernels.cudnn, which main()
+# cuDNN calls by kind: the backend calls these functions of megatron_cp.kernels.triton.cudnn, which main()
 # wraps to count them
 CUDNN_OPS = {"fwd": "forward", "bwd": "backward", "fwd_band": "forward_batched", "bwd_band": "backward_batched"}
 CUDNN_CALLS = dict.fromkeys(CUDNN_OPS, 0)

@@ -1,28 +1,30 @@
 """Attention kernels over tile lists.
 
 The backend protocol - the tile list, the layouts, what each method takes and returns - is specified in
-``megatron_cp/kernels/protocol.py`` (``Backend``); every backend implements all of it: ``TritonBackend``
-(Triton kernels, dense pieces on cuDNN), ``FA4Backend`` (FlashAttention-4 varlen window calls, when
-flash-attn-4 is installed; Triton where FA4 cannot run) and ``ReferenceBackend`` (blockwise PyTorch,
-float64-capable).
-How a tile list splits into kernel pieces is ``megatron_cp/kernels/pieces.py``, the one owner of those
-rules.
+``megatron_cp/kernels/protocol.py`` (``Backend``); every backend implements all of it, one subpackage or module
+each: ``triton/`` (``TritonBackend``: Triton kernels, dense pieces on cuDNN), ``fa4/`` (``FA4Backend``:
+FlashAttention-4 varlen, window and block-sparse calls when flash-attn-4 is installed; Triton where FA4 cannot
+run) and ``reference.py`` (``ReferenceBackend``: blockwise PyTorch, float64-capable). Shared beside them: how a
+tile list splits into kernel pieces (``pieces.py``, the one owner of those rules), tile checks (``tiles.py``),
+the LSE merge (``merge.py``), row copies and reductions (``rows.py``), per-head block selections
+(``block_keep.py``), host-to-device uploads (``upload.py``) and ``get_backend`` (``registry.py``).
 
-This package depends on torch and triton only (flash-attn-4 optionally, imported on first use) (and ``megatron_cp.kinds``, the kind codes); it never
-imports the rest of megatron_cp, so it can be tested and benchmarked on its own.
+This package depends on torch and triton only (flash-attn-4 optionally, imported on first use) and on
+``megatron_cp.kinds`` (the kind codes); it never imports the rest of megatron_cp, so it can be tested and
+benchmarked on its own.
 """
 
 from ..kinds import Kind
 from . import merge, pieces
 from .block_keep import BlockKeep, block_classes
-from .fa4_backend import FA4Backend, fa4_unavailable
+from .fa4.backend import FA4Backend, fa4_unavailable
 from .protocol import Backend, accumulate_dtype
 from .reference import ReferenceBackend
 from .registry import available_backends, get_backend
 from .rows import copy_rows, reduce_rows
 from .tiles import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, KIND_CODES, check_tiles
-from .triton_backend import DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonBackend, TritonConfig, configs_from_json
-from .triton_blocks import kept_area
+from .triton.backend import DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonBackend, TritonConfig, configs_from_json
+from .triton.blocks import kept_area
 from .upload import upload
 
 __all__ = [

@@ -43,7 +43,7 @@ class BlockKeep:
 def block_classes(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, block: int) -> torch.Tensor:
     """int8 [ceil(sq / block), ceil(sk / block)] on the CPU: 0 when no tile of ``tiles`` (int [n, 5])
     keeps a cell of the block pair, 2 when one tile keeps all of its cells, else 1."""
-    from .triton_blocks import _block_pairs, tile_descriptors
+    from .triton.blocks import _block_pairs, tile_descriptors
 
     nq, nk = -(-seqlen_q // block), -(-seqlen_k // block)
     out = torch.zeros(nq, nk, dtype=torch.int8)

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kinds import Kind
-from .triton_blocks import covered_rows, kept_area
+from .triton.blocks import covered_rows, kept_area
 
 LONG_ROW_KEYS = 4096
 # "blocky": short rows whose 128 x 64 forward blocks are mostly full (strided blocks, documents, global +

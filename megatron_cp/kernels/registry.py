@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .fa4_backend import FA4Backend, fa4_unavailable
+from .fa4.backend import FA4Backend, fa4_unavailable
 from .reference import ReferenceBackend
-from .triton_backend import TritonBackend
+from .triton.backend import TritonBackend
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:

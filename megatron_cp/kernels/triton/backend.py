@@ -6,11 +6,11 @@ before ``triton`` is imported) runs the same kernels on CPU tensors for tests.
 
 How a list runs is decided in ``prepare`` (the split into cuDNN pieces and a Triton rest,
 kernels/pieces.py) and, for cuDNN, once per (device, dtype, head_dim, Hq / Hkv) by a probe
-(kernels/cudnn.py) on the first call of that family: a family cuDNN cannot run goes to the Triton
+(kernels/triton/cudnn.py) on the first call of that family: a family cuDNN cannot run goes to the Triton
 kernels alone, and a cuDNN error after the probe is raised.
 
 A ``BlockKeep`` (``forward`` / ``backward``'s ``keep``, dynamic sparse attention) runs on the Triton kernels
-alone, over per-head schedules built on the device per call (kernels/triton_sparse.py).
+alone, over per-head schedules built on the device per call (kernels/triton/sparse.py).
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..kinds import Kind
+from ...kinds import Kind
 from . import cudnn
-from .merge import merge_into
-from .pieces import BLOCKY_FULL_FRACTION, LONG_ROW_KEYS, Pieces, row_class, split_pieces, uncovered_rows
-from .protocol import check_running
-from .tiles import check_tiles
-from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dkdv_reduce_kernel, attn_bwd_dq_kernel
-from .triton_delta import block_dim, head_major, row_delta
-from .triton_fwd import LOG2E, attn_fwd_kernel
-from .triton_blocks import BlockSchedule, build_schedules, tile_descriptors
-from .triton_sparse import head_schedule, kernel_blocks, static_entries
-from .upload import upload
+from ..merge import merge_into
+from ..pieces import BLOCKY_FULL_FRACTION, LONG_ROW_KEYS, Pieces, row_class, split_pieces, uncovered_rows
+from ..protocol import check_running
+from ..tiles import check_tiles
+from .bwd import attn_bwd_dkdv_kernel, attn_bwd_dkdv_reduce_kernel, attn_bwd_dq_kernel
+from .delta import block_dim, head_major, row_delta
+from .fwd import LOG2E, attn_fwd_kernel
+from .blocks import BlockSchedule, build_schedules, tile_descriptors
+from .sparse import head_schedule, kernel_blocks, static_entries
+from ..upload import upload
 
 __all__ = ["BLOCKY_FULL_FRACTION", "DEFAULT_CONFIGS", "KernelConfig", "LONG_ROW_KEYS", "PhaseConfigs", "TritonBackend",
            "TritonConfig", "TritonPrepared", "CudnnSplit", "configs_from_json"]

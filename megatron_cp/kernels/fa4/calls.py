@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..kinds import Kind
-from .pieces import uncovered_rows
+from ...kinds import Kind
+from ..pieces import uncovered_rows
 
 
 @dataclass(frozen=True)

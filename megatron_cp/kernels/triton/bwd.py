@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import load_block, store_block
+from .fwd import load_block, store_block
 
 
 @triton.jit

@@ -33,13 +33,13 @@ from typing import Callable
 
 import torch
 
-from . import fa4_sparse
-from .fa4_calls import BLOCK, MASK_INTERVALS, Fa4Calls, fa4_calls
-from .merge import merge_into
-from .protocol import accumulate_dtype, check_running
-from .tiles import check_tiles
-from .triton_backend import TritonBackend, TritonConfig
-from .upload import upload
+from . import sparse as fa4_sparse
+from .calls import BLOCK, MASK_INTERVALS, Fa4Calls, fa4_calls
+from ..merge import merge_into
+from ..protocol import accumulate_dtype, check_running
+from ..tiles import check_tiles
+from ..triton.backend import TritonBackend, TritonConfig
+from ..upload import upload
 
 FA4_BWD_MAX_HEAD_DIM = 192  # FA4's sm90 backward (flash_bwd_sm90) supports head_dim <= 192
 FA4_ARCHS = (9, 10)  # sm90 (Hopper), sm100 (Blackwell)

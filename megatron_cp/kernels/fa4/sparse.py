@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .fa4_calls import BLOCK, MASK_INTERVALS, BlockLists, _fused, block_lists, segment_of
-from .upload import upload
+from .calls import BLOCK, MASK_INTERVALS, BlockLists, _fused, block_lists, segment_of
+from ..upload import upload
 
 FA4_SPARSE_BWD_MAX_HEAD_DIM = 128  # see the module doc: 128 x 128 blocks in FA4's backward tiles
 

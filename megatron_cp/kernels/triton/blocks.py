@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .tiles import BI_CAUSAL, CAUSAL, INV_CAUSAL
-from .upload import upload
+from ..tiles import BI_CAUSAL, CAUSAL, INV_CAUSAL
+from ..upload import upload
 
 _BIG = 1 << 30  # "no band limit"; |k - q| < 2^30 for every supported length
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .triton_blocks import BlockSchedule, ColumnWork
-from .upload import upload
+from .blocks import BlockSchedule, ColumnWork
+from ..upload import upload
 
 
 @dataclass
