@@ -14,6 +14,7 @@ import megatron_cp as mcp
 from megatron_cp import masks as M
 from megatron_cp.testing import run_ranks
 
+from _dist import assert_errors_within
 from reference import dense_attention
 
 S = 45
@@ -117,19 +118,9 @@ def _cases(rank, world):
     return res
 
 
-def _check(results):
-    for rank, r in enumerate(results):
-        for key, errs in r.items():
-            # float64 inputs: the runtime's lse is float32 by protocol, so sigmoid(lse - sink) carries its
-            # rounding (~6e-8 relative, |lse| < 8 here); float32 inputs (Triton) as the other distributed tests
-            tol = 1e-4 if "triton" in key else 1e-6
-            bad = {n: e for n, e in errs.items() if e > tol}
-            assert not bad, (rank, key, bad)
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_sinks_match_fp64_softmax_with_sink_column(world):
-    _check(run_ranks(_cases, world))
+    assert_errors_within(run_ranks(_cases, world))
 
 
 def test_apply_sink_refuses_bad_shapes():
