@@ -259,7 +259,7 @@ def test_the_all_rule_catches_a_planted_import(tmp_path):
     runtime from the submodule that defines it), and passes the same name through a public module."""
     faces = _public_faces(_modules())
     planted = tmp_path / "planted.py"
-    planted.write_text("from megatron_cp.planner.solvers import KeySpans\nfrom megatron_cp.kernels import pieces\n"
+    planted.write_text("from megatron_cp.planner.keys import KeySpans\nfrom megatron_cp.kernels import pieces\n"
                        "import megatron_cp.masks.builders\n")
     _, imps = _imports(planted, "megatron_cp.runtime.planted")
     bad = _outside_all(planted, "megatron_cp.runtime.planted", imps, faces)

@@ -27,8 +27,9 @@ import re
 import numpy as np
 
 from ..masks import AttnMask, geometry
-from . import solvers
-from .plan import Plan, _rank_plans, plan_digest
+from .keys import KeySpans
+from .plan import Plan, plan_digest
+from .ranks import rank_plans
 from .plan import plan as make_plan
 from .topology import Topology
 
@@ -81,8 +82,8 @@ def plan_from_layout(traps: np.ndarray, seqlen: int, bounds: np.ndarray, owner: 
     if len(owner) and (owner.min() < 0 or owner.max() >= cp_size):
         raise ValueError(f"owner ranks must lie in [0, {cp_size})")
     prefix = geometry.row_area_prefix(traps, seqlen)
-    spans = solvers.KeySpans(traps, seqlen)
-    ranks = _rank_plans(traps, prefix, spans, bounds, owner, cp_size)
+    spans = KeySpans(traps, seqlen)
+    ranks = rank_plans(traps, prefix, spans, bounds, owner, cp_size)
     return Plan(cp_size=cp_size, seqlen=seqlen, solver=solver, chunk_size=int(chunk_size), bounds=bounds,
                 owner=owner, ranks=ranks, mask_area=int(prefix[-1]), topology=topology,
                 digest=plan_digest(cp_size, seqlen, chunk_size, bounds, owner, traps), traps=traps)

@@ -36,7 +36,9 @@ from scipy.sparse import coo_array
 from ..masks import AttnMask
 from ..masks import geometry
 from . import solvers
-from .plan import Plan, _evaluate, _merge_runs, _subtract_runs
+from .choose import evaluate
+from .keys import KeySpans, merge_runs, subtract_runs
+from .plan import Plan
 
 
 @dataclass(frozen=True)
@@ -71,12 +73,12 @@ def _need_groups(traps: np.ndarray, seqlen: int, bounds: np.ndarray):
     """Key groups (chunk j holding them, tokens w, chunks I needing them) of the keys each chunk's rows
     need outside the chunk itself; every token of a group is needed by exactly the chunks ``I``."""
     n = len(bounds) - 1
-    ci, k0, k1 = solvers.KeySpans(traps, seqlen).spans(bounds)
+    ci, k0, k1 = KeySpans(traps, seqlen).spans(bounds)
     need = []  # per chunk: merged key runs outside the chunk
     for i in range(n):
         sel = ci == i
-        runs = _merge_runs(np.stack([k0[sel], k1[sel]], axis=1))
-        need.append(_subtract_runs(runs, bounds[i : i + 2].reshape(1, 2)))
+        runs = merge_runs(np.stack([k0[sel], k1[sel]], axis=1))
+        need.append(subtract_runs(runs, bounds[i : i + 2].reshape(1, 2)))
     cuts = np.unique(np.concatenate([bounds] + [r.reshape(-1) for r in need]))
     # needers[a]: the chunks whose needed runs cover piece a = [cuts[a], cuts[a + 1])
     needers = [[] for _ in range(len(cuts) - 1)]
@@ -188,13 +190,13 @@ def optimal_assignment(
             row([(X(i, r), 1.0)] + [(X(i2, r - 1), -1.0) for i2 in range(i)], -np.inf, 0)
 
     # the incumbent: the best known layout within the rules; the program must beat it by a token
-    spans = solvers.KeySpans(traps, s)
+    spans = KeySpans(traps, s)
     known = None
     for lb_, lo_ in (_grid_layouts(n, cp, bounds) if layouts is None else layouts):
         own = _on_grid(np.asarray(lb_), np.asarray(lo_), bounds)
         if own is None or (np.bincount(own, minlength=cp) != n // cp).any():
             continue
-        imb, remote = _evaluate(traps, spans, bounds, own, cp, prefix)
+        imb, remote = evaluate(traps, spans, bounds, own, cp, prefix)
         if imb <= imbalance_target and (known is None or remote.max() < known[1].max()):
             known = (own, remote, imb)
     if known is not None:
@@ -217,7 +219,7 @@ def optimal_assignment(
     chunk = s // n
     if res.x is not None:  # a layout beating the incumbent
         own = np.argmax(res.x[:nx].reshape(n, cp), axis=1).astype(np.int32)
-        imb, remote = _evaluate(traps, spans, bounds, own, cp, prefix)
+        imb, remote = evaluate(traps, spans, bounds, own, cp, prefix)
         known = (own, remote, imb)
     if res.status == 2 or res.status == 0:  # proven: nothing beats the incumbent, or the program's optimum
         if known is None:

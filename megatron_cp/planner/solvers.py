@@ -497,41 +497,4 @@ def hierarchical(
     return bounds, owner
 
 
-class KeySpans:
-    """For each query row range, the key interval it needs: the rows of one trapezoid need the
-    contiguous keys ``[lo(first row), hi(last row))`` because both lines are non-decreasing."""
-
-    def __init__(self, traps: np.ndarray, seqlen: int):
-        self.traps = traps
-        self.seqlen = seqlen
-
-    def chunk_runs(self, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Key chunks each chunk's rows need, as chunk-index runs ``[first[j], last[j]]`` for
-        ``j`` in ``starts[c]:starts[c + 1]`` of chunk ``c``."""
-        ci, k0, k1 = self.spans(bounds)
-        order = np.argsort(ci, kind="stable")
-        first = (np.searchsorted(bounds, k0, side="right") - 1)[order]
-        last = (np.searchsorted(bounds, k1 - 1, side="right") - 1)[order]
-        starts = np.searchsorted(ci[order], np.arange(len(bounds)))
-        return first, last, starts
-
-    def spans(self, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(chunk index, key start, key end) for every (trapezoid, chunk) overlap."""
-        t = self.traps
-        if len(t) == 0:
-            z = np.zeros(0, dtype=np.int64)
-            return z, z, z
-        first = np.searchsorted(bounds, t[:, 0], side="right") - 1
-        last = np.searchsorted(bounds, t[:, 1] - 1, side="right") - 1
-        reps = last - first + 1
-        ti = np.repeat(np.arange(len(t)), reps)
-        ci = np.repeat(first, reps) + (np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps))
-        tt = t[ti]
-        r0 = np.maximum(tt[:, 0], bounds[ci])
-        r1 = np.minimum(tt[:, 1], bounds[ci + 1])
-        k0 = tt[:, 2] + tt[:, 3] * r0
-        k1 = tt[:, 4] + tt[:, 5] * (r1 - 1)
-        return ci, k0, k1
-
-
 SOLVERS = ("auto", "contiguous", "zigzag", "greedy", "swap", "documents", "hierarchical")

@@ -1,0 +1,143 @@
+"""Which layout: the candidate solvers' layouts for a mask, scored, and the one ``plan`` takes.
+
+``choose`` runs the solvers ``solver`` names (``auto``: every layout of ``solvers`` that applies, the
+hierarchical ones on several nodes), scores each by balance (the busiest rank's mask area over the mean)
+and traffic (remote key tokens, most on a rank and in all; across nodes first on several nodes), and takes
+the least traffic among those within the balance tolerance, else the best balanced.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import solvers
+from .keys import decode, remote_all, remote_counts, split_at_chunks
+from .topology import Topology
+
+
+def auto_chunk(seqlen: int, cp: int) -> int:
+    """About 16 chunks per rank, a power of two between 1 and 4096."""
+    c = max(1, seqlen // (16 * cp))
+    return int(min(4096, 1 << (c.bit_length() - 1)))
+
+
+def evaluate(traps, spans, bounds, owner, cp, prefix):
+    """Area and remote-key tokens per rank of an assignment (cheap: no tiles)."""
+    area = np.bincount(owner, weights=prefix[bounds[1:]] - prefix[bounds[:-1]], minlength=cp).astype(np.int64)
+    remote = remote_counts(*spans.spans(bounds), bounds, owner, cp)
+    mean = area.mean()
+    imb = float(area.max() / mean - 1.0) if mean > 0 else 0.0
+    return imb, remote
+
+
+def remote_tokens(spans, bounds, owner, cp) -> np.ndarray:
+    """``M[r, s]``: key tokens rank ``r`` receives from rank ``s`` (int64 [cp, cp])."""
+    ci, k0, k1 = spans.spans(bounds)
+    rem = remote_all(ci, k0, k1, bounds, owner)[1]
+    pieces, dst, src = split_at_chunks(*decode(rem, int(bounds[-1]) + 1), bounds, owner)
+    M = np.zeros((cp, cp), dtype=np.int64)
+    np.add.at(M, (dst, src), pieces[:, 1] - pieces[:, 0])
+    return M
+
+
+def link_units(spans, bounds, owner, cp, topology) -> np.ndarray:
+    """Per rank, the remote K/V tokens it receives, those from another node weighted by the topology's
+    intra / inter-node bandwidth ratio (float64 [cp]; the guest rows' comparison)."""
+    multi = topology is not None and topology.nodes > 1
+    ratio = topology.intra_node_gbps / topology.inter_node_gbps if multi else 1.0
+    g = topology.gpus_per_node if multi else cp
+    M = remote_tokens(spans, bounds, owner, cp).astype(np.float64)
+    node = np.arange(cp) // g
+    out = np.zeros(cp)
+    for src in range(cp):  # sources in order, as the sum per rank always ran
+        out += M[:, src] * np.where(node != src // g, ratio, 1.0)
+    return out
+
+
+def score(traps, spans, bounds, owner, cp, prefix):
+    imb, remote = evaluate(traps, spans, bounds, owner, cp, prefix)
+    return (imb, int(remote.max()), int(remote.sum()))
+
+
+def snap(bounds: np.ndarray, owner: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Move every cut to the nearest multiple of ``block``; a chunk keeps the owner of the original chunk
+    holding its first token (chunks that vanish are dropped)."""
+    snapped = np.unique(np.round(np.asarray(bounds, dtype=np.float64) / block).astype(np.int64) * block)
+    starts = snapped[:-1]
+    o = np.asarray(owner)[np.searchsorted(bounds, starts, side="right") - 1]
+    return snapped, o
+
+
+def choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts, block=1):
+    """The candidate layouts of ``solver`` for ``traps`` (loads by ``prefix``), scored; returns (name,
+    bounds, owner, scores) of the one with least traffic among those within ``tol`` (else the best
+    balanced)."""
+    candidates = {}
+    if solver in ("contiguous", "auto"):
+        candidates["contiguous"] = solvers.contiguous(seqlen, cp)
+    if solver in ("zigzag", "auto"):
+        candidates["zigzag"] = solvers.zigzag(seqlen, cp)
+    if solver == "auto":
+        for m in (4, 8):
+            if m * cp * 4 <= seqlen:
+                candidates[f"zigzag{m}"] = solvers.zigzag(seqlen, cp, rounds=m)
+    kw = dict(prefix=prefix, chunk_size=chunk, key_spans=spans, tol=tol)
+    if solver in ("greedy", "auto"):
+        candidates["greedy"] = solvers.greedy(seqlen, cp, **kw)
+    if solver in ("swap", "auto"):
+        candidates["swap"] = solvers.swap_balanced(seqlen, cp, **kw)
+    if solver == "documents" or (solver == "auto" and len(cuts) - 1 > cp):
+        candidates["documents"] = solvers.documents(seqlen, cp, prefix=prefix, traps=traps, tol=tol, cuts=cuts)
+    multi_node = topology is not None and topology.nodes > 1
+    if (multi_node and solver == "auto") or solver == "hierarchical":
+        topo = topology if topology is not None else Topology(1, cp)
+        candidates.update(hierarchical_candidates(traps, spans, prefix, seqlen, topo, chunk, tol, cuts))
+    if block > 1:
+        candidates = {n: snap(b, o, block) for n, (b, o) in candidates.items()}
+    scores = {}
+    for name, (b, o) in candidates.items():
+        scores[name] = score(traps, spans, b, o, cp, prefix)
+        if multi_node:  # least inter-node traffic first (deduplicated per destination node)
+            scores[name] = (scores[name][0], inter_node_max(spans, b, o, topology), *scores[name][1:])
+    if solver == "auto" and not any(sc[0] <= tol for sc in scores.values()):
+        # nothing balances whole chunks: deal the heaviest chunks out in pieces (dense rows)
+        candidates["greedy_split"] = solvers.greedy(seqlen, cp, split_heavy=True, **kw)
+        if block > 1:
+            candidates["greedy_split"] = snap(*candidates["greedy_split"], block)
+        scores["greedy_split"] = score(traps, spans, *candidates["greedy_split"], cp, prefix)
+    # least traffic among balanced candidates; otherwise the best balanced one
+    ok = [n for n in candidates if scores[n][0] <= tol]
+    key = (lambda n: (scores[n][1], scores[n][2], scores[n][0])) if ok else (lambda n: scores[n][0])
+    best = min(ok or list(candidates), key=key)
+    return best, *candidates[best], scores
+
+
+def inter_node_max(spans, bounds, owner, topology) -> int:
+    """Most key tokens any node receives from other nodes (each token once per node)."""
+    node = np.asarray(owner, dtype=np.int64) // topology.gpus_per_node
+    return int(remote_counts(*spans.spans(bounds), bounds, node, topology.nodes).max())
+
+
+def hierarchical_candidates(traps, spans, prefix, seqlen, topology, chunk, tol, cuts):
+    nodes = topology.nodes
+    kw = dict(prefix=prefix, chunk_size=chunk, key_spans=spans, tol=tol)
+    node_cands = [solvers.contiguous(seqlen, nodes)]
+    if nodes > 1:
+        node_cands.append(solvers.zigzag(seqlen, nodes))
+        node_cands.append(solvers.greedy(seqlen, nodes, **kw))
+        node_cands.append(solvers.swap_balanced(seqlen, nodes, **kw))
+        if len(cuts) - 1 > nodes:
+            node_cands.append(solvers.documents(seqlen, nodes, prefix=prefix, traps=traps, tol=tol, cuts=cuts))
+    flat = Topology(nodes, 1)
+
+    def key(bo):
+        imb = score(traps, spans, bo[0], bo[1], nodes, prefix)[0]
+        return (imb > tol / 2, inter_node_max(spans, bo[0], bo[1], flat), imb)
+
+    best = min(node_cands, key=key)
+    g = topology.gpus_per_node
+    out = {"hierarchical": solvers.hierarchical(seqlen, topology.world_size, gpus_per_node=g, node_layout=best, **kw)}
+    if len(cuts) - 1 > topology.world_size:  # and whole documents per GPU inside each node
+        out["hierarchical_documents"] = solvers.node_documents(
+            seqlen, topology.world_size, prefix=prefix, tol=tol, gpus_per_node=g, node_layout=best, cuts=cuts)
+    return out
