@@ -1,4 +1,4 @@
-"""The benchmark and simulator tools' own rules on CPU: tools/timing.py (bench_dist's step timer),
+"""The benchmark and simulator tools' own rules on CPU: tools/common.py (bench_dist's step timer),
 tools/bench_dist.py, the research instruments tools/sim/simulate.py and tools/sim/calibrate.py, and the
 parts of the single-GPU tools tools/bench_kernels.py and tools/gpu_kernel_check.py that run without a GPU
 (the FA4 peer's calls against FA4's documented semantics, the peer ratios and table, the backend choice,
@@ -31,7 +31,7 @@ def _warm_counts(rank, world):
     import torch
     import torch.distributed as dist
 
-    timing = _tool("timing")
+    timing = _tool("common")
     calls = []
 
     def step():  # rank 1's step outlasts the warm-up: alone it would run one; rank 0's are ~60x shorter
@@ -83,7 +83,7 @@ def test_timer_back_to_back_is_a_gpu_measurement():
     and the runner says so (None), rather than a host timing under the same name."""
     import torch
 
-    timing = _tool("timing")
+    timing = _tool("common")
     assert timing.Timer(torch.device("cpu")).back_to_back(lambda: None, lambda out: None, 2, None) == (None, None)
 
 
@@ -324,7 +324,7 @@ def test_bench_kernels_cpu_dry_run(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# progress and the closing table (tools/progress.py): per-case lines off stdout, one table at its end
+# progress and the closing table (tools/common.py): per-case lines off stdout, one table at its end
 
 
 def _ends_with_one_table(out: str, rows: int) -> list[str]:

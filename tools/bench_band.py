@@ -12,7 +12,7 @@ warm-up, then ``--iters`` calls, CUDA sync); ``max_abs_diff_vs_first``: against 
     python tools/bench_band.py --windows 1024 2048 4096 8192 --squares 0 1024 --out DIR
 
 While it runs a progress bar on stderr names the case and band-square setting being timed (redrawn at most
-every 30 s where stderr is not a terminal: tools/progress.py); each row's line goes to stderr with
+every 30 s where stderr is not a terminal: tools/common.py); each row's line goes to stderr with
 --verbose. Ends with one table on stdout, a row per case and setting.
 """
 
@@ -33,7 +33,7 @@ from megatron_cp.kernels import TritonBackend, TritonConfig, kept_area
 from megatron_cp.masks import catalog
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar and table
-from progress import Progress, markdown_table  # noqa: E402
+from common import Progress, markdown_table  # noqa: E402
 
 
 def _time(fn, iters, warm_s):

@@ -41,7 +41,7 @@ selection itself saves.
     python tools/run_dist_suite.py --out DIR         # checks, calibration, this, the simulator's prediction
 
 While it runs, rank 0 shows a progress bar on stderr naming the case (S, mask, implementation) being run
-(redrawn at most every 30 s where stderr is not a terminal: tools/progress.py); each case's line goes to
+(redrawn at most every 30 s where stderr is not a terminal: tools/common.py); each case's line goes to
 stderr with ``--verbose``. It ends with one table on stdout: per S and mask, each implementation's
 fwd / bwd TFLOP/s per GPU and the checks (``summarize``).
 
@@ -75,9 +75,9 @@ from megatron_cp.runtime.state import states_of
 # tools/ (this script's folder, first on sys.path when it runs as a script): the shared step timer and
 # the profiler summary, modules of their own so that tools/sim/calibrate.py times kernels the same way
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import profiling  # noqa: E402
-from progress import Progress, markdown_table  # noqa: E402
-from timing import Timer  # noqa: E402
+from common import profile_step, summarize  # noqa: E402
+from common import Progress, markdown_table  # noqa: E402
+from common import Timer  # noqa: E402
 
 
 def _rand_local(n, h, d, dtype, device, seed):
@@ -133,13 +133,13 @@ def bench_ours(name, mask, args, ctx):
     times = ctx["timer"].run(fwd, bwd, args.warmup, args.iters, group)
     if args.profile and name in args.profile_impls.split(","):  # one more step under torch.profiler (all ranks)
         hold = (lambda: ctx["timer"].hold(group)) if args.profile_held and device.type == "cuda" else None
-        events, host = profiling.profile_step(fwd, bwd, ctx["timer"].sync, hold=hold, b2b=args.profile_b2b)
+        events, host = profile_step(fwd, bwd, ctx["timer"].sync, hold=hold, b2b=args.profile_b2b)
         if rank == 0 or args.profile_ranks == "all":  # the other ranks to FILE.rankN
             title = (f"{name} {ctx['mask_name']} S={ctx['seqlen']} rank {rank} of {cp} ({ctx['dev_name']})"
                      + (", right after another step (back to back)" if args.profile_b2b else
                         ", stream held while the host issues each phase" if hold else ""))
             with open(args.profile + (f".rank{rank}" if rank else ""), "a") as f:
-                f.write(profiling.summarize(events, host, title))
+                f.write(summarize(events, host, title))
     return times, plan
 
 

@@ -4,7 +4,7 @@ A fraction ``sparsity`` of the KV heads runs streaming attention (``--sink`` fir
 + ``--window`` recent keys, inside the mask), the rest full attention, through
 ``megatron_cp.gating.attention.pattern_attention`` (one attention call per head kind), against every head
 full (sparsity 0) on the same mask. Forward and backward GPU time (CUDA events behind a held stream,
-tools/timing.py), medians of --iters after --warmup; bf16, Hq 32, Hkv 8, D 128 by default; mask causal
+tools/common.py), medians of --iters after --warmup; bf16, Hq 32, Hkv 8, D 128 by default; mask causal
 or packed documents (``--mask``). The quality of a discretised model is the recipe's business
 (examples/tiny_llama/train_gates.py); this tool measures what the saving is worth in time.
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import megatron_cp as mcp  # noqa: E402
 from megatron_cp.gating.attention import pattern_attention, streaming_plans  # noqa: E402
-from timing import Timer  # noqa: E402
+from common import Timer  # noqa: E402
 
 
 def _mask(kind: str, s: int):

@@ -28,7 +28,7 @@ kernels ("configs"). Per row, fwd_vs_P / bwd_vs_P = P's time / ours' time for ea
 flex_flash, fa4, cudnn that ran (> 1: ours is faster); fwd_vs_best / bwd_vs_best the same against the
 fastest of them per direction, named in best_fwd_peer / best_bwd_peer. The run ends with a markdown table
 (stdout); while it runs a progress bar on stderr names the case and implementation being timed (redrawn
-at most every 30 s where stderr is not a terminal: tools/progress.py), and each case's line goes to
+at most every 30 s where stderr is not a terminal: tools/common.py), and each case's line goes to
 stderr with --verbose.
 
 --tune times candidate block configs of TritonBackend per phase instead (others at their defaults) and
@@ -54,7 +54,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar and table
-from progress import Progress, markdown_table  # noqa: E402
+from common import Progress, markdown_table  # noqa: E402
 
 
 def _interpret_on_cpu():

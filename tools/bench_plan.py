@@ -7,7 +7,7 @@
 Without ``--seqlen`` the three cases above run. ``--seqlen`` / ``--cp`` are paired lists (one case per pair
 and mask, masks ``packed`` by default). Packed documents: ``--docs`` log-normal lengths (sigma 1: many
 short, a few long) summing to S, causal within each (``doc_cu_seqlens``). While it runs a progress bar
-on stderr counts the plans (redrawn at most every 30 s where stderr is not a terminal: tools/progress.py).
+on stderr counts the plans (redrawn at most every 30 s where stderr is not a terminal: tools/common.py).
 Per case one setup line and the auto solver's candidates on stdout, then one table: mask build time (min),
 plan() wall time (first, median, min) and CPU time (median, min), the target and whether it is met, the
 chosen solver, imbalance (busiest rank's cells / mean - 1), tokens per rank and K/V tokens received (most
@@ -33,7 +33,7 @@ import numpy as np
 import megatron_cp as mcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar and table
-from progress import Progress, markdown_table  # noqa: E402
+from common import Progress, markdown_table  # noqa: E402
 
 # (mask, seqlen, cp) -> plan() median target in seconds (issue #27)
 TARGETS = {("packed", 131072, 8): 0.010, ("packed", 1 << 20, 64): 0.100}

@@ -33,7 +33,7 @@ Triton). Each JSON row (one per method and S) holds:
     recall               (--png only) per drawn head, the dense attention mass the selection keeps
 
 Times are medians over --iters steps after --warmup: on the GPU each phase is issued while the stream is
-held (tools/timing.py's Timer.held: CUDA events time the GPU work, not the host's issue; a host
+held (tools/common.py's Timer.held: CUDA events time the GPU work, not the host's issue; a host
 synchronisation inside a call, or a host issue longer than the hold (~10 ms), shows as GPU idle time);
 on the CPU dry run wall clock.
 
@@ -92,8 +92,8 @@ def _interpret_on_cpu():
 if __name__ == "__main__":
     _interpret_on_cpu()
 
-from progress import Progress, markdown_table  # noqa: E402
-from timing import Timer  # noqa: E402
+from common import Progress, markdown_table  # noqa: E402
+from common import Timer  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -11,7 +11,7 @@ fully masked rows give out 0 and lse -inf. Also counts the cuDNN calls, so a run
 is visible, and records the families the backend's cuDNN probe turned down.
 
 While it runs, rank 0 shows a progress bar on stderr naming the mask and implementation being checked
-(redrawn at most every 30 s where stderr is not a terminal: tools/progress.py); every rank's line per
+(redrawn at most every 30 s where stderr is not a terminal: tools/common.py); every rank's line per
 case goes to stderr with ``--verbose``, a failing rank's always. Rank 0 ends with one table on stdout:
 per mask and variant, the ranks that pass, the worst error ratio to the bf16 reference and the cuDNN
 calls.
@@ -42,7 +42,7 @@ from megatron_cp.planner.guests import candidate_rows
 # tools/ (this script's folder): the chunked dense reference of the kernel check
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_kernel_check import chunked_reference, rms  # noqa: E402
-from progress import Progress, markdown_table  # noqa: E402
+from common import Progress, markdown_table  # noqa: E402
 
 # cuDNN calls by kind: the backend calls these functions of megatron_cp.kernels.triton.cudnn, which main()
 # wraps to count them

@@ -18,7 +18,7 @@ well. Planner-style sliding-window bands are added (band_cases). Each case recor
 probe found per (dtype, head_dim, Hq / Hkv) family and the backend's describe() where it has one.
 
 While it runs a progress bar on stderr names the case being checked (redrawn at most every 30 s where
-stderr is not a terminal: tools/progress.py); each case's line goes to stderr with --verbose, failures
+stderr is not a terminal: tools/common.py); each case's line goes to stderr with --verbose, failures
 always. It ends with one table on stdout: per mask and S (and per extra check), cases passed, the worst
 error ratio to the low-precision reference and the paths that ran.
 
@@ -43,7 +43,7 @@ from megatron_cp.kernels import TritonBackend, TritonConfig, configs_from_json, 
 from megatron_cp.masks import catalog
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar and table
-from progress import Progress, markdown_table  # noqa: E402
+from common import Progress, markdown_table  # noqa: E402
 
 ERR_KEYS = ("out", "lse", "dq", "dk", "dv")
 

@@ -9,7 +9,7 @@ block-diagonal lists of 512 and 2048 (each class's peak and half-efficiency keys
 per visited block cell); one tiny tile (launch cost).
 Dense path (CUDA): cuDNN's forward/backward on full pieces of three shapes (peak, per-row and
 per-key-column terms), on a square causal piece, and the fixed cost of one dense piece beside Triton
-tiles. Every kernel time is GPU time, as tools/bench_dist.py times a step (tools/timing.py): after a
+tiles. Every kernel time is GPU time, as tools/bench_dist.py times a step (tools/common.py): after a
 sustained warm-up of ``--seconds`` (a cold GPU's bursts run at boost clocks that a training step does
 not keep), calls issued while a spin kernel holds the stream, less the model's per-call ``launch_us``;
 inputs of the benchmarks' scale. (``--timing synced``: the lists timed in synced calls less a synced tiny call, the method before
@@ -24,7 +24,7 @@ and the time a megatron-cp call exposes beyond its GPU work when timed alone (ca
     python tools/sim/calibrate.py --device cpu --tiny --out /tmp/cost.json  # dry run on CPU
 
 While it runs, rank 0 shows a progress bar on stderr naming the measurement under way (redrawn at most
-every 30 s where stderr is not a terminal: tools/progress.py); each list's times go to stderr with
+every 30 s where stderr is not a terminal: tools/common.py); each list's times go to stderr with
 --verbose. Ends with one table on stdout: every field measured here beside CostModel's default (the
 JSON holds the whole model).
 
@@ -54,8 +54,8 @@ from megatron_cp.runtime.cost import block_counts, tile_areas
 # tools/ (this file's parent folder): the benchmark's step timer, so that the kernels are timed as
 # tools/bench_dist.py times a step (its Timer.HOLD_CYCLES and Timer.run)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from progress import Progress, markdown_table  # noqa: E402
-from timing import Timer  # noqa: E402
+from common import Progress, markdown_table  # noqa: E402
+from common import Timer  # noqa: E402
 
 
 def _time(fn, device, reps, seconds=0.0):

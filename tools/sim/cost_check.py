@@ -25,7 +25,7 @@ but the final gather), so a 4-GPU machine checks 4 x faster. bf16, Hq 32, Hkv 8,
     python tools/sim/cost_check.py --device cpu --tiny --out /tmp/cc.json      # CPU dry run
 
 While it runs, rank 0 shows a progress bar on stderr over its share of the calls, naming the call being
-timed (redrawn at most every 30 s where stderr is not a terminal: tools/progress.py). It ends with one
+timed (redrawn at most every 30 s where stderr is not a terminal: tools/common.py). It ends with one
 table on stdout: per mask and implementation, the calls' measured and predicted totals and the worst
 call; every call's line goes to stdout before it with --verbose (all of them are in the JSON).
 """
@@ -53,7 +53,7 @@ from megatron_cp.runtime import CostModel
 from megatron_cp.runtime.cost import tile_areas
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: progress bar, table
-from progress import Progress, markdown_table  # noqa: E402
+from common import Progress, markdown_table  # noqa: E402
 
 IMPLS = ["megatron-cp", "ring", "ulysses", "allgather"]
 

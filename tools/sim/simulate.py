@@ -28,7 +28,7 @@ calibrated exposed host time to check wall times). Predicted per-GPU TFLOP/s cou
     python tools/sim/simulate.py --compare out/bench_4x....json --cost cost.json   # predicted vs measured
 
 While it runs a progress bar on stderr names the case being simulated or compared (redrawn at most every
-30 s where stderr is not a terminal: tools/progress.py); each case's time goes to stderr with --verbose.
+30 s where stderr is not a terminal: tools/common.py); each case's time goes to stderr with --verbose.
 It ends with one table on stdout: per mask and cp, each strategy's predicted per-GPU TFLOP/s and
 megatron-cp's solver, stages and bytes; with --compare, per target and benchmark row, predicted vs
 measured.
@@ -57,7 +57,7 @@ from megatron_cp.runtime import CostModel
 from megatron_cp.runtime.cost import guest_predict, guest_traffic
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: progress bar, table
-from progress import Progress, markdown_table  # noqa: E402
+from common import Progress, markdown_table  # noqa: E402
 
 
 # ------------------------------------------------------------------------------- mask geometry

@@ -1,0 +1,323 @@
+"""What the tools share (a module, not a tool): how they time a step, report progress and profile.
+
+- ``Timer`` (timing): GPU time behind a held stream, wall time, back to back. tools/bench_dist.py and
+  tools/sim/calibrate.py time kernels the same way, or the cost model it fits would predict another quantity.
+- ``Progress`` and ``markdown_table`` (progress): a tqdm bar on stderr while a tool runs, one table on stdout at
+  the end. The bar's postfix names the case being run, the line a tool used to print per case goes to stderr
+  only with ``--verbose``, and ``note`` writes lines every run must show (failures) above the bar. Where stderr is
+  not a terminal (CI, a log file) it redraws at most every ``NON_TTY_INTERVAL_S`` seconds. Under torchrun only
+  rank 0 passes ``enabled=True``.
+- ``profile_step`` and ``summarize`` (profiling, tools/bench_dist.py --profile): one profiled forward + backward
+  on every rank (the collectives need them all), summarised for one rank as a GPU timeline: per phase the host
+  wall time, the GPU span, the busy time per stream, the device work in launch order and totalled by name, and
+  the idle gaps longer than ``gap_us``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
+from tqdm import tqdm
+
+from megatron_cp.comm import all_gather_single
+
+
+# -- timing ----------------------------------------------------------------------------------------------------------
+
+class Timer:
+    """Times one forward + backward step per iteration, two ways (medians of the slowest rank's times),
+    then a few steps back to back (the third way, ``back_to_back``):
+
+    * GPU time (the headline): the stream is held by a spin kernel (then a tiny all-reduce that
+      releases every GPU at once) while the host issues the step, so CUDA events time the GPU work
+      alone. In training the host runs ahead of the GPU (other layers' kernels are queued).
+      ``kernel-only`` below is timed the same way (its calls queued behind a held stream), so that
+      both start from the same GPU state (after a hold, the same kernels ran 5-17% faster than in a
+      loop of calls on H200: docs/cost-model.md); a step whose host issue outlasts the hold shows that
+      as GPU idle time.
+    * wall time: host issue + GPU of an isolated step (sync, barrier, time, sync), which also counts
+      the host's launch latency before the first kernel.
+    * back to back (``fwd_b2b_ms``): steps with no sync or hold between them, CUDA events around each
+      phase: a training step's conditions (host ahead when it can be, kernels at sustained clocks).
+    On CPU (gloo dry runs) the first two are wall time and the third is not measured."""
+
+    HOLD_CYCLES = 20_000_000  # ~10 ms of GPU clock: longer than any implementation's host issue time
+
+    def __init__(self, device, warm_seconds=0.0):
+        self.device = device
+        self.warm_seconds = warm_seconds
+
+    def warm(self, step, group=None):
+        """Run ``step`` back to back for about ``warm_seconds`` before timing (a GPU that has been busy,
+        not only the few warm-up steps; on 4 x H200 it changed nothing beyond run-to-run spread).
+        With ``group``, every rank runs the same number of steps (their collectives must match): the most
+        any rank needs."""
+        if self.warm_seconds <= 0:
+            return
+        self.sync()
+        t0 = time.perf_counter()
+        step()
+        self.sync()
+        n = torch.tensor([math.ceil(self.warm_seconds / max(time.perf_counter() - t0, 1e-6))], device=self.device)
+        if group is not None:
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+        for _ in range(int(n.item()) - 1):
+            step()
+        self.sync()
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def hold(self, group):
+        """Hold this GPU's stream, then (with ``group``) line the GPUs up: the spin lasts a different time
+        on each GPU (clocks differ), so a tiny all-reduce queued behind it releases all of them together."""
+        torch.cuda._sleep(self.HOLD_CYCLES)  # torch's only spin kernel (private, used by its own tests)
+        if group is not None:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=group)
+
+    def held(self, fwd, bwd, group=None):
+        """(fwd, bwd) GPU seconds of one step, each phase issued while the stream is held (CUDA events from
+        the end of the hold); ``group``: the GPUs are released together."""
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        self.sync()
+        self.hold(group)
+        ev[0].record()
+        out = fwd()
+        ev[1].record()
+        self.hold(group)
+        ev[2].record()
+        bwd(out)
+        ev[3].record()
+        self.sync()
+        del out
+        return ev[0].elapsed_time(ev[1]) / 1e3, ev[2].elapsed_time(ev[3]) / 1e3
+
+    def run(self, fwd, bwd, warmup, iters, group):
+        """(fwd, bwd, fwd wall, bwd wall, fwd back to back, bwd back to back) seconds (the last two None on
+        CPU)."""
+        cuda = self.device.type == "cuda"
+        rows = []
+        self.warm(lambda: bwd(fwd()), group)
+        for i in range(warmup + iters):
+            self.sync()
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            out = fwd()
+            self.sync()
+            t1 = time.perf_counter()
+            bwd(out)
+            self.sync()
+            t2 = time.perf_counter()
+            del out
+            gf, gb = t1 - t0, t2 - t1
+            if cuda:
+                dist.barrier(group)
+                gf, gb = self.held(fwd, bwd, group)
+            if i >= warmup:
+                t = torch.tensor([gf, gb, t1 - t0, t2 - t1], dtype=torch.float64, device=self.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+                rows.append(t.tolist())
+        rows = torch.tensor(rows, dtype=torch.float64)
+        return tuple(float(x) for x in rows.median(dim=0).values) + self.back_to_back(fwd, bwd, iters, group)
+
+    def back_to_back(self, fwd, bwd, iters, group):
+        """(fwd, bwd) seconds of steps run back to back with no sync or hold between them (the host
+        issues step i+1 while the GPU runs step i, as in training; kernels at the GPU's sustained rate,
+        which a step behind a held stream exceeds by 5-17%: docs/cost-model.md),
+        CUDA events around each phase, the first step dropped; (None, None) on CPU. Each rank's medians
+        (GPU fwd, GPU bwd, host issue fwd, host issue bwd; seconds) are left in ``self.b2b_ranks``: a phase
+        whose host issue outlasts the GPU's work runs at the host's pace, and one rank's slower phase is
+        the max the others wait for at the next collective."""
+        if self.device.type != "cuda":
+            return None, None
+        self.sync()
+        dist.barrier(group)
+        evs, host = [], []
+        for _ in range(iters + 1):
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            h0 = time.perf_counter()
+            ev[0].record()
+            out = fwd()
+            ev[1].record()
+            h1 = time.perf_counter()
+            bwd(out)
+            ev[2].record()
+            host.append((h1 - h0, time.perf_counter() - h1))
+            del out
+            evs.append(ev)
+        self.sync()
+        t = torch.tensor([[a.elapsed_time(b) / 1e3, b.elapsed_time(c) / 1e3] + list(h)
+                          for (a, b, c), h in zip(evs[1:], host[1:])], dtype=torch.float64, device=self.device)
+        # each rank's medians (GPU fwd, bwd, host issue fwd, bwd): where the slowest rank's time comes from
+        mine = t.median(dim=0).values
+        ranks = torch.empty(dist.get_world_size(group), 4, dtype=torch.float64, device=self.device)
+        all_gather_single(ranks, mine, group=group)
+        self.b2b_ranks = ranks.tolist()
+        t = t[:, :2].contiguous()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return tuple(float(x) for x in t.median(dim=0).values)
+
+
+# -- progress --------------------------------------------------------------------------------------------------------
+
+NON_TTY_INTERVAL_S = 30.0
+
+
+class Progress:
+    """A tqdm bar of ``total`` steps on stderr (none where ``enabled`` is False: the other ranks).
+
+    ``verbose``: ``step``'s per-case lines are written above the bar (stderr) too, where it is enabled."""
+
+    def __init__(self, total: int | None, desc: str, enabled: bool = True, verbose: bool = False):
+        tty = sys.stderr.isatty()
+        self.verbose = verbose
+        self.bar = tqdm(total=total, desc=desc, file=sys.stderr, disable=not enabled, dynamic_ncols=True,
+                        mininterval=0.1 if tty else NON_TTY_INTERVAL_S)
+
+    def running(self, what: str):
+        """Name the case now running in the postfix (before it runs: one case can take minutes)."""
+        self.bar.set_postfix_str(what, refresh=False)
+
+    def step(self, line: str | None = None, n: int = 1):
+        """One case done; ``line``: its result, shown with --verbose."""
+        if line is not None and self.verbose and not self.bar.disable:
+            self.note(line)
+        self.bar.update(n)
+
+    def add(self, n: int):
+        """``n`` more steps than the total said (cases found on the way)."""
+        if self.bar.total is not None:
+            self.bar.total += n
+
+    def note(self, line: str, file=None):
+        """A line every run shows (a failure, an error), written above the bar (stderr unless ``file``)."""
+        tqdm.write(line, file=file or sys.stderr)
+
+    def close(self):
+        self.bar.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def markdown_table(header, rows) -> list[str]:
+    """Lines of a markdown table: ``header`` the column names, ``rows`` sequences of cells (str() each)."""
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+    return lines
+
+
+# -- profiling -------------------------------------------------------------------------------------------------------
+
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def profile_step(fwd, bwd, sync, phases=("fwd", "bwd"), hold=None, b2b=False):
+    """Run fwd() then bwd(out) once under torch.profiler; returns (trace events, host ms per phase).
+
+    ``hold``: called before each phase (e.g. ``timing.Timer.hold``, a spin kernel on the stream):
+    the host then issues the phase while the GPU is busy, so the timeline shows GPU work without the
+    host's launch gaps, as bench_dist's GPU time does; host ms is then the issue time.
+    ``b2b``: as bench_dist's back-to-back timing: one unrecorded step first, then the profiled one, with
+    no sync or hold between them or between its phases (host ms: the issue time)."""
+    host = {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync()
+        if b2b:
+            bwd(fwd())
+        elif hold is not None:
+            hold()
+        t0 = time.perf_counter()
+        with record_function(phases[0]):
+            out = fwd()
+        if b2b:
+            pass
+        elif hold is None:
+            sync()
+        else:
+            hold()
+        t1 = time.perf_counter()
+        with record_function(phases[1]):
+            bwd(out)
+        sync()
+        t2 = time.perf_counter()
+    host[phases[0]] = (t1 - t0) * 1e3
+    host[phases[1]] = (t2 - t1) * 1e3
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.remove(path)
+    return events, host
+
+
+def summarize(events, host, title, gap_us=15.0, max_rows=80):
+    """Text summary of profile_step's result."""
+    ranges = {e["name"]: (e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+              if e.get("cat") == "user_annotation" and e.get("name") in host}
+    dev = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
+    lines = [f"== {title}"]
+    # device work is attributed to the phase whose host range launched it: correlation -> runtime call
+    launch_ts = {e["args"].get("correlation"): e["ts"] for e in events
+                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    for phase, (h0, h1) in sorted(ranges.items(), key=lambda kv: kv[1][0]):
+        work = [e for e in dev if h0 <= launch_ts.get(e.get("args", {}).get("correlation"), e["ts"]) <= h1]
+        ops = {}
+        for e in events:  # host ops of this phase, inclusive times (a nested op also counts in its parent)
+            if e.get("cat") == "cpu_op" and h0 <= e["ts"] <= h1:
+                ops.setdefault(e["name"][:60], [0, 0.0])
+                ops[e["name"][:60]][0] += 1
+                ops[e["name"][:60]][1] += e.get("dur", 0)
+        host_ops = "   host ops, inclusive (total us, count): " + "; ".join(
+            f"{n} {d:.0f} x{c}" for n, (c, d) in sorted(ops.items(), key=lambda kv: -kv[1][1])[:18])
+        if not work:
+            lines.append(f"-- {phase}: host {host[phase]:.3f} ms, no device work")
+            lines.append(host_ops)
+            continue
+        g0 = work[0]["ts"]
+        g1 = max(e["ts"] + e["dur"] for e in work)
+        streams = {}
+        for e in work:
+            streams[e["args"].get("stream", "?")] = streams.get(e["args"].get("stream", "?"), 0.0) + e["dur"]
+        lines.append(f"-- {phase}: host {host[phase]:.3f} ms; GPU span {(g1 - g0) / 1e3:.3f} ms from "
+                     f"{(g0 - h0) / 1e3:.3f} ms after the host began (profiler clock {g0:.1f} to {g1:.1f} us); "
+                     "busy per stream (ms) "
+                     + ", ".join(f"{s}: {t / 1e3:.3f}" for s, t in sorted(streams.items(), key=str)))
+        busy_end, gaps = g0, []
+        for e in work:
+            if e["ts"] - busy_end > gap_us:
+                gaps.append((busy_end - g0, e["ts"] - busy_end, e["name"]))
+            busy_end = max(busy_end, e["ts"] + e["dur"])
+        lines.append(f"   idle gaps > {gap_us:.0f} us: {len(gaps)}, total {sum(g[1] for g in gaps) / 1e3:.3f} ms"
+                     + "".join(f"\n     at {a / 1e3:8.3f} ms: {d:8.1f} us before {n[:70]}" for a, d, n in gaps[:20]))
+        tot = {}
+        for e in work:
+            tot.setdefault(e["name"][:90], [0, 0.0])
+            tot[e["name"][:90]][0] += 1
+            tot[e["name"][:90]][1] += e["dur"]
+        lines.append(host_ops)
+        lines.append("   by name (count, total us):")
+        for n, (c, d) in sorted(tot.items(), key=lambda kv: -kv[1][1])[:25]:
+            lines.append(f"     {d:10.1f} {c:4d}  {n}")
+        lines.append("   timeline (start us, dur us, stream, name):")
+        for e in work[:max_rows]:
+            lines.append(f"     {e['ts'] - g0:9.1f} {e['dur']:9.1f} {str(e['args'].get('stream', '?')):>4}  "
+                         f"{e['name'][:80]}")
+        if len(work) > max_rows:
+            lines.append(f"     ... {len(work) - max_rows} more")
+    return "\n".join(lines) + "\n"
