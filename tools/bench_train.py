@@ -18,7 +18,8 @@ slowest rank's figures where they differ):
   the NCCL kernels' time apart (it includes their waits for the other ranks);
 - ``first_call_ms`` / ``call_ms``: host time to issue a micro-batch's first layer call (the cross-rank plan check
   waits there) and the median of the other forward calls;
-- ``plan_ms``: the planning thread's time per micro-batch, ``wait_ms`` what the step waited on it.
+- ``plan_ms``: the planning thread's time per micro-batch (``prebuild_ms`` of it: megatron-cp's exchange choice
+  and execution state, ``runtime.prebuild``), ``wait_ms`` what the step waited on it.
 
 Writes ``bench_train_<world>x<device>_<date>.json`` into ``--out-dir`` after every implementation, and
 ``host_profile_megatron-cp_<tokens per GPU>.txt``: rank 0's host time by function over one more step (cProfile,
@@ -69,17 +70,21 @@ def micro_batch_masks(seqlen: int, count: int, seed: int) -> list:
 
 
 def _planner(impl: str, cp: int, work: Workload, rank: int, device):
-    """mask -> (plan, attention function of (q, k, v, plan, group)): what the planning thread makes (for
-    megatron-cp with the rank's execution state, on the stream the step runs on, as the plugin does)."""
+    """mask -> (plan, attention function of (q, k, v, plan, group), seconds of each plan's prebuild): what the
+    planning thread makes (for megatron-cp with the exchange choice and the rank's execution state, on the
+    stream the step runs on, as the plugin does)."""
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    prebuilds: list[float] = []
     if impl == "megatron-cp":
         def make(mask):
             plan = mcp.plan(mask, cp)
+            t = time.perf_counter()
             mcp.runtime.prebuild(plan, work, rank=rank, device=device, stream=stream)
+            prebuilds.append(time.perf_counter() - t)
             return plan
-        return make, lambda q, k, v, plan, group: mcp.attention(q, k, v, plan, group)[0]
+        return make, lambda q, k, v, plan, group: mcp.attention(q, k, v, plan, group)[0], prebuilds
     fn = get_strategy(impl)
-    return (lambda mask: plan_for(impl, mask, cp)), lambda q, k, v, plan, group: fn(q, k, v, plan, group)[0]
+    return (lambda mask: plan_for(impl, mask, cp)), lambda q, k, v, plan, group: fn(q, k, v, plan, group)[0], prebuilds
 
 
 def _busy_ms(prof) -> tuple[float, float]:
@@ -103,7 +108,7 @@ def _busy_ms(prof) -> tuple[float, float]:
 def bench(impl: str, seqlen: int, args, ctx) -> dict:
     rank, cp, device, group, dtype = ctx["rank"], ctx["cp"], ctx["device"], ctx["group"], ctx["dtype"]
     work = Workload(args.heads, args.kv_heads, args.head_dim, torch.finfo(dtype).bits // 8)
-    make, attend = _planner(impl, cp, work, rank, device)
+    make, attend, prebuilds = _planner(impl, cp, work, rank, device)
     steps = args.warmup + args.steps + (2 if device.type == "cuda" else 1)
     masks = micro_batch_masks(seqlen, steps * args.micro_batches, args.seed)
     plans: dict[int, object] = {}
@@ -173,6 +178,7 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
                 host_over_gpu=None if busy is None else mine[0].item() / busy,
                 first_call_ms=mine[1].item(), call_ms=mine[2].item(),
                 plan_ms=1e3 * st["plan_s"] / max(st["micro_batches"], 1),
+                prebuild_ms=1e3 * float(np.mean(prebuilds)) if prebuilds else 0.0,
                 wait_ms=1e3 * st["wait_s"] / max(st["micro_batches"], 1))
 
 
@@ -202,6 +208,7 @@ def run(rank: int, world: int, argv) -> list[dict]:
                 gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f} (x{r['host_over_gpu']:.2f})"
                 print(f"{tpg:>7} tokens/GPU {impl:>12}: step {r['step_ms']:.2f} ms, GPU {gpu}, first call "
                       f"{r['first_call_ms']:.2f} ms, call {r['call_ms']:.3f} ms, plan {r['plan_ms']:.2f} ms "
+                      f"(exchange choice and state {r['prebuild_ms']:.2f}) "
                       f"(waited {r['wait_ms']:.2f})", flush=True)
                 os.makedirs(args.out_dir, exist_ok=True)
                 with open(path, "w") as f:
