@@ -86,9 +86,14 @@ class DeviceRoute:
 
     @classmethod
     def from_route(cls, r, device) -> "DeviceRoute":
-        # pinned and non_blocking: a plain .to(cuda) would synchronise the host with the queued kernels
-        t = lambda a: None if a is None else (torch.from_numpy(a).pin_memory().to(device, non_blocking=True)
-                                              if torch.device(device).type == "cuda" else torch.from_numpy(a))  # noqa: E731
+        cuda = torch.device(device).type == "cuda"
+
+        def t(a):  # pinned and non_blocking: a plain .to(cuda) would synchronise the host with the queued kernels
+            if a is None:
+                return None
+            a = torch.from_numpy(a)
+            return a.pin_memory().to(device, non_blocking=True) if cuda else a
+
         out = np.asarray(r.out_idx, dtype=np.int64) - r.n_local
         n_cat = int(sum(r.a_recv_counts)) + (int(sum(r.b_recv_counts)) if r.b_recv_counts is not None else 0)
         identity = len(out) == n_cat and bool(np.array_equal(out, np.arange(n_cat)))
