@@ -542,10 +542,7 @@ def test_prebuild_with_rank_and_device_builds_the_state_the_call_uses():
     """Given rank and device, prebuild builds the rank's whole execution state (and an FA4 list's launch
     metadata for both directions): the attention's first call finds that very state, builds nothing, and
     gives the same result as a call on a plan nobody prebuilt."""
-    import sys
-
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from test_fa4_backend import EMULATED
+    from test_fa4_backend import EMULATED  # tests/ is on sys.path (conftest)
 
     from megatron_cp.kernels import FA4Backend
     from megatron_cp.runtime import state

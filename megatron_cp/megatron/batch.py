@@ -260,8 +260,9 @@ def _batch_plan(tok: np.ndarray, spec: MaskSpec, cp_size: int, options: PlanOpti
     w = options.workload
     if w is not None and strategy == "megatron_cp" and options.sparse is None and options.gating is None:
         # core attention folds the micro-batch's b sequences into heads
-        on = dict(zip(("rank", "device", "stream"), options.state_on or ()), backend=options.kernel_backend)
-        mcp.runtime.prebuild(plan, Workload(b * w.num_heads, b * w.num_kv_heads, w.head_dim, w.dtype_bytes), **on)
+        rank, device, stream = options.state_on or (None, None, None)
+        mcp.runtime.prebuild(plan, Workload(b * w.num_heads, b * w.num_kv_heads, w.head_dim, w.dtype_bytes),
+                             rank=rank, device=device, stream=stream, backend=options.kernel_backend)
     return plan, strategy, cu, plan_key
 
 

@@ -36,6 +36,7 @@ import torch
 from . import sparse as fa4_sparse
 from .calls import BLOCK, MASK_INTERVALS, Fa4Calls, fa4_calls
 from ..merge import merge_into
+from ..pieces import uncovered_rows
 from ..protocol import accumulate_dtype, check_running
 from ..tiles import check_tiles
 from ..triton.backend import TritonBackend, TritonConfig
@@ -525,18 +526,9 @@ class FA4Backend:
 
 
 def _minus(span, gaps):
-    """[a, b) minus the sorted disjoint ``gaps``, as a list of spans."""
+    """[a, b) minus the ``gaps``, as a list of spans (the rows of [0, b) neither [0, a) nor a gap covers)."""
     a, b = span
-    out = []
-    for g0, g1 in gaps:
-        if g1 <= a or g0 >= b:
-            continue
-        if g0 > a:
-            out.append((a, g0))
-        a = max(a, g1)
-    if a < b:
-        out.append((a, b))
-    return out
+    return uncovered_rows([(0, a), *((g0, min(g1, b)) for g0, g1 in gaps if g0 < b)], b)
 
 
 def _check_call(q, k, v, prepared: Fa4Prepared) -> None:
