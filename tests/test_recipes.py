@@ -60,6 +60,9 @@ def test_parity_recipe_tiny(tiny, runner, name):
     fp32_diff = max(abs(a - b) / a for a, b in zip(fp32["runs"]["cp1"]["losses"], fp32["runs"][other]["losses"]))
     assert fp32_diff <= 1e-5
     assert rec["not_run"] == []
+    # cp1 and the noise floor are the same runs for every parity recipe of one call: trained once, shared
+    for job, ref in zip(rec["jobs"], report["dense"]["jobs"]):
+        assert job["runs"]["cp1"] is ref["runs"]["cp1"]
 
 
 @pytest.mark.parametrize("name", SPARSE)
