@@ -31,9 +31,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(tp: int, cp: int, pp: int = 1, vpp: int | None = None) -> None:
+def init_parallel(tp: int, cp: int, pp: int = 1, vpp: int | None = None, seed: int = 1234) -> None:
     """Megatron process groups on an initialised default group (sizes checked before any collective);
-    ``vpp``: virtual pipeline stages (model chunks) per pipeline rank, or None."""
+    ``vpp``: virtual pipeline stages (model chunks) per pipeline rank, or None; ``seed``: Megatron's CUDA RNG
+    tracker's (GPU runs)."""
     from megatron.core import parallel_state
 
     world = dist.get_world_size()
@@ -50,6 +51,12 @@ def init_parallel(tp: int, cp: int, pp: int = 1, vpp: int | None = None) -> None
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=vpp, create_gloo_process_groups=False,
     )
+    if dist.get_backend() == "nccl":
+        # Megatron's layers fork the model-parallel CUDA RNG under SP (embedding dropout) and TP (weight init);
+        # pretrain_gpt.py registers it in initialize_megatron, so a model built without that entry must too
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def dp_cp_group():
