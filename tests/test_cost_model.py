@@ -211,7 +211,7 @@ def test_short_row_class_uses_its_own_fit():
     short-row block shapes: the model then uses the short-row peak and half-efficiency keys (when
     calibrated)."""
     from megatron_cp.kernels.triton.backend import LONG_ROW_KEYS
-    from megatron_cp.kernels.triton.blocks import covered_rows
+    from megatron_cp.kernels.pieces import covered_rows
 
     base = dict(fwd_tflops=400.0, bwd_tflops=300.0, half_keys=200.0, tile_us=0.0, launch_us=0.0,
                 dense_fwd_tflops=0.0)
@@ -569,6 +569,34 @@ def test_prebuild_with_rank_and_device_builds_the_state_the_call_uses():
         mcp.runtime.prebuild(plan, work, rank=0)
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, 1\)"):
         mcp.runtime.prebuild(plan, work, rank=1, device="cpu")
+
+
+def test_prebuild_of_a_packed_plan_makes_few_torch_calls():
+    """A planning thread's prebuild of a fresh packed-document plan (8k tokens per rank, FA4 lists) calls torch
+    at most a few hundred times: each call releases the interpreter lock, and beside a host-bound training
+    thread every release costs the planning thread up to a switch interval to get it back (the counters of
+    kernels.pieces are numpy for that; they made ~2000 torch calls per plan when they were torch)."""
+    from torch.overrides import TorchFunctionMode
+
+    from test_fa4_backend import EMULATED
+
+    from megatron_cp.kernels import FA4Backend
+
+    class Count(TorchFunctionMode):
+        n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(np.maximum(rng.lognormal(7.5, 1.0, 200).astype(int), 64), 16384)
+    cuts = np.concatenate([[0], np.cumsum(lengths)])
+    cuts = np.append(cuts[cuts < 32768], 32768)
+    plan = mcp.plan(M.varlen(cuts.tolist(), causal=True), 4)
+    with Count():
+        mcp.runtime.prebuild(plan, Workload(32, 8, 128, 2), rank=0, device="cpu", backend=FA4Backend(functions=EMULATED))
+    assert 0 < Count.n <= 400, Count.n
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -9,13 +9,14 @@ import random
 
 import torch
 
+import numpy as np
 import pytest
 
 from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
 from megatron_cp.kernels.merge import merge_torch as _merge_lse
-from megatron_cp.kernels.pieces import (BLOCKY_FULL_FRACTION, LONG_ROW_KEYS, as_tiles, block_counts, row_class,
-                                        split_pieces)
-from megatron_cp.kernels.triton.blocks import build_schedules, covered_rows, kept_area
+from megatron_cp.kernels.pieces import (BLOCKY_FULL_FRACTION, LONG_ROW_KEYS, as_tiles, block_counts, covered_rows,
+                                        kept_area, row_class, split_pieces)
+from megatron_cp.kernels.triton.blocks import build_schedules
 
 NEVER = 1 << 62  # a piece size no list reaches
 
@@ -231,7 +232,7 @@ def test_block_counts_match_the_schedule(bm, bn):
         tiles.append([q0, q0 + sq, k0, k0 + sk, rng.randint(0, 3)])
     t = torch.tensor(tiles, dtype=torch.int32)
     visited, full = block_counts(t, bm, bn)
-    assert visited.dtype == full.dtype == torch.int64 and visited.shape == full.shape == (len(tiles),)
+    assert visited.dtype == full.dtype == np.int64 and visited.shape == full.shape == (len(tiles),)
     rows, _ = build_schedules(t, 400, 400, bm, bn)
     assert int(visited.sum()) == int(rows.ptr[0, -1]) and int(full.sum()) == rows.n_full
     assert bool((full <= visited).all()) and int(visited.sum()) > int(full.sum()) > 0

@@ -15,7 +15,8 @@ triton = pytest.importorskip("triton")
 
 from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: E402
 from megatron_cp.kernels import KernelConfig, PhaseConfigs, TritonBackend, TritonConfig  # noqa: E402
-from megatron_cp.kernels.triton.blocks import build_schedules, kept_area  # noqa: E402
+from megatron_cp.kernels.pieces import kept_area  # noqa: E402
+from megatron_cp.kernels.triton.blocks import build_schedules  # noqa: E402
 from megatron_cp.masks.catalog import tiles_to_dense  # noqa: E402
 from megatron_cp.testing import reference_attention  # noqa: E402
 
@@ -204,7 +205,7 @@ def test_accumulate_leaves_rows_without_tiles_untouched():
 
 def test_row_class_counts_covered_rows_only():
     """A list covering a few long rows of a long sequence is "long" (the early/late split's late list)."""
-    from megatron_cp.kernels.triton.blocks import covered_rows
+    from megatron_cp.kernels.pieces import covered_rows
 
     be = backend()
     t = torch.tensor([[0, 128, 0, 8192, FULL], [100, 256, 0, 8192, FULL]], dtype=torch.int32)

@@ -24,7 +24,7 @@ from .registry import available_backends, get_backend
 from .rows import copy_rows, reduce_rows
 from .tiles import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, KIND_CODES, check_tiles
 from .triton.backend import DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonBackend, TritonConfig, configs_from_json
-from .triton.blocks import kept_area
+from .pieces import kept_area
 from .upload import upload
 
 __all__ = [

@@ -36,7 +36,9 @@ stands for the ``n`` pieces ``b = 0 .. n-1`` of rows ``[q_start + b r, q_start +
 (q_end - q_start) / n``) and keys ``[k_start + b r, k_end + b r)``: one cuDNN call with batch ``n``.
 
 The pieces of one tile are cell-disjoint and cover exactly its kept cells, so the split of a cell-disjoint
-list is too (tests/test_dense_tiles.py checks this with dense masks). Pure host-side tensor code.
+list is too (tests/test_dense_tiles.py checks this with dense masks). Pure host-side code: the counters
+(areas, covered rows, block counts) are numpy, so a planning thread prices a new plan with few calls that
+release the interpreter lock.
 
 Row classes
 -----------
@@ -51,10 +53,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..kinds import Kind
-from .triton.blocks import covered_rows, kept_area
 
 LONG_ROW_KEYS = 4096
 # "blocky": short rows whose 128 x 64 forward blocks are mostly full (strided blocks, documents, global +
@@ -124,57 +126,104 @@ def as_tiles(pieces) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int32).reshape(-1, 5)
 
 
-def row_class(tiles: torch.Tensor) -> str:
+def _host(tiles) -> np.ndarray:
+    """int64 [n, 5] numpy of a tile list given as a tensor (any device) or an array."""
+    if isinstance(tiles, torch.Tensor):
+        tiles = tiles.to("cpu", torch.int64).numpy()
+    return np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
+
+
+def _kept_cells(t: np.ndarray) -> np.ndarray:
+    """int64 [n]: the kept cells of each tile of ``t`` (int64 [n, 5]), closed forms of the four kinds."""
+    sq, sk, kind = t[:, 1] - t[:, 0], t[:, 3] - t[:, 2], t[:, 4]
+    d = sk - sq
+    # causal: row i keeps max(0, i + d + 1) keys (never more than sk for i < sq)
+    a = np.maximum(0, -d)
+    n = np.maximum(0, sq - a)
+    causal = n * (d + 1) + (n * (a + sq - 1)) // 2
+    # inv_causal: row i keeps max(0, sk - i)
+    m = np.minimum(sq, sk)
+    inv = m * sk - (m * (m - 1)) // 2
+    return np.select([kind == Kind.FULL, kind == Kind.CAUSAL, kind == Kind.INV_CAUSAL], [sq * sk, causal, inv],
+                     sq * np.maximum(0, d + 1))
+
+
+def tile_areas(tiles) -> tuple[np.ndarray, np.ndarray]:
+    """(kept cells, rows) of every tile of ``tiles`` (int [n, 5]), float64 [n] each, exact."""
+    t = _host(tiles)
+    return _kept_cells(t).astype(np.float64), (t[:, 1] - t[:, 0]).astype(np.float64)
+
+
+def kept_area(tiles) -> int:
+    """Number of kept cells of a (cell-disjoint) tile list, exact; for FLOP counts."""
+    return int(_kept_cells(_host(tiles)).sum())
+
+
+def covered_rows(tiles) -> int:
+    """Number of query rows at least one tile of ``tiles`` (int [n, 5]) covers."""
+    r = _host(tiles)[:, :2]
+    if len(r) == 0:
+        return 0
+    r = r[np.argsort(r[:, 0], kind="stable")]
+    ends = np.maximum.accumulate(r[:, 1])
+    # a run of overlapping ranges starts where a range begins past every earlier end
+    new = np.ones(len(r), dtype=bool)
+    new[1:] = r[1:, 0] >= ends[:-1]
+    run_end = np.maximum.reduceat(ends, np.flatnonzero(new))
+    return int((run_end - r[new, 0]).sum())
+
+
+def row_class(tiles) -> str:
     """"long", "blocky" or "short" for the tile list ``tiles`` (int [n, 5]) the Triton kernels run (module
     doc); the kept keys per row count over the rows the list covers (a list may cover a few rows of many)."""
-    tiles = tiles.to("cpu", torch.int64).reshape(-1, 5)
-    if kept_area(tiles) >= LONG_ROW_KEYS * max(covered_rows(tiles), 1):
+    t = _host(tiles)
+    if kept_area(t) >= LONG_ROW_KEYS * max(covered_rows(t), 1):
         return "long"
-    if tiles.shape[0]:
-        visited, full = block_counts(tiles, *BLOCKY_BLOCK)
+    if len(t):
+        visited, full = block_counts(t, *BLOCKY_BLOCK)
         v, f = int(visited.sum()), int(full.sum())
         if v and f >= BLOCKY_FULL_FRACTION * v:
             return "blocky"
     return "short"
 
 
-def block_rows(tiles: torch.Tensor, block_m: int, block_n: int):
-    """Per (tile, q block) pair of ``tiles`` (int [n, 5]), torch int64 each: (tile id, q block index, k blocks
+def block_rows(tiles, block_m: int, block_n: int):
+    """Per (tile, q block) pair of ``tiles`` (int [n, 5]), int64 numpy each: (tile id, q block index, k blocks
     the kernels' block schedule visits in that row for that tile, those of them fully kept). Closed forms
     per row of blocks (the kept keys of a block's rows form one run), never one entry per block: equal to
     counting ``triton_blocks``' schedule entries (tests/test_cost_model.py checks it)."""
-    t = tiles.to("cpu", torch.int64).reshape(-1, 5)
-    qs, qe, ks, ke, kind = t.unbind(1)
+    t = _host(tiles)
+    qs, qe, ks, ke, kind = t.T
     big = 1 << 40
     # a tile keeps lo <= k - q <= hi
-    hi = torch.where((kind == Kind.CAUSAL) | (kind == Kind.BI_CAUSAL), ke - qe, torch.full_like(ke, big))
-    lo = torch.where((kind == Kind.INV_CAUSAL) | (kind == Kind.BI_CAUSAL), ks - qs, torch.full_like(ks, -big))
+    hi = np.where((kind == Kind.CAUSAL) | (kind == Kind.BI_CAUSAL), ke - qe, big)
+    lo = np.where((kind == Kind.INV_CAUSAL) | (kind == Kind.BI_CAUSAL), ks - qs, -big)
     m0, m1 = qs // block_m, (qe - 1) // block_m + 1
-    cnt = (m1 - m0).clamp_min(0)
-    tid = torch.repeat_interleave(torch.arange(len(t)), cnt)
-    first = torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
-    m = torch.repeat_interleave(m0, cnt) + torch.arange(int(cnt.sum())) - first
+    cnt = np.maximum(m1 - m0, 0)
+    tid = np.repeat(np.arange(len(t)), cnt)
+    first = np.repeat(np.cumsum(cnt) - cnt, cnt)
+    m = np.repeat(m0, cnt) + np.arange(int(cnt.sum())) - first
     bq0, bq1 = m * block_m, (m + 1) * block_m - 1
-    r0, r1 = torch.maximum(qs[tid], bq0), torch.minimum(qe[tid] - 1, bq1)
-    c0, c1 = torch.maximum(ks[tid], r0 + lo[tid]), torch.minimum(ke[tid] - 1, r1 + hi[tid])
-    visited = torch.where(c1 >= c0, c1 // block_n - c0 // block_n + 1, 0)
+    qs_t, qe_t, ks_t, ke_t, lo_t, hi_t = qs[tid], qe[tid], ks[tid], ke[tid], lo[tid], hi[tid]
+    r0, r1 = np.maximum(qs_t, bq0), np.minimum(qe_t - 1, bq1)
+    c0, c1 = np.maximum(ks_t, r0 + lo_t), np.minimum(ke_t - 1, r1 + hi_t)
+    visited = np.where(c1 >= c0, c1 // block_n - c0 // block_n + 1, 0)
     # a full block: all its rows in the tile and every key of it kept by every row
-    a = torch.maximum(ks[tid], lo[tid] + bq1)
-    b = torch.minimum(ke[tid] - 1, hi[tid] + bq0)
-    inside = (qs[tid] <= bq0) & (qe[tid] - 1 >= bq1)
-    full = torch.where(inside, ((b + 1) // block_n - 1 - (-(-a // block_n)) + 1).clamp_min(0), 0)
+    a = np.maximum(ks_t, lo_t + bq1)
+    b = np.minimum(ke_t - 1, hi_t + bq0)
+    inside = (qs_t <= bq0) & (qe_t - 1 >= bq1)
+    full = np.where(inside, np.maximum((b + 1) // block_n - 1 - (-(-a // block_n)) + 1, 0), 0)
     return tid, m, visited, full
 
 
-def block_counts(tiles: torch.Tensor, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per tile of ``tiles`` (int [n, 5]): (visited, full), torch int64 [n]: the (block_m x block_n) blocks
+def block_counts(tiles, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per tile of ``tiles`` (int [n, 5]): (visited, full), int64 numpy [n]: the (block_m x block_n) blocks
     the kernels' block schedule visits for it (those holding a kept cell of the tile) and those of them
     whose every cell the tile keeps (no mask arithmetic)."""
-    tiles = tiles.to("cpu", torch.int64).reshape(-1, 5)
-    n = tiles.shape[0]
-    tid, _, visited, full = block_rows(tiles, block_m, block_n)
-    zero = torch.zeros(n, dtype=torch.int64)
-    return zero.index_add(0, tid, visited), zero.index_add(0, tid, full)
+    t = _host(tiles)
+    tid, _, visited, full = block_rows(t, block_m, block_n)
+    return np.bincount(tid, visited, minlength=len(t)).astype(np.int64), np.bincount(
+        tid, full, minlength=len(t)).astype(np.int64)
 
 
 # -- the rules --------------------------------------------------------------------------------------------

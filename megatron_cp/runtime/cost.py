@@ -281,7 +281,7 @@ class CostModel:
         """The kernel backend's class of a Triton tile list (``kernels.pieces.row_class``), falling back for
         classes this model has no numbers for ("blocky" -> "short" -> "long")."""
         t = np.ascontiguousarray(np.asarray(tiles, dtype=np.int64).reshape(-1, 5))
-        cls = _MEMO.get(("row_class", _content(t)), lambda: pieces.row_class(_torch_tiles(t)))
+        cls = _MEMO.get(("row_class", _content(t)), lambda: pieces.row_class(t))
         if cls == "blocky" and self.blocky_fwd_tflops <= 0:
             cls = "short"
         if cls == "short" and self.short_fwd_tflops <= 0:
@@ -417,20 +417,8 @@ def link_bytes(M: np.ndarray, node: np.ndarray) -> tuple[float, float]:
 
 
 def tile_areas(tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(kept cells, rows) of every tile, exact, vectorized (closed forms of the four kinds)."""
-    t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
-    sq, sk, kind = t[:, 1] - t[:, 0], t[:, 3] - t[:, 2], t[:, 4]
-    d = sk - sq
-    # causal: row i keeps max(0, i + d + 1) keys (never more than sk for i < sq)
-    a = np.maximum(0, -d)
-    n = np.maximum(0, sq - a)
-    causal = n * (d + 1) + (n * (a + sq - 1)) // 2
-    # inv_causal: row i keeps max(0, sk - i)
-    m = np.minimum(sq, sk)
-    inv = m * sk - (m * (m - 1)) // 2
-    bi = sq * np.maximum(0, d + 1)
-    area = np.select([kind == 0, kind == 1, kind == 2], [sq * sk, causal, inv], bi)
-    return area.astype(np.float64), sq.astype(np.float64)
+    """(kept cells, rows) of every tile, exact (``kernels.pieces.tile_areas``)."""
+    return pieces.tile_areas(tiles)
 
 
 def band_cells(tiles: np.ndarray, cells: np.ndarray) -> float:
@@ -444,8 +432,8 @@ def block_counts(tiles: np.ndarray, block_m: int, block_n: int) -> tuple[np.ndar
     t = np.ascontiguousarray(np.asarray(tiles, dtype=np.int64).reshape(-1, 5))
 
     def count():
-        v, f = pieces.block_counts(_torch_tiles(t), block_m, block_n)
-        v, f = v.numpy().astype(np.float64), f.numpy().astype(np.float64)
+        v, f = pieces.block_counts(t, block_m, block_n)
+        v, f = v.astype(np.float64), f.astype(np.float64)
         v.flags.writeable = f.flags.writeable = False  # shared through _MEMO
         return v, f
 
@@ -456,13 +444,10 @@ def row_block_entries(tiles: np.ndarray, block_m: int, block_n: int) -> np.ndarr
     """Entries of each q block's row in the forward schedule: the k blocks a program of that q block
     visits over all tiles (a block met by two tiles counts twice, as the schedule lists it); from the first
     q block with an entry."""
-    t = _torch_tiles(tiles)
-    if t.shape[0] == 0:
-        return np.zeros(0)
-    _, m, vis, _ = pieces.block_rows(t, block_m, block_n)
+    _, m, vis, _ = pieces.block_rows(tiles, block_m, block_n)
     if len(m) == 0:
         return np.zeros(0)
-    return np.bincount((m - m.min()).numpy(), vis.numpy()).astype(np.float64)
+    return np.bincount(m - m.min(), vis).astype(np.float64)
 
 
 class _Memo:

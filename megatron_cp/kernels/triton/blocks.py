@@ -207,31 +207,3 @@ def build_schedules(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, block_m: 
     cols = _csr(n, m * block_m, tid, full, nn)
     cols.work = column_work(cols.ptr[0], split_min_segment)
     return rows, cols
-
-
-def covered_rows(tiles: torch.Tensor) -> int:
-    """Number of query rows at least one tile of ``tiles`` (int [n, 5]) covers; host-side."""
-    if tiles.shape[0] == 0:
-        return 0
-    r = tiles[:, :2].to("cpu", torch.int64)
-    r = r[torch.argsort(r[:, 0], stable=True)]
-    ends = torch.cummax(r[:, 1], 0).values
-    starts = r[:, 0]
-    # a run of overlapping ranges starts where a range begins past every earlier end
-    new = torch.ones(len(r), dtype=torch.bool)
-    new[1:] = starts[1:] >= ends[:-1]
-    run_id = torch.cumsum(new.long(), 0) - 1
-    run_start = starts[new]
-    run_end = torch.zeros(int(run_id[-1]) + 1, dtype=torch.int64).scatter_reduce(0, run_id, ends, "amax")
-    return int((run_end - run_start).sum())
-
-
-def kept_area(tiles: torch.Tensor) -> int:
-    """Number of kept cells of a (cell-disjoint) tile list, exact, host-side; for FLOP counts."""
-    total = 0
-    for qs, qe, ks, ke, lo, hi in tile_descriptors(tiles).tolist():
-        q = torch.arange(qs, qe, dtype=torch.int64)
-        a = torch.clamp(q + lo, min=ks)
-        b = torch.clamp(q + hi, max=ke - 1)
-        total += int((b - a + 1).clamp(min=0).sum())
-    return total
