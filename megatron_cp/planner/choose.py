@@ -59,13 +59,32 @@ def score(traps, spans, bounds, owner, cp, prefix):
     return (imb, int(remote.max()), int(remote.sum()))
 
 
-def snap(bounds: np.ndarray, owner: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Move every cut to the nearest multiple of ``block``; a chunk keeps the owner of the original chunk
-    holding its first token (chunks that vanish are dropped)."""
-    snapped = np.unique(np.round(np.asarray(bounds, dtype=np.float64) / block).astype(np.int64) * block)
+def snap(bounds: np.ndarray, owner: np.ndarray, block: int, rounding=np.round) -> tuple[np.ndarray, np.ndarray]:
+    """Move every cut to a multiple of ``block`` (``rounding``: np.round to the nearest, np.ceil up); a chunk
+    keeps the owner of the original chunk holding its first token (chunks that vanish are dropped)."""
+    snapped = np.unique(rounding(np.asarray(bounds, dtype=np.float64) / block).astype(np.int64) * block)
     starts = snapped[:-1]
     o = np.asarray(owner)[np.searchsorted(bounds, starts, side="right") - 1]
     return snapped, o
+
+
+def snap_best(bounds, owner, block, traps, spans, cp, prefix, tol):
+    """The block-aligned layout of (bounds, owner) that moves less: cuts rounded to the nearest block or all
+    up, scored like the candidates (balanced within ``tol`` first). Up pays where a cut sits at a causal
+    document's start: the next document's first rows go to the rank before, which holds their keys already,
+    while rounding down would hand the previous document's last rows to the rank after, which must then
+    receive that whole document's keys. (All down almost never won on packed, causal and sliding-window
+    masks at blocks 64-512, cp 4 and 8, so it is not tried.)"""
+    nearest = snap(bounds, owner, block)
+    up = snap(bounds, owner, block, np.ceil)
+    if len(up[0]) == len(nearest[0]) and np.array_equal(up[0], nearest[0]) and np.array_equal(up[1], nearest[1]):
+        return nearest
+
+    def key(layout):
+        imb, most, total = score(traps, spans, *layout, cp, prefix)
+        return (False, most, total, imb) if imb <= tol else (True, imb, most, total)
+
+    return min((nearest, up), key=key)
 
 
 def choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts, block=1):
@@ -93,7 +112,7 @@ def choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts,
         topo = topology if topology is not None else Topology(1, cp)
         candidates.update(hierarchical_candidates(traps, spans, prefix, seqlen, topo, chunk, tol, cuts))
     if block > 1:
-        candidates = {n: snap(b, o, block) for n, (b, o) in candidates.items()}
+        candidates = {n: snap_best(b, o, block, traps, spans, cp, prefix, tol) for n, (b, o) in candidates.items()}
     scores = {}
     for name, (b, o) in candidates.items():
         scores[name] = score(traps, spans, b, o, cp, prefix)
@@ -103,7 +122,7 @@ def choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts,
         # nothing balances whole chunks: deal the heaviest chunks out in pieces (dense rows)
         candidates["greedy_split"] = solvers.greedy(seqlen, cp, split_heavy=True, **kw)
         if block > 1:
-            candidates["greedy_split"] = snap(*candidates["greedy_split"], block)
+            candidates["greedy_split"] = snap_best(*candidates["greedy_split"], block, traps, spans, cp, prefix, tol)
         scores["greedy_split"] = score(traps, spans, *candidates["greedy_split"], cp, prefix)
     # least traffic among balanced candidates; otherwise the best balanced one
     ok = [n for n in candidates if scores[n][0] <= tol]

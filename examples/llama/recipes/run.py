@@ -279,29 +279,11 @@ def main(argv=None) -> dict:
                 fits = []
             j.runs = fits
         plan.append((n, jobs))
-    # a run that several recipes share (cp1 and cp1_again of every parity recipe: same settings, same run) trains
-    # once; the others take its result
-    first, shared = {}, {}
-    for n, jobs in plan:
-        for j in jobs:
-            keep = []
-            for r in j.runs:
-                key = (json.dumps(_train_json(j.train), sort_keys=True), repr(r))
-                if key in first and r.start != "pretrained":
-                    shared.setdefault(id(j), []).append((r.name, first[key]))
-                else:
-                    first.setdefault(key, (id(j), r.name))
-                    keep.append(r)
-            j.runs = keep
     todo = [j for _, jobs in plan for j in jobs if j.runs]
-    done = dict(zip(map(id, todo), spawn_jobs(todo, a.gpus, "cpu" if a.cpu else "cuda") if todo else []))
-    for jid, pairs in shared.items():
-        res = done.setdefault(jid, {"runs": {}, "pretrain_losses": None})
-        for name, (src, src_name) in pairs:
-            res["runs"][name] = done[src]["runs"][src_name]
+    results = iter(spawn_jobs(todo, a.gpus, "cpu" if a.cpu else "cuda") if todo else [])
     report = {}
     for n, jobs in plan:
-        res = [done.get(id(j), {"runs": {}, "pretrain_losses": None}) for j in jobs]
+        res = [next(results) if j.runs else {"runs": {}, "pretrain_losses": None} for j in jobs]
         folder = Path(a.out) / n
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "results.json"
