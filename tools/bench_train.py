@@ -19,7 +19,9 @@ slowest rank's figures where they differ):
 - ``first_call_ms`` / ``call_ms``: host time to issue a micro-batch's first layer call (the cross-rank plan check
   waits there) and the median of the other forward calls;
 - ``plan_ms``: the planning thread's time per micro-batch (``prebuild_ms`` of it: megatron-cp's exchange choice
-  and execution state, ``runtime.prebuild``), ``wait_ms`` what the step waited on it.
+  and execution state, ``runtime.prebuild``), ``wait_ms`` what the step waited on it; ``prebuild_idle_ms``:
+  ``runtime.prebuild`` of other fresh plans on the main thread with nothing else running (median of 4), so
+  ``prebuild_ms`` beside it says what sharing the interpreter and the GPU with the step adds.
 
 Writes ``bench_train_<world>x<device>_<date>.json`` into ``--out-dir`` after every implementation, and
 ``host_profile_megatron-cp_<tokens per GPU>.txt``: rank 0's host time by function over one more step (cProfile,
@@ -142,6 +144,15 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
             torch.cuda.synchronize(device)
         dist.barrier(group)
 
+    idle = []
+    if impl == "megatron-cp":
+        for m in micro_batch_masks(seqlen, 4, args.seed + 1):
+            plan = mcp.plan(m, cp)
+            sync()
+            t = time.perf_counter()
+            mcp.runtime.prebuild(plan, work, rank=rank, device=device,
+                                 stream=torch.cuda.current_stream(device) if device.type == "cuda" else None)
+            idle.append(time.perf_counter() - t)
     for _ in range(args.warmup):
         step(False)
     for _ in range(args.steps):
@@ -179,6 +190,7 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
                 first_call_ms=mine[1].item(), call_ms=mine[2].item(),
                 plan_ms=1e3 * st["plan_s"] / max(st["micro_batches"], 1),
                 prebuild_ms=1e3 * float(np.mean(prebuilds)) if prebuilds else 0.0,
+                prebuild_idle_ms=1e3 * float(np.median(idle)) if idle else 0.0,
                 wait_ms=1e3 * st["wait_s"] / max(st["micro_batches"], 1))
 
 
@@ -208,7 +220,7 @@ def run(rank: int, world: int, argv) -> list[dict]:
                 gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f} (x{r['host_over_gpu']:.2f})"
                 print(f"{tpg:>7} tokens/GPU {impl:>12}: step {r['step_ms']:.2f} ms, GPU {gpu}, first call "
                       f"{r['first_call_ms']:.2f} ms, call {r['call_ms']:.3f} ms, plan {r['plan_ms']:.2f} ms "
-                      f"(exchange choice and state {r['prebuild_ms']:.2f}) "
+                      f"(exchange choice and state {r['prebuild_ms']:.2f}; alone {r['prebuild_idle_ms']:.2f}) "
                       f"(waited {r['wait_ms']:.2f})", flush=True)
                 os.makedirs(args.out_dir, exist_ok=True)
                 with open(path, "w") as f:
