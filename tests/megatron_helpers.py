@@ -80,3 +80,19 @@ def reference_run(model, batches, spec, lr: float, micro_batch_size: int):
         opt.step()
         losses.append(float(s) / float(n))
     return w0, losses, g0, {k: p.detach().clone() for k, p in named.items()}
+
+
+def reference_for(mask: str, shape, build, *, weight_seed: int, batch_seed: int, steps: int, G: int, S: int,
+                  lr: float, micro_batch_size: int):
+    """A parity test's start: the mask's spec, ``steps`` global batches and the TP = CP = PP = 1 reference run
+    (``reference_run``) of ``build(shape)`` from ``weight_seed``. Returns (spec, batches, reference_run's
+    four results)."""
+    from megatron_cp.megatron.batch import MaskSpec
+    from tiny_llama import trainer
+
+    spec = MaskSpec(mask, eod=EOD if mask == "packed" else None)
+    batches = [make_global_batch(G, S, seed=batch_seed + i, packed=mask == "packed") for i in range(steps)]
+    trainer.init_parallel(1, 1)
+    torch.manual_seed(weight_seed)
+    ref = build(shape)
+    return spec, batches, reference_run(ref, batches, spec, lr, micro_batch_size)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_helpers import EOD, cuda_to_cpu_shim, make_global_batch, reference_run, rel_err, tp_gather
+from megatron_helpers import cuda_to_cpu_shim, reference_for, rel_err, tp_gather
 
 TOL = 1e-5
 CONFIGS = [(1, 2), (1, 4), (2, 2)]
@@ -83,7 +83,6 @@ def _worker(rank, world):
     from megatron.core import parallel_state as ps
 
     from megatron_cp.megatron import CPCoreAttention
-    from megatron_cp.megatron.batch import MaskSpec
     from tiny_llama import trainer
     from tiny_llama.model import LlamaShape, load_full_state
 
@@ -93,15 +92,9 @@ def _worker(rank, world):
                        ffn_hidden_size=48, vocab_size=320, seq_length=S)
     report = []
     for mask in MASKS:
-        spec = MaskSpec(mask, eod=EOD if mask == "packed" else None)
-        batches = [make_global_batch(G, S, seed=100 + i, packed=mask == "packed") for i in range(STEPS)]
-        # reference: TP=1, CP=1 on every rank over the whole global batch (DP groups of size 1 via dp=world,
-        # but each rank uses the full batch so no DP reduction is involved)
-        trainer.init_parallel(1, 1)
-        torch.manual_seed(7)
-        ref = _build(shape)
-        full_w, ref_losses, ref_g0, ref_w = reference_run(ref, batches[:STEPS], spec, LR, MBS)
-        del ref
+        # reference: TP=1, CP=1 on every rank over the whole global batch (no DP reduction involved)
+        spec, batches, (full_w, ref_losses, ref_g0, ref_w) = reference_for(
+            mask, shape, _build, weight_seed=7, batch_seed=100, steps=STEPS, G=G, S=S, lr=LR, micro_batch_size=MBS)
 
         for tp, cp, strategy, variant in [c[1:] for c in CASES if c[0] == mask]:
             trainer.init_parallel(tp, cp)

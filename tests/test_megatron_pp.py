@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_helpers import EOD, cuda_to_cpu_shim, full_param_name, make_global_batch, reference_run, rel_err
+from megatron_helpers import EOD, cuda_to_cpu_shim, full_param_name, reference_for, rel_err
 
 TOL = 1e-5
 MASKS = ["causal", "packed"]
@@ -61,7 +61,6 @@ def _worker(rank, world):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_cp.megatron.batch import MaskSpec
     from tiny_llama import trainer
     from tiny_llama.model import LlamaShape, build_llama, build_pipeline_stage, load_full_state
 
@@ -71,13 +70,9 @@ def _worker(rank, world):
                        ffn_hidden_size=48, vocab_size=320, seq_length=S)
     report = []
     for mask in MASKS:
-        spec = MaskSpec(mask, eod=EOD if mask == "packed" else None)
-        batches = [make_global_batch(G, S, seed=500 + i, packed=mask == "packed") for i in range(STEPS)]
-        trainer.init_parallel(1, 1)
-        torch.manual_seed(11)
-        ref = build_llama(shape)
-        full_w, ref_losses, ref_g0, ref_w = reference_run(ref, batches[:STEPS], spec, LR, MBS)
-        del ref
+        spec, batches, (full_w, ref_losses, ref_g0, ref_w) = reference_for(
+            mask, shape, build_llama, weight_seed=11, batch_seed=500, steps=STEPS, G=G, S=S, lr=LR,
+            micro_batch_size=MBS)
 
         for pp, vpp in LAYOUTS:
             trainer.init_parallel(1, CP, pp=pp, vpp=vpp)
