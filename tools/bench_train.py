@@ -18,7 +18,7 @@ slowest rank's figures where they differ):
   the NCCL kernels' time apart (it includes their waits for the other ranks);
 - ``first_call_ms`` / ``call_ms``: host time to issue a micro-batch's first layer call (the cross-rank plan check
   waits there) and the median of the other forward calls;
-- ``plan_ms``: the planning thread's time per micro-batch (``prebuild_ms`` of it: megatron-cp's exchange choice
+- ``plan_ms``: the planning thread's time per micro-batch of the timed steps (``prebuild_ms`` of it: megatron-cp's exchange choice
   and execution state, ``runtime.prebuild``), ``wait_ms`` what the step waited on it; ``prebuild_idle_ms``:
   ``runtime.prebuild`` of other fresh plans on the main thread with nothing else running (median of 4), so
   ``prebuild_ms`` beside it says what sharing the interpreter and the GPU with the step adds.
@@ -183,15 +183,19 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
     mine = torch.tensor([float(np.median(step_ms)), float(np.median(first)), float(np.median(calls or [0.0]))],
                         dtype=torch.float64, device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-    st = ahead.stats()
+    # the timed steps' micro-batches only: the warm-up's first plans load the kernels and fill caches
+    a, b = args.warmup * args.micro_batches, (args.warmup + args.steps) * args.micro_batches
+
+    def timed_ms(xs):
+        xs = list(xs)[a:b]
+        return 1e3 * float(np.mean(xs)) if xs else 0.0
+
     return dict(impl=impl, seqlen=seqlen, tokens_per_gpu=seqlen // cp, layers=args.layers,
                 micro_batches=args.micro_batches, step_ms=mine[0].item(), gpu_ms=busy, nccl_ms=nccl,
                 host_over_gpu=None if busy is None else mine[0].item() / busy,
                 first_call_ms=mine[1].item(), call_ms=mine[2].item(),
-                plan_ms=1e3 * st["plan_s"] / max(st["micro_batches"], 1),
-                prebuild_ms=1e3 * float(np.mean(prebuilds)) if prebuilds else 0.0,
-                prebuild_idle_ms=1e3 * float(np.median(idle)) if idle else 0.0,
-                wait_ms=1e3 * st["wait_s"] / max(st["micro_batches"], 1))
+                plan_ms=timed_ms(ahead.plan_times), prebuild_ms=timed_ms(prebuilds),
+                prebuild_idle_ms=1e3 * float(np.median(idle)) if idle else 0.0, wait_ms=timed_ms(ahead.waits))
 
 
 def run(rank: int, world: int, argv) -> list[dict]:
