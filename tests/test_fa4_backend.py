@@ -167,6 +167,66 @@ def test_routes():
     assert c.blocks.band == (4, -1024, 0)  # a causal window of 1025 keys and 4 sink keys
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_band_check_agrees_with_a_cell_by_cell_comparison(monkeypatch, seed):
+    """calls._band (are a list's partial blocks one diagonal band, with or without sink keys?) compares interval
+    lengths per row; on windows, streaming, global + local, prefix-LM and packed documents, split over CP ranks,
+    it answers as a cell-by-cell comparison of every partial block with every candidate band does."""
+    from megatron_cp.kernels.fa4 import calls
+
+    def cell_by_cell(segs, row, lo, hi, partial, sq, sk):
+        mb, nb = np.nonzero(partial)
+        if not len(mb) or len(mb) * calls.BLOCK ** 2 > calls.BAND_CHECK_MAX_CELLS:
+            return None
+        big = sq + sk
+        cands = list(dict.fromkeys(
+            (-big if g.left is None else g.k1 - g.q1 - g.left, big if g.right is None else g.k1 - g.q1 + g.right)
+            for g in segs))
+        keep = np.zeros((sq, sk), dtype=bool)
+        for r, a, b in zip(row.tolist(), lo.tolist(), hi.tolist()):
+            keep[r, max(a, 0):max(b, 0)] = True
+        sinks = [0] + sorted({g.k1 for g in segs if g.k0 == 0 and g.left is None and g.right is None})
+        for sink in sinks:
+            for dlo, dhi in cands:
+                if all(np.array_equal(keep[m * 128:(m + 1) * 128, n * 128:(n + 1) * 128],
+                                      calls.band_keep(np.arange(m * 128, min((m + 1) * 128, sq)),
+                                                      np.arange(n * 128, min((n + 1) * 128, sk)), sink, dlo, dhi))
+                       for m, n in zip(mb.tolist(), nb.tolist())):
+                    return int(sink), int(max(dlo, -big)), int(min(dhi, big))
+        return None
+
+    seen = []
+    real = calls._band
+
+    def both(*a):
+        got = real(*a)
+        seen.append((got, cell_by_cell(*a)))
+        return got
+
+    monkeypatch.setattr(calls, "_band", both)
+    rng = np.random.default_rng(seed)
+    s = 4096
+    w = int(rng.integers(100, 1500))
+    cuts = np.unique(np.concatenate([[0, s], rng.integers(1, s, size=int(rng.integers(2, 12)))])).tolist()
+    masks = [mcp.masks.sliding_window(s, w), mcp.masks.sliding_window(s, w, int(rng.integers(1, 300))),
+             mcp.masks.streaming(s, int(rng.integers(1, 200)), w), mcp.masks.global_local(s, 256, 1, 2),
+             mcp.masks.prefix_lm(s, int(rng.integers(1, s))), mcp.masks.varlen(cuts, causal=True)]
+    for mask in masks:
+        for cp in (1, 2, 4):
+            plan = mcp.plan(mask, cp)
+            for rank in range(cp):
+                rp = plan.ranks[rank]
+                fa4_calls(rp.tiles.astype("int32"), plan.num_local(rank), max(rp.buffer_len, 1))
+    # two windows of one width on other diagonals in one block: every row keeps as many keys as the first
+    # window's band would give it, but not the same keys (no band)
+    tiles = np.array([[0, 64, 0, 74, BI_CAUSAL], [64, 80, 84, 110, BI_CAUSAL], [80, 128, 80, 138, BI_CAUSAL]])
+    n = len(seen)
+    calls.block_lists([segment_of(*t) for t in tiles.tolist()], 128, 256)
+    assert len(seen) == n + 1 and seen[-1] == (None, None), seen[-1]
+    assert seen and all(got == want for got, want in seen), [x for x in seen if x[0] != x[1]]
+    assert any(got is not None for got, _ in seen) and any(got is None for got, _ in seen)
+
+
 def test_segments_keep_exactly_the_tiles_cells():
     """Each kind's window (and the trimming of rows that keep nothing) against the tile semantics."""
     for kind in (FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL):

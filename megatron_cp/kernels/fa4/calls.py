@@ -360,7 +360,10 @@ def _band(segs, row, lo, hi, partial: np.ndarray, seqlen_q: int, seqlen_k: int) 
     """(sink, dlo, dhi) when every partial block's kept cells are exactly those with
     ``c - r <= dhi and (c < sink or c - r >= dlo)`` (a causal diagonal, a window's edges, a window with
     attention sinks), the band among the segments' own and the sink among their full segments from key 0;
-    else None. Then the mask_mod compares with constants instead of reading each row's intervals."""
+    else None. Then the mask_mod compares with constants instead of reading each row's intervals.
+
+    Compared per row of every partial block by interval lengths, all blocks at once: a row's kept keys A (its
+    disjoint intervals clipped to the block's keys) equal the band's B iff |A| = |B| = |A n B|."""
     mb, nb = np.nonzero(partial)
     if not len(mb) or len(mb) * BLOCK * BLOCK > BAND_CHECK_MAX_CELLS:
         return None
@@ -373,21 +376,32 @@ def _band(segs, row, lo, hi, partial: np.ndarray, seqlen_q: int, seqlen_k: int) 
             cands.append(c)
     start = np.searchsorted(row, np.arange(seqlen_q + 1))  # row -> its intervals [start[r], start[r + 1])
     width = int(np.diff(start).max())
-    ar = np.arange(BLOCK)
-    blocks = []
-    for m, n in zip(mb.tolist(), nb.tolist()):
-        r = m * BLOCK + ar[: min(BLOCK, seqlen_q - m * BLOCK)]
-        c = n * BLOCK + ar[: min(BLOCK, seqlen_k - n * BLOCK)]
-        idx = start[r][:, None] + np.arange(width)[None, :]
-        ok = idx < start[r + 1][:, None]
-        idx = np.minimum(idx, len(lo) - 1)
-        l_, h_ = np.where(ok, lo[idx], 0), np.where(ok, hi[idx], 0)
-        keep = ((c[None, None, :] >= l_[:, :, None]) & (c[None, None, :] < h_[:, :, None])).any(1)
-        blocks.append((r, c, keep))
+    # every row of every partial block, with the block's keys [c0, c1)
+    r = (mb[:, None] * BLOCK + np.arange(BLOCK)[None, :]).reshape(-1)
+    c0 = np.repeat(nb * BLOCK, BLOCK)
+    inside = r < seqlen_q
+    r, c0 = r[inside], c0[inside]
+    c1 = np.minimum(c0 + BLOCK, seqlen_k)
+    idx = start[r][:, None] + np.arange(width)[None, :]
+    ok = idx < start[r + 1][:, None]
+    idx = np.minimum(idx, len(lo) - 1)
+    a_lo = np.where(ok, np.maximum(lo[idx], c0[:, None]), 0)
+    a_hi = np.where(ok, np.minimum(hi[idx], c1[:, None]), 0)
+    size_a = np.maximum(a_hi - a_lo, 0).sum(1)
+
+    def common(x0, x1):  # |A n [x0, x1)| per row
+        return np.maximum(np.minimum(a_hi, x1[:, None]) - np.maximum(a_lo, x0[:, None]), 0).sum(1)
+
     sinks = [0] + sorted({s.k1 for s in segs if s.k0 == 0 and s.left is None and s.right is None})
     for sink in sinks:
         for dlo, dhi in cands:
-            if all(np.array_equal(keep, band_keep(r, c, sink, dlo, dhi)) for r, c, keep in blocks):
+            top = np.minimum(c1, r + dhi + 1)
+            s0, s1 = c0, np.minimum(top, sink)  # B = [c0, min(top, sink)) u [max(c0, r + dlo), top)
+            w0, w1 = np.maximum(c0, r + dlo), top
+            o0, o1 = np.maximum(s0, w0), np.minimum(s1, w1)
+            size_b = np.maximum(s1 - s0, 0) + np.maximum(w1 - w0, 0) - np.maximum(o1 - o0, 0)
+            if np.array_equal(size_a, size_b) and np.array_equal(
+                    common(s0, s1) + common(w0, w1) - common(o0, o1), size_a):
                 return int(sink), int(max(dlo, -big)), int(min(dhi, big))
     return None
 
