@@ -60,6 +60,12 @@ def test_parity_recipe_tiny(tiny, runner, name):
     fp32_diff = max(abs(a - b) / a for a, b in zip(fp32["runs"]["cp1"]["losses"], fp32["runs"][other]["losses"]))
     assert fp32_diff <= 1e-5
     assert rec["not_run"] == []
+    # every step of every run was also appended to progress.jsonl as it ended
+    lines = [json.loads(x) for x in (out / "progress.jsonl").read_text().splitlines()]
+    for job in (bf16, fp32):
+        for rn, r in job["runs"].items():
+            logged = [x["loss"] for x in lines if x["run"] == rn and x["dtype"] == job["train"]["dtype"]]
+            assert logged[:len(r["losses"])] == r["losses"], (rn, logged, r["losses"])
     # cp1 and the noise floor are the same runs for every parity recipe of one call: trained once, shared
     for job, ref in zip(rec["jobs"], report["dense"]["jobs"]):
         assert job["runs"]["cp1"] is ref["runs"]["cp1"]

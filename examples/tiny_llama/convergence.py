@@ -14,6 +14,7 @@ into an fp32 main gradient, AdamW on fp32 master weights, clipping by the fp32 g
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import platform
 import textwrap
@@ -409,8 +410,11 @@ def _kernels(train: Train, device) -> str:
     return name + (" (fp32 on triton)" if name == "fa4" and train.dtype == "fp32" else "")
 
 
-def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bool = True) -> list[dict]:
-    """Every job's runs in this world, one after the other; rank 0 returns one result per job."""
+def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bool = True,
+           progress: str | None = None) -> list[dict]:
+    """Every job's runs in this world, one after the other; rank 0 returns one result per job. ``progress``: a
+    file rank 0 appends every step to as it ends (a JSON line: dtype, run, step, loss, grad norm, seconds), so a
+    run stopped by a time limit still leaves each step it made."""
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
     device = None
     if device_kind == "cuda":
@@ -435,6 +439,10 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
         t_start = time.perf_counter()
         for run in job.runs:
             def log(step, loss, norm, sec, name=run.name):
+                if rank == 0 and progress:
+                    with open(progress, "a") as f:
+                        f.write(json.dumps({"dtype": train.dtype, "run": name, "step": step + 1, "loss": float(loss),
+                                            "grad_norm": float(norm), "seconds": float(sec)}) + "\n")
                 # short runs (timings) print every step: a run cut off by a time limit still leaves them all
                 if rank == 0 and verbose and (train.steps <= 20 or step < 3 or step % 10 == 9
                                               or step == train.steps - 1):
@@ -497,10 +505,11 @@ def compare(ref: list[float], other: list[float], last: int = 100) -> dict:
                 mean_last_rel_diff=float(abs(a[-k:].mean() - b[-k:].mean()) / abs(a[-k:].mean())), last=k)
 
 
-def spawn_jobs(jobs: list[Job], world: int, device_kind: str, verbose: bool = True, timeout_s: int = 3600):
+def spawn_jobs(jobs: list[Job], world: int, device_kind: str, verbose: bool = True, timeout_s: int = 3600,
+               progress: str | None = None):
     from .trainer import spawn
 
     for j in jobs:
         j.check(world)
-    return spawn(worker, world, jobs, device_kind, verbose, backend="nccl" if device_kind == "cuda" else "gloo",
-                 timeout_s=timeout_s)
+    return spawn(worker, world, jobs, device_kind, verbose, progress,
+                 backend="nccl" if device_kind == "cuda" else "gloo", timeout_s=timeout_s)

@@ -12,7 +12,8 @@ megatron-cp's context parallelism beside CP = 1 from the same weights on the sam
 
 Each recipe writes ``results.json`` (device, date, command, losses, throughput, the checks) and a PNG into
 ``--out``/NAME; ``--runs`` picks runs by name, merged into an existing ``results.json`` (to split one recipe
-over several time-limited calls). The model code is examples/tiny_llama (Megatron-Core's GPTModel with
+over several time-limited calls); ``--out``/progress.jsonl gets every step of every run as it ends (what a time
+limit leaves of a run before its results.json). The model code is examples/tiny_llama (Megatron-Core's GPTModel with
 megatron-cp's core attention and batch hook); the data are the Python standard library's sources, bytes as
 tokens, cut into documents that end with EOD (no download).
 """
@@ -280,7 +281,10 @@ def main(argv=None) -> dict:
             j.runs = fits
         plan.append((n, jobs))
     todo = [j for _, jobs in plan for j in jobs if j.runs]
-    results = iter(spawn_jobs(todo, a.gpus, "cpu" if a.cpu else "cuda") if todo else [])
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    # every step of every run as it ends (a JSON line each): what a time limit leaves before results.json
+    progress = Path(a.out) / "progress.jsonl"
+    results = iter(spawn_jobs(todo, a.gpus, "cpu" if a.cpu else "cuda", progress=str(progress)) if todo else [])
     report = {}
     for n, jobs in plan:
         res = [next(results) if j.runs else {"runs": {}, "pretrain_losses": None} for j in jobs]
