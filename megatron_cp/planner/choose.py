@@ -68,23 +68,27 @@ def snap(bounds: np.ndarray, owner: np.ndarray, block: int, rounding=np.round) -
     return snapped, o
 
 
+def _rank(sc, tol):
+    """Sort key of a score (imbalance, most received, total received): balanced within ``tol`` first, then least
+    traffic; else least imbalance."""
+    imb, most, total = sc[:3]
+    return (False, most, total, imb) if imb <= tol else (True, imb, most, total)
+
+
 def snap_best(bounds, owner, block, traps, spans, cp, prefix, tol):
-    """The block-aligned layout of (bounds, owner) that moves less: cuts rounded to the nearest block or all
-    up, scored like the candidates (balanced within ``tol`` first). Up pays where a cut sits at a causal
-    document's start: the next document's first rows go to the rank before, which holds their keys already,
-    while rounding down would hand the previous document's last rows to the rank after, which must then
-    receive that whole document's keys. (All down almost never won on packed, causal and sliding-window
-    masks at blocks 64-512, cp 4 and 8, so it is not tried.)"""
+    """(bounds, owner, score) of the block-aligned layout of (bounds, owner) that moves less: cuts rounded to the
+    nearest block or all up, scored like the candidates. Up pays where a cut sits at a causal document's start:
+    the next document's first rows go to the rank before, which holds their keys already, while rounding down
+    would hand the previous document's last rows to the rank after, which must then receive that whole
+    document's keys. (All down almost never won on packed, causal and sliding-window masks at blocks 64-512,
+    cp 4 and 8, so it is not tried.)"""
     nearest = snap(bounds, owner, block)
     up = snap(bounds, owner, block, np.ceil)
-    if len(up[0]) == len(nearest[0]) and np.array_equal(up[0], nearest[0]) and np.array_equal(up[1], nearest[1]):
-        return nearest
-
-    def key(layout):
-        imb, most, total = score(traps, spans, *layout, cp, prefix)
-        return (False, most, total, imb) if imb <= tol else (True, imb, most, total)
-
-    return min((nearest, up), key=key)
+    layouts = [nearest]
+    if not (np.array_equal(up[0], nearest[0]) and np.array_equal(up[1], nearest[1])):
+        layouts.append(up)
+    scored = [(b, o, score(traps, spans, b, o, cp, prefix)) for b, o in layouts]
+    return min(scored, key=lambda x: _rank(x[2], tol))
 
 
 def choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts, block=1):
@@ -111,19 +115,21 @@ def choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts,
     if (multi_node and solver == "auto") or solver == "hierarchical":
         topo = topology if topology is not None else Topology(1, cp)
         candidates.update(hierarchical_candidates(traps, spans, prefix, seqlen, topo, chunk, tol, cuts))
-    if block > 1:
-        candidates = {n: snap_best(b, o, block, traps, spans, cp, prefix, tol) for n, (b, o) in candidates.items()}
     scores = {}
-    for name, (b, o) in candidates.items():
-        scores[name] = score(traps, spans, b, o, cp, prefix)
+    for name, (b, o) in list(candidates.items()):
+        if block > 1:  # the aligned layout comes scored
+            b, o, scores[name] = snap_best(b, o, block, traps, spans, cp, prefix, tol)
+            candidates[name] = (b, o)
+        else:
+            scores[name] = score(traps, spans, b, o, cp, prefix)
         if multi_node:  # least inter-node traffic first (deduplicated per destination node)
             scores[name] = (scores[name][0], inter_node_max(spans, b, o, topology), *scores[name][1:])
     if solver == "auto" and not any(sc[0] <= tol for sc in scores.values()):
         # nothing balances whole chunks: deal the heaviest chunks out in pieces (dense rows)
-        candidates["greedy_split"] = solvers.greedy(seqlen, cp, split_heavy=True, **kw)
-        if block > 1:
-            candidates["greedy_split"] = snap_best(*candidates["greedy_split"], block, traps, spans, cp, prefix, tol)
-        scores["greedy_split"] = score(traps, spans, *candidates["greedy_split"], cp, prefix)
+        b, o = solvers.greedy(seqlen, cp, split_heavy=True, **kw)
+        b, o, sc = snap_best(b, o, block, traps, spans, cp, prefix, tol) if block > 1 else (
+            b, o, score(traps, spans, b, o, cp, prefix))
+        candidates["greedy_split"], scores["greedy_split"] = (b, o), sc
     # least traffic among balanced candidates; otherwise the best balanced one
     ok = [n for n in candidates if scores[n][0] <= tol]
     key = (lambda n: (scores[n][1], scores[n][2], scores[n][0])) if ok else (lambda n: scores[n][0])
