@@ -181,6 +181,45 @@ def test_bad_inputs_raise_before_any_collective():
         assert all(v == "ok" for v in r.values()), r
 
 
+def _host_group_cases(rank, world):
+    """Two CP groups of 2 in a world of 4, the first seen as a device (non-gloo) group: the plan check's CPU
+    twin of it is made by its two ranks alone (the other pair, a gloo group checked over itself, never joins),
+    kept, and checks plans over those ranks only; a plan differing inside a group raises on both its ranks."""
+    from unittest import mock
+
+    from megatron_cp.runtime import groups
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    real = dist.get_backend
+    with mock.patch.object(groups.dist, "get_backend", lambda g=None: "nccl" if g is pairs[0] else real(g)):
+        twin = groups.host_group(mine)
+        again = groups.host_group(mine)
+        ranks = dist.get_process_group_ranks(twin)
+        mask = M.causal(40) if rank < 2 else M.full(40)  # the groups differ from each other: allowed
+        plan = mcp.plan(mask, 2, solver="contiguous")
+        q, k, v = (torch.randn(plan.num_local(dist.get_rank(mine)), h, 8) for h in (4, 2, 2))
+        out, _ = mcp.attention(q, k, v, plan, mine)
+        # inside the second pair: rank 3 holds another plan of the same local sizes
+        bad = mcp.plan(M.full(40) if rank == 3 else M.causal(40), 2, solver="contiguous")
+        try:
+            mcp.attention(q, k, v, bad, mine)
+            caught = "no error"
+        except RuntimeError as e:
+            caught = "plan digest differs" in str(e)
+    return dict(twin_is_new=twin is not mine, kept=twin is again, ranks=ranks, finite=bool(torch.isfinite(out).all()),
+                caught=caught)
+
+
+def test_plan_check_runs_on_a_host_twin_of_a_device_group():
+    r = run_ranks(_host_group_cases, 4)
+    assert [x["ranks"] for x in r] == [[0, 1], [0, 1], [2, 3], [2, 3]], r
+    assert [x["twin_is_new"] for x in r] == [True, True, False, False], r
+    assert all(x["kept"] and x["finite"] for x in r), r
+    # the first pair agrees (both causal); in the second, both ranks raise
+    assert [x["caught"] for x in r] == ["no error", "no error", True, True], r
+
+
 def test_plan_errors():
     with pytest.raises(ValueError, match="cp_size=9 exceeds"):
         mcp.plan(M.causal(8), 9)

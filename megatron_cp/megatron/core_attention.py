@@ -224,7 +224,7 @@ class CPCoreAttention(MegatronModule):
             if packed_seq_params is not None and packed_seq_params.sparse is not None:
                 sp = packed_seq_params.sparse  # the same on every layer: method, parameters, sparse layers
                 fields["sparse settings"] = fingerprint((sp.method, sp.params, sorted(sp.layers or ()), sp.config))
-            verify_plan(plan, group, q.device, fields)
+            verify_plan(plan, group, fields)
         sink = None if self.softmax_offset is None else self.softmax_offset.repeat(b)  # folded heads, batch-major
         if gating is not None:
             out = self._gated(q, k, v, b, hkv, plan, packed_seq_params.stream_plan, group, gating, backend,

@@ -360,10 +360,10 @@ def attention(
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     work = Workload(q.shape[1], k.shape[1], q.shape[2], q.element_size())
     # the state first (host work, no collective: unless prebuilt, it overlaps the kernels still queued),
-    # then the plan check, whose all-reduce result the host waits for
+    # then the plan check (a host all-reduce, once per plan)
     rt = rank_state(plan, rank, q.device, be, bkey, stages=stages, hierarchical=hierarchical,
                     cost=cost_model or _DEFAULT_COST, work=work)
-    verify_plan(plan, group, q.device, input_fields(q, k, v))
+    verify_plan(plan, group, input_fields(q, k, v))
     grp = group if plan.cp_size > 1 else None
     if rt.schedule is None:
         return _SingleExchangeAttention.apply(q, k, v, rt, grp, scale)

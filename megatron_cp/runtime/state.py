@@ -23,6 +23,7 @@ from ..kernels import Backend, upload
 from ..planner import Plan, Workload
 from . import guests
 from .cost import CostModel
+from .groups import host_group
 from .rowmap import RowMap
 from .schedule import Schedule, choose_schedule
 
@@ -123,11 +124,12 @@ def _shown(name: str, x: int) -> str:
     return str(x)
 
 
-def verify_plan(plan: Plan, group, device, fields: dict | None = None) -> None:
+def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
     """Once per (plan, group): every rank must hold the same plan and the same ``fields`` (named ints, e.g.
     ``input_fields``: head counts, head dims, dtype code). One tiny all-reduce of (max, -max) of the digest
-    and the fields; where ranks differ, a RuntimeError on every rank naming this rank's value and the range
-    seen across ranks, before any exchange of the attention (whose mismatched sizes would abort gloo)."""
+    and the fields, on the host (``groups.host_group``: no wait for the GPU's queue); where ranks differ, a
+    RuntimeError on every rank naming this rank's value and the range seen across ranks, before any exchange
+    of the attention (whose mismatched sizes would abort gloo or hang NCCL)."""
     if group is None or plan.cp_size == 1:
         return
     seen = plan_cache(plan).setdefault("verified", set())
@@ -135,8 +137,8 @@ def verify_plan(plan: Plan, group, device, fields: dict | None = None) -> None:
         return
     names = ["plan digest"] + list(fields or {})
     vals = [int(plan.digest64)] + [int(x) for x in (fields or {}).values()]
-    t = torch.tensor(vals + [-x for x in vals], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    t = torch.tensor(vals + [-x for x in vals], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group(group))
     hi, lo = t[:len(vals)].tolist(), [-x for x in t[len(vals):].tolist()]
     bad = [f"{n} differs across ranks (this rank: {_shown(n, x)}, seen from {_shown(n, a)} to {_shown(n, b)})"
            for n, x, a, b in zip(names, vals, lo, hi) if a != b]

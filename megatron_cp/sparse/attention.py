@@ -154,7 +154,7 @@ def sparse_attention(
         raise ValueError(f"backend {be.name!r} cannot run these inputs: {why}")
     st = _state(plan, rank, selector.block, q.device, be, bkey)  # raises on a plan not in whole blocks
     # once per plan, before any exchange: ranks with another selector (method or parameters) raise together
-    verify_plan(plan, group, q.device, {**input_fields(q, k, v), "sparse selector": fingerprint(selector)})
+    verify_plan(plan, group, {**input_fields(q, k, v), "sparse selector": fingerprint(selector)})
     grp = group if plan.cp_size > 1 else None
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     keep = _select(selector, q, k, st, grp)
