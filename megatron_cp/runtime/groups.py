@@ -26,21 +26,21 @@ def plan_rank(plan: Plan, group=None, rank: int | None = None) -> int:
     return dist.get_rank(group)
 
 
-_HOST_GROUPS: dict = {}  # id(group) -> (group, its CPU twin): groups live as long as the job
+_HOST_GROUPS: dict = {}  # ranks -> the gloo group over them: groups live as long as the job
 
 
 def host_group(group):
     """A process group over ``group``'s ranks that reduces CPU tensors: ``group`` itself where its backend
     has gloo, else a gloo group of the same ranks, made on first use by those ranks alone
-    (``use_local_synchronization``: other CP groups need not join) and kept.
+    (``use_local_synchronization``: other CP groups need not join) and kept, one per set of ranks.
 
     What the once-per-plan check runs on: an all-reduce on the device makes the host read its result after
     everything queued on the stream (the previous micro-batch's backward), a stall of the whole GPU queue per
     plan; over gloo the host waits only for the other ranks' hosts, which issue the same calls."""
     if "gloo" in str(dist.get_backend(group)):
         return group
-    hit = _HOST_GROUPS.get(id(group))
-    if hit is None or hit[0] is not group:
-        ranks = dist.get_process_group_ranks(group)
-        hit = _HOST_GROUPS[id(group)] = (group, dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
-    return hit[1]
+    ranks = tuple(dist.get_process_group_ranks(group))
+    twin = _HOST_GROUPS.get(ranks)
+    if twin is None:
+        twin = _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return twin
