@@ -30,7 +30,8 @@ def dry_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("suite"))
     CostModel().save(os.path.join(out, "cost.json"))  # what the calibrate step writes
     cmd = [sys.executable, SUITE, "--out", out, "--cpu-dry-run", "--steps", "kernel_check,bench,predict,scaling",
-           "--seqlens", "256", "--masks", "causal,packed", "--impls", ",".join(IMPLS), "--master-port", str(free_port())]
+           "--seqlens", "256", "--masks", "causal,packed", "--impls", ",".join(IMPLS), "--master-port", str(free_port()),
+           "--", "--profile", os.path.join(out, "profile.txt"), "--profile-b2b"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     logs = {f: open(os.path.join(out, "logs", f)).read()[-3000:] for f in os.listdir(os.path.join(out, "logs"))}
@@ -53,6 +54,16 @@ def test_dry_run_records_every_step_and_names_the_skipped_gpu_checks(dry_run):
     assert "--nproc-per-node 2" in steps["bench"]["command"]
     assert steps["bench"]["row_errors"] == []
     assert steps["predict"]["command"].split("--compare ")[1].split()[0] == steps["bench"]["outputs"][0]
+
+
+def test_bench_profile_writes_a_timeline_per_case(dry_run):
+    """bench_dist --profile (passed after "--"): megatron-cp's profiled step per mask, host time per phase."""
+    out, _ = dry_run
+    with open(os.path.join(out, "profile.txt")) as f:
+        text = f.read()
+    for m in ("causal", "packed"):
+        assert f"== megatron-cp {m} S=256 rank 0 of 2 (cpu), right after another step (back to back)" in text, text
+    assert text.count("-- fwd: host ") == 2 and text.count("-- bwd: host ") == 2, text
 
 
 def test_bench_has_every_row_with_finite_times_and_sparse_bytes_within_the_envelope(dry_run):

@@ -75,9 +75,7 @@ from megatron_cp.runtime.state import states_of
 # tools/ (this script's folder, first on sys.path when it runs as a script): the shared step timer and
 # the profiler summary, modules of their own so that tools/sim/calibrate.py times kernels the same way
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import profile_step, summarize  # noqa: E402
-from common import Progress, markdown_table  # noqa: E402
-from common import Timer  # noqa: E402
+from common import Progress, Timer, markdown_table, profile_step, timeline_summary  # noqa: E402
 
 
 def _rand_local(n, h, d, dtype, device, seed):
@@ -139,7 +137,7 @@ def bench_ours(name, mask, args, ctx):
                      + (", right after another step (back to back)" if args.profile_b2b else
                         ", stream held while the host issues each phase" if hold else ""))
             with open(args.profile + (f".rank{rank}" if rank else ""), "a") as f:
-                f.write(summarize(events, host, title))
+                f.write(timeline_summary(events, host, title))
     return times, plan
 
 

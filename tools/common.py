@@ -7,7 +7,7 @@
   only with ``--verbose``, and ``note`` writes lines every run must show (failures) above the bar. Where stderr is
   not a terminal (CI, a log file) it redraws at most every ``NON_TTY_INTERVAL_S`` seconds. Under torchrun only
   rank 0 passes ``enabled=True``.
-- ``profile_step`` and ``summarize`` (profiling, tools/bench_dist.py --profile): one profiled forward + backward
+- ``profile_step`` and ``timeline_summary`` (profiling, tools/bench_dist.py --profile): one profiled forward + backward
   on every rank (the collectives need them all), summarised for one rank as a GPU timeline: per phase the host
   wall time, the GPU span, the busy time per stream, the device work in launch order and totalled by name, and
   the idle gaps longer than ``gap_us``.
@@ -266,7 +266,7 @@ def profile_step(fwd, bwd, sync, phases=("fwd", "bwd"), hold=None, b2b=False):
     return events, host
 
 
-def summarize(events, host, title, gap_us=15.0, max_rows=80):
+def timeline_summary(events, host, title, gap_us=15.0, max_rows=80):
     """Text summary of profile_step's result."""
     ranges = {e["name"]: (e["ts"], e["ts"] + e.get("dur", 0)) for e in events
               if e.get("cat") == "user_annotation" and e.get("name") in host}
