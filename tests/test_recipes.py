@@ -71,6 +71,24 @@ def test_parity_recipe_tiny(tiny, runner, name):
         assert job["runs"]["cp1"] is ref["runs"]["cp1"]
 
 
+def test_a_stopped_run_continues_where_it_stopped(tiny, runner, tmp_path):
+    """--checkpoint with --time-limit: the first call stops the fp32 CP 4 run after its first step (a limit
+    no second step fits in), writes no results and says so; the same command again continues it from the
+    saved state to the losses the uninterrupted run of the same recipe (the module's call) logged."""
+    argv = ["dense", "--size", "tiny", "--cpu", "--precision", "fp32", "--runs", "cp4", "--out", str(tmp_path / "o"),
+            "--checkpoint", str(tmp_path / "ck"), "--time-limit", "0.001"]
+    first = runner.main(argv)
+    assert first == {"stopped": {"dtype": "fp32", "run": "cp4", "step": 1, "steps": 2}}, first
+    assert not (tmp_path / "o" / "dense" / "results.json").exists()
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [f"fp32_cp4_rank{r}.pt" for r in range(4)]
+    second = runner.main(argv)
+    resumed = second["dense"]["jobs"][1]["runs"]["cp4"]
+    whole = tiny[0]["dense"]["jobs"][1]["runs"]["cp4"]
+    assert resumed["losses"] == whole["losses"] and resumed["grad_norms"] == whole["grad_norms"], (resumed, whole)
+    with pytest.raises(SystemExit):  # a limit without a folder to continue from
+        runner.main(argv[:-4] + ["--time-limit", "10"])
+
+
 @pytest.mark.parametrize("name", SPARSE)
 def test_sparse_recipe_tiny(tiny, name):
     report, out = tiny

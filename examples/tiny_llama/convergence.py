@@ -16,11 +16,13 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import platform
 import textwrap
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -305,7 +307,10 @@ def _build(train: Train, layout: Layout, length: int, full: dict, device):
 
 
 def _train_steps(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, device, steps: int,
-                 first_sample: int, log=None):
+                 first_sample: int, log=None, start: int = 0, until=None):
+    """Steps ``start`` .. ``steps - 1`` (the step index sets the batch and the learning rate, so a run resumed
+    at ``start`` trains what the uninterrupted run would). ``until``: called before each step after the first
+    with the last step's seconds; True stops there (every rank gets the same answer: ``_Deadline``)."""
     from megatron.core import parallel_state as ps
 
     from . import trainer
@@ -313,7 +318,9 @@ def _train_steps(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, 
     spec = MaskSpec(train.mask, eod=EOD if train.mask.startswith("packed") else None)
     options = run.options(train)
     losses, norms, seconds = [], [], []
-    for step in range(steps):
+    for step in range(start, steps):
+        if until is not None and seconds and until(seconds[-1]):  # at least one step per call
+            break
         for g in opt.param_groups:
             g["lr"] = train.lr_at(step, steps, finetune=run.start == "pretrained")
         _sync(device)
@@ -342,7 +349,40 @@ def _optimizer(main: MainParams, train: Train):
     return torch.optim.AdamW(main.param_groups(train.weight_decay), lr=train.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrained: dict | None, log):
+class _Deadline:
+    """Whether a run should stop before its next step: when that step (taken as long as the last one) would end
+    past ``limit_s`` seconds after ``t0``. The ranks' clocks differ, so the answer is a max over the world:
+    every rank stops at the same step."""
+
+    def __init__(self, t0: float, limit_s: float, device):
+        self.t0, self.limit_s, self.device = t0, limit_s, device
+
+    def __call__(self, last_s: float) -> bool:
+        late = time.perf_counter() - self.t0 + 1.5 * last_s > self.limit_s
+        flag = torch.tensor([float(late)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _state_path(folder: str, train: Train, run: Run) -> Path:
+    return Path(folder) / f"{train.dtype}_{run.name}_rank{dist.get_rank()}.pt"
+
+
+def _save_state(path: Path, key: str, step: int, main: "MainParams", opt, hist: tuple) -> None:
+    """This rank's master weights, optimiser state and the run's history after ``step`` steps (written whole,
+    then renamed: a call killed while writing leaves the previous state)."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(dict(key=key, step=step, main=[m.detach().cpu() for m in main.main], opt=opt.state_dict(),
+                    history=hist), tmp)
+    os.replace(tmp, path)
+
+
+def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrained: dict | None, log,
+             checkpoint: str | None = None, deadline: "_Deadline | None" = None):
+    """One run's training (then its speed and profile steps). ``checkpoint``: a folder where the run's state is
+    saved every ``SAVE_EVERY`` steps and where it stops; a run found there continues from it (one found
+    complete is not trained again). ``deadline``: stop before a step that would pass it (the result then
+    has ``stopped_at``, the steps done)."""
     chunks, dp = _build(train, run.layout, corpus.length, full, device)
     main = MainParams(chunks)
     if run.start == "pretrained":
@@ -354,8 +394,34 @@ def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrai
     if run.start == "pretrained":
         opt.load_state_dict(pretrained["opt"])
     first = train.pretrain_steps * train.global_batch if run.start == "pretrained" else 0
-    losses, norms, seconds = _train_steps(chunks, main, opt, train, run, corpus, dp, device, train.steps, first,
-                                          log)
+    done, hist = 0, ([], [], [])
+    path, key = None, repr((train, run))
+    if checkpoint is not None:
+        path = _state_path(checkpoint, train, run)
+        if path.exists():
+            st = torch.load(path, map_location="cpu", weights_only=False)
+            if st["key"] != key:
+                raise ValueError(f"{path} holds another run's state ({st['key'][:200]}...), not this one's: use "
+                                 "another --checkpoint folder")
+            with torch.no_grad():
+                for m, w in zip(main.main, st["main"]):
+                    m.copy_(w)
+            main.publish()
+            opt.load_state_dict(st["opt"])
+            done, hist = st["step"], st["history"]
+    losses, norms, seconds = (list(h) for h in hist)
+    while done < train.steps:
+        upto = train.steps if path is None else min(train.steps, (done // SAVE_EVERY + 1) * SAVE_EVERY)
+        more = _train_steps(chunks, main, opt, train, run, corpus, dp, device, upto, first, log, start=done,
+                            until=deadline)
+        for acc, new in zip((losses, norms, seconds), more):
+            acc.extend(new)
+        stopped = done + len(more[0]) < upto
+        done += len(more[0])
+        if path is not None:
+            _save_state(path, key, done, main, opt, (losses, norms, seconds))
+        if stopped:
+            return dict(losses=losses, grad_norms=norms, step_seconds=seconds, stopped_at=done)
     speed = {}
     for length in train.speed_lengths:
         sp_corpus = Corpus(train, length, train.global_batch * (train.speed_steps + 1))
@@ -369,6 +435,9 @@ def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrai
             _, _, sec = _train_steps(chunks, main, opt, train, run, corpus, dp, device, 1, 0)
         prof = profile_summary(p, sec[0])
     return dict(losses=losses, grad_norms=norms, step_seconds=seconds, speed_seconds=speed, profile=prof)
+
+
+SAVE_EVERY = 50  # steps between a checkpointed run's saves (~3.5 GB a rank for the 300M model's fp32 state)
 
 
 # kernel names by kind: NCCL's kernels; attention's (FA4's CuTe kernels, our Triton ones, cuDNN's SDPA)
@@ -411,10 +480,13 @@ def _kernels(train: Train, device) -> str:
 
 
 def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bool = True,
-           progress: str | None = None) -> list[dict]:
+           progress: str | None = None, checkpoint: str | None = None, time_limit_s: float | None = None
+           ) -> list[dict]:
     """Every job's runs in this world, one after the other; rank 0 returns one result per job. ``progress``: a
     file rank 0 appends every step to as it ends (a JSON line: dtype, run, step, loss, grad norm, seconds), so a
-    run stopped by a time limit still leaves each step it made."""
+    run stopped by a time limit still leaves each step it made. ``checkpoint`` / ``time_limit_s``: see
+    ``_one_run``; with a limit, the first run that stops ends the call (the jobs after it are not started)."""
+    t_call = time.perf_counter()
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
     device = None
     if device_kind == "cuda":
@@ -454,7 +526,15 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
             if run.start == "pretrained" and pretrained is None:
                 pretrained = _pretrain(train, run, full, corpus, device, partial(log, name="dense pretraining"))
                 res["pretrain_losses"] = pretrained["losses"]
-            r = _one_run(train, run, full, corpus, device, pretrained, log)
+            deadline = None if time_limit_s is None else _Deadline(t_call, time_limit_s, device)
+            r = _one_run(train, run, full, corpus, device, pretrained, log, checkpoint, deadline)
+            if "stopped_at" in r:
+                from megatron.core import parallel_state as ps
+
+                ps.destroy_model_parallel()
+                res["stopped"] = dict(dtype=train.dtype, run=run.name, step=r["stopped_at"], steps=train.steps)
+                out.append(res)
+                return out
             r.update(layout=run.layout.name, world=world, dp=world // run.layout.size,
                      tokens_per_step=train.global_batch * length, kernels=_kernels(train, device))
             res["runs"][run.name] = done[(train, run)] = r
@@ -506,10 +586,14 @@ def compare(ref: list[float], other: list[float], last: int = 100) -> dict:
 
 
 def spawn_jobs(jobs: list[Job], world: int, device_kind: str, verbose: bool = True, timeout_s: int = 3600,
-               progress: str | None = None):
+               progress: str | None = None, checkpoint: str | None = None, time_limit_s: float | None = None):
     from .trainer import spawn
 
     for j in jobs:
         j.check(world)
-    return spawn(worker, world, jobs, device_kind, verbose, progress,
+    if time_limit_s is not None and checkpoint is None:
+        raise ValueError("a time limit needs a checkpoint folder: a run it stops continues from there")
+    if checkpoint is not None:
+        Path(checkpoint).mkdir(parents=True, exist_ok=True)
+    return spawn(worker, world, jobs, device_kind, verbose, progress, checkpoint, time_limit_s,
                  backend="nccl" if device_kind == "cuda" else "gloo", timeout_s=timeout_s)

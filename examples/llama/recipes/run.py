@@ -13,7 +13,8 @@ megatron-cp's context parallelism beside CP = 1 from the same weights on the sam
 Each recipe writes ``results.json`` (device, date, command, losses, throughput, the checks) and a PNG into
 ``--out``/NAME; ``--runs`` picks runs by name, merged into an existing ``results.json`` (to split one recipe
 over several time-limited calls); ``--out``/progress.jsonl gets every step of every run as it ends (what a time
-limit leaves of a run before its results.json). The model code is examples/tiny_llama (Megatron-Core's GPTModel with
+limit leaves of a run before its results.json). A run longer than one call: ``--checkpoint DIR --time-limit
+SECONDS`` saves its state and stops before the limit, and the same command again continues it. The model code is examples/tiny_llama (Megatron-Core's GPTModel with
 megatron-cp's core attention and batch hook); the data are the Python standard library's sources, bytes as
 tokens, cut into documents that end with EOD (no download).
 """
@@ -249,7 +250,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--runs", default=None, help="comma-separated run names to train (default: all of the recipe's "
                                                  "that fit the world)")
     ap.add_argument("--out", default="out/recipes", help="one folder per recipe under this (default out/recipes)")
+    ap.add_argument("--checkpoint", default=None, metavar="DIR",
+                    help="save each run's state here (every rank's, every 50 steps and where it stops); a run found "
+                         "here continues from it, one found complete is not trained again")
+    ap.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                    help="with --checkpoint: stop before a step that would end past this many seconds after the "
+                         "start (a job's time limit); the same command again continues")
     a = ap.parse_args(argv)
+    if a.time_limit is not None and (a.checkpoint is None or not a.time_limit > 0):
+        ap.error(f"--time-limit needs --checkpoint (where a stopped run continues from) and a positive number of "
+                 f"seconds, got --time-limit {a.time_limit} --checkpoint {a.checkpoint}")
     names = list(RECIPES) if a.recipes == ["all"] else a.recipes
     for n in names:
         if n not in RECIPES:
@@ -284,7 +294,15 @@ def main(argv=None) -> dict:
     Path(a.out).mkdir(parents=True, exist_ok=True)
     # every step of every run as it ends (a JSON line each): what a time limit leaves before results.json
     progress = Path(a.out) / "progress.jsonl"
-    results = iter(spawn_jobs(todo, a.gpus, "cpu" if a.cpu else "cuda", progress=str(progress)) if todo else [])
+    got = spawn_jobs(todo, a.gpus, "cpu" if a.cpu else "cuda", progress=str(progress), checkpoint=a.checkpoint,
+                     time_limit_s=a.time_limit) if todo else []
+    stop = next((r["stopped"] for r in got if "stopped" in r), None)
+    if stop is not None:
+        # no results.json: the runs' steps are in progress.jsonl, their state in --checkpoint
+        print(f"\n-- stopped by --time-limit {a.time_limit:g} s: {stop['dtype']} {stop['run']} after step "
+              f"{stop['step']} of {stop['steps']} (state in {a.checkpoint}); run the same command again to continue")
+        return {"stopped": stop}
+    results = iter(got)
     report = {}
     for n, jobs in plan:
         res = [next(results) if j.runs else {"runs": {}, "pretrain_losses": None} for j in jobs]
