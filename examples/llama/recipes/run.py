@@ -187,14 +187,13 @@ def plot(name: str, summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    main = summary["jobs"][0]
+    main = next((e for e in summary["jobs"] if e["runs"]), summary["jobs"][0])  # --precision may leave the first empty
     for rn, r in main["runs"].items():
         axes[0].plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{rn} ({r['layout']})", lw=1)
     if main.get("pretrain_losses"):
         p = main["pretrain_losses"]
         axes[0].plot(range(-len(p) + 1, 1), p, color="gray", lw=1, label="dense pretraining")
     axes[0].set(xlabel="step", ylabel="loss (nats / byte)", title=f"{name}: {main['train']['dtype']} loss")
-    axes[0].legend(fontsize=8)
     ref = "cp1" if "cp1" in main["runs"] else "dense"
     for entry in summary["jobs"]:
         runs = entry["runs"]
@@ -211,7 +210,9 @@ def plot(name: str, summary: dict, path: Path) -> None:
         axes[1].axhline(BF16_STEP, color="red", ls="--", lw=0.8, label=f"bf16 bound {BF16_STEP:g}")
         axes[1].axhline(FP32_STEP, color="purple", ls=":", lw=0.8, label=f"fp32 bound {FP32_STEP:g}")
     axes[1].set(xlabel="step", ylabel="relative loss difference", title="difference to " + ref)
-    axes[1].legend(fontsize=8)
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:  # a subset of runs (--runs) may draw nothing here
+            ax.legend(fontsize=8)
     fig.tight_layout()
     sign_figure(fig, summary)
     fig.savefig(path, dpi=110)
