@@ -208,3 +208,17 @@ def test_profile_summary_sorts_device_work_by_kind():
               ev("ampere_bf16_gemm", 4000), ev("Memcpy HtoD (Pageable -> Device)", 500), ev("aten::mm", 9999, cpu)]
     got = profile_summary(NS(events=lambda: events), 0.02)
     assert got == dict(step_ms=20.0, attention_ms=7.0, communication_ms=3.0, rest_ms=4.5)
+
+
+def test_throughput_larger_model_is_the_1_5b_llama():
+    """throughput.py --size 1.5b: a ~1.45B Llama (matmul parameters as model_flops counts them) trained like the
+    300M one (recompute, the stdlib documents), every implementation on the same job settings."""
+    thr = load_script(RUN_PY.parent / "throughput.py")
+    sh = thr.LLAMA_1_5B
+    h, kv, hd = sh.hidden_size, sh.num_query_groups, sh.hidden_size // sh.num_attention_heads
+    params = sh.num_layers * (2 * h * h + 2 * h * kv * hd + 3 * h * sh.ffn_hidden_size)
+    assert 1.40e9 < params < 1.50e9 and hd == 128, params
+    (big,) = thr.jobs_for("1.5b", 4, [32768], ["packed"], ["megatron_cp", "ring"], 65536, 1, 2, [])
+    (small,) = thr.jobs_for("full", 4, [32768], ["packed"], ["megatron_cp", "ring"], 65536, 1, 2, [])
+    assert big.train.shape == sh and big.train.recompute and big.train.global_batch == 2
+    assert big.train.doc_lengths == small.train.doc_lengths and [r.name for r in big.runs] == ["megatron_cp", "ring"]

@@ -40,6 +40,9 @@ from tiny_llama.model import LlamaShape  # noqa: E402
 # ~293M parameters: 26 layers x (attention 2.6M + SwiGLU MLP 8.7M), byte vocabulary; head dim 128, GQA 8:2
 LLAMA_300M = LlamaShape(num_layers=26, hidden_size=1024, num_attention_heads=8, num_query_groups=2,
                         ffn_hidden_size=2816, vocab_size=320, seq_length=32768, rotary_base=500000)
+# ~1.45B: 32 layers x (attention 10.5M + SwiGLU MLP 34.6M), head dim 128, GQA 16:4 (the throughput runs' larger model)
+LLAMA_1_5B = LlamaShape(num_layers=32, hidden_size=2048, num_attention_heads=16, num_query_groups=4,
+                        ffn_hidden_size=5632, vocab_size=320, seq_length=32768, rotary_base=500000)
 TINY = LlamaShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176,
                   vocab_size=320, seq_length=128)
 

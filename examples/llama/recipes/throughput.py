@@ -33,7 +33,7 @@ for p in (EXAMPLES, HERE):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from run import LLAMA_300M, TINY  # noqa: E402
+from run import LLAMA_1_5B, LLAMA_300M, TINY  # noqa: E402
 from tiny_llama.convergence import (Corpus, Job, Layout, Run, Train, run_record, sign_figure,  # noqa: E402
                                     spawn_jobs)
 from tiny_llama.demo import EOD  # noqa: E402
@@ -43,15 +43,16 @@ IMPLS = ("megatron_cp", "ring", "ulysses", "usp", "allgather")
 
 def jobs_for(size: str, gpus: int, lengths, masks, impls, tokens: int, warmup: int, steps: int,
              profile_lengths) -> list[Job]:
-    base = LLAMA_300M if size == "full" else TINY
+    base = {"full": LLAMA_300M, "1.5b": LLAMA_1_5B, "tiny": TINY}[size]
+    real = size != "tiny"
     jobs = []
     for length in lengths:
         if tokens % length:
             raise ValueError(f"--tokens {tokens} is not a multiple of the sequence length {length}")
         for mask in masks:
             train = Train(shape=replace(base, seq_length=length), steps=warmup + steps,
-                          global_batch=tokens // length, warmup=0, recompute=size == "full", mask=mask,
-                          doc_lengths=(256, 16384) if size == "full" else (16, 96), recursive=size == "full",
+                          global_batch=tokens // length, warmup=0, recompute=real, mask=mask,
+                          doc_lengths=(256, 16384) if real else (16, 96), recursive=real,
                           profile=length in profile_lengths)
             jobs.append(Job(train, [Run(impl, Layout(cp=gpus), strategy=impl) for impl in impls]))
     return jobs
@@ -148,7 +149,9 @@ def plot(summary: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=("full", "tiny"), default="full")
+    ap.add_argument("--size", choices=("full", "1.5b", "tiny"), default="full",
+                    help="full: the recipes' ~293M Llama; 1.5b: a ~1.45B one (hidden 2048, 32 layers, GQA 16:4); "
+                         "tiny: the CPU check's")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU processes (default: NCCL, one process per GPU)")
     ap.add_argument("--gpus", type=int, default=None, help="world size = CP size (default: every visible GPU)")
     ap.add_argument("--lengths", default=None, help="comma list of tokens per sequence (default 32768,65536,131072; "
@@ -164,7 +167,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     import torch
 
-    lengths = [int(x) for x in (a.lengths or ("32768,65536,131072" if a.size == "full" else "128,256")).split(",")]
+    lengths = [int(x) for x in (a.lengths or ("128,256" if a.size == "tiny" else "32768,65536,131072")).split(",")]
     masks, impls = a.masks.split(","), a.impls.split(",")
     for m in masks:
         if m not in ("packed", "causal"):
