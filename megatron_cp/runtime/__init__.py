@@ -3,7 +3,7 @@
 ``attention`` / ``dispatch`` / ``undispatch`` are the user API (``apply_sink`` adds attention sinks to any
 strategy's merged ``(out, lse)``, ``runtime.sinks``; ``prebuild`` chooses a plan's exchange ahead of its
 first call, e.g. in a planning thread); ``check_inputs``, ``plan_rank``,
-``resolve_backend``, ``merge_lse`` and ``plan_cache`` (state derived from a plan, kept weakly by it)
+``resolve_backend`` and ``plan_cache`` (state derived from a plan, kept weakly by it)
 are what other strategies (``megatron_cp.baselines``) share with it; ``CostModel`` (``runtime.cost``)
 chooses the exchange and is what ``tools/sim`` calibrates.
 """
@@ -12,11 +12,10 @@ from .attention import attention, check_inputs, prebuild, resolve_backend
 from .cost import CostModel
 from .dispatch import dispatch, undispatch
 from .groups import plan_rank
-from .merge import merge_lse
 from .sinks import apply_sink
 from .state import fingerprint, input_fields, plan_cache, verify_plan
 
-__all__ = ["attention", "prebuild", "apply_sink", "dispatch", "undispatch", "check_inputs", "resolve_backend", "plan_rank", "merge_lse",
+__all__ = ["attention", "prebuild", "apply_sink", "dispatch", "undispatch", "check_inputs", "resolve_backend", "plan_rank",
            "plan_cache", "CostModel",
            # the cross-rank plan check and the per-call input record, for the sparse and Megatron entry points
            "verify_plan", "input_fields", "fingerprint"]

@@ -21,7 +21,6 @@ import torch
 from ..comm import all_to_all_v, device_pool
 from ..kernels import accumulate_dtype, upload
 from ..planner import Plan
-from .merge import merge_lse
 
 
 @dataclass
@@ -32,6 +31,9 @@ class GuestRuntime:
     rows: torch.Tensor  # the rank's guest rows (sorted local positions, unique)
     merge: list  # per source with rows: (slice of the returned rows, positions in ``rows``)
     prepared: object  # guest tiles (q: received rows, k: own keys in local order); None when none
+    # every source returns every guest row in ``rows`` order (global rows of global + local: each key owner
+    # computes them all): the returned rows are then [sources, rows] as they arrive, merged without gathers
+    whole: bool = False
 
 
 def guest_runtime(plan: Plan, rank: int, device, backend) -> GuestRuntime:
@@ -41,10 +43,11 @@ def guest_runtime(plan: Plan, rank: int, device, backend) -> GuestRuntime:
     send, send_counts = rp.guest_send_index()
     recv_counts = rp.guest_recv_counts()
     rows = np.unique(send)
-    merge, off = [], 0
+    merge, off, whole = [], 0, len(rows) > 0
     for c in send_counts:
         if c:
             pos = np.searchsorted(rows, send[off:off + c])
+            whole = whole and c == len(rows) and bool(np.array_equal(pos, np.arange(len(rows))))
             merge.append((slice(off, off + c), upload(pos.astype(np.int64), device)))
         off += c
     n_recv = sum(recv_counts)
@@ -59,6 +62,7 @@ def guest_runtime(plan: Plan, rank: int, device, backend) -> GuestRuntime:
         rows=upload(rows.astype(np.int64), device),
         merge=merge,
         prepared=prepared,
+        whole=whole,
     )
     return gr
 
@@ -116,15 +120,30 @@ def finish_forward(gr: GuestRuntime, pend: _Pending, out, lse) -> torch.Tensor:
     back = pend.wait()
     d = out.shape[2]
     if len(gr.rows):
-        acc = torch.zeros((len(gr.rows), out.shape[1], d), dtype=back.dtype, device=out.device)
-        run = torch.full((len(gr.rows), out.shape[1]), float("-inf"), dtype=back.dtype, device=out.device)
-        for sl, pos in gr.merge:
-            a, r = acc[pos], run[pos]
-            merge_lse(a, r, back[sl, :, :d], back[sl, :, d])
-            acc[pos], run[pos] = a, r
-        out[gr.rows] = acc.to(out.dtype)
-        lse[gr.rows] = run.to(lse.dtype)
+        o, l = _sources(gr, back, float("-inf"))
+        # all sources at once, a fixed number of kernels whatever their count (one pairwise merge per source
+        # was ~16 small kernels each on the host's critical path)
+        L = torch.logsumexp(l, dim=0)  # -inf where no source kept a cell
+        w = torch.exp(l - torch.where(torch.isinf(L), 0.0, L))  # 0 for a source's empty rows
+        out[gr.rows] = (o[..., :d] * w.unsqueeze(-1)).sum(0).to(out.dtype)
+        lse[gr.rows] = L.to(lse.dtype)
     return pend.keep[1]
+
+
+def _sources(gr: GuestRuntime, back: torch.Tensor, empty: float | None):
+    """The returned rows as [sources, guest rows, *tail] (a view when every source returned every row in
+    order, else gathered, with ``empty`` in the last column of rows a source did not return) and, for
+    partial outputs, that last column ([sources, rows, H]); None for the second with ``empty`` None."""
+    n, k = len(gr.rows), len(gr.merge)
+    if gr.whole:
+        parts = back.view((k, n) + tuple(back.shape[1:]))
+    else:
+        parts = back.new_zeros((k, n) + tuple(back.shape[1:]))
+        if empty is not None:
+            parts[..., -1] = empty
+        for i, (sl, pos) in enumerate(gr.merge):
+            parts[i].index_copy_(0, pos, back[sl])
+    return (parts, parts[..., -1]) if empty is not None else (parts, None)
 
 
 def start_backward(gr: GuestRuntime, backend, gq, k, v, out, lse, dout, dlse, group, scale):
@@ -159,7 +178,5 @@ def finish_backward(gr: GuestRuntime, pend: _Pending, dq: torch.Tensor) -> None:
     back = pend.wait()
     acc_dt = accumulate_dtype(dq.dtype)
     if len(gr.rows):
-        g = torch.zeros((len(gr.rows),) + tuple(dq.shape[1:]), dtype=acc_dt, device=dq.device)
-        for sl, pos in gr.merge:
-            g.index_add_(0, pos, back[sl].to(acc_dt))
-        dq.index_add_(0, gr.rows, g.to(dq.dtype))
+        parts, _ = _sources(gr, back, None)
+        dq.index_add_(0, gr.rows, parts.to(acc_dt).sum(0).to(dq.dtype))
