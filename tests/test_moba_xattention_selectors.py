@@ -1,7 +1,7 @@
 """MoBA and XAttention selectors: against plain loop re-implementations (float64) on one process, bit-exact
 under emulated context parallelism (blocks split over fake ranks), and their hyperparameter checks.
 
-(FlexPrefill and MInference: tests/test_sparse_selectors_2.py.)
+(FlexPrefill and MInference: tests/test_flexprefill_minference_selectors.py.)
 """
 
 from __future__ import annotations
