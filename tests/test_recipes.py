@@ -71,22 +71,26 @@ def test_parity_recipe_tiny(tiny, runner, name):
         assert job["runs"]["cp1"] is ref["runs"]["cp1"]
 
 
-def test_a_stopped_run_continues_where_it_stopped(tiny, runner, tmp_path):
-    """--checkpoint with --time-limit: the first call stops the fp32 CP 4 run after its first step (a limit
-    no second step fits in), writes no results and says so; the same command again continues it from the
-    saved state to the losses the uninterrupted run of the same recipe (the module's call) logged."""
-    argv = ["dense", "--size", "tiny", "--cpu", "--precision", "fp32", "--runs", "cp4", "--out", str(tmp_path / "o"),
-            "--checkpoint", str(tmp_path / "ck"), "--time-limit", "0.001"]
-    first = runner.main(argv)
-    assert first == {"stopped": {"dtype": "fp32", "run": "cp4", "step": 1, "steps": 2}}, first
-    assert not (tmp_path / "o" / "dense" / "results.json").exists()
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [f"fp32_cp4_rank{r}.pt" for r in range(4)]
+def test_a_stopped_recipe_continues_where_it_stopped(tiny, runner, tmp_path):
+    """--checkpoint with --time-limit: the first call stops the fine-tuning recipe's dense pretraining after its
+    first step (a limit no second step fits in), writes no results and says so; the same command without the
+    limit continues from the saved state, saving after every step (--checkpoint-every 1: the learning-rate
+    schedule must not follow the save interval), through the pretraining and both runs to the losses the
+    uninterrupted recipe (the module's call) logged."""
+    argv = ["xattention", "--size", "tiny", "--cpu", "--out", str(tmp_path / "o"), "--checkpoint",
+            str(tmp_path / "ck"), "--checkpoint-every", "1"]
+    first = runner.main(argv + ["--time-limit", "0.001"])
+    assert first == {"stopped": {"dtype": "bf16", "run": "dense pretraining", "step": 1, "steps": 2}}, first
+    assert not (tmp_path / "o" / "xattention" / "results.json").exists()
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [f"bf16_pretrain_rank{r}.pt" for r in range(4)]
     second = runner.main(argv)
-    resumed = second["dense"]["jobs"][1]["runs"]["cp4"]
-    whole = tiny[0]["dense"]["jobs"][1]["runs"]["cp4"]
-    assert resumed["losses"] == whole["losses"] and resumed["grad_norms"] == whole["grad_norms"], (resumed, whole)
+    (job,), (whole,) = second["xattention"]["jobs"], tiny[0]["xattention"]["jobs"]
+    assert job["pretrain_losses"] == whole["pretrain_losses"] and len(job["pretrain_losses"]) == 2
+    for name in ("dense", "xattention"):
+        got, ref = job["runs"][name], whole["runs"][name]
+        assert got["losses"] == ref["losses"] and got["grad_norms"] == ref["grad_norms"], (name, got, ref)
     with pytest.raises(SystemExit):  # a limit without a folder to continue from
-        runner.main(argv[:-4] + ["--time-limit", "10"])
+        runner.main(["dense", "--size", "tiny", "--cpu", "--time-limit", "10"])
 
 
 @pytest.mark.parametrize("name", SPARSE)

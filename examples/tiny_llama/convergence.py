@@ -307,10 +307,11 @@ def _build(train: Train, layout: Layout, length: int, full: dict, device):
 
 
 def _train_steps(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, device, steps: int,
-                 first_sample: int, log=None, start: int = 0, until=None):
-    """Steps ``start`` .. ``steps - 1`` (the step index sets the batch and the learning rate, so a run resumed
-    at ``start`` trains what the uninterrupted run would). ``until``: called before each step after the first
-    with the last step's seconds; True stops there (every rank gets the same answer: ``_Deadline``)."""
+                 first_sample: int, log=None, start: int = 0, end: int | None = None, until=None):
+    """Steps ``start`` .. ``end - 1`` (default ``steps - 1``) of a run of ``steps`` (the step index sets the
+    batch, ``steps`` the learning-rate schedule, so a run resumed at ``start`` trains what the uninterrupted run
+    would). ``until``: asked before each step; True stops there (every rank gets the same answer:
+    ``_Deadline``)."""
     from megatron.core import parallel_state as ps
 
     from . import trainer
@@ -318,8 +319,8 @@ def _train_steps(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, 
     spec = MaskSpec(train.mask, eod=EOD if train.mask.startswith("packed") else None)
     options = run.options(train)
     losses, norms, seconds = [], [], []
-    for step in range(start, steps):
-        if until is not None and seconds and until(seconds[-1]):  # at least one step per call
+    for step in range(start, steps if end is None else end):
+        if until is not None and until():
             break
         for g in opt.param_groups:
             g["lr"] = train.lr_at(step, steps, finetune=run.start == "pretrained")
@@ -350,15 +351,20 @@ def _optimizer(main: MainParams, train: Train):
 
 
 class _Deadline:
-    """Whether a run should stop before its next step: when that step (taken as long as the last one) would end
-    past ``limit_s`` seconds after ``t0``. The ranks' clocks differ, so the answer is a max over the world:
-    every rank stops at the same step."""
+    """Whether training should stop before its next step: when that step (taken as long as the time since the
+    previous question, save and set-up included) would end past ``limit_s`` seconds after ``t0``. The first
+    question of a call says no (each call makes progress). The ranks' clocks differ, so the answer is a max
+    over the world: every rank stops at the same step."""
 
     def __init__(self, t0: float, limit_s: float, device):
-        self.t0, self.limit_s, self.device = t0, limit_s, device
+        self.t0, self.limit_s, self.device, self.prev = t0, limit_s, device, None
 
-    def __call__(self, last_s: float) -> bool:
-        late = time.perf_counter() - self.t0 + 1.5 * last_s > self.limit_s
+    def __call__(self) -> bool:
+        now = time.perf_counter()
+        prev, self.prev = self.prev, now
+        if prev is None:
+            return False
+        late = now - self.t0 + 1.5 * (now - prev) > self.limit_s
         flag = torch.tensor([float(late)], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -377,23 +383,11 @@ def _save_state(path: Path, key: str, step: int, main: "MainParams", opt, hist: 
     os.replace(tmp, path)
 
 
-def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrained: dict | None, log,
-             checkpoint: str | None = None, deadline: "_Deadline | None" = None):
-    """One run's training (then its speed and profile steps). ``checkpoint``: a folder where the run's state is
-    saved every ``SAVE_EVERY`` steps and where it stops; a run found there continues from it (one found
-    complete is not trained again). ``deadline``: stop before a step that would pass it (the result then
-    has ``stopped_at``, the steps done)."""
-    chunks, dp = _build(train, run.layout, corpus.length, full, device)
-    main = MainParams(chunks)
-    if run.start == "pretrained":
-        with torch.no_grad():
-            for m, w in zip(main.main, pretrained["main"]):
-                m.copy_(w)
-        main.publish()
-    opt = _optimizer(main, train)
-    if run.start == "pretrained":
-        opt.load_state_dict(pretrained["opt"])
-    first = train.pretrain_steps * train.global_batch if run.start == "pretrained" else 0
+def _resumable(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, device, steps: int, first: int, log,
+               checkpoint: str | None, deadline: "_Deadline | None", every: int):
+    """``steps`` steps of ``run`` (its losses, grad norms, step seconds, and the steps done where ``deadline``
+    stopped it, else None): continued from its state in ``checkpoint`` when there, saved there every ``every``
+    steps and where it stops."""
     done, hist = 0, ([], [], [])
     path, key = None, repr((train, run))
     if checkpoint is not None:
@@ -410,10 +404,10 @@ def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrai
             opt.load_state_dict(st["opt"])
             done, hist = st["step"], st["history"]
     losses, norms, seconds = (list(h) for h in hist)
-    while done < train.steps:
-        upto = train.steps if path is None else min(train.steps, (done // SAVE_EVERY + 1) * SAVE_EVERY)
-        more = _train_steps(chunks, main, opt, train, run, corpus, dp, device, upto, first, log, start=done,
-                            until=deadline)
+    while done < steps:
+        upto = steps if path is None else min(steps, (done // every + 1) * every)
+        more = _train_steps(chunks, main, opt, train, run, corpus, dp, device, steps, first, log, start=done,
+                            end=upto, until=deadline)
         for acc, new in zip((losses, norms, seconds), more):
             acc.extend(new)
         stopped = done + len(more[0]) < upto
@@ -421,7 +415,31 @@ def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrai
         if path is not None:
             _save_state(path, key, done, main, opt, (losses, norms, seconds))
         if stopped:
-            return dict(losses=losses, grad_norms=norms, step_seconds=seconds, stopped_at=done)
+            return losses, norms, seconds, done
+    return losses, norms, seconds, None
+
+
+def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrained: dict | None, log,
+             checkpoint: str | None = None, deadline: "_Deadline | None" = None, every: int = 0):
+    """One run's training (then its speed and profile steps). ``checkpoint``: a folder where the run's state is
+    saved every ``every`` steps and where it stops; a run found there continues from it (one found
+    complete is not trained again). ``deadline``: stop before a step that would pass it (the result then
+    has ``stopped_at``, the steps done)."""
+    chunks, dp = _build(train, run.layout, corpus.length, full, device)
+    main = MainParams(chunks)
+    if run.start == "pretrained":
+        with torch.no_grad():
+            for m, w in zip(main.main, pretrained["main"]):
+                m.copy_(w)
+        main.publish()
+    opt = _optimizer(main, train)
+    if run.start == "pretrained":
+        opt.load_state_dict(pretrained["opt"])
+    first = train.pretrain_steps * train.global_batch if run.start == "pretrained" else 0
+    losses, norms, seconds, stopped = _resumable(chunks, main, opt, train, run, corpus, dp, device, train.steps,
+                                                 first, log, checkpoint, deadline, every)
+    if stopped is not None:
+        return dict(losses=losses, grad_norms=norms, step_seconds=seconds, stopped_at=stopped)
     speed = {}
     for length in train.speed_lengths:
         sp_corpus = Corpus(train, length, train.global_batch * (train.speed_steps + 1))
@@ -459,13 +477,18 @@ def profile_summary(prof, step_s: float) -> dict:
     return dict(step_ms=step_s * 1e3, **{f"{k}_ms": v for k, v in kinds.items()})
 
 
-def _pretrain(train: Train, run: Run, full: dict, corpus: Corpus, device, log) -> dict:
-    """Dense steps on ``run``'s layout; returns this rank's master weights and optimiser state."""
+def _pretrain(train: Train, run: Run, full: dict, corpus: Corpus, device, log, checkpoint: str | None = None,
+              deadline: "_Deadline | None" = None, every: int = 0) -> dict:
+    """Dense steps on ``run``'s layout; returns this rank's master weights and optimiser state (checkpointed and
+    stopped as a run is, ``_resumable``: then ``stopped_at``)."""
     chunks, dp = _build(train, run.layout, corpus.length, full, device)
     main = MainParams(chunks)
     opt = _optimizer(main, train)
     dense = Run("pretrain", run.layout)
-    losses, _, _ = _train_steps(chunks, main, opt, train, dense, corpus, dp, device, train.pretrain_steps, 0, log)
+    losses, _, _, stopped = _resumable(chunks, main, opt, train, dense, corpus, dp, device, train.pretrain_steps, 0,
+                                       log, checkpoint, deadline, every)
+    if stopped is not None:
+        return dict(losses=losses, stopped_at=stopped)
     return dict(main=[m.detach().clone() for m in main.main], opt=opt.state_dict(), losses=losses)
 
 
@@ -480,8 +503,8 @@ def _kernels(train: Train, device) -> str:
 
 
 def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bool = True,
-           progress: str | None = None, checkpoint: str | None = None, time_limit_s: float | None = None
-           ) -> list[dict]:
+           progress: str | None = None, checkpoint: str | None = None, time_limit_s: float | None = None,
+           checkpoint_every: int = SAVE_EVERY) -> list[dict]:
     """Every job's runs in this world, one after the other; rank 0 returns one result per job. ``progress``: a
     file rank 0 appends every step to as it ends (a JSON line: dtype, run, step, loss, grad norm, seconds), so a
     run stopped by a time limit still leaves each step it made. ``checkpoint`` / ``time_limit_s``: see
@@ -496,6 +519,7 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
 
         cuda_to_cpu_shim(schedules=any(r.layout.pp > 1 for j in jobs for r in j.runs))
     out, done = [], {}
+    deadline = None if time_limit_s is None else _Deadline(t_call, time_limit_s, device)
     for job in jobs:
         train = job.train
         length = train.shape.seq_length
@@ -523,14 +547,20 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
             if run.start == "init" and (train, run) in done:  # the same run in an earlier job (e.g. CP 1)
                 res["runs"][run.name] = done[(train, run)]
                 continue
-            if run.start == "pretrained" and pretrained is None:
-                pretrained = _pretrain(train, run, full, corpus, device, partial(log, name="dense pretraining"))
-                res["pretrain_losses"] = pretrained["losses"]
-            deadline = None if time_limit_s is None else _Deadline(t_call, time_limit_s, device)
-            r = _one_run(train, run, full, corpus, device, pretrained, log, checkpoint, deadline)
-            if "stopped_at" in r:
-                from megatron.core import parallel_state as ps
+            from megatron.core import parallel_state as ps
 
+            if run.start == "pretrained" and pretrained is None:
+                pretrained = _pretrain(train, run, full, corpus, device, partial(log, name="dense pretraining"),
+                                       checkpoint, deadline, checkpoint_every)
+                res["pretrain_losses"] = pretrained["losses"]
+                if "stopped_at" in pretrained:
+                    ps.destroy_model_parallel()
+                    res["stopped"] = dict(dtype=train.dtype, run="dense pretraining", step=pretrained["stopped_at"],
+                                          steps=train.pretrain_steps)
+                    out.append(res)
+                    return out
+            r = _one_run(train, run, full, corpus, device, pretrained, log, checkpoint, deadline, checkpoint_every)
+            if "stopped_at" in r:
                 ps.destroy_model_parallel()
                 res["stopped"] = dict(dtype=train.dtype, run=run.name, step=r["stopped_at"], steps=train.steps)
                 out.append(res)
@@ -586,7 +616,8 @@ def compare(ref: list[float], other: list[float], last: int = 100) -> dict:
 
 
 def spawn_jobs(jobs: list[Job], world: int, device_kind: str, verbose: bool = True, timeout_s: int = 3600,
-               progress: str | None = None, checkpoint: str | None = None, time_limit_s: float | None = None):
+               progress: str | None = None, checkpoint: str | None = None, time_limit_s: float | None = None,
+               checkpoint_every: int = 0):
     from .trainer import spawn
 
     for j in jobs:
@@ -596,4 +627,5 @@ def spawn_jobs(jobs: list[Job], world: int, device_kind: str, verbose: bool = Tr
     if checkpoint is not None:
         Path(checkpoint).mkdir(parents=True, exist_ok=True)
     return spawn(worker, world, jobs, device_kind, verbose, progress, checkpoint, time_limit_s,
-                 backend="nccl" if device_kind == "cuda" else "gloo", timeout_s=timeout_s)
+                 checkpoint_every or SAVE_EVERY, backend="nccl" if device_kind == "cuda" else "gloo",
+                 timeout_s=timeout_s)

@@ -255,12 +255,17 @@ def main(argv=None) -> dict:
                                                  "that fit the world)")
     ap.add_argument("--out", default="out/recipes", help="one folder per recipe under this (default out/recipes)")
     ap.add_argument("--checkpoint", default=None, metavar="DIR",
-                    help="save each run's state here (every rank's, every 50 steps and where it stops); a run found "
-                         "here continues from it, one found complete is not trained again")
+                    help="save each run's state here (every rank's, every --checkpoint-every steps and where it "
+                         "stops; a fine-tuning recipe's pretraining too); a run found here continues from it, one "
+                         "found complete is not trained again")
+    ap.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+                    help="steps between --checkpoint saves (default 50; ~3.5 GB a rank for the 300M model)")
     ap.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                     help="with --checkpoint: stop before a step that would end past this many seconds after the "
                          "start (a job's time limit); the same command again continues")
     a = ap.parse_args(argv)
+    if a.checkpoint_every is not None and (a.checkpoint is None or a.checkpoint_every < 1):
+        ap.error(f"--checkpoint-every needs --checkpoint and a positive step count, got {a.checkpoint_every}")
     if a.time_limit is not None and (a.checkpoint is None or not a.time_limit > 0):
         ap.error(f"--time-limit needs --checkpoint (where a stopped run continues from) and a positive number of "
                  f"seconds, got --time-limit {a.time_limit} --checkpoint {a.checkpoint}")
@@ -299,7 +304,7 @@ def main(argv=None) -> dict:
     # every step of every run as it ends (a JSON line each): what a time limit leaves before results.json
     progress = Path(a.out) / "progress.jsonl"
     got = spawn_jobs(todo, a.gpus, "cpu" if a.cpu else "cuda", progress=str(progress), checkpoint=a.checkpoint,
-                     time_limit_s=a.time_limit) if todo else []
+                     time_limit_s=a.time_limit, checkpoint_every=a.checkpoint_every or 0) if todo else []
     stop = next((r["stopped"] for r in got if "stopped" in r), None)
     if stop is not None:
         # no results.json: the runs' steps are in progress.jsonl, their state in --checkpoint
