@@ -350,6 +350,9 @@ def _optimizer(main: MainParams, train: Train):
     return torch.optim.AdamW(main.param_groups(train.weight_decay), lr=train.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
+SAVE_EVERY = 50  # steps between a checkpointed run's saves (~3.5 GB a rank for the 300M model's fp32 state)
+
+
 class _Deadline:
     """Whether training should stop before its next step: when that step (taken as long as the time since the
     previous question, save and set-up included) would end past ``limit_s`` seconds after ``t0``. The first
@@ -383,6 +386,15 @@ def _save_state(path: Path, key: str, step: int, main: "MainParams", opt, hist: 
     os.replace(tmp, path)
 
 
+def _load(main: "MainParams", opt, weights, opt_state) -> None:
+    """Master weights and optimiser state into a freshly built run (published to the model)."""
+    with torch.no_grad():
+        for m, w in zip(main.main, weights):
+            m.copy_(w)
+    main.publish()
+    opt.load_state_dict(opt_state)
+
+
 def _resumable(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, device, steps: int, first: int, log,
                checkpoint: str | None, deadline: "_Deadline | None", every: int):
     """``steps`` steps of ``run`` (its losses, grad norms, step seconds, and the steps done where ``deadline``
@@ -397,11 +409,7 @@ def _resumable(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, de
             if st["key"] != key:
                 raise ValueError(f"{path} holds another run's state ({st['key'][:200]}...), not this one's: use "
                                  "another --checkpoint folder")
-            with torch.no_grad():
-                for m, w in zip(main.main, st["main"]):
-                    m.copy_(w)
-            main.publish()
-            opt.load_state_dict(st["opt"])
+            _load(main, opt, st["main"], st["opt"])
             done, hist = st["step"], st["history"]
     losses, norms, seconds = (list(h) for h in hist)
     while done < steps:
@@ -420,21 +428,16 @@ def _resumable(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, de
 
 
 def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrained: dict | None, log,
-             checkpoint: str | None = None, deadline: "_Deadline | None" = None, every: int = 0):
+             checkpoint: str | None = None, deadline: "_Deadline | None" = None, every: int = SAVE_EVERY):
     """One run's training (then its speed and profile steps). ``checkpoint``: a folder where the run's state is
     saved every ``every`` steps and where it stops; a run found there continues from it (one found
     complete is not trained again). ``deadline``: stop before a step that would pass it (the result then
     has ``stopped_at``, the steps done)."""
     chunks, dp = _build(train, run.layout, corpus.length, full, device)
     main = MainParams(chunks)
-    if run.start == "pretrained":
-        with torch.no_grad():
-            for m, w in zip(main.main, pretrained["main"]):
-                m.copy_(w)
-        main.publish()
     opt = _optimizer(main, train)
     if run.start == "pretrained":
-        opt.load_state_dict(pretrained["opt"])
+        _load(main, opt, pretrained["main"], pretrained["opt"])
     first = train.pretrain_steps * train.global_batch if run.start == "pretrained" else 0
     losses, norms, seconds, stopped = _resumable(chunks, main, opt, train, run, corpus, dp, device, train.steps,
                                                  first, log, checkpoint, deadline, every)
@@ -454,8 +457,6 @@ def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrai
         prof = profile_summary(p, sec[0])
     return dict(losses=losses, grad_norms=norms, step_seconds=seconds, speed_seconds=speed, profile=prof)
 
-
-SAVE_EVERY = 50  # steps between a checkpointed run's saves (~3.5 GB a rank for the 300M model's fp32 state)
 
 
 # kernel names by kind: NCCL's kernels; attention's (FA4's CuTe kernels, our Triton ones, cuDNN's SDPA)
@@ -478,7 +479,7 @@ def profile_summary(prof, step_s: float) -> dict:
 
 
 def _pretrain(train: Train, run: Run, full: dict, corpus: Corpus, device, log, checkpoint: str | None = None,
-              deadline: "_Deadline | None" = None, every: int = 0) -> dict:
+              deadline: "_Deadline | None" = None, every: int = SAVE_EVERY) -> dict:
     """Dense steps on ``run``'s layout; returns this rank's master weights and optimiser state (checkpointed and
     stopped as a run is, ``_resumable``: then ``stopped_at``)."""
     chunks, dp = _build(train, run.layout, corpus.length, full, device)
@@ -518,6 +519,8 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
         from .cpu import cuda_to_cpu_shim
 
         cuda_to_cpu_shim(schedules=any(r.layout.pp > 1 for j in jobs for r in j.runs))
+    from megatron.core import parallel_state as ps  # after the CPU shim
+
     out, done = [], {}
     deadline = None if time_limit_s is None else _Deadline(t_call, time_limit_s, device)
     for job in jobs:
@@ -547,30 +550,26 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
             if run.start == "init" and (train, run) in done:  # the same run in an earlier job (e.g. CP 1)
                 res["runs"][run.name] = done[(train, run)]
                 continue
-            from megatron.core import parallel_state as ps
-
+            stop = None  # (what stopped, steps done, steps in all)
             if run.start == "pretrained" and pretrained is None:
                 pretrained = _pretrain(train, run, full, corpus, device, partial(log, name="dense pretraining"),
                                        checkpoint, deadline, checkpoint_every)
                 res["pretrain_losses"] = pretrained["losses"]
                 if "stopped_at" in pretrained:
-                    ps.destroy_model_parallel()
-                    res["stopped"] = dict(dtype=train.dtype, run="dense pretraining", step=pretrained["stopped_at"],
-                                          steps=train.pretrain_steps)
-                    out.append(res)
-                    return out
-            r = _one_run(train, run, full, corpus, device, pretrained, log, checkpoint, deadline, checkpoint_every)
-            if "stopped_at" in r:
-                ps.destroy_model_parallel()
-                res["stopped"] = dict(dtype=train.dtype, run=run.name, step=r["stopped_at"], steps=train.steps)
+                    stop = ("dense pretraining", pretrained["stopped_at"], train.pretrain_steps)
+            if stop is None:
+                r = _one_run(train, run, full, corpus, device, pretrained, log, checkpoint, deadline,
+                             checkpoint_every)
+                if "stopped_at" in r:
+                    stop = (run.name, r["stopped_at"], train.steps)
+            ps.destroy_model_parallel()
+            if stop is not None:
+                res["stopped"] = dict(dtype=train.dtype, run=stop[0], step=stop[1], steps=stop[2])
                 out.append(res)
                 return out
             r.update(layout=run.layout.name, world=world, dp=world // run.layout.size,
                      tokens_per_step=train.global_batch * length, kernels=_kernels(train, device))
             res["runs"][run.name] = done[(train, run)] = r
-            from megatron.core import parallel_state as ps
-
-            ps.destroy_model_parallel()
         out.append(res)
     return out
 
@@ -617,7 +616,7 @@ def compare(ref: list[float], other: list[float], last: int = 100) -> dict:
 
 def spawn_jobs(jobs: list[Job], world: int, device_kind: str, verbose: bool = True, timeout_s: int = 3600,
                progress: str | None = None, checkpoint: str | None = None, time_limit_s: float | None = None,
-               checkpoint_every: int = 0):
+               checkpoint_every: int = SAVE_EVERY):
     from .trainer import spawn
 
     for j in jobs:
@@ -627,5 +626,5 @@ def spawn_jobs(jobs: list[Job], world: int, device_kind: str, verbose: bool = Tr
     if checkpoint is not None:
         Path(checkpoint).mkdir(parents=True, exist_ok=True)
     return spawn(worker, world, jobs, device_kind, verbose, progress, checkpoint, time_limit_s,
-                 checkpoint_every or SAVE_EVERY, backend="nccl" if device_kind == "cuda" else "gloo",
+                 checkpoint_every, backend="nccl" if device_kind == "cuda" else "gloo",
                  timeout_s=timeout_s)

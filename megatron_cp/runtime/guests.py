@@ -131,7 +131,7 @@ def finish_forward(gr: GuestRuntime, pend: _Pending, out, lse) -> torch.Tensor:
 
 
 def _sources(gr: GuestRuntime, back: torch.Tensor, empty: float | None):
-    """The returned rows as [sources, guest rows, *tail] (a view when every source returned every row in
+    """The returned rows as [sources, guest rows, ...] (a view when every source returned every row in
     order, else gathered, with ``empty`` in the last column of rows a source did not return) and, for
     partial outputs, that last column ([sources, rows, H]); None for the second with ``empty`` None."""
     n, k = len(gr.rows), len(gr.merge)

@@ -14,8 +14,8 @@ Each recipe writes ``results.json`` (device, date, command, losses, throughput, 
 ``--out``/NAME; ``--runs`` picks runs by name, merged into an existing ``results.json`` (to split one recipe
 over several time-limited calls); ``--out``/progress.jsonl gets every step of every run as it ends (what a time
 limit leaves of a run before its results.json). A run longer than one call: ``--checkpoint DIR --time-limit
-SECONDS`` saves its state and stops before the limit, and the same command again continues it. The model code is examples/tiny_llama (Megatron-Core's GPTModel with
-megatron-cp's core attention and batch hook); the data are the Python standard library's sources, bytes as
+SECONDS`` saves its state and stops before the limit, and the same command again continues it. The model code
+is examples/tiny_llama (Megatron-Core's GPTModel with megatron-cp's core attention and batch hook); the data are the Python standard library's sources, bytes as
 tokens, cut into documents that end with EOD (no download).
 """
 
@@ -33,8 +33,8 @@ EXAMPLES = HERE.parents[1]
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
-from tiny_llama.convergence import (Job, Layout, Run, Train, compare, run_record, sign_figure,  # noqa: E402
-                                    spawn_jobs, tokens_per_s_per_gpu)
+from tiny_llama.convergence import (SAVE_EVERY, Job, Layout, Run, Train, compare, run_record,  # noqa: E402
+                                    sign_figure, spawn_jobs, tokens_per_s_per_gpu)
 from tiny_llama.model import LlamaShape  # noqa: E402
 
 # ~293M parameters: 26 layers x (attention 2.6M + SwiGLU MLP 8.7M), byte vocabulary; head dim 128, GQA 8:2
@@ -304,7 +304,7 @@ def main(argv=None) -> dict:
     # every step of every run as it ends (a JSON line each): what a time limit leaves before results.json
     progress = Path(a.out) / "progress.jsonl"
     got = spawn_jobs(todo, a.gpus, "cpu" if a.cpu else "cuda", progress=str(progress), checkpoint=a.checkpoint,
-                     time_limit_s=a.time_limit, checkpoint_every=a.checkpoint_every or 0) if todo else []
+                     time_limit_s=a.time_limit, checkpoint_every=a.checkpoint_every or SAVE_EVERY) if todo else []
     stop = next((r["stopped"] for r in got if "stopped" in r), None)
     if stop is not None:
         # no results.json: the runs' steps are in progress.jsonl, their state in --checkpoint
