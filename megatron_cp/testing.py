@@ -222,6 +222,18 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
             dist.destroy_process_group()
 
 
+def _died_without_result(procs, got: dict, reporting: int, wait_s: float = 1.0) -> dict[int, int]:
+    """{rank: exit code} of the ranks that exited with a failure code and no result, waiting up to ``wait_s``
+    for one that is still going down."""
+    end = time.monotonic() + wait_s
+    while True:
+        died = {r: p.exitcode for r, p in enumerate(procs)
+                if r not in got and r != reporting and p.exitcode not in (None, 0)}
+        if died or time.monotonic() >= end:
+            return died
+        time.sleep(0.05)
+
+
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list[Any]:
     """Call ``fn(rank, world, *args)`` on ``world`` CPU ranks, each a spawned process with a gloo process
     group (the default group) set up; return the results in rank order.
@@ -263,6 +275,11 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3
                 got[rank] = payload
             else:
                 error = f"rank {rank} of {world} failed:\n{payload}"
+                # a rank that died without a word is usually why another's collective failed (connection reset):
+                # name it first
+                died = _died_without_result(procs, got, rank)
+                if died:
+                    error = (f"ranks {sorted(died)} exited without a result (exit codes: {died}); then " + error)
     finally:
         for p in procs:
             p.join(timeout=5 if error else 30)

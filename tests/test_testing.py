@@ -125,6 +125,13 @@ def _rank_dies(rank, world):
     return rank
 
 
+def _rank_dies_and_a_peer_fails(rank, world):
+    if rank == 0:
+        os._exit(3)
+    time.sleep(0.3)  # the peer's failure arrives well before the 2 s in which a silent exit is noticed
+    raise RuntimeError("my peer is gone")
+
+
 def _rank_returns_a_tensor(rank, world):
     return {"out": torch.ones(2, 3)}
 
@@ -138,6 +145,10 @@ def test_run_ranks_results_and_failures():
     with pytest.raises(AssertionError, match=r"ranks \[0\] exited without a result.*0: 3"):
         mt.run_ranks(_rank_dies, 2, timeout=120)
     assert time.monotonic() - t < 60
+    # ... and named first when a peer's failure (e.g. a reset connection) reports before its silence is noticed
+    with pytest.raises(AssertionError, match=r"ranks \[0\] exited without a result \(exit codes: \{0: 3\}\); then "
+                                             r"rank 1 of 2 failed:(?s:.*)RuntimeError: my peer is gone"):
+        mt.run_ranks(_rank_dies_and_a_peer_fails, 2)
     # a tensor in a result: a message saying what to return, not the parent's bare FileNotFoundError
     with pytest.raises(AssertionError, match=r"_rank_returns_a_tensor's result\['out'\] holds a torch.Tensor \(2, 3\)"):
         mt.run_ranks(_rank_returns_a_tensor, 2)
