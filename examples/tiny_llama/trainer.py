@@ -15,7 +15,6 @@ all-reduces the token count over DP x CP and scales the gradients by its inverse
 from __future__ import annotations
 
 import queue
-import socket
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -23,12 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp.megatron import MaskSpec, PlanAhead, PlanOptions, loss_func, plan_for_batch, prepare_batch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_cp.testing import free_port, process_context
 
 
 def init_parallel(tp: int, cp: int, pp: int = 1, vpp: int | None = None, seed: int = 1234) -> None:
@@ -228,7 +222,9 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: int = 60
     import torch.multiprocessing as mp
 
     port = free_port()
-    ctx = mp.get_context("spawn")
+    # CPU ranks fork from a server that imported torch, Megatron and this package once (quietly: tiny_llama
+    # first); GPU ranks are spawned, so no process touches CUDA before its own fork or spawn
+    ctx = process_context(first=("tiny_llama",)) if backend == "gloo" else mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, q)) for r in range(world_size)]
     for p in procs:
