@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fwd import load_block, store_block
+from .fwd import load_block, row_schedule, store_block
 
 
 @triton.jit
@@ -232,18 +232,7 @@ def attn_bwd_dq_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr, TMA: tl.constexpr, DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, DIM_V: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    h = pid % n_heads
-    i = pid // n_heads
-    PTR += h * sched_stride_b
-    MID += h * sched_stride_b
-    ORDER += h * sched_stride_b
-    OFF += h * sched_stride_e
-    TID += h * sched_stride_e
-    m = tl.load(ORDER + i)
-    e0 = tl.load(PTR + m)
-    e_mid = tl.load(MID + m)
-    e1 = tl.load(PTR + m + 1)
+    h, m, e0, e_mid, e1, OFF, TID = row_schedule(PTR, MID, ORDER, OFF, TID, n_heads, sched_stride_b, sched_stride_e)
     hk = h // GROUP
     offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_m64 = offs_m.to(tl.int64)

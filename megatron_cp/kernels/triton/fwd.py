@@ -36,6 +36,21 @@ def load_block(ptrs, row_ok, DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.
 
 
 @triton.jit
+def row_schedule(PTR, MID, ORDER, OFF, TID, n_heads, sched_stride_b, sched_stride_e):
+    """This program's (q block, q head) and its row-major schedule: the head h, the q block m (programs take
+    q blocks in ORDER), its entries [e0, e_mid) full and [e_mid, e1) masked, and OFF / TID advanced to head h.
+    Schedules carry a head axis; its strides are 0 while all heads share one schedule."""
+    pid = tl.program_id(0)
+    h = pid % n_heads
+    i = pid // n_heads
+    m = tl.load(ORDER + h * sched_stride_b + i)
+    e0 = tl.load(PTR + h * sched_stride_b + m)
+    e_mid = tl.load(MID + h * sched_stride_b + m)
+    e1 = tl.load(PTR + h * sched_stride_b + m + 1)
+    return h, m, e0, e_mid, e1, OFF + h * sched_stride_e, TID + h * sched_stride_e
+
+
+@triton.jit
 def store_block(ptrs, x, row_ok, DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Store a [rows, BLOCK_D] block: rows where ``row_ok`` and the columns below DIM."""
     if DIM < BLOCK_D:
@@ -111,19 +126,7 @@ def attn_fwd_kernel(
 ):
     # HEAD_DIM / HEAD_DIM_V: power-of-two blocks of the q/k and v head dims DIM_QK / DIM_V (MLA: 192 -> 256
     # and 128); padded columns read as 0 and are not written
-    pid = tl.program_id(0)
-    h = pid % n_heads
-    i = pid // n_heads
-    # schedules carry a head axis; its stride is 0 while all heads share one schedule
-    PTR += h * sched_stride_b
-    MID += h * sched_stride_b
-    ORDER += h * sched_stride_b
-    OFF += h * sched_stride_e
-    TID += h * sched_stride_e
-    m = tl.load(ORDER + i)
-    e0 = tl.load(PTR + m)
-    e_mid = tl.load(MID + m)
-    e1 = tl.load(PTR + m + 1)
+    h, m, e0, e_mid, e1, OFF, TID = row_schedule(PTR, MID, ORDER, OFF, TID, n_heads, sched_stride_b, sched_stride_e)
     hk = h // GROUP
 
     offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
