@@ -10,7 +10,8 @@
 from . import gating, masks, sparse
 from .masks import AttnMask, AttnSlice
 from .planner import Plan, Topology, plan
-from .runtime import apply_sink, attention, dispatch, undispatch
+from .runtime import apply_sink, attention, dispatch, gather_global_batch, undispatch
 
 __version__ = "0.1.0"
-__all__ = ["masks", "sparse", "gating", "AttnMask", "AttnSlice", "Plan", "Topology", "plan", "attention", "apply_sink", "dispatch", "undispatch"]
+__all__ = ["masks", "sparse", "gating", "AttnMask", "AttnSlice", "Plan", "Topology", "plan", "attention", "apply_sink", "dispatch", "undispatch",
+           "gather_global_batch"]

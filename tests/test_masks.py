@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from megatron_cp import masks as mcp_masks
 from megatron_cp.masks import KINDS, AttnMask, AttnSlice
 from megatron_cp.masks import geometry as g
 
@@ -138,3 +139,16 @@ def test_merge_tiles_joins_block_rows_into_one_causal_tile():
     assert g.merge_tiles([(0, 4, 0, 8, 0), (4, 9, 0, 8, 0), (0, 9, 8, 10, 0)]).tolist() == [[0, 9, 0, 10, 0]]
     # a causal tile whose first rows keep nothing does not swallow the full keys before it
     assert len(g.merge_tiles([(0, 4, 0, 3, 0), (0, 4, 3, 5, 1)])) == 2
+
+
+def test_block_diagonal_places_each_mask_on_the_diagonal():
+    a, b = mcp_masks.varlen([0, 3, 8]), mcp_masks.sliding_window(6, 2)
+    dense = np.zeros((14, 14), bool)
+    dense[:8, :8], dense[8:, 8:] = a.to_dense(), b.to_dense()
+    g = mcp_masks.block_diagonal([a, b])
+    assert (g.seqlen_q, g.seqlen_k) == (14, 14) and np.array_equal(g.to_dense(), dense)
+    assert g.area() == a.area() + b.area()
+    with pytest.raises(ValueError, match="mask 1 is \\[4, 6\\], not square"):
+        mcp_masks.block_diagonal([a, mcp_masks.full(4, 6)])
+    with pytest.raises(ValueError, match="at least one mask"):
+        mcp_masks.block_diagonal([])

@@ -11,6 +11,7 @@ each), loaded on first use because it needs torch.
 from .builders import (
     Block,
     block_causal,
+    block_diagonal,
     causal,
     from_block_table,
     from_mask_mod,
@@ -33,7 +34,7 @@ BUILDERS = (
 )
 
 # public modules beside the names: geometry (trapezoid arithmetic), catalog (named masks, needs torch), draw
-__all__ = ["AttnMask", "AttnSlice", "KINDS", "Block", "BUILDERS", "streaming_within", *BUILDERS, "geometry", "catalog", "draw"]
+__all__ = ["AttnMask", "AttnSlice", "KINDS", "Block", "BUILDERS", "streaming_within", "block_diagonal", *BUILDERS, "geometry", "catalog", "draw"]
 
 
 def __getattr__(name):  # ``masks.catalog`` on first use: the rest of the package stays free of torch

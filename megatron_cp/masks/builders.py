@@ -677,3 +677,23 @@ def streaming_within(mask: AttnMask, sink: int, window: int) -> AttnMask:
         parts.append(geometry.intersect(traps, sinks))
     both = geometry.union([tuple(t) for p in parts for t in p.tolist()])
     return AttnMask.from_traps(both, mask.seqlen_q, mask.seqlen_k)
+
+
+def block_diagonal(masks) -> AttnMask:
+    """Square masks side by side on the diagonal, nothing across them: mask ``d`` covers tokens
+    ``[off_d, off_d + side_d)`` with ``off_d`` the sum of the sides before it. What every data-parallel
+    rank's micro-batch becomes when one plan covers the whole DP x CP world (``runtime.gather_global_batch``).
+    ``block_diagonal([varlen(a), varlen(b)])`` is ``varlen`` of the two documents lists one after the other."""
+    masks = list(masks)
+    if not masks:
+        raise ValueError("block_diagonal needs at least one mask")
+    out, off = [], 0
+    for d, m in enumerate(masks):
+        if not isinstance(m, AttnMask):
+            raise ValueError(f"block_diagonal: mask {d} is a {type(m).__name__}, not an AttnMask")
+        if m.seqlen_q != m.seqlen_k:
+            raise ValueError(f"block_diagonal: mask {d} is [{m.seqlen_q}, {m.seqlen_k}], not square")
+        out.extend(AttnSlice((s.q_range[0] + off, s.q_range[1] + off), (s.k_range[0] + off, s.k_range[1] + off),
+                             s.kind) for s in m.slices)
+        off += m.seqlen_q
+    return AttnMask(out, off)

@@ -1,6 +1,7 @@
 """Runtime: dispatch tokens by a plan and run distributed attention over it.
 
-``attention`` / ``dispatch`` / ``undispatch`` are the user API (``apply_sink`` adds attention sinks to any
+``attention`` / ``dispatch`` / ``undispatch`` are the user API (``gather_global_batch``: every data-parallel
+rank's micro-batch under one plan of the DP x CP world, ``runtime.global_batch``) (``apply_sink`` adds attention sinks to any
 strategy's merged ``(out, lse)``, ``runtime.sinks``; ``prebuild`` chooses a plan's exchange ahead of its
 first call, e.g. in a planning thread); ``check_inputs``, ``plan_rank``,
 ``resolve_backend`` and ``plan_cache`` (state derived from a plan, kept weakly by it)
@@ -11,11 +12,12 @@ chooses the exchange and is what ``tools/sim`` calibrates.
 from .attention import attention, check_inputs, prebuild, resolve_backend
 from .cost import CostModel
 from .dispatch import dispatch, undispatch
+from .global_batch import gather_global_batch
 from .groups import plan_rank
 from .sinks import apply_sink
 from .state import fingerprint, input_fields, plan_cache, verify_plan
 
-__all__ = ["attention", "prebuild", "apply_sink", "dispatch", "undispatch", "check_inputs", "resolve_backend", "plan_rank",
+__all__ = ["attention", "prebuild", "apply_sink", "dispatch", "undispatch", "gather_global_batch", "check_inputs", "resolve_backend", "plan_rank",
            "plan_cache", "CostModel",
            # the cross-rank plan check and the per-call input record, for the sparse and Megatron entry points
            "verify_plan", "input_fields", "fingerprint"]
