@@ -115,6 +115,8 @@ def _bad(rank, world, case):
     kw = dict(dp_rank=dp_rank, cp_rank=cp_rank, cp_size=CP)
     if case == "short":
         b["tokens"] = b["tokens"][:100]
+    elif case == "all short":
+        b = {n: t[:128] for n, t in b.items()}
     elif case == "cp":
         kw["cp_size"] = 3
     elif case == "place":
@@ -126,7 +128,9 @@ def _bad(rank, world, case):
     return None
 
 
-@pytest.mark.parametrize("case, match", [("short", "field 'tokens': (100,), expected the micro-batch's 256"),
+@pytest.mark.parametrize("case, match", [("short", "lengths along dim 0 differ: {'labels': 256, 'loss_mask': 256, "
+                                                   "'tokens': 100}"),
+                                         ("all short", "(128,), expected the micro-batch's 256 tokens along dim 0 (the plan's 512 tokens over DP 2)"),
                                          ("cp", "cp_size=3 must be a positive int dividing the group's 4"),
                                          ("place", "disagree")])
 def test_bad_input_raises_a_clear_error_on_every_rank(case, match):

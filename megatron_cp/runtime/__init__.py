@@ -12,12 +12,12 @@ chooses the exchange and is what ``tools/sim`` calibrates.
 from .attention import attention, check_inputs, prebuild, resolve_backend
 from .cost import CostModel
 from .dispatch import dispatch, undispatch
-from .global_batch import gather_global_batch
+from .global_batch import all_micro_batches, gather_global_batch
 from .groups import plan_rank
 from .sinks import apply_sink
 from .state import fingerprint, input_fields, plan_cache, verify_plan
 
-__all__ = ["attention", "prebuild", "apply_sink", "dispatch", "undispatch", "gather_global_batch", "check_inputs", "resolve_backend", "plan_rank",
+__all__ = ["attention", "prebuild", "apply_sink", "dispatch", "undispatch", "gather_global_batch", "all_micro_batches", "check_inputs", "resolve_backend", "plan_rank",
            "plan_cache", "CostModel",
            # the cross-rank plan check and the per-call input record, for the sparse and Megatron entry points
            "verify_plan", "input_fields", "fingerprint"]

@@ -25,63 +25,63 @@ import torch.distributed as dist
 from ..planner import Plan
 
 
-def _check(fields: Mapping[str, torch.Tensor], plan: Plan, world: int, dp_rank: int, cp_rank: int,
-           cp_size: int) -> tuple[int, int]:
-    """(dp, L), or ValueError naming the value: everything a rank can check alone, before any collective."""
-    if not isinstance(plan, Plan):
-        raise TypeError(f"gather_global_batch needs a Plan, got {type(plan).__name__}")
-    if plan.cp_size != world:
-        raise ValueError(f"the plan covers {plan.cp_size} ranks but the group has {world}: plan the concatenated "
-                         f"micro-batches over every rank of the DP x CP group")
+def _check_fields(fields: Mapping[str, torch.Tensor], world: int, dp_rank: int, cp_rank: int,
+                  cp_size: int) -> tuple[int, int]:
+    """(dp, L), or ValueError naming the value: what a rank can check alone, before any collective."""
     if not isinstance(cp_size, (int, np.integer)) or cp_size < 1 or world % cp_size:
         raise ValueError(f"cp_size={cp_size!r} must be a positive int dividing the group's {world} ranks")
     dp = world // int(cp_size)
-    if plan.seqlen % dp:
-        raise ValueError(f"the plan's {plan.seqlen} tokens are not {dp} equal micro-batches (DP = {world} / {cp_size})")
-    L = plan.seqlen // dp
     if not 0 <= dp_rank < dp or not 0 <= cp_rank < cp_size:
         raise ValueError(f"dp_rank={dp_rank} / cp_rank={cp_rank} outside DP {dp} x CP {cp_size}")
+    if not fields:
+        raise ValueError("the global batch needs at least one field (e.g. tokens)")
+    for name, t in fields.items():
+        if not isinstance(t, torch.Tensor) or t.dim() < 1:
+            what = f"a {t.dim()}-dim tensor" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+            raise ValueError(f"field {name!r} is {what}, expected the micro-batch's tokens along dim 0")
+    lens = {name: int(t.shape[0]) for name, t in sorted(fields.items())}
+    if len(set(lens.values())) > 1:
+        raise ValueError(f"the fields' lengths along dim 0 differ: {lens}")
+    L = next(iter(lens.values()))
     if L % cp_size:
         raise ValueError(f"the micro-batch length {L} must be a multiple of cp_size={cp_size} (each CP rank sends "
                          f"1/{cp_size} of its group's micro-batch)")
-    if not fields:
-        raise ValueError("gather_global_batch needs at least one field (e.g. tokens)")
-    for name, t in fields.items():
-        if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != L:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"field {name!r}: {shape}, expected the micro-batch's {L} tokens along dim 0")
     return dp, L
 
 
-def gather_global_batch(fields: Mapping[str, torch.Tensor], plan: Plan, group: dist.ProcessGroup, *, dp_rank: int,
-                        cp_rank: int, cp_size: int) -> dict[str, torch.Tensor]:
-    """This rank's tokens of the global batch: ``{name: field of the concatenated micro-batches at
-    plan.local_ids(rank)}``, in the plan's local order (what ``attention`` over ``group`` with ``plan`` expects).
+def _check_plan(plan: Plan, world: int, cp_size: int, fields: Mapping[str, torch.Tensor]) -> None:
+    """ValueError naming the value when the plan is not one of the concatenated micro-batches over ``world``."""
+    if plan.cp_size != world:
+        raise ValueError(f"the plan covers {plan.cp_size} ranks but the group has {world}: plan the concatenated "
+                         f"micro-batches over every rank of the DP x CP group")
+    dp = world // cp_size
+    for name, t in fields.items():
+        if t.shape[0] * dp != plan.seqlen:
+            raise ValueError(f"field {name!r}: {tuple(t.shape)}, expected the micro-batch's {plan.seqlen // dp} "
+                             f"tokens along dim 0 (the plan's {plan.seqlen} tokens over DP {dp})")
 
-    ``fields``: this rank's data-parallel group's micro-batch, ``[L, ...]`` each (tokens, labels, loss mask,
-    positions; any dtype), the same on every CP rank of the group (as Megatron's loaders give it); micro-batch
-    ``d`` is tokens ``[d * L, (d + 1) * L)`` of the plan's sequence. ``group``: every rank of the DP x CP world,
-    ``plan`` over all of them (``plan(masks.block_diagonal(micro-batch masks), dp * cp)``). ``dp_rank`` /
-    ``cp_rank``: this rank's place. Each CP rank contributes 1/cp of its group's micro-batch to one all-gather per
-    field, so every token travels once to every rank (``dp * L`` tokens per rank and field: small beside the
-    activations, e.g. 8 bytes x 32k tokens per DP rank); an all-to-all sending each rank only its tokens is the
-    form for many ranks (not built). Bad input raises before any collective; ranks that disagree on their places
-    raise together after the first (a small all-gather of them).
-    """
+
+def all_micro_batches(fields: Mapping[str, torch.Tensor], group: dist.ProcessGroup, *, dp_rank: int, cp_rank: int,
+                      cp_size: int) -> dict[str, torch.Tensor]:
+    """Every DP group's micro-batch, concatenated: ``{name: [dp * L, ...]}``, micro-batch ``d`` at tokens
+    ``[d * L, (d + 1) * L)``, the same on every rank of ``group`` (the DP x CP world).
+
+    ``fields``: this rank's DP group's micro-batch, ``[L, ...]`` each (any dtype), the same on every CP rank of the
+    group (as Megatron's loaders give it). Each CP rank contributes 1/cp of it to one all-gather per field, so each
+    token travels once to every rank: ``dp * L`` tokens per rank and field, small beside the activations (an
+    all-to-all sending each rank only its tokens is the form for many ranks; not built). Bad input raises before
+    any collective; ranks that disagree on their places raise together after the first (a small all-gather)."""
     world = dist.get_world_size(group)
-    dp, L = _check(fields, plan, world, dp_rank, cp_rank, cp_size)
+    dp, L = _check_fields(fields, world, dp_rank, cp_rank, cp_size)
     seg = L // cp_size
     names = sorted(fields)
     mine = torch.tensor([dp_rank, cp_rank, L, len(names)], dtype=torch.int64)
     places = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(places, mine, group=group)
     places = torch.stack(places).numpy()
-    seen = {(int(d), int(c)) for d, c in places[:, :2]}
-    if len(seen) != world or (places[:, 2:] != places[0, 2:]).any():
+    if len({(int(d), int(c)) for d, c in places[:, :2]}) != world or (places[:, 2:] != places[0, 2:]).any():
         raise ValueError(f"the ranks' (dp_rank, cp_rank, micro-batch length, fields) disagree: {places.tolist()}; "
                          f"every (dp, cp) place must be taken once, with the same micro-batch length and fields")
-    rank = dist.get_rank(group)
-    ids = torch.from_numpy(plan.local_ids(rank))
     out = {}
     for name in names:
         t = fields[name]
@@ -91,5 +91,22 @@ def gather_global_batch(fields: Mapping[str, torch.Tensor], plan: Plan, group: d
         full = torch.empty((dp * L, *t.shape[1:]), dtype=t.dtype, device=t.device)
         for r, (d, c) in enumerate(places[:, :2].tolist()):
             full[d * L + c * seg:d * L + (c + 1) * seg] = parts[r]
-        out[name] = full[ids.to(t.device)]
+        out[name] = full
     return out
+
+
+def gather_global_batch(fields: Mapping[str, torch.Tensor], plan: Plan, group: dist.ProcessGroup, *, dp_rank: int,
+                        cp_rank: int, cp_size: int) -> dict[str, torch.Tensor]:
+    """This rank's tokens of the global batch: ``{name: field of the concatenated micro-batches at
+    plan.local_ids(rank)}``, in the plan's local order (what ``attention`` over ``group`` with ``plan`` expects).
+
+    ``fields``, ``dp_rank``, ``cp_rank``, ``cp_size``: as ``all_micro_batches``. ``group``: every rank of the DP x
+    CP world, ``plan`` over all of them (``plan(masks.block_diagonal(micro-batch masks), dp * cp)``)."""
+    world = dist.get_world_size(group)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"gather_global_batch needs a Plan, got {type(plan).__name__}")
+    _check_fields(fields, world, dp_rank, cp_rank, cp_size)
+    _check_plan(plan, world, cp_size, fields)
+    full = all_micro_batches(fields, group, dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp_size)
+    ids = torch.from_numpy(plan.local_ids(dist.get_rank(group)))
+    return {n: t[ids.to(t.device)] for n, t in full.items()}
