@@ -42,6 +42,14 @@ def _validate(argv, dropout=True):
 
 
 REFUSED = {
+    "balance over dp, a baseline": (["--cp-balance-over-dp", "--context-parallel-impl", "ring"],
+                                    r"--cp-balance-over-dp runs with --context-parallel-impl megatron_cp, not ring"),
+    "balance over dp, TP": (["--cp-balance-over-dp", "--tensor-model-parallel-size", "2"],
+                            r"--cp-balance-over-dp does not combine with --tensor-model-parallel-size 2"),
+    "balance over dp, PP": (["--cp-balance-over-dp", "--pipeline-model-parallel-size", "2"],
+                            r"--cp-balance-over-dp does not combine with --pipeline-model-parallel-size 2"),
+    "balance over dp, sparse": (["--cp-balance-over-dp", "--cp-sparse", "moba", "--cp-sparse-block", "32"],
+                                r"runs dense attention: drop --cp-sparse"),
     "solver typo": (["--cp-solver", "zigzagg"], r"--cp-solver 'zigzagg' is unknown"),
     "mask kwargs typo": (["--cp-mask", "block_causal", "--cp-mask-kwargs", '{"blok": 8}'], r"--cp-mask-kwargs .*blok"),
     "mask kwargs missing": (["--cp-mask", "block_causal"], r"--cp-mask block_causal --cp-mask-kwargs \{\}.*block"),

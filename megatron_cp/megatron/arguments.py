@@ -49,6 +49,10 @@ def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--cp-kernel-backend", choices=("auto", "fa4", "triton", "reference"), default="auto",
                    help="attention kernels: auto (FlashAttention-4 where flash-attn-4 is installed on sm90 / "
                         "sm100, else Triton on GPUs, PyTorch reference otherwise)")
+    g.add_argument("--cp-balance-over-dp", action="store_true",
+                   help="one plan per micro-batch over the whole DP x CP world: every DP group's micro-batch is "
+                        "gathered and its documents balanced over all DP x CP ranks (docs/design.md, 'One plan "
+                        "over DP x CP'); megatron_cp at TP 1 and PP 1, dense attention")
     s = parser.add_argument_group("megatron-cp dynamic sparse attention (docs/sparse.md)")
     s.add_argument("--cp-sparse", choices=METHODS, default="none",
                    help="per head and q block, compute only the key blocks a selector chooses at run time, "
@@ -214,9 +218,26 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
         raise ValueError(f"--cp-sparse {sparse.method} runs with --context-parallel-impl megatron_cp, not "
                          f"{args.context_parallel_impl}")
     gating = gating_from_args(args)
+    if getattr(args, "cp_balance_over_dp", False):
+        _check_balance_over_dp(args, sparse, gating)
     return spec, PlanOptions(chunk_size=args.cp_chunk_size, topology=_topology(args.cp_topology),
                              solver=args.cp_solver, kernel_backend=args.cp_kernel_backend,
                              strategy=args.context_parallel_impl, sparse=sparse, gating=gating)
+
+
+def _check_balance_over_dp(args, sparse, gating) -> None:
+    """--cp-balance-over-dp's limits, each refused by name (what this first version plans and gathers)."""
+    if args.context_parallel_impl != "megatron_cp":
+        raise ValueError(f"--cp-balance-over-dp runs with --context-parallel-impl megatron_cp, not "
+                         f"{args.context_parallel_impl}")
+    for flag, attr in (("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+                       ("--pipeline-model-parallel-size", "pipeline_model_parallel_size")):
+        if int(getattr(args, attr, 1) or 1) > 1:
+            raise ValueError(f"--cp-balance-over-dp does not combine with {flag} {getattr(args, attr)} yet (the "
+                             "global batch is gathered and planned per tensor- and pipeline-parallel rank set as one)")
+    if sparse is not None or gating is not None:
+        raise ValueError("--cp-balance-over-dp runs dense attention: drop --cp-sparse / --cp-head-gating / "
+                         "--cp-head-pattern")
 
 
 # Megatron options that megatron-cp attention does not honour: (attribute, is_set(value), message). Each is

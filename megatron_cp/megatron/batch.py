@@ -138,11 +138,6 @@ def positions_from_bounds(cu: np.ndarray) -> np.ndarray:
     return np.arange(n, dtype=np.int64) - starts
 
 
-def _offset(mask, off: int):
-    return [mcp.AttnSlice((s.q_range[0] + off, s.q_range[1] + off), (s.k_range[0] + off, s.k_range[1] + off), s.kind)
-            for s in mask.slices]
-
-
 def build_mask(spec: MaskSpec, cu: np.ndarray, b: int, S: int):
     """The ``AttnMask`` of one micro-batch over ``b * S`` tokens."""
     if spec.name in ("causal", "packed"):
@@ -153,12 +148,7 @@ def build_mask(spec: MaskSpec, cu: np.ndarray, b: int, S: int):
     if builder is None:
         raise ValueError(f"megatron_cp.masks has no builder {spec.name!r}")
     one = builder(S, **dict(spec.kwargs))
-    if b == 1:
-        return one
-    slices = []
-    for i in range(b):
-        slices += _offset(one, i * S)
-    return mcp.AttnMask(slices, b * S, b * S)
+    return one if b == 1 else mcp.masks.block_diagonal([one] * b)
 
 
 class PlanCache:
@@ -329,3 +319,58 @@ def prepare_batch(
                       kernel_backend=options.kernel_backend, strategy=strategy, sparse=options.sparse,
                       gating=gating, stream_plan=stream_plan, qkv_format="sbhd")
     return CPBatch(take(tokens), take(labels), take(loss_mask), local_pos, params, cu)
+
+
+def prepare_global_batch(
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    spec: MaskSpec,
+    group,
+    *,
+    dp_rank: int,
+    cp_rank: int,
+    cp_size: int,
+    options: PlanOptions = PlanOptions(),
+) -> CPBatch:
+    """``prepare_batch`` with one plan over the whole DP x CP world (``--cp-balance-over-dp``).
+
+    tokens / labels / loss_mask: ``[b, S]``, this DP group's micro-batch (the same on its CP ranks). Every DP
+    group's micro-batch is gathered (``runtime.all_micro_batches``), their masks put side by side
+    (``masks.block_diagonal``) and planned over ``group`` (every rank of the DP x CP world), and this rank keeps
+    the tokens the plan gives it: ``[1, s_local]`` tensors and ``params`` whose ``cp_group`` is ``group``, which
+    core attention then runs over. The per-token loss summed over the global batch and Megatron's gradient
+    reduction over DP x CP make loss and gradients those of the fixed layout. Plans here, after the gather (not
+    ahead in a thread), and reads the gathered tokens on the host."""
+    if options.strategy != "megatron_cp" or options.sparse is not None or options.gating is not None:
+        raise ValueError("one plan over DP x CP (--cp-balance-over-dp) runs megatron_cp's dense attention: no "
+                         "baseline strategy, --cp-sparse or head gating")
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [b, S], got shape {tuple(tokens.shape)}")
+    for name, t in (("labels", labels), ("loss_mask", loss_mask)):
+        if t.shape != tokens.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} differs from tokens {tuple(tokens.shape)}")
+    b, S = tokens.shape
+    world = group.size()
+    full = mcp.runtime.all_micro_batches(
+        {"tokens": tokens.reshape(-1), "labels": labels.reshape(-1), "loss_mask": loss_mask.reshape(-1)}, group,
+        dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp_size)
+    dp = world // cp_size
+    tok = full["tokens"].cpu().numpy().reshape(dp, b, S)
+    cus = [document_bounds(tok[d], spec) for d in range(dp)]
+    key = (spec, "dp x cp", dp, b, S, world, options.chunk_size, options.topology, options.solver, options.block,
+           tuple(c.tobytes() for c in cus) if spec.packed else b"")
+    plan, strategy = _PLANS.get(key, lambda: _make_plan(
+        mcp.masks.block_diagonal([build_mask(spec, c, b, S) for c in cus]), world, options))
+    rank = group.rank()
+    ids = upload(plan.local_ids(rank), tokens.device)
+    pos = upload(np.concatenate([positions_from_bounds(c) for c in cus]), tokens.device)
+
+    def take(x):
+        return x.index_select(0, ids).unsqueeze(0)
+
+    local_pos = take(pos)
+    params = CPParams(plan=plan, position_ids=local_pos, cp_rank=rank, cp_group=group,
+                      kernel_backend=options.kernel_backend, strategy=strategy, qkv_format="sbhd")
+    return CPBatch(take(full["tokens"]), take(full["labels"]), take(full["loss_mask"]), local_pos, params,
+                   cus[dp_rank])

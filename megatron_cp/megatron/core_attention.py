@@ -146,12 +146,6 @@ class CPCoreAttention(MegatronModule):
         # apply_query_key_layer_scaling divides the scores by layer_number and multiplies them back
         # inside the fp32 softmax: the net scale is unchanged, so it needs nothing here.
 
-    def _cp_rank_size(self):
-        g = self.cp_group
-        if g is None:
-            return 0, 1
-        return g.rank(), g.size()
-
     def forward(
         self,
         query: torch.Tensor,
@@ -184,7 +178,10 @@ class CPCoreAttention(MegatronModule):
         if self.softmax_offset is not None and self.softmax_offset.shape[0] != hq:
             raise ValueError(f"layer {self.layer_number}: the attention sink has {self.softmax_offset.shape[0]} "
                              f"heads but q has {hq} heads")
-        cp_rank, cp_size = self._cp_rank_size()
+        # the micro-batch's group: the CP group, or with one plan over DP x CP (--cp-balance-over-dp) that world
+        group = getattr(packed_seq_params, "cp_group", None) if isinstance(packed_seq_params, CPParams) else None
+        group = group if group is not None else self.cp_group
+        cp_rank, cp_size = (0, 1) if group is None else (group.rank(), group.size())
         backend, strategy, selector, gating = "auto", "megatron_cp", None, None
         if isinstance(packed_seq_params, CPParams):
             plan = packed_seq_params.plan
@@ -215,7 +212,7 @@ class CPCoreAttention(MegatronModule):
         q = query.reshape(s, b * hq, d)
         k = key.reshape(s, b * hkv, d)
         v = value.reshape(s, b * hkv, dv)
-        group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
+        group = group if group is not None else parallel_state.get_context_parallel_group()
         if cp_size > 1:
             # once per plan, before any exchange: ranks that disagree on heads, head dims, dtype or sinks
             # raise here, every one of them, instead of aborting in mismatched collectives

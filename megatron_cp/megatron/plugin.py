@@ -31,7 +31,7 @@ from megatron_cp.planner import Workload
 
 from . import rope
 from .arguments import OURS, add_megatron_cp_args, check_megatron_args, compose, dry_run, specs_from_args
-from .batch import plan_for_batch, prepare_batch
+from .batch import plan_for_batch, prepare_batch, prepare_global_batch
 from .loss import loss_func, record_documents
 from .plan_ahead import PlanAhead
 from .step_log import STEP_LOG
@@ -235,6 +235,8 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     except Exception:  # no tokenizer built (e.g. mock data without one): --cp-eod-token is then needed
         pass
     spec, options = plan_specs(args, eod=eod)
+    if getattr(args, "cp_balance_over_dp", False):
+        return _forward_global(data_iterator, model, args, spec, options)
     if data_iterator is not None and ps.get_tensor_model_parallel_rank() == 0:  # each stage's reader plans ahead
         if torch.cuda.is_available():  # and builds its rank's execution state on the stream attention runs on
             options = dataclasses.replace(options, state_on=(
@@ -251,6 +253,27 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     if getattr(model, "training", True):  # evaluation's micro-batches are not the step's
         STEP_LOG.record(args, bt.params.plan, (time.perf_counter() - t0) * 1e3, planning)
     if spec.packed:  # Megatron's FLOPs count attention per document, as for its own packed (THD) batches
+        record_documents(bt.cu_seqlens, model)
+    output = model(bt.tokens, bt.position_ids, None, labels=bt.labels, loss_mask=bt.loss_mask,
+                   packed_seq_params=bt.params)
+    return output, partial(loss_func, bt.loss_mask, check_nan=args.check_for_nan_in_loss_and_grad,
+                           check_spiky=args.check_for_spiky_loss)
+
+
+def _forward_global(data_iterator, model, args, spec, options):
+    """forward_step with one plan over the DP x CP world (--cp-balance-over-dp): the micro-batch is planned
+    here, after every DP group's tokens are gathered, and attention runs over the DP x CP group."""
+    from megatron.core import parallel_state as ps
+
+    tokens, labels, loss_mask, _ = _broadcast_batch(data_iterator, args)
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    t0 = time.perf_counter()
+    bt = prepare_global_batch(tokens, labels, loss_mask, spec, group, dp_rank=ps.get_data_parallel_rank(),
+                              cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
+                              options=options)
+    if getattr(model, "training", True):
+        STEP_LOG.record(args, bt.params.plan, (time.perf_counter() - t0) * 1e3, None)
+    if spec.packed:
         record_documents(bt.cu_seqlens, model)
     output = model(bt.tokens, bt.position_ids, None, labels=bt.labels, loss_mask=bt.loss_mask,
                    packed_seq_params=bt.params)
