@@ -219,10 +219,23 @@ def process_context(first: tuple[str, ...] = ()):
     the bulk of a small multi-rank check). Each rank is a fresh fork of that server (no state of an earlier
     world) and gets the caller's sys.path, working directory and main module as a spawned one would; the server
     never touches CUDA. The server is one per process: the first caller's preload list holds."""
+    import os
     import sys
+    from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([*first, *_PRELOAD, *(["megatron.core"] if "megatron.core" in sys.modules else [])])
+    # the server imports its preload list on the path it starts with (Python 3.12 does not pass it the caller's
+    # sys.path; a module it cannot import is skipped without a word): start it now with the caller's path
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + ([old] if old else []))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
     return ctx
 
 

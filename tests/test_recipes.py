@@ -226,3 +226,21 @@ def test_throughput_larger_model_is_the_1_5b_llama():
     (small,) = thr.jobs_for("full", 4, [32768], ["packed"], ["megatron_cp", "ring"], 65536, 1, 2, [])
     assert big.train.shape == sh and big.train.recompute and big.train.global_batch == 2
     assert big.train.doc_lengths == small.train.doc_lengths and [r.name for r in big.runs] == ["megatron_cp", "ring"]
+
+
+def test_a_recipe_prints_its_result_without_warnings(tmp_path):
+    """A recipe run as a user types it (no PYTHONPATH; run.py puts examples/ on its own path, which the rank
+    processes' fork server must see too, or Megatron's start-up warnings come back unfiltered): its checks end
+    the output and nothing warns."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, str(RUN_PY), "dense", "--size", "tiny", "--cpu", "--steps", "1", "--out",
+                        str(tmp_path)], capture_output=True, text=True, env=env, timeout=300,
+                       cwd=str(Path(__file__).resolve().parents[1]))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1].strip().startswith("-> "), r.stdout[-500:]
+    assert not re.search(r"Warning|IS DEPRECATED|No CUDA runtime", r.stdout + r.stderr), (r.stdout + r.stderr)[-2000:]
