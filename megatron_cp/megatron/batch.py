@@ -332,6 +332,7 @@ def prepare_global_batch(
     cp_rank: int,
     cp_size: int,
     options: PlanOptions = PlanOptions(),
+    host_tokens: np.ndarray | None = None,
 ) -> CPBatch:
     """``prepare_batch`` with one plan over the whole DP x CP world (``--cp-balance-over-dp``).
 
@@ -341,7 +342,9 @@ def prepare_global_batch(
     the tokens the plan gives it: ``[1, s_local]`` tensors and ``params`` whose ``cp_group`` is ``group``, which
     core attention then runs over. The per-token loss summed over the global batch and Megatron's gradient
     reduction over DP x CP make loss and gradients those of the fixed layout. Plans here, after the gather (not
-    ahead in a thread), and reads the gathered tokens on the host."""
+    ahead in a thread), from tokens gathered on the host over a gloo twin of ``group`` (``host_tokens``: the
+    loader's host copy where there is one, else one copy back from the device), so the GPU queue is not waited
+    for; the device fields are gathered on their own devices."""
     if options.strategy != "megatron_cp" or options.sparse is not None or options.gating is not None:
         raise ValueError("one plan over DP x CP (--cp-balance-over-dp) runs megatron_cp's dense attention: no "
                          "baseline strategy, --cp-sparse or head gating")
@@ -352,16 +355,24 @@ def prepare_global_batch(
             raise ValueError(f"{name} shape {tuple(t.shape)} differs from tokens {tuple(tokens.shape)}")
     b, S = tokens.shape
     world = group.size()
-    full = mcp.runtime.all_micro_batches(
-        {"tokens": tokens.reshape(-1), "labels": labels.reshape(-1), "loss_mask": loss_mask.reshape(-1)}, group,
-        dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp_size)
+    place = dict(dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp_size)
+    if host_tokens is None:
+        host = tokens.detach().cpu()
+    else:
+        host = torch.from_numpy(np.ascontiguousarray(host_tokens, dtype=np.int64))
+        if tuple(host.shape) != tuple(tokens.shape):
+            raise ValueError(f"host_tokens shape {tuple(host.shape)} differs from tokens {tuple(tokens.shape)}")
     dp = world // cp_size
-    tok = full["tokens"].cpu().numpy().reshape(dp, b, S)
+    tok = mcp.runtime.all_micro_batches({"tokens": host.reshape(-1)}, mcp.runtime.host_group(group),
+                                        **place)["tokens"].numpy().reshape(dp, b, S)
     cus = [document_bounds(tok[d], spec) for d in range(dp)]
     key = (spec, "dp x cp", dp, b, S, world, options.chunk_size, options.topology, options.solver, options.block,
            tuple(c.tobytes() for c in cus) if spec.packed else b"")
     plan, strategy = _PLANS.get(key, lambda: _make_plan(
         mcp.masks.block_diagonal([build_mask(spec, c, b, S) for c in cus]), world, options))
+    full = mcp.runtime.all_micro_batches(
+        {"tokens": tokens.reshape(-1), "labels": labels.reshape(-1), "loss_mask": loss_mask.reshape(-1)}, group,
+        **place)
     rank = group.rank()
     ids = upload(plan.local_ids(rank), tokens.device)
     pos = upload(np.concatenate([positions_from_bounds(c) for c in cus]), tokens.device)

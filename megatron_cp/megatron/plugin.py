@@ -265,12 +265,12 @@ def _forward_global(data_iterator, model, args, spec, options):
     here, after every DP group's tokens are gathered, and attention runs over the DP x CP group."""
     from megatron.core import parallel_state as ps
 
-    tokens, labels, loss_mask, _ = _broadcast_batch(data_iterator, args)
+    tokens, labels, loss_mask, host_tokens = _broadcast_batch(data_iterator, args)
     group = ps.get_data_parallel_group(with_context_parallel=True)
     t0 = time.perf_counter()
     bt = prepare_global_batch(tokens, labels, loss_mask, spec, group, dp_rank=ps.get_data_parallel_rank(),
                               cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
-                              options=options)
+                              options=options, host_tokens=host_tokens)
     if getattr(model, "training", True):
         STEP_LOG.record(args, bt.params.plan, (time.perf_counter() - t0) * 1e3, None)
     if spec.packed:

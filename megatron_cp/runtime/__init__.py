@@ -13,11 +13,12 @@ from .attention import attention, check_inputs, prebuild, resolve_backend
 from .cost import CostModel
 from .dispatch import dispatch, undispatch
 from .global_batch import all_micro_batches, gather_global_batch
-from .groups import plan_rank
+from .groups import host_group, plan_rank
 from .sinks import apply_sink
 from .state import fingerprint, input_fields, plan_cache, verify_plan
 
 __all__ = ["attention", "prebuild", "apply_sink", "dispatch", "undispatch", "gather_global_batch", "all_micro_batches", "check_inputs", "resolve_backend", "plan_rank",
+           "host_group",
            "plan_cache", "CostModel",
            # the cross-rank plan check and the per-call input record, for the sparse and Megatron entry points
            "verify_plan", "input_fields", "fingerprint"]
