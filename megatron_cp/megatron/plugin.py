@@ -235,10 +235,11 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     except Exception:  # no tokenizer built (e.g. mock data without one): --cp-eod-token is then needed
         pass
     spec, options = plan_specs(args, eod=eod)
-    if getattr(args, "cp_balance_over_dp", False):
-        return _forward_global(data_iterator, model, args, spec, options)
-    if data_iterator is not None and ps.get_tensor_model_parallel_rank() == 0:  # each stage's reader plans ahead
-        if torch.cuda.is_available():  # and builds its rank's execution state on the stream attention runs on
+    over_dp = getattr(args, "cp_balance_over_dp", False)
+    if not over_dp and data_iterator is not None and ps.get_tensor_model_parallel_rank() == 0:
+        # each stage's reader plans ahead, and builds its rank's execution state on the stream attention runs on
+        # (one plan over DP x CP needs every DP group's tokens first: planned in the step, after their gather)
+        if torch.cuda.is_available():
             options = dataclasses.replace(options, state_on=(
                 ps.get_context_parallel_rank(), torch.device("cuda", torch.cuda.current_device()),
                 torch.cuda.current_stream()))
@@ -247,33 +248,18 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     ahead = data_iterator if isinstance(data_iterator, PlanAhead) else getattr(data_iterator, "iterable", None)
     planning = (ahead.plan_times[-1] * 1e3, ahead.waits[-1] * 1e3) if isinstance(ahead, PlanAhead) and ahead.waits \
         else None
-    cp_group = ps.get_context_parallel_group()
     t0 = time.perf_counter()
-    bt = prepare_batch(tokens, labels, loss_mask, spec, cp_group, options, host_tokens=host_tokens)
+    if over_dp:
+        world = ps.get_data_parallel_group(with_context_parallel=True)
+        bt = prepare_global_batch(tokens, labels, loss_mask, spec, world, dp_rank=ps.get_data_parallel_rank(),
+                                  cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
+                                  options=options, host_tokens=host_tokens)
+    else:
+        bt = prepare_batch(tokens, labels, loss_mask, spec, ps.get_context_parallel_group(), options,
+                           host_tokens=host_tokens)
     if getattr(model, "training", True):  # evaluation's micro-batches are not the step's
         STEP_LOG.record(args, bt.params.plan, (time.perf_counter() - t0) * 1e3, planning)
     if spec.packed:  # Megatron's FLOPs count attention per document, as for its own packed (THD) batches
-        record_documents(bt.cu_seqlens, model)
-    output = model(bt.tokens, bt.position_ids, None, labels=bt.labels, loss_mask=bt.loss_mask,
-                   packed_seq_params=bt.params)
-    return output, partial(loss_func, bt.loss_mask, check_nan=args.check_for_nan_in_loss_and_grad,
-                           check_spiky=args.check_for_spiky_loss)
-
-
-def _forward_global(data_iterator, model, args, spec, options):
-    """forward_step with one plan over the DP x CP world (--cp-balance-over-dp): the micro-batch is planned
-    here, after every DP group's tokens are gathered, and attention runs over the DP x CP group."""
-    from megatron.core import parallel_state as ps
-
-    tokens, labels, loss_mask, host_tokens = _broadcast_batch(data_iterator, args)
-    group = ps.get_data_parallel_group(with_context_parallel=True)
-    t0 = time.perf_counter()
-    bt = prepare_global_batch(tokens, labels, loss_mask, spec, group, dp_rank=ps.get_data_parallel_rank(),
-                              cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
-                              options=options, host_tokens=host_tokens)
-    if getattr(model, "training", True):
-        STEP_LOG.record(args, bt.params.plan, (time.perf_counter() - t0) * 1e3, None)
-    if spec.packed:
         record_documents(bt.cu_seqlens, model)
     output = model(bt.tokens, bt.position_ids, None, labels=bt.labels, loss_mask=bt.loss_mask,
                    packed_seq_params=bt.params)
