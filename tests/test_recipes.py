@@ -194,6 +194,23 @@ def test_throughput_tiny_on_cpu(tmp_path):
         thr.main(["--size", "tiny", "--cpu", "--impls", "megatron_cp,te", "--out", str(out)])
 
 
+def test_throughput_dp_x_cp_layouts_train_the_same_step(tmp_path):
+    """throughput.py --cp 2 on 4 gloo ranks: megatron_cp on DP 2 x CP 2 (each DP group plans its micro-batches),
+    megatron_cp+over_dp (one plan per micro-batch over all four ranks) and plain DP 4 train the same first step from
+    the same weights on the same global batch: equal losses within the recipes' bf16 bound."""
+    thr = load_script(RUN_PY.parent / "throughput.py")
+    runner = load_runner()
+    s = thr.main(["--size", "tiny", "--cpu", "--gpus", "4", "--cp", "2", "--lengths", "128", "--tokens", "512",
+                  "--masks", "packed", "--impls", "megatron_cp,megatron_cp+over_dp,dp", "--warmup", "0", "--steps", "1",
+                  "--profile-lengths", "none", "--out", str(tmp_path)])
+    losses = {r["impl"]: r["loss_last"] for r in s["rows"]}
+    assert set(losses) == {"megatron_cp", "megatron_cp+over_dp", "dp"} and s["layout"].startswith("CP 2 (DP 2)")
+    for impl, loss in losses.items():
+        assert math.isfinite(loss) and abs(loss - losses["dp"]) <= runner.BF16_STEP * losses["dp"], losses
+    with pytest.raises(SystemExit):  # CP must divide the GPUs
+        thr.main(["--size", "tiny", "--cpu", "--gpus", "4", "--cp", "3", "--out", str(tmp_path)])
+
+
 def test_profile_summary_sorts_device_work_by_kind():
     """The profiled step's GPU time by kind from torch.profiler's events: NCCL kernels are communication, FA4 /
     Triton / cuDNN attention kernels attention, every other device event the rest; host events are left out."""

@@ -38,12 +38,14 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 @dataclass(frozen=True)
 class Layout:
-    """Megatron's parallel sizes of one run; ``sp``: sequence parallelism (needs ``tp > 1``)."""
+    """Megatron's parallel sizes of one run; ``sp``: sequence parallelism (needs ``tp > 1``); ``over_dp``: one plan
+    per micro-batch over the whole DP x CP world (--cp-balance-over-dp; TP 1, PP 1)."""
 
     tp: int = 1
     cp: int = 1
     pp: int = 1
     sp: bool = False
+    over_dp: bool = False
 
     def __post_init__(self):
         for k in ("tp", "cp", "pp"):
@@ -52,6 +54,8 @@ class Layout:
                 raise ValueError(f"Layout.{k} must be an int >= 1, got {v!r}")
         if self.sp and self.tp < 2:
             raise ValueError(f"sequence parallelism needs tp >= 2, got tp={self.tp}")
+        if self.over_dp and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"one plan over DP x CP runs at TP 1 and PP 1, got tp={self.tp}, pp={self.pp}")
 
     @property
     def size(self) -> int:
@@ -60,7 +64,7 @@ class Layout:
     @property
     def name(self) -> str:
         parts = [f"{k}{getattr(self, k)}" for k in ("tp", "cp", "pp") if getattr(self, k) > 1] or ["cp1"]
-        return "x".join(parts) + ("+sp" if self.sp else "")
+        return "x".join(parts) + ("+sp" if self.sp else "") + ("+over_dp" if self.over_dp else "")
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ class Run:
         work = Workload(sh.num_attention_heads // tp, sh.num_query_groups // tp,
                         sh.hidden_size // sh.num_attention_heads, 4 if train.dtype == "fp32" else 2)
         return PlanOptions(kernel_backend=train.kernel_backend, sparse=sparse, strategy=self.strategy,
-                           token_multiple=tp if self.layout.sp else 1, workload=work)
+                           token_multiple=tp if self.layout.sp else 1, workload=work, over_dp=self.layout.over_dp)
 
 
 @dataclass(frozen=True)

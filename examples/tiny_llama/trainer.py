@@ -21,7 +21,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_cp.megatron import MaskSpec, PlanAhead, PlanOptions, loss_func, plan_for_batch, prepare_batch
+from megatron_cp.megatron import (MaskSpec, PlanAhead, PlanOptions, loss_func, plan_for_batch, prepare_batch,
+                                  prepare_global_batch)
 from megatron_cp.testing import free_port, process_context
 
 
@@ -76,8 +77,15 @@ def forward_step(model, batch, spec: MaskSpec, options: PlanOptions = PlanOption
     host = tokens.numpy() if tokens.device.type == "cpu" else None  # plans read these, not a GPU copy
     if device is not None:
         tokens, labels, loss_mask = tokens.to(device), labels.to(device), loss_mask.to(device)
-    bt = prepare_batch(tokens, labels, loss_mask, spec, parallel_state.get_context_parallel_group(), options,
-                       host_tokens=host)
+    if options.over_dp:  # one plan over the whole DP x CP world (--cp-balance-over-dp)
+        ps = parallel_state
+        world = ps.get_data_parallel_group(with_context_parallel=True)
+        bt = prepare_global_batch(tokens, labels, loss_mask, spec, world, dp_rank=ps.get_data_parallel_rank(),
+                                  cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
+                                  options=options, host_tokens=host)
+    else:
+        bt = prepare_batch(tokens, labels, loss_mask, spec, parallel_state.get_context_parallel_group(), options,
+                           host_tokens=host)
     out = model(bt.tokens, bt.position_ids, None, labels=bt.labels, packed_seq_params=bt.params)
     return out, partial(loss_func, bt.loss_mask)
 
@@ -95,8 +103,9 @@ def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions 
     count = None
     cp = parallel_state.get_context_parallel_world_size()
     # the next micro-batches are planned (and their exchanges chosen) in a thread while this one trains,
-    # as the Megatron plugin's forward_step does
-    ahead = PlanAhead(iter(micro_batches), lambda mb: plan_for_batch(mb[0], spec, cp, options))
+    # as the Megatron plugin's forward_step does (a plan over DP x CP needs every DP group's tokens: in the step)
+    ahead = PlanAhead(iter(micro_batches), lambda mb: None if options.over_dp else plan_for_batch(mb[0], spec, cp,
+                                                                                                     options))
     try:
         for batch in ahead:
             out, loss_fn = forward_step(model, batch, spec, options, device)

@@ -222,7 +222,8 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
         _check_balance_over_dp(args, sparse, gating)
     return spec, PlanOptions(chunk_size=args.cp_chunk_size, topology=_topology(args.cp_topology),
                              solver=args.cp_solver, kernel_backend=args.cp_kernel_backend,
-                             strategy=args.context_parallel_impl, sparse=sparse, gating=gating)
+                             strategy=args.context_parallel_impl, sparse=sparse, gating=gating,
+                             over_dp=bool(getattr(args, "cp_balance_over_dp", False)))
 
 
 def _check_balance_over_dp(args, sparse, gating) -> None:

@@ -94,6 +94,8 @@ class PlanOptions:
     # (CP rank, device, stream) of the rank that plans: planning ahead then also builds that rank's execution
     # state for the plan (runtime.prebuild: index tensors, prepared tiles, launch metadata) on that stream
     state_on: tuple | None = None
+    # one plan per micro-batch over the whole DP x CP world (--cp-balance-over-dp, prepare_global_batch)
+    over_dp: bool = False
 
     @property
     def block(self) -> int:
@@ -113,6 +115,10 @@ class PlanOptions:
                 raise ValueError(f"head gating runs with strategy megatron_cp, not {self.strategy!r}")
             if self.sparse is not None:
                 raise ValueError("head gating and dynamic sparse attention (--cp-sparse) do not combine")
+        if self.over_dp and (self.strategy != "megatron_cp" or self.sparse is not None or self.gating is not None
+                             or self.token_multiple != 1):
+            raise ValueError("one plan over DP x CP (--cp-balance-over-dp) runs megatron_cp's dense attention: no "
+                             "baseline strategy, --cp-sparse, head gating or --sequence-parallel")
         if self.strategy != "megatron_cp":
             from megatron_cp.baselines import STRATEGIES
 
@@ -345,9 +351,8 @@ def prepare_global_batch(
     ahead in a thread), from tokens gathered on the host over a gloo twin of ``group`` (``host_tokens``: the
     loader's host copy where there is one, else one copy back from the device), so the GPU queue is not waited
     for; the device fields are gathered on their own devices."""
-    if options.strategy != "megatron_cp" or options.sparse is not None or options.gating is not None:
-        raise ValueError("one plan over DP x CP (--cp-balance-over-dp) runs megatron_cp's dense attention: no "
-                         "baseline strategy, --cp-sparse or head gating")
+    if not options.over_dp:
+        raise ValueError("prepare_global_batch needs PlanOptions(over_dp=True) (--cp-balance-over-dp)")
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [b, S], got shape {tuple(tokens.shape)}")
     for name, t in (("labels", labels), ("loss_mask", loss_mask)):

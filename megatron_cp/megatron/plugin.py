@@ -235,7 +235,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     except Exception:  # no tokenizer built (e.g. mock data without one): --cp-eod-token is then needed
         pass
     spec, options = plan_specs(args, eod=eod)
-    over_dp = getattr(args, "cp_balance_over_dp", False)
+    over_dp = options.over_dp
     if not over_dp and data_iterator is not None and ps.get_tensor_model_parallel_rank() == 0:
         # each stage's reader plans ahead, and builds its rank's execution state on the stream attention runs on
         # (one plan over DP x CP needs every DP group's tokens first: planned in the step, after their gather)

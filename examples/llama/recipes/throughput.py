@@ -39,22 +39,37 @@ from tiny_llama.convergence import (Corpus, Job, Layout, Run, Train, run_record,
 from tiny_llama.demo import EOD  # noqa: E402
 
 IMPLS = ("megatron_cp", "ring", "ulysses", "usp", "allgather")
+# beside the CP implementations (each over DP = GPUs / --cp groups): megatron-cp with one plan per micro-batch over
+# the whole DP x CP world (--cp-balance-over-dp), and plain data parallelism (every GPU its own sequences, CP 1)
+EXTRA = {"megatron_cp+over_dp": lambda cp: (Layout(cp=cp, over_dp=True), "megatron_cp"),
+         "dp": lambda cp: (Layout(cp=1), "megatron_cp")}
 
 
 def jobs_for(size: str, gpus: int, lengths, masks, impls, tokens: int, warmup: int, steps: int,
-             profile_lengths) -> list[Job]:
+             profile_lengths, cp: int | None = None) -> list[Job]:
     base = {"full": LLAMA_300M, "1.5b": LLAMA_1_5B, "tiny": TINY}[size]
     real = size != "tiny"
+    cp = gpus if cp is None else cp
+    if cp < 1 or gpus % cp:
+        raise ValueError(f"--cp {cp} must divide --gpus {gpus} (DP = GPUs / CP)")
     jobs = []
     for length in lengths:
         if tokens % length:
             raise ValueError(f"--tokens {tokens} is not a multiple of the sequence length {length}")
+        n_dp = max(gpus // cp, gpus if "dp" in impls else 1)
+        if (tokens // length) % n_dp:
+            raise ValueError(f"--tokens {tokens} gives {tokens // length} sequences of {length}, not a multiple of the "
+                             f"{n_dp} data-parallel ranks")
         for mask in masks:
             train = Train(shape=replace(base, seq_length=length), steps=warmup + steps,
                           global_batch=tokens // length, warmup=0, recompute=real, mask=mask,
                           doc_lengths=(256, 16384) if real else (16, 96), recursive=real,
                           profile=length in profile_lengths)
-            jobs.append(Job(train, [Run(impl, Layout(cp=gpus), strategy=impl) for impl in impls]))
+            runs = []
+            for impl in impls:
+                layout, strategy = EXTRA[impl](cp) if impl in EXTRA else (Layout(cp=cp), impl)
+                runs.append(Run(impl, layout, strategy=strategy))
+            jobs.append(Job(train, runs))
     return jobs
 
 
@@ -153,7 +168,8 @@ def main(argv=None) -> dict:
                     help="full: the recipes' ~293M Llama; 1.5b: a ~1.45B one (hidden 2048, 32 layers, GQA 16:4); "
                          "tiny: the CPU check's")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU processes (default: NCCL, one process per GPU)")
-    ap.add_argument("--gpus", type=int, default=None, help="world size = CP size (default: every visible GPU)")
+    ap.add_argument("--gpus", type=int, default=None, help="world size (default: every visible GPU)")
+    ap.add_argument("--cp", type=int, default=None, help="CP size (default: --gpus); DP = GPUs / CP")
     ap.add_argument("--lengths", default=None, help="comma list of tokens per sequence (default 32768,65536,131072; "
                                                     "tiny 128,256)")
     ap.add_argument("--masks", default="packed,causal")
@@ -173,8 +189,8 @@ def main(argv=None) -> dict:
         if m not in ("packed", "causal"):
             ap.error(f"--masks: {m!r} is not packed or causal")
     for i in impls:
-        if i not in IMPLS:
-            ap.error(f"--impls: {i!r} is not one of {', '.join(IMPLS)}")
+        if i not in IMPLS and i not in EXTRA:
+            ap.error(f"--impls: {i!r} is not one of {', '.join((*IMPLS, *EXTRA))}")
     if a.gpus is None:
         a.gpus = 2 if a.cpu else torch.cuda.device_count()
     if a.gpus < 1 or (not a.cpu and torch.cuda.device_count() < a.gpus):
@@ -185,12 +201,14 @@ def main(argv=None) -> dict:
     prof = [] if a.profile_lengths == "none" else \
         [max(lengths)] if a.profile_lengths is None else [int(x) for x in a.profile_lengths.split(",")]
     try:
-        jobs = jobs_for(a.size, a.gpus, lengths, masks, impls, tokens, a.warmup, a.steps, prof)
+        jobs = jobs_for(a.size, a.gpus, lengths, masks, impls, tokens, a.warmup, a.steps, prof, a.cp)
     except ValueError as e:
         ap.error(str(e))
     command = "python examples/llama/recipes/throughput.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     results = spawn_jobs(jobs, a.gpus, "cpu" if a.cpu else "cuda")
-    summary = dict(run_record(command), world=a.gpus, layout=f"CP {a.gpus} (DP 1)", tokens_per_step=tokens,
+    cp = a.cp or a.gpus
+    summary = dict(run_record(command), world=a.gpus, layout=f"CP {cp} (DP {a.gpus // cp}); dp: CP 1 (DP {a.gpus})",
+                   tokens_per_step=tokens,
                    warmup_steps=a.warmup, timed_steps=a.steps,
                    flops="6 x matmul parameters x tokens + 12 x attention area x query heads x head dim x layers "
                          "(Megatron's convention; recompute not counted)",
