@@ -13,5 +13,5 @@ from .planner import Plan, Topology, plan
 from .runtime import apply_sink, attention, dispatch, gather_global_batch, undispatch
 
 __version__ = "0.1.0"
-__all__ = ["masks", "sparse", "gating", "AttnMask", "AttnSlice", "Plan", "Topology", "plan", "attention", "apply_sink", "dispatch", "undispatch",
-           "gather_global_batch"]
+__all__ = ["masks", "sparse", "gating", "AttnMask", "AttnSlice", "Plan", "Topology", "plan", "attention", "apply_sink",
+           "dispatch", "undispatch", "gather_global_batch"]

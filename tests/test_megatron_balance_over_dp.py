@@ -71,11 +71,11 @@ def _worker(rank, world):
     args.num_workers = 0
     trainer.init_parallel(1, CP)  # DP = world / CP
     batches = []  # each micro-batch's CPBatch, as forward_step prepared it
-    for name in ("prepare_batch", "prepare_global_batch"):
-        def keep(*a, _f=getattr(plugin, name), **k):
-            batches.append(_f(*a, **k))
-            return batches[-1]
-        setattr(plugin, name, keep)
+
+    def keep(*a, _f=plugin.prepare_step_batch, **k):
+        batches.append(_f(*a, **k))
+        return batches[-1]
+    plugin.prepare_step_batch = keep
     out = {}
     for balance in (False, True):
         args.cp_balance_over_dp = balance

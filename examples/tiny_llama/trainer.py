@@ -21,8 +21,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_cp.megatron import (MaskSpec, PlanAhead, PlanOptions, loss_func, plan_for_batch, prepare_batch,
-                                  prepare_global_batch)
+from megatron_cp.megatron import MaskSpec, PlanAhead, PlanOptions, loss_func, plan_for_batch, prepare_step_batch
 from megatron_cp.testing import free_port, process_context
 
 
@@ -77,15 +76,7 @@ def forward_step(model, batch, spec: MaskSpec, options: PlanOptions = PlanOption
     host = tokens.numpy() if tokens.device.type == "cpu" else None  # plans read these, not a GPU copy
     if device is not None:
         tokens, labels, loss_mask = tokens.to(device), labels.to(device), loss_mask.to(device)
-    if options.over_dp:  # one plan over the whole DP x CP world (--cp-balance-over-dp)
-        ps = parallel_state
-        world = ps.get_data_parallel_group(with_context_parallel=True)
-        bt = prepare_global_batch(tokens, labels, loss_mask, spec, world, dp_rank=ps.get_data_parallel_rank(),
-                                  cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
-                                  options=options, host_tokens=host)
-    else:
-        bt = prepare_batch(tokens, labels, loss_mask, spec, parallel_state.get_context_parallel_group(), options,
-                           host_tokens=host)
+    bt = prepare_step_batch(tokens, labels, loss_mask, spec, options, host)
     out = model(bt.tokens, bt.position_ids, None, labels=bt.labels, packed_seq_params=bt.params)
     return out, partial(loss_func, bt.loss_mask)
 

@@ -34,7 +34,8 @@ BUILDERS = (
 )
 
 # public modules beside the names: geometry (trapezoid arithmetic), catalog (named masks, needs torch), draw
-__all__ = ["AttnMask", "AttnSlice", "KINDS", "Block", "BUILDERS", "streaming_within", "block_diagonal", *BUILDERS, "geometry", "catalog", "draw"]
+__all__ = ["AttnMask", "AttnSlice", "KINDS", "Block", "BUILDERS", "streaming_within", "block_diagonal", *BUILDERS,
+           "geometry", "catalog", "draw"]
 
 
 def __getattr__(name):  # ``masks.catalog`` on first use: the rest of the package stays free of torch

@@ -17,7 +17,8 @@ except ImportError as e:  # the extra is not installed
     raise ImportError(f"megatron_cp.megatron is the Megatron-Core plugin and needs megatron-core >= 0.19: pip install "
                       f"\"megatron-cp[megatron]\" ({type(e).__name__}: {e})") from e
 
-from .batch import CPBatch, MaskSpec, PlanOptions, plan_for_batch, prepare_batch, prepare_global_batch
+from .batch import (CPBatch, MaskSpec, PlanOptions, plan_for_batch, prepare_batch, prepare_global_batch,
+                    prepare_step_batch)
 from .core_attention import CPCoreAttention
 from .loss import loss_func
 from .params import CPParams
@@ -28,5 +29,5 @@ from .specs import get_llama_layer_spec
 __all__ = [
     "CPBatch", "CPCoreAttention", "CPParams", "MaskSpec", "PlanOptions", "PlanRotaryEmbedding",
     "get_llama_layer_spec", "install", "loss_func", "prepare_batch", "prepare_global_batch", "PlanAhead",
-    "plan_for_batch",
+    "plan_for_batch", "prepare_step_batch",
 ]

@@ -390,3 +390,19 @@ def prepare_global_batch(
                       kernel_backend=options.kernel_backend, strategy=strategy, qkv_format="sbhd")
     return CPBatch(take(full["tokens"]), take(full["labels"]), take(full["loss_mask"]), local_pos, params,
                    cus[dp_rank])
+
+
+def prepare_step_batch(tokens, labels, loss_mask, spec: MaskSpec, options: PlanOptions = PlanOptions(),
+                       host_tokens: np.ndarray | None = None) -> CPBatch:
+    """A training step's micro-batch on Megatron's groups: ``prepare_batch`` over the CP group, or with
+    ``options.over_dp`` ``prepare_global_batch`` over the DP x CP group."""
+    from megatron.core import parallel_state as ps
+
+    if options.over_dp:
+        world = ps.get_data_parallel_group(with_context_parallel=True)
+        return prepare_global_batch(tokens, labels, loss_mask, spec, world, dp_rank=ps.get_data_parallel_rank(),
+                                    cp_rank=ps.get_context_parallel_rank(),
+                                    cp_size=ps.get_context_parallel_world_size(), options=options,
+                                    host_tokens=host_tokens)
+    return prepare_batch(tokens, labels, loss_mask, spec, ps.get_context_parallel_group(), options,
+                         host_tokens=host_tokens)

@@ -31,7 +31,7 @@ from megatron_cp.planner import Workload
 
 from . import rope
 from .arguments import OURS, add_megatron_cp_args, check_megatron_args, compose, dry_run, specs_from_args
-from .batch import plan_for_batch, prepare_batch, prepare_global_batch
+from .batch import plan_for_batch, prepare_step_batch
 from .loss import loss_func, record_documents
 from .plan_ahead import PlanAhead
 from .step_log import STEP_LOG
@@ -249,14 +249,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     planning = (ahead.plan_times[-1] * 1e3, ahead.waits[-1] * 1e3) if isinstance(ahead, PlanAhead) and ahead.waits \
         else None
     t0 = time.perf_counter()
-    if over_dp:
-        world = ps.get_data_parallel_group(with_context_parallel=True)
-        bt = prepare_global_batch(tokens, labels, loss_mask, spec, world, dp_rank=ps.get_data_parallel_rank(),
-                                  cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
-                                  options=options, host_tokens=host_tokens)
-    else:
-        bt = prepare_batch(tokens, labels, loss_mask, spec, ps.get_context_parallel_group(), options,
-                           host_tokens=host_tokens)
+    bt = prepare_step_batch(tokens, labels, loss_mask, spec, options, host_tokens)
     if getattr(model, "training", True):  # evaluation's micro-batches are not the step's
         STEP_LOG.record(args, bt.params.plan, (time.perf_counter() - t0) * 1e3, planning)
     if spec.packed:  # Megatron's FLOPs count attention per document, as for its own packed (THD) batches

@@ -1,9 +1,9 @@
 """Runtime: dispatch tokens by a plan and run distributed attention over it.
 
-``attention`` / ``dispatch`` / ``undispatch`` are the user API (``gather_global_batch``: every data-parallel
-rank's micro-batch under one plan of the DP x CP world, ``runtime.global_batch``) (``apply_sink`` adds attention sinks to any
+``attention`` / ``dispatch`` / ``undispatch`` are the user API (``apply_sink`` adds attention sinks to any
 strategy's merged ``(out, lse)``, ``runtime.sinks``; ``prebuild`` chooses a plan's exchange ahead of its
-first call, e.g. in a planning thread); ``check_inputs``, ``plan_rank``,
+first call, e.g. in a planning thread; ``gather_global_batch`` / ``all_micro_batches``: every data-parallel
+group's micro-batch under one plan of the DP x CP world, ``runtime.global_batch``); ``check_inputs``, ``plan_rank``,
 ``resolve_backend`` and ``plan_cache`` (state derived from a plan, kept weakly by it)
 are what other strategies (``megatron_cp.baselines``) share with it; ``CostModel`` (``runtime.cost``)
 chooses the exchange and is what ``tools/sim`` calibrates.
@@ -17,8 +17,9 @@ from .groups import host_group, plan_rank
 from .sinks import apply_sink
 from .state import fingerprint, input_fields, plan_cache, verify_plan
 
-__all__ = ["attention", "prebuild", "apply_sink", "dispatch", "undispatch", "gather_global_batch", "all_micro_batches", "check_inputs", "resolve_backend", "plan_rank",
-           "host_group",
-           "plan_cache", "CostModel",
+__all__ = ["attention", "prebuild", "apply_sink", "dispatch", "undispatch", "check_inputs", "resolve_backend",
+           "plan_rank", "plan_cache", "CostModel",
+           # every DP group's micro-batch under one plan of the DP x CP world, and the gloo twin it plans on
+           "gather_global_batch", "all_micro_batches", "host_group",
            # the cross-rank plan check and the per-call input record, for the sparse and Megatron entry points
            "verify_plan", "input_fields", "fingerprint"]
