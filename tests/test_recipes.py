@@ -255,7 +255,8 @@ def test_a_recipe_prints_its_result_without_warnings(tmp_path):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, str(RUN_PY), "dense", "--size", "tiny", "--cpu", "--steps", "1", "--out",
+    r = subprocess.run([sys.executable, str(RUN_PY), "dense", "--size", "tiny", "--cpu", "--steps", "1", "--precision",
+                        "fp32", "--runs", "cp4", "--out",
                         str(tmp_path)], capture_output=True, text=True, env=env, timeout=300,
                        cwd=str(Path(__file__).resolve().parents[1]))
     assert r.returncode == 0, r.stderr
