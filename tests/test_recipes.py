@@ -207,6 +207,10 @@ def test_throughput_dp_x_cp_layouts_train_the_same_step(tmp_path):
     assert set(losses) == {"megatron_cp", "megatron_cp+over_dp", "dp"} and s["layout"].startswith("CP 2 (DP 2)")
     for impl, loss in losses.items():
         assert math.isfinite(loss) and abs(loss - losses["dp"]) <= runner.BF16_STEP * losses["dp"], losses
+    # megatron_cp is compared with the other CP implementations (here: plain DP), the global plan with every layout
+    assert {(b["impl"], b["best_baseline"]) for b in s["vs_best_baseline"]} == {
+        ("megatron_cp", "dp"), ("megatron_cp+over_dp", max(("megatron_cp", "dp"), key=lambda i: next(
+            r["tokens_per_s_per_gpu"] for r in s["rows"] if r["impl"] == i)))}
     with pytest.raises(SystemExit):  # CP must divide the GPUs
         thr.main(["--size", "tiny", "--cpu", "--gpus", "4", "--cp", "3", "--out", str(tmp_path)])
 
