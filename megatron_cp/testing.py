@@ -212,30 +212,16 @@ def _refuse_tensors(x, where: str) -> None:
 _PRELOAD = ("torch", "numpy", "torch.distributed", "megatron_cp", "megatron_cp.testing")
 
 
-def process_context(first: tuple[str, ...] = ()):
+def process_context(preload: tuple[str, ...] = ()):
     """The multiprocessing context CPU rank processes start from: a fork server that has imported torch and
-    megatron_cp once (after the modules ``first``, e.g. one that sets warning filters; plus megatron.core when
-    the caller has it loaded), so a rank starts in milliseconds instead of importing them anew (seconds each,
-    the bulk of a small multi-rank check). Each rank is a fresh fork of that server (no state of an earlier
-    world) and gets the caller's sys.path, working directory and main module as a spawned one would; the server
-    never touches CUDA. The server is one per process: the first caller's preload list holds."""
-    import os
-    import sys
-    from multiprocessing import forkserver
-
+    megatron_cp once (and the modules ``preload``, e.g. ``megatron.core``), so a rank starts in milliseconds
+    instead of importing them anew (seconds each, the bulk of a small multi-rank check). Each rank is a fresh
+    fork of that server (no state of an earlier world) and gets the caller's sys.path, working directory and
+    main module as a spawned one would; the server never touches CUDA. The server is one per process: the first
+    caller's preload list holds. It imports on its own default path (Python 3.12 does not give it the caller's),
+    so ``preload`` names installed modules; a rank imports the rest itself."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*first, *_PRELOAD, *(["megatron.core"] if "megatron.core" in sys.modules else [])])
-    # the server imports its preload list on the path it starts with (Python 3.12 does not pass it the caller's
-    # sys.path; a module it cannot import is skipped without a word): start it now with the caller's path
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + ([old] if old else []))
-    try:
-        forkserver.ensure_running()
-    finally:
-        if old is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = old
+    ctx.set_forkserver_preload([*_PRELOAD, *preload])
     return ctx
 
 
@@ -276,7 +262,10 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3
     word, and when no further rank reports within ``timeout`` seconds (a hang); leftover processes are
     terminated, so nothing hangs. Scripts calling it need an ``if __name__ == "__main__":`` guard (spawn).
     """
-    ctx = process_context()
+    import sys
+
+    # Megatron too where the caller has it (the tests): its start-up warnings then print once, in the server
+    ctx = process_context(("megatron.core",) if "megatron.core" in sys.modules else ())
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results)) for r in range(world)]

@@ -222,9 +222,10 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: int = 60
     import torch.multiprocessing as mp
 
     port = free_port()
-    # CPU ranks fork from a server that imported torch, Megatron and this package once (quietly: tiny_llama
-    # first); GPU ranks are spawned, so no process touches CUDA before its own fork or spawn
-    ctx = process_context(first=("tiny_llama",)) if backend == "gloo" else mp.get_context("spawn")
+    # CPU ranks fork from a server that imported torch and megatron_cp once; each imports Megatron itself, after
+    # this package's warning filters (a server importing it would print Megatron's start-up warnings). GPU ranks
+    # are spawned, so no process touches CUDA before its own fork or spawn
+    ctx = process_context() if backend == "gloo" else mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, q)) for r in range(world_size)]
     for p in procs:
