@@ -61,6 +61,27 @@ def _check_plan(plan: Plan, world: int, cp_size: int, fields: Mapping[str, torch
                              f"tokens along dim 0 (the plan's {plan.seqlen} tokens over DP {dp})")
 
 
+_PLACES: dict = {}  # (group's ranks, dp_rank, cp_rank, L, field names) -> every rank's (dp, cp) place, checked
+
+
+def _places(group, dp_rank: int, cp_rank: int, L: int, names: list) -> np.ndarray:
+    """Every rank's (dp_rank, cp_rank) in ``group``: all-gathered and checked the first time a layout is seen
+    (the ranks meet a new micro-batch length or field set together), then remembered: no collective per
+    micro-batch for what does not change."""
+    key = (tuple(dist.get_process_group_ranks(group)), dp_rank, cp_rank, L, tuple(names))
+    if key not in _PLACES:
+        world = len(key[0])
+        mine = torch.tensor([dp_rank, cp_rank, L, len(names)], dtype=torch.int64)
+        got = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(got, mine, group=group)
+        got = torch.stack(got).numpy()
+        if len({(int(d), int(c)) for d, c in got[:, :2]}) != world or (got[:, 2:] != got[0, 2:]).any():
+            raise ValueError(f"the ranks' (dp_rank, cp_rank, micro-batch length, fields) disagree: {got.tolist()}; "
+                             f"every (dp, cp) place must be taken once, with the same micro-batch length and fields")
+        _PLACES[key] = got[:, :2]
+    return _PLACES[key]
+
+
 def all_micro_batches(fields: Mapping[str, torch.Tensor], group: dist.ProcessGroup, *, dp_rank: int, cp_rank: int,
                       cp_size: int) -> dict[str, torch.Tensor]:
     """Every DP group's micro-batch, concatenated: ``{name: [dp * L, ...]}``, micro-batch ``d`` at tokens
@@ -70,18 +91,13 @@ def all_micro_batches(fields: Mapping[str, torch.Tensor], group: dist.ProcessGro
     group (as Megatron's loaders give it). Each CP rank contributes 1/cp of it to one all-gather per field, so each
     token travels once to every rank: ``dp * L`` tokens per rank and field, small beside the activations (an
     all-to-all sending each rank only its tokens is the form for many ranks; not built). Bad input raises before
-    any collective; ranks that disagree on their places raise together after the first (a small all-gather)."""
+    any collective; ranks that disagree on their places raise together after the first (a small all-gather, once
+    per layout)."""
     world = dist.get_world_size(group)
     dp, L = _check_fields(fields, world, dp_rank, cp_rank, cp_size)
     seg = L // cp_size
     names = sorted(fields)
-    mine = torch.tensor([dp_rank, cp_rank, L, len(names)], dtype=torch.int64)
-    places = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(places, mine, group=group)
-    places = torch.stack(places).numpy()
-    if len({(int(d), int(c)) for d, c in places[:, :2]}) != world or (places[:, 2:] != places[0, 2:]).any():
-        raise ValueError(f"the ranks' (dp_rank, cp_rank, micro-batch length, fields) disagree: {places.tolist()}; "
-                         f"every (dp, cp) place must be taken once, with the same micro-batch length and fields")
+    places = _places(group, dp_rank, cp_rank, L, names)
     out = {}
     for name in names:
         t = fields[name]
@@ -89,7 +105,7 @@ def all_micro_batches(fields: Mapping[str, torch.Tensor], group: dist.ProcessGro
         parts = [torch.empty_like(part) for _ in range(world)]
         dist.all_gather(parts, part, group=group)
         full = torch.empty((dp * L, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        for r, (d, c) in enumerate(places[:, :2].tolist()):
+        for r, (d, c) in enumerate(places.tolist()):
             full[d * L + c * seg:d * L + (c + 1) * seg] = parts[r]
         out[name] = full
     return out
