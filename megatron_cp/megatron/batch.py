@@ -211,16 +211,20 @@ class CPBatch:
     cu_seqlens: np.ndarray = field(repr=False, default=None)
 
 
-def _make_plan(mask, cp_size: int, options: PlanOptions):
-    """(plan, strategy) of one micro-batch's mask (the strategy is ``options.strategy``)."""
+def _make_plan(mask, cp_size: int, options: PlanOptions, work: Workload | None = None):
+    """(plan, strategy) of one micro-batch's mask (the strategy is ``options.strategy``). With the step on a
+    GPU (``options.state_on``) megatron-cp's plan and, given ``work``, its exchange choice are made in the
+    planning helper process (``runtime.plan_process``: the step's host loop keeps the GIL)."""
     from megatron_cp.baselines import plan_for
 
     strategy = options.strategy
     if strategy == "megatron_cp":
         # dynamic sparse attention needs whole blocks per rank and every row on its own rank
         sparse = {} if options.sparse is None else {"guest_rows": "none"}
-        plan = mcp.plan(mask, cp_size, chunk_size=options.chunk_size, topology=options.topology,
-                        solver=options.solver, block=options.block, **sparse)
+        kw = dict(chunk_size=options.chunk_size, topology=options.topology, solver=options.solver,
+                  block=options.block, **sparse)
+        on_gpu = options.state_on is not None and torch.device(options.state_on[1]).type == "cuda"
+        plan = mcp.runtime.plan_in_helper(mask, cp_size, work=work, **kw) if on_gpu else mcp.plan(mask, cp_size, **kw)
         return plan, strategy
     block = {} if options.block == 1 else {"block": options.block}  # head_context takes no block (refused)
     return plan_for(strategy, mask, cp_size, chunk_size=options.chunk_size, topology=options.topology,
@@ -252,13 +256,14 @@ def _batch_plan(tok: np.ndarray, spec: MaskSpec, cp_size: int, options: PlanOpti
     cu = document_bounds(tok, spec)
     plan_key = (spec, b, S, cp_size, options.chunk_size, options.topology, options.solver, options.strategy,
                 options.block, cu.tobytes() if spec.packed else b"")
-    plan, strategy = _PLANS.get(plan_key, lambda: _make_plan(build_mask(spec, cu, b, S), cp_size, options))
     w = options.workload
-    if w is not None and strategy == "megatron_cp" and options.sparse is None and options.gating is None:
-        # core attention folds the micro-batch's b sequences into heads
+    # core attention folds the micro-batch's b sequences into heads
+    work = Workload(b * w.num_heads, b * w.num_kv_heads, w.head_dim, w.dtype_bytes) \
+        if w is not None and options.sparse is None and options.gating is None else None
+    plan, strategy = _PLANS.get(plan_key, lambda: _make_plan(build_mask(spec, cu, b, S), cp_size, options, work))
+    if work is not None and strategy == "megatron_cp":
         rank, device, stream = options.state_on or (None, None, None)
-        mcp.runtime.prebuild(plan, Workload(b * w.num_heads, b * w.num_kv_heads, w.head_dim, w.dtype_bytes),
-                             rank=rank, device=device, stream=stream, backend=options.kernel_backend)
+        mcp.runtime.prebuild(plan, work, rank=rank, device=device, stream=stream, backend=options.kernel_backend)
     return plan, strategy, cu, plan_key
 
 

@@ -2,7 +2,8 @@
 
 ``attention`` / ``dispatch`` / ``undispatch`` are the user API (``apply_sink`` adds attention sinks to any
 strategy's merged ``(out, lse)``, ``runtime.sinks``; ``prebuild`` chooses a plan's exchange ahead of its
-first call, e.g. in a planning thread; ``gather_global_batch`` / ``all_micro_batches``: every data-parallel
+first call, e.g. in a planning thread; ``plan_in_helper`` makes a plan and that choice in a helper process, off
+the training loop's GIL; ``gather_global_batch`` / ``all_micro_batches``: every data-parallel
 group's micro-batch under one plan of the DP x CP world, ``runtime.global_batch``); ``check_inputs``, ``plan_rank``,
 ``resolve_backend`` and ``plan_cache`` (state derived from a plan, kept weakly by it)
 are what other strategies (``megatron_cp.baselines``) share with it; ``CostModel`` (``runtime.cost``)
@@ -14,10 +15,11 @@ from .cost import CostModel
 from .dispatch import dispatch, undispatch
 from .global_batch import all_micro_batches, gather_global_batch
 from .groups import host_group, plan_rank
+from .plan_process import plan_in_helper
 from .sinks import apply_sink
 from .state import fingerprint, input_fields, plan_cache, verify_plan
 
-__all__ = ["attention", "prebuild", "apply_sink", "dispatch", "undispatch", "check_inputs", "resolve_backend",
+__all__ = ["attention", "prebuild", "plan_in_helper", "apply_sink", "dispatch", "undispatch", "check_inputs", "resolve_backend",
            "plan_rank", "plan_cache", "CostModel",
            # every DP group's micro-batch under one plan of the DP x CP world, and the gloo twin it plans on
            "gather_global_batch", "all_micro_batches", "host_group",

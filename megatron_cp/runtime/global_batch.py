@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..planner import Plan
+from .groups import host_group
 
 
 def _check_fields(fields: Mapping[str, torch.Tensor], world: int, dp_rank: int, cp_rank: int,
@@ -73,7 +74,7 @@ def _places(group, dp_rank: int, cp_rank: int, L: int, names: list) -> np.ndarra
         world = len(key[0])
         mine = torch.tensor([dp_rank, cp_rank, L, len(names)], dtype=torch.int64)
         got = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(got, mine, group=group)
+        dist.all_gather(got, mine, group=host_group(group))  # host tensors: gloo, whatever group's backend
         got = torch.stack(got).numpy()
         if len({(int(d), int(c)) for d, c in got[:, :2]}) != world or (got[:, 2:] != got[0, 2:]).any():
             raise ValueError(f"the ranks' (dp_rank, cp_rank, micro-batch length, fields) disagree: {got.tolist()}; "

@@ -160,6 +160,13 @@ def exchange_choice(plan: Plan, *, stages: int | None, hierarchical: bool, cost:
     return cache[key]
 
 
+def keep_exchange_choice(plan: Plan, sched: Schedule | None, *, stages: int | None, hierarchical: bool,
+                         cost: CostModel, work: Workload) -> None:
+    """Keep ``sched`` as ``plan``'s exchange choice for these settings: the answer ``exchange_choice`` gives,
+    made elsewhere (``runtime.plan_process``: a helper process made it on a copy of the plan)."""
+    plan_cache(plan)[("exchange", stages, hierarchical, cost, work)] = sched
+
+
 def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, backend_key, *,
                stages: int | None, hierarchical: bool, cost: CostModel, work: Workload) -> RankRuntime:
     """The cached ``RankRuntime`` of ``rank`` (built on first use; every rank makes the same exchange

@@ -1,0 +1,131 @@
+"""Plans made in a helper process, so that planning ahead does not take the training loop's interpreter.
+
+A planning thread (``megatron.PlanAhead``) shares the GIL with the loop it plans for. Where the loop is
+host-bound (small micro-batches: issuing kernels is all it does), every millisecond the planner holds the
+GIL is a millisecond the loop cannot issue work: at 8k tokens per GPU on 4 x H100 a step of 8 attention
+layers per micro-batch took 2x as long with its plans made by a thread beside it as with the same plans made
+before the step (benchmarks/2026-11-27_4xH100_train-throughput). ``plan_in_helper`` makes ``planner.plan``'s
+plan, and the exchange choice the attention's first call would make on it (``runtime.prebuild``'s costliest
+part), in one helper process per training process; the calling thread waits on a pipe, without the GIL,
+and gets back the plan with its choice kept in the plan's cache. The rank's execution state (device
+tensors) is still built in this process (``runtime.prebuild``).
+
+The helper is this interpreter running ``serve`` on this process's ``sys.path``, started
+on first use (it imports megatron_cp: a second or so, once) and ended when this process ends or closes its
+end of the pipe. Its failures come back as the exception the planner raised; a helper that dies raises
+RuntimeError with its exit code.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import traceback
+
+from ..masks import AttnMask
+from ..planner import Plan, Workload
+from ..planner import plan as make_plan
+from .attention import _DEFAULT_COST
+from .cost import CostModel
+from .schedule import choose_schedule
+from .state import keep_exchange_choice
+
+_LOCK = threading.Lock()
+_HELPER: dict = {"proc": None}
+
+
+def _start() -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+               OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import serve; serve()"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env)
+    atexit.register(_stop, proc)
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            proc.stdin.close()  # the helper exits at the end of its input
+            proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+
+
+def _ask(request: tuple):
+    """Send one request to the helper (started if needed) and return its answer; one request at a time."""
+    with _LOCK:
+        proc = _HELPER["proc"]
+        if proc is None or proc.poll() is not None:
+            proc = _HELPER["proc"] = _start()
+        try:
+            pickle.dump(request, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            proc.stdin.flush()
+            status, *answer = pickle.load(proc.stdout)
+        except (EOFError, BrokenPipeError, pickle.UnpicklingError) as e:
+            code = proc.wait()
+            _HELPER["proc"] = None
+            raise RuntimeError(f"megatron-cp's planning helper process exited (code {code}) before answering: "
+                               f"see its error above") from e
+    if status == "error":
+        exc, text = answer
+        raise exc from RuntimeError(f"in megatron-cp's planning helper process:\n{text}")
+    return answer
+
+
+def plan_in_helper(mask: AttnMask, cp_size: int, *, work: Workload | None = None, stages: int | None = None,
+                   hierarchical: bool = True, cost_model: CostModel | None = None, **plan_kwargs) -> Plan:
+    """``planner.plan(mask, cp_size, **plan_kwargs)``, made in this process's planning helper process; given
+    ``work``, the exchange choice ``runtime.attention`` / ``runtime.prebuild`` would make for it (with the same
+    ``stages``, ``hierarchical``, ``cost_model``) is made there too and kept with the plan. The same plan,
+    bit for bit, as ``planner.plan`` here; the calling thread waits without holding the GIL."""
+    if not isinstance(mask, AttnMask):
+        raise TypeError(f"plan_in_helper() needs an AttnMask, got {type(mask).__name__}")
+    if work is not None and not isinstance(work, Workload):
+        raise ValueError(f"work must be a megatron_cp.planner.Workload, got {type(work).__name__}")
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
+    cost = cost_model or _DEFAULT_COST
+    choice = None if work is None else (stages, hierarchical, cost, work)
+    plan, sched = _ask((mask, cp_size, plan_kwargs, choice))
+    if choice is not None:
+        keep_exchange_choice(plan, sched, stages=stages, hierarchical=hierarchical, cost=cost, work=work)
+    return plan
+
+
+def _answer(request: tuple) -> tuple:
+    mask, cp_size, plan_kwargs, choice = request
+    try:
+        plan = make_plan(mask, cp_size, **plan_kwargs)
+        sched = None
+        if choice is not None:
+            stages, hierarchical, cost, work = choice
+            sched = choose_schedule(plan, stages, cost, work, hierarchical)
+        return ("ok", plan, sched)
+    except Exception as e:  # the planner's own error, raised again in the asking process
+        text = traceback.format_exc()
+        try:
+            pickle.dumps(e)
+        except Exception:
+            e = RuntimeError(f"{type(e).__name__}: {e}")
+        return ("error", e, text)
+
+
+def serve() -> None:
+    """The helper's loop: requests from stdin, answers on the original stdout (anything printed by the
+    planner or its imports goes to stderr, not into the answers)."""
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    requests = sys.stdin.buffer
+    while True:
+        try:
+            request = pickle.load(requests)
+        except EOFError:
+            return
+        pickle.dump(_answer(request), answers, protocol=pickle.HIGHEST_PROTOCOL)
+        answers.flush()
+

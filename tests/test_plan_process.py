@@ -1,0 +1,71 @@
+"""The planning helper process (runtime.plan_process): the same plan, bit for bit, as planning here, with the
+exchange choice made there and kept (prebuild then does not choose again); the planner's errors come back as
+themselves; a helper that dies raises a clear error and the next call starts a new one."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+import megatron_cp as mcp
+import megatron_cp.runtime.state as state
+from megatron_cp.planner import Workload
+from megatron_cp.runtime import plan_in_helper
+
+WORK = Workload(8, 2, 64, 2)
+
+
+def _packed(seed: int, n: int = 8192):
+    rng = np.random.default_rng(seed)
+    lens = []
+    while sum(lens) < n:
+        lens.append(min(int(rng.integers(16, 2048)), n - sum(lens)))
+    return mcp.masks.varlen(np.concatenate([[0], np.cumsum(lens)]).tolist(), causal=True)
+
+
+@pytest.mark.parametrize("cp", [4, 16])
+def test_same_plan_and_exchange_choice_as_here(cp, monkeypatch):
+    mask = _packed(cp)
+    got = plan_in_helper(mask, cp, work=WORK)
+    here = mcp.plan(mask, cp)
+    assert got.digest64 == here.digest64
+    assert [r.num_tokens for r in got.ranks] == [r.num_tokens for r in here.ranks]
+    want = state.choose_schedule(here, None, mcp.runtime.CostModel(), WORK, True)
+    # the choice travelled with the plan: prebuild finds it and never chooses again
+    def chosen_again(*a):
+        raise LookupError("exchange chosen again")
+
+    monkeypatch.setattr(state, "choose_schedule", chosen_again)
+    mcp.runtime.prebuild(got, WORK)
+    kept = state.exchange_choice(got, stages=None, hierarchical=True, cost=mcp.runtime.CostModel(), work=WORK)
+    assert pickle.dumps(kept) == pickle.dumps(want)
+    with pytest.raises(LookupError, match="exchange chosen again"):  # a plan made here still chooses
+        mcp.runtime.prebuild(mcp.plan(mask, cp), WORK)
+
+
+def test_planner_errors_come_back_as_themselves():
+    with pytest.raises(ValueError, match="cp_size must be a positive int, got 0") as e:
+        plan_in_helper(_packed(0, 256), 0)
+    assert "in megatron-cp's planning helper process" in str(e.value.__cause__)
+    with pytest.raises(TypeError, match="needs an AttnMask, got list"):
+        plan_in_helper([0, 256], 2)
+    with pytest.raises(ValueError, match="work must be a megatron_cp.planner.Workload, got tuple"):
+        plan_in_helper(_packed(0, 256), 2, work=(8, 2, 64, 2))
+
+
+class _Fatal(mcp.AttnMask):
+    """A mask whose unpickling ends the helper process (exit code 3)."""
+
+    def __reduce__(self):
+        return os._exit, (3,)
+
+
+def test_a_helper_that_dies_raises_and_the_next_call_starts_another():
+    m = _packed(1, 512)
+    fatal = _Fatal(list(m.slices), m.seqlen_q, m.seqlen_k)
+    with pytest.raises(RuntimeError, match=r"planning helper process exited \(code 3\) before answering"):
+        plan_in_helper(fatal, 2)
+    assert plan_in_helper(m, 2).digest64 == mcp.plan(m, 2).digest64
