@@ -14,6 +14,8 @@ layer its own q, k, v), then their backward, micro-batch after micro-batch, with
 slowest rank's figures where they differ):
 
 - ``step_ms``: wall time of a step of ``--micro-batches`` micro-batches (median over the timed steps);
+  ``planned_before_ms``: the same on new masks whose plans were all made before the steps (nothing planned
+  beside them): ``step_ms`` minus it is what planning ahead costs the step on the host;
 - ``gpu_ms``: the device time inside one such step outside NCCL (kernels and copies of rank 0, intervals merged
   over its streams, torch.profiler; CUDA only): ``step_ms / gpu_ms`` bounds how much the host adds; ``nccl_ms``
   the NCCL kernels' time apart (it includes their waits for the other ranks);
@@ -128,10 +130,15 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
                        for _ in range(args.layers)]
         return [tuple(t[:n].detach().requires_grad_() for t in layer) for layer in base]
 
-    def step(timed):
+    def planned_ahead():
+        while True:
+            yield plans.pop(next(ahead))
+
+    src = planned_ahead()
+
+    def step(timed, source=src):
         for _ in range(args.micro_batches):
-            i = next(ahead)
-            plan = plans.pop(i)
+            plan = next(source)
             layers = tensors(plan.num_local(rank))
             outs = []
             for j, (q, k, v) in enumerate(layers):
@@ -182,8 +189,18 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
         with open(os.path.join(args.out_dir, f"host_profile_{impl}_{seqlen // cp}.txt"), "w") as f:
             f.write(text.getvalue())
     ahead.close()
-    mine = torch.tensor([float(np.median(step_ms)), float(np.median(first)), float(np.median(calls or [0.0]))],
-                        dtype=torch.float64, device=device)
+    # the same steps on new masks whose plans were all made before them, nothing planned beside the step: the
+    # step's floor, what planning ahead (in the helper process and the planning thread) costs it on the host
+    made = iter([make(m) for m in micro_batch_masks(seqlen, args.steps * args.micro_batches, args.seed + 2)])
+    floor = []
+    for _ in range(args.steps):
+        sync()
+        t = time.perf_counter()
+        step(False, made)
+        sync()
+        floor.append((time.perf_counter() - t) * 1e3)
+    mine = torch.tensor([float(np.median(step_ms)), float(np.median(first)), float(np.median(calls or [0.0])),
+                         float(np.median(floor))], dtype=torch.float64, device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
     # the timed steps' micro-batches only: the warm-up's first plans load the kernels and fill caches
     a, b = args.warmup * args.micro_batches, (args.warmup + args.steps) * args.micro_batches
@@ -193,7 +210,8 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
         return 1e3 * float(np.mean(xs)) if xs else 0.0
 
     return dict(impl=impl, seqlen=seqlen, tokens_per_gpu=seqlen // cp, layers=args.layers,
-                micro_batches=args.micro_batches, step_ms=mine[0].item(), gpu_ms=busy, nccl_ms=nccl,
+                micro_batches=args.micro_batches, step_ms=mine[0].item(), planned_before_ms=mine[3].item(),
+                gpu_ms=busy, nccl_ms=nccl,
                 host_over_gpu=None if busy is None else mine[0].item() / busy,
                 first_call_ms=mine[1].item(), call_ms=mine[2].item(),
                 plan_ms=timed_ms(ahead.plan_times), prebuild_ms=timed_ms(prebuilds),
@@ -224,7 +242,8 @@ def run(rank: int, world: int, argv) -> list[dict]:
             if rank == 0:
                 r = rows[-1]
                 gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f} (x{r['host_over_gpu']:.2f})"
-                print(f"{tpg:>7} tokens/GPU {impl:>12}: step {r['step_ms']:.2f} ms, GPU {gpu}, first call "
+                print(f"{tpg:>7} tokens/GPU {impl:>12}: step {r['step_ms']:.2f} ms (plans made before: "
+                      f"{r['planned_before_ms']:.2f}), GPU {gpu}, first call "
                       f"{r['first_call_ms']:.2f} ms, call {r['call_ms']:.3f} ms, plan {r['plan_ms']:.2f} ms "
                       f"(prebuild {r['prebuild_ms']:.2f}; alone with the choice {r['prebuild_idle_ms']:.2f}) "
                       f"(waited {r['wait_ms']:.2f})", flush=True)
