@@ -14,8 +14,8 @@ layer its own q, k, v), then their backward, micro-batch after micro-batch, with
 slowest rank's figures where they differ):
 
 - ``step_ms``: wall time of a step of ``--micro-batches`` micro-batches (median over the timed steps);
-  ``planned_before_ms``: the same on new masks whose plans were all made before the steps (nothing planned
-  beside them): ``step_ms`` minus it is what planning ahead costs the step on the host;
+  ``planned_before_ms``: the timed steps again with their plans all made before them (nothing planned beside
+  them): ``step_ms`` minus it is what planning ahead costs the step on the host;
 - ``gpu_ms``: the device time inside one such step outside NCCL (kernels and copies of rank 0, intervals merged
   over its streams, torch.profiler; CUDA only): ``step_ms / gpu_ms`` bounds how much the host adds; ``nccl_ms``
   the NCCL kernels' time apart (it includes their waits for the other ranks);
@@ -189,9 +189,10 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
         with open(os.path.join(args.out_dir, f"host_profile_{impl}_{seqlen // cp}.txt"), "w") as f:
             f.write(text.getvalue())
     ahead.close()
-    # the same steps on new masks whose plans were all made before them, nothing planned beside the step: the
-    # step's floor, what planning ahead (in the helper process and the planning thread) costs it on the host
-    made = iter([make(m) for m in micro_batch_masks(seqlen, args.steps * args.micro_batches, args.seed + 2)])
+    # the timed steps again (the same masks: no kernel compiles for a layout not seen yet) with every plan made
+    # before them, nothing planned beside the step: what planning ahead costs the step on the host
+    a, b = args.warmup * args.micro_batches, (args.warmup + args.steps) * args.micro_batches
+    made = iter([make(m) for m in masks[a:b]])
     floor = []
     for _ in range(args.steps):
         sync()
@@ -202,8 +203,7 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
     mine = torch.tensor([float(np.median(step_ms)), float(np.median(first)), float(np.median(calls or [0.0])),
                          float(np.median(floor))], dtype=torch.float64, device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-    # the timed steps' micro-batches only: the warm-up's first plans load the kernels and fill caches
-    a, b = args.warmup * args.micro_batches, (args.warmup + args.steps) * args.micro_batches
+    # the timed steps' micro-batches only (a, b): the warm-up's first plans load the kernels and fill caches
 
     def timed_ms(xs):
         xs = list(xs)[a:b]
