@@ -538,43 +538,9 @@ def test_prebuild_chooses_the_exchange_the_attention_then_uses(monkeypatch):
         mcp.runtime.prebuild(plan, Workload(), cost_model="fast")
 
 
-def test_prebuild_with_rank_and_device_builds_the_state_the_call_uses():
-    """Given rank and device, prebuild builds the rank's whole execution state (and an FA4 list's launch
-    metadata for both directions): the attention's first call finds that very state, builds nothing, and
-    gives the same result as a call on a plan nobody prebuilt."""
-    from test_fa4_backend import EMULATED  # tests/ is on sys.path (conftest)
-
-    from megatron_cp.kernels import FA4Backend
-    from megatron_cp.runtime import state
-
-    mask = M.varlen([0, 40, 100, 256], causal=True)
-    work = Workload(4, 2, 16, 8)
-    plan, fresh = mcp.plan(mask, 1), mcp.plan(mask, 1)
-    mcp.runtime.prebuild(plan, work, rank=0, device="cpu", backend="reference")
-    built = state.states_of(plan)
-    assert len(built) == 1
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(256, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
-    out, lse = mcp.attention(q, k, v, plan, backend="reference")
-    assert len(state.states_of(plan)) == 1 and state.states_of(plan)[0] is built[0]
-    want, want_lse = mcp.attention(q, k, v, fresh, backend="reference")
-    torch.testing.assert_close(out, want, rtol=0, atol=0)
-    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
-
-    fa4 = mcp.plan(mask, 1)  # a backend with launch metadata: both directions' on the device ahead
-    mcp.runtime.prebuild(fa4, work, rank=0, device="cpu", backend=FA4Backend(functions=EMULATED))
-    prepared = state.states_of(fa4)[0].prepared_lists()
-    assert prepared and all({key[1] for key in p._device} == {"fwd", "bwd"} for p in prepared)
-    with pytest.raises(ValueError, match="both rank and device"):
-        mcp.runtime.prebuild(plan, work, rank=0)
-    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 1\)"):
-        mcp.runtime.prebuild(plan, work, rank=1, device="cpu")
-
-
-def test_prebuild_of_a_packed_plan_makes_few_torch_calls():
-    """A planning thread's prebuild of a fresh packed-document plan (8k tokens per rank, FA4 lists) calls torch
-    at most a few hundred times: each call releases the interpreter lock, and beside a host-bound training
-    thread every release costs the planning thread up to a switch interval to get it back (the counters of
+def test_the_state_of_a_packed_plan_makes_few_torch_calls():
+    """The execution state of a fresh packed-document plan (8k tokens per rank, FA4 lists), which the plan's
+    first attention call builds on the step's thread, calls torch at most a few hundred times (the counters of
     kernels.pieces are numpy for that; they made ~2000 torch calls per plan when they were torch)."""
     from torch.overrides import TorchFunctionMode
 
@@ -594,8 +560,13 @@ def test_prebuild_of_a_packed_plan_makes_few_torch_calls():
     cuts = np.concatenate([[0], np.cumsum(lengths)])
     cuts = np.append(cuts[cuts < 32768], 32768)
     plan = mcp.plan(M.varlen(cuts.tolist(), causal=True), 4)
+    from megatron_cp.runtime import state
+
+    work = Workload(32, 8, 128, 2)
+    mcp.runtime.prebuild(plan, work)  # the exchange choice, as a planning thread makes it
     with Count():
-        mcp.runtime.prebuild(plan, Workload(32, 8, 128, 2), rank=0, device="cpu", backend=FA4Backend(functions=EMULATED))
+        state.rank_state(plan, 0, torch.device("cpu"), FA4Backend(functions=EMULATED), "fa4", stages=None,
+                         hierarchical=True, cost=CostModel(), work=work)
     assert 0 < Count.n <= 400, Count.n
 
 

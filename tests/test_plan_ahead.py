@@ -248,18 +248,22 @@ def test_planning_ahead_chooses_the_exchange_off_the_step(fresh_cache, monkeypat
     assert chooser == []
 
 
-def test_planning_ahead_builds_the_rank_state_given_state_on(fresh_cache):
-    """With ``PlanOptions.state_on`` (CP rank, device, stream: what the plugin sets on a GPU) the planning thread
-    builds that rank's execution state for the plan too, with the options' kernel backend; without it, none."""
+def test_helper_process_plans_the_same_and_chooses_the_exchange_there(fresh_cache, monkeypatch):
+    """With ``PlanOptions.helper_process`` (what the plugin sets on a GPU) the plan and its exchange choice are made
+    in the planning helper process: the same plan as made here, and this process never prices the schedules."""
     from megatron_cp.runtime import state
 
+    def priced_here(*a, **k):
+        raise LookupError("exchange chosen in this process")
+
+    monkeypatch.setattr(state, "choose_schedule", priced_here)
     work = mcp.planner.Workload(8, 2, 128, 4)
-    opts = B.PlanOptions(workload=work, kernel_backend="reference", state_on=(1, torch.device("cpu"), None))
-    plan, _ = B.plan_for_batch(_tokens(10), SPEC, CP, opts)
-    (st,) = state.states_of(plan)
-    assert st.rank == 1 and st.backend.name == "reference" and st.s_local == plan.num_local(1)
-    bare, _ = B.plan_for_batch(_tokens(11), SPEC, CP, B.PlanOptions(workload=work))
-    assert state.states_of(bare) == []
+    tok = _tokens(10)
+    plan, _ = B.plan_for_batch(tok, SPEC, CP, B.PlanOptions(workload=work, helper_process=True))
+    assert plan.digest == _direct_digest(tok)
+    assert ("exchange", None, True, mcp.runtime.CostModel(), work) in state.plan_cache(plan)
+    with pytest.raises(LookupError, match="chosen in this process"):  # planned here, it is priced here
+        B.plan_for_batch(_tokens(11), SPEC, CP, B.PlanOptions(workload=work))
 
 
 def test_attention_workload_from_megatron_flags():

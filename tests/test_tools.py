@@ -425,7 +425,7 @@ def test_gpu_tools_summary_tables_group_the_cases():
 def test_bench_train_runs_fresh_plans_per_micro_batch(tmp_path):
     """tools/bench_train.py (training-like: a new packed mask per micro-batch, planned ahead, layers forward then
     backward) on 2 gloo ranks: a row per implementation with the step, per-call and planning figures, the JSON
-    written; megatron-cp's planning thread also chose each plan's exchange (its plan time includes it)."""
+    written, with the same steps' time when their plans were all made before them."""
     import json
     import subprocess
     import sys
@@ -441,10 +441,7 @@ def test_bench_train_runs_fresh_plans_per_micro_batch(tmp_path):
     for r in rows:
         assert r["seqlen"] == 128 and r["layers"] == 2 and r["gpu_ms"] is None
         assert r["step_ms"] > 0 and r["first_call_ms"] > 0 and r["call_ms"] > 0 and r["plan_ms"] > 0
-        # megatron-cp's planning includes its exchange choice and state (prebuild); a baseline has none
-        assert (0 < r["prebuild_ms"] < r["plan_ms"]) if r["impl"] == "megatron-cp" else r["prebuild_ms"] == 0
-        # and the same prebuild timed alone, on other fresh plans, for the contention it meets in the thread
-        assert (r["prebuild_idle_ms"] > 0) if r["impl"] == "megatron-cp" else r["prebuild_idle_ms"] == 0
+        assert r["planned_before_ms"] > 0 and r["wait_ms"] >= 0
     assert "tokens/GPU  megatron-cp: step" in out.stdout
     # rank 0's host profile of one more megatron-cp step: the attention's forward among its functions
     prof = (tmp_path / "host_profile_megatron-cp_64.txt").read_text()

@@ -7,11 +7,11 @@
 Per implementation (megatron-cp and the baselines ring, ulysses, usp, allgather) and tokens per GPU: every
 micro-batch draws new document lengths (lognormal, sigma 1, median min(1500, S/64), clipped to [64, S/4]; the
 same on every rank and for every implementation), a background thread plans the next micro-batches as the
-Megatron plugin does (``megatron.PlanAhead`` over ``plan_for_batch``'s work: megatron-cp's plan and exchange choice,
-made on a GPU by the planning helper process, ``runtime.plan_in_helper``, then its execution state,
-``runtime.prebuild``), and the step runs ``--layers`` attention calls forward (each
-layer its own q, k, v), then their backward, micro-batch after micro-batch, with no synchronisation inside a step. Reported (rank 0, the
-slowest rank's figures where they differ):
+Megatron plugin does (``megatron.PlanAhead`` over ``plan_for_batch``'s work: megatron-cp's plan and exchange
+choice, made on a GPU by the planning helper process, ``runtime.plan_in_helper``), and the step runs
+``--layers`` attention calls forward (each layer its own q, k, v), then their backward, micro-batch after
+micro-batch, with no synchronisation inside a step. Reported (rank 0, the slowest rank's figures where they
+differ):
 
 - ``step_ms``: wall time of a step of ``--micro-batches`` micro-batches (median over the timed steps);
   ``planned_before_ms``: the timed steps again with their plans all made before them (nothing planned beside
@@ -19,12 +19,11 @@ slowest rank's figures where they differ):
 - ``gpu_ms``: the device time inside one such step outside NCCL (kernels and copies of rank 0, intervals merged
   over its streams, torch.profiler; CUDA only): ``step_ms / gpu_ms`` bounds how much the host adds; ``nccl_ms``
   the NCCL kernels' time apart (it includes their waits for the other ranks);
-- ``first_call_ms`` / ``call_ms``: host time to issue a micro-batch's first layer call (the cross-rank plan check
-  waits there) and the median of the other forward calls;
-- ``plan_ms``: the planning thread's time per micro-batch of the timed steps, the helper process's included
-  (``prebuild_ms`` of it: megatron-cp's ``runtime.prebuild``, its execution state, and on CPU its exchange
-  choice), ``wait_ms`` what the step waited on it; ``prebuild_idle_ms``: ``runtime.prebuild`` of other fresh
-  plans (exchange choice and state) on the main thread with nothing else running (median of 4).
+- ``first_call_ms`` / ``call_ms``: host time to issue a micro-batch's first layer call (megatron-cp builds the
+  plan's execution state there, and the cross-rank plan check waits there) and the median of the other forward
+  calls;
+- ``plan_ms``: the planning thread's time per micro-batch of the timed steps (on a GPU mostly waiting for the
+  helper process), ``wait_ms`` what the step waited on it.
 
 Writes ``bench_train_<world>x<device>_<date>.json`` into ``--out-dir`` after every implementation, and
 ``host_profile_megatron-cp_<tokens per GPU>.txt``: rank 0's host time by function over one more step (cProfile,
@@ -74,23 +73,20 @@ def micro_batch_masks(seqlen: int, count: int, seed: int) -> list:
             for _ in range(count)]
 
 
-def _planner(impl: str, cp: int, work: Workload, rank: int, device):
-    """mask -> (plan, attention function of (q, k, v, plan, group), seconds of each plan's prebuild): what the
-    planning thread makes (for megatron-cp with the exchange choice and the rank's execution state, on the
-    stream the step runs on, as the plugin does)."""
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    prebuilds: list[float] = []
+def _planner(impl: str, cp: int, work: Workload, device):
+    """mask -> (plan, attention function of (q, k, v, plan, group)): what the planning thread makes (for
+    megatron-cp the plan with its exchange choice, on a GPU from the planning helper process, as the plugin
+    does; the rank's execution state is built by the plan's first call)."""
     if impl == "megatron-cp":
         def make(mask):
-            # on a GPU the plan and its exchange choice come from the planning helper process, as in the plugin
-            plan = mcp.runtime.plan_in_helper(mask, cp, work=work) if device.type == "cuda" else mcp.plan(mask, cp)
-            t = time.perf_counter()
-            mcp.runtime.prebuild(plan, work, rank=rank, device=device, stream=stream)
-            prebuilds.append(time.perf_counter() - t)
+            if device.type == "cuda":
+                return mcp.runtime.plan_in_helper(mask, cp, work=work)
+            plan = mcp.plan(mask, cp)
+            mcp.runtime.prebuild(plan, work)
             return plan
-        return make, lambda q, k, v, plan, group: mcp.attention(q, k, v, plan, group)[0], prebuilds
+        return make, lambda q, k, v, plan, group: mcp.attention(q, k, v, plan, group)[0]
     fn = get_strategy(impl)
-    return (lambda mask: plan_for(impl, mask, cp)), lambda q, k, v, plan, group: fn(q, k, v, plan, group)[0], prebuilds
+    return (lambda mask: plan_for(impl, mask, cp)), lambda q, k, v, plan, group: fn(q, k, v, plan, group)[0]
 
 
 def _busy_ms(prof) -> tuple[float, float]:
@@ -114,7 +110,7 @@ def _busy_ms(prof) -> tuple[float, float]:
 def bench(impl: str, seqlen: int, args, ctx) -> dict:
     rank, cp, device, group, dtype = ctx["rank"], ctx["cp"], ctx["device"], ctx["group"], ctx["dtype"]
     work = Workload(args.heads, args.kv_heads, args.head_dim, torch.finfo(dtype).bits // 8)
-    make, attend, prebuilds = _planner(impl, cp, work, rank, device)
+    make, attend = _planner(impl, cp, work, device)
     steps = args.warmup + args.steps + (2 if device.type == "cuda" else 1)
     masks = micro_batch_masks(seqlen, steps * args.micro_batches, args.seed)
     plans: dict[int, object] = {}
@@ -153,15 +149,6 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
             torch.cuda.synchronize(device)
         dist.barrier(group)
 
-    idle = []
-    if impl == "megatron-cp":
-        for m in micro_batch_masks(seqlen, 4, args.seed + 1):
-            plan = mcp.plan(m, cp)
-            sync()
-            t = time.perf_counter()
-            mcp.runtime.prebuild(plan, work, rank=rank, device=device,
-                                 stream=torch.cuda.current_stream(device) if device.type == "cuda" else None)
-            idle.append(time.perf_counter() - t)
     for _ in range(args.warmup):
         step(False)
     for _ in range(args.steps):
@@ -214,8 +201,7 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
                 gpu_ms=busy, nccl_ms=nccl,
                 host_over_gpu=None if busy is None else mine[0].item() / busy,
                 first_call_ms=mine[1].item(), call_ms=mine[2].item(),
-                plan_ms=timed_ms(ahead.plan_times), prebuild_ms=timed_ms(prebuilds),
-                prebuild_idle_ms=1e3 * float(np.median(idle)) if idle else 0.0, wait_ms=timed_ms(ahead.waits))
+                plan_ms=timed_ms(ahead.plan_times), wait_ms=timed_ms(ahead.waits))
 
 
 def run(rank: int, world: int, argv) -> list[dict]:
@@ -245,7 +231,6 @@ def run(rank: int, world: int, argv) -> list[dict]:
                 print(f"{tpg:>7} tokens/GPU {impl:>12}: step {r['step_ms']:.2f} ms (plans made before: "
                       f"{r['planned_before_ms']:.2f}), GPU {gpu}, first call "
                       f"{r['first_call_ms']:.2f} ms, call {r['call_ms']:.3f} ms, plan {r['plan_ms']:.2f} ms "
-                      f"(prebuild {r['prebuild_ms']:.2f}; alone with the choice {r['prebuild_idle_ms']:.2f}) "
                       f"(waited {r['wait_ms']:.2f})", flush=True)
                 os.makedirs(args.out_dir, exist_ok=True)
                 with open(path, "w") as f:

@@ -94,11 +94,10 @@ def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions 
     count = None
     cp = parallel_state.get_context_parallel_world_size()
     # the next micro-batches are planned (and their exchanges chosen) in a thread while this one trains, on a GPU
-    # with this rank's execution state built on the step's stream, as the Megatron plugin's forward_step does (a
-    # plan over DP x CP needs every DP group's tokens: in the step)
+    # in the planning helper process, as the Megatron plugin's forward_step does (a plan over DP x CP needs every
+    # DP group's tokens: in the step)
     if device is not None and torch.device(device).type == "cuda" and not options.over_dp:
-        options = replace(options, state_on=(parallel_state.get_context_parallel_rank(), torch.device(device),
-                                             torch.cuda.current_stream(device)))
+        options = replace(options, helper_process=True)
     ahead = PlanAhead(iter(micro_batches), lambda mb: None if options.over_dp else plan_for_batch(mb[0], spec, cp,
                                                                                                      options))
     try:

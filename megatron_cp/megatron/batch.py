@@ -91,9 +91,9 @@ class PlanOptions:
     # the attention inputs' shape per sequence (query heads, key/value heads, head_dim, bytes per element: a
     # planner Workload): where known, planning ahead also chooses each plan's exchange (runtime.prebuild)
     workload: object = None
-    # (CP rank, device, stream) of the rank that plans: planning ahead then also builds that rank's execution
-    # state for the plan (runtime.prebuild: index tensors, prepared tiles, launch metadata) on that stream
-    state_on: tuple | None = None
+    # megatron-cp's plans (and exchange choices) made in the planning helper process (runtime.plan_in_helper),
+    # not beside the step in this interpreter: what the plugin sets where the step runs on a GPU
+    helper_process: bool = False
     # one plan per micro-batch over the whole DP x CP world (--cp-balance-over-dp, prepare_global_batch)
     over_dp: bool = False
 
@@ -212,9 +212,9 @@ class CPBatch:
 
 
 def _make_plan(mask, cp_size: int, options: PlanOptions, work: Workload | None = None):
-    """(plan, strategy) of one micro-batch's mask (the strategy is ``options.strategy``). With the step on a
-    GPU (``options.state_on``) megatron-cp's plan and, given ``work``, its exchange choice are made in the
-    planning helper process (``runtime.plan_process``: the step's host loop keeps the GIL)."""
+    """(plan, strategy) of one micro-batch's mask (the strategy is ``options.strategy``). With
+    ``options.helper_process`` megatron-cp's plan and, given ``work``, its exchange choice are made in the
+    planning helper process (``runtime.plan_in_helper``: the step's host loop keeps the GIL)."""
     from megatron_cp.baselines import plan_for
 
     strategy = options.strategy
@@ -223,8 +223,8 @@ def _make_plan(mask, cp_size: int, options: PlanOptions, work: Workload | None =
         sparse = {} if options.sparse is None else {"guest_rows": "none"}
         kw = dict(chunk_size=options.chunk_size, topology=options.topology, solver=options.solver,
                   block=options.block, **sparse)
-        on_gpu = options.state_on is not None and torch.device(options.state_on[1]).type == "cuda"
-        plan = mcp.runtime.plan_in_helper(mask, cp_size, work=work, **kw) if on_gpu else mcp.plan(mask, cp_size, **kw)
+        plan = mcp.runtime.plan_in_helper(mask, cp_size, work=work, **kw) if options.helper_process \
+            else mcp.plan(mask, cp_size, **kw)
         return plan, strategy
     block = {} if options.block == 1 else {"block": options.block}  # head_context takes no block (refused)
     return plan_for(strategy, mask, cp_size, chunk_size=options.chunk_size, topology=options.topology,
@@ -243,8 +243,7 @@ def plan_for_batch(tokens, spec: MaskSpec, cp_size: int, options: PlanOptions = 
 
 def _batch_plan(tok: np.ndarray, spec: MaskSpec, cp_size: int, options: PlanOptions):
     """(plan, strategy, document bounds, cache key) of host tokens ``tok`` [b, S]: the checks, the cached plan and,
-    given ``options.workload``, the exchange of the attention's first call on it and, given ``options.state_on``,
-    that rank's execution state (``runtime.prebuild``)."""
+    given ``options.workload``, the exchange of the attention's first call on it (``runtime.prebuild``)."""
     if tok.ndim != 2:
         raise ValueError(f"tokens must be [b, S], got shape {tuple(tok.shape)}")
     b, S = tok.shape
@@ -261,9 +260,8 @@ def _batch_plan(tok: np.ndarray, spec: MaskSpec, cp_size: int, options: PlanOpti
     work = Workload(b * w.num_heads, b * w.num_kv_heads, w.head_dim, w.dtype_bytes) \
         if w is not None and options.sparse is None and options.gating is None else None
     plan, strategy = _PLANS.get(plan_key, lambda: _make_plan(build_mask(spec, cu, b, S), cp_size, options, work))
-    if work is not None and strategy == "megatron_cp":
-        rank, device, stream = options.state_on or (None, None, None)
-        mcp.runtime.prebuild(plan, work, rank=rank, device=device, stream=stream, backend=options.kernel_backend)
+    if work is not None and strategy == "megatron_cp":  # (made already where the helper process planned)
+        mcp.runtime.prebuild(plan, work)
     return plan, strategy, cu, plan_key
 
 

@@ -237,12 +237,10 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     spec, options = plan_specs(args, eod=eod)
     over_dp = options.over_dp
     if not over_dp and data_iterator is not None and ps.get_tensor_model_parallel_rank() == 0:
-        # each stage's reader plans ahead, and builds its rank's execution state on the stream attention runs on
-        # (one plan over DP x CP needs every DP group's tokens first: planned in the step, after their gather)
+        # each stage's reader plans ahead, on a GPU in the planning helper process (one plan over DP x CP needs
+        # every DP group's tokens first: planned in the step, after their gather)
         if torch.cuda.is_available():
-            options = dataclasses.replace(options, state_on=(
-                ps.get_context_parallel_rank(), torch.device("cuda", torch.cuda.current_device()),
-                torch.cuda.current_stream()))
+            options = dataclasses.replace(options, helper_process=True)
         data_iterator = plan_ahead_of(data_iterator, spec, options, ps.get_context_parallel_world_size())
     tokens, labels, loss_mask, host_tokens = _broadcast_batch(data_iterator, args)
     ahead = data_iterator if isinstance(data_iterator, PlanAhead) else getattr(data_iterator, "iterable", None)

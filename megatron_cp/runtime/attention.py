@@ -23,7 +23,6 @@ tiles, is the rank's execution state (``runtime.state``), built once per plan.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -265,47 +264,25 @@ class _StagedAttention(torch.autograd.Function):
         return dq.to(q.dtype), *split_kv(d_local.to(q.dtype), *dims), None, None, None, None
 
 
-def prebuild(plan: Plan, work: Workload, *, rank: int | None = None, device=None,
-             backend: str | kernels.Backend = "auto", stages: int | None = None,
-             cost_model: CostModel | None = None, hierarchical: bool = True, stream=None) -> None:
-    """Make ahead of ``plan``'s first ``attention`` call what that call would make on it, for inputs of shape
-    ``work`` (``Workload(query heads, key/value heads, head_dim, bytes per element)`` of the q / k it will get,
-    batch folded into heads) and the same ``backend`` / ``stages`` / ``cost_model`` / ``hierarchical``:
+def prebuild(plan: Plan, work: Workload, *, stages: int | None = None, cost_model: CostModel | None = None,
+             hierarchical: bool = True) -> None:
+    """Make ahead of ``plan``'s first ``attention`` call its exchange choice (the cost model's single exchange or
+    staged schedule) for inputs of shape ``work`` (``Workload(query heads, key/value heads, head_dim, bytes per
+    element)`` of the q / k it will get, batch folded into heads) and the same ``stages`` / ``cost_model`` /
+    ``hierarchical``: pricing a fresh plan's candidate schedules is the costliest host work of a new plan (tens
+    of milliseconds for packed documents at 32k tokens). No collective; a ``work`` that differs from the
+    call's only means the call chooses for itself. ``plan_in_helper`` makes the plan and this choice in a
+    helper process instead (off the training loop's GIL).
 
-    - always the exchange choice (the cost model's single exchange or staged schedule): pricing a fresh
-      plan's candidate schedules is the costliest host work of a new plan (tens of milliseconds for packed
-      documents at 32k tokens);
-    - given ``rank`` and ``device``, that rank's whole execution state too: index tensors, prepared tile
-      lists and, where the backend has them, its launches' device metadata (FA4's cu_seqlens and block
-      lists). Device tensors are uploaded asynchronously on ``stream`` (CUDA; default: the current
-      stream of the calling thread, i.e. the default stream in a planning thread): pass the stream the
-      attention will run on, whose later work then sees them.
-
-    A planning thread (``megatron.PlanAhead``) runs it off the step, so the step's first call on a new plan
-    neither prices schedules nor builds state. No collective (the cross-rank plan check stays with the first
-    call); a ``work`` or backend that differs from the call's only means the call builds its own."""
+    The rank's execution state (index tensors, prepared tile lists, launch metadata) is built by the first
+    call, on the step's thread and stream: built in a planning thread beside a host-bound step it cost the
+    step more than building it in the call (4 x H100, 8k tokens per GPU: 196 against 137 ms a step,
+    benchmarks/2026-11-27_4xH100_train-throughput)."""
     if not isinstance(work, Workload):
         raise ValueError(f"work must be a megatron_cp.planner.Workload, got {type(work).__name__}")
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
-    if (rank is None) != (device is None):
-        raise ValueError(f"prebuild builds a rank's state given both rank and device, got rank={rank!r}, "
-                         f"device={device!r}")
-    cost = cost_model or _DEFAULT_COST
-    exchange_choice(plan, stages=stages, hierarchical=hierarchical, cost=cost, work=work)
-    if rank is None:
-        return
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.cp_size:
-        raise ValueError(f"rank must be an int in [0, {plan.cp_size}) for a plan of cp_size {plan.cp_size}, got {rank!r}")
-    device = torch.device(device)
-    bkey, be = resolve_backend(backend, device)
-    ctx = torch.cuda.stream(stream) if device.type == "cuda" and stream is not None else contextlib.nullcontext()
-    with ctx:
-        rt = rank_state(plan, rank, device, be, bkey, stages=stages, hierarchical=hierarchical, cost=cost, work=work)
-        up = getattr(be, "upload", None)  # optional backend member: launch metadata on the device ahead
-        if up is not None:
-            for prep in rt.prepared_lists():
-                up(prep, device)
+    exchange_choice(plan, stages=stages, hierarchical=hierarchical, cost=cost_model or _DEFAULT_COST, work=work)
 
 
 def attention(
@@ -359,8 +336,8 @@ def attention(
         raise ValueError(f"backend {be.name!r} cannot run these inputs: {why}")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     work = Workload(q.shape[1], k.shape[1], q.shape[2], q.element_size())
-    # the state first (host work, no collective: unless prebuilt, it overlaps the kernels still queued),
-    # then the plan check (a host all-reduce, once per plan)
+    # the state first (host work, no collective: built by a plan's first call, it overlaps the kernels still
+    # queued), then the plan check (a host all-reduce, once per plan)
     rt = rank_state(plan, rank, q.device, be, bkey, stages=stages, hierarchical=hierarchical,
                     cost=cost_model or _DEFAULT_COST, work=work)
     verify_plan(plan, group, input_fields(q, k, v))

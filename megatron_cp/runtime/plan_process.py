@@ -4,11 +4,11 @@ A planning thread (``megatron.PlanAhead``) shares the GIL with the loop it plans
 host-bound (small micro-batches: issuing kernels is all it does), every millisecond the planner holds the
 GIL is a millisecond the loop cannot issue work: at 8k tokens per GPU on 4 x H100 a step of 8 attention
 layers per micro-batch took 2x as long with its plans made by a thread beside it as with the same plans made
-before the step (benchmarks/2026-11-27_4xH100_train-throughput). ``plan_in_helper`` makes ``planner.plan``'s
+before the step (269 against 132 ms; benchmarks/2026-11-27_4xH100_train-throughput). ``plan_in_helper`` makes ``planner.plan``'s
 plan, and the exchange choice the attention's first call would make on it (``runtime.prebuild``'s costliest
 part), in one helper process per training process; the calling thread waits on a pipe, without the GIL,
 and gets back the plan with its choice kept in the plan's cache. The rank's execution state (device
-tensors) is still built in this process (``runtime.prebuild``).
+tensors) is built by the plan's first attention call, in this process.
 
 The helper is this interpreter running ``serve`` on this process's ``sys.path``, started
 on first use (it imports megatron_cp: a second or so, once) and ended when this process ends or closes its

@@ -306,17 +306,6 @@ class FA4Backend:
         tiles = tiles.to("cpu", torch.int32).contiguous()
         return Fa4Prepared(fa4_calls(tiles.numpy(), seqlen_q, seqlen_k), tiles, tuple(head_dims))
 
-    def upload(self, prepared: Fa4Prepared, device) -> None:
-        """Both directions' launch metadata (cu_seqlens, block lists) on ``device`` now, ahead of the first
-        call (``runtime.prebuild``, in a planning thread); nothing where FA4 is not installed or the list
-        runs on Triton."""
-        device = torch.device(device)
-        if self._functions is None and fa4_unavailable(device) is not None:
-            return
-        for direction in ("fwd", "bwd"):
-            if prepared.calls.route(direction) != "triton":
-                self._runs(prepared, direction, device)
-
     def _runs(self, prepared: Fa4Prepared, direction: str, device) -> list[Run]:
         return prepared.runs(direction, device, self.functions, self.config.deterministic)
 
