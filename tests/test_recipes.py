@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import megatron_helpers  # noqa: F401  (puts examples/ on sys.path)
@@ -247,6 +248,30 @@ def test_throughput_larger_model_is_the_1_5b_llama():
     (small,) = thr.jobs_for("full", 4, [32768], ["packed"], ["megatron_cp", "ring"], 65536, 1, 2, [])
     assert big.train.shape == sh and big.train.recompute and big.train.global_batch == 2
     assert big.train.doc_lengths == small.train.doc_lengths and [r.name for r in big.runs] == ["megatron_cp", "ring"]
+
+
+def test_throughput_docs_log_normal_lengths():
+    """throughput.py --docs LO,HI,MEDIAN[,SIGMA]: the jobs' documents log-normal around MEDIAN within LO..HI (the DP
+    x CP issue's 4k-128k corpus), cut from the stdlib stream across file ends; a malformed value is refused."""
+    thr = load_script(RUN_PY.parent / "throughput.py")
+    from tiny_llama.convergence import Corpus
+    from tiny_llama.demo import EOD
+
+    (job,) = thr.jobs_for("full", 4, [131072], ["packed"], ["megatron_cp"], 524288, 0, 1, [], docs="1024,131072,4096,1.5")
+    t = job.train
+    assert (t.doc_lengths, t.doc_median, t.doc_sigma) == ((1024, 131072), 4096, 1.5)
+    tok, _, _ = Corpus(t, 131072, 4).batch(0, 4)
+    row = tok.reshape(-1).numpy()
+    d = np.diff(np.nonzero(row == EOD)[0]) - 1
+    assert 1024 <= d.min() and d.max() <= 131072 and 2500 < np.median(d) < 6500 and d.max() > 4 * 16384, \
+        (np.median(d), d.max())
+    (gpt,) = thr.jobs_for("12l", 4, [16384], ["packed"], ["dp"], 65536, 0, 1, [], docs="128,8192,621")
+    assert gpt.train.shape.num_layers == 12 and gpt.train.shape.hidden_size == 2048 and gpt.train.doc_sigma == 1.0
+    (plain,) = thr.jobs_for("full", 4, [32768], ["packed"], ["megatron_cp"], 32768 * 4, 0, 1, [])
+    assert plain.train.doc_lengths == (256, 16384) and plain.train.doc_median is None
+    for bad in ("4096", "100,50", "1024,8192,16384", "1024,8192,2048,0", "a,b"):
+        with pytest.raises(ValueError, match="--docs"):
+            thr.jobs_for("full", 4, [32768], ["packed"], ["megatron_cp"], 32768 * 4, 0, 1, [], docs=bad)
 
 
 def test_a_recipe_prints_its_result_without_warnings(tmp_path):

@@ -118,6 +118,8 @@ class Train:
     seed: int = 1234
     dtype: str = "bf16"
     doc_lengths: tuple[int, int] = (32, 480)  # bytes per document, uniform (stdlib sources; EOD after each)
+    doc_median: int | None = None  # lengths log-normal around this (doc_sigma) within doc_lengths instead
+    doc_sigma: float = 1.0
     recursive: bool = True  # the whole standard library (32 MB of text), not only its top folder
     kernel_backend: str = "auto"
     recompute: bool = False  # Megatron's full activation recompute, one layer at a time
@@ -182,7 +184,8 @@ class Corpus:
     def __init__(self, train: Train, length: int, samples: int):
         self.length = length
         self.stream = torch.from_numpy(stdlib_stream(samples * length + 1, train.seed, train.doc_lengths,
-                                                     train.recursive))
+                                                     train.recursive, train.doc_median,
+                                                     train.doc_sigma))
         self.samples = samples
 
     def batch(self, first: int, n: int):

@@ -42,15 +42,30 @@ def stdlib_files(recursive: bool = False) -> list[Path]:
 
 
 def stdlib_stream(n_tokens: int, seed: int = 0, doc_lengths: tuple[int, int] = (32, 480),
-                  recursive: bool = False) -> np.ndarray:
-    """int64 ``[n_tokens]``: documents cut from the stdlib's sources (lengths uniform in ``doc_lengths``,
-    shorter where a file ends), each followed by EOD; the files repeat in order when the stream needs more."""
+                  recursive: bool = False, median: int | None = None, sigma: float = 1.0) -> np.ndarray:
+    """int64 ``[n_tokens]``: documents cut from the stdlib's sources, each followed by EOD; the files repeat in
+    order when the stream needs more. Lengths uniform in ``doc_lengths`` (shorter where a file ends), or with
+    ``median`` log-normal around it (``sigma``) clipped to ``doc_lengths``, cut from the files' concatenation (a
+    long document runs on into the next file: heavy-tailed lengths up to the largest asked for)."""
     lo, hi = doc_lengths
     if not 1 <= lo < hi:
         raise ValueError(f"doc_lengths must be (lo, hi) with 1 <= lo < hi, got {doc_lengths}")
+    if median is not None and not (lo <= median <= hi and sigma > 0):
+        raise ValueError(f"median {median} must lie within doc_lengths {doc_lengths} and sigma {sigma} be > 0")
     files = stdlib_files(recursive)
     rng = np.random.default_rng(seed)
     out, total, fi = [], 0, 0
+    if median is not None:
+        text, pos = np.zeros(0, dtype=np.uint8), 0
+        while total < n_tokens:
+            n = int(np.clip(rng.lognormal(np.log(median), sigma), lo, hi))
+            while len(text) - pos < n:  # more of the files' concatenation
+                text = np.concatenate([text[pos:], np.frombuffer(files[fi % len(files)].read_bytes(), dtype=np.uint8)])
+                pos, fi = 0, fi + 1
+            out += [text[pos:pos + n].astype(np.int64), np.array([EOD], dtype=np.int64)]
+            pos += n
+            total += n + 1
+        return np.concatenate(out)[:n_tokens]
     while total < n_tokens:
         data = np.frombuffer(files[fi % len(files)].read_bytes(), dtype=np.uint8)
         fi += 1

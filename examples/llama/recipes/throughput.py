@@ -5,7 +5,7 @@
     python examples/llama/recipes/throughput.py --size tiny --cpu --gpus 2 --out DIR  # CPU check (gloo)
 
 For every sequence length and mask (``packed``: causal within EOD-separated documents of the stdlib corpus, as
-the recipes train; ``causal``: one causal sequence), the same model, data and optimiser step run under
+the recipes train, or with ``--docs`` of other lengths, e.g. log-normal around 4k up to 128k; ``causal``: one causal sequence), the same model, data and optimiser step run under
 ``--context-parallel-impl`` megatron_cp and each baseline (``ring``, ``ulysses``, ``usp``, ``allgather``:
 stand-ins for Transformer Engine's p2p, a2a, a2a+p2p and all-gather CP, on the same kernels), CP = every GPU
 (DP 1). Each run trains ``--warmup`` steps (plans, kernel compilation) and ``--steps`` timed steps; a step is
@@ -45,11 +45,33 @@ EXTRA = {"megatron_cp+over_dp": lambda cp: (Layout(cp=cp, over_dp=True), "megatr
          "dp": lambda cp: (Layout(cp=1), "megatron_cp")}
 
 
+def parse_docs(text: str | None, real: bool) -> dict:
+    """``--docs``: ``LO,HI`` (bytes per document, uniform; the default 256,16384, tiny 16,96) or
+    ``LO,HI,MEDIAN[,SIGMA]`` (log-normal around MEDIAN, sigma 1 unless given, within LO..HI) -> Train fields."""
+    if text is None:
+        return dict(doc_lengths=(256, 16384) if real else (16, 96))
+    try:
+        v = [float(x) for x in text.split(",")]
+    except ValueError:
+        v = []
+    if len(v) not in (2, 3, 4) or not 1 <= v[0] < v[1] or (len(v) > 2 and not v[0] <= v[2] <= v[1]) or \
+            (len(v) == 4 and v[3] <= 0):
+        raise ValueError(f"--docs {text!r}: LO,HI or LO,HI,MEDIAN[,SIGMA] with 1 <= LO < HI, MEDIAN within "
+                         "them and SIGMA > 0")
+    out = dict(doc_lengths=(int(v[0]), int(v[1])))
+    if len(v) > 2:
+        out.update(doc_median=int(v[2]), doc_sigma=v[3] if len(v) == 4 else 1.0)
+    return out
+
+
 def jobs_for(size: str, gpus: int, lengths, masks, impls, tokens: int, warmup: int, steps: int,
-             profile_lengths, cp: int | None = None) -> list[Job]:
-    base = {"full": LLAMA_300M, "1.5b": LLAMA_1_5B, "tiny": TINY}[size]
+             profile_lengths, cp: int | None = None, docs: str | None = None) -> list[Job]:
+    # 12l: the 1.5b model's width at 12 layers, the size of Megatron's dynamic-CP measurement (a 12-layer GPT,
+    # hidden 2048; here with the recipes' Llama blocks, GQA 16:4)
+    base = {"full": LLAMA_300M, "1.5b": LLAMA_1_5B, "12l": replace(LLAMA_1_5B, num_layers=12), "tiny": TINY}[size]
     real = size != "tiny"
     cp = gpus if cp is None else cp
+    doc = parse_docs(docs, real)
     if cp < 1 or gpus % cp:
         raise ValueError(f"--cp {cp} must divide --gpus {gpus} (DP = GPUs / CP)")
     jobs = []
@@ -63,8 +85,7 @@ def jobs_for(size: str, gpus: int, lengths, masks, impls, tokens: int, warmup: i
         for mask in masks:
             train = Train(shape=replace(base, seq_length=length), steps=warmup + steps,
                           global_batch=tokens // length, warmup=0, recompute=real, mask=mask,
-                          doc_lengths=(256, 16384) if real else (16, 96), recursive=real,
-                          profile=length in profile_lengths)
+                          recursive=real, profile=length in profile_lengths, **doc)
             runs = []
             for impl in impls:
                 layout, strategy = EXTRA[impl](cp) if impl in EXTRA else (Layout(cp=cp), impl)
@@ -167,15 +188,17 @@ def plot(summary: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=("full", "1.5b", "tiny"), default="full",
+    ap.add_argument("--size", choices=("full", "1.5b", "12l", "tiny"), default="full",
                     help="full: the recipes' ~293M Llama; 1.5b: a ~1.45B one (hidden 2048, 32 layers, GQA 16:4); "
-                         "tiny: the CPU check's")
+                         "12l: that one at 12 layers (Megatron's dynamic-CP setting); tiny: the CPU check's")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU processes (default: NCCL, one process per GPU)")
     ap.add_argument("--gpus", type=int, default=None, help="world size (default: every visible GPU)")
     ap.add_argument("--cp", type=int, default=None, help="CP size (default: --gpus); DP = GPUs / CP")
     ap.add_argument("--lengths", default=None, help="comma list of tokens per sequence (default 32768,65536,131072; "
                                                     "tiny 128,256)")
     ap.add_argument("--masks", default="packed,causal")
+    ap.add_argument("--docs", default=None, help="packed documents' lengths in tokens: LO,HI uniform (default "
+                                                 "256,16384; tiny 16,96) or LO,HI,MEDIAN[,SIGMA] log-normal")
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default: the largest length)")
     ap.add_argument("--warmup", type=int, default=1)
@@ -204,7 +227,7 @@ def main(argv=None) -> dict:
     prof = [] if a.profile_lengths == "none" else \
         [max(lengths)] if a.profile_lengths is None else [int(x) for x in a.profile_lengths.split(",")]
     try:
-        jobs = jobs_for(a.size, a.gpus, lengths, masks, impls, tokens, a.warmup, a.steps, prof, a.cp)
+        jobs = jobs_for(a.size, a.gpus, lengths, masks, impls, tokens, a.warmup, a.steps, prof, a.cp, a.docs)
     except ValueError as e:
         ap.error(str(e))
     command = "python examples/llama/recipes/throughput.py " + shlex.join(argv if argv is not None else sys.argv[1:])
