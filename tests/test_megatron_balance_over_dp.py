@@ -2,7 +2,8 @@
 pretraining data loader over the stdlib data, plugin.forward_step and its loss), on DP 2 x CP 2 gloo ranks, fp32:
 the same global batch (the loader gives each DP rank its own packed micro-batch) planned per DP group over its CP
 pair (the fixed layout) and as one plan over all four ranks give the same loss and gradients (within 1e-5), and
-its limits are refused by name at parse time (tests/test_megatron_args.py)."""
+its limits are refused by name at parse time (tests/test_megatron_args.py). The global plan is made ahead by the
+planning thread, which gathers the DP groups' tokens itself."""
 
 from __future__ import annotations
 
@@ -70,10 +71,11 @@ def _worker(rank, world):
     args.context_parallel_size = CP  # Megatron's CP > 1 validation reads the CUDA architecture: set after it
     args.num_workers = 0
     trainer.init_parallel(1, CP)  # DP = world / CP
-    batches = []  # each micro-batch's CPBatch, as forward_step prepared it
+    batches, ahead = [], []  # each micro-batch's CPBatch as forward_step prepared it; whether planned ahead
 
     def keep(*a, _f=plugin.prepare_step_batch, **k):
         batches.append(_f(*a, **k))
+        ahead.append(k.get("planned") is not None)
         return batches[-1]
     plugin.prepare_step_batch = keep
     out = {}
@@ -98,7 +100,7 @@ def _worker(rank, world):
         # DP groups whose micro-batch this rank holds tokens of (the global plan may give it another group's)
         held = sorted({int(i) // S for i in plan.local_ids(batches[-1].params.cp_rank)}) if balance else [rank // CP]
         out[balance] = dict(loss=float(stats[0]), tokens=int(stats[1]), grads=grads, plan_ranks=plan.cp_size,
-                            plan_tokens=plan.seqlen, held=held)
+                            plan_tokens=plan.seqlen, held=held, ahead=ahead[-1])
     return out
 
 
@@ -111,6 +113,8 @@ def test_one_plan_over_dp_x_cp_trains_like_the_fixed_layout():
     # the fixed layout plans each DP group's S tokens over its CP pair; the global plan all DP x S over 4 ranks
     assert (fixed["plan_ranks"], fixed["plan_tokens"]) == (CP, S) and (glob["plan_ranks"], glob["plan_tokens"]) == (DP * CP, DP * S)
     assert abs(glob["loss"] - fixed["loss"]) <= 1e-5 * abs(fixed["loss"]), (glob["loss"], fixed["loss"])
+    # the global plan was made ahead by the planning thread (its tokens gathered there), on every rank
+    assert all(x[True]["ahead"] for x in r_all), [x[True]["ahead"] for x in r_all]
     assert 4.0 < fixed["loss"] / fixed["tokens"] < 7.0  # ~ln(320) at initialisation
     # DP 1's ranks also run part of DP 0's long document (the fixed layout keeps each group's tokens home)
     assert any(0 in x[True]["held"] for x in r_all[CP:]), [x[True]["held"] for x in r_all]

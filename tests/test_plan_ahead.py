@@ -194,9 +194,9 @@ def _replay_case(fresh_cache, RerunDataIterator, plan_ahead_of):
     seeds = [11, 12, 13, 14, 15, 16]
     loader = iter([{"tokens": _tokens(s), "seed": s} for s in seeds])
     rerun = RerunDataIterator(loader)
-    it = plan_ahead_of(rerun, SPEC, OPTIONS, CP)
+    it = plan_ahead_of(rerun, _plan_fn)
     assert it is rerun and isinstance(rerun.iterable, PlanAhead)
-    assert plan_ahead_of(rerun, SPEC, OPTIONS, CP).iterable is rerun.iterable  # wrapped once
+    assert plan_ahead_of(rerun, _plan_fn).iterable is rerun.iterable  # wrapped once
     rerun.saved_microbatches.clear()
     first = [next(it)["seed"] for _ in range(2)]  # one iteration of 2 micro-batches
     saved = [b["seed"] for b in rerun.saved_microbatches]
@@ -217,7 +217,7 @@ def test_forward_step_plans_inline_for_an_iterator_it_cannot_keep(fresh_cache):
     from megatron_cp.megatron.plugin import plan_ahead_of
 
     batches = iter([{"tokens": _tokens(s)} for s in (21, 22)])
-    assert plan_ahead_of(batches, SPEC, OPTIONS, CP) is batches
+    assert plan_ahead_of(batches, _plan_fn) is batches
     assert fresh_cache.made == 0
 
 
@@ -325,3 +325,24 @@ def test_planning_thread_gets_the_gil_back_quickly_while_open(monkeypatch):
         assert list(c) == [0]  # closed: the micro-batch already queued, nothing more
     finally:
         sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_last_is_the_plan_of_the_micro_batch_just_yielded(depth):
+    """``PlanAhead.last``: what plan_fn returned for the micro-batch ``next()`` yielded last (how a plan over DP x
+    CP, gathered and made in the thread, reaches the step), with or without planning ahead."""
+    it = PlanAhead(iter(range(5)), lambda b: ("plan of", b), depth=depth)
+    assert it.last is None
+    for b in it:
+        assert it.last == ("plan of", b)
+
+
+def test_a_global_plan_made_for_another_micro_batch_is_refused():
+    """prepare_global_batch given a plan made ahead for other tokens (a micro-batch read again without its planning
+    thread) raises before any collective instead of training on the wrong layout."""
+    tok = _tokens(30)
+    other = B.GlobalPlan(tokens=np.stack([_tokens(31).numpy(), _tokens(32).numpy()]), cu_seqlens=[], plan=None,
+                         strategy="megatron_cp")
+    with pytest.raises(ValueError, match="the micro-batch planned ahead is not this one"):
+        B.prepare_global_batch(tok, tok, torch.ones(tok.shape), SPEC, None, dp_rank=0, cp_rank=0, cp_size=2,
+                               options=B.PlanOptions(over_dp=True), planned=other)

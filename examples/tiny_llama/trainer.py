@@ -21,7 +21,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_cp.megatron import MaskSpec, PlanAhead, PlanOptions, loss_func, plan_for_batch, prepare_step_batch
+from megatron_cp.megatron import (MaskSpec, PlanAhead, PlanOptions, global_planner, loss_func, plan_for_batch,
+                                  prepare_step_batch)
 from megatron_cp.testing import free_port, process_context
 
 
@@ -65,7 +66,7 @@ class StepResult:
     tokens: int  # global number of loss tokens
 
 
-def forward_step(model, batch, spec: MaskSpec, options: PlanOptions = PlanOptions(), device=None):
+def forward_step(model, batch, spec: MaskSpec, options: PlanOptions = PlanOptions(), device=None, planned=None):
     """One micro-batch through ``model`` (a whole model or one pipeline stage's chunk): plan, dispatch,
     forward. batch: (tokens, labels, loss_mask) ``[b, S]``, replicated in the CP group; every stage passes
     it (each builds the same plan from the tokens). Returns (output, loss function) as Megatron's
@@ -76,7 +77,7 @@ def forward_step(model, batch, spec: MaskSpec, options: PlanOptions = PlanOption
     host = tokens.numpy() if tokens.device.type == "cpu" else None  # plans read these, not a GPU copy
     if device is not None:
         tokens, labels, loss_mask = tokens.to(device), labels.to(device), loss_mask.to(device)
-    bt = prepare_step_batch(tokens, labels, loss_mask, spec, options, host)
+    bt = prepare_step_batch(tokens, labels, loss_mask, spec, options, host, planned)
     out = model(bt.tokens, bt.position_ids, None, labels=bt.labels, packed_seq_params=bt.params)
     return out, partial(loss_func, bt.loss_mask)
 
@@ -94,15 +95,17 @@ def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions 
     count = None
     cp = parallel_state.get_context_parallel_world_size()
     # the next micro-batches are planned (and their exchanges chosen) in a thread while this one trains, on a GPU
-    # in the planning helper process, as the Megatron plugin's forward_step does (a plan over DP x CP needs every
-    # DP group's tokens: in the step)
-    if device is not None and torch.device(device).type == "cuda" and not options.over_dp:
+    # in the planning helper process, as the Megatron plugin's forward_step does (a plan over DP x CP gathers
+    # every DP group's tokens in the thread)
+    if device is not None and torch.device(device).type == "cuda":
         options = replace(options, helper_process=True)
-    ahead = PlanAhead(iter(micro_batches), lambda mb: None if options.over_dp else plan_for_batch(mb[0], spec, cp,
-                                                                                                     options))
+    plan_fn = global_planner(spec, options) if options.over_dp else \
+        (lambda mb: plan_for_batch(mb[0], spec, cp, options))
+    ahead = PlanAhead(iter(micro_batches), plan_fn)
     try:
         for batch in ahead:
-            out, loss_fn = forward_step(model, batch, spec, options, device)
+            out, loss_fn = forward_step(model, batch, spec, options, device, planned=ahead.last if options.over_dp
+                                        else None)
             loss, n, _ = loss_fn(out)
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()

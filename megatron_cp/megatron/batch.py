@@ -330,6 +330,40 @@ def prepare_batch(
     return CPBatch(take(tokens), take(labels), take(loss_mask), local_pos, params, cu)
 
 
+@dataclass(frozen=True)
+class GlobalPlan:
+    """One micro-batch's plan over the DP x CP world: every DP group's host tokens ``[dp, b, S]`` (in DP rank
+    order), their document bounds and the plan of their block-diagonal mask over every rank."""
+
+    tokens: np.ndarray
+    cu_seqlens: list
+    plan: object
+    strategy: str
+
+
+def plan_global_batch(host_tokens: np.ndarray, spec: MaskSpec, host_group, *, dp_rank: int, cp_rank: int,
+                      cp_size: int, options: PlanOptions = PlanOptions()) -> GlobalPlan:
+    """Gather every DP group's micro-batch tokens on the host over ``host_group`` (a gloo group of the DP x CP
+    world: every rank calls this for the same micro-batch, in the same order) and plan them over all its ranks
+    (cached as ``prepare_batch``'s plans are; on a GPU in the planning helper process with
+    ``options.helper_process``). What ``prepare_global_batch`` runs, or a planning thread ahead of the step on a
+    gloo group of its own (``runtime.planning_group``): the step then gathers only the device fields."""
+    host = np.ascontiguousarray(host_tokens, dtype=np.int64)
+    if host.ndim != 2:
+        raise ValueError(f"tokens must be [b, S], got shape {tuple(host.shape)}")
+    b, S = host.shape
+    world = host_group.size()
+    dp = world // cp_size
+    tok = mcp.runtime.all_micro_batches({"tokens": torch.from_numpy(host.reshape(-1))}, host_group, dp_rank=dp_rank,
+                                        cp_rank=cp_rank, cp_size=cp_size)["tokens"].numpy().reshape(dp, b, S)
+    cus = [document_bounds(tok[d], spec) for d in range(dp)]
+    key = (spec, "dp x cp", dp, b, S, world, options.chunk_size, options.topology, options.solver, options.block,
+           tuple(c.tobytes() for c in cus) if spec.packed else b"")
+    plan, strategy = _PLANS.get(key, lambda: _make_plan(
+        mcp.masks.block_diagonal([build_mask(spec, c, b, S) for c in cus]), world, options))
+    return GlobalPlan(tok, cus, plan, strategy)
+
+
 def prepare_global_batch(
     tokens: torch.Tensor,
     labels: torch.Tensor,
@@ -342,6 +376,7 @@ def prepare_global_batch(
     cp_size: int,
     options: PlanOptions = PlanOptions(),
     host_tokens: np.ndarray | None = None,
+    planned: "GlobalPlan | None" = None,
 ) -> CPBatch:
     """``prepare_batch`` with one plan over the whole DP x CP world (``--cp-balance-over-dp``).
 
@@ -350,10 +385,10 @@ def prepare_global_batch(
     (``masks.block_diagonal``) and planned over ``group`` (every rank of the DP x CP world), and this rank keeps
     the tokens the plan gives it: ``[1, s_local]`` tensors and ``params`` whose ``cp_group`` is ``group``, which
     core attention then runs over. The per-token loss summed over the global batch and Megatron's gradient
-    reduction over DP x CP make loss and gradients those of the fixed layout. Plans here, after the gather (not
-    ahead in a thread), from tokens gathered on the host over a gloo twin of ``group`` (``host_tokens``: the
-    loader's host copy where there is one, else one copy back from the device), so the GPU queue is not waited
-    for; the device fields are gathered on their own devices."""
+    reduction over DP x CP make loss and gradients those of the fixed layout. ``planned``: this micro-batch's
+    ``plan_global_batch``, made ahead by a planning thread; else it is made here from tokens gathered on the host
+    over a gloo twin of ``group`` (``host_tokens``: the loader's host copy where there is one, else one copy back
+    from the device), so the GPU queue is not waited for. The device fields are gathered on their own devices."""
     if not options.over_dp:
         raise ValueError("prepare_global_batch needs PlanOptions(over_dp=True) (--cp-balance-over-dp)")
     if tokens.dim() != 2:
@@ -361,23 +396,19 @@ def prepare_global_batch(
     for name, t in (("labels", labels), ("loss_mask", loss_mask)):
         if t.shape != tokens.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} differs from tokens {tuple(tokens.shape)}")
-    b, S = tokens.shape
-    world = group.size()
     place = dict(dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp_size)
     if host_tokens is None:
-        host = tokens.detach().cpu()
+        host = tokens.detach().cpu().numpy()
     else:
-        host = torch.from_numpy(np.ascontiguousarray(host_tokens, dtype=np.int64))
+        host = np.ascontiguousarray(host_tokens, dtype=np.int64)
         if tuple(host.shape) != tuple(tokens.shape):
             raise ValueError(f"host_tokens shape {tuple(host.shape)} differs from tokens {tuple(tokens.shape)}")
-    dp = world // cp_size
-    tok = mcp.runtime.all_micro_batches({"tokens": host.reshape(-1)}, mcp.runtime.host_group(group),
-                                        **place)["tokens"].numpy().reshape(dp, b, S)
-    cus = [document_bounds(tok[d], spec) for d in range(dp)]
-    key = (spec, "dp x cp", dp, b, S, world, options.chunk_size, options.topology, options.solver, options.block,
-           tuple(c.tobytes() for c in cus) if spec.packed else b"")
-    plan, strategy = _PLANS.get(key, lambda: _make_plan(
-        mcp.masks.block_diagonal([build_mask(spec, c, b, S) for c in cus]), world, options))
+    if planned is None:
+        planned = plan_global_batch(host, spec, mcp.runtime.host_group(group), options=options, **place)
+    elif not np.array_equal(planned.tokens[dp_rank], host):
+        raise ValueError("the micro-batch planned ahead is not this one (its tokens differ): a micro-batch read "
+                         "again without its planning thread (e.g. Megatron's rerun of a step) cannot reuse its plan")
+    plan, strategy, cus = planned.plan, planned.strategy, planned.cu_seqlens
     full = mcp.runtime.all_micro_batches(
         {"tokens": tokens.reshape(-1), "labels": labels.reshape(-1), "loss_mask": loss_mask.reshape(-1)}, group,
         **place)
@@ -396,9 +427,10 @@ def prepare_global_batch(
 
 
 def prepare_step_batch(tokens, labels, loss_mask, spec: MaskSpec, options: PlanOptions = PlanOptions(),
-                       host_tokens: np.ndarray | None = None) -> CPBatch:
+                       host_tokens: np.ndarray | None = None, planned: GlobalPlan | None = None) -> CPBatch:
     """A training step's micro-batch on Megatron's groups: ``prepare_batch`` over the CP group, or with
-    ``options.over_dp`` ``prepare_global_batch`` over the DP x CP group."""
+    ``options.over_dp`` ``prepare_global_batch`` over the DP x CP group (``planned``: its plan made ahead,
+    ``global_planner``)."""
     from megatron.core import parallel_state as ps
 
     if options.over_dp:
@@ -406,6 +438,26 @@ def prepare_step_batch(tokens, labels, loss_mask, spec: MaskSpec, options: PlanO
         return prepare_global_batch(tokens, labels, loss_mask, spec, world, dp_rank=ps.get_data_parallel_rank(),
                                     cp_rank=ps.get_context_parallel_rank(),
                                     cp_size=ps.get_context_parallel_world_size(), options=options,
-                                    host_tokens=host_tokens)
+                                    host_tokens=host_tokens, planned=planned)
     return prepare_batch(tokens, labels, loss_mask, spec, ps.get_context_parallel_group(), options,
                          host_tokens=host_tokens)
+
+
+def global_planner(spec: MaskSpec, options: PlanOptions):
+    """The planning thread's function for ``--cp-balance-over-dp`` on Megatron's groups: a micro-batch (a dict
+    with host ``tokens``, or a (tokens, labels, loss_mask) tuple) -> its ``GlobalPlan``, gathered over a gloo
+    group of the DP x CP world that only planning threads use (``runtime.planning_group``, made here: call it
+    on every rank at the same point, as the first step does)."""
+    from megatron.core import parallel_state as ps
+
+    world = ps.get_data_parallel_group(with_context_parallel=True)
+    group = mcp.runtime.planning_group(world)
+    place = dict(dp_rank=ps.get_data_parallel_rank(), cp_rank=ps.get_context_parallel_rank(),
+                 cp_size=ps.get_context_parallel_world_size())
+
+    def plan_fn(batch):
+        tok = batch["tokens"] if isinstance(batch, dict) else batch[0]
+        tok = tok.detach().cpu().numpy() if isinstance(tok, torch.Tensor) else np.asarray(tok)
+        return plan_global_batch(tok, spec, group, options=options, **place)
+
+    return plan_fn

@@ -61,7 +61,8 @@ class PlanAhead:
 
     ``waits``: seconds each ``next()`` spent blocked on its micro-batch's unfinished plan (a list, one
     float per micro-batch yielded); ``plan_times``: seconds each ``plan_fn`` call took, in the same
-    order. An exception of ``plan_fn`` is raised by the ``next()`` that yields that micro-batch."""
+    order; ``last``: what ``plan_fn`` returned for the micro-batch ``next()`` yielded last. An exception of
+    ``plan_fn`` is raised by the ``next()`` that yields that micro-batch."""
 
     def __init__(self, batches, plan_fn: Callable, depth: int = 2):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
@@ -78,12 +79,13 @@ class PlanAhead:
         self._done = False
         self.waits: list[float] = []
         self.plan_times: list[float] = []
+        self.last = None
         self._fill()
 
-    def _timed(self, batch) -> float:
+    def _timed(self, batch) -> tuple[float, object]:
         t = time.perf_counter()
-        self._plan_fn(batch)
-        return time.perf_counter() - t
+        out = self._plan_fn(batch)
+        return time.perf_counter() - t, out
 
     def _fill(self) -> None:
         """Pull micro-batches until ``depth`` of them are being planned (or the data ends)."""
@@ -102,7 +104,8 @@ class PlanAhead:
         if self.depth == 0:
             batch = next(self._it)
             t = time.perf_counter()
-            self.plan_times.append(self._timed(batch))
+            took, self.last = self._timed(batch)
+            self.plan_times.append(took)
             self.waits.append(time.perf_counter() - t)
             return batch
         if not self._ahead:
@@ -112,7 +115,8 @@ class PlanAhead:
         self._fill()  # the next micro-batch starts planning behind the ones already queued
         t = time.perf_counter()
         try:
-            self.plan_times.append(fut.result())
+            took, self.last = fut.result()
+            self.plan_times.append(took)
         finally:
             self.waits.append(time.perf_counter() - t)
         return batch

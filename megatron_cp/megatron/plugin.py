@@ -31,7 +31,7 @@ from megatron_cp.planner import Workload
 
 from . import rope
 from .arguments import OURS, add_megatron_cp_args, check_megatron_args, compose, dry_run, specs_from_args
-from .batch import plan_for_batch, prepare_step_batch
+from .batch import global_planner, plan_for_batch, prepare_step_batch
 from .loss import loss_func, record_documents
 from .plan_ahead import PlanAhead
 from .step_log import STEP_LOG
@@ -189,9 +189,10 @@ def _broadcast_batch(data_iterator, args):
     return tokens, labels, loss_mask, host
 
 
-def plan_ahead_of(data_iterator, spec, options, cp_size: int):
-    """The iterator ``forward_step`` reads, with the next micro-batches planned in a background thread
-    (``plan_ahead.PlanAhead``; ``batch.plan_for_batch`` leaves each plan where ``prepare_batch`` finds it).
+def plan_ahead_of(data_iterator, plan_fn):
+    """The iterator ``forward_step`` reads, with the next micro-batches planned by ``plan_fn`` in a background
+    thread (``plan_ahead.PlanAhead``; ``batch.plan_for_batch`` leaves each plan where ``prepare_batch`` finds it,
+    ``batch.global_planner``'s plans come back as the PlanAhead's ``last``).
 
     Megatron's ``RerunDataIterator`` keeps the micro-batches of an iteration to replay them (its rerun state
     machine, on by default): reading ahead above it would mix the next iteration's micro-batches into a
@@ -199,9 +200,6 @@ def plan_ahead_of(data_iterator, spec, options, cp_size: int):
     order. Any other iterator is wrapped itself (once); one that cannot be weakly referenced (a built-in
     iterator such as ``iter(list)``, which a schedule may be handed) is returned as is and planned inline."""
     from .plan_ahead import plan_ahead
-
-    def plan_fn(batch):
-        plan_for_batch(batch["tokens"], spec, cp_size, options)
 
     inner = getattr(data_iterator, "iterable", None)
     if inner is not None and callable(getattr(data_iterator, "rewind", None)):
@@ -235,20 +233,24 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     except Exception:  # no tokenizer built (e.g. mock data without one): --cp-eod-token is then needed
         pass
     spec, options = plan_specs(args, eod=eod)
-    over_dp = options.over_dp
-    if not over_dp and data_iterator is not None and ps.get_tensor_model_parallel_rank() == 0:
-        # each stage's reader plans ahead, on a GPU in the planning helper process (one plan over DP x CP needs
-        # every DP group's tokens first: planned in the step, after their gather)
-        if torch.cuda.is_available():
-            options = dataclasses.replace(options, helper_process=True)
-        data_iterator = plan_ahead_of(data_iterator, spec, options, ps.get_context_parallel_world_size())
+    over_dp, training = options.over_dp, getattr(model, "training", True)
+    if torch.cuda.is_available():  # plans (and exchange choices) from the planning helper process
+        options = dataclasses.replace(options, helper_process=True)
+    if data_iterator is not None and ps.get_tensor_model_parallel_rank() == 0 and (training or not over_dp):
+        # each stage's reader plans ahead; one plan over DP x CP gathers every DP group's tokens in the thread, on a
+        # gloo group that only the training iterator's thread uses (evaluation's micro-batches plan in the step)
+        cp = ps.get_context_parallel_world_size()
+        plan_fn = global_planner(spec, options) if over_dp else \
+            (lambda batch: plan_for_batch(batch["tokens"], spec, cp, options))
+        data_iterator = plan_ahead_of(data_iterator, plan_fn)
     tokens, labels, loss_mask, host_tokens = _broadcast_batch(data_iterator, args)
     ahead = data_iterator if isinstance(data_iterator, PlanAhead) else getattr(data_iterator, "iterable", None)
-    planning = (ahead.plan_times[-1] * 1e3, ahead.waits[-1] * 1e3) if isinstance(ahead, PlanAhead) and ahead.waits \
-        else None
+    ahead = ahead if isinstance(ahead, PlanAhead) else None
+    planning = (ahead.plan_times[-1] * 1e3, ahead.waits[-1] * 1e3) if ahead is not None and ahead.waits else None
     t0 = time.perf_counter()
-    bt = prepare_step_batch(tokens, labels, loss_mask, spec, options, host_tokens)
-    if getattr(model, "training", True):  # evaluation's micro-batches are not the step's
+    bt = prepare_step_batch(tokens, labels, loss_mask, spec, options, host_tokens,
+                            planned=ahead.last if over_dp and ahead is not None else None)
+    if training:  # evaluation's micro-batches are not the step's
         STEP_LOG.record(args, bt.params.plan, (time.perf_counter() - t0) * 1e3, planning)
     if spec.packed:  # Megatron's FLOPs count attention per document, as for its own packed (THD) batches
         record_documents(bt.cu_seqlens, model)

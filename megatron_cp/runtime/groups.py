@@ -44,3 +44,18 @@ def host_group(group):
     if twin is None:
         twin = _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
     return twin
+
+
+_PLANNING_GROUPS: dict = {}  # ranks -> the gloo group a planning thread gathers on
+
+
+def planning_group(group):
+    """A gloo group over ``group``'s ranks for a planning thread's collectives (one plan over DP x CP gathers
+    every DP group's tokens ahead of the step), apart from ``host_group``'s: a gloo group's collectives must come
+    in one order on every rank, and the step's plan checks and a thread's gathers run concurrently. Made on first
+    use by ``group``'s ranks alone, all at the same point (not from the thread), and kept, one per set of ranks."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    g = _PLANNING_GROUPS.get(ranks)
+    if g is None:
+        g = _PLANNING_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return g
