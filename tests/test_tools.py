@@ -359,6 +359,26 @@ def test_simulate_prints_one_table_and_keeps_per_case_lines_off_stdout(capsys):
     assert len(_ends_with_one_table(out_v, 2)) == len(table)
 
 
+def test_dp_x_cp_simulation_balances_what_the_fixed_layout_cannot(tmp_path, capsys):
+    """tools/sim/dp_x_cp.py: per world size, the fixed layout (each DP group on its CP ranks) and one plan over
+    every rank, predicted by simulate's model: a caption and one table on stdout, the JSON rows; the global plan's
+    work imbalance is a fraction of the fixed layout's on heavy-tailed documents."""
+    import json
+
+    sim = _tool("dp_x_cp")
+    rows = sim.main(["--worlds", "8,16", "--cp", "4", "--tokens-per-gpu", "1024", "--docs", "512,64,4096,1.0",
+                     "--json", str(tmp_path / "d.json")])
+    out, _ = capsys.readouterr()
+    table = _ends_with_one_table(out, 2)
+    assert table[0].startswith("| GPUs | DP x CP | fixed ms | global ms |") and table[2].startswith("| 8 | 2 x 4 |")
+    assert json.loads((tmp_path / "d.json").read_text())["rows"] == rows
+    for r in rows:
+        assert r["tokens"] == 1024 * r["world"] and r["fixed_ms"] > 0 and r["global_ms"] > 0 and r["plan_s"] > 0
+        assert r["global_imbalance"] < 0.5 * r["fixed_imbalance"], r
+    with pytest.raises(SystemExit):
+        sim.main(["--worlds", "6", "--cp", "4"])
+
+
 def test_bench_plan_prints_one_table(tmp_path):
     """tools/bench_plan.py (a subprocess: it pins itself to one core): the setup and candidates lines,
     then one table of one row; the progress bar is on stderr."""

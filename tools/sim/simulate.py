@@ -131,12 +131,14 @@ def _pipeline(local_c, remote_c, comm, n, latency):
 # ------------------------------------------------------------------------------------ strategies
 
 
-def ours(mask, cp, g, cost, work, hierarchical=True, solver=None, guest_rows="auto"):
+def ours(mask, cp, g, cost, work, hierarchical=True, solver=None, guest_rows="auto", plan=None):
+    """megatron-cp's predicted step on ``mask`` over ``cp`` GPUs (``plan``: made already, on this topology)."""
     nodes = max(1, cp // g)
     topo = mcp.Topology(nodes, min(g, cp), intra_node_gbps=cost.intra_gbps, inter_node_gbps=cost.inter_gbps)
     if solver is None:
         solver = "hierarchical" if nodes > 1 else "auto"
-    plan = mcp.plan(mask, cp, topology=topo, solver=solver, guest_rows=guest_rows)
+    if plan is None:
+        plan = mcp.plan(mask, cp, topology=topo, solver=solver, guest_rows=guest_rows)
     per_tok = work.kv_bytes_per_token
     gpn = topo.gpus_per_node
     node_inter = np.zeros(nodes)
