@@ -69,3 +69,19 @@ def test_a_helper_that_dies_raises_and_the_next_call_starts_another():
     with pytest.raises(RuntimeError, match=r"planning helper process exited \(code 3\) before answering"):
         plan_in_helper(fatal, 2)
     assert plan_in_helper(m, 2).digest64 == mcp.plan(m, 2).digest64
+
+
+class _Noisy(mcp.AttnMask):
+    """A mask that prints on stdout when the helper unpickles it (and arrives as None)."""
+
+    def __reduce__(self):
+        return print, ("noise on the helper's stdout",)
+
+
+def test_what_the_helper_prints_does_not_reach_its_answers():
+    """Printed on the helper's stdout, the noise goes to its stderr: the answer (the planner's TypeError for the
+    None that arrived) is read intact, and the helper goes on answering."""
+    m = _packed(2, 512)
+    with pytest.raises(TypeError, match="plan\\(\\) needs an AttnMask, got NoneType"):
+        plan_in_helper(_Noisy(list(m.slices), m.seqlen_q, m.seqlen_k), 2)
+    assert plan_in_helper(m, 2).digest64 == mcp.plan(m, 2).digest64

@@ -4,8 +4,8 @@ A planning thread (``megatron.PlanAhead``) shares the GIL with the loop it plans
 host-bound (small micro-batches: issuing kernels is all it does), every millisecond the planner holds the
 GIL is a millisecond the loop cannot issue work: at 8k tokens per GPU on 4 x H100 a step of 8 attention
 layers per micro-batch took 2x as long with its plans made by a thread beside it as with the same plans made
-before the step (269 against 132 ms; benchmarks/2026-11-27_4xH100_train-throughput). ``plan_in_helper`` makes ``planner.plan``'s
-plan, and the exchange choice the attention's first call would make on it (``runtime.prebuild``'s costliest
+before the step (269 against 132 ms; benchmarks/2026-11-27_4xH100_train-throughput). ``plan_in_helper`` makes
+``planner.plan``'s plan, and the exchange choice the attention's first call would make on it (``runtime.prebuild``'s costliest
 part), in one helper process per training process; the calling thread waits on a pipe, without the GIL,
 and gets back the plan with its choice kept in the plan's cache. The rank's execution state (device
 tensors) is built by the plan's first attention call, in this process.
@@ -41,8 +41,9 @@ _HELPER: dict = {"proc": None}
 def _start() -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
                OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import serve; serve()"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=env)
+    # the answers' pipe is set apart before anything is imported: whatever an import prints goes to stderr
+    cmd = f"import os; fd = os.dup(1); os.dup2(2, 1); from {__name__} import serve; serve(fd)"
+    proc = subprocess.Popen([sys.executable, "-c", cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     atexit.register(_stop, proc)
     return proc
 
@@ -67,8 +68,13 @@ def _ask(request: tuple):
             proc.stdin.flush()
             status, *answer = pickle.load(proc.stdout)
         except (EOFError, BrokenPipeError, pickle.UnpicklingError) as e:
-            code = proc.wait()
             _HELPER["proc"] = None
+            code = proc.poll()
+            if code is None:  # alive but its answer unreadable: stopped, not waited for
+                proc.kill()
+                proc.wait()
+                raise RuntimeError("megatron-cp's planning helper process gave an unreadable answer and was "
+                                   "stopped") from e
             raise RuntimeError(f"megatron-cp's planning helper process exited (code {code}) before answering: "
                                f"see its error above") from e
     if status == "error":
@@ -115,11 +121,10 @@ def _answer(request: tuple) -> tuple:
         return ("error", e, text)
 
 
-def serve() -> None:
-    """The helper's loop: requests from stdin, answers on the original stdout (anything printed by the
-    planner or its imports goes to stderr, not into the answers)."""
-    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+def serve(answers_fd: int) -> None:
+    """The helper's loop: requests from stdin, answers on ``answers_fd`` (the original stdout, set apart by
+    the command that starts the helper: what the planner or an import prints goes to stderr)."""
+    answers = os.fdopen(answers_fd, "wb")
     requests = sys.stdin.buffer
     while True:
         try:
