@@ -73,7 +73,15 @@ REFUSED = {
     "fa4 without a GPU": (["--cp-kernel-backend", "fa4"], r"--cp-kernel-backend fa4: FA4 runs on CUDA GPUs"),
     "cuda graphs": (["--cuda-graph-impl", "local"], r"--cuda-graph-impl local"),
     "cuda graphs (old flag)": (["--enable-cuda-graph"], r"--enable-cuda-graph"),
-    "window skip": (["--window-size", "8,0", "--window-attn-skip-freq", "2"], r"--window-attn-skip-freq"),
+    "window skip without a window": (["--window-attn-skip-freq", "2"],
+                                     r"--window-attn-skip-freq 2 needs --window-size W,0 with W >= 0"),
+    "window skip, a baseline": (["--window-size", "8,0", "--window-attn-skip-freq", "2", "--context-parallel-impl",
+                                 "ring"], r"--window-attn-skip-freq 2 runs with --context-parallel-impl megatron_cp"),
+    "window skip, a sliding mask": (["--window-size", "8,0", "--window-attn-skip-freq", "2", "--cp-mask",
+                                     "sliding_window", "--cp-window", "4"],
+                                    r"windows some layers of the causal or packed mask; got --cp-mask sliding_window"),
+    "window skip, sparse": (["--window-size", "8,0", "--window-attn-skip-freq", "2", "--cp-sparse", "moba",
+                             "--cp-sparse-block", "32"], r"\(windowed layers\) does not combine with --cp-sparse"),
     "reset mask and builder": (["--reset-attention-mask", "--cp-mask", "prefix_lm", "--cp-mask-kwargs",
                                 '{"prefix": 8}'], r"--reset-attention-mask conflicts with --cp-mask prefix_lm"),
     "reset positions alone": (["--reset-position-ids"], r"--reset-position-ids with --cp-mask causal"),
@@ -121,6 +129,18 @@ def test_megatron_document_and_window_flags_map_onto_our_masks(argv, mask, windo
 
     validate_args(args)  # idempotent: pretrain_llama.py validates after wrap_parse-style parsing too
     assert (args.cp_mask, args.cp_window) == (mask, window)
+
+
+def test_window_skip_frequency_keeps_the_mask_and_windows_some_layers():
+    """--window-size W,0 with --window-attn-skip-freq: the mask stays the documents' (packed), Megatron's window
+    flags stay for each layer's core attention to read, and the spec carries the windowed layers' window."""
+    from megatron_cp.megatron.plugin import plan_specs
+
+    args = _validate(["--window-size", "8,0", "--window-attn-skip-freq", "2", "--reset-attention-mask"])
+    assert (args.cp_mask, args.cp_window, tuple(args.window_size), args.window_attn_skip_freq) == ("packed", None,
+                                                                                                 (8, 0), 2)
+    spec, _ = plan_specs(args, eod=0)
+    assert (spec.name, spec.layer_window) == ("packed", 8)
 
 
 def test_window_size_semantics_equal_megatrons():

@@ -130,6 +130,50 @@ class TestCPCoreAttention:
         for got, want in ((ql.grad, dq_ref), (kl.grad, dk_ref), (vl.grad, dv_ref)):
             torch.testing.assert_close(got.double(), want.index_select(0, ids), atol=2e-5, rtol=2e-5)
 
+    def test_windowed_layers_run_the_window_plan(self):
+        """config.window_size (5, 0) with window_attn_skip_freq 2 (Gemma-style mixed layers): layer 1 is windowed
+        and runs CPParams.window_plan (keys i-5..i inside each document), layer 2 the documents' full plan;
+        each equals dense attention under its own mask. A windowed layer given a micro-batch prepared without
+        that window raises, naming both."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.enums import AttnMaskType
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        import megatron_cp as mcp
+        from megatron_cp.megatron import CPCoreAttention, CPParams
+        from megatron_cp.planner import plan_like
+
+        torch.manual_seed(1)
+        cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                kv_channels=16, attention_dropout=0.0, use_cpu_initialization=True,
+                                context_parallel_size=dist.get_world_size(), window_size=(5, 0),
+                                window_attn_skip_freq=2)
+        layers = [CPCoreAttention(config=cfg, layer_number=n, attn_mask_type=AttnMaskType.causal,
+                                  attention_type="self", pg_collection=None) for n in (1, 2)]
+        assert [m.layer_window for m in layers] == [5, None]
+        S, cu = 40, np.array([0, 9, 30, 40])
+        full, win = mcp.masks.varlen(cu, causal=True), mcp.masks.varlen(cu, causal=True, window=5)
+        group = ps.get_context_parallel_group()
+        plan = mcp.plan(full, group.size())
+        params = CPParams(plan=plan, position_ids=None, cp_rank=group.rank(), layer_window=5,
+                          window_plan=plan_like(win, plan))
+        ids = torch.from_numpy(plan.local_ids(group.rank()))
+        q, k, v = (torch.randn(S, 1, h, 16, dtype=torch.float64) for h in (4, 2, 2))
+        dout = torch.randn(S, 1, 64, dtype=torch.float64)
+        for layer, mask in zip(layers, (win, full)):
+            ref, dq_ref, dk_ref, dv_ref = dense_reference(q, k, v, mask.to_dense(), 16 ** -0.5, dout)
+            ql, kl, vl = (t.index_select(0, ids).float().requires_grad_(True) for t in (q, k, v))
+            out = layer(ql, kl, vl, None, packed_seq_params=params)
+            out.backward(dout.index_select(0, ids).float())
+            torch.testing.assert_close(out.double(), ref.index_select(0, ids), atol=2e-5, rtol=2e-5)
+            for got, want in ((ql.grad, dq_ref), (kl.grad, dk_ref), (vl.grad, dv_ref)):
+                torch.testing.assert_close(got.double(), want.index_select(0, ids), atol=2e-5, rtol=2e-5)
+        bare = CPParams(plan=plan, position_ids=None, cp_rank=group.rank())
+        ql = q.index_select(0, ids).float()
+        with pytest.raises(ValueError, match="layer 1 is windowed \\(window 5\\) but its micro-batch was prepared "
+                                             "with layer_window=None"):
+            layers[0](ql, ql[:, :, :2], ql[:, :, :2], None, packed_seq_params=bare)
+
     def test_errors_name_bad_values_before_any_collective(self):
         import megatron_cp as mcp
         from megatron_cp.megatron import CPParams
@@ -285,7 +329,8 @@ def _spawned(rank, world):
         t.setup_method(None)
         t.test_forward_backward_match_dense(*case)
         t.teardown_method(None)
-    for name in ("test_errors_name_bad_values_before_any_collective", "test_sinks_cp_equals_cp1",
+    for name in ("test_windowed_layers_run_the_window_plan", "test_errors_name_bad_values_before_any_collective",
+                 "test_sinks_cp_equals_cp1",
                  "test_ranks_that_disagree_raise_on_every_rank"):
         t.setup_method(None)
         getattr(t, name)()

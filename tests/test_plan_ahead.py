@@ -346,3 +346,23 @@ def test_a_global_plan_made_for_another_micro_batch_is_refused():
     with pytest.raises(ValueError, match="the micro-batch planned ahead is not this one"):
         B.prepare_global_batch(tok, tok, torch.ones(tok.shape), SPEC, None, dp_rank=0, cp_rank=0, cp_size=2,
                                options=B.PlanOptions(over_dp=True), planned=other)
+
+
+def test_prepare_batch_adds_the_windowed_layers_plan(fresh_cache):
+    """MaskSpec.layer_window: the params carry the windowed layers' plan, the documents' causal mask with keys
+    i-W..i only, on the full plan's token layout (one dispatch serves both kinds of layers); cached with it."""
+    from megatron_cp.planner import plan_like
+
+    spec = B.MaskSpec("packed", eod=EOD, layer_window=64)
+    tok = _tokens(40)
+    p = B.prepare_batch(tok, None, None, spec, _Group(), OPTIONS).params
+    cu = B.document_bounds(tok.numpy(), SPEC)
+    want = plan_like(mcp.masks.varlen(cu, causal=True, window=64), p.plan)
+    assert p.layer_window == 64 and p.window_plan.digest == want.digest
+    assert all(np.array_equal(p.window_plan.local_ids(r), p.plan.local_ids(r)) for r in range(CP))
+    again = B.prepare_batch(tok, None, None, spec, _Group(), OPTIONS).params
+    assert again.window_plan is p.window_plan
+    with pytest.raises(ValueError, match="windowed layers \\(layer_window=64\\) run with megatron_cp's own plan"):
+        B.prepare_batch(tok, None, None, spec, _Group(), B.PlanOptions(strategy="ring"))
+    with pytest.raises(ValueError, match="needs the causal or packed mask"):
+        B.MaskSpec("sliding_window", window=8, layer_window=4)

@@ -210,7 +210,11 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
     if args.cp_eod_token is not None and args.cp_eod_token < 0:
         raise ValueError(f"--cp-eod-token must be a token id >= 0, got {args.cp_eod_token}")
     eod = args.cp_eod_token if args.cp_eod_token is not None else eod
-    spec = MaskSpec(args.cp_mask, window=args.cp_window, eod=eod, kwargs=tuple(sorted(kwargs.items())))
+    layer_window = None
+    if getattr(args, "window_attn_skip_freq", None) is not None and getattr(args, "window_size", None) is not None:
+        layer_window = int(tuple(args.window_size)[0])  # windowed layers among full ones (_map_documents_and_window)
+    spec = MaskSpec(args.cp_mask, window=args.cp_window, eod=eod, kwargs=tuple(sorted(kwargs.items())),
+                    layer_window=layer_window)
     if args.cp_chunk_size is not None and args.cp_chunk_size < 1:
         raise ValueError(f"--cp-chunk-size must be >= 1, got {args.cp_chunk_size}")
     sparse = spec_from_args(args)
@@ -218,6 +222,9 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
         raise ValueError(f"--cp-sparse {sparse.method} runs with --context-parallel-impl megatron_cp, not "
                          f"{args.context_parallel_impl}")
     gating = gating_from_args(args)
+    if layer_window is not None and (sparse is not None or gating is not None):
+        raise ValueError(f"--window-attn-skip-freq (windowed layers) does not combine with "
+                         f"{'--cp-sparse' if sparse is not None else '--cp-head-gating / --cp-head-pattern'}")
     if getattr(args, "cp_balance_over_dp", False):
         _check_balance_over_dp(args, sparse, gating)
     return spec, PlanOptions(chunk_size=args.cp_chunk_size, topology=_topology(args.cp_topology),
@@ -255,9 +262,6 @@ UNSUPPORTED = (
      "group's shape from --cp-topology NODESxGPUS"),
     ("hybrid_context_parallel", lambda v: bool(v),
      "--hybrid-context-parallel is Megatron's own packing-aware CP; it does not combine with --context-parallel-impl"),
-    ("window_attn_skip_freq", lambda v: v is not None,
-     "--window-attn-skip-freq {v}: megatron-cp applies one mask to every layer (describe a window with "
-     "--window-size or --cp-mask sliding_window --cp-window W)"),
     ("mtp_num_layers", lambda v: bool(v),
      "--mtp-num-layers {v}: Megatron's multi-token prediction shifts tokens across CP ranks with roll_tensor, "
      "which assumes its own 2 x cp zigzag split, and builds its layers' attention from Megatron's spec; it "
@@ -319,6 +323,18 @@ def _map_documents_and_window(args) -> None:
                              "give one of the two")
         mask = {"causal": "packed", "sliding_window": "packed_sliding_window"}.get(mask, mask)
     window = getattr(args, "window_size", None)
+    skip = getattr(args, "window_attn_skip_freq", None)
+    if skip is not None:  # windowed and full layers mixed: the windowed layers get a plan of their own
+        if window is None or len(tuple(window)) != 2 or tuple(window)[1] != 0 or tuple(window)[0] < 0:
+            raise ValueError(f"--window-attn-skip-freq {skip} needs --window-size W,0 with W >= 0 (the windowed "
+                             f"layers' causal window), got --window-size {window}")
+        if mask not in ("causal", "packed") or args.cp_window is not None:
+            raise ValueError(f"--window-attn-skip-freq {skip} windows some layers of the causal or packed mask; "
+                             f"got --cp-mask {mask}" + (f" --cp-window {args.cp_window}" if args.cp_window else ""))
+        if args.context_parallel_impl != "megatron_cp":
+            raise ValueError(f"--window-attn-skip-freq {skip} runs with --context-parallel-impl megatron_cp, not "
+                             f"{args.context_parallel_impl}")
+        window = None  # kept in args.window_size: each layer's core attention reads it with the skip frequency
     if window is not None:
         window = tuple(window)
         if len(window) != 2 or window[1] != 0:

@@ -50,18 +50,25 @@ class MaskSpec:
     window:  left window for the sliding variants (keys ``j`` with ``i - window <= j <= i``)
     eod:     EOD token id (needed by the packed variants)
     kwargs:  keyword arguments of a builder, as sorted (name, value) pairs
+    layer_window: the windowed layers' left window (Megatron's ``--window-size W,0`` with
+             ``--window-attn-skip-freq``: those layers keep keys ``i - W .. i`` inside the mask's samples or
+             documents, the others the whole mask); ``causal`` and ``packed`` only
     """
 
     name: str = "causal"
     window: int | None = None
     eod: int | None = None
     kwargs: tuple = ()
+    layer_window: int | None = None
 
     def __post_init__(self):
         if self.name not in MASKS:
             raise ValueError(f"unknown mask {self.name!r}; choose from {', '.join(MASKS)}")
         if "sliding" in self.name and (self.window is None or int(self.window) < 0):
             raise ValueError(f"mask {self.name!r} needs window >= 0, got window={self.window}")
+        if self.layer_window is not None and (self.name not in ("causal", "packed") or int(self.layer_window) < 0):
+            raise ValueError(f"layer_window={self.layer_window} (windowed layers) needs the causal or packed mask and "
+                             f"a window >= 0, got mask {self.name!r}")
         if self.name.startswith("packed") and self.eod is None:
             raise ValueError(f"mask {self.name!r} needs the EOD token id, got eod=None")
 
@@ -155,6 +162,12 @@ def build_mask(spec: MaskSpec, cu: np.ndarray, b: int, S: int):
         raise ValueError(f"megatron_cp.masks has no builder {spec.name!r}")
     one = builder(S, **dict(spec.kwargs))
     return one if b == 1 else mcp.masks.block_diagonal([one] * b)
+
+
+def build_window_mask(spec: MaskSpec, cu: np.ndarray):
+    """The windowed layers' mask (``spec.layer_window``): causal within the same samples or documents as
+    ``build_mask``, keeping keys ``i - layer_window .. i``."""
+    return mcp.masks.varlen(cu, causal=True, window=int(spec.layer_window))
 
 
 class PlanCache:
@@ -317,6 +330,14 @@ def prepare_batch(
             mcp.masks.streaming_within(build_mask(spec, cu, b, S), g.sink, g.window), plan))
     elif gating is not None:
         raise ValueError("prepare_batch(gating=...) needs PlanOptions.gating (sink, window) for the streaming plan")
+    window_plan = None
+    if spec.layer_window is not None:
+        if strategy != "megatron_cp" or options.sparse is not None or options.gating is not None:
+            raise ValueError(f"windowed layers (layer_window={spec.layer_window}) run with megatron_cp's own plan, "
+                             f"without sparse attention or head gating (got strategy {strategy!r})")
+        # the same token layout: the windowed layers' work follows the tokens, balanced with them
+        window_plan = _PLANS.get(plan_key + ("layer window", spec.layer_window),
+                                 lambda: plan_like(build_window_mask(spec, cu), plan))
     ids = upload(plan.local_ids(cp_rank), tokens.device)
     pos = upload(positions_from_bounds(cu), tokens.device)
 
@@ -326,7 +347,8 @@ def prepare_batch(
     local_pos = take(pos)
     params = CPParams(plan=plan, position_ids=local_pos, cp_rank=cp_rank, cp_group=cp_group,
                       kernel_backend=options.kernel_backend, strategy=strategy, sparse=options.sparse,
-                      gating=gating, stream_plan=stream_plan, qkv_format="sbhd")
+                      gating=gating, stream_plan=stream_plan, layer_window=spec.layer_window,
+                      window_plan=window_plan, qkv_format="sbhd")
     return CPBatch(take(tokens), take(labels), take(loss_mask), local_pos, params, cu)
 
 
@@ -339,6 +361,7 @@ class GlobalPlan:
     cu_seqlens: list
     plan: object
     strategy: str
+    window_plan: object = None  # the windowed layers' plan (MaskSpec.layer_window) on the same layout
 
 
 def plan_global_batch(host_tokens: np.ndarray, spec: MaskSpec, host_group, *, dp_rank: int, cp_rank: int,
@@ -361,7 +384,10 @@ def plan_global_batch(host_tokens: np.ndarray, spec: MaskSpec, host_group, *, dp
            tuple(c.tobytes() for c in cus) if spec.packed else b"")
     plan, strategy = _PLANS.get(key, lambda: _make_plan(
         mcp.masks.block_diagonal([build_mask(spec, c, b, S) for c in cus]), world, options))
-    return GlobalPlan(tok, cus, plan, strategy)
+    window_plan = None if spec.layer_window is None else _PLANS.get(key + ("layer window", spec.layer_window), lambda:
+                                                                    plan_like(mcp.masks.block_diagonal(
+                                                                        [build_window_mask(spec, c) for c in cus]), plan))
+    return GlobalPlan(tok, cus, plan, strategy, window_plan)
 
 
 def prepare_global_batch(
@@ -421,7 +447,8 @@ def prepare_global_batch(
 
     local_pos = take(pos)
     params = CPParams(plan=plan, position_ids=local_pos, cp_rank=rank, cp_group=group,
-                      kernel_backend=options.kernel_backend, strategy=strategy, qkv_format="sbhd")
+                      kernel_backend=options.kernel_backend, strategy=strategy, layer_window=spec.layer_window,
+                      window_plan=planned.window_plan, qkv_format="sbhd")
     return CPBatch(take(full["tokens"]), take(full["labels"]), take(full["loss_mask"]), local_pos, params,
                    cus[dp_rank])
 

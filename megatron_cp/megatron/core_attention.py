@@ -45,7 +45,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
 import megatron_cp as mcp
@@ -71,8 +71,8 @@ def _kernel_path(plan, backend, device) -> str:
 
 
 @lru_cache(maxsize=16)
-def _causal_plan_cp1(seqlen: int):
-    return mcp.plan(mcp.masks.causal(seqlen), 1)
+def _causal_plan_cp1(seqlen: int, window: int | None = None):
+    return mcp.plan(mcp.masks.causal(seqlen) if window is None else mcp.masks.sliding_window(seqlen, window), 1)
 
 
 class CPCoreAttention(MegatronModule):
@@ -102,11 +102,23 @@ class CPCoreAttention(MegatronModule):
             raise ValueError(
                 f"CPCoreAttention has no attention dropout; set --attention-dropout 0 (got {dropout})"
             )
-        if getattr(config, "window_size", None) is not None:
-            raise ValueError(
-                f"config.window_size={config.window_size} is Megatron's own window; with megatron-cp "
-                "describe the window in the mask (--cp-mask sliding_window --cp-window W)"
-            )
+        # windowed layers (config.window_size with window_attn_skip_freq, as Gemma or GPT-OSS mix them) run the
+        # micro-batch's window plan; a window on every layer belongs in the mask itself
+        self.layer_window = None
+        window = getattr(config, "window_size", None)
+        if window is not None:
+            skip = getattr(config, "window_attn_skip_freq", None)
+            if skip is None:
+                raise ValueError(
+                    f"config.window_size={window} on every layer is Megatron's own window; with megatron-cp "
+                    "describe the window in the mask (--cp-mask sliding_window --cp-window W)"
+                )
+            window = tuple(window)
+            if len(window) != 2 or window[1] != 0 or window[0] < 0:
+                raise ValueError(f"config.window_size={window}: megatron-cp's windowed layers are causal, (W, 0) "
+                                 "with W >= 0")
+            if is_layer_window_attention(window, skip, self.layer_number):
+                self.layer_window = int(window[0])
         softmax_type = getattr(config, "softmax_type", "vanilla")
         if softmax_type not in _SOFTMAX_TYPES:
             raise ValueError(f"CPCoreAttention: softmax_type must be one of {', '.join(_SOFTMAX_TYPES)}, got "
@@ -185,6 +197,13 @@ class CPCoreAttention(MegatronModule):
         backend, strategy, selector, gating = "auto", "megatron_cp", None, None
         if isinstance(packed_seq_params, CPParams):
             plan = packed_seq_params.plan
+            if self.layer_window is not None:
+                if packed_seq_params.layer_window != self.layer_window:
+                    raise ValueError(
+                        f"layer {self.layer_number} is windowed (window {self.layer_window}) but its micro-batch "
+                        f"was prepared with layer_window={packed_seq_params.layer_window}: prepare_batch with "
+                        f"MaskSpec(layer_window={self.layer_window}) (the plugin derives it from --window-size)")
+                plan = packed_seq_params.window_plan
             backend, strategy = packed_seq_params.kernel_backend, packed_seq_params.strategy
             if packed_seq_params.sparse is not None:
                 selector = packed_seq_params.sparse.selector(self.layer_number)
@@ -194,7 +213,7 @@ class CPCoreAttention(MegatronModule):
             kind = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
             if kind != AttnMaskType.causal:
                 raise ValueError(f"without CPParams only causal attention is implied, got attn_mask_type={kind}")
-            plan = _causal_plan_cp1(s)
+            plan = _causal_plan_cp1(s, self.layer_window)
         else:
             raise ValueError(
                 "CPCoreAttention needs packed_seq_params=CPParams from megatron_cp.megatron.prepare_batch "

@@ -35,6 +35,8 @@ class CPParams(PackedSeqParams):
                    -> Hkv bools or None (--cp-head-gating / --cp-head-pattern)
     stream_plan:   the streaming heads' plan (``plan_like(streaming_within(mask, sink, window), plan)``:
                    the same token layout as ``plan``); required with ``gating``
+    layer_window:  the windowed layers' left window (``MaskSpec.layer_window``) or None
+    window_plan:   those layers' plan (the window within the mask's documents, ``plan``'s token layout)
     """
 
     plan: Any = None
@@ -45,6 +47,8 @@ class CPParams(PackedSeqParams):
     sparse: Any = None
     gating: Any = None
     stream_plan: Any = None
+    layer_window: int | None = None
+    window_plan: Any = None
 
     def __post_init__(self):
         if self.qkv_format is None:
@@ -59,6 +63,9 @@ class CPParams(PackedSeqParams):
                                  f"{getattr(self.gating, 'mode', None)!r}")
             if self.stream_plan is None:
                 raise ValueError("CPParams with gating needs stream_plan (prepare_batch with PlanOptions.gating)")
+        if (self.layer_window is None) != (self.window_plan is None):
+            raise ValueError("CPParams: layer_window and window_plan go together (prepare_batch with "
+                             f"MaskSpec.layer_window), got layer_window={self.layer_window}")
         # GPTModel asks packed_seq_params for the RoPE length; the full length of the sequence.
         self.max_seqlen_q = self.max_seqlen_kv = int(self.plan.seqlen)
         super().__post_init__()
