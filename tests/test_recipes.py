@@ -274,6 +274,30 @@ def test_throughput_docs_log_normal_lengths():
             thr.jobs_for("full", 4, [32768], ["packed"], ["megatron_cp"], 32768 * 4, 0, 1, [], docs=bad)
 
 
+def test_throughput_layer_window_trains_windowed_layers(tmp_path):
+    """throughput.py --layer-window W,PATTERN (one layer in two windowed here, #41's mixed layers): the model's
+    windowed layers run the window plan (the step trains, its loss differs from the all-full model's), and the
+    FLOPs count each layer type's own area."""
+    thr = load_script(RUN_PY.parent / "throughput.py")
+    argv = ["--size", "tiny", "--cpu", "--gpus", "2", "--lengths", "128", "--masks", "causal", "--impls", "megatron_cp",
+            "--warmup", "0", "--steps", "1", "--profile-lengths", "none"]
+    win = thr.main(argv + ["--layer-window", "8,10", "--out", str(tmp_path / "w")])["rows"][0]
+    full = thr.main(argv + ["--out", str(tmp_path / "f")])["rows"][0]
+    assert math.isfinite(win["loss_last"]) and abs(win["loss_last"] - full["loss_last"]) > 1e-6
+    (job,) = thr.jobs_for("tiny", 2, [128], ["causal"], ["megatron_cp"], 128, 0, 1, [], layer_window="8,10")
+    t = job.train
+    assert (t.layer_window, t.windowed_layers()) == (8, [1, 0])
+    (plain,) = thr.jobs_for("tiny", 2, [128], ["causal"], ["megatron_cp"], 128, 0, 1, [])
+    sh = t.shape
+    hd = sh.hidden_size // sh.num_attention_heads
+    # attention FLOPs: one full layer (128 x 129 / 2 cells) and one windowed (9 x 10 / 2 + 119 x 9) instead of two full
+    diff = thr.model_flops(plain.train, 0) - thr.model_flops(t, 0)
+    assert diff == 12.0 * sh.num_attention_heads * hd * (128 * 129 / 2 - (45 + 119 * 9)), diff
+    for bad in ("8", "x,10", "8,12", "8,00"):
+        with pytest.raises(ValueError, match="--layer-window"):
+            thr.jobs_for("tiny", 2, [128], ["causal"], ["megatron_cp"], 128, 0, 1, [], layer_window=bad)
+
+
 def test_a_recipe_prints_its_result_without_warnings(tmp_path):
     """A recipe run as a user types it (no PYTHONPATH; run.py puts examples/ on its own path, which the rank
     processes' fork server must see too, or Megatron's start-up warnings come back unfiltered): its checks end

@@ -120,6 +120,10 @@ class Train:
     doc_lengths: tuple[int, int] = (32, 480)  # bytes per document, uniform (stdlib sources; EOD after each)
     doc_median: int | None = None  # lengths log-normal around this (doc_sigma) within doc_lengths instead
     doc_sigma: float = 1.0
+    # windowed layers among full ones (Megatron's --window-size W,0 with --window-attn-skip-freq as a list):
+    # layer i (from 1) is windowed where window_pattern[(i - 1) % len(window_pattern)] is 1
+    layer_window: int | None = None
+    window_pattern: tuple[int, ...] = ()
     recursive: bool = True  # the whole standard library (32 MB of text), not only its top folder
     kernel_backend: str = "auto"
     recompute: bool = False  # Megatron's full activation recompute, one layer at a time
@@ -136,6 +140,15 @@ class Train:
         if self.steps < 1 or self.global_batch < 1 or self.micro_batch < 1:
             raise ValueError(f"need steps, global_batch, micro_batch >= 1, got {self.steps}, "
                              f"{self.global_batch}, {self.micro_batch}")
+        if (self.layer_window is None) != (not self.window_pattern) or \
+                (self.layer_window is not None and (self.layer_window < 0 or set(self.window_pattern) - {0, 1})):
+            raise ValueError(f"layer_window (>= 0) and window_pattern (0s and 1s) go together, got "
+                             f"{self.layer_window} and {self.window_pattern}")
+
+    def windowed_layers(self) -> list[int]:
+        """Megatron's window_attn_skip_freq as a list: 1 for each windowed layer, ``window_pattern`` repeated."""
+        p = self.window_pattern
+        return [int(p[i % len(p)]) for i in range(self.shape.num_layers)]
 
     def lr_at(self, step: int, steps: int, finetune: bool = False) -> float:
         """Linear warm-up, then cosine decay to ``min_lr`` at ``steps`` (Megatron's cosine schedule); fine-tuning
@@ -304,6 +317,8 @@ def _build(train: Train, layout: Layout, length: int, full: dict, device):
     over = dict(sequence_parallel=layout.sp)
     if train.recompute:
         over.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if train.layer_window is not None:
+        over.update(window_size=(train.layer_window, 0), window_attn_skip_freq=train.windowed_layers())
     config = transformer_config(shape, dtype=DTYPES[train.dtype], **over)
     chunks = build_pipeline_stage(shape, config) if layout.pp > 1 else [build_llama(shape, config)]
     load_full_state(chunks, full)
@@ -323,7 +338,7 @@ def _train_steps(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, 
 
     from . import trainer
 
-    spec = MaskSpec(train.mask, eod=EOD if train.mask.startswith("packed") else None)
+    spec = MaskSpec(train.mask, eod=EOD if train.mask.startswith("packed") else None, layer_window=train.layer_window)
     options = run.options(train)
     losses, norms, seconds = [], [], []
     for step in range(start, steps if end is None else end):

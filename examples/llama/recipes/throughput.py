@@ -64,14 +64,27 @@ def parse_docs(text: str | None, real: bool) -> dict:
     return out
 
 
+def parse_window(text: str | None) -> dict:
+    """``--layer-window W,PATTERN``: windowed layers among full ones, PATTERN a string of 0/1 repeated over the
+    layers (``1000``: the first of every four windowed, keys i-W..i in its documents) -> Train fields."""
+    if text is None:
+        return {}
+    w, _, pattern = text.partition(",")
+    if not w.isdigit() or not pattern or set(pattern) - {"0", "1"} or "1" not in pattern:
+        raise ValueError(f"--layer-window {text!r}: W,PATTERN with W >= 0 and PATTERN of 0s and 1s with a 1 "
+                         "(e.g. 4096,1000)")
+    return dict(layer_window=int(w), window_pattern=tuple(int(c) for c in pattern))
+
+
 def jobs_for(size: str, gpus: int, lengths, masks, impls, tokens: int, warmup: int, steps: int,
-             profile_lengths, cp: int | None = None, docs: str | None = None) -> list[Job]:
+             profile_lengths, cp: int | None = None, docs: str | None = None,
+             layer_window: str | None = None) -> list[Job]:
     # 12l: the 1.5b model's width at 12 layers, the size of Megatron's dynamic-CP measurement (a 12-layer GPT,
     # hidden 2048; here with the recipes' Llama blocks, GQA 16:4)
     base = {"full": LLAMA_300M, "1.5b": LLAMA_1_5B, "12l": replace(LLAMA_1_5B, num_layers=12), "tiny": TINY}[size]
     real = size != "tiny"
     cp = gpus if cp is None else cp
-    doc = parse_docs(docs, real)
+    doc = parse_docs(docs, real) | parse_window(layer_window)
     if cp < 1 or gpus % cp:
         raise ValueError(f"--cp {cp} must divide --gpus {gpus} (DP = GPUs / CP)")
     jobs = []
@@ -106,16 +119,22 @@ def model_flops(train: Train, first_step: int) -> float:
     corpus = Corpus(train, sh.seq_length, train.steps * train.global_batch)
     steps = train.steps - first_step
     tokens, _, _ = corpus.batch(first_step * train.global_batch, steps * train.global_batch)
-    area = 0.0
+    windowed = sum(train.windowed_layers()) if train.layer_window is not None else 0
+    area = 0.0  # summed over the layers: a windowed layer keeps keys i-W..i of each document
     for row in tokens.numpy():
         if train.mask == "packed":
             cuts = np.concatenate([[0], np.nonzero(row == EOD)[0] + 1, [len(row)]])
             d = np.diff(np.unique(cuts)).astype(np.float64)
         else:
             d = np.array([len(row)], dtype=np.float64)
-        area += float((d * (d + 1) / 2).sum()) / steps
+        full = d * (d + 1) / 2
+        area += (layers - windowed) * float(full.sum()) / steps
+        if windowed:
+            w = float(train.layer_window) + 1  # keys per row once past the window
+            band = np.where(d <= w, full, w * (w + 1) / 2 + (d - w) * w)
+            area += windowed * float(band.sum()) / steps
     n = train.global_batch * sh.seq_length
-    return 6.0 * matmul * n + 12.0 * area * sh.num_attention_heads * hd * layers
+    return 6.0 * matmul * n + 12.0 * area * sh.num_attention_heads * hd
 
 
 def summarize(jobs: list[Job], results: list[dict], warmup: int, world: int) -> dict:
@@ -197,6 +216,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--lengths", default=None, help="comma list of tokens per sequence (default 32768,65536,131072; "
                                                     "tiny 128,256)")
     ap.add_argument("--masks", default="packed,causal")
+    ap.add_argument("--layer-window", default=None, help="W,PATTERN: windowed layers (keys i-W..i) where PATTERN "
+                                                         "(0/1, repeated over the layers) has a 1, e.g. 4096,1000")
     ap.add_argument("--docs", default=None, help="packed documents' lengths in tokens: LO,HI uniform (default "
                                                  "256,16384; tiny 16,96) or LO,HI,MEDIAN[,SIGMA] log-normal")
     ap.add_argument("--impls", default=",".join(IMPLS))
@@ -227,7 +248,8 @@ def main(argv=None) -> dict:
     prof = [] if a.profile_lengths == "none" else \
         [max(lengths)] if a.profile_lengths is None else [int(x) for x in a.profile_lengths.split(",")]
     try:
-        jobs = jobs_for(a.size, a.gpus, lengths, masks, impls, tokens, a.warmup, a.steps, prof, a.cp, a.docs)
+        jobs = jobs_for(a.size, a.gpus, lengths, masks, impls, tokens, a.warmup, a.steps, prof, a.cp, a.docs,
+                        a.layer_window)
     except ValueError as e:
         ap.error(str(e))
     command = "python examples/llama/recipes/throughput.py " + shlex.join(argv if argv is not None else sys.argv[1:])
