@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+import pytest
 
 from megatron_helpers import EXAMPLES  # also puts examples/ on sys.path (tiny_llama)
 
@@ -56,7 +57,7 @@ class SkewedDataset:
         return {"tokens": s[:-1], "labels": s[1:], "loss_mask": torch.ones(S), "position_ids": torch.arange(S)}
 
 
-def _worker(rank, world):
+def _worker(rank, world, extra=()):
     import torch
     import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -67,7 +68,7 @@ def _worker(rank, world):
     from megatron_cp.megatron import plugin
     from tiny_llama import trainer
 
-    PL, args = _parse([])
+    PL, args = _parse(list(extra))
     args.context_parallel_size = CP  # Megatron's CP > 1 validation reads the CUDA architecture: set after it
     args.num_workers = 0
     trainer.init_parallel(1, CP)  # DP = world / CP
@@ -100,19 +101,25 @@ def _worker(rank, world):
         # DP groups whose micro-batch this rank holds tokens of (the global plan may give it another group's)
         held = sorted({int(i) // S for i in plan.local_ids(batches[-1].params.cp_rank)}) if balance else [rank // CP]
         out[balance] = dict(loss=float(stats[0]), tokens=int(stats[1]), grads=grads, plan_ranks=plan.cp_size,
-                            plan_tokens=plan.seqlen, held=held, ahead=ahead[-1])
+                            plan_tokens=plan.seqlen, held=held, ahead=ahead[-1],
+                            window_plan=batches[-1].params.window_plan is not None)
     return out
 
 
-def test_one_plan_over_dp_x_cp_trains_like_the_fixed_layout():
+@pytest.mark.parametrize("extra", [(), ("--window-size", "8,0", "--window-attn-skip-freq", "2")],
+                         ids=["full layers", "windowed and full layers"])
+def test_one_plan_over_dp_x_cp_trains_like_the_fixed_layout(extra):
+    """Also with Megatron's windowed layers among full ones: the global plan's window plan on the same layout."""
     from megatron_cp.testing import run_ranks
 
-    r_all = run_ranks(_worker, DP * CP)
+    r_all = run_ranks(_worker, DP * CP, extra)
     fixed, glob = r_all[0][False], r_all[0][True]
     assert fixed["tokens"] == glob["tokens"] == DP * S  # the global batch: one sample of S tokens per DP rank
     # the fixed layout plans each DP group's S tokens over its CP pair; the global plan all DP x S over 4 ranks
     assert (fixed["plan_ranks"], fixed["plan_tokens"]) == (CP, S) and (glob["plan_ranks"], glob["plan_tokens"]) == (DP * CP, DP * S)
     assert abs(glob["loss"] - fixed["loss"]) <= 1e-5 * abs(fixed["loss"]), (glob["loss"], fixed["loss"])
+    # windowed layers ran their own plan in both layouts
+    assert all(x[b]["window_plan"] == bool(extra) for x in r_all for b in (False, True))
     # the global plan was made ahead by the planning thread (its tokens gathered there), on every rank
     assert all(x[True]["ahead"] for x in r_all), [x[True]["ahead"] for x in r_all]
     assert 4.0 < fixed["loss"] / fixed["tokens"] < 7.0  # ~ln(320) at initialisation
