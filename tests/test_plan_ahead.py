@@ -194,9 +194,9 @@ def _replay_case(fresh_cache, RerunDataIterator, plan_ahead_of):
     seeds = [11, 12, 13, 14, 15, 16]
     loader = iter([{"tokens": _tokens(s), "seed": s} for s in seeds])
     rerun = RerunDataIterator(loader)
-    it = plan_ahead_of(rerun, _plan_fn)
+    it = plan_ahead_of(rerun, lambda: _plan_fn)
     assert it is rerun and isinstance(rerun.iterable, PlanAhead)
-    assert plan_ahead_of(rerun, _plan_fn).iterable is rerun.iterable  # wrapped once
+    assert plan_ahead_of(rerun, lambda: _plan_fn).iterable is rerun.iterable  # wrapped once
     rerun.saved_microbatches.clear()
     first = [next(it)["seed"] for _ in range(2)]  # one iteration of 2 micro-batches
     saved = [b["seed"] for b in rerun.saved_microbatches]
@@ -217,7 +217,7 @@ def test_forward_step_plans_inline_for_an_iterator_it_cannot_keep(fresh_cache):
     from megatron_cp.megatron.plugin import plan_ahead_of
 
     batches = iter([{"tokens": _tokens(s)} for s in (21, 22)])
-    assert plan_ahead_of(batches, _plan_fn) is batches
+    assert plan_ahead_of(batches, lambda: _plan_fn) is batches
     assert fresh_cache.made == 0
 
 

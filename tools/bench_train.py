@@ -73,16 +73,20 @@ def micro_batch_masks(seqlen: int, count: int, seed: int) -> list:
             for _ in range(count)]
 
 
-def _planner(impl: str, cp: int, work: Workload, device):
+def _planner(impl: str, cp: int, work: Workload, device, group):
     """mask -> (plan, attention function of (q, k, v, plan, group)): what the planning thread makes (for
-    megatron-cp the plan with its exchange choice, on a GPU from the planning helper process, as the plugin
-    does; the rank's execution state is built by the plan's first call)."""
+    megatron-cp the plan with its exchange choice, on a GPU from the planning helper process, checked across
+    the ranks, as the plugin does; the rank's execution state is built by the plan's first call)."""
     if impl == "megatron-cp":
+        check = mcp.runtime.planning_group(group, "bench_train")  # every rank, here, before the thread starts
+
         def make(mask):
             if device.type == "cuda":
-                return mcp.runtime.plan_in_helper(mask, cp, work=work)
-            plan = mcp.plan(mask, cp)
-            mcp.runtime.prebuild(plan, work)
+                plan = mcp.runtime.plan_in_helper(mask, cp, work=work)
+            else:
+                plan = mcp.plan(mask, cp)
+                mcp.runtime.prebuild(plan, work)
+            mcp.runtime.check_plan_ahead(plan, group, check)
             return plan
         return make, lambda q, k, v, plan, group: mcp.attention(q, k, v, plan, group)[0]
     fn = get_strategy(impl)
@@ -110,7 +114,7 @@ def _busy_ms(prof) -> tuple[float, float]:
 def bench(impl: str, seqlen: int, args, ctx) -> dict:
     rank, cp, device, group, dtype = ctx["rank"], ctx["cp"], ctx["device"], ctx["group"], ctx["dtype"]
     work = Workload(args.heads, args.kv_heads, args.head_dim, torch.finfo(dtype).bits // 8)
-    make, attend = _planner(impl, cp, work, device)
+    make, attend = _planner(impl, cp, work, device, group)
     steps = args.warmup + args.steps + (2 if device.type == "cuda" else 1)
     masks = micro_batch_masks(seqlen, steps * args.micro_batches, args.seed)
     plans: dict[int, object] = {}

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_cp.megatron import (MaskSpec, PlanAhead, PlanOptions, global_planner, loss_func, plan_for_batch,
                                   prepare_step_batch)
+from megatron_cp.runtime import check_plan_ahead, planning_group
 from megatron_cp.testing import free_port, process_context
 
 
@@ -99,8 +100,16 @@ def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions 
     # every DP group's tokens in the thread)
     if device is not None and torch.device(device).type == "cuda":
         options = replace(options, helper_process=True)
-    plan_fn = global_planner(spec, options) if options.over_dp else \
-        (lambda mb: plan_for_batch(mb[0], spec, cp, options))
+    if options.over_dp:
+        plan_fn = global_planner(spec, options)
+    else:  # each plan is checked across the CP ranks in the thread too: its first attention call runs no collective
+        cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
+        check = planning_group(cp_group, "trainer") if cp_group is not None else None
+
+        def plan_fn(mb):
+            plan, strategy = plan_for_batch(mb[0], spec, cp, options)
+            if check is not None and strategy == "megatron_cp":
+                check_plan_ahead(plan, cp_group, check)
     ahead = PlanAhead(iter(micro_batches), plan_fn)
     try:
         for batch in ahead:

@@ -136,6 +136,12 @@ class PlanAhead:
                 "plan_s": sum(self.plan_times)}
 
 
+def wrapped_by(batches) -> PlanAhead | None:
+    """The ``PlanAhead`` that ``plan_ahead`` made around ``batches`` (``batches`` itself if it is one), or None;
+    TypeError for an iterator that cannot be weakly referenced."""
+    return batches if isinstance(batches, PlanAhead) else _WRAPPED.get(batches)
+
+
 def plan_ahead(batches, plan_fn: Callable, depth: int = 2) -> PlanAhead:
     """``PlanAhead(batches, plan_fn, depth)``, once per iterator: a schedule hands ``forward_step`` the
     same iterator every micro-batch, so wrapping it there returns the wrapper made the first time.

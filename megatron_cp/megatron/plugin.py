@@ -27,6 +27,7 @@ from functools import partial
 
 import torch
 
+import megatron_cp as mcp
 from megatron_cp.planner import Workload
 
 from . import rope
@@ -189,27 +190,49 @@ def _broadcast_batch(data_iterator, args):
     return tokens, labels, loss_mask, host
 
 
-def plan_ahead_of(data_iterator, plan_fn):
-    """The iterator ``forward_step`` reads, with the next micro-batches planned by ``plan_fn`` in a background
-    thread (``plan_ahead.PlanAhead``; ``batch.plan_for_batch`` leaves each plan where ``prepare_batch`` finds it,
-    ``batch.global_planner``'s plans come back as the PlanAhead's ``last``).
+def plan_ahead_of(data_iterator, make_plan_fn):
+    """The iterator ``forward_step`` reads, with the next micro-batches planned in a background thread by the
+    function ``make_plan_fn()`` returns, called once, when the iterator is first wrapped (``plan_ahead.PlanAhead``;
+    ``batch.plan_for_batch`` leaves each plan where ``prepare_batch`` finds it, ``batch.global_planner``'s plans
+    come back as the PlanAhead's ``last``).
 
     Megatron's ``RerunDataIterator`` keeps the micro-batches of an iteration to replay them (its rerun state
     machine, on by default): reading ahead above it would mix the next iteration's micro-batches into a
     replay, so the planner goes below it, around the loader's iterator (``.iterable``), which it reads in
     order. Any other iterator is wrapped itself (once); one that cannot be weakly referenced (a built-in
     iterator such as ``iter(list)``, which a schedule may be handed) is returned as is and planned inline."""
-    from .plan_ahead import plan_ahead
+    from .plan_ahead import plan_ahead, wrapped_by
 
     inner = getattr(data_iterator, "iterable", None)
     if inner is not None and callable(getattr(data_iterator, "rewind", None)):
         if not isinstance(inner, PlanAhead):
-            data_iterator.iterable = PlanAhead(inner, plan_fn)
+            data_iterator.iterable = PlanAhead(inner, make_plan_fn())
         return data_iterator
     try:
-        return plan_ahead(data_iterator, plan_fn)
+        ahead = wrapped_by(data_iterator)
     except TypeError:
         return data_iterator
+    return ahead if ahead is not None else plan_ahead(data_iterator, make_plan_fn())
+
+
+_ITERATORS = {"wrapped": 0}  # iterators given a planning thread so far: each thread's check group is its own
+
+
+def _checked_planner(spec, options, cp_group, cp: int):
+    """plan_for_batch's work for a planning thread, which also checks each megatron_cp plan across the CP ranks
+    (``runtime.check_plan_ahead``) on a gloo group of its own (made here, on every CP rank at the same point): the
+    plans' first attention calls then run no collective."""
+    check = None
+    if cp_group is not None and cp > 1:
+        _ITERATORS["wrapped"] += 1
+        check = mcp.runtime.planning_group(cp_group, f"plan check {_ITERATORS['wrapped']}")
+
+    def plan_fn(batch):
+        plan, strategy = plan_for_batch(batch["tokens"], spec, cp, options)
+        if check is not None and strategy == "megatron_cp":
+            mcp.runtime.check_plan_ahead(plan, cp_group, check)
+
+    return plan_fn
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
@@ -239,10 +262,9 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     if data_iterator is not None and ps.get_tensor_model_parallel_rank() == 0 and (training or not over_dp):
         # each stage's reader plans ahead; one plan over DP x CP gathers every DP group's tokens in the thread, on a
         # gloo group that only the training iterator's thread uses (evaluation's micro-batches plan in the step)
-        cp = ps.get_context_parallel_world_size()
-        plan_fn = global_planner(spec, options) if over_dp else \
-            (lambda batch: plan_for_batch(batch["tokens"], spec, cp, options))
-        data_iterator = plan_ahead_of(data_iterator, plan_fn)
+        cp_group, cp = ps.get_context_parallel_group(), ps.get_context_parallel_world_size()
+        data_iterator = plan_ahead_of(data_iterator, lambda: global_planner(spec, options) if over_dp else
+                                      _checked_planner(spec, options, cp_group, cp))
     tokens, labels, loss_mask, host_tokens = _broadcast_batch(data_iterator, args)
     ahead = data_iterator if isinstance(data_iterator, PlanAhead) else getattr(data_iterator, "iterable", None)
     ahead = ahead if isinstance(ahead, PlanAhead) else None

@@ -46,16 +46,18 @@ def host_group(group):
     return twin
 
 
-_PLANNING_GROUPS: dict = {}  # ranks -> the gloo group a planning thread gathers on
+_PLANNING_GROUPS: dict = {}  # (ranks, purpose) -> the gloo group a planning thread runs its collectives on
 
 
-def planning_group(group):
-    """A gloo group over ``group``'s ranks for a planning thread's collectives (one plan over DP x CP gathers
-    every DP group's tokens ahead of the step), apart from ``host_group``'s: a gloo group's collectives must come
-    in one order on every rank, and the step's plan checks and a thread's gathers run concurrently. Made on first
-    use by ``group``'s ranks alone, all at the same point (not from the thread), and kept, one per set of ranks."""
-    ranks = tuple(dist.get_process_group_ranks(group))
-    g = _PLANNING_GROUPS.get(ranks)
+def planning_group(group, purpose: str = ""):
+    """A gloo group over ``group``'s ranks for one planning thread's collectives (one plan over DP x CP gathers
+    every DP group's tokens ahead of the step; a plan made ahead is checked across the CP ranks), apart from
+    ``host_group``'s: a gloo group's collectives must come in one order on every rank, and the step's checks and
+    a thread's collectives run concurrently, as do two threads' (``purpose`` tells their groups apart). Made on
+    first use by ``group``'s ranks alone, all at the same point (not from the thread), and kept, one per set of
+    ranks and purpose."""
+    key = (tuple(dist.get_process_group_ranks(group)), purpose)
+    g = _PLANNING_GROUPS.get(key)
     if g is None:
-        g = _PLANNING_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        g = _PLANNING_GROUPS[key] = dist.new_group(list(key[0]), backend="gloo", use_local_synchronization=True)
     return g

@@ -124,27 +124,57 @@ def _shown(name: str, x: int) -> str:
     return str(x)
 
 
-def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
-    """Once per (plan, group): every rank must hold the same plan and the same ``fields`` (named ints, e.g.
-    ``input_fields``: head counts, head dims, dtype code). One tiny all-reduce of (max, -max) of the digest
-    and the fields, on the host (``groups.host_group``: no wait for the GPU's queue); where ranks differ, a
-    RuntimeError on every rank naming this rank's value and the range seen across ranks, before any exchange
-    of the attention (whose mismatched sizes would abort gloo or hang NCCL)."""
-    if group is None or plan.cp_size == 1:
-        return
-    seen = plan_cache(plan).setdefault("verified", set())
-    if id(group) in seen:
-        return
-    names = ["plan digest"] + list(fields or {})
-    vals = [int(plan.digest64)] + [int(x) for x in (fields or {}).values()]
+_FIELDS_AGREED: set = set()  # (id(group), fields) every rank of the group was found to share
+
+
+def _agree(names: list, vals: list, check_group) -> None:
+    """One tiny all-reduce of (max, -max) of ``vals`` over ``check_group`` (gloo, on the host); where ranks
+    differ, a RuntimeError on every rank naming this rank's value and the range seen across ranks."""
     t = torch.tensor(vals + [-x for x in vals], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=check_group)
     hi, lo = t[:len(vals)].tolist(), [-x for x in t[len(vals):].tolist()]
     bad = [f"{n} differs across ranks (this rank: {_shown(n, x)}, seen from {_shown(n, a)} to {_shown(n, b)})"
            for n, x, a, b in zip(names, vals, lo, hi) if a != b]
     if bad:
         raise RuntimeError("CP ranks disagree: " + "; ".join(bad) + ". Every rank of a CP group must build the "
                            "same plan from the same mask and run attention with the same heads, head dims and dtype")
+
+
+def check_plan_ahead(plan: Plan, group, check_group) -> None:
+    """Check, ahead of the step, that every rank of ``group`` holds ``plan`` (its digest all-reduced over
+    ``check_group``: a gloo group over the same ranks that only this planning thread uses, e.g.
+    ``groups.planning_group``), and remember it: the plan's first attention call then runs no collective of its
+    own once its input fields were agreed on an earlier plan (``verify_plan``). Every rank's planning thread
+    calls it for the same plans in the same order; a mismatch raises RuntimeError on every rank."""
+    if group is None or plan.cp_size == 1:
+        return
+    checked = plan_cache(plan).setdefault("checked ahead", set())
+    if id(group) not in checked:
+        _agree(["plan digest"], [int(plan.digest64)], check_group)
+        checked.add(id(group))
+
+
+def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
+    """Once per (plan, group): every rank must hold the same plan and the same ``fields`` (named ints, e.g.
+    ``input_fields``: head counts, head dims, dtype code). One tiny all-reduce of (max, -max) of the digest
+    and the fields, on the host (``groups.host_group``: no wait for the GPU's queue); where ranks differ, a
+    RuntimeError on every rank naming this rank's value and the range seen across ranks, before any exchange
+    of the attention (whose mismatched sizes would abort gloo or hang NCCL). No collective where a planning
+    thread checked the plan already (``check_plan_ahead``) and these fields were agreed on an earlier plan:
+    every rank decides that alike, since the ranks run the same layers on plans checked in the same order."""
+    if group is None or plan.cp_size == 1:
+        return
+    cache = plan_cache(plan)
+    seen = cache.setdefault("verified", set())
+    if id(group) in seen:
+        return
+    agreed = (id(group), tuple((fields or {}).items()))
+    if id(group) in cache.get("checked ahead", ()) and agreed in _FIELDS_AGREED:
+        seen.add(id(group))
+        return
+    _agree(["plan digest"] + list(fields or {}), [int(plan.digest64)] + [int(x) for x in (fields or {}).values()],
+           host_group(group))
+    _FIELDS_AGREED.add(agreed)
     seen.add(id(group))
 
 

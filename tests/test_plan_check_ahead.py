@@ -1,0 +1,71 @@
+"""A plan checked across the CP ranks by its planning thread (runtime.check_plan_ahead, on a gloo group of the
+thread's own) needs no collective at its first attention call once the inputs' fields were agreed on an earlier
+plan; a plan that differs across ranks is caught in the thread, on every rank. Two gloo ranks."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+import megatron_cp as mcp
+from megatron_cp.testing import run_ranks
+
+
+def _in_thread(fn):
+    """fn() on a thread of its own, as a planning thread runs it: its error string, or None."""
+    err = []
+
+    def run():
+        try:
+            fn()
+        except RuntimeError as e:
+            err.append(str(e))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return err[0] if err else None
+
+
+def _rank(rank, world, case):
+    group = dist.group.WORLD
+    check = mcp.runtime.planning_group(group, "test")
+    plans = [mcp.plan(mcp.masks.varlen(cu, causal=True), world) for cu in ([0, 100, 256], [0, 30, 256], [0, 200, 256])]
+    if case == "differ":
+        mine = plans[rank]  # rank 0 and rank 1 hold different plans of the same length
+        return _in_thread(lambda: mcp.runtime.check_plan_ahead(mine, group, check))
+    for p in plans[:2]:
+        assert _in_thread(lambda p=p: mcp.runtime.check_plan_ahead(p, group, check)) is None
+    calls = []
+    real = dist.all_reduce
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    dist.all_reduce = counted
+    g = torch.Generator().manual_seed(rank)
+    per_plan = []
+    try:
+        for p in plans:  # checked ahead, checked ahead, not checked
+            before = len(calls)
+            q, k, v = (torch.randn(p.num_local(rank), h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+            mcp.attention(q, k, v, p, group)
+            per_plan.append(len(calls) - before)
+    finally:
+        dist.all_reduce = real
+    return per_plan
+
+
+def test_a_plan_checked_ahead_runs_no_collective_at_its_first_call():
+    got = run_ranks(_rank, 2, "same")
+    # the first plan agrees the fields (one check), the second was checked ahead with the same fields (none), the
+    # third was not checked ahead (one)
+    assert got == [[1, 0, 1], [1, 0, 1]], got
+
+
+def test_plans_that_differ_are_caught_in_the_planning_thread_on_every_rank():
+    got = run_ranks(_rank, 2, "differ")
+    assert all(m is not None and "CP ranks disagree: plan digest differs across ranks" in m for m in got), got
