@@ -148,10 +148,12 @@ def check_plan_ahead(plan: Plan, group, check_group) -> None:
     calls it for the same plans in the same order; a mismatch raises RuntimeError on every rank."""
     if group is None or plan.cp_size == 1:
         return
+    # per check group: two threads (say training's and evaluation's) may meet the same cached plan, and whether
+    # one of them has finished checking it is not the same moment on every rank
     checked = plan_cache(plan).setdefault("checked ahead", set())
-    if id(group) not in checked:
+    if (id(group), id(check_group)) not in checked:
         _agree(["plan digest"], [int(plan.digest64)], check_group)
-        checked.add(id(group))
+        checked.add((id(group), id(check_group)))
 
 
 def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
@@ -169,7 +171,7 @@ def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
     if id(group) in seen:
         return
     agreed = (id(group), tuple((fields or {}).items()))
-    if id(group) in cache.get("checked ahead", ()) and agreed in _FIELDS_AGREED:
+    if any(g == id(group) for g, _ in cache.get("checked ahead", ())) and agreed in _FIELDS_AGREED:
         seen.add(id(group))
         return
     _agree(["plan digest"] + list(fields or {}), [int(plan.digest64)] + [int(x) for x in (fields or {}).values()],
