@@ -1,6 +1,7 @@
 """A plan checked across the CP ranks by its planning thread (runtime.check_plan_ahead, on a gloo group of the
-thread's own) needs no collective at its first attention call once the inputs' fields were agreed on an earlier
-plan; a plan that differs across ranks is caught in the thread, on every rank. Two gloo ranks."""
+thread's own) and accepted by the step (runtime.accept_plan_check) needs no collective at its first attention call
+once the inputs' fields were agreed on an earlier plan; a plan that differs across ranks is caught in the thread,
+on every rank. Two gloo ranks."""
 
 from __future__ import annotations
 
@@ -36,8 +37,10 @@ def _rank(rank, world, case):
     if case == "differ":
         mine = plans[rank]  # rank 0 and rank 1 hold different plans of the same length
         return _in_thread(lambda: mcp.runtime.check_plan_ahead(mine, group, check))
-    for p in plans[:2]:
+    for p in plans:
         assert _in_thread(lambda p=p: mcp.runtime.check_plan_ahead(p, group, check)) is None
+    for p in plans[:2]:  # the step takes these micro-batches; the third's check it never accepted
+        mcp.runtime.accept_plan_check(p, group)
     calls = []
     real = dist.all_reduce
 
@@ -49,7 +52,7 @@ def _rank(rank, world, case):
     g = torch.Generator().manual_seed(rank)
     per_plan = []
     try:
-        for p in plans:  # checked ahead, checked ahead, not checked
+        for p in plans:  # accepted, accepted, checked ahead but not accepted
             before = len(calls)
             q, k, v = (torch.randn(p.num_local(rank), h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
             mcp.attention(q, k, v, p, group)
@@ -61,8 +64,8 @@ def _rank(rank, world, case):
 
 def test_a_plan_checked_ahead_runs_no_collective_at_its_first_call():
     got = run_ranks(_rank, 2, "same")
-    # the first plan agrees the fields (one check), the second was checked ahead with the same fields (none), the
-    # third was not checked ahead (one)
+    # the first plan agrees the fields (one check), the second was checked ahead and accepted with the same fields
+    # (none), the third's check the step never accepted (one)
     assert got == [[1, 0, 1], [1, 0, 1]], got
 
 

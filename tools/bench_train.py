@@ -132,7 +132,10 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
 
     def planned_ahead():
         while True:
-            yield plans.pop(next(ahead))
+            plan = plans.pop(next(ahead))
+            if impl == "megatron-cp":  # the step takes the planning thread's check (runtime.accept_plan_check)
+                mcp.runtime.accept_plan_check(plan, group)
+            yield plan
 
     src = planned_ahead()
 
@@ -183,7 +186,10 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
     # the timed steps again (the same masks: no kernel compiles for a layout not seen yet) with every plan made
     # before them, nothing planned beside the step: what planning ahead costs the step on the host
     a, b = args.warmup * args.micro_batches, (args.warmup + args.steps) * args.micro_batches
-    made = iter([make(m) for m in masks[a:b]])
+    made = [make(m) for m in masks[a:b]]
+    for p in made if impl == "megatron-cp" else ():
+        mcp.runtime.accept_plan_check(p, group)
+    made = iter(made)
     floor = []
     for _ in range(args.steps):
         sync()

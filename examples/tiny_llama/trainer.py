@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_cp.megatron import (MaskSpec, PlanAhead, PlanOptions, global_planner, loss_func, plan_for_batch,
                                   prepare_step_batch)
-from megatron_cp.runtime import check_plan_ahead, planning_group
+from megatron_cp.runtime import accept_plan_check, check_plan_ahead, planning_group
 from megatron_cp.testing import free_port, process_context
 
 
@@ -106,13 +106,17 @@ def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions 
         cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
         check = planning_group(cp_group, "trainer") if cp_group is not None else None
 
-        def plan_fn(mb):
+        def plan_fn(mb):  # -> the plan checked ahead, which the step accepts when it takes the micro-batch
             plan, strategy = plan_for_batch(mb[0], spec, cp, options)
             if check is not None and strategy == "megatron_cp":
                 check_plan_ahead(plan, cp_group, check)
+                return plan
+            return None
     ahead = PlanAhead(iter(micro_batches), plan_fn)
     try:
         for batch in ahead:
+            if not options.over_dp and ahead.last is not None:
+                accept_plan_check(ahead.last, cp_group)
             out, loss_fn = forward_step(model, batch, spec, options, device, planned=ahead.last if options.over_dp
                                         else None)
             loss, n, _ = loss_fn(out)

@@ -227,10 +227,12 @@ def _checked_planner(spec, options, cp_group, cp: int):
         _ITERATORS["wrapped"] += 1
         check = mcp.runtime.planning_group(cp_group, f"plan check {_ITERATORS['wrapped']}")
 
-    def plan_fn(batch):
+    def plan_fn(batch):  # -> the plan checked ahead (the step accepts it when it takes the micro-batch), or None
         plan, strategy = plan_for_batch(batch["tokens"], spec, cp, options)
         if check is not None and strategy == "megatron_cp":
             mcp.runtime.check_plan_ahead(plan, cp_group, check)
+            return plan
+        return None
 
     return plan_fn
 
@@ -269,6 +271,8 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     ahead = data_iterator if isinstance(data_iterator, PlanAhead) else getattr(data_iterator, "iterable", None)
     ahead = ahead if isinstance(ahead, PlanAhead) else None
     planning = (ahead.plan_times[-1] * 1e3, ahead.waits[-1] * 1e3) if ahead is not None and ahead.waits else None
+    if ahead is not None and not over_dp and ahead.last is not None:
+        mcp.runtime.accept_plan_check(ahead.last, ps.get_context_parallel_group())
     t0 = time.perf_counter()
     bt = prepare_step_batch(tokens, labels, loss_mask, spec, options, host_tokens,
                             planned=ahead.last if over_dp and ahead is not None else None)

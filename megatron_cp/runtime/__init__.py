@@ -17,7 +17,7 @@ from .global_batch import all_micro_batches, gather_global_batch
 from .groups import host_group, plan_rank, planning_group
 from .plan_process import plan_in_helper
 from .sinks import apply_sink
-from .state import check_plan_ahead, fingerprint, input_fields, plan_cache, verify_plan
+from .state import accept_plan_check, check_plan_ahead, fingerprint, input_fields, plan_cache, verify_plan
 
 __all__ = ["attention", "prebuild", "plan_in_helper", "apply_sink", "dispatch", "undispatch", "check_inputs", "resolve_backend",
            "plan_rank", "plan_cache", "CostModel",
@@ -25,5 +25,5 @@ __all__ = ["attention", "prebuild", "plan_in_helper", "apply_sink", "dispatch", 
            "gather_global_batch", "all_micro_batches", "host_group", "planning_group",
            # the cross-rank plan check and the per-call input record, for the sparse and Megatron entry points
            "verify_plan", "input_fields", "fingerprint",
-           # the same check of a plan made ahead, by its planning thread
-           "check_plan_ahead"]
+           # the same check of a plan made ahead, by its planning thread, and the step taking its result
+           "check_plan_ahead", "accept_plan_check"]

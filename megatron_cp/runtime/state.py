@@ -143,9 +143,10 @@ def _agree(names: list, vals: list, check_group) -> None:
 def check_plan_ahead(plan: Plan, group, check_group) -> None:
     """Check, ahead of the step, that every rank of ``group`` holds ``plan`` (its digest all-reduced over
     ``check_group``: a gloo group over the same ranks that only this planning thread uses, e.g.
-    ``groups.planning_group``), and remember it: the plan's first attention call then runs no collective of its
-    own once its input fields were agreed on an earlier plan (``verify_plan``). Every rank's planning thread
-    calls it for the same plans in the same order; a mismatch raises RuntimeError on every rank."""
+    ``groups.planning_group``), and remember it; the step takes the result with ``accept_plan_check`` when it
+    takes the micro-batch, and the plan's first attention call then runs no collective of its own once its input
+    fields were agreed on an earlier plan (``verify_plan``). Every rank's planning thread calls it for the same
+    plans in the same order; a mismatch raises RuntimeError on every rank."""
     if group is None or plan.cp_size == 1:
         return
     # per check group: two threads (say training's and evaluation's) may meet the same cached plan, and whether
@@ -156,14 +157,25 @@ def check_plan_ahead(plan: Plan, group, check_group) -> None:
         checked.add((id(group), id(check_group)))
 
 
+def accept_plan_check(plan: Plan, group) -> None:
+    """On the step's thread, when it takes the micro-batch whose plan a planning thread checked
+    (``check_plan_ahead``): from here the plan's first call may skip its own check. The step, not the thread,
+    decides when, so every rank decides it at the same point of its step (a thread's progress differs across
+    ranks). Nothing for a plan not checked ahead."""
+    cache = plan_cache(plan)
+    if any(g == id(group) for g, _ in cache.get("checked ahead", ())):
+        cache.setdefault("accepted", set()).add(id(group))
+
+
 def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
     """Once per (plan, group): every rank must hold the same plan and the same ``fields`` (named ints, e.g.
     ``input_fields``: head counts, head dims, dtype code). One tiny all-reduce of (max, -max) of the digest
     and the fields, on the host (``groups.host_group``: no wait for the GPU's queue); where ranks differ, a
     RuntimeError on every rank naming this rank's value and the range seen across ranks, before any exchange
-    of the attention (whose mismatched sizes would abort gloo or hang NCCL). No collective where a planning
-    thread checked the plan already (``check_plan_ahead``) and these fields were agreed on an earlier plan:
-    every rank decides that alike, since the ranks run the same layers on plans checked in the same order."""
+    of the attention (whose mismatched sizes would abort gloo or hang NCCL). No collective where the step
+    accepted a planning thread's check of the plan (``check_plan_ahead``, ``accept_plan_check``) and these fields
+    were agreed on an earlier plan: every rank decides that alike, since the ranks run the same layers on the
+    same micro-batches."""
     if group is None or plan.cp_size == 1:
         return
     cache = plan_cache(plan)
@@ -171,7 +183,7 @@ def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
     if id(group) in seen:
         return
     agreed = (id(group), tuple((fields or {}).items()))
-    if any(g == id(group) for g, _ in cache.get("checked ahead", ())) and agreed in _FIELDS_AGREED:
+    if id(group) in cache.get("accepted", ()) and agreed in _FIELDS_AGREED:
         seen.add(id(group))
         return
     _agree(["plan digest"] + list(fields or {}), [int(plan.digest64)] + [int(x) for x in (fields or {}).values()],
