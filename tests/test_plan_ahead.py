@@ -337,15 +337,30 @@ def test_last_is_the_plan_of_the_micro_batch_just_yielded(depth):
         assert it.last == ("plan of", b)
 
 
-def test_a_global_plan_made_for_another_micro_batch_is_refused():
+def test_a_global_plan_made_for_another_micro_batch_is_planned_again(monkeypatch):
     """prepare_global_batch given a plan made ahead for other tokens (a micro-batch read again without its planning
-    thread) raises before any collective instead of training on the wrong layout."""
+    thread, as Megatron's rerun of a step does) does not train on that layout: it plans this micro-batch itself
+    (here stopped at that call), and uses a plan made for these tokens as it is."""
     tok = _tokens(30)
     other = B.GlobalPlan(tokens=np.stack([_tokens(31).numpy(), _tokens(32).numpy()]), cu_seqlens=[], plan=None,
                          strategy="megatron_cp")
-    with pytest.raises(ValueError, match="the micro-batch planned ahead is not this one"):
-        B.prepare_global_batch(tok, tok, torch.ones(tok.shape), SPEC, None, dp_rank=0, cp_rank=0, cp_size=2,
-                               options=B.PlanOptions(over_dp=True), planned=other)
+    asked = []
+
+    def plan_here(host, *a, **k):
+        asked.append(host)
+        raise LookupError("planned here")
+
+    monkeypatch.setattr(B, "plan_global_batch", plan_here)
+    monkeypatch.setattr(mcp.runtime, "host_group", lambda g: g)
+    kw = dict(dp_rank=0, cp_rank=0, cp_size=2, options=B.PlanOptions(over_dp=True))
+    with pytest.raises(LookupError, match="planned here"):
+        B.prepare_global_batch(tok, tok, torch.ones(tok.shape), SPEC, None, planned=other, **kw)
+    assert len(asked) == 1 and np.array_equal(asked[0], tok.numpy())
+    mine = B.GlobalPlan(tokens=np.stack([tok.numpy(), _tokens(32).numpy()]), cu_seqlens=[], plan=None,
+                        strategy="megatron_cp")
+    with pytest.raises(ValueError, match="process group has not been initialized"):  # used: on to the device gather
+        B.prepare_global_batch(tok, tok, torch.ones(tok.shape), SPEC, None, planned=mine, **kw)
+    assert len(asked) == 1
 
 
 def test_prepare_batch_adds_the_windowed_layers_plan(fresh_cache):

@@ -412,7 +412,7 @@ def prepare_global_batch(
     the tokens the plan gives it: ``[1, s_local]`` tensors and ``params`` whose ``cp_group`` is ``group``, which
     core attention then runs over. The per-token loss summed over the global batch and Megatron's gradient
     reduction over DP x CP make loss and gradients those of the fixed layout. ``planned``: this micro-batch's
-    ``plan_global_batch``, made ahead by a planning thread; else it is made here from tokens gathered on the host
+    ``plan_global_batch``, made ahead by a planning thread (not used if made for other tokens); else it is made here from tokens gathered on the host
     over a gloo twin of ``group`` (``host_tokens``: the loader's host copy where there is one, else one copy back
     from the device), so the GPU queue is not waited for. The device fields are gathered on their own devices."""
     if not options.over_dp:
@@ -429,11 +429,10 @@ def prepare_global_batch(
         host = np.ascontiguousarray(host_tokens, dtype=np.int64)
         if tuple(host.shape) != tuple(tokens.shape):
             raise ValueError(f"host_tokens shape {tuple(host.shape)} differs from tokens {tuple(tokens.shape)}")
-    if planned is None:
+    # a plan made ahead for other tokens (a micro-batch read again without its planning thread, as Megatron's
+    # rerun of a step does on every rank) is not used: planned here instead
+    if planned is None or not np.array_equal(planned.tokens[dp_rank], host):
         planned = plan_global_batch(host, spec, mcp.runtime.host_group(group), options=options, **place)
-    elif not np.array_equal(planned.tokens[dp_rank], host):
-        raise ValueError("the micro-batch planned ahead is not this one (its tokens differ): a micro-batch read "
-                         "again without its planning thread (e.g. Megatron's rerun of a step) cannot reuse its plan")
     plan, strategy, cus = planned.plan, planned.strategy, planned.cu_seqlens
     full = mcp.runtime.all_micro_batches(
         {"tokens": tokens.reshape(-1), "labels": labels.reshape(-1), "loss_mask": loss_mask.reshape(-1)}, group,
