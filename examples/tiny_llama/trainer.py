@@ -21,9 +21,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_cp.megatron import (MaskSpec, PlanAhead, PlanOptions, global_planner, loss_func, plan_for_batch,
-                                  prepare_step_batch)
-from megatron_cp.runtime import accept_plan_check, check_plan_ahead, planning_group
+from megatron_cp.megatron import MaskSpec, PlanAhead, PlanOptions, loss_func, prepare_step_batch, step_planner
 from megatron_cp.testing import free_port, process_context
 
 
@@ -90,35 +88,17 @@ def forward_backward(model, micro_batches, spec: MaskSpec, options: PlanOptions 
     micro_batches: iterable of (tokens, labels, loss_mask), each ``[b, S]``, replicated in the CP
     group. Returns (local loss sum tensor, local token count tensor).
     """
-    from megatron.core import parallel_state
-
     total = None
     count = None
-    cp = parallel_state.get_context_parallel_world_size()
     # the next micro-batches are planned (and their exchanges chosen) in a thread while this one trains, on a GPU
     # in the planning helper process, as the Megatron plugin's forward_step does (a plan over DP x CP gathers
     # every DP group's tokens in the thread)
     if device is not None and torch.device(device).type == "cuda":
         options = replace(options, helper_process=True)
-    if options.over_dp:
-        plan_fn = global_planner(spec, options)
-    else:  # each plan is checked across the CP ranks in the thread too: its first attention call runs no collective
-        cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
-        check = planning_group(cp_group, "trainer") if cp_group is not None else None
-
-        def plan_fn(mb):  # -> the plan checked ahead, which the step accepts when it takes the micro-batch
-            plan, strategy = plan_for_batch(mb[0], spec, cp, options)
-            if check is not None and strategy == "megatron_cp":
-                check_plan_ahead(plan, cp_group, check)
-                return plan
-            return None
-    ahead = PlanAhead(iter(micro_batches), plan_fn)
+    ahead = PlanAhead(iter(micro_batches), step_planner(spec, options, "trainer"))  # one such thread at a time
     try:
         for batch in ahead:
-            if not options.over_dp and ahead.last is not None:
-                accept_plan_check(ahead.last, cp_group)
-            out, loss_fn = forward_step(model, batch, spec, options, device, planned=ahead.last if options.over_dp
-                                        else None)
+            out, loss_fn = forward_step(model, batch, spec, options, device, planned=ahead.last)
             loss, n, _ = loss_fn(out)
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()

@@ -17,8 +17,8 @@ except ImportError as e:  # the extra is not installed
     raise ImportError(f"megatron_cp.megatron is the Megatron-Core plugin and needs megatron-core >= 0.19: pip install "
                       f"\"megatron-cp[megatron]\" ({type(e).__name__}: {e})") from e
 
-from .batch import (CPBatch, GlobalPlan, MaskSpec, PlanOptions, global_planner, plan_for_batch, plan_global_batch,
-                    prepare_batch, prepare_global_batch, prepare_step_batch)
+from .batch import (CPBatch, GlobalPlan, MaskSpec, PlanOptions, plan_for_batch, plan_global_batch, prepare_batch,
+                    prepare_global_batch, prepare_step_batch, step_planner)
 from .core_attention import CPCoreAttention
 from .loss import loss_func
 from .params import CPParams
@@ -30,6 +30,6 @@ __all__ = [
     "CPBatch", "CPCoreAttention", "CPParams", "MaskSpec", "PlanOptions", "PlanRotaryEmbedding",
     "get_llama_layer_spec", "install", "loss_func", "prepare_batch", "prepare_global_batch", "PlanAhead",
     "plan_for_batch", "prepare_step_batch",
-    # one plan over DP x CP, made ahead by a planning thread (--cp-balance-over-dp)
-    "GlobalPlan", "plan_global_batch", "global_planner",
+    # the planning thread's work on Megatron's groups, and one plan over DP x CP (--cp-balance-over-dp)
+    "step_planner", "GlobalPlan", "plan_global_batch",
 ]

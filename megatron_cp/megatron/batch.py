@@ -287,6 +287,7 @@ def prepare_batch(
     options: PlanOptions = PlanOptions(),
     gating=None,
     host_tokens: np.ndarray | None = None,
+    planned=None,
 ) -> CPBatch:
     """Plan and dispatch one micro-batch.
 
@@ -301,7 +302,9 @@ def prepare_batch(
     (train mode needs one: a ``gating.GateSource`` over the training loop's gates), else the spec's own
     (pattern mode: the ``--cp-head-pattern`` file). ``host_tokens``: the same tokens on the host where the
     caller has them (the loader's copy): the plan is then found without copying ``tokens`` back from the
-    GPU, a copy that would make the host wait for the previous micro-batch's kernels.
+    GPU, a copy that would make the host wait for the previous micro-batch's kernels. ``planned``: the plan a
+    planning thread made and checked across the CP ranks for this micro-batch (``checked_planner``): its first
+    attention call then runs no check of its own.
     """
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [b, S], got shape {tuple(tokens.shape)}")
@@ -318,6 +321,8 @@ def prepare_batch(
         if tok_np.shape != tuple(tokens.shape):
             raise ValueError(f"host_tokens shape {tok_np.shape} differs from tokens {tuple(tokens.shape)}")
     plan, strategy, cu, plan_key = _batch_plan(tok_np, spec, cp_size, options)
+    if planned is not None:  # taken now, at the same point of every rank's step (runtime.accept_plan_check)
+        mcp.runtime.accept_plan_check(planned, cp_group)
     stream_plan = None
     if options.gating is not None:
         g = options.gating
@@ -412,9 +417,10 @@ def prepare_global_batch(
     the tokens the plan gives it: ``[1, s_local]`` tensors and ``params`` whose ``cp_group`` is ``group``, which
     core attention then runs over. The per-token loss summed over the global batch and Megatron's gradient
     reduction over DP x CP make loss and gradients those of the fixed layout. ``planned``: this micro-batch's
-    ``plan_global_batch``, made ahead by a planning thread (not used if made for other tokens); else it is made here from tokens gathered on the host
-    over a gloo twin of ``group`` (``host_tokens``: the loader's host copy where there is one, else one copy back
-    from the device), so the GPU queue is not waited for. The device fields are gathered on their own devices."""
+    ``plan_global_batch``, made ahead by a planning thread (not used if made for other tokens); else it is made
+    here from tokens gathered on the host over a gloo twin of ``group`` (``host_tokens``: the loader's host copy
+    where there is one, else one copy back from the device), so the GPU queue is not waited for. The device
+    fields are gathered on their own devices."""
     if not options.over_dp:
         raise ValueError("prepare_global_batch needs PlanOptions(over_dp=True) (--cp-balance-over-dp)")
     if tokens.dim() != 2:
@@ -455,8 +461,8 @@ def prepare_global_batch(
 def prepare_step_batch(tokens, labels, loss_mask, spec: MaskSpec, options: PlanOptions = PlanOptions(),
                        host_tokens: np.ndarray | None = None, planned: GlobalPlan | None = None) -> CPBatch:
     """A training step's micro-batch on Megatron's groups: ``prepare_batch`` over the CP group, or with
-    ``options.over_dp`` ``prepare_global_batch`` over the DP x CP group (``planned``: its plan made ahead,
-    ``global_planner``)."""
+    ``options.over_dp`` ``prepare_global_batch`` over the DP x CP group. ``planned``: what the planning thread
+    returned for this micro-batch (``step_planner``'s function), or None."""
     from megatron.core import parallel_state as ps
 
     if options.over_dp:
@@ -466,24 +472,35 @@ def prepare_step_batch(tokens, labels, loss_mask, spec: MaskSpec, options: PlanO
                                     cp_size=ps.get_context_parallel_world_size(), options=options,
                                     host_tokens=host_tokens, planned=planned)
     return prepare_batch(tokens, labels, loss_mask, spec, ps.get_context_parallel_group(), options,
-                         host_tokens=host_tokens)
+                         host_tokens=host_tokens, planned=planned)
 
 
-def global_planner(spec: MaskSpec, options: PlanOptions):
-    """The planning thread's function for ``--cp-balance-over-dp`` on Megatron's groups: a micro-batch (a dict
-    with host ``tokens``, or a (tokens, labels, loss_mask) tuple) -> its ``GlobalPlan``, gathered over a gloo
-    group of the DP x CP world that only planning threads use (``runtime.planning_group``, made here: call it
-    on every rank at the same point, as the first step does)."""
+def step_planner(spec: MaskSpec, options: PlanOptions, purpose: str):
+    """The planning thread's function on Megatron's groups: a micro-batch (a dict with ``tokens``, or a (tokens,
+    labels, loss_mask) tuple) -> what ``prepare_step_batch(..., planned=)`` takes for it. With ``options.over_dp``
+    its ``GlobalPlan`` (the DP groups' tokens gathered in the thread); else its plan (``plan_for_batch``), checked
+    across the CP ranks (``runtime.check_plan_ahead``) when megatron_cp's, or None. The thread's collectives run on
+    a gloo group of its own (``runtime.planning_group(group, purpose)``, made here: call this on every rank at the
+    same point, and give each planning thread that may run beside another its own ``purpose``)."""
     from megatron.core import parallel_state as ps
 
-    world = ps.get_data_parallel_group(with_context_parallel=True)
-    group = mcp.runtime.planning_group(world)
-    place = dict(dp_rank=ps.get_data_parallel_rank(), cp_rank=ps.get_context_parallel_rank(),
-                 cp_size=ps.get_context_parallel_world_size())
+    cp = ps.get_context_parallel_world_size()
+    if options.over_dp:
+        group = mcp.runtime.planning_group(ps.get_data_parallel_group(with_context_parallel=True), purpose)
+        place = dict(dp_rank=ps.get_data_parallel_rank(), cp_rank=ps.get_context_parallel_rank(), cp_size=cp)
+    else:
+        cp_group = ps.get_context_parallel_group()
+        group = mcp.runtime.planning_group(cp_group, purpose) if cp > 1 else None
 
     def plan_fn(batch):
         tok = batch["tokens"] if isinstance(batch, dict) else batch[0]
-        tok = tok.detach().cpu().numpy() if isinstance(tok, torch.Tensor) else np.asarray(tok)
-        return plan_global_batch(tok, spec, group, options=options, **place)
+        if options.over_dp:
+            tok = tok.detach().cpu().numpy() if isinstance(tok, torch.Tensor) else np.asarray(tok)
+            return plan_global_batch(tok, spec, group, options=options, **place)
+        plan, strategy = plan_for_batch(tok, spec, cp, options)
+        if group is None or strategy != "megatron_cp":
+            return None
+        mcp.runtime.check_plan_ahead(plan, cp_group, group)
+        return plan
 
     return plan_fn

@@ -27,12 +27,11 @@ from functools import partial
 
 import torch
 
-import megatron_cp as mcp
 from megatron_cp.planner import Workload
 
 from . import rope
 from .arguments import OURS, add_megatron_cp_args, check_megatron_args, compose, dry_run, specs_from_args
-from .batch import global_planner, plan_for_batch, prepare_step_batch
+from .batch import prepare_step_batch, step_planner
 from .loss import loss_func, record_documents
 from .plan_ahead import PlanAhead
 from .step_log import STEP_LOG
@@ -193,7 +192,7 @@ def _broadcast_batch(data_iterator, args):
 def plan_ahead_of(data_iterator, make_plan_fn):
     """The iterator ``forward_step`` reads, with the next micro-batches planned in a background thread by the
     function ``make_plan_fn()`` returns, called once, when the iterator is first wrapped (``plan_ahead.PlanAhead``;
-    ``batch.plan_for_batch`` leaves each plan where ``prepare_batch`` finds it, ``batch.global_planner``'s plans
+    ``batch.plan_for_batch`` leaves each plan where ``prepare_batch`` finds it, ``batch.step_planner``'s results
     come back as the PlanAhead's ``last``).
 
     Megatron's ``RerunDataIterator`` keeps the micro-batches of an iteration to replay them (its rerun state
@@ -215,26 +214,14 @@ def plan_ahead_of(data_iterator, make_plan_fn):
     return ahead if ahead is not None else plan_ahead(data_iterator, make_plan_fn())
 
 
-_ITERATORS = {"wrapped": 0}  # iterators given a planning thread so far: each thread's check group is its own
+_ITERATORS = {"wrapped": 0}  # iterators given a planning thread so far: each thread's gloo group is its own
 
 
-def _checked_planner(spec, options, cp_group, cp: int):
-    """plan_for_batch's work for a planning thread, which also checks each megatron_cp plan across the CP ranks
-    (``runtime.check_plan_ahead``) on a gloo group of its own (made here, on every CP rank at the same point): the
-    plans' first attention calls then run no collective."""
-    check = None
-    if cp_group is not None and cp > 1:
-        _ITERATORS["wrapped"] += 1
-        check = mcp.runtime.planning_group(cp_group, f"plan check {_ITERATORS['wrapped']}")
-
-    def plan_fn(batch):  # -> the plan checked ahead (the step accepts it when it takes the micro-batch), or None
-        plan, strategy = plan_for_batch(batch["tokens"], spec, cp, options)
-        if check is not None and strategy == "megatron_cp":
-            mcp.runtime.check_plan_ahead(plan, cp_group, check)
-            return plan
-        return None
-
-    return plan_fn
+def _planner(spec, options):
+    """``batch.step_planner`` for an iterator being wrapped, with a planning group of its own (training's,
+    evaluation's and each virtual stage's threads run beside each other)."""
+    _ITERATORS["wrapped"] += 1
+    return step_planner(spec, options, f"iterator {_ITERATORS['wrapped']}")
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
@@ -262,20 +249,16 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     if torch.cuda.is_available():  # plans (and exchange choices) from the planning helper process
         options = dataclasses.replace(options, helper_process=True)
     if data_iterator is not None and ps.get_tensor_model_parallel_rank() == 0 and (training or not over_dp):
-        # each stage's reader plans ahead; one plan over DP x CP gathers every DP group's tokens in the thread, on a
-        # gloo group that only the training iterator's thread uses (evaluation's micro-batches plan in the step)
-        cp_group, cp = ps.get_context_parallel_group(), ps.get_context_parallel_world_size()
-        data_iterator = plan_ahead_of(data_iterator, lambda: global_planner(spec, options) if over_dp else
-                                      _checked_planner(spec, options, cp_group, cp))
+        # each stage's reader plans ahead (one plan over DP x CP: the training iterator only; evaluation's
+        # micro-batches plan in the step)
+        data_iterator = plan_ahead_of(data_iterator, lambda: _planner(spec, options))
     tokens, labels, loss_mask, host_tokens = _broadcast_batch(data_iterator, args)
     ahead = data_iterator if isinstance(data_iterator, PlanAhead) else getattr(data_iterator, "iterable", None)
     ahead = ahead if isinstance(ahead, PlanAhead) else None
     planning = (ahead.plan_times[-1] * 1e3, ahead.waits[-1] * 1e3) if ahead is not None and ahead.waits else None
-    if ahead is not None and not over_dp and ahead.last is not None:
-        mcp.runtime.accept_plan_check(ahead.last, ps.get_context_parallel_group())
     t0 = time.perf_counter()
     bt = prepare_step_batch(tokens, labels, loss_mask, spec, options, host_tokens,
-                            planned=ahead.last if over_dp and ahead is not None else None)
+                            planned=ahead.last if ahead is not None else None)
     if training:  # evaluation's micro-batches are not the step's
         STEP_LOG.record(args, bt.params.plan, (time.perf_counter() - t0) * 1e3, planning)
     if spec.packed:  # Megatron's FLOPs count attention per document, as for its own packed (THD) batches
