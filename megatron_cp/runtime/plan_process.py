@@ -5,9 +5,9 @@ host-bound (small micro-batches: issuing kernels is all it does), every millisec
 GIL is a millisecond the loop cannot issue work: at 8k tokens per GPU on 4 x H100 a step of 8 attention
 layers per micro-batch took 2x as long with its plans made by a thread beside it as with the same plans made
 before the step (269 against 132 ms; benchmarks/2026-11-27_4xH100_train-throughput). ``plan_in_helper`` makes
-``planner.plan``'s plan, and the exchange choice the attention's first call would make on it (``runtime.prebuild``'s costliest
-part), in one helper process per training process; the calling thread waits on a pipe, without the GIL,
-and gets back the plan with its choice kept in the plan's cache. The rank's execution state (device
+``planner.plan``'s plan, and the exchange choice the attention's first call would make on it
+(``runtime.prebuild``'s costliest part), in one helper process per training process; the calling thread waits on
+a pipe, without the GIL, and gets back the plan with its choice kept in the plan's cache. The rank's execution state (device
 tensors) is built by the plan's first attention call, in this process.
 
 The helper is this interpreter running ``serve`` on this process's ``sys.path``, started
@@ -67,14 +67,18 @@ def _ask(request: tuple):
             pickle.dump(request, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             proc.stdin.flush()
             status, *answer = pickle.load(proc.stdout)
-        except (EOFError, BrokenPipeError, pickle.UnpicklingError) as e:
+        except pickle.UnpicklingError as e:  # alive but its answer unreadable: stopped
             _HELPER["proc"] = None
-            code = proc.poll()
-            if code is None:  # alive but its answer unreadable: stopped, not waited for
+            proc.kill()
+            proc.wait()
+            raise RuntimeError("megatron-cp's planning helper process gave an unreadable answer and was stopped") from e
+        except (EOFError, BrokenPipeError) as e:  # its end of the pipe closed: it is exiting
+            _HELPER["proc"] = None
+            try:
+                code = proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait()
-                raise RuntimeError("megatron-cp's planning helper process gave an unreadable answer and was "
-                                   "stopped") from e
+                code = proc.wait()
             raise RuntimeError(f"megatron-cp's planning helper process exited (code {code}) before answering: "
                                f"see its error above") from e
     if status == "error":

@@ -197,7 +197,7 @@ def exchange_choice(plan: Plan, *, stages: int | None, hierarchical: bool, cost:
     """``choose_schedule``'s answer for ``plan`` (None: the single exchange), made once per (stages,
     hierarchical, cost model, workload) and kept with the plan. Pure host work on the plan's public fields:
     a planning thread may make it ahead of the step (``prebuild``); every rank makes the same choice."""
-    key = ("exchange", stages, hierarchical, cost, work)
+    key = _exchange_key(stages, hierarchical, cost, work)
     cache = plan_cache(plan)
     if key not in cache:
         cache[key] = choose_schedule(plan, stages, cost, work, hierarchical)
@@ -208,7 +208,11 @@ def keep_exchange_choice(plan: Plan, sched: Schedule | None, *, stages: int | No
                          cost: CostModel, work: Workload) -> None:
     """Keep ``sched`` as ``plan``'s exchange choice for these settings: the answer ``exchange_choice`` gives,
     made elsewhere (``runtime.plan_process``: a helper process made it on a copy of the plan)."""
-    plan_cache(plan)[("exchange", stages, hierarchical, cost, work)] = sched
+    plan_cache(plan)[_exchange_key(stages, hierarchical, cost, work)] = sched
+
+
+def _exchange_key(stages, hierarchical, cost, work) -> tuple:
+    return ("exchange", stages, hierarchical, cost, work)
 
 
 def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, backend_key, *,
