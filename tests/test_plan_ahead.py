@@ -381,3 +381,70 @@ def test_prepare_batch_adds_the_windowed_layers_plan(fresh_cache):
         B.prepare_batch(tok, None, None, spec, _Group(), B.PlanOptions(strategy="ring"))
     with pytest.raises(ValueError, match="needs the causal or packed mask"):
         B.MaskSpec("sliding_window", window=8, layer_window=4)
+
+
+def test_plans_slower_than_the_step_are_made_several_at_once_in_order():
+    """A plan three steps long (a sleep: the planning thread waits on its helper process without the GIL) cannot
+    keep ahead one at a time: each wait after the start lets one more plan run at once, up to max_workers, and
+    then the step stops waiting. Micro-batches and plans stay in order, the ordered sections run in micro-batch
+    order, and never more plans run at once than allowed."""
+    from megatron_cp.megatron import in_turn
+
+    step_s, plan_s, n = 0.02, 0.06, 40
+    running, most, order, lock = [0], [0], [], threading.Lock()
+
+    def plan_fn(b):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(plan_s * (1.5 if b % 3 == 0 else 1.0))  # uneven: later plans may finish first
+        with in_turn():
+            order.append(b)
+        with lock:
+            running[0] -= 1
+        return ("plan of", b)
+
+    it = PlanAhead(iter(range(n)), plan_fn, depth=2, max_workers=4)
+    got = []
+    for b in it:
+        assert it.last == ("plan of", b)
+        got.append(b)
+        time.sleep(step_s)
+    assert got == list(range(n)) and order == list(range(n))
+    assert it.workers == 4 and most[0] <= 4
+    assert sum(it.waits[-10:]) < 0.2 * sum(it.waits[2:12]), it.waits  # caught up once enough plans run at once
+    one = PlanAhead(iter(range(6)), lambda b: time.sleep(plan_s), depth=2, max_workers=1)
+    assert list(one) == list(range(6)) and one.workers == 1
+    with pytest.raises(ValueError, match="max_workers must be an int >= 1"):
+        PlanAhead(iter([]), plan_fn, max_workers=0)
+
+
+def _ordered_collectives(rank, world):
+    import torch.distributed as dist
+
+    from megatron_cp.megatron import in_turn
+
+    rng = np.random.default_rng(rank)
+    delays = rng.uniform(0.0, 0.05, 24)  # each rank's plans finish in its own order
+
+    def plan_fn(b):
+        time.sleep(float(delays[b]))
+        with in_turn():
+            t = torch.tensor([b], dtype=torch.int64)
+            dist.all_reduce(t)  # a collective per plan: the same micro-batch's on every rank, or wrong sums
+        return int(t)
+
+    it = PlanAhead(iter(range(24)), plan_fn, depth=4, max_workers=3)
+    sums = []
+    for b in it:
+        sums.append(it.last)
+        time.sleep(0.005)
+    return sums, it.workers
+
+
+def test_collectives_in_turn_pair_the_same_micro_batch_on_every_rank():
+    from megatron_cp.testing import run_ranks
+
+    for sums, workers in run_ranks(_ordered_collectives, 2):
+        assert sums == [2 * b for b in range(24)]
+        assert workers > 1  # several plans were made at once

@@ -85,3 +85,18 @@ def test_what_the_helper_prints_does_not_reach_its_answers():
     with pytest.raises(TypeError, match="plan\\(\\) needs an AttnMask, got NoneType"):
         plan_in_helper(_Noisy(list(m.slices), m.seqlen_q, m.seqlen_k), 2)
     assert plan_in_helper(m, 2).digest64 == mcp.plan(m, 2).digest64
+
+
+def test_threads_asking_at_once_each_get_a_helper():
+    """Plans asked for at once (PlanAhead making several slow plans together) are made by as many helpers side
+    by side, each the plan made here."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_cp.runtime import plan_process
+
+    masks = [_packed(40 + i, 16384) for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda m: plan_in_helper(m, 8, work=WORK), masks))
+    assert [p.digest64 for p in got] == [mcp.plan(m, 8).digest64 for m in masks]
+    alive = [p for p in plan_process._IDLE if p.poll() is None]
+    assert len({p.pid for p in alive}) >= 2  # more than one helper answered

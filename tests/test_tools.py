@@ -379,6 +379,20 @@ def test_dp_x_cp_simulation_balances_what_the_fixed_layout_cannot(tmp_path, caps
         sim.main(["--worlds", "6", "--cp", "4"])
 
 
+def test_dp_x_cp_plans_ahead_beside_a_step(capsys):
+    """--step-s: the global plans made ahead by PlanAhead from helper processes beside a loop of that step; a
+    second table with each way's plan time, the plans allowed at once and the step's wait per micro-batch."""
+    sim = _tool("dp_x_cp")
+    rows = sim.main(["--worlds", "16", "--cp", "4", "--tokens-per-gpu", "256", "--docs", "256,64,1024,1.0",
+                     "--step-s", "0.01", "--ahead-batches", "4", "--max-workers", "2"])
+    out, _ = capsys.readouterr()
+    table = _ends_with_one_table(out.split("\n\n")[-1], 1)  # the second of two tables
+    assert table[0].startswith("| GPUs | plan s, one at a time | waited s, one at a time | plans at once |")
+    r = rows[0]
+    assert r["workers_one"] == 1 and 1 <= r["workers_several"] <= 2
+    assert r["plan_one_s"] > 0 and r["plan_several_s"] > 0 and r["wait_one_s"] >= 0 and r["wait_several_s"] >= 0
+
+
 def test_bench_plan_prints_one_table(tmp_path):
     """tools/bench_plan.py (a subprocess: it pins itself to one core): the setup and candidates lines,
     then one table of one row; the progress bar is on stderr."""

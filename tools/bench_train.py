@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 import megatron_cp as mcp
 from megatron_cp.baselines import get_strategy, plan_for
-from megatron_cp.megatron import PlanAhead
+from megatron_cp.megatron import PlanAhead, in_turn
 from megatron_cp.planner import Workload
 
 IMPLS = ("megatron-cp", "ring", "ulysses", "usp", "allgather")
@@ -86,7 +86,8 @@ def _planner(impl: str, cp: int, work: Workload, device, group):
             else:
                 plan = mcp.plan(mask, cp)
                 mcp.runtime.prebuild(plan, work)
-            mcp.runtime.check_plan_ahead(plan, group, check)
+            with in_turn():  # plans made at once check in micro-batch order
+                mcp.runtime.check_plan_ahead(plan, group, check)
             return plan
         return make, lambda q, k, v, plan, group: mcp.attention(q, k, v, plan, group)[0]
     fn = get_strategy(impl)

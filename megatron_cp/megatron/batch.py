@@ -32,6 +32,7 @@ from megatron_cp.kernels import upload
 from megatron_cp.planner import Workload, plan_like
 
 from .params import CPParams
+from .plan_ahead import in_turn
 
 # masks built from document boundaries; everything else is a builder in megatron_cp.masks
 DOC_MASKS = ("causal", "packed", "sliding_window", "packed_sliding_window")
@@ -382,8 +383,10 @@ def plan_global_batch(host_tokens: np.ndarray, spec: MaskSpec, host_group, *, dp
     b, S = host.shape
     world = host_group.size()
     dp = world // cp_size
-    tok = mcp.runtime.all_micro_batches({"tokens": torch.from_numpy(host.reshape(-1))}, host_group, dp_rank=dp_rank,
-                                        cp_rank=cp_rank, cp_size=cp_size)["tokens"].numpy().reshape(dp, b, S)
+    with in_turn():  # several plans made at once by PlanAhead gather in micro-batch order on every rank
+        tok = mcp.runtime.all_micro_batches({"tokens": torch.from_numpy(host.reshape(-1))}, host_group,
+                                            dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp_size)["tokens"]
+    tok = tok.numpy().reshape(dp, b, S)
     cus = [document_bounds(tok[d], spec) for d in range(dp)]
     key = (spec, "dp x cp", dp, b, S, world, options.chunk_size, options.topology, options.solver, options.block,
            tuple(c.tobytes() for c in cus) if spec.packed else b"")
@@ -500,7 +503,8 @@ def step_planner(spec: MaskSpec, options: PlanOptions, purpose: str):
         plan, strategy = plan_for_batch(tok, spec, cp, options)
         if group is None or strategy != "megatron_cp":
             return None
-        mcp.runtime.check_plan_ahead(plan, cp_group, group)
+        with in_turn():
+            mcp.runtime.check_plan_ahead(plan, cp_group, group)
         return plan
 
     return plan_fn

@@ -1,7 +1,7 @@
 """Planning off the step's critical path: plan the next micro-batches while the current one trains.
 
 ``PlanAhead(batches, plan_fn, depth)`` wraps the micro-batch iterator that ``forward_step`` pulls with
-``next(data_iterator)``. One background thread (``concurrent.futures``, one worker) runs ``plan_fn`` on
+``next(data_iterator)``. A background thread (``concurrent.futures``) runs ``plan_fn`` on
 the next ``depth`` micro-batches while the step computes; ``plan_fn`` leaves the plan in the plan cache
 (``batch.plan_for_batch``), so ``prepare_batch`` finds it there instead of planning on the step.
 ``next()`` yields each micro-batch unchanged once its plan is made and records how long it was blocked
@@ -15,11 +15,20 @@ interval is at most ``SWITCH_INTERVAL_S`` (0.5 ms), restored when the last one c
 only while two threads want the GIL, i.e. while a plan is being made. ``depth = 0`` plans
 inline in ``next()`` (the step then waits for every plan: the same measurement without planning ahead).
 
+Plans that take longer than a micro-batch (one plan over DP x CP at hundreds of ranks: ~0.8 s at 1024) cannot
+keep ahead one at a time, however deep the queue. So the plans start one at a time, in micro-batch order, and
+each time the step waits for a plan after the first ``depth`` micro-batches one more may run at once (up to
+``max_workers``; on a GPU each waits on its own planning helper process, ``runtime.plan_in_helper``). A
+``plan_fn`` whose collectives must come in the same order on every rank puts them in ``with in_turn():``: the
+plans' turns come in micro-batch order (one such section per plan).
+
     data_iterator = plan_ahead(data_iterator, lambda d: plan_for_batch(d["tokens"], spec, cp_size, options))
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import threading
 import time
@@ -32,6 +41,71 @@ _WRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 SWITCH_INTERVAL_S = 5e-4  # the GIL switch interval while a planning thread runs (module doc)
 _OPEN = {"count": 0, "saved": None}
 _OPEN_LOCK = threading.Lock()
+_TURN = threading.local()  # the running plan's (turns, ticket), set by PlanAhead around plan_fn
+
+
+def default_workers() -> int:
+    """Plans at most at once: 8 (a 2 s plan, one over DP x CP at 1024 ranks on a slow core, beside a 0.25 s
+    micro-batch needs about that many), fewer where the node's cores per process (``LOCAL_WORLD_SIZE``, as
+    torchrun sets it) leave less than one core per planner beside the training process."""
+    per_process = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(8, per_process - 1))
+
+
+class _Turns:
+    """Plans start in ticket order, at most ``workers`` at once, and pass their ordered section in ticket order
+    (a plan that ends without one passes its turn when it ends)."""
+
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.workers, self.running, self.next_start, self.turn = 1, 0, 0, 0
+        self.passed: set = set()
+
+    def start(self, t: int) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.next_start == t and self.running < self.workers)
+            self.next_start += 1
+            self.running += 1
+
+    def enter(self, t: int) -> None:
+        with self.cv:
+            if self.turn > t:
+                raise RuntimeError("in_turn: one ordered section per plan (this plan's turn has passed)")
+            self.cv.wait_for(lambda: self.turn == t)
+
+    def leave(self, t: int, *, finished: bool = False) -> None:
+        with self.cv:
+            self.running -= finished
+            if t >= self.turn:
+                self.passed.add(t)
+            while self.turn in self.passed:
+                self.passed.discard(self.turn)
+                self.turn += 1
+            self.cv.notify_all()
+
+    def grow(self, cap: int) -> bool:
+        with self.cv:
+            if self.workers >= cap:
+                return False
+            self.workers += 1
+            self.cv.notify_all()
+            return True
+
+
+@contextlib.contextmanager
+def in_turn():
+    """Inside a ``PlanAhead``'s ``plan_fn``: the block runs in micro-batch order across the plans being made at
+    once (put the plan's collectives here, so every rank issues them in one order). Elsewhere: no effect."""
+    cur = getattr(_TURN, "cur", None)
+    if cur is None:
+        yield
+        return
+    turns, t = cur
+    turns.enter(t)
+    try:
+        yield
+    finally:
+        turns.leave(t)
 
 
 def _planning_started() -> None:
@@ -57,20 +131,28 @@ def _planning_stopped() -> None:
 
 class PlanAhead:
     """Iterator over ``batches`` (unchanged, in order) whose plans ``plan_fn(batch)`` are made up to
-    ``depth`` micro-batches ahead in one background thread.
+    ``depth`` micro-batches ahead by background threads (one at a time until the step waits on a plan after the
+    first ``depth`` micro-batches; then one more at once, up to ``max_workers``, default ``default_workers()``).
 
     ``waits``: seconds each ``next()`` spent blocked on its micro-batch's unfinished plan (a list, one
     float per micro-batch yielded); ``plan_times``: seconds each ``plan_fn`` call took, in the same
-    order; ``last``: what ``plan_fn`` returned for the micro-batch ``next()`` yielded last. An exception of
-    ``plan_fn`` is raised by the ``next()`` that yields that micro-batch."""
+    order; ``workers``: plans allowed at once now; ``last``: what ``plan_fn`` returned for the micro-batch
+    ``next()`` yielded last. An exception of ``plan_fn`` is raised by the ``next()`` that yields that
+    micro-batch."""
 
-    def __init__(self, batches, plan_fn: Callable, depth: int = 2):
+    def __init__(self, batches, plan_fn: Callable, depth: int = 2, max_workers: int | None = None):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"depth must be an int >= 0 (micro-batches planned ahead), got {depth!r}")
+        cap = default_workers() if max_workers is None else max_workers
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ValueError(f"max_workers must be an int >= 1 (plans made at once), got {max_workers!r}")
         self._it: Iterator = iter(batches)
         self._plan_fn = plan_fn
-        self.depth = depth
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron_cp-plan") if depth else None
+        self.depth, self.max_workers = depth, cap
+        self._turns = _Turns()
+        self._tickets = 0
+        self._pool = ThreadPoolExecutor(max_workers=cap + 1, thread_name_prefix="megatron_cp-plan") if depth \
+            else None
         if self._pool is not None:
             _planning_started()
             # the switch interval comes back when this object closes or, never closed, is collected
@@ -82,10 +164,22 @@ class PlanAhead:
         self.last = None
         self._fill()
 
-    def _timed(self, batch) -> tuple[float, object]:
-        t = time.perf_counter()
-        out = self._plan_fn(batch)
-        return time.perf_counter() - t, out
+    @property
+    def workers(self) -> int:
+        return self._turns.workers
+
+    def _timed(self, batch, ticket: int | None = None) -> tuple[float, object]:
+        if ticket is not None:
+            self._turns.start(ticket)
+            _TURN.cur = (self._turns, ticket)
+        try:
+            t = time.perf_counter()
+            out = self._plan_fn(batch)
+            return time.perf_counter() - t, out
+        finally:
+            if ticket is not None:
+                _TURN.cur = None
+                self._turns.leave(ticket, finished=True)
 
     def _fill(self) -> None:
         """Pull micro-batches until ``depth`` of them are being planned (or the data ends)."""
@@ -95,7 +189,8 @@ class PlanAhead:
             except StopIteration:
                 self._done = True
                 break
-            self._ahead.append((batch, self._pool.submit(self._timed, batch)))
+            self._ahead.append((batch, self._pool.submit(self._timed, batch, self._tickets)))
+            self._tickets += 1
 
     def __iter__(self):
         return self
@@ -112,6 +207,9 @@ class PlanAhead:
             self.close()
             raise StopIteration
         batch, fut = self._ahead.popleft()
+        behind = not fut.done() and len(self.waits) >= self.depth  # past the start, planning fell behind
+        if behind and self._turns.grow(self.max_workers):
+            self.depth = max(self.depth, self._turns.workers + 1)
         self._fill()  # the next micro-batch starts planning behind the ones already queued
         t = time.perf_counter()
         try:
@@ -122,7 +220,7 @@ class PlanAhead:
         return batch
 
     def close(self) -> None:
-        """Stop the background thread (plans already queued finish first); the last open ``PlanAhead`` to close
+        """Stop the background threads (plans already queued finish first); the last open ``PlanAhead`` to close
         restores the switch interval."""
         self._done = True
         if self._pool is not None:
@@ -131,9 +229,10 @@ class PlanAhead:
             self._release()
 
     def stats(self) -> dict:
-        """``{"micro_batches", "wait_s", "max_wait_s", "plan_s"}``: totals over the micro-batches yielded."""
+        """``{"micro_batches", "wait_s", "max_wait_s", "plan_s", "workers"}``: totals over the micro-batches
+        yielded, and the plans allowed at once at the end."""
         return {"micro_batches": len(self.waits), "wait_s": sum(self.waits), "max_wait_s": max(self.waits, default=0.0),
-                "plan_s": sum(self.plan_times)}
+                "plan_s": sum(self.plan_times), "workers": self.workers}
 
 
 def wrapped_by(batches) -> PlanAhead | None:

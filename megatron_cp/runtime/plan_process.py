@@ -7,7 +7,8 @@ layers per micro-batch took 2x as long with its plans made by a thread beside it
 before the step (269 against 132 ms; benchmarks/2026-11-27_4xH100_train-throughput). ``plan_in_helper`` makes
 ``planner.plan``'s plan, and the exchange choice the attention's first call would make on it
 (``runtime.prebuild``'s costliest part), in one helper process per training process; the calling thread waits on
-a pipe, without the GIL, and gets back the plan with its choice kept in the plan's cache. The rank's execution state (device
+a pipe, without the GIL, and gets back the plan with its choice kept in the plan's cache. Threads asking at
+once (``megatron.PlanAhead`` making several slow plans at once) each get a helper of their own. The rank's execution state (device
 tensors) is built by the plan's first attention call, in this process.
 
 The helper is this interpreter running ``serve`` on this process's ``sys.path``, started
@@ -35,7 +36,7 @@ from .schedule import choose_schedule
 from .state import keep_exchange_choice
 
 _LOCK = threading.Lock()
-_HELPER: dict = {"proc": None}
+_IDLE: list = []  # started helpers no thread is asking now (one request at a time each)
 
 
 def _start() -> subprocess.Popen:
@@ -58,29 +59,29 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _ask(request: tuple):
-    """Send one request to the helper (started if needed) and return its answer; one request at a time."""
+    """Send one request to an idle helper (started if none is) and return its answer."""
     with _LOCK:
-        proc = _HELPER["proc"]
-        if proc is None or proc.poll() is not None:
-            proc = _HELPER["proc"] = _start()
+        proc = _IDLE.pop() if _IDLE else None
+    if proc is None or proc.poll() is not None:
+        proc = _start()
+    try:
+        pickle.dump(request, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        proc.stdin.flush()
+        status, *answer = pickle.load(proc.stdout)
+    except pickle.UnpicklingError as e:  # alive but its answer unreadable: stopped
+        proc.kill()
+        proc.wait()
+        raise RuntimeError("megatron-cp's planning helper process gave an unreadable answer and was stopped") from e
+    except (EOFError, BrokenPipeError) as e:  # its end of the pipe closed: it is exiting
         try:
-            pickle.dump(request, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
-            proc.stdin.flush()
-            status, *answer = pickle.load(proc.stdout)
-        except pickle.UnpicklingError as e:  # alive but its answer unreadable: stopped
-            _HELPER["proc"] = None
+            code = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
-            raise RuntimeError("megatron-cp's planning helper process gave an unreadable answer and was stopped") from e
-        except (EOFError, BrokenPipeError) as e:  # its end of the pipe closed: it is exiting
-            _HELPER["proc"] = None
-            try:
-                code = proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
-            raise RuntimeError(f"megatron-cp's planning helper process exited (code {code}) before answering: "
-                               f"see its error above") from e
+            code = proc.wait()
+        raise RuntimeError(f"megatron-cp's planning helper process exited (code {code}) before answering: "
+                           f"see its error above") from e
+    with _LOCK:
+        _IDLE.append(proc)
     if status == "error":
         exc, text = answer
         raise exc from RuntimeError(f"in megatron-cp's planning helper process:\n{text}")

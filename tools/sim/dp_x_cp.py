@@ -12,10 +12,14 @@ as tools/sim/simulate.py predicts it (the same planner and cost model, hierarchi
 Printed per W: both predicted times, their ratio, the attention work imbalance over all W ranks of each
 (area, the planner's measure), K/V bytes received by the busiest GPU, and the global plan's planning time on
 this CPU (one core), which the planning thread must hide behind a step. Equal tokens per rank in both layouts,
-so the linear layers' time is the same and not counted.
+so the linear layers' time is the same and not counted. ``--step-s S`` also runs the planning as training does:
+``--ahead-batches`` fresh global batches planned by ``megatron.PlanAhead`` (plans from ``runtime.plan_in_helper``)
+beside a loop that takes S seconds a micro-batch, once with one plan at a time and once as PlanAhead grows
+(``--max-workers``): the step's wait per micro-batch over the second half of the batches, each way.
 
     python tools/sim/dp_x_cp.py                                   # W 64..1024, CP 8, 4096 tokens/GPU
     python tools/sim/dp_x_cp.py --worlds 16 --cp 4 --tokens-per-gpu 1024 --json out.json
+    python tools/sim/dp_x_cp.py --worlds 256,1024 --step-s 0.25   # do the plans keep ahead of the step?
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -75,6 +80,32 @@ def compare(world: int, cp: int, tpg: int, docs, g: int, cost: CostModel, work: 
                 global_kv_bytes=max(glob["inter_node_bytes_per_gpu"], glob["intra_node_bytes_per_gpu"]))
 
 
+def ahead(world: int, cp: int, tpg: int, docs, g: int, seed: int, step_s: float, n: int, workers: int) -> dict:
+    """Waits of a loop taking ``step_s`` a micro-batch for ``n`` global plans made ahead (PlanAhead, helper
+    processes): one at a time, and up to ``workers`` at once."""
+    from megatron_cp.megatron import PlanAhead
+
+    rng = np.random.default_rng(seed + 1)
+    batches = [mcp.masks.block_diagonal([micro_batch(tpg * cp, *docs, rng) for _ in range(world // cp)])
+               for _ in range(n)]
+    topo = mcp.Topology(max(1, world // g), min(g, world))
+    solver = "hierarchical" if world > g else "auto"
+
+    def make(m):
+        return mcp.runtime.plan_in_helper(m, world, topology=topo, solver=solver)
+    with ThreadPoolExecutor(workers) as pool:  # the helper processes started (and warm) before the timing
+        list(pool.map(make, batches[:workers]))
+    out = {}
+    for name, cap in (("one", 1), ("several", workers)):
+        it = PlanAhead(iter(batches), make, depth=2, max_workers=cap)
+        for _ in it:
+            time.sleep(step_s)
+        out[f"wait_{name}_s"] = float(np.mean(it.waits[n // 2:]))
+        out[f"plan_{name}_s"] = float(np.mean(it.plan_times))
+        out[f"workers_{name}"] = it.workers
+    return out
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="64,128,256,512,1024", help="comma list of GPU counts (multiples of --cp)")
@@ -86,6 +117,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--cost", default=None, help="CostModel JSON from tools/sim/calibrate.py")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--step-s", type=float, default=None, help="also plan ahead beside a step of this many seconds")
+    ap.add_argument("--ahead-batches", type=int, default=16, help="global batches planned ahead (--step-s)")
+    ap.add_argument("--max-workers", type=int, default=8, help="plans at once at most (--step-s)")
     a = ap.parse_args(argv)
     worlds = [int(x) for x in a.worlds.split(",")]
     try:
@@ -105,6 +139,9 @@ def main(argv=None) -> list[dict]:
             bar.running(f"W={w}")
             rows.append(compare(w, a.cp, a.tokens_per_gpu, (median, lo, hi, sigma), a.gpus_per_node, cost, work,
                                 a.seed))
+            if a.step_s is not None:
+                rows[-1].update(ahead(w, a.cp, a.tokens_per_gpu, (median, lo, hi, sigma), a.gpus_per_node, a.seed,
+                                      a.step_s, a.ahead_batches, a.max_workers))
             bar.step()
     if a.json:
         with open(a.json, "w") as f:
@@ -119,6 +156,15 @@ def main(argv=None) -> list[dict]:
           f"{r['fixed_imbalance']:.3f} / {r['global_imbalance']:.3f}",
           f"{r['fixed_kv_bytes'] / 2**20:.1f} / {r['global_kv_bytes'] / 2**20:.1f}", f"{r['plan_s']:.2f}"]
          for r in rows])))
+    if a.step_s is not None:
+        print(f"\nplanned ahead beside a step of {a.step_s} s a micro-batch ({a.ahead_batches} global batches, plans "
+              f"from helper processes; {os.cpu_count()} CPU cores here): the step's wait per micro-batch over the "
+              "second half")
+        print("\n".join(markdown_table(
+            ["GPUs", "plan s, one at a time", "waited s, one at a time", "plans at once", "plan s, at once",
+             "waited s, at once"],
+            [[r["world"], f"{r['plan_one_s']:.2f}", f"{r['wait_one_s']:.3f}", r["workers_several"],
+              f"{r['plan_several_s']:.2f}", f"{r['wait_several_s']:.3f}"] for r in rows])))
     return rows
 
 
