@@ -99,6 +99,9 @@ CASES = [
     # rank 0 holds the first half and needs no remote block, yet must join every collective
     (2, 32, "causal", "contiguous", Pattern(density=0.03)),
     (4, 16, "packed", "auto", mcp.sparse.MoBA(block=16, top_k=2)),
+    # every q block has at most 5 candidates besides its own: MoBA keeps the whole envelope, so dense attention
+    # runs on the plan (no selection); the same result as the selection's
+    (2, 16, "packed", "auto", mcp.sparse.MoBA(block=16, top_k=5)),
 ]
 
 
@@ -118,6 +121,9 @@ def test_selection_exact_under_cp(world, chunk, mask_name, solver, sel):
         # probabilities from it, so lse and the gradients carry float32 rounding of lse (|lse| < 10)
         tol = 1e-10 if name == "out" else 2e-6
         torch.testing.assert_close(got[fin], want[fin], rtol=tol, atol=tol, msg=name)
+    dense = getattr(sel, "top_k", 0) >= 5
+    assert all(r["stats"]["dense"] is dense for r in ranks)
+    assert sum(r["stats"]["blocks_selected"] for r in ranks) == int(keep.sum())
     # each rank's selection is the single-process selection of its blocks
     for r in ranks:
         assert np.array_equal(r["keep"], keep[:, r["q_blocks"]].numpy())
@@ -129,6 +135,19 @@ def test_selection_exact_under_cp(world, chunk, mask_name, solver, sel):
     assert 0 < got_rows <= dense_rows
     if sel.name == "pattern":
         assert got_rows < dense_rows
+
+
+def test_the_most_candidates_decide_whether_moba_keeps_the_whole_envelope():
+    """MoBA keeps every envelope block exactly when no q block has more than top_k candidates besides its own:
+    the packed mask here has at most 5 (the 80-token document over blocks 6-11), causal up to nb - 1."""
+    from megatron_cp.sparse.view import most_candidates
+
+    packed, causal = _mask("packed"), _mask("causal")
+    assert most_candidates(packed.traps, S, B) == 5 and most_candidates(causal.traps, S, B) == S // B - 1
+    for top_k, want in ((4, False), (5, True)):
+        plan = mcp.plan(packed, 2, block=B, guest_rows="none")
+        assert sparse_mod.keeps_whole_envelope(plan, mcp.sparse.MoBA(block=B, top_k=top_k)) is want
+    assert not sparse_mod.keeps_whole_envelope(mcp.plan(packed, 2, block=B, guest_rows="none"), Pattern(density=1.0))
 
 
 def _single(mask, **kw):

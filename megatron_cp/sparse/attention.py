@@ -17,12 +17,13 @@ import torch.distributed as dist
 from .. import kernels
 from ..kernels.block_keep import BlockKeep
 from ..planner import Plan
+from ..runtime import attention as dense_attention
 from ..runtime import check_inputs, plan_cache, plan_rank, resolve_backend
 from ..runtime.state import fingerprint, input_fields, verify_plan
 from . import exchange
-from .layout import SparseLayout, sparse_layout
-from .selector import Selector
-from .view import SelectionView
+from .layout import SparseLayout, check_plan, sparse_layout
+from .selector import Selector, keeps_everything
+from .view import SelectionView, most_candidates
 
 
 def _state(plan: Plan, rank: int, block: int, device, be, bkey) -> dict:
@@ -73,6 +74,18 @@ def _view(st: dict, k: torch.Tensor, group) -> SelectionView:
         return dev.env_ids, buf.view(lay.ne, lay.block, *k.shape[1:])
     view.envelope_keys = envelope_keys
     return view
+
+
+def keeps_whole_envelope(plan: Plan, selector) -> bool:
+    """True when ``selector`` keeps every envelope block of ``plan``'s mask whatever q and k are (MoBA on
+    documents of at most top_k + 1 blocks): the same on every rank (a function of the plan), cached with it."""
+    if getattr(selector, "keeps_all", None) is None:
+        return False
+    cache = plan_cache(plan)
+    key = ("sparse most candidates", selector.block)
+    if key not in cache:
+        cache[key] = most_candidates(plan.traps, plan.seqlen, selector.block)
+    return keeps_everything(selector, cache[key])
 
 
 def check_selector(selector, q: torch.Tensor, k: torch.Tensor, plan: Plan) -> None:
@@ -143,7 +156,9 @@ def sparse_attention(
     ``lse`` [s_local, Hq] float32; rows with no kept key give 0 / -inf. Differentiable in q, k, v (not
     through the selection). ``stats``: a dict filled with ``rows_received`` (K/V rows this rank
     received), ``blocks_selected`` and ``blocks_envelope`` (head x q block x key block pairs kept / in the
-    envelope): host values, so passing it synchronises. Bad input raises ValueError before any collective.
+    envelope) and ``dense`` (the selector keeps every envelope block of this mask whatever q and k are, e.g.
+    MoBA on documents of at most top_k + 1 blocks: dense attention ran on the plan, with no selection, the same
+    result): host values, so passing it synchronises. Bad input raises ValueError before any collective.
     """
     rank = plan_rank(plan, group)
     check_inputs(q, k, v, plan, rank, softmax_scale)
@@ -152,9 +167,17 @@ def sparse_attention(
     why = be.supports(q.device, q.dtype, q.shape[2])
     if why is not None:
         raise ValueError(f"backend {be.name!r} cannot run these inputs: {why}")
-    st = _state(plan, rank, selector.block, q.device, be, bkey)  # raises on a plan not in whole blocks
+    check_plan(plan, selector.block)
     # once per plan, before any exchange: ranks with another selector (method or parameters) raise together
     verify_plan(plan, group, {**input_fields(q, k, v), "sparse selector": fingerprint(selector)})
+    if keeps_whole_envelope(plan, selector):  # the selection would be the envelope: dense attention, no selection
+        out, lse = dense_attention(q, k, v, plan, group, softmax_scale, backend=be)
+        if stats is not None:
+            env = int((_state(plan, rank, selector.block, q.device, None, None)["envelope"] > 0).sum())
+            stats.update(rows_received=plan.ranks[rank].num_remote, dense=True,
+                         blocks_selected=env * q.shape[1], blocks_envelope=env * q.shape[1])
+        return out, lse
+    st = _state(plan, rank, selector.block, q.device, be, bkey)
     grp = group if plan.cp_size > 1 else None
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     keep = _select(selector, q, k, st, grp)
@@ -168,6 +191,7 @@ def sparse_attention(
     out, lse = _SparseKernel.apply(q, kbuf, vbuf, bk, st["prepared"], be, scale)
     if stats is not None:
         stats["rows_received"] = 0 if r is None else r.rows_received
+        stats["dense"] = False
         stats["blocks_selected"] = int(keep.sum())
         stats["blocks_envelope"] = int((st["envelope"] > 0).sum()) * q.shape[1]
     return out, lse

@@ -83,6 +83,11 @@ class MoBA:
         check_block("MoBA", self.block, seqlen)
         check_heads("MoBA", num_q_heads, num_kv_heads, head_dim)
 
+    def keeps_all(self, most: int) -> bool:
+        """Every envelope block is kept when no q block has more than ``top_k`` candidates besides its own
+        (short documents, small envelopes): the selection is the envelope, whatever the gates."""
+        return most <= self.top_k
+
     # -- the two halves of ``select``: owner-side summary, then the local selection ------------------------
 
     def summaries(self, k: torch.Tensor, view: SelectionView) -> torch.Tensor:

@@ -85,6 +85,19 @@ def envelope_blocks(traps: np.ndarray, seqlen: int, q_blocks: np.ndarray, block:
     return block_classes(torch.as_tensor(tiles, dtype=torch.int32), len(q_blocks) * block, s, block)
 
 
+def most_candidates(traps: np.ndarray, seqlen: int, block: int) -> int:
+    """The most key blocks any q block's envelope holds besides its own block (host; chunks of q blocks keep
+    the block matrix small at any length)."""
+    nb = seqlen // block
+    most = 0
+    for s in range(0, nb, 1024):
+        ids = np.arange(s, min(nb, s + 1024))
+        env = envelope_blocks(traps, seqlen, ids, block) > 0
+        own = env[torch.arange(len(ids)), torch.as_tensor(ids)]
+        most = max(most, int((env.sum(1) - own.to(torch.int64)).max()))
+    return most
+
+
 def single_view(mask: AttnMask, block: int, k: torch.Tensor | None = None) -> SelectionView:
     """The view of one process holding the whole sequence (CP = 1); ``k`` [S, Hkv, D] serves
     ``envelope_keys`` when given. Raises ValueError unless the length is a multiple of ``block``."""
