@@ -29,6 +29,7 @@ plan that balances attention by giving one rank most of the tokens would only mo
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import numpy as np
 
@@ -381,8 +382,10 @@ _TRADES = ((None, False), ("a", True), ("b", True), ("a", False), ("b", False)) 
 def _trade(u: np.ndarray, prefix: np.ndarray, cp: int, tol: float, load: np.ndarray, target: float) -> np.ndarray:
     """Balancing trades of ``documents`` (its step 2) on units ``[start, end, owner, segment start]``
     over ``cp`` ranks whose mean load is ``target``."""
+    ranks = range(cp)
     for _ in range(8 * cp + 4 * len(u)):
-        a, b = int(np.argmax(load)), int(np.argmin(load))
+        lo = load.tolist()  # Python floats for the small picks: numpy's per-call cost dominates on cp values
+        a, b = max(ranks, key=lo.__getitem__), min(ranks, key=lo.__getitem__)  # first of ties, as argmax
         gap = load[a] - load[b]
         if target <= 0 or load[a] / target - 1 <= tol / 2 or gap <= 0:
             break
@@ -415,8 +418,9 @@ def _trade(u: np.ndarray, prefix: np.ndarray, cp: int, tol: float, load: np.ndar
         g = np.concatenate([gains[k][h] for k, h in enumerate(hits)])
         cost = np.concatenate([trades[k][2][h] for k, h in enumerate(hits)]).astype(np.float64)
         p = int(np.lexsort((-g, cost))[0])
-        k = int(np.searchsorted(np.cumsum([len(h) for h in hits]), p, side="right"))
-        pair = int(trades[k][0][hits[k][p - sum(len(h) for h in hits[:k])]])
+        ends = list(itertools.accumulate(len(h) for h in hits))
+        k = bisect.bisect_right(ends, p)
+        pair = int(trades[k][0][hits[k][p - (ends[k - 1] if k else 0)]])
         (side, tail), i, j = _TRADES[k], pair // nb, pair % nb
         n = int(min(la[i], lb[j]))  # tokens traded
         ra, rb = ia[i], ib[j]
@@ -474,27 +478,39 @@ def hierarchical(
     area = (prefix[bounds[1:]] - prefix[bounds[:-1]]).astype(np.float64)
     owner = np.zeros(len(bounds) - 1, dtype=np.int32)
     target = float(prefix[-1]) / cp
-    for n in np.unique(node):
-        idx = np.nonzero(node == n)[0]
-        before = np.cumsum(size[idx]) - size[idx]  # in order, equal token shares
-        local = np.searchsorted(even_bounds(int(size[idx].sum()), g), before, side="right") - 1
-        load = np.bincount(local, weights=area[idx], minlength=g)
+    gpus = range(g)
+    for n, idx in _groups(node):
+        sz, ar = size[idx], area[idx]
+        before = np.cumsum(sz) - sz  # in order, equal token shares
+        local = np.searchsorted(even_bounds(int(sz.sum()), g), before, side="right") - 1
+        # the loads as Python floats (the same float64 sums): the loop runs thousands of times at hundreds of
+        # nodes, and numpy's per-call cost on 8 values would dominate it
+        load = np.bincount(local, weights=ar, minlength=g).tolist()
         for _ in range(4 * len(idx)):
-            a, b = int(np.argmax(load)), int(np.argmin(load))
+            a, b = max(gpus, key=load.__getitem__), min(gpus, key=load.__getitem__)  # first of ties, as argmax
             gap = load[a] - load[b]
             if target <= 0 or load[a] / target - 1 <= tol / 2 or gap <= 0:
                 break
-            xa, xb = np.nonzero(local == a)[0], np.nonzero(local == b)[0]
-            delta = area[idx[xa]][:, None] - area[idx[xb]][None, :]
-            ok = (delta > 0) & (delta < gap) & (size[idx[xa]][:, None] == size[idx[xb]][None, :])
+            xa, xb = np.flatnonzero(local == a), np.flatnonzero(local == b)
+            delta = ar[xa][:, None] - ar[xb][None, :]
+            ok = (delta > 0) & (delta < gap) & (sz[xa][:, None] == sz[xb][None, :])
             if not ok.any():
                 break
-            i, j = np.unravel_index(np.argmin(np.where(ok, np.abs(delta - gap / 2), np.inf)), delta.shape)
+            i, j = divmod(int(np.argmin(np.where(ok, np.abs(delta - gap / 2), np.inf))), len(xb))
             local[xa[i]], local[xb[j]] = b, a
-            load[a] -= delta[i, j]
-            load[b] += delta[i, j]
+            d = float(delta[i, j])
+            load[a] -= d
+            load[b] += d
         owner[idx] = (n * g + local).astype(np.int32)
     return bounds, owner
+
+
+def _groups(labels: np.ndarray):
+    """(label, ascending positions holding it) for each distinct label, in label order: what ``np.nonzero(labels
+    == x)`` per ``np.unique`` value gives, in one sort."""
+    order = np.argsort(labels, kind="stable")
+    cuts = np.flatnonzero(np.diff(labels[order])) + 1
+    return [(int(labels[p[0]]), p) for p in np.split(order, cuts)] if len(order) else []
 
 
 SOLVERS = ("auto", "contiguous", "zigzag", "greedy", "swap", "documents", "hierarchical")
