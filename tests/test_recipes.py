@@ -186,6 +186,8 @@ def test_throughput_tiny_on_cpu(tmp_path):
         assert math.isfinite(r["loss_last"]) and r["tokens_per_s_per_gpu"] > 0 and len(r["step_seconds"]) == 1
         # CPU: the profiled step is timed; its GPU kernels by kind are none (0 ms each)
         assert r["profile"]["step_ms"] > 0 and r["profile"]["attention_ms"] == r["profile"]["communication_ms"] == 0
+        # every rank's busy time gathered (none on CPU: no imbalance to speak of)
+        assert r["profile"]["rank_busy_ms"] == [0.0, 0.0] and r["profile"]["busy_imbalance"] is None
     by = {(r["mask"], r["impl"]): r for r in s["rows"]}
     # the same tokens: causal over whole sequences does more attention work than within documents
     assert by["causal", "ring"]["model_tflops_per_gpu"] * by["causal", "ring"]["step_s"] > \

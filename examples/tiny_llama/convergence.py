@@ -477,6 +477,14 @@ def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrai
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             _, _, sec = _train_steps(chunks, main, opt, train, run, corpus, dp, device, 1, 0)
         prof = profile_summary(p, sec[0])
+        if dist.is_initialized():  # every rank's busy time outside NCCL: how evenly the layout spreads the work
+            on = device if dist.get_backend() == "nccl" else "cpu"
+            busy = torch.tensor([prof["attention_ms"] + prof["rest_ms"]], dtype=torch.float64, device=on)
+            got = [torch.zeros_like(busy) for _ in range(dist.get_world_size())]
+            dist.all_gather(got, busy)
+            ranks = [float(t.item()) for t in got]
+            mean = sum(ranks) / len(ranks)
+            prof.update(rank_busy_ms=ranks, busy_imbalance=max(ranks) / mean - 1 if mean > 0 else None)
     return dict(losses=losses, grad_norms=norms, step_seconds=seconds, speed_seconds=speed, profile=prof)
 
 

@@ -13,7 +13,8 @@ stand-ins for Transformer Engine's p2p, a2a, a2a+p2p and all-gather CP, on the s
 recompute on (bf16, Megatron's arithmetic). Reported per run: tokens/s per GPU (median step), model TFLOP/s
 per GPU (Megatron's convention: 6 x matmul parameters x tokens + 12 x attention area x query heads x head dim
 x layers, recompute not counted), and at ``--profile-lengths`` one profiled step's GPU time by kind
-(attention kernels, NCCL, the rest). Writes ``throughput.json`` and ``throughput.png`` into ``--out``.
+(attention kernels, NCCL, the rest) and every rank's busy time outside NCCL (``rank_busy_ms``; the table shows
+their max over mean - 1: the layout's work imbalance as measured, not as planned). Writes ``throughput.json`` and ``throughput.png`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -166,11 +167,12 @@ def summarize(jobs: list[Job], results: list[dict], warmup: int, world: int) -> 
 
 def table(summary: dict) -> list[str]:
     lines = ["| S | mask | impl | tokens/s per GPU | model TFLOP/s per GPU | step s | profiled step ms: attention / "
-             "NCCL / rest (GPU) |", "|---|---|---|---|---|---|---|"]
+             "NCCL / rest (GPU); ranks' busy time imbalance |", "|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         p = r["profile"]
+        imb = "" if not p or p.get("busy_imbalance") is None else f"; {100 * p['busy_imbalance']:.1f}%"
         prof = "-" if not p else f"{p['step_ms']:.0f}: {p['attention_ms']:.0f} / {p['communication_ms']:.0f} / " \
-                                 f"{p['rest_ms']:.0f}"
+                                 f"{p['rest_ms']:.0f}{imb}"
         lines.append(f"| {r['seqlen']} | {r['mask']} | {r['impl']} | {r['tokens_per_s_per_gpu']:.0f} | "
                      f"{r['model_tflops_per_gpu']:.1f} | {r['step_s']:.3f} | {prof} |")
     for b in summary["vs_best_baseline"]:
