@@ -7,13 +7,7 @@ slowest rank's time. Also measured, per rank and without any communication: our 
 the tiles and K/V buffer megatron-cp gives that rank ("kernel-only"), the single-GPU throughput on
 the same per-GPU work that the scaling check compares against.
 
-Implementations: ``megatron-cp`` (planner + runtime, stage count chosen by the cost model;
-``megatron-cp@N`` forces N stages, 0 = one exchange then one kernel call;
-``megatron-cp-nolead`` runs the staged forward without its lead for NCCL, ``comm_lead_us=0``;
-``megatron-cp-nosquares`` keeps sliding-window bands on Triton in the forward too,
-``TritonConfig(band_squares=0)`` (with ``--backend triton``); any name
-with ``+hp`` appended runs over a CP group whose NCCL stream has high priority, as Megatron's
-``--high-priority-stream-groups cp`` makes it), ``ring``, ``ulysses``,
+Implementations: ``megatron-cp`` (planner + runtime, stage count chosen by the cost model), ``ring``, ``ulysses``,
 ``usp`` (ulysses 2 x ring), ``head_context`` (ulysses 2 x our planned CP), ``allgather``
 (megatron_cp.baselines), ``torch-sdpa-ring`` (PyTorch
 ``context_parallel`` over SDPA, head-tail balance; full and causal only) and ``torch-flex-allgather``
@@ -57,7 +51,6 @@ import dataclasses
 import datetime
 import json
 import os
-import re
 import sys
 import time
 import traceback
@@ -86,28 +79,11 @@ def _rand_local(n, h, d, dtype, device, seed):
 def bench_ours(name, mask, args, ctx):
     """megatron-cp or one of our baselines; returns (fwd_s, bwd_s)."""
     rank, cp, device, dtype, group = ctx["rank"], ctx["cp"], ctx["device"], ctx["dtype"], ctx["group"]
-    if name.endswith("+hp"):  # the same over a group whose NCCL stream has high priority
-        name, group = name[:-3], ctx["hp_group"]
-    if name.startswith("megatron-cp"):
-        # "megatron-cp@N": the same with the stage count forced to N (0 = single exchange), to compare
-        # against the cost model's own choice
-        # "megatron-cp-nolead": the staged forward without its 20 us lead for NCCL (comm_lead_us=0)
-        # "megatron-cp-nosquares": bands stay on Triton in the forward (TritonConfig.band_squares = 0)
-        m = re.fullmatch(r"megatron-cp((?:-nolead|-nosquares)*)(?:@(\d+))?", name)
-        if m is None:
-            raise ValueError(f"unknown implementation {name!r}: megatron-cp[-nolead][-nosquares][@N]")
-        stages = int(m.group(2)) if m.group(2) is not None else None
-        lead = {"comm_lead_us": 0.0} if "-nolead" in m.group(1) else {}
+    if name == "megatron-cp":
         plan = mcp.plan(mask, cp)
         cost = CostModel.load(args.cost) if args.cost else None
         be = ctx["backend"] = kernels.get_backend(args.backend, device)  # one object: its state is reported
-        if "-nosquares" in m.group(1):
-            if not isinstance(be, kernels.TritonBackend):
-                raise ValueError(f"{name} needs --backend triton (band squares are a TritonConfig option)")
-            be.config = dataclasses.replace(be.config, band_squares=0)
-            cost = dataclasses.replace(cost or CostModel(), band_squares=0)  # the model prices what runs
-        fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=be, cost_model=cost,  # noqa: E731
-                                           stages=stages, **lead)
+        fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=be, cost_model=cost)  # noqa: E731
     else:
         # usp / head_context: groups of 2 GPUs (on one machine: 2-GPU "nodes" emulated) x cp / 2
         opts = {"ulysses_degree": 2} if name in ("usp", "head_context") and cp % 2 == 0 and cp > 2 else {}
@@ -452,12 +428,6 @@ def main(argv=None):
     group = dist.group.WORLD
     ctx = dict(rank=rank, cp=cp, device=device, dtype=dtype, group=group, timer=Timer(device, args.warm_seconds))
     impls = args.impls.split(",")
-    if any(i.endswith("+hp") for i in impls):  # every rank creates it (a collective call)
-        opts = None
-        if device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts.is_high_priority_stream = True
-        ctx["hp_group"] = dist.new_group(list(range(cp)), pg_options=opts)
     results = []
     masks = args.masks.split(",")
     now = datetime.datetime.now(datetime.UTC)
