@@ -23,7 +23,7 @@ from ..runtime.state import fingerprint, input_fields, verify_plan
 from . import exchange
 from .layout import SparseLayout, check_plan, sparse_layout
 from .selector import Selector, keeps_everything
-from .view import SelectionView, most_candidates
+from .view import SelectionView, envelope_spans, most_candidates
 
 
 def _state(plan: Plan, rank: int, block: int, device, be, bkey) -> dict:
@@ -40,6 +40,7 @@ def _state(plan: Plan, rank: int, block: int, device, be, bkey) -> dict:
             "envelope": lay.envelope.to(device),
             "q_blocks": torch.as_tensor(lay.q_blocks, dtype=torch.long, device=device),
             "traps": torch.as_tensor(lay.traps, dtype=torch.long, device=device),
+            "spans": envelope_spans(lay.traps, lay.num_blocks * block, block),
             # selection alone (select_blocks) needs no kernel: no prepared tiles
             "prepared": None if be is None else be.prepare(lay.tiles, lay.nq * block, lay.ne * block),
         }
@@ -59,7 +60,8 @@ def _view(st: dict, k: torch.Tensor, group) -> SelectionView:
     lay: SparseLayout = st["layout"]
     dev: exchange.DeviceLayout = st["dev"]
     multi = group is not None and lay.cp_size > 1
-    view = SelectionView(lay.block, lay.num_blocks, st["q_blocks"], st["envelope"], st["traps"])
+    view = SelectionView(lay.block, lay.num_blocks, st["q_blocks"], st["envelope"], st["traps"], spans=st["spans"],
+                         q_host=lay.q_blocks)
     if multi:
         view.combine = _combine(group, dist.ReduceOp.SUM)
         view.combine_max = _combine(group, dist.ReduceOp.MAX)

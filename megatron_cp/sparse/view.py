@@ -40,6 +40,21 @@ class SelectionView:
     combine_max: Callable[[torch.Tensor], torch.Tensor] = _identity
     envelope_keys: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
     extras: dict = field(default_factory=dict)
+    spans: np.ndarray | None = None  # int64 [nb, 2] on the host: ``envelope_spans`` (made from traps if None)
+    q_host: np.ndarray | None = None  # int64 [nq] on the host: q_blocks (copied from the device if None)
+
+    def q_blocks_host(self) -> np.ndarray:
+        """``q_blocks`` as a host array (the runtime passes its own copy: no wait for the device)."""
+        if self.q_host is None:
+            self.q_host = self.q_blocks.cpu().numpy().astype(np.int64)
+        return self.q_host
+
+    def block_spans(self) -> np.ndarray:
+        """int64 [nb, 2]: per global q block, the key blocks [first, last + 1) its envelope may touch
+        (``envelope_spans``; a function of the mask alone, the same on every rank)."""
+        if self.spans is None:
+            self.spans = envelope_spans(self.traps.cpu().numpy(), self.seqlen, self.block)
+        return self.spans
 
     @property
     def seqlen(self) -> int:
@@ -85,6 +100,32 @@ def envelope_blocks(traps: np.ndarray, seqlen: int, q_blocks: np.ndarray, block:
     return block_classes(torch.as_tensor(tiles, dtype=torch.int32), len(q_blocks) * block, s, block)
 
 
+def envelope_spans(traps: np.ndarray, seqlen: int, block: int) -> np.ndarray:
+    """int64 [nb, 2]: for each q block of ``block`` rows, a range of key blocks [first, last + 1) holding every
+    key its rows keep under ``traps`` (``AttnMask.traps``); [0, 0] for a block that keeps none. Each trap's keys
+    are linear in the row, so its extreme keys over a block's rows are at the rows' ends: O(traps + blocks)."""
+    nb = seqlen // block
+    t = np.asarray(traps, dtype=np.int64).reshape(-1, 6)
+    t = t[t[:, 1] > t[:, 0]]
+    first, last = t[:, 0] // block, (t[:, 1] - 1) // block
+    n = last - first + 1
+    tid = np.repeat(np.arange(len(t)), n)
+    blk = first[tid] + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    q0, q1, lo_a, lo_s, hi_a, hi_s = (t[tid, c] for c in range(6))
+    r0, r1 = np.maximum(q0, blk * block), np.minimum(q1, (blk + 1) * block) - 1  # the trap's rows in the block
+    lo = np.clip(np.minimum(lo_a + lo_s * r0, lo_a + lo_s * r1), 0, seqlen)
+    hi = np.clip(np.maximum(hi_a + hi_s * r0, hi_a + hi_s * r1), 0, seqlen)
+    keep = hi > lo
+    out = np.zeros((nb, 2), dtype=np.int64)
+    lo_b = np.full(nb, nb, dtype=np.int64)
+    hi_b = np.zeros(nb, dtype=np.int64)
+    np.minimum.at(lo_b, blk[keep], lo[keep] // block)
+    np.maximum.at(hi_b, blk[keep], -(-hi[keep] // block))
+    some = hi_b > 0
+    out[some, 0], out[some, 1] = lo_b[some], hi_b[some]
+    return out
+
+
 def most_candidates(traps: np.ndarray, seqlen: int, block: int) -> int:
     """The most key blocks any q block's envelope holds besides its own block (host; chunks of q blocks keep
     the block matrix small at any length)."""
@@ -109,7 +150,8 @@ def single_view(mask: AttnMask, block: int, k: torch.Tensor | None = None) -> Se
     ids = np.arange(nb)
     env = envelope_blocks(mask.traps, s, ids, block).to(dev)
     view = SelectionView(block, nb, torch.arange(nb, device=dev), env,
-                         torch.as_tensor(np.asarray(mask.traps), dtype=torch.long, device=dev))
+                         torch.as_tensor(np.asarray(mask.traps), dtype=torch.long, device=dev),
+                         spans=envelope_spans(mask.traps, s, block), q_host=ids)
     if k is not None:
         def keys():
             need = torch.nonzero((env > 0).any(0)).flatten()

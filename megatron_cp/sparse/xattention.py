@@ -20,15 +20,18 @@ reduced row with no kept cell (possible inside short documents) counts 0, and a 
 all keeps every envelope block (the threshold is never reached: dense is the safe answer); the scores
 are float32 (the paper's kernel keeps the input precision) so that the selection of bf16 inputs does not
 hinge on the rounding of the scores; the estimate runs as PyTorch operations in chunks of q blocks, not as
-the paper's fused Triton kernels (H100, S = 128k, Hq 32, Hkv 8, D 128, bf16: about 165 ms on one GPU,
-21 ms for one rank's 1/8 at CP = 8).
+the paper's fused Triton kernels.
+
+Work: a chunk of ``chunk_blocks`` global q blocks is scored only against the key blocks its rows' envelope
+spans (``SelectionView.block_spans``, rounded up to ``GRANULE`` blocks): about half the key axis under a
+causal mask, a document's keys under packed documents (scoring every chunk against the whole sequence
+cost 43x dense attention's forward on packed documents at 256k, 4 x H100, 2026-11-27).
 
 Context parallelism: the estimate reads every key of a row (``view.envelope_keys()``, a dense K exchange
-done by the runtime). The scores of a chunk of q blocks are computed against a global-length key axis
-(zeros for absent blocks, masked anyway) with shapes fixed by the selector and the sequence alone (the
-chunk is padded to ``chunk_blocks`` q blocks), so every reduction (softmax max and normaliser, block sums,
-cumulative mass) runs on the same shapes whatever the layout: a q block's selection is bit-identical on
-every CP size.
+done by the runtime). A chunk is fixed by the global q block ids (g * c ..), its key span by the mask, so
+its shapes depend on the selector and the mask alone; a rank fills the rows of its own blocks (the others
+zero, dropped). Every reduction (softmax max and normaliser, block sums, cumulative mass) therefore runs on
+the same shapes and values whatever the layout: a q block's selection is bit-identical on every CP size.
 """
 
 from __future__ import annotations
@@ -36,29 +39,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
-from ..kernels import accumulate_dtype
+from ..kernels import accumulate_dtype, upload
 from .moba import tree_sum
 from .selector import check_block, check_fraction, check_heads
 from .view import SelectionView
 
 
-def envelope_cells(view: SelectionView, rows: torch.Tensor, stride: int) -> torch.Tensor:
-    """bool [R, nb * B / stride]: the reduced cells (row group of sample row ``rows[r]``, key group j') the
-    envelope keeps: ``view.keeps(rows[r], j' * stride)`` for every j', evaluated from ``view.traps``
-    without a host synchronisation. rows: long [R] global positions (any value, e.g. -1, keeps nothing).
+def envelope_cells(view: SelectionView, rows: torch.Tensor, stride: int, col0: int = 0,
+                   col1: int | None = None) -> torch.Tensor:
+    """bool [R, col1 - col0]: the reduced cells (row group of sample row ``rows[r]``, key group j') the
+    envelope keeps: ``view.keeps(rows[r], j' * stride)`` for every j' in [col0, col1) (default: every key
+    group, nb * B / stride), evaluated from ``view.traps`` without a host synchronisation. rows: long [R]
+    global positions (any value, e.g. -1, keeps nothing).
 
     Each trap keeps, in row i, the keys [lo, hi) = [lo_a + lo_s i, hi_a + hi_s i): key group j' is kept iff
     ceil(lo / S) <= j' < ceil(hi / S). The intervals are written as +1 / -1 into a difference array and
     summed along the row (integers: exact), O(traps x R + R x cells)."""
-    ncols = view.seqlen // stride
+    col1 = view.seqlen // stride if col1 is None else col1
+    ncols = col1 - col0
     t = view.traps.to(rows.device)
     q0, q1, lo_a, lo_s, hi_a, hi_s = (c[:, None] for c in t.unbind(1))
     i = rows[None, :]
     inr = (i >= q0) & (i < q1)  # [nt, R]
-    c0 = (-torch.div(-(lo_a + lo_s * i), stride, rounding_mode="floor")).clamp(0, ncols)
-    c1 = (-torch.div(-(hi_a + hi_s * i), stride, rounding_mode="floor")).clamp(0, ncols)
+    c0 = (-torch.div(-(lo_a + lo_s * i), stride, rounding_mode="floor")).clamp(col0, col1) - col0
+    c1 = (-torch.div(-(hi_a + hi_s * i), stride, rounding_mode="floor")).clamp(col0, col1) - col0
     w = (inr & (c1 > c0)).to(torch.int32)
     diff = torch.zeros(rows.numel(), ncols + 1, dtype=torch.int32, device=rows.device)
     diff.scatter_add_(1, c0.T.contiguous(), w.T.contiguous())
@@ -91,6 +98,9 @@ def scores(qm: torch.Tensor, kt: torch.Tensor, alpha: float, dtype: torch.dtype)
             pass
     out = torch.baddbmm(torch.empty(shape, dtype=qm.dtype, device=qm.device), qm, kt, beta=0, alpha=alpha)
     return out.to(dtype)
+
+
+GRANULE = 16  # key blocks: a chunk's span is rounded up to a multiple (few distinct shapes, little waste)
 
 
 @dataclass(frozen=True)
@@ -138,10 +148,11 @@ class XAttention:
                              f"got {len(th)}: {th!r}")
 
     def chunk_blocks(self, num_q_heads: int, num_blocks: int) -> int:
-        """q blocks per chunk: depends only on the selector, Hq and nb (the same on every rank)."""
+        """q blocks per chunk: depends only on the selector, Hq and nb (the same on every rank). At most
+        ``GRANULE``: a chunk is scored against its rows' key span, so short chunks follow documents closely."""
         nr = self.block // self.stride
         per_block = num_q_heads * nr * num_blocks * nr
-        return max(1, min(num_blocks, self.chunk_elements // per_block))
+        return max(1, min(num_blocks, GRANULE, self.chunk_elements // per_block))
 
     def thresholds(self, num_q_heads: int, dtype: torch.dtype, device) -> torch.Tensor:
         """[Hq] thresholds in ``dtype``."""
@@ -197,34 +208,48 @@ class XAttention:
         scale = 1.0 / (d ** 0.5) / st
         c = self.chunk_blocks(hq, nb)
         sub = torch.arange(nr, device=dev) * st + st - 1  # sample row of each row group, within a block
-        nch = -(-nq // c)
-        # padded to whole chunks of c q blocks (padding: block id -1, empty envelope, zero queries)
-        qb = torch.full((nch * c,), -1, dtype=torch.long, device=dev)
-        qb[:nq] = view.q_blocks
-        envp = torch.zeros(nch * c, nb, dtype=view.envelope.dtype, device=dev)
-        envp[:nq] = view.envelope
-        rows = torch.where(qb[:, None] >= 0, qb[:, None] * b + sub[None], -1).view(nch, c * nr)
         rev = torch.arange(st - 1, -1, -1, device=dev)
-        mass = torch.empty(hq, nch * c, nb, dtype=adt, device=dev)
-        for ci in range(nch):
-            s0, m = ci * c, min(c, nq - ci * c)
-            # one chunk: shapes fixed by (selector, Hq, Hkv, D, nb) alone, so every value below is the same
-            # sequence of operations on every layout
-            qc = qr[s0:s0 + m].index_select(2, rev)  # reversed within each row group: the antidiagonal
-            if m < c:
-                qc = torch.cat([qc, qc.new_zeros(c - m, *qc.shape[1:])])
+        spans = view.block_spans()
+        mass = torch.zeros(hq, nq, nb, dtype=adt, device=dev)
+        # chunks of c global q blocks (block ids g*c ..): each chunk's rows are scored against the key blocks its
+        # envelope spans (rounded up to GRANULE blocks), so a chunk's shapes, and with them every value below, are
+        # the same on every layout; a rank fills the rows of its own blocks and leaves the others zero (their
+        # rows keep nothing and are dropped). Packed documents score a document's keys, not the sequence's.
+        local = view.q_blocks_host()
+        chunk = local // c
+        order = np.argsort(chunk, kind="stable")  # local blocks grouped by chunk, one upload for every chunk
+        ends = np.cumsum(np.bincount(chunk, minlength=-(-nb // c)))
+        both = upload(np.concatenate([order, local[order] - chunk[order] * c]), dev)
+        for gi in np.unique(chunk).tolist():
+            g0 = gi * c
+            sp = spans[g0:min(nb, g0 + c)]
+            sp = sp[sp[:, 1] > sp[:, 0]]
+            if not len(sp):
+                continue  # no row of the chunk keeps a key: their masses stay 0
+            lo, hi = int(sp[:, 0].min()), int(sp[:, 1].max())
+            w = min(nb, -(-(hi - lo) // GRANULE) * GRANULE)
+            start = min(lo, nb - w)
+            a0, a1 = (int(ends[gi - 1]) if gi else 0), int(ends[gi])
+            sel, pos = both[a0:a1], both[nq + a0:nq + a1]
+            qc = torch.zeros(c, nr, st, hq, d, dtype=qr.dtype, device=dev)
+            qc[pos] = qr.index_select(0, sel).index_select(2, rev)  # reversed in each row group: the antidiagonal
             qm = qc.permute(3, 0, 1, 2, 4).reshape(hkv, g * c * nr, st * d)
-            sc = scores(qm, kt, scale, adt).view(hq, c * nr, ncols)
-            del qm
-            er = envp[s0:s0 + c].repeat_interleave(nr, 0)[:, :, None]  # [c*nr, nb, 1]
-            allowed = ((er == 2) | ((er == 1) & envelope_cells(view, rows[ci], st).view(c * nr, nb, nr)))
-            sc.masked_fill_(~allowed.view(1, c * nr, ncols), float("-inf"))
-            # row softmax over the whole reduced row; a row with no kept cell is all NaN there: nansum over
-            # the rows gives it probability 0 (rows first: a coalesced reduction, then the small in-block one)
+            sc = scores(qm, kt[:, :, start * nr:(start + w) * nr], scale, adt).view(hq, c * nr, w * nr)
+            del qm, qc
+            env = torch.zeros(c, w, dtype=view.envelope.dtype, device=dev)
+            env[pos] = view.envelope.index_select(0, sel)[:, start:start + w]
+            er = env.repeat_interleave(nr, 0)[:, :, None]  # [c*nr, w, 1]
+            blocks = g0 + torch.arange(c, device=dev)
+            rows = torch.where(blocks[:, None] < nb, blocks[:, None] * b + sub[None], -1).view(-1)
+            cells = envelope_cells(view, rows, st, start * nr, (start + w) * nr).view(c * nr, w, nr)
+            sc.masked_fill_(~((er == 2) | ((er == 1) & cells)).view(1, c * nr, w * nr), float("-inf"))
+            # row softmax over the row's span; a row with no kept cell is all NaN there: nansum over the rows
+            # gives it probability 0 (rows first: a coalesced reduction, then the small in-block one)
             p = torch.softmax(sc, -1)
             del sc
-            mass[:, s0:s0 + c] = torch.nansum(p.view(hq, c, nr, nb, nr), 2).sum(-1)
+            part = torch.nansum(p.view(hq, c, nr, w, nr), 2).sum(-1)  # [Hq, c, w]
             del p
+            mass[:, sel, start:start + w] = part[:, pos]
 
         # selection from the masses: only elementwise folds (tree_sum, exclusive_prefix_sum), a stable sort,
         # gathers and scatters, so any grouping of the q blocks gives the same values (groups bound memory)
