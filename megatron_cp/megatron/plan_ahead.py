@@ -17,7 +17,7 @@ inline in ``next()`` (the step then waits for every plan: the same measurement w
 
 Plans that take longer than a micro-batch (one plan over DP x CP at hundreds of ranks: ~0.8 s at 1024) cannot
 keep ahead one at a time, however deep the queue. So the plans start one at a time, in micro-batch order, and
-each time the step waits for a plan after the first ``depth`` micro-batches one more may run at once (up to
+each time two micro-batches in a row wait for their plans (after the first ``depth``) one more may run at once (up to
 ``max_workers``; on a GPU each waits on its own planning helper process, ``runtime.plan_in_helper``). A
 ``plan_fn`` whose collectives must come in the same order on every rank puts them in ``with in_turn():``: the
 plans' turns come in micro-batch order (one such section per plan).
@@ -39,6 +39,7 @@ from typing import Callable, Iterator
 
 _WRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 SWITCH_INTERVAL_S = 5e-4  # the GIL switch interval while a planning thread runs (module doc)
+LATE_S = 1e-3  # a wait for a plan longer than this counts as planning falling behind
 _OPEN = {"count": 0, "saved": None}
 _OPEN_LOCK = threading.Lock()
 _TURN = threading.local()  # the running plan's (turns, ticket), set by PlanAhead around plan_fn
@@ -131,8 +132,9 @@ def _planning_stopped() -> None:
 
 class PlanAhead:
     """Iterator over ``batches`` (unchanged, in order) whose plans ``plan_fn(batch)`` are made up to
-    ``depth`` micro-batches ahead by background threads (one at a time until the step waits on a plan after the
-    first ``depth`` micro-batches; then one more at once, up to ``max_workers``, default ``default_workers()``).
+    ``depth`` micro-batches ahead by background threads (one at a time until two micro-batches in a row wait on
+    their plans after the first ``depth``; then one more at once each time, up to ``max_workers``, default
+    ``default_workers()``).
 
     ``waits``: seconds each ``next()`` spent blocked on its micro-batch's unfinished plan (a list, one
     float per micro-batch yielded); ``plan_times``: seconds each ``plan_fn`` call took, in the same
@@ -207,9 +209,6 @@ class PlanAhead:
             self.close()
             raise StopIteration
         batch, fut = self._ahead.popleft()
-        behind = not fut.done() and len(self.waits) >= self.depth  # past the start, planning fell behind
-        if behind and self._turns.grow(self.max_workers):
-            self.depth = max(self.depth, self._turns.workers + 1)
         self._fill()  # the next micro-batch starts planning behind the ones already queued
         t = time.perf_counter()
         try:
@@ -217,6 +216,11 @@ class PlanAhead:
             self.plan_times.append(took)
         finally:
             self.waits.append(time.perf_counter() - t)
+        # planning fell behind: this micro-batch and the one before both waited, after the first ``depth`` (a
+        # single late plan, a pause of the loader or a slow node, does not start another helper for good)
+        if len(self.waits) > self.depth + 1 and min(self.waits[-2:]) > LATE_S and self._turns.grow(self.max_workers):
+            self.depth = max(self.depth, self._turns.workers + 1)
+            self._fill()
         return batch
 
     def close(self) -> None:

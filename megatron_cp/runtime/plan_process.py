@@ -8,8 +8,8 @@ before the step (269 against 132 ms; benchmarks/2026-11-27_4xH100_train-throughp
 ``planner.plan``'s plan, and the exchange choice the attention's first call would make on it
 (``runtime.prebuild``'s costliest part), in one helper process per training process; the calling thread waits on
 a pipe, without the GIL, and gets back the plan with its choice kept in the plan's cache. Threads asking at
-once (``megatron.PlanAhead`` making several slow plans at once) each get a helper of their own. The rank's execution state (device
-tensors) is built by the plan's first attention call, in this process.
+once (``megatron.PlanAhead`` making several slow plans at once) each get a helper of their own. The rank's
+execution state (device tensors) is built by the plan's first attention call, in this process.
 
 The helper is this interpreter running ``serve`` on this process's ``sys.path``, started
 on first use (it imports megatron_cp: a second or so, once) and ended when this process ends or closes its

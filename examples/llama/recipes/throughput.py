@@ -14,7 +14,8 @@ recompute on (bf16, Megatron's arithmetic). Reported per run: tokens/s per GPU (
 per GPU (Megatron's convention: 6 x matmul parameters x tokens + 12 x attention area x query heads x head dim
 x layers, recompute not counted), and at ``--profile-lengths`` one profiled step's GPU time by kind
 (attention kernels, NCCL, the rest) and every rank's busy time outside NCCL (``rank_busy_ms``; the table shows
-their max over mean - 1: the layout's work imbalance as measured, not as planned). Writes ``throughput.json`` and ``throughput.png`` into ``--out``.
+their max over mean - 1: the layout's work imbalance as measured, not as planned). Writes ``throughput.json``
+and ``throughput.png`` into ``--out``.
 """
 
 from __future__ import annotations
