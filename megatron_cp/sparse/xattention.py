@@ -147,12 +147,13 @@ class XAttention:
             raise ValueError(f"XAttention: per-head threshold needs one value per query head ({num_q_heads}), "
                              f"got {len(th)}: {th!r}")
 
-    def chunk_blocks(self, num_q_heads: int, num_blocks: int) -> int:
-        """q blocks per chunk: depends only on the selector, Hq and nb (the same on every rank). At most
-        ``GRANULE``: a chunk is scored against its rows' key span, so short chunks follow documents closely."""
+    def chunk_blocks(self, num_q_heads: int, width: int) -> int:
+        """q blocks per chunk whose scores against ``width`` key blocks fit ``chunk_elements``, at most
+        ``GRANULE`` (a chunk is scored against its rows' key span: short chunks follow documents closely).
+        ``select`` passes the mask's widest span: the same on every rank."""
         nr = self.block // self.stride
-        per_block = num_q_heads * nr * num_blocks * nr
-        return max(1, min(num_blocks, GRANULE, self.chunk_elements // per_block))
+        per_block = num_q_heads * nr * width * nr
+        return max(1, min(width, GRANULE, self.chunk_elements // per_block))
 
     def thresholds(self, num_q_heads: int, dtype: torch.dtype, device) -> torch.Tensor:
         """[Hq] thresholds in ``dtype``."""
@@ -206,10 +207,13 @@ class XAttention:
         qr = q.reshape(nq, nr, st, hq, d)
         thr = self.thresholds(hq, adt, dev)[:, None, None]
         scale = 1.0 / (d ** 0.5) / st
-        c = self.chunk_blocks(hq, nb)
+        spans = view.block_spans()
+        # chunk length from the widest span the mask has (a function of the mask: the same on every rank), so
+        # short documents take long chunks and few kernel launches within the memory bound
+        widest = int((spans[:, 1] - spans[:, 0]).max(initial=1))
+        c = self.chunk_blocks(hq, min(nb, -(-widest // GRANULE) * GRANULE))
         sub = torch.arange(nr, device=dev) * st + st - 1  # sample row of each row group, within a block
         rev = torch.arange(st - 1, -1, -1, device=dev)
-        spans = view.block_spans()
         mass = torch.zeros(hq, nq, nb, dtype=adt, device=dev)
         # chunks of c global q blocks (block ids g*c ..): each chunk's rows are scored against the key blocks its
         # envelope spans (rounded up to GRANULE blocks), so a chunk's shapes, and with them every value below, are
