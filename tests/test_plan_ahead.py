@@ -422,6 +422,21 @@ def test_plans_slower_than_the_step_are_made_several_at_once_in_order():
     assert list(one) == list(range(6)) and one.workers == 1
     with pytest.raises(ValueError, match="max_workers must be an int >= 1"):
         PlanAhead(iter([]), plan_fn, max_workers=0)
+    assert PlanAhead(iter([]), plan_fn).max_workers == 1  # more only where the caller allows it
+
+
+def test_default_workers_leave_each_planner_a_core():
+    """The plugin's cap on plans at once: at most 8, and one less than the node's cores per training process
+    (never below 1)."""
+    import os
+
+    from megatron_cp.megatron import default_workers
+
+    cores = os.cpu_count() or 1
+    assert default_workers(1) == max(1, min(8, cores - 1))
+    assert default_workers(cores) == 1 and default_workers(10 ** 6) == 1
+    with pytest.raises(ValueError, match="processes_per_node must be an int >= 1, got 0"):
+        default_workers(0)
 
 
 def _ordered_collectives(rank, world):

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 import megatron_cp as mcp
 from megatron_cp.baselines import get_strategy, plan_for
-from megatron_cp.megatron import PlanAhead, in_turn
+from megatron_cp.megatron import PlanAhead, default_workers, in_turn
 from megatron_cp.planner import Workload
 
 IMPLS = ("megatron-cp", "ring", "ulysses", "usp", "allgather")
@@ -119,7 +119,9 @@ def bench(impl: str, seqlen: int, args, ctx) -> dict:
     steps = args.warmup + args.steps + (2 if device.type == "cuda" else 1)
     masks = micro_batch_masks(seqlen, steps * args.micro_batches, args.seed)
     plans: dict[int, object] = {}
-    ahead = PlanAhead(iter(range(len(masks))), lambda i: plans.__setitem__(i, make(masks[i])), depth=2)
+    workers = default_workers(torch.cuda.device_count()) if device.type == "cuda" else 1  # as the plugin
+    ahead = PlanAhead(iter(range(len(masks))), lambda i: plans.__setitem__(i, make(masks[i])), depth=2,
+                      max_workers=workers)
     g = torch.Generator(device=device).manual_seed(1234 + rank)
     first, calls, step_ms, busy, nccl = [], [], [], None, None
     base: list = []  # per layer (q, k, v) on the device, made once: a step's inputs are views of their first rows

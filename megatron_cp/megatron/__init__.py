@@ -22,7 +22,7 @@ from .batch import (CPBatch, GlobalPlan, MaskSpec, PlanOptions, plan_for_batch, 
 from .core_attention import CPCoreAttention
 from .loss import loss_func
 from .params import CPParams
-from .plan_ahead import PlanAhead, in_turn
+from .plan_ahead import PlanAhead, default_workers, in_turn
 from .rope import PlanRotaryEmbedding, install
 from .specs import get_llama_layer_spec
 
@@ -31,5 +31,5 @@ __all__ = [
     "get_llama_layer_spec", "install", "loss_func", "prepare_batch", "prepare_global_batch", "PlanAhead",
     "plan_for_batch", "prepare_step_batch",
     # the planning thread's work on Megatron's groups, and one plan over DP x CP (--cp-balance-over-dp)
-    "step_planner", "GlobalPlan", "plan_global_batch", "in_turn",
+    "step_planner", "GlobalPlan", "plan_global_batch", "in_turn", "default_workers",
 ]

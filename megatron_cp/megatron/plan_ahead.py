@@ -17,8 +17,8 @@ inline in ``next()`` (the step then waits for every plan: the same measurement w
 
 Plans that take longer than a micro-batch (one plan over DP x CP at hundreds of ranks: ~0.8 s at 1024) cannot
 keep ahead one at a time, however deep the queue. So the plans start one at a time, in micro-batch order, and
-each time two micro-batches in a row wait for their plans (after the first ``depth``) one more may run at once (up to
-``max_workers``; on a GPU each waits on its own planning helper process, ``runtime.plan_in_helper``). A
+each time two micro-batches in a row wait for their plans (after the first ``depth``) one more may run at once
+(up to ``max_workers``; on a GPU each waits on its own planning helper process, ``runtime.plan_in_helper``). A
 ``plan_fn`` whose collectives must come in the same order on every rank puts them in ``with in_turn():``: the
 plans' turns come in micro-batch order (one such section per plan).
 
@@ -45,12 +45,13 @@ _OPEN_LOCK = threading.Lock()
 _TURN = threading.local()  # the running plan's (turns, ticket), set by PlanAhead around plan_fn
 
 
-def default_workers() -> int:
-    """Plans at most at once: 8 (a 2 s plan, one over DP x CP at 1024 ranks on a slow core, beside a 0.25 s
-    micro-batch needs about that many), fewer where the node's cores per process (``LOCAL_WORLD_SIZE``, as
-    torchrun sets it) leave less than one core per planner beside the training process."""
-    per_process = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(1, min(8, per_process - 1))
+def default_workers(processes_per_node: int) -> int:
+    """Plans at most at once for a training process sharing its node's cores with ``processes_per_node - 1``
+    others: 8 (a 2 s plan, one over DP x CP at 1024 ranks on a slow core, beside a 0.25 s micro-batch needs about
+    that many), fewer where the cores per process leave less than one per planner beside the process itself."""
+    if isinstance(processes_per_node, bool) or not isinstance(processes_per_node, int) or processes_per_node < 1:
+        raise ValueError(f"processes_per_node must be an int >= 1, got {processes_per_node!r}")
+    return max(1, min(8, (os.cpu_count() or 1) // processes_per_node - 1))
 
 
 class _Turns:
@@ -133,8 +134,8 @@ def _planning_stopped() -> None:
 class PlanAhead:
     """Iterator over ``batches`` (unchanged, in order) whose plans ``plan_fn(batch)`` are made up to
     ``depth`` micro-batches ahead by background threads (one at a time until two micro-batches in a row wait on
-    their plans after the first ``depth``; then one more at once each time, up to ``max_workers``, default
-    ``default_workers()``).
+    their plans after the first ``depth``; then one more at once each time, up to ``max_workers``: 1 unless
+    given, e.g. ``default_workers(processes per node)`` as the Megatron plugin passes).
 
     ``waits``: seconds each ``next()`` spent blocked on its micro-batch's unfinished plan (a list, one
     float per micro-batch yielded); ``plan_times``: seconds each ``plan_fn`` call took, in the same
@@ -142,10 +143,10 @@ class PlanAhead:
     ``next()`` yielded last. An exception of ``plan_fn`` is raised by the ``next()`` that yields that
     micro-batch."""
 
-    def __init__(self, batches, plan_fn: Callable, depth: int = 2, max_workers: int | None = None):
+    def __init__(self, batches, plan_fn: Callable, depth: int = 2, max_workers: int = 1):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"depth must be an int >= 0 (micro-batches planned ahead), got {depth!r}")
-        cap = default_workers() if max_workers is None else max_workers
+        cap = max_workers
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
             raise ValueError(f"max_workers must be an int >= 1 (plans made at once), got {max_workers!r}")
         self._it: Iterator = iter(batches)
@@ -245,8 +246,8 @@ def wrapped_by(batches) -> PlanAhead | None:
     return batches if isinstance(batches, PlanAhead) else _WRAPPED.get(batches)
 
 
-def plan_ahead(batches, plan_fn: Callable, depth: int = 2) -> PlanAhead:
-    """``PlanAhead(batches, plan_fn, depth)``, once per iterator: a schedule hands ``forward_step`` the
+def plan_ahead(batches, plan_fn: Callable, depth: int = 2, max_workers: int = 1) -> PlanAhead:
+    """``PlanAhead(batches, plan_fn, depth, max_workers)``, once per iterator: a schedule hands ``forward_step`` the
     same iterator every micro-batch, so wrapping it there returns the wrapper made the first time.
     Raises TypeError for an iterator that cannot be weakly referenced (a built-in one such as
     ``iter(list)``): wrap that once yourself with ``PlanAhead``."""
@@ -258,5 +259,5 @@ def plan_ahead(batches, plan_fn: Callable, depth: int = 2) -> PlanAhead:
         raise TypeError(f"plan_ahead needs an iterator it can weakly reference to wrap it once, got a "
                         f"{type(batches).__name__}; wrap it once with PlanAhead(...) instead") from None
     if ahead is None:
-        ahead = _WRAPPED[batches] = PlanAhead(batches, plan_fn, depth)
+        ahead = _WRAPPED[batches] = PlanAhead(batches, plan_fn, depth, max_workers)
     return ahead

@@ -33,7 +33,7 @@ from . import rope
 from .arguments import OURS, add_megatron_cp_args, check_megatron_args, compose, dry_run, specs_from_args
 from .batch import prepare_step_batch, step_planner
 from .loss import loss_func, record_documents
-from .plan_ahead import PlanAhead
+from .plan_ahead import PlanAhead, default_workers
 from .step_log import STEP_LOG
 
 _SAVED = "_megatron_cp_saved"
@@ -189,7 +189,7 @@ def _broadcast_batch(data_iterator, args):
     return tokens, labels, loss_mask, host
 
 
-def plan_ahead_of(data_iterator, make_plan_fn):
+def plan_ahead_of(data_iterator, make_plan_fn, max_workers: int = 1):
     """The iterator ``forward_step`` reads, with the next micro-batches planned in a background thread by the
     function ``make_plan_fn()`` returns, called once, when the iterator is first wrapped (``plan_ahead.PlanAhead``;
     ``batch.plan_for_batch`` leaves each plan where ``prepare_batch`` finds it, ``batch.step_planner``'s results
@@ -199,19 +199,20 @@ def plan_ahead_of(data_iterator, make_plan_fn):
     machine, on by default): reading ahead above it would mix the next iteration's micro-batches into a
     replay, so the planner goes below it, around the loader's iterator (``.iterable``), which it reads in
     order. Any other iterator is wrapped itself (once); one that cannot be weakly referenced (a built-in
-    iterator such as ``iter(list)``, which a schedule may be handed) is returned as is and planned inline."""
+    iterator such as ``iter(list)``, which a schedule may be handed) is returned as is and planned inline.
+    ``max_workers``: plans made at once at most when planning falls behind (``PlanAhead``)."""
     from .plan_ahead import plan_ahead, wrapped_by
 
     inner = getattr(data_iterator, "iterable", None)
     if inner is not None and callable(getattr(data_iterator, "rewind", None)):
         if not isinstance(inner, PlanAhead):
-            data_iterator.iterable = PlanAhead(inner, make_plan_fn())
+            data_iterator.iterable = PlanAhead(inner, make_plan_fn(), max_workers=max_workers)
         return data_iterator
     try:
         ahead = wrapped_by(data_iterator)
     except TypeError:
         return data_iterator
-    return ahead if ahead is not None else plan_ahead(data_iterator, make_plan_fn())
+    return ahead if ahead is not None else plan_ahead(data_iterator, make_plan_fn(), max_workers=max_workers)
 
 
 _ITERATORS = {"wrapped": 0}  # iterators given a planning thread so far: each thread's gloo group is its own
@@ -251,7 +252,9 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     if data_iterator is not None and ps.get_tensor_model_parallel_rank() == 0 and (training or not over_dp):
         # each stage's reader plans ahead (one plan over DP x CP: the training iterator only; evaluation's
         # micro-batches plan in the step)
-        data_iterator = plan_ahead_of(data_iterator, lambda: _planner(spec, options))
+        # one training process per GPU of the node: their planners share its cores
+        workers = default_workers(torch.cuda.device_count()) if torch.cuda.is_available() else 1
+        data_iterator = plan_ahead_of(data_iterator, lambda: _planner(spec, options), max_workers=workers)
     tokens, labels, loss_mask, host_tokens = _broadcast_batch(data_iterator, args)
     ahead = data_iterator if isinstance(data_iterator, PlanAhead) else getattr(data_iterator, "iterable", None)
     ahead = ahead if isinstance(ahead, PlanAhead) else None
