@@ -314,8 +314,7 @@ def node_documents(
     seg = cuts[np.searchsorted(cuts, bounds[:-1], side="right") - 1]
     target = float(prefix[-1]) / cp
     out = []
-    for n in np.unique(node):
-        idx = np.nonzero(node == n)[0]
+    for n, idx in _groups(node):
         units = np.stack([bounds[idx], bounds[idx + 1], seg[idx]], axis=1)
         u = _pack(units, prefix, np.diff(even_bounds(int((units[:, 1] - units[:, 0]).sum()), g)), target, tol)
         u[:, 2] += n * g
@@ -466,8 +465,7 @@ def hierarchical(
     node = no[np.searchsorted(nb, bounds[:-1], side="right") - 1].astype(np.int64)
     # cut where a node's running token count (in sequence order) reaches each GPU's equal share
     extra = []
-    for n in np.unique(node):
-        idx = np.nonzero(node == n)[0]
+    for _, idx in _groups(node):
         cum = np.cumsum(bounds[idx + 1] - bounds[idx])
         for share in even_bounds(int(cum[-1]), g)[1:-1]:
             j = int(np.searchsorted(cum, share, side="left"))

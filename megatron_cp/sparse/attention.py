@@ -22,7 +22,7 @@ from ..runtime import check_inputs, plan_cache, plan_rank, resolve_backend
 from ..runtime.state import fingerprint, input_fields, verify_plan
 from . import exchange
 from .layout import SparseLayout, check_plan, sparse_layout
-from .selector import Selector, keeps_everything
+from .selector import Selector
 from .view import SelectionView, envelope_spans, most_candidates
 
 
@@ -81,13 +81,14 @@ def _view(st: dict, k: torch.Tensor, group) -> SelectionView:
 def keeps_whole_envelope(plan: Plan, selector) -> bool:
     """True when ``selector`` keeps every envelope block of ``plan``'s mask whatever q and k are (MoBA on
     documents of at most top_k + 1 blocks): the same on every rank (a function of the plan), cached with it."""
-    if getattr(selector, "keeps_all", None) is None:
+    keeps_all = getattr(selector, "keeps_all", None)  # optional in the Selector protocol
+    if keeps_all is None:
         return False
     cache = plan_cache(plan)
     key = ("sparse most candidates", selector.block)
     if key not in cache:
         cache[key] = most_candidates(plan.traps, plan.seqlen, selector.block)
-    return keeps_everything(selector, cache[key])
+    return bool(keeps_all(cache[key]))
 
 
 def check_selector(selector, q: torch.Tensor, k: torch.Tensor, plan: Plan) -> None:

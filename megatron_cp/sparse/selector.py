@@ -21,13 +21,6 @@ class Selector(Protocol):
     def select(self, q: torch.Tensor, k: torch.Tensor, view: SelectionView) -> torch.Tensor: ...
 
 
-def keeps_everything(selector, most: int) -> bool:
-    """True when ``selector`` would keep every envelope block of a mask whose q blocks have at most ``most``
-    candidate key blocks besides their own (its optional ``keeps_all(most)``; a selector without one: False)."""
-    keeps = getattr(selector, "keeps_all", None)
-    return bool(keeps(most)) if keeps is not None else False
-
-
 def check_block(name: str, block, seqlen: int) -> None:
     """ValueError unless ``block`` is a positive int dividing ``seqlen``."""
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
