@@ -284,6 +284,29 @@ def test_bench_kernels_compares_ours_with_the_fastest_peer():
     assert "fwd_vs_best" not in lone and bk.table([lone], "triton")[-1].endswith("| - | - | - | - |")
 
 
+def test_gpu_kernel_check_rank_lists_are_the_runtimes_calls():
+    """The rank lists the GPU check runs: every benchmark mask over CP 2 and 4, each rank's rows against its key
+    buffer (the shapes the distributed runtime calls the backend with), rectangular where a rank reads keys it
+    does not own, every tile inside its call and the lists together the plan's cells."""
+    import megatron_cp as mcp
+    from megatron_cp.masks import catalog
+
+    gk = _tool("gpu_kernel_check")
+    cases = gk.rank_list_cases(1024)
+    names = {c[0].split("_cp")[0] for c in cases}
+    assert names == set(catalog.DIST_MASKS)
+    assert any(sq != sk for _, sq, sk, _ in cases)
+    for name, sq, sk, tiles in cases:
+        t = tiles.numpy()
+        assert (t[:, 0] >= 0).all() and (t[:, 1] <= sq).all() and (t[:, 2] >= 0).all() and (t[:, 3] <= sk).all(), name
+    for cp in (2, 4):
+        plan = mcp.plan(catalog.build("causal", 1024), cp)
+        kept = sum(int(catalog.tiles_to_dense(t, sq, sk).sum()) for n, sq, sk, t in cases if n.startswith(f"causal_cp{cp}_"))
+        assert kept == int(catalog.dense("causal", 1024).sum()) == sum(
+            int(catalog.tiles_to_dense(rp.tiles, rp.num_tokens, int((rp.buffer_runs[:, 1] - rp.buffer_runs[:, 0]).sum())).sum())
+            for rp in plan.ranks if len(rp.tiles))
+
+
 def test_gpu_kernel_check_builds_the_chosen_backend_with_its_config():
     """--backend triton builds TritonBackend with the run's TritonConfig (as before --backend); auto picks
     Triton where FA4 cannot run; fa4 there stops with the reason rather than checking Triton fallbacks."""

@@ -13,7 +13,9 @@ identical: a failure for Triton; for other backends (FA4) reported per case ("de
 in the summary, not failed. --big adds S = 131072 (Hq 32, Hkv 8, D 128) no-NaN and peak-memory runs.
 Triton: lists the default backend splits (a single dense tile, dense pieces, the forward's band squares) are
 also run through it (its cuDNN pieces); other backends: the default (non-deterministic) mode is always run as
-well. Planner-style sliding-window bands are added (band_cases). Each case records the path every run took
+well. Planner-style sliding-window bands are added (band_cases), and the lists the distributed runtime gives
+the backend (rank_list_cases: every benchmark mask planned over CP 2 and 4 at the largest S, each rank's rows
+against its key buffer, sq != sk). Each case records the path every run took
 (``last_path``: [forward's, backward's], e.g. "fa4" or a Triton fallback). The summary says what the cuDNN
 probe found per (dtype, head_dim, Hq / Hkv) family and the backend's describe() where it has one.
 
@@ -119,18 +121,20 @@ def rms(x):
     return float(x.double().pow(2).mean().sqrt()) if x.numel() else 0.0
 
 
-def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed):
+def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed, sk=None):
+    """One list of ``s`` rows against ``sk`` keys (default ``s``): every run of it against the references."""
     dev = "cuda"
     hq = hkv * g
+    sk = s if sk is None else sk
     gen = torch.Generator(device=dev).manual_seed(seed)
     q = torch.randn(s, hq, d, device=dev, dtype=dtype, generator=gen)
-    k = torch.randn(s, hkv, d, device=dev, dtype=dtype, generator=gen)
-    v = torch.randn(s, hkv, d, device=dev, dtype=dtype, generator=gen)
+    k = torch.randn(sk, hkv, d, device=dev, dtype=dtype, generator=gen)
+    v = torch.randn(sk, hkv, d, device=dev, dtype=dtype, generator=gen)
     dout = torch.randn(s, hq, d, device=dev, dtype=dtype, generator=gen)
     scale = 1.0 / math.sqrt(d)
     # deterministic mode: run twice, bitwise identical (must be for Triton; reported for other backends)
     triton = type(be_det) is TritonBackend
-    prep = be_det.prepare(tiles, s, s, head_dims=(d,))
+    prep = be_det.prepare(tiles, s, sk, head_dims=(d,))
     out, lse = be_det.forward(q, k, v, prep, scale)
     det_fwd_path = be_det.last_path
     dq, dk, dv = be_det.backward(q, k, v, out, lse, dout, prep, scale)
@@ -142,7 +146,7 @@ def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed):
     det = all(torch.equal(a, b) for a, b in ((out, out2), (lse, lse2), (dq, dq2), (dk, dk2), (dv, dv2)))
     del out2, lse2, dq2, dk2, dv2
     runs = {next(iter(last_path)): (out, lse, dq, dk, dv)}
-    prep_f = be.prepare(tiles, s, s, head_dims=(d,))
+    prep_f = be.prepare(tiles, s, sk, head_dims=(d,))
     # Triton: the default mode differs only where it sends pieces to cuDNN; other backends: always run it
     if not triton or prep_f.cudnn_fwd is not None or prep_f.cudnn_bwd is not None:
         o_f, l_f = be.forward(q, k, v, prep_f, scale)
@@ -155,7 +159,7 @@ def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed):
     low = chunked_reference(q, k, v, dout, keep, dtype, scale)
     empty = ~keep.any(1)
     fin = ~empty
-    res = {"mask": mask, "S": s, "D": d, "dtype": str(dtype).split(".")[-1], "G": g, "Hq": hq, "Hkv": hkv,
+    res = {"mask": mask, "S": s, "Sk": sk, "D": d, "dtype": str(dtype).split(".")[-1], "G": g, "Hq": hq, "Hkv": hkv,
            "deterministic": det, "empty_rows": int(empty.sum()), "paths": list(runs), "last_path": last_path}
     ok = det or not triton
     for path, (out, lse, dq, dk, dv) in runs.items():
@@ -185,6 +189,22 @@ def band_cases():
     out = []
     for s, w in ((8192, 2048), (8192 + 700, 2048), (6144, 4096)):
         out.append((f"band_w{w}_s{s}", s, torch.tensor([[0, w, 0, w, 1], [w, s, 0, s, 3]], dtype=torch.int32)))
+    return out
+
+
+def rank_list_cases(s, cps=(2, 4)):
+    """What the distributed runtime gives the backend: each rank's rows against its key buffer (sq != sk, causal
+    slices off the diagonal, several documents in one list) for every benchmark mask planned over ``cps``."""
+    import megatron_cp as mcp
+
+    out = []
+    for name in catalog.DIST_MASKS:
+        for cp in cps:
+            for rp in mcp.plan(catalog.build(name, s), cp).ranks:
+                if len(rp.tiles):
+                    sk = int((rp.buffer_runs[:, 1] - rp.buffer_runs[:, 0]).sum())
+                    out.append((f"{name}_cp{cp}_rank{rp.rank}", rp.num_tokens, sk,
+                                torch.as_tensor(rp.tiles, dtype=torch.int32)))
     return out
 
 
@@ -283,6 +303,8 @@ def main():
     ap.add_argument("--backend", choices=["auto", "triton", "fa4"], default="auto",
                     help="the backend checked (auto: FA4 where it can run, else Triton)")
     ap.add_argument("--verbose", action="store_true", help="each case's line on stderr as it finishes")
+    ap.add_argument("--parts", default="matrix,bands,rank_lists",
+                    help="comma-separated subset of the checks to run (to split a run over time-limited calls)")
     args = ap.parse_args()
     overrides = {}
     if args.configs:
@@ -299,10 +321,18 @@ def main():
         return [(d, dt, g, 2) for d, dt, g in itertools.product([64, 128], [torch.bfloat16, torch.float16], [1, 4, 8])]
 
     band_combos = [(128, torch.bfloat16, 4, 2), (128, torch.float16, 8, 1), (64, torch.bfloat16, 1, 2)]
-    n_cases = (sum(len(combos_at(s)) for s in args.seqlens) * len(catalog.KERNEL_MASKS)
-               + len(band_cases()) * len(band_combos))
+    # the rank lists at the largest size, with the recipes' heads (GQA 4, D 128, bf16) and one fp16 family
+    parts = set(args.parts.split(","))
+    if parts - {"matrix", "bands", "rank_lists"}:
+        raise SystemExit(f"--parts: unknown {sorted(parts - {'matrix', 'bands', 'rank_lists'})}")
+    rank_lists = rank_list_cases(max(args.seqlens)) if "rank_lists" in parts else []
+    rank_combos = [(128, torch.bfloat16, 4, 2), (64, torch.float16, 8, 1)]
+    matrix = args.seqlens if "matrix" in parts else []
+    bands = band_cases() if "bands" in parts else []
+    n_cases = (sum(len(combos_at(s)) for s in matrix) * len(catalog.KERNEL_MASKS)
+               + len(bands) * len(band_combos) + len(rank_lists) * len(rank_combos))
     bar = Progress(n_cases, "gpu_kernel_check", verbose=args.verbose)
-    for s in args.seqlens:
+    for s in matrix:
         combos = combos_at(s)
         for mask in catalog.KERNEL_MASKS:
             tiles = catalog.tiles(catalog.build(mask, s))
@@ -327,7 +357,7 @@ def main():
             del keep
             torch.cuda.empty_cache()
     be_band = make_backend(args.backend, overrides, band_squares=2048)  # these windows are 2048 and 4096
-    for name, s, tiles in band_cases():
+    for name, s, tiles in bands:
         keep = catalog.tiles_to_dense(tiles, s, s, device="cuda")
         for i, (d, dt, g, hkv) in enumerate(band_combos):
             bar.running(f"{name} D={d} {str(dt).split('.')[-1]} G={g}")
@@ -337,6 +367,19 @@ def main():
             for p in r["paths"]:
                 worst = max(r[p][n]["ratio"] for n in ERR_KEYS)
                 line += f" | {p}: worst err/lowp_err={worst:.3f}"
+            if not r["pass"]:
+                bar.note(line)
+            bar.step(line if r["pass"] else None)
+        del keep
+    for name, sq, sk, tiles in rank_lists:
+        keep = catalog.tiles_to_dense(tiles, sq, sk, device="cuda")
+        for i, (d, dt, g, hkv) in enumerate(rank_combos):
+            bar.running(f"{name} D={d} {str(dt).split('.')[-1]} G={g}")
+            r = check_case(be, be_det, name, sq, d, dt, g, hkv, keep, tiles, seed=sq + sk + i, sk=sk)
+            results.append(r)
+            line = f"{'ok  ' if r['pass'] else 'FAIL'} {name:22s} {sq}x{sk} D={d:3d} {r['dtype']:8s} G={g}"
+            for p in r["paths"]:
+                line += f" | {p}: worst err/lowp_err={max(r[p][n]['ratio'] for n in ERR_KEYS):.3f}"
             if not r["pass"]:
                 bar.note(line)
             bar.step(line if r["pass"] else None)
