@@ -16,29 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fwd import load_block, row_schedule, store_block
-
-
-@triton.jit
-def _tile_keep(DESC, TID, e, offs_m, offs_n, TRANSPOSED: tl.constexpr):
-    """Kept cells of the tile of schedule entry e: [BLOCK_M, BLOCK_N] (q rows x k cols), or its
-    transpose [BLOCK_N, BLOCK_M] when TRANSPOSED."""
-    t = tl.load(TID + e)
-    qs = tl.load(DESC + t * 6 + 0)
-    qe = tl.load(DESC + t * 6 + 1)
-    ks = tl.load(DESC + t * 6 + 2)
-    ke = tl.load(DESC + t * 6 + 3)
-    lo = tl.load(DESC + t * 6 + 4)
-    hi = tl.load(DESC + t * 6 + 5)
-    if TRANSPOSED:
-        dkq = offs_n[:, None] - offs_m[None, :]
-        keep = ((offs_m[None, :] >= qs) & (offs_m[None, :] < qe) & (offs_n[:, None] >= ks)
-                & (offs_n[:, None] < ke) & (dkq >= lo) & (dkq <= hi))
-    else:
-        dkq = offs_n[None, :] - offs_m[:, None]
-        keep = ((offs_m[:, None] >= qs) & (offs_m[:, None] < qe) & (offs_n[None, :] >= ks)
-                & (offs_n[None, :] < ke) & (dkq >= lo) & (dkq <= hi))
-    return keep
+from .fwd import load_block, row_schedule, store_block, tile_keep
 
 
 @triton.jit
@@ -83,7 +61,7 @@ def _dkdv_inner(dk, dv, k, v, offs_n, Qh, DOh, QD, DOD, col0, lse_h, delta_h, st
             sT = tl.dot(k, tl.trans(q))
         pT = tl.math.exp2(sT * qk_scale - lse2[None, :])
         if MASKED:
-            keepT = _tile_keep(DESC, TID, e, offs_m, offs_n, True)
+            keepT = tile_keep(DESC, TID, e, offs_m, offs_n, True)
             pT = tl.where(keepT, pT, 0.0)
         if IEEE:
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision="ieee")
@@ -213,7 +191,7 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, Kh, Vh, KD, VD, col0, stride_ks, s
             dp = tl.dot(do, tl.trans(v))
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
-            keep = _tile_keep(DESC, TID, e, offs_m, offs_n, False)
+            keep = tile_keep(DESC, TID, e, offs_m, offs_n, False)
             p = tl.where(keep, p, 0.0)
         ds = p * (dp - delta[:, None])
         if IEEE:

@@ -60,6 +60,28 @@ def store_block(ptrs, x, row_ok, DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def tile_keep(DESC, TID, e, offs_m, offs_n, TRANSPOSED: tl.constexpr):
+    """Kept cells of the tile of schedule entry e: [BLOCK_M, BLOCK_N] (q rows x k cols), or its
+    transpose [BLOCK_N, BLOCK_M] when TRANSPOSED."""
+    t = tl.load(TID + e)
+    qs = tl.load(DESC + t * 6 + 0)
+    qe = tl.load(DESC + t * 6 + 1)
+    ks = tl.load(DESC + t * 6 + 2)
+    ke = tl.load(DESC + t * 6 + 3)
+    lo = tl.load(DESC + t * 6 + 4)
+    hi = tl.load(DESC + t * 6 + 5)
+    if TRANSPOSED:
+        dkq = offs_n[:, None] - offs_m[None, :]
+        keep = ((offs_m[None, :] >= qs) & (offs_m[None, :] < qe) & (offs_n[:, None] >= ks)
+                & (offs_n[:, None] < ke) & (dkq >= lo) & (dkq <= hi))
+    else:
+        dkq = offs_n[None, :] - offs_m[:, None]
+        keep = ((offs_m[:, None] >= qs) & (offs_m[:, None] < qe) & (offs_n[None, :] >= ks)
+                & (offs_n[None, :] < ke) & (dkq >= lo) & (dkq <= hi))
+    return keep
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, KD, VD, col0, stride_ks, stride_vs, OFF, TID, DESC,
                e0, e1, sk, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
                TMA: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -81,17 +103,7 @@ def _fwd_inner(acc, l_i, m_i, q, offs_m, k_base, v_base, KD, VD, col0, stride_ks
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale
         if MASKED:
-            t = tl.load(TID + e)
-            qs = tl.load(DESC + t * 6 + 0)
-            qe = tl.load(DESC + t * 6 + 1)
-            ks = tl.load(DESC + t * 6 + 2)
-            ke = tl.load(DESC + t * 6 + 3)
-            lo = tl.load(DESC + t * 6 + 4)
-            hi = tl.load(DESC + t * 6 + 5)
-            dkq = offs_n[None, :] - offs_m[:, None]
-            keep = ((offs_m[:, None] >= qs) & (offs_m[:, None] < qe) & (offs_n[None, :] >= ks)
-                    & (offs_n[None, :] < ke) & (dkq >= lo) & (dkq <= hi))
-            s = tl.where(keep, s, float("-inf"))
+            s = tl.where(tile_keep(DESC, TID, e, offs_m, offs_n, False), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # rows with nothing kept yet keep m = -inf; subtract 0 instead so exp2 gives 0, not NaN
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
