@@ -329,61 +329,34 @@ def main():
     rank_combos = [(128, torch.bfloat16, 4, 2), (64, torch.float16, 8, 1)]
     matrix = args.seqlens if "matrix" in parts else []
     bands = band_cases() if "bands" in parts else []
-    n_cases = (sum(len(combos_at(s)) for s in matrix) * len(catalog.KERNEL_MASKS)
-               + len(bands) * len(band_combos) + len(rank_lists) * len(rank_combos))
-    bar = Progress(n_cases, "gpu_kernel_check", verbose=args.verbose)
-    for s in matrix:
-        combos = combos_at(s)
-        for mask in catalog.KERNEL_MASKS:
-            tiles = catalog.tiles(catalog.build(mask, s))
-            keep = catalog.tiles_to_dense(tiles, s, s, device="cuda")
-            same = bool((keep == catalog.dense(mask, s, device="cuda")).all())
-            if not same:
-                bar.note(f"FAIL tile list of {mask} at S={s} differs from its mask_mod")
-            for i, (d, dt, g, hkv) in enumerate(combos):
-                bar.running(f"{mask} S={s} D={d} {str(dt).split('.')[-1]} G={g}")
-                r = check_case(be, be_det, mask, s, d, dt, g, hkv, keep, tiles, seed=s * 1000 + catalog.KERNEL_MASKS.index(mask) * 10 + i)
+    be_band = make_backend(args.backend, overrides, band_squares=2048)  # these windows are 2048 and 4096
+    # (name, rows, keys, tiles, backend, combos, first seed, the mask_mod the tiles must match or None)
+    cases = [(mask, s, s, catalog.tiles(catalog.build(mask, s)), be, combos_at(s),
+              s * 1000 + catalog.KERNEL_MASKS.index(mask) * 10, mask) for s in matrix for mask in catalog.KERNEL_MASKS]
+    cases += [(name, s, s, tiles, be_band, band_combos, s, None) for name, s, tiles in bands]
+    cases += [(name, sq, sk, tiles, be, rank_combos, sq + sk, None) for name, sq, sk, tiles in rank_lists]
+    bar = Progress(sum(len(c[5]) for c in cases), "gpu_kernel_check", verbose=args.verbose)
+    for name, sq, sk, tiles, backend, combos, seed, mask_mod in cases:
+        keep = catalog.tiles_to_dense(tiles, sq, sk, device="cuda")
+        same = mask_mod is None or bool((keep == catalog.dense(mask_mod, sq, device="cuda")).all())
+        if not same:
+            bar.note(f"FAIL tile list of {name} at S={sq} differs from its mask_mod")
+        for i, (d, dt, g, hkv) in enumerate(combos):
+            bar.running(f"{name} {sq}x{sk} D={d} {str(dt).split('.')[-1]} G={g}")
+            r = check_case(backend, be_det, name, sq, d, dt, g, hkv, keep, tiles, seed=seed + i, sk=sk)
+            if mask_mod is not None:
                 r["tiles_match_mask_mod"] = same
                 r["pass"] = r["pass"] and same
-                results.append(r)
-                line = (f"{'ok  ' if r['pass'] else 'FAIL'} {mask:15s} S={s:6d} D={d:3d} {r['dtype']:8s} G={g} "
-                        f"det={r['deterministic']} nan={r['nan']}")
-                for p in r["paths"]:
-                    worst = max(r[p][n]["ratio"] for n in ERR_KEYS)
-                    line += f" | {p}: worst err/lowp_err={worst:.3f} dq={r[p]['dq']['err']:.1e}"
-                if not r["pass"]:
-                    bar.note(line)
-                bar.step(line if r["pass"] else None)
-            del keep
-            torch.cuda.empty_cache()
-    be_band = make_backend(args.backend, overrides, band_squares=2048)  # these windows are 2048 and 4096
-    for name, s, tiles in bands:
-        keep = catalog.tiles_to_dense(tiles, s, s, device="cuda")
-        for i, (d, dt, g, hkv) in enumerate(band_combos):
-            bar.running(f"{name} D={d} {str(dt).split('.')[-1]} G={g}")
-            r = check_case(be_band, be_det, name, s, d, dt, g, hkv, keep, tiles, seed=s + i)
             results.append(r)
-            line = f"{'ok  ' if r['pass'] else 'FAIL'} {name:15s} S={s:6d} D={d:3d} {r['dtype']:8s} G={g}"
+            line = (f"{'ok  ' if r['pass'] else 'FAIL'} {name:22s} {sq}x{sk} D={d:3d} {r['dtype']:8s} G={g} "
+                    f"det={r['deterministic']} nan={r['nan']}")
             for p in r["paths"]:
-                worst = max(r[p][n]["ratio"] for n in ERR_KEYS)
-                line += f" | {p}: worst err/lowp_err={worst:.3f}"
+                line += f" | {p}: worst err/lowp_err={max(r[p][n]['ratio'] for n in ERR_KEYS):.3f} dq={r[p]['dq']['err']:.1e}"
             if not r["pass"]:
                 bar.note(line)
             bar.step(line if r["pass"] else None)
         del keep
-    for name, sq, sk, tiles in rank_lists:
-        keep = catalog.tiles_to_dense(tiles, sq, sk, device="cuda")
-        for i, (d, dt, g, hkv) in enumerate(rank_combos):
-            bar.running(f"{name} D={d} {str(dt).split('.')[-1]} G={g}")
-            r = check_case(be, be_det, name, sq, d, dt, g, hkv, keep, tiles, seed=sq + sk + i, sk=sk)
-            results.append(r)
-            line = f"{'ok  ' if r['pass'] else 'FAIL'} {name:22s} {sq}x{sk} D={d:3d} {r['dtype']:8s} G={g}"
-            for p in r["paths"]:
-                line += f" | {p}: worst err/lowp_err={max(r[p][n]['ratio'] for n in ERR_KEYS):.3f}"
-            if not r["pass"]:
-                bar.note(line)
-            bar.step(line if r["pass"] else None)
-        del keep
+        torch.cuda.empty_cache()
     bar.running("accumulate, float32" + (", S=131072 runs" if args.big else ""))
     big = extra_checks(be_det)
     if args.big:
