@@ -139,3 +139,28 @@ def test_commands_for_one_gpu_and_bad_steps():
     assert list(mod.step_commands(ns)) == [s for s in mod.STEPS if s not in mod.GPU_ONLY]
     with pytest.raises(ValueError, match="unknown step"):
         mod.main(["--out", "o", "--cpu-dry-run", "--steps", "bench,nope"])
+
+
+def test_bench_nodes_emulates_a_topology_and_counts_bytes_across_it(tmp_path):
+    """bench_dist --nodes 2 on 4 processes: megatron-cp planned for 2 nodes of 2 with hierarchical routes; its
+    rows record the K/V bytes crossing the node boundary beside the flat routes' and the flat plan's, and the
+    topology-aware plan moves no more across it than the flat plan (causal: less)."""
+    bench = os.path.join(ROOT, "tools", "bench_dist.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+           bench, "--device", "cpu", "--tiny", "--nodes", "2", "--seqlens", "512", "--masks", "causal,packed",
+           "--impls", "megatron-cp", "--out-dir", str(tmp_path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
+    [path] = [p for p in os.listdir(tmp_path) if p.endswith(".json")]
+    with open(tmp_path / path) as f:
+        record = json.load(f)
+    assert record["nodes"] == 2
+    rows = {r["mask"]: r for r in record["results"] if r["impl"] == "megatron-cp"}
+    assert set(rows) == {"causal", "packed"} and all("error" not in r for r in rows.values())
+    for r in rows.values():
+        assert 0 < r["inter_node_bytes"] <= r["inter_node_bytes_flat_routes"] <= r["kv_bytes"], r
+        assert r["inter_node_bytes"] <= r["flat_plan_inter_node_bytes"], r
+    assert rows["causal"]["inter_node_bytes"] < rows["causal"]["flat_plan_inter_node_bytes"]
+    bad = subprocess.run([sys.executable, bench, "--device", "cpu", "--nodes", "3"], capture_output=True, text=True,
+                         env=dict(os.environ, WORLD_SIZE="4"))
+    assert bad.returncode != 0 and "--nodes 3 must be >= 1 and divide the 4 processes" in bad.stderr

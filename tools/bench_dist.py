@@ -30,8 +30,15 @@ blocks can move more than the dense plan (packed documents at S 131072, cp 4: 24
 against the documents solver's 2 MiB, which a block size turns off), so the second ratio is what the
 selection itself saves.
 
+``--nodes N`` (N divides the GPUs) emulates N nodes on one host for megatron-cp: its plan is made for
+``Topology(N, GPUs / N)`` and its routes are hierarchical (a K/V row crosses the node boundary once per
+destination node; the links are all NVLink, so the time shows the routes' cost, not the network's). Its rows
+add ``inter_node_bytes`` (K/V bytes across the boundary, forward), ``inter_node_bytes_flat_routes`` (the same
+plan with one flat all-to-all) and ``flat_plan_inter_node_bytes`` (the plan made without the topology).
+
     torchrun --nproc-per-node 4 tools/bench_dist.py                      # 4 GPUs, S = 128k, 256k
     torchrun --nproc-per-node 2 tools/bench_dist.py --device cpu --tiny  # CPU dry run (gloo)
+    torchrun --nproc-per-node 4 tools/bench_dist.py --nodes 2            # 2 nodes of 2 GPUs emulated
     python tools/run_dist_suite.py --out DIR         # checks, calibration, this, the simulator's prediction
 
 While it runs, rank 0 shows a progress bar on stderr naming the case (S, mask, implementation) being run
@@ -80,7 +87,7 @@ def bench_ours(name, mask, args, ctx):
     """megatron-cp or one of our baselines; returns (fwd_s, bwd_s)."""
     rank, cp, device, dtype, group = ctx["rank"], ctx["cp"], ctx["device"], ctx["dtype"], ctx["group"]
     if name == "megatron-cp":
-        plan = mcp.plan(mask, cp)
+        plan = mcp.plan(mask, cp, topology=ctx["topology"])  # nodes: hierarchical routes (one crossing a node)
         cost = CostModel.load(args.cost) if args.cost else None
         be = ctx["backend"] = kernels.get_backend(args.backend, device)  # one object: its state is reported
         fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=be, cost_model=cost)  # noqa: E731
@@ -402,8 +409,14 @@ def main(argv=None):
                     help="profile with the stream held while the host issues each phase (bench_dist's GPU time)")
     ap.add_argument("--profile-b2b", action="store_true",
                     help="profile a step issued right after another, no sync or hold (the back-to-back timing)")
+    ap.add_argument("--nodes", type=int, default=1,
+                    help="megatron-cp's plan and routes as if the GPUs were this many nodes (emulated on one host); "
+                         "its rows add the K/V bytes crossing the node boundary, and the flat plan's")
     ap.add_argument("--verbose", action="store_true", help="each case's line on stderr (rank 0) as it finishes")
     args = ap.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.nodes < 1 or world % args.nodes:
+        raise SystemExit(f"--nodes {args.nodes} must be >= 1 and divide the {world} processes")
     tiny = args.tiny
     args.heads = args.heads or (4 if tiny else 32)
     args.kv_heads = args.kv_heads or (2 if tiny else 8)
@@ -426,14 +439,15 @@ def main(argv=None):
         dev_name = "cpu"
     rank, cp = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
-    ctx = dict(rank=rank, cp=cp, device=device, dtype=dtype, group=group, timer=Timer(device, args.warm_seconds))
+    ctx = dict(rank=rank, cp=cp, device=device, dtype=dtype, group=group, timer=Timer(device, args.warm_seconds),
+               topology=mcp.Topology(args.nodes, cp // args.nodes) if args.nodes > 1 else None)
     impls = args.impls.split(",")
     results = []
     masks = args.masks.split(",")
     now = datetime.datetime.now(datetime.UTC)
     meta = dict(device=dev_name, num_devices=cp, date=now.strftime("%Y-%m-%d %H:%M UTC"),
                 command="torchrun --nproc-per-node %d %s" % (cp, " ".join(sys.argv)),
-                torch=torch.__version__, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                torch=torch.__version__, nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                 dtype=str(dtype), masks={m: catalog.DESCRIPTIONS[m] for m in args.masks.split(",")},
                 flops="forward 4*area*Hq*D, backward 2.5x; per GPU = total / cp / slowest rank's time "
                       "(sparse rows: the envelope's area, an effective rate)",
@@ -490,6 +504,12 @@ def main(argv=None):
                         kvb = plan.stats(num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype_bytes=dtype)
                         rec["kv_bytes"] = kvb["bytes_moved"]
                         rec["max_kv_bytes_received"] = kvb["max_bytes_received"]
+                        if ctx["topology"] is not None:  # bytes crossing the emulated node boundary
+                            flat = dataclasses.replace(mcp.plan(mask, cp), topology=ctx["topology"])
+                            fl = flat.stats(num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype_bytes=dtype)
+                            rec.update(inter_node_bytes=kvb["inter_node_bytes_hierarchical"],
+                                       inter_node_bytes_flat_routes=kvb["inter_node_bytes"],
+                                       flat_plan_inter_node_bytes=fl["inter_node_bytes"])
                         # the runtime's exchange choice (runtime.schedule.choose_schedule; 0 = single exchange)
                         rec["stages"] = [0 if st.schedule is None else st.schedule.num_stages for st in states_of(plan)]
                         be = ctx["backend"]  # families the cuDNN probe turned down (run on Triton alone)
@@ -531,7 +551,9 @@ def main(argv=None):
                         + (f"  kept {rec['kept_fraction']:.3f}, K/V bytes {rec['kv_bytes']}"
                            f" (envelope {rec['envelope_kv_bytes']}), selector bytes {rec['selector_bytes']}"
                            if "kept_fraction" in rec else "")
-                        + (f"  cuDNN off: {rec['cudnn_off']}" if rec.get("cudnn_off") else ""))
+                        + (f"  cuDNN off: {rec['cudnn_off']}" if rec.get("cudnn_off") else "")
+                        + (f"  between nodes {rec['inter_node_bytes']} B (flat plan {rec['flat_plan_inter_node_bytes']} B)"
+                           if "inter_node_bytes" in rec else ""))
                 dist.barrier(group)
             if rank == 0:
                 save(complete=False)
