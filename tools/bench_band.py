@@ -19,7 +19,6 @@ every 30 s where stderr is not a terminal: tools/common.py); each row's line goe
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -33,7 +32,7 @@ from megatron_cp.kernels import TritonBackend, TritonConfig, kept_area
 from megatron_cp.masks import catalog
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar and table
-from common import Progress, markdown_table  # noqa: E402
+from common import Progress, device_name, markdown_table, run_record  # noqa: E402
 
 
 def _time(fn, iters, warm_s):
@@ -126,8 +125,7 @@ def main(argv=None):
                   f"{n_fwd}/{n_bwd}  |diff| {diff:.3g}  peak {mem:.1f} GiB")
         torch.cuda.empty_cache()
     bar.close()
-    res = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               torch=torch.__version__, command=" ".join(sys.argv), cases=tiles_out, rows=rows)
+    res = run_record(device_name(), cases=tiles_out, rows=rows)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_band.json"), "w") as f:

@@ -75,7 +75,7 @@ from megatron_cp.runtime.state import states_of
 # tools/ (this script's folder, first on sys.path when it runs as a script): the shared step timer and
 # the profiler summary, modules of their own so that tools/sim/calibrate.py times kernels the same way
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Progress, Timer, markdown_table, profile_step, timeline_summary  # noqa: E402
+from common import Progress, Timer, markdown_table, profile_step, run_record, timeline_summary  # noqa: E402
 
 
 def _rand_local(n, h, d, dtype, device, seed):
@@ -445,9 +445,8 @@ def main(argv=None):
     results = []
     masks = args.masks.split(",")
     now = datetime.datetime.now(datetime.UTC)
-    meta = dict(device=dev_name, num_devices=cp, date=now.strftime("%Y-%m-%d %H:%M UTC"),
-                command="torchrun --nproc-per-node %d %s" % (cp, " ".join(sys.argv)),
-                torch=torch.__version__, nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+    meta = run_record(dev_name, "torchrun --nproc-per-node %d %s" % (cp, " ".join(sys.argv)), num_devices=cp,
+                      nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                 dtype=str(dtype), masks={m: catalog.DESCRIPTIONS[m] for m in args.masks.split(",")},
                 flops="forward 4*area*Hq*D, backward 2.5x; per GPU = total / cp / slowest rank's time "
                       "(sparse rows: the envelope's area, an effective rate)",

@@ -17,7 +17,6 @@ rows) and OUT/bench_heads.png. ``--dry-run``: CPU, tiny sizes, reference kernels
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -31,7 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import megatron_cp as mcp  # noqa: E402
 from megatron_cp.gating.attention import pattern_attention, streaming_plans  # noqa: E402
-from common import Timer  # noqa: E402
+from common import Timer, device_name, run_record  # noqa: E402
 
 
 def _mask(kind: str, s: int):
@@ -108,12 +107,10 @@ def main(argv=None) -> int:
         r["speedup_bwd"] = base["bwd_ms"] / r["bwd_ms"]
         # a streaming head's ideal cost is ~0: time scales with the full heads' share at best
         r["ideal_speedup"] = 1.0 / max(1e-9, 1.0 - r["sparsity"])
-    meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "python " + " ".join([os.path.relpath(__file__)] + list(argv if argv is not None else sys.argv[1:])),
-            "seqlen": a.seqlen, "mask": a.mask, "sink": a.sink, "window": a.window, "Hq": a.heads,
+    meta = run_record(device_name(dev), "python " + " ".join([os.path.relpath(__file__)] + list(
+        argv if argv is not None else sys.argv[1:])), **{"seqlen": a.seqlen, "mask": a.mask, "sink": a.sink, "window": a.window, "Hq": a.heads,
             "Hkv": a.kv_heads, "D": a.head_dim, "dtype": str(dtype).removeprefix("torch."), "backend": a.backend,
-            "timing": "GPU: CUDA events behind a held stream; CPU: wall clock; medians"}
+            "timing": "GPU: CUDA events behind a held stream; CPU: wall clock; medians"})
     (out_dir / "bench_heads.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     try:
         import matplotlib

@@ -54,7 +54,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar and table
-from common import Progress, markdown_table  # noqa: E402
+from common import Progress, device_name, markdown_table, run_record  # noqa: E402
 
 
 def _interpret_on_cpu():
@@ -445,10 +445,8 @@ def main():
     if args.device == "cpu":
         args.no_flex = True
     os.makedirs(args.out, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (Triton interpreter)",
-            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "command": "python " + " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
-            "Hq": HQ, "Hkv": HKV, "D": D, "dtype": str(DTYPE).removeprefix("torch."), "flops": "fwd 4*area*Hq*D, bwd 2.5x", "masks": {m: catalog.DESCRIPTIONS[m] for m in args.masks + args.row_masks}}
+    meta = run_record(device_name() if DEVICE == "cuda" else "cpu (Triton interpreter)", **{
+            "triton": triton.__version__, "Hq": HQ, "Hkv": HKV, "D": D, "dtype": str(DTYPE).removeprefix("torch."), "flops": "fwd 4*area*Hq*D, bwd 2.5x", "masks": {m: catalog.DESCRIPTIONS[m] for m in args.masks + args.row_masks}})
     if args.tune:
         BENCH_MS.update(warmup=20, rep=80)
         rows = tune(args.seqlens[0], args.masks, args.verbose)

@@ -93,7 +93,7 @@ if __name__ == "__main__":
     _interpret_on_cpu()
 
 from common import Progress, markdown_table  # noqa: E402
-from common import Timer  # noqa: E402
+from common import Timer, run_record  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -640,16 +640,15 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     args.png_done = {}
     be = kernels.get_backend(args.backend, device)  # one object: its prepared tiles are cached per object
-    meta = {"device": dev_name, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "command": "python " + " ".join([sys.argv[0] if argv is None else "tools/bench_sparse.py"]
-                                            + (sys.argv[1:] if argv is None else list(argv))),
-            "torch": torch.__version__, "flash_attn_4": fa4_version(), "dtype": args.dtype,
+    meta = run_record(dev_name, "python " + " ".join([sys.argv[0] if argv is None else "tools/bench_sparse.py"]
+                                                     + (sys.argv[1:] if argv is None else list(argv))), **{
+            "flash_attn_4": fa4_version(), "dtype": args.dtype,
             "Hq": args.heads, "Hkv": args.kv_heads, "D": args.head_dim, "envelope": args.envelope,
             "inputs": args.inputs, "warmup": args.warmup, "iters": args.iters,
             "timing": "medians; CUDA: Timer.held (GPU time behind a held stream); CPU: wall clock",
             "flops": "fwd 4*D*kept cells (sum over heads), bwd 2.5x; dense: 4*Hq*D*envelope cells",
             "backend": {"name": getattr(be, "name", type(be).__name__)},
-            "selection_png": args.png_done}  # filled as the pictures are drawn
+            "selection_png": args.png_done})  # filled as the pictures are drawn
     if args.inputs == "model":
         meta.update(qkv=args.qkv, layer=args.layer)
     rows = []

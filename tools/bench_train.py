@@ -52,6 +52,9 @@ from megatron_cp.baselines import get_strategy, plan_for
 from megatron_cp.megatron import PlanAhead, default_workers, in_turn
 from megatron_cp.planner import Workload
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the shared result record
+from common import run_record  # noqa: E402
+
 IMPLS = ("megatron-cp", "ring", "ulysses", "usp", "allgather")
 
 
@@ -230,9 +233,8 @@ def run(rank: int, world: int, argv) -> list[dict]:
                dtype=torch.float32 if args.cpu else torch.bfloat16)
     name = "cpu" if args.cpu else torch.cuda.get_device_name(device)
     now = datetime.datetime.now(datetime.UTC)
-    meta = dict(device=name, world=cp, date=now.strftime("%Y-%m-%d %H:%M UTC"), torch=torch.__version__,
-                command="python tools/bench_train.py " + " ".join(argv), heads=args.heads, kv_heads=args.kv_heads,
-                head_dim=args.head_dim, dtype=str(ctx["dtype"]))
+    meta = run_record(name, "python tools/bench_train.py " + " ".join(argv), world=cp, heads=args.heads,
+                      kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=str(ctx["dtype"]))
     path = os.path.join(args.out_dir, f"bench_train_{cp}x{name.replace(' ', '_')}_{now:%Y%m%d_%H%M}.json")
     rows = []
     for tpg in [int(x) for x in args.tokens_per_gpu.split(",")]:

@@ -7,6 +7,7 @@
   only with ``--verbose``, and ``note`` writes lines every run must show (failures) above the bar. Where stderr is
   not a terminal (CI, a log file) it redraws at most every ``NON_TTY_INTERVAL_S`` seconds. Under torchrun only
   rank 0 passes ``enabled=True``.
+- ``run_record`` (result records): the fields every result file starts with (device, UTC date, the command, torch).
 - ``profile_step`` and ``timeline_summary`` (profiling, tools/bench_dist.py --profile): one profiled forward + backward
   on every rank (the collectives need them all), summarised for one rank as a GPU timeline: per phase the host
   wall time, the GPU span, the busy time per stream, the device work in launch order and totalled by name, and
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -28,6 +30,21 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from tqdm import tqdm
 
 from megatron_cp.comm import all_gather_single
+
+
+# -- result records --------------------------------------------------------------------------------------------------
+def device_name(device=None) -> str:
+    """The GPU's name for a CUDA ``device`` (default: the current one when CUDA is up), else "cpu"."""
+    dev = torch.device("cuda" if device is None and torch.cuda.is_available() else device or "cpu")
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+def run_record(device: str, command: str | None = None, **extra) -> dict:
+    """What a result file starts with: ``device``, ``date`` (UTC, to the minute), ``command`` (default this
+    process's: ``python <script> <args>``), torch's version; then ``extra``."""
+    cmd = command or " ".join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]])
+    return {"device": device, "date": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC", "command": cmd,
+            "torch": torch.__version__, **extra}
 
 
 # -- timing ----------------------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ calls.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -42,7 +41,7 @@ from megatron_cp.planner.guests import candidate_rows
 # tools/ (this script's folder): the chunked dense reference of the kernel check
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_kernel_check import chunked_reference, rms  # noqa: E402
-from common import Progress, markdown_table  # noqa: E402
+from common import Progress, device_name, markdown_table, run_record  # noqa: E402
 
 # cuDNN calls by kind: the backend calls these functions of megatron_cp.kernels.triton.cudnn, which main()
 # wraps to count them
@@ -180,10 +179,8 @@ def main(argv=None):
               f"cuDNN calls fwd {sum(r['cudnn_calls']['fwd'] for r in flat)}, bwd {sum(r['cudnn_calls']['bwd'] for r in flat)}")
         print("\n".join(summary_table(flat)))
         if args.json:
-            meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "num_devices": cp, "torch": torch.__version__,
-                    "date": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
-                    "command": "torchrun --nproc-per-node %d tools/gpu_dist_check.py %s" % (cp, " ".join(sys.argv[1:])),
-                    "S": s, "Hq": hq, "Hkv": hkv, "D": d, "all_ok": allok}
+            meta = run_record(device_name(dev), "torchrun --nproc-per-node %d tools/gpu_dist_check.py %s" % (
+                cp, " ".join(sys.argv[1:])), num_devices=cp, S=s, Hq=hq, Hkv=hkv, D=d, all_ok=allok)
             with open(args.json, "w") as f:
                 json.dump({**meta, "results": flat}, f, indent=1)
     dist.destroy_process_group()

@@ -45,7 +45,7 @@ from megatron_cp.kernels import TritonBackend, TritonConfig, configs_from_json, 
 from megatron_cp.masks import catalog
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar and table
-from common import Progress, markdown_table  # noqa: E402
+from common import Progress, device_name, markdown_table, run_record  # noqa: E402
 
 ERR_KEYS = ("out", "lse", "dq", "dk", "dv")
 
@@ -367,10 +367,10 @@ def main():
     # what the cuDNN probe found per (device, dtype, head_dim, Hq / Hkv) family: its layout, or why not
     cudnn_found = {str(tuple(map(str, key))): f.layout or f.reason for b in (be, be_band)
                    for key, f in getattr(b, "cudnn_probes", {}).items()}
-    summary = {"configs": {f"{d}/{c}": str(v) for (d, c), v in overrides.items()}, "cudnn": cudnn_found, "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-               "command": " ".join(sys.argv), "torch": torch.__version__,
-               "triton": __import__("triton").__version__, "cases": len(results) + len(big), "failed": n_fail,
-               "seconds": time.time() - t0}
+    summary = run_record(device_name(), **{
+        "configs": {f"{d}/{c}": str(v) for (d, c), v in overrides.items()}, "cudnn": cudnn_found,
+        "triton": __import__("triton").__version__, "cases": len(results) + len(big), "failed": n_fail,
+        "seconds": time.time() - t0})
     roles = {"default": be, "deterministic": be_det, "band_squares_2048": be_band}
     if args.big:
         roles["big"] = be_big

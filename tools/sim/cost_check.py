@@ -33,7 +33,6 @@ call; every call's line goes to stdout before it with --verbose (all of them are
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -53,7 +52,7 @@ from megatron_cp.runtime import CostModel
 from megatron_cp.runtime.cost import tile_areas
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: progress bar, table
-from common import Progress, markdown_table  # noqa: E402
+from common import Progress, device_name, markdown_table, run_record  # noqa: E402
 
 IMPLS = ["megatron-cp", "ring", "ulysses", "allgather"]
 
@@ -216,11 +215,9 @@ def main(argv=None):
                   f"{r['fwd_ms']:7.3f}/{r['fwd_pred_ms']:<7.3f}({r['fwd_pred_ms'] / r['fwd_ms']:4.2f})   "
                   f"{r['bwd_ms']:7.3f}/{r['bwd_pred_ms']:<7.3f}({r['bwd_pred_ms'] / r['bwd_ms']:4.2f})")
     if args.out:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         with open(args.out, "w") as f:
-            json.dump({"device": f"{world} x {name}", "date": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
-                       "command": " ".join(sys.argv), "cost": cost.source, "torch": torch.__version__,
-                       "results": rows}, f, indent=1)
+            json.dump(run_record(f"{world} x {device_name(device)}", " ".join(sys.argv), cost=cost.source,
+                                 results=rows), f, indent=1)
         print("wrote", args.out)
     print("\n".join(summary_table(rows)))
 
