@@ -91,6 +91,10 @@ def snap_best(bounds, owner, block, traps, spans, cp, prefix, tol):
     return min(scored, key=lambda x: _rank(x[2], tol))
 
 
+# block-aligned plans: documents packed only at starts within block / N rows before a block boundary, N of these
+BLOCK_DOCUMENT_LIMITS = (8, 4, 2)
+
+
 def choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts, block=1):
     """The candidate layouts of ``solver`` for ``traps`` (loads by ``prefix``), scored; returns (name,
     bounds, owner, scores) of the one with least traffic among those within ``tol`` (else the best
@@ -111,6 +115,16 @@ def choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts,
         candidates["swap"] = solvers.swap_balanced(seqlen, cp, **kw)
     if solver == "documents" or (solver == "auto" and len(cuts) - 1 > cp):
         candidates["documents"] = solvers.documents(seqlen, cp, prefix=prefix, traps=traps, tol=tol, cuts=cuts)
+        if block > 1:
+            # A block-aligned plan rounds each owner change at a document start up to the next block, handing
+            # the rank before up to a block of the next document, whose rest then needs those rows' keys. Packed
+            # only at the document starts that lie close before a block boundary, the documents change owner
+            # where that costs few rows: tried at three closeness limits, kept where it balances and moves less.
+            for frac in BLOCK_DOCUMENT_LIMITS:
+                near = cuts[(cuts == 0) | (cuts == seqlen) | ((-cuts) % block <= block // frac)]
+                if cp < len(near) - 1 < len(cuts) - 1:
+                    candidates[f"documents/{frac}"] = solvers.documents(seqlen, cp, prefix=prefix, traps=traps,
+                                                                        tol=tol, cuts=near)
     multi_node = topology is not None and topology.nodes > 1
     if (multi_node and solver == "auto") or solver == "hierarchical":
         topo = topology if topology is not None else Topology(1, cp)
@@ -134,7 +148,7 @@ def choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts,
     ok = [n for n in candidates if scores[n][0] <= tol]
     key = (lambda n: (scores[n][1], scores[n][2], scores[n][0])) if ok else (lambda n: scores[n][0])
     best = min(ok or list(candidates), key=key)
-    return best, *candidates[best], scores
+    return best.split("/")[0], *candidates[best], scores
 
 
 def inter_node_max(spans, bounds, owner, topology) -> int:
