@@ -17,7 +17,7 @@ Dynamic sparsity inside the mask's envelope (causal and packed documents only, `
 ``megatron-cp+xattention`` and ``megatron-cp+moba`` run ``megatron_cp.sparse.sparse_attention`` with
 ``XAttention()`` / ``MoBA()`` at their default thresholds (``--tiny``: the same with smaller blocks), on a
 plan made with ``block=`` the selector's block and ``guest_rows="none"``, by default on q / k with
-structured attention (``--sparse-inputs``; v random); the timed step includes the
+structured attention (tools/bench_sparse.py's ``structured_qk``; v random); the timed step includes the
 selection and its host synchronisation (the exchange's counts). Their rows add the kept fraction (head x q
 block x key block pairs kept / in the envelope) and bytes moved, beside the dense megatron-cp row's
 ``kv_bytes`` (the plan's K/V traffic, ``Plan.stats``): ``kv_bytes`` (K/V rows of the selected blocks
@@ -112,14 +112,12 @@ def bench_ours(name, mask, args, ctx):
         q.grad = k.grad = v.grad = None
 
     times = ctx["timer"].run(fwd, bwd, args.warmup, args.iters, group)
-    if args.profile and name in args.profile_impls.split(","):  # one more step under torch.profiler (all ranks)
-        hold = (lambda: ctx["timer"].hold(group)) if args.profile_held and device.type == "cuda" else None
-        events, host = profile_step(fwd, bwd, ctx["timer"].sync, hold=hold, b2b=args.profile_b2b)
-        if rank == 0 or args.profile_ranks == "all":  # the other ranks to FILE.rankN
+    if args.profile and name == "megatron-cp":  # one more step under torch.profiler (all ranks), rank 0's written
+        events, host = profile_step(fwd, bwd, ctx["timer"].sync, b2b=args.profile_b2b)
+        if rank == 0:
             title = (f"{name} {ctx['mask_name']} S={ctx['seqlen']} rank {rank} of {cp} ({ctx['dev_name']})"
-                     + (", right after another step (back to back)" if args.profile_b2b else
-                        ", stream held while the host issues each phase" if hold else ""))
-            with open(args.profile + (f".rank{rank}" if rank else ""), "a") as f:
+                     + (", right after another step (back to back)" if args.profile_b2b else ""))
+            with open(args.profile, "a") as f:
                 f.write(timeline_summary(events, host, title))
     return times, plan
 
@@ -150,18 +148,14 @@ def bench_sparse(name, mask, args, ctx):
     plan = mcp.plan(mask, cp, block=sel.block, guest_rows="none")
     be = kernels.get_backend(args.backend, device)
     n = plan.num_local(rank)
-    if args.sparse_inputs == "structured":
-        # q / k with attention of a known shape per K/V head (tools/bench_sparse.py): i.i.d. inputs give
-        # near-uniform attention, where a threshold keeps nearly every block
-        from bench_sparse import structured_qk
+    # q / k with attention of a known shape per K/V head (tools/bench_sparse.py): i.i.d. inputs give
+    # near-uniform attention, where a threshold keeps nearly every block
+    from bench_sparse import structured_qk
 
-        qf, kf = structured_qk(plan.seqlen, args.heads, args.kv_heads, args.head_dim, device)
-        q = mcp.dispatch(qf.to(dtype), plan, group, seq_dim=0).requires_grad_()
-        k = mcp.dispatch(kf.to(dtype), plan, group, seq_dim=0).requires_grad_()
-        del qf, kf
-    else:
-        q = _rand_local(n, args.heads, args.head_dim, dtype, device, 1 + rank).requires_grad_()
-        k = _rand_local(n, args.kv_heads, args.head_dim, dtype, device, 100 + rank).requires_grad_()
+    qf, kf = structured_qk(plan.seqlen, args.heads, args.kv_heads, args.head_dim, device)
+    q = mcp.dispatch(qf.to(dtype), plan, group, seq_dim=0).requires_grad_()
+    k = mcp.dispatch(kf.to(dtype), plan, group, seq_dim=0).requires_grad_()
+    del qf, kf
     v = _rand_local(n, args.kv_heads, args.head_dim, dtype, device, 200 + rank).requires_grad_()
     do = torch.randn_like(q)
 
@@ -193,7 +187,7 @@ def bench_sparse(name, mask, args, ctx):
     dist.all_reduce(t, group=group)
     dist.all_reduce(tmax, op=dist.ReduceOp.MAX, group=group)
     params = {f.name: getattr(sel, f.name) for f in dataclasses.fields(sel) if f.name not in ("block", "chunk_elements")}
-    figures = dict(selector=sel.name, block=sel.block, selector_params=params, inputs=args.sparse_inputs,
+    figures = dict(selector=sel.name, block=sel.block, selector_params=params, inputs="structured",
                    kept_fraction=float(t[3] / t[4]) if t[4] > 0 else 0.0,
                    kv_bytes=int(t[0]), max_kv_bytes_received=int(tmax[0]), envelope_kv_bytes=int(t[1]),
                    selector_bytes=int(t[2]), bytes_moved=int(t[0] + t[2]))
@@ -232,11 +226,10 @@ def bench_kernel_only(plan, args, ctx):
         for q, k, v, prep, out, lse, do in runs:
             be.backward(q, k, v, out, lse, do, prep, None, None)
 
-    t.warm(lambda: (fwd(), bwd()))
     for _ in range(args.warmup):
         fwd()
         bwd()
-    if device.type == "cuda" and args.kernel_only_timing == "held":
+    if device.type == "cuda":
         # timed as the implementations' GPU time is (Timer.run): each phase queued behind a spin kernel
         # that holds the stream, CUDA events from its end; medians over the iterations
         times = torch.tensor([t.held(fwd, lambda _: bwd()) for _ in range(args.iters)], dtype=torch.float64)
@@ -380,33 +373,19 @@ def main(argv=None):
     ap.add_argument("--impls", default="megatron-cp,megatron-cp+xattention,megatron-cp+moba,ring,ulysses,usp,"
                     "allgather,torch-native",
                     help="comma list (module doc); the sparse ones run on the causal and packed masks only")
-    ap.add_argument("--sparse-inputs", default="structured", choices=["structured", "random"],
-                    help="q / k of the sparse rows: tools/bench_sparse.py's structured_qk (attention of a known "
-                         "shape per head, default) or i.i.d. normal like the dense rows")
     ap.add_argument("--heads", type=int, default=None)
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--head-dim", type=int, default=None)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--cost", default=None, help="CostModel JSON (tools/sim/calibrate.py) for megatron-cp's stage choice")
     ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--kernel-only-timing", default="held", choices=["held", "loop"],
-                    help="kernel-only: each phase behind a held stream, as the implementations' GPU time "
-                         "(default), or a loop of calls timed on the host")
-    ap.add_argument("--warm-seconds", type=float, default=0.0,
-                    help="before timing each case, run it back to back this long (0: the warm-up steps only)")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out-dir", default="out",
                     help="folder for the JSON and PNG (default out/, ignored by git); results the README quotes "
                          "go to a dated folder benchmarks/YYYY-MM-DD_<device>_<what>/ (benchmarks/RESULTS.md)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--profile", default=None, metavar="FILE",
-                    help="append a GPU timeline of one profiled step per case of --profile-impls (rank 0) to FILE")
-    ap.add_argument("--profile-impls", default="megatron-cp", help="comma list of implementations to profile")
-    ap.add_argument("--profile-ranks", default="0", choices=["0", "all"],
-                    help="whose timeline --profile writes: rank 0's, or every rank's (rank N's to FILE.rankN; "
-                         "the phases' GPU spans carry the profiler's clock, shared by the ranks of one host)")
-    ap.add_argument("--profile-held", action="store_true",
-                    help="profile with the stream held while the host issues each phase (bench_dist's GPU time)")
+                    help="append a GPU timeline of one profiled megatron-cp step per case (rank 0's) to FILE")
     ap.add_argument("--profile-b2b", action="store_true",
                     help="profile a step issued right after another, no sync or hold (the back-to-back timing)")
     ap.add_argument("--nodes", type=int, default=1,
@@ -439,7 +418,7 @@ def main(argv=None):
         dev_name = "cpu"
     rank, cp = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
-    ctx = dict(rank=rank, cp=cp, device=device, dtype=dtype, group=group, timer=Timer(device, args.warm_seconds),
+    ctx = dict(rank=rank, cp=cp, device=device, dtype=dtype, group=group, timer=Timer(device),
                topology=mcp.Topology(args.nodes, cp // args.nodes) if args.nodes > 1 else None)
     impls = args.impls.split(",")
     results = []

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import sys
 import tempfile
@@ -68,27 +67,8 @@ class Timer:
 
     HOLD_CYCLES = 20_000_000  # ~10 ms of GPU clock: longer than any implementation's host issue time
 
-    def __init__(self, device, warm_seconds=0.0):
+    def __init__(self, device):
         self.device = device
-        self.warm_seconds = warm_seconds
-
-    def warm(self, step, group=None):
-        """Run ``step`` back to back for about ``warm_seconds`` before timing (a GPU that has been busy,
-        not only the few warm-up steps; on 4 x H200 it changed nothing beyond run-to-run spread).
-        With ``group``, every rank runs the same number of steps (their collectives must match): the most
-        any rank needs."""
-        if self.warm_seconds <= 0:
-            return
-        self.sync()
-        t0 = time.perf_counter()
-        step()
-        self.sync()
-        n = torch.tensor([math.ceil(self.warm_seconds / max(time.perf_counter() - t0, 1e-6))], device=self.device)
-        if group is not None:
-            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
-        for _ in range(int(n.item()) - 1):
-            step()
-        self.sync()
 
     def sync(self):
         if self.device.type == "cuda":
@@ -123,7 +103,6 @@ class Timer:
         CPU)."""
         cuda = self.device.type == "cuda"
         rows = []
-        self.warm(lambda: bwd(fwd()), group)
         for i in range(warmup + iters):
             self.sync()
             dist.barrier(group)
@@ -241,30 +220,22 @@ def markdown_table(header, rows) -> list[str]:
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def profile_step(fwd, bwd, sync, phases=("fwd", "bwd"), hold=None, b2b=False):
+def profile_step(fwd, bwd, sync, phases=("fwd", "bwd"), b2b=False):
     """Run fwd() then bwd(out) once under torch.profiler; returns (trace events, host ms per phase).
 
-    ``hold``: called before each phase (e.g. ``timing.Timer.hold``, a spin kernel on the stream):
-    the host then issues the phase while the GPU is busy, so the timeline shows GPU work without the
-    host's launch gaps, as bench_dist's GPU time does; host ms is then the issue time.
     ``b2b``: as bench_dist's back-to-back timing: one unrecorded step first, then the profiled one, with
-    no sync or hold between them or between its phases (host ms: the issue time)."""
+    no sync between them or between its phases (host ms: the issue time); otherwise each phase starts on an
+    idle GPU."""
     host = {}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         sync()
         if b2b:
             bwd(fwd())
-        elif hold is not None:
-            hold()
         t0 = time.perf_counter()
         with record_function(phases[0]):
             out = fwd()
-        if b2b:
-            pass
-        elif hold is None:
+        if not b2b:
             sync()
-        else:
-            hold()
         t1 = time.perf_counter()
         with record_function(phases[1]):
             bwd(out)
