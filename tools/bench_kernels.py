@@ -9,7 +9,6 @@ implementation). Implementations, the keys of each JSON row:
     triton        TritonBackend(TritonConfig(...)), the default before FA4: what FA4 replaces (only when ours
                   is not already it)
     ours_triton   TritonBackend without the dense fast path (dense masks): the Triton kernel alone
-    ours_nodense  (--compare-dense-tiles) TritonBackend(TritonConfig(dense_tiles=False))
     flex          torch.compile'd FlexAttention, catalog mask_mod -> BlockMask (full: no mask): Triton kernels
     flex_flash    the same call and BlockMask with kernel_options={"BACKEND": "FLASH"}: Flex on FA4's kernels
     fa4           FA4 called directly (flash_attn.cute.interface), only where it expresses the mask natively:
@@ -85,7 +84,7 @@ DTYPE = torch.bfloat16
 
 BENCH_MS = {"warmup": 50, "rep": 200}  # --tune uses shorter runs
 PEERS = ("flex", "flex_flash", "fa4", "cudnn")  # what ours is compared with (ratios, best peer)
-IMPLS = ("ours", "triton", "ours_nodense", "ours_triton") + PEERS  # print, table and plot order
+IMPLS = ("ours", "triton", "ours_triton") + PEERS  # print, table and plot order
 FA4_MASKS = ("full", "causal", "docs_causal", "sliding_window_1024")  # the masks FA4 expresses natively
 FA4_MISSING = "flash-attn-4 not installed"
 
@@ -131,14 +130,9 @@ def backend_info(be):
 
 
 def time_ours(be, tiles, s, q, k, v, do):
-    """(fwd ms, bwd ms, forward's path) of backend be."""
-    return time_ours_rect(be, tiles, s, s, q, k, v, do)
-
-
-def time_ours_rect(be, tiles, sq, sk, q, k, v, do):
-    """time_ours for sq != sk (zigzag rank tile lists). The first forward and backward are untimed: compiles,
+    """(fwd ms, bwd ms, forward's path) of backend be. The first forward and backward are untimed: compiles,
     device schedules and the cuDNN probe of a new (dtype, head_dim, Hq / Hkv) family."""
-    prep = be.prepare(tiles, sq, sk, head_dims=(D,))
+    prep = be.prepare(tiles, s, s, head_dims=(D,))
     be.last_configs.clear()  # so that it holds this case's configs afterwards
     out, lse = be.forward(q, k, v, prep)
     fwd_path = be.last_path  # the backward's is be.last_path afterwards (FA4 may fall back in one only)
@@ -165,16 +159,6 @@ def cudnn_status(*backends):
     or why not (backends without cuDNN pieces have no probes)."""
     return {str(tuple(map(str, key))): found.layout or found.reason
             for be in backends for key, found in getattr(be, "cudnn_probes", {}).items()}
-
-
-def zigzag_rank_tiles(s: int, cp: int, rank: int) -> torch.Tensor:
-    """Causal zigzag: 2*cp chunks of s/(2cp); rank r holds chunks r and 2cp-1-r as its q rows, keys are the
-    whole sequence (an all-gathered K/V buffer): one bottom-right causal tile [0, end of chunk) per chunk."""
-    c = s // (2 * cp)
-    t = []
-    for i, ch in enumerate((rank, 2 * cp - 1 - rank)):
-        t.append([i * c, (i + 1) * c, 0, (ch + 1) * c, 1])
-    return torch.tensor(t, dtype=torch.int32)
 
 
 class PeerMissing(Exception):
@@ -418,15 +402,8 @@ def main():
     ap.add_argument("--out", default="out/kernels",
                     help="output folder (results the README quotes go to a dated benchmarks/ folder: benchmarks/RESULTS.md)")
     ap.add_argument("--tag", default="")
-    ap.add_argument("--no-flex", action="store_true", help="no flex and flex_flash columns")
     ap.add_argument("--tune", action="store_true", help="time candidate block configs instead")
     ap.add_argument("--configs", default=None, help="tuned configs JSON (from --tune) to use")
-    ap.add_argument("--compare-dense-tiles", action="store_true",
-                    help="also time ours with TritonConfig(dense_tiles=False) (impl ours_nodense)")
-    ap.add_argument("--zigzag", type=int, nargs=2, default=None, metavar=("S", "CP"),
-                    help="also time causal zigzag rank tile lists (q S/CP rows, keys S): ours vs ours_nodense "
-                         "(and triton when ours is not TritonBackend)")
-    ap.add_argument("--zigzag-ranks", type=int, nargs="+", default=[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: a dry run in Triton's interpreter (use with --tiny; no Flex, FA4 or cuDNN)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (Hq=4, Hkv=1, D=32, S=256, 32x32 blocks)")
@@ -442,8 +419,6 @@ def main():
         HQ, HKV, D = 4, 1, 32
         if args.seqlens == ap.get_default("seqlens"):
             args.seqlens = [256]
-    if args.device == "cpu":
-        args.no_flex = True
     os.makedirs(args.out, exist_ok=True)
     meta = run_record(device_name() if DEVICE == "cuda" else "cpu (Triton interpreter)", **{
             "triton": triton.__version__, "Hq": HQ, "Hkv": HKV, "D": D, "dtype": str(DTYPE).removeprefix("torch."), "flops": "fwd 4*area*Hq*D, bwd 2.5x", "masks": {m: catalog.DESCRIPTIONS[m] for m in args.masks + args.row_masks}})
@@ -470,10 +445,9 @@ def main():
     # the default before FA4, a column of its own where ours is not it (a subclass is not it either)
     be_tri = TritonBackend(TritonConfig(overrides)) if type(be) is not TritonBackend else None
     be_triton = TritonBackend(TritonConfig(overrides, dense_fast_path=False))
-    be_nodense = TritonBackend(TritonConfig(overrides, dense_tiles=False))
     results = []
     n_cases = sum(len(args.masks if s == 16384 else args.row_masks) for s in args.seqlens)
-    bar = Progress(n_cases + (len(args.zigzag_ranks) if args.zigzag else 0), "bench_kernels", verbose=args.verbose)
+    bar = Progress(n_cases, "bench_kernels", verbose=args.verbose)
     for s in args.seqlens:
         q, k, v, do = make_inputs(s)
         for name in (args.masks if s == 16384 else args.row_masks):
@@ -484,12 +458,10 @@ def main():
             ours = {"ours": be}
             if be_tri is not None:
                 ours["triton"] = be_tri
-            if args.compare_dense_tiles:
-                ours["ours_nodense"] = be_nodense
             if catalog.sdpa_is_causal(name) is not None:  # record the measurement behind the dense fast path
                 ours["ours_triton"] = be_triton
             impls = {impl: ((lambda b=b: time_ours(b, tiles, s, q, k, v, do)), b) for impl, b in ours.items()}
-            if not args.no_flex:
+            if DEVICE == "cuda":  # Flex compiles for the GPU
                 impls["flex"] = (lambda: time_flex(name, s, q, k, v, do), None)
                 impls["flex_flash"] = (lambda: time_flex(name, s, q, k, v, do, backend="FLASH"), None)
             if name in FA4_MASKS and DEVICE == "cuda":
@@ -522,36 +494,8 @@ def main():
                     line += (f" | {impl} fwd {x['fwd_tflops']:6.1f} bwd {x['bwd_tflops']:6.1f}" if "fwd_ms" in x
                              else f" | {impl} ERR {x['error'][:60]}")
             bar.step(line)
-        del q, k, v, do
+        q = k = v = do = None  # the inputs freed before the next size's are made
         empty_cache()
-    if args.zigzag:
-        zs, cp = args.zigzag
-        sq = zs // cp
-        q, _, _, do = make_inputs(sq, seed=1)
-        _, k, v, _ = make_inputs(zs, seed=2)
-        for rank in args.zigzag_ranks:
-            tiles = zigzag_rank_tiles(zs, cp, rank)
-            area = kept_area(tiles)
-            ff = 4 * area * HQ * D
-            r = {"S": zs, "mask": f"zigzag_cp{cp}_rank{rank}", "sq": sq, "sk": zs, "area": area,
-                 "density": area / sq / zs, "n_tiles": int(tiles.shape[0]), "tiles": tiles.tolist()}
-            line = f"zigzag S={zs} cp={cp} rank={rank} tiles={tiles.tolist()}"
-            for impl, b in (("ours", be), ("triton", be_tri), ("ours_nodense", be_nodense)):
-                if b is None:
-                    continue
-                bar.running(f"zigzag rank {rank} {impl}")
-                try:
-                    tf, tb, fwd_path = time_ours_rect(b, tiles, sq, zs, q, k, v, do)
-                    r[impl] = ours_record(b, tf, tb, ff, fwd_path)
-                    line += f" | {impl} [{b.last_path}] fwd {ff / tf / 1e9:6.1f} bwd {2.5 * ff / tb / 1e9:6.1f}"
-                except Exception as e:  # noqa: BLE001
-                    r[impl] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                    line += f" | {impl} ERR {r[impl]['error'][:80]}"
-                empty_cache()
-            r["ours_path"] = r["ours"].get("path")
-            results.append(r)
-            bar.step(line)
-        del q, k, v, do
     bar.close()
     path = os.path.join(args.out, f"bench_kernels{args.tag}.json")
     meta["cudnn"] = cudnn_status(be, be_tri)
