@@ -26,9 +26,9 @@ received, ``sparse_attention(stats=)``; the backward returns the same rows' dK/d
 of the whole envelope that its scoring reads; MoBA: its pooled-key all-reduce payload). Their TFLOP/s
 count the envelope's FLOPs (an effective rate); the summary compares their time and bytes with the dense
 envelope's megatron-cp row, and their K/V bytes with their own layout's dense exchange: a plan in whole
-blocks can move more than the dense plan (packed documents at S 262144, cp 4: 5,193 K/V tokens at MoBA's block
-512 and 5,177 at XAttention's 128, against 428 unaligned: each block-rounded document start hands up to a block
-of the next document to the rank before), so the second ratio is what the selection itself saves.
+blocks can move more than the dense plan (packed documents at S 262144, cp 4: 3,168 K/V tokens at MoBA's block
+512 and 2,320 at XAttention's 128, against 428 unaligned: each block-rounded owner change hands up to a block of
+one document to the other rank), so the second ratio is what the selection itself saves.
 
 ``--nodes N`` (N divides the GPUs) emulates N nodes on one host for megatron-cp: its plan is made for
 ``Topology(N, GPUs / N)`` and its routes are hierarchical (a K/V row crosses the node boundary once per

@@ -88,7 +88,41 @@ def snap_best(bounds, owner, block, traps, spans, cp, prefix, tol):
     if not (np.array_equal(up[0], nearest[0]) and np.array_equal(up[1], nearest[1])):
         layouts.append(up)
     scored = [(b, o, score(traps, spans, b, o, cp, prefix)) for b, o in layouts]
-    return min(scored, key=lambda x: _rank(x[2], tol))
+    best = min(scored, key=lambda x: _rank(x[2], tol))
+    return _refine_cuts(bounds, owner, block, best, traps, spans, cp, prefix, tol)
+
+
+MAX_REFINED_CUTS = 256  # owner changes a block-aligned layout refines cut by cut (one score each)
+
+
+def _refine_cuts(bounds, owner, block, best, traps, spans, cp, prefix, tol):
+    """``best`` (a rounding of every cut of (bounds, owner), scored) with each owner change's rounding then
+    flipped between up and down, in order, wherever that scores better: which way a cut should go depends on
+    its own documents (up hands the next document's first rows back, down the previous one's last rows on),
+    so no one rule for all cuts wins. Layouts with more owner changes than ``MAX_REFINED_CUTS`` keep ``best``."""
+    bounds, owner = np.asarray(bounds, dtype=np.int64), np.asarray(owner)
+    change = np.flatnonzero(owner[1:] != owner[:-1]) + 1  # cuts between chunks of different ranks
+    if not 0 < len(change) <= MAX_REFINED_CUTS:
+        return best
+    up, down = -(-bounds // block) * block, bounds // block * block
+    # the current rounding of each cut, read back from best: a cut's snapped position is the up or down one
+    cur = np.where(np.isin(up, best[0]), up, down)
+    cur[0], cur[-1] = down[0], up[-1]
+
+    def layout(cuts):
+        b = np.unique(cuts)
+        return b, owner[np.searchsorted(bounds, b[:-1], side="right") - 1]
+
+    for i in change.tolist():
+        if up[i] == down[i]:
+            continue
+        trial = cur.copy()
+        trial[i] = down[i] if cur[i] == up[i] else up[i]
+        b, o = layout(trial)
+        sc = score(traps, spans, b, o, cp, prefix)
+        if _rank(sc, tol) < _rank(best[2], tol):
+            cur, best = trial, (b, o, sc)
+    return best
 
 
 # block-aligned plans: documents packed only at starts within block / N rows before a block boundary, N of these
