@@ -27,6 +27,7 @@ import shlex
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parents[1]
@@ -48,6 +49,7 @@ TINY = LlamaShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query
 
 # Done-when thresholds of the parity recipes (bf16 every logged step, bf16 mean of the last 100, fp32 first 20)
 BF16_STEP, BF16_MEAN, FP32_STEP, FP32_STEPS = 1e-2, 5e-3, 1e-5, 20
+MEAN_WINDOW = 20  # steps the figure's signed difference is averaged over
 NOISE_FLOOR = "cp1_again"
 
 
@@ -189,7 +191,7 @@ def plot(name: str, summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.2))
     main = next((e for e in summary["jobs"] if e["runs"]), summary["jobs"][0])  # --precision may leave the first empty
     for rn, r in main["runs"].items():
         axes[0].plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{rn} ({r['layout']})", lw=1)
@@ -213,6 +215,23 @@ def plot(name: str, summary: dict, path: Path) -> None:
         axes[1].axhline(BF16_STEP, color="red", ls="--", lw=0.8, label=f"bf16 bound {BF16_STEP:g}")
         axes[1].axhline(FP32_STEP, color="purple", ls=":", lw=0.8, label=f"fp32 bound {FP32_STEP:g}")
     axes[1].set(xlabel="step", ylabel="relative loss difference", title="difference to " + ref)
+    # the signed difference averaged over a window: a drift above what the noise floor shows, step noise averaged out
+    if ref in main["runs"]:
+        a = np.asarray(main["runs"][ref]["losses"], dtype=np.float64)
+        w = min(MEAN_WINDOW, len(a))
+        for rn, r in main["runs"].items():
+            if rn == ref or w == 0:
+                continue
+            d = (np.asarray(r["losses"][:len(a)], dtype=np.float64) - a[:len(r["losses"])]) / a[:len(r["losses"])]
+            if len(d) >= w:
+                axes[2].plot(range(w, len(d) + 1), 100 * np.convolve(d, np.ones(w) / w, "valid"), lw=1,
+                             label=f"({rn} - {ref}) / {ref}")
+        if ref == "cp1":
+            axes[2].axhspan(-100 * BF16_MEAN, 100 * BF16_MEAN, color="gray", alpha=0.15,
+                            label=f"mean bound {100 * BF16_MEAN:g}%")
+        axes[2].axhline(0, color="black", lw=0.5)
+        axes[2].set(xlabel="step", ylabel="% (mean of the last steps)",
+                    title=f"{main['train']['dtype']}: signed difference, mean of {w} steps")
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:  # a subset of runs (--runs) may draw nothing here
             ax.legend(fontsize=8)
