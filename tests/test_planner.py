@@ -301,7 +301,7 @@ def test_block_aligned_cuts_are_rounded_one_by_one():
     """Which way a cut of a block-aligned plan should round depends on its own documents (up hands the next
     document's first rows to the rank before, down the previous one's last rows to the rank after), so after the
     better of all-nearest and all-up, each owner change is flipped where that scores better
-    (``choose._refine_cuts``): here the documents layout moves 0.64x the K/V tokens of either rounding for all."""
+    (``choose.snap_best``): here the documents layout moves 0.64x the K/V tokens of either rounding for all."""
     from megatron_cp.planner import choose, solvers
     from megatron_cp.planner.keys import KeySpans
 

@@ -34,7 +34,9 @@ from megatron_cp.comm import all_gather_single
 # -- result records --------------------------------------------------------------------------------------------------
 def device_name(device=None) -> str:
     """The GPU's name for a CUDA ``device`` (default: the current one when CUDA is up), else "cpu"."""
-    dev = torch.device("cuda" if device is None and torch.cuda.is_available() else device or "cpu")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 
 

@@ -202,8 +202,7 @@ def rank_list_cases(s, cps=(2, 4)):
         for cp in cps:
             for rp in mcp.plan(catalog.build(name, s), cp).ranks:
                 if len(rp.tiles):
-                    sk = int((rp.buffer_runs[:, 1] - rp.buffer_runs[:, 0]).sum())
-                    out.append((f"{name}_cp{cp}_rank{rp.rank}", rp.num_tokens, sk,
+                    out.append((f"{name}_cp{cp}_rank{rp.rank}", rp.num_tokens, rp.buffer_len,
                                 torch.as_tensor(rp.tiles, dtype=torch.int32)))
     return out
 

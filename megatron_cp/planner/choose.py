@@ -62,10 +62,15 @@ def score(traps, spans, bounds, owner, cp, prefix):
 def snap(bounds: np.ndarray, owner: np.ndarray, block: int, rounding=np.round) -> tuple[np.ndarray, np.ndarray]:
     """Move every cut to a multiple of ``block`` (``rounding``: np.round to the nearest, np.ceil up); a chunk
     keeps the owner of the original chunk holding its first token (chunks that vanish are dropped)."""
-    snapped = np.unique(rounding(np.asarray(bounds, dtype=np.float64) / block).astype(np.int64) * block)
-    starts = snapped[:-1]
-    o = np.asarray(owner)[np.searchsorted(bounds, starts, side="right") - 1]
-    return snapped, o
+    bounds = np.asarray(bounds, dtype=np.int64)
+    return _layout(bounds, owner, rounding(bounds / block).astype(np.int64) * block)
+
+
+def _layout(bounds: np.ndarray, owner, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(bounds, owner) of the layout whose cuts are ``cuts`` (one per cut of ``bounds``, moved): each new chunk
+    keeps the owner of the original chunk holding its first token."""
+    b = np.unique(cuts)
+    return b, np.asarray(owner)[np.searchsorted(bounds, b[:-1], side="right") - 1]
 
 
 def _rank(sc, tol):
@@ -77,52 +82,40 @@ def _rank(sc, tol):
 
 def snap_best(bounds, owner, block, traps, spans, cp, prefix, tol):
     """(bounds, owner, score) of the block-aligned layout of (bounds, owner) that moves less: cuts rounded to the
-    nearest block or all up, scored like the candidates. Up pays where a cut sits at a causal document's start:
-    the next document's first rows go to the rank before, which holds their keys already, while rounding down
-    would hand the previous document's last rows to the rank after, which must then receive that whole
-    document's keys. (All down almost never won on packed, causal and sliding-window masks at blocks 64-512,
+    nearest block or all up, scored like the candidates, then refined cut by cut (below). Up pays where a cut sits
+    at a causal document's start: the next document's first rows go to the rank before, which holds their keys
+    already, while rounding down would hand the previous document's last rows to the rank after, which must then
+    receive that whole document's keys. (All down almost never won on packed, causal and sliding-window masks at blocks 64-512,
     cp 4 and 8, so it is not tried.)"""
-    nearest = snap(bounds, owner, block)
-    up = snap(bounds, owner, block, np.ceil)
-    layouts = [nearest]
-    if not (np.array_equal(up[0], nearest[0]) and np.array_equal(up[1], nearest[1])):
-        layouts.append(up)
-    scored = [(b, o, score(traps, spans, b, o, cp, prefix)) for b, o in layouts]
-    best = min(scored, key=lambda x: _rank(x[2], tol))
-    return _refine_cuts(bounds, owner, block, best, traps, spans, cp, prefix, tol)
+    bounds = np.asarray(bounds, dtype=np.int64)
+    up, down = -(-bounds // block) * block, bounds // block * block
+    best = None
+    for cuts in (np.round(bounds / block).astype(np.int64) * block, up):  # nearest, then all up
+        b, o = _layout(bounds, owner, cuts)
+        if best is not None and np.array_equal(b, best[1][0]) and np.array_equal(o, best[1][1]):
+            continue
+        sc = score(traps, spans, b, o, cp, prefix)
+        if best is None or _rank(sc, tol) < _rank(best[2], tol):
+            best = (cuts, (b, o), sc)
+    # then each owner change flipped between up and down, in order, wherever that scores better: which way a cut
+    # should go depends on its own documents (up hands the next document's first rows back, down the previous
+    # one's last rows on), so no one rule for all cuts wins; layouts with more owner changes keep the better rule
+    change = np.flatnonzero(np.asarray(owner)[1:] != np.asarray(owner)[:-1]) + 1
+    cuts, _, _ = best
+    if len(change) <= MAX_REFINED_CUTS:
+        for i in change.tolist():
+            if up[i] == down[i]:
+                continue
+            trial = cuts.copy()
+            trial[i] = down[i] if cuts[i] == up[i] else up[i]
+            b, o = _layout(bounds, owner, trial)
+            sc = score(traps, spans, b, o, cp, prefix)
+            if _rank(sc, tol) < _rank(best[2], tol):
+                cuts, best = trial, (trial, (b, o), sc)
+    return (*best[1], best[2])
 
 
 MAX_REFINED_CUTS = 256  # owner changes a block-aligned layout refines cut by cut (one score each)
-
-
-def _refine_cuts(bounds, owner, block, best, traps, spans, cp, prefix, tol):
-    """``best`` (a rounding of every cut of (bounds, owner), scored) with each owner change's rounding then
-    flipped between up and down, in order, wherever that scores better: which way a cut should go depends on
-    its own documents (up hands the next document's first rows back, down the previous one's last rows on),
-    so no one rule for all cuts wins. Layouts with more owner changes than ``MAX_REFINED_CUTS`` keep ``best``."""
-    bounds, owner = np.asarray(bounds, dtype=np.int64), np.asarray(owner)
-    change = np.flatnonzero(owner[1:] != owner[:-1]) + 1  # cuts between chunks of different ranks
-    if not 0 < len(change) <= MAX_REFINED_CUTS:
-        return best
-    up, down = -(-bounds // block) * block, bounds // block * block
-    # the current rounding of each cut, read back from best: a cut's snapped position is the up or down one
-    cur = np.where(np.isin(up, best[0]), up, down)
-    cur[0], cur[-1] = down[0], up[-1]
-
-    def layout(cuts):
-        b = np.unique(cuts)
-        return b, owner[np.searchsorted(bounds, b[:-1], side="right") - 1]
-
-    for i in change.tolist():
-        if up[i] == down[i]:
-            continue
-        trial = cur.copy()
-        trial[i] = down[i] if cur[i] == up[i] else up[i]
-        b, o = layout(trial)
-        sc = score(traps, spans, b, o, cp, prefix)
-        if _rank(sc, tol) < _rank(best[2], tol):
-            cur, best = trial, (b, o, sc)
-    return best
 
 
 # block-aligned plans: documents packed only at starts within block / N rows before a block boundary, N of these
@@ -203,18 +196,17 @@ def hierarchical_candidates(traps, spans, prefix, seqlen, topology, chunk, tol, 
     node_cands = [solvers.contiguous(seqlen, nodes)]
     if nodes > 1:
         node_cands.append(solvers.zigzag(seqlen, nodes))
-        docs = None
         if len(cuts) - 1 > nodes:
-            docs = solvers.documents(seqlen, nodes, prefix=prefix, traps=traps, tol=tol, cuts=cuts)
-            node_cands.append(docs)
-        # whole documents per node move between nodes only the documents they split; where that balances the
-        # chunk solvers, which cut every long document at node boundaries, are not tried (on packed documents
-        # at 256-1024 GPUs they moved 5-10x its keys between nodes, and took a fifth of the planning time)
-        if docs is None or key(docs)[0]:
-            node_cands.append(solvers.greedy(seqlen, nodes, **kw))
-            node_cands.append(solvers.swap_balanced(seqlen, nodes, **kw))
-
-    best = min(node_cands, key=key)
+            node_cands.append(solvers.documents(seqlen, nodes, prefix=prefix, traps=traps, tol=tol, cuts=cuts))
+    keys = [key(bo) for bo in node_cands]
+    # whole documents per node move between nodes only the documents they split; where that balances the chunk
+    # solvers, which cut every long document at node boundaries, are not tried (on packed documents at 256-1024
+    # GPUs they moved 5-10x its keys between nodes, and took a fifth of the planning time)
+    if nodes > 1 and (len(node_cands) == 2 or keys[2][0]):
+        for bo in (solvers.greedy(seqlen, nodes, **kw), solvers.swap_balanced(seqlen, nodes, **kw)):
+            node_cands.append(bo)
+            keys.append(key(bo))
+    best = node_cands[keys.index(min(keys))]  # the first of equal keys, as min(node_cands, key=key)
     g = topology.gpus_per_node
     out = {"hierarchical": solvers.hierarchical(seqlen, topology.world_size, gpus_per_node=g, node_layout=best, **kw)}
     if len(cuts) - 1 > topology.world_size:  # and whole documents per GPU inside each node

@@ -220,11 +220,10 @@ def plot(name: str, summary: dict, path: Path) -> None:
         a = np.asarray(main["runs"][ref]["losses"], dtype=np.float64)
         w = min(MEAN_WINDOW, len(a))
         for rn, r in main["runs"].items():
-            if rn == ref or w == 0:
-                continue
-            d = (np.asarray(r["losses"][:len(a)], dtype=np.float64) - a[:len(r["losses"])]) / a[:len(r["losses"])]
-            if len(d) >= w:
-                axes[2].plot(range(w, len(d) + 1), 100 * np.convolve(d, np.ones(w) / w, "valid"), lw=1,
+            n = min(len(a), len(r["losses"]))
+            if rn != ref and 0 < w <= n:
+                d = np.asarray(r["losses"][:n], dtype=np.float64) / a[:n] - 1
+                axes[2].plot(range(w, n + 1), 100 * np.convolve(d, np.ones(w) / w, "valid"), lw=1,
                              label=f"({rn} - {ref}) / {ref}")
         if ref == "cp1":
             axes[2].axhspan(-100 * BF16_MEAN, 100 * BF16_MEAN, color="gray", alpha=0.15,
