@@ -258,6 +258,38 @@ def _with_earlier(path: Path, jobs: list[Job], res: list[dict]) -> tuple[list[di
     return merged, old.get("command")
 
 
+def leak_check(plan, a, meta) -> dict:
+    """--leak-check: every selected run of each recipe on the same split samples, fp32 runs first (the first run
+    is the gradients' reference); results to <out>/<recipe>/leak.json."""
+    import torch
+    from tiny_llama import leak
+    from tiny_llama.convergence import Corpus
+    from tiny_llama.trainer import spawn
+
+    report, leaked = {}, []
+    for n, jobs in plan:
+        pairs = sorted(((j.train, r) for j in jobs for r in j.runs), key=lambda p: p[0].dtype != "fp32")
+        if not pairs:
+            continue
+        train = pairs[0][0]
+        tokens, labels, _ = Corpus(train, train.shape.seq_length, a.leak_check).batch(0, a.leak_check)
+        rows = torch.cat([tokens, labels[:, -1:]], 1)
+        res = spawn(leak.worker, a.gpus, pairs, rows, "cpu" if a.cpu else "cuda",
+                    backend="gloo" if a.cpu else "nccl", timeout_s=1800)
+        print(f"\n== {n} --leak-check ({meta['device']}, world {a.gpus}, {a.leak_check} samples of "
+              f"{train.shape.seq_length})")
+        print("\n".join("  " + line for line in leak.report(res)))
+        folder = Path(a.out) / n
+        folder.mkdir(parents=True, exist_ok=True)
+        report[n] = {**meta, "recipe": n, "samples": a.leak_check, "runs": res}
+        (folder / "leak.json").write_text(json.dumps(report[n], indent=1) + "\n")
+        leaked += [f"{n} {r['dtype']} {r['run']}" for r in res if r["high_max"] != 0]
+    if leaked:
+        print(f"\nLEAK: a masked token's embedding has a gradient in {', '.join(leaked)}")
+        raise SystemExit(1)
+    return report
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipes", nargs="+", help=f"names ({', '.join(RECIPES)}) or 'all'")
@@ -281,9 +313,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                     help="with --checkpoint: stop before a step that would end past this many seconds after the "
                          "start (a job's time limit); the same command again continues")
+    ap.add_argument("--leak-check", type=int, nargs="?", const=2, default=None, metavar="SAMPLES",
+                    help="instead of training: one forward-backward of each run on SAMPLES corpus rows (default 2, "
+                         "each its own plan) where a leak past the mask shows as a nonzero gradient "
+                         "(tiny_llama/leak.py), gradients against the first run's; exit 1 on a leak")
     a = ap.parse_args(argv)
     if a.checkpoint_every is not None and (a.checkpoint is None or a.checkpoint_every < 1):
         ap.error(f"--checkpoint-every needs --checkpoint and a positive step count, got {a.checkpoint_every}")
+    if a.leak_check is not None and a.leak_check < 1:
+        ap.error(f"--leak-check needs at least 1 sample, got {a.leak_check}")
     if a.time_limit is not None and (a.checkpoint is None or not a.time_limit > 0):
         ap.error(f"--time-limit needs --checkpoint (where a stopped run continues from) and a positive number of "
                  f"seconds, got --time-limit {a.time_limit} --checkpoint {a.checkpoint}")
@@ -317,6 +355,8 @@ def main(argv=None) -> dict:
                 fits = []
             j.runs = fits
         plan.append((n, jobs))
+    if a.leak_check is not None:
+        return leak_check(plan, a, meta)
     todo = [j for _, jobs in plan for j in jobs if j.runs]
     Path(a.out).mkdir(parents=True, exist_ok=True)
     # every step of every run as it ends (a JSON line each): what a time limit leaves before results.json

@@ -1,0 +1,109 @@
+"""One forward and backward of the convergence model under each layout, built so that any leak shows exactly.
+
+The samples keep the corpus's document boundaries (the plans are those of training) but not its bytes: the
+first half of every other document is written in bytes 0-127 and only those rows count in the loss; every
+other token is a byte 128-255 (EODs stay). Under the packed causal mask no counted row reaches a high byte, so
+the word-embedding gradient of bytes 128-255 is exactly zero: a masked key adds exact zeros to the forward
+(p = 0) and to the backward (dS = P (dP - D) = 0). One nonzero value there is a leak: a row that read a later
+token or another document's in the forward, or a key's gradient delivered to the wrong token.
+
+Beside it, every parameter's gradient against the first run's (relative L2 norm of the difference): a CP
+layout in bf16 should stand as far from an fp32 reference as CP 1 in bf16 does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_cp.megatron import MaskSpec
+
+from .demo import EOD
+
+HIGH = 128  # bytes >= HIGH: tokens no counted row may see
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def split_samples(tokens_plus_one: torch.Tensor):
+    """(tokens, labels, loss_mask) ``[n, S]`` from corpus rows ``[n, S + 1]``: documents (ended by EOD) keep their
+    places; the first half of each is in low bytes and counted, the second half in high bytes."""
+    rows = tokens_plus_one.clone()
+    mask = torch.zeros(rows.shape[0], rows.shape[1] - 1)
+    for r in range(rows.shape[0]):
+        row = rows[r]
+        ends = (row[:-1] == EOD).nonzero().flatten().tolist()
+        starts = [0] + [e + 1 for e in ends]
+        stops = [e + 1 for e in ends] + [row.shape[0] - 1]
+        text = row != EOD
+        row[text] = HIGH + row[text] % HIGH
+        for a, b in zip(starts, stops):
+            mid = a + (b - a) // 2
+            if mid > a:
+                low = slice(a, mid)
+                row[low] = torch.where(text[low], row[low] % HIGH, row[low])
+                mask[r, low] = 1.0
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), mask
+
+
+def worker(rank: int, world: int, runs: list, rows: torch.Tensor, device_kind: str) -> list[dict]:
+    """``runs``: (Train, Run) pairs; each DP rank takes ``rows`` whole (its loss and gradients are then the
+    same for every DP size). Rank 0 returns one dict per run."""
+    from megatron.core import parallel_state as ps
+
+    from . import trainer
+    from .convergence import MainParams, _build, _full_init
+
+    device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else None
+    if device is None:
+        from .cpu import cuda_to_cpu_shim
+
+        cuda_to_cpu_shim()
+    tokens, labels, mask = split_samples(rows)
+    length = tokens.shape[1]
+    ref, out, inits = None, [], {}
+    for train, run in runs:
+        if run.layout.tp > 1 or run.layout.pp > 1:
+            raise ValueError(f"run {run.name!r}: the leak check reads whole gradients (TP 1, PP 1), got "
+                             f"{run.layout.name}")
+        key = (train.shape, train.seed)
+        if key not in inits:
+            inits[key] = _full_init(train, length)
+        full = inits[key]
+        chunks, _ = _build(train, run.layout, length, full, device)
+        main = MainParams(chunks)
+        spec = MaskSpec(train.mask, eod=EOD if train.mask.startswith("packed") else None)
+        micro = [(tokens[i:i + 1], labels[i:i + 1], mask[i:i + 1]) for i in range(tokens.shape[0])]
+        s, n = trainer.forward_backward(chunks[0], micro, spec, run.options(train), device=device)
+        res = trainer.reduce_and_scale(chunks, s, n, params=main.main)
+        grads = {k: m.grad.detach().float().cpu() for k, m in zip(main.names, main.main)}
+        emb = grads[EMBEDDING]
+        r = dict(dtype=train.dtype, run=run.name, layout=run.layout.name, loss=res.loss, tokens=res.tokens,
+                 high_max=float(emb[HIGH:EOD].abs().max()), low_max=float(emb[:HIGH].abs().max()))
+        if ref is None:
+            ref = grads
+        else:
+            r["rel_diff"] = {k: float((g - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)) for k, g in grads.items()}
+        out.append(r)
+        del chunks, main, grads
+        ps.destroy_model_parallel()
+        if device is not None:
+            torch.cuda.empty_cache()
+    dist.barrier()
+    return out
+
+
+def report(results: list[dict]) -> list[str]:
+    """Lines: each run's loss, the largest high-byte embedding gradient (0 = no leak), and its gradients'
+    distance from the first run's (the largest over parameters, and the parameter it is)."""
+    lines = [f"{'run':>16} {'loss':>10} {'high-byte grad':>15} {'low-byte grad':>14}  rel. L2 diff vs "
+             f"{results[0]['dtype']} {results[0]['run']} (median / max, where)"]
+    for r in results:
+        d = r.get("rel_diff")
+        where = ""
+        if d:
+            vals = sorted(d.values())
+            k = max(d, key=d.get)
+            where = f"{vals[len(vals) // 2]:.2e} / {d[k]:.2e}  {k}"
+        lines.append(f"{r['dtype'] + ' ' + r['run']:>16} {r['loss']:10.6f} {r['high_max']:15.3e} "
+                     f"{r['low_max']:14.3e}  {where}")
+    return lines
