@@ -7,7 +7,7 @@
     ref, plain = (mt.reference_attention(q, k, v, mask, dout=dout, dtype=t) for t in (torch.float64, torch.bfloat16))
     mt.assert_low_precision_close(ours, ref, plain)
 
-Three pieces:
+Four pieces:
 
 - ``reference_attention``: dense softmax attention over the whole ``[sq, sk]`` mask, forward and (given
   ``dout``) backward by the textbook formulas, in float64 (the reference) or in a low precision (the plain
@@ -16,6 +16,8 @@ Three pieces:
   asserts): a low-precision result passes when its rms error against the fp64 reference is at most twice
   the rms error of the plain PyTorch computation in the same precision, plus a floor of
   ``1e-6 x rms(reference)``.
+- ``plan_coverage_errors``: the rows where a plan's tiles (every rank's, guest rows' too) do not give exactly
+  the mask's keys, checked row by row without a dense matrix (full-size plans: 32k rows in milliseconds).
 - ``run_ranks``: a function on N CPU ranks (gloo), each its own process, each rank's result returned;
   ``distributed_attention`` uses it to run ``megatron_cp.attention`` and gather full-sequence results.
 
@@ -187,6 +189,60 @@ def assert_low_precision_close(ours: Attention | Mapping[str, torch.Tensor | Non
 
 
 # -- N ranks, each its own process -----------------------------------------------------------------------------
+class _RowKeys:
+    """Per global row: how many keys, their ids' sum and sum of squares, the first and last id. Two sets of keys
+    with equal statistics are equal but for collisions no bug is built to make."""
+
+    def __init__(self, rows: int, keys: int):
+        self.n, self.s1, self.s2 = (np.zeros(rows, dtype=np.int64) for _ in range(3))
+        self.lo, self.hi = np.full(rows, keys, dtype=np.int64), np.full(rows, -1, dtype=np.int64)
+
+    def add(self, row_ids: np.ndarray, key_ids: np.ndarray, tiles) -> None:
+        """Tiles ``[n, 5]`` (q0, q1, k0, k1, kind: rows index ``row_ids``, keys ``key_ids``, increasing)."""
+        from megatron_cp.masks.geometry import KINDS
+
+        key_ids = np.asarray(key_ids, dtype=np.int64)
+        p1 = np.concatenate([[0], np.cumsum(key_ids)])
+        p2 = np.concatenate([[0], np.cumsum(key_ids * key_ids)])
+        for q0, q1, k0, k1, kind in np.asarray(tiles).tolist():
+            sq, sk = q1 - q0, k1 - k0
+            i = np.arange(sq, dtype=np.int64)
+            lo = np.zeros(sq, dtype=np.int64) if KINDS[kind] in ("full", "causal") else np.minimum(i, sk)
+            hi = np.full(sq, sk, dtype=np.int64) if KINDS[kind] in ("full", "inv_causal") else \
+                np.clip(i + sk - sq + 1, 0, sk)
+            keep = hi > lo
+            r, a, b = row_ids[q0:q1][keep], (k0 + lo)[keep], (k0 + hi)[keep]
+            np.add.at(self.n, r, b - a)
+            np.add.at(self.s1, r, p1[b] - p1[a])
+            np.add.at(self.s2, r, p2[b] - p2[a])
+            np.minimum.at(self.lo, r, key_ids[a])
+            np.maximum.at(self.hi, r, key_ids[b - 1])
+
+    def differ(self, other: "_RowKeys") -> np.ndarray:
+        return ((self.n != other.n) | (self.s1 != other.s1) | (self.s2 != other.s2) | (self.lo != other.lo)
+                | (self.hi != other.hi))
+
+
+def plan_coverage_errors(plan, mask: AttnMask) -> np.ndarray:
+    """Global row ids where ``plan``'s tiles do not compute exactly ``mask``'s keys (once each): every rank's own
+    rows against its key buffer, and the guest rows it computes on its own keys. Empty: the plan is exact."""
+    from megatron_cp.masks.geometry import KIND_CODE
+    from megatron_cp.planner.keys import runs_to_ids
+
+    got, want = _RowKeys(mask.seqlen_q, mask.seqlen_k), _RowKeys(mask.seqlen_q, mask.seqlen_k)
+    for rp in plan.ranks:
+        own = rp.local_ids()
+        got.add(own, runs_to_ids(rp.buffer_runs), rp.tiles)
+        if len(rp.guest_tiles):
+            guests = [runs for runs in rp.guest_recv_runs if len(runs)]
+            got.add(runs_to_ids(np.concatenate(guests)), own, rp.guest_tiles)
+    rows, keys = np.arange(mask.seqlen_q, dtype=np.int64), np.arange(mask.seqlen_k, dtype=np.int64)
+    for s in mask.normalized().slices:  # disjoint: each cell counted once
+        (q0, q1), (k0, k1) = s.q_range, s.k_range
+        want.add(rows, keys, [[q0, q1, k0, k1, KIND_CODE[s.kind]]])
+    return np.nonzero(got.differ(want))[0]
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a tcp:// rendezvous)."""
     with socket.socket() as s:

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import megatron_cp as mcp
 from megatron_cp import masks as M
 from megatron_cp.planner import SOLVERS
 from megatron_cp.masks import catalog
+from megatron_cp.testing import plan_coverage_errors
 
 
 def _random_mask(rng):
@@ -63,6 +65,53 @@ def _check_plan_exact(mask, p):
     assert cover.max(initial=0) <= 1, "a cell is computed twice"
     assert np.array_equal(cover.astype(bool), d)
     assert sum(rp.area for rp in p.ranks) == d.sum() == p.mask_area
+    assert len(plan_coverage_errors(p, mask)) == 0
+
+
+def _dense_cover(p, s):
+    cover = np.zeros((s, s), dtype=np.int32)
+    for rp in p.ranks:
+        ids = rp.local_ids()
+        buf = np.concatenate([np.arange(a, b) for a, b in rp.buffer_runs])
+        for q0, q1, k0, k1, kind in rp.tiles:
+            one = mcp.AttnMask([mcp.AttnSlice((q0, q1), (k0, k1), M.KINDS[kind])], len(ids), len(buf)).to_dense()
+            cover[np.ix_(ids, buf)] += one
+    return cover
+
+
+def test_plan_coverage_errors_finds_the_rows_a_broken_tile_gets_wrong():
+    """The row-by-row check (what checks full-size plans) names exactly the rows the dense count gets wrong, for
+    a tile moved, widened, of another kind, dropped or computed twice."""
+    rng = np.random.default_rng(5)
+    breaks = 0
+    for _ in range(40):
+        mask = _random_mask(rng)
+        p = mcp.plan(mask, int(rng.integers(2, 5)), guest_rows=[])
+        with_tiles = [i for i, rp in enumerate(p.ranks) if len(rp.tiles)]
+        if not with_tiles:
+            continue
+        i = with_tiles[int(rng.integers(0, len(with_tiles)))]
+        tiles = p.ranks[i].tiles.copy()
+        t = int(rng.integers(0, len(tiles)))
+        how = int(rng.integers(0, 5))
+        if how == 0 and tiles[t, 2] > 0:
+            tiles[t, 2:4] -= 1
+        elif how == 1 and tiles[t, 1] < p.ranks[i].num_tokens:
+            tiles[t, 1] += 1
+        elif how == 2:
+            tiles[t, 4] = (tiles[t, 4] + 1) % 4
+        elif how == 3:
+            tiles = np.delete(tiles, t, axis=0)
+        else:
+            tiles = np.concatenate([tiles, tiles[t:t + 1]])
+        ranks = list(p.ranks)
+        ranks[i] = replace(ranks[i], tiles=tiles)
+        p = replace(p, ranks=tuple(ranks))
+        cover = _dense_cover(p, mask.seqlen_q)
+        wrong = np.nonzero(((cover != mask.to_dense()) | (cover > 1)).any(1))[0]
+        breaks += len(wrong) > 0
+        assert np.array_equal(plan_coverage_errors(p, mask), wrong)
+    assert breaks >= 25
 
 
 @pytest.mark.parametrize("solver", SOLVERS)

@@ -47,9 +47,10 @@ def test_parity_recipe_tiny(tiny, runner, name):
     other = PARITY[name]
     bf16, fp32 = rec["jobs"]
     assert bf16["train"]["dtype"] == "bf16" and fp32["train"]["dtype"] == "fp32"
-    # bf16 adds the noise floor: CP 1 trained again, compared with cp1 like the layout
-    assert set(bf16["runs"]) == {"cp1", other, runner.NOISE_FLOOR} and set(fp32["runs"]) == {"cp1", other}
-    assert bf16["runs"][runner.NOISE_FLOOR]["dp"] == 4
+    # bf16 adds the noise floor: CP 1 and the layout trained again, each compared with cp1 like the layout
+    assert set(bf16["runs"]) == {"cp1", other, runner.NOISE_FLOOR, other + "_again"}
+    assert set(fp32["runs"]) == {"cp1", other}
+    assert bf16["runs"][runner.NOISE_FLOOR]["dp"] == 4 and bf16["runs"][other + "_again"]["dp"] == 1
     for job in (bf16, fp32):
         assert job["runs"]["cp1"]["dp"] == 4 and job["runs"][other]["dp"] == 1
         for r in job["runs"].values():
@@ -57,7 +58,7 @@ def test_parity_recipe_tiny(tiny, runner, name):
             assert r["losses"][-1] < r["losses"][0], r["losses"]  # it learns
     # the same model and batches: fp32 within 1e-5 at every step, bf16 within 1e-2 (measured ~1e-7 / ~4e-5)
     checks = rec["checks"]
-    assert len([k for k in checks if k.startswith(other)]) == 4, checks
+    assert len([k for k in checks if k.startswith(other)]) == 7, checks
     assert all(ok for v, ok in checks.values() if ok is not None), checks
     fp32_diff = max(abs(a - b) / a for a, b in zip(fp32["runs"]["cp1"]["losses"], fp32["runs"][other]["losses"]))
     assert fp32_diff <= 1e-5
@@ -335,7 +336,7 @@ def test_leak_check_split_samples_keep_documents():
 def test_leak_check_tiny_finds_no_leak_and_cp4_gradients_match(runner, tmp_path):
     report = runner.main(["dense", "--size", "tiny", "--cpu", "--leak-check", "--out", str(tmp_path)])
     runs = {f"{r['dtype']} {r['run']}": r for r in report["dense"]["runs"]}
-    assert set(runs) == {"fp32 cp1", "fp32 cp4", "bf16 cp1", "bf16 cp4", "bf16 cp1_again"}
+    assert set(runs) == {"fp32 cp1", "fp32 cp4", "bf16 cp1", "bf16 cp4", "bf16 cp1_again", "bf16 cp4_again"}
     assert list(runs)[0] == "fp32 cp1"  # the gradients' reference
     for r in runs.values():
         assert r["high_max"] == 0.0 and r["low_max"] > 1e-3, r
@@ -343,6 +344,8 @@ def test_leak_check_tiny_finds_no_leak_and_cp4_gradients_match(runner, tmp_path)
     # bf16 at CP 4 lies as far from fp32 as bf16 at CP 1 does (measured 5.4e-3 vs 5.3e-3 median)
     med = {k: float(np.median(list(runs[k]["rel_diff"].values()))) for k in ("bf16 cp1", "bf16 cp4")}
     assert med["bf16 cp4"] < 1.5 * med["bf16 cp1"] < 3e-2, med
+    # and the plan of every row the recipe trains on (2 steps x 4 rows) covers its mask exactly
+    assert report["dense"]["plans"] == {"rows": 8, "wrong_rows": {"cp4": 0}}
     assert json.loads((tmp_path / "dense" / "leak.json").read_text())["runs"] == report["dense"]["runs"]
 
 

@@ -8,7 +8,9 @@ the word-embedding gradient of bytes 128-255 is exactly zero: a masked key adds 
 token or another document's in the forward, or a key's gradient delivered to the wrong token.
 
 Beside it, every parameter's gradient against the first run's (relative L2 norm of the difference): a CP
-layout in bf16 should stand as far from an fp32 reference as CP 1 in bf16 does.
+layout in bf16 should stand as far from an fp32 reference as CP 1 in bf16 does. And ``plan_errors``: the plan
+of every row a run trains on, as the adapter makes it, checked row by row against the mask (on the host, no
+model: what a leak on some rare document layout would come from).
 """
 
 from __future__ import annotations
@@ -43,6 +45,24 @@ def split_samples(tokens_plus_one: torch.Tensor):
                 row[low] = torch.where(text[low], row[low] % HIGH, row[low])
                 mask[r, low] = 1.0
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), mask
+
+
+def plan_errors(rows: list[torch.Tensor], spec: MaskSpec, layouts: dict) -> dict:
+    """{name: rows whose plan computes other keys than the mask's} for ``layouts`` {name: (cp, PlanOptions)},
+    each row ``[S]`` planned alone as the adapter plans a micro-batch (``plan_for_batch``)."""
+    from megatron_cp.megatron.batch import build_mask, document_bounds, plan_for_batch
+    from megatron_cp.testing import plan_coverage_errors
+
+    out = {}
+    for name, (cp, options) in layouts.items():
+        wrong = 0
+        for row in rows:
+            tok = row.reshape(1, -1).numpy()
+            plan, _ = plan_for_batch(tok, spec, cp, options)
+            mask = build_mask(spec, document_bounds(tok, spec), 1, tok.shape[1])
+            wrong += len(plan_coverage_errors(plan, mask)) > 0
+        out[name] = wrong
+    return out
 
 
 def worker(rank: int, world: int, runs: list, rows: torch.Tensor, device_kind: str) -> list[dict]:

@@ -68,8 +68,10 @@ def _parity(layout: Layout):
         runs = [Run("cp1", Layout()), Run(layout.name, layout)]
         bf16 = _base(size, **({"steps": steps} if steps else {}))
         # the bf16 noise floor: CP 1 trained again (its non-deterministic kernels, e.g. the attention backward's
-        # atomic dQ sums, reduce in another order), compared with cp1 like the layout is
-        floor = [Run(NOISE_FLOOR, Layout())]
+        # atomic dQ sums, reduce in another order), compared with cp1 like the layout is; and the layout trained
+        # again: whether a drift of the layout from CP 1 beyond CP 1's own spread repeats (one run of each side
+        # cannot tell a systematic difference from bf16 chaos)
+        floor = [Run(NOISE_FLOOR, Layout()), Run(f"{layout.name}_again", layout)]
         # fp32 runs our Triton kernels in IEEE fp32 (no tensor cores): ~10 s per 32k sequence on an H100, so
         # this check trains one sequence per data-parallel rank
         fp32 = replace(bf16, dtype="fp32", steps=min(bf16.steps, 2 if size == "tiny" else FP32_STEPS), warmup=0,
@@ -260,10 +262,13 @@ def _with_earlier(path: Path, jobs: list[Job], res: list[dict]) -> tuple[list[di
 
 def leak_check(plan, a, meta) -> dict:
     """--leak-check: every selected run of each recipe on the same split samples, fp32 runs first (the first run
-    is the gradients' reference); results to <out>/<recipe>/leak.json."""
+    is the gradients' reference), and the plans of every row the recipe trains on (each CP layout's, on the host);
+    results to <out>/<recipe>/leak.json."""
     import torch
+    from megatron_cp.megatron import MaskSpec
     from tiny_llama import leak
     from tiny_llama.convergence import Corpus
+    from tiny_llama.demo import EOD
     from tiny_llama.trainer import spawn
 
     report, leaked = {}, []
@@ -272,20 +277,30 @@ def leak_check(plan, a, meta) -> dict:
         if not pairs:
             continue
         train = pairs[0][0]
-        tokens, labels, _ = Corpus(train, train.shape.seq_length, a.leak_check).batch(0, a.leak_check)
-        rows = torch.cat([tokens, labels[:, -1:]], 1)
+        length = train.shape.seq_length
+        corpus = Corpus(train, length, max((j.train.pretrain_steps + j.train.steps) * j.train.global_batch
+                                           for j in jobs))
+        trained = corpus.batch(0, corpus.samples)[0]
+        rows = torch.cat([trained[:a.leak_check], corpus.batch(0, a.leak_check)[1][:, -1:]], 1) \
+            if a.leak_check else None
+        layouts = {r.layout.name: (r.layout.cp, r.options(t)) for t, r in pairs if r.layout.cp > 1}
+        spec = MaskSpec(train.mask, eod=EOD if train.mask.startswith("packed") else None)
+        wrong = leak.plan_errors(list(trained), spec, layouts)
         res = spawn(leak.worker, a.gpus, pairs, rows, "cpu" if a.cpu else "cuda",
-                    backend="gloo" if a.cpu else "nccl", timeout_s=1800)
-        print(f"\n== {n} --leak-check ({meta['device']}, world {a.gpus}, {a.leak_check} samples of "
-              f"{train.shape.seq_length})")
-        print("\n".join("  " + line for line in leak.report(res)))
+                    backend="gloo" if a.cpu else "nccl", timeout_s=1800) if a.leak_check else []
+        print(f"\n== {n} --leak-check ({meta['device']}, world {a.gpus}, {a.leak_check} samples of {length})")
+        print("\n".join("  " + line for line in leak.report(res)) if res else "  (no model runs: 0 samples)")
+        for name, k in wrong.items():
+            print(f"  plans of the {len(trained)} training rows at {name}: {k} cover other keys than the mask")
         folder = Path(a.out) / n
         folder.mkdir(parents=True, exist_ok=True)
-        report[n] = {**meta, "recipe": n, "samples": a.leak_check, "runs": res}
+        report[n] = {**meta, "recipe": n, "samples": a.leak_check, "runs": res,
+                     "plans": {"rows": len(trained), "wrong_rows": wrong}}
         (folder / "leak.json").write_text(json.dumps(report[n], indent=1) + "\n")
         leaked += [f"{n} {r['dtype']} {r['run']}" for r in res if r["high_max"] != 0]
+        leaked += [f"{n} plans at {name}" for name, k in wrong.items() if k]
     if leaked:
-        print(f"\nLEAK: a masked token's embedding has a gradient in {', '.join(leaked)}")
+        print(f"\nLEAK: {', '.join(leaked)}")
         raise SystemExit(1)
     return report
 
@@ -315,13 +330,14 @@ def main(argv=None) -> dict:
                          "start (a job's time limit); the same command again continues")
     ap.add_argument("--leak-check", type=int, nargs="?", const=2, default=None, metavar="SAMPLES",
                     help="instead of training: one forward-backward of each run on SAMPLES corpus rows (default 2, "
-                         "each its own plan) where a leak past the mask shows as a nonzero gradient "
-                         "(tiny_llama/leak.py), gradients against the first run's; exit 1 on a leak")
+                         "each its own plan; 0: none) where a leak past the mask shows as a nonzero gradient "
+                         "(tiny_llama/leak.py), gradients against the first run's; and the plan of every row the "
+                         "recipe trains on checked against its mask (host only); exit 1 on a leak")
     a = ap.parse_args(argv)
     if a.checkpoint_every is not None and (a.checkpoint is None or a.checkpoint_every < 1):
         ap.error(f"--checkpoint-every needs --checkpoint and a positive step count, got {a.checkpoint_every}")
-    if a.leak_check is not None and a.leak_check < 1:
-        ap.error(f"--leak-check needs at least 1 sample, got {a.leak_check}")
+    if a.leak_check is not None and a.leak_check < 0:
+        ap.error(f"--leak-check takes a number of samples >= 0, got {a.leak_check}")
     if a.time_limit is not None and (a.checkpoint is None or not a.time_limit > 0):
         ap.error(f"--time-limit needs --checkpoint (where a stopped run continues from) and a positive number of "
                  f"seconds, got --time-limit {a.time_limit} --checkpoint {a.checkpoint}")
