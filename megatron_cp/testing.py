@@ -199,7 +199,7 @@ class _RowKeys:
 
     def add(self, row_ids: np.ndarray, key_ids: np.ndarray, tiles) -> None:
         """Tiles ``[n, 5]`` (q0, q1, k0, k1, kind: rows index ``row_ids``, keys ``key_ids``, increasing)."""
-        from megatron_cp.masks.geometry import KINDS
+        from megatron_cp.masks import KINDS
 
         key_ids = np.asarray(key_ids, dtype=np.int64)
         p1 = np.concatenate([[0], np.cumsum(key_ids)])
@@ -226,8 +226,11 @@ class _RowKeys:
 def plan_coverage_errors(plan, mask: AttnMask) -> np.ndarray:
     """Global row ids where ``plan``'s tiles do not compute exactly ``mask``'s keys (once each): every rank's own
     rows against its key buffer, and the guest rows it computes on its own keys. Empty: the plan is exact."""
-    from megatron_cp.masks.geometry import KIND_CODE
-    from megatron_cp.planner.keys import runs_to_ids
+    from megatron_cp.masks import KINDS
+
+    def runs_to_ids(runs):
+        runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+        return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in runs] + [np.zeros(0, dtype=np.int64)])
 
     got, want = _RowKeys(mask.seqlen_q, mask.seqlen_k), _RowKeys(mask.seqlen_q, mask.seqlen_k)
     for rp in plan.ranks:
@@ -239,7 +242,7 @@ def plan_coverage_errors(plan, mask: AttnMask) -> np.ndarray:
     rows, keys = np.arange(mask.seqlen_q, dtype=np.int64), np.arange(mask.seqlen_k, dtype=np.int64)
     for s in mask.normalized().slices:  # disjoint: each cell counted once
         (q0, q1), (k0, k1) = s.q_range, s.k_range
-        want.add(rows, keys, [[q0, q1, k0, k1, KIND_CODE[s.kind]]])
+        want.add(rows, keys, [[q0, q1, k0, k1, KINDS.index(s.kind)]])
     return np.nonzero(got.differ(want))[0]
 
 
