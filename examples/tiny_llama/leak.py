@@ -82,9 +82,9 @@ def worker(rank: int, world: int, runs: list, rows: torch.Tensor, device_kind: s
     length = tokens.shape[1]
     ref, out, inits = None, [], {}
     for train, run in runs:
-        if run.layout.tp > 1 or run.layout.pp > 1:
-            raise ValueError(f"run {run.name!r}: the leak check reads whole gradients (TP 1, PP 1), got "
-                             f"{run.layout.name}")
+        if run.layout.tp > 1 or run.layout.pp > 1 or run.layout.over_dp:
+            raise ValueError(f"run {run.name!r}: the leak check reads whole gradients of one CP group's rows "
+                             f"(TP 1, PP 1, a plan per CP group), got {run.layout.name}")
         key = (train.shape, train.seed)
         if key not in inits:
             inits[key] = _full_init(train, length)
