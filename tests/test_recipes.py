@@ -160,6 +160,11 @@ def test_bad_recipe_inputs_fail_before_spawning(runner):
             [Run("x", Layout(pp=2))]).check(2)
     with pytest.raises(ValueError, match="start 'pretrained' but pretrain_steps is 0"):
         Job(train, [Run("x", start="pretrained")]).check(1)
+    # the leak check reads whole gradients: TP or PP layouts are refused by name, before any process starts
+    with pytest.raises(ValueError, match="run 'tp2xcp2\\+sp': the leak check reads whole gradients"):
+        runner.main(["tp2cp2_sp", "--size", "tiny", "--cpu", "--leak-check", "--precision", "fp32"])
+    with pytest.raises(SystemExit):
+        runner.main(["dense", "--size", "tiny", "--cpu", "--leak-check", "-1"])
 
 
 def test_sbatch_dry_run_launches_the_runner():

@@ -65,6 +65,14 @@ def plan_errors(rows: list[torch.Tensor], spec: MaskSpec, layouts: dict) -> dict
     return out
 
 
+def check_runs(runs: list) -> None:
+    """ValueError naming the first (Train, Run) pair whose gradients the check cannot read whole."""
+    for _, run in runs:
+        if run.layout.tp > 1 or run.layout.pp > 1 or run.layout.over_dp:
+            raise ValueError(f"run {run.name!r}: the leak check reads whole gradients of one CP group's rows "
+                             f"(TP 1, PP 1, a plan per CP group), got {run.layout.name}")
+
+
 def worker(rank: int, world: int, runs: list, rows: torch.Tensor, device_kind: str) -> list[dict]:
     """``runs``: (Train, Run) pairs; each DP rank takes ``rows`` whole (its loss and gradients are then the
     same for every DP size). Rank 0 returns one dict per run."""
@@ -78,13 +86,11 @@ def worker(rank: int, world: int, runs: list, rows: torch.Tensor, device_kind: s
         from .cpu import cuda_to_cpu_shim
 
         cuda_to_cpu_shim()
+    check_runs(runs)
     tokens, labels, mask = split_samples(rows)
     length = tokens.shape[1]
     ref, out, inits = None, [], {}
     for train, run in runs:
-        if run.layout.tp > 1 or run.layout.pp > 1 or run.layout.over_dp:
-            raise ValueError(f"run {run.name!r}: the leak check reads whole gradients of one CP group's rows "
-                             f"(TP 1, PP 1, a plan per CP group), got {run.layout.name}")
         key = (train.shape, train.seed)
         if key not in inits:
             inits[key] = _full_init(train, length)

@@ -276,6 +276,7 @@ def leak_check(plan, a, meta) -> dict:
         pairs = sorted(((j.train, r) for j in jobs for r in j.runs), key=lambda p: p[0].dtype != "fp32")
         if not pairs:
             continue
+        leak.check_runs(pairs)
         train = pairs[0][0]
         length = train.shape.seq_length
         corpus = Corpus(train, length, max((j.train.pretrain_steps + j.train.steps) * j.train.global_batch
