@@ -17,7 +17,8 @@ inline in ``next()`` (the step then waits for every plan: the same measurement w
 
 Plans that take longer than a micro-batch (one plan over DP x CP at hundreds of ranks: ~0.8 s at 1024) cannot
 keep ahead one at a time, however deep the queue. So the plans start one at a time, in micro-batch order, and
-each time two micro-batches in a row wait for their plans (after the first ``depth``) one more may run at once
+each time two of four consecutive micro-batches wait for their plans (after the first ``depth``) one more may run
+at once
 (up to ``max_workers``; on a GPU each waits on its own planning helper process, ``runtime.plan_in_helper``). A
 ``plan_fn`` whose collectives must come in the same order on every rank puts them in ``with in_turn():``: the
 plans' turns come in micro-batch order (one such section per plan).
@@ -133,8 +134,8 @@ def _planning_stopped() -> None:
 
 class PlanAhead:
     """Iterator over ``batches`` (unchanged, in order) whose plans ``plan_fn(batch)`` are made up to
-    ``depth`` micro-batches ahead by background threads (one at a time until two micro-batches in a row wait on
-    their plans after the first ``depth``; then one more at once each time, up to ``max_workers``: 1 unless
+    ``depth`` micro-batches ahead by background threads (one at a time until two of four consecutive micro-batches
+    wait on their plans after the first ``depth``; then one more at once each time, up to ``max_workers``: 1 unless
     given, e.g. ``default_workers(processes per node)`` as the Megatron plugin passes).
 
     ``waits``: seconds each ``next()`` spent blocked on its micro-batch's unfinished plan (a list, one
@@ -217,9 +218,11 @@ class PlanAhead:
             self.plan_times.append(took)
         finally:
             self.waits.append(time.perf_counter() - t)
-        # planning fell behind: this micro-batch and the one before both waited, after the first ``depth`` (a
-        # single late plan, a pause of the loader or a slow node, does not start another helper for good)
-        if len(self.waits) > self.depth + 1 and min(self.waits[-2:]) > LATE_S and self._turns.grow(self.max_workers):
+        # planning fell behind: two of the last four micro-batches waited, after the first ``depth`` (a single late
+        # plan, a pause of the loader or a slow node, does not start another helper for good; plans of uneven
+        # length finish in bursts, so a pace just short of the step's shows as one wait in every few, not in a row)
+        if len(self.waits) > self.depth + 1 and sum(w > LATE_S for w in self.waits[-4:]) >= 2 \
+                and self._turns.grow(self.max_workers):
             self.depth = max(self.depth, self._turns.workers + 1)
             self._fill()
         return batch
