@@ -18,9 +18,8 @@ inline in ``next()`` (the step then waits for every plan: the same measurement w
 Plans that take longer than a micro-batch (one plan over DP x CP at hundreds of ranks: ~0.8 s at 1024) cannot
 keep ahead one at a time, however deep the queue. So the plans start one at a time, in micro-batch order, and
 each time two of four consecutive micro-batches wait for their plans (after the first ``depth``) one more may run
-at once
-(up to ``max_workers``; on a GPU each waits on its own planning helper process, ``runtime.plan_in_helper``). A
-``plan_fn`` whose collectives must come in the same order on every rank puts them in ``with in_turn():``: the
+at once (up to ``max_workers``; on a GPU each waits on its own planning helper process, ``runtime.plan_in_helper``).
+A ``plan_fn`` whose collectives must come in the same order on every rank puts them in ``with in_turn():``: the
 plans' turns come in micro-batch order (one such section per plan).
 
     data_iterator = plan_ahead(data_iterator, lambda d: plan_for_batch(d["tokens"], spec, cp_size, options))
