@@ -188,7 +188,6 @@ def assert_low_precision_close(ours: Attention | Mapping[str, torch.Tensor | Non
     return errs
 
 
-# -- N ranks, each its own process -----------------------------------------------------------------------------
 class _RowKeys:
     """Per global row: how many keys, their ids' sum and sum of squares, the first and last id. Two sets of keys
     with equal statistics are equal but for collisions no bug is built to make."""
@@ -197,21 +196,14 @@ class _RowKeys:
         self.n, self.s1, self.s2 = (np.zeros(rows, dtype=np.int64) for _ in range(3))
         self.lo, self.hi = np.full(rows, keys, dtype=np.int64), np.full(rows, -1, dtype=np.int64)
 
-    def add(self, row_ids: np.ndarray, key_ids: np.ndarray, tiles) -> None:
-        """Tiles ``[n, 5]`` (q0, q1, k0, k1, kind: rows index ``row_ids``, keys ``key_ids``, increasing)."""
-        from megatron_cp.masks import KINDS
-
+    def add(self, row_ids: np.ndarray, key_ids: np.ndarray, traps: np.ndarray) -> None:
+        """Trapezoids ``[n, 6]`` (``AttnMask.traps``: rows index ``row_ids``, keys index ``key_ids``)."""
         key_ids = np.asarray(key_ids, dtype=np.int64)
         p1 = np.concatenate([[0], np.cumsum(key_ids)])
         p2 = np.concatenate([[0], np.cumsum(key_ids * key_ids)])
-        for q0, q1, k0, k1, kind in np.asarray(tiles).tolist():
-            sq, sk = q1 - q0, k1 - k0
-            i = np.arange(sq, dtype=np.int64)
-            lo = np.zeros(sq, dtype=np.int64) if KINDS[kind] in ("full", "causal") else np.minimum(i, sk)
-            hi = np.full(sq, sk, dtype=np.int64) if KINDS[kind] in ("full", "inv_causal") else \
-                np.clip(i + sk - sq + 1, 0, sk)
-            keep = hi > lo
-            r, a, b = row_ids[q0:q1][keep], (k0 + lo)[keep], (k0 + hi)[keep]
+        for q0, q1, lo_a, lo_s, hi_a, hi_s in np.asarray(traps, dtype=np.int64).reshape(-1, 6).tolist():
+            i = np.arange(q0, q1, dtype=np.int64)
+            r, a, b = row_ids[q0:q1], lo_a + lo_s * i, hi_a + hi_s * i  # every row of a trapezoid keeps a key
             np.add.at(self.n, r, b - a)
             np.add.at(self.s1, r, p1[b] - p1[a])
             np.add.at(self.s2, r, p2[b] - p2[a])
@@ -223,10 +215,19 @@ class _RowKeys:
                 | (self.hi != other.hi))
 
 
+def _tile_traps(tiles, rows: int, keys: int) -> np.ndarray:
+    """Each tile ``(q0, q1, k0, k1, kind)`` as its own trapezoid (not their union: a cell computed twice counts
+    twice)."""
+    from megatron_cp.masks import KINDS, AttnSlice
+
+    out = [AttnMask([AttnSlice((q0, q1), (k0, k1), KINDS[kind])], rows, keys).traps
+           for q0, q1, k0, k1, kind in np.asarray(tiles).tolist()]
+    return np.concatenate(out) if out else np.zeros((0, 6), dtype=np.int64)
+
+
 def plan_coverage_errors(plan, mask: AttnMask) -> np.ndarray:
     """Global row ids where ``plan``'s tiles do not compute exactly ``mask``'s keys (once each): every rank's own
     rows against its key buffer, and the guest rows it computes on its own keys. Empty: the plan is exact."""
-    from megatron_cp.masks import KINDS
 
     def runs_to_ids(runs):
         runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
@@ -234,18 +235,16 @@ def plan_coverage_errors(plan, mask: AttnMask) -> np.ndarray:
 
     got, want = _RowKeys(mask.seqlen_q, mask.seqlen_k), _RowKeys(mask.seqlen_q, mask.seqlen_k)
     for rp in plan.ranks:
-        own = rp.local_ids()
-        got.add(own, runs_to_ids(rp.buffer_runs), rp.tiles)
+        own, buf = rp.local_ids(), runs_to_ids(rp.buffer_runs)
+        got.add(own, buf, _tile_traps(rp.tiles, len(own), len(buf)))
         if len(rp.guest_tiles):
-            guests = [runs for runs in rp.guest_recv_runs if len(runs)]
-            got.add(runs_to_ids(np.concatenate(guests)), own, rp.guest_tiles)
-    rows, keys = np.arange(mask.seqlen_q, dtype=np.int64), np.arange(mask.seqlen_k, dtype=np.int64)
-    for s in mask.normalized().slices:  # disjoint: each cell counted once
-        (q0, q1), (k0, k1) = s.q_range, s.k_range
-        want.add(rows, keys, [[q0, q1, k0, k1, KINDS.index(s.kind)]])
+            guests = runs_to_ids(np.concatenate([runs for runs in rp.guest_recv_runs if len(runs)]))
+            got.add(guests, own, _tile_traps(rp.guest_tiles, len(guests), len(own)))
+    want.add(np.arange(mask.seqlen_q), np.arange(mask.seqlen_k), mask.traps)  # disjoint: each cell once
     return np.nonzero(got.differ(want))[0]
 
 
+# -- N ranks, each its own process -----------------------------------------------------------------------------
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a tcp:// rendezvous)."""
     with socket.socket() as s:

@@ -24,6 +24,16 @@ def _random_mask(rng):
     return mcp.AttnMask(slices, s, s)
 
 
+def _own_rows_cover(rp, s):
+    """(row ids, key buffer ids, int32 [rows, s] times each cell is computed) of one rank's own tiles."""
+    ids = rp.local_ids()
+    buf = np.concatenate([np.arange(a, b) for a, b in rp.buffer_runs]) if len(rp.buffer_runs) else np.zeros(0, int)
+    rec = np.zeros((len(ids), s), dtype=np.int32)
+    for q0, q1, k0, k1, kind in rp.tiles:
+        rec[:, buf] += mcp.AttnMask([mcp.AttnSlice((q0, q1), (k0, k1), M.KINDS[kind])], len(ids), len(buf)).to_dense()
+    return ids, buf, rec
+
+
 def _check_plan_exact(mask, p):
     """Tiles of every rank (its own rows' tiles and the guest rows' tiles it computes on its own keys)
     reproduce exactly the mask, with no cell twice; every token is owned once; every received run
@@ -37,13 +47,8 @@ def _check_plan_exact(mask, p):
     for a, b in p.guest_runs.tolist():
         guest[a:b] = True
     for r, rp in enumerate(p.ranks):
-        ids = rp.local_ids()
-        buf = np.concatenate([np.arange(a, b) for a, b in rp.buffer_runs]) if len(rp.buffer_runs) else np.zeros(0, int)
+        ids, buf, rec = _own_rows_cover(rp, s)
         assert np.array_equal(buf, np.unique(buf)), "buffer is in global order without repeats"
-        rec = np.zeros((len(ids), s), dtype=np.int32)
-        for q0, q1, k0, k1, kind in rp.tiles:
-            one = mcp.AttnMask([mcp.AttnSlice((q0, q1), (k0, k1), M.KINDS[kind])], len(ids), len(buf)).to_dense()
-            rec[:, buf] += one
         assert not rec[guest[ids]].any(), "a guest row has a tile at its owner"
         cover[ids] += rec
         g_rows = np.concatenate([np.arange(a, b) for runs in rp.guest_recv_runs for a, b in runs.tolist()] + [[]]).astype(int)
@@ -71,11 +76,8 @@ def _check_plan_exact(mask, p):
 def _dense_cover(p, s):
     cover = np.zeros((s, s), dtype=np.int32)
     for rp in p.ranks:
-        ids = rp.local_ids()
-        buf = np.concatenate([np.arange(a, b) for a, b in rp.buffer_runs])
-        for q0, q1, k0, k1, kind in rp.tiles:
-            one = mcp.AttnMask([mcp.AttnSlice((q0, q1), (k0, k1), M.KINDS[kind])], len(ids), len(buf)).to_dense()
-            cover[np.ix_(ids, buf)] += one
+        ids, _, rec = _own_rows_cover(rp, s)
+        cover[ids] += rec
     return cover
 
 
