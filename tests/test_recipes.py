@@ -331,7 +331,7 @@ def test_leak_check_split_samples_keep_documents():
     from tiny_llama.demo import EOD
 
     row = torch.tensor([[5, 6, 7, 8, EOD, 9, 10, 11, EOD, 200, 201, 202]])
-    tokens, labels, mask = leak.split_samples(row)
+    tokens, labels, mask = leak.split_samples(row[:, :-1], row[:, 1:])
     assert tokens[0].tolist() == [5, 6, 135, 136, EOD, 9, 10, 139, EOD, 72, 201]
     assert labels[0, :-1].tolist() == tokens[0, 1:].tolist() and labels[0, -1] == 202
     # the first half of each document (an EOD ends one; the last runs to the sample's end) counts
@@ -364,7 +364,6 @@ def test_leak_check_sees_a_mask_that_leaks():
     from tiny_llama.trainer import spawn
 
     t = load_runner()._base("tiny", dtype="fp32")
-    tokens, labels, _ = Corpus(t, t.shape.seq_length, 2).batch(0, 2)
-    rows = torch.cat([tokens, labels[:, -1:]], 1)
-    res = spawn(leak.worker, 1, [(t, Run("packed")), (replace(t, mask="causal"), Run("causal"))], rows, "cpu")
+    batch = Corpus(t, t.shape.seq_length, 2).batch(0, 2)[:2]
+    res = spawn(leak.worker, 1, [(t, Run("packed")), (replace(t, mask="causal"), Run("causal"))], batch, "cpu")
     assert res[0]["high_max"] == 0.0 and res[1]["high_max"] > 1e-3, res

@@ -145,6 +145,10 @@ class Train:
             raise ValueError(f"layer_window (>= 0) and window_pattern (0s and 1s) go together, got "
                              f"{self.layer_window} and {self.window_pattern}")
 
+    def mask_spec(self) -> MaskSpec:
+        """The micro-batches' mask (EOD ends a document under the packed masks)."""
+        return MaskSpec(self.mask, eod=EOD if self.mask.startswith("packed") else None, layer_window=self.layer_window)
+
     def windowed_layers(self) -> list[int]:
         """Megatron's window_attn_skip_freq as a list: 1 for each windowed layer, ``window_pattern`` repeated."""
         p = self.window_pattern
@@ -338,7 +342,7 @@ def _train_steps(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, 
 
     from . import trainer
 
-    spec = MaskSpec(train.mask, eod=EOD if train.mask.startswith("packed") else None, layer_window=train.layer_window)
+    spec = train.mask_spec()
     options = run.options(train)
     losses, norms, seconds = [], [], []
     for step in range(start, steps if end is None else end):

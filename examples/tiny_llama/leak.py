@@ -26,10 +26,10 @@ HIGH = 128  # bytes >= HIGH: tokens no counted row may see
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def split_samples(tokens_plus_one: torch.Tensor):
-    """(tokens, labels, loss_mask) ``[n, S]`` from corpus rows ``[n, S + 1]``: documents (ended by EOD) keep their
-    places; the first half of each is in low bytes and counted, the second half in high bytes."""
-    rows = tokens_plus_one.clone()
+def split_samples(tokens: torch.Tensor, labels: torch.Tensor):
+    """(tokens, labels, loss_mask) ``[n, S]`` from a corpus batch's tokens and labels: documents (ended by EOD)
+    keep their places; the first half of each is in low bytes and counted, the second half in high bytes."""
+    rows = torch.cat([tokens, labels[:, -1:]], 1)
     mask = torch.zeros(rows.shape[0], rows.shape[1] - 1)
     for r in range(rows.shape[0]):
         row = rows[r]
@@ -73,9 +73,9 @@ def check_runs(runs: list) -> None:
                              f"(TP 1, PP 1, a plan per CP group), got {run.layout.name}")
 
 
-def worker(rank: int, world: int, runs: list, rows: torch.Tensor, device_kind: str) -> list[dict]:
-    """``runs``: (Train, Run) pairs; each DP rank takes ``rows`` whole (its loss and gradients are then the
-    same for every DP size). Rank 0 returns one dict per run."""
+def worker(rank: int, world: int, runs: list, batch: tuple, device_kind: str) -> list[dict]:
+    """``runs``: (Train, Run) pairs; ``batch``: a corpus batch's (tokens, labels), which each DP rank takes whole
+    (its loss and gradients are then the same for every DP size). Rank 0 returns one dict per run."""
     from megatron.core import parallel_state as ps
 
     from . import trainer
@@ -87,7 +87,7 @@ def worker(rank: int, world: int, runs: list, rows: torch.Tensor, device_kind: s
 
         cuda_to_cpu_shim()
     check_runs(runs)
-    tokens, labels, mask = split_samples(rows)
+    tokens, labels, mask = split_samples(*batch)
     length = tokens.shape[1]
     ref, out, inits = None, [], {}
     for train, run in runs:
@@ -97,7 +97,7 @@ def worker(rank: int, world: int, runs: list, rows: torch.Tensor, device_kind: s
         full = inits[key]
         chunks, _ = _build(train, run.layout, length, full, device)
         main = MainParams(chunks)
-        spec = MaskSpec(train.mask, eod=EOD if train.mask.startswith("packed") else None)
+        spec = train.mask_spec()
         micro = [(tokens[i:i + 1], labels[i:i + 1], mask[i:i + 1]) for i in range(tokens.shape[0])]
         s, n = trainer.forward_backward(chunks[0], micro, spec, run.options(train), device=device)
         res = trainer.reduce_and_scale(chunks, s, n, params=main.main)

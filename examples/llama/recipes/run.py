@@ -264,11 +264,8 @@ def leak_check(plan, a, meta) -> dict:
     """--leak-check: every selected run of each recipe on the same split samples, fp32 runs first (the first run
     is the gradients' reference), and the plans of every row the recipe trains on (each CP layout's, on the host);
     results to <out>/<recipe>/leak.json."""
-    import torch
-    from megatron_cp.megatron import MaskSpec
     from tiny_llama import leak
     from tiny_llama.convergence import Corpus
-    from tiny_llama.demo import EOD
     from tiny_llama.trainer import spawn
 
     report, leaked = {}, []
@@ -282,12 +279,9 @@ def leak_check(plan, a, meta) -> dict:
         corpus = Corpus(train, length, max((j.train.pretrain_steps + j.train.steps) * j.train.global_batch
                                            for j in jobs))
         trained = corpus.batch(0, corpus.samples)[0]
-        rows = torch.cat([trained[:a.leak_check], corpus.batch(0, a.leak_check)[1][:, -1:]], 1) \
-            if a.leak_check else None
         layouts = {r.layout.name: (r.layout.cp, r.options(t)) for t, r in pairs if r.layout.cp > 1}
-        spec = MaskSpec(train.mask, eod=EOD if train.mask.startswith("packed") else None)
-        wrong = leak.plan_errors(list(trained), spec, layouts)
-        res = spawn(leak.worker, a.gpus, pairs, rows, "cpu" if a.cpu else "cuda",
+        wrong = leak.plan_errors(list(trained), train.mask_spec(), layouts)
+        res = spawn(leak.worker, a.gpus, pairs, corpus.batch(0, a.leak_check)[:2], "cpu" if a.cpu else "cuda",
                     backend="gloo" if a.cpu else "nccl", timeout_s=1800) if a.leak_check else []
         print(f"\n== {n} --leak-check ({meta['device']}, world {a.gpus}, {a.leak_check} samples of {length})")
         print("\n".join("  " + line for line in leak.report(res)) if res else "  (no model runs: 0 samples)")
