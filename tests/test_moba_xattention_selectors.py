@@ -276,6 +276,56 @@ def test_xattention_cp_exact(mask, dtype):
         assert torch.equal(got, want), (mask, dtype, cp)
 
 
+@pytest.mark.parametrize("mask,b,st,th", [("causal", 32, 8, 0.9), ("docs", 16, 4, (0.5, 0.8, 0.9, 0.95)),
+                                          ("docs_bidir", 32, 8, 0.9), ("window", 16, 4, 0.5)])
+def test_xattention_fused_masses(mask, b, st, th):
+    """The Triton masses (Triton's interpreter on CPU tensors, float32) against the PyTorch ones in float64, and
+    the selection from them against the float64 reference; fully masked rows add nothing."""
+    m = masks.varlen(CU, causal=True, window=20) if mask == "window" else MASKS[mask]()
+    q, k = qk(8)
+    sel = XAttention(block=b, stride=st, threshold=th)
+    view = single_view(m, b, k)
+    want = sel.masses(q, view)
+    v32 = single_view(m, b, k.float())
+    got = sel.masses_fused(q.float(), v32)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert (got - want).abs().max() < 1e-5
+    assert torch.equal(sel.choose(got, v32), ref_xattention(q, k, m.to_dense(), b, st, th))
+    assert not got[:, ~(view.envelope > 0)].any()  # nothing outside the envelope
+
+
+def test_xattention_fused_cp_exact():
+    """A q block's fused masses are the same bits whichever rank holds it, with whatever other blocks."""
+    m = MASKS["docs"]()
+    q, k = qk(9, torch.float32)
+    b, st = 16, 4
+    sel = XAttention(block=b, stride=st)
+    single = single_view(m, b, k)
+    want = sel.masses_fused(q, single)
+    for cp in (2, 4):
+        got = torch.zeros_like(want)
+        for ids in split_blocks(S // b, cp, seed=20 + cp):
+            got[:, ids] = sel.masses_fused(local(q, ids, b), rank_view(single, ids, k))
+        assert torch.equal(got, want), cp
+
+
+def test_partial_cells_match_envelope_cells():
+    from megatron_cp.sparse.xattention import envelope_cells, partial_cells
+
+    m = masks.varlen(CU, causal=True, window=20)
+    b, st = 32, 4
+    nr = b // st
+    view = single_view(m, b)
+    env = view.envelope.numpy()
+    slot, bits = partial_cells(np.asarray(m.traps), np.arange(S // b), env, b, st)
+    assert ((slot == -1) == (env == 2)).all() and ((slot == -2) == (env == 0)).all()
+    for i, j in zip(*np.nonzero(env == 1)):
+        rows = torch.as_tensor(i * b + np.arange(nr) * st + st - 1)
+        cells = envelope_cells(view, rows, st, j * nr, (j + 1) * nr).numpy()
+        got = (bits[slot[i, j], :, 0][:, None] >> np.arange(nr)[None]) & 1
+        assert (got.astype(bool) == cells).all(), (i, j)
+
+
 # --------------------------------------------------------------------------------------------- checks
 
 

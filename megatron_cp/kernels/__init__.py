@@ -7,7 +7,8 @@ FlashAttention-4 varlen, window and block-sparse calls when flash-attn-4 is inst
 run) and ``reference.py`` (``ReferenceBackend``: blockwise PyTorch, float64-capable). Shared beside them: how a
 tile list splits into kernel pieces (``pieces.py``, the one owner of those rules), tile checks (``tiles.py``),
 the LSE merge (``merge.py``), row copies and reductions (``rows.py``), per-head block selections
-(``block_keep.py``), host-to-device uploads (``upload.py``) and ``get_backend`` (``registry.py``).
+(``block_keep.py``), host-to-device uploads (``upload.py``) and ``get_backend`` (``registry.py``); and
+XAttention's block masses in one Triton kernel (``triton/antidiagonal.py``).
 
 This package depends on torch and triton only (flash-attn-4 optionally, imported on first use) and on
 ``megatron_cp.kinds`` (the kind codes); it never imports the rest of megatron_cp, so it can be tested and
@@ -23,6 +24,7 @@ from .reference import ReferenceBackend
 from .registry import available_backends, get_backend
 from .rows import copy_rows, reduce_rows
 from .tiles import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, KIND_CODES, check_tiles
+from .triton.antidiagonal import antidiagonal_mass, fused_mass_supported
 from .triton.backend import DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonBackend, TritonConfig, configs_from_json
 from .pieces import kept_area
 from .upload import upload
@@ -56,4 +58,6 @@ __all__ = [
     "merge",
     "pieces",
     "upload",
+    "antidiagonal_mass",
+    "fused_mass_supported",
 ]

@@ -41,6 +41,7 @@ def _state(plan: Plan, rank: int, block: int, device, be, bkey) -> dict:
             "q_blocks": torch.as_tensor(lay.q_blocks, dtype=torch.long, device=device),
             "traps": torch.as_tensor(lay.traps, dtype=torch.long, device=device),
             "spans": envelope_spans(lay.traps, lay.num_blocks * block, block),
+            "selector cache": {},  # SelectionView.cache: what selectors derive from this layout, kept with it
             # selection alone (select_blocks) needs no kernel: no prepared tiles
             "prepared": None if be is None else be.prepare(lay.tiles, lay.nq * block, lay.ne * block),
         }
@@ -61,7 +62,8 @@ def _view(st: dict, k: torch.Tensor, group) -> SelectionView:
     dev: exchange.DeviceLayout = st["dev"]
     multi = group is not None and lay.cp_size > 1
     view = SelectionView(lay.block, lay.num_blocks, st["q_blocks"], st["envelope"], st["traps"], spans=st["spans"],
-                         q_host=lay.q_blocks)
+                         q_host=lay.q_blocks, traps_host=lay.traps, envelope_host=lay.envelope,
+                         cache=st["selector cache"])
     if multi:
         view.combine = _combine(group, dist.ReduceOp.SUM)
         view.combine_max = _combine(group, dist.ReduceOp.MAX)

@@ -42,6 +42,10 @@ class SelectionView:
     extras: dict = field(default_factory=dict)
     spans: np.ndarray | None = None  # int64 [nb, 2] on the host: ``envelope_spans`` (made from traps if None)
     q_host: np.ndarray | None = None  # int64 [nq] on the host: q_blocks (copied from the device if None)
+    traps_host: np.ndarray | None = None  # int64 [n, 6] on the host: traps (copied from the device if None)
+    envelope_host: torch.Tensor | None = None  # int8 [nq, nb] on the CPU: envelope (made from the traps if None)
+    # what a selector derives from the static fields once (per plan, rank and block when the runtime owns it)
+    cache: dict = field(default_factory=dict)
 
     def q_blocks_host(self) -> np.ndarray:
         """``q_blocks`` as a host array (the runtime passes its own copy: no wait for the device)."""
@@ -49,11 +53,23 @@ class SelectionView:
             self.q_host = self.q_blocks.cpu().numpy().astype(np.int64)
         return self.q_host
 
+    def host_traps(self) -> np.ndarray:
+        """``traps`` as a host array (the runtime passes its own copy: no wait for the device)."""
+        if self.traps_host is None:
+            self.traps_host = self.traps.cpu().numpy().astype(np.int64)
+        return np.asarray(self.traps_host, dtype=np.int64).reshape(-1, 6)
+
+    def host_envelope(self) -> torch.Tensor:
+        """``envelope`` on the CPU, made from the host traps when the runtime did not pass it."""
+        if self.envelope_host is None:
+            self.envelope_host = envelope_blocks(self.host_traps(), self.seqlen, self.q_blocks_host(), self.block)
+        return self.envelope_host
+
     def block_spans(self) -> np.ndarray:
         """int64 [nb, 2]: per global q block, the key blocks [first, last + 1) its envelope may touch
         (``envelope_spans``; a function of the mask alone, the same on every rank)."""
         if self.spans is None:
-            self.spans = envelope_spans(self.traps.cpu().numpy(), self.seqlen, self.block)
+            self.spans = envelope_spans(self.host_traps(), self.seqlen, self.block)
         return self.spans
 
     @property
@@ -148,10 +164,12 @@ def single_view(mask: AttnMask, block: int, k: torch.Tensor | None = None) -> Se
     nb = s // block
     dev = k.device if k is not None else torch.device("cpu")
     ids = np.arange(nb)
-    env = envelope_blocks(mask.traps, s, ids, block).to(dev)
+    env_host = envelope_blocks(mask.traps, s, ids, block)
+    env = env_host.to(dev)
     view = SelectionView(block, nb, torch.arange(nb, device=dev), env,
                          torch.as_tensor(np.asarray(mask.traps), dtype=torch.long, device=dev),
-                         spans=envelope_spans(mask.traps, s, block), q_host=ids)
+                         spans=envelope_spans(mask.traps, s, block), q_host=ids,
+                         traps_host=np.asarray(mask.traps, dtype=np.int64), envelope_host=env_host)
     if k is not None:
         def keys():
             need = torch.nonzero((env > 0).any(0)).flatten()

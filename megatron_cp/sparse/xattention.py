@@ -19,10 +19,11 @@ only causal, hence the sampled-corner rule above and "first envelope block" for 
 reduced row with no kept cell (possible inside short documents) counts 0, and a q block with no mass at
 all keeps every envelope block (the threshold is never reached: dense is the safe answer); the scores
 are float32 (the paper's kernel keeps the input precision) so that the selection of bf16 inputs does not
-hinge on the rounding of the scores; the estimate runs as PyTorch operations in chunks of q blocks, not as
-the paper's fused Triton kernels.
+hinge on the rounding of the scores. On CUDA the estimate is one Triton kernel (scores, envelope, softmax and
+block sums of a q block in registers: ``kernels.antidiagonal_mass``), elsewhere PyTorch operations in chunks of
+q blocks (the unfused scores cost more than dense attention's forward at 128k causal, 4 x H100, 2026-11-28).
 
-Work: a chunk of ``chunk_blocks`` global q blocks is scored only against the key blocks its rows' envelope
+Work (PyTorch path): a chunk of ``chunk_blocks`` global q blocks is scored only against the key blocks its rows' envelope
 spans (``SelectionView.block_spans``, rounded up to ``GRANULE`` blocks): about half the key axis under a
 causal mask, a document's keys under packed documents (scoring every chunk against the whole sequence
 cost 43x dense attention's forward on packed documents at 256k, 4 x H100, 2026-11-27).
@@ -42,7 +43,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..kernels import accumulate_dtype, upload
+from ..kernels import accumulate_dtype, antidiagonal_mass, fused_mass_supported, upload
 from .moba import tree_sum
 from .selector import check_block, check_fraction, check_heads
 from .view import SelectionView
@@ -98,6 +99,42 @@ def scores(qm: torch.Tensor, kt: torch.Tensor, alpha: float, dtype: torch.dtype)
             pass
     out = torch.baddbmm(torch.empty(shape, dtype=qm.dtype, device=qm.device), qm, kt, beta=0, alpha=alpha)
     return out.to(dtype)
+
+
+def partial_cells(traps: np.ndarray, q_blocks: np.ndarray, envelope: np.ndarray, block: int, stride: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """The envelope per reduced cell for the fused masses (host, once per layout): slot int32 [nq, nb] (-1 full
+    block pair, -2 empty, else the pair's index P) and bits int32 [P, NR, words] (bit c of word c // 32 of row r:
+    the envelope keeps (sample row r, key group jb NR + c), the rule of ``envelope_cells``). q_blocks: global ids
+    of the local q blocks; envelope int8 [nq, nb] (``SelectionView.envelope``). Each trap is checked only against
+    the partial pairs of the q blocks its rows cross."""
+    nr = block // stride
+    env = np.asarray(envelope)
+    pi, pj = np.nonzero(env == 1)
+    slot = np.where(env == 2, -1, -2).astype(np.int32)
+    slot[pi, pj] = np.arange(len(pi), dtype=np.int32)
+    words = -(-nr // 32)
+    kept = np.zeros((len(pi), nr, nr), dtype=bool)
+    gq = np.asarray(q_blocks, dtype=np.int64)[pi]
+    order = np.argsort(gq, kind="stable")
+    sorted_q = gq[order]
+    rows_in = np.arange(nr, dtype=np.int64) * stride + stride - 1
+    cols_in = np.arange(nr, dtype=np.int64) * stride
+    for q0, q1, lo_a, lo_s, hi_a, hi_s in np.asarray(traps, dtype=np.int64).reshape(-1, 6).tolist():
+        if q1 <= q0:
+            continue
+        a, b = np.searchsorted(sorted_q, q0 // block), np.searchsorted(sorted_q, (q1 - 1) // block, side="right")
+        if a >= b:
+            continue
+        idx = order[a:b]
+        r = (gq[idx, None] * block + rows_in[None])[:, :, None]  # [n, NR, 1] sample rows
+        k = (pj[idx, None] * block + cols_in[None])[:, None, :]  # [n, 1, NR] first key of each group
+        kept[idx] |= (r >= q0) & (r < q1) & (k >= lo_a + lo_s * r) & (k < hi_a + hi_s * r)
+    bits = np.zeros((max(len(pi), 1), nr, words), dtype=np.int64)
+    for w in range(words):
+        seg = kept[:, :, 32 * w:32 * (w + 1)].astype(np.int64)
+        bits[:len(pi), :, w] = (seg << np.arange(seg.shape[-1], dtype=np.int64)).sum(-1)
+    return slot, bits.astype(np.uint32).view(np.int32)
 
 
 GRANULE = 16  # key blocks: a chunk's span is rounded up to a multiple (few distinct shapes, little waste)
@@ -184,28 +221,58 @@ class XAttention:
     def select(self, q: torch.Tensor, k: torch.Tensor, view: SelectionView) -> torch.Tensor:
         """q [nq*B, Hq, D], k [nq*B, Hkv, D] (this rank's blocks, local order) -> keep bool [Hq, nq, nb].
 
-        K of the row comes from ``view.envelope_keys()`` (k itself is not needed beyond it). The scores are
-        a matmul of q's dtype written in float32 (float64 for float64 q), as are the softmax and masses.
-        Peak extra memory: the reduced keys (a copy of K, S x Hkv x D) plus about 2 x ``chunk_elements``
-        float32 (scores and probabilities of one chunk); about 0.8 GiB at Hq 32, Hkv 8, D 128, S 128k."""
+        K of the row comes from ``view.envelope_keys()`` (k itself is not needed beyond it). On CUDA the
+        masses come from one Triton kernel (``masses_fused``), elsewhere from PyTorch operations in chunks
+        (``masses``); the selection from them is the same code."""
         if view.envelope_keys is None:
             raise ValueError("XAttention: the view has no envelope_keys (K of the rows' envelope is needed)")
+        if q.is_cuda and fused_mass_supported(q, self.block, self.stride):
+            mass = self.masses_fused(q, view)
+        else:
+            mass = self.masses(q, view)
+        return self.choose(mass, view)
+
+    def masses_fused(self, q: torch.Tensor, view: SelectionView) -> torch.Tensor:
+        """Block masses float32 [Hq, nq, nb] from the Triton kernel (``kernels.antidiagonal_mass``): scores,
+        envelope, row softmax and block sums without materialising the scores. Each q block's masses are
+        reduced in an order fixed by global positions: the same bits on every layout (not those of ``masses``:
+        another order of additions). The envelope's partial cells are derived once per layout
+        (``partial_cells``, kept in ``view.cache``)."""
+        b, st = self.block, self.stride
+        nb, d = view.num_blocks, q.shape[2]
+        dev = q.device
+        key = ("xattention cells", b, st, str(dev))
+        cells = view.cache.get(key)
+        if cells is None:
+            q_host = view.q_blocks_host()
+            slot, bits = partial_cells(view.host_traps(), q_host, view.host_envelope().numpy(), b, st)
+            span = view.block_spans()[q_host].astype(np.int32)
+            cells = view.cache[key] = tuple(upload(x, dev) for x in (slot, bits, span))
+        ids, keys = view.envelope_keys()
+        kg = torch.zeros(nb, b, *keys.shape[2:], dtype=q.dtype, device=dev)
+        kg[ids] = keys.to(q.dtype)
+        return antidiagonal_mass(q, kg.view(nb * b, *keys.shape[2:]), *cells, nb, b, st, 1.0 / (d ** 0.5) / st)
+
+    def masses(self, q: torch.Tensor, view: SelectionView) -> torch.Tensor:
+        """Block masses [Hq, nq, nb] (float32; float64 for float64 q) by PyTorch operations on chunks of q
+        blocks (module doc: a chunk's shapes are fixed by the mask, so the values are the same on every layout).
+        Peak extra memory: the reduced keys (a copy of K, S x Hkv x D) plus about 2 x ``chunk_elements``
+        float32 (scores and probabilities of one chunk); about 0.8 GiB at Hq 32, Hkv 8, D 128, S 128k."""
         b, st = self.block, self.stride
         nr, nb = b // st, view.num_blocks
         ncols = nb * nr
         nq, hq, d = view.q_blocks.numel(), q.shape[1], q.shape[2]
-        hkv = k.shape[1]
+        ids, keys = view.envelope_keys()
+        hkv = keys.shape[2]
         g = hq // hkv
         dev, mdt, adt = q.device, q.dtype, accumulate_dtype(q.dtype)
 
         # reduced keys [Hkv, ncols, S*D] over the global key axis: zeros where no local row looks
-        ids, keys = view.envelope_keys()
         ks = torch.zeros(hkv, nb, nr, st, d, dtype=mdt, device=dev)
         ks[:, ids] = keys.reshape(-1, nr, st, hkv, d).permute(3, 0, 1, 2, 4).to(mdt)  # no staging copy of K
         kt = ks.view(hkv, ncols, st * d).transpose(1, 2)  # [Hkv, S*D, ncols]
 
         qr = q.reshape(nq, nr, st, hq, d)
-        thr = self.thresholds(hq, adt, dev)[:, None, None]
         scale = 1.0 / (d ** 0.5) / st
         spans = view.block_spans()
         # chunk length from the widest span the mask has (a function of the mask: the same on every rank), so
@@ -255,9 +322,15 @@ class XAttention:
             del p
             mass[:, sel, start:start + w] = part[:, pos]
 
+        return mass
+
+    def choose(self, mass: torch.Tensor, view: SelectionView) -> torch.Tensor:
+        """keep bool [Hq, nq, nb] from the block masses [Hq, nq, nb] (``_choose`` on groups of q blocks)."""
+        hq, nq, nb = mass.shape
+        thr = self.thresholds(hq, mass.dtype, mass.device)[:, None, None]
         # selection from the masses: only elementwise folds (tree_sum, exclusive_prefix_sum), a stable sort,
         # gathers and scatters, so any grouping of the q blocks gives the same values (groups bound memory)
-        keep = torch.empty(hq, nq, nb, dtype=torch.bool, device=dev)
+        keep = torch.empty(hq, nq, nb, dtype=torch.bool, device=mass.device)
         cq = max(1, (1 << 22) // (hq * nb))
         for s0 in range(0, nq, cq):
             sl = slice(s0, min(nq, s0 + cq))
