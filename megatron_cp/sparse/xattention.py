@@ -203,8 +203,8 @@ class XAttention:
 
     @staticmethod
     def _choose(mass: torch.Tensor, env: torch.Tensor, q_blocks: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
-        """keep bool [Hq, n, nb] from the block masses [Hq, n, nb], env bool [n, nb], the q blocks' global
-        ids [n] and the thresholds [Hq, 1, 1]: per (head, q block) the fewest envelope blocks, by descending
+        """keep bool [Hq, n, w] from the block masses [Hq, n, w] of w key blocks, env bool [n, w], the column of
+        each q block's own block [n] and the thresholds [Hq, 1, 1]: per (head, q block) the fewest envelope blocks, by descending
         normalised mass (ties: lower id), whose mass reaches the threshold (all of them if it is never
         reached, e.g. no mass at all), plus the row's first envelope block and the diagonal one."""
         nb = mass.shape[-1]
@@ -325,14 +325,41 @@ class XAttention:
         return mass
 
     def choose(self, mass: torch.Tensor, view: SelectionView) -> torch.Tensor:
-        """keep bool [Hq, nq, nb] from the block masses [Hq, nq, nb] (``_choose`` on groups of q blocks)."""
+        """keep bool [Hq, nq, nb] from the block masses [Hq, nq, nb]: ``_choose`` on each q block's window of key
+        blocks (``windows``), q blocks of one window width together. A window is a function of the global q
+        block and the mask alone, so the sums and sorts over it, and the selection, are the same on every layout;
+        it holds the block's whole envelope (masses outside it are 0), so the result is the whole row's."""
         hq, nq, nb = mass.shape
         thr = self.thresholds(hq, mass.dtype, mass.device)[:, None, None]
-        # selection from the masses: only elementwise folds (tree_sum, exclusive_prefix_sum), a stable sort,
-        # gathers and scatters, so any grouping of the q blocks gives the same values (groups bound memory)
-        keep = torch.empty(hq, nq, nb, dtype=torch.bool, device=mass.device)
-        cq = max(1, (1 << 22) // (hq * nb))
-        for s0 in range(0, nq, cq):
-            sl = slice(s0, min(nq, s0 + cq))
-            keep[:, sl] = self._choose(mass[:, sl], view.envelope[sl] > 0, view.q_blocks[sl], thr)
+        keep = torch.zeros(hq, nq, nb, dtype=torch.bool, device=mass.device)
+        for idx, cols, rel in self.windows(view, mass.device):
+            n, w = cols.shape
+            # groups of q blocks bound the memory; every operation of _choose is per q block
+            cq = max(1, (1 << 22) // (hq * w))
+            for s0 in range(0, n, cq):
+                i, c = idx[s0:s0 + cq, None], cols[s0:s0 + cq]
+                keep[:, i, c] = self._choose(mass[:, i, c], view.envelope[i, c] > 0, rel[s0:s0 + cq], thr)
         return keep
+
+    def windows(self, view: SelectionView, device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per window width W: (local q blocks long [n], their windows' key blocks long [n, W], each block's own id
+        within its window long [n]). A q block's window: the power of two W >= its envelope span's width (at most
+        nb), starting at the span's first block (or nb - W); blocks with an empty envelope have none. Made once
+        per layout (``view.cache``)."""
+        key = ("xattention windows", view.block, str(device))
+        if key not in view.cache:
+            nb = view.num_blocks
+            q_host = view.q_blocks_host()
+            span = view.block_spans()[q_host]
+            width = span[:, 1] - span[:, 0]
+            full = np.minimum(nb, 1 << np.ceil(np.log2(np.maximum(width, 1))).astype(np.int64))
+            start = np.minimum(span[:, 0], nb - full)
+            out = []
+            for w in np.unique(full[width > 0]).tolist():
+                idx = np.flatnonzero((full == w) & (width > 0))
+                packed = np.concatenate([idx, start[idx], q_host[idx] - start[idx]])
+                t = upload(packed.astype(np.int64), device)
+                i, s0, rel = t[:len(idx)], t[len(idx):2 * len(idx)], t[2 * len(idx):]
+                out.append((i, s0[:, None] + torch.arange(w, device=device)[None], rel))
+            view.cache[key] = out
+        return view.cache[key]
