@@ -39,7 +39,6 @@ class SelectionView:
     combine: Callable[[torch.Tensor], torch.Tensor] = _identity
     combine_max: Callable[[torch.Tensor], torch.Tensor] = _identity
     envelope_keys: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
-    extras: dict = field(default_factory=dict)
     spans: np.ndarray | None = None  # int64 [nb, 2] on the host: ``envelope_spans`` (made from traps if None)
     q_host: np.ndarray | None = None  # int64 [nq] on the host: q_blocks (copied from the device if None)
     traps_host: np.ndarray | None = None  # int64 [n, 6] on the host: traps (copied from the device if None)
