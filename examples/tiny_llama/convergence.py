@@ -553,7 +553,7 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
         from .cpu import cuda_to_cpu_shim
 
         cuda_to_cpu_shim(schedules=any(r.layout.pp > 1 for j in jobs for r in j.runs))
-    from megatron.core import parallel_state as ps  # after the CPU shim
+    from .trainer import release_groups  # Megatron after the CPU shim
 
     out, done = [], {}
     deadline = None if time_limit_s is None else _Deadline(t_call, time_limit_s, device)
@@ -596,7 +596,7 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
                              checkpoint_every)
                 if "stopped_at" in r:
                     stop = (run.name, r["stopped_at"], train.steps)
-            ps.destroy_model_parallel()
+            release_groups()  # this layout's groups, threads and all: the next run makes its own
             if stop is not None:
                 res["stopped"] = dict(dtype=train.dtype, run=stop[0], step=stop[1], steps=stop[2])
                 out.append(res)

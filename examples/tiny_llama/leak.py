@@ -76,8 +76,6 @@ def check_runs(runs: list) -> None:
 def worker(rank: int, world: int, runs: list, batch: tuple, device_kind: str) -> list[dict]:
     """``runs``: (Train, Run) pairs; ``batch``: a corpus batch's (tokens, labels), which each DP rank takes whole
     (its loss and gradients are then the same for every DP size). Rank 0 returns one dict per run."""
-    from megatron.core import parallel_state as ps
-
     from . import trainer
     from .convergence import MainParams, _build, _full_init
 
@@ -111,7 +109,7 @@ def worker(rank: int, world: int, runs: list, batch: tuple, device_kind: str) ->
             r["rel_diff"] = {k: float((g - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)) for k, g in grads.items()}
         out.append(r)
         del chunks, main, grads
-        ps.destroy_model_parallel()
+        trainer.release_groups()
         if device is not None:
             torch.cuda.empty_cache()
     dist.barrier()

@@ -14,6 +14,7 @@ all-reduces the token count over DP x CP and scales the gradients by its inverse
 
 from __future__ import annotations
 
+import gc
 import queue
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -39,8 +40,7 @@ def init_parallel(tp: int, cp: int, pp: int = 1, vpp: int | None = None, seed: i
         raise ValueError(f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}")
     if vpp is not None and (pp < 2 or vpp < 1):
         raise ValueError(f"virtual pipeline stages need pp >= 2 and vpp >= 1, got pp={pp}, vpp={vpp}")
-    if parallel_state.model_parallel_is_initialized():
-        release_groups()
+    release_groups()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=vpp, create_gloo_process_groups=False,
@@ -78,7 +78,12 @@ def release_groups() -> None:
         collect(v)
     parallel_state.destroy_model_parallel()
     for g in groups:
-        dist.destroy_process_group(g)
+        # destroy_model_parallel leaves a few references of a layout behind; a later call finds those groups
+        # already destroyed
+        if g in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(g)
+    del groups
+    gc.collect()  # the groups sit in reference cycles (Megatron's objects): their threads end when collected
 
 
 def dp_cp_group():
@@ -98,8 +103,6 @@ def forward_step(model, batch, spec: MaskSpec, options: PlanOptions = PlanOption
     forward. batch: (tokens, labels, loss_mask) ``[b, S]``, replicated in the CP group; every stage passes
     it (each builds the same plan from the tokens). Returns (output, loss function) as Megatron's
     ``forward_step_func`` does: per-token losses ``[1, s_local]`` on the last stage, else hidden states."""
-    from megatron.core import parallel_state
-
     tokens, labels, loss_mask = batch
     host = tokens.numpy() if tokens.device.type == "cpu" else None  # plans read these, not a GPU copy
     if device is not None:
@@ -299,9 +302,7 @@ def _entry(rank, world_size, port, backend, fn, args, q):
     finally:
         if dist.is_initialized():
             try:
-                from megatron.core import parallel_state
-
-                parallel_state.destroy_model_parallel()
+                release_groups()
             except Exception:
                 pass
             dist.destroy_process_group()
