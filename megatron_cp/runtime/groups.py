@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
+import weakref
+
 import torch.distributed as dist
 
 from ..planner import Plan
@@ -61,3 +65,21 @@ def planning_group(group, purpose: str = ""):
     if g is None:
         g = _PLANNING_GROUPS[key] = dist.new_group(list(key[0]), backend="gloo", use_local_synchronization=True)
     return g
+
+
+_TOKENS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_NEXT_TOKEN = itertools.count(1)
+_TOKENS_LOCK = threading.Lock()  # planning threads ask too
+
+
+def group_token(group) -> int:
+    """A number for ``group`` that no other group object of this process ever gets: what the once-per-group
+    records (checks made, fields agreed) are keyed by. Not ``id(group)``: a process that destroys its groups
+    and makes new ones (a layout change) gets old ids back once the old objects are collected, on some ranks
+    and not others, and a rank that took a new group for an old one would skip a check the others run (a
+    hang)."""
+    with _TOKENS_LOCK:
+        t = _TOKENS.get(group)
+        if t is None:
+            t = _TOKENS[group] = next(_NEXT_TOKEN)
+        return t

@@ -23,7 +23,7 @@ from ..kernels import Backend, upload
 from ..planner import Plan, Workload
 from . import guests
 from .cost import CostModel
-from .groups import host_group
+from .groups import group_token, host_group
 from .rowmap import RowMap
 from .schedule import Schedule, choose_schedule
 
@@ -124,7 +124,7 @@ def _shown(name: str, x: int) -> str:
     return str(x)
 
 
-_FIELDS_AGREED: set = set()  # (id(group), fields) every rank of the group was found to share
+_FIELDS_AGREED: set = set()  # (group_token(group), fields) every rank of the group was found to share
 
 
 def _agree(names: list, vals: list, check_group) -> None:
@@ -152,9 +152,10 @@ def check_plan_ahead(plan: Plan, group, check_group) -> None:
     # per check group: two threads (say training's and evaluation's) may meet the same cached plan, and whether
     # one of them has finished checking it is not the same moment on every rank
     checked = plan_cache(plan).setdefault("checked ahead", set())
-    if (id(group), id(check_group)) not in checked:
+    key = (group_token(group), group_token(check_group))
+    if key not in checked:
         _agree(["plan digest"], [int(plan.digest64)], check_group)
-        checked.add((id(group), id(check_group)))
+        checked.add(key)
 
 
 def accept_plan_check(plan: Plan, group) -> None:
@@ -163,8 +164,9 @@ def accept_plan_check(plan: Plan, group) -> None:
     decides when, so every rank decides it at the same point of its step (a thread's progress differs across
     ranks). Nothing for a plan not checked ahead."""
     cache = plan_cache(plan)
-    if any(g == id(group) for g, _ in cache.get("checked ahead", ())):
-        cache.setdefault("accepted", set()).add(id(group))
+    token = group_token(group)
+    if any(g == token for g, _ in cache.get("checked ahead", ())):
+        cache.setdefault("accepted", set()).add(token)
 
 
 def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
@@ -180,16 +182,17 @@ def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
         return
     cache = plan_cache(plan)
     seen = cache.setdefault("verified", set())
-    if id(group) in seen:
+    token = group_token(group)
+    if token in seen:
         return
-    agreed = (id(group), tuple((fields or {}).items()))
-    if id(group) in cache.get("accepted", ()) and agreed in _FIELDS_AGREED:
-        seen.add(id(group))
+    agreed = (token, tuple((fields or {}).items()))
+    if token in cache.get("accepted", ()) and agreed in _FIELDS_AGREED:
+        seen.add(token)
         return
     _agree(["plan digest"] + list(fields or {}), [int(plan.digest64)] + [int(x) for x in (fields or {}).values()],
            host_group(group))
     _FIELDS_AGREED.add(agreed)
-    seen.add(id(group))
+    seen.add(token)
 
 
 def exchange_choice(plan: Plan, *, stages: int | None, hierarchical: bool, cost: CostModel,
