@@ -27,6 +27,7 @@ lse ``[S, Hq]`` natural log. Dense references hold ``Hq x sq x sk`` scores: smal
 
 from __future__ import annotations
 
+import gc
 import queue as queue_mod
 import time
 import socket
@@ -266,8 +267,11 @@ def _refuse_tensors(x, where: str) -> None:
             _refuse_tensors(v, f"{where}[{i}]")
 
 
-# what a rank process imports before it runs anything: loaded once by the fork server, then each rank is a fork of it
-_PRELOAD = ("torch", "numpy", "torch.distributed", "megatron_cp", "megatron_cp.testing")
+# what a rank process imports before it runs anything: loaded once by the fork server, then each rank is a fork of it.
+# Megatron's model modules too where megatron-core is installed (the fork server skips a module that does not
+# import): ~10 s of CPU per rank otherwise, and the server is started by whichever caller comes first
+_PRELOAD = ("torch", "numpy", "torch.distributed", "megatron_cp", "megatron_cp.testing", "megatron.core",
+            "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "megatron_cp.megatron")
 
 
 def process_context(preload: tuple[str, ...] = ()):
@@ -285,6 +289,7 @@ def process_context(preload: tuple[str, ...] = ()):
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results) -> None:
     torch.set_num_threads(1)
+    gc.freeze()  # the fork server's imports are never garbage: a collection the check makes skips them
     try:  # the rendezvous is explicit (no MASTER_ADDR / MASTER_PORT read from the environment)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         out = fn(rank, world, *args)

@@ -290,6 +290,7 @@ def _entry(rank, world_size, port, backend, fn, args, q):
     import traceback
     from datetime import timedelta
 
+    gc.freeze()  # what the fork server imported is never garbage: release_groups' collections skip it
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
