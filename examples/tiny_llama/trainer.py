@@ -82,7 +82,7 @@ def release_groups() -> None:
         # already destroyed
         if g in dist.distributed_c10d._world.pg_map:
             dist.destroy_process_group(g)
-    del groups
+    groups.clear()
     gc.collect()  # the groups sit in reference cycles (Megatron's objects): their threads end when collected
 
 
