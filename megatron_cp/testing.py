@@ -267,11 +267,8 @@ def _refuse_tensors(x, where: str) -> None:
             _refuse_tensors(v, f"{where}[{i}]")
 
 
-# what a rank process imports before it runs anything: loaded once by the fork server, then each rank is a fork of it.
-# Megatron's model modules too where megatron-core is installed (the fork server skips a module that does not
-# import): ~10 s of CPU per rank otherwise, and the server is started by whichever caller comes first
-_PRELOAD = ("torch", "numpy", "torch.distributed", "megatron_cp", "megatron_cp.testing", "megatron.core",
-            "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "megatron_cp.megatron")
+# what a rank process imports before it runs anything: loaded once by the fork server, then each rank is a fork of it
+_PRELOAD = ("torch", "numpy", "torch.distributed", "megatron_cp", "megatron_cp.testing")
 
 
 def process_context(preload: tuple[str, ...] = ()):
