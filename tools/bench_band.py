@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 import torch
@@ -32,19 +31,7 @@ from megatron_cp.kernels import TritonBackend, TritonConfig, kept_area
 from megatron_cp.masks import catalog
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar and table
-from common import Progress, device_name, markdown_table, run_record  # noqa: E402
-
-
-def _time(fn, iters, warm_s):
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < warm_s:
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
+from common import Progress, Timer, device_name, markdown_table, run_record  # noqa: E402
 
 
 def main(argv=None):
@@ -62,6 +49,7 @@ def main(argv=None):
     ap.add_argument("--verbose", action="store_true", help="each row's line on stderr as it finishes")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
+    timer = Timer(dev)  # calls back to back after a sustained warm-up of --warmup-s
     if args.windows:
         rows_n = args.seqlen // args.cp
         cases = [(f"band W={w}", np.array([[0, rows_n, 0, rows_n + w, 3]], dtype=np.int64), rows_n, rows_n + w)
@@ -96,11 +84,11 @@ def main(argv=None):
             if ref is None:
                 ref = (out.float(), dq.float(), dk.float())
             diff = max(float((a.float() - b).abs().max()) for a, b in zip((out, dq, dk), ref))
-            tf = _time(lambda: be.forward(q, k, v, prep), args.iters, args.warmup_s)
+            tf = timer.sustained(lambda: be.forward(q, k, v, prep), args.iters, args.warmup_s)
             # as the staged runtime calls it: accumulated into a float32 running pair
             acc = torch.zeros(q.shape, device=dev, dtype=torch.float32)
             acc_lse = torch.full(q.shape[:2], float("-inf"), device=dev)
-            ta = _time(lambda: be.forward_accumulate(q, k, v, prep, None, acc, acc_lse), args.iters, args.warmup_s)
+            ta = timer.sustained(lambda: be.forward_accumulate(q, k, v, prep, None, acc, acc_lse), args.iters, args.warmup_s)
             if args.profile and sqr:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -108,7 +96,7 @@ def main(argv=None):
                     be.forward(q, k, v, prep)
                     torch.cuda.synchronize()
                 bar.note(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), file=sys.stdout)
-            tbw = _time(lambda: be.backward(q, k, v, out, lse, do, prep, None, delta), args.iters, args.warmup_s)
+            tbw = timer.sustained(lambda: be.backward(q, k, v, out, lse, do, prep, None, delta), args.iters, args.warmup_s)
             torch.cuda.synchronize()
             mem = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()

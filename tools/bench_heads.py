@@ -22,7 +22,6 @@ import os
 import pathlib
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -37,29 +36,6 @@ def _mask(kind: str, s: int):
     if kind == "causal":
         return mcp.masks.causal(s)
     return mcp.masks.catalog.build("docs_causal", s)
-
-
-def _time(fn, timer: Timer, warmup: int, iters: int, cuda: bool):
-    def fwd():
-        return fn()
-
-    def bwd(out):
-        out.backward(torch.ones_like(out))
-
-    rows = []
-    for i in range(warmup + iters):
-        if cuda:
-            f, b = timer.held(fwd, bwd)
-        else:
-            t0 = time.perf_counter()
-            o = fwd()
-            t1 = time.perf_counter()
-            bwd(o)
-            f, b = t1 - t0, time.perf_counter() - t1
-        if i >= warmup:
-            rows.append((f, b))
-    t = torch.tensor(rows, dtype=torch.float64).median(0).values
-    return float(t[0]) * 1e3, float(t[1]) * 1e3
 
 
 def main(argv=None) -> int:
@@ -99,7 +75,7 @@ def main(argv=None) -> int:
         n_stream = int(round(sp * a.kv_heads))
         heads = [h >= n_stream for h in range(a.kv_heads)]  # the first n_stream KV heads stream
         fn = lambda heads=heads: pattern_attention(q, k, v, full, stream, None, heads, backend=a.backend)[0]  # noqa: E731
-        f, b = _time(fn, timer, a.warmup, a.iters, dev.type == "cuda")
+        f, b = timer.medians(fn, lambda out: out.backward(torch.ones_like(out)), a.warmup, a.iters)
         rows.append({"sparsity": n_stream / a.kv_heads, "streaming_kv_heads": n_stream, "fwd_ms": f, "bwd_ms": b})
     base = rows[0]
     for r in rows:

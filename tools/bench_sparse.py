@@ -294,32 +294,13 @@ def make_inputs(args, s: int, device, dtype, seed: int = 0) -> dict:
 
 
 class Clock:
-    """Medians of (forward, backward) milliseconds over ``iters`` steps after ``warmup`` untimed ones. On
-    CUDA each phase is issued behind a held stream (``Timer.held``: CUDA events time the GPU's work); on
-    the CPU wall clock."""
+    """``Timer.medians`` with this run's warm-up and iterations: ``clock(fwd, bwd=None)`` -> (fwd ms, bwd ms)."""
 
     def __init__(self, device, warmup: int, iters: int):
-        self.device, self.warmup, self.iters = device, warmup, iters
-        self.timer = Timer(device)
+        self.timer, self.warmup, self.iters = Timer(device), warmup, iters
 
     def __call__(self, fwd, bwd=None):
-        """fwd() -> out; bwd(out) (None: forward only, bwd ms None)."""
-        back = bwd if bwd is not None else (lambda out: None)
-        for _ in range(self.warmup):
-            back(fwd())
-        rows = []
-        for _ in range(self.iters):
-            if self.device.type == "cuda":
-                rows.append(self.timer.held(fwd, back))
-            else:
-                t0 = time.perf_counter()
-                out = fwd()
-                t1 = time.perf_counter()
-                back(out)
-                rows.append((t1 - t0, time.perf_counter() - t1))
-                del out
-        med = np.median(np.asarray(rows), axis=0) * 1e3
-        return float(med[0]), (float(med[1]) if bwd is not None else None)
+        return self.timer.medians(fwd, bwd, self.warmup, self.iters)
 
 
 def _grad_leaves(t: dict):

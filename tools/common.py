@@ -1,7 +1,9 @@
 """What the tools share (a module, not a tool): how they time a step, report progress and profile.
 
-- ``Timer`` (timing): GPU time behind a held stream, wall time, back to back. tools/bench_dist.py and
-  tools/sim/calibrate.py time kernels the same way, or the cost model it fits would predict another quantity.
+- ``Timer`` (timing): GPU time behind a held stream, wall time, back to back; per-phase medians (``medians``),
+  sustained back-to-back calls (``sustained``) and calls behind one hold (``held_calls``). Every tool times with
+  it: tools/bench_dist.py and tools/sim/calibrate.py must time kernels the same way, or the cost model it fits
+  would predict another quantity.
 - ``Progress`` and ``markdown_table`` (progress): a tqdm bar on stderr while a tool runs, one table on stdout at
   the end. The bar's postfix names the case being run, the line a tool used to print per case goes to stderr
   only with ``--verbose``, and ``note`` writes lines every run must show (failures) above the bar. Where stderr is
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import sys
 import tempfile
@@ -99,6 +102,76 @@ class Timer:
         self.sync()
         del out
         return ev[0].elapsed_time(ev[1]) / 1e3, ev[2].elapsed_time(ev[3]) / 1e3
+
+    def medians(self, fwd, bwd=None, warmup: int = 0, iters: int = 1):
+        """Medians of (forward, backward) milliseconds over ``iters`` steps after ``warmup`` untimed ones:
+        ``fwd() -> out``, ``bwd(out)`` (None: forward only, and None for its time). On CUDA each phase is
+        issued behind a held stream (``held``); on the CPU wall clock."""
+        back = bwd if bwd is not None else (lambda out: None)
+        for _ in range(warmup):
+            back(fwd())
+        rows = []
+        for _ in range(iters):
+            if self.device.type == "cuda":
+                rows.append(self.held(fwd, back))
+            else:
+                t0 = time.perf_counter()
+                out = fwd()
+                t1 = time.perf_counter()
+                back(out)
+                rows.append((t1 - t0, time.perf_counter() - t1))
+                del out
+        med = torch.tensor(rows, dtype=torch.float64).median(dim=0).values * 1e3
+        return float(med[0]), (float(med[1]) if bwd is not None else None)
+
+    def sustained(self, fn, reps: int = 1, seconds: float = 0.0) -> float:
+        """Mean seconds per call of ``fn`` run back to back (one sync at the end), after a warm-up of ``seconds``
+        (at least one call; a cold GPU's first bursts run at clocks a long run does not keep): at least
+        ``reps`` calls, and about ``seconds`` of them."""
+        t0, warm = time.perf_counter(), 0
+        while warm == 0 or time.perf_counter() - t0 < seconds:
+            fn()
+            self.sync()
+            warm += 1
+        per_call = (time.perf_counter() - t0) / warm
+        n = max(reps, math.ceil(seconds / max(per_call, 1e-6)) if seconds else 0)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        self.sync()
+        return (time.perf_counter() - t0) / n
+
+    def held_calls(self, fn, n: int) -> float:
+        """GPU seconds per call of ``fn`` issued ``n`` times while a spin kernel holds the stream (CUDA events
+        from the end of the spin): the GPU's own time per call, the host's issue hidden as in a training step.
+        Where the host's issue outlasts the hold, fewer calls are tried (their time would be the host's). On
+        the CPU wall time per call."""
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            return (time.perf_counter() - t0) / n
+        while True:
+            self.sync()
+            h, e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            h.record()
+            self.hold(None)
+            e0.record()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            e1.record()
+            host = time.perf_counter() - t0
+            self.sync()
+            # a hold the host's issue outlasts times the host: the cuDNN piece beside a tile measured 108 us on
+            # one 4 x H200 lease and 316 on the next, whose host issued ~30% slower
+            if host < 0.8 * h.elapsed_time(e0) / 1e3:
+                return e0.elapsed_time(e1) / 1e3 / n
+            if n == 1:
+                print(f"one call took the host {host * 1e3:.1f} ms to issue, longer than the hold: its time "
+                      "includes the host's", file=sys.stderr, flush=True)
+                return e0.elapsed_time(e1) / 1e3
+            n = max(1, n // 2)
 
     def run(self, fwd, bwd, warmup, iters, group):
         """(fwd, bwd, fwd wall, bwd wall, fwd back to back, bwd back to back) seconds (the last two None on

@@ -12,8 +12,8 @@ per-key-column terms), on a square causal piece, and the fixed cost of one dense
 tiles. Every kernel time is GPU time, as tools/bench_dist.py times a step (tools/common.py): after a
 sustained warm-up of ``--seconds`` (a cold GPU's bursts run at boost clocks that a training step does
 not keep), calls issued while a spin kernel holds the stream, less the model's per-call ``launch_us``;
-inputs of the benchmarks' scale. (``--timing synced``: the lists timed in synced calls less a synced tiny call, the method before
-2026-11-22, for comparison.)
+inputs of the benchmarks' scale. (Until 2026-11-22 the lists were timed in synced calls less a synced tiny call:
+the bands' backward came out 10-16% above the same calls held.)
 Communication (when started under torchrun with several ranks): all_to_all_single time for small
 messages (latency) and large ones (bandwidth), inside a node and, with several nodes, across them (each
 the median of five groups of ten calls);
@@ -39,7 +39,6 @@ import argparse
 import datetime
 import os
 import sys
-import time
 from dataclasses import fields as dc_fields
 
 import numpy as np
@@ -56,59 +55,6 @@ from megatron_cp.runtime.cost import block_counts, tile_areas
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import Progress, markdown_table  # noqa: E402
 from common import Timer  # noqa: E402
-
-
-def _time(fn, device, reps, seconds=0.0):
-    """Mean seconds of ``fn``: after a warm-up of ``seconds`` (at least one call), at least ``reps`` calls
-    and ``seconds`` of them."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    while time.perf_counter() - t0 < seconds:
-        fn()
-        sync()
-    n, t0 = 0, time.perf_counter()
-    while n < reps or time.perf_counter() - t0 < seconds:
-        fn()
-        n += 1
-        if n >= reps:
-            sync()
-    sync()
-    return (time.perf_counter() - t0) / n
-
-
-def _held(fn, device, n):
-    """GPU seconds per call of ``fn`` issued ``n`` times while a spin kernel holds the stream (CUDA events
-    from the end of the spin): the GPU's own time per call, the host's launch time hidden as in a training
-    step, where the host runs ahead (bench_dist's GPU time). On CPU: wall time of the n calls."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) / n
-    while True:
-        torch.cuda.synchronize(device)
-        h, e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        h.record()
-        torch.cuda._sleep(Timer.HOLD_CYCLES)  # ~10 ms of GPU clock: longer than the host needs to issue the calls
-        e0.record()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        e1.record()
-        host = time.perf_counter() - t0
-        torch.cuda.synchronize(device)
-        # the hold must outlast the host's issue, else the GPU waits for the host and the time is the
-        # host's: the cuDNN piece beside a tile (dense_piece_us) measured 108 us on one 4 x H200 lease and
-        # 316 on the next, whose host issued ~30% slower (calls_fwd_us 573 -> 732; 2026-11-22 10:33)
-        if host < 0.8 * h.elapsed_time(e0) / 1e3:
-            return e0.elapsed_time(e1) / 1e3 / n
-        if n == 1:
-            print(f"calibrate: one call took the host {host * 1e3:.1f} ms to issue, longer than the hold: "
-                  "its time includes the host's", file=sys.stderr, flush=True)
-            return e0.elapsed_time(e1) / 1e3
-        n = max(1, n // 2)
 
 
 def _passes(args, device) -> tuple[float, float]:
@@ -136,7 +82,8 @@ def _passes(args, device) -> tuple[float, float]:
     both()
     moved_split = 2 * x.numel() * x.element_size()
     moved = 3 * a.numel() * a.element_size() + moved_split
-    return moved / _held(both, device, 20), moved_split / _held(split, device, 20)
+    timer = Timer(device)
+    return moved / timer.held_calls(both, 20), moved_split / timer.held_calls(split, 20)
 
 
 def _kernel(args, device, work: Workload, bar=None):
@@ -154,7 +101,9 @@ def _kernel(args, device, work: Workload, bar=None):
     reps = 2 if args.tiny else 10
     secs = 0.0 if args.tiny else args.seconds
 
-    def run(tiles, sq, sk, backward=False, backend=be, row_class=None, held=True, warm=True):
+    timer = Timer(device)
+
+    def run(tiles, sq, sk, backward=False, backend=be, row_class=None, warm=True):
         g = torch.Generator(device="cpu").manual_seed(0)
         q, k, v = ((torch.randn(n, h, d, generator=g) * 0.5).to(device, dt) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
         prep = backend.prepare(torch.tensor(tiles, dtype=torch.int32), sq, sk)
@@ -166,14 +115,12 @@ def _kernel(args, device, work: Workload, bar=None):
         else:
             do = torch.randn_like(out)
             fn = lambda: backend.backward(q, k, v, out, lse, do, prep, None, None)  # noqa: E731
-        if held:  # GPU time, as bench_dist times a step: calls issued while a spin kernel holds the stream
-            # (after a sustained warm-up when ``warm``); few enough calls that the host issues them all
-            # within the hold (200 tiny calls took longer and timed the host: 59 us a call on 4 x H200,
-            # 2026-11-22 00:28)
-            if warm:
-                _time(fn, device, 1, secs)
-            return _held(fn, device, reps if warm else 2 * reps)
-        return _time(fn, device, reps, secs)  # synced calls (``--timing synced``)
+        # GPU time, as bench_dist times a step: calls issued while a spin kernel holds the stream (after a
+        # sustained warm-up when ``warm``); few enough calls that the host issues them all within the hold
+        # (200 tiny calls took longer and timed the host: 59 us a call on 4 x H200, 2026-11-22 00:28)
+        if warm:
+            timer.sustained(fn, 1, secs)
+        return timer.held_calls(fn, reps if warm else 2 * reps)
 
     per_flop = work.fwd_flops(1.0)
     out = {}
@@ -192,15 +139,10 @@ def _kernel(args, device, work: Workload, bar=None):
     # tiny forward, which left the calls' host lead and a synced loop's clocks in: the bands' backward
     # was over-predicted by 10-16% against the same calls held (kernel target). Both ways in one lease
     # (2 x H200): the 2 x 64k sliding-window backward 1.16 -> 1.11 kernel
-    # alone, 1.19 -> 1.13 GPU time. ``--timing synced`` measures the old way (the dense grid and piece
-    # stay held), for comparison
+    # alone, 1.19 -> 1.13 GPU time
     t_call = out["launch_us"] * 1e-6
-    synced = args.timing == "synced"
-    t_launch = run([[0, 16, 0, 16, 0]], 16, 16, held=False) if synced else 0.0
 
-    def timed(tl, sq, sk, backward=False, grid=False, **kw):
-        if synced and not grid:
-            return run(tl, sq, sk, backward, held=False, **kw) - t_launch
+    def timed(tl, sq, sk, backward=False, **kw):
         return run(tl, sq, sk, backward, **kw) - t_call
 
     def band(w):  # every row keeps w + 1 keys (k - q in [0, w]): one BI_CAUSAL tile
@@ -300,8 +242,8 @@ def _kernel(args, device, work: Workload, bar=None):
             full = [[0, r, 0, kk, 0]]
             bar.running(f"dense piece {r} x {kk}")
             ef, eb = float(waves.wave_efficiency(r, hq)), float(waves.wave_efficiency(kk, hq))
-            tf = timed(full, r, kk, backend=dense_be, grid=True)
-            tb = timed(full, r, kk, True, backend=dense_be, grid=True)
+            tf = timed(full, r, kk, backend=dense_be)
+            tb = timed(full, r, kk, True, backend=dense_be)
             pf.append(([r * kk, r, kk], tf * ef / per_flop))
             pb.append(([r * kk, r, kk], tb * eb / (2.5 * per_flop)))
             grid_f.append(r * kk * per_flop / tf / 1e12)
@@ -416,11 +358,12 @@ def linear_fit(points, what, fixed=None):
 
 
 def median_time(fn, device, reps, groups=5):
-    """Median over ``groups`` of ``_time(fn, device, reps)``: one slow group (a stall on one rank holds
+    """Median over ``groups`` of ``Timer.sustained(fn, reps)``: one slow group (a stall on one rank holds
     every rank's collective) does not set a link's rate (4 x H200, 2026-11-22 08:10: a mean of 10
     all-to-alls gave intra_gbps 216 where every other lease measured 297-452 and that lease's Ulysses and
     all-gather steps ran as fast as the previous lease's)."""
-    return float(np.median([_time(fn, device, reps) for _ in range(groups)]))
+    timer = Timer(device)
+    return float(np.median([timer.sustained(fn, reps) for _ in range(groups)]))
 
 
 def _links(args, device):
@@ -509,12 +452,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU dry run)")
-    ap.add_argument("--seconds", type=float, default=0.5,
-                    help="sustained warm-up before each kernel figure, and the measuring time of --timing synced "
-                         "(default 0.5)")
-    ap.add_argument("--timing", default="held", choices=["held", "synced"],
-                    help="kernel lists: GPU time behind a held stream (default), or synced calls less a synced "
-                         "tiny call (the method before 2026-11-22; the dense grid stays held), for comparison")
+    ap.add_argument("--seconds", type=float, default=0.5, help="sustained warm-up before each kernel figure")
     ap.add_argument("--gpus-per-node", type=int, default=None, help="for multi-node runs (default: world)")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -555,7 +493,7 @@ def main(argv=None):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     world = dist.get_world_size() if distributed else 1
     fields["source"] = (f"tools/sim/calibrate.py on {world} x {name}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
-                        f"kernel lists timed {args.timing}, command: tools/sim/calibrate.py "
+                        f"kernel lists timed held, command: tools/sim/calibrate.py "
                         f"{' '.join(sys.argv[1:] if argv is None else argv)}")
     model = CostModel(**{**base.__dict__, **{k: v if isinstance(v, (str, int)) else tuple(v) if isinstance(v, list)
                                              else float(v) for k, v in fields.items()}})

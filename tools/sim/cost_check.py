@@ -52,7 +52,7 @@ from megatron_cp.runtime import CostModel
 from megatron_cp.runtime.cost import tile_areas
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: progress bar, table
-from common import Progress, device_name, markdown_table, run_record  # noqa: E402
+from common import Progress, Timer, device_name, markdown_table, run_record  # noqa: E402
 
 IMPLS = ["megatron-cp", "ring", "ulysses", "allgather"]
 
@@ -93,24 +93,6 @@ def calls(name: str, s: int, cp: int, impls, work: Workload):
     return [c for c in out if len(c["tiles"])]
 
 
-def _time(fn, device, seconds: float, min_calls: int = 3) -> float:
-    """Mean seconds per call of ``fn`` run back to back (one sync at the end), after a warm-up."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    one = time.perf_counter() - t0
-    while time.perf_counter() - t0 < seconds:
-        fn()
-        sync()
-    n = max(min_calls, int(seconds / max(one, 1e-6)))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / n
-
-
 def measure(c: dict, be, device, dtype, seconds: float) -> tuple[float, float]:
     """(forward, backward) seconds of one call."""
     g = torch.Generator(device="cpu").manual_seed(c["rank"] * 131 + c["step"])
@@ -126,8 +108,9 @@ def measure(c: dict, be, device, dtype, seconds: float) -> tuple[float, float]:
         fwd = lambda: be.forward_accumulate(q, k, v, prep, None, acc, lacc)  # noqa: E731
     else:
         fwd = lambda: be.forward(q, k, v, prep, None)  # noqa: E731
-    tf = _time(fwd, device, seconds)
-    tb = _time(lambda: be.backward(q, k, v, out, lse, do, prep, None, None), device, seconds)
+    timer = Timer(device)  # calls back to back, one sync at the end, after a warm-up of ``seconds``
+    tf = timer.sustained(fwd, 3, seconds)
+    tb = timer.sustained(lambda: be.backward(q, k, v, out, lse, do, prep, None, None), 3, seconds)
     return tf, tb
 
 
