@@ -74,6 +74,7 @@ import sys
 import tempfile
 import time
 import traceback
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar, table, timer
 
@@ -293,16 +294,6 @@ def make_inputs(args, s: int, device, dtype, seed: int = 0) -> dict:
 # timing
 
 
-class Clock:
-    """``Timer.medians`` with this run's warm-up and iterations: ``clock(fwd, bwd=None)`` -> (fwd ms, bwd ms)."""
-
-    def __init__(self, device, warmup: int, iters: int):
-        self.timer, self.warmup, self.iters = Timer(device), warmup, iters
-
-    def __call__(self, fwd, bwd=None):
-        return self.timer.medians(fwd, bwd, self.warmup, self.iters)
-
-
 def _grad_leaves(t: dict):
     return tuple(t[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
 
@@ -314,7 +305,7 @@ def _backward(do):
     return bwd
 
 
-def time_api(fn, t: dict, clock: Clock):
+def time_api(fn, t: dict, clock):
     """(fwd ms, bwd ms, out) of fn(q, k, v) -> (out, lse), the backward by autograd from out with dout."""
     q, k, v = _grad_leaves(t)
     f, b = clock(lambda: fn(q, k, v), _backward(t["do"]))
@@ -323,7 +314,7 @@ def time_api(fn, t: dict, clock: Clock):
     return f, b, out
 
 
-def time_kernel(be, prepared, t: dict, k, v, scale, keep, clock: Clock):
+def time_kernel(be, prepared, t: dict, k, v, scale, keep, clock):
     """(fwd ms, bwd ms, path) of the backend's forward / backward on ``prepared`` with ``keep`` (a BlockKeep
     or None): the kernels alone, without the selection, gather or autograd around them."""
     q, do = t["q"], t["do"]
@@ -354,7 +345,7 @@ def kept_cells(keep: torch.Tensor, grid: torch.Tensor) -> int:
     return int((keep.to(torch.int64) * grid[None]).sum())
 
 
-def dense_case(mask, t: dict, be, clock: Clock) -> dict:
+def dense_case(mask, t: dict, be, clock) -> dict:
     """Dense attention on the envelope: mcp.attention and the backend's kernel on the tile list."""
     s, hq, d = t["q"].shape
     plan = mcp.plan(mask, 1)
@@ -388,7 +379,7 @@ def runtime_layout(plan, block: int, be):
     return lay, be.prepare(lay.tiles, lay.nq * block, lay.ne * block)
 
 
-def sparse_case(method, sel, mask, t: dict, be, clock: Clock, dense: dict, args, plans: dict) -> dict:
+def sparse_case(method, sel, mask, t: dict, be, clock, dense: dict, args, plans: dict) -> dict:
     """One method at one S: selection, the sparse call, its kernel alone, against ``dense``."""
     s, hq, d = t["q"].shape
     B = sel.block
@@ -635,7 +626,8 @@ def main(argv=None):
     rows = []
     path = os.path.join(args.out, f"bench_sparse{args.tag}.json")
     bar = Progress(len(args.seqlens) * (1 + len(args.methods)), "bench_sparse", verbose=args.verbose)
-    clock = Clock(device, args.warmup, args.iters)
+    # clock(fwd, bwd=None) -> medians of (fwd ms, bwd ms) at this run's warm-up and iterations
+    clock = partial(Timer(device).medians, warmup=args.warmup, iters=args.iters)
     for s in args.seqlens:
         t = make_inputs(args, s, device, dtype, args.seed)
         if args.inputs == "structured":
