@@ -1,23 +1,19 @@
-"""What the tools share (a module, not a tool): how they time a step, report progress and profile.
+"""What the tools share (a module, not a tool):
 
-- ``Timer`` (timing): GPU time behind a held stream, wall time, back to back; per-phase medians (``medians``),
-  sustained back-to-back calls (``sustained``) and calls behind one hold (``held_calls``). Every tool times with
-  it: tools/bench_dist.py and tools/sim/calibrate.py must time kernels the same way, or the cost model it fits
-  would predict another quantity.
-- ``Progress`` and ``markdown_table`` (progress): a tqdm bar on stderr while a tool runs, one table on stdout at
-  the end. The bar's postfix names the case being run, the line a tool used to print per case goes to stderr
-  only with ``--verbose``, and ``note`` writes lines every run must show (failures) above the bar. Where stderr is
-  not a terminal (CI, a log file) it redraws at most every ``NON_TTY_INTERVAL_S`` seconds. Under torchrun only
-  rank 0 passes ``enabled=True``.
-- ``run_record`` (result records): the fields every result file starts with (device, UTC date, the command, torch).
-- ``profile_step`` and ``timeline_summary`` (profiling, tools/bench_dist.py --profile): one profiled forward + backward
-  on every rank (the collectives need them all), summarised for one rank as a GPU timeline: per phase the host
-  wall time, the GPU span, the busy time per stream, the device work in launch order and totalled by name, and
-  the idle gaps longer than ``gap_us``.
+- timing: ``Timer``. tools/bench_dist.py and tools/sim/calibrate.py must time kernels the same way, or the cost
+  model the second fits would predict another quantity than the first measures.
+- progress: ``Progress`` (a tqdm bar on stderr naming the running case; per-case lines only with --verbose;
+  failures always, above the bar; redrawn every ``NON_TTY_INTERVAL_S`` where stderr is not a terminal) and
+  ``markdown_table`` (the one table on stdout at the end).
+- result records: ``run_record`` (device, UTC date, command, torch) and ``write_json`` (after every case: a run
+  cut short keeps what it measured).
+- the common arguments: ``parser`` and ``out_dir``.
+- pictures: ``bar_panels``; profiling (bench_dist --profile): ``profile_step`` and ``timeline_summary``.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -51,24 +47,85 @@ def run_record(device: str, command: str | None = None, **extra) -> dict:
             "torch": torch.__version__, **extra}
 
 
+def write_json(path: str, obj) -> None:
+    """``obj`` as indented JSON at ``path`` (its folder made); values JSON has no type for (dtypes, devices in a
+    backend's describe()) as their str()."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+
+
+# -- the common arguments --------------------------------------------------------------------------------------------
+def parser(doc: str, out: str, timing: tuple[int, int] | None = None) -> argparse.ArgumentParser:
+    """A parser for a tool documented by ``doc``, with the arguments every tool shares, one meaning in all:
+    --dry-run (CPU, tiny sizes), --out (a folder; default ``out``), --tag, --verbose and with ``timing`` (their
+    defaults) --warmup / --iters."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: checks the pipeline, times mean nothing")
+    ap.add_argument("--out", default=None, help=f"output folder (default {out}; a dry run: a temporary folder); "
+                    "results the README quotes go to benchmarks/<date>_<device>_<what>/ (benchmarks/RESULTS.md)")
+    ap.add_argument("--tag", default="", help="appended to the result files' names")
+    ap.add_argument("--verbose", action="store_true", help="each case's line on stderr as it finishes")
+    if timing is not None:
+        ap.add_argument("--warmup", type=int, default=timing[0], help="untimed steps per measurement")
+        ap.add_argument("--iters", type=int, default=timing[1], help="timed steps per measurement (medians)")
+    ap.set_defaults(default_out=out)
+    return ap
+
+
+def out_dir(args) -> str:
+    """The folder ``args.out`` names, made (unset: the parser's default, or a new temporary folder for a dry run)."""
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="megatron_cp_") if args.dry_run else args.default_out
+    os.makedirs(args.out, exist_ok=True)
+    return args.out
+
+
+# -- pictures --------------------------------------------------------------------------------------------------------
+def bar_panels(path: str, panels: list[dict], title: str, cols: int = 1) -> None:
+    """Grouped bar charts in a grid of ``cols`` columns, saved as ``path``. Each panel is a dict: ``labels`` (the
+    x ticks), ``series`` ({name: one value per label}), ``ylabel``, optional ``title`` and ``hline`` (a reference
+    line, e.g. 1.0 under speedups). No PNG (a note on stderr) without matplotlib."""
+    try:
+        from matplotlib.figure import Figure  # no pyplot: headless, no global figure state
+    except ImportError:
+        print("matplotlib missing: no PNG (pip install megatron-cp[plot])", file=sys.stderr)
+        return
+    rows = math.ceil(len(panels) / cols)
+    width = max(len(p["labels"]) for p in panels) * cols
+    fig = Figure(figsize=(max(8.0, 1.2 * width + 2), 3.6 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax, p in zip(axes, panels):
+        w = 0.8 / max(len(p["series"]), 1)
+        for j, (name, ys) in enumerate(p["series"].items()):
+            ax.bar([i + (j - (len(p["series"]) - 1) / 2) * w for i in range(len(ys))], ys, width=w, label=name)
+        if p.get("hline") is not None:
+            ax.axhline(p["hline"], color="k", lw=0.6)
+        ax.set_xticks(range(len(p["labels"])), p["labels"], fontsize=7)
+        ax.set_ylabel(p["ylabel"])
+        if p.get("title"):
+            ax.set_title(p["title"], fontsize=9)
+        ax.legend(fontsize=7)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print("wrote", path)
+
+
 # -- timing ----------------------------------------------------------------------------------------------------------
 
 class Timer:
-    """Times one forward + backward step per iteration, two ways (medians of the slowest rank's times),
-    then a few steps back to back (the third way, ``back_to_back``):
+    """Times a forward + backward step three ways (``run``: medians of the slowest rank's times):
 
-    * GPU time (the headline): the stream is held by a spin kernel (then a tiny all-reduce that
-      releases every GPU at once) while the host issues the step, so CUDA events time the GPU work
-      alone. In training the host runs ahead of the GPU (other layers' kernels are queued).
-      ``kernel-only`` below is timed the same way (its calls queued behind a held stream), so that
-      both start from the same GPU state (after a hold, the same kernels ran 5-17% faster than in a
-      loop of calls on H200: docs/cost-model.md); a step whose host issue outlasts the hold shows that
-      as GPU idle time.
-    * wall time: host issue + GPU of an isolated step (sync, barrier, time, sync), which also counts
-      the host's launch latency before the first kernel.
-    * back to back (``fwd_b2b_ms``): steps with no sync or hold between them, CUDA events around each
-      phase: a training step's conditions (host ahead when it can be, kernels at sustained clocks).
-    On CPU (gloo dry runs) the first two are wall time and the third is not measured."""
+    * GPU time (the headline): a spin kernel holds the stream while the host issues the step, so CUDA events
+      time the GPU's work alone, as in training, where the host runs ahead. Kernel-only rows are timed the same
+      way, from the same GPU state (after a hold kernels ran 5-17% faster than in a loop: docs/cost-model.md);
+      a host issue that outlasts the hold shows as GPU idle time.
+    * wall time: host issue + GPU of an isolated step (sync, barrier, time, sync).
+    * back to back (``back_to_back``): no sync or hold between steps: a training step's conditions.
+    On the CPU (gloo dry runs) the first two are wall time and the third is not measured."""
 
     HOLD_CYCLES = 20_000_000  # ~10 ms of GPU clock: longer than any implementation's host issue time
 
@@ -80,15 +137,14 @@ class Timer:
             torch.cuda.synchronize(self.device)
 
     def hold(self, group):
-        """Hold this GPU's stream, then (with ``group``) line the GPUs up: the spin lasts a different time
-        on each GPU (clocks differ), so a tiny all-reduce queued behind it releases all of them together."""
+        """Hold this GPU's stream; with ``group``, a tiny all-reduce behind the spin (whose length differs per GPU:
+        clocks differ) releases every GPU together."""
         torch.cuda._sleep(self.HOLD_CYCLES)  # torch's only spin kernel (private, used by its own tests)
         if group is not None:
             dist.all_reduce(torch.zeros(1, device=self.device), group=group)
 
     def held(self, fwd, bwd, group=None):
-        """(fwd, bwd) GPU seconds of one step, each phase issued while the stream is held (CUDA events from
-        the end of the hold); ``group``: the GPUs are released together."""
+        """(fwd, bwd) GPU seconds of one step, each phase issued behind a held stream."""
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         self.sync()
         self.hold(group)
@@ -104,9 +160,8 @@ class Timer:
         return ev[0].elapsed_time(ev[1]) / 1e3, ev[2].elapsed_time(ev[3]) / 1e3
 
     def medians(self, fwd, bwd=None, warmup: int = 0, iters: int = 1):
-        """Medians of (forward, backward) milliseconds over ``iters`` steps after ``warmup`` untimed ones:
-        ``fwd() -> out``, ``bwd(out)`` (None: forward only, and None for its time). On CUDA each phase is
-        issued behind a held stream (``held``); on the CPU wall clock."""
+        """Medians of (fwd, bwd) milliseconds of ``fwd() -> out``, ``bwd(out)`` (None: forward only) over ``iters``
+        steps after ``warmup``; on CUDA behind a held stream, on the CPU wall clock."""
         back = bwd if bwd is not None else (lambda out: None)
         for _ in range(warmup):
             back(fwd())
@@ -142,10 +197,8 @@ class Timer:
         return (time.perf_counter() - t0) / n
 
     def held_calls(self, fn, n: int) -> float:
-        """GPU seconds per call of ``fn`` issued ``n`` times while a spin kernel holds the stream (CUDA events
-        from the end of the spin): the GPU's own time per call, the host's issue hidden as in a training step.
-        Where the host's issue outlasts the hold, fewer calls are tried (their time would be the host's). On
-        the CPU wall time per call."""
+        """GPU seconds per call of ``fn`` issued ``n`` times behind one hold (the host's issue hidden, as in
+        training); fewer calls where the host's issue outlasts the hold. On the CPU wall time per call."""
         if self.device.type != "cuda":
             t0 = time.perf_counter()
             for _ in range(n):
@@ -174,8 +227,7 @@ class Timer:
             n = max(1, n // 2)
 
     def run(self, fwd, bwd, warmup, iters, group):
-        """(fwd, bwd, fwd wall, bwd wall, fwd back to back, bwd back to back) seconds (the last two None on
-        CPU)."""
+        """(fwd, bwd, fwd wall, bwd wall, fwd back to back, bwd back to back) seconds (the last two None on CPU)."""
         cuda = self.device.type == "cuda"
         rows = []
         for i in range(warmup + iters):
@@ -201,13 +253,10 @@ class Timer:
         return tuple(float(x) for x in rows.median(dim=0).values) + self.back_to_back(fwd, bwd, iters, group)
 
     def back_to_back(self, fwd, bwd, iters, group):
-        """(fwd, bwd) seconds of steps run back to back with no sync or hold between them (the host
-        issues step i+1 while the GPU runs step i, as in training; kernels at the GPU's sustained rate,
-        which a step behind a held stream exceeds by 5-17%: docs/cost-model.md),
-        CUDA events around each phase, the first step dropped; (None, None) on CPU. Each rank's medians
-        (GPU fwd, GPU bwd, host issue fwd, host issue bwd; seconds) are left in ``self.b2b_ranks``: a phase
-        whose host issue outlasts the GPU's work runs at the host's pace, and one rank's slower phase is
-        the max the others wait for at the next collective."""
+        """(fwd, bwd) seconds of steps with no sync or hold between them (the host issues step i+1 while the GPU
+        runs step i), CUDA events around each phase, the first step dropped; (None, None) on CPU. Each rank's
+        medians (GPU fwd, bwd, host issue fwd, bwd) go to ``self.b2b_ranks``: a phase whose host issue outlasts
+        the GPU's work runs at the host's pace, and the slowest rank's phase is what the others wait for."""
         if self.device.type != "cuda":
             return None, None
         self.sync()
@@ -296,12 +345,9 @@ DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def profile_step(fwd, bwd, sync, phases=("fwd", "bwd"), b2b=False):
-    """Run fwd() then bwd(out) once under torch.profiler; returns (trace events, host ms per phase).
-
-    ``b2b``: as bench_dist's back-to-back timing: one unrecorded step first, then the profiled one, with
-    no sync between them or between its phases (host ms: the issue time); otherwise each phase starts on an
-    idle GPU."""
-    host = {}
+    """(trace events, host ms per phase) of fwd() then bwd(out) run once under torch.profiler. ``b2b``: after an
+    unrecorded step, with no sync between the steps or the phases (as back-to-back timing); else each phase
+    starts on an idle GPU."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         sync()
         if b2b:
@@ -316,44 +362,42 @@ def profile_step(fwd, bwd, sync, phases=("fwd", "bwd"), b2b=False):
             bwd(out)
         sync()
         t2 = time.perf_counter()
-    host[phases[0]] = (t1 - t0) * 1e3
-    host[phases[1]] = (t2 - t1) * 1e3
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+        with open(os.path.join(tmp, "trace.json")) as f:
             events = json.load(f)["traceEvents"]
-    finally:
-        os.remove(path)
-    return events, host
+    return events, {phases[0]: (t1 - t0) * 1e3, phases[1]: (t2 - t1) * 1e3}
+
+
+def _totals(events, key, width):
+    """{name[:width]: [count, total of key]} over ``events``."""
+    tot = {}
+    for e in events:
+        c = tot.setdefault(e["name"][:width], [0, 0.0])
+        c[0] += 1
+        c[1] += e.get(key, 0)
+    return sorted(tot.items(), key=lambda kv: -kv[1][1])
 
 
 def timeline_summary(events, host, title, gap_us=15.0, max_rows=80):
-    """Text summary of profile_step's result."""
+    """profile_step's result as text, per phase: host time, GPU span, busy time per stream, idle gaps longer than
+    ``gap_us``, host ops and device work totalled by name, and the device work in launch order."""
     ranges = {e["name"]: (e["ts"], e["ts"] + e.get("dur", 0)) for e in events
               if e.get("cat") == "user_annotation" and e.get("name") in host}
     dev = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
-    lines = [f"== {title}"]
-    # device work is attributed to the phase whose host range launched it: correlation -> runtime call
+    # device work belongs to the phase whose host range launched it (correlation id -> runtime call)
     launch_ts = {e["args"].get("correlation"): e["ts"] for e in events
                  if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    lines = [f"== {title}"]
     for phase, (h0, h1) in sorted(ranges.items(), key=lambda kv: kv[1][0]):
         work = [e for e in dev if h0 <= launch_ts.get(e.get("args", {}).get("correlation"), e["ts"]) <= h1]
-        ops = {}
-        for e in events:  # host ops of this phase, inclusive times (a nested op also counts in its parent)
-            if e.get("cat") == "cpu_op" and h0 <= e["ts"] <= h1:
-                ops.setdefault(e["name"][:60], [0, 0.0])
-                ops[e["name"][:60]][0] += 1
-                ops[e["name"][:60]][1] += e.get("dur", 0)
+        ops = _totals([e for e in events if e.get("cat") == "cpu_op" and h0 <= e["ts"] <= h1], "dur", 60)
         host_ops = "   host ops, inclusive (total us, count): " + "; ".join(
-            f"{n} {d:.0f} x{c}" for n, (c, d) in sorted(ops.items(), key=lambda kv: -kv[1][1])[:18])
+            f"{n} {d:.0f} x{c}" for n, (c, d) in ops[:18])
         if not work:
-            lines.append(f"-- {phase}: host {host[phase]:.3f} ms, no device work")
-            lines.append(host_ops)
+            lines += [f"-- {phase}: host {host[phase]:.3f} ms, no device work", host_ops]
             continue
-        g0 = work[0]["ts"]
-        g1 = max(e["ts"] + e["dur"] for e in work)
+        g0, g1 = work[0]["ts"], max(e["ts"] + e["dur"] for e in work)
         streams = {}
         for e in work:
             streams[e["args"].get("stream", "?")] = streams.get(e["args"].get("stream", "?"), 0.0) + e["dur"]
@@ -368,19 +412,11 @@ def timeline_summary(events, host, title, gap_us=15.0, max_rows=80):
             busy_end = max(busy_end, e["ts"] + e["dur"])
         lines.append(f"   idle gaps > {gap_us:.0f} us: {len(gaps)}, total {sum(g[1] for g in gaps) / 1e3:.3f} ms"
                      + "".join(f"\n     at {a / 1e3:8.3f} ms: {d:8.1f} us before {n[:70]}" for a, d, n in gaps[:20]))
-        tot = {}
-        for e in work:
-            tot.setdefault(e["name"][:90], [0, 0.0])
-            tot[e["name"][:90]][0] += 1
-            tot[e["name"][:90]][1] += e["dur"]
-        lines.append(host_ops)
-        lines.append("   by name (count, total us):")
-        for n, (c, d) in sorted(tot.items(), key=lambda kv: -kv[1][1])[:25]:
-            lines.append(f"     {d:10.1f} {c:4d}  {n}")
+        lines += [host_ops, "   by name (count, total us):"]
+        lines += [f"     {d:10.1f} {c:4d}  {n}" for n, (c, d) in _totals(work, "dur", 90)[:25]]
         lines.append("   timeline (start us, dur us, stream, name):")
-        for e in work[:max_rows]:
-            lines.append(f"     {e['ts'] - g0:9.1f} {e['dur']:9.1f} {str(e['args'].get('stream', '?')):>4}  "
-                         f"{e['name'][:80]}")
+        lines += [f"     {e['ts'] - g0:9.1f} {e['dur']:9.1f} {str(e['args'].get('stream', '?')):>4}  {e['name'][:80]}"
+                  for e in work[:max_rows]]
         if len(work) > max_rows:
             lines.append(f"     ... {len(work) - max_rows} more")
     return "\n".join(lines) + "\n"
