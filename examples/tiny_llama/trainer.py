@@ -244,6 +244,13 @@ def train(model, batches, cfg: TrainConfig, device=None, log=None) -> list[float
     return losses
 
 
+# what CPU rank processes import before they start (megatron_cp.testing.process_context): Megatron and the model.
+# Not a module that imports tiny_llama.demo: run as ``python -m tiny_llama.demo``, each rank runs the demo as its
+# main module again, which must not be imported already
+PRELOAD = ("tiny_llama", "tiny_llama.trainer", "tiny_llama.model", "megatron.core.models.gpt",
+           "megatron.core.pipeline_parallel")
+
+
 def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: int = 600):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes with a fresh TCP rendezvous.
 
@@ -252,10 +259,10 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: int = 60
     import torch.multiprocessing as mp
 
     port = free_port()
-    # CPU ranks fork from a server that imported torch and megatron_cp once; each imports Megatron itself, after
-    # this package's warning filters (a server importing it would print Megatron's start-up warnings). GPU ranks
-    # are spawned, so no process touches CUDA before its own fork or spawn
-    ctx = process_context() if backend == "gloo" else mp.get_context("spawn")
+    # CPU ranks fork from a server that imported torch, Megatron and this package once (~8 s of CPU a rank
+    # otherwise; tiny_llama first: its quiet() filters Megatron's start-up warnings there too). GPU ranks are
+    # spawned, so no process touches CUDA before its own fork or spawn
+    ctx = process_context(PRELOAD) if backend == "gloo" else mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, q)) for r in range(world_size)]
     for p in procs:
