@@ -3,6 +3,7 @@ picture (megatron_cp/sparse/draw.py). No test here asserts a timing."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import subprocess
@@ -153,24 +154,22 @@ def test_draw_selection_writes_a_png(tmp_path):
         draw_selection(keep, tmp_path / "bad.png", heads=[4])
 
 
-def test_selectors_take_the_flags(tmp_path):
-    """Each method's hyperparameter flags reach its selector; --block replaces every method's block;
-    MInference reads --minference-config at --layer, else one pattern per q head fitting its K/V head's
-    structure kind."""
+def test_selectors_at_published_defaults(tmp_path):
+    """Each method runs at its published defaults (the dry run: DRY_RUN_BLOCK); MInference reads
+    --minference-config at --layer, else one pattern per q head fitting its K/V head's structure kind."""
     bs = _tool()
-    _, a = bs.parse_args(["--moba-top-k", "5", "--xattn-stride", "16", "--xattn-threshold", "0.8",
-                          "--flexprefill-gamma", "0.95", "--flexprefill-min-budget", "256"])
-    assert (bs.make_selector("moba", a, 32, 8).top_k, bs.make_selector("moba", a, 32, 8).block) == (5, 512)
+    a = argparse.Namespace(dry_run=False, minference_config=None, layer=0)
+    assert (bs.make_selector("moba", a, 32, 8).top_k, bs.make_selector("moba", a, 32, 8).block) == (3, 512)
     x = bs.make_selector("xattention", a, 32, 8)
-    assert (x.stride, x.threshold, x.block) == (16, 0.8, 128)
+    assert (x.stride, x.threshold, x.block) == (8, 0.9, 128)
     f = bs.make_selector("flexprefill", a, 32, 8)
-    assert (f.gamma, f.min_budget, f.max_budget) == (0.95, 256, None)
+    assert (f.gamma, f.tau, f.min_budget, f.max_budget) == (0.9, 0.1, 512, None)
     m = bs.make_selector("minference", a, 8, 4)
     assert [p.kind for p in m.patterns] == ["a_shape"] * 2 + ["vertical_slash"] * 2 + ["a_shape"] * 2 + \
         ["block_sparse"] * 2
     cfg = tmp_path / "patterns.json"
     cfg.write_text(json.dumps({"layers": [[{"kind": "a_shape"}] * 4, [{"kind": "block_sparse", "top_k": 3}] * 4]}))
-    _, a = bs.parse_args(["--minference-config", str(cfg), "--layer", "1", "--block", "256"])
+    a = argparse.Namespace(dry_run=True, minference_config=str(cfg), layer=1)
     m = bs.make_selector("minference", a, 4, 2)
-    assert m.block == 256 and [p.top_k for p in m.patterns] == [3] * 4
-    assert bs.make_selector("moba", a, 4, 2).block == 256
+    assert m.block == 64 and [p.top_k for p in m.patterns] == [3] * 4
+    assert bs.make_selector("moba", a, 4, 2).block == 128

@@ -376,8 +376,8 @@ def test_search_tool_planted_heads(tmp_path, capsys):
     from scripts import load_script
 
     tool = load_script("tools/minference_search.py")
-    out = tmp_path / "mi.json"
-    cfg = tool.main(["--synthetic", "--seqlen", "512", "--block", "32", "--budget", "0.6", "--out", str(out)])
+    out = tmp_path / "minference.json"
+    cfg = tool.main(["--dry-run", "--budget", "0.6", "--out", str(tmp_path)])  # planted heads, S 512, block 32
     table = capsys.readouterr().out
     assert "recall" in table and "sink_local" in table
     kinds = [h["kind"] for h in cfg["layers"][0]]
