@@ -2,7 +2,7 @@
 calls run through the reference of FA4's call semantics (tests/fa4_semantics.py, per-head block lists
 included) and are compared with a dense float64 reference of the tile list AND the per-head block mask,
 forward and backward (with an lse gradient); the fallbacks to Triton's keep path with their reasons; the
-per-call list builder reads no device value on the host. GPU check: tools/fa4_sparse_check.py."""
+per-call list builder reads no device value on the host. GPU check: tools/gpu_kernel_check.py --parts sparse."""
 
 from __future__ import annotations
 

@@ -1,59 +1,57 @@
-"""GPU correctness matrix of a tile-list attention backend: --backend triton (TritonBackend), fa4 (FA4Backend:
-FlashAttention-4, falling back to its Triton kernels where FA4 cannot run, e.g. float32, or head_dim > 192 in
-the backward) or auto (default: the one get_backend("auto", "cuda") picks), each built with
-TritonConfig(--configs).
+"""GPU correctness check of a tile-list attention backend (--backend triton, fa4 or auto: get_backend's choice).
 
-For every kernel-table mask (megatron_cp.masks.catalog.KERNEL_MASKS, tile lists checked cell by cell against their
-FlexAttention mask_mod), S in --seqlens, head_dim 64/128, bf16/fp16, GQA ratio 1/4/8:
-forward (out, lse) and backward (dq, dk, dv) are compared with a dense fp64 reference. Rule (ANCHORS.md):
-rms error <= 2 x the rms error of a plain PyTorch reference run in the same low precision, plus a floor
-of 1e-6 x rms(reference). Also: no NaN anywhere, fully masked rows give out 0 / lse -inf, and a second
-forward + backward of the backend in deterministic mode (TritonConfig(deterministic=True)) is bitwise
-identical: a failure for Triton; for other backends (FA4) reported per case ("deterministic") and counted
-in the summary, not failed. --big adds S = 131072 (Hq 32, Hkv 8, D 128) no-NaN and peak-memory runs.
-Triton: lists the default backend splits (a single dense tile, dense pieces, the forward's band squares) are
-also run through it (its cuDNN pieces); other backends: the default (non-deterministic) mode is always run as
-well. Planner-style sliding-window bands are added (band_cases), and the lists the distributed runtime gives
-the backend (rank_list_cases: every benchmark mask planned over CP 2 and 4 at the largest S, each rank's rows
-against its key buffer, sq != sk). Each case records the path every run took
-(``last_path``: [forward's, backward's], e.g. "fa4" or a Triton fallback). The summary says what the cuDNN
-probe found per (dtype, head_dim, Hq / Hkv) family and the backend's describe() where it has one.
+Each case runs forward (out, lse) and backward (dq, dk, dv) against a dense fp64 reference. Rule (ANCHORS.md): rms
+error <= 2 x that of a plain PyTorch reference in the same low precision, plus 1e-6 x rms(reference); no NaN; rows
+that keep nothing give out 0 and lse -inf; two runs of the deterministic mode bitwise identical (for FA4 counted,
+not failed). The default mode runs too (for Triton where it sends pieces to cuDNN). The parts (--parts):
 
-While it runs a progress bar on stderr names the case being checked (redrawn at most every 30 s where
-stderr is not a terminal: tools/common.py); each case's line goes to stderr with --verbose, failures
-always. It ends with one table on stdout: per mask and S (and per extra check), cases passed, the worst
-error ratio to the low-precision reference and the paths that ran.
+    matrix      every catalog.KERNEL_MASKS mask (its tiles checked against its mask_mod) at each S, head_dim 64 /
+                128, bf16 / fp16, GQA 1 / 4 / 8 (a diagonal of these at S >= 16384)
+    bands       sliding windows as the planner emits them, with TritonConfig(band_squares=2048)
+    rank_lists  each catalog.DIST_MASKS mask planned over CP 2 and 4 at the largest S: each rank's rows against its
+                key buffer, as the distributed runtime calls the backend
+    sparse      causal and docs_causal at S 4096 under a random per-head BlockKeep (blocks 128, 256) with an lse
+                gradient; FA4's per-call block lists built with a host synchronisation an error
+Always forward_accumulate (two stages == one) and float32 inputs; --big: S = 131072 (no NaN, peak memory < 4 x
+the inputs). Each case records the paths its runs took (``last_path``: [forward's, backward's]).
 
 Usage: python tools/gpu_kernel_check.py [--backend auto|triton|fa4] [--seqlens 1024 4096 16384] [--big]
-       [--json out.json] [--verbose]
+       [--parts matrix,bands,rank_lists,sparse] [--out DIR]
+       python tools/gpu_kernel_check.py --dry-run   # CPU, Triton's interpreter: S 256, a case per part
+Writes OUT/gpu_kernel_check<tag>.json; ends with a table: per mask and S, passed, worst error ratio, paths.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.metadata
 import itertools
-import json
 import math
 import os
 import sys
 import time
 
-import torch
+if "--dry-run" in sys.argv:  # Triton's interpreter runs the kernels on the CPU: on before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
 
-from megatron_cp.kernels import TritonBackend, TritonConfig, configs_from_json, get_backend
-from megatron_cp.masks import catalog
+import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the progress bar and table
-from common import Progress, device_name, markdown_table, run_record  # noqa: E402
+import megatron_cp as mcp  # noqa: E402
+from megatron_cp.kernels import (  # noqa: E402
+    BlockKeep, FA4Backend, KernelConfig, PhaseConfigs, TritonBackend, TritonConfig, fa4_unavailable, get_backend,
+)
+from megatron_cp.kernels.fa4 import sparse as fa4_sparse  # noqa: E402
+from megatron_cp.masks import catalog  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Progress, device_name, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
 
 ERR_KEYS = ("out", "lse", "dq", "dk", "dv")
+PARTS = ("matrix", "bands", "rank_lists", "sparse")
+DEV = "cuda"
 
 
 def make_backend(name, overrides, **config):
-    """Backend ``name`` (auto, triton, fa4) built with TritonConfig(overrides, **config): TritonBackend, or
-    FA4Backend (the config is its Triton fallback's); auto: the class get_backend("auto", "cuda") picks.
-    fa4 where FA4 cannot run here exits with the reason (instead of a matrix of Triton fallbacks)."""
+    """Backend ``name`` (auto: get_backend's choice) with TritonConfig(overrides, **config) (FA4's: its fallback's);
+    fa4 where FA4 cannot run exits with the reason (rather than check a matrix of Triton fallbacks)."""
     cfg = TritonConfig(overrides, **config)
     if name == "auto":
         name = getattr(get_backend("auto", "cuda"), "name", "triton")
@@ -61,56 +59,34 @@ def make_backend(name, overrides, **config):
         return TritonBackend(cfg)
     if name != "fa4":
         raise SystemExit(f"--backend auto picked {name!r}; this check runs triton or fa4")
-    try:
-        from megatron_cp.kernels import FA4Backend, fa4_unavailable
-    except ImportError as e:
-        raise SystemExit(f"--backend fa4: this checkout has no FA4 backend ({e})") from e
     why = fa4_unavailable(torch.device("cuda"))
     if why is not None:
         raise SystemExit(f"--backend fa4: FA4 cannot run here: {why}")
     return FA4Backend(cfg)
 
 
-def backend_info(**backends):
-    """The summary's record of the backend: its name and, where it has one, each instance's describe()
-    (each saw its own fallbacks)."""
-    be = next(iter(backends.values()))
-    info = {"name": getattr(be, "name", type(be).__name__)}
-    if hasattr(be, "describe"):
-        info["describe"] = {role: b.describe() for role, b in backends.items()}
-    return info
-
-
-def chunked_reference(q, k, v, dout, keep, dt, scale, chunk=2048):
-    """Dense attention fwd+bwd computed in dtype ``dt`` (matmuls and softmax), row chunks of ``chunk``.
-
-    Returns out [sq,Hq,D], lse [sq,Hq], dq, dk, dv (float64 tensors for comparison)."""
-    sq, hq, d = q.shape
-    sk, hkv = k.shape[:2]
-    g = hq // hkv
+def chunked_reference(q, k, v, dout, keep, dt, scale, chunk=2048, dlse=None):
+    """Dense attention in dtype ``dt`` in row chunks under bool cells ``keep`` [sq, sk] (or per head [Hq, sq, sk]),
+    loss sum(out * dout) + sum(lse * dlse): out [sq, Hq, D], lse [sq, Hq], dq, dk, dv as float64."""
+    (sq, hq, d), (sk, hkv) = q.shape, k.shape[:2]
     acc = torch.float64 if dt == torch.float64 else torch.float32
-    out = torch.zeros(sq, hq, d, dtype=torch.float64, device=q.device)
+    out, dq = (torch.zeros(sq, hq, d, dtype=torch.float64, device=q.device) for _ in range(2))
     lse = torch.zeros(sq, hq, dtype=torch.float64, device=q.device)
-    dq = torch.zeros_like(out)
-    dk = torch.zeros(sk, hkv, d, dtype=acc, device=q.device)
-    dv = torch.zeros_like(dk)
+    dk, dv = (torch.zeros(sk, hkv, d, dtype=acc, device=q.device) for _ in range(2))
     for h in range(hq):
-        hk = h // g
+        hk = h // (hq // hkv)
         K, V = k[:, hk].to(dt), v[:, hk].to(dt)
         for r0 in range(0, sq, chunk):
             r1 = min(sq, r0 + chunk)
             Q, dO = q[r0:r1, h].to(dt), dout[r0:r1, h].to(dt)
-            kp = keep[r0:r1]
-            S = (Q @ K.T) * scale
-            S = S.masked_fill(~kp, float("-inf"))
+            S = ((Q @ K.T) * scale).masked_fill(~(keep[h] if keep.dim() == 3 else keep)[r0:r1], float("-inf"))
             P = torch.softmax(S, -1).nan_to_num(0.0)
-            L = torch.logsumexp(S, -1)
             O = P @ V
             delta = (dO * O).sum(-1)
-            dP = dO @ V.T
-            dS = P * (dP - delta[:, None])
-            out[r0:r1, h] = O.double()
-            lse[r0:r1, h] = L.double()
+            if dlse is not None:  # d lse / d S = P: the lse gradient enters as a shift of delta
+                delta = delta - dlse[r0:r1, h].to(dt)
+            dS = P * (dO @ V.T - delta[:, None])
+            out[r0:r1, h], lse[r0:r1, h] = O.double(), torch.logsumexp(S, -1).double()
             dq[r0:r1, h] = ((dS @ K) * scale).double()
             dk[:, hk] += ((dS.T @ Q) * scale).to(acc)
             dv[:, hk] += (P.T @ dO).to(acc)
@@ -121,273 +97,237 @@ def rms(x):
     return float(x.double().pow(2).mean().sqrt()) if x.numel() else 0.0
 
 
-def check_case(be, be_det, mask, s, d, dtype, g, hkv, keep, tiles, seed, sk=None):
-    """One list of ``s`` rows against ``sk`` keys (default ``s``): every run of it against the references."""
-    dev = "cuda"
-    hq = hkv * g
-    sk = s if sk is None else sk
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    q = torch.randn(s, hq, d, device=dev, dtype=dtype, generator=gen)
-    k = torch.randn(sk, hkv, d, device=dev, dtype=dtype, generator=gen)
-    v = torch.randn(sk, hkv, d, device=dev, dtype=dtype, generator=gen)
-    dout = torch.randn(s, hq, d, device=dev, dtype=dtype, generator=gen)
-    scale = 1.0 / math.sqrt(d)
+def errors(named, ref, low, fin, rel=1e-6):
+    """({name: {err, lowp_err, ratio}}, ok: the rule and no NaN) of ``named`` ({name: (tensor, reference index)},
+    ``rel`` x rms(reference) the floor); lse (index 1) on the rows ``fin`` that keep a cell."""
+    res, ok = {}, True
+    for name, (x, i) in named.items():
+        r, lo = ref[i], low[i]
+        if i == 1:
+            r, lo, x = r[fin], lo[fin], x[fin]
+        e, el = rms(x.double() - r), rms(lo - r)
+        res[name] = {"err": e, "lowp_err": el, "ratio": e / max(el, 1e-30)}
+        ok = ok and e <= 2 * el + rel * rms(r) and not bool(torch.isnan(x).any())
+    return res, ok
+
+
+def random_keep(cells, hq, block, gen, density=0.3):
+    """(BlockKeep of ~``density`` of the blocks holding ``cells`` [s, s] per head, its cells [Hq, s, s], density)."""
+    s, nb = cells.shape[0], -(-cells.shape[0] // block)
+    pad = nb * block - s
+    env = torch.nn.functional.pad(cells, (0, pad, 0, pad)).view(nb, block, nb, block).any(3).any(1)
+    m = (torch.rand(hq, nb, nb, device=DEV, generator=gen) < density) & env[None]
+    m[0, nb // 2] = False
+    sel, idx = BlockKeep(m, block), torch.arange(s, device=DEV)
+    return sel, cells[None] & sel.cells(idx, idx), float(m.sum()) / max(1.0, float(env.sum()) * hq)
+
+
+def lists_sync_free(static, sel):
+    """Whether FA4's per-call block lists of ``sel`` (``static``: the list's part) build with no host sync."""
+    static.on(sel.mask.device)  # the static part's one host -> device copy
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for direction in ("fwd", "bwd"):
+            fa4_sparse.head_lists(static, sel, direction)
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def check_case(be, be_det, name, tiles, keep, sq, sk, heads, seed, block=None):
+    """Every run of a list of ``sq`` rows against ``sk`` keys (cells ``keep``) with ``heads`` (D, dtype, Hq / Hkv,
+    Hkv) against the references; ``block``: under a random per-head BlockKeep of that block, with an lse gradient."""
+    d, dtype, g, hkv = heads
+    hq, scale, gen = hkv * g, 1.0 / math.sqrt(d), torch.Generator(device=DEV).manual_seed(seed)
+    q, k, v, dout = (torch.randn(n, h, d, device=DEV, dtype=dtype, generator=gen)
+                     for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
+    res = {"mask": name, "S": sq, "Sk": sk, "D": d, "dtype": str(dtype).split(".")[-1], "G": g, "Hq": hq, "Hkv": hkv}
+    sel = dlse = None
+    if block:
+        sel, keep, res["keep_density"] = random_keep(keep, hq, block, gen)
+        dlse = torch.randn(sq, hq, device=DEV, generator=gen)
+
+    def run(b, prep):  # (out, lse, dq, dk, dv), [forward's path, backward's]
+        out, lse = b.forward(q, k, v, prep, scale, keep=sel)
+        fwd_path = b.last_path
+        delta = None if dlse is None else (dout.float() * out.float()).sum(-1) - dlse
+        return (out, lse, *b.backward(q, k, v, out, lse, dout, prep, scale, delta, keep=sel)), [fwd_path, b.last_path]
+
     # deterministic mode: run twice, bitwise identical (must be for Triton; reported for other backends)
     triton = type(be_det) is TritonBackend
-    prep = be_det.prepare(tiles, s, sk, head_dims=(d,))
-    out, lse = be_det.forward(q, k, v, prep, scale)
-    det_fwd_path = be_det.last_path
-    dq, dk, dv = be_det.backward(q, k, v, out, lse, dout, prep, scale)
-    # the runs' keys (result fields too): Triton's as before; others "<name>_det" and "<name>_default"
-    last_path = {"triton" if triton else f"{be_det.name}_det": [det_fwd_path, be_det.last_path]}
-    out2, lse2 = be_det.forward(q, k, v, prep, scale)
-    dq2, dk2, dv2 = be_det.backward(q, k, v, out2, lse2, dout, prep, scale)
-    torch.cuda.synchronize()
-    det = all(torch.equal(a, b) for a, b in ((out, out2), (lse, lse2), (dq, dq2), (dk, dk2), (dv, dv2)))
-    del out2, lse2, dq2, dk2, dv2
-    runs = {next(iter(last_path)): (out, lse, dq, dk, dv)}
-    prep_f = be.prepare(tiles, s, sk, head_dims=(d,))
+    prep = be_det.prepare(tiles, sq, sk, head_dims=(d,))
+    first, paths = run(be_det, prep)
+    det = all(torch.equal(a, b) for a, b in zip(first, run(be_det, prep)[0]))
+    key = "triton" if triton else f"{be_det.name}_det"  # the runs' keys, result fields too
+    runs, last_path = {key: first}, {key: paths}
+    prep_f = be.prepare(tiles, sq, sk, head_dims=(d,))
+    if sel is not None and hasattr(prep_f, "sparse"):  # a layer call must not wait on the GPU
+        res["lists_sync_free"] = lists_sync_free(prep_f.sparse(), sel)
     # Triton: the default mode differs only where it sends pieces to cuDNN; other backends: always run it
     if not triton or prep_f.cudnn_fwd is not None or prep_f.cudnn_bwd is not None:
-        o_f, l_f = be.forward(q, k, v, prep_f, scale)
-        path_f = be.last_path
-        g_f = be.backward(q, k, v, o_f, l_f, dout, prep_f, scale)
-        key = f"fast_{path_f}_{be.last_path}" if triton else f"{be.name}_default"
-        runs[key] = (o_f, l_f, *g_f)
-        last_path[key] = [path_f, be.last_path]
-    ref = chunked_reference(q, k, v, dout, keep, torch.float64, scale)
-    low = chunked_reference(q, k, v, dout, keep, dtype, scale)
-    empty = ~keep.any(1)
-    fin = ~empty
-    res = {"mask": mask, "S": s, "Sk": sk, "D": d, "dtype": str(dtype).split(".")[-1], "G": g, "Hq": hq, "Hkv": hkv,
-           "deterministic": det, "empty_rows": int(empty.sum()), "paths": list(runs), "last_path": last_path}
-    ok = det or not triton
-    for path, (out, lse, dq, dk, dv) in runs.items():
-        nan = any(bool(torch.isnan(x).any()) for x in (out, lse, dq, dk, dv))
-        empty_ok = bool((lse[empty] == float("-inf")).all()) and bool((out[empty] == 0).all())
-        res[path] = {"nan": nan, "empty_ok": empty_ok}
-        ok = ok and not nan and empty_ok
-        ours = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-        for i, name in enumerate(["out", "lse", "dq", "dk", "dv"]):
-            r, lo, o = ref[i], low[i], ours[name]
-            if name == "lse":
-                r, lo, o = r[fin], lo[fin], o[fin]
-            e_ours = rms(o.double() - r)
-            e_low = rms(lo - r)
-            bound = 2 * e_low + 1e-6 * rms(r)
-            res[path][name] = {"err": e_ours, "lowp_err": e_low, "ratio": e_ours / max(e_low, 1e-30)}
-            ok = ok and e_ours <= bound
-    res["nan"] = any(res[p]["nan"] for p in runs)
-    res["pass"] = ok
-    return res
-
-
-def band_cases():
-    """Sliding windows as the planner emits them (a causal head, then one BI_CAUSAL band), for the forward's
-    band squares on cuDNN (run with TritonConfig.band_squares 2048, see main): whole chunks, chunks and
-    tail rows, and a window wider than the band's rows (one chunk with a full rectangle)."""
-    out = []
-    for s, w in ((8192, 2048), (8192 + 700, 2048), (6144, 4096)):
-        out.append((f"band_w{w}_s{s}", s, torch.tensor([[0, w, 0, w, 1], [w, s, 0, s, 3]], dtype=torch.int32)))
-    return out
+        got, paths = run(be, prep_f)
+        key = f"fast_{paths[0]}_{paths[1]}" if triton else f"{be.name}_default"
+        runs[key], last_path[key] = got, paths
+    ref, low = (chunked_reference(q, k, v, dout, keep, dt, scale, dlse=dlse) for dt in (torch.float64, dtype))
+    empty = ~keep.any(-1) if keep.dim() == 2 else ~keep.any(-1).t()  # [sq] or per head [sq, Hq]
+    res.update(deterministic=det, empty_rows=int(empty.sum()), paths=list(runs), last_path=last_path)
+    ok = (det or not triton) and res.get("lists_sync_free") is not False
+    for path, outs in runs.items():
+        nan = any(bool(torch.isnan(x).any()) for x in outs)
+        empty_ok = bool((outs[1][empty] == float("-inf")).all()) and bool((outs[0][empty] == 0).all())
+        errs, good = errors({n: (x, i) for i, (n, x) in enumerate(zip(ERR_KEYS, outs))}, ref, low, ~empty)
+        res[path] = {"nan": nan, "empty_ok": empty_ok, **errs}
+        ok = ok and not nan and empty_ok and good
+    return {**res, "nan": any(res[p]["nan"] for p in runs), "pass": ok}
 
 
 def rank_list_cases(s, cps=(2, 4)):
-    """What the distributed runtime gives the backend: each rank's rows against its key buffer (sq != sk, causal
-    slices off the diagonal, several documents in one list) for every benchmark mask planned over ``cps``."""
-    import megatron_cp as mcp
-
-    out = []
-    for name in catalog.DIST_MASKS:
-        for cp in cps:
-            for rp in mcp.plan(catalog.build(name, s), cp).ranks:
-                if len(rp.tiles):
-                    out.append((f"{name}_cp{cp}_rank{rp.rank}", rp.num_tokens, rp.buffer_len,
-                                torch.as_tensor(rp.tiles, dtype=torch.int32)))
-    return out
-
-
-def worst_ratio(r):
-    """The largest rms error / low-precision reference's rms error over a case's runs and outputs."""
-    return max(r[p][n]["ratio"] for p in r["paths"] for n in ERR_KEYS)
+    """(name, rows, keys, tiles) of each rank's list (its rows against its key buffer) of each DIST_MASKS plan."""
+    return [(f"{name}_cp{cp}_rank{rp.rank}", rp.num_tokens, rp.buffer_len, torch.as_tensor(rp.tiles, dtype=torch.int32))
+            for name in catalog.DIST_MASKS for cp in cps for rp in mcp.plan(catalog.build(name, s), cp).ranks
+            if len(rp.tiles)]
 
 
 def summary_table(results, big):
-    """The closing table (lines): per (mask, S) of the matrix and band cases, cases passed, deterministic
-    runs, the worst error ratio and the paths [fwd / bwd] that ran; then each extra and --big check."""
+    """The closing table (lines): per (mask, S) passed, deterministic, worst error ratio, paths; then ``big``."""
     rows = []
     for mask, s in dict.fromkeys((r["mask"], r["S"]) for r in results):
         rs = [r for r in results if r["mask"] == mask and r["S"] == s]
-        paths = sorted({"/".join(map(str, p)) for r in rs for p in r["last_path"].values()})
-        rows.append([mask, s, f"{sum(r['pass'] for r in rs)}/{len(rs)}", f"{sum(r['deterministic'] for r in rs)}/{len(rs)}",
-                     f"{max(worst_ratio(r) for r in rs):.3f}", ", ".join(paths)])
-    for r in big:
-        if "check" in r:  # extra_checks: errors against the fp64 reference
-            worst = max(r[n]["err"] / max(r[n]["lowp_err"], 1e-30) for n in r if isinstance(r[n], dict))
-            rows.append([r["check"], 2048, f"{int(r['pass'])}/1", "-", f"{worst:.3f}", r["last_path"]])
-        else:  # big_runs: no NaN, peak memory
-            rows.append([f"big {r['mask']} (peak {r['peak_GiB']:.1f} GiB)", r["S"], f"{int(r['pass'])}/1", "-", "-",
-                         r["last_path"]])
+        rows.append([mask, s, f"{sum(r['pass'] for r in rs)}/{len(rs)}",
+                     f"{sum(r['deterministic'] for r in rs)}/{len(rs)}",
+                     f"{max(r[p][n]['ratio'] for r in rs for p in r['paths'] for n in ERR_KEYS):.3f}",
+                     ", ".join(sorted({"/".join(map(str, p)) for r in rs for p in r["last_path"].values()}))])
+    for r in big:  # extra_checks (errors against the fp64 reference), big_runs (no NaN, peak memory)
+        worst = max((r[n]["err"] / max(r[n]["lowp_err"], 1e-30) for n in r if isinstance(r[n], dict)), default=None)
+        rows.append([r.get("check") or f"big {r['mask']} (peak {r['peak_GiB']:.1f} GiB)", r.get("S", 2048),
+                     f"{int(r['pass'])}/1", "-", "-" if worst is None else f"{worst:.3f}", r["last_path"]])
     return markdown_table(["mask / check", "S", "passed", "deterministic", "worst err/lowp_err", "paths"], rows)
 
 
-def extra_checks(be):
-    """forward_accumulate (two stages == one) and float32 inputs, against the fp64 reference."""
-    out = []
-    s, d = 2048, 128
-    tiles = catalog.tiles(catalog.build("docs_causal", s))
-    keep = catalog.tiles_to_dense(tiles, s, s, device="cuda")
-    for dt in (torch.bfloat16, torch.float32):
-        g = torch.Generator(device="cuda").manual_seed(7)
-        q = torch.randn(s, 8, d, device="cuda", dtype=dt, generator=g)
-        k = torch.randn(s, 2, d, device="cuda", dtype=dt, generator=g)
-        v = torch.randn(s, 2, d, device="cuda", dtype=dt, generator=g)
-        dout = torch.randn_like(q)
-        ref = chunked_reference(q, k, v, dout, keep, torch.float64, d ** -0.5)
-        low = chunked_reference(q, k, v, dout, keep, dt, d ** -0.5)
-        # accumulate: odd and even tiles as two stages into a float32 running (out, lse)
-        o = torch.zeros(q.shape, device="cuda", dtype=torch.float32)
-        lse = torch.full((s, 8), float("-inf"), device="cuda")
+def extra_checks(be, s, d, hq, hkv, low_dtype):
+    """docs_causal's forward_accumulate (odd, even tiles as two stages == one forward) and float32 inputs (floor
+    1e-5 x rms(reference): its plain reference is near exact)."""
+    out, tiles = [], catalog.tiles(catalog.build("docs_causal", s))
+    keep = catalog.tiles_to_dense(tiles, s, s, device=DEV)
+    for dt in (low_dtype, torch.float32):
+        g = torch.Generator(device=DEV).manual_seed(7)
+        q, k, v, dout = (torch.randn(s, h, d, device=DEV, dtype=dt, generator=g) for h in (hq, hkv, hkv, hq))
+        ref, low = (chunked_reference(q, k, v, dout, keep, t, d ** -0.5) for t in (torch.float64, dt))
+        o, lse = torch.zeros(q.shape, device=DEV), torch.full((s, hq), float("-inf"), device=DEV)
         for part in (tiles[0::2], tiles[1::2]):
             be.forward_accumulate(q, k, v, be.prepare(part, s, s, head_dims=(d,)), d ** -0.5, o, lse)
         prep = be.prepare(tiles, s, s, head_dims=(d,))
         o1, l1 = be.forward(q, k, v, prep, d ** -0.5)
         grads = be.backward(q, k, v, o1, l1, dout, prep, d ** -0.5)
-        r = {"check": f"accumulate+{str(dt).split('.')[-1]}", "last_path": be.last_path}
-        ok = True
-        for name, x, i in (("acc_out", o, 0), ("acc_lse", lse, 1), ("out", o1, 0), ("lse", l1, 1),
-                           ("dq", grads[0], 2), ("dk", grads[1], 3), ("dv", grads[2], 4)):
-            e, el = rms(x.double() - ref[i]), rms(low[i] - ref[i])
-            # fp32: the plain fp32 reference is near exact; allow 1e-5 relative instead of 2x
-            bound = 2 * el + (1e-5 if dt == torch.float32 else 1e-6) * rms(ref[i])
-            r[name] = {"err": e, "lowp_err": el}
-            ok = ok and e <= bound and not bool(torch.isnan(x).any())
-        r["pass"] = ok
-        out.append(r)
+        named = {"acc_out": (o, 0), "acc_lse": (lse, 1), "out": (o1, 0), "lse": (l1, 1),
+                 **{n: (x, i) for i, (n, x) in enumerate(zip(ERR_KEYS[2:], grads), 2)}}
+        errs, ok = errors(named, ref, low, keep.any(-1), 1e-5 if dt == torch.float32 else 1e-6)
+        out.append({"check": f"accumulate+{str(dt).split('.')[-1]}", "S": s, "last_path": be.last_path, **errs,
+                    "pass": ok})
     return out
 
 
-def big_runs(be):
-    """S = 131072, Hq 32, Hkv 8, D 128, bf16: no NaN, peak memory (no S^2 buffers)."""
+def big_runs(be, s=131072, hq=32, hkv=8, d=128):
+    """bf16 at S = 131072: no NaN, peak memory under 4 x the inputs (no S^2 buffers)."""
     out = []
-    s, hq, hkv, d = 131072, 32, 8, 128
     for mask in ["causal", "docs_causal", "sliding_window_1024", "strided_512x4"]:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        q = torch.randn(s, hq, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(s, hkv, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(s, hkv, d, device="cuda", dtype=torch.bfloat16)
-        dout = torch.randn_like(q)
+        q, k, v, dout = (torch.randn(s, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv, hq))
         inputs = sum(x.numel() * x.element_size() for x in (q, k, v, dout))
         prep = be.prepare(catalog.tiles(catalog.build(mask, s)), s, s, head_dims=(d,))
         o, lse = be.forward(q, k, v, prep)
-        dq, dk, dv = be.backward(q, k, v, o, lse, dout, prep)
-        torch.cuda.synchronize()
-        nan = any(bool(torch.isnan(x).any()) for x in (o, lse, dq, dk, dv))
+        nan = any(bool(torch.isnan(x).any()) for x in (o, lse, *be.backward(q, k, v, o, lse, dout, prep)))
         peak = torch.cuda.max_memory_allocated()
-        r = {"mask": mask, "S": s, "last_path": be.last_path, "nan": nan, "peak_GiB": peak / 2**30,
-             "inputs_GiB": inputs / 2**30,
-             "S2_bf16_GiB_per_head": s * s * 2 / 2**30, "pass": (not nan) and peak < 4 * inputs}
-        out.append(r)
-        del q, k, v, dout, o, lse, dq, dk, dv
+        out.append({"mask": mask, "S": s, "last_path": be.last_path, "nan": nan, "peak_GiB": peak / 2**30,
+                    "inputs_GiB": inputs / 2**30, "S2_bf16_GiB_per_head": s * s * 2 / 2**30,
+                    "pass": (not nan) and peak < 4 * inputs})
+        del q, k, v, dout, o, lse
     return out
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
-    ap.add_argument("--big", action="store_true")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--configs", default=None, help="tuned configs JSON (tools/bench_kernels.py --tune)")
-    ap.add_argument("--backend", choices=["auto", "triton", "fa4"], default="auto",
-                    help="the backend checked (auto: FA4 where it can run, else Triton)")
-    ap.add_argument("--verbose", action="store_true", help="each case's line on stderr as it finishes")
-    ap.add_argument("--parts", default="matrix,bands,rank_lists",
-                    help="comma-separated subset of the checks to run (to split a run over time-limited calls)")
+    global DEV
+    ap = parser(__doc__, "out/kernel_check")
+    ap.add_argument("--seqlens", type=int, nargs="+", default=None, help="default 1024 4096 16384 (a dry run: 256)")
+    ap.add_argument("--big", action="store_true", help="add the S = 131072 runs")
+    ap.add_argument("--backend", choices=["auto", "triton", "fa4"], default="auto", help="auto: FA4 where it runs")
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ", ".join(PARTS))
     args = ap.parse_args()
-    overrides = {}
-    if args.configs:
-        with open(args.configs) as f:
-            overrides = configs_from_json(json.load(f))
-    be = make_backend(args.backend, overrides)
-    be_det = make_backend(args.backend, overrides, deterministic=True)
-    print(f"backend: {be.name} ({type(be).__name__})", flush=True)
-    results, t0 = [], time.time()
-
-    def combos_at(s):
-        if s >= 16384:  # a diagonal of the matrix keeps the large size affordable
-            return [(128, torch.bfloat16, 4, 2), (64, torch.float16, 8, 1), (128, torch.float16, 1, 2)]
-        return [(d, dt, g, 2) for d, dt, g in itertools.product([64, 128], [torch.bfloat16, torch.float16], [1, 4, 8])]
-
-    band_combos = [(128, torch.bfloat16, 4, 2), (128, torch.float16, 8, 1), (64, torch.bfloat16, 1, 2)]
-    # the rank lists at the largest size, with the recipes' heads (GQA 4, D 128, bf16) and one fp16 family
-    parts = set(args.parts.split(","))
-    if parts - {"matrix", "bands", "rank_lists"}:
-        raise SystemExit(f"--parts: unknown {sorted(parts - {'matrix', 'bands', 'rank_lists'})}")
-    rank_lists = rank_list_cases(max(args.seqlens)) if "rank_lists" in parts else []
-    rank_combos = [(128, torch.bfloat16, 4, 2), (64, torch.float16, 8, 1)]
-    matrix = args.seqlens if "matrix" in parts else []
-    bands = band_cases() if "bands" in parts else []
+    parts = args.parts.split(",")
+    if set(parts) - set(PARTS):
+        ap.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}")
+    overrides = {}  # the dry run's blocks
+    seqlens = args.seqlens or [1024, 4096, 16384]
+    # (D, dtype, Hq / Hkv, Hkv) per part, rec: the recipes' heads; at S >= 16384 a diagonal of the matrix
+    bf, fp, rec = torch.bfloat16, torch.float16, (128, torch.bfloat16, 4, 2)
+    heads = {"matrix": [(d, dt, g, 2) for d, dt, g in itertools.product([64, 128], [bf, fp], [1, 4, 8])],
+             "matrix_16k": [rec, (64, fp, 8, 1), (128, fp, 1, 2)], "sparse": [rec],
+             "rank_lists": [rec, (64, fp, 8, 1)], "bands": [rec, (128, fp, 8, 1), (64, bf, 1, 2)]}
+    # bands (S, window): whole chunks, chunks and tail rows, a window wider than the band's rows
+    extra, s_sparse, blocks, bands = (2048, 128, 8, 2, bf), 4096, (128, 256), ((8192, 2048), (8892, 2048), (6144, 4096))
+    if args.dry_run:  # fp16: the interpreter computes bf16 tl.dot wrongly; 64 x 64 blocks: fewest interpreted steps
+        DEV, seqlens, overrides = "cpu", args.seqlens or [256], {32: PhaseConfigs(*[KernelConfig(64, 64, 4, 1)] * 3)}
+        heads = dict.fromkeys(heads, [(32, fp, 2, 1)])
+        extra, s_sparse, blocks, bands = (256, 32, 2, 1, fp), 256, (64,), ((256, 64),)
+    be, be_det = make_backend(args.backend, overrides), make_backend(args.backend, overrides, deterministic=True)
     be_band = make_backend(args.backend, overrides, band_squares=2048)  # these windows are 2048 and 4096
-    # (name, rows, keys, tiles, backend, combos, first seed, the mask_mod the tiles must match or None)
-    cases = [(mask, s, s, catalog.tiles(catalog.build(mask, s)), be, combos_at(s),
-              s * 1000 + catalog.KERNEL_MASKS.index(mask) * 10, mask) for s in matrix for mask in catalog.KERNEL_MASKS]
-    cases += [(name, s, s, tiles, be_band, band_combos, s, None) for name, s, tiles in bands]
-    cases += [(name, sq, sk, tiles, be, rank_combos, sq + sk, None) for name, sq, sk, tiles in rank_lists]
-    bar = Progress(sum(len(c[5]) for c in cases), "gpu_kernel_check", verbose=args.verbose)
-    for name, sq, sk, tiles, backend, combos, seed, mask_mod in cases:
-        keep = catalog.tiles_to_dense(tiles, sq, sk, device="cuda")
-        same = mask_mod is None or bool((keep == catalog.dense(mask_mod, sq, device="cuda")).all())
-        if not same:
-            bar.note(f"FAIL tile list of {name} at S={sq} differs from its mask_mod")
-        for i, (d, dt, g, hkv) in enumerate(combos):
-            bar.running(f"{name} {sq}x{sk} D={d} {str(dt).split('.')[-1]} G={g}")
-            r = check_case(backend, be_det, name, sq, d, dt, g, hkv, keep, tiles, seed=seed + i, sk=sk)
-            if mask_mod is not None:
-                r["tiles_match_mask_mod"] = same
-                r["pass"] = r["pass"] and same
-            results.append(r)
-            line = (f"{'ok  ' if r['pass'] else 'FAIL'} {name:22s} {sq}x{sk} D={d:3d} {r['dtype']:8s} G={g} "
-                    f"det={r['deterministic']} nan={r['nan']}")
-            for p in r["paths"]:
-                line += f" | {p}: worst err/lowp_err={max(r[p][n]['ratio'] for n in ERR_KEYS):.3f} dq={r[p]['dq']['err']:.1e}"
-            if not r["pass"]:
-                bar.note(line)
-            bar.step(line if r["pass"] else None)
-        del keep
-        torch.cuda.empty_cache()
-    bar.running("accumulate, float32" + (", S=131072 runs" if args.big else ""))
-    big = extra_checks(be_det)
-    if args.big:
-        be_big = make_backend(args.backend, overrides, dense_fast_path=False)
-        big += big_runs(be_big)
-    bar.close()
-    n_fail = sum(not r["pass"] for r in results) + sum(not r["pass"] for r in big)
-    # what the cuDNN probe found per (device, dtype, head_dim, Hq / Hkv) family: its layout, or why not
-    cudnn_found = {str(tuple(map(str, key))): f.layout or f.reason for b in (be, be_band)
-                   for key, f in getattr(b, "cudnn_probes", {}).items()}
-    summary = run_record(device_name(), **{
-        "configs": {f"{d}/{c}": str(v) for (d, c), v in overrides.items()}, "cudnn": cudnn_found,
-        "triton": __import__("triton").__version__, "cases": len(results) + len(big), "failed": n_fail,
-        "seconds": time.time() - t0})
-    roles = {"default": be, "deterministic": be_det, "band_squares_2048": be_band}
-    if args.big:
-        roles["big"] = be_big
-    summary["backend"] = backend_info(**roles)
-    n_nondet = sum(not r["deterministic"] for r in results)  # a failure for Triton, counted for the others
+    print(f"backend: {be.name} ({type(be).__name__})", flush=True)
+    # per part: (name, rows, keys, tiles, backend, heads, the mask_mod the tiles must match, keep block)
+    cases = {"matrix": [(m, s, s, catalog.tiles(catalog.build(m, s)), be, heads["matrix" + "_16k" * (s >= 16384)], m,
+                         None) for s in seqlens for m in catalog.KERNEL_MASKS],
+             "bands": [(f"band_w{w}_s{s}", s, s, torch.tensor([[0, w, 0, w, 1], [w, s, 0, s, 3]], dtype=torch.int32),
+                        be_band, heads["bands"], None, None) for s, w in bands],  # a causal head, one BI_CAUSAL band
+             "rank_lists": [(*c, be, heads["rank_lists"], None, None) for c in rank_list_cases(max(seqlens))],
+             "sparse": [(f"{m}_keep{b}", s_sparse, s_sparse, catalog.tiles(catalog.build(m, s_sparse)), be,
+                         heads["sparse"], None, b) for m in ("causal", "docs_causal") for b in blocks]}
+    cases = [c for p in parts for c in (cases[p][:1] if args.dry_run else cases[p])]
+    results, t0 = [], time.time()
+    with Progress(sum(len(c[5]) for c in cases), "gpu_kernel_check", verbose=args.verbose) as bar:
+        for name, sq, sk, tiles, backend, hs, mask_mod, block in cases:
+            keep = catalog.tiles_to_dense(tiles, sq, sk, device=DEV)
+            same = mask_mod is None or bool((keep == catalog.dense(mask_mod, sq, device=DEV)).all())
+            if not same:
+                bar.note(f"FAIL tile list of {name} at S={sq} differs from its mask_mod")
+            for i, (d, dt, g, hkv) in enumerate(hs):
+                bar.running(f"{name} {sq}x{sk} D={d} {str(dt).split('.')[-1]} G={g}")
+                r = check_case(backend, be_det, name, tiles, keep, sq, sk, (d, dt, g, hkv), sq * 1000 + sk + i, block)
+                if mask_mod is not None:
+                    r["tiles_match_mask_mod"], r["pass"] = same, r["pass"] and same
+                results.append(r)
+                line = (f"{'ok  ' if r['pass'] else 'FAIL'} {name:22s} {sq}x{sk} D={d:3d} {r['dtype']:8s} G={g} "
+                        f"det={r['deterministic']} nan={r['nan']} | worst err/lowp_err " + ", ".join(
+                            f"{p} {max(r[p][n]['ratio'] for n in ERR_KEYS):.3f}" for p in r["paths"]))
+                if not r["pass"]:
+                    bar.note(line)
+                bar.step(line if r["pass"] else None)
+            del keep
+            torch.cuda.empty_cache()
+        bar.running("accumulate, float32" + (", S=131072 runs" if args.big else ""))
+        big = extra_checks(be_det, *extra)
+        roles = {"default": be, "deterministic": be_det, "band_squares_2048": be_band}
+        if args.big:
+            roles["big"] = make_backend(args.backend, overrides, dense_fast_path=False)
+            big += big_runs(roles["big"])
+    n, n_fail = len(results + big), sum(not r["pass"] for r in results + big)
+    n_det = sum(r["deterministic"] for r in results)  # not bitwise reproducible: a failure for Triton, counted for FA4
+    describe = {"describe": {k: b.describe() for k, b in roles.items()}} if hasattr(be, "describe") else {}
+    # what the cuDNN probe found per (device, dtype, head_dim, Hq / Hkv) family: a layout or why not
+    cudnn = {str(tuple(map(str, key))): f.layout or f.reason for b in (be, be_band)
+             for key, f in getattr(b, "cudnn_probes", {}).items()}
+    summary = run_record(device_name(DEV), triton=__import__("triton").__version__, cudnn=cudnn, cases=n,
+                         failed=n_fail, seconds=time.time() - t0, backend={"name": be.name, **describe})
+    tail = ""
     if type(be_det) is not TritonBackend:
-        summary["not_bitwise_reproducible"] = n_nondet
-        try:
-            summary["flash_attn_4"] = importlib.metadata.version("flash-attn-4")
-        except importlib.metadata.PackageNotFoundError:
-            summary["flash_attn_4"] = None
-    print(json.dumps(summary, default=str))  # describe() may hold devices, dtypes
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"summary": summary, "results": results, "big": big}, f, indent=1, default=str)
-    tail = ("" if type(be_det) is TritonBackend else
-            f" ({be.name}; deterministic mode bitwise reproducible in {len(results) - n_nondet}/{len(results)} cases)")
-    print(f"gpu_kernel_check: {len(results) + len(big) - n_fail}/{len(results) + len(big)} passed{tail}")
+        summary["not_bitwise_reproducible"] = len(results) - n_det
+        tail = f" ({be.name}; deterministic mode bitwise reproducible in {n_det}/{len(results)} cases)"
+    path = os.path.join(out_dir(args), f"gpu_kernel_check{args.tag}.json")
+    write_json(path, {"summary": summary, "results": results, "big": big})
+    print("wrote", path)
+    print(f"gpu_kernel_check: {n - n_fail}/{n} passed{tail}")
     print("\n".join(summary_table(results, big)))
     sys.exit(1 if n_fail else 0)
 
