@@ -29,9 +29,9 @@ def _suite_module():
 def dry_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("suite"))
     CostModel().save(os.path.join(out, "cost.json"))  # what the calibrate step writes
-    cmd = [sys.executable, SUITE, "--out", out, "--cpu-dry-run", "--steps", "kernel_check,bench,predict,scaling",
+    cmd = [sys.executable, SUITE, "--out", out, "--dry-run", "--steps", "kernel_check,bench,predict,scaling",
            "--seqlens", "256", "--masks", "causal,packed", "--impls", ",".join(IMPLS), "--master-port", str(free_port()),
-           "--", "--profile", os.path.join(out, "profile.txt"), "--profile-b2b"]
+           "--", "--profile", "b2b"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     logs = {f: open(os.path.join(out, "logs", f)).read()[-3000:] for f in os.listdir(os.path.join(out, "logs"))}
@@ -44,7 +44,7 @@ def dry_run(tmp_path_factory):
 def test_dry_run_records_every_step_and_names_the_skipped_gpu_checks(dry_run):
     out, suite = dry_run
     run = suite["runs"][-1]
-    assert run["device"] == "cpu" and run["num_devices"] == 2 and run["date"] and "--cpu-dry-run" in run["command"]
+    assert run["device"] == "cpu" and run["num_devices"] == 2 and run["date"] and "--dry-run" in run["command"]
     assert run["skipped_gpu_only"] == ["kernel_check"]
     steps = {st["name"]: st for st in suite["steps"]}
     assert [st["name"] for st in suite["steps"]] == ["bench", "predict", "scaling"]
@@ -59,7 +59,7 @@ def test_dry_run_records_every_step_and_names_the_skipped_gpu_checks(dry_run):
 def test_bench_profile_writes_a_timeline_per_case(dry_run):
     """bench_dist --profile (passed after "--"): megatron-cp's profiled step per mask, host time per phase."""
     out, _ = dry_run
-    with open(os.path.join(out, "profile.txt")) as f:
+    with open(os.path.join(out, "bench_dist_s256_profile.txt")) as f:
         text = f.read()
     for m in ("causal", "packed"):
         assert f"== megatron-cp {m} S=256 rank 0 of 2 (cpu), right after another step (back to back)" in text, text
@@ -111,7 +111,7 @@ def test_prediction_and_scaling_table_are_written(dry_run):
     assert {"megatron-cp", "ring", "ulysses", "allgather"} <= impls
     assert not impls & {"megatron-cp+xattention", "megatron-cp+moba"}  # the simulator has no sparse model
     assert all(math.isfinite(r["fwd_pred_ms"]) and r["fwd_pred_ms"] > 0 and r["fwd_ms"] > 0 for r in gpu)
-    with open(os.path.join(out, "sim_packed_scaling.json")) as f:
+    with open(os.path.join(out, "simulate_packed_scaling.json")) as f:
         scal = json.load(f)
     cps = {r["cp"] for r in scal["results"] if r["strategy"] == "megatron-cp" and r["mask"] == "packed"}
     assert cps == {2, 4}
@@ -121,8 +121,8 @@ def test_commands_for_one_gpu_and_bad_steps():
     """One GPU: every step, torchrun with one process (CP = 1), the benchmark at S = 128k and 256k; the
     CPU dry run leaves the GPU-only checks out. A bad step name is refused."""
     mod = _suite_module()
-    ns = argparse.Namespace(out="o", cpu_dry_run=False, nproc=1, steps=list(mod.STEPS), seqlens=None, masks=None,
-                            impls=None, master_port=1, bench_args=[])
+    ns = argparse.Namespace(out="o", dry_run=False, nproc=1, steps=list(mod.STEPS), seqlens=None, masks=None,
+                            impls=None, master_port=1, bench_args=[], tag="")
     cmds = mod.step_commands(ns)
     assert list(cmds) == list(mod.STEPS)
     for name in ("dist_check", "calibrate", "bench"):
@@ -135,10 +135,10 @@ def test_commands_for_one_gpu_and_bad_steps():
     bench = mod.step_commands(ns)["bench"]
     assert bench[-4:] == ["--heads", "64", "--kv-heads", "8"] and bench[bench.index("--tag") + 1] == "_s32768_hq64"
     ns.bench_args, ns.seqlens = [], None
-    ns.cpu_dry_run, ns.nproc = True, 2
+    ns.dry_run, ns.nproc = True, 2
     assert list(mod.step_commands(ns)) == [s for s in mod.STEPS if s not in mod.GPU_ONLY]
     with pytest.raises(ValueError, match="unknown step"):
-        mod.main(["--out", "o", "--cpu-dry-run", "--steps", "bench,nope"])
+        mod.main(["--out", "o", "--dry-run", "--steps", "bench,nope"])
 
 
 def test_bench_nodes_emulates_a_topology_and_counts_bytes_across_it(tmp_path):
@@ -147,8 +147,8 @@ def test_bench_nodes_emulates_a_topology_and_counts_bytes_across_it(tmp_path):
     topology-aware plan moves no more across it than the flat plan (causal: less)."""
     bench = os.path.join(ROOT, "tools", "bench_dist.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-           bench, "--device", "cpu", "--tiny", "--nodes", "2", "--seqlens", "512", "--masks", "causal,packed",
-           "--impls", "megatron-cp", "--out-dir", str(tmp_path)]
+           bench, "--dry-run", "--nodes", "2", "--seqlens", "256", "--masks", "causal,packed",
+           "--impls", "megatron-cp", "--out", str(tmp_path)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
     [path] = [p for p in os.listdir(tmp_path) if p.endswith(".json")]
@@ -161,6 +161,6 @@ def test_bench_nodes_emulates_a_topology_and_counts_bytes_across_it(tmp_path):
         assert 0 < r["inter_node_bytes"] <= r["inter_node_bytes_flat_routes"] <= r["kv_bytes"], r
         assert r["inter_node_bytes"] <= r["flat_plan_inter_node_bytes"], r
     assert rows["causal"]["inter_node_bytes"] < rows["causal"]["flat_plan_inter_node_bytes"]
-    bad = subprocess.run([sys.executable, bench, "--device", "cpu", "--nodes", "3"], capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, bench, "--dry-run", "--nodes", "3"], capture_output=True, text=True,
                          env=dict(os.environ, WORLD_SIZE="4"))
     assert bad.returncode != 0 and "--nodes 3 must be >= 1 and divide the 4 processes" in bad.stderr

@@ -1,69 +1,41 @@
 """Distributed attention benchmark: megatron-cp vs our baselines vs PyTorch's native context parallel.
 
-Run under torchrun (NCCL on GPUs; gloo for the CPU dry run). For every total sequence length and
-mask, each implementation runs forward and backward on the same random bf16 data; per-GPU TFLOP/s
-counts mask-area FLOPs (forward 4 * area * Hq * D, backward 2.5x) divided by the GPU count and by the
-slowest rank's time. Also measured, per rank and without any communication: our kernel on exactly
-the tiles and K/V buffer megatron-cp gives that rank ("kernel-only"), the single-GPU throughput on
-the same per-GPU work that the scaling check compares against.
-
-Implementations: ``megatron-cp`` (planner + runtime, stage count chosen by the cost model), ``ring``, ``ulysses``,
-``usp`` (ulysses 2 x ring), ``head_context`` (ulysses 2 x our planned CP), ``allgather``
-(megatron_cp.baselines), ``torch-sdpa-ring`` (PyTorch
-``context_parallel`` over SDPA, head-tail balance; full and causal only) and ``torch-flex-allgather``
-(PyTorch's FlexAttention CP: all-gather K/V, compiled flex_attention, head-tail balance; other masks).
-
-Dynamic sparsity inside the mask's envelope (causal and packed documents only, ``SPARSE_ENVELOPES``):
-``megatron-cp+xattention`` and ``megatron-cp+moba`` run ``megatron_cp.sparse.sparse_attention`` with
-``XAttention()`` / ``MoBA()`` at their default thresholds (``--tiny``: the same with smaller blocks), on a
-plan made with ``block=`` the selector's block and ``guest_rows="none"``, by default on q / k with
-structured attention (tools/bench_sparse.py's ``structured_qk``; v random); the timed step includes the
-selection and its host synchronisation (the exchange's counts). Their rows add the kept fraction (head x q
-block x key block pairs kept / in the envelope) and bytes moved, beside the dense megatron-cp row's
-``kv_bytes`` (the plan's K/V traffic, ``Plan.stats``): ``kv_bytes`` (K/V rows of the selected blocks
-received, ``sparse_attention(stats=)``; the backward returns the same rows' dK/dV), ``envelope_kv_bytes``
-(what the dense exchange of the same block layout would move) and ``selector_bytes`` (XAttention: the keys
-of the whole envelope that its scoring reads; MoBA: its pooled-key all-reduce payload). Their TFLOP/s
-count the envelope's FLOPs (an effective rate); the summary compares their time and bytes with the dense
-envelope's megatron-cp row, and their K/V bytes with their own layout's dense exchange: a plan in whole
-blocks can move more than the dense plan (packed documents at S 262144, cp 4: 3,168 K/V tokens at MoBA's block
-512 and 2,320 at XAttention's 128, against 428 unaligned: each block-rounded owner change hands up to a block of
-one document to the other rank), so the second ratio is what the selection itself saves.
-
-``--nodes N`` (N divides the GPUs) emulates N nodes on one host for megatron-cp: its plan is made for
-``Topology(N, GPUs / N)`` and its routes are hierarchical (a K/V row crosses the node boundary once per
-destination node; the links are all NVLink, so the time shows the routes' cost, not the network's). Its rows
-add ``inter_node_bytes`` (K/V bytes across the boundary, forward), ``inter_node_bytes_flat_routes`` (the same
-plan with one flat all-to-all) and ``flat_plan_inter_node_bytes`` (the plan made without the topology).
-
     torchrun --nproc-per-node 4 tools/bench_dist.py                      # 4 GPUs, S = 128k, 256k
-    torchrun --nproc-per-node 2 tools/bench_dist.py --device cpu --tiny  # CPU dry run (gloo)
+    torchrun --nproc-per-node 2 tools/bench_dist.py --dry-run            # CPU (gloo), tiny sizes
     torchrun --nproc-per-node 4 tools/bench_dist.py --nodes 2            # 2 nodes of 2 GPUs emulated
-    python tools/run_dist_suite.py --out DIR         # checks, calibration, this, the simulator's prediction
 
-While it runs, rank 0 shows a progress bar on stderr naming the case (S, mask, implementation) being run
-(redrawn at most every 30 s where stderr is not a terminal: tools/common.py); each case's line goes to
-stderr with ``--verbose``. It ends with one table on stdout: per S and mask, each implementation's
-fwd / bwd TFLOP/s per GPU and the checks (``summarize``).
-
-Writes <--out-dir>/bench_<n>x<device>_<date>.json and .png (device, date and command inside); the default
-out/ is ignored by git. Results the README quotes go to a dated folder, benchmarks/YYYY-MM-DD_<device>_<what>/,
-with a README.md giving the command, indexed in benchmarks/RESULTS.md.
+Per S and mask, each implementation (IMPLS; head_context too) runs forward and backward on the same random data,
+timed by Timer.run (GPU time behind a held stream, the headline; wall time; back to back); TFLOP/s per GPU: mask-area
+FLOPs (forward 4 * area * Hq * D, backward 2.5x) / GPUs / the slowest rank's time. torch-native is PyTorch's CP (SDPA
+ring on full / causal, else FlexAttention all-gather); kernel-only our kernel alone on each rank's megatron-cp tiles
+(the scaling check's reference); the sparse rows select inside causal / packed masks on structured q / k (their
+envelope_kv_bytes, the dense exchange of the same block layout, can exceed the dense plan's: blocks round owner
+changes). --cost: a calibrated model picks megatron-cp's stages; --nodes N: its plan for Topology(N, GPUs / N) with
+hierarchical routes (all on NVLink) and the K/V bytes crossing the emulated boundary. Writes OUT/bench_dist<tag>.json
+(after every mask) and .png; --profile: OUT/bench_dist<tag>_profile.txt, a GPU timeline of one more megatron-cp step
+per case. Ends with one table: TFLOP/s per case and the checks (summarize).
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
 import datetime
-import json
+import functools
+import importlib
+import inspect
+import itertools
 import os
 import sys
-import time
 import traceback
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.nn.attention.flex_attention import flex_attention
 
 import megatron_cp as mcp
 from megatron_cp import kernels
@@ -72,535 +44,306 @@ from megatron_cp.masks import catalog
 from megatron_cp.runtime import CostModel
 from megatron_cp.runtime.state import states_of
 
-# tools/ (this script's folder, first on sys.path when it runs as a script): the shared step timer and
-# the profiler summary, modules of their own so that tools/sim/calibrate.py times kernels the same way
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Progress, Timer, markdown_table, profile_step, run_record, timeline_summary  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
+from common import (Progress, Timer, bar_panels, markdown_table, out_dir, parser, profile_step,  # noqa: E402
+                    run_record, timeline_summary, write_json)
+
+IMPLS = "megatron-cp,megatron-cp+xattention,megatron-cp+moba,ring,ulysses,usp,allgather,torch-native"
+SPARSE_IMPLS = ("megatron-cp+xattention", "megatron-cp+moba")  # on the causal and packed masks only
 
 
-def _rand_local(n, h, d, dtype, device, seed):
+def _rand(n, h, a, seed, grad=True):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    return (torch.randn(n, h, d, generator=g) * 0.5).to(device=device, dtype=dtype)
+    return (torch.randn(n, h, a.head_dim, generator=g) * 0.5).to(a.device, a.dtype).requires_grad_(grad)
 
 
-def bench_ours(name, mask, args, ctx):
-    """megatron-cp or one of our baselines; returns (fwd_s, bwd_s)."""
-    rank, cp, device, dtype, group = ctx["rank"], ctx["cp"], ctx["device"], ctx["dtype"], ctx["group"]
+def _sum_max(values, a):  # (sum, max) over the ranks
+    t, tmax = (torch.tensor(values, dtype=torch.float64, device=a.device) for _ in range(2))
+    dist.all_reduce(t, group=a.group)
+    dist.all_reduce(tmax, op=dist.ReduceOp.MAX, group=a.group)
+    return t.tolist(), tmax.tolist()
+
+
+def timed(fn, q, k, v, a, profile=False):
+    """Timer.run's times of ``fn(q, k, v)`` and its backward; ``profile``: one more step profiled (rank 0's kept)."""
+    do = torch.randn_like(q)
+    fwd = lambda: fn(q, k, v)  # noqa: E731
+
+    def bwd(out):
+        out.backward(do)
+        q.grad = k.grad = v.grad = None
+
+    times = a.timer.run(fwd, bwd, a.warmup, a.iters, a.group)
+    if profile:
+        events, host = profile_step(fwd, bwd, a.timer.sync, b2b=a.profile == "b2b")
+        if a.rank == 0:
+            with open(a.profile_path, "a") as f:
+                f.write(timeline_summary(events, host, a.profile_title))
+    return times
+
+
+def bench_ours(name, mask, a):
+    """megatron-cp or one of our baselines: (Timer.run's times, plan)."""
     if name == "megatron-cp":
-        plan = mcp.plan(mask, cp, topology=ctx["topology"])  # nodes: hierarchical routes (one crossing a node)
-        cost = CostModel.load(args.cost) if args.cost else None
-        be = ctx["backend"] = kernels.get_backend(args.backend, device)  # one object: its state is reported
-        fn = lambda q, k, v: mcp.attention(q, k, v, plan, group, backend=be, cost_model=cost)  # noqa: E731
-    else:
-        # usp / head_context: groups of 2 GPUs (on one machine: 2-GPU "nodes" emulated) x cp / 2
-        opts = {"ulysses_degree": 2} if name in ("usp", "head_context") and cp % 2 == 0 and cp > 2 else {}
-        plan = plan_for(name, mask, cp, **(opts if name == "head_context" else {}))
+        plan = mcp.plan(mask, a.cp, topology=a.topology)  # nodes: hierarchical routes (one crossing a node)
+        be = a.backend = kernels.get_backend("auto", a.device)  # one object: its state is reported
+        fn = lambda q, k, v: mcp.attention(q, k, v, plan, a.group, backend=be, cost_model=a.cost_model)[0]  # noqa
+    else:  # usp / head_context: groups of 2 GPUs (on one machine: 2-GPU "nodes" emulated) x cp / 2
+        opts = {"ulysses_degree": 2} if name in ("usp", "head_context") and a.cp % 2 == 0 and a.cp > 2 else {}
+        plan = plan_for(name, mask, a.cp, **(opts if name == "head_context" else {}))
         # the loss uses out only, as Megatron's core attention (which asks the same: lse_grad=False)
-        strat = get_strategy(name, backend=args.backend, lse_grad=False, **opts)
-        fn = lambda q, k, v: strat(q, k, v, plan, group, None)  # noqa: E731
-    n = plan.num_local(rank)
-    q = _rand_local(n, args.heads, args.head_dim, dtype, device, 1 + rank).requires_grad_()
-    k = _rand_local(n, args.kv_heads, args.head_dim, dtype, device, 100 + rank).requires_grad_()
-    v = _rand_local(n, args.kv_heads, args.head_dim, dtype, device, 200 + rank).requires_grad_()
-    do = torch.randn_like(q)
-
-    def fwd():
-        return fn(q, k, v)[0]
-
-    def bwd(out):
-        out.backward(do)
-        q.grad = k.grad = v.grad = None
-
-    times = ctx["timer"].run(fwd, bwd, args.warmup, args.iters, group)
-    if args.profile and name == "megatron-cp":  # one more step under torch.profiler (all ranks), rank 0's written
-        events, host = profile_step(fwd, bwd, ctx["timer"].sync, b2b=args.profile_b2b)
-        if rank == 0:
-            title = (f"{name} {ctx['mask_name']} S={ctx['seqlen']} rank {rank} of {cp} ({ctx['dev_name']})"
-                     + (", right after another step (back to back)" if args.profile_b2b else ""))
-            with open(args.profile, "a") as f:
-                f.write(timeline_summary(events, host, title))
-    return times, plan
+        strat = get_strategy(name, backend="auto", lse_grad=False, **opts)
+        fn = lambda q, k, v: strat(q, k, v, plan, a.group, None)[0]  # noqa: E731
+    qkv = (_rand(plan.num_local(a.rank), h, a, seed + a.rank) for h, seed in ((a.heads, 1), (a.kv_heads, 100),
+                                                                              (a.kv_heads, 200)))
+    return timed(fn, *qkv, a, profile=a.profile and name == "megatron-cp"), plan
 
 
-SPARSE_IMPLS = ("megatron-cp+xattention", "megatron-cp+moba")
-SPARSE_ENVELOPES = ("causal", "packed")  # the envelopes the sparse rows run on (other masks: no row)
+def bench_sparse(name, mask, a):
+    """megatron-cp with a dynamic sparse selector inside ``mask``: (Timer.run's times, plan, the row's figures)."""
+    from bench_sparse import structured_qk  # i.i.d. q / k give near-uniform attention: nearly every block kept
 
-
-def sparse_selector(name, tiny):
-    """The selector of a sparse implementation at its default thresholds; ``tiny``: smaller blocks (the
-    CPU dry run's sequences hold a few of the published 128 / 512)."""
-    from megatron_cp import sparse
-
-    if name == "megatron-cp+xattention":
-        return sparse.XAttention(block=32) if tiny else sparse.XAttention()
-    if name == "megatron-cp+moba":
-        return sparse.MoBA(block=64) if tiny else sparse.MoBA()
-    raise ValueError(f"unknown sparse implementation {name!r}: one of {SPARSE_IMPLS}")
-
-
-def bench_sparse(name, mask, args, ctx):
-    """megatron-cp with a dynamic sparse selector inside ``mask`` (the envelope): (times as Timer.run,
-    plan, figures): figures hold the selector's block and parameters, the kept fraction and the bytes
-    (module doc), summed over ranks, and the most K/V bytes one rank received."""
-    rank, cp, device, dtype, group = ctx["rank"], ctx["cp"], ctx["device"], ctx["dtype"], ctx["group"]
-    sel = sparse_selector(name, args.tiny)
-    # whole blocks per rank and every row computed at home: what sparse_attention needs
-    plan = mcp.plan(mask, cp, block=sel.block, guest_rows="none")
-    be = kernels.get_backend(args.backend, device)
-    n = plan.num_local(rank)
-    # q / k with attention of a known shape per K/V head (tools/bench_sparse.py): i.i.d. inputs give
-    # near-uniform attention, where a threshold keeps nearly every block
-    from bench_sparse import structured_qk
-
-    qf, kf = structured_qk(plan.seqlen, args.heads, args.kv_heads, args.head_dim, device)
-    q = mcp.dispatch(qf.to(dtype), plan, group, seq_dim=0).requires_grad_()
-    k = mcp.dispatch(kf.to(dtype), plan, group, seq_dim=0).requires_grad_()
-    del qf, kf
-    v = _rand_local(n, args.kv_heads, args.head_dim, dtype, device, 200 + rank).requires_grad_()
-    do = torch.randn_like(q)
-
-    def fwd():
-        return mcp.sparse.sparse_attention(q, k, v, plan, group, sel, backend=be)[0]
-
-    def bwd(out):
-        out.backward(do)
-        q.grad = k.grad = v.grad = None
-
-    # the figures from one call outside the timed steps (its stats synchronise); the inputs are the timed
-    # steps', so the selection is theirs
-    st = {}
+    xa, elem = name == SPARSE_IMPLS[0], a.dtype.itemsize
+    # the dry run's sequences hold a few blocks of the published 128 / 512
+    sel = (mcp.sparse.XAttention if xa else mcp.sparse.MoBA)(**({"block": 32 if xa else 64} if a.dry_run else {}))
+    plan = mcp.plan(mask, a.cp, block=sel.block, guest_rows="none")  # what sparse_attention needs
+    qk = structured_qk(plan.seqlen, a.heads, a.kv_heads, a.head_dim, a.device)
+    q, k = (mcp.dispatch(t.to(a.dtype), plan, a.group, seq_dim=0).requires_grad_() for t in qk)
+    del qk  # the full sequences: GBs at 256k
+    v = _rand(plan.num_local(a.rank), a.kv_heads, a, 200 + a.rank)
+    attend = functools.partial(mcp.sparse.sparse_attention, plan=plan, group=a.group, selector=sel,
+                               backend=kernels.get_backend("auto", a.device))
+    st = {}  # the figures from one call outside the timed steps (its stats synchronise), on their inputs
     with torch.no_grad():
-        mcp.sparse.sparse_attention(q, k, v, plan, group, sel, backend=be, stats=st)
-    times = ctx["timer"].run(fwd, bwd, args.warmup, args.iters, group)
-    lay = mcp.sparse.sparse_layout(plan, rank, sel.block)
-    elem = torch.empty(0, dtype=dtype).element_size()
-    kv_row = 2 * args.kv_heads * args.head_dim * elem  # K and V of one token
-    if cp == 1:
-        sel_bytes = 0
-    elif name == "megatron-cp+xattention":  # the keys of every envelope block (whole blocks) held elsewhere
-        sel_bytes = int((lay.buf_owner != rank).sum()) * args.kv_heads * args.head_dim * elem
-    else:  # MoBA: an all-reduce of the pooled keys [nb, Hkv, D] in float32
-        sel_bytes = lay.num_blocks * args.kv_heads * args.head_dim * 4
-    t = torch.tensor([st["rows_received"] * kv_row, int(lay.recv_need.sum()) * kv_row, sel_bytes,
-                      st["blocks_selected"], st["blocks_envelope"]], dtype=torch.float64, device=device)
-    tmax = t.clone()
-    dist.all_reduce(t, group=group)
-    dist.all_reduce(tmax, op=dist.ReduceOp.MAX, group=group)
-    params = {f.name: getattr(sel, f.name) for f in dataclasses.fields(sel) if f.name not in ("block", "chunk_elements")}
-    figures = dict(selector=sel.name, block=sel.block, selector_params=params, inputs="structured",
-                   kept_fraction=float(t[3] / t[4]) if t[4] > 0 else 0.0,
-                   kv_bytes=int(t[0]), max_kv_bytes_received=int(tmax[0]), envelope_kv_bytes=int(t[1]),
-                   selector_bytes=int(t[2]), bytes_moved=int(t[0] + t[2]))
-    return times, plan, figures
+        attend(q, k, v, stats=st)
+    times = timed(lambda q, k, v: attend(q, k, v)[0], q, k, v, a)
+    lay, hd = mcp.sparse.sparse_layout(plan, a.rank, sel.block), a.kv_heads * a.head_dim
+    # XAttention reads the keys of every envelope block held elsewhere; MoBA all-reduces pooled keys (float32)
+    sel_bytes = 0 if a.cp == 1 else hd * (int((lay.buf_owner != a.rank).sum()) * elem if xa else lay.num_blocks * 4)
+    (got, need, sel_b, kept, env), (got_max, *_) = _sum_max(
+        [st["rows_received"] * 2 * hd * elem, int(lay.recv_need.sum()) * 2 * hd * elem, sel_bytes,
+         st["blocks_selected"], st["blocks_envelope"]], a)
+    p = {f.name: getattr(sel, f.name) for f in dataclasses.fields(sel) if f.name not in ("block", "chunk_elements")}
+    return times, plan, dict(selector=sel.name, block=sel.block, selector_params=p, inputs="structured",
+                             kept_fraction=kept / env if env > 0 else 0.0, kv_bytes=int(got),
+                             max_kv_bytes_received=int(got_max), envelope_kv_bytes=int(need),
+                             selector_bytes=int(sel_b), bytes_moved=int(got + sel_b))
 
 
-def bench_kernel_only(plan, args, ctx):
-    """Our kernel alone on this rank's megatron-cp tiles and K/V buffer (and, with guest rows, the call
-    over the guest tiles on its own keys): (flops, fwd_s, bwd_s, fwd back to back, bwd back to back), the
-    last two the slowest rank's (None on CPU)."""
-    rank, device, dtype = ctx["rank"], ctx["device"], ctx["dtype"]
-    rp = plan.ranks[rank]
-    be = ctx.get("backend") or kernels.get_backend(args.backend, device)  # the same backend as megatron-cp
+def kernel_only(base, plan, a):
+    """The kernel-only row: megatron-cp's backend alone on each rank's tiles and K/V buffer (and guest tiles), timed
+    as the implementations (the mean over ranks: the scaling check's reference; the slowest rank's too)."""
+    rp, be, runs = plan.ranks[a.rank], a.backend, []
     calls = [(rp.tiles, rp.num_tokens, max(rp.buffer_len, 1))]
-    n_guest = sum(rp.guest_recv_counts())
-    if len(rp.guest_tiles) and n_guest:
-        calls.append((rp.guest_tiles, n_guest, rp.num_tokens))
-    runs = []
+    if len(rp.guest_tiles) and sum(rp.guest_recv_counts()):
+        calls.append((rp.guest_tiles, sum(rp.guest_recv_counts()), rp.num_tokens))
     for i, (tiles, sq, sk) in enumerate(calls):
         prep = be.prepare(torch.from_numpy(tiles.astype("int32")), sq, sk)
-        q = _rand_local(sq, args.heads, args.head_dim, dtype, device, 1 + 10 * i)
-        k = _rand_local(sk, args.kv_heads, args.head_dim, dtype, device, 2 + 10 * i)
-        v = _rand_local(sk, args.kv_heads, args.head_dim, dtype, device, 3 + 10 * i)
+        q, k, v = (_rand(n, h, a, seed + 10 * i, grad=False)
+                   for n, h, seed in ((sq, a.heads, 1), (sk, a.kv_heads, 2), (sk, a.kv_heads, 3)))
         out, lse = be.forward(q, k, v, prep, None)
-        do = torch.randn_like(out)
-        runs.append((q, k, v, prep, out, lse, do))
-    t = ctx["timer"]
+        runs.append((q, k, v, prep, out, lse, torch.randn_like(out)))
 
-    # the calls as the runtime makes them: backward with delta None (the backend computes rowsum(dout *
-    # out) itself, and dense pieces take cuDNN's own path without checking a given delta against it)
     def fwd():
         for q, k, v, prep, *_ in runs:
             be.forward(q, k, v, prep, None)
 
-    def bwd():
+    def bwd(_):  # as the runtime calls it: delta None (dense pieces take cuDNN's own path, unchecked against one)
         for q, k, v, prep, out, lse, do in runs:
             be.backward(q, k, v, out, lse, do, prep, None, None)
 
-    for _ in range(args.warmup):
-        fwd()
-        bwd()
-    if device.type == "cuda":
-        # timed as the implementations' GPU time is (Timer.run): each phase queued behind a spin kernel
-        # that holds the stream, CUDA events from its end; medians over the iterations
-        times = torch.tensor([t.held(fwd, lambda _: bwd()) for _ in range(args.iters)], dtype=torch.float64)
-        t_f, t_b = (float(x) for x in times.median(dim=0).values)
-    else:
-        t.sync()
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            fwd()
-        t.sync()
-        t1 = time.perf_counter()
-        for _ in range(args.iters):
-            bwd()
-        t.sync()
-        t_f, t_b = (t1 - t0) / args.iters, (time.perf_counter() - t1) / args.iters
-    # and back to back, as the implementations' fwd_b2b_ms: the scaling of a training step's conditions
-    b2b = t.back_to_back(fwd, lambda _: bwd(), args.iters, ctx["group"])
-    flops = 4.0 * rp.area * args.heads * args.head_dim  # the rank's cells, guest cells included
-    return (flops, t_f, t_b) + b2b
+    (f_ms, b_ms), b2b = a.timer.medians(fwd, bwd, a.warmup, a.iters), a.timer.back_to_back(fwd, bwd, a.iters, a.group)
+    (flops, f, b), (_, f_max, b_max) = _sum_max([4.0 * rp.area * a.heads * a.head_dim, f_ms, b_ms], a)
+    row = dict(base, impl="kernel-only", fwd_ms=f / a.cp, bwd_ms=b / a.cp, fwd_max_ms=f_max, bwd_max_ms=b_max,
+               fwd_tflops_per_gpu=flops / f / 1e9, bwd_tflops_per_gpu=2.5 * flops / b / 1e9)
+    return row if b2b[0] is None else dict(row, fwd_b2b_ms=b2b[0] * 1e3, bwd_b2b_ms=b2b[1] * 1e3)
 
 
-_TORCH_CP_MODULES = (
-    "torch.distributed.tensor.experimental._attention",
-    "torch.distributed.tensor.experimental._context_parallel._attention",
-    "torch.distributed.tensor.experimental._context_parallel._load_balancer",
-    "torch.distributed.tensor.experimental._load_balancer",
-    "torch.distributed.tensor.experimental",
-)
+def _torch_cp(*names):
+    """The first of ``names`` that PyTorch's context-parallel package has, wherever this torch keeps it."""
+    pkg = "torch.distributed.tensor.experimental"
+    for name, mod in itertools.product(names, ("._attention", "._context_parallel._attention",
+                                               "._context_parallel._load_balancer", "._load_balancer", "")):
+        with contextlib.suppress(ImportError, AttributeError):
+            return getattr(importlib.import_module(pkg + mod), name)
+    raise ImportError(f"torch {torch.__version__} has none of {names} in {pkg}")
 
 
-def _torch_cp_attr(name):
-    """A (mostly private) name of PyTorch's context-parallel package, wherever this torch keeps it."""
-    import importlib
-
-    for mod in _TORCH_CP_MODULES:
-        try:
-            m = importlib.import_module(mod)
-        except ImportError:
-            continue
-        if hasattr(m, name):
-            return getattr(m, name)
-    raise ImportError(f"torch {torch.__version__} has no context-parallel name {name!r} in {_TORCH_CP_MODULES}")
-
-
-def _cp_block_mask(mask_mod, s, block, mesh, lb):
-    """PyTorch's CP BlockMask (Q shard x global KV). Its builder's name and signature change between
-    torch releases (public create_cp_block_mask / private _create_cp_block_mask, with or without
-    BLOCK_SIZE and load_balancer): pass what this version's signature names."""
-    import inspect
-
-    try:
-        fn = _torch_cp_attr("create_cp_block_mask")
-    except ImportError:
-        fn = _torch_cp_attr("_create_cp_block_mask")
-    params = inspect.signature(fn).parameters
-    values = {"mask_mod": mask_mod, "B": 1, "H": 1, "Q_LEN": s, "KV_LEN": s, "BLOCK_SIZE": (block, block),
-              "device_mesh": mesh, "load_balancer": lb}
-    missing = [n for n, p in params.items() if n not in values and p.default is inspect.Parameter.empty]
-    if missing:
-        raise TypeError(f"{fn.__module__}.{fn.__name__}{inspect.signature(fn)}: cannot fill {missing}")
-    return fn(**{n: v for n, v in values.items() if n in params})
-
-
-def bench_torch_native(mask_name, s, args, ctx):
-    """PyTorch's context parallel: SDPA ring (full/causal) or FlexAttention all-gather CP."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    cp, device, dtype, group = ctx["cp"], ctx["device"], ctx["dtype"], ctx["group"]
-    mesh = ctx.get("mesh")
-    if mesh is None:
-        mesh = ctx["mesh"] = DeviceMesh(device.type, list(range(cp)))
-    hq, hkv, d = args.heads, args.kv_heads, args.head_dim
+def bench_torch_native(mask_name, s, a):
+    """PyTorch's context parallel: SDPA ring (full / causal) or FlexAttention all-gather CP."""
+    mesh = a.mesh = getattr(a, "mesh", None) or DeviceMesh(a.device.type, list(range(a.cp)))
     g = torch.Generator(device="cpu").manual_seed(7)
-    q = (torch.randn(1, hq, s, d, generator=g) * 0.5).to(device, dtype)
-    k = (torch.randn(1, hkv, s, d, generator=g) * 0.5).to(device, dtype)
-    v = (torch.randn(1, hkv, s, d, generator=g) * 0.5).to(device, dtype)
-    if mask_name in ("full", "causal"):
-        import torch.nn.functional as F
-        from torch.distributed.tensor.experimental import context_parallel
-
-        causal = mask_name == "causal"
-        # head-tail load balancing is for causal only (the ring refuses a full mask with it on)
-        opts = _torch_cp_attr("_cp_options")
-        opts.enable_load_balance = causal
+    q, k, v = ((torch.randn(1, h, s, a.head_dim, generator=g) * 0.5).to(a.device, a.dtype)
+               for h in (a.heads, a.kv_heads, a.kv_heads))
+    if mask_name in ("full", "causal"):  # head-tail balance on causal only (the ring refuses it on full)
+        _torch_cp("_cp_options").enable_load_balance = causal = mask_name == "causal"
         with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
-            q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-            do = torch.randn_like(q)
-
-            def fwd():
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-
-            def bwd(out):
-                out.backward(do)
-                q.grad = k.grad = v.grad = None
-
-            return ctx["timer"].run(fwd, bwd, args.warmup, args.iters, group)
-    _context_parallel_shard = _torch_cp_attr("_context_parallel_shard")
-    _ContextParallel = _torch_cp_attr("_ContextParallel")
-    _HeadTailLoadBalancer = _torch_cp_attr("_HeadTailLoadBalancer")
-    _torch_cp_attr("_cp_options").enable_load_balance = True
-    from torch.distributed.tensor.parallel import parallelize_module
-    from torch.nn.attention.flex_attention import flex_attention
-
-    compiled = ctx.get("flex")
-    if compiled is None:
-        # every (mask, S) is a new mask_mod / shape: allow one compilation each instead of dynamo's 8
+            sdpa = functools.partial(F.scaled_dot_product_attention, is_causal=causal, enable_gqa=True)
+            return timed(sdpa, q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), a)
+    CP = _torch_cp("_ContextParallel")
+    _torch_cp("_cp_options").enable_load_balance = True
+    if not hasattr(a, "flex"):  # every (mask, S) is a new mask_mod / shape: one compilation each, not dynamo's 8
         import torch._dynamo as dynamo
 
-        dynamo.config.recompile_limit = 256
-        dynamo.config.accumulated_recompile_limit = 4096
-        compiled = ctx["flex"] = torch.compile(flex_attention, dynamic=False)
+        dynamo.config.recompile_limit, dynamo.config.accumulated_recompile_limit = 256, 4096
+        a.flex = torch.compile(flex_attention, dynamic=False)
 
     class Flex(torch.nn.Module):
         def forward(self, q, k, v, block_mask):
-            return compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+            return a.flex(q, k, v, block_mask=block_mask, enable_gqa=True)
 
-    mod = parallelize_module(Flex(), mesh, _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
-    lb = _HeadTailLoadBalancer(s, cp, device)
-    block = 128 if not args.tiny else 16
-    bm = _cp_block_mask(catalog.mask_mod(mask_name, s, device), s, block, mesh, lb)
-    ql, kl, vl = _context_parallel_shard(mesh, [q, k, v], [2, 2, 2], load_balancer=lb)
-    ql, kl, vl = (t.detach().contiguous().requires_grad_() for t in (ql, kl, vl))
-    do = torch.randn_like(ql)
+    mod = parallelize_module(Flex(), mesh, CP(seq_dim=2, attention_type=CP.AttentionType.FLEX))
+    lb = _torch_cp("_HeadTailLoadBalancer")(s, a.cp, a.device)
+    # the CP BlockMask (Q shard x global KV): the builder's name and signature change between torch releases
+    make, block = _torch_cp("create_cp_block_mask", "_create_cp_block_mask"), 16 if a.dry_run else 128
+    values = {"mask_mod": catalog.mask_mod(mask_name, s, a.device), "B": 1, "H": 1, "Q_LEN": s, "KV_LEN": s,
+              "BLOCK_SIZE": (block, block), "device_mesh": mesh, "load_balancer": lb}
+    bm = make(**{n: v for n, v in values.items() if n in inspect.signature(make).parameters})
+    local = _torch_cp("_context_parallel_shard")(mesh, [q, k, v], [2, 2, 2], load_balancer=lb)
+    ql, kl, vl = (t.detach().contiguous().requires_grad_() for t in local)
+    return timed(lambda q, k, v: mod(q, k, v, block_mask=bm), ql, kl, vl, a)
 
-    def fwd():
-        return mod(ql, kl, vl, block_mask=bm)
 
-    def bwd(out):
-        out.backward(do)
-        ql.grad = kl.grad = vl.grad = None
+def run_case(impl, mask, base, a):
+    """The rows of one implementation on one mask (an error recorded, not raised; megatron-cp: and kernel-only)."""
+    s, mname, cp = base["seqlen"], base["mask"], a.cp
+    rec = dict(base, impl=impl if impl != "torch-native" else
+               "torch-sdpa-ring" if mname in ("full", "causal") else "torch-flex-allgather")
+    a.profile_title = (f"{rec['impl']} {mname} S={s} rank {a.rank} of {cp} ({a.dev_name})"
+                       + (", right after another step (back to back)" if a.profile == "b2b" else ""))
+    try:
+        if impl == "torch-native":
+            times = bench_torch_native(mname, s, a)
+        elif impl in SPARSE_IMPLS:
+            times, plan, figures = bench_sparse(impl, mask, a)
+            rec.update(figures)
+        else:
+            times, plan = bench_ours(impl, mask, a)
+        flops = 4.0 * mask.area() * a.heads * a.head_dim / cp / 1e12  # forward TFLOP per GPU
+        for p, gpu, wall, b2b, x in (("fwd", *times[0::2], 1.0), ("bwd", *times[1::2], 2.5)):  # Timer.run's order
+            rec.update({f"{p}_ms": gpu * 1e3, f"{p}_tflops_per_gpu": x * flops / gpu, f"{p}_wall_ms": wall * 1e3,
+                        f"{p}_wall_tflops_per_gpu": x * flops / wall})
+            if b2b is not None:  # back to back: each rank's GPU and host issue times too
+                rec.update({f"{p}_b2b_ms": b2b * 1e3}, b2b_ranks_ms=[[y * 1e3 for y in r] for r in a.timer.b2b_ranks])
+        if impl != "megatron-cp":
+            return [rec]
+        stats = lambda p: p.stats(num_kv_heads=a.kv_heads, head_dim=a.head_dim, dtype_bytes=a.dtype)  # noqa: E731
+        st = stats(plan)
+        rec.update({k: st[k] for k in ("imbalance", "max_remote_kv_tokens", "guest_rows")}, kv_bytes=st["bytes_moved"],
+                   max_kv_bytes_received=st["max_bytes_received"],  # stages 0: a single exchange
+                   stages=[0 if x.schedule is None else x.schedule.num_stages for x in states_of(plan)],
+                   cudnn_off={str(key): found.reason for key, found in getattr(a.backend, "cudnn_probes", {}).items()
+                              if found.layout is None})  # families the cuDNN probe turned down: Triton alone
+        if a.topology is not None:  # bytes across the emulated nodes, with flat routes and with the flat plan
+            flat = dataclasses.replace(mcp.plan(mask, cp), topology=a.topology)
+            rec.update(inter_node_bytes=st["inter_node_bytes_hierarchical"],
+                       inter_node_bytes_flat_routes=st["inter_node_bytes"],
+                       flat_plan_inter_node_bytes=stats(flat)["inter_node_bytes"])
+        return [kernel_only(base, plan, a), rec]
+    except Exception as e:  # record and go on (a failure on every rank, e.g. an API missing)
+        rec["error"] = f"{type(e).__name__}: {e}"
+        if a.rank == 0:
+            traceback.print_exc()
+        if a.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return [rec]
 
-    return ctx["timer"].run(fwd, bwd, args.warmup, args.iters, group)
+
+def case_line(r):
+    """A case's line on stderr (--verbose; an error's always): its figures."""
+    skip = ("mask", "seqlen", "impl", "cp", "density", "b2b_ranks_ms", "selector_params")
+    return f"S={r['seqlen']:>7} {r['mask']:<15}{r['impl']:<22} " + "  ".join(
+        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items() if k not in skip)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU dry run")
-    ap.add_argument("--seqlens", default=None, help="comma list of total S (default 131072,262144; tiny 512,1024)")
+    ap = parser(__doc__, "out", timing=(2, 5))
+    ap.add_argument("--seqlens", default=None, help="comma list of total S (default 131072,262144; dry run 256)")
     ap.add_argument("--masks", default=",".join(catalog.DIST_MASKS))
-    ap.add_argument("--impls", default="megatron-cp,megatron-cp+xattention,megatron-cp+moba,ring,ulysses,usp,"
-                    "allgather,torch-native",
-                    help="comma list (module doc); the sparse ones run on the causal and packed masks only")
-    ap.add_argument("--heads", type=int, default=None)
-    ap.add_argument("--kv-heads", type=int, default=None)
-    ap.add_argument("--head-dim", type=int, default=None)
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--cost", default=None, help="CostModel JSON (tools/sim/calibrate.py) for megatron-cp's stage choice")
-    ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--out-dir", default="out",
-                    help="folder for the JSON and PNG (default out/, ignored by git); results the README quotes "
-                         "go to a dated folder benchmarks/YYYY-MM-DD_<device>_<what>/ (benchmarks/RESULTS.md)")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--profile", default=None, metavar="FILE",
-                    help="append a GPU timeline of one profiled megatron-cp step per case (rank 0's) to FILE")
-    ap.add_argument("--profile-b2b", action="store_true",
-                    help="profile a step issued right after another, no sync or hold (the back-to-back timing)")
-    ap.add_argument("--nodes", type=int, default=1,
-                    help="megatron-cp's plan and routes as if the GPUs were this many nodes (emulated on one host); "
-                         "its rows add the K/V bytes crossing the node boundary, and the flat plan's")
-    ap.add_argument("--verbose", action="store_true", help="each case's line on stderr (rank 0) as it finishes")
-    args = ap.parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if args.nodes < 1 or world % args.nodes:
-        raise SystemExit(f"--nodes {args.nodes} must be >= 1 and divide the {world} processes")
-    tiny = args.tiny
-    args.heads = args.heads or (4 if tiny else 32)
-    args.kv_heads = args.kv_heads or (2 if tiny else 8)
-    args.head_dim = args.head_dim or (16 if tiny else 128)
-    args.warmup = args.warmup if args.warmup is not None else (1 if tiny else 2)
-    args.iters = args.iters or (1 if tiny else 5)
-    seqlens = [int(x) for x in (args.seqlens or ("512,1024" if tiny else "131072,262144")).split(",")]
-
-    if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", 0))  # set by torchrun
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=10))
-        dtype = torch.bfloat16
-        dev_name = torch.cuda.get_device_name(device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
-        dtype = torch.bfloat16
-        dev_name = "cpu"
-    rank, cp = dist.get_rank(), dist.get_world_size()
-    group = dist.group.WORLD
-    ctx = dict(rank=rank, cp=cp, device=device, dtype=dtype, group=group, timer=Timer(device),
-               topology=mcp.Topology(args.nodes, cp // args.nodes) if args.nodes > 1 else None)
-    impls = args.impls.split(",")
-    results = []
-    masks = args.masks.split(",")
-    now = datetime.datetime.now(datetime.UTC)
-    meta = run_record(dev_name, "torchrun --nproc-per-node %d %s" % (cp, " ".join(sys.argv)), num_devices=cp,
-                      nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                dtype=str(dtype), masks={m: catalog.DESCRIPTIONS[m] for m in args.masks.split(",")},
-                flops="forward 4*area*Hq*D, backward 2.5x; per GPU = total / cp / slowest rank's time "
-                      "(sparse rows: the envelope's area, an effective rate)",
-                bytes="kv_bytes: K/V bytes received in the forward, summed over ranks (the backward returns "
-                      "as many dK/dV bytes); sparse rows add selector_bytes and envelope_kv_bytes")
-    stem = os.path.join(args.out_dir, f"bench_{cp}x{dev_name.replace(' ', '_')}_{now:%Y%m%d_%H%M}{args.tag}")
-
-    def save(complete):
-        """The JSON of the cases so far (rank 0, after every mask: a run cut short keeps what it measured)."""
-        os.makedirs(args.out_dir, exist_ok=True)
-        with open(stem + ".json", "w") as f:
-            json.dump({**meta, "complete": complete, "results": results,
-                       "checks": summarize(results, show=False)}, f, indent=1)
-
-    bar = Progress(len(seqlens) * len(masks) * len(impls), "bench_dist", enabled=rank == 0, verbose=args.verbose)
-    for s in seqlens:
-        for mname in masks:
-            mask = catalog.build(mname, s)
-            flops = 4.0 * mask.area() * args.heads * args.head_dim
-            base = dict(mask=mname, seqlen=s, cp=cp, density=mask.density())
-            ctx.update(mask_name=mname, seqlen=s, dev_name=dev_name)
-            for impl in impls:
-                if impl in SPARSE_IMPLS and mname not in SPARSE_ENVELOPES:
-                    bar.step()
-                    continue
-                if impl == "torch-native":
-                    name = "torch-sdpa-ring" if mname in ("full", "causal") else "torch-flex-allgather"
-                else:
-                    name = impl
-                rec = dict(base, impl=name)
-                bar.running(f"S={s} {mname} {name}")
-                try:
-                    if impl == "torch-native":
-                        tf, tb, wf, wb, sf, sb = bench_torch_native(mname, s, args, ctx)
-                    elif impl in SPARSE_IMPLS:
-                        (tf, tb, wf, wb, sf, sb), plan, figures = bench_sparse(impl, mask, args, ctx)
-                        rec.update(figures)
-                    else:
-                        (tf, tb, wf, wb, sf, sb), plan = bench_ours(impl, mask, args, ctx)
-                    rec.update(fwd_ms=tf * 1e3, bwd_ms=tb * 1e3, fwd_tflops_per_gpu=flops / cp / tf / 1e12,
-                               bwd_tflops_per_gpu=2.5 * flops / cp / tb / 1e12,
-                               fwd_wall_ms=wf * 1e3, bwd_wall_ms=wb * 1e3,
-                               fwd_wall_tflops_per_gpu=flops / cp / wf / 1e12,
-                               bwd_wall_tflops_per_gpu=2.5 * flops / cp / wb / 1e12)
-                    if sf is not None:  # back-to-back steps (Timer.back_to_back)
-                        rec.update(fwd_b2b_ms=sf * 1e3, bwd_b2b_ms=sb * 1e3,
-                                   b2b_ranks_ms=[[x * 1e3 for x in r] for r in ctx["timer"].b2b_ranks])
-                    if impl == "megatron-cp":
-                        st = plan.stats()
-                        rec["imbalance"] = st["imbalance"]
-                        rec["max_remote_kv_tokens"] = st["max_remote_kv_tokens"]
-                        rec["guest_rows"] = st["guest_rows"]
-                        # K/V bytes the plan moves (received, summed over ranks; the backward returns as many)
-                        kvb = plan.stats(num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype_bytes=dtype)
-                        rec["kv_bytes"] = kvb["bytes_moved"]
-                        rec["max_kv_bytes_received"] = kvb["max_bytes_received"]
-                        if ctx["topology"] is not None:  # bytes crossing the emulated node boundary
-                            flat = dataclasses.replace(mcp.plan(mask, cp), topology=ctx["topology"])
-                            fl = flat.stats(num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype_bytes=dtype)
-                            rec.update(inter_node_bytes=kvb["inter_node_bytes_hierarchical"],
-                                       inter_node_bytes_flat_routes=kvb["inter_node_bytes"],
-                                       flat_plan_inter_node_bytes=fl["inter_node_bytes"])
-                        # the runtime's exchange choice (runtime.schedule.choose_schedule; 0 = single exchange)
-                        rec["stages"] = [0 if st.schedule is None else st.schedule.num_stages for st in states_of(plan)]
-                        be = ctx["backend"]  # families the cuDNN probe turned down (run on Triton alone)
-                        rec["cudnn_off"] = ({str(key): found.reason for key, found in be.cudnn_probes.items()
-                                             if found.layout is None} if isinstance(be, kernels.TritonBackend) else {})
-                        kf, kt_f, kt_b, kb_f, kb_b = bench_kernel_only(plan, args, ctx)
-                        t = torch.tensor([kf, kt_f, kt_b], dtype=torch.float64, device=device)
-                        tmax = t.clone()
-                        dist.all_reduce(t, group=group)
-                        dist.all_reduce(tmax, op=dist.ReduceOp.MAX, group=group)
-                        # mean over ranks (the scaling check's reference) and the slowest rank's kernel time
-                        results.append(dict(base, impl="kernel-only", fwd_ms=float(t[1]) / cp * 1e3,
-                                            bwd_ms=float(t[2]) / cp * 1e3,
-                                            fwd_max_ms=float(tmax[1]) * 1e3, bwd_max_ms=float(tmax[2]) * 1e3,
-                                            fwd_tflops_per_gpu=float(t[0]) / float(t[1]) / 1e12,
-                                            bwd_tflops_per_gpu=2.5 * float(t[0]) / float(t[2]) / 1e12))
-                        if kb_f is not None:  # the slowest rank's, like the implementations' back to back
-                            results[-1].update(fwd_b2b_ms=kb_f * 1e3, bwd_b2b_ms=kb_b * 1e3)
-                except Exception as e:  # record and go on (a failure on every rank, e.g. an API missing)
-                    rec["error"] = f"{type(e).__name__}: {e}"
-                    if rank == 0:
-                        traceback.print_exc()
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                results.append(rec)
-                if "error" in rec:
-                    if rank == 0:
-                        bar.note(f"S={s:>7} {mname:<15}{name:<22} ERROR {rec['error'][:150]}")
-                    bar.step()
-                else:
-                    bar.step(f"S={s:>7} {mname:<15}{name:<22} fwd {rec['fwd_tflops_per_gpu']:7.1f}  bwd "
-                        f"{rec['bwd_tflops_per_gpu']:7.1f} TFLOP/s/GPU  ({rec['fwd_ms']:.2f} / {rec['bwd_ms']:.2f} ms; "
-                        f"wall {rec['fwd_wall_ms']:.2f} / {rec['bwd_wall_ms']:.2f} ms"
-                        + (f"; back to back {rec['fwd_b2b_ms']:.2f} / {rec['bwd_b2b_ms']:.2f} ms, ranks' GPU fwd "
-                           + "|".join(f"{r[0]:.2f}" for r in rec["b2b_ranks_ms"]) + " ms, host issue "
-                           + f"{max(r[2] for r in rec['b2b_ranks_ms']):.2f} / {max(r[3] for r in rec['b2b_ranks_ms']):.2f} ms"
-                           if "fwd_b2b_ms" in rec else "")
-                        + ")" + (f"  stages {rec['stages']}" if "stages" in rec else "")
-                        + (f"  kept {rec['kept_fraction']:.3f}, K/V bytes {rec['kv_bytes']}"
-                           f" (envelope {rec['envelope_kv_bytes']}), selector bytes {rec['selector_bytes']}"
-                           if "kept_fraction" in rec else "")
-                        + (f"  cuDNN off: {rec['cudnn_off']}" if rec.get("cudnn_off") else "")
-                        + (f"  between nodes {rec['inter_node_bytes']} B (flat plan {rec['flat_plan_inter_node_bytes']} B)"
-                           if "inter_node_bytes" in rec else ""))
-                dist.barrier(group)
-            if rank == 0:
-                save(complete=False)
+    ap.add_argument("--impls", default=IMPLS, help="comma list (module doc); the sparse ones run on causal and packed")
+    ap.add_argument("--heads", type=int, default=None, help="query heads (default 32; dry run 4)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default 8; dry run 2)")
+    ap.add_argument("--cost", default=None, help="CostModel JSON (tools/sim/calibrate.py) for megatron-cp's stages")
+    ap.add_argument("--profile", choices=("idle", "b2b"), default=None, help="profile one more megatron-cp step per "
+                    "case, on an idle GPU or right after another step with no sync (as back to back)")
+    ap.add_argument("--nodes", type=int, default=1, help="plan megatron-cp as if the GPUs were this many nodes")
+    a = ap.parse_args(argv)
+    world, dry = int(os.environ.get("WORLD_SIZE", 1)), a.dry_run
+    if a.nodes < 1 or world % a.nodes:
+        raise SystemExit(f"--nodes {a.nodes} must be >= 1 and divide the {world} processes")
+    a.heads, a.kv_heads, a.head_dim = a.heads or (4 if dry else 32), a.kv_heads or (2 if dry else 8), 16 if dry else 128
+    a.warmup, a.iters = (min(a.warmup, 1), min(a.iters, 1)) if dry else (a.warmup, a.iters)  # dry: times mean nothing
+    seqlens, masks = [int(x) for x in (a.seqlens or ("256" if dry else "131072,262144")).split(",")], a.masks.split(",")
+    a.device = torch.device("cpu") if dry else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if not dry:
+        torch.cuda.set_device(a.device)
+    dist.init_process_group("gloo" if dry else "nccl", device_id=None if dry else a.device,
+                            timeout=datetime.timedelta(minutes=10))
+    vars(a).update(rank=dist.get_rank(), cp=dist.get_world_size(), group=dist.group.WORLD, dtype=torch.bfloat16,
+                   timer=Timer(a.device), dev_name="cpu" if dry else torch.cuda.get_device_name(a.device),
+                   cost_model=CostModel.load(a.cost) if a.cost else None)
+    a.topology = mcp.Topology(a.nodes, a.cp // a.nodes) if a.nodes > 1 else None
+    stem = os.path.join(out_dir(a), f"bench_dist{a.tag}") if a.rank == 0 else None
+    a.profile_path = f"{stem}_profile.txt"
+    meta = run_record(a.dev_name, f"torchrun --nproc-per-node {a.cp} {os.path.relpath(sys.argv[0])} "
+                      + " ".join(sys.argv[1:]), num_devices=a.cp, nodes=a.nodes, heads=a.heads, kv_heads=a.kv_heads,
+                      head_dim=a.head_dim, dtype=str(a.dtype), masks={m: catalog.DESCRIPTIONS[m] for m in masks},
+                      flops="forward 4*area*Hq*D, backward 2.5x; per GPU: / cp / the slowest rank's time",
+                      bytes="kv_bytes: forward K/V bytes received, summed over ranks")
+    results, impls = [], a.impls.split(",")
+    bar = Progress(len(seqlens) * len(masks) * len(impls), "bench_dist", enabled=a.rank == 0, verbose=a.verbose)
+    for s, mname in itertools.product(seqlens, masks):
+        mask = catalog.build(mname, s)
+        for impl in impls:
+            if impl in SPARSE_IMPLS and mname not in ("causal", "packed"):
+                bar.step()
+                continue
+            bar.running(f"S={s} {mname} {impl}")
+            results += run_case(impl, mask, dict(mask=mname, seqlen=s, cp=a.cp, density=mask.density()), a)
+            if "error" in results[-1] and a.rank == 0:
+                bar.note(case_line(results[-1]))
+            bar.step(None if "error" in results[-1] else case_line(results[-1]))
+            dist.barrier(a.group)
+        if a.rank == 0:  # after every mask: a run cut short keeps what it measured
+            write_json(stem + ".json", {**meta, "complete": (s, mname) == (seqlens[-1], masks[-1]), "results": results,
+                                        "checks": summarize(results, False)})
     bar.close()
-    if rank == 0:
-        save(complete=True)
+    if a.rank == 0:
         plot(results, meta, stem + ".png")
-        print(f"wrote {stem}.json and {stem}.png")
-        print("\n".join(summary_table(results, summarize(results, show=False))))
+        print(f"wrote {stem}.json\n" + "\n".join(summary_table(results, summarize(results, False))))
     dist.destroy_process_group()
 
 
 def summarize(results, show=True):
-    """The issue's targets: causal vs torch SDPA ring (>= 1.1x), sparse masks vs torch Flex CP
-    (>= 1.5x), and megatron-cp per-GPU throughput >= 90% of kernel-only on the same work; and each sparse
-    row against the dense envelope (the megatron-cp row of the same mask and S), ``sparse_vs_dense``: time
-    ratios (sparse / dense GPU time, below 1 is faster), bytes ratios (K/V bytes, and all bytes with the
-    selector's, over the dense row's K/V bytes; and K/V bytes over the dense exchange of the sparse plan's own
-    block layout; None where the reference moves none) and the kept fraction.
-    Returns the checks; ``show``: prints the summary table of ``results`` (``summary_table``) too."""
+    """The checks per S and mask (``show``: printed as ``summary_table``): megatron-cp vs the torch peer (``need``)
+    and vs kernel-only (``scaling``) in each timing; each sparse row's time and bytes vs the dense envelope's."""
     checks = []
-    get = lambda m, s, impl: next((r for r in results if r["mask"] == m and r["seqlen"] == s  # noqa: E731
-                                   and r["impl"] == impl and "error" not in r), None)
-    for s in sorted({r["seqlen"] for r in results}):
-        for m in sorted({r["mask"] for r in results}):
-            ours = get(m, s, "megatron-cp")
-            if ours is None:
-                continue
+    ok = {(r["mask"], r["seqlen"], r["impl"]): r for r in results if "error" not in r}
+    for s, m in itertools.product(sorted({r["seqlen"] for r in results}), sorted({r["mask"] for r in results})):
+        if (ours := ok.get((m, s, "megatron-cp"))) is not None:
             ref_name = "torch-sdpa-ring" if m in ("full", "causal") else "torch-flex-allgather"
-            ref = get(m, s, ref_name)
-            kern = get(m, s, "kernel-only")
-            c = dict(mask=m, seqlen=s)
-            wall = "fwd_wall_tflops_per_gpu" in ours
+            ref, kern, c = ok.get((m, s, ref_name)), ok.get((m, s, "kernel-only")), dict(mask=m, seqlen=s)
             if ref is not None:
-                need = 1.1 if m in ("full", "causal") else 1.5
-                c.update(vs=ref_name, fwd_ratio=ours["fwd_tflops_per_gpu"] / ref["fwd_tflops_per_gpu"],
-                         bwd_ratio=ours["bwd_tflops_per_gpu"] / ref["bwd_tflops_per_gpu"], need=need)
-                if wall and "fwd_wall_tflops_per_gpu" in ref:
-                    c.update(fwd_wall_ratio=ours["fwd_wall_tflops_per_gpu"] / ref["fwd_wall_tflops_per_gpu"],
-                             bwd_wall_ratio=ours["bwd_wall_tflops_per_gpu"] / ref["bwd_wall_tflops_per_gpu"])
-            if kern is not None:
-                c.update(fwd_scaling=ours["fwd_tflops_per_gpu"] / kern["fwd_tflops_per_gpu"],
-                         bwd_scaling=ours["bwd_tflops_per_gpu"] / kern["bwd_tflops_per_gpu"])
-                if wall:
-                    c.update(fwd_wall_scaling=ours["fwd_wall_tflops_per_gpu"] / kern["fwd_tflops_per_gpu"],
-                             bwd_wall_scaling=ours["bwd_wall_tflops_per_gpu"] / kern["bwd_tflops_per_gpu"])
-            sparse = []
-            for impl in SPARSE_IMPLS:
-                sp = get(m, s, impl)
-                if sp is None:
+                c.update(vs=ref_name, need=1.1 if m in ("full", "causal") else 1.5)
+            for (other, kind), p in itertools.product(((ref, "ratio"), (kern, "scaling")), ("fwd", "bwd")):
+                if other is None:
                     continue
-                dense_bytes = ours.get("kv_bytes") or 0
-                sparse.append(dict(impl=impl, kept_fraction=sp["kept_fraction"],
-                                   fwd_time_ratio=sp["fwd_ms"] / ours["fwd_ms"],
-                                   bwd_time_ratio=sp["bwd_ms"] / ours["bwd_ms"],
-                                   kv_bytes_ratio=sp["kv_bytes"] / dense_bytes if dense_bytes else None,
-                                   bytes_ratio=sp["bytes_moved"] / dense_bytes if dense_bytes else None,
-                                   # what the selection saves on its own block layout's dense exchange
-                                   layout_kv_bytes_ratio=(sp["kv_bytes"] / sp["envelope_kv_bytes"]
-                                                          if sp["envelope_kv_bytes"] else None)))
+                tput, wall, b2b = f"{p}_tflops_per_gpu", f"{p}_wall_tflops_per_gpu", f"{p}_b2b_ms"
+                c[f"{p}_{kind}"] = ours[tput] / other[tput]
+                wall_ref = wall if kind == "ratio" else tput  # kernel-only: GPU time only
+                if wall in ours and wall_ref in other:
+                    c[f"{p}_wall_{kind}"] = ours[wall] / other[wall_ref]
+                if ours.get(b2b) and other.get(b2b):  # same FLOPs: the time ratio is the throughput ratio
+                    c[f"{p}_b2b_{kind}"] = other[b2b] / ours[b2b]
+            dense = ours.get("kv_bytes") or 0
+            div = lambda a, b: a / b if b else None  # noqa: E731
+            sparse = [dict(impl=i, kept_fraction=sp["kept_fraction"], fwd_time_ratio=sp["fwd_ms"] / ours["fwd_ms"],
+                           bwd_time_ratio=sp["bwd_ms"] / ours["bwd_ms"], kv_bytes_ratio=div(sp["kv_bytes"], dense),
+                           bytes_ratio=div(sp["bytes_moved"], dense),
+                           layout_kv_bytes_ratio=div(sp["kv_bytes"], sp["envelope_kv_bytes"]))
+                      for i in SPARSE_IMPLS if (sp := ok.get((m, s, i))) is not None]
             if sparse:
                 c["sparse_vs_dense"] = sparse
-            b2b = [r for r in (ours, ref, kern) if r is not None and r.get("fwd_b2b_ms")]
-            if ours in b2b and ref in b2b:  # same FLOPs: the time ratio is the throughput ratio
-                c.update(fwd_b2b_ratio=ref["fwd_b2b_ms"] / ours["fwd_b2b_ms"],
-                         bwd_b2b_ratio=ref["bwd_b2b_ms"] / ours["bwd_b2b_ms"])
-            if ours in b2b and kern in b2b:
-                c.update(fwd_b2b_scaling=kern["fwd_b2b_ms"] / ours["fwd_b2b_ms"],
-                         bwd_b2b_scaling=kern["bwd_b2b_ms"] / ours["bwd_b2b_ms"])
             checks.append(c)
     if show:
         print("\n".join(summary_table(results, checks)))
@@ -608,82 +351,49 @@ def summarize(results, show=True):
 
 
 def check_text(c):
-    """A check's cell of the summary table: ratios vs the torch peer (GPU time, need), scaling vs
-    kernel-only, and the same for wall time and back-to-back steps where measured."""
-    parts = []
-    if "fwd_ratio" in c:
-        parts.append(f"vs {c['vs']}: fwd {c['fwd_ratio']:.2f}x bwd {c['bwd_ratio']:.2f}x (need {c['need']}x)")
+    """A check's cell of the summary table."""
+    parts = ([f"vs {c['vs']}: fwd {c['fwd_ratio']:.2f}x bwd {c['bwd_ratio']:.2f}x (need {c['need']}x)"]
+             if "vs" in c else [])
     if "fwd_scaling" in c:
         parts.append(f"scaling vs kernel-only: fwd {c['fwd_scaling']:.2f} bwd {c['bwd_scaling']:.2f}")
     for tag, label in (("wall", "wall time"), ("b2b", "back to back")):  # the other two timings
-        sub = []
-        if f"fwd_{tag}_ratio" in c:
-            sub.append(f"{c[f'fwd_{tag}_ratio']:.2f}x / {c[f'bwd_{tag}_ratio']:.2f}x")
-        if f"fwd_{tag}_scaling" in c:
-            sub.append(f"scaling {c[f'fwd_{tag}_scaling']:.2f} / {c[f'bwd_{tag}_scaling']:.2f}")
+        sub = [f"{pre}{c[f'fwd_{tag}_{k}']:.2f}{x} / {c[f'bwd_{tag}_{k}']:.2f}{x}"
+               for k, pre, x in (("ratio", "", "x"), ("scaling", "scaling ", "")) if f"fwd_{tag}_{k}" in c]
         if sub:
             parts.append(f"{label}: " + ", ".join(sub))
-    for x in c.get("sparse_vs_dense", ()):  # time and bytes of a sparse row over the dense envelope's
-        ratio = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
-        parts.append(f"{x['impl']} vs dense envelope: time fwd {x['fwd_time_ratio']:.2f}x bwd "
-                     f"{x['bwd_time_ratio']:.2f}x, K/V bytes {ratio(x['kv_bytes_ratio'])} (with selector "
-                     f"{ratio(x['bytes_ratio'])}; of its block layout's dense exchange "
-                     f"{ratio(x['layout_kv_bytes_ratio'])}), kept {x['kept_fraction']:.3f}")
+    ratio = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
+    parts += [f"{x['impl']} vs dense envelope: time fwd {x['fwd_time_ratio']:.2f}x bwd {x['bwd_time_ratio']:.2f}x, "
+              f"K/V bytes {ratio(x['kv_bytes_ratio'])} (with selector {ratio(x['bytes_ratio'])}; of its block "
+              f"layout's dense exchange {ratio(x['layout_kv_bytes_ratio'])}), kept {x['kept_fraction']:.3f}"
+              for x in c.get("sparse_vs_dense", ())]
     return "; ".join(parts)
 
 
 def summary_table(results, checks):
-    """The closing table (lines): per S and mask, each implementation's fwd / bwd TFLOP/s per GPU (GPU
-    time; err: it failed) and the checks' text."""
+    """The closing table (lines): per S and mask, each implementation's fwd / bwd TFLOP/s and the checks' text."""
     impls = sorted(dict.fromkeys(r["impl"] for r in results), key=lambda i: i == "kernel-only")  # it last
-
-    def tf(x):  # CPU dry runs' tiny rates keep two digits
-        return f"{x:.1f}" if x >= 1 else f"{x:.2g}"
-
+    tf = lambda x: f"{x:.1f}" if x >= 1 else f"{x:.2g}"  # noqa: E731  (the dry run's tiny rates: two digits)
     text = {(c["seqlen"], c["mask"]): check_text(c) for c in checks}
-    rows = []
-    for s, m in dict.fromkeys((r["seqlen"], r["mask"]) for r in results):
-        cells = []
-        for impl in impls:
-            r = next((x for x in results if x["seqlen"] == s and x["mask"] == m and x["impl"] == impl), None)
-            cells.append("-" if r is None else "err" if "error" in r else
-                         f"{tf(r['fwd_tflops_per_gpu'])} / {tf(r['bwd_tflops_per_gpu'])}")
-        rows.append([s, m, *cells, text.get((s, m), "")])
+    got = {(r["seqlen"], r["mask"], r["impl"]): r for r in results}
+    cell = lambda r: ("-" if r is None else "err" if "error" in r  # noqa: E731
+                      else f"{tf(r['fwd_tflops_per_gpu'])} / {tf(r['bwd_tflops_per_gpu'])}")
+    rows = [[s, m, *(cell(got.get((s, m, i))) for i in impls), text.get((s, m), "")]
+            for s, m in dict.fromkeys((r["seqlen"], r["mask"]) for r in results)]
     return (["TFLOP/s per GPU as fwd / bwd (GPU time; sparse rows: the envelope's FLOPs); checks: megatron-cp "
              "vs the torch peer and vs kernel-only, the sparse rows' time and bytes vs the dense envelope"]
             + markdown_table(["S", "mask", *impls, "checks"], rows))
 
 
 def plot(results, meta, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no PNG")
+    """TFLOP/s per GPU, one panel per S and phase, a bar per mask and implementation."""
+    if not (ok := [r for r in results if "error" not in r]):
         return
-    ok = [r for r in results if "error" not in r]
-    seqlens = sorted({r["seqlen"] for r in ok})
-    masks = list(dict.fromkeys(r["mask"] for r in ok))
-    impls = list(dict.fromkeys(r["impl"] for r in ok))
-    fig, axes = plt.subplots(len(seqlens), 2, figsize=(16, 4.5 * len(seqlens)), squeeze=False)
-    w = 0.8 / max(len(impls), 1)
-    for i, s in enumerate(seqlens):
-        for j, key in enumerate(("fwd_tflops_per_gpu", "bwd_tflops_per_gpu")):
-            ax = axes[i][j]
-            for n, impl in enumerate(impls):
-                ys = [next((r[key] for r in ok if r["seqlen"] == s and r["mask"] == m and r["impl"] == impl), 0)
-                      for m in masks]
-                ax.bar([x + n * w for x in range(len(masks))], ys, w, label=impl)
-            ax.set_xticks([x + 0.4 - w / 2 for x in range(len(masks))], masks, rotation=20)
-            ax.set_ylabel("TFLOP/s per GPU")
-            ax.set_title(f"{'forward' if j == 0 else 'backward'}, S = {s}")
-            if i == 0 and j == 0:
-                ax.legend(fontsize=8)
-    fig.suptitle(f"{meta['num_devices']} x {meta['device']}, {meta['date']}\n{meta['command']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    masks, impls = list(dict.fromkeys(r["mask"] for r in ok)), list(dict.fromkeys(r["impl"] for r in ok))
+    val = {(r["seqlen"], r["mask"], r["impl"], p): r[f"{p}_tflops_per_gpu"] for r in ok for p in ("fwd", "bwd")}
+    panels = [dict(labels=masks, ylabel="TFLOP/s per GPU", title=f"{title}, S = {s}",
+                   series={i: [val.get((s, m, i, p), 0) for m in masks] for i in impls})
+              for s in sorted({r["seqlen"] for r in ok}) for p, title in (("fwd", "forward"), ("bwd", "backward"))]
+    bar_panels(path, panels, f"{meta['num_devices']} x {meta['device']}, {meta['date']}\n{meta['command']}", cols=2)
 
 
 if __name__ == "__main__":
