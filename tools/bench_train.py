@@ -80,12 +80,10 @@ def _busy_ms(prof) -> tuple[float, float]:
     """Rank 0's device time in a profiled step, intervals merged across streams: (compute and copies, NCCL
     kernels). Apart because an NCCL kernel also runs while it waits for a rank that is still issuing: counted
     with the rest it can exceed the step itself."""
-    def merged(spans):
+    def merged(spans):  # ms the union of the (start, end) us spans covers
         busy, end = 0.0, -1.0
         for a, b in sorted(spans):
-            if b > end:
-                busy += b - max(a, end)
-                end = b
+            busy, end = busy + max(0.0, b - max(a, end)), max(end, b)
         return busy / 1e3
 
     ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+import torch
+
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TOOLS)
 from common import out_dir, parser, run_record, write_json  # noqa: E402
@@ -62,11 +64,6 @@ def step_commands(args) -> dict:
     return {s: cmds[s] for s in args.steps if not (dry and s in GPU_ONLY)}
 
 
-def written(out, name, argv):
-    """The JSON step ``name`` run as ``argv`` writes."""
-    return os.path.join(out, WRITES[name] + (argv[argv.index("--tag") + 1] if "--tag" in argv else "") + ".json")
-
-
 def main(argv=None):
     ap = parser(__doc__, "out/suite")
     ap.add_argument("--nproc", type=int, default=None, help="processes per torchrun (default: the GPUs; dry run 2)")
@@ -83,8 +80,6 @@ def main(argv=None):
     if bad:
         raise ValueError(f"--steps: unknown step(s) {bad}; choose from {STEPS}")
     args.steps = [s for s in STEPS if s in args.steps.split(",")]
-    import torch
-
     if not args.dry_run and not torch.cuda.is_available():
         raise ValueError("no GPU visible: pass --dry-run for the CPU sequence")
     device = "cpu" if args.dry_run else torch.cuda.get_device_name(0)
@@ -110,7 +105,8 @@ def main(argv=None):
                                             error="needs the calibrate and bench steps' outputs in --out"))
                 failed.append(name)
         for i, argv_i in enumerate(runs):
-            path = written(out, name, argv_i)
+            path = os.path.join(out, WRITES[name] + (argv_i[argv_i.index("--tag") + 1] if "--tag" in argv_i else "")
+                                + ".json")  # what the step writes
             log = os.path.join(out, "logs", f"{name}{'_%d' % i if len(runs) > 1 else ''}_{stamp}.log")
             print(f"[suite] {name}: {' '.join(argv_i)}", flush=True)
             t0 = time.time()
