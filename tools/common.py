@@ -1,14 +1,9 @@
-"""What the tools share (a module, not a tool):
-
-- timing: ``Timer``. tools/bench_dist.py and tools/sim/calibrate.py must time kernels the same way, or the cost
-  model the second fits would predict another quantity than the first measures.
-- progress: ``Progress`` (a tqdm bar on stderr naming the running case; per-case lines only with --verbose;
-  failures always, above the bar; redrawn every ``NON_TTY_INTERVAL_S`` where stderr is not a terminal) and
-  ``markdown_table`` (the one table on stdout at the end).
-- result records: ``run_record`` (device, UTC date, command, torch) and ``write_json`` (after every case: a run
-  cut short keeps what it measured).
-- the common arguments: ``parser`` and ``out_dir``.
-- pictures: ``bar_panels``; profiling (bench_dist --profile): ``profile_step`` and ``timeline_summary``.
+"""What the tools share (a module, not a tool): timing (``Timer``: every tool times kernels the same way, or the
+cost model tools/sim/calibrate.py fits would predict another quantity than the benchmarks measure); progress
+(``Progress``: a tqdm bar on stderr naming the running case, per-case lines with --verbose, failures always;
+``markdown_table``: the one table on stdout at the end); result records (``run_record``, ``write_json``, written
+after every case: a run cut short keeps what it measured); the common arguments (``parser``, ``out_dir``);
+pictures (``bar_panels``) and profiling (``profile_step``, ``timeline_summary``: bench_dist --profile).
 """
 
 from __future__ import annotations
@@ -30,12 +25,9 @@ from tqdm import tqdm
 from megatron_cp.comm import all_gather_single
 
 
-# -- result records --------------------------------------------------------------------------------------------------
 def device_name(device=None) -> str:
     """The GPU's name for a CUDA ``device`` (default: the current one when CUDA is up), else "cpu"."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 
 
@@ -55,7 +47,6 @@ def write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=1, default=str)
 
 
-# -- the common arguments --------------------------------------------------------------------------------------------
 def parser(doc: str, out: str, timing: tuple[int, int] | None = None) -> argparse.ArgumentParser:
     """A parser for a tool documented by ``doc``, with the arguments every tool shares, one meaning in all:
     --dry-run (CPU, tiny sizes), --out (a folder; default ``out``), --tag, --verbose and with ``timing`` (their
@@ -81,7 +72,6 @@ def out_dir(args) -> str:
     return args.out
 
 
-# -- pictures --------------------------------------------------------------------------------------------------------
 def bar_panels(path: str, panels: list[dict], title: str, cols: int = 1) -> None:
     """Grouped bar charts in a grid of ``cols`` columns, saved as ``path``. Each panel is a dict: ``labels`` (the
     x ticks), ``series`` ({name: one value per label}), ``ylabel``, optional ``title`` and ``hline`` (a reference
@@ -91,8 +81,7 @@ def bar_panels(path: str, panels: list[dict], title: str, cols: int = 1) -> None
     except ImportError:
         print("matplotlib missing: no PNG (pip install megatron-cp[plot])", file=sys.stderr)
         return
-    rows = math.ceil(len(panels) / cols)
-    width = max(len(p["labels"]) for p in panels) * cols
+    rows, width = math.ceil(len(panels) / cols), max(len(p["labels"]) for p in panels) * cols
     fig = Figure(figsize=(max(8.0, 1.2 * width + 2), 3.6 * rows))
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax, p in zip(axes, panels):
@@ -113,8 +102,6 @@ def bar_panels(path: str, panels: list[dict], title: str, cols: int = 1) -> None
     fig.savefig(path, dpi=110)
     print("wrote", path)
 
-
-# -- timing ----------------------------------------------------------------------------------------------------------
 
 class Timer:
     """Times a forward + backward step three ways (``run``: medians of the slowest rank's times):
@@ -159,23 +146,24 @@ class Timer:
         del out
         return ev[0].elapsed_time(ev[1]) / 1e3, ev[2].elapsed_time(ev[3]) / 1e3
 
+    def wall(self, fwd, bwd):
+        """(fwd, bwd) wall seconds of one step, the device synchronised around each phase."""
+        self.sync()
+        t0 = time.perf_counter()
+        out = fwd()
+        self.sync()
+        t1 = time.perf_counter()
+        bwd(out)
+        self.sync()
+        return t1 - t0, time.perf_counter() - t1
+
     def medians(self, fwd, bwd=None, warmup: int = 0, iters: int = 1):
         """Medians of (fwd, bwd) milliseconds of ``fwd() -> out``, ``bwd(out)`` (None: forward only) over ``iters``
         steps after ``warmup``; on CUDA behind a held stream, on the CPU wall clock."""
         back = bwd if bwd is not None else (lambda out: None)
         for _ in range(warmup):
             back(fwd())
-        rows = []
-        for _ in range(iters):
-            if self.device.type == "cuda":
-                rows.append(self.held(fwd, back))
-            else:
-                t0 = time.perf_counter()
-                out = fwd()
-                t1 = time.perf_counter()
-                back(out)
-                rows.append((t1 - t0, time.perf_counter() - t1))
-                del out
+        rows = [self.held(fwd, back) if self.device.type == "cuda" else self.wall(fwd, back) for _ in range(iters)]
         med = torch.tensor(rows, dtype=torch.float64).median(dim=0).values * 1e3
         return float(med[0]), (float(med[1]) if bwd is not None else None)
 
@@ -228,25 +216,17 @@ class Timer:
 
     def run(self, fwd, bwd, warmup, iters, group):
         """(fwd, bwd, fwd wall, bwd wall, fwd back to back, bwd back to back) seconds (the last two None on CPU)."""
-        cuda = self.device.type == "cuda"
         rows = []
         for i in range(warmup + iters):
             self.sync()
             dist.barrier(group)
-            t0 = time.perf_counter()
-            out = fwd()
-            self.sync()
-            t1 = time.perf_counter()
-            bwd(out)
-            self.sync()
-            t2 = time.perf_counter()
-            del out
-            gf, gb = t1 - t0, t2 - t1
-            if cuda:
+            wf, wb = self.wall(fwd, bwd)
+            gf, gb = wf, wb
+            if self.device.type == "cuda":
                 dist.barrier(group)
                 gf, gb = self.held(fwd, bwd, group)
             if i >= warmup:
-                t = torch.tensor([gf, gb, t1 - t0, t2 - t1], dtype=torch.float64, device=self.device)
+                t = torch.tensor([gf, gb, wf, wb], dtype=torch.float64, device=self.device)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
                 rows.append(t.tolist())
         rows = torch.tensor(rows, dtype=torch.float64)
@@ -287,21 +267,17 @@ class Timer:
         return tuple(float(x) for x in t.median(dim=0).values)
 
 
-# -- progress --------------------------------------------------------------------------------------------------------
-
 NON_TTY_INTERVAL_S = 30.0
 
 
 class Progress:
-    """A tqdm bar of ``total`` steps on stderr (none where ``enabled`` is False: the other ranks).
-
-    ``verbose``: ``step``'s per-case lines are written above the bar (stderr) too, where it is enabled."""
+    """A tqdm bar of ``total`` steps on stderr (none where ``enabled`` is False: the other ranks); ``verbose``:
+    ``step``'s per-case lines are written above it too."""
 
     def __init__(self, total: int | None, desc: str, enabled: bool = True, verbose: bool = False):
-        tty = sys.stderr.isatty()
         self.verbose = verbose
         self.bar = tqdm(total=total, desc=desc, file=sys.stderr, disable=not enabled, dynamic_ncols=True,
-                        mininterval=0.1 if tty else NON_TTY_INTERVAL_S)
+                        mininterval=0.1 if sys.stderr.isatty() else NON_TTY_INTERVAL_S)
 
     def running(self, what: str):
         """Name the case now running in the postfix (before it runs: one case can take minutes)."""
@@ -329,7 +305,7 @@ class Progress:
         return self
 
     def __exit__(self, *exc):
-        self.close()
+        self.bar.close()
 
 
 def markdown_table(header, rows) -> list[str]:
@@ -338,8 +314,6 @@ def markdown_table(header, rows) -> list[str]:
     lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
     return lines
 
-
-# -- profiling -------------------------------------------------------------------------------------------------------
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -362,10 +336,9 @@ def profile_step(fwd, bwd, sync, phases=("fwd", "bwd"), b2b=False):
             bwd(out)
         sync()
         t2 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
-        with open(os.path.join(tmp, "trace.json")) as f:
-            events = json.load(f)["traceEvents"]
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(f)["traceEvents"]  # export_chrome_trace rewrote the file f opened
     return events, {phases[0]: (t1 - t0) * 1e3, phases[1]: (t2 - t1) * 1e3}
 
 
@@ -400,11 +373,11 @@ def timeline_summary(events, host, title, gap_us=15.0, max_rows=80):
         g0, g1 = work[0]["ts"], max(e["ts"] + e["dur"] for e in work)
         streams = {}
         for e in work:
-            streams[e["args"].get("stream", "?")] = streams.get(e["args"].get("stream", "?"), 0.0) + e["dur"]
+            streams[str(e["args"].get("stream", "?"))] = streams.get(str(e["args"].get("stream", "?")), 0.0) + e["dur"]
         lines.append(f"-- {phase}: host {host[phase]:.3f} ms; GPU span {(g1 - g0) / 1e3:.3f} ms from "
                      f"{(g0 - h0) / 1e3:.3f} ms after the host began (profiler clock {g0:.1f} to {g1:.1f} us); "
                      "busy per stream (ms) "
-                     + ", ".join(f"{s}: {t / 1e3:.3f}" for s, t in sorted(streams.items(), key=str)))
+                     + ", ".join(f"{s}: {t / 1e3:.3f}" for s, t in sorted(streams.items())))
         busy_end, gaps = g0, []
         for e in work:
             if e["ts"] - busy_end > gap_us:
