@@ -341,7 +341,8 @@ def test_simulate_prints_one_table_and_keeps_per_case_lines_off_stdout(capsys):
     """tools/sim/simulate.py: stdout is a caption line and one table, a row per (mask, cp) with each
     strategy's prediction and megatron-cp's details; the per-case timings go to stderr with --verbose only."""
     sim = _tool("simulate")
-    argv = ["--masks", "causal", "--cps", "2,4", "--tokens-per-gpu", "256", "--strategies", "megatron-cp,ulysses"]
+    argv = ["--masks", "causal", "--cps", "2,4", "--tokens-per-gpu", "256", "--strategies", "megatron-cp,ulysses",
+            "--dry-run"]
     sim.main(argv)
     out, err = capsys.readouterr()
     table = _ends_with_one_table(out, 2)
@@ -363,11 +364,11 @@ def test_dp_x_cp_simulation_balances_what_the_fixed_layout_cannot(tmp_path, caps
 
     sim = _tool("dp_x_cp")
     rows = sim.main(["--worlds", "8,16", "--cp", "4", "--tokens-per-gpu", "1024", "--docs", "512,64,4096,1.0",
-                     "--json", str(tmp_path / "d.json")])
+                     "--out", str(tmp_path)])
     out, _ = capsys.readouterr()
     table = _ends_with_one_table(out, 2)
     assert table[0].startswith("| GPUs | DP x CP | fixed ms | global ms |") and table[2].startswith("| 8 | 2 x 4 |")
-    assert json.loads((tmp_path / "d.json").read_text())["rows"] == rows
+    assert json.loads((tmp_path / "dp_x_cp.json").read_text())["rows"] == rows
     for r in rows:
         assert r["tokens"] == 1024 * r["world"] and r["fixed_ms"] > 0 and r["global_ms"] > 0 and r["plan_s"] > 0
         assert r["global_imbalance"] < 0.5 * r["fixed_imbalance"], r
@@ -380,7 +381,7 @@ def test_dp_x_cp_plans_ahead_beside_a_step(capsys):
     second table with each way's plan time, the plans allowed at once and the step's wait per micro-batch."""
     sim = _tool("dp_x_cp")
     rows = sim.main(["--worlds", "16", "--cp", "4", "--tokens-per-gpu", "256", "--docs", "256,64,1024,1.0",
-                     "--step-s", "0.01", "--ahead-batches", "4", "--max-workers", "2"])
+                     "--step-s", "0.01", "--ahead-batches", "4", "--max-workers", "2", "--dry-run"])
     out, _ = capsys.readouterr()
     table = _ends_with_one_table(out.split("\n\n")[-1], 1)  # the second of two tables
     assert table[0].startswith("| GPUs | plan s, one at a time | waited s, one at a time | plans at once |")
