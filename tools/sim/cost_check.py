@@ -3,11 +3,11 @@
 The cost model's kernel time (``CostModel.tile_time``, ``--cost``) against the kernel, call by call: every call
 tools/bench_dist.py's implementations make on each benchmark mask (``--masks``) at S = 131072 (``--seqlen``)
 planned for cp 4, with its own tile list and shapes: ``megatron-cp`` (rank r's tiles over its K/V buffer;
-``megatron-cp-guest``, its guest rows' over its own keys), ``ring`` (step i of rank r against rank (r - i) % cp's block, ``plan_for("ring")``'s
-layout, through ``forward_accumulate``), ``ulysses`` (the whole mask on Hq / cp heads, K/V heads repeated as the
-baseline does) and ``allgather`` (rank r's rows against every key). Each call forward and backward with the
-default backend on one GPU, back to back for 0.2 s after as long a warm-up, one sync at the end (as a training
-step runs them).
+``megatron-cp-guest``, its guest rows' over its own keys), ``ring`` (step i of rank r against rank (r - i) % cp's
+block, ``plan_for("ring")``'s layout, through ``forward_accumulate``), ``ulysses`` (the whole mask on Hq / cp
+heads, K/V heads repeated as the baseline does) and ``allgather`` (rank r's rows against every key). Each call
+forward and backward with the default backend on one GPU, back to back for 0.2 s after as long a warm-up, one
+sync at the end (as a training step runs them).
 
     python tools/sim/cost_check.py --cost cost.json --out out
     python tools/sim/cost_check.py --cost cost.json --masks causal,packed --seqlen 32768 --out out --tag _32k
