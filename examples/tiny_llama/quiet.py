@@ -2,9 +2,11 @@
 
 Every spawned rank imports Megatron-Core, which warns once per module that Transformer Engine, Apex or absl is
 missing (it then runs its local fallbacks, which is what these examples use on CPU), that GPTModel is deprecated,
-and torch logs that no CUDA runtime is found: two dozen lines per run that bury the result. ``quiet()`` filters
-exactly those (by message, nothing else) in the calling process; ``note()`` is the one line the entry points
-print instead.
+and torch logs that no CUDA runtime is found; under sequence parallelism every step advises
+CUDA_DEVICE_MAX_CONNECTIONS=1 (for Megatron's TP communication overlap; the GPU launch scripts set it) and calls
+an all-gather and a reduce-scatter newer torch deprecates: dozens of lines per run that bury the result. ``quiet()``
+filters exactly those (by message, nothing else) in the calling process; ``note()`` is the one line the entry
+points print instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ MESSAGES = (
     r"Apex is not installed",
     r"absl\.logging is not installed",
     r"full scope is deprecated",
+    r"When using sequence parallelism it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
 )
 LOGGERS = ("torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_model")
 
