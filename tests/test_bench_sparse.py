@@ -81,29 +81,6 @@ def test_kept_fraction_and_error_of_a_full_selection():
     assert r["kept_blocks"] == 1 and r["kept_cells"] == 1 and r["out_rel_err"] < 1e-5, r
 
 
-def test_model_inputs_from_a_qkv_file(tmp_path):
-    """--inputs model reads q / k / v of one layer from a .pt file (a list per layer, [1, S, H, D] with a
-    batch of 1), takes Hq / Hkv / D from it and cuts it to S; bad files raise ValueError naming them."""
-    bs = _tool()
-    g = torch.Generator().manual_seed(0)
-    layers = [{n: torch.randn(1, 2048, h, 16, generator=g) for n, h in (("q", 6), ("k", 3), ("v", 3))}
-              for _ in range(2)]
-    f = tmp_path / "qkv.pt"
-    torch.save(layers, f)
-    got = bs.load_qkv(str(f), 1)
-    assert torch.equal(got["k"], layers[1]["k"][0])
-    rows = bs.main(["--dry-run", "--inputs", "model", "--qkv", str(f), "--layer", "1", "--methods", "moba",
-                    "--out", str(tmp_path / "o")])
-    meta = json.loads((tmp_path / "o" / "bench_sparse.json").read_text())["meta"]
-    assert (meta["Hq"], meta["Hkv"], meta["D"], meta["layer"]) == (6, 3, 16, 1)
-    assert rows[0]["S"] == 1024 and "error" not in rows[0], rows[0]
-    torch.save({"q": torch.zeros(8, 4), "k": torch.zeros(8, 4), "v": torch.zeros(8, 4)}, tmp_path / "bad.pt")
-    with pytest.raises(ValueError, match="bad.pt: q must be"):
-        bs.load_qkv(str(tmp_path / "bad.pt"), 0)
-    with pytest.raises(ValueError, match="no layer 5"):
-        bs.load_qkv(str(f), 5)
-
-
 def test_structured_inputs_put_mass_where_their_kind_says():
     """structured_qk: the a-shape head puts most of its mass on the sink block and the diagonal band; the
     vertical-slash head on the slash distances (multiples of P = 256 tokens here); block_mass rows sum to 1."""
@@ -156,9 +133,9 @@ def test_draw_selection_writes_a_png(tmp_path):
 
 def test_selectors_at_published_defaults(tmp_path):
     """Each method runs at its published defaults (the dry run: DRY_RUN_BLOCK); MInference reads
-    --minference-config at --layer, else one pattern per q head fitting its K/V head's structure kind."""
+    --minference-config at --minference-layer, else one pattern per q head fitting its K/V head's structure kind."""
     bs = _tool()
-    a = argparse.Namespace(dry_run=False, minference_config=None, layer=0)
+    a = argparse.Namespace(dry_run=False, minference_config=None, minference_layer=0)
     assert (bs.make_selector("moba", a, 32, 8).top_k, bs.make_selector("moba", a, 32, 8).block) == (3, 512)
     x = bs.make_selector("xattention", a, 32, 8)
     assert (x.stride, x.threshold, x.block) == (8, 0.9, 128)
@@ -169,7 +146,7 @@ def test_selectors_at_published_defaults(tmp_path):
         ["block_sparse"] * 2
     cfg = tmp_path / "patterns.json"
     cfg.write_text(json.dumps({"layers": [[{"kind": "a_shape"}] * 4, [{"kind": "block_sparse", "top_k": 3}] * 4]}))
-    a = argparse.Namespace(dry_run=True, minference_config=str(cfg), layer=1)
+    a = argparse.Namespace(dry_run=True, minference_config=str(cfg), minference_layer=1)
     m = bs.make_selector("minference", a, 4, 2)
     assert m.block == 64 and [p.top_k for p in m.patterns] == [3] * 4
     assert bs.make_selector("moba", a, 4, 2).block == 128

@@ -1,11 +1,8 @@
 """Kernel-only time of sliding-window tiles with and without band squares (TritonConfig.band_squares: a band's
-chunks as a causal and an inverse-causal square on cuDNN), one GPU: rank 1's tiles of catalog's sliding_window
-at S 131072, CP 4, or (--windows) one BI_CAUSAL band of S / CP rows per window W, as the planner emits. On the
-Triton backend at each --squares setting (0: the band stays on Triton), bf16, Hq 32, Hkv 8, D 128: forward
-(written, and accumulated into a float32 running pair as the staged runtime does) and backward (bands stay on
-Triton there), Timer.sustained (0.5 s warm-up, --iters calls); paths, cuDNN calls, peak memory and
-max_abs_diff_vs_first (out, dq, dk against the case's first setting). Writes OUT/bench_band.json and one
-markdown table on stdout. GPU only (cuDNN): no dry run.
+chunks as a causal and an inverse-causal square on cuDNN), one GPU: rank 1's tiles of sliding_window at S 131072,
+CP 4, or (--windows) one BI_CAUSAL band of S / CP rows per window. Triton at each --squares (0: none), bf16, Hq 32,
+Hkv 8, D 128, Timer.sustained: forward (written; accumulated in float32 as the staged runtime does), backward;
+paths, cuDNN calls, peak memory, max |diff| of out, dq, dk against the first setting. Writes OUT/bench_band.json.
 
     python tools/bench_band.py --out DIR
     python tools/bench_band.py --windows 1024 2048 4096 8192 --squares 0 1024 --out DIR

@@ -1,10 +1,9 @@
 """Benchmark: head-gated attention after discretisation (DuoAttention / PruLong deployment), one GPU.
 
 A share (--sparsity) of the KV heads streams (64 sink keys of each document + 256 recent, inside the mask), the
-rest attend fully, through megatron_cp.gating.attention.pattern_attention, against all heads full on the same
-mask (causal or packed documents); bf16, Hq 32, Hkv 8, D 128; Timer.medians of forward and backward GPU time.
-ideal_speedup = 1 / (share of full heads). Quality is the recipe's business (examples/tiny_llama/train_gates.py).
-Writes OUT/bench_heads.json ({meta, rows}) and OUT/bench_heads.png; ends with one markdown table on stdout.
+rest attend fully (megatron_cp.gating.attention.pattern_attention), against all heads full on the same mask
+(causal or packed documents); bf16, Hq 32, Hkv 8, D 128; Timer.medians. Quality is the recipe's business
+(examples/tiny_llama/train_gates.py). Writes OUT/bench_heads.json ({meta, rows}), OUT/bench_heads.png, a table.
 
     python tools/bench_heads.py --seqlen 65536 --sparsity 0.5 0.75 --backend fa4 --out out/heads
     python tools/bench_heads.py --dry-run    # CPU, reference kernels: S 512, Hq = Hkv = 4, D 16, sink 4, window 32

@@ -1,21 +1,16 @@
 """Benchmark: dynamic block-sparse attention (megatron_cp.sparse) against dense attention, one GPU.
 
-Per method and length, on one envelope (causal, or catalog's docs_causal documents), bf16, Hq 32, Hkv 8, D 128,
-CP = 1, selectors at their published defaults, one backend for sparse and dense (auto: FA4 where it runs, else
-Triton); Timer.medians of GPU time behind a held stream. Per row: select_ms (selector.select on single_view, as
-select_blocks at CP = 1), fwd_ms / bwd_ms (sparse_attention: selection + gather + kernel, autograd backward;
-attn_fwd_ms = fwd - select), kernel_* (the backend alone on the run's BlockKeep), dense_* (mcp.attention, its
-kernel on the envelope's tiles), speedup_* (dense / sparse), kept_blocks / kept_cells (shares of the envelope x
-Hq), kernel_tflops_* (4 * D * kept cells, backward 2.5x; dense: the envelope's cells), tflops_ratio_* (kernel /
-dense, target RATIO_TARGET), out_rel_err (RMS over (token, head) rows of the relative error against dense) and,
-with --png, recall (per drawn head, the dense attention mass the selection keeps).
-Inputs: structured (structured_qk), random (i.i.d.: nothing to find) or model (--qkv: load_qkv, --layer).
+Per method and length on one envelope (causal, or catalog's docs_causal documents), bf16, Hq 32, Hkv 8, D 128, CP 1,
+selectors at their published defaults, one backend for sparse and dense (auto: FA4 where it runs, else Triton),
+Timer.medians of GPU time: the selection alone, sparse_attention forward / backward (selection + gather + kernel),
+the backend's kernel alone on that selection and dense attention's on the envelope; kept shares, kernel TFLOP/s
+on kept cells against dense (target RATIO_TARGET), the output's error against dense and (--png) the dense mass
+the selection keeps per drawn head. Inputs: structured (structured_qk) or random (i.i.d.: nothing to find).
 Writes OUT/bench_sparse.json ({meta, results}), OUT/bench_sparse.png, with --png OUT/selection_<method>_S<S>.png
 (the selection at the first S beside dense attention's mass per block); a markdown table on stdout.
 
     python tools/bench_sparse.py --backend fa4 --seqlens 65536 --png --out benchmarks/<date>_1xH100_sparse
     python tools/bench_sparse.py --methods moba xattention --seqlens 65536 --envelope packed
-    python tools/bench_sparse.py --inputs model --qkv qkv.pt --layer 3 --minference-config patterns.json
     python tools/bench_sparse.py --dry-run   # CPU, reference kernels: S 1024, Hq 4, Hkv 2, D 32, fp32
 """
 
@@ -51,12 +46,11 @@ STRUCTURE_KINDS = ("a-shape", "vertical-slash", "local", "random")  # per K/V he
 
 
 def make_selector(method: str, args, hq: int, hkv: int):
-    """``method``'s selector at its published defaults (the dry run: DRY_RUN_BLOCK); MInference: the patterns of
-    --minference-config at --layer, else ``default_patterns``."""
+    """``method``'s selector at its published defaults (the dry run: DRY_RUN_BLOCK; MInference: default_patterns)."""
     kw = {"block": DRY_RUN_BLOCK[method]} if args.dry_run else {}
     if method == "minference":
         if args.minference_config:
-            return MInference.from_json(args.minference_config, args.layer, block=kw.get("block", 128))
+            return MInference.from_json(args.minference_config, args.minference_layer, block=kw.get("block", 128))
         return MInference(patterns=default_patterns(hq, hkv), **kw)
     return {"moba": MoBA, "xattention": XAttention, "flexprefill": FlexPrefill}[method](**kw)
 
@@ -72,8 +66,7 @@ def default_patterns(hq: int, hkv: int) -> list:
     """MInference without a searched config: per K/V head the kind fitting ``structured_qk``'s structure there, at
     the published sizes (on other inputs a stand-in that runs every kind's path, not a model's config)."""
     kind = {"a-shape": "a_shape", "vertical-slash": "vertical_slash", "local": "a_shape", "random": "block_sparse"}
-    per_kv = [HeadPattern(kind=kind[k]) for k in structure_kinds(hkv)]
-    return [per_kv[h // (hq // hkv)] for h in range(hq)]
+    return [HeadPattern(kind=kind[k]) for k in structure_kinds(hkv) for _ in range(hq // hkv)]
 
 
 def structure_kinds(hkv: int) -> list:
@@ -91,14 +84,13 @@ def structured_qk(s: int, hq: int, hkv: int, d: int, device, seed: int = 0) -> t
     g = torch.Generator(device=dev).manual_seed(seed)  # on the device: 128k x 32 x 128 is slow on a CPU core
     q = torch.randn(s, hq, d, generator=g, device=dev) * 0.5
     k = torch.randn(s, hkv, d, generator=g, device=dev) * 0.5
-    grp = hq // hkv
     nd = min(8, d // 4)  # direction dims
     m = max(1, min(24, (d - nd) // 4))  # harmonics
     pos = torch.arange(s, dtype=torch.float64, device=dev)  # float64: positions up to 1M keep their phase
     root = math.sqrt(math.sqrt(d))  # logits are q.k / sqrt(D): a +L logit shift is (sqrt(L) root)^2 / sqrt(D)
     hd = slice(nd, nd + 2 * m)
     for h, kind in enumerate(structure_kinds(hkv)):
-        qs = slice(h * grp, (h + 1) * grp)
+        qs = slice(h * (hq // hkv), (h + 1) * (hq // hkv))
         if kind in ("a-shape", "vertical-slash"):  # a direction every query shares with some keys
             u = torch.randn(nd, generator=g, dtype=torch.float64, device=dev)
             u = (u / u.norm() * math.sqrt(10.0 if kind == "a-shape" else 8.0) * root).float()
@@ -115,49 +107,19 @@ def structured_qk(s: int, hq: int, hkv: int, d: int, device, seed: int = 0) -> t
     return q, k
 
 
-def load_qkv(path: str, layer: int) -> dict:
-    """{"q" [S, Hq, D], "k" / "v" [S, Hkv, D]} from a torch.save'd such dict, or a list / dict of them per layer
-    (or {"layers": that}); a batch of 1 ([1, S, H, D] or [S, 1, H, D]) is dropped. ValueError on anything else."""
-    obj = torch.load(path, map_location="cpu", weights_only=True)
-    is_qkv = lambda o: isinstance(o, dict) and {"q", "k", "v"} <= o.keys()  # noqa: E731
-    if not is_qkv(obj):
-        obj = obj.get("layers", obj) if isinstance(obj, dict) else obj
-        try:
-            obj = obj[layer] if not isinstance(obj, dict) or layer in obj else obj[str(layer)]
-        except (KeyError, IndexError, TypeError):
-            raise ValueError(f"{path}: no layer {layer!r} (a dict of q, k, v, or a list / dict of them)") from None
-        if not is_qkv(obj):
-            raise ValueError(f"{path} layer {layer}: expected a dict with q, k, v tensors, got {type(obj).__name__}")
-    out = {n: obj[n].flatten(0, 1) if obj[n].dim() == 4 and 1 in obj[n].shape[:2] else obj[n] for n in "qkv"}
-    for n in (n for n in "qkv" if out[n].dim() != 3):
-        raise ValueError(f"{path}: {n} must be [S, H, D] (or with a batch of 1), got {tuple(obj[n].shape)}")
-    sq, (_, hq, d), (sk, hkv, dk) = out["q"].shape[0], out["q"].shape, out["k"].shape
-    if sq != sk or out["v"].shape != out["k"].shape or d != dk or hq % hkv:
-        raise ValueError(f"{path}: shapes do not fit q [S, Hq, D], k / v [S, Hkv, D] with Hkv | Hq: "
-                         f"{[tuple(out[n].shape) for n in 'qkv']}")
-    return out
-
-
 def make_inputs(args, s: int, device, dtype, seed: int = 0) -> dict:
     """q [S, Hq, D], k / v [S, Hkv, D], dout [S, Hq, D] of ``dtype`` on ``device`` (global order)."""
     g = torch.Generator(device=device).manual_seed(seed + 1)
     randn = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
-    if args.inputs == "model":
-        t = load_qkv(args.qkv, args.layer)
-        if t["q"].shape[0] < s:
-            raise ValueError(f"--qkv {args.qkv} holds {t['q'].shape[0]} tokens, fewer than S = {s}")
-        q, k, v = (t[n][:s].to(device=device, dtype=dtype) for n in ("q", "k", "v"))
-    else:
-        hq, hkv, d = args.heads, args.kv_heads, args.head_dim
-        q, k = structured_qk(s, hq, hkv, d, device, seed) if args.inputs == "structured" else \
-            (randn(s, hq, d), randn(s, hkv, d))
-        q, k, v = (x.to(device=device, dtype=dtype) for x in (q, k, randn(s, hkv, d)))
+    hq, hkv, d = args.heads, args.kv_heads, args.head_dim
+    q, k = structured_qk(s, hq, hkv, d, device, seed) if args.inputs == "structured" else \
+        (randn(s, hq, d), randn(s, hkv, d))
+    q, k, v = (x.to(device=device, dtype=dtype) for x in (q, k, randn(s, hkv, d)))
     return {"q": q, "k": k, "v": v, "do": randn(*q.shape).to(dtype)}
 
 
 def time_api(fn, t: dict, clock):
-    """(fwd ms, bwd ms) of fn(q, k, v) -> (out, lse), the backward by autograd from out with dout (the leaves'
-    .grad accumulate: the same work every step)."""
+    """(fwd ms, bwd ms) of fn(q, k, v) -> (out, lse), backward by autograd from out (.grad accumulates: same work)."""
     q, k, v = (t[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
     return clock(lambda: fn(q, k, v), lambda res: torch.autograd.backward(res[0], t["do"]))
 
@@ -218,8 +180,7 @@ def sparse_case(method, sel, mask, t: dict, be, clock, dense: dict, args, plans:
         stats = {}
         out = sparse_attention(q, k, t["v"], plan, None, sel, backend=be, stats=stats)[0]
     if stats["blocks_selected"] != int(keep.sum()):  # the runtime selected what the view gave
-        raise RuntimeError(f"sparse_attention selected {stats['blocks_selected']} blocks, the selector on "
-                           f"single_view {int(keep.sum())}")
+        raise RuntimeError(f"sparse_attention selected {stats['blocks_selected']}, single_view {int(keep.sum())}")
     f, b = time_api(lambda q_, k_, v_: sparse_attention(q_, k_, v_, plan, None, sel, backend=be), t, clock)
 
     # the kernel alone on rank 0's layout, as sparse_attention builds it: at CP = 1 the key buffer holds the
@@ -246,8 +207,7 @@ def sparse_case(method, sel, mask, t: dict, be, clock, dense: dict, args, plans:
          "kernel_speedup_fwd": dense["kernel_fwd_ms"] / kf, "kernel_speedup_bwd": dense["kernel_bwd_ms"] / kb,
          "kernel_tflops_fwd": flops / kf / 1e9, "kernel_tflops_bwd": 2.5 * flops / kb / 1e9,
          "dense_tflops_fwd": dense["tflops_fwd"], "dense_tflops_bwd": dense["tflops_bwd"]}
-    r["tflops_ratio_fwd"] = r["kernel_tflops_fwd"] / r["dense_tflops_fwd"]
-    r["tflops_ratio_bwd"] = r["kernel_tflops_bwd"] / r["dense_tflops_bwd"]
+    r.update({f"tflops_ratio_{p}": r[f"kernel_tflops_{p}"] / r[f"dense_tflops_{p}"] for p in ("fwd", "bwd")})
     r["tflops_ratio_ok"] = min(r["tflops_ratio_fwd"], r["tflops_ratio_bwd"]) >= RATIO_TARGET
     r.update(row_errors(out, dense["out"]))
     if args.png and args.png_done.get(method) is None:
@@ -265,8 +225,7 @@ def draw_case(method, sel, mask, t: dict, keep, env, args) -> dict:
     draw_selection(keep, path, heads=heads, dense=dense, envelope=env,
                    title=f"{selector_label(sel)}  S={s}  {args.envelope} envelope, {args.inputs} inputs")
     args.png_done[method] = path
-    kp = keep[heads].float()
-    return {int(h): float((dense[n] * kp[n]).sum() / dense[n].sum().clamp_min(1e-30)) for n, h in enumerate(heads)}
+    return {int(h): float((dense[n] * keep[h]).sum() / dense[n].sum().clamp_min(1e-30)) for n, h in enumerate(heads)}
 
 
 def table(rows: list) -> list:
@@ -309,15 +268,12 @@ def main(argv=None):
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     ap.add_argument("--seqlens", type=int, nargs="+", default=[65536, 131072])
     ap.add_argument("--envelope", choices=("causal", "packed"), default="causal")
-    ap.add_argument("--inputs", choices=("random", "structured", "model"), default="structured")
-    ap.add_argument("--qkv", default=None, help="--inputs model: a .pt file of {q, k, v} (per layer)")
-    ap.add_argument("--layer", type=int, default=0, help="layer in --qkv and --minference-config (0-based)")
+    ap.add_argument("--inputs", choices=("random", "structured"), default="structured")
     ap.add_argument("--backend", default="auto", choices=("auto", "fa4", "triton", "reference"))
     ap.add_argument("--minference-config", default=None, help="MInference pattern JSON (tools/minference_search.py)")
+    ap.add_argument("--minference-layer", type=int, default=0, help="the layer of --minference-config (0-based)")
     ap.add_argument("--png", action="store_true", help="also draw each method's selection at the first S")
     args = ap.parse_args(argv)
-    if args.inputs == "model" and not args.qkv:
-        ap.error("--inputs model needs --qkv FILE")
     if args.dry_run:
         args.seqlens = [1024] if args.seqlens == ap.get_default("seqlens") else args.seqlens
         args.backend, args.warmup, args.iters = "reference", 0, 1
@@ -326,30 +282,26 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device: run on a GPU, or --dry-run on the CPU")
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
-    out_dir(args)
     args.png_done = {}
     be = kernels.get_backend(args.backend, device)  # one object: its prepared tiles are cached per object
-    fa4 = next((d.version for d in importlib.metadata.distributions(name="flash-attn-4")), None)
     meta = run_record(
         torch.cuda.get_device_name() if device.type == "cuda" else "cpu (reference kernels)",
-        None if argv is None else " ".join(["python tools/bench_sparse.py", *argv]), flash_attn_4=fa4,
+        None if argv is None else " ".join(["python tools/bench_sparse.py", *argv]),
+        flash_attn_4=next((d.version for d in importlib.metadata.distributions(name="flash-attn-4")), None),
         dtype=args.dtype, Hq=args.heads, Hkv=args.kv_heads, D=args.head_dim, envelope=args.envelope,
         inputs=args.inputs, warmup=args.warmup, iters=args.iters,
         timing="medians; CUDA: Timer.held (GPU time behind a held stream); CPU: wall clock",
         flops="fwd 4*D*kept cells (sum over heads), bwd 2.5x; dense: 4*Hq*D*envelope cells",
         backend={"name": getattr(be, "name", type(be).__name__)}, selection_png=args.png_done,  # filled by --png
-        **({"qkv": args.qkv, "layer": args.layer} if args.inputs == "model" else {}))
+        **({"structure": {"kv_heads": structure_kinds(args.kv_heads), "q_heads_per_kv_head": args.heads //
+                          args.kv_heads}} if args.inputs == "structured" else {}))
     rows = []
-    path = os.path.join(args.out, f"bench_sparse{args.tag}.json")
+    path = os.path.join(out_dir(args), f"bench_sparse{args.tag}.json")
     save = lambda: write_json(path, {"meta": meta, "results": rows})  # noqa: E731  (after every case)
     bar = Progress(len(args.seqlens) * (1 + len(args.methods)), "bench_sparse", verbose=args.verbose)
     clock = partial(Timer(device).medians, warmup=args.warmup, iters=args.iters)  # -> (fwd ms, bwd ms)
     for s in args.seqlens:
         t = make_inputs(args, s, device, dtype)
-        if args.inputs == "structured":
-            meta["structure"] = {"kv_heads": structure_kinds(args.kv_heads),
-                                 "q_heads_per_kv_head": args.heads // args.kv_heads}
-        meta.update(Hq=t["q"].shape[1], Hkv=t["k"].shape[1], D=t["q"].shape[2])
         mask = mcp.masks.causal(s) if args.envelope == "causal" else catalog.build("docs_causal", s)
         plans = {}
         bar.running(f"S={s} dense")
@@ -387,10 +339,8 @@ def main(argv=None):
     if hasattr(be, "describe"):
         meta["backend"]["describe"] = be.describe()  # after the runs: the fallbacks it took
     save()
-    print("wrote", path)
     plot(meta, rows, os.path.join(args.out, f"bench_sparse{args.tag}.png"))
-    for p in args.png_done.values():
-        print("wrote", p)
+    print("wrote", path, *args.png_done.values())
     print("\n" + "\n".join(table(rows)))  # the summary: the last lines of stdout
     return rows
 

@@ -1,12 +1,10 @@
-"""Offline MInference pattern search (after Jiang et al. 2024): per layer and query head, the pattern (a_shape,
-vertical_slash, block_sparse) whose blocks, selected by the real selector from a grid of sizes per kind, keep
-the most of the dense causal attention mass of the last SAMPLE queries, among those keeping at most --budget of
-the causal block pairs; within TOL of the best, PREFER's order (cheaper estimation), then fewer blocks. Sizes are
-written with ref_len = the searched length: the runtime scales them to other lengths.
-
---input: a torch.save of {"layers": [{"q": [S, Hq, D], "k": [S, Hkv, D]}, ...]} (or the list itself).
---dry-run: one layer of PLANTED heads (synthetic), S 512, D 64, block 32. Writes OUT/minference.json, the config
-MInference.from_json reads (bench_sparse --minference-config, --cp-minference-config); ends with one table.
+"""Offline MInference pattern search (after Jiang et al. 2024): per layer and query head, among the patterns
+(a_shape, vertical_slash, block_sparse; a grid of sizes per kind, selected by the real selector) that keep at most
+--budget of the causal block pairs, the one keeping the most dense causal attention mass of the last SAMPLE
+queries; within TOL of the best, PREFER's order (cheaper estimation), then fewer blocks. Sizes have ref_len = the
+searched length (the runtime scales them). --input: a torch.save of {"layers": [{"q": [S, Hq, D], "k": [S, Hkv,
+D]}, ...]} (or the list); --dry-run: one layer of PLANTED (synthetic) heads, S 512, D 64, block 32. Writes
+OUT/minference.json (MInference.from_json reads it: bench_sparse --minference-config, --cp-minference-config).
 
     python tools/minference_search.py --input qk.pt --out DIR [--block 128 --budget 0.3]
     python tools/minference_search.py --dry-run --budget 0.6
@@ -33,12 +31,9 @@ SAMPLE, TOL = 256, 0.01  # reference rows (the last queries: cheap); recall with
 
 def _ar(s: int, d: int, rho: float, g: torch.Generator) -> torch.Tensor:
     """[s, d] stationary AR(1) process, unit variance: x_i . x_j ~ d * rho^|i - j| (locality)."""
-    eps = torch.randn(s, d, generator=g)
-    x = torch.empty(s, d)
-    x[0] = eps[0]
-    c = math.sqrt(1 - rho * rho)
+    x = torch.randn(s, d, generator=g)  # row i: noise until step i turns it into the process's value
     for i in range(1, s):
-        x[i] = rho * x[i - 1] + c * eps[i]
+        x[i] = rho * x[i - 1] + math.sqrt(1 - rho * rho) * x[i]
     return x
 
 
@@ -53,8 +48,7 @@ def synthetic(seqlen: int = 512, head_dim: int = 64, block: int = 32, seed: int 
     x = _ar(s, 32, 0.9, g)
     q[:, 0, :32], k[:, 0, :32] = 2 * x, x
     q[:, 0, u], k[:4, 0, u] = 4.0, 20.0
-    # vertical lines: a few key tokens after the first block; block-constant offsets so that pooled block scores
-    # do not find them
+    # vertical lines: 3 keys after the first block; block-constant offsets hide them from pooled block scores
     cols = torch.randperm(s - 2 * block, generator=g)[:3] + block
     q[:, 1, u], k[cols, 1, u] = 4.0, 20.0
     q[:, 1, :32] = torch.randn(nb, 32, generator=g).repeat_interleave(block, 0)
@@ -89,7 +83,7 @@ def dense_rows(q: torch.Tensor, k: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def search_layer(q: torch.Tensor, k: torch.Tensor, block: int, budget: float):
-    """Per head: (HeadPattern, recall, blocks) for one layer's q [S, Hq, D], k [S, Hkv, D]."""
+    """Per head: (recall, HeadPattern, blocks) for one layer's q [S, Hq, D], k [S, Hkv, D]."""
     s, hq, d = q.shape
     mi = MInference(([HeadPattern("vertical_slash"), HeadPattern("block_sparse")] * hq)[:hq], block=block)
     mi.check(hq, k.shape[1], d, s)
@@ -112,8 +106,7 @@ def search_layer(q: torch.Tensor, k: torch.Tensor, block: int, budget: float):
         if not fits[h]:
             raise SystemExit(f"head {h}: no candidate fits --budget {budget}; raise it")
         top = max(r for r, _, _ in fits[h])
-        r, c, nblk = min((t for t in fits[h] if t[0] >= top - TOL), key=lambda t: (PREFER[t[1].kind], t[2], -t[0]))
-        out.append((c, r, nblk))
+        out.append(min((t for t in fits[h] if t[0] >= top - TOL), key=lambda t: (PREFER[t[1].kind], t[2], -t[0])))
     return out
 
 
@@ -142,9 +135,9 @@ def main(argv=None) -> dict:
     with Progress(len(layers), "minference_search", verbose=a.verbose) as bar:
         for li, (q, k) in enumerate(layers):
             res = search_layer(q.float(), k.float(), a.block, a.budget)
-            cfg["layers"].append([c.to_dict() for c, _, _ in res])
+            cfg["layers"].append([c.to_dict() for _, c, _ in res])
             table += [[li, h, describe(c) + (f" [{PLANTED[h]}]" if a.dry_run else ""), f"{r:.4f}", nblk]
-                      for h, (c, r, nblk) in enumerate(res)]
+                      for h, (r, c, nblk) in enumerate(res)]
             bar.step(f"layer {li}")
     write_json(os.path.join(out_dir(a), f"minference{a.tag}.json"), cfg)
     print("\n".join(markdown_table(["layer", "head", "pattern", "recall", "blocks"], table)))
