@@ -374,6 +374,22 @@ def test_calibrate_dry_run_writes_a_loadable_model(tmp_path):
     assert (m.short_block_m, m.blocky_block_m, m.bwd_block_m) == (64, 128, 64)
 
 
+def test_calibrate_check_dry_run_writes_a_row_per_call(tmp_path, capsys):
+    """calibrate.py --check on CPU (causal, S = 1024, cp 4): a row per kernel call with its measured and predicted
+    time per phase (finite, positive), the JSON written, one table row per implementation."""
+    import json
+    import math
+
+    rows = _calibrate_tool().main(["--dry-run", "--check", "--masks", "causal", "--out", str(tmp_path)])
+    assert rows and json.loads((tmp_path / "cost_check.json").read_text())["results"] == rows
+    assert {"megatron-cp", "ring", "ulysses", "allgather"} <= {r["impl"] for r in rows}
+    for r in rows:
+        for k in ("fwd_ms", "bwd_ms", "fwd_pred_ms", "bwd_pred_ms"):
+            assert math.isfinite(r[k]) and r[k] > 0, (k, r)
+    out = capsys.readouterr().out
+    assert "| mask | impl | calls | fwd meas / pred ms (ratio) |" in out and "| causal | ring |" in out
+
+
 def test_calibrate_long_rows_recovers_the_model_parameters():
     """tools/sim/calibrate.py's long-row fit: given the forward times a model with known ``row_alone_tflops``
     and ``row_share`` predicts for its two lists, it finds those two values again."""

@@ -422,9 +422,9 @@ def test_bench_dist_summary_table_has_a_row_per_case():
 def test_gpu_tools_summary_tables_group_the_cases():
     """The closing tables of the GPU-only tools, from records as they write them: gpu_kernel_check a row
     per (mask, S) with passes, deterministic runs, worst error ratio and paths, then one per extra check;
-    gpu_dist_check a row per (mask, variant) over the ranks; cost_check a row per (mask, impl) with sums and
+    gpu_dist_check a row per (mask, variant) over the ranks; calibrate --check a row per (mask, impl) with sums and
     the worst call."""
-    gk, gd, cc = _tool("gpu_kernel_check"), _tool("gpu_dist_check"), _tool("cost_check")
+    gk, gd, cc = _tool("gpu_kernel_check"), _tool("gpu_dist_check"), _tool("calibrate")
 
     def case(ratio, ok, det=True):
         errs = {n: {"err": 1.0, "lowp_err": 1.0, "ratio": 1.0} for n in gk.ERR_KEYS}
@@ -449,7 +449,7 @@ def test_gpu_tools_summary_tables_group_the_cases():
         return {"mask": "causal", "impl": "ring", "rank": r, "step": 1, "fwd_ms": f, "fwd_pred_ms": fp, "bwd_ms": 1.0,
                 "bwd_pred_ms": 1.0}
 
-    assert cc.summary_table([call(0, 1.0, 1.1), call(1, 2.0, 1.0)])[2:] == [
+    assert cc.check_table([call(0, 1.0, 1.1), call(1, 2.0, 1.0)])[2:] == [
         "| causal | ring | 2 | 3.000 / 2.100 (0.70) | 0.50 (rank 1 step 1) | 2.000 / 2.000 (1.00) | 1.00 (rank 0 step 1) |"]
 
 

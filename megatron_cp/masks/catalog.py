@@ -11,7 +11,7 @@ that keep the same cells:
 
 Two sets, one name space (see ``DESCRIPTIONS`` for every mask's exact rule):
 
-- ``DIST_MASKS``, the distributed benchmarks' set (tools/bench_dist.py, simulate, cost_check, ...):
+- ``DIST_MASKS``, the distributed benchmarks' set (tools/bench_dist.py, simulate, calibrate --check, ...):
   ``full``, ``causal``, ``packed``, ``sliding_window``, ``block_causal``, ``strided``, ``global_local``.
   Their sizes scale with ``S`` by one rule, so that tiny CPU dry runs keep the masks' shape: a size
   is ``min(nominal, S // divisor)`` (with a floor of a few tokens) and is nominal by ``S = 128Ki``:

@@ -1,25 +1,21 @@
-"""Research instrument (the cost model's calibration; not needed to use megatron-cp).
+"""Research instrument (the cost model's calibration and check; not needed to use megatron-cp).
 
 Measures the cost model's numbers on this machine into OUT/cost<tag>.json (``CostModel.load``; the tools'
-``--cost``): the Triton kernels' rates per row class (dense path off; lists the backend runs in each class,
-checked), ``launch_us``, the few-long-rows terms (``row_alone_tflops``, ``row_share``), cuDNN's dense pieces (a
-3 x 3 grid of full pieces, a causal square, a piece beside tiles), the memory passes (``hbm_gbps``,
-``split_gbps``) and under torchrun the links (all-to-all latency and bandwidth inside a node, or across nodes
-where there are several; one neighbour's point-to-point transfer at two sizes) and the host time a megatron-cp
-call exposes beyond its GPU work when timed alone (``call_fwd_us`` / ``call_bwd_us``).
+``--cost``): the Triton kernels' rates per row class (dense path off; each list checked to run in its class),
+``launch_us``, the few-long-rows terms, cuDNN's dense pieces (a 3 x 3 grid of full pieces, a causal square, a
+piece beside tiles), the memory passes and under torchrun the links and the host time a megatron-cp call exposes
+beyond its GPU work when timed alone. Kernels are timed as tools/bench_dist.py times a step (tools/common.py's
+Timer): after a sustained warm-up, a burst behind a held stream, less ``launch_us``. Links: the median of five
+groups of calls. Ends with each field measured beside CostModel's default.
 
-Kernels are timed as tools/bench_dist.py times a step (tools/common.py's Timer): after a sustained warm-up (a
-cold GPU's bursts run at clocks a long run does not keep), a burst issued while a spin kernel holds the stream,
-less ``launch_us`` (synced calls less a synced tiny call put the bands' backward 10-16% above the same calls
-held). Links: the median of five groups of calls.
+``--check``: the model's kernel time (``tile_time`` of ``--cost``) against every kernel call tools/bench_dist.py's
+implementations make on each benchmark mask (``--masks``) at S = 131072 (``--seqlen``) planned for cp 4, one GPU:
+OUT/cost_check<tag>.json (a row per call, written after each) and a table per mask and implementation.
 
     python tools/sim/calibrate.py --out out                            # one GPU: kernels and passes
     torchrun --nproc-per-node 4 tools/sim/calibrate.py --out out       # and the links, the call's host time
-    python tools/sim/calibrate.py --dry-run                            # CPU, tiny sizes
-
-Ends with one table: each field measured beside CostModel's default. Reads the documented internals
-``runtime.cost`` (``tile_areas``, ``block_counts``), ``kernels.TritonConfig.for_head_dim`` and the prepared
-lists' ``row_class``.
+    python tools/sim/calibrate.py --check --cost out/cost.json --masks causal --seqlen 16384 --out out
+    python tools/sim/calibrate.py --dry-run [--check]                  # CPU, tiny sizes
 """
 
 from __future__ import annotations
@@ -35,20 +31,22 @@ import torch.distributed as dist
 
 import megatron_cp as mcp
 from megatron_cp import kernels
+from megatron_cp.masks import catalog
 from megatron_cp.planner import Workload
 from megatron_cp.runtime import CostModel
 from megatron_cp.runtime.cost import block_counts, tile_areas
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/sim: simulate's call lists
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/common.py
-from common import Progress, Timer, device_name, markdown_table, out_dir, parser, run_record  # noqa: E402
+from common import Progress, Timer, device_name, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
+from simulate import bench_calls  # noqa: E402
 
-SECONDS = 0.5  # sustained warm-up before each kernel figure
+SECONDS, CHECK_SECONDS, CHECK_CP = 0.5, 0.2, 4  # sustained warm-ups before each kernel figure; --check's cp
 
 
 def kernel_calls(backend, tiles, sq, sk, work: Workload, device, seed=0, accumulate=False):
-    """(prepared list, forward call, backward call) of ``backend`` on ``tiles`` (int [n, 5]) over random q [sq, Hq,
-    D], k/v [sk, Hkv, D] (bf16 on CUDA, else fp32); ``accumulate``: the forward adds into a running output, as the
-    ring's steps do (``forward_accumulate``)."""
+    """(prepared list, forward call, backward call) of ``backend`` on ``tiles`` over random q, k, v (bf16 on CUDA);
+    ``accumulate``: the forward adds into a running output, as the ring's steps do."""
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(seed)
     q, k, v = ((torch.randn(n, h, work.head_dim, generator=g) * 0.5).to(device, dt)
@@ -65,10 +63,9 @@ def kernel_calls(backend, tiles, sq, sk, work: Workload, device, seed=0, accumul
 
 
 def _passes(dry, device) -> dict:
-    """The rates of the memory passes around the kernels: ``hbm_gbps``, an fp32 add of gradient sums
-    (the ring's, the exchanges' reductions) and a head-splitting copy of bf16 rows (Ulysses' send layout, the
-    exchanges' row placements) timed together, held; ``split_gbps``, the copy alone, the only kind Ulysses'
-    layouts make (~1.55 TB/s on H200 against 2.49 for the blend; 3000 GB/s was assumed before)."""
+    """``hbm_gbps``: an fp32 add of gradient sums (the ring's, the exchanges' reductions) and a head-splitting
+    copy of bf16 rows (Ulysses' send layout, the exchanges' row placements) timed together, held;
+    ``split_gbps``: the copy alone, the only kind Ulysses' layouts make (~1.55 TB/s on H200, the blend 2.49)."""
     n, h, d, u = (256, 8, 16, 2) if dry else (32768, 32, 128, 4)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = (torch.randn(n, h // 2, d, device=device) for _ in range(2))
@@ -109,10 +106,8 @@ def _kernel(dry, device, work: Workload, bar) -> dict:
         return timer.held_calls(fn, reps if warm else 2 * reps)
 
     per_flop = work.fwd_flops(1.0)
-    # launch_us: what one more call adds to a step's GPU time (a tiny call behind a held stream), neither a
-    # synced call's round trip (126 us on 4 x H200: it over-predicted plans with guest rows and stages) nor the
-    # host's launch time, which a training step's host, running ahead, hides. No per-tile term: the kernels walk
-    # blocks (a probe of 64 tiny tiles measured 0 to 0.5 us per tile, noise that put 2 ms on the strided mask)
+    # launch_us: what one more call adds to a step's GPU time (a tiny call, held): a synced round trip
+    # over-predicted plans of many calls. No per-tile term: the kernels walk blocks (a probe measured noise)
     bar.running("launch")
     out = dict(launch_us=run([[0, 16, 0, 16, 0]], 16, 16, warm=False) * 1e6, tile_us=0.0)
     t_call = out["launch_us"] * 1e-6
@@ -180,10 +175,8 @@ def _kernel(dry, device, work: Workload, bar) -> dict:
         bar.step()
     if dense_be is None:
         return out
-    # full pieces on 3 x 3 shapes spanning the pieces plans make (512 .. 8192 rows: guest rows, stage and ring
-    # pieces; 8192 .. 65536 keys), so that no piece is an extrapolation (three shapes put 1.9 ms on a 512 x 32768
-    # guest piece's backward that the kernel does not spend): the rates, which the model reads off the grid,
-    # and a fit of cells + half_keys * rows + half_rows * keys at a peak, through the wave efficiency
+    # full pieces on 3 x 3 shapes spanning those plans make, so that no piece is an extrapolation: the rates the
+    # model reads off the grid, and a fit of cells + half_keys * rows + half_rows * keys at a peak
     waves = CostModel(num_sms=out["num_sms"])
     pf, pb, grid_f, grid_b = [], [], [], []
     g_rows, g_keys = (rows // 32, rows // 8, rows // 2), (keys_long // 2, 2 * keys_long, 4 * keys_long)
@@ -221,11 +214,9 @@ def _kernel(dry, device, work: Workload, bar) -> dict:
 
 
 def fit_long_rows(timed, fitted, work: Workload, rows: int, tiny: bool) -> dict:
-    """``row_alone_tflops`` and ``row_share`` (CostModel.long_rows): one q block of 128 rows keeping every one
-    of a long key range (global rows), beside (a) a light background of short rows, where the long programs
-    run nearly alone, and (b) 2048-key rows whose work is comparable to theirs, where they share their
-    multiprocessors; both lists in the "blocky" class, as such masks are. Both parameters are fitted together:
-    each list's measured forward time through the model."""
+    """``row_alone_tflops`` and ``row_share`` (CostModel.long_rows), fitted together through the model: one q
+    block of 128 rows keeping a long key range (global rows) beside (a) short rows, where the long programs run
+    nearly alone, and (b) 2048-key rows, where they share the multiprocessors; both in the "blocky" class."""
     keys, bg, step = (2048, 64, 128) if tiny else (131072, 2048, 512)
     long_row = [[0, 128, 0, keys, 0]]
     light = long_row + [[i, i + 128, i, i + 64, 0] for i in range(128, rows, 128)]
@@ -252,10 +243,9 @@ def fit_long_rows(timed, fitted, work: Workload, rows: int, tiny: bool) -> dict:
 
 
 def linear_fit(points, what, fixed=None):
-    """(peak FLOP/s, [half terms]) of t = (cells + sum(half_i * x_i)) / peak through ``points`` = [([cells,
-    x_1, ...], t / flops per cell)]: least squares in relative error over every point, terms >= 0 (the
-    best fit over the subsets of half terms left free: a term the points do not support is 0).
-    ``fixed``: the half terms given, only the peak fitted."""
+    """(peak FLOP/s, [half terms]) of t = (cells + sum(half_i * x_i)) / peak through ``points`` = [([cells, x_1,
+    ...], t / flops per cell)]: least squares in relative error, terms >= 0 (a term the points do not support is
+    0); ``fixed``: the half terms given, only the peak fitted."""
     A = np.array([p[0] for p in points], dtype=np.float64)
     y = np.array([p[1] for p in points], dtype=np.float64)
     W = A / y[:, None]  # rows scaled so that each point weighs by its relative error
@@ -280,8 +270,7 @@ def linear_fit(points, what, fixed=None):
 
 def median_time(fn, device, reps, groups=5):
     """Median over ``groups`` of ``Timer.sustained(fn, reps)``: one slow group (a stall on one rank holds every
-    rank's collective) does not set a link's rate (a mean of 10 all-to-alls once gave intra_gbps 216 where every
-    other lease measured 297-452)."""
+    rank's collective) does not set a link's rate."""
     timer = Timer(device)
     return float(np.median([timer.sustained(fn, reps) for _ in range(groups)]))
 
@@ -318,11 +307,8 @@ def _links(dry, device) -> dict:
 
 
 def _call(dry, device, work: Workload) -> tuple[float, float]:
-    """(call_fwd_us, call_bwd_us): the time a megatron-cp call exposes beyond its GPU work when timed alone
-    (synced, as bench_dist's wall time): a causal mask with milliseconds of GPU work per rank, timed by
-    ``Timer.run`` alone (wall) and issued behind a held stream (GPU time); the difference, medians of the
-    slowest rank. (A tiny call times its whole host path, much of which a real call runs while its kernels do;
-    a queued loop absorbs the ranks' skew in its all-to-alls.)"""
+    """(call_fwd_us, call_bwd_us): wall less GPU time (``Timer.run``, slowest rank) of a causal call with
+    milliseconds of GPU work per rank (a tiny call's whole host path would count what a real one hides)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     plan = mcp.plan(mcp.masks.causal((256 if dry else 8192) * world), world)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -344,26 +330,83 @@ def _call(dry, device, work: Workload) -> tuple[float, float]:
 def summary_table(fields, default):
     """The closing table (lines): each field measured (``fields``) beside ``default``'s value."""
     def cell(v):
-        return "[" + ", ".join(map(cell, v)) + "]" if isinstance(v, (list, tuple)) else \
-            f"{v:.4g}" if isinstance(v, float) else str(v)
+        return f"[{', '.join(map(cell, v))}]" if isinstance(v, (list, tuple)) else f"{v:.4g}" if isinstance(v, float) \
+            else str(v)
 
     return markdown_table(["field", "measured", "default"],
                           [[k, cell(v), cell(getattr(default, k, "-"))] for k, v in fields.items() if k != "source"])
 
 
+def check_table(rows):
+    """--check's table (lines): per mask and impl, the calls' summed ms and the call predicted furthest off."""
+    out = []
+    for key in dict.fromkeys((r["mask"], r["impl"]) for r in rows):
+        rs = [r for r in rows if (r["mask"], r["impl"]) == key]
+        cells = []
+        for ph in ("fwd", "bwd"):
+            meas, pred = sum(r[f"{ph}_ms"] for r in rs), sum(r[f"{ph}_pred_ms"] for r in rs)
+            worst = max(rs, key=lambda r: abs(np.log(r[f"{ph}_pred_ms"] / r[f"{ph}_ms"])))
+            cells += [f"{meas:.3f} / {pred:.3f} ({pred / meas:.2f})",
+                      f"{worst[f'{ph}_pred_ms'] / worst[f'{ph}_ms']:.2f} (rank {worst['rank']} step {worst['step']})"]
+        out.append([*key, len(rs), *cells])
+    return markdown_table(["mask", "impl", "calls", "fwd meas / pred ms (ratio)", "fwd worst call",
+                           "bwd meas / pred ms (ratio)", "bwd worst call"], out)
+
+
+def check(args, device, work: Workload) -> list[dict]:
+    """--check: each of ``bench_calls`` timed fwd and bwd with the default backend, beside ``tile_time``."""
+    masks = (args.masks or ("causal" if args.dry_run else ",".join(catalog.DIST_MASKS))).split(",")
+    s = args.seqlen or (1024 if args.dry_run else 131072)
+    cost = CostModel.load(args.cost) if args.cost else CostModel()
+    be, timer, rows = kernels.get_backend("auto", device), Timer(device), []
+    path = os.path.join(out_dir(args), f"cost_check{args.tag}.json")
+    jobs = [dict(c, mask=m) for m in masks for c in bench_calls(catalog.build(m, s), CHECK_CP, work)]
+    with Progress(len(jobs), "calibrate --check", verbose=args.verbose) as bar:
+        for c in jobs:
+            what = f"{c['mask']} {c['impl']} rank {c['rank']} step {c['step']}"
+            bar.running(what)
+            w = Workload(c["heads"], c["kv_heads"], c["head_dim"], 2)
+            _, fwd, bwd = kernel_calls(be, c["tiles"], c["sq"], c["sk"], w, device, c["rank"] * 131 + c["step"],
+                                       accumulate=c["impl"] == "ring")
+            # back to back after a sustained warm-up, one sync at the end, not held like the fit: a training step
+            # runs its calls so, and the check asks whether a model fitted on held bursts predicts that
+            sec = 0.0 if args.dry_run else CHECK_SECONDS
+            tf, tb = timer.sustained(fwd, 3, sec), timer.sustained(bwd, 3, sec)
+            tiles = np.asarray(c.pop("tiles"))
+            rows.append(c | dict(n_tiles=len(tiles), area=float(tile_areas(tiles)[0].sum()), fwd_ms=tf * 1e3,
+                                 bwd_ms=tb * 1e3, fwd_pred_ms=cost.tile_time(tiles, w) * 1e3,
+                                 bwd_pred_ms=cost.tile_time(tiles, w, True) * 1e3))
+            write_json(path, run_record(device_name(device), cost=cost.source, results=rows))
+            r = rows[-1]
+            bar.step(f"{what}: {len(tiles)} tiles, fwd {r['fwd_ms']:.3f} / {r['fwd_pred_ms']:.3f} ms, bwd "
+                     f"{r['bwd_ms']:.3f} / {r['bwd_pred_ms']:.3f}")
+    print("wrote", path)
+    print("\n".join(check_table(sorted(rows, key=lambda r: (r["mask"], r["impl"], r["step"], r["rank"])))))
+    return rows
+
+
 def main(argv=None):
-    args = parser(__doc__, "out").parse_args(argv)
-    distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1  # under torchrun
+    ap = parser(__doc__, "out")
+    ap.add_argument("--check", action="store_true", help="check --cost's kernel model call by call (one GPU)")
+    ap.add_argument("--cost", default=None, help="--check: CostModel JSON (this tool's cost.json; default CostModel())")
+    ap.add_argument("--masks", default=None, help="--check: comma list (default every benchmark mask; dry run: causal)")
+    ap.add_argument("--seqlen", type=int, default=None, help="--check: default 131072 (a dry run: 1024)")
+    args = ap.parse_args(argv)
+    distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1 and not args.check  # under torchrun
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if distributed:
-        dist.init_process_group("gloo" if args.dry_run else "nccl")
-    rank0 = not distributed or dist.get_rank() == 0
     work = Workload(4, 2, 16, 2) if args.dry_run else Workload()
     threads = torch.get_num_threads()
     if args.dry_run:  # tiny calls on CPU threads that other processes contend for time noise (the fits fail)
         torch.set_num_threads(1)
+    if args.check:
+        rows = check(args, device, work)
+        torch.set_num_threads(threads)
+        return rows
+    if distributed:
+        dist.init_process_group("gloo" if args.dry_run else "nccl")
+    rank0 = not distributed or dist.get_rank() == 0
     bar = Progress(None, "calibrate", enabled=rank0, verbose=args.verbose)
     fields = _kernel(args.dry_run, device, work, bar)
     if distributed:

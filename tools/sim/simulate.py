@@ -30,10 +30,11 @@ import time
 import numpy as np
 
 import megatron_cp as mcp
-from megatron_cp.baselines import plan_for
+from megatron_cp.baselines import mask_tiles, plan_for, rank_tiles, ring_tiles
 from megatron_cp.masks import catalog
 from megatron_cp.masks.geometry import traps_to_tiles
 from megatron_cp.planner import Workload
+from megatron_cp.planner.layout import kv_head_repeat
 from megatron_cp.runtime import CostModel
 from megatron_cp.runtime.cost import guest_predict, guest_traffic
 
@@ -288,12 +289,41 @@ def summary_table(rows, strategies):
                            "stages", "inter-node MB/GPU", "intra-node MB/GPU"], out)
 
 
+def bench_calls(mask, cp: int, work: Workload):
+    """Every kernel call tools/bench_dist.py's implementations make on ``mask``: dicts with the call's impl, rank,
+    step, tiles, sq, sk, heads, kv_heads (the K/V heads the kernel sees), head_dim. ``megatron-cp``: rank r's
+    tiles over its K/V buffer (``-guest``: its guest rows' over its own keys); ``ring``: step i of rank r against
+    rank (r - i) % cp's block; ``ulysses``: the whole mask on Hq / cp heads, K/V heads repeated as the baseline
+    does; ``allgather``: rank r's rows against every key."""
+    s = mask.seqlen_q
+    base = dict(seqlen=s, cp=cp, heads=work.num_heads, kv_heads=work.num_kv_heads, head_dim=work.head_dim)
+    out = []
+    for r in mcp.plan(mask, cp).ranks:
+        out.append(dict(base, impl="megatron-cp", rank=r.rank, step=0, tiles=r.tiles, sq=r.num_tokens,
+                        sk=max(r.buffer_len, 1)))
+        if len(r.guest_tiles) and sum(r.guest_recv_counts()):
+            out.append(dict(base, impl="megatron-cp-guest", rank=r.rank, step=0, tiles=r.guest_tiles,
+                            sq=sum(r.guest_recv_counts()), sk=r.num_tokens))
+    plan = plan_for("ring", mask, cp)
+    for r in range(cp):
+        for i, t in enumerate(ring_tiles(plan, 1, r)):
+            out.append(dict(base, impl="ring", rank=r, step=i, tiles=t, sq=plan.num_local(r),
+                            sk=plan.num_local((r - i) % cp), layout=plan.solver))
+    if work.num_heads % cp == 0:
+        f = kv_head_repeat(work.num_heads, work.num_kv_heads, cp)
+        out.append(dict(base, impl="ulysses", rank=0, step=0, tiles=mask_tiles(plan_for("ulysses", mask, cp)),
+                        sq=s, sk=s, heads=work.num_heads // cp, kv_heads=work.num_kv_heads * f // cp))
+    plan = plan_for("allgather", mask, cp)
+    out += [dict(base, impl="allgather", rank=r, step=0, tiles=rank_tiles(plan, r), sq=plan.num_local(r), sk=s)
+            for r in range(cp)]
+    return [c for c in out if len(c["tiles"])]
+
+
 def kernel_only(mask, cp, g, cost, work):
-    """bench_dist's kernel-only calls on its plan (``mcp.plan(mask, cp)``): each rank's tiles over its K/V buffer,
-    plus its guest tiles' call; the slowest rank."""
-    calls = [[rp.tiles] + ([rp.guest_tiles] if len(rp.guest_tiles) and sum(rp.guest_recv_counts()) else [])
-             for rp in mcp.plan(mask, cp).ranks]
-    return {f"{p}_s": max(sum(cost.tile_time(t, work, p == "bwd") for t in c) for c in calls) for p in ("fwd", "bwd")}
+    """bench_dist's kernel-only calls (``bench_calls``' megatron-cp ones) on its plan; the slowest rank."""
+    calls = [c for c in bench_calls(mask, cp, work) if c["impl"].startswith("megatron-cp")]
+    return {f"{p}_s": max(sum(cost.tile_time(c["tiles"], work, p == "bwd") for c in calls if c["rank"] == r)
+                          for r in range(cp)) for p in ("fwd", "bwd")}
 
 
 TARGETS = {"gpu": "GPU time (stream held while the host issues)", "b2b": "GPU time of back-to-back steps",
