@@ -31,7 +31,7 @@ def dry_run(tmp_path_factory):
     CostModel().save(os.path.join(out, "cost.json"))  # what the calibrate step writes
     cmd = [sys.executable, SUITE, "--out", out, "--dry-run", "--steps", "kernel_check,bench,predict,scaling",
            "--seqlens", "256", "--masks", "causal,packed", "--impls", ",".join(IMPLS), "--master-port", str(free_port()),
-           "--", "--profile", "b2b"]
+           "--", "--profile"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     logs = {f: open(os.path.join(out, "logs", f)).read()[-3000:] for f in os.listdir(os.path.join(out, "logs"))}

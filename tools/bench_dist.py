@@ -4,16 +4,12 @@
     torchrun --nproc-per-node 2 tools/bench_dist.py --dry-run            # CPU (gloo), tiny sizes
     torchrun --nproc-per-node 4 tools/bench_dist.py --nodes 2            # 2 nodes of 2 GPUs emulated
 
-Per S and mask, each implementation (IMPLS; head_context too) runs forward and backward on the same random data,
-timed by Timer.run (GPU time behind a held stream, the headline; wall time; back to back); TFLOP/s per GPU: mask-area
-FLOPs (forward 4 * area * Hq * D, backward 2.5x) / GPUs / the slowest rank's time. torch-native is PyTorch's CP (SDPA
-ring on full / causal, else FlexAttention all-gather); kernel-only our kernel alone on each rank's megatron-cp tiles
-(the scaling check's reference); the sparse rows select inside causal / packed masks on structured q / k (their
-envelope_kv_bytes, the dense exchange of the same block layout, can exceed the dense plan's: blocks round owner
-changes). --cost: a calibrated model picks megatron-cp's stages; --nodes N: its plan for Topology(N, GPUs / N) with
-hierarchical routes (all on NVLink) and the K/V bytes crossing the emulated boundary. Writes OUT/bench_dist<tag>.json
-(after every mask) and .png; --profile: OUT/bench_dist<tag>_profile.txt, a GPU timeline of one more megatron-cp step
-per case. Ends with one table: TFLOP/s per case and the checks (summarize).
+Per S and mask, each implementation (IMPLS) runs forward and backward on the same random data, timed by Timer.run
+(GPU time, the headline; wall time; back to back); TFLOP/s per GPU: mask-area FLOPs / GPUs / the slowest rank's
+time. torch-native is PyTorch's CP (SDPA ring on full / causal, else FlexAttention all-gather); kernel-only our
+kernel alone on each rank's megatron-cp tiles (the scaling check's reference); the sparse rows select inside causal
+/ packed masks on structured q / k (their envelope_kv_bytes can exceed the dense plan's: blocks round owner changes).
+Writes OUT/bench_dist<tag>.json (after every mask), .png and with --profile _profile.txt; ends with one table.
 """
 
 from __future__ import annotations
@@ -45,11 +41,29 @@ from megatron_cp.runtime import CostModel
 from megatron_cp.runtime.state import states_of
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
-from common import (Progress, Timer, bar_panels, markdown_table, out_dir, parser, profile_step,  # noqa: E402
-                    run_record, timeline_summary, write_json)
+from common import (Progress, Timer, bar_panels, device_name, markdown_table, out_dir, parser,  # noqa: E402
+                    profile_step, run_record, timeline_summary, write_json)
 
 IMPLS = "megatron-cp,megatron-cp+xattention,megatron-cp+moba,ring,ulysses,usp,allgather,torch-native"
 SPARSE_IMPLS = ("megatron-cp+xattention", "megatron-cp+moba")  # on the causal and packed masks only
+
+
+def start_ranks(dry):
+    """This rank's device, the process group up: CPU and gloo for a dry run, else its GPU and NCCL."""
+    dev = torch.device("cpu") if dry else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if not dry:
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():  # bench_train's dry run: run_ranks's gloo processes
+        dist.init_process_group("gloo" if dry else "nccl", device_id=None if dry else dev,
+                                timeout=datetime.timedelta(minutes=10))
+    return dev
+
+
+def torchrun_record(dev, **extra):
+    """run_record of this torchrun command on this rank's ``dev`` (num_devices: the ranks)."""
+    cp = dist.get_world_size()
+    return run_record(device_name(dev), f"torchrun --nproc-per-node {cp} {os.path.relpath(sys.argv[0])} "
+                      + " ".join(sys.argv[1:]), num_devices=cp, **extra)
 
 
 def _rand(n, h, a, seed, grad=True):
@@ -75,10 +89,10 @@ def timed(fn, q, k, v, a, profile=False):
 
     times = a.timer.run(fwd, bwd, a.warmup, a.iters, a.group)
     if profile:
-        events, host = profile_step(fwd, bwd, a.timer.sync, b2b=a.profile == "b2b")
+        events, host = profile_step(fwd, bwd, a.timer.sync, b2b=True)
         if a.rank == 0:
             with open(a.profile_path, "a") as f:
-                f.write(timeline_summary(events, host, a.profile_title))
+                f.write(timeline_summary(events, host, a.profile_title + " (back to back)"))
     return times
 
 
@@ -209,8 +223,7 @@ def run_case(impl, mask, base, a):
     s, mname, cp = base["seqlen"], base["mask"], a.cp
     rec = dict(base, impl=impl if impl != "torch-native" else
                "torch-sdpa-ring" if mname in ("full", "causal") else "torch-flex-allgather")
-    a.profile_title = (f"{rec['impl']} {mname} S={s} rank {a.rank} of {cp} ({a.dev_name})"
-                       + (", right after another step (back to back)" if a.profile == "b2b" else ""))
+    a.profile_title = f"{rec['impl']} {mname} S={s} rank {a.rank} of {cp} ({a.dev_name}), right after another step"
     try:
         if impl == "torch-native":
             times = bench_torch_native(mname, s, a)
@@ -264,8 +277,8 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=None, help="query heads (default 32; dry run 4)")
     ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default 8; dry run 2)")
     ap.add_argument("--cost", default=None, help="CostModel JSON (tools/sim/calibrate.py) for megatron-cp's stages")
-    ap.add_argument("--profile", choices=("idle", "b2b"), default=None, help="profile one more megatron-cp step per "
-                    "case, on an idle GPU or right after another step with no sync (as back to back)")
+    ap.add_argument("--profile", action="store_true", help="profile one more megatron-cp step per case, right "
+                    "after another step with no sync (as back to back)")
     ap.add_argument("--nodes", type=int, default=1, help="plan megatron-cp as if the GPUs were this many nodes")
     a = ap.parse_args(argv)
     world, dry = int(os.environ.get("WORLD_SIZE", 1)), a.dry_run
@@ -274,22 +287,17 @@ def main(argv=None):
     a.heads, a.kv_heads, a.head_dim = a.heads or (4 if dry else 32), a.kv_heads or (2 if dry else 8), 16 if dry else 128
     a.warmup, a.iters = (min(a.warmup, 1), min(a.iters, 1)) if dry else (a.warmup, a.iters)  # dry: times mean nothing
     seqlens, masks = [int(x) for x in (a.seqlens or ("256" if dry else "131072,262144")).split(",")], a.masks.split(",")
-    a.device = torch.device("cpu") if dry else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if not dry:
-        torch.cuda.set_device(a.device)
-    dist.init_process_group("gloo" if dry else "nccl", device_id=None if dry else a.device,
-                            timeout=datetime.timedelta(minutes=10))
+    a.device = start_ranks(dry)
     vars(a).update(rank=dist.get_rank(), cp=dist.get_world_size(), group=dist.group.WORLD, dtype=torch.bfloat16,
-                   timer=Timer(a.device), dev_name="cpu" if dry else torch.cuda.get_device_name(a.device),
+                   timer=Timer(a.device), dev_name=device_name(a.device),
                    cost_model=CostModel.load(a.cost) if a.cost else None)
     a.topology = mcp.Topology(a.nodes, a.cp // a.nodes) if a.nodes > 1 else None
     stem = os.path.join(out_dir(a), f"bench_dist{a.tag}") if a.rank == 0 else None
     a.profile_path = f"{stem}_profile.txt"
-    meta = run_record(a.dev_name, f"torchrun --nproc-per-node {a.cp} {os.path.relpath(sys.argv[0])} "
-                      + " ".join(sys.argv[1:]), num_devices=a.cp, nodes=a.nodes, heads=a.heads, kv_heads=a.kv_heads,
-                      head_dim=a.head_dim, dtype=str(a.dtype), masks={m: catalog.DESCRIPTIONS[m] for m in masks},
-                      flops="forward 4*area*Hq*D, backward 2.5x; per GPU: / cp / the slowest rank's time",
-                      bytes="kv_bytes: forward K/V bytes received, summed over ranks")
+    meta = torchrun_record(a.device, nodes=a.nodes, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
+                           dtype=str(a.dtype), masks={m: catalog.DESCRIPTIONS[m] for m in masks},
+                           flops="forward 4*area*Hq*D, backward 2.5x; per GPU: / cp / the slowest rank's time",
+                           bytes="kv_bytes: forward K/V bytes received, summed over ranks")
     results, impls = [], a.impls.split(",")
     bar = Progress(len(seqlens) * len(masks) * len(impls), "bench_dist", enabled=a.rank == 0, verbose=a.verbose)
     for s, mname in itertools.product(seqlens, masks):

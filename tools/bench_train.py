@@ -5,21 +5,18 @@
     python tools/bench_train.py --dry-run                  # 2 gloo processes on the CPU, tiny sizes
 
 Per implementation and tokens per GPU, a thread plans the next micro-batches (``megatron.PlanAhead``, as the plugin
-does; on a GPU megatron-cp plans in the planning helper process) while a step runs 4 micro-batches of 8 attention
-layers forward, then backward, with no sync inside (bf16, Hq 32, Hkv 8, D 128; dry run: 2 x 2 layers, float32, 4,
-2, 16). A row (``bench``): the step's wall time (``step_ms``), again with every plan made before it
-(``planned_before_ms``), its device time outside and inside NCCL (CUDA), the host time of a micro-batch's first
-layer call (megatron-cp builds the plan's state and waits for the plan check there) and of the others, the planning
-thread's time per micro-batch and the step's wait for it. Writes OUT/bench_train<tag>.json after every
-implementation and OUT/host_profile_megatron-cp_<tokens per GPU><tag>.txt: rank 0's host time by function over one
-more step (cProfile, which on Python 3.12 sees the planning thread too).
+does) while a step runs 4 micro-batches of 8 attention layers forward, then backward, with no sync inside. A row
+(``bench``): the step's wall time, again with every plan made before it, its device time outside and inside NCCL,
+the host time of a micro-batch's first layer call (megatron-cp builds the plan's state and waits for the plan check
+there) and of the others, the planning thread's time per micro-batch and the step's wait for it. Writes
+OUT/bench_train<tag>.json after every implementation and OUT/host_profile_megatron-cp_<tokens per GPU><tag>.txt:
+rank 0's host time by function over one more step (cProfile, which on Python 3.12 sees the planning thread too).
 """
 
 from __future__ import annotations
 
 import contextlib
 import cProfile
-import datetime
 import os
 import pstats
 import sys
@@ -35,7 +32,8 @@ from megatron_cp.baselines import get_strategy, plan_for
 from megatron_cp.planner import Workload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
-from common import out_dir, parser, run_record, write_json  # noqa: E402
+from bench_dist import start_ranks  # noqa: E402
+from common import device_name, out_dir, parser, run_record, write_json  # noqa: E402
 
 IMPLS = ("megatron-cp", "ring", "ulysses", "usp", "allgather")
 
@@ -77,9 +75,8 @@ def _planner(impl: str, a):
 
 
 def _busy_ms(prof) -> tuple[float, float]:
-    """Rank 0's device time in a profiled step, intervals merged across streams: (compute and copies, NCCL
-    kernels). Apart because an NCCL kernel also runs while it waits for a rank that is still issuing: counted
-    with the rest it can exceed the step itself."""
+    """Rank 0's device time in a profiled step, intervals merged across streams: (compute and copies, NCCL kernels),
+    apart because an NCCL kernel also runs while it waits for a rank still issuing (it can exceed the step)."""
     def merged(spans):  # ms the union of the (start, end) us spans covers
         busy, end = 0.0, -1.0
         for a, b in sorted(spans):
@@ -179,13 +176,10 @@ def bench(impl: str, seqlen: int, a) -> dict:
 
 def run(rank: int, world: int, a) -> list[dict]:
     """Every (tokens per GPU, implementation) on this rank; rank 0 prints and writes the rows."""
-    a.device = torch.device("cpu") if a.dry_run else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if not a.dry_run:  # the dry run's ranks come with gloo (run_ranks)
-        torch.cuda.set_device(a.device)
-        dist.init_process_group("nccl", device_id=a.device, timeout=datetime.timedelta(minutes=10))
+    a.device = start_ranks(a.dry_run)
     a.rank, a.cp, a.group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     a.dtype = torch.float32 if a.dry_run else torch.bfloat16
-    meta = run_record("cpu" if a.dry_run else torch.cuda.get_device_name(a.device), a.command, world=a.cp,
+    meta = run_record(device_name(a.device), a.command, world=a.cp,
                       heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=str(a.dtype))
     rows = []
     for tpg in a.tokens_per_gpu:

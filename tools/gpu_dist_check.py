@@ -3,12 +3,11 @@
     torchrun --nproc-per-node 4 tools/gpu_dist_check.py --out out
     torchrun --nproc-per-node 2 tools/gpu_dist_check.py --dry-run     # CPU (gloo, reference backend), S 512
 
-Each rank runs megatron-cp (staged and single exchange; also with guest rows where ``auto`` keeps the rows keeping
-most keys home) and each baseline on its plan layout, forward and backward on its tokens of one random bf16 problem
-(S 16384, Hq 8, Hkv 2, D 128) on Triton with cuDNN's dense pieces (``dense_min_keys`` lowered to have some), against
-a dense fp64 reference (ANCHORS.md: rms error <= 2 x bf16's + 1e-6 x rms(reference); no NaN; fully masked rows: out
-0, lse -inf), counting the cuDNN calls. Writes OUT/gpu_dist_check<tag>.json (every rank's records); ends with one
-table per mask and variant; exits 1 where a case fails.
+Each rank runs megatron-cp (staged, single exchange, and with guest rows where ``auto`` keeps them home) and each
+baseline, forward and backward on its tokens of one random bf16 problem on Triton with cuDNN's dense pieces
+(``dense_min_keys`` lowered to have some), against a dense fp64 reference (ANCHORS.md: rms error <= 2 x bf16's +
+1e-6 x rms(reference); no NaN; fully masked rows: out 0, lse -inf), counting the cuDNN calls. Writes
+OUT/gpu_dist_check<tag>.json (every rank's records); ends with one table; exits 1 where a case fails.
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ from megatron_cp.planner.guests import candidate_rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from gpu_kernel_check import chunked_reference, rms  # noqa: E402
-from common import Progress, device_name, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
+from bench_dist import start_ranks, torchrun_record  # noqa: E402
+from common import Progress, markdown_table, out_dir, parser, write_json  # noqa: E402
 
 MASKS = ("causal", "full", "packed", "sliding_window", "global_local")
 STRATEGIES = ("ring", "ulysses", "usp", "allgather", "head_context")
@@ -88,13 +88,8 @@ def check(impl, stages, plan, data, backend):
 
 def main(argv=None):
     args = parser(__doc__, "out").parse_args(argv)
-    if args.dry_run:
-        dev, backend = torch.device("cpu"), "reference"
-        dist.init_process_group("gloo")
-    else:
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl")
+    dev, backend = start_ranks(args.dry_run), "reference"
+    if not args.dry_run:
         for key, op in CUDNN_OPS.items():
             setattr(cudnn, op, functools.partial(_counted, key, getattr(cudnn, op)))
         backend = kernels.TritonBackend(kernels.TritonConfig(dense_min_keys=2048))
@@ -134,9 +129,7 @@ def main(argv=None):
     flat = [r for rr in gathered for r in rr]
     if rank == 0:
         print("\n".join(summary_table(flat)))
-        meta = run_record(device_name(dev), f"torchrun --nproc-per-node {cp} tools/gpu_dist_check.py "
-                          + " ".join(sys.argv[1:]), num_devices=cp, S=s, Hq=hq, Hkv=hkv, D=d,
-                          all_ok=all(r["ok"] for r in flat))
+        meta = torchrun_record(dev, S=s, Hq=hq, Hkv=hkv, D=d, all_ok=all(r["ok"] for r in flat))
         write_json(os.path.join(out_dir(args), f"gpu_dist_check{args.tag}.json"), {**meta, "results": flat})
     dist.destroy_process_group()
     return 0 if all(r["ok"] for r in flat) else 1

@@ -4,13 +4,11 @@
     python tools/run_dist_suite.py --out out/suite --nproc 1                              # one GPU, CP = 1
     python tools/run_dist_suite.py --dry-run                                              # CPU, 2 gloo ranks
 
-Runs STEPS in order, each a subprocess (``step_commands``) writing into OUT, its output in OUT/logs/; --dry-run passes
---dry-run on and leaves the GPU-only step out. A failed step is recorded and the next runs (bench rows record their
-own errors: the step's row_errors). Arguments after ``--`` go to bench_dist (other head counts get a file tag of
-their own). ``--steps`` runs a subset into the same OUT (within a per-command time limit: the checks and
-calibration, then ``--steps bench --seqlens 131072`` per S, then ``--steps predict,scaling``). Writes
-OUT/suite.json: per call its device, GPU count, date and command, per step run its command, exit status, seconds,
-log and outputs; later calls into the same OUT append.
+Runs STEPS in order, each a subprocess (``step_commands``) writing into OUT, its log in OUT/logs/; a failed step is
+recorded and the next runs. Arguments after ``--`` go to bench_dist. ``--steps`` runs a subset into the same OUT
+(within a per-command time limit: the checks and calibration, then ``--steps bench --seqlens 131072`` per S, then
+``--steps predict,scaling``). Writes OUT/suite.json (later calls into the same OUT append): per call its device,
+GPU count, date and command, per step its command, exit status, seconds, log, outputs and bench's row_errors.
 """
 
 from __future__ import annotations
