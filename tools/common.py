@@ -337,8 +337,9 @@ def profile_step(fwd, bwd, sync, phases=("fwd", "bwd"), b2b=False):
         sync()
         t2 = time.perf_counter()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(f)["traceEvents"]  # export_chrome_trace rewrote the file f opened
+        prof.export_chrome_trace(f.name)  # writes a new file at that path: read it by name
+        with open(f.name) as g:
+            events = json.load(g)["traceEvents"]
     return events, {phases[0]: (t1 - t0) * 1e3, phases[1]: (t2 - t1) * 1e3}
 
 
