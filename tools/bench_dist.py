@@ -5,11 +5,10 @@
     torchrun --nproc-per-node 4 tools/bench_dist.py --nodes 2            # 2 nodes of 2 GPUs emulated
 
 Per S and mask, each implementation (IMPLS) runs forward and backward on the same random data, timed by Timer.run
-(GPU time, the headline; wall time; back to back); TFLOP/s per GPU: mask-area FLOPs / GPUs / the slowest rank's
-time. torch-native is PyTorch's CP (SDPA ring on full / causal, else FlexAttention all-gather); kernel-only our
-kernel alone on each rank's megatron-cp tiles (the scaling check's reference); the sparse rows select inside causal
-/ packed masks on structured q / k (their envelope_kv_bytes can exceed the dense plan's: blocks round owner changes).
-Writes OUT/bench_dist<tag>.json (after every mask), .png and with --profile _profile.txt; ends with one table.
+(GPU time, the headline; wall; back to back); TFLOP/s per GPU = mask-area FLOPs / GPUs / the slowest rank's time.
+torch-native is PyTorch's CP (SDPA ring on full / causal, else FlexAttention all-gather); kernel-only our kernel
+alone on megatron-cp's tiles (the scaling reference); sparse rows select inside causal / packed masks on structured
+q / k. Writes OUT/bench_dist<tag>.json (after every mask), .png and with --profile _profile.txt; ends with a table.
 """
 
 from __future__ import annotations
@@ -61,9 +60,8 @@ def start_ranks(dry):
 
 def torchrun_record(dev, **extra):
     """run_record of this torchrun command on this rank's ``dev`` (num_devices: the ranks)."""
-    cp = dist.get_world_size()
-    return run_record(device_name(dev), f"torchrun --nproc-per-node {cp} {os.path.relpath(sys.argv[0])} "
-                      + " ".join(sys.argv[1:]), num_devices=cp, **extra)
+    cmd = f"torchrun --nproc-per-node {dist.get_world_size()} {os.path.relpath(sys.argv[0])} {' '.join(sys.argv[1:])}"
+    return run_record(device_name(dev), cmd.strip(), num_devices=dist.get_world_size(), **extra)
 
 
 def _rand(n, h, a, seed, grad=True):
@@ -97,7 +95,6 @@ def timed(fn, q, k, v, a, profile=False):
 
 
 def bench_ours(name, mask, a):
-    """megatron-cp or one of our baselines: (Timer.run's times, plan)."""
     if name == "megatron-cp":
         plan = mcp.plan(mask, a.cp, topology=a.topology)  # nodes: hierarchical routes (one crossing a node)
         be = a.backend = kernels.get_backend("auto", a.device)  # one object: its state is reported
@@ -145,8 +142,7 @@ def bench_sparse(name, mask, a):
 
 
 def kernel_only(base, plan, a):
-    """The kernel-only row: megatron-cp's backend alone on each rank's tiles and K/V buffer (and guest tiles), timed
-    as the implementations (the mean over ranks: the scaling check's reference; the slowest rank's too)."""
+    """Our backend alone on each rank's tiles (and guest tiles): the ranks' mean (scaling reference) and max."""
     rp, be, runs = plan.ranks[a.rank], a.backend, []
     calls = [(rp.tiles, rp.num_tokens, max(rp.buffer_len, 1))]
     if len(rp.guest_tiles) and sum(rp.guest_recv_counts()):
@@ -174,7 +170,7 @@ def kernel_only(base, plan, a):
 
 
 def _torch_cp(*names):
-    """The first of ``names`` that PyTorch's context-parallel package has, wherever this torch keeps it."""
+    """The first of ``names`` that PyTorch's CP package has, wherever this torch keeps it."""
     pkg = "torch.distributed.tensor.experimental"
     for name, mod in itertools.product(names, ("._attention", "._context_parallel._attention",
                                                "._context_parallel._load_balancer", "._load_balancer", "")):
@@ -198,7 +194,6 @@ def bench_torch_native(mask_name, s, a):
     _torch_cp("_cp_options").enable_load_balance = True
     if not hasattr(a, "flex"):  # every (mask, S) is a new mask_mod / shape: one compilation each, not dynamo's 8
         import torch._dynamo as dynamo
-
         dynamo.config.recompile_limit, dynamo.config.accumulated_recompile_limit = 256, 4096
         a.flex = torch.compile(flex_attention, dynamic=False)
 
@@ -257,13 +252,11 @@ def run_case(impl, mask, base, a):
         rec["error"] = f"{type(e).__name__}: {e}"
         if a.rank == 0:
             traceback.print_exc()
-        if a.device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op without CUDA
         return [rec]
 
 
 def case_line(r):
-    """A case's line on stderr (--verbose; an error's always): its figures."""
     skip = ("mask", "seqlen", "impl", "cp", "density", "b2b_ranks_ms", "selector_params")
     return f"S={r['seqlen']:>7} {r['mask']:<15}{r['impl']:<22} " + "  ".join(
         f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items() if k not in skip)
@@ -277,8 +270,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=None, help="query heads (default 32; dry run 4)")
     ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default 8; dry run 2)")
     ap.add_argument("--cost", default=None, help="CostModel JSON (tools/sim/calibrate.py) for megatron-cp's stages")
-    ap.add_argument("--profile", action="store_true", help="profile one more megatron-cp step per case, right "
-                    "after another step with no sync (as back to back)")
+    ap.add_argument("--profile", action="store_true", help="profile one more megatron-cp step per case, back to back")
     ap.add_argument("--nodes", type=int, default=1, help="plan megatron-cp as if the GPUs were this many nodes")
     a = ap.parse_args(argv)
     world, dry = int(os.environ.get("WORLD_SIZE", 1)), a.dry_run
@@ -308,9 +300,9 @@ def main(argv=None):
                 continue
             bar.running(f"S={s} {mname} {impl}")
             results += run_case(impl, mask, dict(mask=mname, seqlen=s, cp=a.cp, density=mask.density()), a)
-            if "error" in results[-1] and a.rank == 0:
+            if (err := "error" in results[-1]) and a.rank == 0:
                 bar.note(case_line(results[-1]))
-            bar.step(None if "error" in results[-1] else case_line(results[-1]))
+            bar.step(None if err else case_line(results[-1]))
             dist.barrier(a.group)
         if a.rank == 0:  # after every mask: a run cut short keeps what it measured
             write_json(stem + ".json", {**meta, "complete": (s, mname) == (seqlens[-1], masks[-1]), "results": results,
@@ -323,8 +315,8 @@ def main(argv=None):
 
 
 def summarize(results, show=True):
-    """The checks per S and mask (``show``: printed as ``summary_table``): megatron-cp vs the torch peer (``need``)
-    and vs kernel-only (``scaling``) in each timing; each sparse row's time and bytes vs the dense envelope's."""
+    """The checks per S and mask (``show``: printed): megatron-cp vs the torch peer and vs kernel-only in each
+    timing; each sparse row's time and bytes vs the dense envelope's."""
     checks = []
     ok = {(r["mask"], r["seqlen"], r["impl"]): r for r in results if "error" not in r}
     for s, m in itertools.product(sorted({r["seqlen"] for r in results}), sorted({r["mask"] for r in results})):

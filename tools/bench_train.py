@@ -90,7 +90,6 @@ def _busy_ms(prof) -> tuple[float, float]:
 
 
 def bench(impl: str, seqlen: int, a) -> dict:
-    """One implementation at ``seqlen`` tokens in all: its row (module doc)."""
     # imported in the ranks: Megatron-Core takes seconds to import, and a dry run's parent needs none of it
     from megatron_cp.megatron import PlanAhead, default_workers
 
@@ -175,12 +174,11 @@ def bench(impl: str, seqlen: int, a) -> dict:
 
 
 def run(rank: int, world: int, a) -> list[dict]:
-    """Every (tokens per GPU, implementation) on this rank; rank 0 prints and writes the rows."""
     a.device = start_ranks(a.dry_run)
     a.rank, a.cp, a.group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     a.dtype = torch.float32 if a.dry_run else torch.bfloat16
-    meta = run_record(device_name(a.device), a.command, world=a.cp,
-                      heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=str(a.dtype))
+    meta = run_record(device_name(a.device), a.command, world=a.cp, heads=a.heads, kv_heads=a.kv_heads,
+                      head_dim=a.head_dim, dtype=str(a.dtype))
     rows = []
     for tpg in a.tokens_per_gpu:
         for impl in a.impls.split(","):

@@ -33,9 +33,8 @@ WRITES = {"kernel_check": "gpu_kernel_check", "dist_check": "gpu_dist_check", "c
 
 
 def step_commands(args) -> dict:
-    """{step: argv} of the steps to run, in STEPS order: gpu_kernel_check, torchrun gpu_dist_check, calibrate (OUT/
-    cost.json) and bench_dist (OUT/bench_dist_s<S>.json, S = 131072, 262144), simulate --compare (predict: once per
-    bench JSON in OUT, ``<bench>``, ``<S>`` its name's tail) and simulate's cp 8-64 table for packed documents."""
+    """{step: argv} of the steps to run, in STEPS order; predict's ``<bench>`` and ``<S>`` stand for each bench JSON
+    in OUT and its name's tail."""
     out, dry = args.out, args.dry_run
     py, tr = [sys.executable], [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
                                 "--master-port", str(args.master_port)]
