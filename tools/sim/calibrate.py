@@ -1,16 +1,8 @@
 """Research instrument (the cost model's calibration and check; not needed to use megatron-cp).
 
-Measures the cost model's numbers on this machine into OUT/cost<tag>.json (``CostModel.load``; the tools'
-``--cost``): the Triton kernels' rates per row class (dense path off; each list checked to run in its class),
-``launch_us``, the few-long-rows terms, cuDNN's dense pieces (a 3 x 3 grid of full pieces, a causal square, a
-piece beside tiles), the memory passes and under torchrun the links and the host time a megatron-cp call exposes
-beyond its GPU work when timed alone. Kernels are timed as tools/bench_dist.py times a step (tools/common.py's
-Timer): after a sustained warm-up, a burst behind a held stream, less ``launch_us``. Links: the median of five
-groups of calls. Ends with each field measured beside CostModel's default.
-
-``--check``: the model's kernel time (``tile_time`` of ``--cost``) against every kernel call tools/bench_dist.py's
-implementations make on each benchmark mask (``--masks``) at S = 131072 (``--seqlen``) planned for cp 4, one GPU:
-OUT/cost_check<tag>.json (a row per call, written after each) and a table per mask and implementation.
+Measures the cost model's numbers on this machine into OUT/cost<tag>.json (``CostModel.load``; the tools' ``--cost``),
+timing kernels as tools/bench_dist.py times a step. ``--check``: ``--cost``'s ``tile_time`` against each kernel call
+tools/bench_dist.py makes per ``--masks`` at ``--seqlen`` (131072), cp 4, one GPU: OUT/cost_check<tag>.json, a table.
 
     python tools/sim/calibrate.py --out out                            # one GPU: kernels and passes
     torchrun --nproc-per-node 4 tools/sim/calibrate.py --out out       # and the links, the call's host time
@@ -45,8 +37,7 @@ SECONDS, CHECK_SECONDS, CHECK_CP = 0.5, 0.2, 4  # sustained warm-ups before each
 
 
 def kernel_calls(backend, tiles, sq, sk, work: Workload, device, seed=0, accumulate=False):
-    """(prepared list, forward call, backward call) of ``backend`` on ``tiles`` over random q, k, v (bf16 on CUDA);
-    ``accumulate``: the forward adds into a running output, as the ring's steps do."""
+    """(prepared list, fwd call, bwd call) of ``backend`` on ``tiles``; ``accumulate``: fwd adds up, as the ring's."""
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(seed)
     q, k, v = ((torch.randn(n, h, work.head_dim, generator=g) * 0.5).to(device, dt)
@@ -63,17 +54,14 @@ def kernel_calls(backend, tiles, sq, sk, work: Workload, device, seed=0, accumul
 
 
 def _passes(dry, device) -> dict:
-    """``hbm_gbps``: an fp32 add of gradient sums (the ring's, the exchanges' reductions) and a head-splitting
-    copy of bf16 rows (Ulysses' send layout, the exchanges' row placements) timed together, held;
-    ``split_gbps``: the copy alone, the only kind Ulysses' layouts make (~1.55 TB/s on H200, the blend 2.49)."""
+    """``hbm_gbps``: an fp32 add of gradient sums and a head-splitting copy; ``split_gbps``: the copy (Ulysses')."""
     n, h, d, u = (256, 8, 16, 2) if dry else (32768, 32, 128, 4)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = (torch.randn(n, h // 2, d, device=device) for _ in range(2))
     x = torch.randn(n, h, d, device=device).to(dt)
     y = torch.empty((u, n, h // u, d), device=device, dtype=dt)
 
-    def split():
-        y.copy_(x.view(n, u, h // u, d).transpose(0, 1))
+    split = lambda: y.copy_(x.view(n, u, h // u, d).transpose(0, 1))  # noqa: E731
 
     def both():
         torch.add(a, b, out=a)
@@ -102,28 +90,20 @@ def _kernel(dry, device, work: Workload, bar) -> dict:
         fn = bwd if backward else fwd
         if warm and not dry:
             timer.sustained(fn, 1, SECONDS)
-        # few enough calls that the host issues them all within the hold (200 tiny calls timed the host)
-        return timer.held_calls(fn, reps if warm else 2 * reps)
+        return timer.held_calls(fn, reps if warm else 2 * reps)  # few: the host issues all within the hold
 
     per_flop = work.fwd_flops(1.0)
-    # launch_us: what one more call adds to a step's GPU time (a tiny call, held): a synced round trip
-    # over-predicted plans of many calls. No per-tile term: the kernels walk blocks (a probe measured noise)
+    # launch_us: a tiny call, held (a synced round trip over-predicted many calls); no per-tile term: it was noise
     bar.running("launch")
     out = dict(launch_us=run([[0, 16, 0, 16, 0]], 16, 16, warm=False) * 1e6, tile_us=0.0)
     t_call = out["launch_us"] * 1e-6
 
-    def timed(tl, sq, sk, backward=False, **kw):  # every list: GPU time less launch_us (the model adds it)
-        return run(tl, sq, sk, backward, **kw) - t_call
-
-    def band(w):  # every row keeps w + 1 keys (k - q in [0, w]): one BI_CAUSAL tile
-        return [[0, rows, 0, rows + w, 3]]
-
-    def docs(b, kind):  # block-diagonal: documents of b tokens, each full (kind 0) or causal (kind 1)
-        return [[i, i + b, i, i + b, kind] for i in range(0, rows, b)]
+    timed = lambda tl, sq, sk, bwd=False, **kw: run(tl, sq, sk, bwd, **kw) - t_call  # noqa: E731  the model adds it
+    band = lambda w: [[0, rows, 0, rows + w, 3]]  # noqa: E731  rows keep w + 1 keys (k - q in [0, w]): BI_CAUSAL
+    docs = lambda b, kind: [[i, i + b, i, i + b, kind] for i in range(0, rows, b)]  # noqa: E731  full 0 / causal 1
 
     def points(tl, cls, blocks):
-        """One list's fit points, fwd and bwd: ([cells, rows], seconds per FLOP); cells kept, or with ``blocks``
-        ((fwd m, n), (bwd m, n)) those of every block visited."""
+        """Fit points fwd, bwd: ([cells, rows], s/FLOP); cells kept, or with ``blocks`` those of every block visited."""
         tn = np.array(tl, dtype=np.int64)
         sk = int(tn[:, 3].max())
         bar.running(f"{cls} list of {len(tl)} tiles, {rows} x {sk}")
@@ -134,8 +114,7 @@ def _kernel(dry, device, work: Workload, bar) -> dict:
             [float(block_counts(tn, m, n)[0].sum()) * m * n for m, n in blocks]
         return ([cf, rows], tf / per_flop), ([cb, rows], tb / (2.5 * per_flop))
 
-    # t = (cells + half * rows) / peak per class, fitted in relative error over the class's lists; causal
-    # documents beside bands and full blocks (packed documents ran 11% slower than those alone predicted)
+    # t = (cells + half * rows) / peak per class; causal documents too (packed ones ran 11% slower than predicted)
     lists = {"long": [band(w) for w in ((128, 512) if dry else (4096, 8192, 16384))],
              "short": [band(w) for w in ((16, 96) if dry else (256, 512, 1024))] + [docs(64 if dry else 1024, 1)],
              "blocky": [docs(b, 0) for b in ((128, 256) if dry else (512, 1024, 2048))]
@@ -159,8 +138,7 @@ def _kernel(dry, device, work: Workload, bar) -> dict:
         out.update({f"{cls}_fwd_tflops": peak_f / 1e12, f"{cls}_bwd_tflops": peak_b / 1e12,
                     f"{cls}_half_keys": half_f[0], f"{cls}_bwd_half_keys": half_b[0], f"{cls}_block_m": blocks[0][0],
                     f"{cls}_block_n": blocks[0][1], "bwd_block_m": blocks[1][0], "bwd_block_n": blocks[1][1]})
-        if cls == "blocky":  # its bands: their own peaks at the class's half terms (a 2048-key band's backward
-            # ran 1.15-1.19x faster than the fit on documents said)
+        if cls == "blocky":  # its bands: own peaks at its half terms (a band's bwd beat the documents' fit 1.15x)
             bf, bb = zip(*(points(band(w), cls, blocks) for w in bands))
             out["blocky_band_fwd_tflops"] = linear_fit(bf, "blocky band", fixed=[out["blocky_half_keys"]])[0] / 1e12
             out["blocky_band_bwd_tflops"] = linear_fit(
@@ -175,8 +153,7 @@ def _kernel(dry, device, work: Workload, bar) -> dict:
         bar.step()
     if dense_be is None:
         return out
-    # full pieces on 3 x 3 shapes spanning those plans make, so that no piece is an extrapolation: the rates the
-    # model reads off the grid, and a fit of cells + half_keys * rows + half_rows * keys at a peak
+    # full pieces on a 3 x 3 grid spanning plans' shapes (no extrapolation); a fit of cells + half terms at a peak
     waves = CostModel(num_sms=out["num_sms"])
     pf, pb, grid_f, grid_b = [], [], [], []
     g_rows, g_keys = (rows // 32, rows // 8, rows // 2), (keys_long // 2, 2 * keys_long, 4 * keys_long)
@@ -199,8 +176,7 @@ def _kernel(dry, device, work: Workload, bar) -> dict:
         t = timed([[0, n, 0, n, 1]], n, n, bwd, backend=dense_be)
         out[f"dense_causal_{key}_tflops"] = (cells + half * n) * flops / t / en / 1e12
     bar.step()
-    # the fixed cost of one piece beside Triton tiles: a minimum-size piece next to a tiny tile, less the
-    # piece's time in the model and the tiny tile's own call
+    # a piece's fixed cost beside Triton tiles: a minimum piece and a tiny tile, less the model's piece and the call
     c = dense_be.config
     mr, mk = int(c.dense_min_rows), int(c.dense_min_keys)
     bar.running("dense piece beside a tile")
@@ -214,9 +190,7 @@ def _kernel(dry, device, work: Workload, bar) -> dict:
 
 
 def fit_long_rows(timed, fitted, work: Workload, rows: int, tiny: bool) -> dict:
-    """``row_alone_tflops`` and ``row_share`` (CostModel.long_rows), fitted together through the model: one q
-    block of 128 rows keeping a long key range (global rows) beside (a) short rows, where the long programs run
-    nearly alone, and (b) 2048-key rows, where they share the multiprocessors; both in the "blocky" class."""
+    """``row_alone_tflops``, ``row_share``: long rows beside short rows (alone) and 2048-key rows (sharing SMs)."""
     keys, bg, step = (2048, 64, 128) if tiny else (131072, 2048, 512)
     long_row = [[0, 128, 0, keys, 0]]
     light = long_row + [[i, i + 128, i, i + 64, 0] for i in range(128, rows, 128)]
@@ -243,9 +217,7 @@ def fit_long_rows(timed, fitted, work: Workload, rows: int, tiny: bool) -> dict:
 
 
 def linear_fit(points, what, fixed=None):
-    """(peak FLOP/s, [half terms]) of t = (cells + sum(half_i * x_i)) / peak through ``points`` = [([cells, x_1,
-    ...], t / flops per cell)]: least squares in relative error, terms >= 0 (a term the points do not support is
-    0); ``fixed``: the half terms given, only the peak fitted."""
+    """(peak, [half terms]) of t = (cells + sum(half_i * x_i)) / peak, in relative error, terms >= 0 or ``fixed``."""
     A = np.array([p[0] for p in points], dtype=np.float64)
     y = np.array([p[1] for p in points], dtype=np.float64)
     W = A / y[:, None]  # rows scaled so that each point weighs by its relative error
@@ -269,16 +241,13 @@ def linear_fit(points, what, fixed=None):
 
 
 def median_time(fn, device, reps, groups=5):
-    """Median over ``groups`` of ``Timer.sustained(fn, reps)``: one slow group (a stall on one rank holds every
-    rank's collective) does not set a link's rate."""
+    """Median of ``groups`` timings: one stall (it holds every rank's collective) does not set a link's rate."""
     timer = Timer(device)
     return float(np.median([timer.sustained(fn, reps) for _ in range(groups)]))
 
 
 def _links(dry, device) -> dict:
-    """The link fields from all_to_all_single (1 KB per peer: latency; large: bandwidth, inside the node or, with
-    several nodes (torchrun's LOCAL_WORLD_SIZE), across them) and from one neighbour's send|receive at two sizes,
-    as the ring's steps make them (NCCL point-to-point: not proportional to the bytes, CostModel.p2p_time)."""
+    """all_to_all_single latency and bandwidth; a ring step's send|receive at two sizes (CostModel.p2p_time)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     reps, big, blk = (2, 1 << 20, 1 << 20) if dry else (10, 64 << 20, 128 << 20)
@@ -296,10 +265,7 @@ def _links(dry, device) -> dict:
                 w.wait()
 
         t[name] = median_time(ring_step, device, reps)
-
-    def gbps(nbytes, key):
-        return nbytes / max(t[key] - t["latency"], 1e-9) / 1e9
-
+    gbps = lambda nbytes, key: nbytes / max(t[key] - t["latency"], 1e-9) / 1e9  # noqa: E731
     if world // local > 1:  # each GPU's bytes to the other nodes
         return dict(latency_us=t["latency"] * 1e6, inter_gbps=gbps(big * (world - local), "bandwidth"))
     return dict(latency_us=t["latency"] * 1e6, intra_gbps=gbps(big * (world - 1), "bandwidth"),
@@ -307,8 +273,7 @@ def _links(dry, device) -> dict:
 
 
 def _call(dry, device, work: Workload) -> tuple[float, float]:
-    """(call_fwd_us, call_bwd_us): wall less GPU time (``Timer.run``, slowest rank) of a causal call with
-    milliseconds of GPU work per rank (a tiny call's whole host path would count what a real one hides)."""
+    """(call_fwd_us, call_bwd_us): wall less GPU time of a causal call of ms of work (a tiny one's host shows)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     plan = mcp.plan(mcp.masks.causal((256 if dry else 8192) * world), world)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -329,10 +294,8 @@ def _call(dry, device, work: Workload) -> tuple[float, float]:
 
 def summary_table(fields, default):
     """The closing table (lines): each field measured (``fields``) beside ``default``'s value."""
-    def cell(v):
-        return f"[{', '.join(map(cell, v))}]" if isinstance(v, (list, tuple)) else f"{v:.4g}" if isinstance(v, float) \
-            else str(v)
-
+    cell = lambda v: f"[{', '.join(map(cell, v))}]" if isinstance(v, (list, tuple)) else f"{v:.4g}" \
+        if isinstance(v, float) else str(v)  # noqa: E731
     return markdown_table(["field", "measured", "default"],
                           [[k, cell(v), cell(getattr(default, k, "-"))] for k, v in fields.items() if k != "source"])
 
@@ -368,9 +331,7 @@ def check(args, device, work: Workload) -> list[dict]:
             w = Workload(c["heads"], c["kv_heads"], c["head_dim"], 2)
             _, fwd, bwd = kernel_calls(be, c["tiles"], c["sq"], c["sk"], w, device, c["rank"] * 131 + c["step"],
                                        accumulate=c["impl"] == "ring")
-            # back to back after a sustained warm-up, one sync at the end, not held like the fit: a training step
-            # runs its calls so, and the check asks whether a model fitted on held bursts predicts that
-            sec = 0.0 if args.dry_run else CHECK_SECONDS
+            sec = 0.0 if args.dry_run else CHECK_SECONDS  # back to back, not held: as a step runs its calls
             tf, tb = timer.sustained(fwd, 3, sec), timer.sustained(bwd, 3, sec)
             tiles = np.asarray(c.pop("tiles"))
             rows.append(c | dict(n_tiles=len(tiles), area=float(tile_areas(tiles)[0].sum()), fwd_ms=tf * 1e3,

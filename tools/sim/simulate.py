@@ -1,21 +1,15 @@
 """Research instrument (the cost model's simulator; not needed to use megatron-cp).
 
-Predicts context-parallel attention steps from plans and a cost model (``--cost``: calibrate.py's cost.json;
-default CostModel()): GPU time (the host ahead, as in training) at cp 8 .. 1024, a fixed number of tokens per
-GPU, 8 GPUs per node, 50 GB/s per GPU between nodes. Strategies: ``megatron-cp`` (our planner, hierarchical
-routes across nodes, K/V stages or one exchange as the runtime chooses), ``greedy`` (area-balanced dispatch,
-flat all-to-all routes: MagiAttention-like), ``ring`` / ``zigzag`` (``baselines.ring`` on the contiguous /
-zigzag layout, cp <= 64) and ``ulysses`` (all-to-all over heads, cp <= Hq); TFLOP/s per GPU from mask-area
-FLOPs (4 * area * Hq * D forward, 2.5x backward). ``--compare`` checks the predictions against a
-tools/bench_dist.py JSON on four targets (TARGETS: its GPU, back-to-back, wall and kernel-only times).
+Predicts context-parallel steps' GPU time (host ahead, as in training) from plans and a cost model (``--cost``:
+calibrate.py's cost.json) at cp 8 .. 1024, 8 GPUs a node, 50 GB/s per GPU between nodes, for ``megatron-cp``,
+``greedy`` (area-balanced, flat routes: MagiAttention-like), ``ring`` / ``zigzag`` (cp <= 64) and ``ulysses``
+(cp <= Hq), in TFLOP/s per GPU of mask-area FLOPs. ``--compare``: against a tools/bench_dist.py JSON (TARGETS).
+Writes OUT/simulate<tag>.json and one table. Reads documented internals: ``runtime.cost.guest_predict`` /
+``guest_traffic``, the plan's ``traps`` / ``recv_runs`` / ``send_runs``, ``masks.geometry.traps_to_tiles``.
 
     python tools/sim/simulate.py --masks packed,causal --cps 8,16,32,64 --cost cost.json --out out
     python tools/sim/simulate.py --compare out/bench/bench_....json --cost cost.json --tag _predict
     python tools/sim/simulate.py --dry-run                             # cp 2, 4 at 256 tokens/GPU
-
-Writes OUT/simulate<tag>.json (every case, or per target the rows compared) and ends with one table. Reads the
-documented internals ``runtime.cost.guest_predict`` / ``guest_traffic``, the plan's ``traps`` / ``recv_runs`` /
-``send_runs`` and ``masks.geometry.traps_to_tiles``.
 """
 
 from __future__ import annotations
@@ -46,8 +40,7 @@ MAX_RING_CP = 64  # the ring needs cp^2 block areas
 
 
 def _block_areas(mask, segs) -> np.ndarray:
-    """cells[r, src] of ``mask`` in rank r's rows x rank src's keys (``segs``: each rank's runs), from the
-    mask's row intervals (no tile lists: fast at cp 64)."""
+    """cells[r, src]: ``mask`` in rank r's rows x rank src's keys (``segs``), from row intervals (fast at cp 64)."""
     t = mask.traps
     rows = np.concatenate([np.arange(a, b) for a, b in t[:, :2]] + [np.zeros(0, np.int64)])
     ti = np.repeat(np.arange(len(t)), t[:, 1] - t[:, 0])
@@ -82,8 +75,7 @@ def _union_len(runs) -> int:
 
 
 def _pipeline(local_c, remote_c, comm, n, latency):
-    """Forward time: own-key compute first, then n remote stages, stage i + 1's cast in flight during stage i
-    (each stage starts when both its cast and the previous stage are done)."""
+    """Forward time: own keys, then n remote stages, each starting when its cast and the previous stage are done."""
     c, k = comm / n + latency, remote_c / n
     return max(local_c, c) + (n - 1) * max(k, c) + k
 
@@ -112,9 +104,8 @@ def ours(mask, cp, g, cost, work, hierarchical=True, solver=None, guest_rows="au
         # the exchange's row gathers / placements (single path: plus the delta pass) and the call's fixed time
         px = [cost.exchange_passes(r.num_tokens, r.num_remote, n_send, work, *a) + cost.call_time(bool(a))
               for a in ((), (True,), (True, False))]
-        # the runtime's kernel model on the rank's real tiles. t[0]: one exchange, then one call (fwd, bwd);
-        # t[n]: own keys first, then n stages of remote tiles (split n ways: stage pieces shrink, which can drop
-        # them off the dense path), ((own, remote) fwd, (own, remote) bwd)
+        # the kernel model on the rank's tiles. t[0]: one exchange, one call (fwd, bwd); t[n]: ((own, remote) fwd,
+        # (own, remote) bwd), remote split n ways (smaller stage pieces can drop off the dense path)
         t = {0: (cost.tile_time(r.tiles, work) + px[0], cost.tile_time(r.tiles, work, True) + px[1])}
         own = (cost.tile_time(local, work, accumulate=True) + ov[0] + px[0],
                cost.tile_time(local, work, True) + ov[1] + px[2])
@@ -149,22 +140,19 @@ def ours(mask, cp, g, cost, work, hierarchical=True, solver=None, guest_rows="au
 
 
 def ring(mask, cp, g, cost, work, layout="contiguous"):
-    """The ring of ``baselines.ring`` over a default-priority NCCL stream. Forward: the next block's transfer,
-    issued before the step's kernel, gets no multiprocessor while a kernel fills them (profiled on 4 x H200),
-    so a step takes its slowest kernel plus the transfer. Backward: step i's fp32
-    dK|dV sums leave after its kernel, their transfer overlapping step i + 1's kernel; the last comes home."""
+    """``baselines.ring`` on a default-priority NCCL stream. Forward: the next block's transfer gets no multiprocessor
+    while a kernel fills them (profiled on H200), so a step takes its slowest kernel plus the transfer. Backward:
+    step i's fp32 dK|dV sums leave after its kernel, overlapping step i + 1's; the last comes home."""
     plan = mcp.plan(mask, cp, solver=layout, guest_rows="none")
     per_tok, nodes = work.kv_bytes_per_token, max(1, cp // g)
     segs = [r.segments for r in plan.ranks]
     areas = _block_areas(mask, segs)
     rows = np.array([p.num_tokens for p in plan.ranks], dtype=float)
     blk = rows.max() * per_tok
-    # a neighbour's send|receive (bf16 K|V forward, fp32 dK|dV backward): across nodes at the NIC's rate, inside
-    # a node at the calibrated point-to-point times of those sizes
+    # a neighbour's send|receive: across nodes at the NIC's rate, inside a node at calibrated point-to-point times
     hop = (lambda b: b / (cost.inter_gbps * 1e9) + cost.latency_us * 1e-6) if nodes > 1 else cost.p2p_time
     cb = hop(2 * blk)
-    # backward's dK|dV per step: concatenated (2+2 bytes an element), made float32 (2+4) and added to the
-    # arriving sums (4+4+4): 22 bytes per K|V element
+    # backward's dK|dV per step: concatenated (2+2 bytes), made fp32 (2+4), added to the arriving sums (4+4+4)
     kv_pass = rows.max() * 2 * work.num_kv_heads * work.head_dim * 22 / (cost.hbm_gbps * 1e9)
     tf = tb = 0.0
     for i in range(cp):
@@ -200,9 +188,8 @@ def _a2a(cost, b, cp, g):
 
 
 def ulysses(mask, cp, g, cost, work):
-    """Ulysses as ``baselines.ulysses`` runs it: q, k and v laid out for sending (one write) and sent in
-    one exchange, the whole mask on Hq/cp heads, out|lse back in one exchange and put in head order
-    (one write); backward the mirror image, plus the kernel's delta pass over out and dout."""
+    """``baselines.ulysses``: q|k|v laid out (one write), one exchange, the whole mask on Hq/cp heads, out|lse back
+    and put in head order (one write); backward the mirror image plus the delta pass over out and dout."""
     hq, s = work.num_heads, mask.seqlen_q
     if cp > hq or hq % cp:
         return None
@@ -228,9 +215,8 @@ def ulysses(mask, cp, g, cost, work):
 
 
 def allgather(mask, cp, g, cost, work):
-    """All-gather K|V as ``baselines.allgather`` runs it: K|V packed (one write), gathered into one buffer
-    (compacted when ranks hold different counts), this rank's tiles on the keys in rank order; backward:
-    dK|dV of every rank's keys (one write), all-to-all back, summed over the cp copies (read cp, write 1)."""
+    """``baselines.allgather``: K|V packed, gathered (compacted when counts differ), this rank's tiles on all keys;
+    backward: dK|dV of every rank's keys (one write), all-to-all back, summed over the cp copies (read cp, write 1)."""
     plan = mcp.plan(mask, cp, guest_rows="none")
     s, per_tok = mask.seqlen_q, work.kv_bytes_per_token
     counts = [plan.num_local(r) for r in range(cp)]
@@ -240,8 +226,7 @@ def allgather(mask, cp, g, cost, work):
     q_b = n * work.num_heads * work.head_dim * work.dtype_bytes
     fwd_pass = 2 * n * per_tok + (2 * s * per_tok if len(set(counts)) > 1 else 0.0)
     bwd_pass = 2 * s * per_tok + s * per_tok + n * per_tok + 2 * q_b  # cat, sum over copies, delta
-    return dict(fwd_s=comm + max(cost.tile_time(r.tiles, work) for r in plan.ranks) + cost.call_time()
-                + fwd_pass / hbm,
+    return dict(fwd_s=comm + max(cost.tile_time(r.tiles, work) for r in plan.ranks) + cost.call_time() + fwd_pass / hbm,
                 bwd_s=comm + max(cost.tile_time(r.tiles, work, True) for r in plan.ranks) + cost.call_time(True)
                 + bwd_pass / hbm,
                 imbalance=plan.stats()["imbalance"], inter_node_bytes_per_gpu=b * (cp - min(g, cp)) / max(cp - 1, 1))
@@ -274,8 +259,7 @@ def simulate(masks, cps, tokens_per_gpu, cost, work, strategies, verbose=False):
 
 
 def summary_table(rows, strategies):
-    """Per mask and cp, each strategy's predicted fwd / bwd TFLOP/s per GPU (imbalance; n/a: not simulated),
-    then megatron-cp's solver, stages and bytes per GPU."""
+    """Per mask and cp: each strategy's fwd / bwd TFLOP/s per GPU (imbalance), megatron-cp's solver, stages, bytes."""
     out = []
     for m, cp in sorted({(r["mask"], r["cp"]) for r in rows}):
         by = {x["strategy"]: x for x in rows if x["mask"] == m and x["cp"] == cp}
@@ -290,11 +274,9 @@ def summary_table(rows, strategies):
 
 
 def bench_calls(mask, cp: int, work: Workload):
-    """Every kernel call tools/bench_dist.py's implementations make on ``mask``: dicts with the call's impl, rank,
-    step, tiles, sq, sk, heads, kv_heads (the K/V heads the kernel sees), head_dim. ``megatron-cp``: rank r's
-    tiles over its K/V buffer (``-guest``: its guest rows' over its own keys); ``ring``: step i of rank r against
-    rank (r - i) % cp's block; ``ulysses``: the whole mask on Hq / cp heads, K/V heads repeated as the baseline
-    does; ``allgather``: rank r's rows against every key."""
+    """Every kernel call tools/bench_dist.py's implementations make on ``mask`` (dicts: impl, rank, step, tiles, sq, sk,
+    heads, kv_heads as the kernel sees them, head_dim). ``megatron-cp-guest``: guest rows over the rank's own keys;
+    ``ring``: step i against rank (r - i) % cp's block; ``ulysses``: K/V heads repeated as the baseline does."""
     s = mask.seqlen_q
     base = dict(seqlen=s, cp=cp, heads=work.num_heads, kv_heads=work.num_kv_heads, head_dim=work.head_dim)
     out = []
@@ -347,10 +329,8 @@ def show_compare(path, by_target):
 
 
 def compare(path, cost, work, g, target="gpu", show=True, bar=None):
-    """Predicted vs measured rows of a tools/bench_dist.py JSON (its own heads; ``work`` unused) for ``target``:
-    "gpu" and "b2b" predicted without the calls' exposed host time (``call_fwd_us`` / ``call_bwd_us`` = 0),
-    "wall" with it, "kernel" the kernel-only rows' (slowest rank) against ``kernel_only``. ``show``: print them;
-    ``bar``: a Progress stepped per benchmark row."""
+    """Predicted vs measured rows of a tools/bench_dist.py JSON (its heads; ``work`` unused) for ``target``, "gpu" and
+    "b2b" without the calls' exposed host time. ``show``: print them; ``bar``: a Progress stepped per row."""
     with open(path) as f:
         data = json.load(f)
     if target in ("gpu", "b2b"):
@@ -393,13 +373,11 @@ def main(argv=None):
     if args.compare:
         with Progress(None, "compare", verbose=args.verbose) as bar:
             by_target = {t: compare(args.compare, cost, None, GPUS_PER_NODE, t, show=False, bar=bar) for t in TARGETS}
-        # benchmark runs before the back-to-back and kernel-only timings have no rows for them
         by_target = {t: rows for t, rows in by_target.items() if rows or t not in ("b2b", "kernel")}
         write_json(path, run_record("cpu", compare=args.compare, cost_model=cost.__dict__, by_target=by_target))
         show_compare(args.compare, by_target)
         return
-    # GPU time: the calls' exposed host time is hidden, as in training
-    cost = CostModel(**{**cost.__dict__, "call_fwd_us": 0.0, "call_bwd_us": 0.0})
+    cost = CostModel(**{**cost.__dict__, "call_fwd_us": 0.0, "call_bwd_us": 0.0})  # host hidden, as in training
     work, masks, strategies = Workload(), args.masks.split(","), args.strategies.split(",")
     cps = [int(c) for c in (args.cps or ("2,4" if args.dry_run else "8,16,32,64,128,256,512,1024")).split(",")]
     tpg = args.tokens_per_gpu or (256 if args.dry_run else 8192)
