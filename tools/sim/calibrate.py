@@ -138,7 +138,7 @@ def _kernel(dry, device, work: Workload, bar) -> dict:
         out.update({f"{cls}_fwd_tflops": peak_f / 1e12, f"{cls}_bwd_tflops": peak_b / 1e12,
                     f"{cls}_half_keys": half_f[0], f"{cls}_bwd_half_keys": half_b[0], f"{cls}_block_m": blocks[0][0],
                     f"{cls}_block_n": blocks[0][1], "bwd_block_m": blocks[1][0], "bwd_block_n": blocks[1][1]})
-        if cls == "blocky":  # its bands: own peaks at its half terms (a band's bwd beat the documents' fit 1.15x)
+        if cls == "blocky":  # its bands: own peaks at its half terms (bands' bwd ran 1.15-1.19x the documents' fit)
             bf, bb = zip(*(points(band(w), cls, blocks) for w in bands))
             out["blocky_band_fwd_tflops"] = linear_fit(bf, "blocky band", fixed=[out["blocky_half_keys"]])[0] / 1e12
             out["blocky_band_bwd_tflops"] = linear_fit(
