@@ -28,10 +28,8 @@ lse ``[S, Hq]`` natural log. Dense references hold ``Hq x sq x sk`` scores: smal
 from __future__ import annotations
 
 import gc
-import os
 import queue as queue_mod
 import socket
-import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -279,22 +277,12 @@ def process_context(preload: tuple[str, ...] = ()):
     milliseconds instead of importing them anew (seconds each: megatron.core alone takes ~5 s of CPU, the bulk
     of a small multi-rank check). Each rank is a fresh fork of that server (no state of an earlier world) and
     gets the caller's sys.path, working directory and main module as a spawned one would; the server never
-    touches CUDA. It is started here, on the caller's sys.path (given as PYTHONPATH: Python 3.12's server does
-    not apply the path it is passed), so ``preload`` may name modules found there; a module that does not import
-    is skipped. The server is one per process: the first caller's preload list holds."""
-    from multiprocessing import forkserver
-
+    touches CUDA. The server is one per process, started by the first rank process: the preload list set last
+    before then holds. It imports on its own default path (Python 3.12 does not give it the caller's sys.path),
+    so ``preload`` names installed modules or ones on the PYTHONPATH the server starts with; one that does not
+    import is skipped."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([*_PRELOAD, *preload])
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    try:
-        forkserver.ensure_running()  # nothing to do where this process's server runs already
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
     return ctx
 
 
@@ -336,6 +324,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3
     word, and when no further rank reports within ``timeout`` seconds (a hang); leftover processes are
     terminated, so nothing hangs. Scripts calling it need an ``if __name__ == "__main__":`` guard (spawn).
     """
+    import sys
+
     # Megatron too where the caller has it: its start-up warnings then print once, in the server
     ctx = process_context(("megatron.core",) if "megatron.core" in sys.modules else ())
     results = ctx.Queue()

@@ -11,11 +11,11 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests' shared helpers (_dist, r
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 # Start the rank processes' fork server now, with Megatron and the example model imported once (the first
-# caller's list holds for the session): a 4-rank world otherwise imports them four times over, ~8 s of CPU each.
+# start's list holds for the session): a 4-rank world otherwise imports them four times over, ~8 s of CPU each.
 # Without megatron-core installed the server skips what does not import.
-from megatron_cp.testing import process_context  # noqa: E402
+from tiny_llama import forkserver  # noqa: E402
 
-process_context(("tiny_llama", "tiny_llama.trainer", "tiny_llama.model", "megatron.core.models.gpt",
+forkserver.start(("tiny_llama", "tiny_llama.trainer", "tiny_llama.model", "megatron.core.models.gpt",
                  "megatron.core.pipeline_parallel", "tiny_llama.convergence", "tiny_llama.leak", "tiny_llama.train_gates"))
 
 

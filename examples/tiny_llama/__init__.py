@@ -2,6 +2,7 @@
 
     model.py    ``LlamaShape``, ``transformer_config``, ``build_llama`` (GPTModel + the plugin's layer spec and RoPE)
     trainer.py  a small explicit training loop (CPU gloo or GPU NCCL) and ``spawn`` for local process groups
+    forkserver.py  the CPU ranks' fork server, started with Megatron and the model imported once
     demo.py     ``./dev demo``: CP=N vs CP=1 on packed standard-library documents
     quiet.py    Megatron-Core's start-up notices silenced (imported first: every process of the examples)
 

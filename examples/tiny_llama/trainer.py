@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp.megatron import MaskSpec, PlanAhead, PlanOptions, loss_func, prepare_step_batch, step_planner
-from megatron_cp.testing import free_port, process_context
+from megatron_cp.testing import free_port
+
+from . import forkserver
 
 
 def init_parallel(tp: int, cp: int, pp: int = 1, vpp: int | None = None, seed: int = 1234) -> None:
@@ -244,7 +246,7 @@ def train(model, batches, cfg: TrainConfig, device=None, log=None) -> list[float
     return losses
 
 
-# what CPU rank processes import before they start (megatron_cp.testing.process_context): Megatron and the model.
+# what CPU rank processes import before they start (forkserver.start): Megatron and the model.
 # Not a module that imports tiny_llama.demo: run as ``python -m tiny_llama.demo``, each rank runs the demo as its
 # main module again, which must not be imported already
 PRELOAD = ("tiny_llama", "tiny_llama.trainer", "tiny_llama.model", "megatron.core.models.gpt",
@@ -262,7 +264,7 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: int = 60
     # CPU ranks fork from a server that imported torch, Megatron and this package once (~8 s of CPU a rank
     # otherwise; tiny_llama first: its quiet() filters Megatron's start-up warnings there too). GPU ranks are
     # spawned, so no process touches CUDA before its own fork or spawn
-    ctx = process_context(PRELOAD) if backend == "gloo" else mp.get_context("spawn")
+    ctx = forkserver.start(PRELOAD) if backend == "gloo" else mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, q)) for r in range(world_size)]
     for p in procs:
