@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
 import itertools
 import os
 import sys
@@ -43,7 +42,7 @@ from megatron_cp.masks import catalog  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
-    Progress, Timer, bar_panels, device_name, markdown_table, out_dir, parser, run_record, write_json,
+    Progress, Timer, bar_panels, device_name, fa4_version, markdown_table, out_dir, parser, run_record, write_json,
 )
 
 HQ, HKV, D, DEVICE, DTYPE = 32, 8, 128, "cuda", torch.bfloat16
@@ -93,11 +92,6 @@ def time_autograd(f, leaves, dout):
         tf = bench(lambda: f(*leaves))
     o = f(*leaves)
     return tf, bench(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True))
-
-
-def fa4_version():
-    """The installed flash-attn-4's version, or None."""
-    return next((d.version for d in importlib.metadata.distributions(name="flash-attn-4")), None)
 
 
 def fa4_interface():
@@ -331,7 +325,6 @@ def main():
     meta["cudnn"] = {str(tuple(map(str, key))): found.layout or found.reason for b in (be, backends["triton"])
                      for key, found in getattr(b, "cudnn_probes", {}).items()}
     meta["ours_backend"] = {"name": be.name, **({"describe": be.describe()} if hasattr(be, "describe") else {})}
-    meta["flash_attn_4"] = fa4_version()
     write_json(os.path.join(out, f"bench_kernels{args.tag}.json"), {"meta": meta, "results": results})
     print("wrote", os.path.join(out, f"bench_kernels{args.tag}.json"))
     impls = [i for i in IMPLS if any(i in r for r in results)]

@@ -16,7 +16,6 @@ Writes OUT/bench_sparse.json ({meta, results}), OUT/bench_sparse.png, with --png
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 import os
 import sys
@@ -287,7 +286,6 @@ def main(argv=None):
     meta = run_record(
         torch.cuda.get_device_name() if device.type == "cuda" else "cpu (reference kernels)",
         None if argv is None else " ".join(["python tools/bench_sparse.py", *argv]),
-        flash_attn_4=next((d.version for d in importlib.metadata.distributions(name="flash-attn-4")), None),
         dtype=args.dtype, Hq=args.heads, Hkv=args.kv_heads, D=args.head_dim, envelope=args.envelope,
         inputs=args.inputs, warmup=args.warmup, iters=args.iters,
         timing="medians; CUDA: Timer.held (GPU time behind a held stream); CPU: wall clock",

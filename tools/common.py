@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import math
 import os
@@ -33,15 +34,18 @@ def device_name(device=None) -> str:
 
 def run_record(device: str, command: str | None = None, **extra) -> dict:
     """What a result file starts with: ``device``, ``date`` (UTC, to the minute), ``command`` (default this
-    process's: ``python <script> <args>``), torch's version; then ``extra``."""
+    process's: ``python <script> <args>``), torch's and flash-attn-4's versions (None: not installed); ``extra``."""
     cmd = command or " ".join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]])
     return {"device": device, "date": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC", "command": cmd,
-            "torch": torch.__version__, **extra}
+            "torch": torch.__version__, "flash_attn_4": fa4_version(), **extra}
+
+
+def fa4_version() -> str | None:
+    return next((d.version for d in importlib.metadata.distributions(name="flash-attn-4")), None)
 
 
 def write_json(path: str, obj) -> None:
-    """``obj`` as indented JSON at ``path`` (its folder made); values JSON has no type for (dtypes, devices in a
-    backend's describe()) as their str()."""
+    """``obj`` as indented JSON at ``path`` (its folder made); what JSON has no type for (a dtype) as its str()."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(obj, f, indent=1, default=str)
