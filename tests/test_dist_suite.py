@@ -141,7 +141,7 @@ def test_commands_for_one_gpu_and_bad_steps():
         mod.main(["--out", "o", "--dry-run", "--steps", "bench,nope"])
 
 
-def test_bench_nodes_emulates_a_topology_and_counts_bytes_across_it(tmp_path):
+def test_bench_nodes_emulates_a_topology_and_counts_bytes_across_it(tmp_path, monkeypatch):
     """bench_dist --nodes 2 on 4 processes: megatron-cp planned for 2 nodes of 2 with hierarchical routes; its
     rows record the K/V bytes crossing the node boundary beside the flat routes' and the flat plan's, and the
     topology-aware plan moves no more across it than the flat plan (causal: less)."""
@@ -161,6 +161,6 @@ def test_bench_nodes_emulates_a_topology_and_counts_bytes_across_it(tmp_path):
         assert 0 < r["inter_node_bytes"] <= r["inter_node_bytes_flat_routes"] <= r["kv_bytes"], r
         assert r["inter_node_bytes"] <= r["flat_plan_inter_node_bytes"], r
     assert rows["causal"]["inter_node_bytes"] < rows["causal"]["flat_plan_inter_node_bytes"]
-    bad = subprocess.run([sys.executable, bench, "--dry-run", "--nodes", "3"], capture_output=True, text=True,
-                         env=dict(os.environ, WORLD_SIZE="4"))
-    assert bad.returncode != 0 and "--nodes 3 must be >= 1 and divide the 4 processes" in bad.stderr
+    monkeypatch.setenv("WORLD_SIZE", "4")  # refused before any process group is made
+    with pytest.raises(SystemExit, match="--nodes 3 must be >= 1 and divide the 4 processes"):
+        load_script(bench).main(["--dry-run", "--nodes", "3"])
