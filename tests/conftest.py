@@ -7,16 +7,26 @@ import sys
 import pytest
 
 os.environ["TRITON_INTERPRET"] = "1"
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # ./dev test runs a worker per core: one intra-op thread each (and in every process a worker starts), since
+    # OpenMP threads of two workers on the same cores spin waiting for each other (~11% more CPU for the whole suite)
+    os.environ["OMP_NUM_THREADS"] = "1"
 sys.path.insert(0, os.path.dirname(__file__))  # tests' shared helpers (_dist, reference)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
-# Start the rank processes' fork server now, with Megatron and the example model imported once (the first
-# start's list holds for the session): a 4-rank world otherwise imports them four times over, ~8 s of CPU each.
-# Without megatron-core installed the server skips what does not import.
-from tiny_llama import forkserver  # noqa: E402
 
-forkserver.start(("tiny_llama", "tiny_llama.trainer", "tiny_llama.model", "megatron.core.models.gpt",
-                 "megatron.core.pipeline_parallel", "tiny_llama.convergence", "tiny_llama.leak", "tiny_llama.train_gates"))
+def pytest_configure(config):
+    """Start the rank processes' fork server now, with Megatron and the example model imported once (the first
+    start's list holds for the session): a 4-rank world otherwise imports them four times over, ~8 s of CPU each.
+    Without megatron-core installed the server skips what does not import. Not in pytest-xdist's controller,
+    which runs no test (its workers each start their own)."""
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    from tiny_llama import forkserver
+
+    forkserver.start(("tiny_llama", "tiny_llama.trainer", "tiny_llama.model", "megatron.core.models.gpt",
+                      "megatron.core.pipeline_parallel", "tiny_llama.convergence", "tiny_llama.leak",
+                      "tiny_llama.train_gates"))
 
 
 @pytest.fixture(scope="module")

@@ -48,20 +48,20 @@ def _blocks(tiles: torch.Tensor, block_q: int, block_k: int):
                 )
 
 
-def _scores(qb, kb, scale, mask_bounds, k0, keep=None, q0=0):
-    """Scores [Hkv, G, bq, bk] of q block [bq, Hkv, G, D] (rows q0..) against k block [bk, Hkv, D] (keys
-    k0..); cells outside the tile's bounds or, with ``keep`` (a BlockKeep), outside the selection: -inf."""
-    s = torch.einsum("qhgd,khd->hgqk", qb, kb) * scale
+def _scores(qb, kb, mask_bounds, k0, keep=None, q0=0):
+    """Scores [Hkv, G, bq, bk] of q block [bq, Hkv, G, D] (rows q0.., already scaled) against k block [bk, Hkv, D]
+    (keys k0..); cells outside the tile's bounds or, with ``keep`` (a BlockKeep), outside the selection: -inf."""
+    s = torch.einsum("qhgd,khd->hgqk", qb, kb)
     if mask_bounds is not None:
         lo, hi = mask_bounds
         j = torch.arange(k0, k0 + kb.shape[0])
         keep_t = (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
-        s = s.masked_fill(~keep_t, float("-inf"))
+        s.masked_fill_(~keep_t, float("-inf"))
     if keep is not None:
         rows = torch.arange(q0, q0 + qb.shape[0], device=keep.mask.device)
         cols = torch.arange(k0, k0 + kb.shape[0], device=keep.mask.device)
         sel = keep.cells(rows, cols).view(s.shape)  # [Hq, bq, bk] -> [Hkv, G, bq, bk]: q head h = (h // G, h % G)
-        s = s.masked_fill(~sel, float("-inf"))
+        s.masked_fill_(~sel, float("-inf"))
     return s
 
 
@@ -94,26 +94,31 @@ class ReferenceBackend:
 
     def _forward(self, q, k, v, prepared, softmax_scale, keep=None):
         """(out [sq, Hq, D], lse [sq, Hq]) in accumulate_dtype; rows without a kept cell: 0 / -inf.
-        keep: None or a BlockKeep narrowing the list per q head (checked by the caller)."""
+        keep: None or a BlockKeep narrowing the list per q head (checked by the caller).
+        FlashAttention's online softmax: per row a running max ``m``, sum ``l`` of exp(s - m) and unnormalised
+        output, rescaled when a block raises the max; divided once at the end (the fewest passes over each
+        [bq, bk] score block, which is what a CPU run of a whole model spends its attention time on)."""
         sq, hq, hkv, g, d, cdt, scale = self._setup(q, k, softmax_scale)
-        qg = q.to(cdt).view(sq, hkv, g, d)
+        qg = q.to(cdt).view(sq, hkv, g, d) * scale
         kc, vc = k.to(cdt), v.to(cdt)
         acc = torch.zeros(hkv, g, sq, v.shape[-1], dtype=cdt, device=q.device)
-        lse = torch.full((hkv, g, sq), float("-inf"), dtype=cdt, device=q.device)
+        m = torch.full((hkv, g, sq), float("-inf"), dtype=cdt, device=q.device)
+        l = torch.zeros((hkv, g, sq), dtype=cdt, device=q.device)
         for q0, q1, k0, k1, bounds in prepared:
-            s = _scores(qg[q0:q1], kc[k0:k1], scale, bounds, k0, keep, q0)
-            blk_lse = torch.logsumexp(s, dim=-1)  # -inf on rows with no kept key
-            p = torch.exp(s - blk_lse.unsqueeze(-1).clamp_min(torch.finfo(cdt).min))
-            p = torch.nan_to_num(p, nan=0.0)
-            o = torch.einsum("hgqk,khd->hgqd", p, vc[k0:k1])
-            old = lse[..., q0:q1]
-            new = torch.logaddexp(old, blk_lse)
-            safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-            w_old = torch.exp(old - safe).masked_fill(torch.isinf(new), 0.0)
-            w_new = torch.exp(blk_lse - safe).masked_fill(torch.isinf(new), 0.0)
-            acc[..., q0:q1, :] = acc[..., q0:q1, :] * w_old.unsqueeze(-1) + o * w_new.unsqueeze(-1)
-            lse[..., q0:q1] = new
-        return acc.permute(2, 0, 1, 3).reshape(sq, hq, v.shape[-1]), lse.permute(2, 0, 1).reshape(sq, hq)
+            s = _scores(qg[q0:q1], kc[k0:k1], bounds, k0, keep, q0)
+            old = m[..., q0:q1]
+            new = torch.maximum(old, s.amax(-1))
+            safe = new.masked_fill(torch.isinf(new), 0.0)  # rows with no kept cell yet: every exp below is 0
+            p = s.sub_(safe.unsqueeze(-1)).exp_()
+            rescale = torch.exp(old - safe)
+            l[..., q0:q1] = l[..., q0:q1] * rescale + p.sum(-1)
+            acc[..., q0:q1, :] = acc[..., q0:q1, :] * rescale.unsqueeze(-1) + torch.einsum("hgqk,khd->hgqd", p,
+                                                                                            vc[k0:k1])
+            m[..., q0:q1] = new
+        # l >= 1 on every row with a kept cell (its maximum contributes exp(0)); 0 elsewhere, where acc is 0 too
+        out = acc / l.clamp_min(1.0).unsqueeze(-1)
+        lse = m + torch.log(l)  # -inf where l = 0
+        return out.permute(2, 0, 1, 3).reshape(sq, hq, v.shape[-1]), lse.permute(2, 0, 1).reshape(sq, hq)
 
     def forward(self, q, k, v, prepared, softmax_scale=None, keep=None):
         """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q's dtype), lse [sq, Hq] float32; ``keep``: None
@@ -142,28 +147,26 @@ class ReferenceBackend:
     def _backward(self, q, k, v, out, lse, dout, prepared, softmax_scale, delta, keep=None):
         """(dq, dk, dv) in accumulate_dtype, shaped like q, k, v."""
         sq, hq, hkv, g, d, cdt, scale = self._setup(q, k, softmax_scale)
-        qg = q.to(cdt).view(sq, hkv, g, d)
+        qg = q.to(cdt).view(sq, hkv, g, d) * scale
         kc, vc = k.to(cdt), v.to(cdt)
         do = dout.to(cdt).view(sq, hkv, g, -1)
         if delta is None:
             delta = (dout.to(cdt) * out.to(cdt)).sum(-1)
+        # rows without a kept cell have lse -inf and every score -inf: exp(s - 0) = 0 there, as for masked cells
         lse_g = lse.to(cdt).view(sq, hkv, g).permute(1, 2, 0)  # [Hkv, G, sq]
-        dl_g = delta.to(cdt).view(sq, hkv, g).permute(1, 2, 0)
+        lse_g = lse_g.masked_fill(torch.isinf(lse_g), 0.0).unsqueeze(-1)
+        dl_g = delta.to(cdt).view(sq, hkv, g).permute(1, 2, 0).unsqueeze(-1)
         dq = torch.zeros_like(qg)
         dk = torch.zeros_like(kc)
         dv = torch.zeros_like(vc)
         for q0, q1, k0, k1, bounds in prepared:
-            s = _scores(qg[q0:q1], kc[k0:k1], scale, bounds, k0, keep, q0)
-            l = lse_g[..., q0:q1].unsqueeze(-1)
-            p = torch.exp(s - torch.where(torch.isinf(l), torch.zeros_like(l), l))
-            p = p.masked_fill(torch.isinf(l) | torch.isinf(s), 0.0)
+            p = _scores(qg[q0:q1], kc[k0:k1], bounds, k0, keep, q0).sub_(lse_g[..., q0:q1, :]).exp_()
             dob = do[q0:q1]
             dv[k0:k1] += torch.einsum("hgqk,qhgd->khd", p, dob)
-            dp = torch.einsum("qhgd,khd->hgqk", dob, vc[k0:k1])
-            ds = p * (dp - dl_g[..., q0:q1].unsqueeze(-1)) * scale
+            ds = torch.einsum("qhgd,khd->hgqk", dob, vc[k0:k1]).sub_(dl_g[..., q0:q1, :]).mul_(p)
             dq[q0:q1] += torch.einsum("hgqk,khd->qhgd", ds, kc[k0:k1])
-            dk[k0:k1] += torch.einsum("hgqk,qhgd->khd", ds, qg[q0:q1])
-        return dq.reshape(sq, hq, d), dk, dv
+            dk[k0:k1] += torch.einsum("hgqk,qhgd->khd", ds, qg[q0:q1])  # q scaled: dS/dk = scale * q
+        return (dq * scale).reshape(sq, hq, d), dk, dv
 
     def backward(self, q, k, v, out, lse, dout, prepared, softmax_scale=None, delta=None, keep=None):
         """(dq, dk, dv) in the dtypes of q, k, v; ``keep`` as in ``forward`` (the forward's selection)."""
