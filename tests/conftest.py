@@ -24,9 +24,16 @@ def pytest_configure(config):
         return
     from tiny_llama import forkserver
 
-    forkserver.start(("tiny_llama", "tiny_llama.trainer", "tiny_llama.model", "megatron.core.models.gpt",
-                      "megatron.core.pipeline_parallel", "tiny_llama.convergence", "tiny_llama.leak",
-                      "tiny_llama.train_gates"))
+    # the server and every rank it forks write into pytest's capture, as during the conftest's import, not into the
+    # terminal (pytest has suspended its global capture by now)
+    capture = config.pluginmanager.getplugin("capturemanager")
+    capture.resume_global_capture()
+    try:
+        forkserver.start(("tiny_llama", "tiny_llama.trainer", "tiny_llama.model", "megatron.core.models.gpt",
+                          "megatron.core.pipeline_parallel", "tiny_llama.convergence", "tiny_llama.leak",
+                          "tiny_llama.train_gates"))
+    finally:
+        capture.suspend_global_capture()
 
 
 @pytest.fixture(scope="module")
