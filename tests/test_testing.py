@@ -125,10 +125,16 @@ def _rank_dies(rank, world):
     return rank
 
 
-def _rank_dies_and_a_peer_fails(rank, world):
+def _rank_dies_and_a_peer_fails(rank, world, running):
     if rank == 0:
+        # die once the peer runs (on a loaded machine its start can take seconds): its failure then follows
+        # within 0.3 s, well before the 2 s in which a silent exit is noticed
+        t = time.monotonic()
+        while not os.path.exists(running) and time.monotonic() - t < 60:
+            time.sleep(0.01)
         os._exit(3)
-    time.sleep(0.3)  # the peer's failure arrives well before the 2 s in which a silent exit is noticed
+    open(running, "w").close()
+    time.sleep(0.3)
     raise RuntimeError("my peer is gone")
 
 
@@ -136,7 +142,7 @@ def _rank_returns_a_tensor(rank, world):
     return {"out": torch.ones(2, 3)}
 
 
-def test_run_ranks_results_and_failures():
+def test_run_ranks_results_and_failures(tmp_path):
     assert mt.run_ranks(_rank_result, 3, "x") == [("x", r, 3, 6.0) for r in range(3)]
     with pytest.raises(AssertionError, match=r"(?s)rank 1 of 2 failed:.*RuntimeError: rank one says no"):
         mt.run_ranks(_rank_fails, 2)
@@ -148,7 +154,7 @@ def test_run_ranks_results_and_failures():
     # ... and named first when a peer's failure (e.g. a reset connection) reports before its silence is noticed
     with pytest.raises(AssertionError, match=r"ranks \[0\] exited without a result \(exit codes: \{0: 3\}\); then "
                                              r"rank 1 of 2 failed:(?s:.*)RuntimeError: my peer is gone"):
-        mt.run_ranks(_rank_dies_and_a_peer_fails, 2)
+        mt.run_ranks(_rank_dies_and_a_peer_fails, 2, str(tmp_path / "running"))
     # a tensor in a result: a message saying what to return, not the parent's bare FileNotFoundError
     with pytest.raises(AssertionError, match=r"_rank_returns_a_tensor's result\['out'\] holds a torch.Tensor \(2, 3\)"):
         mt.run_ranks(_rank_returns_a_tensor, 2)
