@@ -7,6 +7,9 @@
 #   MLM=out/megatron-lm bash examples/llama/run_pretrain_gpt.sh            # 1 GPU: CP 1 runs; 2+ GPUs: all
 #   DRY_RUN=1 MLM=... bash examples/llama/run_pretrain_gpt.sh              # print the launches only
 #   RUNS="cp1 cp2" MLM=... bash examples/llama/run_pretrain_gpt.sh         # only these runs (names below)
+#   SHARE_GPU=1 RUNS="cp1 cp2" MLM=... bash examples/llama/run_pretrain_gpt.sh  # every rank on the visible GPU(s)
+#        (megatron_script.py --share-gpu: gloo through host copies; runs one after the other; correctness only,
+#        Megatron's ms per iteration and TFLOP/s are left out of summary.json)
 #
 # MLM:   a Megatron-LM checkout, or a .tar/.tar.gz of one (at least pretrain_gpt.py, gpt_builders.py,
 #        model_provider.py); patched here with patches/megatron_lm.py (idempotent).
@@ -75,8 +78,15 @@ run() {  # $1 = name, $2 = GPUs, then extra flags (CP size, TP, PP, ...)
   if [ -n "${RUNS:-}" ] && [[ " $RUNS " != *" $name "* ]]; then return 0; fi
   port=$((port + 7))
   local cmd=($PY -m torch.distributed.run --nproc-per-node "$n" --master-port $port
-    examples/llama/megatron_script.py "$MLM/pretrain_gpt.py" "${FLAGS[@]}" "$@")
+    examples/llama/megatron_script.py ${SHARE_GPU:+--share-gpu} "$MLM/pretrain_gpt.py" "${FLAGS[@]}" "$@")
   if [ -n "${DRY_RUN:-}" ]; then echo "$name: ${cmd[*]}"; return 0; fi
+  if [ -n "${SHARE_GPU:-}" ]; then  # every rank on the visible GPU(s), one run at a time
+    if [ "$ngpu" -lt 1 ]; then echo "$name: SHARE_GPU needs a GPU, found none; skipped"; return 0; fi
+    echo "== $name ($n ranks sharing $ngpu GPU(s)): ${cmd[*]}" > "$OUT/$name.log"
+    timeout ${RUN_TIMEOUT:-300} "${cmd[@]}" >> "$OUT/$name.log" 2>&1
+    echo "$name: exit $? ($(grep -c 'lm loss' "$OUT/$name.log") logged iterations)"
+    return 0
+  fi
   if [ "$ngpu" -lt "$n" ]; then echo "$name: needs $n GPUs, found $ngpu; skipped"; return 0; fi
   if [ $((slot + n)) -gt "$ngpu" ]; then wait; slot=0; fi  # this wave is full: let it finish
   local gpus; gpus=$(seq -s, $slot $((slot + n - 1)))
@@ -112,13 +122,13 @@ run pp2cp2 4 $(cpn 2) --pipeline-model-parallel-size 2
 wait
 [ -n "${DRY_RUN:-}" ] && exit 0
 
-$PY - "$OUT" "${RUNS:+RUNS=\"$RUNS\" }MLM=$MLM ITERS=$ITERS bash examples/llama/run_pretrain_gpt.sh" <<'EOF'
+$PY - "$OUT" "${SHARE_GPU:+SHARE_GPU=1 }${RUNS:+RUNS=\"$RUNS\" }MLM=$MLM ITERS=$ITERS bash examples/llama/run_pretrain_gpt.sh" "${SHARE_GPU:-}" <<'EOF'
 import datetime, json, re, sys
 from pathlib import Path
 
 import torch
 
-out, command = Path(sys.argv[1]), sys.argv[2]
+out, command, shared = Path(sys.argv[1]), sys.argv[2], bool(sys.argv[3])
 losses = {}
 for log in sorted(out.glob("*.log")):
     vals = [float(m) for m in re.findall(r"lm loss: ([0-9.eE+-]+)", log.read_text(errors="replace"))]
@@ -145,10 +155,11 @@ def throughput(text):
     return dict(ms_per_iteration=float(ms[-1]) if ms else None, tflops_per_gpu=float(tf[-1]) if tf else None)
 
 
-speed = {log.stem: throughput(log.read_text(errors="replace")) for log in sorted(out.glob("*.log"))}
+# ranks sharing a GPU: Megatron's times mean nothing, so none is kept
+speed = {} if shared else {log.stem: throughput(log.read_text(errors="replace")) for log in sorted(out.glob("*.log"))}
 summary = dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                gpus=torch.cuda.device_count(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               command=command, losses=losses, throughput=speed,
+               command=command, ranks_share_gpu=shared, losses=losses, throughput=speed,
                max_rel_diff={f"{a} vs {b}": rel(a, b) for a, b in pairs})
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 for k, v in summary["max_rel_diff"].items():

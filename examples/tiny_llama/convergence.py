@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_cp.comm import shared_gpu
 from megatron_cp.megatron import MaskSpec, PlanOptions
 
 from .demo import EOD, stdlib_stream
@@ -557,8 +558,9 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
 
     out, done = [], {}
     deadline = None if time_limit_s is None else _Deadline(t_call, time_limit_s, device)
+    shared = shared_gpu.ranks_share_gpu()  # times mean nothing: no speed or profile steps, no step times printed
     for job in jobs:
-        train = job.train
+        train = replace(job.train, speed_lengths=(), profile=False) if shared else job.train
         length = train.shape.seq_length
         res = dict(runs={}, pretrain_losses=None)
         if all(r.start == "init" and (train, r) in done for r in job.runs):  # trained in an earlier job
@@ -579,8 +581,9 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
                 # short runs (timings) print every step: a run cut off by a time limit still leaves them all
                 if rank == 0 and verbose and (train.steps <= 20 or step < 3 or step % 10 == 9
                                               or step == train.steps - 1):
-                    print(f"  [{train.dtype} {name}] step {step + 1:4d} loss {loss:.6f} grad norm {norm:.3f} "
-                          f"{sec * 1e3:.0f} ms  (+{time.perf_counter() - t_start:.0f} s)", flush=True)
+                    print(f"  [{train.dtype} {name}] step {step + 1:4d} loss {loss:.6f} grad norm {norm:.3f}"
+                          + ("" if shared else f" {sec * 1e3:.0f} ms  (+{time.perf_counter() - t_start:.0f} s)"),
+                          flush=True)
             if run.start == "init" and (train, run) in done:  # the same run in an earlier job (e.g. CP 1)
                 res["runs"][run.name] = done[(train, run)]
                 continue
@@ -602,6 +605,7 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
                 out.append(res)
                 return out
             r.update(layout=run.layout.name, world=world, dp=world // run.layout.size,
+                     ranks_share_gpu=shared_gpu.ranks_share_gpu(),
                      tokens_per_step=train.global_batch * length, kernels=_kernels(train, device))
             res["runs"][run.name] = done[(train, run)] = r
         out.append(res)
@@ -631,7 +635,10 @@ def sign_figure(fig, record: dict) -> None:
 
 def tokens_per_s_per_gpu(run: dict, skip: int | None = None) -> float:
     """Median step time over the steps after the first ``skip`` (default: a tenth, at least 1 when there are
-    more than 2 steps: plan building and kernel compilation), as tokens per second per GPU."""
+    more than 2 steps: plan building and kernel compilation), as tokens per second per GPU; None where the ranks
+    shared a GPU (their times mean nothing)."""
+    if run.get("ranks_share_gpu"):
+        return None
     sec = run["step_seconds"]
     skip = (max(1, len(sec) // 10) if len(sec) > 2 else 0) if skip is None else skip
     return run["tokens_per_step"] / float(np.median(sec[skip:])) / run["world"]
@@ -650,7 +657,9 @@ def compare(ref: list[float], other: list[float], last: int = 100) -> dict:
 
 def spawn_jobs(jobs: list[Job], world: int, device_kind: str, verbose: bool = True, timeout_s: int = 3600,
                progress: str | None = None, checkpoint: str | None = None, time_limit_s: float | None = None,
-               checkpoint_every: int = SAVE_EVERY):
+               checkpoint_every: int = SAVE_EVERY, share_gpu: bool = False):
+    """Every job in one spawned world of ``world`` ranks on ``device_kind``; ``share_gpu``: the ranks spread over
+    the visible GPUs on gloo through host copies (megatron_cp.comm.shared_gpu: correctness only, no timing)."""
     from .trainer import spawn
 
     for j in jobs:
@@ -660,5 +669,6 @@ def spawn_jobs(jobs: list[Job], world: int, device_kind: str, verbose: bool = Tr
     if checkpoint is not None:
         Path(checkpoint).mkdir(parents=True, exist_ok=True)
     return spawn(worker, world, jobs, device_kind, verbose, progress, checkpoint, time_limit_s,
-                 checkpoint_every, backend="nccl" if device_kind == "cuda" else "gloo",
+                 checkpoint_every, backend=shared_gpu.BACKEND if share_gpu else "nccl" if device_kind == "cuda"
+                 else "gloo",
                  timeout_s=timeout_s)

@@ -1,6 +1,8 @@
 """The tiny Llama demo: CP=N vs CP=1 on packed documents of Python standard-library source text.
 
     ./dev demo --cp 4 --steps 30                                     (gloo on CPU; NCCL with --backend nccl)
+    ./dev demo --cp 4 --backend gloo_shared_gpu                      (the 4 ranks sharing the one GPU: a check
+                                                                      of the GPU path, not a timing)
     PYTHONPATH=examples python -m tiny_llama.demo --cp 4 --steps 30  (the same, from the repository root)
 
 Bytes are tokens (vocab 320: 256 bytes, EOD = 256, the rest unused padding for TP divisibility).
@@ -22,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_cp.comm import shared_gpu
 from megatron_cp.megatron import MaskSpec, PlanOptions
 
 from .model import TINY, LlamaShape
@@ -100,7 +103,7 @@ def _train_worker(rank, world, tp, cp, steps, shape, global_batch, micro_batch, 
 
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
     trainer.init_parallel(tp, cp)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    device = torch.device("cuda", torch.cuda.current_device()) if backend != "gloo" else None
     torch.manual_seed(seed)
     model = build_llama(shape, transformer_config(shape))
     if device is not None:
@@ -130,6 +133,13 @@ def run(cp: int = 4, steps: int = 30, tp: int = 1, shape: LlamaShape = TINY, glo
     if cp > shape.seq_length:
         raise ValueError(f"cp={cp} exceeds the sequence length {shape.seq_length} (--seq-length): every CP rank "
                          "needs tokens of its own")
+    if backend != "gloo" and not torch.cuda.is_available():
+        raise ValueError(f"--backend {backend} runs ranks on GPUs and none is visible here: --backend gloo runs them "
+                         "on CPU")
+    if backend == "nccl" and tp * cp > torch.cuda.device_count():
+        raise ValueError(f"--backend nccl needs a GPU per rank: tp * cp = {tp * cp} ranks, "
+                         f"{torch.cuda.device_count()} GPU(s) visible; --backend {shared_gpu.BACKEND} runs them "
+                         "sharing the GPUs (a correctness check, times mean nothing)")
     if backend == "gloo" and tp * cp > MAX_CPU_RANKS:
         raise ValueError(f"tp * cp = {tp * cp} processes on CPU (gloo): at most {MAX_CPU_RANKS} here (each rank is a "
                          "process with its own model copy)")
@@ -160,7 +170,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seq-length", type=int, default=TINY.seq_length)
     ap.add_argument("--global-batch", type=int, default=2)
-    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    ap.add_argument("--backend", choices=("gloo", "nccl", shared_gpu.BACKEND), default="gloo",
+                    help=f"gloo: CPU ranks; nccl: a GPU per rank; {shared_gpu.BACKEND}: ranks sharing the visible "
+                         "GPUs through host copies (correctness only)")
     ap.add_argument("--kernel-backend", choices=("auto", "triton", "reference"), default="auto")
     ap.add_argument("--json", type=str, default=None, help="also write the result here")
     a = ap.parse_args(argv)

@@ -22,6 +22,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from megatron_cp.comm import shared_gpu
 from megatron_cp.megatron import MaskSpec, PlanAhead, PlanOptions, loss_func, prepare_step_batch, step_planner
 from megatron_cp.testing import free_port
 
@@ -47,7 +48,7 @@ def init_parallel(tp: int, cp: int, pp: int = 1, vpp: int | None = None, seed: i
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=vpp, create_gloo_process_groups=False,
     )
-    if dist.get_backend() == "nccl":
+    if dist.get_backend() != "gloo" and torch.cuda.is_available():  # GPU ranks: NCCL, or sharing GPUs
         # Megatron's layers fork the model-parallel CUDA RNG under SP (embedding dropout) and TP (weight init);
         # pretrain_gpt.py registers it in initialize_megatron, so a model built without that entry must too
         from megatron.core import tensor_parallel
@@ -256,7 +257,9 @@ PRELOAD = ("tiny_llama", "tiny_llama.trainer", "tiny_llama.model", "megatron.cor
 def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: int = 600):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes with a fresh TCP rendezvous.
 
-    ``fn`` must be a picklable top-level function; its return value on rank 0 is returned.
+    ``fn`` must be a picklable top-level function; its return value on rank 0 is returned. ``backend``: "gloo"
+    (CPU ranks), "nccl" (a GPU per rank) or ``shared_gpu.BACKEND`` (ranks spread over the visible GPUs, gloo
+    through host copies: correctness only; without a GPU, CPU ranks on that process group).
     """
     import torch.multiprocessing as mp
 
@@ -264,7 +267,8 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: int = 60
     # CPU ranks fork from a server that imported torch, Megatron and this package once (~8 s of CPU a rank
     # otherwise; tiny_llama first: its quiet() filters Megatron's start-up warnings there too). GPU ranks are
     # spawned, so no process touches CUDA before its own fork or spawn
-    ctx = forkserver.start(PRELOAD) if backend == "gloo" else mp.get_context("spawn")
+    gpu = backend == "nccl" or (backend == shared_gpu.BACKEND and torch.cuda.is_available())
+    ctx = mp.get_context("spawn") if gpu else forkserver.start(PRELOAD)
     q = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, q)) for r in range(world_size)]
     for p in procs:
@@ -301,8 +305,8 @@ def _entry(rank, world_size, port, backend, fn, args, q):
 
     gc.freeze()  # what the fork server imported is never garbage: release_groups' collections skip it
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        if backend == "nccl" or (backend == shared_gpu.BACKEND and torch.cuda.is_available()):
+            torch.cuda.set_device(shared_gpu.rank_device(rank, world_size, backend == shared_gpu.BACKEND))
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=300))
         val = fn(rank, world_size, *args)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import megatron_cp as mcp
 from megatron_cp import kernels
+from megatron_cp.comm import shared_gpu
 from megatron_cp.masks import catalog
 from megatron_cp.planner import Workload
 from megatron_cp.runtime import CostModel
@@ -354,7 +355,8 @@ def main(argv=None):
     ap.add_argument("--seqlen", type=int, default=None, help="--check: default 131072 (a dry run: 1024)")
     args = ap.parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1 and not args.check  # under torchrun
-    device = torch.device("cpu") if args.dry_run else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    # a GPU per rank: ranks sharing one would time each other (shared_gpu.rank_device refuses them)
+    device = torch.device("cpu") if args.dry_run else shared_gpu.rank_device(*shared_gpu.local_rank_and_world())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     work = Workload(4, 2, 16, 2) if args.dry_run else Workload()

@@ -8,6 +8,7 @@ megatron-cp's context parallelism beside CP = 1 from the same weights on the sam
     python examples/llama/recipes/run.py gates                 # DuoAttention + PruLong gates at 64k, CP 4
     python examples/llama/recipes/run.py dense --gpus 1 --steps 20     # one GPU: the runs that fit (CP 1)
     python examples/llama/recipes/run.py all --size tiny --cpu         # every recipe, tiny, 4 CPU processes
+    python examples/llama/recipes/run.py dense --size small --gpus 4 --share-gpu   # 4 ranks on one GPU (no timing)
     sbatch examples/llama/recipes/recipe.sbatch dense                  # the same on a SLURM node
 
 Each recipe writes ``results.json`` (device, date, command, losses, throughput, the checks) and a PNG into
@@ -38,12 +39,17 @@ from tiny_llama.convergence import (SAVE_EVERY, Job, Layout, Run, Train, compare
                                     sign_figure, spawn_jobs, tokens_per_s_per_gpu)
 from tiny_llama.model import LlamaShape  # noqa: E402
 
+from megatron_cp.comm import shared_gpu  # noqa: E402
+
 # ~293M parameters: 26 layers x (attention 2.6M + SwiGLU MLP 8.7M), byte vocabulary; head dim 128, GQA 8:2
 LLAMA_300M = LlamaShape(num_layers=26, hidden_size=1024, num_attention_heads=8, num_query_groups=2,
                         ffn_hidden_size=2816, vocab_size=320, seq_length=32768, rotary_base=500000)
 # ~1.45B: 32 layers x (attention 10.5M + SwiGLU MLP 34.6M), head dim 128, GQA 16:4 (the throughput runs' larger model)
 LLAMA_1_5B = LlamaShape(num_layers=32, hidden_size=2048, num_attention_heads=16, num_query_groups=4,
                         ffn_hidden_size=5632, vocab_size=320, seq_length=32768, rotary_base=500000)
+# ~14M: 4 layers, head dim 128, GQA 4:2, 8k tokens: the parity recipes with ranks sharing one GPU (--share-gpu)
+SMALL = LlamaShape(num_layers=4, hidden_size=512, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=1408,
+                   vocab_size=320, seq_length=8192, rotary_base=500000)
 TINY = LlamaShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176,
                   vocab_size=320, seq_length=128)
 
@@ -56,6 +62,8 @@ NOISE_FLOOR = "cp1_again"
 def _base(size: str, **kw) -> Train:
     if size == "tiny":
         t = Train(shape=TINY, steps=2, global_batch=4, lr=3e-3, min_lr=3e-3, doc_lengths=(16, 96), recursive=False)
+    elif size == "small":
+        t = Train(shape=SMALL, steps=100, global_batch=4, lr=1e-3, min_lr=1e-4, warmup=10, doc_lengths=(128, 4096))
     else:
         # activation recompute: 32k tokens of this model without it need more than an 80 GB GPU holds (fp32)
         t = Train(shape=LLAMA_300M, steps=300, global_batch=8, lr=3e-4, min_lr=3e-5, warmup=30,
@@ -164,8 +172,9 @@ def summarize(name: str, jobs: list[Job], results: list[dict]) -> dict:
                     checks[f"{rn} bf16 max rel diff <= {BF16_STEP:g}"] = [c["max_rel_diff"], c["max_rel_diff"] <= BF16_STEP]
                     checks[f"{rn} bf16 mean of last {c['last']} within {BF16_MEAN:g}"] = [
                         c["mean_last_rel_diff"], c["mean_last_rel_diff"] <= BF16_MEAN]
-                    checks[f"{rn} tokens/s per GPU (cp1: {runs['cp1']['tokens_per_s_per_gpu']:.0f})"] = [
-                        r["tokens_per_s_per_gpu"], None]
+                    if r["tokens_per_s_per_gpu"] is not None:  # None: ranks shared a GPU
+                        checks[f"{rn} tokens/s per GPU (cp1: {runs['cp1']['tokens_per_s_per_gpu']:.0f})"] = [
+                            r["tokens_per_s_per_gpu"], None]
                 else:
                     checks[f"{rn} fp32 max rel diff over {len(r['losses'])} steps <= {FP32_STEP:g}"] = [
                         c["max_rel_diff"], c["max_rel_diff"] <= FP32_STEP]
@@ -282,7 +291,8 @@ def leak_check(plan, a, meta) -> dict:
         layouts = {r.layout.name: (r.layout.cp, r.options(t)) for t, r in pairs if r.layout.cp > 1}
         wrong = leak.plan_errors(list(trained), train.mask_spec(), layouts)
         res = spawn(leak.worker, a.gpus, pairs, corpus.batch(0, a.leak_check)[:2], "cpu" if a.cpu else "cuda",
-                    backend="gloo" if a.cpu else "nccl", timeout_s=1800) if a.leak_check else []
+                    backend="gloo" if a.cpu else shared_gpu.BACKEND if a.share_gpu else "nccl",
+                    timeout_s=1800) if a.leak_check else []
         print(f"\n== {n} --leak-check ({meta['device']}, world {a.gpus}, {a.leak_check} samples of {length})")
         print("\n".join("  " + line for line in leak.report(res)) if res else "  (no model runs: 0 samples)")
         for name, k in wrong.items():
@@ -303,9 +313,13 @@ def leak_check(plan, a, meta) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipes", nargs="+", help=f"names ({', '.join(RECIPES)}) or 'all'")
-    ap.add_argument("--size", choices=("full", "tiny"), default="full")
+    ap.add_argument("--size", choices=("full", "small", "tiny"), default="full",
+                    help="full: ~293M at 32k tokens; small: ~14M at 8k (fits ranks sharing one GPU); tiny: CPU tests")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU processes (default: NCCL, one process per GPU)")
     ap.add_argument("--gpus", type=int, default=None, help="world size (default: every visible GPU; 4 with --cpu)")
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="--gpus ranks spread over the visible GPUs (e.g. 4 on one), gloo through host copies: to check "
+                         "layouts where GPUs are few; correctness only (no tokens/s, no step times)")
     ap.add_argument("--steps", type=int, default=None, help="override the recipe's training steps")
     ap.add_argument("--pretrain-steps", type=int, default=None, help="override a fine-tuning recipe's dense "
                                                                       "pretraining steps")
@@ -346,10 +360,14 @@ def main(argv=None) -> dict:
         a.gpus = 4 if a.cpu else torch.cuda.device_count()
     if a.gpus < 1:
         ap.error(f"--gpus must be >= 1 (found {a.gpus} GPUs; use --cpu for CPU processes)")
-    if not a.cpu and torch.cuda.device_count() < a.gpus:
-        ap.error(f"--gpus {a.gpus} but {torch.cuda.device_count()} GPU(s) visible")
+    if a.share_gpu and (a.cpu or not torch.cuda.is_available()):
+        ap.error("--share-gpu spreads ranks over GPUs and none is visible" + (" (--cpu: gloo on CPU ranks already)"
+                                                                               if a.cpu else ""))
+    if not a.cpu and not a.share_gpu and torch.cuda.device_count() < a.gpus:
+        ap.error(f"--gpus {a.gpus} but {torch.cuda.device_count()} GPU(s) visible (--share-gpu: ranks sharing GPUs, "
+                 "correctness only)")
     command = "python examples/llama/recipes/run.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    meta = dict(run_record(command), size=a.size, world=a.gpus)
+    meta = dict(run_record(command), size=a.size, world=a.gpus, ranks_share_gpu=a.share_gpu)
 
     # every training job of every recipe in one spawned world (each process starts once)
     plan = []
@@ -373,7 +391,8 @@ def main(argv=None) -> dict:
     # every step of every run as it ends (a JSON line each): what a time limit leaves before results.json
     progress = Path(a.out) / "progress.jsonl"
     got = spawn_jobs(todo, a.gpus, "cpu" if a.cpu else "cuda", progress=str(progress), checkpoint=a.checkpoint,
-                     time_limit_s=a.time_limit, checkpoint_every=a.checkpoint_every or SAVE_EVERY) if todo else []
+                     time_limit_s=a.time_limit, checkpoint_every=a.checkpoint_every or SAVE_EVERY,
+                     share_gpu=a.share_gpu) if todo else []
     stop = next((r["stopped"] for r in got if "stopped" in r), None)
     if stop is not None:
         # no results.json: the runs' steps are in progress.jsonl, their state in --checkpoint
@@ -405,9 +424,11 @@ def main(argv=None) -> dict:
             for rn, r in e["runs"].items():
                 n = len(r["step_seconds"])
                 first = (max(1, n // 10) if n > 2 else 0) + 1  # tokens_per_s_per_gpu's default skip
+                speed = "not timed (ranks shared a GPU)" if r["tokens_per_s_per_gpu"] is None else (
+                    f"{r['tokens_per_s_per_gpu']:.0f} tokens/s per GPU (training steps {first}-{n}"
+                    + (", the first included: compilation and planning" if first == 1 else "") + ")")
                 print(f"  {e['train']['dtype']:>4} {rn:>14} ({r['layout']}, dp {r['dp']}): final loss "
-                      f"{r['losses'][-1]:.4f}, {r['tokens_per_s_per_gpu']:.0f} tokens/s per GPU (training steps "
-                      f"{first}-{n}" + (", the first included: compilation and planning" if first == 1 else "") + ")")
+                      f"{r['losses'][-1]:.4f}, {speed}")
         for k, (v, ok) in summary["checks"].items():
             print(f"  {k}: {v:.3e}" + ("" if ok is None else ("  PASS" if ok else "  FAIL")))
         if summary["not_run"]:
