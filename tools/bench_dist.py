@@ -35,6 +35,7 @@ from torch.nn.attention.flex_attention import flex_attention
 import megatron_cp as mcp
 from megatron_cp import kernels
 from megatron_cp.baselines import get_strategy, plan_for
+from megatron_cp.comm import shared_gpu
 from megatron_cp.masks import catalog
 from megatron_cp.runtime import CostModel
 from megatron_cp.runtime.state import states_of
@@ -47,13 +48,16 @@ IMPLS = "megatron-cp,megatron-cp+xattention,megatron-cp+moba,ring,ulysses,usp,al
 SPARSE_IMPLS = ("megatron-cp+xattention", "megatron-cp+moba")  # on the causal and packed masks only
 
 
-def start_ranks(dry):
-    """This rank's device, the process group up: CPU and gloo for a dry run, else its GPU and NCCL."""
-    dev = torch.device("cpu") if dry else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+def start_ranks(dry, share_gpu=False):
+    """This rank's device, the process group up: CPU and gloo for a dry run, else its GPU and NCCL, or with
+    ``share_gpu`` (correctness tools only) the ranks spread over the visible GPUs on gloo through host copies
+    (``megatron_cp.comm.shared_gpu``). Ranks outnumbering the GPUs without ``share_gpu``: a ValueError first."""
+    dev = torch.device("cpu") if dry else shared_gpu.rank_device(*shared_gpu.local_rank_and_world(), share_gpu)
     if not dry:
         torch.cuda.set_device(dev)
     if not dist.is_initialized():  # bench_train's dry run: run_ranks's gloo processes
-        dist.init_process_group("gloo" if dry else "nccl", device_id=None if dry else dev,
+        backend = shared_gpu.backend_for(dev, share_gpu)
+        dist.init_process_group(backend, device_id=dev if backend == "nccl" else None,
                                 timeout=datetime.timedelta(minutes=10))
     return dev
 
