@@ -106,6 +106,8 @@ def test_cpu_demo_cp2_matches_cp1_and_prints_its_result_last(tmp_path):
     (["--cp", "300", "--seq-length", "100"], "cp=300 exceeds the sequence length 100"),
     (["--cp", "100", "--seq-length", "256"], "tp \\* cp = 100 processes on CPU"),
     (["--cp", "0"], "need cp, tp, steps >= 1"),
+    (["--backend", "nccl"], "--backend nccl runs ranks on GPUs and none is visible here: --backend gloo"),
+    (["--backend", "gloo_shared_gpu"], "--backend gloo_shared_gpu runs ranks on GPUs and none is visible"),
 ])
 def test_cpu_demo_refuses_absurd_sizes_before_spawning(argv, needle, capsys, monkeypatch):
     """``./dev demo --cp 300 --seq-length 100`` once spawned 300 processes and hung: one line, no process."""

@@ -160,6 +160,10 @@ def test_bad_recipe_inputs_fail_before_spawning(runner):
 
     with pytest.raises(SystemExit):
         runner.main(["nonsense", "--cpu"])
+    with pytest.raises(SystemExit):  # ranks sharing GPUs, and there is none (or --cpu)
+        runner.main(["dense", "--size", "small", "--gpus", "4", "--share-gpu"])
+    with pytest.raises(SystemExit):
+        runner.main(["dense", "--cpu", "--share-gpu"])
     with pytest.raises(ValueError, match="sequence parallelism needs tp >= 2"):
         Layout(cp=2, sp=True)
     with pytest.raises(ValueError, match="Layout.cp must be an int >= 1"):
