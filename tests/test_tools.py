@@ -439,11 +439,12 @@ def test_gpu_tools_summary_tables_group_the_cases():
                          "| accumulate+bfloat16 | 2048 | 1/1 | - | 1.500 | triton |"]
 
     def rank(r, ok, e):
-        return {"mask": "packed", "impl": "ring", "stages": "auto", "rank": r, "ok": ok, "guest_rows": 0,
+        return {"mask": "packed", "backend": "triton", "variant": "-", "impl": "ring", "stages": "auto", "rank": r,
+                "ok": ok, "guest_rows": 0,
                 "rms_err_vs_bf16_ref": {"out": [e, 1.0], "dq": [0.1, 1.0]}, "cudnn_calls": {"fwd": 2, "bwd": 1}}
 
     assert gd.summary_table([rank(0, True, 0.4), rank(1, False, 2.5)])[2:] == [
-        "| packed | ring | auto | 0 | 1/2 | 2.500 | 4 / 2 |"]
+        "| packed | triton | ring | - | 0 | 1/2 | 2.500 | 4 / 2 |"]
 
     def call(r, f, fp):
         return {"mask": "causal", "impl": "ring", "rank": r, "step": 1, "fwd_ms": f, "fwd_pred_ms": fp, "bwd_ms": 1.0,
@@ -497,3 +498,48 @@ def test_bench_train_gpu_time_keeps_nccl_apart():
     prof = NS(events=lambda: [ev("attn_fwd", 0, 1000), ev("copy", 500, 1500), ev("attn_bwd", 3000, 4000),
                               ev("ncclDevKernel_SendRecv", 0, 9000), ev("cpu_op", 0, 99000, cpu)])
     assert _busy_ms(prof) == (2.5, 9.0)
+
+
+def test_gpu_dist_check_dry_run_covers_every_case_family(tmp_path):
+    """tools/gpu_dist_check.py's CPU dry run on 2 gloo ranks (torchrun; --share-gpu is ignored on the CPU): every
+    benchmark mask (megatron-cp and the baselines), sparse selections, sinks, MLA head dims and the rank mismatches
+    run on the reference backend, every rank's record ok (a mismatch: every rank raised), one closing table."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from megatron_cp.testing import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(TOOLS / "gpu_dist_check.py"), "--dry-run", "--share-gpu", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    rec = json.loads((tmp_path / "gpu_dist_check.json").read_text())
+    res = rec["results"]
+    assert rec["all_ok"] and rec["backends"] == ["reference"] and rec["num_devices"] == 2
+    assert [r for r in res if not r["ok"]] == []
+    fams = {f: {(r["mask"], r["impl"], r["variant"]) for r in res if r["family"] == f}
+            for f in ("dense", "sparse", "sink", "mla", "mismatch")}
+    assert {m for m, *_ in fams["dense"]} == set(catalog.DIST_MASKS)
+    assert {(m, i) for m, i, _ in fams["dense"]} >= {(m, i) for m in catalog.DIST_MASKS
+                                                      for i in ("megatron-cp", "ring", "ulysses", "allgather")}
+    assert {(m, v) for m, _, v in fams["sparse"]} == {(m, v) for m in ("causal", "packed")
+                                                      for v in ("moba", "xattention")}
+    assert {m for m, *_ in fams["sink"]} == {m for m, *_ in fams["mla"]} == {"causal", "packed"}
+    assert {v for *_, v in fams["mismatch"]} == {"mismatch plan", "mismatch heads"}
+    for r in res:
+        assert r["backend"] == "reference" and "ok" in r
+        if r["family"] == "mismatch":  # every rank raised, naming what differs
+            assert r["raised"] and r["ranks_raised"] == 2 and "CP ranks disagree" in r["error"]
+        else:
+            assert set(r["rms_err_vs_bf16_ref"]) >= {"out", "lse", "dq", "dk", "dv"}
+    assert all("dsink" in r["rms_err_vs_bf16_ref"] for r in res if r["family"] == "sink")
+    assert all(r["sparse"]["blocks_selected"] <= r["sparse"]["blocks_envelope"] for r in res if r["family"] == "sparse")
+    # the selection narrows the causal envelope (the reference applies the same gathered selection)
+    assert any(r["sparse"]["blocks_selected"] < r["sparse"]["blocks_envelope"] for r in res
+               if r["family"] == "sparse" and r["mask"] == "causal")
+    # stdout: one table, a row per (mask, backend, impl, variant)
+    rows = {(r["mask"], r["backend"], r["impl"], r["variant"]) for r in res}
+    table = _ends_with_one_table(p.stdout, len(rows))
+    assert table[0].startswith("| mask | backend | impl | variant |")
