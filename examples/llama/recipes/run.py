@@ -210,7 +210,7 @@ def plot(name: str, summary: dict, path: Path) -> None:
         p = main["pretrain_losses"]
         axes[0].plot(range(-len(p) + 1, 1), p, color="gray", lw=1, label="dense pretraining")
     axes[0].set(xlabel="step", ylabel="loss (nats / byte)", title=f"{name}: {main['train']['dtype']} loss")
-    ref = "cp1" if "cp1" in main["runs"] else "dense"
+    ref = "cp1" if any("cp1" in e["runs"] for e in summary["jobs"]) else "dense"  # --runs may train it apart
     for entry in summary["jobs"]:
         runs = entry["runs"]
         if ref not in runs:
