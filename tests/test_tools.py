@@ -543,3 +543,24 @@ def test_gpu_dist_check_dry_run_covers_every_case_family(tmp_path):
     rows = {(r["mask"], r["backend"], r["impl"], r["variant"]) for r in res}
     table = _ends_with_one_table(p.stdout, len(rows))
     assert table[0].startswith("| mask | backend | impl | variant |")
+
+
+def test_host_path_runs_one_rank_alone_on_a_loopback_group(tmp_path):
+    """tools/host_path.py --dry-run: rank 0 of cp 4 and cp 8 plans in one process whose collectives move nothing
+    (comm.loopback), a row per case with the back-to-back and host figures (no GPU time on CPU), the JSON written
+    with the rows the issue names."""
+    import json
+
+    hp = _tool("host_path")
+    rows = hp.main(["--dry-run", "--out", str(tmp_path), "--cps", "4,8"])
+    assert [(r["cp"], r["mask"], r["tokens_per_rank"]) for r in rows] == [(4, "packed", 64), (8, "packed", 64)]
+    for r in rows:
+        assert r["fwd_b2b_ms"] > 0 and r["bwd_b2b_ms"] > 0 and r["host_ms_per_call"] > 0
+        assert r["gpu_ms"] is None and r["b2b_over_gpu"] is None  # no device time on a CPU
+    saved = json.loads((tmp_path / "host_path.json").read_text())
+    assert saved["process_group"] == "loopback" and len(saved["rows"]) == 2
+    for key in ("tokens_per_rank", "cp", "mask", "heads", "b2b_ms", "gpu_ms", "host_ms_per_call", "b2b_over_gpu"):
+        assert key in saved["rows"][0]
+    assert "Self CPU" in (tmp_path / "host_path_profile.txt").read_text()
+    with pytest.raises(SystemExit):
+        hp.main(["--dry-run", "--out", str(tmp_path), "--cps", "1"])

@@ -1,11 +1,11 @@
 """Communication primitives over torch.distributed (no planner, kernel or Megatron imports)."""
 
-from . import shared_gpu
+from . import loopback, shared_gpu
 from .collectives import all_gather_rows, all_gather_single, all_to_all_v, check_same_on_all_ranks, wire
 from .routes import COMM_LEAD_US, BufferPool, DeviceRoute, cast_steps, comm_lead, device_pool, grad_buffer, reduce_steps
 
 __all__ = [
-    "shared_gpu",
+    "loopback", "shared_gpu",
     "all_gather_rows", "all_gather_single", "all_to_all_v", "check_same_on_all_ranks", "wire",
     "BufferPool", "DeviceRoute", "cast_steps", "COMM_LEAD_US", "comm_lead", "device_pool", "grad_buffer", "reduce_steps",
 ]

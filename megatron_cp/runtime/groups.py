@@ -8,6 +8,7 @@ import weakref
 
 import torch.distributed as dist
 
+from ..comm import loopback
 from ..planner import Plan
 
 
@@ -33,6 +34,13 @@ def plan_rank(plan: Plan, group=None, rank: int | None = None) -> int:
 _HOST_GROUPS: dict = {}  # ranks -> the gloo group over them: groups live as long as the job
 
 
+def _serves_host(group) -> bool:
+    """Whether ``group`` itself runs collectives of CPU tensors: gloo (and gloo through host copies), or a group
+    with no peer (``comm.loopback``, torch's ``fake``: one rank of a plan run alone, tools/host_path.py)."""
+    backend = str(dist.get_backend(group))
+    return "gloo" in backend or backend in (loopback.BACKEND, "fake")
+
+
 def host_group(group):
     """A process group over ``group``'s ranks that reduces CPU tensors: ``group`` itself where its backend
     has gloo, else a gloo group of the same ranks, made on first use by those ranks alone
@@ -41,7 +49,7 @@ def host_group(group):
     What the once-per-plan check runs on: an all-reduce on the device makes the host read its result after
     everything queued on the stream (the previous micro-batch's backward), a stall of the whole GPU queue per
     plan; over gloo the host waits only for the other ranks' hosts, which issue the same calls."""
-    if "gloo" in str(dist.get_backend(group)):
+    if _serves_host(group):
         return group
     ranks = tuple(dist.get_process_group_ranks(group))
     twin = _HOST_GROUPS.get(ranks)
@@ -60,6 +68,8 @@ def planning_group(group, purpose: str = ""):
     a thread's collectives run concurrently, as do two threads' (``purpose`` tells their groups apart). Made on
     first use by ``group``'s ranks alone, all at the same point (not from the thread), and kept, one per set of
     ranks and purpose."""
+    if str(dist.get_backend(group)) in (loopback.BACKEND, "fake"):
+        return group
     key = (tuple(dist.get_process_group_ranks(group)), purpose)
     g = _PLANNING_GROUPS.get(key)
     if g is None:

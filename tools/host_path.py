@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""One rank's host path under its GPU work: rank r of a cp N plan, alone on one GPU, its collectives on no wire.
+
+    python tools/host_path.py --out results/                     # packed 8k per rank, cp 4 and 8, 32:8 and 64:8 heads
+    python tools/host_path.py --masks causal,sliding_window,global_local --tokens-per-rank 16384,32768
+    python tools/host_path.py --dry-run                          # CPU, reference kernels, tiny sizes
+
+The rank's process group is ``comm.loopback``: every collective returns at once and moves nothing, so the
+rank's host path (input checks, state, index copies, exchange calls, kernel launches) and its kernels run exactly as
+rank r runs them in a job of N GPUs, less the other ranks' data (received K/V rows are whatever the buffers held)
+and the time the exchange takes on the wire. A new plan per micro-batch, made ahead in the planning helper process as
+the Megatron plugin does; per micro-batch ``--layers`` attention calls forward, then the backward of all of them.
+
+Per row (mask, tokens per rank, cp, heads): the forward's and the backward's back-to-back wall (all the phase's calls
+issued with no sync between, then one sync), the GPU's busy time in the same phase (kernels and copies, streams
+merged, from a profiled micro-batch), the host time of a layer call (the forward call's wall; the backward's
+``*AttentionBackward`` autograd nodes' host time), the first call of a new plan (state built there) and the wait
+for the planning helper. Writes OUT/host_path<tag>.json and OUT/host_path_profile<tag>.txt (the first row's
+profiled micro-batch: host time by op).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+import megatron_cp as mcp
+from megatron_cp.comm import loopback
+from megatron_cp.masks import catalog
+from megatron_cp.planner import Workload
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
+from bench_train import micro_batch_masks  # noqa: E402
+from common import device_name, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
+
+BACKWARD_NODE = "AttentionBackward"  # autograd's name of _SingleExchangeAttention / _StagedAttention's backward
+
+
+def start_rank_alone(rank: int, cp: int) -> None:
+    """This process as rank ``rank`` of ``cp`` on a group with no peer (``comm.loopback``; a new default group per
+    cp)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(loopback.BACKEND, store=dist.HashStore(), rank=rank, world_size=cp,
+                            timeout=datetime.timedelta(minutes=5))
+
+
+def masks_for(name: str, seqlen: int, count: int) -> list:
+    """``count`` micro-batches' masks: packed documents drawn anew each (bench_train's), else the catalog mask
+    (each micro-batch still gets a plan of its own)."""
+    if name == "packed":
+        return micro_batch_masks(seqlen, count)
+    return [catalog.build(name, seqlen)] * count
+
+
+def busy_ms(events, lo_us: float, hi_us: float) -> float:
+    """ms of the union of the device events' intervals that start in [lo_us, hi_us)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if lo_us <= e.time_range.start < hi_us)
+    busy, end = 0.0, -1.0
+    for a, b in spans:
+        busy, end = busy + max(0.0, b - max(a, end)), max(end, b)
+    return busy / 1e3
+
+
+def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, profile_path: str | None) -> dict:
+    cuda = a.device.type == "cuda"
+    hq, hkv = heads
+    seqlen, group = tokens * cp, dist.group.WORLD
+    n_mb = a.warmup + a.iters + 1
+    masks = masks_for(mask_name, seqlen, n_mb)
+    work = Workload(hq, hkv, a.head_dim, a.dtype.itemsize)
+
+    def make(mask):
+        if cuda:
+            return mcp.runtime.plan_in_helper(mask, cp, work=work)
+        plan = mcp.plan(mask, cp)
+        mcp.runtime.prebuild(plan, work)
+        return plan
+
+    pool = ThreadPoolExecutor(1)
+    ahead = [pool.submit(make, m) for m in masks]  # one planning thread, in micro-batch order
+    g = torch.Generator(device=a.device).manual_seed(1234 + a.rank)
+    n_max = max(int(1.5 * tokens), 16)
+    base = [tuple(torch.randn(n_max, h, a.head_dim, generator=g, device=a.device, dtype=a.dtype)
+                  for h in (hq, hkv, hkv)) for _ in range(a.layers)]
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(a.device)
+
+    def micro_batch(i, rec=None):
+        t = time.perf_counter()
+        plan = ahead[i].result()
+        wait = (time.perf_counter() - t) * 1e3
+        n = plan.num_local(a.rank)
+        if n > n_max:
+            raise ValueError(f"rank {a.rank} holds {n} tokens, more than the {n_max} this tool allocated")
+        layers = [tuple(t[:n].detach().requires_grad_() for t in layer) for layer in base]
+        sync()
+        t0 = time.perf_counter()
+        outs, calls = [], []
+        for q, k, v in layers:
+            t = time.perf_counter()
+            outs.append(mcp.attention(q, k, v, plan, group)[0])
+            calls.append((time.perf_counter() - t) * 1e3)
+        sync()
+        t1 = time.perf_counter()
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        sync()
+        t2 = time.perf_counter()
+        if rec is not None:
+            rec.append(dict(fwd_b2b_ms=(t1 - t0) * 1e3, bwd_b2b_ms=(t2 - t1) * 1e3, first_call_ms=calls[0],
+                            call_ms=float(np.median(calls[1:] or calls)), wait_ms=wait, t=(t0, t1, t2)))
+
+    for i in range(a.warmup):  # compiles, caches, the helper process's start
+        micro_batch(i)
+    recs: list[dict] = []
+    for i in range(a.warmup, a.warmup + a.iters):
+        micro_batch(i, recs)
+    med = {k: float(np.median([r[k] for r in recs])) for k in recs[0] if k != "t"}
+    row = dict(mask=mask_name, tokens_per_rank=tokens, cp=cp, rank=a.rank, heads=f"{hq}:{hkv}", head_dim=a.head_dim,
+               layers=a.layers, fwd_b2b_ms=med["fwd_b2b_ms"], bwd_b2b_ms=med["bwd_b2b_ms"],
+               b2b_ms=med["fwd_b2b_ms"] + med["bwd_b2b_ms"], host_ms_per_call=med["call_ms"],
+               first_call_ms=med["first_call_ms"], plan_wait_ms=med["wait_ms"], fwd_gpu_ms=None, bwd_gpu_ms=None,
+               gpu_ms=None, host_ms_per_call_bwd=None, b2b_over_gpu=None, fwd_b2b_over_gpu=None,
+               bwd_b2b_over_gpu=None)
+    # one more micro-batch under the profiler: GPU busy time per phase, the backward nodes' host time
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        prec: list[dict] = []
+        micro_batch(a.warmup + a.iters, prec)
+    ev = prof.events()
+    back = [e for e in ev if BACKWARD_NODE in e.name and e.device_type == torch.autograd.DeviceType.CPU
+            and "evaluate_function" in e.name]
+    if back:
+        row["host_ms_per_call_bwd"] = sum(e.cpu_time_total for e in back) / len(back) / 1e3
+    if cuda:
+        dev = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
+        start = min(e.time_range.start for e in ev)  # the profiler's clock: the first event's start
+        t0, t1, _ = prec[0]["t"]
+        # the phases' boundary on the profiler's clock: the backward's first autograd node
+        cut = min((e.time_range.start for e in back), default=start + (t1 - t0) * 1e6)
+        row["fwd_gpu_ms"] = busy_ms(dev, 0.0, cut)
+        row["bwd_gpu_ms"] = busy_ms(dev, cut, float("inf"))
+        row["gpu_ms"] = row["fwd_gpu_ms"] + row["bwd_gpu_ms"]
+        row["fwd_b2b_over_gpu"] = row["fwd_b2b_ms"] / row["fwd_gpu_ms"]
+        row["bwd_b2b_over_gpu"] = row["bwd_b2b_ms"] / row["bwd_gpu_ms"]
+        row["b2b_over_gpu"] = row["b2b_ms"] / row["gpu_ms"]
+        row["gpu_ms_per_call"] = row["fwd_gpu_ms"] / a.layers
+    if profile_path is not None:
+        with open(profile_path, "w") as f:
+            f.write(f"{mask_name}, {tokens} tokens per rank, cp {cp}, heads {hq}:{hkv}, rank {a.rank}: one profiled "
+                    f"micro-batch of {a.layers} layers, forward then backward\n\n")
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+    pool.shutdown()
+    return row
+
+
+def summary(rows) -> list[str]:
+    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+    return markdown_table(
+        ["mask", "tokens / rank", "cp", "heads", "fwd b2b / GPU ms", "bwd b2b / GPU ms", "b2b / GPU",
+         "host ms / call fwd, bwd", "first call ms", "plan wait ms"],
+        [[r["mask"], r["tokens_per_rank"], r["cp"], r["heads"], f"{f(r['fwd_b2b_ms'])} / {f(r['fwd_gpu_ms'])}",
+          f"{f(r['bwd_b2b_ms'])} / {f(r['bwd_gpu_ms'])}", f(r["b2b_over_gpu"]),
+          f"{f(r['host_ms_per_call'], 3)}, {f(r['host_ms_per_call_bwd'], 3)}", f(r["first_call_ms"]),
+          f(r["plan_wait_ms"])] for r in rows])
+
+
+def main(argv=None) -> list[dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = parser(__doc__, "out/host_path", timing=(3, 5))
+    ap.add_argument("--masks", default="packed", help="comma list of catalog masks (default packed)")
+    ap.add_argument("--tokens-per-rank", default=None, help="comma list (default 8192; dry run 64)")
+    ap.add_argument("--cps", default="4,8", help="comma list of CP sizes (default 4,8)")
+    ap.add_argument("--heads", default=None, help="comma list of Hq:Hkv (default 32:8,64:8; dry run 4:2)")
+    ap.add_argument("--layers", type=int, default=None, help="attention calls per micro-batch (default 26; dry 2)")
+    ap.add_argument("--rank", type=int, default=0, help="which rank of the plan this process is (default 0)")
+    a = ap.parse_args(argv)
+    if not a.dry_run and not torch.cuda.is_available():
+        ap.error("no CUDA device: --dry-run runs on the CPU")
+    dry = a.dry_run
+    masks = a.masks.split(",")
+    if bad := [m for m in masks if m not in catalog.NAMES]:
+        ap.error(f"--masks: {bad[0]!r} is not a catalog mask ({', '.join(catalog.NAMES)})")
+    cps = [int(x) for x in a.cps.split(",")]
+    if any(c < 2 for c in cps) or not all(0 <= a.rank < c for c in cps):
+        ap.error(f"--cps {a.cps} / --rank {a.rank}: each cp must be >= 2 and the rank below it")
+    tokens = [int(x) for x in (a.tokens_per_rank or ("64" if dry else "8192")).split(",")]
+    heads = [tuple(int(y) for y in x.split(":")) for x in (a.heads or ("4:2" if dry else "32:8,64:8")).split(",")]
+    a.layers = a.layers or (2 if dry else 26)
+    a.head_dim = 16 if dry else 128
+    a.device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
+    a.dtype = torch.float32 if dry else torch.bfloat16
+    if dry:
+        a.warmup, a.iters = 1, 2
+    out = out_dir(a)
+    command = " ".join(["python", os.path.relpath(sys.argv[0]), *argv])
+    meta = run_record(device_name(a.device), command, rank=a.rank, dtype=str(a.dtype), process_group=loopback.BACKEND)
+    rows = []
+    for cp in cps:
+        start_rank_alone(a.rank, cp)
+        for name in masks:
+            for t in tokens:
+                for h in heads:
+                    prof = os.path.join(out, f"host_path_profile{a.tag}.txt") if not rows else None
+                    rows.append(run_case(name, t, cp, h, a, prof))
+                    print("\n".join(summary(rows[-1:])[2:]), flush=True)
+                    write_json(os.path.join(out, f"host_path{a.tag}.json"), {**meta, "rows": rows})
+    dist.destroy_process_group()
+    print("\n".join(summary(rows)))
+    return rows
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        main()
