@@ -95,3 +95,29 @@ def test_copy_rows_and_reduce_rows(use_triton):
     reduce_rows(out, parts[:, :h], rows, ptr, order, use_triton=use_triton)
     assert torch.equal(out, expect.half())  # one rounding of the fp32 sum
     assert torch.equal(out[[2, 3, 5]], dst[[2, 3, 5]])  # rows without partials untouched
+
+
+@pytest.mark.parametrize("use_triton", [False, True])  # torch index ops / the Triton kernel (interpreter)
+def test_copy_row_pairs_moves_both_pairs_like_two_copies(use_triton):
+    """kernels.rows.copy_row_pairs: K and V of different widths (MLA's 192 / 128 in miniature) into strided halves
+    of one buffer, through a destination index, and gathered through a source index: what two copy_rows give."""
+    from megatron_cp.kernels.rows import copy_row_pairs, copy_rows
+
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(5, 2, 12, generator=g).half(), torch.randn(5, 2, 8, generator=g).half()
+    buf = torch.zeros(9, 2 * 12 + 2 * 8, dtype=torch.float16)
+    ka, va = buf[:, :24].unflatten(1, (2, 12)), buf[:, 24:].unflatten(1, (2, 8))
+    dst_idx = torch.tensor([7, 0, 3, 8, 2])
+    copy_row_pairs(ka, k, va, v, dst_idx, None, use_triton=use_triton)
+    ref_k, ref_v = torch.zeros(9, 2, 12, dtype=torch.float16), torch.zeros(9, 2, 8, dtype=torch.float16)
+    copy_rows(ref_k, k, dst_idx, None, use_triton=False)
+    copy_rows(ref_v, v, dst_idx, None, use_triton=False)
+    assert torch.equal(ka, ref_k) and torch.equal(va, ref_v)
+    src_idx = torch.tensor([8, 8, 0])
+    ok, ov = torch.empty(3, 2, 12, dtype=torch.float32), torch.empty(3, 2, 8, dtype=torch.float32)
+    copy_row_pairs(ok, ka, ov, va, None, src_idx, use_triton=use_triton)
+    assert torch.equal(ok, ref_k[src_idx].float()) and torch.equal(ov, ref_v[src_idx].float())
+    m = RowMap(dst_idx.numpy(), None, "cpu", max_runs=0)
+    bk, bv = torch.zeros(9, 2, 12, dtype=torch.float16), torch.zeros(9, 2, 8, dtype=torch.float16)
+    m.copy_pair(bk, k, bv, v)
+    assert torch.equal(bk, ref_k) and torch.equal(bv, ref_v)

@@ -22,7 +22,7 @@ from .fa4.backend import FA4Backend, fa4_unavailable
 from .protocol import Backend, accumulate_dtype
 from .reference import ReferenceBackend
 from .registry import available_backends, get_backend
-from .rows import copy_rows, reduce_rows
+from .rows import copy_row_pairs, copy_rows, reduce_rows
 from .tiles import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, KIND_CODES, check_tiles
 from .triton.antidiagonal import antidiagonal_mass, fused_mass_supported
 from .triton.backend import DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonBackend, TritonConfig, configs_from_json
@@ -53,7 +53,7 @@ __all__ = [
     "PhaseConfigs",
     "DEFAULT_CONFIGS",
     "configs_from_json",
-    "copy_rows",
+    "copy_rows", "copy_row_pairs",
     "reduce_rows",
     "merge",
     "pieces",

@@ -42,6 +42,36 @@ def _copy_rows_kernel(DST, SRC, DST_IDX, SRC_IDX, n, width, stride_d, stride_s, 
 
 
 @triton.jit
+def _move_rows(DST, SRC, dr, sr, ok, width, stride_d, stride_s, BLOCK_W: tl.constexpr):
+    for w0 in range(0, width, BLOCK_W):
+        c = w0 + tl.arange(0, BLOCK_W)
+        m = ok[:, None] & (c < width)[None, :]
+        x = tl.load(SRC + sr[:, None] * stride_s + c[None, :], mask=m)
+        tl.store(DST + dr[:, None] * stride_d + c[None, :], x.to(DST.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _copy_row_pairs_kernel(DA, SA, DB, SB, DST_IDX, SRC_IDX, n, width_a, width_b, stride_da, stride_sa, stride_db,
+                           stride_sb, HAS_DST_IDX: tl.constexpr, HAS_SRC_IDX: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_W: tl.constexpr):
+    # program_id(1) picks the pair: K and V (or dK and dV) through the same row indices in one launch
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = r < n
+    if HAS_DST_IDX:
+        dr = tl.load(DST_IDX + r, mask=ok, other=0).to(tl.int64)
+    else:
+        dr = r.to(tl.int64)
+    if HAS_SRC_IDX:
+        sr = tl.load(SRC_IDX + r, mask=ok, other=0).to(tl.int64)
+    else:
+        sr = r.to(tl.int64)
+    if tl.program_id(1) == 0:
+        _move_rows(DA, SA, dr, sr, ok, width_a, stride_da, stride_sa, BLOCK_W)
+    else:
+        _move_rows(DB, SB, dr, sr, ok, width_b, stride_db, stride_sb, BLOCK_W)
+
+
+@triton.jit
 def _reduce_rows_kernel(DST, PARTS, ROWS, PTR, POS, n, width, stride_d, stride_p,
                         BLOCK_W: tl.constexpr):
     i = tl.program_id(0)
@@ -120,6 +150,26 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor | None
         d2, s2, dst_idx if dst_idx is not None else d2, src_idx if src_idx is not None else s2, n, width,
         d2.stride(0), s2.stride(0), HAS_DST_IDX=dst_idx is not None, HAS_SRC_IDX=src_idx is not None,
         BLOCK_R=BLOCK_R, BLOCK_W=_block_w(width), num_warps=4)
+
+
+def copy_row_pairs(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor, src_b: torch.Tensor,
+                   dst_idx: torch.Tensor | None = None, src_idx: torch.Tensor | None = None, use_triton=None) -> None:
+    """``copy_rows`` of two pairs through the same indices (K and V, dK and dV; their widths may differ, as MLA's)
+    in one launch on a GPU: each launch costs the host tens of microseconds, and a layer call makes several."""
+    if not _triton_ok(dst_a, use_triton) or dst_a.dtype != dst_b.dtype or src_a.dtype != src_b.dtype:
+        copy_rows(dst_a, src_a, dst_idx, src_idx, use_triton)
+        copy_rows(dst_b, src_b, dst_idx, src_idx, use_triton)
+        return
+    n = len(dst_idx) if dst_idx is not None else len(src_idx) if src_idx is not None else src_a.shape[0]
+    if n == 0:
+        return
+    src_a, src_b = (s if _dense_rows(s) else s.contiguous() for s in (src_a, src_b))
+    da, sa, wa = _pair2d(dst_a, src_a, "src")
+    db, sb, wb = _pair2d(dst_b, src_b, "src")
+    _copy_row_pairs_kernel[(triton.cdiv(n, BLOCK_R), 2)](
+        da, sa, db, sb, dst_idx if dst_idx is not None else da, src_idx if src_idx is not None else sa, n, wa, wb,
+        da.stride(0), sa.stride(0), db.stride(0), sb.stride(0), HAS_DST_IDX=dst_idx is not None,
+        HAS_SRC_IDX=src_idx is not None, BLOCK_R=BLOCK_R, BLOCK_W=_block_w(max(wa, wb)), num_warps=4)
 
 
 def reduce_rows(dst: torch.Tensor, parts: torch.Tensor, rows: torch.Tensor, ptr: torch.Tensor,

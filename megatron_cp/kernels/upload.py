@@ -21,4 +21,8 @@ def upload(a, device) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    # a pinned block of the caching host allocator filled here: Tensor.pin_memory() asks the driver first whether
+    # the source is pinned (cudaPointerGetAttributes), a cost per array that a new plan's tens of uploads add up
+    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    staged.copy_(t)
+    return staged.to(device, non_blocking=True)

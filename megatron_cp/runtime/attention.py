@@ -108,8 +108,7 @@ def _cast_kv(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_c
     h, da, db = a.shape[1], a.shape[2], b.shape[2]
     send = pool.get((pick.n, h * (da + db)), a.dtype, a.device, (tag, "send"))
     sa, sb = split_kv(send, h, da, db)
-    pick.copy(sa, a)
-    pick.copy(sb, b)
+    pick.copy_pair(sa, a, sb, b)
     recv = pool.get((sum(recv_counts), h * (da + db)), a.dtype, a.device, (tag, "recv"))
     return split_kv(all_to_all_v(send, send_counts, recv_counts, group, recv), h, da, db)
 
@@ -135,12 +134,10 @@ class _SingleExchangeAttention(torch.autograd.Function):
         else:
             kbuf = k.new_empty((ex.buffer_len,) + tuple(k.shape[1:]))
             vbuf = v.new_empty((ex.buffer_len,) + tuple(v.shape[1:]))
-            ex.own.copy(kbuf, k)
-            ex.own.copy(vbuf, v)
+            ex.own.copy_pair(kbuf, k, vbuf, v)
         if group is not None and rt.exchanges:
             got_k, got_v = _cast_kv(ex.send, k, v, ex.send_counts, ex.recv_counts, group, rt.pool, "single_fwd")
-            ex.recv.copy(kbuf, got_k)
-            ex.recv.copy(vbuf, got_v)
+            ex.recv.copy_pair(kbuf, got_k, vbuf, got_v)
         out, lse = be.forward(q, kbuf, vbuf, ex.prepared, scale)
         gq = guests.finish_forward(gr, pend, out, lse) if gr is not None else None
         # k / v themselves only for guest rows (their dK/dV are of the own keys in local order)

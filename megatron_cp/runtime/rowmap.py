@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels import copy_rows, upload
+from ..kernels import copy_row_pairs, copy_rows, upload
 
 MAX_RUNS = 1  # more runs than this: one indexed row-copy kernel instead of slice copies
 
@@ -61,6 +61,14 @@ class RowMap:
                 dst[d0:d0 + m].copy_(src[s0:s0 + m])
             return
         copy_rows(dst, src, self.dst_t, self.src_t)
+
+    def copy_pair(self, dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor, src_b: torch.Tensor) -> None:
+        """``copy`` of two pairs (K and V) through this map, in one kernel launch where it is indexed."""
+        if not self.indexed:
+            self.copy(dst_a, src_a)
+            self.copy(dst_b, src_b)
+            return
+        copy_row_pairs(dst_a, src_a, dst_b, src_b, self.dst_t, self.src_t)
 
     def gather(self, src: torch.Tensor) -> torch.Tensor:
         """The rows ``src[src_idx]`` as a new tensor, or as a view of ``src`` when they are one run

@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from . import replay
 from . import sparse as fa4_sparse
 from .calls import BLOCK, MASK_INTERVALS, Fa4Calls, fa4_calls
 from ..merge import merge_into
@@ -161,6 +162,9 @@ class Run:
     kw: dict
     row_spans: tuple
     key_spans: tuple
+    # the forward's compiled kernel and arguments per input signature (replay.launch): every layer of a
+    # micro-batch calls the run on tensors of the same shapes
+    replays: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
 @dataclass
@@ -313,11 +317,11 @@ class FA4Backend:
     def _run_fwd(self, q, k, v, run: Run, scale: float, out, lse_hm):
         """One FA4 forward launch writing its rows of ``out`` [sq, Hq, D] and ``lse_hm`` [Hq, sq]."""
         f = self.functions.fwd
+        t = (q, k, v, out, lse_hm)
         if run.dense:
-            f(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale=scale, return_lse=True,
-              out=out.unsqueeze(0), lse=lse_hm.unsqueeze(0), **run.kw)
-        else:
-            f(q, k, v, softmax_scale=scale, return_lse=True, out=out, lse=lse_hm, **run.kw)
+            t = tuple(x.unsqueeze(0) for x in t)
+        replay.launch(f, t, run.replays, scale, lambda: f(*t[:3], softmax_scale=scale, return_lse=True, out=t[3],
+                                                        lse=t[4], **run.kw))
 
     def forward(self, q, k, v, prepared: Fa4Prepared, softmax_scale=None, keep=None):
         """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q's dtype), lse [sq, Hq] float32.
