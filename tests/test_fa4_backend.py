@@ -281,19 +281,24 @@ def test_block_sparse_lists_at_block_scale(name, s, band, monkeypatch):
     _check(tiles, s, s, dlse=True)
 
 
-def _compiled_interface(copy_q: bool = False):
+def _compiled_interface(mode: str = "plain"):
     """A stand-in of flash_attn.cute's forward interface: Python in front (counted) that calls a "compiled kernel"
-    from ``compile_cache`` with a flat argument list led by q, k, v, out, lse, as FA4's does; ``copy_q``: the
-    front passes a copy of q (as FA4 does for a non-contiguous q), which a replay must not take for q."""
+    from ``compile_cache`` with a flat argument list led by q, k, v, out, lse, as FA4's does. ``mode``: "copy_q", the
+    front passes a copy of q (as FA4 does for a non-contiguous q), which a replay must not take; "workspace", the
+    kernel reads q from a buffer the front fills on each call, so that a replay computes with a stale q."""
+    workspace = []
+
     def kernel(q, k, v, out, lse, scale, kw):
+        q = workspace[0] if mode == "workspace" else q
         fa4_semantics.fwd(q, k, v, softmax_scale=scale, return_lse=True, out=out, lse=lse, **dict(kw))
 
     def front(q, k, v, softmax_scale=None, return_lse=False, out=None, lse=None, **kw):
         front.calls += 1
+        workspace[:] = [q.detach().clone()]
         key = (q.dtype, q.dim(), tuple(sorted(kw)))
         if key not in front.compile_cache:
             front.compile_cache[key] = kernel
-        qq = q.detach().clone() if copy_q else q.detach()
+        qq = q.detach().clone() if mode == "copy_q" else q.detach()
         front.compile_cache[key](qq, k.detach(), v.detach(), out.detach(), lse, softmax_scale, tuple(kw.items()))
         return out, lse
 
@@ -301,14 +306,18 @@ def _compiled_interface(copy_q: bool = False):
     return front
 
 
-@pytest.mark.parametrize("copy_q", [False, True])
-def test_fa4_forward_replays_each_runs_kernel_for_later_layers(copy_q):
+@pytest.mark.parametrize("mode", ["plain", "copy_q", "workspace"])
+def test_fa4_forward_replays_each_runs_kernel_for_later_layers(mode):
     """replay.launch: the first layer's call goes through the interface and records the compiled kernel per run;
-    later layers (new q, k, v, same shapes) call the kernel directly with their own tensors, giving the reference's
-    result. Where the interface did not pass the given tensors through (a copy), every call takes the interface."""
+    the first replay of a kernel is checked against the interface's result (one more interface call), later
+    layers (new q, k, v, same shapes) call the kernel directly with their own tensors. Every layer gets the
+    reference's result: where the interface did not pass the given tensors through (a copy), or where the replay
+    disagreed with it (a kernel reading per-call state), every call takes the interface."""
+    from megatron_cp.kernels.fa4 import replay
+
     mask = catalog.build("packed", 96)
     tiles = catalog.tiles(mask)
-    front = _compiled_interface(copy_q)
+    front = _compiled_interface(mode)
     be = FA4Backend(functions=Fa4Functions(front, fa4_semantics.bwd, "reference", (torch.float64,),
                                            fa4_semantics.block_sparse, fa4_semantics.interval_masks(),
                                            fa4_semantics.band_mask))
@@ -316,10 +325,18 @@ def test_fa4_forward_replays_each_runs_kernel_for_later_layers(copy_q):
     runs = len(prep.runs("fwd", torch.device("cpu"), be.functions, False))
     assert runs >= 1
     keep = tiles_to_dense(tiles, 96, 96)
-    for layer in range(4):
+    layers = 5
+    for layer in range(layers):
         q, k, v, _, _ = _inputs(96, 96, seed=layer)
         out, lse = be.forward(q, k, v, prep, 0.3)
         o_ref, l_ref = reference_attention(q, k, v, keep, 0.3)[:2]
         torch.testing.assert_close(out, o_ref, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(lse, l_ref, rtol=1e-10, atol=1e-10)
-    assert front.calls == (4 * runs if copy_q else runs)
+    kernels = {id(r.replays[s][0]) for r in prep.runs("fwd", torch.device("cpu"), be.functions, False)
+               for s in r.replays if r.replays[s] is not None}
+    if mode == "plain":  # recorded, checked once, replayed: the interface ran twice per run
+        assert front.calls == 2 * runs and all(replay._CHECKED[i] for i in kernels)
+    elif mode == "copy_q":  # never recorded
+        assert front.calls == layers * runs and not kernels
+    else:  # recorded, its check failed (the checked layer's result is the interface's): the interface from then on
+        assert front.calls == layers * runs and kernels and not any(replay._CHECKED[i] for i in kernels)
