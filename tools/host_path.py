@@ -12,10 +12,11 @@ and the time the exchange takes on the wire. A new plan per micro-batch, made ah
 the Megatron plugin does; per micro-batch ``--layers`` attention calls forward, then the backward of all of them.
 
 Per row (mask, tokens per rank, cp, heads): the forward's and the backward's back-to-back wall (all the phase's calls
-issued with no sync between, then one sync), the GPU's busy time in the same phase (kernels and copies, streams
-merged, from a profiled micro-batch), the host time of a layer call (the forward call's wall; the backward's
+issued with no sync between, then one sync; medians over the timed micro-batches), the GPU's busy time in the same
+phase (kernels and copies, streams merged: the timed micro-batches run again, each profiled; ratios are of sums over
+the same micro-batches), the host time of a layer call (the forward call's wall; the backward's
 ``*AttentionBackward`` autograd nodes' host time), the first call of a new plan (state built there) and the wait
-for the planning helper. Writes OUT/host_path<tag>.json and OUT/host_path_profile<tag>.txt (the first row's
+for the planning helper. Writes OUT/host_path<tag>.json and OUT/host_path_profile<tag>.txt (the first row's last
 profiled micro-batch: host time by op).
 """
 
@@ -75,7 +76,7 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
     cuda = a.device.type == "cuda"
     hq, hkv = heads
     seqlen, group = tokens * cp, dist.group.WORLD
-    n_mb = a.warmup + a.iters + 1
+    n_mb = a.warmup + a.iters
     masks = masks_for(mask_name, seqlen, n_mb)
     work = Workload(hq, hkv, a.head_dim, a.dtype.itemsize)
 
@@ -133,33 +134,39 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
                first_call_ms=med["first_call_ms"], plan_wait_ms=med["wait_ms"], fwd_gpu_ms=None, bwd_gpu_ms=None,
                gpu_ms=None, host_ms_per_call_bwd=None, b2b_over_gpu=None, fwd_b2b_over_gpu=None,
                bwd_b2b_over_gpu=None)
-    # one more micro-batch under the profiler: GPU busy time per phase, the backward nodes' host time
+    # the timed micro-batches again, each under the profiler (the same plans, their state built): GPU busy time per
+    # phase of the very micro-batches timed back to back (document mixes differ between micro-batches), the
+    # backward nodes' host time
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        prec: list[dict] = []
-        micro_batch(a.warmup + a.iters, prec)
-    ev = prof.events()
-    back = [e for e in ev if BACKWARD_NODE in e.name and e.device_type == torch.autograd.DeviceType.CPU
-            and "evaluate_function" in e.name]
-    if back:
-        row["host_ms_per_call_bwd"] = sum(e.cpu_time_total for e in back) / len(back) / 1e3
-    if cuda:
-        dev = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
-        start = min(e.time_range.start for e in ev)  # the profiler's clock: the first event's start
-        t0, t1, _ = prec[0]["t"]
-        # the phases' boundary on the profiler's clock: the backward's first autograd node
-        cut = min((e.time_range.start for e in back), default=start + (t1 - t0) * 1e6)
-        row["fwd_gpu_ms"] = busy_ms(dev, 0.0, cut)
-        row["bwd_gpu_ms"] = busy_ms(dev, cut, float("inf"))
+    fwd_gpu, bwd_gpu, bwd_host = [], [], []
+    for i in range(a.warmup, a.warmup + a.iters):
+        with profile(activities=acts) as prof:
+            micro_batch(i)
+        ev = prof.events()
+        back = [e for e in ev if BACKWARD_NODE in e.name and e.device_type == torch.autograd.DeviceType.CPU
+                and "evaluate_function" in e.name]
+        if back:
+            bwd_host.append(sum(e.cpu_time_total for e in back) / len(back) / 1e3)
+        if cuda and back:
+            dev = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
+            cut = min(e.time_range.start for e in back)  # the phases' boundary: the backward's first node
+            fwd_gpu.append(busy_ms(dev, 0.0, cut))
+            bwd_gpu.append(busy_ms(dev, cut, float("inf")))
+    if bwd_host:
+        row["host_ms_per_call_bwd"] = float(np.median(bwd_host))
+    if fwd_gpu:
+        # ratios of the sums over the same micro-batches
+        fwd_b2b, bwd_b2b = (sum(r[k] for r in recs) for k in ("fwd_b2b_ms", "bwd_b2b_ms"))
+        row["fwd_gpu_ms"], row["bwd_gpu_ms"] = float(np.median(fwd_gpu)), float(np.median(bwd_gpu))
         row["gpu_ms"] = row["fwd_gpu_ms"] + row["bwd_gpu_ms"]
-        row["fwd_b2b_over_gpu"] = row["fwd_b2b_ms"] / row["fwd_gpu_ms"]
-        row["bwd_b2b_over_gpu"] = row["bwd_b2b_ms"] / row["bwd_gpu_ms"]
-        row["b2b_over_gpu"] = row["b2b_ms"] / row["gpu_ms"]
+        row["fwd_b2b_over_gpu"] = fwd_b2b / sum(fwd_gpu)
+        row["bwd_b2b_over_gpu"] = bwd_b2b / sum(bwd_gpu)
+        row["b2b_over_gpu"] = (fwd_b2b + bwd_b2b) / (sum(fwd_gpu) + sum(bwd_gpu))
         row["gpu_ms_per_call"] = row["fwd_gpu_ms"] / a.layers
     if profile_path is not None:
         with open(profile_path, "w") as f:
-            f.write(f"{mask_name}, {tokens} tokens per rank, cp {cp}, heads {hq}:{hkv}, rank {a.rank}: one profiled "
-                    f"micro-batch of {a.layers} layers, forward then backward\n\n")
+            f.write(f"{mask_name}, {tokens} tokens per rank, cp {cp}, heads {hq}:{hkv}, rank {a.rank}: the last timed "
+                    f"micro-batch ({a.layers} layers, forward then backward) again, profiled\n\n")
             f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
     pool.shutdown()
     return row
