@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -354,7 +355,27 @@ def test_leak_check_tiny_finds_no_leak_and_cp4_gradients_match(runner, tmp_path)
     assert med["bf16 cp4"] < 1.5 * med["bf16 cp1"] < 3e-2, med
     # and the plan of every row the recipe trains on (2 steps x 4 rows) covers its mask exactly
     assert report["dense"]["plans"] == {"rows": 8, "wrong_rows": {"cp4": 0}}
+    # and every token row's kept keys, counted through the kernels at cp 4 (lse of q = k = 0)
+    c = report["dense"]["kept_key_counts"]["4"]
+    assert (c["rows"], c["token_rows"], c["wrong_token_rows"], c["cp"], c["kernels"]) == (8, 8 * 128, 0, 4, "reference")
     assert json.loads((tmp_path / "dense" / "leak.json").read_text())["runs"] == report["dense"]["runs"]
+
+
+def test_kept_key_count_sees_another_mask():
+    """The count check can fail: rows planned under the packed mask and counted against the causal one (every row
+    past a document's start keeps more keys) are wrong; against their own mask, none is."""
+    from tiny_llama import leak
+    from tiny_llama.convergence import Corpus, Run
+    from tiny_llama.trainer import spawn
+
+    t = load_runner()._base("tiny", dtype="fp32")
+    rows = list(Corpus(t, t.shape.seq_length, 2).batch(0, 2)[0])
+    opts = Run("cp2").options(t)
+    args = (rows, t.mask_spec(), opts, (4, 2, 16), "cpu", "fp32")
+    own = spawn(leak.count_worker, 2, *args)
+    other = spawn(leak.count_worker, 2, *args, replace(t, mask="causal").mask_spec())
+    assert own["wrong_token_rows"] == 0 and own["token_rows"] == 2 * t.shape.seq_length
+    assert other["wrong_token_rows"] > 0 and other["wrong"][0][2] != other["wrong"][0][3]
 
 
 def test_leak_check_sees_a_mask_that_leaks():

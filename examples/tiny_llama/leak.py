@@ -65,6 +65,48 @@ def plan_errors(rows: list[torch.Tensor], spec: MaskSpec, layouts: dict) -> dict
     return out
 
 
+def count_worker(rank: int, world: int, rows: list, spec: MaskSpec, options, heads: tuple, device_kind: str,
+                 dtype: str, against: MaskSpec | None = None) -> dict:
+    """Each row's kept keys counted through the kernels a run uses: every row ``[S]`` planned at cp = ``world`` as
+    the adapter plans it, then attention on q = k = 0 (every score 0, whatever K the exchange brings), so a row's
+    lse is the log of how many keys its tiles kept. ``heads``: (Hq, Hkv, D) of one rank's attention. Rank 0
+    returns {rows, token_rows, wrong_token_rows, wrong: the first few (row, local row, counted, mask's), kernels}; a
+    row keeping no key must give lse -inf. ``against``: the mask the counts are checked against (default ``spec``,
+    the plans')."""
+    import numpy as np
+
+    import megatron_cp as mcp
+    from megatron_cp.masks import geometry
+    from megatron_cp.megatron.batch import build_mask, document_bounds, plan_for_batch
+
+    from .convergence import DTYPES
+
+    device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
+    hq, hkv, d = heads
+    wrong, examples, tokens = 0, [], 0
+    for i, row in enumerate(rows):
+        tok = row.reshape(1, -1).numpy()
+        plan, _ = plan_for_batch(tok, spec, world, options)
+        ref = against or spec
+        mask = build_mask(ref, document_bounds(tok, ref), 1, tok.shape[1])
+        kept = np.diff(geometry.row_area_prefix(mask.traps, mask.seqlen_q))[plan.local_ids(rank)][:, None]
+        n = plan.num_local(rank)
+        q, k = (torch.zeros(n, h, d, device=device, dtype=DTYPES[dtype]) for h in (hq, hkv))
+        lse = mcp.attention(q, k, torch.zeros_like(k), plan, dist.group.WORLD, backend=options.kernel_backend)[1]
+        got = lse.double().cpu().numpy()  # [n, Hq]: every head must count alike
+        ok = np.where(kept == 0, np.isneginf(got), np.abs(np.exp(got) - kept) < 0.5).all(1)
+        wrong += int((~ok).sum())
+        tokens += n
+        examples += [(i, int(j), float(np.exp(got[j].max())), int(kept[j, 0])) for j in np.nonzero(~ok)[0][:3]]
+    got = [None] * world
+    dist.all_gather_object(got, (wrong, examples[:5], tokens))
+    from megatron_cp.kernels import get_backend
+
+    return {"rows": len(rows), "token_rows": sum(g[2] for g in got), "wrong_token_rows": sum(g[0] for g in got),
+            "wrong": [e for g in got for e in g[1]][:10], "cp": world, "dtype": dtype,
+            "kernels": get_backend(options.kernel_backend, device).name}
+
+
 def check_runs(runs: list) -> None:
     """ValueError naming the first (Train, Run) pair whose gradients the check cannot read whole."""
     for _, run in runs:

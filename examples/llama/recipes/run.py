@@ -271,7 +271,8 @@ def _with_earlier(path: Path, jobs: list[Job], res: list[dict]) -> tuple[list[di
 
 def leak_check(plan, a, meta) -> dict:
     """--leak-check: every selected run of each recipe on the same split samples, fp32 runs first (the first run
-    is the gradients' reference), and the plans of every row the recipe trains on (each CP layout's, on the host);
+    is the gradients' reference); the plans of every row the recipe trains on (each CP layout's, on the host); and
+    every token row's count of kept keys through the kernels the runs use, at each CP size (leak.count_worker);
     results to <out>/<recipe>/leak.json."""
     from tiny_llama import leak
     from tiny_llama.convergence import Corpus
@@ -290,20 +291,37 @@ def leak_check(plan, a, meta) -> dict:
         trained = corpus.batch(0, corpus.samples)[0]
         layouts = {r.layout.name: (r.layout.cp, r.options(t)) for t, r in pairs if r.layout.cp > 1}
         wrong = leak.plan_errors(list(trained), train.mask_spec(), layouts)
+        backend = "gloo" if a.cpu else shared_gpu.BACKEND if a.share_gpu else "nccl"
         res = spawn(leak.worker, a.gpus, pairs, corpus.batch(0, a.leak_check)[:2], "cpu" if a.cpu else "cuda",
-                    backend="gloo" if a.cpu else shared_gpu.BACKEND if a.share_gpu else "nccl",
-                    timeout_s=1800) if a.leak_check else []
+                    backend=backend, timeout_s=1800) if a.leak_check else []
+        # every trained row's kept-key count through the kernels, at each CP size (one CP group of that many
+        # ranks; the lowest-precision dtype the recipe trains in)
+        sh, dtype = train.shape, min((t.dtype for t, _ in pairs), key=lambda d: d != "bf16")
+        counts = {}
+        for t, r in pairs:
+            cp, tp = r.layout.cp, r.layout.tp
+            if cp > 1 and cp not in counts and cp <= a.gpus:
+                heads = (sh.num_attention_heads // tp, sh.num_query_groups // tp,
+                         sh.hidden_size // sh.num_attention_heads)
+                counts[cp] = spawn(leak.count_worker, cp, list(trained), t.mask_spec(), r.options(t), heads,
+                                   "cpu" if a.cpu else "cuda", dtype, backend=backend, timeout_s=1800)
         print(f"\n== {n} --leak-check ({meta['device']}, world {a.gpus}, {a.leak_check} samples of {length})")
         print("\n".join("  " + line for line in leak.report(res)) if res else "  (no model runs: 0 samples)")
         for name, k in wrong.items():
             print(f"  plans of the {len(trained)} training rows at {name}: {k} cover other keys than the mask")
+        for cp, c in counts.items():
+            print(f"  kept keys of every token row ({c['token_rows']} rows of {c['rows']} training rows) at cp {cp}, "
+                  f"{c['dtype']} on {c['kernels']}: {c['wrong_token_rows']} wrong" +
+                  (f" (row, local row, counted, mask's: {c['wrong']})" if c["wrong"] else ""))
         folder = Path(a.out) / n
         folder.mkdir(parents=True, exist_ok=True)
         report[n] = {**meta, "recipe": n, "samples": a.leak_check, "runs": res,
-                     "plans": {"rows": len(trained), "wrong_rows": wrong}}
+                     "plans": {"rows": len(trained), "wrong_rows": wrong},
+                     "kept_key_counts": {str(cp): c for cp, c in counts.items()}}
         (folder / "leak.json").write_text(json.dumps(report[n], indent=1) + "\n")
         leaked += [f"{n} {r['dtype']} {r['run']}" for r in res if r["high_max"] != 0]
         leaked += [f"{n} plans at {name}" for name, k in wrong.items() if k]
+        leaked += [f"{n} kept-key counts at cp {cp}" for cp, c in counts.items() if c["wrong_token_rows"]]
     if leaked:
         print(f"\nLEAK: {', '.join(leaked)}")
         raise SystemExit(1)
