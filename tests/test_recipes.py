@@ -391,3 +391,39 @@ def test_leak_check_sees_a_mask_that_leaks():
     batch = Corpus(t, t.shape.seq_length, 2).batch(0, 2)[:2]
     res = spawn(leak.worker, 1, [(t, Run("packed")), (replace(t, mask="causal"), Run("causal"))], batch, "cpu")
     assert res[0]["high_max"] == 0.0 and res[1]["high_max"] > 1e-3, res
+
+
+def test_convergence_data_never_repeats_and_holds_files_out(runner):
+    """The convergence recipe's data: training files and held-out files are disjoint (one in HELD_OUT_EVERY held
+    out), a data seed only reorders the training files, and a run that needs more than the training files hold is
+    refused (no document twice) rather than fed repeats."""
+    from tiny_llama import convergence as cv
+
+    t = runner.jobs_for("convergence", "tiny", 1)[0].train
+    assert t.split_data and t.held_out_every == 1
+    train, held = cv.corpus_files(t, "train"), cv.corpus_files(t, "held_out")
+    assert not set(train) & set(held) and len(held) == -(-(len(train) + len(held)) // cv.HELD_OUT_EVERY)
+    shuffled = cv.corpus_files(t, "train", data_seed=2)
+    assert sorted(shuffled) == sorted(train) and shuffled != train
+    a, b = cv.Corpus(t, 128, 4, data_seed=1), cv.Corpus(t, 128, 4, data_seed=2)
+    assert not torch.equal(a.batch(0, 4)[0], b.batch(0, 4)[0])
+    with pytest.raises(ValueError, match="no document may come twice"):
+        cv.Corpus(t, 4096, 10_000)  # 41 M tokens: more than the top folder's training files hold
+
+
+def test_convergence_checks_read_the_seed_spread(runner):
+    """convergence_checks: CP 4's held-out losses against CP 1's mean +- 2 sd over its seeds, its train losses
+    against the paired CP 1 seed within the seeds' widest spread; a layout off the band fails."""
+    def run(losses, held):
+        return {"losses": losses, "held_out": [[s, v] for s, v in zip((1, 10, 20), held)]}
+
+    runs = {"cp1_seed1": run([5.0, 3.0, 2.0], [5.0, 3.0, 2.00]), "cp1_seed2": run([5.1, 3.1, 2.1], [5.1, 3.1, 2.10]),
+            "cp1_seed3": run([4.9, 2.9, 1.9], [4.9, 2.9, 1.90]), "cp4_seed1": run([5.0, 3.01, 2.0], [5.02, 3.0, 2.01]),
+            "cp4_seed2": run([5.1, 3.5, 2.1], [5.1, 3.6, 2.10])}
+    out = runner.convergence_checks(runs)
+    assert out["seeds"] == {"cp1": ["cp1_seed1", "cp1_seed2", "cp1_seed3"], "cp4": ["cp4_seed1", "cp4_seed2"]}
+    assert out["held_out"]["steps"] == [1, 10, 20] and out["held_out"]["cp1_mean"] == pytest.approx([5.0, 3.0, 2.0])
+    ok = {k.split(" ")[0] + (" held" if "held-out loss within" in k else " train" if "train" in k else ""): v[1]
+          for k, v in out["checks"].items()}
+    assert ok == {"cp1": True, "cp4_seed1 held": True, "cp4_seed1 train": True, "cp4_seed2 held": False,
+                  "cp4_seed2 train": False}

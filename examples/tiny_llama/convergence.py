@@ -80,6 +80,8 @@ class Run:
     sparse: tuple | None = None
     start: str = "init"
     strategy: str = "megatron_cp"
+    data_seed: int = 0  # the order of the training files (Train.split_data): 0 keeps theirs, another a shuffle
+    dp: int | None = None  # the data-parallel size the run needs (its micro-batch arrangement), None: the world's
 
     def __post_init__(self):
         if self.start not in ("init", "pretrained"):
@@ -134,6 +136,11 @@ class Train:
     speed_steps: int = 3
     mask: str = "packed"
     profile: bool = False  # after training: one more step under torch.profiler, GPU time by kind (profile_summary)
+    # train on the files not held out, each document once (a ValueError where the run needs more), and every
+    # ``held_out_every`` steps (0: never) the loss of ``held_out_samples`` sequences of the held-out files
+    split_data: bool = False
+    held_out_every: int = 0
+    held_out_samples: int = 8
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -196,14 +203,34 @@ class Job:
 
 # ----------------------------------------------------------------------------------------------- data
 
-class Corpus:
-    """Samples of ``length + 1`` tokens cut one after another from the packed stdlib stream."""
+HELD_OUT_EVERY = 16  # with Train.split_data one standard-library file in 16 is held out of training
 
-    def __init__(self, train: Train, length: int, samples: int):
+
+def corpus_files(train: Train, split: str, data_seed: int = 0) -> list:
+    """The files of ``split``: "train" (every file but each HELD_OUT_EVERY-th, shuffled by ``data_seed`` unless it is
+    0) or "held_out" (those, in order)."""
+    from .demo import stdlib_files
+
+    files = stdlib_files(train.recursive)
+    if split == "held_out":
+        return files[::HELD_OUT_EVERY]
+    if split != "train":
+        raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
+    rest = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY]
+    order = np.random.default_rng(data_seed).permutation(len(rest)) if data_seed else range(len(rest))
+    return [rest[i] for i in order]
+
+
+class Corpus:
+    """Samples of ``length + 1`` tokens cut one after another from the packed stdlib stream; with
+    ``train.split_data`` from ``split``'s files only, no document twice (``corpus_files``)."""
+
+    def __init__(self, train: Train, length: int, samples: int, data_seed: int = 0, split: str = "train"):
         self.length = length
+        files = corpus_files(train, split, data_seed) if train.split_data else None
         self.stream = torch.from_numpy(stdlib_stream(samples * length + 1, train.seed, train.doc_lengths,
                                                      train.recursive, train.doc_median,
-                                                     train.doc_sigma))
+                                                     train.doc_sigma, files=files, repeat=not train.split_data))
         self.samples = samples
 
     def batch(self, first: int, n: int):
@@ -333,19 +360,40 @@ def _build(train: Train, layout: Layout, length: int, full: dict, device):
     return chunks, dp
 
 
+def _held_out_loss(chunks, train: Train, run: Run, held: Corpus, dp, device) -> float:
+    """The model's token-mean loss on the held-out sequences, forward only, under the run's layout (the DP ranks
+    split them as a training batch); PP runs are not evaluated (their forward is the schedule's)."""
+    from megatron.core import parallel_state as ps
+
+    from . import trainer
+
+    spec, options = train.mask_spec(), run.options(train)
+    mbs = trainer.dp_shard(held.batch(0, train.held_out_samples), dp[0], dp[1], train.micro_batch)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for mb in mbs:
+            out, loss_fn = trainer.forward_step(chunks[0], mb, spec, options, device)
+            loss, n, _ = loss_fn(out)
+            total += torch.stack([loss.detach().double(), n.double()]).to(total.device)
+    dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return float(total[0] / total[1])
+
+
 def _train_steps(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, device, steps: int,
-                 first_sample: int, log=None, start: int = 0, end: int | None = None, until=None):
+                 first_sample: int, log=None, start: int = 0, end: int | None = None, until=None,
+                 held: Corpus | None = None):
     """Steps ``start`` .. ``end - 1`` (default ``steps - 1``) of a run of ``steps`` (the step index sets the
     batch, ``steps`` the learning-rate schedule, so a run resumed at ``start`` trains what the uninterrupted run
     would). ``until``: asked before each step; True stops there (every rank gets the same answer:
-    ``_Deadline``)."""
+    ``_Deadline``). ``held``: the held-out sequences, evaluated after step 1 and every ``train.held_out_every``
+    steps; returns (losses, grad norms, step seconds, [[step, held-out loss], ...])."""
     from megatron.core import parallel_state as ps
 
     from . import trainer
 
     spec = train.mask_spec()
     options = run.options(train)
-    losses, norms, seconds = [], [], []
+    losses, norms, seconds, evals = [], [], [], []
     for step in range(start, steps if end is None else end):
         if until is not None and until():
             break
@@ -370,7 +418,11 @@ def _train_steps(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, 
         norms.append(norm)
         if log is not None:
             log(step, res.loss, norm, seconds[-1])
-    return losses, norms, seconds
+        every = train.held_out_every
+        if held is not None and every and ps.get_pipeline_model_parallel_world_size() == 1 and (
+                step == 0 or (step + 1) % every == 0 or step + 1 == steps):
+            evals.append([step + 1, _held_out_loss(chunks, train, run, held, dp, device)])
+    return losses, norms, seconds, evals
 
 
 def _optimizer(main: MainParams, train: Train):
@@ -423,11 +475,11 @@ def _load(main: "MainParams", opt, weights, opt_state) -> None:
 
 
 def _resumable(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, device, steps: int, first: int, log,
-               checkpoint: str | None, deadline: "_Deadline | None", every: int):
-    """``steps`` steps of ``run`` (its losses, grad norms, step seconds, and the steps done where ``deadline``
-    stopped it, else None): continued from its state in ``checkpoint`` when there, saved there every ``every``
-    steps and where it stops."""
-    done, hist = 0, ([], [], [])
+               checkpoint: str | None, deadline: "_Deadline | None", every: int, held: Corpus | None = None):
+    """``steps`` steps of ``run`` (its losses, grad norms, step seconds, held-out evaluations, and the steps done
+    where ``deadline`` stopped it, else None): continued from its state in ``checkpoint`` when there, saved there
+    every ``every`` steps and where it stops."""
+    done, hist = 0, ([], [], [], [])
     path, key = None, repr((train, run))
     if checkpoint is not None:
         path = _state_path(checkpoint, train, run)
@@ -438,20 +490,20 @@ def _resumable(chunks, main, opt, train: Train, run: Run, corpus: Corpus, dp, de
                                  "another --checkpoint folder")
             _load(main, opt, st["main"], st["opt"])
             done, hist = st["step"], st["history"]
-    losses, norms, seconds = (list(h) for h in hist)
+    losses, norms, seconds, evals = (list(h) for h in hist)
     while done < steps:
         upto = steps if path is None else min(steps, (done // every + 1) * every)
         more = _train_steps(chunks, main, opt, train, run, corpus, dp, device, steps, first, log, start=done,
-                            end=upto, until=deadline)
-        for acc, new in zip((losses, norms, seconds), more):
+                            end=upto, until=deadline, held=held)
+        for acc, new in zip((losses, norms, seconds, evals), more):
             acc.extend(new)
         stopped = done + len(more[0]) < upto
         done += len(more[0])
         if path is not None:
-            _save_state(path, key, done, main, opt, (losses, norms, seconds))
+            _save_state(path, key, done, main, opt, (losses, norms, seconds, evals))
         if stopped:
-            return losses, norms, seconds, done
-    return losses, norms, seconds, None
+            return losses, norms, seconds, evals, done
+    return losses, norms, seconds, evals, None
 
 
 def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrained: dict | None, log,
@@ -466,21 +518,22 @@ def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrai
     if run.start == "pretrained":
         _load(main, opt, pretrained["main"], pretrained["opt"])
     first = train.pretrain_steps * train.global_batch if run.start == "pretrained" else 0
-    losses, norms, seconds, stopped = _resumable(chunks, main, opt, train, run, corpus, dp, device, train.steps,
-                                                 first, log, checkpoint, deadline, every)
+    held = Corpus(train, corpus.length, train.held_out_samples, split="held_out") if train.held_out_every else None
+    losses, norms, seconds, evals, stopped = _resumable(chunks, main, opt, train, run, corpus, dp, device,
+                                                        train.steps, first, log, checkpoint, deadline, every, held)
     if stopped is not None:
-        return dict(losses=losses, grad_norms=norms, step_seconds=seconds, stopped_at=stopped)
+        return dict(losses=losses, grad_norms=norms, step_seconds=seconds, held_out=evals, stopped_at=stopped)
     speed = {}
     for length in train.speed_lengths:
         sp_corpus = Corpus(train, length, train.global_batch * (train.speed_steps + 1))
-        _, _, sec = _train_steps(chunks, main, opt, train, run, sp_corpus, dp, device, train.speed_steps + 1, 0)
+        sec = _train_steps(chunks, main, opt, train, run, sp_corpus, dp, device, train.speed_steps + 1, 0)[2]
         speed[str(length)] = float(np.median(sec[1:]))  # the first step builds plans and compiles kernels
     prof = None
     if train.profile:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-            _, _, sec = _train_steps(chunks, main, opt, train, run, corpus, dp, device, 1, 0)
+            sec = _train_steps(chunks, main, opt, train, run, corpus, dp, device, 1, 0)[2]
         prof = profile_summary(p, sec[0])
         if dist.is_initialized():  # every rank's busy time outside NCCL: how evenly the layout spreads the work
             on = device if dist.get_backend() == "nccl" else "cpu"
@@ -490,7 +543,8 @@ def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrai
             ranks = [float(t.item()) for t in got]
             mean = sum(ranks) / len(ranks)
             prof.update(rank_busy_ms=ranks, busy_imbalance=max(ranks) / mean - 1 if mean > 0 else None)
-    return dict(losses=losses, grad_norms=norms, step_seconds=seconds, speed_seconds=speed, profile=prof)
+    return dict(losses=losses, grad_norms=norms, step_seconds=seconds, held_out=evals, speed_seconds=speed,
+                profile=prof)
 
 
 
@@ -521,7 +575,7 @@ def _pretrain(train: Train, run: Run, full: dict, corpus: Corpus, device, log, c
     main = MainParams(chunks)
     opt = _optimizer(main, train)
     dense = Run("pretrain", run.layout)
-    losses, _, _, stopped = _resumable(chunks, main, opt, train, dense, corpus, dp, device, train.pretrain_steps, 0,
+    losses, _, _, _, stopped = _resumable(chunks, main, opt, train, dense, corpus, dp, device, train.pretrain_steps, 0,
                                        log, checkpoint, deadline, every)
     if stopped is not None:
         return dict(losses=losses, stopped_at=stopped)
@@ -595,7 +649,8 @@ def worker(rank: int, world: int, jobs: list[Job], device_kind: str, verbose: bo
                 if "stopped_at" in pretrained:
                     stop = ("dense pretraining", pretrained["stopped_at"], train.pretrain_steps)
             if stop is None:
-                r = _one_run(train, run, full, corpus, device, pretrained, log, checkpoint, deadline,
+                rc = Corpus(train, length, samples, run.data_seed) if run.data_seed else corpus
+                r = _one_run(train, run, full, rc, device, pretrained, log, checkpoint, deadline,
                              checkpoint_every)
                 if "stopped_at" in r:
                     stop = (run.name, r["stopped_at"], train.steps)

@@ -45,32 +45,41 @@ def stdlib_files(recursive: bool = False) -> list[Path]:
 
 
 def stdlib_stream(n_tokens: int, seed: int = 0, doc_lengths: tuple[int, int] = (32, 480),
-                  recursive: bool = False, median: int | None = None, sigma: float = 1.0) -> np.ndarray:
-    """int64 ``[n_tokens]``: documents cut from the stdlib's sources, each followed by EOD; the files repeat in
-    order when the stream needs more. Lengths uniform in ``doc_lengths`` (shorter where a file ends), or with
-    ``median`` log-normal around it (``sigma``) clipped to ``doc_lengths``, cut from the files' concatenation (a
-    long document runs on into the next file: heavy-tailed lengths up to the largest asked for)."""
+                  recursive: bool = False, median: int | None = None, sigma: float = 1.0,
+                  files: list[Path] | None = None, repeat: bool = True) -> np.ndarray:
+    """int64 ``[n_tokens]``: documents cut from the stdlib's sources (or ``files``, in their order), each followed
+    by EOD; the files repeat in order when the stream needs more, or with ``repeat=False`` a ValueError says the
+    stream would repeat. Lengths uniform in ``doc_lengths`` (shorter where a file ends), or with ``median``
+    log-normal around it (``sigma``) clipped to ``doc_lengths``, cut from the files' concatenation (a long document
+    runs on into the next file: heavy-tailed lengths up to the largest asked for)."""
     lo, hi = doc_lengths
     if not 1 <= lo < hi:
         raise ValueError(f"doc_lengths must be (lo, hi) with 1 <= lo < hi, got {doc_lengths}")
     if median is not None and not (lo <= median <= hi and sigma > 0):
         raise ValueError(f"median {median} must lie within doc_lengths {doc_lengths} and sigma {sigma} be > 0")
-    files = stdlib_files(recursive)
+    files = stdlib_files(recursive) if files is None else list(files)
     rng = np.random.default_rng(seed)
     out, total, fi = [], 0, 0
+
+    def next_file():
+        if not repeat and fi >= len(files):
+            raise ValueError(f"{n_tokens} tokens asked of {len(files)} files that hold {total} (repeat=False: no "
+                             "document may come twice)")
+        return np.frombuffer(files[fi % len(files)].read_bytes(), dtype=np.uint8)
+
     if median is not None:
         text, pos = np.zeros(0, dtype=np.uint8), 0
         while total < n_tokens:
             n = int(np.clip(rng.lognormal(np.log(median), sigma), lo, hi))
             while len(text) - pos < n:  # more of the files' concatenation
-                text = np.concatenate([text[pos:], np.frombuffer(files[fi % len(files)].read_bytes(), dtype=np.uint8)])
+                text = np.concatenate([text[pos:], next_file()])
                 pos, fi = 0, fi + 1
             out += [text[pos:pos + n].astype(np.int64), np.array([EOD], dtype=np.int64)]
             pos += n
             total += n + 1
         return np.concatenate(out)[:n_tokens]
     while total < n_tokens:
-        data = np.frombuffer(files[fi % len(files)].read_bytes(), dtype=np.uint8)
+        data = next_file()
         fi += 1
         pos = 0
         while pos < len(data) and total < n_tokens:

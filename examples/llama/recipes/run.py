@@ -9,6 +9,8 @@ megatron-cp's context parallelism beside CP = 1 from the same weights on the sam
     python examples/llama/recipes/run.py dense --gpus 1 --steps 20     # one GPU: the runs that fit (CP 1)
     python examples/llama/recipes/run.py all --size tiny --cpu         # every recipe, tiny, 4 CPU processes
     python examples/llama/recipes/run.py dense --size small --gpus 4 --share-gpu   # 4 ranks on one GPU (no timing)
+    python examples/llama/recipes/run.py convergence --size small --gpus 1 --runs cp1_seed1,cp1_seed2,cp1_seed3
+    python examples/llama/recipes/run.py convergence --size small --gpus 4 --share-gpu --runs cp4_seed1,cp4_seed2
     sbatch examples/llama/recipes/recipe.sbatch dense                  # the same on a SLURM node
 
 Each recipe writes ``results.json`` (device, date, command, losses, throughput, the checks) and a PNG into
@@ -108,6 +110,22 @@ def _sparse(method: str, params: dict, finetune: bool):
     return jobs
 
 
+SEEDS = {"cp1": 3, "cp4": 2}  # data orders (Run.data_seed) of the convergence recipe's reference and CP layout
+HELD_OUT_BAND = 2.0  # standard deviations of CP 1's held-out losses over its seeds: the spread a layout must stay in
+
+
+def _convergence(size: str, gpus: int, steps: int | None, pretrain_steps: int | None) -> list[Job]:
+    """CP 4 against CP 1 in the same arrangement (DP 1: every micro-batch of the global batch on one CP group), each
+    over several data orders of the training files (no document twice), with a held-out loss along the way."""
+    t = _base(size, split_data=True, held_out_every=1 if size == "tiny" else 10,
+              held_out_samples=4, **({"steps": 150} if size == "small" else {}))
+    if steps:
+        t = replace(t, steps=steps)
+    runs = [Run(f"{name}_seed{s}", layout, data_seed=s, dp=1) for name, layout in (("cp1", Layout()), ("cp4", Layout(cp=4)))
+            for s in range(1, SEEDS[name] + 1)]
+    return [Job(t, runs)]
+
+
 RECIPES = {
     "dense": ("CP 4 (megatron-cp) vs CP 1 (DP 4), packed documents at 32k", _parity(Layout(cp=4))),
     "tp2cp2_sp": ("TP 2 x CP 2 with sequence parallelism vs CP 1", _parity(Layout(tp=2, cp=2, sp=True))),
@@ -117,6 +135,8 @@ RECIPES = {
     "xattention": ("XAttention fine-tuning of a dense-pretrained model vs dense fine-tuning",
                    _sparse("xattention", {"block": 128, "stride": 8, "threshold": 0.9}, True)),
     "gates": ("DuoAttention + PruLong head gates at 64k (examples/tiny_llama/train_gates.py)", None),
+    "convergence": ("CP 4 vs CP 1 at DP 1, over data orders of never-repeated files, with a held-out loss",
+                    _convergence),
 }
 TINY_SPARSE = {"moba": {"block": 32, "top_k": 2}, "xattention": {"block": 32, "stride": 8, "threshold": 0.9}}
 
@@ -158,8 +178,11 @@ def summarize(name: str, jobs: list[Job], results: list[dict]) -> dict:
             r["tokens_per_s_per_gpu"] = tokens_per_s_per_gpu(r)
         out["jobs"].append(entry)
     checks = {}
-    kind = "parity" if name in ("dense", "tp2cp2_sp", "pp2cp2") else "sparse"
-    if kind == "parity":
+    kind = "parity" if name in ("dense", "tp2cp2_sp", "pp2cp2") else name if name == "convergence" else "sparse"
+    if kind == "convergence":
+        out.update(convergence_checks(out["jobs"][0]["runs"]))
+        checks = out.pop("checks")
+    elif kind == "parity":
         for j, entry in enumerate(out["jobs"]):
             runs = entry["runs"]
             if "cp1" not in runs:
@@ -194,6 +217,71 @@ def summarize(name: str, jobs: list[Job], results: list[dict]) -> dict:
                         runs["dense"]["speed_seconds"][length] / sec, None]
     out["checks"] = checks
     return out
+
+
+def convergence_checks(runs: dict) -> dict:
+    """The convergence recipe's evidence: ``seeds`` (each layout's runs), ``held_out`` (CP 1's mean and standard
+    deviation over its seeds at every evaluation, and each run's values) and the checks: every CP 4 held-out loss
+    inside CP 1's mean +- HELD_OUT_BAND sd; CP 4's train loss at each step no farther from CP 1's on the same data
+    order (seeds pair up) than CP 1's seeds ever are from each other; CP 1's held-out loss falling by >= 30% (enough
+    training for the comparison to mean something)."""
+    seeds = {k: sorted(n for n in runs if n.startswith(k + "_seed")) for k in SEEDS}
+    out = {"seeds": seeds, "held_out": {}, "checks": {}}
+    ref = [runs[n] for n in seeds["cp1"]]
+    if len(ref) < 2:
+        return out
+    steps = [s for s, _ in ref[0]["held_out"]]
+    ho = np.array([[v for _, v in r["held_out"]] for r in ref])
+    mean, sd = ho.mean(0), ho.std(0, ddof=1)
+    out["held_out"] = {"steps": steps, "cp1_mean": mean.tolist(), "cp1_sd": sd.tolist(),
+                       "runs": {n: [v for _, v in runs[n]["held_out"]] for n in runs}}
+    train = np.array([r["losses"] for r in ref])
+    floor = float((train.max(0) - train.min(0)).max())  # the widest spread of CP 1's seeds at any step
+    checks = out["checks"]
+    checks[f"cp1 held-out loss falls >= 30% (step {steps[0]} -> {steps[-1]})"] = [
+        float(1 - mean[-1] / mean[0]), bool(mean[-1] <= 0.7 * mean[0])]
+    for n in seeds["cp4"]:
+        v = np.array(out["held_out"]["runs"][n])
+        z = float(np.max(np.abs(v - mean) / np.maximum(sd, 1e-12)))
+        checks[f"{n} held-out loss within cp1 mean +- {HELD_OUT_BAND:g} sd at every evaluation (max |z|)"] = [
+            z, bool(z <= HELD_OUT_BAND)]
+        pair = n.replace("cp4", "cp1")
+        if pair in runs:
+            dev = float(np.abs(np.array(runs[n]["losses"]) - np.array(runs[pair]["losses"])).max())
+            checks[f"{n} train loss: max |{n} - {pair}| over steps within cp1 seeds' widest spread ({floor:.4f})"] = [
+                dev, bool(dev <= floor)]
+    return out
+
+
+def plot_convergence(summary: dict, path: Path) -> None:
+    """Train losses of every run (CP 1's seeds grey) and held-out losses against CP 1's spread band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(14, 4.4))
+    runs = summary["jobs"][0]["runs"]
+    for n, r in runs.items():
+        ax0.plot(range(1, len(r["losses"]) + 1), r["losses"], lw=0.8, label=n,
+                 color="0.6" if n.startswith("cp1") else None)
+    ax0.set(xlabel="step", ylabel="train loss (nats / byte)", title="train loss (no document twice)")
+    ho = summary.get("held_out") or {}
+    if ho:
+        s, m, sd = np.array(ho["steps"]), np.array(ho["cp1_mean"]), np.array(ho["cp1_sd"])
+        ax1.fill_between(s, m - HELD_OUT_BAND * sd, m + HELD_OUT_BAND * sd, color="0.85",
+                         label=f"cp1 mean +- {HELD_OUT_BAND:g} sd ({len(summary['seeds']['cp1'])} seeds)")
+        ax1.plot(s, m, color="0.4", lw=1, label="cp1 mean")
+        for n in summary["seeds"]["cp4"]:
+            ax1.plot(s, ho["runs"][n], marker=".", lw=1, label=n)
+    ax1.set(xlabel="step", ylabel="held-out loss", title="held-out files, never trained on")
+    for ax in (ax0, ax1):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    sign_figure(fig, summary)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot(name: str, summary: dict, path: Path) -> None:
@@ -395,7 +483,7 @@ def main(argv=None) -> dict:
         jobs = jobs_for(n, a.size, a.gpus, a.steps, a.pretrain_steps)
         for j in jobs:
             fits = [r for r in j.runs if a.gpus % r.layout.size == 0 and j.train.global_batch % (
-                a.gpus // r.layout.size * j.train.micro_batch) == 0]
+                a.gpus // r.layout.size * j.train.micro_batch) == 0 and r.dp in (None, a.gpus // r.layout.size)]
             if a.runs:
                 fits = [r for r in fits if r.name in a.runs.split(",")]
             if a.precision not in ("both", j.train.dtype):
@@ -435,7 +523,8 @@ def main(argv=None) -> dict:
                               for r in j.runs if r.name not in e["runs"]]
         path.write_text(json.dumps(summary, indent=1) + "\n")
         if any(e["runs"] for e in summary["jobs"]):
-            plot(n, summary, folder / f"{n}.png")
+            (plot_convergence(summary, folder / f"{n}.png") if n == "convergence" else plot(n, summary,
+                                                                                             folder / f"{n}.png"))
         report[n] = summary
         print(f"\n== {n}: {RECIPES[n][0]}  ({meta['device']}, world {a.gpus})")
         for e in summary["jobs"]:
