@@ -250,10 +250,14 @@ def test_bench_kernels_compares_ours_with_the_fastest_peer():
     assert r["best_fwd_peer"] == "fa4" and r["fwd_vs_best"] == pytest.approx(0.9)
     assert r["best_bwd_peer"] == "flex_flash" and r["bwd_vs_best"] == pytest.approx(0.9)
     assert r["fwd_vs_flex"] == pytest.approx(2.0) and r["bwd_vs_fa4"] == pytest.approx(1.1)
-    assert "fwd_vs_cudnn" not in r and "fwd_vs_triton" not in r
+    assert "fwd_vs_cudnn" not in r and r["fwd_vs_triton"] == pytest.approx(1.5)  # our own Triton: a peer too
     row = bk.table([r], "fa4")[-1]
     assert row == ("| 16384 | causal | 100 / 125 [fa4] | 67 / 83 | 50 / 50 | 83 / 139 | 111 / 114 | err | "
                    "0.90 (fa4) | 0.90 (flex_flash) | 1.20 | 0.90 |")
+    own = {"S": 16384, "mask": "global_local", "ours": dict(rec(1.0, 1.0), path="fa4"), "ours_triton": rec(0.3, 1.1),
+           "flex_flash": rec(0.65, 2.0)}  # our Triton faster than our default: the best "peer", a 0.3 ratio
+    bk.compare_with_peers(own)
+    assert own["best_fwd_peer"] == "ours_triton" and own["fwd_vs_best"] == pytest.approx(0.3)
     lone = {"S": 256, "mask": "docs_causal", "ours": dict(rec(1.0, 1.0), path="triton")}  # the CPU dry run: no peers
     bk.compare_with_peers(lone)
     assert "fwd_vs_best" not in lone and bk.table([lone], "triton")[-1].endswith("| - | - | - | - |")

@@ -1,7 +1,7 @@
 """Benchmark: our default attention backend against the kernels it replaces and the peers, one GPU.
 
 bf16, Hq 32, Hkv 8, D 128, batch 1; --masks (default: catalog.KERNEL_MASKS at S = 16384, the four FA4 expresses
-natively at the other --seqlens). A row per S and mask, per implementation (missing peers record their error):
+natively at the other --seqlens; ``--masks all``: the kernel masks and the distributed catalog's, catalog.DIST_MASKS). A row per S and mask, per implementation (missing peers record their error):
 
     ours         get_backend("auto")'s backend (FA4Backend where FA4 can run, else TritonBackend)
     triton       TritonBackend, the default FA4 replaces (where ours is not it)
@@ -49,6 +49,7 @@ HQ, HKV, D, DEVICE, DTYPE = 32, 8, 128, "cuda", torch.bfloat16
 BENCH_MS = {"warmup": 50, "rep": 200}  # --tune uses shorter runs
 PEERS = ("flex", "flex_flash", "fa4", "cudnn")  # what ours is compared with (ratios, best peer)
 IMPLS = ("ours", "triton", "ours_triton") + PEERS  # print, table and plot order
+OWN_ALTERNATIVES = ("triton", "ours_triton")  # our other paths: in *_vs_best beside the peers
 FA4_MASKS = ("full", "causal", "docs_causal", "sliding_window_1024")  # the masks FA4 expresses natively
 
 
@@ -169,8 +170,9 @@ def time_cudnn(is_causal, q, k, v, do):
 
 
 def compare_with_peers(r):
-    """Row r's fwd_vs_P / bwd_vs_P = peer P's ms / ours' for each peer that ran, *_vs_best: the fastest's."""
-    ran = [p for p in PEERS if "fwd_ms" in r.get(p, {})]
+    """Row r's fwd_vs_P / bwd_vs_P = peer P's ms / ours' for each peer that ran, *_vs_best: the fastest's. Our own
+    Triton paths count among the peers (where ours is another backend): ours must never lose to a path we have."""
+    ran = [p for p in PEERS + OWN_ALTERNATIVES if "fwd_ms" in r.get(p, {})]
     for d in ("fwd", "bwd") if ran and "fwd_ms" in r.get("ours", {}) else ():
         for p in ran:
             r[f"{d}_vs_{p}"] = r[p][f"{d}_ms"] / r["ours"][f"{d}_ms"]
@@ -294,6 +296,8 @@ def main():
         HQ, HKV, D, DEVICE, DTYPE = 2, 1, 32, "cpu", torch.float16
         overrides = {D: PhaseConfigs(*[K(64, 64, 4, 1)] * 3)}
     seqlens, out = args.seqlens or ([256] if args.dry_run else [16384]), out_dir(args)
+    if args.masks == ["all"]:
+        args.masks = list(dict.fromkeys(catalog.KERNEL_MASKS + catalog.DIST_MASKS))
     masks = {s: args.masks or list(catalog.KERNEL_MASKS if s == 16384 else FA4_MASKS) for s in seqlens}
     meta = run_record(device_name(DEVICE), triton=triton.__version__, Hq=HQ, Hkv=HKV, D=D,
                       dtype=str(DTYPE).removeprefix("torch."), flops="fwd 4*area*Hq*D, bwd 2.5x",
