@@ -125,8 +125,9 @@ def test_commands_for_one_gpu_and_bad_steps():
                             impls=None, master_port=1, bench_args=[], tag="")
     cmds = mod.step_commands(ns)
     assert list(cmds) == list(mod.STEPS)
-    for name in ("dist_check", "calibrate", "bench"):
+    for name in ("dist_check", "calibrate", "bench", "train"):
         assert cmds[name][cmds[name].index("--nproc-per-node") + 1] == "1"
+    assert cmds["train"][-2:] == ["--tokens-per-gpu", "8192,16384,32768"] and cmds["host"][1].endswith("host_path.py")
     bench = cmds["bench"]
     assert bench[bench.index("--seqlens") + 1] == "131072,262144" and "--device" not in bench
     assert cmds["scaling"][cmds["scaling"].index("--cps") + 1] == "8,16,32,64"

@@ -26,10 +26,11 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TOOLS)
 from common import out_dir, parser, run_record, write_json  # noqa: E402
 
-STEPS = ("kernel_check", "dist_check", "calibrate", "bench", "predict", "scaling")
+STEPS = ("kernel_check", "dist_check", "calibrate", "bench", "train", "host", "predict", "scaling")
 GPU_ONLY = ("kernel_check",)
 WRITES = {"kernel_check": "gpu_kernel_check", "dist_check": "gpu_dist_check", "calibrate": "cost",  # <this><tag>.json
-          "bench": "bench_dist", "predict": "simulate", "scaling": "simulate"}
+          "bench": "bench_dist", "train": "bench_train", "host": "host_path", "predict": "simulate",
+          "scaling": "simulate"}
 
 
 def step_commands(args) -> dict:
@@ -54,6 +55,11 @@ def step_commands(args) -> dict:
         "dist_check": [*tr, *tool("gpu_dist_check.py")],
         "calibrate": [*tr, *tool("sim", "calibrate.py")],
         "bench": bench,
+        # a training step's attention with a new plan per micro-batch (every implementation) at 8k-32k per GPU, and
+        # one rank's host path under its GPU work (rank 0 of cp 4 / 8 plans alone on GPU 0)
+        "train": [*(py if dry else tr), *tool("bench_train.py")]
+                 + ["--tokens-per-gpu", "8192,16384,32768"] * (not dry),
+        "host": [*py, *tool("host_path.py")],
         "predict": [*py, *tool("sim", "simulate.py", tag="_predict<S>"), "--compare", "<bench>", *cost],
         "scaling": [*py, *tool("sim", "simulate.py", tag="_packed_scaling" + args.tag), "--masks", "packed", *cost]
                    + ([] if dry else ["--cps", "8,16,32,64"]),
