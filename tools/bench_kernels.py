@@ -1,7 +1,8 @@
 """Benchmark: our default attention backend against the kernels it replaces and the peers, one GPU.
 
 bf16, Hq 32, Hkv 8, D 128, batch 1; --masks (default: catalog.KERNEL_MASKS at S = 16384, the four FA4 expresses
-natively at the other --seqlens; ``--masks all``: the kernel masks and the distributed catalog's, catalog.DIST_MASKS). A row per S and mask, per implementation (missing peers record their error):
+natively at the other --seqlens; ``--masks all``: the kernel masks and the distributed catalog's, catalog.DIST_MASKS).
+A row per S and mask, per implementation (missing peers record their error):
 
     ours         get_backend("auto")'s backend (FA4Backend where FA4 can run, else TritonBackend)
     triton       TritonBackend, the default FA4 replaces (where ours is not it)

@@ -121,8 +121,8 @@ def _convergence(size: str, gpus: int, steps: int | None, pretrain_steps: int | 
               held_out_samples=4, **({"steps": 150} if size == "small" else {}))
     if steps:
         t = replace(t, steps=steps)
-    runs = [Run(f"{name}_seed{s}", layout, data_seed=s, dp=1) for name, layout in (("cp1", Layout()), ("cp4", Layout(cp=4)))
-            for s in range(1, SEEDS[name] + 1)]
+    layouts = (("cp1", Layout()), ("cp4", Layout(cp=4)))
+    runs = [Run(f"{name}_seed{s}", layout, data_seed=s, dp=1) for name, layout in layouts for s in range(1, SEEDS[name] + 1)]
     return [Job(t, runs)]
 
 
