@@ -407,7 +407,8 @@ def distributed_attention(mask: AttnMask, world: int, q: torch.Tensor, k: torch.
     ``attention_kwargs`` and, given dout, backward of ``sum(out * dout) + sum(lse * dlse)`` (dout rounded to
     ``dtype`` first, as ``reference_attention(..., dtype=dtype)`` does). Returns
     ``Attention``: out, dq ``[S, Hq, D]`` and dk, dv ``[S, Hkv, D]`` in ``dtype``, lse ``[S, Hq]`` float32
-    (dq, dk, dv None without dout). Same script guard as ``run_ranks``.
+    (float64 for float64 ``dtype``, as the attention returns it; dq, dk, dv None without dout). Same script
+    guard as ``run_ranks``.
     """
     dtype = q.dtype if dtype is None else dtype
     tensors = {n: (None if t is None else t.detach().cpu().double().numpy())
@@ -423,5 +424,5 @@ def distributed_attention(mask: AttnMask, world: int, q: torch.Tensor, k: torch.
         t = torch.empty((q.shape[0], *first.shape[1:]), dtype=torch.float64)
         for r in ranks:
             t[torch.from_numpy(r["ids"])] = torch.from_numpy(r[name])
-        full[name] = t.to(torch.float32 if name == "lse" else dtype)
+        full[name] = t.to((torch.float64 if dtype == torch.float64 else torch.float32) if name == "lse" else dtype)
     return Attention(**full)

@@ -1,8 +1,9 @@
 """Distributed attention (CPU, gloo, spawned ranks) against a single-process fp64 dense reference.
 
 Every builder mask x cp in {1, 2, 4} (two masks also at cp 8) x MHA/GQA, seeded random masks of
-overlapping slices of all four kinds with lengths not divisible by cp, bf16 under the
-2x-low-precision-reference rule, and bad inputs that must raise before any collective.
+overlapping slices of all four kinds with lengths not divisible by cp, float64 within 1e-12 on both exchange
+paths and torch.autograd.gradcheck at cp 1, 2 and 3, bf16 under the 2x-low-precision-reference rule, and bad
+inputs that must raise before any collective (or, for inputs that differ across ranks, on every rank).
 Each world size is spawned once and runs all its cases.
 """
 
@@ -76,6 +77,7 @@ def _case(rank, world, mask, hq, hkv, dtype=torch.float32, solver="auto", with_l
         loss = loss + (torch.where(torch.isfinite(lse), lse, 0).double() * dl[ids]).sum()
     loss.backward()
     assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32), lse.dtype
     fin = torch.isfinite(ref.lse[ids])
     assert torch.equal(torch.isfinite(lse), fin), "fully masked rows must give lse -inf exactly there"
     assert (out[~fin.all(-1)].abs().sum() == 0) if (~fin).any() else True
@@ -100,6 +102,13 @@ def _exact_cases(rank, world, names):
         idle = M.varlen([0, 39, S], causal=True)  # every collective anyway (it hung in the single exchange)
         for kw in ({"stages": 0}, {"stages": 1}, {}):
             res[("idle rank", str(kw))] = _case(rank, world, idle, 4, 2, solver="contiguous", **kw)
+    # float64 stays float64 through lse, every merge and the gradient sums: exact to rounding on either exchange path
+    # (and in guest rows' partials: the last rows of causal); cp 1, 2 and 4 (cp 8 runs two masks only)
+    for name in ("varlen", "sliding_window", "global_local", "guests") if world <= 4 else ():
+        for kw in ({"stages": 0}, {"stages": 1}):
+            extra = {"guest_rows": [[S - 6, S]]} if name == "guests" else {}
+            res[("float64", name, str(kw))] = _case(rank, world, masks["causal" if name == "guests" else name], 4, 2,
+                                                    dtype=torch.float64, with_lse_grad=True, **extra, **kw)
     if world > 1:  # the runtime's row moves as slice copies per run (by default several runs go indexed)
         from megatron_cp.runtime import rowmap
 
@@ -114,8 +123,10 @@ def _exact_cases(rank, world, names):
 
 
 def _check(results, tol=1e-4):
-    bad = [(rank, key, k, v) for rank, r in enumerate(results) for key, e in r.items() for k, v in e.items() if v > tol]
-    assert not bad, f"errors above {tol}: {bad[:10]}"
+    """Every error within ``tol`` (float32 inputs), those of cases keyed "float64" within 1e-12."""
+    bad = [(rank, key, k, v) for rank, r in enumerate(results) for key, e in r.items() for k, v in e.items()
+           if v > (1e-12 if key[0] == "float64" else tol)]
+    assert not bad, f"errors above {tol} (1e-12 for float64): {bad[:10]}"
 
 
 ALL = list(builder_masks())
@@ -128,6 +139,77 @@ def test_every_builder_mask_matches_fp64_reference(world):
 
 def test_cp8_two_masks():
     _check(run_ranks(_exact_cases, 8, ["causal", "varlen"]))
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """The sum over ranks of each rank's part (an all-reduce), whose backward hands the output's gradient to every
+    rank's part as it is: one loss of the sum, counted once, the same function on every rank (what gradcheck
+    differentiates), whose gradient the attention's collective backward assembles across the ranks."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _whole(plan, group, rank, s, **kw):
+    """(q, k, v) of the whole sequence, identical on every rank -> the whole (out, lse) of ``mcp.attention`` under
+    ``plan`` (each rank's rows in place, summed over the ranks); lse 0 where it is -inf."""
+    ids = torch.from_numpy(plan.local_ids(rank))
+
+    def f(q, k, v):
+        local = [mcp.dispatch(t, plan, group) if group is not None else mcp.dispatch(t, plan, rank=0) for t in (q, k, v)]
+        out, lse = mcp.attention(*local, plan, group, **kw)
+        lse = torch.where(torch.isfinite(lse), lse, 0.0)
+        parts = [x.new_zeros((s,) + x.shape[1:]).index_copy(0, ids, x) for x in (out, lse)]
+        return tuple(parts) if group is None else tuple(_SumOverRanks.apply(x, group) for x in parts)
+
+    return f
+
+
+def _gradcheck_cases(rank, world):
+    """torch.autograd.gradcheck of float64 attention (atol 1e-9, rtol 1e-7; float32 lse failed it at 2e-7) on a
+    packed and a windowed mask: cp 1 on every rank, cp 2 on ranks 0-1, cp 3 on all three, both exchange paths at
+    cp 3; then double backward, refused on every rank with one message."""
+    torch.set_num_threads(1)
+    s = 48
+    masks = {"packed": M.varlen([0, 20, 21, 33, s], causal=True), "window": M.sliding_window(s, 7, 3)}
+    gen = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(s, h, 4, generator=gen, dtype=torch.float64) for h in (2, 1, 1)]
+    pair = dist.new_group([0, 1])
+    res = {}
+    for cp, group in ((1, None), (2, pair), (3, dist.group.WORLD)):
+        if cp == 2 and rank == 2:
+            continue
+        r = rank if cp > 1 else 0
+        for name, mask in masks.items():
+            for stages in ((None, 1) if cp == 3 else (None,)):
+                plan = mcp.plan(mask, cp)
+                torch.manual_seed(7)  # gradcheck's random projections: the same on every rank
+                inputs = tuple(t.clone().requires_grad_() for t in qkv)
+                res[(cp, name, stages)] = torch.autograd.gradcheck(_whole(plan, group, r, s, stages=stages), inputs,
+                                                                   atol=1e-9, rtol=1e-7, fast_mode=True)
+    plan = mcp.plan(masks["packed"], world)
+    local = [mcp.dispatch(t, plan, dist.group.WORLD).requires_grad_() for t in qkv]
+    out, _ = mcp.attention(*local, plan, dist.group.WORLD)
+    try:
+        torch.autograd.grad(out.pow(2).sum(), local, create_graph=True)
+        res["double backward"] = "no error"
+    except RuntimeError as e:
+        res["double backward"] = str(e)
+    return res
+
+
+def test_float64_gradcheck_at_cp_1_2_3_and_double_backward_refused():
+    for r in run_ranks(_gradcheck_cases, 3):
+        msg = r.pop("double backward")
+        assert "megatron_cp.attention is differentiable once" in msg and "create_graph=True" in msg, msg
+        assert r and all(r.values()), r
 
 
 def _bf16_cases(rank, world):
@@ -164,6 +246,10 @@ def _bad_input_cases(rank, world):
         "dispatch_len": (lambda: mcp.dispatch(torch.randn(39, 2), plan, group), "39 entries, expected 40"),
         "backend": (lambda: mcp.attention(q, k, v, plan, group, backend="cudnn"), "unknown attention backend 'cudnn'"),
         "backend_obj": (lambda: mcp.attention(q, k, v, plan, group, backend=object()), "implementing megatron_cp.kernels.Backend"),
+        "group": (lambda: mcp.attention(q, k, v, plan, "notagroup"),
+                  "group must be the CP torch.distributed.ProcessGroup .* got 'notagroup'"),
+        "no heads": (lambda: mcp.attention(q[:, :0], k[:, :0], v[:, :0], plan, group),
+                     "at least one head each, got 0 query and 0 key/value heads"),
     }
     out = raise_before_collectives(bad)
     # plans that differ across ranks: same local sizes (contiguous), different masks
@@ -171,8 +257,29 @@ def _bad_input_cases(rank, world):
     try:
         mcp.attention(q, k, v, other, group)
         out["digest"] = "no error"
-    except RuntimeError as e:
+    except ValueError as e:
         out["digest"] = "ok" if "plan digest differs" in str(e) else repr(e)
+    # a later call of a plan the ranks agreed on, whose inputs differ on the last rank: a ValueError naming the
+    # value on every rank, before the exchange (which aborted gloo), and the plan runs on afterwards
+    mcp.attention(q, k, v, plan, group)
+    odd = rank == world - 1
+    later = {
+        "later dtype": ((q.double(), k.double(), v.double()) if odd else (q, k, v), "dtype differs .*float32 to float64"),
+        "later kv heads": ((q, k[:, :1], v[:, :1]) if odd else (q, k, v), "key/value heads differs .*from 1 to 2"),
+        "later query heads": ((q[:, :2], k, v) if odd else (q, k, v), "query heads differs .*from 2 to 4"),
+        "later head dim": ((q[..., :4], k[..., :4], v[..., :4]) if odd else (q, k, v), "q/k head_dim differs .*4 to 8"),
+        "later v head dim": ((q, k, v[..., :4]) if odd else (q, k, v), "v head_dim differs .*4 to 8"),
+    }
+    for key, (args, pattern) in later.items():
+        try:
+            mcp.attention(*args, plan, group)
+            out[key] = "no error"
+        except ValueError as e:
+            import re
+
+            out[key] = "ok" if re.search(pattern, str(e)) else repr(e)
+    o, _ = mcp.attention(q, k, v, plan, group)
+    out["runs after"] = "ok" if torch.isfinite(o).all() else "not finite"
     return out
 
 
@@ -184,7 +291,8 @@ def test_bad_inputs_raise_before_any_collective():
 def _host_group_cases(rank, world):
     """Two CP groups of 2 in a world of 4, the first seen as a device (non-gloo) group: the plan check's CPU
     twin of it is made by its two ranks alone (the other pair, a gloo group checked over itself, never joins),
-    kept, and checks plans over those ranks only; a plan differing inside a group raises on both its ranks."""
+    kept, and checks plans over those ranks only; a plan differing inside a group raises on both its ranks. A plan's
+    later calls check again on the gloo pair (one all-reduce per call) and not on the device pair (none)."""
     from unittest import mock
 
     from megatron_cp.runtime import groups
@@ -200,6 +308,9 @@ def _host_group_cases(rank, world):
         plan = mcp.plan(mask, 2, solver="contiguous")
         q, k, v = (torch.randn(plan.num_local(dist.get_rank(mine)), h, 8) for h in (4, 2, 2))
         out, _ = mcp.attention(q, k, v, plan, mine)
+        reduces, real_reduce = [], dist.all_reduce
+        with mock.patch.object(dist, "all_reduce", lambda *a, **k: reduces.append(1) or real_reduce(*a, **k)):
+            mcp.attention(q, k, v, plan, mine)  # a later call of the same plan
         # inside the second pair: rank 3 holds another plan of the same local sizes
         bad = mcp.plan(M.full(40) if rank == 3 else M.causal(40), 2, solver="contiguous")
         try:
@@ -208,7 +319,7 @@ def _host_group_cases(rank, world):
         except RuntimeError as e:
             caught = "plan digest differs" in str(e)
     return dict(twin_is_new=twin is not mine, kept=twin is again, ranks=ranks, finite=bool(torch.isfinite(out).all()),
-                caught=caught)
+                caught=caught, later_checks=len(reduces))
 
 
 def test_plan_check_runs_on_a_host_twin_of_a_device_group():
@@ -218,6 +329,7 @@ def test_plan_check_runs_on_a_host_twin_of_a_device_group():
     assert all(x["kept"] and x["finite"] for x in r), r
     # the first pair agrees (both causal); in the second, both ranks raise
     assert [x["caught"] for x in r] == ["no error", "no error", True, True], r
+    assert [x["later_checks"] for x in r] == [0, 0, 1, 1], r
 
 
 def test_plan_errors():

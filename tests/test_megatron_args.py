@@ -59,7 +59,14 @@ REFUSED = {
     "topology shape": (["--cp-topology", "0x2"], r"--cp-topology must look like NODESxGPUS"),
     "chunk size": (["--cp-chunk-size", "0"], r"--cp-chunk-size must be >= 1"),
     "chunk size too big": (["--cp-chunk-size", "1000"], r"--cp-chunk-size 1000.*chunk_size=1000"),
-    "sliding window without W": (["--cp-mask", "sliding_window"], r"window"),
+    "sliding window without W": (["--cp-mask", "sliding_window"],
+                                 r"--cp-mask sliding_window needs --cp-window W >= 0 .*got no --cp-window"),
+    "packed sliding window without W": (["--cp-mask", "packed_sliding_window"],
+                                        r"--cp-mask packed_sliding_window needs --cp-window W >= 0 .*got no --cp-window"),
+    "negative window": (["--cp-mask", "sliding_window", "--cp-window", "-5"],
+                        r"--cp-window must be >= 0 .*got --cp-window -5"),
+    "eod outside the vocabulary": (["--cp-mask", "packed", "--cp-eod-token", "999", "--vocab-size", "320"],
+                                   r"--cp-eod-token 999 is outside the vocabulary \(--vocab-size 320\).*leave the flag out"),
     "attention dropout default": ([], r"--attention-dropout 0\.1.*pass --attention-dropout 0"),
     "cp comm type": (["--cp-comm-type", "a2a"], r"--cp-comm-type \['a2a'\]"),
     "hierarchical cp": (["--hierarchical-context-parallel-sizes", "1", "2"], r"--hierarchical-context-parallel-sizes"),
@@ -70,7 +77,8 @@ REFUSED = {
     "cp-window without a sliding mask": (["--cp-window", "8"], r"--cp-window 8 acts only with --cp-mask sliding_window"),
     "mask kwargs with a document mask": (["--cp-mask", "packed", "--cp-mask-kwargs", '{"block": 8}'],
                                          r"--cp-mask-kwargs .* acts only with a builder mask"),
-    "fa4 without a GPU": (["--cp-kernel-backend", "fa4"], r"--cp-kernel-backend fa4: FA4 runs on CUDA GPUs"),
+    "fa4 without a GPU": (["--cp-kernel-backend", "fa4"],
+                          r"--cp-kernel-backend fa4: FA4 runs on CUDA GPUs and none is visible here; use auto"),
     "cuda graphs": (["--cuda-graph-impl", "local"], r"--cuda-graph-impl local"),
     "cuda graphs (old flag)": (["--enable-cuda-graph"], r"--enable-cuda-graph"),
     "window skip without a window": (["--window-attn-skip-freq", "2"],
@@ -184,6 +192,7 @@ def test_wrap_parse_raises_before_returning_args():
     ("raise", [], "the tokenizer gives none .*pass --cp-eod-token"),
     (7, [], None),
     (None, ["--cp-eod-token", "3"], None),
+    (None, ["--cp-eod-token", "320"], r"--cp-eod-token 320 is outside the tokenizer's vocabulary \(ids 0 \.\. 319\)"),
 ])
 def test_packed_mask_needs_an_eod_at_parse_time(monkeypatch, eod, flags, error):
     """After Megatron's parser has built the tokenizer, ``wrap_parse`` checks a packed mask has an EOD id."""
@@ -192,6 +201,8 @@ def test_packed_mask_needs_an_eod_at_parse_time(monkeypatch, eod, flags, error):
     from megatron_cp.megatron import plugin
 
     class Tokenizer:
+        vocab_size = 320
+
         @property
         def eod(self):
             if eod == "raise":

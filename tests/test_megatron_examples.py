@@ -105,19 +105,22 @@ def test_cpu_demo_cp2_matches_cp1_and_prints_its_result_last(tmp_path):
 @pytest.mark.parametrize("argv,needle", [
     (["--cp", "300", "--seq-length", "100"], "cp=300 exceeds the sequence length 100"),
     (["--cp", "100", "--seq-length", "256"], "tp \\* cp = 100 processes on CPU"),
-    (["--cp", "0"], "need cp, tp, steps >= 1"),
+    (["--cp", "0"], "--cp, --tp and --steps must be >= 1, got --cp 0 --tp 1"),
     (["--backend", "nccl"], "--backend nccl runs ranks on GPUs and none is visible here: --backend gloo"),
     (["--backend", "gloo_shared_gpu"], "--backend gloo_shared_gpu runs ranks on GPUs and none is visible"),
 ])
 def test_cpu_demo_refuses_absurd_sizes_before_spawning(argv, needle, capsys, monkeypatch):
-    """``./dev demo --cp 300 --seq-length 100`` once spawned 300 processes and hung: one line, no process."""
+    """``./dev demo --cp 300 --seq-length 100`` once spawned 300 processes and hung: one line (no usage, no note),
+    exit 2, no process."""
     from tiny_llama import demo, trainer
 
     monkeypatch.setattr(trainer, "spawn", lambda *a, **k: pytest.fail("a process was started"))
     with pytest.raises(SystemExit) as e:
         demo.main(argv)
     assert e.value.code == 2
-    assert re.search(needle, capsys.readouterr().err)
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and ": error: " in err, (out, err)
+    assert re.search(needle, err)
 
 
 PRETRAIN_GPT_STAND_IN = '''from megatron.training.arguments import parse_and_validate_args
@@ -174,6 +177,38 @@ def test_megatron_script_refuses_a_missing_script():
     r = subprocess.run([sys.executable, str(LLAMA / "megatron_script.py"), "/nonexistent/pretrain_gpt.py"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "usage: megatron_script.py" in r.stderr
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--context-parallel-impl", "magic"], r"argument --context-parallel-impl: invalid choice: 'magic'"),
+    (["--config", "tiny", "--context-parallel-impl", "te"], r"--context-parallel-impl te: pretrain_llama.py runs megatron_cp"),
+    (["--config", "tiny", "--cp-mask", "packed_sliding_window"],
+     r"--cp-mask packed_sliding_window needs --cp-window W >= 0 .*got no --cp-window"),
+    (["--config", "tiny", "--cp-mask", "sliding_window", "--cp-window", "-5"], r"--cp-window must be >= 0"),
+    (["--config", "tiny", "--cp-eod-token", "999"], r"--cp-eod-token 999 is outside the vocabulary \(--vocab-size 320\)"),
+    (["--config", "tiny", "--cp-kernel-backend", "fa4"], r"--cp-kernel-backend fa4: FA4 runs on CUDA GPUs and none is visible"),
+    (["--config", "tiny", "--cp-solver", "zigzagg"], r"--cp-solver 'zigzagg' is unknown"),
+])
+def test_pretrain_llama_checks_every_flag_before_needing_a_gpu(argv, needle, capsys, monkeypatch):
+    """On a machine without a GPU each megatron-cp mistake gets its own message (exit 2) instead of the CUDA one."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        pretrain_llama.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "needs CUDA" not in err, (e.value.code, err)
+    assert re.search(needle, err.splitlines()[-1]), err
+
+
+def test_pretrain_llama_help_lists_the_example_and_megatron_cp_flags(capsys):
+    """--help: this example's flags (--config, --loop) and megatron-cp's, not Megatron's ~4,000 lines."""
+    assert pretrain_llama.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for flag in ("--config NAME", "--loop", "--help-all", "--context-parallel-impl", "--cp-mask", "--cp-eod-token",
+                 "--cp-moba-top-k", "--cp-head-pattern"):
+        assert flag in text, flag
+    assert "--num-layers" not in text and len(text.splitlines()) < 200, len(text.splitlines())
 
 
 def test_pretrain_llama_on_a_cpu_machine_says_what_to_run_instead():

@@ -131,3 +131,16 @@ def test_apply_sink_refuses_bad_shapes():
         mcp.apply_sink(out, lse[:, :1], torch.zeros(2))
     with pytest.raises(ValueError, match="floating"):
         mcp.apply_sink(out, lse, torch.zeros(2, dtype=torch.long))
+
+
+def test_apply_sink_keeps_float64_and_refuses_double_backward():
+    """float64 in, float64 out (lse too), first derivatives exact by gradcheck; a second derivative would be cut
+    at the saved weight: refused with one message."""
+    g = torch.Generator().manual_seed(0)
+    out, lse = torch.randn(5, 2, 3, generator=g, dtype=torch.float64), torch.randn(5, 2, generator=g, dtype=torch.float64)
+    leaves = [t.requires_grad_() for t in (out, lse, torch.randn(2, generator=g, dtype=torch.float64))]
+    o, l = mcp.apply_sink(*leaves)
+    assert o.dtype == l.dtype == torch.float64
+    assert torch.autograd.gradcheck(mcp.apply_sink, tuple(leaves), atol=1e-9, rtol=1e-7)
+    with pytest.raises(RuntimeError, match="megatron_cp.apply_sink is differentiable once.*create_graph=True"):
+        torch.autograd.grad((o ** 2).sum() + l.sum(), leaves, create_graph=True)

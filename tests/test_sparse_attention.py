@@ -117,9 +117,8 @@ def test_selection_exact_under_cp(world, chunk, mask_name, solver, sel):
         want = getattr(ref, name)
         fin = torch.isfinite(want)
         assert torch.equal(torch.isfinite(got), fin), name
-        # out is exact in fp64; lse is float32 by the backend protocol, and the backward recomputes the
-        # probabilities from it, so lse and the gradients carry float32 rounding of lse (|lse| < 10)
-        tol = 1e-10 if name == "out" else 2e-6
+        # fp64 throughout: lse is float64 for float64 inputs, and the backward's probabilities come from it
+        tol = 1e-10
         torch.testing.assert_close(got[fin], want[fin], rtol=tol, atol=tol, msg=name)
     dense = getattr(sel, "top_k", 0) >= 5
     assert all(r["stats"]["dense"] is dense for r in ranks)

@@ -171,3 +171,9 @@ def test_support_doc_example_runs_as_written():
     assert ours.out.dtype == torch.bfloat16 and ours.lse.dtype == torch.float32 and ours.dk.shape == (64, 2, 16)
     errs = mt.low_precision_errors(ours, ref, scope["plain"])
     assert set(errs) == {"out", "lse", "dq", "dk", "dv"} and all(e.ok and 0 < e.rms for e in errs.values())
+    # the prose after it: in float64 the same check is exact to rounding, lse included
+    assert "within 1e-12" in section
+    exact = mt.distributed_attention(scope["mask"], 2, *(scope[n] for n in ("q", "k", "v", "dout")), dtype=torch.float64)
+    assert exact.lse.dtype == torch.float64
+    worst = {n: float((getattr(exact, n) - getattr(ref, n)).nan_to_num(posinf=0, neginf=0).abs().max()) for n in mt.FIELDS}
+    assert all(e <= 1e-12 for e in worst.values()), worst

@@ -13,7 +13,9 @@
     python examples/llama/pretrain_llama.py --loop --cp 4 --steps 30
 
 ``--config NAME`` prepends ``configs/NAME.args`` (Megatron flags, one per line) to the command line;
-flags given later override it. The model comes from Megatron's GPT builder with
+flags given later override it. Every megatron-cp flag is checked on any machine before anything needs a GPU
+(``check_flags``); ``--help`` lists this example's and megatron-cp's flags, ``--help-all`` Megatron's too.
+The model comes from Megatron's GPT builder with
 ``--spec megatron_cp.megatron.specs megatron_cp_layer_spec``; ``forward_step`` is
 ``megatron_cp.megatron.plugin.forward_step`` (plan per micro-batch, dispatch, RoPE, per-token loss).
 """
@@ -124,6 +126,58 @@ def use_prebuilt_dataset_helpers() -> bool:
     return True
 
 
+USAGE = "pretrain_llama.py [--config NAME] [--loop] [megatron-cp flags] [Megatron flags]  (--help, --help-all)"
+
+
+def short_help() -> str:
+    """This example's flags and megatron-cp's (Megatron's own: ``--help-all``)."""
+    import argparse
+
+    from tiny_llama.quiet import quiet
+
+    quiet()  # Megatron-Core's start-up notices (missing Transformer Engine / Apex) would bury the help
+    from megatron_cp.megatron.arguments import add_megatron_cp_args
+
+    p = argparse.ArgumentParser(prog="pretrain_llama.py", usage=USAGE, add_help=False,
+                                description="Pretrain a Llama model with megatron-cp context parallelism "
+                                            "(megatron.training.pretrain; CUDA GPUs).")
+    g = p.add_argument_group("this example")
+    g.add_argument("-h", "--help", action="store_true", help="this help: the example's and megatron-cp's flags")
+    g.add_argument("--help-all", action="store_true", help="Megatron's whole help too (~4,000 lines)")
+    names = ", ".join(sorted(x.stem for x in (HERE / "configs").glob("*.args")))
+    g.add_argument("--config", metavar="NAME", help=f"prepend configs/NAME.args ({names}); later flags win")
+    g.add_argument("--loop", action="store_true",
+                   help="the tiny model in examples/tiny_llama's training loop on any machine, CP beside CP 1 (what "
+                        "./dev demo runs; its flags: --loop --help)")
+    return add_megatron_cp_args(p).format_help()
+
+
+def check_flags(argv: list[str]) -> None:
+    """Every megatron-cp flag, and Megatron's flags against megatron-cp, checked on this machine before anything
+    needs a GPU: Megatron's parser with our flags (argparse's errors) and ``plugin.validate_args`` (a ValueError
+    naming the flag), each an exit 2 with the message."""
+    import argparse
+
+    from tiny_llama.quiet import quiet
+
+    quiet()  # one message per mistake, not beneath Megatron-Core's start-up notices
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_cp.megatron import plugin
+    from megatron_cp.megatron.arguments import OURS, add_megatron_cp_args
+
+    parser = add_megatron_cp_args(add_megatron_arguments(argparse.ArgumentParser(
+        prog="pretrain_llama.py", usage=USAGE, allow_abbrev=False, add_help=False)))
+    args = parser.parse_args(argv)
+    if args.context_parallel_impl not in OURS:
+        parser.error(f"--context-parallel-impl {args.context_parallel_impl}: pretrain_llama.py runs "
+                     f"{', '.join(OURS)}; for te use Megatron's pretrain_gpt.py")
+    try:
+        plugin.validate_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+
+
 NO_CUDA = ("pretrain_llama.py runs megatron.training.pretrain, which needs CUDA (Megatron's initialize asserts it), "
            "and this machine has no GPU. On CPU: ./dev demo (CP vs CP 1), python examples/llama/recipes/run.py all "
            "--size tiny --cpu (CP, TP + SP, PP, --cp-sparse, head gates), ./dev test")
@@ -132,7 +186,10 @@ NO_CUDA = ("pretrain_llama.py runs megatron.training.pretrain, which needs CUDA 
 def main_megatron(argv: list[str]) -> None:
     import torch
 
-    if not torch.cuda.is_available() and not {"-h", "--help"} & set(argv):
+    full_help = bool({"-h", "--help"} & set(argv))
+    if not full_help:
+        check_flags(argv)
+    if not torch.cuda.is_available() and not full_help:
         raise SystemExit(NO_CUDA)  # one line instead of Megatron's "Found no NVIDIA driver" traceback
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
@@ -147,6 +204,7 @@ def main_megatron(argv: list[str]) -> None:
     if args.context_parallel_impl not in OURS:
         raise SystemExit(f"pretrain_llama.py runs --context-parallel-impl in {', '.join(OURS)}; for te use Megatron's pretrain_gpt.py")
     plugin.validate_args(args)
+    plugin.check_eod(args)  # --cp-eod-token inside the tokenizer's vocabulary, or the tokenizer's EOD
     use_prebuilt_dataset_helpers()
     cfg = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, plugin.forward_step)
@@ -159,6 +217,11 @@ def main(argv=None) -> int:
         from tiny_llama.demo import main as demo_main
 
         return demo_main(argv)
+    if "--help-all" in argv:  # Megatron's whole help (its parser prints it and exits)
+        argv = ["--help" if a == "--help-all" else a for a in argv]
+    elif {"-h", "--help"} & set(argv):
+        print(short_help())
+        return 0
     main_megatron(expand_argv(argv))
     return 0
 

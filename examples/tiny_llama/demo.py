@@ -136,8 +136,23 @@ def run(cp: int = 4, steps: int = 30, tp: int = 1, shape: LlamaShape = TINY, glo
     """Train CP=1 and CP=``cp`` (world = tp*cp each) and return both loss curves and the difference."""
     from .trainer import spawn
 
+    check_sizes(cp, steps, tp, shape, backend)
+    runs = {}
+    for c in (1, cp):
+        print(f"training tiny Llama with TP={tp} CP={c} ({backend}, {steps} steps) ...", flush=True)
+        runs[c] = spawn(_train_worker, tp * c, tp, c, steps, shape, global_batch, micro_batch, lr, backend, seed,
+                        kernel_backend, backend=backend)
+    a, b = np.array(runs[1]["losses"]), np.array(runs[cp]["losses"])
+    rel = np.abs(a - b) / np.abs(a)
+    return {"cp": cp, "tp": tp, "steps": steps, "backend": backend, "kernel_backend": kernel_backend, "loss_cp1": a.tolist(), f"loss_cp{cp}": b.tolist(),
+            "max_rel_diff": float(rel.max()), "seconds_cp1": runs[1]["seconds"], f"seconds_cp{cp}": runs[cp]["seconds"],
+            "shape": shape.__dict__, "global_batch": global_batch, "micro_batch": micro_batch, "lr": lr}
+
+
+def check_sizes(cp: int, steps: int, tp: int, shape: LlamaShape, backend: str) -> None:
+    """ValueError naming the flag unless the demo can run these sizes on this machine (no process started)."""
     if cp < 1 or steps < 1 or tp < 1:
-        raise ValueError(f"need cp, tp, steps >= 1, got cp={cp}, tp={tp}, steps={steps}")
+        raise ValueError(f"--cp, --tp and --steps must be >= 1, got --cp {cp} --tp {tp} --steps {steps}")
     # refused before any process starts: every CP rank holds whole tokens, and each rank is a process here
     if cp > shape.seq_length:
         raise ValueError(f"cp={cp} exceeds the sequence length {shape.seq_length} (--seq-length): every CP rank "
@@ -152,16 +167,6 @@ def run(cp: int = 4, steps: int = 30, tp: int = 1, shape: LlamaShape = TINY, glo
     if backend == "gloo" and tp * cp > MAX_CPU_RANKS:
         raise ValueError(f"tp * cp = {tp * cp} processes on CPU (gloo): at most {MAX_CPU_RANKS} here (each rank is a "
                          "process with its own model copy)")
-    runs = {}
-    for c in (1, cp):
-        print(f"training tiny Llama with TP={tp} CP={c} ({backend}, {steps} steps) ...", flush=True)
-        runs[c] = spawn(_train_worker, tp * c, tp, c, steps, shape, global_batch, micro_batch, lr, backend, seed,
-                        kernel_backend, backend=backend)
-    a, b = np.array(runs[1]["losses"]), np.array(runs[cp]["losses"])
-    rel = np.abs(a - b) / np.abs(a)
-    return {"cp": cp, "tp": tp, "steps": steps, "backend": backend, "kernel_backend": kernel_backend, "loss_cp1": a.tolist(), f"loss_cp{cp}": b.tolist(),
-            "max_rel_diff": float(rel.max()), "seconds_cp1": runs[1]["seconds"], f"seconds_cp{cp}": runs[cp]["seconds"],
-            "shape": shape.__dict__, "global_batch": global_batch, "micro_batch": micro_batch, "lr": lr}
 
 
 def print_table(res: dict) -> None:
@@ -185,14 +190,15 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-backend", choices=("auto", "triton", "reference"), default="auto")
     ap.add_argument("--json", type=str, default=None, help="also write the result here")
     a = ap.parse_args(argv)
-    if note():
-        print(note(), flush=True)
     shape = LlamaShape(**{**TINY.__dict__, "seq_length": a.seq_length})
     try:
-        res = run(cp=a.cp, tp=a.tp, steps=a.steps, shape=shape, global_batch=a.global_batch, backend=a.backend,
-                  kernel_backend=a.kernel_backend)
-    except ValueError as e:  # bad sizes: one line, before any process starts
-        ap.error(str(e))
+        check_sizes(a.cp, a.steps, a.tp, shape, a.backend)
+    except ValueError as e:  # bad sizes: one line (no usage, no note), exit 2, before any process starts
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
+    if note():
+        print(note(), flush=True)
+    res = run(cp=a.cp, tp=a.tp, steps=a.steps, shape=shape, global_batch=a.global_batch, backend=a.backend,
+              kernel_backend=a.kernel_backend)
     print_table(res)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))

@@ -4,8 +4,8 @@
     out, lse = fn(q, k, v, plan, group, softmax_scale)
 
 q [s_local, Hq, D], k/v [s_local, Hkv, D] in the plan's local order (``dispatch``); out like q, lse
-[s_local, Hq] float32. Every strategy is differentiable and exact for any mask the plan describes
-(the plan carries the mask exactly); they differ in what moves and how work is balanced:
+[s_local, Hq] float32 (float64 for float64 inputs). Every strategy is differentiable (once) and exact for any mask
+the plan describes (the plan carries the mask exactly); they differ in what moves and how work is balanced:
 
 - ``ring`` (ring.py): K/V blocks travel around a p2p ring (next block in flight while the current one
   computes; dK/dV travel with them in backward). Needs a ``zigzag`` (causal) or ``contiguous`` (full)

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from ..kernels import accumulate_dtype, upload
+from ..kernels import accumulate_dtype, refuse_double_backward, upload
 from ..masks import geometry
 from ..planner import Plan
 from ..runtime import check_inputs, plan_cache, plan_rank, resolve_backend
@@ -123,6 +123,7 @@ class TileAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        refuse_double_backward("this attention strategy")
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dq, dk, dv = ctx.backend.backward(q, k, v, out, lse, dout, ctx.prepared, ctx.scale, delta(dout, out, dlse))
@@ -139,8 +140,9 @@ def delta(dout, out, dlse):
 
 
 def empty_result(q, head_dim_v: int):
-    """(out, lse) of rows that keep no key: zeros [s, H, head_dim_v] like q and lse -inf [s, H] float32.
+    """(out, lse) of rows that keep no key: zeros [s, H, head_dim_v] like q and lse -inf [s, H] of
+    ``accumulate_dtype(q.dtype)``.
     q stays in the graph (zero gradient), so backward reaches every input."""
     out = q.new_zeros(q.shape[:2] + (head_dim_v,))
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=accumulate_dtype(q.dtype), device=q.device)
     return out + 0 * q.sum(), lse

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import wire
-from ..kernels import accumulate_dtype
+from ..kernels import accumulate_dtype, refuse_double_backward
 from ..masks import geometry
 from ..planner import Plan
 from .common import cached, delta, runs_len, setup
@@ -31,7 +31,7 @@ class RingAttention(torch.autograd.Function):
     flight; the backend adds each step into one running (out, lse) of ``accumulate_dtype(q.dtype)``.
     Backward runs the same order; the dK|dV sum of a block travels with it (one hop per step, each send
     overlapping the next step's kernel) and is home after R hops. Returns out [n, Hq, D] (q's dtype) and
-    lse [n, Hq] float32.
+    lse [n, Hq] of ``accumulate_dtype(q.dtype)``.
     """
 
     @staticmethod
@@ -56,7 +56,7 @@ class RingAttention(torch.autograd.Function):
                 w.wait()
             if i < R - 1:
                 cur = nxt
-        out, lse = out.to(q.dtype), lse.to(torch.float32)
+        out = out.to(q.dtype)  # lse stays in the accumulation dtype (float64 for float64 inputs)
         ctx.save_for_backward(q, out, lse, *blocks)
         ctx.args = (hkv, peers, me, block_rows, steps, backend, scale, group)
         ctx.set_materialize_grads(False)  # an unused lse gives dlse None
@@ -64,6 +64,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        refuse_double_backward("ring attention")
         q, out, lse, *blocks = ctx.saved_tensors
         hkv, peers, me, block_rows, steps, backend, scale, group = ctx.args
         R = len(peers)

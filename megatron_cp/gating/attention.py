@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..kernels import accumulate_dtype
 from ..masks import AttnMask, streaming_within
 from ..planner import Plan, plan, plan_like
 from ..runtime import attention
@@ -66,7 +67,7 @@ def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, full_pl
     """Each KV head full (``full_heads[h]`` True) or streaming: one attention call per kind over its heads.
 
     ``full_heads``: a sequence of Hkv bools (a learned pattern). Returns (out [s_local, Hq, D], lse
-    [s_local, Hq] float32), as ``megatron_cp.attention``."""
+    [s_local, Hq] float32, float64 for float64 inputs), as ``megatron_cp.attention``."""
     _check_pair(full_plan, stream_plan)
     hq, hkv = q.shape[1], k.shape[1]
     f = [bool(x) for x in full_heads]
@@ -74,7 +75,7 @@ def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, full_pl
         raise ValueError(f"full_heads has {len(f)} entries, expected one per KV head ({hkv})")
     g = hq // hkv
     out = q.new_empty(q.shape[:2] + (v.shape[2],))
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=accumulate_dtype(q.dtype), device=q.device)
     parts = []
     for want, p in ((True, full_plan), (False, stream_plan)):
         kv = [h for h in range(hkv) if f[h] == want]

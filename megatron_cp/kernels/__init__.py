@@ -19,7 +19,7 @@ from ..kinds import Kind
 from . import merge, pieces
 from .block_keep import BlockKeep, block_classes
 from .fa4.backend import FA4Backend, fa4_unavailable
-from .protocol import Backend, accumulate_dtype
+from .protocol import Backend, accumulate_dtype, refuse_double_backward
 from .reference import ReferenceBackend
 from .registry import available_backends, get_backend
 from .rows import copy_row_pairs, copy_rows, reduce_rows
@@ -34,6 +34,7 @@ __all__ = [
     "BlockKeep",
     "block_classes",
     "accumulate_dtype",
+    "refuse_double_backward",
     "Kind",
     "FULL",
     "CAUSAL",

@@ -24,7 +24,8 @@ Layouts
 ``q [sq, Hq, D]``, ``k [sk, Hkv, D]``, ``v [sk, Hkv, Dv]`` (``Dv = D`` unless ``supports`` accepted
 another v head dim; ``out``, ``dout`` and running outputs have ``Dv``) with ``Hkv`` dividing ``Hq`` (GQA / MQA: q head ``h`` reads
 k/v head ``h // (Hq // Hkv)``); k and v may be strided views (e.g. the two halves of a ``[sk, 2*Hkv, D]``
-buffer). ``lse`` is the natural-log sum of exp of the scaled scores of a row, float32 ``[sq, Hq]``.
+buffer). ``lse`` is the natural-log sum of exp of the scaled scores of a row, ``[sq, Hq]`` of
+``accumulate_dtype(q.dtype)``: float32, float64 for float64 inputs (which stay float64 end to end).
 ``softmax_scale`` None means ``1 / sqrt(D)``. Running sums (``forward_accumulate``, ``backward_into``)
 are of ``accumulate_dtype(q.dtype)``: float64 for float64 inputs, float32 otherwise.
 
@@ -42,7 +43,7 @@ Members
     of how the list runs (which pieces go to which library) is made here, or once per backend and shape
     family (device, dtype, head_dim, Hq / Hkv) on first use; never by catching an exception per call.
 ``forward(q, k, v, prepared, softmax_scale, keep=None) -> (out, lse)``
-    ``out [sq, Hq, D]`` of q's dtype, ``lse [sq, Hq]`` float32. ``keep``: None, or a
+    ``out [sq, Hq, D]`` of q's dtype, ``lse [sq, Hq]`` of ``accumulate_dtype(q.dtype)``. ``keep``: None, or a
     ``kernels.BlockKeep`` narrowing the list per query head (dynamic sparse attention,
     ``kernels/block_keep.py``): cell (i, j) of head h is computed iff a tile keeps it and
     ``keep.mask[h, i // keep.block, j // keep.block]``; read on the device, no host synchronisation.
@@ -52,7 +53,7 @@ Members
     ``out = exp(lse - L) out + exp(l - L) o``. A row whose running lse is -inf holds nothing (its out is
     ignored); rows the list does not cover are left untouched.
 ``backward(q, k, v, out, lse, dout, prepared, softmax_scale, delta, keep=None) -> (dq, dk, dv)``
-    ``out``/``lse`` are the merged (global) results of every row, ``delta [sq, Hq]`` float32 is
+    ``out``/``lse`` are the merged (global) results of every row, ``delta [sq, Hq]`` (accumulate dtype) is
     ``rowsum(dout * out) - dlse`` (dlse the gradient of lse), or None meaning ``rowsum(dout * out)`` (no
     lse gradient: a backend may then let a library recompute it). Gradients have the dtypes and shapes
     of q, k, v. ``keep``: as in ``forward`` (the same selection the forward used).
@@ -75,6 +76,16 @@ import torch
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """dtype of running outputs, lse and gradient sums for inputs of ``dtype``: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def refuse_double_backward(what: str) -> None:
+    """Call first in an attention ``autograd.Function``'s backward: under ``create_graph=True`` (double backward,
+    ``gradgradcheck``) a RuntimeError saying so, instead of first derivatives whose own graph would be cut at the
+    kernels and exchanges (silently wrong second derivatives)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{what} is differentiable once: its backward cannot build a graph for a second "
+                           f"derivative (create_graph=True, torch.autograd.gradgradcheck). Take second derivatives "
+                           f"through a dense PyTorch attention, or call backward without create_graph")
 
 
 @runtime_checkable

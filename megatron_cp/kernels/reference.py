@@ -121,12 +121,13 @@ class ReferenceBackend:
         return out.permute(2, 0, 1, 3).reshape(sq, hq, v.shape[-1]), lse.permute(2, 0, 1).reshape(sq, hq)
 
     def forward(self, q, k, v, prepared, softmax_scale=None, keep=None):
-        """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q's dtype), lse [sq, Hq] float32; ``keep``: None
-        or a BlockKeep (per-head block selection; ValueError when it does not fit q, k)."""
+        """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q's dtype), lse [sq, Hq] (float32, float64 for
+        float64 inputs); ``keep``: None or a BlockKeep (per-head block selection; ValueError when it does not fit
+        q, k)."""
         if keep is not None:
             keep.check(q, k)
         out, lse = self._forward(q, k, v, prepared, softmax_scale, keep)
-        return out.to(q.dtype), lse.to(torch.float32)
+        return out.to(q.dtype), lse
 
     def forward_accumulate(self, q, k, v, prepared, softmax_scale, out, lse) -> None:
         """Merges this list's (o, l) into the running (out, lse) by LSE; rows with l = -inf (the list keeps

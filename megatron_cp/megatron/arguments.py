@@ -209,6 +209,17 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
         raise ValueError(f"--cp-mask-kwargs must be a JSON object, got {args.cp_mask_kwargs!r}")
     if args.cp_eod_token is not None and args.cp_eod_token < 0:
         raise ValueError(f"--cp-eod-token must be a token id >= 0, got {args.cp_eod_token}")
+    vocab = getattr(args, "vocab_size", None)
+    # ids 0 .. vocab_size: Megatron's NullTokenizer adds its EOD as id vocab_size (a real tokenizer's range is checked
+    # once it is built: plugin.check_eod)
+    if args.cp_eod_token is not None and isinstance(vocab, int) and args.cp_eod_token > vocab:
+        raise ValueError(f"--cp-eod-token {args.cp_eod_token} is outside the vocabulary (--vocab-size {vocab}): no "
+                         "token of the data can be it, so no document would ever end; give the id that separates "
+                         "your documents, or leave the flag out to take the tokenizer's EOD")
+    if "sliding" in args.cp_mask and (args.cp_window is None or args.cp_window < 0):
+        got = "no --cp-window" if args.cp_window is None else f"--cp-window {args.cp_window}"
+        raise ValueError(f"--cp-mask {args.cp_mask} needs --cp-window W >= 0 (query i keeps keys i - W .. i), "
+                         f"got {got}")
     eod = args.cp_eod_token if args.cp_eod_token is not None else eod
     layer_window = None
     if getattr(args, "window_attn_skip_freq", None) is not None and getattr(args, "window_size", None) is not None:
@@ -378,6 +389,8 @@ def check_megatron_args(args) -> None:
                              f"baseline), got --context-parallel-impl {args.context_parallel_impl}")
         return
     _refuse_unsupported(args)
+    if args.cp_window is not None and args.cp_window < 0:
+        raise ValueError(f"--cp-window must be >= 0 (query i keeps keys i - W .. i), got --cp-window {args.cp_window}")
     if args.cp_solver not in _solvers():
         raise ValueError(f"--cp-solver {args.cp_solver!r} is unknown; choose from {', '.join(_solvers())}")
     topo = _topology(args.cp_topology)
@@ -385,11 +398,15 @@ def check_megatron_args(args) -> None:
     if topo is not None and topo.world_size != cp:
         raise ValueError(f"--cp-topology {args.cp_topology} has {topo.world_size} GPUs; --context-parallel-size is {cp}")
     if args.cp_kernel_backend == "fa4":
+        import torch
+
         from megatron_cp.kernels import fa4_unavailable
 
-        why = fa4_unavailable("cuda")  # on the rank's GPU kind: every GPU of a job is the same model
+        # on the rank's GPU kind: every GPU of a job is the same model
+        why = fa4_unavailable("cuda") if torch.cuda.is_available() else "FA4 runs on CUDA GPUs and none is visible here"
         if why:
-            raise ValueError(f"--cp-kernel-backend fa4: {why}; use auto (FA4 where it runs, else Triton)")
+            raise ValueError(f"--cp-kernel-backend fa4: {why}; use auto (FA4 where it runs, else Triton on GPUs and "
+                             "the PyTorch reference on CPU)")
     _map_documents_and_window(args)
 
 

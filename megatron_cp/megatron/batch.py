@@ -295,8 +295,8 @@ def prepare_batch(
     tokens / labels / loss_mask: ``[b, S]`` (int64, int64, float), the full micro-batch, identical on
     every rank of ``cp_group`` (as Megatron's data loader gives them). Returns ``[1, s_local]`` tensors
     on the same device plus ``params`` to pass as ``packed_seq_params``. ``cp_group=None`` means CP=1.
-    No collective: that the CP ranks hold the same plan is checked once per plan by the attention's first
-    call (``runtime.verify_plan``), before any exchange.
+    No collective: that the CP ranks hold the same plan is checked by the attention's first call of it
+    (``runtime.verify_plan``), before any exchange.
 
     With ``options.gating`` (a ``GatingSpec``) the params also carry the streaming plan
     (``plan_like(streaming_within(mask, sink, window), plan)``) and a gating object: ``gating`` if given

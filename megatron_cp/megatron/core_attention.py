@@ -29,9 +29,9 @@ MLA (``MLASelfAttention``): built with ``k_channels`` / ``v_channels`` (q/k and 
 and called with ``[s, H, D]`` tensors when ``packed_seq_params`` is set; its rotary runs at the plan's
 positions through ``mla.install_mla`` (docs/sinks_mla.md).
 
-Cross-rank consistency: the first forward of a plan all-reduces (with the plan digest) the head counts,
-head dims, dtype, batch and softmax type; ranks that differ raise a RuntimeError on every rank naming the
-values, before any exchange.
+Cross-rank consistency: the first forward of a plan (every forward on a gloo CP group) all-reduces (with the plan
+digest) the head counts, head dims, dtype, batch and softmax type; ranks that differ raise a ValueError on every
+rank naming the values, before any exchange (``runtime.verify_plan``).
 """
 
 from __future__ import annotations
@@ -233,7 +233,8 @@ class CPCoreAttention(MegatronModule):
         v = value.reshape(s, b * hkv, dv)
         group = group if group is not None else parallel_state.get_context_parallel_group()
         if cp_size > 1:
-            # once per plan, before any exchange: ranks that disagree on heads, head dims, dtype or sinks
+            # before any exchange (once per plan; every call on gloo): ranks that disagree on heads, head dims,
+            # dtype or sinks
             # raise here, every one of them, instead of aborting in mismatched collectives
             fields = input_fields(q, k, v)
             fields.update({"batch": b, "softmax_type": _SOFTMAX_TYPES.index(self.softmax_type)})

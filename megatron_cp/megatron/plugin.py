@@ -122,12 +122,22 @@ def validate_args(args) -> None:
 
 
 def check_eod(args) -> None:
-    """A packed mask needs an EOD id: ``--cp-eod-token`` or the tokenizer's, which Megatron's
-    ``parse_and_validate_args`` has built by now. Raises ValueError naming the flag."""
-    if args.context_parallel_impl not in OURS or not args.cp_mask.startswith("packed") or args.cp_eod_token is not None:
+    """A packed mask needs an EOD id: ``--cp-eod-token`` (inside the tokenizer's vocabulary) or the tokenizer's,
+    which Megatron's ``parse_and_validate_args`` has built by now. Raises ValueError naming the flag."""
+    if args.context_parallel_impl not in OURS or not args.cp_mask.startswith("packed"):
         return
     from megatron.training import get_tokenizer
 
+    if args.cp_eod_token is not None:
+        try:
+            vocab = int(get_tokenizer().vocab_size)
+        except Exception:  # no tokenizer to check against: the parse-time check read --vocab-size
+            return
+        if not 0 <= args.cp_eod_token < vocab:
+            raise ValueError(f"--cp-eod-token {args.cp_eod_token} is outside the tokenizer's vocabulary (ids 0 .. "
+                             f"{vocab - 1}): no token of the data can be it, so no document would ever end; give the "
+                             "id that separates your documents, or leave the flag out to take the tokenizer's EOD")
+        return
     try:
         eod = get_tokenizer().eod
     except Exception as e:  # no tokenizer, or one without an EOD token

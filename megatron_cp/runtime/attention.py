@@ -77,7 +77,9 @@ def check_inputs(q, k, v, plan: Plan, rank: int, softmax_scale, *, value_head_di
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"head_dim of q ({q.shape[2]}) and k ({k.shape[2]}) differ")
     hq, hkv = q.shape[1], k.shape[1]
-    if hkv == 0 or hq % hkv != 0:
+    if hq < 1 or hkv < 1:
+        raise ValueError(f"q and k need at least one head each, got {hq} query and {hkv} key/value heads")
+    if hq % hkv != 0:
         raise ValueError(f"number of key/value heads {hkv} must divide number of query heads {hq}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
@@ -148,6 +150,7 @@ class _SingleExchangeAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        kernels.refuse_double_backward("megatron_cp.attention")
         q, kbuf, vbuf, out, lse, k, v, gq = ctx.saved_tensors
         rt, group, hkv = ctx.rt, ctx.group, ctx.hkv
         ex, be, gr = rt.single, rt.backend, rt.guests
@@ -207,8 +210,7 @@ class _StagedAttention(torch.autograd.Function):
                 if s + 1 in gens:  # its all-to-all's kernel reaches the multiprocessors before this stage's
                     comm_lead(q.device, lead_us)
                 be.forward_accumulate(q, *split_kv(bufs[s], *dims), ex.prepared[s], scale, acc, lse)
-        out = acc.to(q.dtype)
-        lse = lse.to(torch.float32)
+        out = acc.to(q.dtype)  # lse stays in the accumulation dtype (float64 for float64 inputs)
         gq = guests.finish_forward(gr, pend, out, lse) if gr is not None else None
         ctx.save_for_backward(q, out, lse, gq, *bufs)
         ctx.rt, ctx.group, ctx.scale, ctx.dims = rt, group, scale, dims
@@ -217,6 +219,7 @@ class _StagedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        kernels.refuse_double_backward("megatron_cp.attention")
         q, out, lse, gq, *bufs = ctx.saved_tensors
         rt, group, dims = ctx.rt, ctx.group, ctx.dims
         ex, be, gr = rt.staged, rt.backend, rt.guests
@@ -302,10 +305,11 @@ def attention(
     head dim as MLA's 192 / 128 where the backend supports it), this rank's tokens in the plan's local
     order (``dispatch``); float32/bfloat16/float16/float64. ``group``: the CP process group
     (None when ``plan.cp_size == 1``). Returns ``out`` [s_local, Hq, Dv] (q's dtype) and ``lse``
-    [s_local, Hq] float32 natural log; rows with no kept key give out 0 and lse -inf.
-    Differentiable in q, k, v and through lse (attention sinks: ``apply_sink``); bad input raises before
-    any collective, and once per plan the CP ranks check they agree on the plan, head counts, head dims
-    and dtype (a RuntimeError on every rank otherwise).
+    [s_local, Hq] natural log, float32 (float64 for float64 inputs: lse, merges and gradient sums keep float64,
+    exact to ~1e-15); rows with no kept key give out 0 and lse -inf. Differentiable once in q, k, v and through
+    lse (attention sinks: ``apply_sink``; double backward raises). Bad input raises before any collective, and
+    the CP ranks check they agree on the plan, head counts, head dims and dtype (``verify_plan``: a ValueError on
+    every rank otherwise), once per plan, and on every call where ``group`` is a gloo group.
 
     ``backend``: a kernel backend name (``auto``, ``triton``, ``reference``) or an object implementing
     ``kernels.Backend``, e.g. ``kernels.TritonBackend(kernels.TritonConfig(deterministic=True))`` (its
@@ -334,7 +338,7 @@ def attention(
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     work = Workload(q.shape[1], k.shape[1], q.shape[2], q.element_size())
     # the state first (host work, no collective: built by a plan's first call, it overlaps the kernels still
-    # queued), then the plan check (a host all-reduce, once per plan)
+    # queued), then the plan check (a host all-reduce: once per plan; every call on a gloo group)
     rt = rank_state(plan, rank, q.device, be, bkey, stages=stages, hierarchical=hierarchical,
                     cost=cost_model or _DEFAULT_COST, work=work)
     verify_plan(plan, group, input_fields(q, k, v))

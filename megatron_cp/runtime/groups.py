@@ -25,6 +25,8 @@ def plan_rank(plan: Plan, group=None, rank: int | None = None) -> int:
         if plan.cp_size != 1:
             raise ValueError(f"plan is for cp_size={plan.cp_size} but no process group was given")
         return 0
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group must be the CP torch.distributed.ProcessGroup (or None for cp_size 1), got {group!r}")
     size = dist.get_world_size(group)
     if size != plan.cp_size:
         raise ValueError(f"plan was made for cp_size={plan.cp_size} but the group has {size} ranks")

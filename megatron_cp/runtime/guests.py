@@ -163,8 +163,7 @@ def start_backward(gr: GuestRuntime, backend, gq, k, v, out, lse, dout, dlse, gr
         delta = None  # rowsum(dout * out) from the shipped rows (dense pieces may then run on cuDNN)
         if dlse is not None:
             delta = (g_dout.to(acc_dt) * g_out.to(acc_dt)).sum(-1) - ld[..., 1]
-        dqp, dk, dv = backend.backward(gq, k, v, g_out, ld[..., 0].to(torch.float32), g_dout, gr.prepared,
-                                       scale, delta)
+        dqp, dk, dv = backend.backward(gq, k, v, g_out, ld[..., 0], g_dout, gr.prepared, scale, delta)
         dqp = dqp.to(dout.dtype)
     else:
         dqp = dout.new_zeros(gq.shape)  # q's head dim (v's may differ: MLA)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import accumulate_dtype
+from ..kernels import accumulate_dtype, refuse_double_backward
 
 
 class _Sink(torch.autograd.Function):
@@ -42,6 +42,7 @@ class _Sink(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        refuse_double_backward("megatron_cp.apply_sink")  # w is saved without a graph: no second derivative
         out, w = ctx.saved_tensors
         cdt = w.dtype
         d_out = d_lse = d_sink = None
@@ -68,11 +69,11 @@ class _Sink(torch.autograd.Function):
 def apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' attention with a sink column (module doc), from merged results.
 
-    out ``[s, H, Dv]`` (float32/bfloat16/float16/float64), lse ``[s, H]`` float32 (natural log, -inf on
-    rows that keep no key; it must carry its gradient: strategies with ``lse_grad=True``), sink ``[H]``
-    (any float dtype; a tensor without gradient for a fixed sink such as off-by-one's zeros). Returns
-    ``(out' [s, H, Dv]`` of out's dtype, ``lse' [s, H]`` of lse's dtype); computed in
-    ``accumulate_dtype(out.dtype)``. Differentiable in out, lse and sink. Raises ValueError on shapes
+    out ``[s, H, Dv]`` (float32/bfloat16/float16/float64), lse ``[s, H]`` float32, float64 for float64 out
+    (natural log, -inf on rows that keep no key; it must carry its gradient: strategies with ``lse_grad=True``),
+    sink ``[H]`` (any float dtype; a tensor without gradient for a fixed sink such as off-by-one's zeros).
+    Returns ``(out' [s, H, Dv]`` of out's dtype, ``lse' [s, H]`` of lse's dtype); computed in
+    ``accumulate_dtype(out.dtype)``. Differentiable once in out, lse and sink. Raises ValueError on shapes
     that do not fit.
     """
     if out.dim() != 3 or lse.shape != out.shape[:2]:

@@ -127,17 +127,23 @@ def _shown(name: str, x: int) -> str:
 _FIELDS_AGREED: set = set()  # (group_token(group), fields) every rank of the group was found to share
 
 
+class RanksDisagreeError(ValueError, RuntimeError):
+    """CP ranks hold different plans or call attention with different inputs: raised on every rank of the group
+    alike, before any exchange. A ValueError (bad input); also a RuntimeError, what it was before."""
+
+
 def _agree(names: list, vals: list, check_group) -> None:
     """One tiny all-reduce of (max, -max) of ``vals`` over ``check_group`` (gloo, on the host); where ranks
-    differ, a RuntimeError on every rank naming this rank's value and the range seen across ranks."""
+    differ, a ``RanksDisagreeError`` on every rank naming this rank's value and the range seen across ranks."""
     t = torch.tensor(vals + [-x for x in vals], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=check_group)
     hi, lo = t[:len(vals)].tolist(), [-x for x in t[len(vals):].tolist()]
     bad = [f"{n} differs across ranks (this rank: {_shown(n, x)}, seen from {_shown(n, a)} to {_shown(n, b)})"
            for n, x, a, b in zip(names, vals, lo, hi) if a != b]
     if bad:
-        raise RuntimeError("CP ranks disagree: " + "; ".join(bad) + ". Every rank of a CP group must build the "
-                           "same plan from the same mask and run attention with the same heads, head dims and dtype")
+        raise RanksDisagreeError("CP ranks disagree: " + "; ".join(bad) + ". Every rank of a CP group must build "
+                                 "the same plan from the same mask and call attention with the same heads, head "
+                                 "dims and dtype, on every call")
 
 
 def check_plan_ahead(plan: Plan, group, check_group) -> None:
@@ -146,7 +152,7 @@ def check_plan_ahead(plan: Plan, group, check_group) -> None:
     ``groups.planning_group``), and remember it; the step takes the result with ``accept_plan_check`` when it
     takes the micro-batch, and the plan's first attention call then runs no collective of its own once its input
     fields were agreed on an earlier plan (``verify_plan``). Every rank's planning thread calls it for the same
-    plans in the same order; a mismatch raises RuntimeError on every rank."""
+    plans in the same order; a mismatch raises ``RanksDisagreeError`` (a ValueError) on every rank."""
     if group is None or plan.cp_size == 1:
         return
     # per check group: two threads (say training's and evaluation's) may meet the same cached plan, and whether
@@ -170,29 +176,38 @@ def accept_plan_check(plan: Plan, group) -> None:
 
 
 def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
-    """Once per (plan, group): every rank must hold the same plan and the same ``fields`` (named ints, e.g.
-    ``input_fields``: head counts, head dims, dtype code). One tiny all-reduce of (max, -max) of the digest
-    and the fields, on the host (``groups.host_group``: no wait for the GPU's queue); where ranks differ, a
-    RuntimeError on every rank naming this rank's value and the range seen across ranks, before any exchange
-    of the attention (whose mismatched sizes would abort gloo or hang NCCL). No collective where the step
-    accepted a planning thread's check of the plan (``check_plan_ahead``, ``accept_plan_check``) and these fields
-    were agreed on an earlier plan: every rank decides that alike, since the ranks run the same layers on the
-    same micro-batches."""
+    """Every rank must hold the same plan and pass the same ``fields`` (named ints, e.g. ``input_fields``: head
+    counts, head dims, dtype code). One tiny all-reduce of (max, -max) of the digest and the fields, on the host
+    (``groups.host_group``: no wait for the GPU's queue); where ranks differ, a ``RanksDisagreeError`` (a
+    ValueError) on every rank naming this rank's value and the range seen across ranks, before any exchange of
+    the attention (whose mismatched sizes would abort gloo or hang NCCL).
+
+    When: on a plan's first call with ``group``; again on every later call where ``group`` is a gloo group (CPU
+    tensors, or gloo through host copies: its exchanges already block the host on its peers, and a rank that
+    changes its dtype or heads on a later call would abort gloo), unless the step accepted a planning thread's
+    check of the plan. On a device group (NCCL) later calls run no check: a host collective per layer call
+    would tie every rank's host to the slowest one's, and no exchange of a call can carry the fields, since
+    its sizes follow from them. No collective at the first call either where the step accepted a planning
+    thread's check of the plan (``check_plan_ahead``, ``accept_plan_check``) and these fields were agreed on an
+    earlier plan. Each of these decisions is the same on every rank (the group's backend, the plan, the step's
+    acceptance), never the fields themselves, which may differ."""
     if group is None or plan.cp_size == 1:
         return
     cache = plan_cache(plan)
-    seen = cache.setdefault("verified", set())
+    seen = cache.setdefault("verified", {})  # group token -> whether every later call checks again
     token = group_token(group)
-    if token in seen:
+    again = seen.get(token)
+    if again is False or (again and token in cache.get("accepted", ())):
         return
     agreed = (token, tuple((fields or {}).items()))
-    if token in cache.get("accepted", ()) and agreed in _FIELDS_AGREED:
-        seen.add(token)
+    if again is None and token in cache.get("accepted", ()) and agreed in _FIELDS_AGREED:
+        seen[token] = False
         return
     _agree(["plan digest"] + list(fields or {}), [int(plan.digest64)] + [int(x) for x in (fields or {}).values()],
            host_group(group))
     _FIELDS_AGREED.add(agreed)
-    seen.add(token)
+    if again is None:
+        seen[token] = "gloo" in str(dist.get_backend(group))
 
 
 def exchange_choice(plan: Plan, *, stages: int | None, hierarchical: bool, cost: CostModel,

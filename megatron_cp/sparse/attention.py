@@ -129,6 +129,7 @@ class _SparseKernel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        kernels.refuse_double_backward("megatron_cp.sparse.sparse_attention")
         q, kbuf, vbuf, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         delta = None
@@ -158,8 +159,8 @@ def sparse_attention(
     q [s_local, Hq, D], k/v [s_local, Hkv, D] in the plan's local order (``dispatch``); the plan's
     chunks must be whole blocks of ``selector.block`` and it must have no guest rows (``plan(...,
     chunk_size=<multiple of block>, guest_rows="none")``). Returns ``out`` [s_local, Hq, D] (q's dtype) and
-    ``lse`` [s_local, Hq] float32; rows with no kept key give 0 / -inf. Differentiable in q, k, v (not
-    through the selection). ``stats``: a dict filled with ``rows_received`` (K/V rows this rank
+    ``lse`` [s_local, Hq] float32 (float64 for float64 inputs); rows with no kept key give 0 / -inf.
+    Differentiable once in q, k, v (not through the selection). ``stats``: a dict filled with ``rows_received`` (K/V rows this rank
     received), ``blocks_selected`` and ``blocks_envelope`` (head x q block x key block pairs kept / in the
     envelope) and ``dense`` (the selector keeps every envelope block of this mask whatever q and k are, e.g.
     MoBA on documents of at most top_k + 1 blocks: dense attention ran on the plan, with no selection, the same
@@ -173,7 +174,7 @@ def sparse_attention(
     if why is not None:
         raise ValueError(f"backend {be.name!r} cannot run these inputs: {why}")
     check_plan(plan, selector.block)
-    # once per plan, before any exchange: ranks with another selector (method or parameters) raise together
+    # before any exchange (once per plan; every call on gloo): ranks with another selector raise together
     verify_plan(plan, group, {**input_fields(q, k, v), "sparse selector": fingerprint(selector)})
     if keeps_whole_envelope(plan, selector):  # the selection would be the envelope: dense attention, no selection
         out, lse = dense_attention(q, k, v, plan, group, softmax_scale, backend=be)
