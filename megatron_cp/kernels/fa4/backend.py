@@ -59,8 +59,10 @@ def _fa4_module():
 def fa4_unavailable(device="cuda") -> str | None:
     """None when FA4 can run on ``device``, else why not (in words)."""
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if device.type != "cuda":
         return f"FA4 runs on CUDA GPUs, not {device}"
+    if not torch.cuda.is_available():
+        return "FA4 runs on CUDA GPUs and none is visible here"
     major = torch.cuda.get_device_capability(device)[0]
     if major not in FA4_ARCHS:
         return f"FA4 runs on sm90 / sm100, not sm{major}x"
