@@ -124,7 +124,8 @@ def _train_worker(rank, world, tp, cp, steps, shape, global_batch, micro_batch, 
     log = (lambda s, r: print(f"  [cp={cp}] step {s:3d} loss {r.loss:.6f} tokens {r.tokens}", flush=True)) \
         if rank == 0 else None
     losses = trainer.train(model, batches, cfg, device=device, log=log)
-    return {"losses": losses, "seconds": time.time() - t0}
+    # ranks sharing a GPU: their time means nothing, so none is reported
+    return {"losses": losses, "seconds": None if shared_gpu.ranks_share_gpu() else time.time() - t0}
 
 
 MAX_CPU_RANKS = 64
