@@ -71,11 +71,11 @@ def test_the_models_row_class_is_the_kernels():
 
 @pytest.mark.parametrize("bm,bn", [(128, 64), (64, 64), (32, 16), (16, 32)])
 def test_block_counts_match_kernel_schedule(bm, bn):
-    from megatron_cp.kernels.triton.blocks import _block_pairs, tile_descriptors
+    from megatron_cp.kernels.triton.blocks import block_pairs, tile_descriptors
 
     rng = np.random.default_rng(bm * 7 + bn)
     tiles = _random_tiles(rng, 300)
-    tid, _, _, full = _block_pairs(tile_descriptors(torch.tensor(tiles)), bm, bn)
+    tid, _, _, full = block_pairs(tile_descriptors(torch.tensor(tiles)), bm, bn)
     visited, got_full = block_counts(tiles, bm, bn)
     assert visited.tolist() == np.bincount(tid.numpy(), minlength=len(tiles)).astype(float).tolist()
     assert got_full.tolist() == np.bincount(tid.numpy()[full.numpy()], minlength=len(tiles)).astype(float).tolist()
@@ -86,11 +86,11 @@ def test_block_counts_match_kernel_schedule(bm, bn):
 def test_row_block_entries_match_kernel_schedule(bm, bn):
     """A q block's entries in the model are the row-major schedule's entries of that block (what one
     forward program walks), duplicates across tiles included."""
-    from megatron_cp.kernels.triton.blocks import _block_pairs, tile_descriptors
+    from megatron_cp.kernels.triton.blocks import block_pairs, tile_descriptors
 
     rng = np.random.default_rng(bm + bn)
     tiles = _random_tiles(rng, 200)
-    _, m, _, _ = _block_pairs(tile_descriptors(torch.tensor(tiles)), bm, bn)
+    _, m, _, _ = block_pairs(tile_descriptors(torch.tensor(tiles)), bm, bn)
     want = np.bincount(m.numpy())[int(m.min()):]  # from the first q block with an entry, as the model counts
     got = row_block_entries(tiles, bm, bn)
     assert np.trim_zeros(got, "b").tolist() == want.astype(float).tolist()  # (a last block with no entry: 0)
@@ -530,7 +530,7 @@ def test_prebuild_chooses_the_exchange_the_attention_then_uses(monkeypatch):
 
     from megatron_cp.runtime import state
 
-    default_cost = importlib.import_module("megatron_cp.runtime.attention")._DEFAULT_COST  # what attention() prices with
+    default_cost = importlib.import_module("megatron_cp.runtime.attention").DEFAULT_COST  # what attention() prices with
     plan = mcp.plan(M.varlen([0, 100, 256], causal=True), 2)
     calls = []
     real = state.choose_schedule

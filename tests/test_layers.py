@@ -4,7 +4,9 @@
   the test checks that the two agree);
 - no import cycle among megatron_cp modules (function-level imports count);
 - no module imports another package's private names, nor reads a private attribute of another
-  package's module; tools/ and examples/ use public names only;
+  package's module; tools/ and examples/ use public names only; no module imports another module's private
+  names either, inside its own package included;
+- kernels/fa4 imports nothing of kernels/triton (the shared kernels/config.py and kernels/fallback.py instead);
 - a name taken from another package is in that package's ``__all__`` (its public face; a public module
   listed there, e.g. ``kernels.pieces``, may be imported and read);
 - the runtime takes from the planner only what ``megatron_cp.planner`` exports;
@@ -201,6 +203,42 @@ def test_no_private_names_across_packages():
     for name, path in _modules().items():
         tree, imps = _imports(path, name)
         bad += _private_uses(path, name, tree, imps)
+    assert not bad, "\n".join(bad)
+
+
+def _private_imports(path: pathlib.Path, name: str, imps) -> list[str]:
+    """Private names (``_x``) this module imports from any other megatron_cp module, its own package's included."""
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    return [f"{where}:{line} imports {mod}.{n}" for mod, names, line in imps
+            if _layer(mod) is not None and mod != name for n in names or () if _private(n)]
+
+
+def test_no_private_names_across_modules():
+    """Stricter than across packages: no module takes another module's private name, inside a package too."""
+    bad = []
+    for name, path in _modules().items():
+        _, imps = _imports(path, name)
+        bad += _private_imports(path, name, imps)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_private_rule_catches_a_planted_import(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("from .blocks import _helper, tile_descriptors\nfrom ..tiles import check_tiles\n")
+    _, imps = _imports(planted, "megatron_cp.kernels.triton.planted")
+    bad = _private_imports(planted, "megatron_cp.kernels.triton.planted", imps)
+    assert len(bad) == 1 and "megatron_cp.kernels.triton.blocks._helper" in bad[0], bad
+
+
+def test_fa4_imports_nothing_of_the_triton_package():
+    """FA4Backend reaches the Triton kernels through the shared config and fallback modules only."""
+    bad = []
+    for name, path in _modules().items():
+        if name.startswith("megatron_cp.kernels.fa4"):
+            _, imps = _imports(path, name)
+            bad += [f"{path.relative_to(ROOT)}:{line} imports {mod}" for mod, names, line in imps
+                    for d in _resolve(mod, names, _modules())
+                    if d == "megatron_cp.kernels.triton" or d.startswith("megatron_cp.kernels.triton.")]
     assert not bad, "\n".join(bad)
 
 

@@ -102,8 +102,8 @@ def test_each_micro_batch_gets_its_own_plan_and_prepare_batch_finds_it(fresh_cac
     seeds = [1, 2, 1, 3, 4, 2, 5]  # repeated layouts share one plan; distinct ones never mix
     batches = [{"tokens": _tokens(s), "seed": s} for s in seeds]
     planners = []  # the thread of every plan made (the planner thread keeps planning while the loop runs)
-    make = B._make_plan
-    monkeypatch.setattr(B, "_make_plan", lambda *a: (planners.append(threading.current_thread()), make(*a))[1])
+    make = B.make_plan
+    monkeypatch.setattr(B, "make_plan", lambda *a: (planners.append(threading.current_thread()), make(*a))[1])
     it = PlanAhead(batches, _plan_fn, depth=3)
     seen = {}
     for batch in it:

@@ -4,7 +4,9 @@ The backend protocol - the tile list, the layouts, what each method takes and re
 ``megatron_cp/kernels/protocol.py`` (``Backend``); every backend implements all of it, one subpackage or module
 each: ``triton/`` (``TritonBackend``: Triton kernels, dense pieces on cuDNN), ``fa4/`` (``FA4Backend``:
 FlashAttention-4 varlen, window and block-sparse calls when flash-attn-4 is installed; Triton where FA4 cannot
-run) and ``reference.py`` (``ReferenceBackend``: blockwise PyTorch, float64-capable). Shared beside them: how a
+run) and ``reference.py`` (``ReferenceBackend``: blockwise PyTorch, float64-capable). Shared beside them: the
+Triton kernels' configuration (``config.py``: ``TritonConfig`` and block shapes, read by both GPU backends), the
+Triton fallback FA4 hands calls to (``fallback.py``; ``fa4/`` imports nothing of ``triton/``), how a
 tile list splits into kernel pieces (``pieces.py``, the one owner of those rules), tile checks (``tiles.py``),
 the LSE merge (``merge.py``), row copies and reductions (``rows.py``), per-head block selections
 (``block_keep.py``), host-to-device uploads (``upload.py``) and ``get_backend`` (``registry.py``); and
@@ -25,7 +27,8 @@ from .registry import available_backends, get_backend
 from .rows import copy_row_pairs, copy_rows, reduce_rows
 from .tiles import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, KIND_CODES, check_tiles
 from .triton.antidiagonal import antidiagonal_mass, fused_mass_supported
-from .triton.backend import DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonBackend, TritonConfig, configs_from_json
+from .config import DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonConfig, configs_from_json
+from .triton.backend import TritonBackend
 from .pieces import kept_area
 from .upload import upload
 

@@ -43,13 +43,13 @@ class BlockKeep:
 def block_classes(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, block: int) -> torch.Tensor:
     """int8 [ceil(sq / block), ceil(sk / block)] on the CPU: 0 when no tile of ``tiles`` (int [n, 5])
     keeps a cell of the block pair, 2 when one tile keeps all of its cells, else 1."""
-    from .triton.blocks import _block_pairs, tile_descriptors
+    from .triton.blocks import block_pairs, tile_descriptors
 
     nq, nk = -(-seqlen_q // block), -(-seqlen_k // block)
     out = torch.zeros(nq, nk, dtype=torch.int8)
     if tiles.shape[0] == 0:
         return out
-    _, m, n, full = _block_pairs(tile_descriptors(tiles), block, block)
+    _, m, n, full = block_pairs(tile_descriptors(tiles), block, block)
     # a pair is full only if one tile covers it whole: the cells of a block past sq / sk do not exist,
     # so a ragged last block counts as full when its existing cells are all kept
     val = 1 + full.to(torch.int8)

@@ -143,10 +143,10 @@ def gating_from_args(args) -> GatingSpec | None:
         return GatingSpec(sink=DEFAULT_SINK if sink is None else sink,
                           window=DEFAULT_WINDOW if window is None else window, mode="train", method=method,
                           target_sparsity=0.5 if target is None else target)
-    from .gating import _pattern_source
+    from .gating import pattern_source
 
     try:  # cached per path: forward_step re-reads the flags every micro-batch
-        src = _pattern_source(str(path))
+        src = pattern_source(str(path))
     except ValueError as e:
         raise ValueError(f"--cp-head-pattern: {e}") from None
     obj = dict(src.meta, layers=src.layers)
@@ -421,7 +421,7 @@ def dry_run(args, spec: MaskSpec, options: PlanOptions) -> None:
 
     import numpy as np
 
-    from .batch import _make_plan, build_mask
+    from .batch import make_plan, build_mask
 
     S = int(getattr(args, "seq_length", 0) or 0)
     if S < 1:
@@ -435,7 +435,7 @@ def dry_run(args, spec: MaskSpec, options: PlanOptions) -> None:
     except (TypeError, ValueError) as e:
         raise ValueError(f"--cp-mask {spec.name} --cp-mask-kwargs {args.cp_mask_kwargs}: {e}") from None
     try:
-        _make_plan(mask, cp, options)
+        make_plan(mask, cp, options)
     except ValueError as e:
         raise ValueError(f"the megatron-cp flags do not plan a {b} x {S} micro-batch at --context-parallel-size {cp} "
                          f"(--cp-chunk-size {args.cp_chunk_size}, --cp-solver {args.cp_solver}, --cp-topology "

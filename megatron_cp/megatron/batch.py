@@ -225,7 +225,7 @@ class CPBatch:
     cu_seqlens: np.ndarray = field(repr=False, default=None)
 
 
-def _make_plan(mask, cp_size: int, options: PlanOptions, work: Workload | None = None):
+def make_plan(mask, cp_size: int, options: PlanOptions, work: Workload | None = None):
     """(plan, strategy) of one micro-batch's mask (the strategy is ``options.strategy``). With
     ``options.helper_process`` megatron-cp's plan and, given ``work``, its exchange choice are made in the
     planning helper process (``runtime.plan_in_helper``: the step's host loop keeps the GIL)."""
@@ -273,7 +273,7 @@ def _batch_plan(tok: np.ndarray, spec: MaskSpec, cp_size: int, options: PlanOpti
     # core attention folds the micro-batch's b sequences into heads
     work = Workload(b * w.num_heads, b * w.num_kv_heads, w.head_dim, w.dtype_bytes) \
         if w is not None and options.sparse is None and options.gating is None else None
-    plan, strategy = _PLANS.get(plan_key, lambda: _make_plan(build_mask(spec, cu, b, S), cp_size, options, work))
+    plan, strategy = _PLANS.get(plan_key, lambda: make_plan(build_mask(spec, cu, b, S), cp_size, options, work))
     if work is not None and strategy == "megatron_cp":  # (made already where the helper process planned)
         mcp.runtime.prebuild(plan, work)
     return plan, strategy, cu, plan_key
@@ -390,7 +390,7 @@ def plan_global_batch(host_tokens: np.ndarray, spec: MaskSpec, host_group, *, dp
     cus = [document_bounds(tok[d], spec) for d in range(dp)]
     key = (spec, "dp x cp", dp, b, S, world, options.chunk_size, options.topology, options.solver, options.block,
            tuple(c.tobytes() for c in cus) if spec.packed else b"")
-    plan, strategy = _PLANS.get(key, lambda: _make_plan(
+    plan, strategy = _PLANS.get(key, lambda: make_plan(
         mcp.masks.block_diagonal([build_mask(spec, c, b, S) for c in cus]), world, options))
     window_plan = None if spec.layer_window is None else _PLANS.get(key + ("layer window", spec.layer_window), lambda:
                                                                     plan_like(mcp.masks.block_diagonal(

@@ -55,7 +55,7 @@ class GatingSpec:
         """The runtime gating object of pattern mode (cached per file); train mode has none here."""
         if self.mode != "pattern":
             return None
-        return _pattern_source(self.pattern)
+        return pattern_source(self.pattern)
 
 
 class GateSource:
@@ -102,7 +102,7 @@ class PatternSource:
 
 
 @lru_cache(maxsize=8)
-def _pattern_source(path: str) -> PatternSource:
+def pattern_source(path: str) -> PatternSource:
     from megatron_cp.gating import load_pattern
 
     obj = load_pattern(path)

@@ -39,7 +39,7 @@ from .rowmap import RowMap
 from .state import RankRuntime, exchange_choice, input_fields, rank_state, verify_plan
 
 
-_DEFAULT_COST = CostModel()  # built once: the state cache hashes it on every call
+DEFAULT_COST = CostModel()  # built once: the state cache hashes it on every call
 
 
 _NAMED: dict = {}  # (name, device) -> the backend object a name gives there, made once
@@ -276,13 +276,13 @@ def prebuild(plan: Plan, work: Workload, *, stages: int | None = None, cost_mode
 
     The rank's execution state (index tensors, prepared tile lists, launch metadata) is built by the first
     call, on the step's thread and stream: built in a planning thread beside a host-bound step it cost the
-    step more than building it in the call (4 x H100, 8k tokens per GPU: 196 against 137 ms a step,
-    benchmarks/2026-11-27_4xH100_train-throughput)."""
+    step more than building it in the call (the thread holds the GIL the step needs to issue work;
+    docs/measurements.md)."""
     if not isinstance(work, Workload):
         raise ValueError(f"work must be a megatron_cp.planner.Workload, got {type(work).__name__}")
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
-    exchange_choice(plan, stages=stages, hierarchical=hierarchical, cost=cost_model or _DEFAULT_COST, work=work)
+    exchange_choice(plan, stages=stages, hierarchical=hierarchical, cost=cost_model or DEFAULT_COST, work=work)
 
 
 def attention(
@@ -340,7 +340,7 @@ def attention(
     # the state first (host work, no collective: built by a plan's first call, it overlaps the kernels still
     # queued), then the plan check (a host all-reduce: once per plan; every call on a gloo group)
     rt = rank_state(plan, rank, q.device, be, bkey, stages=stages, hierarchical=hierarchical,
-                    cost=cost_model or _DEFAULT_COST, work=work)
+                    cost=cost_model or DEFAULT_COST, work=work)
     verify_plan(plan, group, input_fields(q, k, v))
     grp = group if plan.cp_size > 1 else None
     if rt.schedule is None:

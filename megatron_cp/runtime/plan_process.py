@@ -2,9 +2,9 @@
 
 A planning thread (``megatron.PlanAhead``) shares the GIL with the loop it plans for. Where the loop is
 host-bound (small micro-batches: issuing kernels is all it does), every millisecond the planner holds the
-GIL is a millisecond the loop cannot issue work: at 8k tokens per GPU on 4 x H100 a step of 8 attention
-layers per micro-batch took 2x as long with its plans made by a thread beside it as with the same plans made
-before the step (269 against 132 ms; benchmarks/2026-11-27_4xH100_train-throughput). ``plan_in_helper`` makes
+GIL is a millisecond the loop cannot issue work: at 8k tokens per GPU a step of 8 attention layers per
+micro-batch took about 2x as long with its plans made by a thread beside it as with the same plans made before
+the step (docs/measurements.md). ``plan_in_helper`` makes
 ``planner.plan``'s plan, and the exchange choice the attention's first call would make on it
 (``runtime.prebuild``'s costliest part), in one helper process per training process; the calling thread waits on
 a pipe, without the GIL, and gets back the plan with its choice kept in the plan's cache. Threads asking at
@@ -30,7 +30,7 @@ import traceback
 from ..masks import AttnMask
 from ..planner import Plan, Workload
 from ..planner import plan as make_plan
-from .attention import _DEFAULT_COST
+from .attention import DEFAULT_COST
 from .cost import CostModel
 from .schedule import choose_schedule
 from .state import keep_exchange_choice
@@ -100,7 +100,7 @@ def plan_in_helper(mask: AttnMask, cp_size: int, *, work: Workload | None = None
         raise ValueError(f"work must be a megatron_cp.planner.Workload, got {type(work).__name__}")
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
-    cost = cost_model or _DEFAULT_COST
+    cost = cost_model or DEFAULT_COST
     choice = None if work is None else (stages, hierarchical, cost, work)
     plan, sched = _ask((mask, cp_size, plan_kwargs, choice))
     if choice is not None:

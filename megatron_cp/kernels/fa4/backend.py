@@ -36,11 +36,12 @@ import torch
 from . import replay
 from . import sparse as fa4_sparse
 from .calls import BLOCK, MASK_INTERVALS, Fa4Calls, fa4_calls
+from ..config import TritonConfig
+from ..fallback import fallback_backend
 from ..merge import merge_into
 from ..pieces import uncovered_rows
 from ..protocol import accumulate_dtype, check_running
 from ..tiles import check_tiles
-from ..triton.backend import TritonBackend, TritonConfig
 from ..upload import upload
 
 FA4_BWD_MAX_HEAD_DIM = 192  # FA4's sm90 backward (flash_bwd_sm90) supports head_dim <= 192
@@ -127,7 +128,7 @@ def _interval_mask_mods() -> dict:
     """The CuTe DSL mask_mods of block-sparse calls, by intervals per row: row r keeps key c iff c lies in
     one of the row's intervals, read from aux tensor 0 (int32 [sq, 2 * intervals], fa4_calls.BlockLists).
     FA4 evaluates them on partial blocks only, per element: the one-interval form reads half as much
-    (strided 547 vs 520 TFLOP/s forward on H100)."""
+    (faster on strided masks: docs/measurements.md)."""
     import cutlass  # noqa: PLC0415
     import cutlass.cute as cute  # noqa: PLC0415
     from flash_attn.cute import utils  # noqa: PLC0415
@@ -234,7 +235,7 @@ class FA4Backend:
 
     def __init__(self, config: TritonConfig | None = None, functions: Fa4Functions | None = None):
         self.config = config or TritonConfig()
-        self.triton = TritonBackend(self.config)
+        self.triton = fallback_backend(self.config)
         self._functions = functions
         self.last_path: str | None = None
         self.fallbacks: dict[str, str] = {}  # phase/family -> reason, every fallback seen
@@ -550,7 +551,7 @@ def fa4_head_dims_reason(d: int, dv: int, arch_major: int | None, phase: str = "
     """Why FA4 (flash_attn.cute, its head-dim validation) cannot run ``phase`` ("fwd" / "bwd") with q/k head
     dim ``d`` and a different v head dim ``dv``, or None: sm90 runs both in 8..256 (multiples of 8; the
     backward's q/k limit is checked apart) but its backward only without GQA (``gqa``: fewer K/V heads than q
-    heads; flash-attn-4 4.0.0b36 asserts it on an H100), sm100 the DeepSeek pair (192, 128) or both <= 128."""
+    heads; flash-attn-4 4.0.0b36 asserts it on sm90), sm100 the DeepSeek pair (192, 128) or both <= 128."""
     if dv % 8 or not 8 <= dv <= 256:
         return f"v head_dim {dv}: FA4 runs multiples of 8 up to 256"
     if arch_major == 9 and phase == "bwd" and gqa:

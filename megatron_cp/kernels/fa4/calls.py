@@ -106,7 +106,7 @@ class Call:
 
 BLOCK = 128  # FA4's block-sparse granularity (its sm90 backward needs 128 x 128)
 MASK_INTERVALS = 2  # kept key intervals per row the mask_mod reads (on the row's partial blocks)
-# Route rules, measured on H100 with FA4 4.0.0b36 (TFLOP/s fwd / bwd, benchmarks/2026-11-24_1xH100_fa4):
+# Route rules, measured with FA4 4.0.0b36 on sm90 (TFLOP/s fwd / bwd; docs/measurements.md names the run):
 # - a list whose blocks are all full or empty runs block-sparse: no mask arithmetic at all, and FA4's
 #   block-sparse launch beat its varlen launch over segments sharing keys (block-causal 667 vs 628 fwd);
 # - else up to two varlen launches beat one block-sparse launch (a causal zigzag rank's backward: 572 vs
@@ -257,7 +257,7 @@ def _fuse(a: Segment, b: Segment) -> Segment | None:
     return None
 
 
-def _fused(segs: list[Segment]) -> list[Segment]:
+def fuse_segments(segs: list[Segment]) -> list[Segment]:
     """Greedy fusion in row order: each segment joins a segment ending on its first row if they fuse."""
     out: list[Segment] = []
     ending: dict[int, list[int]] = {}  # q1 -> indices into out
@@ -451,7 +451,7 @@ def fa4_calls(tiles: np.ndarray, seqlen_q: int, seqlen_k: int) -> Fa4Calls:
     ``seqlen_k`` keys."""
     t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
     segs = [s for s in (segment_of(*map(int, row)) for row in t) if s is not None]
-    segs = _fused(segs)
+    segs = fuse_segments(segs)
     rows = _spans((s.q0, s.q1) for s in segs)
     keys = _spans((s.k0, s.k1) for s in segs)
     fwd = _calls(segs, seqlen_q, seqlen_k, False)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .calls import BLOCK, MASK_INTERVALS, BlockLists, _fused, block_lists, segment_of
+from .calls import BLOCK, MASK_INTERVALS, BlockLists, fuse_segments, block_lists, segment_of
 from ..upload import upload
 
 FA4_SPARSE_BWD_MAX_HEAD_DIM = 128  # see the module doc: 128 x 128 blocks in FA4's backward tiles
@@ -74,7 +74,7 @@ def sparse_static(tiles: np.ndarray, seqlen_q: int, seqlen_k: int) -> SparseStat
     """The static part of tile list ``tiles`` (int [n, 5], kernels/protocol.py) on seqlen_q rows and
     seqlen_k keys: the list's own block-sparse form (every list, however many varlen calls it has)."""
     t = np.asarray(tiles, dtype=np.int64).reshape(-1, 5)
-    segs = _fused([s for s in (segment_of(*map(int, row)) for row in t) if s is not None])
+    segs = fuse_segments([s for s in (segment_of(*map(int, row)) for row in t) if s is not None])
     m, n = -(-seqlen_q // BLOCK), -(-seqlen_k // BLOCK)
     classes = np.zeros((m, n), dtype=np.int8)
     if not segs:

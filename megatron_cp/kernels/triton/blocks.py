@@ -133,7 +133,7 @@ def tile_descriptors(tiles: torch.Tensor) -> torch.Tensor:
     return torch.stack([qs, qe, ks, ke, lo, hi], 1)
 
 
-def _block_pairs(desc: torch.Tensor, block_m: int, block_n: int):
+def block_pairs(desc: torch.Tensor, block_m: int, block_n: int):
     """All non-empty (tile, m, n) triples with a full flag; int64 1-D tensors."""
     if desc.shape[0] == 0:
         e = torch.zeros(0, dtype=torch.int64)
@@ -200,7 +200,7 @@ def build_schedules(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, block_m: 
     Returns (rows: BlockSchedule, cols: BlockSchedule) on the CPU.
     """
     desc = tile_descriptors(tiles)
-    tid, m, n, full = _block_pairs(desc, block_m, block_n)
+    tid, m, n, full = block_pairs(desc, block_m, block_n)
     nm = (seqlen_q + block_m - 1) // block_m
     nn = (seqlen_k + block_n - 1) // block_n
     rows = _csr(m, n * block_n, tid, full, nm)
