@@ -140,7 +140,7 @@ def comm_lead(device: torch.device, us: float = COMM_LEAD_US) -> None:
     compute stream: a spin of ``us`` microseconds on the compute stream (about 2 GHz assumed). Both become
     ready when the send buffer's gather completes; without the spin the attention kernel takes every
     multiprocessor first and NCCL's kernel, which needs a few, waits for its last wave: in back-to-back
-    steps on 4 x H200 the staged causal forward's all-to-all started at the end of the first stage's
+    steps the staged causal forward's all-to-all started at the end of the first stage's
     14 ms cuDNN piece instead of beside it (over a high-priority NCCL stream too: that kernel's CTAs
     do not retire early), 1.2-12 ms exposed (docs/design.md). A no-op off CUDA."""
     spin = getattr(torch.cuda, "_sleep", None)  # torch's spin kernel (a testing hook; skipped if ever gone)

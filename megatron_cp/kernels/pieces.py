@@ -13,10 +13,10 @@ tile is square. A bottom-right CAUSAL tile with ``sq`` rows and ``sk`` keys spli
 * ``sk < sq``: rows ``i < sq - sk`` keep nothing; the last ``sk`` rows are a square causal tile.
 
 Pieces of at least ``min_rows`` rows and ``min_keys`` keys go to cuDNN; smaller pieces (and every other
-tile kind) stay in the rest, for the Triton kernels, as valid tiles of the same cells. Measured on H100
-(benchmarks/): zigzag rank lists (pieces of 16k rows, >= 16k keys) run 1.35x faster forward and 1.49x
-backward this way, while packed documents at S = 16k with 512-key pieces ran 3.3x slower forward
-(per-piece launches and float32 merges dominate short rows), hence TritonConfig.dense_min_keys 8192.
+tile kind) stay in the rest, for the Triton kernels, as valid tiles of the same cells. Long pieces (zigzag
+rank lists: 16k rows, >= 16k keys) run faster this way, while short ones (packed documents with 512-key
+pieces) run slower (per-piece launches and float32 merges dominate short rows), hence
+TritonConfig.dense_min_keys 8192 (docs/measurements.md).
 
 Whole call: a list of one FULL tile, or one square CAUSAL tile, covering all ``seqlen_q`` rows and
 ``seqlen_k`` keys is one cuDNN piece whatever its size (cuDNN's output is the call's: no merge).
@@ -60,9 +60,8 @@ from ..kinds import Kind
 
 LONG_ROW_KEYS = 4096
 # "blocky": short rows whose 128 x 64 forward blocks are mostly full (strided blocks, documents, global +
-# local), where a 128-row forward block with 4 warps pays. Measured on H200, S = 16k, forward TFLOP/s of
-# 128x64x4 vs 64x64x4: strided 414 vs 366 (full fraction 0.94), global + local 406 vs 395 (0.89),
-# documents 355 vs 340 (0.82); sliding window 342 vs 357 (0.78), streaming 319 vs 331 (0.74).
+# local), where a 128-row forward block with 4 warps pays: it wins where at least 0.8 of the blocks are
+# full and loses below (sliding window, streaming); docs/measurements.md.
 BLOCKY_FULL_FRACTION = 0.8
 BLOCKY_BLOCK = (128, 64)
 

@@ -1,9 +1,8 @@
 """Indexed row moves for the communication runtime: a row copy and a fixed-order row reduce.
 
 The runtime places received K/V rows into the key buffer and adds returned partial dK/dV rows into
-the owners' gradients. PyTorch's ``index_put_`` / ``index_add_`` do that at ~0.4-0.6 TB/s on H200
-for rows of a few KB (measured: 936 us to place 98k rows of 4 KB; 1.4 ms to add 98k fp32 rows of
-4 KB), because they address every element separately. These kernels move whole rows with
+the owners' gradients. PyTorch's ``index_put_`` / ``index_add_`` do that far below the memory bandwidth
+for rows of a few KB (docs/measurements.md), because they address every element separately. These kernels move whole rows with
 vector loads, and the reduce sums each destination row's partials in one pass, in a fixed order
 (deterministic), in fp32, rounding once.
 

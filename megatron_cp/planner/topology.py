@@ -9,8 +9,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Links:
     """Achieved per-GPU link figures of one collective: bandwidth inside a node and between nodes (GB/s)
-    and the fixed cost of a collective (us). ``LINKS``, the 4 x H200 calibration of 2026-11-21 (NVLink
-    all-to-all, 400 Gb/s NIC per GPU), is the one place their defaults live: ``Topology`` weighs the
+    and the fixed cost of a collective (us). ``LINKS``, one calibration of an NVLink node (all-to-all; 400 Gb/s
+    NIC per GPU between nodes; docs/cost-model.md), is the one place their defaults live: ``Topology`` weighs the
     planner's bytes with them and ``runtime.CostModel`` starts from them until a calibration replaces them."""
 
     intra_gbps: float = 335.0

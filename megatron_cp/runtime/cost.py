@@ -1,7 +1,7 @@
 """A small cost model: kernel time per tile shape and collective time per link, from calibrated numbers.
 
 Every figure is per GPU. ``tools/sim/calibrate.py`` measures them on a machine and writes JSON that
-``CostModel.load`` reads; the defaults are one such calibration on 4 x H200 (NVLink).
+``CostModel.load`` reads; the defaults are one such calibration of a single NVLink node (docs/cost-model.md).
 
 Kernel time of a tile list (the kernel merges tiles sharing rows, so a row's cost follows the keys it
 keeps over the whole list): ``launch_us + n_tiles * tile_us + (cells + half_keys * rows) / peak`` (in
@@ -58,8 +58,7 @@ _RETIRED = frozenset({"band_chunk", "band_min_keys", "long_row_keys", "blocky_fu
 
 @dataclass(frozen=True)
 class CostModel:
-    # defaults: tools/sim/calibrate.py on 4 x H200 (NVLink), 2026-11-21
-    # (benchmarks/2026-11-21_4xH200_calibration-defaults/cost_model_4xH200.json)
+    # defaults: one run of tools/sim/calibrate.py on a single NVLink node (docs/cost-model.md names it)
     fwd_tflops: float = 420.0  # Triton attention forward on long rows (mask-area FLOPs), per GPU
     bwd_tflops: float = 370.0  # backward, counted as 2.5x the forward FLOPs
     half_keys: float = 216.0  # mean kept keys per row at which a tile runs at half of peak
@@ -70,7 +69,7 @@ class CostModel:
     inter_gbps: float = LINKS.inter_gbps  # achieved per GPU between nodes (400 Gb/s NIC per GPU)
     p2p_gbps: float = 250.0  # one neighbour's send|receive pair inside a node (the ring baseline's steps)
     # the same transfer measured at twice p2p_bytes: NCCL's point-to-point time is not proportional to
-    # the bytes (4 x H200: a 268 MB fp32 block took 1.0-1.2 ms, a 134 MB bf16 one 0.8-1.0 ms);
+    # the bytes (half the bytes took most of the time: docs/cost-model.md);
     # p2p_time interpolates between the two (0: p2p_gbps at any size)
     p2p_big_gbps: float = 0.0
     p2p_bytes: float = 128 * 2**20
@@ -95,8 +94,8 @@ class CostModel:
     stage_bwd_bytes: float = 16.0
     # fixed time of one attention call from the caller to its first GPU work and back (host-side
     # dispatch, autograd, launches, a tiny collective), not overlapped when each call is timed alone:
-    # tools/sim/calibrate.py times a tiny distributed call; defaults from a profile on 4 x H200 (host
-    # lead before the first kernel 0.2 ms forward, 0.4 ms backward)
+    # tools/sim/calibrate.py times a tiny distributed call; the defaults are a profile's host lead before
+    # the first kernel (docs/cost-model.md)
     call_fwd_us: float = 200.0
     call_bwd_us: float = 400.0
     # short-row class: the kernel backend runs lists whose mean kept keys per covered row is below
@@ -118,8 +117,8 @@ class CostModel:
     blocky_block_n: int = 64
     # blocky lists that are mostly band cells (BI_CAUSAL tiles: sliding windows of 1024 to 4096 keys) run
     # at their own peaks, with the blocky half terms and blocks: a 2048-key band's backward measured
-    # 1.15-1.19x faster in the runtime than the blocky fit, made on documents, predicted (2 x H200);
-    # 0: the blocky numbers. Calibrated (395 against the documents' 358 on 2 x H200) it narrows that gap
+    # faster in the runtime than the blocky fit, made on documents, predicted;
+    # 0: the blocky numbers. Calibrated it narrows that gap
     # only a little (kernel alone 1.14x): docs/cost-model.md
     blocky_band_fwd_tflops: float = 0.0
     blocky_band_bwd_tflops: float = 0.0
@@ -273,7 +272,7 @@ class CostModel:
         if not backward and split == 1.0 and cls == "blocky":
             # the class the long-row rates are calibrated in (and the one lists with global rows run in);
             # a program of the long class's blocks (128 x 128, 8 warps) runs ~2.5x faster alone: a 256 x
-            # 32768 guest call measured at its throughput time (2 x H200), not at this bound's
+            # 32768 guest call measured at its throughput time, not at this bound's
             t_list = self.long_rows(rest, t_list, int(self.blocky_block_m), int(self.blocky_block_n), work)
         return t + n_tiles * self.tile_us * 1e-6 + t_list
 

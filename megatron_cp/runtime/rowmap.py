@@ -3,7 +3,7 @@ indexed row-copy kernel otherwise.
 
 The single-exchange runtime places a rank's own K/V rows and the received ones into the key buffers,
 gathers the rows to send and takes the own rows' gradients back out. The index sets come from the
-plan and are fixed per (plan, rank). Measured on H200 (docs/design.md): ``index_put_``
+plan and are fixed per (plan, rank). Measured (docs/design.md): ``index_put_``
 of wide bf16 rows moves ~0.8 TB/s (318 us for a 32k x 16 x 128 buffer), and one slice copy per run
 is launch-bound at ~14 us a run (a rank of packed documents owns ~15 chunk runs: 30 copies for K
 and V), so more than one run goes through ``kernels.rows.copy_rows`` (whole rows, vector loads; torch

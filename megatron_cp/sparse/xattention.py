@@ -21,12 +21,12 @@ all keeps every envelope block (the threshold is never reached: dense is the saf
 are float32 (the paper's kernel keeps the input precision) so that the selection of bf16 inputs does not
 hinge on the rounding of the scores. On CUDA the estimate is one Triton kernel (scores, envelope, softmax and
 block sums of a q block in registers: ``kernels.antidiagonal_mass``), elsewhere PyTorch operations in chunks of
-q blocks (the unfused scores cost more than dense attention's forward at 128k causal, 4 x H100, 2026-11-28).
+q blocks (the unfused scores cost more than dense attention's forward at 128k causal: docs/measurements.md).
 
 Work (PyTorch path): a chunk of ``chunk_blocks`` global q blocks is scored only against the key blocks its rows' envelope
 spans (``SelectionView.block_spans``, rounded up to ``GRANULE`` blocks): about half the key axis under a
 causal mask, a document's keys under packed documents (scoring every chunk against the whole sequence
-cost 43x dense attention's forward on packed documents at 256k, 4 x H100, 2026-11-27).
+cost 43x dense attention's forward on packed documents at 256k: docs/measurements.md).
 
 Context parallelism: the estimate reads every key of a row (``view.envelope_keys()``, a dense K exchange
 done by the runtime). A chunk is fixed by the global q block ids (g * c ..), its key span by the mask, so

@@ -112,7 +112,7 @@ def antidiagonal_mass(q: torch.Tensor, k: torch.Tensor, slot: torch.Tensor, bits
     mass = torch.zeros(hq, nq, num_blocks, dtype=torch.float32, device=q.device)
     if nq == 0:
         return mass
-    # 128 key groups a tile, 8 warps, 3 stages: the fastest of the launch shapes tried on an H100 (half the time of
+    # 128 key groups a tile, 8 warps, 3 stages: the fastest of the launch shapes tried (half the time of
     # 64 / 4 / 2 at 128k causal; 32 or 256 groups, 1-2 stages slower)
     block_n = max(128, nr)
     block_m = max(16, triton.next_power_of_2(g * nr))
