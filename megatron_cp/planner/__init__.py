@@ -2,11 +2,11 @@
 
 from .layout import default_degree, group_order, group_plan, head_context_degree, head_context_plan, kv_head_repeat
 from .milp import ChunkOptimum, in_feasible_set, optimal_assignment
-from .plan import Plan, RankPlan, plan, plan_like
+from .plan import Plan, RankPlan, plan, plan_groups, plan_like
 from .solvers import SOLVERS
 from .topology import LINKS, Links, Topology
 from .workload import Workload
 
-__all__ = ["Plan", "RankPlan", "plan", "plan_like", "Topology", "Links", "LINKS", "Workload", "SOLVERS", "head_context_plan", "group_plan", "optimal_assignment", "in_feasible_set", "ChunkOptimum",
+__all__ = ["Plan", "RankPlan", "plan", "plan_like", "plan_groups", "Topology", "Links", "LINKS", "Workload", "SOLVERS", "head_context_plan", "group_plan", "optimal_assignment", "in_feasible_set", "ChunkOptimum",
            # the head layouts of the Ulysses-style baselines
            "kv_head_repeat", "group_order", "default_degree", "head_context_degree"]

@@ -369,6 +369,49 @@ def plan_like(mask: AttnMask, like: Plan) -> Plan:
     )
 
 
+def plan_groups(masks, cp_size: int, **kwargs) -> Plan:
+    """One plan over ``len(masks) * cp_size`` ranks of ``masks.block_diagonal(masks)`` with mask ``d`` (data-parallel
+    group ``d``'s micro-batch) on ranks ``d * cp_size`` .. ``(d + 1) * cp_size - 1``, laid out there as
+    ``plan(masks[d], cp_size, **kwargs)`` lays it: no token or key crosses groups, so each group keeps its own
+    documents whole, as data parallelism does. The DP x CP world's plan with DP's layout: the candidate beside
+    ``plan(block_diagonal(masks), len(masks) * cp_size)`` (balanced over every rank) that
+    ``runtime.plan_over_dp`` weighs; with ``cp_size`` 1 nothing moves at all. ``kwargs``: ``plan``'s, for each
+    group (a ``topology`` describes one group's ``cp_size`` ranks). Pure, like ``plan``."""
+    from ..masks.builders import block_diagonal
+
+    masks = list(masks)
+    whole = block_diagonal(masks)  # refuses an empty list and non-square masks, naming the mask
+    groups = [plan(m, cp_size, **kwargs) for m in masks]
+    offs = np.concatenate([[0], np.cumsum([m.seqlen_q for m in masks])]).astype(np.int64)
+    cp, seqlen = int(cp_size), int(offs[-1])
+    bounds = np.concatenate([g.bounds[:-1] + o for g, o in zip(groups, offs)] + [offs[-1:]]).astype(np.int64)
+    owner = np.concatenate([g.owner.astype(np.int64) + d * cp for d, g in enumerate(groups)])
+    g_runs = np.concatenate([g.guest_runs + o for g, o in zip(groups, offs)]).reshape(-1, 2).astype(np.int64)
+    traps = whole.traps
+    if len(g_runs):  # the groups' guest rows, laid out as each group's plan chose them
+        main, g_traps = guests.split(traps, g_runs, seqlen)
+        prefix = guests.load_prefix(main, g_traps, seqlen)
+    else:
+        main, g_traps, prefix = traps, np.zeros((0, 6), dtype=np.int64), geometry.row_area_prefix(traps, seqlen)
+    chunk = min(g.chunk_size for g in groups)
+    ranks = rank_plans(main, prefix, KeySpans(main, seqlen), bounds, owner, cp * len(masks), g_traps)
+    return Plan(
+        cp_size=cp * len(masks),
+        seqlen=seqlen,
+        solver="groups:" + ",".join(sorted({g.solver for g in groups})),
+        chunk_size=chunk,
+        bounds=bounds,
+        owner=owner.astype(np.int32),
+        ranks=ranks,
+        mask_area=int(geometry.row_area_prefix(traps, seqlen)[-1]),
+        topology=None,
+        digest=plan_digest(cp * len(masks), seqlen, chunk, bounds, owner, traps, g_runs),
+        guest_runs=g_runs,
+        guest_traps=g_traps,
+        traps=traps,
+    )
+
+
 def plan_digest(cp_size: int, seqlen: int, chunk_size: int, bounds, owner, traps, guest_runs=None) -> str:
     """The digest every rank derives for the same layout of the same mask (checked across ranks
     before the first exchange); every Plan constructor uses this rule."""

@@ -13,7 +13,7 @@ chooses the exchange and is what ``tools/sim`` calibrates.
 from .attention import attention, check_inputs, prebuild, resolve_backend
 from .cost import CostModel
 from .dispatch import dispatch, undispatch
-from .global_batch import all_micro_batches, gather_global_batch
+from .global_batch import HostCost, all_micro_batches, gather_global_batch, plan_over_dp, predict_layer
 from .groups import host_group, plan_rank, planning_group
 from .plan_process import plan_in_helper
 from .sinks import apply_sink
@@ -23,6 +23,8 @@ __all__ = ["attention", "prebuild", "plan_in_helper", "apply_sink", "dispatch", 
            "plan_rank", "plan_cache", "CostModel",
            # every DP group's micro-batch under one plan of the DP x CP world, and the gloo twin it plans on
            "gather_global_batch", "all_micro_batches", "host_group", "planning_group",
+           # which layout of a global micro-batch: balanced over every rank or each DP group's own (predicted)
+           "plan_over_dp", "predict_layer", "HostCost",
            # the cross-rank plan check and the per-call input record, for the sparse and Megatron entry points
            "verify_plan", "input_fields", "fingerprint",
            # the same check of a plan made ahead, by its planning thread, and the step taking its result

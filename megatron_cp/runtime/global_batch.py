@@ -8,6 +8,9 @@ are one sequence of ``dp * L`` tokens whose mask is ``masks.block_diagonal`` of 
 balances the work over all ranks, keeps short documents whole on one rank and splits long ones where balance
 needs it, and ``attention`` over the DP x CP group moves only what split documents need. ``gather_global_batch``
 is the data path: each rank gets the tokens (and labels, loss mask, positions, ...) the plan gives it.
+Balance is not the whole step: the global plan's calls span every rank and move the documents it splits, so on
+short documents DP's own layout (``planner.plan_groups``: each group's micro-batch on its own CP ranks) finishes
+sooner; ``plan_over_dp`` weighs the two by ``predict_layer`` (kernels, exchange, host time per call).
 
 The model's weights are replicated over DP x CP (Megatron reduces their gradients over that group), and a
 per-token loss summed over the global batch and divided by its token count is the same sum whatever rank holds
@@ -17,12 +20,15 @@ a token: loss and gradients equal the fixed layout's (tests/test_global_batch.py
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..planner import Plan
+from ..masks import block_diagonal
+from ..planner import Plan, Workload, plan, plan_groups
+from .cost import CostModel
 from .groups import host_group
 
 
@@ -127,3 +133,76 @@ def gather_global_batch(fields: Mapping[str, torch.Tensor], plan: Plan, group: d
     full = all_micro_batches(fields, group, dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp_size)
     ids = torch.from_numpy(plan.local_ids(dist.get_rank(group)))
     return {n: t[ids.to(t.device)] for n, t in full.items()}
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """Host seconds of one attention call on a plan whose exchange spans ``span`` ranks (1 when nothing moves):
+    ``fwd_s + fwd_per_rank_s * (span - 1)``, likewise the backward node. Defaults: one rank alone on one H200
+    (benchmarks/2026-11-29_1xH200_host-path, sitting 1: packed documents, 8k tokens per rank, 32:8 heads; a line
+    through its cp 4 and cp 8 rows, the only spans measured). ``layer_s``: the rest of a layer's host time per
+    micro-batch (Megatron's own modules), the same under every plan but what decides whether a call waits on the
+    host or on the GPU; 0 prices the attention calls alone."""
+
+    fwd_s: float = 0.301e-3
+    fwd_per_rank_s: float = 0.102e-3
+    bwd_s: float = 0.849e-3
+    bwd_per_rank_s: float = 0.084e-3
+    layer_s: float = 0.0
+
+    def call(self, span: int) -> float:
+        """Forward call + backward node, seconds."""
+        return self.fwd_s + self.bwd_s + (self.fwd_per_rank_s + self.bwd_per_rank_s) * (max(int(span), 1) - 1)
+
+
+def exchange_span(plan: Plan) -> int:
+    """Ranks in the largest set that ``plan``'s exchanges link (1 when nothing moves): a DP group's own plan links
+    its CP ranks only, and run on them (as the fixed layout runs it) its calls span those."""
+    parent = list(range(plan.cp_size))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for r in plan.ranks:
+        for src, runs in enumerate(r.recv_runs):
+            if len(runs) and int((runs[:, 1] - runs[:, 0]).sum()):
+                parent[root(src)] = root(r.rank)
+    return int(np.bincount([root(i) for i in range(plan.cp_size)]).max())
+
+
+def predict_layer(plan: Plan, work: Workload, cost: CostModel | None = None, host: HostCost | None = None,
+                  gpu_s_per_token: float = 0.0) -> float:
+    """Predicted seconds of one layer's attention forward + backward under ``plan``: its slowest rank's
+    ``max(host, GPU)``, GPU = kernels on the rank's tiles (``cost.tile_time``) + the K/V exchange and the dK/dV
+    return (fp32 sums: twice the bytes) when anything moves + ``gpu_s_per_token`` x its tokens (the layer's other
+    GPU work); host = ``host.call`` over ``exchange_span(plan)`` ranks + ``host.layer_s``. The ranks wait for each
+    other at the exchange, and the step for the slowest rank, so the slowest rank's time is the layer's."""
+    cost, host = cost or CostModel(), host or HostCost()
+    moves = any(r.num_remote for r in plan.ranks)
+    recv = max(r.num_remote for r in plan.ranks) * work.kv_bytes_per_token
+    ex = cost.comm_time(recv, 0.0) + cost.comm_time(2 * recv, 0.0) if moves else 0.0
+    h = host.call(exchange_span(plan)) + host.layer_s
+    return max(max(h, cost.tile_time(r.tiles, work) + cost.tile_time(r.tiles, work, True) + ex
+                   + gpu_s_per_token * r.num_tokens) for r in plan.ranks)
+
+
+def plan_over_dp(masks, cp_size: int, *, work: Workload, cost: CostModel | None = None, host: HostCost | None = None,
+                 gpu_s_per_token: float = 0.0, topology=None, **plan_kwargs) -> tuple[Plan, dict]:
+    """The plan of one global micro-batch over DP x CP: ``masks`` are the DP groups' micro-batches (DP rank order),
+    ``cp_size`` ranks each. Two candidates: ``global``, ``plan(block_diagonal(masks), dp * cp)`` (balanced over every
+    rank, documents split across groups where balance needs it; ``topology``: the world's), and ``dp_whole``,
+    ``planner.plan_groups(masks, cp_size)`` (every group's documents on its own ranks, as DP keeps them; nothing
+    moves at CP 1; group ``d``'s part is ``plan(masks[d], cp_size)`` shifted to its ranks, what the fixed layout runs
+    on that group's CP ranks). Returns the one whose ``predict_layer`` is lower (``dp_whole`` on a tie: it moves
+    less) and ``{candidate: predicted seconds}``. Short documents: each group is balanced already and the global
+    plan only adds exchange and host time, so DP's layout wins; a heavy-tailed draw leaves one group with most of the
+    work and the global plan wins by its balance. Pure host work, the same on every rank."""
+    masks = list(masks)
+    cands = {"dp_whole": plan_groups(masks, cp_size, **plan_kwargs),
+             "global": plan(block_diagonal(masks), len(masks) * int(cp_size), topology=topology, **plan_kwargs)}
+    pred = {k: predict_layer(p, work, cost, host, gpu_s_per_token) for k, p in cands.items()}
+    best = min(cands, key=lambda k: (pred[k], k != "dp_whole"))
+    return cands[best], pred
