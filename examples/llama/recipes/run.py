@@ -25,6 +25,7 @@ tokens, cut into documents that end with EOD (no download).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import shlex
 import sys
@@ -111,6 +112,7 @@ def _sparse(method: str, params: dict, finetune: bool):
 
 
 SEEDS = {"cp1": 3, "cp4": 2}  # data orders (Run.data_seed) of the convergence recipe's reference and CP layout
+DP_RUN = "cp1_dp4"  # the convergence recipe's CP 1 at DP 4 (another arrangement of the same micro-batches)
 HELD_OUT_BAND = 2.0  # standard deviations of CP 1's held-out losses over its seeds: the spread a layout must stay in
 
 
@@ -123,7 +125,9 @@ def _convergence(size: str, gpus: int, steps: int | None, pretrain_steps: int | 
         t = replace(t, steps=steps)
     layouts = (("cp1", Layout()), ("cp4", Layout(cp=4)))
     runs = [Run(f"{name}_seed{s}", layout, data_seed=s, dp=1) for name, layout in layouts for s in range(1, SEEDS[name] + 1)]
-    return [Job(t, runs)]
+    # CP 1 in DP 4's arrangement (one micro-batch per rank, gradients summed over ranks instead of accumulated on
+    # one) on seed 1's data: how far the micro-batch arrangement alone moves a bf16 run, beside how far CP 4 does
+    return [Job(t, runs + [Run(f"{DP_RUN}_seed1", Layout(), data_seed=1, dp=4)])]
 
 
 RECIPES = {
@@ -222,7 +226,7 @@ def summarize(name: str, jobs: list[Job], results: list[dict]) -> dict:
 def convergence_checks(runs: dict) -> dict:
     """The convergence recipe's evidence: ``seeds`` (each layout's runs), ``held_out`` (CP 1's mean and standard
     deviation over its seeds at every evaluation, and each run's values) and the checks: every CP 4 held-out loss
-    inside CP 1's mean +- HELD_OUT_BAND sd; CP 4's train loss at each step no farther from CP 1's on the same data
+    (and CP 1 at DP 4's) inside CP 1's mean +- HELD_OUT_BAND sd; its train loss at each step no farther from CP 1's on the same data
     order (seeds pair up) than CP 1's seeds ever are from each other; CP 1's held-out loss falling by >= 30% (enough
     training for the comparison to mean something)."""
     seeds = {k: sorted(n for n in runs if n.startswith(k + "_seed")) for k in SEEDS}
@@ -240,12 +244,12 @@ def convergence_checks(runs: dict) -> dict:
     checks = out["checks"]
     checks[f"cp1 held-out loss falls >= 30% (step {steps[0]} -> {steps[-1]})"] = [
         float(1 - mean[-1] / mean[0]), bool(mean[-1] <= 0.7 * mean[0])]
-    for n in seeds["cp4"]:
+    for n in seeds["cp4"] + sorted(n for n in runs if n.startswith(DP_RUN + "_seed")):
         v = np.array(out["held_out"]["runs"][n])
         z = float(np.max(np.abs(v - mean) / np.maximum(sd, 1e-12)))
         checks[f"{n} held-out loss within cp1 mean +- {HELD_OUT_BAND:g} sd at every evaluation (max |z|)"] = [
             z, bool(z <= HELD_OUT_BAND)]
-        pair = n.replace("cp4", "cp1")
+        pair = "cp1_seed" + n.rsplit("_seed", 1)[1]
         if pair in runs:
             dev = float(np.abs(np.array(runs[n]["losses"]) - np.array(runs[pair]["losses"])).max())
             checks[f"{n} train loss: max |{n} - {pair}| over steps within cp1 seeds' widest spread ({floor:.4f})"] = [
@@ -260,11 +264,11 @@ def plot_convergence(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(14, 4.4))
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(20, 4.4))
     runs = summary["jobs"][0]["runs"]
     for n, r in runs.items():
         ax0.plot(range(1, len(r["losses"]) + 1), r["losses"], lw=0.8, label=n,
-                 color="0.6" if n.startswith("cp1") else None)
+                 color="0.6" if n.startswith("cp1_seed") else None)
     ax0.set(xlabel="step", ylabel="train loss (nats / byte)", title="train loss (no document twice)")
     ho = summary.get("held_out") or {}
     if ho:
@@ -272,10 +276,21 @@ def plot_convergence(summary: dict, path: Path) -> None:
         ax1.fill_between(s, m - HELD_OUT_BAND * sd, m + HELD_OUT_BAND * sd, color="0.85",
                          label=f"cp1 mean +- {HELD_OUT_BAND:g} sd ({len(summary['seeds']['cp1'])} seeds)")
         ax1.plot(s, m, color="0.4", lw=1, label="cp1 mean")
-        for n in summary["seeds"]["cp4"]:
+        for n in [n for n in ho["runs"] if not n.startswith("cp1_seed")]:
             ax1.plot(s, ho["runs"][n], marker=".", lw=1, label=n)
     ax1.set(xlabel="step", ylabel="held-out loss", title="held-out files, never trained on")
-    for ax in (ax0, ax1):
+    ref = [runs[n]["losses"] for n in summary["seeds"]["cp1"]]
+    if len(ref) > 1:  # each run's distance to CP 1 on the same data order, against the widest spread of CP 1's seeds
+        width = min(map(len, ref))
+        spread = np.ptp(np.array([r[:width] for r in ref]), axis=0)
+        ax2.semilogy(range(1, width + 1), np.maximum(spread, 1e-7), color="0.6", lw=0.8, label="cp1 seeds: max - min")
+        for n, r in runs.items():
+            pair = "cp1_seed" + n.rsplit("_seed", 1)[-1]
+            if not n.startswith("cp1_seed") and pair in runs:
+                d = np.abs(np.array(r["losses"]) - np.array(runs[pair]["losses"][:len(r["losses"])]))
+                ax2.semilogy(range(1, len(d) + 1), np.maximum(d, 1e-7), lw=0.8, label=f"|{n} - {pair}|")
+        ax2.set(xlabel="step", ylabel="train loss difference", title="same data order: distance to CP 1 (floor 1e-7)")
+    for ax in (ax0, ax1, ax2):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
@@ -362,6 +377,7 @@ def leak_check(plan, a, meta) -> dict:
     is the gradients' reference); the plans of every row the recipe trains on (each CP layout's, on the host); and
     every token row's count of kept keys through the kernels the runs use, at each CP size (leak.count_worker);
     results to <out>/<recipe>/leak.json."""
+    import torch
     from tiny_llama import leak
     from tiny_llama.convergence import Corpus
     from tiny_llama.trainer import spawn
@@ -374,9 +390,12 @@ def leak_check(plan, a, meta) -> dict:
         leak.check_runs(pairs)
         train = pairs[0][0]
         length = train.shape.seq_length
-        corpus = Corpus(train, length, max((j.train.pretrain_steps + j.train.steps) * j.train.global_batch
-                                           for j in jobs))
-        trained = corpus.batch(0, corpus.samples)[0]
+        samples = max((j.train.pretrain_steps + j.train.steps) * j.train.global_batch for j in jobs)
+        corpus = Corpus(train, length, samples)
+        # the rows of every data order the selected runs train on (a data seed reorders the training files)
+        orders = sorted({r.data_seed for _, r in pairs})
+        trained = torch.cat([(corpus if s == 0 else Corpus(train, length, samples, data_seed=s)).batch(
+            0, samples)[0] for s in orders])
         layouts = {r.layout.name: (r.layout.cp, r.options(t)) for t, r in pairs if r.layout.cp > 1}
         wrong = leak.plan_errors(list(trained), train.mask_spec(), layouts)
         backend = "gloo" if a.cpu else shared_gpu.BACKEND if a.share_gpu else "nccl"
@@ -513,18 +532,23 @@ def main(argv=None) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "results.json"
         cmd = command
-        if a.runs:
-            res, earlier = _with_earlier(path, jobs, res)
-            cmd = command if earlier is None else earlier + " ; " + command
-        summary = {**meta, "command": cmd, "recipe": n, "about": RECIPES[n][0], **summarize(n, jobs, res)}
-        # (job dtype, run) pairs of the recipe with no result: a layout the world does not fit, --runs, --precision
-        summary["not_run"] = [f"{j.train.dtype} {r.name}" for j, e in zip(jobs_for(n, a.size, a.gpus, a.steps,
-                                                                                  a.pretrain_steps), summary["jobs"])
-                              for r in j.runs if r.name not in e["runs"]]
-        path.write_text(json.dumps(summary, indent=1) + "\n")
-        if any(e["runs"] for e in summary["jobs"]):
-            (plot_convergence(summary, folder / f"{n}.png") if n == "convergence" else plot(n, summary,
-                                                                                             folder / f"{n}.png"))
+        # calls with --runs may train at the same time (e.g. CP 1 on --gpus 1 beside CP 4 on ranks sharing the
+        # GPU): each adds its runs to what the folder holds under a lock, so none overwrites another's
+        with open(folder / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if a.runs:
+                res, earlier = _with_earlier(path, jobs, res)
+                cmd = command if earlier is None else earlier + " ; " + command
+            summary = {**meta, "command": cmd, "recipe": n, "about": RECIPES[n][0], **summarize(n, jobs, res)}
+            # (job dtype, run) pairs of the recipe with no result: a layout the world does not fit, --runs,
+            # --precision
+            summary["not_run"] = [f"{j.train.dtype} {r.name}" for j, e in zip(
+                jobs_for(n, a.size, a.gpus, a.steps, a.pretrain_steps), summary["jobs"])
+                for r in j.runs if r.name not in e["runs"]]
+            path.write_text(json.dumps(summary, indent=1) + "\n")
+            if any(e["runs"] for e in summary["jobs"]):
+                (plot_convergence(summary, folder / f"{n}.png") if n == "convergence"
+                 else plot(n, summary, folder / f"{n}.png"))
         report[n] = summary
         print(f"\n== {n}: {RECIPES[n][0]}  ({meta['device']}, world {a.gpus})")
         for e in summary["jobs"]:
