@@ -38,7 +38,6 @@ from .planner import SOLVERS, Plan, Topology, in_feasible_set, optimal_assignmen
 
 __all__ = ["main"]
 
-DOC_MASKS = ("packed", "docs_causal")
 MILP_MAX_CP = 8
 MILP_MAX_CHUNKS = 64
 
@@ -101,7 +100,7 @@ def _fraction(text: str) -> float:
 
 
 # the builders of megatron_cp.masks that take (seqlen, integer sizes): --mask NAME --mask-args K=V,...
-BUILDER_MASKS = ("sliding_window", "block_causal", "prefix_lm", "strided", "global_local", "star", "streaming")
+BUILDER_MASKS = M.builders_taking("sizes")
 MASK_CHOICES = tuple(catalog.NAMES) + tuple(n for n in BUILDER_MASKS if n not in catalog.NAMES)
 
 
@@ -176,8 +175,9 @@ def _check(ap: argparse.ArgumentParser, args) -> None:
         need = [n for n, p in list(sig.parameters.items())[1:] if p.default is inspect.Parameter.empty]
         ap.error(f"--mask {args.mask} is a builder, not a catalog mask: give its sizes with --mask-args "
                  f"({', '.join(f'{n}=...' for n in need)})")
-    if (args.docs is not None or args.seed is not None) and args.mask not in DOC_MASKS:
-        ap.error(f"--docs / --seed apply to the document masks {', '.join(DOC_MASKS)}, not --mask {args.mask}")
+    if (args.docs is not None or args.seed is not None) and args.mask not in catalog.DOCUMENT_MASKS:
+        ap.error(f"--docs / --seed apply to the document masks {', '.join(catalog.DOCUMENT_MASKS)}, not --mask "
+                 f"{args.mask}")
     if args.docs is not None:
         try:
             args.doc_lengths = read_doc_lengths(args.docs)
@@ -220,7 +220,7 @@ def _check(ap: argparse.ArgumentParser, args) -> None:
 def build_mask(args) -> M.AttnMask:
     if args.mask_args is not None:
         return args.built_mask
-    if args.mask in DOC_MASKS and (args.docs is not None or args.seed is not None):
+    if args.mask in catalog.DOCUMENT_MASKS and (args.docs is not None or args.seed is not None):
         lens = args.doc_lengths if args.docs is not None else random_doc_lengths(args.seqlen, args.seed)
         return M.varlen(np.concatenate([[0], np.cumsum(lens)]).tolist(), causal=True)
     return catalog.build(args.mask, args.seqlen)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_cp.masks import builders as B
+from megatron_cp import masks as B
 from megatron_cp.masks.slices import AttnMask
 
 
@@ -200,15 +200,15 @@ def _table_ref(table, bs, sq, sk):
             q0, q1 = qb * bs, min((qb + 1) * bs, sq)
             k0, k1 = kb * bs, min((kb + 1) * bs, sk)
             li, lj = _ij(q1 - q0, k1 - k0)
-            if table[qb, kb] == B.FULL:
+            if table[qb, kb] == B.Block.FULL:
                 ref[q0:q1, k0:k1] = True
-            elif table[qb, kb] == B.CAUSAL:
+            elif table[qb, kb] == B.Block.CAUSAL:
                 ref[q0:q1, k0:k1] = lj <= li + (k1 - k0) - (q1 - q0)
     return ref
 
 
 def test_block_table_constants():
-    assert (B.EMPTY, B.FULL, B.CAUSAL) == (0, 1, 2)
+    assert (B.Block.EMPTY, B.Block.FULL, B.Block.CAUSAL) == (0, 1, 2)
 
 
 def test_from_block_table_example():

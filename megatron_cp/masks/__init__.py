@@ -1,20 +1,18 @@
 """Masks: ``AttnSlice``, ``AttnMask`` (union of slices) and builders for common patterns.
 
-Builders: full, causal, sliding_window, varlen, block_causal, prefix_lm, strided, global_local,
-star, streaming, from_block_table (``Block.EMPTY`` / ``FULL`` / ``CAUSAL`` entries), from_mask_mod
-(FlexAttention-style).
+Builders: ``BUILDERS`` (registry.py) names each with the kind of its arguments (``ARG_KINDS``):
+full, causal, sliding_window, varlen, block_causal, prefix_lm, strided, global_local, star, streaming,
+from_block_table (``Block.EMPTY`` / ``FULL`` / ``CAUSAL`` entries), from_mask_mod (FlexAttention-style).
+``streaming_within`` and ``block_diagonal`` make a mask from masks.
 
 ``megatron_cp.masks.catalog``: the named benchmark masks (AttnMask, mask_mod and kernel tile list of
 each), loaded on first use because it needs torch.
 """
 
 from .builders import (
-    Block,
     block_causal,
     block_diagonal,
     causal,
-    from_block_table,
-    from_mask_mod,
     full,
     global_local,
     prefix_lm,
@@ -25,16 +23,15 @@ from .builders import (
     strided,
     varlen,
 )
+from .general import Block, from_block_table, from_mask_mod
 from .geometry import KINDS
+from .registry import ARG_KINDS, BUILDERS, builders_taking
 from .slices import AttnMask, AttnSlice
 
-BUILDERS = (
-    "full", "causal", "sliding_window", "varlen", "block_causal", "prefix_lm", "strided",
-    "global_local", "star", "streaming", "from_block_table", "from_mask_mod",
-)
-
 # public modules beside the names: geometry (trapezoid arithmetic), catalog (named masks, needs torch), draw
-__all__ = ["AttnMask", "AttnSlice", "KINDS", "Block", "BUILDERS", "streaming_within", "block_diagonal", *BUILDERS,
+__all__ = ["AttnMask", "AttnSlice", "KINDS", "Block", "streaming_within", "block_diagonal", *BUILDERS,
+           # the registry of builders by name, with the kind of their arguments (registry.py)
+           "BUILDERS", "ARG_KINDS", "builders_taking",
            "geometry", "catalog", "draw"]
 
 

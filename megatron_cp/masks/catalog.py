@@ -39,6 +39,7 @@ from . import builders as B
 from .slices import AttnMask, AttnSlice
 
 DIST_MASKS = ("full", "causal", "packed", "sliding_window", "block_causal", "strided", "global_local")
+DOCUMENT_MASKS = ("packed", "docs_causal")  # masks of drawn document lengths (doc_lengths)
 KERNEL_MASKS = ("full", "causal", "docs_causal", "sliding_window_1024", "block_causal_2048", "strided_512x4",
                 "global_local_512", "streaming_1024")
 
@@ -79,7 +80,7 @@ def doc_lengths(name: str, seqlen: int) -> list[int]:
             out.append(n)
             tot += n
     else:
-        raise ValueError(f"doc_lengths: {name!r} is not a document mask; choose packed or docs_causal")
+        raise ValueError(f"doc_lengths: {name!r} is not a document mask; choose {' or '.join(DOCUMENT_MASKS)}")
     return out
 
 

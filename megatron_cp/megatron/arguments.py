@@ -15,7 +15,7 @@ import argparse
 import json
 import re
 
-from .batch import DOC_MASKS, MASKS, MaskSpec, PlanOptions
+from .batch import BOUNDARY_MASKS, MASKS, MaskSpec, PlanOptions
 from .gating import DEFAULT_SINK, DEFAULT_WINDOW, GatingSpec
 from .sparse_spec import METHODS, spec_from_args
 
@@ -327,7 +327,7 @@ def _map_documents_and_window(args) -> None:
     (Megatron would restart positions where attention does not stop). A builder mask
     (``--cp-mask block_causal`` etc.) conflicts with both flags.
     """
-    mask, builder = args.cp_mask, args.cp_mask not in DOC_MASKS
+    mask, builder = args.cp_mask, args.cp_mask not in BOUNDARY_MASKS
     if getattr(args, "reset_attention_mask", False):
         if builder:
             raise ValueError(f"--reset-attention-mask conflicts with --cp-mask {mask} (a per-sample builder mask): "

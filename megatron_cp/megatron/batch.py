@@ -34,10 +34,11 @@ from megatron_cp.planner import Workload, plan_like
 from .params import CPParams
 from .plan_ahead import in_turn
 
-# masks built from document boundaries; everything else is a builder in megatron_cp.masks
-DOC_MASKS = ("causal", "packed", "sliding_window", "packed_sliding_window")
-BUILDER_MASKS = ("block_causal", "prefix_lm", "strided", "global_local", "star", "streaming")
-MASKS = DOC_MASKS + BUILDER_MASKS
+# masks built from each micro-batch's sample and document boundaries; the others are the builders of
+# megatron_cp.masks that take (seqlen, sizes), called per sample (sliding_window is the boundary mask's)
+BOUNDARY_MASKS = ("causal", "packed", "sliding_window", "packed_sliding_window")
+BUILDER_MASKS = tuple(n for n in mcp.masks.builders_taking("sizes") if n not in BOUNDARY_MASKS)
+MASKS = BOUNDARY_MASKS + BUILDER_MASKS
 
 
 @dataclass(frozen=True)
