@@ -336,6 +336,37 @@ def test_third_party_rules():
     assert not bad, "\n".join(bad)
 
 
+def _environment_reads(tree) -> list[int]:
+    """Lines where ``tree`` reads a setting from the environment: ``os.environ[...]``, ``os.environ.get``,
+    ``os.getenv``, ``... in os.environ`` (handing the whole environment on, ``dict(os.environ, ...)``, reads none)."""
+    def environ(n):
+        return isinstance(n, ast.Attribute) and n.attr == "environ" and isinstance(n.value, ast.Name) and n.value.id == "os"
+
+    lines = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Subscript) and environ(n.value):
+            lines.append(n.lineno)
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and (
+                (n.func.attr in ("get", "setdefault") and environ(n.func.value))
+                or (n.func.attr == "getenv" and isinstance(n.func.value, ast.Name) and n.func.value.id == "os")):
+            lines.append(n.lineno)
+        elif isinstance(n, ast.Compare) and any(environ(c) for c in n.comparators):
+            lines.append(n.lineno)
+    return sorted(lines)
+
+
+def test_the_library_reads_no_environment():
+    """Configuration is explicit (arguments and dataclasses): no library module reads a launcher's or user's
+    environment variable; tools and examples read what their launcher sets (torchrun's LOCAL_RANK: tools/common.py)
+    and pass it on."""
+    bad = [f"{path.relative_to(ROOT)}:{line} reads the environment" for path in _modules().values()
+           for line in _environment_reads(ast.parse(path.read_text()))]
+    assert not bad, "\n".join(bad)
+    planted = "import os\nrank = int(os.environ.get('LOCAL_RANK', 0))\nw = os.environ['X']\nf = 'Y' in os.environ\n"
+    assert _environment_reads(ast.parse(planted)) == [2, 3, 4]
+    assert _environment_reads(ast.parse("import os\nenv = dict(os.environ, A='1')\n")) == []
+
+
 def test_the_library_runs_without_megatron_core():
     """megatron-core is the ``[megatron]`` extra, not a dependency: with it unimportable, ``import megatron_cp``,
     planning and attention work, and ``megatron_cp.megatron`` fails with the install instruction."""

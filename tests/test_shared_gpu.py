@@ -35,8 +35,9 @@ def test_rank_device_maps_ranks_onto_gpus_or_refuses_before_any_group():
 
 
 def test_timing_tools_refuse_ranks_that_outnumber_gpus(monkeypatch):
-    """bench_dist and bench_train start ranks through bench_dist.start_ranks, calibrate through rank_device: ranks
-    that would share a GPU are refused before any process group (times there would mean nothing)."""
+    """bench_dist and bench_train start ranks through bench_dist.start_ranks, calibrate through rank_device, both with
+    torchrun's local rank and size read by tools/common.py (the library reads no environment): ranks that would share
+    a GPU are refused before any process group (times there would mean nothing)."""
     from test_tools import _tool
 
     bench = _tool("bench_dist")
@@ -75,12 +76,17 @@ def _collectives(rank, world):
             send = torch.arange(sum(counts) * 2, dtype=dt).reshape(-1, 2) + 100 * rank
             a2a = torch.empty(sum(recv), 2, dtype=dt)
             dist.all_to_all_single(a2a, send, recv, counts, group=group)
+            ga = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
+            dist.gather(x, ga, dst=0, group=group)
+            sc = torch.empty_like(x)
+            parts = [x * (d + 1) for d in range(world)] if rank == world - 1 else None
+            dist.scatter(sc, parts, src=world - 1, group=group)
             p = torch.empty(2, dtype=dt)
             reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, x[0, :2].contiguous(), (rank + 1) % world, group),
                                            dist.P2POp(dist.irecv, p, (rank - 1) % world, group)])
             for r in reqs:
                 r.wait()
-            got.append([t.double().numpy() for t in (a, m, g, *gl, rs, b, a2a, p)])
+            got.append([t.double().numpy() for t in (a, m, g, *gl, rs, b, *(ga or []), sc, a2a, p)])
         if group is shared:
             with dist._coalescing_manager(group, async_ops=True) as cm:  # Megatron's DDP gradient sync
                 c1, c2 = torch.ones(3) * rank, torch.ones(2)

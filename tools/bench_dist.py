@@ -41,8 +41,8 @@ from megatron_cp.runtime import CostModel
 from megatron_cp.runtime.state import states_of
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
-from common import (Progress, Timer, bar_panels, device_name, markdown_table, out_dir, parser,  # noqa: E402
-                    profile_step, run_record, timeline_summary, write_json)
+from common import (Progress, Timer, bar_panels, device_name, local_rank_and_world, markdown_table, out_dir,  # noqa: E402
+                    parser, profile_step, run_record, timeline_summary, write_json)
 
 IMPLS = "megatron-cp,megatron-cp+xattention,megatron-cp+moba,ring,ulysses,usp,allgather,torch-native"
 SPARSE_IMPLS = ("megatron-cp+xattention", "megatron-cp+moba")  # on the causal and packed masks only
@@ -52,7 +52,7 @@ def start_ranks(dry, share_gpu=False):
     """This rank's device, the process group up: CPU and gloo for a dry run, else its GPU and NCCL, or with
     ``share_gpu`` (correctness tools only) the ranks spread over the visible GPUs on gloo through host copies
     (``megatron_cp.comm.shared_gpu``). Ranks outnumbering the GPUs without ``share_gpu``: a ValueError first."""
-    dev = torch.device("cpu") if dry else shared_gpu.rank_device(*shared_gpu.local_rank_and_world(), share_gpu)
+    dev = torch.device("cpu") if dry else shared_gpu.rank_device(*local_rank_and_world(), share_gpu)
     if not dry:
         torch.cuda.set_device(dev)
     if not dist.is_initialized():  # bench_train's dry run: run_ranks's gloo processes

@@ -32,6 +32,12 @@ def device_name(device=None) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 
 
+def local_rank_and_world() -> tuple[int, int]:
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE) as torchrun sets them (0, 1 outside torchrun): the launcher's, read here so
+    that the library's ``shared_gpu.rank_device`` takes them as arguments."""
+    return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
 def run_record(device: str, command: str | None = None, **extra) -> dict:
     """What a result file starts with: ``device``, ``date`` (UTC, to the minute), ``command`` (default this
     process's: ``python <script> <args>``), torch's and flash-attn-4's versions (None: not installed); ``extra``."""

@@ -18,6 +18,7 @@ GPU). A correctness check: Megatron's ms per iteration and TFLOP/s mean nothing 
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -32,7 +33,8 @@ def share_gpu() -> None:
 
     from megatron_cp.comm import shared_gpu
 
-    device = shared_gpu.rank_device(*shared_gpu.local_rank_and_world(), share_gpu=True)
+    local = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's
+    device = shared_gpu.rank_device(*local, share_gpu=True)
     torch.cuda.set_device(device)
     dist.init_process_group(shared_gpu.BACKEND)
 

@@ -11,6 +11,7 @@ keeps its part. Everything but point-to-point receives completes before the call
 This mode is for correctness only: gloo over host copies and ranks taking turns on one GPU make every time
 meaningless, and the timing tools refuse it (``refuse_timing``).
 
+    # local_rank, local_world: the launcher's (torchrun: LOCAL_RANK, LOCAL_WORLD_SIZE); this module reads no environment
     device = shared_gpu.rank_device(local_rank, local_world, share_gpu=True)   # cuda:(local_rank % GPUs)
     torch.cuda.set_device(device)
     dist.init_process_group(shared_gpu.backend_for(device, share_gpu=True))    # "gloo_shared_gpu"
@@ -19,7 +20,6 @@ meaningless, and the timing tools refuse it (``refuse_timing``).
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
@@ -65,11 +65,6 @@ def refuse_timing(tool: str, group=None) -> None:
         raise RuntimeError(f"{tool} measures time, and ranks sharing a GPU ({BACKEND}: gloo through host copies, "
                            "ranks taking turns on one device) give times that mean nothing; run it with a GPU per "
                            "rank (NCCL)")
-
-
-def local_rank_and_world() -> tuple[int, int]:
-    """(LOCAL_RANK, LOCAL_WORLD_SIZE) as torchrun sets them (0, 1 outside torchrun)."""
-    return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -190,25 +185,27 @@ class SharedGPUGroup(dist.ProcessGroup):
             self._allgather_base(o, x)
         return _done(outputs)
 
+    def _rooted(self, one, many, options, root, call):
+        """Gather or scatter through host copies: ``one`` the tensor every rank has, ``many`` the root's list (empty
+        elsewhere), ``call(one, many, options)`` gloo's op on their host copies as bytes. Returns the host copies
+        (one, many) for the caller to copy back the side it received."""
+        h, hs = _host(one), [_host(t) for t in many]
+        options.rootRank = root
+        call([_bytes(h)], [[_bytes(x) for x in hs]] if hs else [], options).wait()
+        return h, hs
+
     def gather(self, outputs, inputs, opts):
-        x = inputs[0]
-        hx = _host(x)
-        hs = [_host(o) for o in outputs[0]] if outputs else []
-        o = dist.GatherOptions()
-        o.rootRank = opts.rootRank
-        self._gloo.gather([[_bytes(h) for h in hs]] if hs else [], [_bytes(hx)], o).wait()
-        for dst, h in zip(outputs[0] if outputs else [], hs):
+        received = outputs[0] if outputs else []
+        _, hs = self._rooted(inputs[0], received, dist.GatherOptions(), opts.rootRank,
+                             lambda one, many, o: self._gloo.gather(many, one, o))
+        for dst, h in zip(received, hs):
             _back(dst, h)
         return _done(outputs)
 
     def scatter(self, outputs, inputs, opts):
-        y = outputs[0]
-        hy = _host(y)
-        hs = [_host(i) for i in inputs[0]] if inputs else []
-        o = dist.ScatterOptions()
-        o.rootRank = opts.rootRank
-        self._gloo.scatter([_bytes(hy)], [[_bytes(h) for h in hs]] if hs else [], o).wait()
-        _back(y, hy)
+        h, _ = self._rooted(outputs[0], inputs[0] if inputs else [], dist.ScatterOptions(), opts.rootRank,
+                            self._gloo.scatter)
+        _back(outputs[0], h)
         return _done(outputs)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):

@@ -31,7 +31,8 @@ from megatron_cp.runtime.cost import block_counts, tile_areas
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/sim: simulate's call lists
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/common.py
-from common import Progress, Timer, device_name, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
+from common import (Progress, Timer, device_name, local_rank_and_world, markdown_table, out_dir, parser,  # noqa: E402
+                    run_record, write_json)
 from simulate import bench_calls  # noqa: E402
 
 SECONDS, CHECK_SECONDS, CHECK_CP = 0.5, 0.2, 4  # sustained warm-ups before each kernel figure; --check's cp
@@ -356,7 +357,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1 and not args.check  # under torchrun
     # a GPU per rank: ranks sharing one would time each other (shared_gpu.rank_device refuses them)
-    device = torch.device("cpu") if args.dry_run else shared_gpu.rank_device(*shared_gpu.local_rank_and_world())
+    device = torch.device("cpu") if args.dry_run else shared_gpu.rank_device(*local_rank_and_world())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     work = Workload(4, 2, 16, 2) if args.dry_run else Workload()
