@@ -34,7 +34,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import megatron_cp as mcp
 from megatron_cp import kernels
-from megatron_cp.baselines import get_strategy, plan_for
+from megatron_cp.baselines import STRATEGIES, get_strategy, plan_for
 from megatron_cp.comm import shared_gpu
 from megatron_cp.masks import catalog
 from megatron_cp.runtime import CostModel
@@ -44,8 +44,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from common import (Progress, Timer, bar_panels, device_name, local_rank_and_world, markdown_table, out_dir,  # noqa: E402
                     parser, profile_step, run_record, timeline_summary, write_json)
 
-IMPLS = "megatron-cp,megatron-cp+xattention,megatron-cp+moba,ring,ulysses,usp,allgather,torch-native"
-SPARSE_IMPLS = ("megatron-cp+xattention", "megatron-cp+moba")  # on the causal and packed masks only
+OURS = "megatron-cp"  # megatron-cp's own attention: the record label of every tool's results and tools/sim's
+SPARSE_IMPLS = (f"{OURS}+xattention", f"{OURS}+moba")  # on the causal and packed masks only
+# by default every baseline but head_context, which on one node (no --nodes) is Ulysses over every rank
+IMPLS = ",".join((OURS, *SPARSE_IMPLS, *(s for s in STRATEGIES if s != "head_context"), "torch-native"))
 
 
 def start_ranks(dry, share_gpu=False):

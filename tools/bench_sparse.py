@@ -31,14 +31,13 @@ from megatron_cp import kernels
 from megatron_cp.kernels import BlockKeep
 from megatron_cp.masks import catalog
 from megatron_cp.masks.draw import block_grid
-from megatron_cp.sparse import (FlexPrefill, HeadPattern, MInference, MoBA, XAttention, single_view,
-                                sparse_attention, sparse_layout)
+from megatron_cp.sparse import SELECTORS, HeadPattern, MInference, single_view, sparse_attention, sparse_layout
 from megatron_cp.sparse.draw import block_mass, draw_selection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: common
 from common import Progress, Timer, bar_panels, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
 
-METHODS = ("moba", "xattention", "flexprefill", "minference")
+METHODS = tuple(SELECTORS)
 RATIO_TARGET = 0.85  # the block-sparse kernel's TFLOP/s on kept cells over dense FA4's, fwd and bwd
 DRY_RUN_BLOCK = {"moba": 128, "xattention": 64, "flexprefill": 64, "minference": 64}  # S 1024: 8 / 16 blocks
 STRUCTURE_KINDS = ("a-shape", "vertical-slash", "local", "random")  # per K/V head, cyclic
@@ -51,7 +50,7 @@ def make_selector(method: str, args, hq: int, hkv: int):
         if args.minference_config:
             return MInference.from_json(args.minference_config, args.minference_layer, block=kw.get("block", 128))
         return MInference(patterns=default_patterns(hq, hkv), **kw)
-    return {"moba": MoBA, "xattention": XAttention, "flexprefill": FlexPrefill}[method](**kw)
+    return SELECTORS[method](**kw)
 
 
 def selector_label(sel) -> str:
@@ -268,7 +267,7 @@ def main(argv=None):
     ap.add_argument("--seqlens", type=int, nargs="+", default=[65536, 131072])
     ap.add_argument("--envelope", choices=("causal", "packed"), default="causal")
     ap.add_argument("--inputs", choices=("random", "structured"), default="structured")
-    ap.add_argument("--backend", default="auto", choices=("auto", "fa4", "triton", "reference"))
+    ap.add_argument("--backend", default="auto", choices=kernels.BACKEND_CHOICES)
     ap.add_argument("--minference-config", default=None, help="MInference pattern JSON (tools/minference_search.py)")
     ap.add_argument("--minference-layer", type=int, default=0, help="the layer of --minference-config (0-based)")
     ap.add_argument("--png", action="store_true", help="also draw each method's selection at the first S")

@@ -28,14 +28,16 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import megatron_cp as mcp
-from megatron_cp.baselines import get_strategy, plan_for
+from megatron_cp.baselines import STRATEGIES, get_strategy, plan_for
 from megatron_cp.planner import Workload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from bench_dist import start_ranks  # noqa: E402
 from common import device_name, out_dir, parser, run_record, write_json  # noqa: E402
 
-IMPLS = ("megatron-cp", "ring", "ulysses", "usp", "allgather")
+IMPLS = ("megatron-cp", *STRATEGIES)  # megatron-cp's own attention (every tool's record label) and each baseline
+# by default all but head_context, which without a topology is plain Ulysses (one group of every rank)
+DEFAULT_IMPLS = tuple(i for i in IMPLS if i != "head_context")
 
 
 def micro_batch_masks(seqlen: int, count: int) -> list:
@@ -196,7 +198,7 @@ def main(argv=None) -> list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = parser(__doc__, "out/train", timing=(2, 3))
     ap.add_argument("--tokens-per-gpu", default=None, help="comma list (default 8192,16384,32768; dry run 64)")
-    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--impls", default=",".join(DEFAULT_IMPLS))
     a = ap.parse_args(argv)
     if bad := [i for i in a.impls.split(",") if i not in IMPLS]:
         ap.error(f"--impls: {bad[0]!r} is not one of {', '.join(IMPLS)}")

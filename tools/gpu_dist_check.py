@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import megatron_cp as mcp
 from megatron_cp import kernels
 from megatron_cp.baselines import get_strategy, plan_for
+from megatron_cp.baselines import STRATEGIES as BASELINES
 from megatron_cp.kernels.triton import cudnn
 from megatron_cp.masks import catalog, geometry
 from megatron_cp.planner.guests import candidate_rows
@@ -44,8 +45,9 @@ from bench_dist import start_ranks, torchrun_record  # noqa: E402
 from bench_sparse import structured_qk  # noqa: E402
 from common import Progress, markdown_table, out_dir, parser, write_json  # noqa: E402
 
-STRATEGIES = ("ring", "ulysses", "usp", "allgather", "head_context")
-BACKENDS = ("fa4", "triton")  # the default --backends: those of these the GPU has
+STRATEGIES = tuple(BASELINES)  # every baseline beside megatron-cp
+# the default --backends: the GPU backends (the reference is what they are checked against) that the GPU has
+BACKENDS = tuple(b for b in kernels.BACKENDS if b != "reference")
 EXTRA_MASKS = ("causal", "packed")  # the sparse, sink and MLA families' masks
 MLA_DIMS = (192, 128)  # q/k, v head dims
 ERR_KEYS = ("out", "lse", "dq", "dk", "dv", "dsink")

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 import megatron_cp as mcp  # noqa: E402
 from megatron_cp.kernels import (  # noqa: E402
-    BlockKeep, FA4Backend, KernelConfig, PhaseConfigs, TritonBackend, TritonConfig, fa4_unavailable, get_backend,
+    BACKEND_CHOICES, BlockKeep, FA4Backend, KernelConfig, PhaseConfigs, TritonBackend, TritonConfig, fa4_unavailable, get_backend,
 )
 from megatron_cp.kernels.fa4 import sparse as fa4_sparse  # noqa: E402
 from megatron_cp.masks import catalog  # noqa: E402
@@ -257,7 +257,9 @@ def main():
     ap = parser(__doc__, "out/kernel_check")
     ap.add_argument("--seqlens", type=int, nargs="+", default=None, help="default 1024 4096 16384 (a dry run: 256)")
     ap.add_argument("--big", action="store_true", help="add the S = 131072 runs")
-    ap.add_argument("--backend", choices=["auto", "triton", "fa4"], default="auto", help="auto: FA4 where it runs")
+    # the GPU backends (the float64 reference is what they are checked against)
+    ap.add_argument("--backend", choices=[b for b in BACKEND_CHOICES if b != "reference"], default="auto",
+                    help="auto: FA4 where it runs")
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ", ".join(PARTS))
     args = ap.parse_args()
     parts = args.parts.split(",")

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from megatron_cp.comm import shared_gpu
+from megatron_cp.kernels import BACKEND_CHOICES
 from megatron_cp.megatron import MaskSpec, PlanOptions
 
 from .model import TINY, LlamaShape
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=("gloo", "nccl", shared_gpu.BACKEND), default="gloo",
                     help=f"gloo: CPU ranks; nccl: a GPU per rank; {shared_gpu.BACKEND}: ranks sharing the visible "
                          "GPUs through host copies (correctness only)")
-    ap.add_argument("--kernel-backend", choices=("auto", "triton", "reference"), default="auto")
+    ap.add_argument("--kernel-backend", choices=BACKEND_CHOICES, default="auto")
     ap.add_argument("--json", type=str, default=None, help="also write the result here")
     a = ap.parse_args(argv)
     shape = LlamaShape(**{**TINY.__dict__, "seq_length": a.seq_length})

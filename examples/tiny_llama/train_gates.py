@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_cp.gating import METHODS
+
 from .model import LlamaShape
 from .passkey import PasskeyTask
 
@@ -341,7 +343,7 @@ def _worker(rank, world, cfg: GateConfig):
     _progress(rank, t0, f"full model: digit / key accuracy {res['rows'][0][2]:.3f} / {res['rows'][0][3]:.3f}")
     timing = {"full (every head full)": _step_ms(model, task, cfg, spec, full_opts)} if cfg.time_steps else {}
     pat_opts = None
-    for method in (("duo", "prulong") if cfg.method == "both" else (cfg.method,)):
+    for method in (tuple(METHODS) if cfg.method == "both" else (cfg.method,)):
         gated_opts = PlanOptions(gating=GatingSpec(cfg.sink, cfg.window, "train", method=method,
                                                    target_sparsity=cfg.sparsity))
         if method == "duo":
@@ -419,7 +421,7 @@ def table(res: dict) -> str:
 def parse(argv=None) -> GateConfig:
     d = GateConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--method", choices=("duo", "prulong", "both"), default=d.method,
+    p.add_argument("--method", choices=(*METHODS, "both"), default=d.method,
                    help="both: one pretraining, then each objective from the same frozen model")
     for name in ("cp", "sink", "window", "seq_length", "digits", "pretrain_steps", "gate_steps", "warmup_steps",
                  "batch", "eval_samples", "layers", "hidden", "heads", "kv_heads", "seed", "rotary_base"):

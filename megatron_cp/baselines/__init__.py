@@ -50,11 +50,14 @@ from .ring import ring, ring_tiles
 from .ulysses import ulysses, usp
 
 STRATEGIES = {"ring": ring, "ulysses": ulysses, "usp": usp, "allgather": allgather, "head_context": head_context}
+# every context-parallel strategy by name: megatron-cp's planned attention (``megatron_cp.attention``) and the
+# baselines; the one list the Megatron flag --context-parallel-impl and the tools read
+OWN = "megatron_cp"
+STRATEGY_NAMES = (OWN, *STRATEGIES)
 
 
 def get_strategy(name: str, **options):
-    """The strategy function called ``name`` (``ring``, ``ulysses``, ``usp``, ``allgather``,
-    ``head_context``); options (e.g. ``ulysses_degree`` for usp / head_context, ``backend``,
+    """The strategy function called ``name`` (a key of ``STRATEGIES``); options (e.g. ``ulysses_degree`` for usp / head_context, ``backend``,
     ``lse_grad``) are bound as keyword arguments."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown context-parallel strategy {name!r}; choose from {', '.join(STRATEGIES)}")
@@ -94,5 +97,5 @@ def plan_for(name: str, mask, cp_size: int, **plan_kwargs) -> Plan:
     return make_plan(mask, cp_size, **plan_kwargs)
 
 
-__all__ = ["get_strategy", "plan_for", "STRATEGIES", "ring", "ulysses", "usp", "allgather", "head_context",
+__all__ = ["get_strategy", "plan_for", "STRATEGIES", "STRATEGY_NAMES", "OWN", "ring", "ulysses", "usp", "allgather", "head_context",
            "head_context_groups", "rank_tiles", "ring_tiles", "mask_tiles"]

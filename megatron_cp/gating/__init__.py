@@ -10,6 +10,10 @@ from .attention import gated_attention, pattern_attention, streaming_plans
 from .gates import (LOG_ALPHA_MEAN, DuoGates, HardConcreteGates, LagrangianSparsity, discretize, load_pattern,
                     pattern_sparsity, save_pattern)
 
-__all__ = ["gated_attention", "pattern_attention", "streaming_plans", "DuoGates", "HardConcreteGates",
+# how the gates are learned, by name: DuoAttention's gates in [0, 1] (distillation + L1) or PruLong's hard-concrete
+# L0 gates with a Lagrangian sparsity target; the one list --cp-head-gating and the examples read
+METHODS = {"duo": DuoGates, "prulong": HardConcreteGates}
+
+__all__ = ["METHODS", "gated_attention", "pattern_attention", "streaming_plans", "DuoGates", "HardConcreteGates",
            "LagrangianSparsity", "discretize", "save_pattern", "load_pattern", "pattern_sparsity", "LOG_ALPHA_MEAN",
            "gates", "attention"]

@@ -23,7 +23,7 @@ from .block_keep import BlockKeep, block_classes
 from .fa4.backend import FA4Backend, fa4_unavailable
 from .protocol import Backend, accumulate_dtype, refuse_double_backward
 from .reference import ReferenceBackend
-from .registry import available_backends, get_backend
+from .registry import BACKEND_CHOICES, BACKENDS, available_backends, get_backend
 from .rows import copy_row_pairs, copy_rows, reduce_rows
 from .tiles import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, KIND_CODES, check_tiles
 from .triton.antidiagonal import antidiagonal_mass, fused_mass_supported
@@ -48,6 +48,8 @@ __all__ = [
     "kept_area",
     "get_backend",
     "available_backends",
+    "BACKENDS",
+    "BACKEND_CHOICES",
     "ReferenceBackend",
     "TritonBackend",
     "FA4Backend",

@@ -1,5 +1,6 @@
-"""Command-line arguments: ``--context-parallel-impl {te,megatron_cp,ring,ulysses,usp,allgather,head_context}``
-and the mask/plan options.
+"""Command-line arguments: ``--context-parallel-impl`` (``te`` or a name of ``baselines.STRATEGY_NAMES``) and the
+mask/plan options; every choice list is read from its registry (strategies, ``kernels.BACKEND_CHOICES``,
+``masks.BUILDERS``, ``sparse.SELECTORS``, ``gating.METHODS``).
 
 Megatron has no CP plugin registry; its entry point for extra flags is ``extra_args_provider``
 (``megatron.training.arguments.parse_and_validate_args(extra_args_provider=...)``). ``te`` (the
@@ -15,13 +16,17 @@ import argparse
 import json
 import re
 
+from megatron_cp import gating as head_gating
+from megatron_cp.baselines import STRATEGY_NAMES
+from megatron_cp.kernels import BACKEND_CHOICES
+
 from .batch import BOUNDARY_MASKS, MASKS, MaskSpec, PlanOptions
 from .gating import DEFAULT_SINK, DEFAULT_WINDOW, GatingSpec
 from .sparse_spec import METHODS, spec_from_args
 
-IMPLS = ("te", "megatron_cp", "ring", "ulysses", "usp", "allgather", "head_context")
-OURS = IMPLS[1:]  # every impl that uses megatron-cp's adapter
-GATING_METHODS = ("none", "duo", "prulong")
+IMPLS = ("te", *STRATEGY_NAMES)
+OURS = STRATEGY_NAMES  # every impl that uses megatron-cp's adapter
+GATING_METHODS = ("none", *head_gating.METHODS)
 
 
 def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -46,7 +51,7 @@ def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--cp-solver", type=str, default="auto", help="planner solver (default: auto)")
     g.add_argument("--cp-topology", type=str, default=None,
                    help="NODESxGPUS_PER_NODE of the CP group, e.g. 2x8 (default: none)")
-    g.add_argument("--cp-kernel-backend", choices=("auto", "fa4", "triton", "reference"), default="auto",
+    g.add_argument("--cp-kernel-backend", choices=BACKEND_CHOICES, default="auto",
                    help="attention kernels: auto (FlashAttention-4 where flash-attn-4 is installed on sm90 / "
                         "sm100, else Triton on GPUs, PyTorch reference otherwise)")
     g.add_argument("--cp-balance-over-dp", action="store_true",

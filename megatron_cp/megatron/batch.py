@@ -82,10 +82,9 @@ class MaskSpec:
 @dataclass(frozen=True)
 class PlanOptions:
     """Arguments passed through to ``megatron_cp.plan`` (chunk_size, topology, solver) and to
-    ``megatron_cp.attention`` (kernel_backend: auto | fa4 | triton | reference). ``strategy``:
-    ``megatron_cp``, a baseline of ``megatron_cp.baselines`` (ring | ulysses | usp | allgather |
-    head_context), which then also chooses the plan's layout (``baselines.plan_for``; ``solver`` is not
-    used)."""
+    ``megatron_cp.attention`` (kernel_backend: a name of ``kernels.BACKEND_CHOICES``). ``strategy``: a name of
+    ``baselines.STRATEGY_NAMES``: ``megatron_cp``, or a baseline, which then also chooses the plan's layout
+    (``baselines.plan_for``; ``solver`` is not used)."""
 
     chunk_size: int | None = None
     topology: object = None

@@ -26,9 +26,8 @@ class CPParams(PackedSeqParams):
     plan:          the megatron-cp plan over the micro-batch's tokens (one sequence, see batch.py)
     position_ids:  int64 ``[b, s_local]``, the RoPE position of each local token (per-document reset)
     cp_rank:       this rank's index in the CP group the plan was dispatched for
-    kernel_backend: megatron_cp.attention's kernel backend (auto | triton | reference)
-    strategy:      megatron_cp, or a strategy of megatron_cp.baselines (ring | ulysses | usp | allgather |
-                   head_context)
+    kernel_backend: megatron_cp.attention's kernel backend (a name of ``kernels.BACKEND_CHOICES``)
+    strategy:      a name of ``baselines.STRATEGY_NAMES``: megatron_cp, or a baseline strategy
     sparse:        a ``SparseSpec`` (--cp-sparse) or None: the layers' dynamic sparse selectors
     gating:        None, or a head-gating object (``gating.GateSource`` / ``PatternSource``): ``mode`` in
                    {train, pattern}, ``gate(layer_number)`` -> float [Hkv] or None, ``pattern(layer_number)``

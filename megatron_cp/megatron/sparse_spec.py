@@ -10,8 +10,10 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
-METHODS = ("none", "moba", "xattention", "flexprefill", "minference")
-DEFAULT_BLOCK = {"moba": 512, "xattention": 128, "flexprefill": 128, "minference": 128}
+from megatron_cp.sparse import SELECTORS
+
+METHODS = ("none", *SELECTORS)
+DEFAULT_BLOCK = {name: cls.block for name, cls in SELECTORS.items()}  # each selector's own default
 
 
 def _parse_layers(text: str | None) -> frozenset | None:
@@ -34,7 +36,7 @@ def _parse_layers(text: str | None) -> frozenset | None:
 
 @dataclass(frozen=True)
 class SparseSpec:
-    """method: moba | xattention | flexprefill | minference; params: the selector's keyword arguments as
+    """method: a name of ``megatron_cp.sparse.SELECTORS``; params: the selector's keyword arguments as
     sorted (name, value) pairs; layers: 1-based layer numbers that run sparse (None: all);
     config: MInference's per-layer pattern JSON."""
 
@@ -62,18 +64,10 @@ class SparseSpec:
 
 
 def build_selector(spec: SparseSpec, layer_number: int):
-    kw = dict(spec.params)
-    if spec.method == "moba":
-        from megatron_cp.sparse.moba import MoBA
-        return MoBA(**kw)
-    if spec.method == "xattention":
-        from megatron_cp.sparse.xattention import XAttention
-        return XAttention(**kw)
-    if spec.method == "flexprefill":
-        from megatron_cp.sparse.flexprefill import FlexPrefill
-        return FlexPrefill(**kw)
-    from megatron_cp.sparse.minference import MInference
-    return MInference.from_json(spec.config, layer_number - 1, block=spec.block)
+    cls = SELECTORS[spec.method]
+    if spec.method == "minference":  # per-layer head patterns from its JSON
+        return cls.from_json(spec.config, layer_number - 1, block=spec.block)
+    return cls(**dict(spec.params))
 
 
 def _threshold(text: str):

@@ -13,5 +13,9 @@ from .layout import SparseLayout, sparse_layout
 from .selector import Selector
 from .view import SelectionView, single_view
 
-__all__ = ["MoBA", "XAttention", "FlexPrefill", "MInference", "HeadPattern", "Selector", "SelectionView", "SparseLayout", "single_view", "sparse_attention", "select_blocks",
+# the dynamic sparse selectors by name (each class's ``name``): the one list --cp-sparse and the tools read; a new
+# selector is a module implementing ``Selector`` and one entry here
+SELECTORS = {cls.name: cls for cls in (MoBA, XAttention, FlexPrefill, MInference)}
+
+__all__ = ["SELECTORS", "MoBA", "XAttention", "FlexPrefill", "MInference", "HeadPattern", "Selector", "SelectionView", "SparseLayout", "single_view", "sparse_attention", "select_blocks",
            "sparse_layout"]
