@@ -16,6 +16,7 @@ import torch
 
 import megatron_cp as mcp
 from megatron_cp.megatron import batch as B
+from megatron_cp.megatron import planning
 from megatron_cp.megatron.plan_ahead import PlanAhead, plan_ahead
 
 EOD = 0
@@ -57,7 +58,7 @@ def _plan_fn(batch):
 @pytest.fixture
 def fresh_cache(monkeypatch):
     cache = B.PlanCache()
-    monkeypatch.setattr(B, "_PLANS", cache)
+    monkeypatch.setattr(planning, "PLANS", cache)
     return cache
 
 
@@ -90,9 +91,9 @@ def test_step_never_waits_on_plans_planned_ahead(fresh_cache, monkeypatch):
     assert [p.digest for p in plans] == [_direct_digest(b["tokens"]) for b in batches]
 
     # the same loop planning inline (depth 0): the step waits for every plan, so the check above fails
-    monkeypatch.setattr(B, "_PLANS", B.PlanCache())
+    monkeypatch.setattr(planning, "PLANS", B.PlanCache())
     inline, plans0 = _train(batches, depth=0, step_s=step_s)
-    assert B._PLANS.made == len(batches)
+    assert planning.PLANS.made == len(batches)
     assert sum(inline.waits[1:]) >= 0.9 * sum(inline.plan_times[1:]) > 0
     assert not sum(inline.waits[1:]) < 0.05 * sum(inline.plan_times[1:])
     assert [p.digest for p in plans0] == [p.digest for p in plans]
@@ -103,7 +104,7 @@ def test_each_micro_batch_gets_its_own_plan_and_prepare_batch_finds_it(fresh_cac
     batches = [{"tokens": _tokens(s), "seed": s} for s in seeds]
     planners = []  # the thread of every plan made (the planner thread keeps planning while the loop runs)
     make = B.make_plan
-    monkeypatch.setattr(B, "make_plan", lambda *a: (planners.append(threading.current_thread()), make(*a))[1])
+    monkeypatch.setattr(planning, "make_plan", lambda *a: (planners.append(threading.current_thread()), make(*a))[1])
     it = PlanAhead(batches, _plan_fn, depth=3)
     seen = {}
     for batch in it:

@@ -2,8 +2,9 @@
 
     --context-parallel-impl megatron_cp      (arguments.add_megatron_cp_args, via extra_args_provider)
     layer spec:  specs.get_llama_layer_spec  (core_attention = CPCoreAttention)
+    options:     options.MaskSpec, options.PlanOptions (the flags' values; arguments.py builds the flags from them)
     batch hook:  batch.prepare_batch         (replaces get_batch_on_this_cp_rank; returns CPParams)
-    planning:    plan_ahead.PlanAhead        (the next micro-batches' plans, batch.plan_for_batch, in a thread)
+    planning:    plan_ahead.PlanAhead        (the next micro-batches' plans, planning.plan_for_batch, in a thread)
     RoPE:        rope.install(model)         (RoPE at the dispatched positions, any device)
     loss:        loss.loss_func              (exact with uneven token counts per CP rank)
 
@@ -17,8 +18,9 @@ except ImportError as e:  # the extra is not installed
     raise ImportError(f"megatron_cp.megatron is the Megatron-Core plugin and needs megatron-core >= 0.19: pip install "
                       f"\"megatron-cp[megatron]\" ({type(e).__name__}: {e})") from e
 
-from .batch import (CPBatch, GlobalPlan, MaskSpec, PlanOptions, plan_for_batch, plan_global_batch, prepare_batch,
-                    prepare_global_batch, prepare_step_batch, step_planner)
+from .batch import CPBatch, prepare_batch, prepare_global_batch, prepare_step_batch
+from .options import MaskSpec, PlanOptions
+from .planning import GlobalPlan, plan_for_batch, plan_global_batch, step_planner
 from .core_attention import CPCoreAttention
 from .loss import loss_func
 from .params import CPParams

@@ -20,7 +20,7 @@ from megatron_cp import gating as head_gating
 from megatron_cp.baselines import STRATEGY_NAMES
 from megatron_cp.kernels import BACKEND_CHOICES
 
-from .batch import BOUNDARY_MASKS, MASKS, MaskSpec, PlanOptions
+from .options import BOUNDARY_MASKS, MASKS, MaskSpec, PlanOptions
 from .gating import DEFAULT_SINK, DEFAULT_WINDOW, GatingSpec
 from .sparse_spec import METHODS, spec_from_args
 
@@ -426,7 +426,7 @@ def dry_run(args, spec: MaskSpec, options: PlanOptions) -> None:
 
     import numpy as np
 
-    from .batch import make_plan, build_mask
+    from .planning import build_mask, make_plan
 
     S = int(getattr(args, "seq_length", 0) or 0)
     if S < 1:

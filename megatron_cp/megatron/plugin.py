@@ -31,7 +31,8 @@ from megatron_cp.planner import Workload
 
 from . import rope
 from .arguments import OURS, add_megatron_cp_args, check_megatron_args, compose, dry_run, specs_from_args
-from .batch import prepare_step_batch, step_planner
+from .batch import prepare_step_batch
+from .planning import step_planner
 from .loss import loss_func, record_documents
 from .plan_ahead import PlanAhead, default_workers
 from .step_log import STEP_LOG
@@ -202,7 +203,7 @@ def _broadcast_batch(data_iterator, args):
 def plan_ahead_of(data_iterator, make_plan_fn, max_workers: int = 1):
     """The iterator ``forward_step`` reads, with the next micro-batches planned in a background thread by the
     function ``make_plan_fn()`` returns, called once, when the iterator is first wrapped (``plan_ahead.PlanAhead``;
-    ``batch.plan_for_batch`` leaves each plan where ``prepare_batch`` finds it, ``batch.step_planner``'s results
+    ``planning.plan_for_batch`` leaves each plan where ``prepare_batch`` finds it, ``planning.step_planner``'s results
     come back as the PlanAhead's ``last``).
 
     Megatron's ``RerunDataIterator`` keeps the micro-batches of an iteration to replay them (its rerun state
@@ -229,7 +230,7 @@ _ITERATORS = {"wrapped": 0}  # iterators given a planning thread so far: each th
 
 
 def _planner(spec, options):
-    """``batch.step_planner`` for an iterator being wrapped, with a planning group of its own (training's,
+    """``planning.step_planner`` for an iterator being wrapped, with a planning group of its own (training's,
     evaluation's and each virtual stage's threads run beside each other)."""
     _ITERATORS["wrapped"] += 1
     return step_planner(spec, options, f"iterator {_ITERATORS['wrapped']}")

@@ -1,0 +1,113 @@
+"""The options of megatron-cp in Megatron: which mask each micro-batch gets (``MaskSpec``) and how it is planned and
+run (``PlanOptions``). Their fields that a flag sets carry the flag (``flag``), from which ``arguments.py`` builds the
+parser; choices come from the registries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import megatron_cp as mcp
+
+__all__ = ["BOUNDARY_MASKS", "BUILDER_MASKS", "MASKS", "MaskSpec", "PlanOptions"]
+
+# masks built from each micro-batch's sample and document boundaries; the others are the builders of
+# megatron_cp.masks that take (seqlen, sizes), called per sample (sliding_window is the boundary mask's)
+BOUNDARY_MASKS = ("causal", "packed", "sliding_window", "packed_sliding_window")
+BUILDER_MASKS = tuple(n for n in mcp.masks.builders_taking("sizes") if n not in BOUNDARY_MASKS)
+MASKS = BOUNDARY_MASKS + BUILDER_MASKS
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """Which mask each micro-batch gets.
+
+    name:    causal (per sample) | packed (causal per EOD-separated document) |
+             sliding_window (causal, ``window`` keys back, per sample) |
+             packed_sliding_window (the same per document) | a builder of ``megatron_cp.masks``
+             called as ``builder(S, **kwargs)`` per sample
+    window:  left window for the sliding variants (keys ``j`` with ``i - window <= j <= i``)
+    eod:     EOD token id (needed by the packed variants)
+    kwargs:  keyword arguments of a builder, as sorted (name, value) pairs
+    layer_window: the windowed layers' left window (Megatron's ``--window-size W,0`` with
+             ``--window-attn-skip-freq``: those layers keep keys ``i - W .. i`` inside the mask's samples or
+             documents, the others the whole mask); ``causal`` and ``packed`` only
+    """
+
+    name: str = "causal"
+    window: int | None = None
+    eod: int | None = None
+    kwargs: tuple = ()
+    layer_window: int | None = None
+
+    def __post_init__(self):
+        if self.name not in MASKS:
+            raise ValueError(f"unknown mask {self.name!r}; choose from {', '.join(MASKS)}")
+        if "sliding" in self.name and (self.window is None or int(self.window) < 0):
+            raise ValueError(f"mask {self.name!r} needs window >= 0, got window={self.window}")
+        if self.layer_window is not None and (self.name not in ("causal", "packed") or int(self.layer_window) < 0):
+            raise ValueError(f"layer_window={self.layer_window} (windowed layers) needs the causal or packed mask and "
+                             f"a window >= 0, got mask {self.name!r}")
+        if self.name.startswith("packed") and self.eod is None:
+            raise ValueError(f"mask {self.name!r} needs the EOD token id, got eod=None")
+
+    @property
+    def packed(self) -> bool:
+        return self.name.startswith("packed")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Arguments passed through to ``megatron_cp.plan`` (chunk_size, topology, solver) and to
+    ``megatron_cp.attention`` (kernel_backend: a name of ``kernels.BACKEND_CHOICES``). ``strategy``: a name of
+    ``baselines.STRATEGY_NAMES``: ``megatron_cp``, or a baseline, which then also chooses the plan's layout
+    (``baselines.plan_for``; ``solver`` is not used)."""
+
+    chunk_size: int | None = None
+    topology: object = None
+    solver: str = "auto"
+    kernel_backend: str = "auto"
+    strategy: str = "megatron_cp"
+    sparse: object = None  # a SparseSpec (--cp-sparse): plans in whole blocks, selectors per layer
+    gating: object = None  # a gating.GatingSpec (--cp-head-gating / --cp-head-pattern): adds a streaming plan
+    # every rank's token count a multiple of this: the TP size under --sequence-parallel, whose regions
+    # (norms, residual, dropout) split a rank's local tokens evenly over its TP ranks
+    token_multiple: int = 1
+    # the attention inputs' shape per sequence (query heads, key/value heads, head_dim, bytes per element: a
+    # planner Workload): where known, planning ahead also chooses each plan's exchange (runtime.prebuild)
+    workload: object = None
+    # megatron-cp's plans (and exchange choices) made in the planning helper process (runtime.plan_in_helper),
+    # not beside the step in this interpreter: what the plugin sets where the step runs on a GPU
+    helper_process: bool = False
+    # one plan per micro-batch over the whole DP x CP world (--cp-balance-over-dp, prepare_global_batch)
+    over_dp: bool = False
+
+    @property
+    def block(self) -> int:
+        """Every chunk cut of the plan a multiple of this: lcm of the sparse block and ``token_multiple``."""
+        return math.lcm(1 if self.sparse is None else int(self.sparse.block), int(self.token_multiple))
+
+    def __post_init__(self):
+        if isinstance(self.token_multiple, bool) or not isinstance(self.token_multiple, int) or self.token_multiple < 1:
+            raise ValueError(f"token_multiple must be a positive int (the TP size under --sequence-parallel), "
+                             f"got {self.token_multiple!r}")
+        if self.token_multiple > 1 and self.strategy == "head_context":
+            raise ValueError("--sequence-parallel does not combine with --context-parallel-impl head_context: its "
+                             "Ulysses pieces split a group's tokens in equal parts that need not divide by the TP "
+                             "size; use megatron_cp, ring, ulysses, usp or allgather")
+        if self.gating is not None:
+            if self.strategy != "megatron_cp":
+                raise ValueError(f"head gating runs with strategy megatron_cp, not {self.strategy!r}")
+            if self.sparse is not None:
+                raise ValueError("head gating and dynamic sparse attention (--cp-sparse) do not combine")
+        if self.over_dp and (self.strategy != "megatron_cp" or self.sparse is not None or self.gating is not None
+                             or self.token_multiple != 1):
+            raise ValueError("one plan over DP x CP (--cp-balance-over-dp) runs megatron_cp's dense attention: no "
+                             "baseline strategy, --cp-sparse, head gating or --sequence-parallel")
+        if self.strategy != "megatron_cp":
+            from megatron_cp.baselines import STRATEGIES
+
+            if self.strategy not in STRATEGIES:
+                raise ValueError(f"strategy={self.strategy!r} is unknown; choose megatron_cp or one of "
+                                 f"{', '.join(STRATEGIES)}")
