@@ -16,15 +16,18 @@ issued with no sync between, then one sync; medians over the timed micro-batches
 phase (kernels and copies, streams merged: the timed micro-batches run again, each profiled; ratios are of sums over
 the same micro-batches), the host time of a layer call (the forward call's wall; the backward's
 ``*AttentionBackward`` autograd nodes' host time), the first call of a new plan (state built there) and the wait
-for the planning helper. Writes OUT/host_path<tag>.json and OUT/host_path_profile<tag>.txt (the first row's last
-profiled micro-batch: host time by op).
+for the planning helper. Writes OUT/host_path<tag>.json, OUT/host_path_profile<tag>.txt (the first row's last
+profiled micro-batch: host time by op) and OUT/host_path_pyprofile<tag>.txt (every row: one more micro-batch under
+cProfile, Python functions by own time).
 """
 
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import datetime
 import os
+import pstats
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -163,6 +166,18 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
         row["bwd_b2b_over_gpu"] = bwd_b2b / sum(bwd_gpu)
         row["b2b_over_gpu"] = (fwd_b2b + bwd_b2b) / (sum(fwd_gpu) + sum(bwd_gpu))
         row["gpu_ms_per_call"] = row["fwd_gpu_ms"] / a.layers
+    if a.pyprofile_path is not None:  # where the host's Python goes: one more micro-batch under cProfile
+        py = cProfile.Profile()
+        # the backward on this thread (autograd runs a GPU's nodes on a thread of its own, which cProfile misses)
+        with torch.autograd.set_multithreading_enabled(False):
+            py.enable()
+            micro_batch(a.warmup)
+            py.disable()
+        with open(a.pyprofile_path, "a") as f:
+            f.write(f"\n== {mask_name}, {tokens} tokens per rank, cp {cp}, heads {hq}:{hkv}, rank {a.rank}: one micro-batch "
+                    f"({a.layers} layers, forward then backward) under cProfile, by own time\n")
+            pstats.Stats(py, stream=f).sort_stats("tottime").print_stats(30)
+            pstats.Stats(py, stream=f).sort_stats("cumulative").print_stats(30)
     if profile_path is not None:
         with open(profile_path, "w") as f:
             f.write(f"{mask_name}, {tokens} tokens per rank, cp {cp}, heads {hq}:{hkv}, rank {a.rank}: the last timed "
@@ -214,6 +229,8 @@ def main(argv=None) -> list[dict]:
     command = " ".join(["python", os.path.relpath(sys.argv[0]), *argv])
     meta = run_record(device_name(a.device), command, rank=a.rank, dtype=str(a.dtype), process_group=loopback.BACKEND)
     rows = []
+    a.pyprofile_path = os.path.join(out, f"host_path_pyprofile{a.tag}.txt")
+    open(a.pyprofile_path, "w").close()
     for cp in cps:
         start_rank_alone(a.rank, cp)
         for name in masks:
