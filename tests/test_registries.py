@@ -185,3 +185,30 @@ def test_the_sweep_catches_a_hand_copied_list(monkeypatch):
     flagged = [f for f, ch in got.items() if set(ch) & DISTINCT]
     assert flagged == ["--kernel-backend"]
     assert got["--kernel-backend"] != kernels.BACKEND_CHOICES
+
+
+def test_megatron_flags_come_from_the_option_fields():
+    """Every megatron-cp flag is an option field's (``options.flag`` metadata) or a selector's method flag, with the
+    field's help, choices and default (unless the flag gives its own); nothing else adds one."""
+    import dataclasses
+
+    parser = _megatron_parser()
+    from megatron_cp.megatron.gating import GatingSpec
+    from megatron_cp.megatron.options import MaskSpec, PlanOptions
+    from megatron_cp.megatron.sparse_spec import METHOD_FLAGS, SparseSpec
+
+    actions = {a.option_strings[0]: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    want = {}
+    for cls in (MaskSpec, PlanOptions, SparseSpec, GatingSpec):
+        for f in dataclasses.fields(cls):
+            if "flag" in f.metadata:
+                name, help, kw = f.metadata["flag"]
+                want[name] = (help, kw.get("choices"), kw.get("default", f.default))
+    for name, _, _, kw in METHOD_FLAGS:
+        want[name] = (kw["help"], None, None)
+    assert set(actions) == set(want)
+    for name, (help, ch, default) in want.items():
+        a = actions[name]
+        assert (a.help, a.choices, a.default) == (help, ch, default), name
+    assert {"--cp-mask", "--cp-kernel-backend", "--context-parallel-impl", "--cp-sparse", "--cp-head-gating"} <= {
+        n for n, (_, ch, _) in want.items() if ch is not None}

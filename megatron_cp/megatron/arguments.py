@@ -13,99 +13,49 @@ GPUs-per-node ranks from ``--cp-topology``; without it the CP group is one node,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 
-from megatron_cp import gating as head_gating
 from megatron_cp.baselines import STRATEGY_NAMES
-from megatron_cp.kernels import BACKEND_CHOICES
 
-from .options import BOUNDARY_MASKS, MASKS, MaskSpec, PlanOptions
 from .gating import DEFAULT_SINK, DEFAULT_WINDOW, GatingSpec
-from .sparse_spec import METHODS, spec_from_args
+from .gating import METHODS as GATING_METHODS
+from .options import BOUNDARY_MASKS, IMPLS, MaskSpec, PlanOptions  # noqa: F401 (IMPLS: the flag's choices)
+from .sparse_spec import METHOD_FLAGS, SparseSpec, spec_from_args
 
-IMPLS = ("te", *STRATEGY_NAMES)
 OURS = STRATEGY_NAMES  # every impl that uses megatron-cp's adapter
-GATING_METHODS = ("none", *head_gating.METHODS)
 
 
 def add_megatron_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the megatron-cp flags to ``parser`` (an ``extra_args_provider``)."""
+    """Add the megatron-cp flags to ``parser`` (an ``extra_args_provider``): one per option field that carries a flag
+    (``options.flag``: ``MaskSpec`` and ``PlanOptions``, ``SparseSpec`` with the selectors' ``METHOD_FLAGS``,
+    ``GatingSpec``), help and choices from there and the registries."""
     g = parser.add_argument_group("megatron-cp")
-    g.add_argument("--context-parallel-impl", choices=IMPLS, default="te",
-                   help="te: Megatron's own CP (Transformer Engine). megatron_cp: megatron-cp attention "
-                        "for any mask, with its batch hook, RoPE and loss. ring / ulysses / usp / allgather: "
-                        "megatron-cp's baseline strategies through the same adapter. head_context: Ulysses "
-                        "all-to-all over heads inside each node x megatron-cp across nodes (node size from "
-                        "--cp-topology; without it one node).")
-    g.add_argument("--cp-mask", choices=MASKS, default="causal",
-                   help="causal per sample; packed: causal per EOD-separated document; sliding_window / "
-                        "packed_sliding_window with --cp-window; or a megatron_cp.masks builder by name "
-                        "(per sample, arguments in --cp-mask-kwargs)")
-    g.add_argument("--cp-window", type=int, default=None, help="left window W of the sliding masks")
-    g.add_argument("--cp-mask-kwargs", type=str, default="{}",
-                   help='JSON keyword arguments of a builder mask, e.g. \'{"block": 64}\'')
-    g.add_argument("--cp-eod-token", type=int, default=None,
-                   help="EOD token id for the packed masks (default: the tokenizer's eod)")
-    g.add_argument("--cp-chunk-size", type=int, default=None, help="planner chunk size (default: auto)")
-    g.add_argument("--cp-solver", type=str, default="auto", help="planner solver (default: auto)")
-    g.add_argument("--cp-topology", type=str, default=None,
-                   help="NODESxGPUS_PER_NODE of the CP group, e.g. 2x8 (default: none)")
-    g.add_argument("--cp-kernel-backend", choices=BACKEND_CHOICES, default="auto",
-                   help="attention kernels: auto (FlashAttention-4 where flash-attn-4 is installed on sm90 / "
-                        "sm100, else Triton on GPUs, PyTorch reference otherwise)")
-    g.add_argument("--cp-balance-over-dp", action="store_true",
-                   help="one plan per micro-batch over the whole DP x CP world: every DP group's micro-batch is "
-                        "gathered and its documents balanced over all DP x CP ranks (docs/design.md, 'One plan "
-                        "over DP x CP'); megatron_cp at TP 1 and PP 1, dense attention")
+    _add_fields(g, PlanOptions, only=("strategy",))  # the switch, first in --help
+    _add_fields(g, MaskSpec)
+    _add_fields(g, PlanOptions, skip=("strategy",))
     s = parser.add_argument_group("megatron-cp dynamic sparse attention (docs/sparse.md)")
-    s.add_argument("--cp-sparse", choices=METHODS, default="none",
-                   help="per head and q block, compute only the key blocks a selector chooses at run time, "
-                        "inside the --cp-mask envelope: moba (top-k blocks by q . mean(K); trainable from "
-                        "scratch), xattention (antidiagonal scoring, threshold), flexprefill (query-aware or "
-                        "vertical-slash per head), minference (per-head patterns from --cp-minference-config)")
-    s.add_argument("--cp-sparse-block", type=int, default=None,
-                   help="selection block in tokens (default: moba 512, others 128); divides --seq-length")
-    # the method flags default to None (their values below apply then): a flag given for another method, or
-    # without --cp-sparse, is refused instead of ignored
-    s.add_argument("--cp-sparse-layers", type=str, default=None,
-                   help="1-based layers that run sparse, e.g. '3-24' or '1,5,9' (default all; others dense)")
-    s.add_argument("--cp-moba-top-k", type=int, default=None, help="MoBA: key blocks per q block besides its own "
-                                                                   "(default 3)")
-    s.add_argument("--cp-xattn-stride", type=int, default=None, help="XAttention: antidiagonal stride (8 or 16; "
-                                                                      "default 8)")
-    s.add_argument("--cp-xattn-threshold", type=str, default=None,
-                   help="XAttention: cumulative block mass to keep, or one value per query head (comma list; "
-                        "default 0.9)")
-    s.add_argument("--cp-flexprefill-gamma", type=float, default=None, help="FlexPrefill: coverage gamma (default "
-                                                                             "0.9)")
-    s.add_argument("--cp-flexprefill-tau", type=float, default=None,
-                   help="FlexPrefill: Jensen-Shannon threshold between query-aware and vertical-slash (default 0.1)")
-    s.add_argument("--cp-flexprefill-min-budget", type=int, default=None, help="FlexPrefill: min budget")
-    s.add_argument("--cp-flexprefill-max-budget", type=int, default=None, help="FlexPrefill: max budget")
-    s.add_argument("--cp-minference-config", type=str, default=None,
-                   help="MInference: per-layer, per-head pattern JSON (tools/minference_search.py)")
+    _add_fields(s, SparseSpec)
+    for name, _, _, kwargs in METHOD_FLAGS:
+        s.add_argument(name, default=None, **kwargs)
     h = parser.add_argument_group("megatron-cp head-gated hybrid attention (DuoAttention / PruLong)")
-    h.add_argument("--cp-head-gating", choices=GATING_METHODS, default="none",
-                   help="learn per (layer, KV head) whether attention is full or streaming (sink + recent window): "
-                        "duo (DuoAttention: frozen weights, gates alpha in [0, 1] by distillation + L1) or prulong "
-                        "(hard-concrete L0 gates + Lagrangian sparsity target). Gate training runs in a loop that "
-                        "owns the gates (examples/tiny_llama/train_gates.py)")
-    h.add_argument("--cp-sink-tokens", type=int, default=None,
-                   help=f"streaming heads keep each document's first N keys (default {DEFAULT_SINK}, "
-                        "DuoAttention's training setting; or the pattern file's)")
-    h.add_argument("--cp-local-window", type=int, default=None,
-                   help=f"streaming heads keep the N most recent keys (default {DEFAULT_WINDOW}; or the pattern "
-                        "file's)")
-    h.add_argument("--cp-target-sparsity", type=float, default=None,
-                   help="fraction of KV heads that end streaming: PruLong's Lagrangian target and the "
-                        "discretisation level (default 0.5)")
-    h.add_argument("--cp-head-pattern", type=str, default=None,
-                   help="a learned head pattern JSON ({\"layers\": [[true/false per KV head], ...], \"sink\", "
-                        "\"window\"}): full heads run the full plan, the others only sink + window "
-                        "(inference / continued training with fixed heads)")
+    _add_fields(h, GatingSpec)
     _escape_bare_percent(parser)
     return parser
+
+
+def _add_fields(group, cls, only=None, skip=()) -> None:
+    """A flag per field of the dataclass ``cls`` whose metadata names one (``options.flag``), in field order: its
+    help and ``add_argument`` arguments, the field's default unless the flag gives its own."""
+    for f in dataclasses.fields(cls):
+        if "flag" not in f.metadata or (only is not None and f.name not in only) or f.name in skip:
+            continue
+        name, help, kwargs = f.metadata["flag"]
+        kwargs = dict(kwargs)
+        if "default" not in kwargs:
+            kwargs["default"] = f.default
+        group.add_argument(name, help=help, **kwargs)
 
 
 def _escape_bare_percent(parser: argparse.ArgumentParser) -> None:

@@ -18,10 +18,15 @@ attention takes its tensor-parallel slice).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
+from megatron_cp.gating import METHODS as GATE_METHODS
+
+from .options import flag
+
 MODES = ("train", "pattern")
+METHODS = ("none", *GATE_METHODS)  # --cp-head-gating
 DEFAULT_SINK, DEFAULT_WINDOW = 128, 256  # DuoAttention's training setting (scripts/train.sh)
 
 
@@ -32,12 +37,26 @@ class GatingSpec:
     None (which objective trains the gates); target_sparsity: PruLong's target and the discretisation
     level (fraction of KV heads that end streaming)."""
 
-    sink: int = DEFAULT_SINK
-    window: int = DEFAULT_WINDOW
-    mode: str = "train"
-    pattern: str | None = None
-    method: str | None = None
-    target_sparsity: float = 0.5
+    # the flags default to None: given, they are checked against the pattern file's values (arguments.py)
+    sink: int = field(default=DEFAULT_SINK, metadata=flag(
+        "--cp-sink-tokens", f"streaming heads keep each document's first N keys (default {DEFAULT_SINK}, "
+        "DuoAttention's training setting; or the pattern file's)", type=int, default=None))
+    window: int = field(default=DEFAULT_WINDOW, metadata=flag(
+        "--cp-local-window", f"streaming heads keep the N most recent keys (default {DEFAULT_WINDOW}; or the pattern "
+        "file's)", type=int, default=None))
+    mode: str = "train"  # from the flags: train with --cp-head-gating, pattern with --cp-head-pattern
+    pattern: str | None = field(default=None, metadata=flag(
+        "--cp-head-pattern", "a learned head pattern JSON ({\"layers\": [[true/false per KV head], ...], \"sink\", "
+        "\"window\"}): full heads run the full plan, the others only sink + window (inference / continued training "
+        "with fixed heads)", type=str))
+    method: str | None = field(default=None, metadata=flag(
+        "--cp-head-gating", "learn per (layer, KV head) whether attention is full or streaming (sink + recent "
+        "window): duo (DuoAttention: frozen weights, gates alpha in [0, 1] by distillation + L1) or prulong "
+        "(hard-concrete L0 gates + Lagrangian sparsity target). Gate training runs in a loop that owns the gates "
+        "(examples/tiny_llama/train_gates.py)", choices=METHODS, default="none"))
+    target_sparsity: float = field(default=0.5, metadata=flag(
+        "--cp-target-sparsity", "fraction of KV heads that end streaming: PruLong's Lagrangian target and the "
+        "discretisation level (default 0.5)", type=float, default=None))
 
     def __post_init__(self):
         if self.mode not in MODES:

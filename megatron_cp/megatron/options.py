@@ -6,17 +6,27 @@ parser; choices come from the registries.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import megatron_cp as mcp
+from megatron_cp.baselines import STRATEGIES, STRATEGY_NAMES
+from megatron_cp.kernels import BACKEND_CHOICES
 
-__all__ = ["BOUNDARY_MASKS", "BUILDER_MASKS", "MASKS", "MaskSpec", "PlanOptions"]
+__all__ = ["BOUNDARY_MASKS", "BUILDER_MASKS", "MASKS", "IMPLS", "MaskSpec", "PlanOptions", "flag"]
 
 # masks built from each micro-batch's sample and document boundaries; the others are the builders of
 # megatron_cp.masks that take (seqlen, sizes), called per sample (sliding_window is the boundary mask's)
 BOUNDARY_MASKS = ("causal", "packed", "sliding_window", "packed_sliding_window")
 BUILDER_MASKS = tuple(n for n in mcp.masks.builders_taking("sizes") if n not in BOUNDARY_MASKS)
 MASKS = BOUNDARY_MASKS + BUILDER_MASKS
+IMPLS = ("te", *STRATEGY_NAMES)  # --context-parallel-impl: Megatron's own CP, or a strategy of megatron-cp's adapter
+
+
+def flag(name: str, help: str, **kwargs) -> dict:
+    """The metadata of a field that the command-line flag ``name`` sets: its help and ``add_argument``'s other
+    arguments (``default``: the field's own unless given here). ``arguments.add_megatron_cp_args`` reads it."""
+    return {"flag": (name, help, kwargs)}
+
 
 
 @dataclass(frozen=True)
@@ -35,11 +45,18 @@ class MaskSpec:
              documents, the others the whole mask); ``causal`` and ``packed`` only
     """
 
-    name: str = "causal"
-    window: int | None = None
-    eod: int | None = None
-    kwargs: tuple = ()
-    layer_window: int | None = None
+    name: str = field(default="causal", metadata=flag(
+        "--cp-mask", "causal per sample; packed: causal per EOD-separated document; sliding_window / "
+        "packed_sliding_window with --cp-window; or a megatron_cp.masks builder by name (per sample, arguments in "
+        "--cp-mask-kwargs)", choices=MASKS))
+    window: int | None = field(default=None, metadata=flag("--cp-window", "left window W of the sliding masks",
+                                                            type=int))
+    eod: int | None = field(default=None, metadata=flag(
+        "--cp-eod-token", "EOD token id for the packed masks (default: the tokenizer's eod)", type=int))
+    kwargs: tuple = field(default=(), metadata=flag(
+        "--cp-mask-kwargs", 'JSON keyword arguments of a builder mask, e.g. \'{"block": 64}\'', type=str,
+        default="{}"))
+    layer_window: int | None = None  # from Megatron's --window-size with --window-attn-skip-freq
 
     def __post_init__(self):
         if self.name not in MASKS:
@@ -64,11 +81,20 @@ class PlanOptions:
     ``baselines.STRATEGY_NAMES``: ``megatron_cp``, or a baseline, which then also chooses the plan's layout
     (``baselines.plan_for``; ``solver`` is not used)."""
 
-    chunk_size: int | None = None
-    topology: object = None
-    solver: str = "auto"
-    kernel_backend: str = "auto"
-    strategy: str = "megatron_cp"
+    chunk_size: int | None = field(default=None, metadata=flag("--cp-chunk-size", "planner chunk size (default: auto)",
+                                                                type=int))
+    topology: object = field(default=None, metadata=flag(
+        "--cp-topology", "NODESxGPUS_PER_NODE of the CP group, e.g. 2x8 (default: none)", type=str))
+    solver: str = field(default="auto", metadata=flag("--cp-solver", "planner solver (default: auto)", type=str))
+    kernel_backend: str = field(default="auto", metadata=flag(
+        "--cp-kernel-backend", "attention kernels: auto (FlashAttention-4 where flash-attn-4 is installed on sm90 / "
+        "sm100, else Triton on GPUs, PyTorch reference otherwise)", choices=BACKEND_CHOICES))
+    strategy: str = field(default="megatron_cp", metadata=flag(
+        "--context-parallel-impl", "te: Megatron's own CP (Transformer Engine). megatron_cp: megatron-cp attention for "
+        f"any mask, with its batch hook, RoPE and loss. {' / '.join(s for s in STRATEGIES if s != 'head_context')}: "
+        "megatron-cp's baseline strategies through the same adapter. head_context: Ulysses all-to-all over heads "
+        "inside each node x megatron-cp across nodes (node size from --cp-topology; without it one node).",
+        choices=IMPLS, default="te"))
     sparse: object = None  # a SparseSpec (--cp-sparse): plans in whole blocks, selectors per layer
     gating: object = None  # a gating.GatingSpec (--cp-head-gating / --cp-head-pattern): adds a streaming plan
     # every rank's token count a multiple of this: the TP size under --sequence-parallel, whose regions
@@ -81,7 +107,10 @@ class PlanOptions:
     # not beside the step in this interpreter: what the plugin sets where the step runs on a GPU
     helper_process: bool = False
     # one plan per micro-batch over the whole DP x CP world (--cp-balance-over-dp, prepare_global_batch)
-    over_dp: bool = False
+    over_dp: bool = field(default=False, metadata=flag(
+        "--cp-balance-over-dp", "one plan per micro-batch over the whole DP x CP world: every DP group's micro-batch "
+        "is gathered and its documents balanced over all DP x CP ranks (docs/design.md, 'One plan over DP x CP'); "
+        "megatron_cp at TP 1 and PP 1, dense attention", action="store_true"))
 
     @property
     def block(self) -> int:
@@ -106,8 +135,6 @@ class PlanOptions:
             raise ValueError("one plan over DP x CP (--cp-balance-over-dp) runs megatron_cp's dense attention: no "
                              "baseline strategy, --cp-sparse, head gating or --sequence-parallel")
         if self.strategy != "megatron_cp":
-            from megatron_cp.baselines import STRATEGIES
-
             if self.strategy not in STRATEGIES:
                 raise ValueError(f"strategy={self.strategy!r} is unknown; choose megatron_cp or one of "
                                  f"{', '.join(STRATEGIES)}")

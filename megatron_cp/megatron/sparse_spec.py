@@ -7,12 +7,18 @@ blocks) and builds each layer's selector once (``selector(layer_number)``; None 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from megatron_cp.sparse import SELECTORS
 
+from .options import flag
+
 METHODS = ("none", *SELECTORS)
+# what each selector does, for --cp-sparse's help (a selector missing here is listed by name alone)
+SUMMARY = {"moba": "top-k blocks by q . mean(K); trainable from scratch", "xattention": "antidiagonal scoring, threshold",
+           "flexprefill": "query-aware or vertical-slash per head",
+           "minference": "per-head patterns from --cp-minference-config"}
 DEFAULT_BLOCK = {name: cls.block for name, cls in SELECTORS.items()}  # each selector's own default
 
 
@@ -40,7 +46,10 @@ class SparseSpec:
     sorted (name, value) pairs; layers: 1-based layer numbers that run sparse (None: all);
     config: MInference's per-layer pattern JSON."""
 
-    method: str
+    method: str = field(metadata=flag(
+        "--cp-sparse", "per head and q block, compute only the key blocks a selector chooses at run time, inside the "
+        "--cp-mask envelope: " + ", ".join(f"{m} ({SUMMARY[m]})" if m in SUMMARY else m for m in SELECTORS),
+        choices=METHODS, default="none"))
     params: tuple = ()
     layers: frozenset | None = None
     config: str | None = None
@@ -75,16 +84,31 @@ def _threshold(text: str):
     return vals[0] if len(vals) == 1 else tuple(vals)
 
 
-# the method flags of --cp-sparse: (flag, attribute, the method it belongs to; "any": every method)
+# the method flags of --cp-sparse: (flag, attribute, the method it belongs to ("any": every method), add_argument's
+# arguments). They default to None (the values spec_from_args applies then): a flag given for another method, or
+# without --cp-sparse, is refused instead of ignored
 METHOD_FLAGS = (
-    ("--cp-sparse-block", "cp_sparse_block", "any"), ("--cp-sparse-layers", "cp_sparse_layers", "any"),
-    ("--cp-moba-top-k", "cp_moba_top_k", "moba"), ("--cp-xattn-stride", "cp_xattn_stride", "xattention"),
-    ("--cp-xattn-threshold", "cp_xattn_threshold", "xattention"),
-    ("--cp-flexprefill-gamma", "cp_flexprefill_gamma", "flexprefill"),
-    ("--cp-flexprefill-tau", "cp_flexprefill_tau", "flexprefill"),
-    ("--cp-flexprefill-min-budget", "cp_flexprefill_min_budget", "flexprefill"),
-    ("--cp-flexprefill-max-budget", "cp_flexprefill_max_budget", "flexprefill"),
-    ("--cp-minference-config", "cp_minference_config", "minference"),
+    ("--cp-sparse-block", "cp_sparse_block", "any", dict(type=int, help=(
+        "selection block in tokens (default: " + ", ".join(f"{m} {b}" for m, b in DEFAULT_BLOCK.items())
+        + "); divides --seq-length"))),
+    ("--cp-sparse-layers", "cp_sparse_layers", "any", dict(type=str, help=(
+        "1-based layers that run sparse, e.g. '3-24' or '1,5,9' (default all; others dense)"))),
+    ("--cp-moba-top-k", "cp_moba_top_k", "moba", dict(type=int, help=(
+        "MoBA: key blocks per q block besides its own (default 3)"))),
+    ("--cp-xattn-stride", "cp_xattn_stride", "xattention", dict(type=int, help=(
+        "XAttention: antidiagonal stride (8 or 16; default 8)"))),
+    ("--cp-xattn-threshold", "cp_xattn_threshold", "xattention", dict(type=str, help=(
+        "XAttention: cumulative block mass to keep, or one value per query head (comma list; default 0.9)"))),
+    ("--cp-flexprefill-gamma", "cp_flexprefill_gamma", "flexprefill", dict(type=float, help=(
+        "FlexPrefill: coverage gamma (default 0.9)"))),
+    ("--cp-flexprefill-tau", "cp_flexprefill_tau", "flexprefill", dict(type=float, help=(
+        "FlexPrefill: Jensen-Shannon threshold between query-aware and vertical-slash (default 0.1)"))),
+    ("--cp-flexprefill-min-budget", "cp_flexprefill_min_budget", "flexprefill", dict(type=int, help=(
+        "FlexPrefill: min budget"))),
+    ("--cp-flexprefill-max-budget", "cp_flexprefill_max_budget", "flexprefill", dict(type=int, help=(
+        "FlexPrefill: max budget"))),
+    ("--cp-minference-config", "cp_minference_config", "minference", dict(type=str, help=(
+        "MInference: per-layer, per-head pattern JSON (tools/minference_search.py)"))),
 )
 
 
@@ -97,10 +121,10 @@ def spec_from_args(args) -> SparseSpec | None:
     and runs its ``check`` so a bad hyperparameter fails at start-up, naming the flag's value."""
     method = getattr(args, "cp_sparse", "none") or "none"
     takes = {method, "any"} if method != "none" else set()
-    for flag, attr, owner in METHOD_FLAGS:
+    for name, attr, owner, _ in METHOD_FLAGS:
         if getattr(args, attr, None) is not None and owner not in takes:
             need = "--cp-sparse (any method)" if owner == "any" else f"--cp-sparse {owner}"
-            raise ValueError(f"{flag} {getattr(args, attr)} acts only with {need}, got --cp-sparse {method}")
+            raise ValueError(f"{name} {getattr(args, attr)} acts only with {need}, got --cp-sparse {method}")
     if method == "none":
         return None
     params = {}
