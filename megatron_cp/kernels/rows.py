@@ -21,8 +21,8 @@ BLOCK_R = 8
 
 
 @triton.jit
-def _copy_rows_kernel(DST, SRC, DST_IDX, SRC_IDX, n, width, stride_d, stride_s, HAS_DST_IDX: tl.constexpr,
-                      HAS_SRC_IDX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+def _row_block(DST_IDX, SRC_IDX, n, HAS_DST_IDX: tl.constexpr, HAS_SRC_IDX: tl.constexpr, BLOCK_R: tl.constexpr):
+    """This program's BLOCK_R rows: (destination rows, source rows, in range), each through its index or itself."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = r < n
     if HAS_DST_IDX:
@@ -33,11 +33,7 @@ def _copy_rows_kernel(DST, SRC, DST_IDX, SRC_IDX, n, width, stride_d, stride_s, 
         sr = tl.load(SRC_IDX + r, mask=ok, other=0).to(tl.int64)
     else:
         sr = r.to(tl.int64)
-    for w0 in range(0, width, BLOCK_W):
-        c = w0 + tl.arange(0, BLOCK_W)
-        m = ok[:, None] & (c < width)[None, :]
-        x = tl.load(SRC + sr[:, None] * stride_s + c[None, :], mask=m)
-        tl.store(DST + dr[:, None] * stride_d + c[None, :], x.to(DST.dtype.element_ty), mask=m)
+    return dr, sr, ok
 
 
 @triton.jit
@@ -50,20 +46,18 @@ def _move_rows(DST, SRC, dr, sr, ok, width, stride_d, stride_s, BLOCK_W: tl.cons
 
 
 @triton.jit
+def _copy_rows_kernel(DST, SRC, DST_IDX, SRC_IDX, n, width, stride_d, stride_s, HAS_DST_IDX: tl.constexpr,
+                      HAS_SRC_IDX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    dr, sr, ok = _row_block(DST_IDX, SRC_IDX, n, HAS_DST_IDX, HAS_SRC_IDX, BLOCK_R)
+    _move_rows(DST, SRC, dr, sr, ok, width, stride_d, stride_s, BLOCK_W)
+
+
+@triton.jit
 def _copy_row_pairs_kernel(DA, SA, DB, SB, DST_IDX, SRC_IDX, n, width_a, width_b, stride_da, stride_sa, stride_db,
                            stride_sb, HAS_DST_IDX: tl.constexpr, HAS_SRC_IDX: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_W: tl.constexpr):
     # program_id(1) picks the pair: K and V (or dK and dV) through the same row indices in one launch
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = r < n
-    if HAS_DST_IDX:
-        dr = tl.load(DST_IDX + r, mask=ok, other=0).to(tl.int64)
-    else:
-        dr = r.to(tl.int64)
-    if HAS_SRC_IDX:
-        sr = tl.load(SRC_IDX + r, mask=ok, other=0).to(tl.int64)
-    else:
-        sr = r.to(tl.int64)
+    dr, sr, ok = _row_block(DST_IDX, SRC_IDX, n, HAS_DST_IDX, HAS_SRC_IDX, BLOCK_R)
     if tl.program_id(1) == 0:
         _move_rows(DA, SA, dr, sr, ok, width_a, stride_da, stride_sa, BLOCK_W)
     else:

@@ -10,19 +10,18 @@ kernels/pieces.py) and, for cuDNN, once per (device, dtype, head_dim, Hq / Hkv) 
 kernels alone, and a cuDNN error after the probe is raised.
 
 A ``BlockKeep`` (``forward`` / ``backward``'s ``keep``, dynamic sparse attention) runs on the Triton kernels
-alone, over per-head schedules built on the device per call (kernels/triton/sparse.py).
+alone, over per-head schedules built on the device per call (kernels/triton/sparse.py). The kernels' launches
+(grids, schedules, descriptors) are kernels/triton/launch.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 from triton.runtime.interpreter import InterpretedFunction
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...kinds import Kind
 from . import cudnn
@@ -31,9 +30,9 @@ from ..merge import merge_into
 from ..pieces import BLOCKY_FULL_FRACTION, LONG_ROW_KEYS, Pieces, row_class, split_pieces, uncovered_rows
 from ..protocol import check_running
 from ..tiles import check_tiles
-from .bwd import attn_bwd_dkdv_kernel, attn_bwd_dkdv_reduce_kernel, attn_bwd_dq_kernel
-from .delta import block_dim, head_major, row_delta
-from .fwd import LOG2E, attn_fwd_kernel
+from .delta import head_major, row_delta
+from .fwd import attn_fwd_kernel
+from .launch import launch_dkdv, launch_dq, launch_fwd, plain_dims
 from .blocks import BlockSchedule, build_schedules, tile_descriptors
 from .sparse import head_schedule, kernel_blocks, static_entries
 from ..upload import upload
@@ -137,39 +136,6 @@ def _head_dims_unsupported(d: int, dv: int) -> str | None:
     return None
 
 
-def _plain_dims(q, v) -> bool:
-    """q/k and v share one power-of-two head dim (tensor descriptors and cuDNN pieces need that)."""
-    return q.shape[-1] == v.shape[-1] == block_dim(q.shape[-1])
-
-
-def _dims(q, v) -> dict:
-    """The kernels' head-dim constants: power-of-two blocks and the true dims of q/k and v."""
-    return dict(HEAD_DIM=block_dim(q.shape[-1]), DIM_QK=q.shape[-1], HEAD_DIM_V=block_dim(v.shape[-1]),
-                DIM_V=v.shape[-1])
-
-
-def _descriptor(t: torch.Tensor, block_rows: int):
-    """Tensor descriptor of [s, H, D] viewed as [s, H * D], blocks of [block_rows, D] (one head)."""
-    s, h, d = t.shape
-    if t.stride(2) != 1 or t.stride(1) != d:
-        t = t.contiguous()
-    return TensorDescriptor(t, [s, h * d], [t.stride(0), 1], [block_rows, d])
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
-
-
-def _use_tma(c: KernelConfig, q: torch.Tensor) -> bool:
-    """Tensor descriptors: wanted by the config and usable (Hopper or newer GPU, or the CPU interpreter)."""
-    if not c.tma:
-        return False
-    if not q.is_cuda:
-        return True
-    return _sm_major(q.device.index if q.device.index is not None else torch.cuda.current_device()) >= 9
-
-
 def _cuda_present() -> bool:
     # pieces are split only where cuDNN can run them (a function so CPU tests can stand in a fake cuDNN)
     return torch.cuda.is_available()
@@ -226,7 +192,7 @@ class TritonBackend:
         """The cuDNN layout of this call's family (cudnn.probe, run on the family's first call), or None:
         no cuDNN for it (config, device, dtype, head dims other than one power of two, or the probe found
         none), the whole list runs on Triton."""
-        if not self._cudnn_allowed(q) or not _plain_dims(q, v):
+        if not self._cudnn_allowed(q) or not plain_dims(q, v):
             return None
         key = (q.device, q.dtype, q.shape[2], q.shape[1] // k.shape[1])
         found = self.cudnn_probes.get(key)
@@ -395,7 +361,7 @@ class TritonBackend:
         if q.shape[0] == 0:
             return
         q, k, v = _rows(q), _rows(k), _rows(v)
-        _launch_fwd(self._kernel_config("fwd", q, prepared, keep), q, k, v, out, lse, prepared, scale, accumulate,
+        launch_fwd(self._kernel_config("fwd", q, prepared, keep), q, k, v, out, lse, prepared, scale, accumulate,
                     keep)
 
     # -- backward ---------------------------------------------------------------------------------
@@ -455,10 +421,10 @@ class TritonBackend:
         dv = torch.empty(v.shape, device=v.device, dtype=gdt)
         dq = torch.empty(q.shape, device=q.device, dtype=gdt)
         if sk > 0 and hkv > 0:
-            _launch_dkdv(self._kernel_config("dkdv", q, prepared, keep), q, k, v, dout, lse, delta, dk, dv, prepared,
+            launch_dkdv(self._kernel_config("dkdv", q, prepared, keep), q, k, v, dout, lse, delta, dk, dv, prepared,
                          scale, keep)
         if sq > 0:
-            _launch_dq(self._kernel_config("dq", q, prepared, keep), q, k, v, dout, lse, delta, dq, prepared, scale,
+            launch_dq(self._kernel_config("dq", q, prepared, keep), q, k, v, dout, lse, delta, dq, prepared, scale,
                        keep)
         return dq, dk, dv
 
@@ -546,97 +512,3 @@ def _fold_add(dst, g, start: int, step: int):
     idx = (start + torch.arange(n, device=dst.device)[:, None] * step
            + torch.arange(kw, device=dst.device)[None, :]).reshape(-1)
     dst.index_add_(0, idx, g.reshape(n * kw, *g.shape[2:]).to(dst.dtype))
-
-
-# -- launches (one KernelConfig each) --------------------------------------------------------------------
-def _schedule(prepared: TritonPrepared, c: KernelConfig, device, keep, rows: bool):
-    """(descriptors, the row (``rows``) or column schedule, sched_stride_b, sched_stride_e) for config c:
-    the list's shared schedule (head strides 0), or with ``keep`` its per-head one (the head strides of
-    ptr and off)."""
-    if keep is None:
-        desc, r, col = prepared.schedules(c.block_m, c.block_n, device)
-        return desc, (r if rows else col), 0, 0
-    desc, sched = prepared.keep_schedule(c.block_m, c.block_n, keep, rows=rows)
-    return desc, sched, sched.ptr.stride(0), sched.off.stride(0)
-
-
-def _launch_fwd(c: KernelConfig, q, k, v, out, lse, prepared: TritonPrepared, scale: float, accumulate: bool,
-                keep=None):
-    """Forward kernel with config c: q [sq, Hq, D], k/v [sk, Hkv, D] (unit stride along D), out [sq, Hq, D]
-    (q's dtype or float32) and lse [sq, Hq] float32 written, or merged into when ``accumulate``; ``keep``
-    (BlockKeep or None): per-head row schedules (not with ``accumulate``)."""
-    sq, hq, d = q.shape
-    sk, hkv = k.shape[0], k.shape[1]
-    desc, rows, sb, se = _schedule(prepared, c, q.device, keep, rows=True)
-    # an accumulating launch leaves rows without tiles as they are: it skips their (empty) blocks;
-    # a writing launch visits every block (rows without tiles get out 0, lse -inf)
-    nm = rows.n_busy if accumulate else rows.order.shape[1]
-    if nm == 0:
-        return
-    tma = _use_tma(c, q) and _plain_dims(q, v)
-    kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
-    attn_fwd_kernel[(nm * hq,)](
-        q, k, v, out, lse, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), sb, se,
-        sq, sk, hq, scale * LOG2E,
-        GROUP=hq // hkv, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **_dims(q, v),
-        ACCUM=accumulate, IEEE=q.dtype == torch.float32, TMA=tma,
-        num_warps=c.num_warps, num_stages=c.num_stages,
-    )
-
-
-def _launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared: TritonPrepared, scale: float,
-                 keep=None):
-    """dK/dV kernels (and the fixed-order reduce of split key columns) with config c: q/dout [sq, Hq, D],
-    k/v [sk, Hkv, D] (sk, Hkv > 0), lse/delta [sq, Hq] float32 of one layout (head-major views in
-    backward(), contiguous rows also work); dk/dv like k, written. ``keep`` (BlockKeep or None): per-head
-    column schedules, each q head of a kv group walking its own list; one work item per k block."""
-    sq, hq, d = q.shape
-    sk, hkv = k.shape[0], k.shape[1]
-    desc, cols, sb, se = _schedule(prepared, c, q.device, keep, rows=False)
-    w = cols.work
-    tma = _use_tma(c, q) and _plain_dims(q, v)
-    qd, dod = (_descriptor(x, c.block_m) for x in (q, dout)) if tma else (q, dout)
-    if w.n_slots:  # workspace blocks of the padded head dims
-        wk = torch.empty(w.n_slots, hkv, c.block_n, block_dim(d), device=q.device, dtype=torch.float32)
-        wv = torch.empty(w.n_slots, hkv, c.block_n, block_dim(v.shape[2]), device=q.device, dtype=torch.float32)
-    else:
-        wk = wv = dk  # unused
-    attn_bwd_dkdv_kernel[(w.n.shape[0] * hkv,)](
-        q, k, v, dout, lse, delta, dk, dv, qd, dod, desc, cols.ptr, cols.mid, cols.off, cols.tile,
-        w.n, w.seg, w.nseg, w.slot, wk, wv,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        lse.stride(0), lse.stride(1), sb, se,
-        sq, sk, hkv, scale * LOG2E, scale,
-        GROUP=hq // hkv, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **_dims(q, v),
-        IEEE=q.dtype == torch.float32, TMA=tma,
-        num_warps=c.num_warps, num_stages=c.num_stages,
-    )
-    if w.n_slots:
-        attn_bwd_dkdv_reduce_kernel[(w.red_n.shape[0] * hkv,)](
-            wk, wv, dk, dv, w.red_n, w.red_slot0, w.red_nseg,
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), sk, hkv,
-            BLOCK_N=c.block_n, **_dims(q, v), num_warps=4,
-        )
-
-
-def _launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, prepared: TritonPrepared, scale: float, keep=None):
-    """dQ kernel with config c: shapes as _launch_dkdv (sq > 0); dq like q, written; ``keep``: per-head row
-    schedules."""
-    sq, hq, d = q.shape
-    sk, hkv = k.shape[0], k.shape[1]
-    desc, rows, sb, se = _schedule(prepared, c, q.device, keep, rows=True)
-    nm = rows.order.shape[1]
-    tma = _use_tma(c, q) and _plain_dims(q, v)
-    kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
-    attn_bwd_dq_kernel[(nm * hq,)](
-        q, k, v, dout, lse, delta, dq, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), lse.stride(1),
-        sb, se, sq, sk, hq, scale * LOG2E, scale,
-        GROUP=hq // hkv, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **_dims(q, v),
-        IEEE=q.dtype == torch.float32, TMA=tma,
-        num_warps=c.num_warps, num_stages=c.num_stages,
-    )

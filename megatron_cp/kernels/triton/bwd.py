@@ -37,6 +37,17 @@ def _load_rows(base, desc, row0, col0, n_rows, stride, BLOCK: tl.constexpr, HEAD
 
 
 @triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """``a @ b`` (+ ``acc`` when given): with IEEE fp32 products (the exact float32 / float64 path), else the
+    tensor cores' default precision."""
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _dkdv_inner(dk, dv, k, v, offs_n, Qh, DOh, QD, DOD, col0, lse_h, delta_h, stride_qs, stride_dos, stride_ls,
                 OFF, TID, DESC, e0, e1, sq, qk_scale, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                 MASKED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, DIM_QK: tl.constexpr,
@@ -55,26 +66,37 @@ def _dkdv_inner(dk, dv, k, v, offs_n, Qh, DOh, QD, DOD, col0, lse_h, delta_h, st
             delta = tl.load(delta_h + offs_m * stride_ls)
         # lse = -inf marks a row with nothing kept anywhere: make its P exactly 0
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        if IEEE:
-            sT = tl.dot(k, tl.trans(q), input_precision="ieee")
-        else:
-            sT = tl.dot(k, tl.trans(q))
+        sT = _dot(k, tl.trans(q), None, IEEE)
         pT = tl.math.exp2(sT * qk_scale - lse2[None, :])
         if MASKED:
             keepT = tile_keep(DESC, TID, e, offs_m, offs_n, True)
             pT = tl.where(keepT, pT, 0.0)
-        if IEEE:
-            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision="ieee")
-            dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
-        else:
-            dv = tl.dot(pT.to(do.dtype), do, dv)
-            dpT = tl.dot(v, tl.trans(do))
+        dv = _dot(pT.to(do.dtype), do, dv, IEEE)
+        dpT = _dot(v, tl.trans(do), None, IEEE)
         dsT = pT * (dpT - delta[None, :])
-        if IEEE:
-            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision="ieee")
-        else:
-            dk = tl.dot(dsT.to(q.dtype), q, dk)
+        dk = _dot(dsT.to(q.dtype), q, dk, IEEE)
     return dk, dv
+
+
+@triton.jit
+def _column_program(W_N, n_kv_heads):
+    """(work item, kv head, k block) of this program: programs run work items x kv heads, the head fastest."""
+    pid = tl.program_id(0)
+    i = pid // n_kv_heads
+    return i, pid % n_kv_heads, tl.load(W_N + i)
+
+
+@triton.jit
+def _store_dkdv(DK, DV, dk, dv, n, hk, sk, stride_dks, stride_dkh, stride_dvs, stride_dvh, BLOCK_N: tl.constexpr,
+                HEAD_DIM: tl.constexpr, DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, DIM_V: tl.constexpr):
+    """k block ``n``'s finished dK (scaled) and dV of kv head ``hk`` into their outputs (rows past sk left alone)."""
+    offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n64 = offs_n.to(tl.int64)
+    col_ok = offs_n < sk
+    store_block(DK + offs_n64[:, None] * stride_dks + hk * stride_dkh + tl.arange(0, HEAD_DIM)[None, :],
+                dk.to(DK.dtype.element_ty), col_ok, DIM_QK, HEAD_DIM)
+    store_block(DV + offs_n64[:, None] * stride_dvs + hk * stride_dvh + tl.arange(0, HEAD_DIM_V)[None, :],
+                dv.to(DV.dtype.element_ty), col_ok, DIM_V, HEAD_DIM_V)
 
 
 @triton.jit
@@ -87,11 +109,8 @@ def attn_bwd_dkdv_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr, TMA: tl.constexpr, DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, DIM_V: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    hk = pid % n_kv_heads
-    i = pid // n_kv_heads
     # work item i: segment seg of nseg of k block n's entry list (see triton_blocks.ColumnWork)
-    n = tl.load(W_N + i)
+    i, hk, n = _column_program(W_N, n_kv_heads)
     seg = tl.load(W_SEG + i)
     nseg = tl.load(W_NSEG + i)
     slot = tl.load(W_SLOT + i)
@@ -130,10 +149,8 @@ def attn_bwd_dkdv_kernel(
                              TMA, DIM_QK, HEAD_DIM_V, DIM_V)
     dk = dk * sm_scale
     if slot < 0:
-        store_block(DK + offs_n64[:, None] * stride_dks + hk * stride_dkh + offs_d[None, :],
-                    dk.to(DK.dtype.element_ty), col_ok, DIM_QK, HEAD_DIM)
-        store_block(DV + offs_n64[:, None] * stride_dvs + hk * stride_dvh + offs_dv[None, :],
-                    dv.to(DV.dtype.element_ty), col_ok, DIM_V, HEAD_DIM_V)
+        _store_dkdv(DK, DV, dk, dv, n, hk, sk, stride_dks, stride_dkh, stride_dvs, stride_dvh, BLOCK_N, HEAD_DIM,
+                    DIM_QK, HEAD_DIM_V, DIM_V)
     else:  # one segment of a split k block: fp32 partial into its workspace slot (whole padded blocks)
         base = (slot * n_kv_heads + hk).to(tl.int64)
         tl.store(WK + base * (BLOCK_N * HEAD_DIM) + tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM + offs_d[None, :], dk)
@@ -148,10 +165,7 @@ def attn_bwd_dkdv_reduce_kernel(
     DIM_V: tl.constexpr,
 ):
     """dK/dV of split k blocks: the sum of their segments' partials, always in slot order."""
-    pid = tl.program_id(0)
-    hk = pid % n_kv_heads
-    i = pid // n_kv_heads
-    n = tl.load(RED_N + i)
+    i, hk, n = _column_program(RED_N, n_kv_heads)
     s0 = tl.load(RED_SLOT0 + i)
     ns = tl.load(RED_NSEG + i)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -164,13 +178,8 @@ def attn_bwd_dkdv_reduce_kernel(
         base = (s * n_kv_heads + hk).to(tl.int64)
         dk += tl.load(WK + base * (BLOCK_N * HEAD_DIM) + tile_k)
         dv += tl.load(WV + base * (BLOCK_N * HEAD_DIM_V) + tile_v)
-    offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n64 = offs_n.to(tl.int64)
-    col_ok = offs_n < sk
-    store_block(DK + offs_n64[:, None] * stride_dks + hk * stride_dkh + offs_d[None, :],
-                dk.to(DK.dtype.element_ty), col_ok, DIM_QK, HEAD_DIM)
-    store_block(DV + offs_n64[:, None] * stride_dvs + hk * stride_dvh + offs_dv[None, :],
-                dv.to(DV.dtype.element_ty), col_ok, DIM_V, HEAD_DIM_V)
+    _store_dkdv(DK, DV, dk, dv, n, hk, sk, stride_dks, stride_dkh, stride_dvs, stride_dvh, BLOCK_N, HEAD_DIM, DIM_QK,
+                HEAD_DIM_V, DIM_V)
 
 
 @triton.jit
@@ -183,21 +192,14 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, Kh, Vh, KD, VD, col0, stride_ks, s
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _load_rows(Kh, KD, n0, col0, sk, stride_ks, BLOCK_N, HEAD_DIM, MASKED, TMA, DIM_QK)
         v = _load_rows(Vh, VD, n0, col0, sk, stride_vs, BLOCK_N, HEAD_DIM_V, MASKED, TMA, DIM_V)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-            dp = tl.dot(do, tl.trans(v))
+        s = _dot(q, tl.trans(k), None, IEEE)
+        dp = _dot(do, tl.trans(v), None, IEEE)
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
             keep = tile_keep(DESC, TID, e, offs_m, offs_n, False)
             p = tl.where(keep, p, 0.0)
         ds = p * (dp - delta[:, None])
-        if IEEE:
-            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
-        else:
-            dq = tl.dot(ds.to(k.dtype), k, dq)
+        dq = _dot(ds.to(k.dtype), k, dq, IEEE)
     return dq
 
 
