@@ -104,7 +104,38 @@ def test_train_step_over_dp_never_predicted_slower_than_the_fixed_layout(sim, tm
     assert table[-3].startswith("| setting | GPUs |") and table[-1].startswith("| megatron W4 t2048 | 4 |")
     assert len(out["rows"]) == 1
     rec = json.loads((tmp_path / "dp_x_cp_steps.json").read_text())
-    assert rec["device"] == "CPU (simulation)" and {"vs_best_fixed", "vs_dp_balanced"} <= set(rec["rows"][0])
+    assert rec["device"] == "CPU (simulation)" and {"vs_best_fixed", "vs_dp_balanced", "bound_s", "bound_cells_s",
+                                                    "bound_vs_dp_balanced"} <= set(rec["rows"][0])
+    r = rec["rows"][0]
+    assert r["bound_cells_s"] <= r["bound_s"] <= r["over_dp_s"] and r["bound_vs_dp_balanced"] >= r["vs_dp_balanced"]
+
+
+def test_train_step_no_layout_is_predicted_below_the_bound(sim):
+    """The floors of a step (step_model.step_bound: perfect balance of whole documents; every cell at the fastest
+    fitted rate) are floors of the model: every layout at every configuration, host-bound and GPU-bound, with and
+    without host time, is predicted at or above them; the cells floor is the lower one; a step of one document per
+    rank, placed whole by DP's layout, reaches perfect balance exactly (nothing split, moved or waited for)."""
+    from dataclasses import replace
+
+    cal = sim.calibrate()
+    free = replace(cal, attn_host={k: (0.0, 0.0) for k in cal.attn_host}, layer_host_s=0.0)
+    for st in (sim.Setting("12l", 4, 4096, 8, (128, 4096, 300, 1.0), 4096, steps=(0,)),
+               sim.Setting("300m", 4, 32768, 4, (1024, 32768, 4096, 1.5), 32768, steps=(0,)),
+               sim.Setting("300m", 4, 32768, 4, (1024, 32768, 4096, 1.5), 32768, window=(1024, (1, 0)), steps=(0,))):
+        cus = sim.sequences(st, 0)
+        for c in (cal, free):
+            b = sim.step_bound(st, cus, c)
+            assert b["cells_s"] <= b["balanced_s"] and b["gpu_cells_s"] <= b["gpu_balanced_s"]
+            assert (b["host_s"] == 0.0) == (c is free)
+            for layout, cp in sim.layouts(st) + [("global", 1)]:
+                got = sim.step_time(st, cus, layout, cp, c, with_library=False)["step_s"]
+                assert got >= b["cells_s"] * (1 - 1e-9), (st, layout, cp, got, b)
+                if not st.window:  # a floor on the varlen route; windowed pieces may run block-sparse, cheaper
+                    assert got >= b["balanced_s"] * (1 - 1e-9), (st, layout, cp, got, b)
+    st = sim.Setting("300m", 4, 8192, 4, (1024, 8192, 4096, 1.5), 8192, steps=(0,))
+    cus = [np.array([0, 8192])] * 4
+    assert sim.step_time(st, cus, "fixed", 1, free)["step_s"] == pytest.approx(sim.step_bound(st, cus, free)
+                                                                              ["balanced_s"], rel=1e-12)
 
 
 def test_rank_shares_dry_run_runs_every_rank_of_every_micro_batch(tmp_path, capsys):

@@ -333,3 +333,65 @@ def step_time(setting: Setting, cus: list, layout: str, cp: int, cal: Calibratio
     return dict(step_s=end + cal.fixed_s[setting.model], chosen=chosen, library=library,
                 host_s=max(v[0] for v in state.values()), busy_s=[v[2] for v in state.values()],
                 attn_host_s=max(v[3] for v in state.values()), first_call_s=max(v[4] for v in state.values()))
+
+
+# ------------------------------------------------------------------------------------------------ the bound
+
+_DOCS: dict = {}
+
+
+def doc_alone(n: int, window, setting: Setting, cal: Calibration) -> tuple[float, float, int]:
+    """(forward, backward) FA4 seconds of one causal document of ``n`` tokens (within ``window`` keys back) alone on
+    one rank, by the route the backend takes for it, and its mask's cells (remembered: lengths repeat)."""
+    key = (n, window, setting.model)
+    if key not in _DOCS:
+        m = MODELS[setting.model]
+        work = Workload(m.heads, m.kv_heads, m.head_dim, 2)
+        r = mcp.plan(_mask([np.array([0, n])], window), 1).ranks[0]
+        _DOCS[key] = (cal.kernels.time(r.tiles, r.num_tokens, r.buffer_len, work),
+                      cal.kernels.time(r.tiles, r.num_tokens, r.buffer_len, work, True), int(r.area))
+    return _DOCS[key]
+
+
+def step_bound(setting: Setting, cus: list, cal: Calibration) -> dict:
+    """Floors of one step's predicted seconds under ``step_time``'s model over placements of the step's documents on
+    the world's ranks (any layout, CP sizes, splits); each + the gradient reduction:
+
+    - ``balanced_s``: perfect balance of whole documents: every rank busy for 1/W of (each document's kernels as it
+      runs alone on one rank + the linear layers of every token), nothing moved, no wait; or the host's floor where
+      that is higher. What a placement reaches with no split cost, no exchange and equal work per rank; a floor
+      wherever the kernels take the varlen route (splitting a document by rows keeps its cells and rows, and only
+      adds merges), not strictly where a split piece would run block-sparse at a lower price.
+    - ``cells_s``: a floor of every placement: each mask cell at the fastest rate any FA4 route was fitted to (a
+      plan computes every cell exactly once; the per-row and merge terms dropped, never negative), the linear
+      layers, over W ranks; or the host's floor. A step's end is at least its busiest rank's GPU busy time (the
+      exchange and waits only add), which is at least the ranks' mean.
+    - ``host_s``: the host's floor: a rank's micro-batch holds at most ``budget`` tokens on it, so some rank runs
+      at least ceil(G L / (W budget)) micro-batches, each every layer's Megatron host time and megatron-cp's calls
+      at their cheapest (nothing exchanged), and its plans' first calls.
+
+    Also ``gpu_balanced_s`` and ``gpu_cells_s``: the GPU floors alone (no host, no gradient reduction)."""
+    m = MODELS[setting.model]
+    pattern = setting.window[1] if setting.window else (0,)
+    n_win = sum(bool(pattern[i % len(pattern)]) for i in range(m.layers))
+    kinds = [(None, m.layers - n_win)] + ([(setting.window[0], n_win)] if n_win else [])
+    fit = cal.kernels.fit
+    per_cell = 4.0 * m.heads * m.head_dim
+    fastest = {d: max(f[d][0] for f in fit.values()) for d in ("fwd", "bwd")}
+    whole = cells = 0.0
+    for n in (int(x) for c in cus for x in np.diff(c)):
+        for window, layers in kinds:
+            if layers == 0:
+                continue
+            f, b, area = doc_alone(n, window, setting, cal)
+            # forward twice (the pass and its recomputation before the backward), backward once
+            whole += layers * (2 * f + b)
+            cells += layers * area * per_cell * (2 / fastest["fwd"] + 2.5 / fastest["bwd"]) * 1e-12
+    lin = cal.rest_s[setting.model] * setting.L * setting.G * m.layers
+    mbs = -(-setting.G * setting.L // (setting.world * setting.budget))
+    call = 2 * attn_host(cal, "fwd", 1) + attn_host(cal, "bwd", 1)
+    host = mbs * (m.layers * (cal.layer_host_s + call) + len(kinds) * attn_host(cal, "first", 1))
+    W, red = setting.world, cal.fixed_s[setting.model]
+    gb, gc = (whole + lin) / W, (cells + lin) / W
+    return dict(balanced_s=max(gb, host) + red, cells_s=max(gc, host) + red, host_s=host, gpu_balanced_s=gb,
+                gpu_cells_s=gc)

@@ -6,6 +6,11 @@ x CP with DP's own layout among its candidates (not needed to use megatron-cp).
     python tools/sim/train_step.py --table --host-free         # every layout on Megatron's and those settings
     python tools/sim/train_step.py --dry-run                   # tiny sizes
 
+Each row of --table also carries the setting's floors (``step_model.step_bound``): perfect balance of whole documents
+over every rank, and every mask cell at the fastest fitted kernel rate (no placement is predicted below the latter;
+below the former only where split pieces would run a cheaper kernel route), so their ratio to DP-balanced is the
+most any plan over DP x CP could gain over it there.
+
 Writes OUT/dp_x_cp_steps<tag>.json and prints the tables.
 """
 
@@ -16,11 +21,13 @@ import os
 import sys
 from dataclasses import replace
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/sim: the model
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/common.py
 from common import Progress, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
 from step_model import (MEASURED, SEED, THROUGHPUT, Calibration, Setting, calibrate, sequences,  # noqa: E402,F401
-                        step_time)
+                        step_bound, step_time)
 
 
 # runs[i] of THROUGHPUT holding each (setting, layout)'s measured steps
@@ -60,6 +67,7 @@ def simulate(setting: Setting, cal: Calibration, pairs=None, bar=None, with_libr
                      host_attention_calls_s=sum(r["attn_host_s"] for r in res),
                      host_first_calls_s=sum(r["first_call_s"] for r in res),
                      gpu_busy_max_s=sum(max(r["busy_s"]) for r in res),
+                     gpu_busy_mean_s=sum(float(np.mean(r["busy_s"])) for r in res),
                      gradient_reduction_s=len(res) * cal.fixed_s[setting.model])
         out[f"{layout} cp{cp}"] = dict(layout=layout, cp=cp, steps_s=[r["step_s"] for r in res],
                                        total_s=sum(r["step_s"] for r in res), chosen=[r["chosen"] for r in res],
@@ -70,13 +78,28 @@ def simulate(setting: Setting, cal: Calibration, pairs=None, bar=None, with_libr
     return out
 
 
-def row(name: str, setting: Setting, sims: dict) -> dict:
+def bound(setting: Setting, cal: Calibration) -> dict:
+    """The setting's floors (``step_model.step_bound``) summed over its steps, and each step's."""
+    per = [step_bound(setting, sequences(setting, k), cal) for k in setting.steps]
+    return {**{k: sum(b[k] for b in per) for k in per[0]}, "steps": per}
+
+
+def row(name: str, setting: Setting, sims: dict, floor: dict) -> dict:
     """One row of the table: the best fixed layout, DP-balanced and the best configuration of one plan over DP x CP
-    (their summed steps) and the ratios."""
+    (their summed steps) and the ratios; ``floor`` (``bound``): what no placement beats, its ratio to DP-balanced
+    (the most any plan could gain over it) and where the plan over DP x CP's time goes beyond it."""
     best = lambda kind: min((v for v in sims.values() if v["layout"] == kind), key=lambda v: v["total_s"])  # noqa
     fixed, over, bal = best("fixed"), best("over_dp"), best("dp_balanced")
     picks = [c for v in over["chosen"] for c in v]
     lib = [c for v in over["library"] for c in v]  # empty without the library's picks (host-free)
+    w = over["where"]
+    # the plan's GPU time beyond perfect balance of whole documents: the kernels' extra cost of the documents it
+    # splits (its ranks' mean busy time over the whole documents' share), the busiest rank over the mean, and the
+    # end over the busiest rank's busy time (the exchange, waits for the slowest rank at each exchange, the host)
+    end = over["total_s"] - w["gradient_reduction_s"]
+    beyond = dict(split_s=w["gpu_busy_mean_s"] - floor["gpu_balanced_s"],
+                  imbalance_s=w["gpu_busy_max_s"] - w["gpu_busy_mean_s"],
+                  exchange_waits_host_s=end - w["gpu_busy_max_s"])
     return dict(setting=name, world=setting.world, model=setting.model, seqlen=setting.L, sequences_per_step=setting.G,
                 tokens_per_rank_budget=setting.budget, docs=dict(zip(("lo", "hi", "median", "sigma"), setting.docs)),
                 window=setting.window, steps=list(setting.steps),
@@ -86,7 +109,10 @@ def row(name: str, setting: Setting, sims: dict) -> dict:
                 over_dp=f"over_dp cp{over['cp']}", over_dp_s=over["total_s"],
                 dp_whole_share=picks.count("dp_whole") / max(len(picks), 1),
                 library_agrees=sum(a == b for a, b in zip(picks, lib)) / len(lib) if lib else None,
-                vs_best_fixed=fixed["total_s"] / over["total_s"], vs_dp_balanced=bal["total_s"] / over["total_s"])
+                vs_best_fixed=fixed["total_s"] / over["total_s"], vs_dp_balanced=bal["total_s"] / over["total_s"],
+                bound=floor, bound_s=floor["balanced_s"], bound_cells_s=floor["cells_s"],
+                bound_vs_dp_balanced=bal["total_s"] / floor["balanced_s"],
+                bound_cells_vs_dp_balanced=bal["total_s"] / floor["cells_s"], over_dp_beyond_bound=beyond)
 
 
 def measured(name: str) -> dict:
@@ -185,12 +211,24 @@ def compare_table(rows) -> list[str]:
 def table(rows) -> list[str]:
     return markdown_table(
         ["setting", "GPUs", "tokens / rank", "best fixed (s)", "DP-balanced s", "over DP x CP (s)", "vs_best_fixed",
-         "vs_dp_balanced", "DP-whole taken", "library agrees"],
+         "vs_dp_balanced", "bound s: balanced / cells", "bound vs DP-balanced", "DP-whole taken", "library agrees"],
         [[r["setting"], r["world"], r["tokens_per_rank_budget"], f"{r['best_fixed']} ({r['best_fixed_s']:.3f})",
           f"{r['dp_balanced_s']:.3f}", f"{r['over_dp']} ({r['over_dp_s']:.3f})", f"{r['vs_best_fixed']:.3f}",
-          f"{r['vs_dp_balanced']:.3f}", f"{100 * r['dp_whole_share']:.0f}%",
+          f"{r['vs_dp_balanced']:.3f}", f"{r['bound_s']:.3f} / {r['bound_cells_s']:.3f}",
+          f"{r['bound_vs_dp_balanced']:.3f} / {r['bound_cells_vs_dp_balanced']:.3f}",
+          f"{100 * r['dp_whole_share']:.0f}%",
           "-" if r["library_agrees"] is None else f"{100 * r['library_agrees']:.0f}%"]
          for r in rows])
+
+
+def beyond_table(rows) -> list[str]:
+    """Where the plan over DP x CP's summed steps go beyond perfect balance of whole documents."""
+    return markdown_table(
+        ["setting", "GPUs", "tokens / rank", "over DP x CP (s)", "bound: balanced (s)", "split documents' kernels",
+         "busiest rank over the mean", "exchange, waits, host", "host floor"],
+        [[r["setting"], r["world"], r["tokens_per_rank_budget"], f"{r['over_dp_s']:.3f}", f"{r['bound_s']:.3f}",
+          *(f"{r['over_dp_beyond_bound'][k]:+.3f}" for k in ("split_s", "imbalance_s", "exchange_waits_host_s")),
+          f"{r['bound']['host_s']:.3f}"] for r in rows])
 
 
 def main(argv=None) -> dict:
@@ -223,10 +261,10 @@ def main(argv=None) -> dict:
         if a.compare:
             out["compare"] = compare(cal, bar)
             out["busy_step0_b"] = busy_check(cal)
-        out["rows"] = [row(k, s, simulate(s, cal, bar=bar)) for k, s in settings.items()]
+        out["rows"] = [row(k, s, simulate(s, cal, bar=bar), bound(s, cal)) for k, s in settings.items()]
         if a.host_free:
             free = replace(cal, attn_host={k: (0.0, 0.0) for k in cal.attn_host}, layer_host_s=0.0)
-            out["rows_host_free"] = [row(k, s, simulate(s, free, bar=bar, with_library=False))
+            out["rows_host_free"] = [row(k, s, simulate(s, free, bar=bar, with_library=False), bound(s, free))
                                      for k, s in settings.items()]
     write_json(os.path.join(out_dir(a), f"dp_x_cp_steps{a.tag}.json"), out)
     if a.compare:
@@ -245,6 +283,8 @@ def main(argv=None) -> dict:
         print(("\n" if a.compare else "") + "predicted whole steps, summed; one plan over DP x CP at its best "
               "configuration")
         print("\n".join(table(out["rows"])))
+        print("\nwhere one plan over DP x CP's steps go beyond perfect balance of whole documents (seconds, summed)")
+        print("\n".join(beyond_table(out["rows"])))
     if out.get("rows_host_free"):
         print("\nthe same with no host time at all (a bound, not a prediction)")
         print("\n".join(table(out["rows_host_free"])))
