@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = ["Kind", "KIND_NAMES"]
+__all__ = ["Kind"]
+__shared__ = ["KIND_NAMES"]  # for the layers above (the kernels' and masks' name tables), not users
 
 
 class Kind(IntEnum):

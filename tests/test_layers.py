@@ -7,9 +7,12 @@
   package's module; tools/ and examples/ use public names only; no module imports another module's private
   names either, inside its own package included;
 - kernels/fa4 imports nothing of kernels/triton (the shared kernels/config.py and kernels/fallback.py instead);
-- a name taken from another package is in that package's ``__all__`` (its public face; a public module
-  listed there, e.g. ``kernels.pieces``, may be imported and read);
-- the runtime takes from the planner only what ``megatron_cp.planner`` exports;
+- a name taken from another package is in that package's ``__all__`` (its user API) or ``__shared__`` (what it
+  shares with the layers above; a public module listed there, e.g. ``kernels.pieces``, may be imported and read);
+- the user API and the shared API are apart: every package below the adapter declares both, they do not overlap,
+  ``megatron_cp.__all__`` re-exports user names only, the quickstart example uses user names only, and
+  docs/layers.md lists each package's shared names;
+- the runtime takes from the planner only what ``megatron_cp.planner`` exports (``__all__`` and ``__shared__``);
 - only megatron_cp.megatron imports megatron; masks, planner and kernels never import torch.distributed.
 """
 
@@ -255,12 +258,14 @@ def test_tools_and_examples_use_public_names_only(folder):
 
 
 def _public_faces(mods) -> dict:
-    """``__all__`` of every top-level megatron_cp package or module (imported: some are built with ``*``)."""
+    """``__all__`` and ``__shared__`` of every top-level megatron_cp package or module (imported: some are built
+    with ``*``): what other packages may take from it."""
     import importlib
 
     faces = {}
     for layer in sorted({_layer(m) for m in mods} - {None, "", "__main__"}):  # __main__ runs the CLI
-        faces[layer] = set(getattr(importlib.import_module(f"megatron_cp.{layer}"), "__all__", ()))
+        m = importlib.import_module(f"megatron_cp.{layer}")
+        faces[layer] = set(getattr(m, "__all__", ())) | set(getattr(m, "__shared__", ()))
     return faces
 
 
@@ -276,7 +281,7 @@ def _outside_all(path: pathlib.Path, name: str, imps, faces: dict) -> list[str]:
             if mod != f"megatron_cp.{them}":
                 out.append(f"{where} imports the module {mod}, not in megatron_cp.{them}.__all__")
             continue
-        out += [f"{where} imports {mod}.{n}, not in megatron_cp.{them}.__all__" for n in names
+        out += [f"{where} imports {mod}.{n}, not in megatron_cp.{them}.__all__ or __shared__" for n in names
                 if n not in faces.get(them, ())]
     return out
 
@@ -314,7 +319,8 @@ def test_runtime_takes_only_the_planners_exports():
         _, imps = _imports(path, name)
         for mod, names, line in imps:
             if mod == "megatron_cp.planner":
-                bad += [f"{path.relative_to(ROOT)}:{line} {n}" for n in names or () if n not in planner.__all__]
+                bad += [f"{path.relative_to(ROOT)}:{line} {n}" for n in names or ()
+                        if n not in [*planner.__all__, *planner.__shared__]]
             elif mod.startswith("megatron_cp.planner.") and _layer(name) in ("runtime", "sparse"):
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports planner internals from {mod}")
     assert not bad, "\n".join(bad)
@@ -395,3 +401,79 @@ except ImportError as e:
     assert r.returncode == 0, r.stderr[-2000:]
     assert 'refused: megatron_cp.megatron is the Megatron-Core plugin and needs megatron-core >= 0.19: pip install ' \
            '"megatron-cp[megatron]"' in r.stdout
+
+
+# the packages other layers build on: each says what it shares with them apart from its user API
+SHARING = ("kinds", "masks", "planner", "kernels", "comm", "runtime", "baselines", "sparse", "gating")
+
+
+def _resolves(pkg, name: str) -> bool:
+    import importlib
+
+    if hasattr(pkg, name):
+        return True
+    try:  # a public module loaded on first use (masks.catalog, masks.draw)
+        importlib.import_module(f"{pkg.__name__}.{name}")
+        return True
+    except ImportError:
+        return False
+
+
+def test_user_api_and_shared_api_are_apart():
+    import importlib
+
+    import megatron_cp
+
+    user = {}
+    for layer in SHARING:
+        pkg = importlib.import_module(f"megatron_cp.{layer}")
+        assert hasattr(pkg, "__shared__"), f"megatron_cp.{layer} declares no __shared__ (an empty list if none)"
+        both = set(pkg.__all__) & set(pkg.__shared__)
+        assert not both, f"megatron_cp.{layer}: {sorted(both)} in both __all__ and __shared__"
+        missing = [n for n in [*pkg.__all__, *pkg.__shared__] if not _resolves(pkg, n)]
+        assert not missing, f"megatron_cp.{layer} lists names it does not define: {missing}"
+        user[layer] = set(pkg.__all__)
+    # the front re-exports packages and user names, never a shared one
+    for name in megatron_cp.__all__:
+        obj = getattr(megatron_cp, name)
+        if getattr(obj, "__name__", None) == f"megatron_cp.{name}":
+            assert name in FRONT, name
+            continue
+        assert any(name in user[layer] for layer in FRONT), f"megatron_cp.{name} is no package's user name"
+        assert not any(name in importlib.import_module(f"megatron_cp.{layer}").__shared__ for layer in SHARING), name
+
+
+def test_the_quickstart_uses_the_user_api_only():
+    """examples/quickstart.py, what a user copies first: ``mcp.X`` is a top-level name and ``mcp.pkg.Y`` a user name
+    of that package."""
+    import importlib
+
+    import megatron_cp
+
+    tree = ast.parse((ROOT / "examples" / "quickstart.py").read_text())
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "mcp":
+            if node.attr not in megatron_cp.__all__:
+                bad.append(f"mcp.{node.attr}")
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and isinstance(node.value.value, ast.Name) and node.value.value.id == "mcp"):
+            pkg = importlib.import_module(f"megatron_cp.{node.value.attr}")
+            if node.attr not in pkg.__all__:
+                bad.append(f"mcp.{node.value.attr}.{node.attr}")
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            bad += [f"import {m}" for m in mods if m.startswith("megatron_cp.")]
+    assert not bad, bad
+
+
+def test_the_docs_list_each_packages_shared_api():
+    """docs/layers.md's table of shared names is each package's ``__shared__``."""
+    import importlib
+
+    text = (ROOT / "docs" / "layers.md").read_text()
+    rows = dict(re.findall(r"^\| megatron_cp\.(\w+) \| (.*?) \|$", text, flags=re.M))
+    assert set(rows) == set(SHARING), sorted(rows)
+    for layer, cell in rows.items():
+        names = set(re.findall(r"`(\w+)`", cell))
+        assert names == set(importlib.import_module(f"megatron_cp.{layer}").__shared__), layer

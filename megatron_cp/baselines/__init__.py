@@ -97,5 +97,8 @@ def plan_for(name: str, mask, cp_size: int, **plan_kwargs) -> Plan:
     return make_plan(mask, cp_size, **plan_kwargs)
 
 
-__all__ = ["get_strategy", "plan_for", "STRATEGIES", "STRATEGY_NAMES", "OWN", "ring", "ulysses", "usp", "allgather", "head_context",
-           "head_context_groups", "rank_tiles", "ring_tiles", "mask_tiles"]
+__all__ = ["get_strategy", "plan_for", "STRATEGIES", "STRATEGY_NAMES", "OWN", "ring", "ulysses", "usp", "allgather",
+           "head_context"]
+# shared with the layer above and the tools, not the user API: the groups head_context makes, and the tiles each
+# strategy's kernel calls compute (for cost models and benchmarks)
+__shared__ = ["head_context_groups", "rank_tiles", "ring_tiles", "mask_tiles"]

@@ -17,3 +17,4 @@ METHODS = {"duo": DuoGates, "prulong": HardConcreteGates}
 __all__ = ["METHODS", "gated_attention", "pattern_attention", "streaming_plans", "DuoGates", "HardConcreteGates",
            "LagrangianSparsity", "discretize", "save_pattern", "load_pattern", "pattern_sparsity", "LOG_ALPHA_MEAN",
            "gates", "attention"]
+__shared__ = []  # the adapter above uses the user API only

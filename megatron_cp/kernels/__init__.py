@@ -32,12 +32,10 @@ from .triton.backend import TritonBackend
 from .pieces import kept_area
 from .upload import upload
 
+# the user API: the backends by name and their configuration, the tile list and its checks, per-head block selections
 __all__ = [
     "Backend",
     "BlockKeep",
-    "block_classes",
-    "accumulate_dtype",
-    "refuse_double_backward",
     "Kind",
     "FULL",
     "CAUSAL",
@@ -59,11 +57,12 @@ __all__ = [
     "PhaseConfigs",
     "DEFAULT_CONFIGS",
     "configs_from_json",
-    "copy_rows", "copy_row_pairs",
-    "reduce_rows",
-    "merge",
-    "pieces",
-    "upload",
-    "antidiagonal_mass",
-    "fused_mass_supported",
+]
+# shared with the layers above (runtime, baselines, sparse, gating), not the user API: the LSE merge, how tiles split
+# into pieces, row moves, uploads, dtype and autograd rules, and XAttention's block masses
+__shared__ = [
+    "block_classes", "accumulate_dtype", "refuse_double_backward",
+    "copy_rows", "copy_row_pairs", "reduce_rows",
+    "merge", "pieces", "upload",
+    "antidiagonal_mass", "fused_mass_supported",
 ]

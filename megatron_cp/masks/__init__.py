@@ -28,11 +28,13 @@ from .geometry import KINDS
 from .registry import ARG_KINDS, BUILDERS, builders_taking
 from .slices import AttnMask, AttnSlice
 
-# public modules beside the names: geometry (trapezoid arithmetic), catalog (named masks, needs torch), draw
-__all__ = ["AttnMask", "AttnSlice", "KINDS", "Block", "streaming_within", "block_diagonal", *BUILDERS,
+# the user API; public modules beside the names: catalog (named masks, needs torch), draw
+__all__ = ["AttnMask", "AttnSlice", "Block", "streaming_within", "block_diagonal", *BUILDERS,
            # the registry of builders by name, with the kind of their arguments (registry.py)
            "BUILDERS", "ARG_KINDS", "builders_taking",
-           "geometry", "catalog", "draw"]
+           "catalog", "draw"]
+# shared with the layers above (planner, runtime, ...), not the user API: the trapezoid arithmetic and kind names
+__shared__ = ["KINDS", "geometry"]
 
 
 def __getattr__(name):  # ``masks.catalog`` on first use: the rest of the package stays free of torch

@@ -16,8 +16,8 @@ from .options import flag
 
 METHODS = ("none", *SELECTORS)
 # what each selector does, for --cp-sparse's help (a selector missing here is listed by name alone)
-SUMMARY = {"moba": "top-k blocks by q . mean(K); trainable from scratch", "xattention": "antidiagonal scoring, threshold",
-           "flexprefill": "query-aware or vertical-slash per head",
+SUMMARY = {"moba": "top-k blocks by q . mean(K); trainable from scratch",
+           "xattention": "antidiagonal scoring, threshold", "flexprefill": "query-aware or vertical-slash per head",
            "minference": "per-head patterns from --cp-minference-config"}
 DEFAULT_BLOCK = {name: cls.block for name, cls in SELECTORS.items()}  # each selector's own default
 

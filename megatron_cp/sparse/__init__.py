@@ -19,3 +19,4 @@ SELECTORS = {cls.name: cls for cls in (MoBA, XAttention, FlexPrefill, MInference
 
 __all__ = ["SELECTORS", "MoBA", "XAttention", "FlexPrefill", "MInference", "HeadPattern", "Selector", "SelectionView", "SparseLayout", "single_view", "sparse_attention", "select_blocks",
            "sparse_layout"]
+__shared__ = []  # the adapter above uses the user API only
