@@ -311,7 +311,7 @@ def attention(
     the CP ranks check they agree on the plan, head counts, head dims and dtype (``verify_plan``: a ValueError on
     every rank otherwise), once per plan, and on every call where ``group`` is a gloo group.
 
-    ``backend``: a kernel backend name (``auto``, ``triton``, ``reference``) or an object implementing
+    ``backend``: a kernel backend name (one of ``kernels.BACKEND_CHOICES``) or an object implementing
     ``kernels.Backend``, e.g. ``kernels.TritonBackend(kernels.TritonConfig(deterministic=True))`` (its
     prepared tiles are kept per object: keep using the same one). ``stages``: remote K/V stages
     overlapped with compute; None (default) lets ``cost_model`` (``runtime.CostModel``, defaults when
