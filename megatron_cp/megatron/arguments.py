@@ -58,6 +58,18 @@ def _add_fields(group, cls, only=None, skip=()) -> None:
         group.add_argument(name, help=help, **kwargs)
 
 
+def from_flags(cls, args, **derived) -> dict:
+    """Keyword arguments of the option dataclass ``cls``: each field with a flag takes the flag's parsed value from
+    ``args`` as it is, unless ``derived`` gives it (a value parsed or checked from the flag, e.g. the topology)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name in derived:
+            out[f.name] = derived[f.name]
+        elif "flag" in f.metadata:
+            out[f.name] = getattr(args, f.metadata["flag"][0].lstrip("-").replace("-", "_"))
+    return out
+
+
 def _escape_bare_percent(parser: argparse.ArgumentParser) -> None:
     """argparse formats every help string with ``%``: a bare one (megatron-core 0.19.2's
     ``--moe-paged-stash-buffer-size-factor-cuda`` says "10%).") makes ``--help`` raise "unsupported format
@@ -179,8 +191,8 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
     layer_window = None
     if getattr(args, "window_attn_skip_freq", None) is not None and getattr(args, "window_size", None) is not None:
         layer_window = int(tuple(args.window_size)[0])  # windowed layers among full ones (_map_documents_and_window)
-    spec = MaskSpec(args.cp_mask, window=args.cp_window, eod=eod, kwargs=tuple(sorted(kwargs.items())),
-                    layer_window=layer_window)
+    spec = MaskSpec(**from_flags(MaskSpec, args, eod=eod, kwargs=tuple(sorted(kwargs.items())),
+                                 layer_window=layer_window))
     if args.cp_chunk_size is not None and args.cp_chunk_size < 1:
         raise ValueError(f"--cp-chunk-size must be >= 1, got {args.cp_chunk_size}")
     sparse = spec_from_args(args)
@@ -193,10 +205,8 @@ def specs_from_args(args, eod: int | None = None) -> tuple[MaskSpec, PlanOptions
                          f"{'--cp-sparse' if sparse is not None else '--cp-head-gating / --cp-head-pattern'}")
     if getattr(args, "cp_balance_over_dp", False):
         _check_balance_over_dp(args, sparse, gating)
-    return spec, PlanOptions(chunk_size=args.cp_chunk_size, topology=_topology(args.cp_topology),
-                             solver=args.cp_solver, kernel_backend=args.cp_kernel_backend,
-                             strategy=args.context_parallel_impl, sparse=sparse, gating=gating,
-                             over_dp=bool(getattr(args, "cp_balance_over_dp", False)))
+    return spec, PlanOptions(**from_flags(PlanOptions, args, topology=_topology(args.cp_topology), sparse=sparse,
+                                          gating=gating, over_dp=bool(getattr(args, "cp_balance_over_dp", False))))
 
 
 def _check_balance_over_dp(args, sparse, gating) -> None:
