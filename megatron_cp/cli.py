@@ -10,9 +10,9 @@ the mask with every solver and prints one row each (imbalance, busiest rank's re
 moved, planning time); on small instances (cp <= 8, at most 64 chunks) it also solves the chunk
 assignment exactly (``planner.milp``) and prints each solver's gap to that optimum.
 
-Masks are the named masks of ``megatron_cp.masks.catalog``, or a builder of ``megatron_cp.masks`` with its
-sizes (``--mask prefix_lm --mask-args prefix=4096``; also sliding_window, block_causal, strided, global_local,
-star, streaming). For the document masks (``packed``,
+Masks are the named masks of ``megatron_cp.masks.catalog``, or a builder of ``megatron_cp.masks`` that takes
+(seqlen, sizes) (``masks.builders_taking("sizes")``) with its sizes (``--mask prefix_lm --mask-args prefix=4096``;
+``--help`` lists them). For the document masks (``packed``,
 ``docs_causal``) ``--docs FILE`` gives the document lengths (one integer per line, or a JSON list) and
 ``--seed S`` draws new ones (lognormal, sigma 1, around a median of min(1500, S/64) tokens, clipped to
 [min(64, S/64), S/8]: the catalog's ``packed`` rule with another seed). Bad values are refused by the

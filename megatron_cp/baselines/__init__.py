@@ -57,8 +57,8 @@ STRATEGY_NAMES = (OWN, *STRATEGIES)
 
 
 def get_strategy(name: str, **options):
-    """The strategy function called ``name`` (a key of ``STRATEGIES``); options (e.g. ``ulysses_degree`` for usp / head_context, ``backend``,
-    ``lse_grad``) are bound as keyword arguments."""
+    """The strategy function called ``name`` (a key of ``STRATEGIES``); options (e.g. ``ulysses_degree`` for usp /
+    head_context, ``backend``, ``lse_grad``) are bound as keyword arguments."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown context-parallel strategy {name!r}; choose from {', '.join(STRATEGIES)}")
     fn = STRATEGIES[name]
