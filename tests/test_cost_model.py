@@ -3,6 +3,7 @@ row class; its visited-block counts match the kernels' block schedule), the clas
 and the exchange choice respects the dense path."""
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -14,6 +15,8 @@ from megatron_cp.masks import builders as M
 from megatron_cp.masks.geometry import traps_to_tiles as clip_tiles
 from megatron_cp.planner import Workload
 from megatron_cp.runtime.cost import CostModel, block_counts, row_block_entries, tile_areas
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 from megatron_cp.runtime.schedule import choose_num_stages
 from scripts import load_script
 
@@ -37,7 +40,7 @@ def test_the_model_prices_the_kernels_own_split(rule):
     ``kernels.pieces.split_pieces``' (forward with band squares, backward without), and the pieces' cells
     and the rest's add up to the list's."""
     min_rows, min_keys, squares = rule
-    m = CostModel(dense_min_rows=min_rows, dense_min_keys=min_keys, band_squares=squares)
+    m = CostModel.from_flat(dict(dense_min_rows=min_rows, dense_min_keys=min_keys, band_squares=squares))
     rng = np.random.default_rng(sum(rule))
     seen = 0
     for _ in range(60):
@@ -46,7 +49,7 @@ def test_the_model_prices_the_kernels_own_split(rule):
             p = _pieces(tiles, min_rows=min_rows, min_keys=min_keys, band_squares=squares, forward=not backward)
             got = m.rest_tiles(tiles, backward)
             assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, p.rest.tolist()))
-            pieces, rest, _ = m._pieces(tiles, backward, 1)
+            pieces, rest, _ = m.dense.pieces(tiles, backward, 1)
             cells = 0.0 if pieces is None else float(pieces[2].sum())
             assert cells + float(tile_areas(rest)[0].sum()) == float(tile_areas(tiles)[0].sum())
             assert (pieces is None) == (len(p.cudnn) == 0)
@@ -59,8 +62,8 @@ def test_the_models_row_class_is_the_kernels():
     for a class falls back (blocky -> short -> long)."""
     s = 8192
     lists = {"long": M.causal(s), "short": M.sliding_window(s, 512, 0), "blocky": M.strided(s, 512, 4, local_blocks=1)}
-    full = CostModel(short_fwd_tflops=1.0, blocky_fwd_tflops=1.0)
-    no_blocky = CostModel(short_fwd_tflops=1.0)
+    full = CostModel.from_flat(dict(short_fwd_tflops=1.0, blocky_fwd_tflops=1.0))
+    no_blocky = CostModel.from_flat(dict(short_fwd_tflops=1.0))
     plain = CostModel()
     for want, mask in lists.items():
         tiles = mcp.plan(mask, 1).ranks[0].tiles
@@ -100,7 +103,7 @@ def test_row_block_entries_match_kernel_schedule(bm, bn):
 def _long_rows_model(**kw):
     base = dict(launch_us=0.0, tile_us=0.0, dense_fwd_tflops=0.0, short_fwd_tflops=400.0, short_bwd_tflops=300.0,
                 blocky_fwd_tflops=400.0, blocky_bwd_tflops=300.0, num_sms=132)
-    return CostModel(**{**base, **kw})
+    return CostModel.from_flat(dict(**{**base, **kw}))
 
 
 def test_long_rows_bound_forward_of_a_list_with_global_rows():
@@ -129,25 +132,25 @@ def test_long_rows_bound_forward_of_a_list_with_global_rows():
 def test_p2p_time_interpolates_two_measured_sizes():
     """The neighbour transfer time passes through the two calibrated sizes and keeps their slope beyond."""
     mb = 2**20
-    c = CostModel(p2p_gbps=128 * mb / 1e9 / 0.8e-3, p2p_big_gbps=256 * mb / 1e9 / 1.0e-3, p2p_bytes=128 * mb,
-                  latency_us=50.0)
+    c = CostModel.from_flat(dict(p2p_gbps=128 * mb / 1e9 / 0.8e-3, p2p_big_gbps=256 * mb / 1e9 / 1.0e-3, p2p_bytes=128 * mb,
+                  latency_us=50.0))
     assert c.p2p_time(128 * mb) == pytest.approx(0.85e-3)
     assert c.p2p_time(256 * mb) == pytest.approx(1.05e-3)
     assert c.p2p_time(384 * mb) == pytest.approx(1.25e-3)
     assert c.p2p_time(64 * mb) == pytest.approx(0.45e-3)
-    one = CostModel(p2p_gbps=100.0, latency_us=0.0)  # no second size: proportional
+    one = CostModel.from_flat(dict(p2p_gbps=100.0, latency_us=0.0))  # no second size: proportional
     assert one.p2p_time(2e9) == pytest.approx(2 * one.p2p_time(1e9))
 
 
 def test_dense_path_changes_kernel_time_and_stage_choice():
     work = Workload(32, 8, 128, 2)
     full = np.array([[0, 16384, 0, 65536, 0]])
-    plain = CostModel(fwd_tflops=400.0, bwd_tflops=300.0, dense_fwd_tflops=0.0)
-    dense = CostModel(fwd_tflops=400.0, bwd_tflops=300.0, dense_fwd_tflops=600.0, dense_bwd_tflops=500.0,
-                      dense_min_keys=8192)
+    plain = CostModel.from_flat(dict(fwd_tflops=400.0, bwd_tflops=300.0, dense_fwd_tflops=0.0))
+    dense = CostModel.from_flat(dict(fwd_tflops=400.0, bwd_tflops=300.0, dense_fwd_tflops=600.0, dense_bwd_tflops=500.0,
+                      dense_min_keys=8192))
     flops = 4.0 * 16384 * 65536 * 32 * 128
-    assert abs(plain.tile_time(full, work) - (flops / 400e12 / (65536 / (65536 + plain.half_keys))
-                                              + (plain.launch_us + plain.tile_us) * 1e-6)) < 1e-9
+    assert abs(plain.tile_time(full, work) - (flops / 400e12 / (65536 / (65536 + plain.triton.long.half_keys))
+                                              + (plain.launch_us + plain.triton.tile_us) * 1e-6)) < 1e-9
     assert dense.tile_time(full, work) < 0.72 * plain.tile_time(full, work)
     # eight pieces of 8192 keys stay dense; sixteen of 4096 do not
     assert dense.tile_time(full, work, key_split=8) * 8 < 0.75 * plain.tile_time(full, work)
@@ -157,8 +160,8 @@ def test_dense_path_changes_kernel_time_and_stage_choice():
     # rank's remote keys, 24576 .. 49152, are one merged piece per stage) keeps them in one cuDNN piece
     plan = mcp.plan(M.causal(65536), 4, solver="zigzag")
     slow = dict(intra_gbps=10.0, latency_us=5.0, launch_us=5.0)
-    n_plain, _ = choose_num_stages(plan, CostModel(**{**plain.__dict__, **slow}), work, None)
-    dense_16k = CostModel(**{**dense.__dict__, **slow, "dense_min_keys": 16384})
+    n_plain, _ = choose_num_stages(plan, CostModel.from_flat(dict(**{**plain.flat(), **slow})), work, None)
+    dense_16k = CostModel.from_flat(dict(**{**dense.flat(), **slow, "dense_min_keys": 16384}))
     n_dense, preds = choose_num_stages(plan, dense_16k, work, None)
     smallest_remote = min(r.num_remote for r in plan.ranks if r.num_remote)
     assert n_plain >= 2 and 1 <= n_dense < n_plain, (n_plain, n_dense, preds)
@@ -171,7 +174,7 @@ def test_single_exchange_chosen_when_little_moves():
     from megatron_cp.runtime.schedule import choose_schedule, predict_single, schedule
 
     work = Workload(32, 8, 128, 2)
-    model = CostModel(intra_gbps=300.0)
+    model = CostModel.from_flat(dict(intra_gbps=300.0))
     docs = mcp.plan(M.varlen(list(range(0, 65536, 1000)) + [65536], causal=True), 4)
     assert max(r.num_remote for r in docs.ranks) > 0
     assert choose_schedule(docs, None, model, work) is None
@@ -179,7 +182,7 @@ def test_single_exchange_chosen_when_little_moves():
     single = predict_single(docs, model, work)
     assert single["fwd_s"] + single["bwd_s"] < staged.predicted["candidates"][staged.num_stages]
     causal = mcp.plan(M.causal(65536), 4, solver="zigzag")
-    assert choose_schedule(causal, None, CostModel(intra_gbps=3.0, launch_us=5.0), work).num_stages >= 2
+    assert choose_schedule(causal, None, CostModel.from_flat(dict(intra_gbps=3.0, launch_us=5.0)), work).num_stages >= 2
     assert choose_schedule(causal, 0, model, work) is None and choose_schedule(causal, 3, model, work).num_stages == 3
 
 
@@ -193,13 +196,13 @@ def test_flat_routes_on_several_nodes_pay_the_inter_node_link():
     traps = [rp.traps for rp in plan.ranks]
     flat_ids = _stage_ids(plan, 1, None)
     flat_tiles = _stage_tiles(plan, flat_ids, traps)
-    slow, fast = CostModel(inter_gbps=1.0, intra_gbps=1e4), CostModel(inter_gbps=1e4, intra_gbps=1e4)
+    slow, fast = CostModel.from_flat(dict(inter_gbps=1.0, intra_gbps=1e4)), CostModel.from_flat(dict(inter_gbps=1e4, intra_gbps=1e4))
     c_slow = predict(plan, flat_ids, flat_tiles, None, slow, work)["comm_s"][0]
     c_fast = predict(plan, flat_ids, flat_tiles, None, fast, work)["comm_s"][0]
     far = max(int(sum(1 for i in flat_ids[r][0] if plan.owner[np.searchsorted(plan.bounds, i, "right") - 1] // 2 != r // 2))
               for r in range(4))
     assert far > 0
-    assert abs(c_slow - (slow.latency_us * 1e-6 + far * work.kv_bytes_per_token / 1e9)) < 1e-9
+    assert abs(c_slow - (slow.links.latency_us * 1e-6 + far * work.kv_bytes_per_token / 1e9)) < 1e-9
     assert c_fast < c_slow / 100
     hier_ids = _stage_ids(plan, 1, plan.topology)
     c_hier = predict(plan, hier_ids, _stage_tiles(plan, hier_ids, traps), plan.topology, slow, work)["comm_s"][0]
@@ -215,8 +218,8 @@ def test_short_row_class_uses_its_own_fit():
 
     base = dict(fwd_tflops=400.0, bwd_tflops=300.0, half_keys=200.0, tile_us=0.0, launch_us=0.0,
                 dense_fwd_tflops=0.0)
-    plain = CostModel(**base)
-    fitted = CostModel(**base, short_fwd_tflops=500.0, short_bwd_tflops=450.0, short_half_keys=100.0)
+    plain = CostModel.from_flat(dict(**base))
+    fitted = CostModel.from_flat(dict(**base, short_fwd_tflops=500.0, short_bwd_tflops=450.0, short_half_keys=100.0))
     w = Workload(8, 2, 64, 2)
     flops = lambda area: 4.0 * area * 8 * 64  # noqa: E731
     # 2048 rows with 1024 keys each (short), and rows far apart (covered rows, not the span, count)
@@ -238,9 +241,9 @@ def test_short_and_blocky_classes_count_visited_blocks():
     class's forward blocks (backward: bwd_block); a mostly-full short list takes the blocky numbers."""
     w = Workload(8, 2, 64, 2)
     pf = 4.0 * 8 * 64
-    m = CostModel(fwd_tflops=400.0, bwd_tflops=300.0, half_keys=200.0, tile_us=0.0, launch_us=0.0, dense_fwd_tflops=0.0,
+    m = CostModel.from_flat(dict(fwd_tflops=400.0, bwd_tflops=300.0, half_keys=200.0, tile_us=0.0, launch_us=0.0, dense_fwd_tflops=0.0,
                   short_fwd_tflops=300.0, short_bwd_tflops=250.0, short_half_keys=100.0, short_bwd_half_keys=150.0,
-                  blocky_fwd_tflops=450.0, blocky_bwd_tflops=350.0, blocky_half_keys=50.0)
+                  blocky_fwd_tflops=450.0, blocky_bwd_tflops=350.0, blocky_half_keys=50.0))
     # block-diagonal 512-blocks on 4096 rows: every 128 x 64 block full -> blocky; visited == kept cells
     bd = np.array([[i, i + 512, i, i + 512, 0] for i in range(0, 4096, 512)])
     assert m.row_class(bd) == "blocky"
@@ -255,9 +258,9 @@ def test_short_and_blocky_classes_count_visited_blocks():
     assert m.tile_time(win, w) == pytest.approx(pf * (vis + 100.0 * 4096) / 300e12)
     assert m.tile_time(win, w, True) == pytest.approx(pf * (vis + 150.0 * 4096) / (250e12 / 2.5))
     # without a blocky fit the block-diagonal list takes the short numbers; without a short fit, the long ones
-    no_blocky = CostModel(**{**m.__dict__, "blocky_fwd_tflops": 0.0})
+    no_blocky = CostModel.from_flat(dict(**{**m.flat(), "blocky_fwd_tflops": 0.0}))
     assert no_blocky.row_class(bd) == "short"
-    plain = CostModel(**{**m.__dict__, "short_fwd_tflops": 0.0})
+    plain = CostModel.from_flat(dict(**{**m.flat(), "short_fwd_tflops": 0.0}))
     assert plain.row_class(win) == "long"
 
 
@@ -266,9 +269,9 @@ def test_blocky_bands_run_at_their_own_peaks():
     blocky half terms and blocks; documents keep the blocky peaks; uncalibrated (0): the blocky numbers."""
     w = Workload(8, 2, 64, 2)
     pf = 4.0 * 8 * 64
-    m = CostModel(tile_us=0.0, launch_us=0.0, dense_fwd_tflops=0.0, short_fwd_tflops=300.0, short_bwd_tflops=250.0,
+    m = CostModel.from_flat(dict(tile_us=0.0, launch_us=0.0, dense_fwd_tflops=0.0, short_fwd_tflops=300.0, short_bwd_tflops=250.0,
                   short_half_keys=100.0, blocky_fwd_tflops=450.0, blocky_bwd_tflops=350.0, blocky_half_keys=50.0,
-                  blocky_bwd_half_keys=80.0, blocky_band_fwd_tflops=480.0, blocky_band_bwd_tflops=400.0)
+                  blocky_bwd_half_keys=80.0, blocky_band_fwd_tflops=480.0, blocky_band_bwd_tflops=400.0))
     win = clip_tiles(M.sliding_window(16384, 2048, 0).traps, None, [[0, 16384]])
     area, n_rows = float(tile_areas(win)[0].sum()), 16384
     assert m.row_class(win) == "blocky"
@@ -277,7 +280,7 @@ def test_blocky_bands_run_at_their_own_peaks():
     vb = float(block_counts(win, 64, 64)[0].sum()) * 64 * 64
     assert m.tile_time(win, w) == pytest.approx(pf * (vf + 50.0 * n_rows) / 480e12)
     assert m.tile_time(win, w, True) == pytest.approx(pf * (vb + 80.0 * n_rows) / (400e12 / 2.5))
-    off = CostModel(**{**m.__dict__, "blocky_band_fwd_tflops": 0.0, "blocky_band_bwd_tflops": 0.0})
+    off = CostModel.from_flat(dict(**{**m.flat(), "blocky_band_fwd_tflops": 0.0, "blocky_band_bwd_tflops": 0.0}))
     assert off.tile_time(win, w) == pytest.approx(pf * (vf + 50.0 * n_rows) / 450e12)
     assert off.tile_time(win, w, True) == pytest.approx(pf * (vb + 80.0 * n_rows) / (350e12 / 2.5))
     bd = np.array([[i, i + 512, i, i + 512, 0] for i in range(0, 4096, 512)])
@@ -290,7 +293,7 @@ def test_dense_pieces_cost_per_row_and_key_column():
     pf = 4.0 * 8 * 64
     base = dict(tile_us=0.0, launch_us=0.0, dense_fwd_tflops=600.0, dense_bwd_tflops=500.0, dense_piece_us=0.0,
                 dense_min_rows=512, dense_min_keys=1024, hbm_gbps=1e30, band_squares=0)
-    m = CostModel(**base, dense_half_keys=300.0, dense_half_rows=100.0, dense_bwd_half_keys=700.0, dense_bwd_half_rows=50.0)
+    m = CostModel.from_flat(dict(**base, dense_half_keys=300.0, dense_half_rows=100.0, dense_bwd_half_keys=700.0, dense_bwd_half_rows=50.0))
     for r, k in ((512, 8192), (4096, 1024)):
         t = np.array([[0, r, 0, k, 0]])
         assert m.tile_time(t, w) == pytest.approx(pf * (r * k + 300.0 * r + 100.0 * k) / 600e12)
@@ -306,10 +309,10 @@ def test_band_squares_cost_forward_only():
     w = Workload(8, 2, 64, 2)
     pf = 4.0 * 8 * 64
     hbm = 2000.0
-    m = CostModel(tile_us=0.0, launch_us=0.0, dense_fwd_tflops=600.0, dense_bwd_tflops=500.0,
+    m = CostModel.from_flat(dict(tile_us=0.0, launch_us=0.0, dense_fwd_tflops=600.0, dense_bwd_tflops=500.0,
                   dense_causal_fwd_tflops=400.0, dense_piece_us=5.0, dense_min_rows=512, dense_min_keys=10**9,
-                  hbm_gbps=hbm, band_squares=1024)
-    off = CostModel(**{**m.__dict__, "band_squares": 0})
+                  hbm_gbps=hbm, band_squares=1024))
+    off = CostModel.from_flat(dict(**{**m.flat(), "band_squares": 0}))
     # w = 2048, 4096 + 100 rows: 2 chunks of 2048 (reversed + causal squares), 100 tail rows on Triton
     band = np.array([[0, 4196, 0, 4196 + 2048, 3]])
     tail = np.array([[4096, 4196, 4096, 4196 + 2048, 3]])
@@ -330,7 +333,7 @@ def test_band_squares_cost_forward_only():
     assert m.rest_tiles(band).tolist() == tail.tolist() and m.rest_tiles(band, True).tolist() == band.tolist()
     # window wider than the rows (C = 1500 rows): reversed square, a 1500 x 1548 rectangle, causal square
     wide = np.array([[0, 1500, 0, 1500 + 3048, 3]])
-    (rows, keys, cells, causal, batch, rev), rest, _ = m._pieces(wide, False, 1)
+    (rows, keys, cells, causal, batch, rev), rest, _ = m.dense.pieces(wide, False, 1)
     assert rows.tolist() == [1500] * 3 and keys.tolist() == [1500, 1548, 1500] and batch.tolist() == [1, 1, 1]
     assert causal.tolist() == [True, False, True] and rev.tolist() == [True, False, False]
     assert float(cells.sum()) == float(tile_areas(wide)[0].sum())
@@ -341,18 +344,57 @@ def test_band_squares_cost_forward_only():
 
 
 def test_cost_file_without_band_squares_predates_them(tmp_path):
-    """A calibration file without band_squares was measured on a backend that ran bands on Triton: it loads
-    as 0 (the forward prices bands on Triton); a file with the field keeps its value."""
+    """A calibration file (flat fields) without band_squares was measured on a backend that ran bands on Triton: it
+    loads as 0 (the forward prices bands on Triton); a file with the field keeps its value."""
     old, new = tmp_path / "old.json", tmp_path / "new.json"
-    CostModel().save(str(new))
-    raw = json.loads(new.read_text())
-    assert raw["band_squares"] == CostModel().band_squares == 4096
+    raw = CostModel().flat()
+    assert raw["band_squares"] == CostModel().dense.band_squares == 4096
+    new.write_text(json.dumps(raw))
     del raw["band_squares"]
     old.write_text(json.dumps(raw))
-    assert CostModel.load(str(old)).band_squares == 0 and CostModel.load(str(new)).band_squares == 4096
+    assert CostModel.load(str(old)).dense.band_squares == 0 and CostModel.load(str(new)).dense.band_squares == 4096
     band = np.array([[0, 32768, 0, 32768 + 4096, 3]])
     w = Workload()
     assert CostModel.load(str(old)).tile_time(band, w) != CostModel.load(str(new)).tile_time(band, w)
+
+
+def test_rates_nest_by_backend_and_row_class_and_read_flat_calibration_files(tmp_path):
+    """The rates live in groups (triton per row class, dense, links, memory, call); save writes them nested and
+    load reads that back equal; a calibration file of flat fields (the committed benchmarks' cost.json) loads with
+    every value where its name says (short_fwd_tflops -> triton.short.fwd_tflops, band_squares -> dense), the
+    fields it lacks at their defaults; replace changes one rate and keeps the rest; unknown fields are refused."""
+    import glob
+
+    from megatron_cp.runtime.cost import flat_names
+
+    m = CostModel()
+    assert m.triton.short.fwd_tflops == 0.0 and m.triton.blocky.block_m == 128 and m.dense.fwd_tflops == 680.0
+    names = flat_names()
+    assert names["short_fwd_tflops"] == ("triton", "short", "fwd_tflops")
+    assert names["blocky_band_bwd_tflops"] == ("triton", "blocky", "band_bwd_tflops")
+    assert names["band_squares"] == ("dense", "band_squares") and names["dense_grid_heads"] == ("dense", "grid", "heads")
+    assert names["call_fwd_us"] == ("call", "fwd_us") and names["latency_us"] == ("links", "latency_us")
+    files = sorted(glob.glob(str(ROOT / "benchmarks" / "*" / "cost*.json")))
+    assert files
+    for f in files:
+        raw = json.load(open(f))
+        loaded = CostModel.load(f)
+        got = loaded.flat()
+        for k, v in raw.items():
+            if k in names:
+                assert got[k] == (tuple(v) if isinstance(v, list) else v), (f, k)
+        path = tmp_path / "nested.json"
+        loaded.save(str(path))
+        assert isinstance(json.loads(path.read_text())["triton"]["blocky"], dict)
+        assert CostModel.load(str(path)) == loaded and hash(CostModel.load(str(path))) == hash(loaded)
+    r = m.replace(triton={"blocky": {"fwd_tflops": 7.0}}, links={"latency_us": 1.0})
+    assert (r.triton.blocky.fwd_tflops, r.triton.blocky.block_m, r.links.latency_us) == (7.0, 128, 1.0)
+    assert r.triton.short == m.triton.short and r.dense == m.dense and r != m
+    assert CostModel.from_flat({"blocky_fwd_tflops": 7.0, "latency_us": 1.0}) == r
+    with pytest.raises(ValueError, match=r"unknown cost-model fields \['warp'\] in triton.blocky"):
+        m.replace(triton={"blocky": {"warp": 1}})
+    with pytest.raises(ValueError, match=r"unknown cost-model fields \['warp_speed'\]"):
+        CostModel.from_flat({"fwd_tflops": 1.0, "warp_speed": 9})
 
 
 def _calibrate_tool():
@@ -366,12 +408,14 @@ def test_calibrate_dry_run_writes_a_loadable_model(tmp_path):
     out = tmp_path / "cost.json"
     mod.main(["--dry-run", "--out", str(tmp_path)])
     m = CostModel.load(str(out))
-    for f in ("fwd_tflops", "bwd_tflops", "short_fwd_tflops", "short_bwd_tflops", "blocky_fwd_tflops", "blocky_bwd_tflops",
-              "blocky_band_fwd_tflops", "blocky_band_bwd_tflops"):
-        assert 0 < getattr(m, f) < 1e4, (f, getattr(m, f))
+    t = m.triton
+    for f, v in {"long": (t.long.fwd_tflops, t.long.bwd_tflops), "short": (t.short.fwd_tflops, t.short.bwd_tflops),
+                 "blocky": (t.blocky.fwd_tflops, t.blocky.bwd_tflops),
+                 "blocky band": (t.blocky.band_fwd_tflops, t.blocky.band_bwd_tflops)}.items():
+        assert all(0 < x < 1e4 for x in v), (f, v)
     assert m.launch_us > 0 and m.source.startswith("tools/sim/calibrate.py on 1 x cpu") and "timed held" in m.source
-    assert m.hbm_gbps > 0 and m.hbm_gbps != CostModel().hbm_gbps  # the passes' rate is measured too
-    assert (m.short_block_m, m.blocky_block_m, m.bwd_block_m) == (64, 128, 64)
+    assert m.memory.hbm_gbps > 0 and m.memory.hbm_gbps != CostModel().memory.hbm_gbps  # the passes' rate is measured too
+    assert (m.triton.short.block_m, m.triton.blocky.block_m, m.triton.bwd_block_m) == (64, 128, 64)
 
 
 def test_calibrate_check_dry_run_writes_a_row_per_call(tmp_path, capsys):
@@ -397,7 +441,7 @@ def test_calibrate_long_rows_recovers_the_model_parameters():
     w = Workload(32, 8, 128, 2)
     fitted = dict(short_fwd_tflops=460.0, short_bwd_tflops=300.0, short_half_keys=250.0, blocky_fwd_tflops=470.0,
                   blocky_bwd_tflops=320.0, blocky_half_keys=150.0, num_sms=132)
-    truth = CostModel(**fitted, launch_us=0.0, tile_us=0.0, dense_fwd_tflops=0.0, row_alone_tflops=2.2, row_share=0.35)
+    truth = CostModel.from_flat(dict(**fitted, launch_us=0.0, tile_us=0.0, dense_fwd_tflops=0.0, row_alone_tflops=2.2, row_share=0.35))
     seen = []
 
     def timed(tiles, sq, sk, row_class=None):  # calibrate's timer: GPU time less the per-call launch
@@ -418,7 +462,7 @@ def test_dense_pieces_pay_for_partial_waves():
     w8 = Workload(8, 8, 128, 2)
     base = dict(tile_us=0.0, launch_us=0.0, dense_fwd_tflops=600.0, dense_bwd_tflops=500.0, dense_piece_us=0.0,
                 dense_min_rows=512, dense_min_keys=1024, hbm_gbps=1e30)
-    flat, waves = CostModel(**base), CostModel(**base, num_sms=132)
+    flat, waves = CostModel.from_flat(dict(**base)), CostModel.from_flat(dict(**base, num_sms=132))
     narrow = np.array([[0, 512, 0, 65536, 0]])
     assert waves.tile_time(narrow, w8) == pytest.approx(flat.tile_time(narrow, w8) * 132 / 32)
     # backward: 512 key blocks x 8 = 4096 programs in 32 waves of 132
@@ -433,17 +477,17 @@ def test_dense_grid_reads_measured_rates_for_full_pieces():
     log-bilinear between, clamped outside); square causal pieces keep the peak model."""
     g = dict(dense_grid_rows=(512, 2048), dense_grid_keys=(8192, 32768), dense_grid_fwd_tflops=(300.0, 400.0, 500.0, 600.0),
              dense_grid_bwd_tflops=(200.0, 300.0, 400.0, 500.0), dense_grid_heads=32)
-    m = CostModel(num_sms=0, **g)
-    assert m.grid_tflops(512, 8192) == pytest.approx(300.0) and m.grid_tflops(2048, 32768, True) == pytest.approx(500.0)
-    assert m.grid_tflops(1024, 16384) == pytest.approx(450.0)  # half way in log2 both ways
-    assert m.grid_tflops(100000, 100) == pytest.approx(500.0)  # clamped: most rows, fewest keys
+    m = CostModel.from_flat(dict(num_sms=0, **g))
+    assert m.dense.grid.tflops(512, 8192) == pytest.approx(300.0) and m.dense.grid.tflops(2048, 32768, True) == pytest.approx(500.0)
+    assert m.dense.grid.tflops(1024, 16384) == pytest.approx(450.0)  # half way in log2 both ways
+    assert m.dense.grid.tflops(100000, 100) == pytest.approx(500.0)  # clamped: most rows, fewest keys
     w = Workload()
     full = np.array([[0, 2048, 0, 32768, 0]])
-    t = m.tile_time(full, w) - m.launch_us * 1e-6 - m.dense_piece_us * 1e-6
-    merge = 2048 * w.num_heads * w.head_dim * 10.0 / (m.hbm_gbps * 1e9)
+    t = m.tile_time(full, w) - m.launch_us * 1e-6 - m.dense.piece_us * 1e-6
+    merge = 2048 * w.num_heads * w.head_dim * 10.0 / (m.memory.hbm_gbps * 1e9)
     assert t - merge == pytest.approx(w.fwd_flops(2048 * 32768) / 600e12, rel=1e-9)
     causal = np.array([[0, 16384, 0, 16384, 1]])
-    assert m.tile_time(causal, w) == pytest.approx(CostModel(num_sms=0).tile_time(causal, w), rel=1e-12)
+    assert m.tile_time(causal, w) == pytest.approx(CostModel.from_flat(dict(num_sms=0)).tile_time(causal, w), rel=1e-12)
 
 
 def test_calibrate_fit_is_least_squares_with_nonnegative_terms():
@@ -465,11 +509,11 @@ def test_rest_tiles_are_what_the_dense_pieces_leave():
     import numpy as np
 
     tiles = np.array([[0, 1024, 0, 16384, 0], [1024, 1040, 0, 16, 0], [1040, 1104, 0, 64, 1]])
-    m = CostModel(dense_fwd_tflops=600.0, dense_min_rows=512, dense_min_keys=8192)
+    m = CostModel.from_flat(dict(dense_fwd_tflops=600.0, dense_min_rows=512, dense_min_keys=8192))
     rest = m.rest_tiles(tiles)
     assert tile_areas(rest)[0].sum() == tile_areas(tiles[1:])[0].sum()
     assert rest[:, 0].min() >= 1024  # the 1024 x 16384 piece went dense
-    assert np.array_equal(CostModel(dense_fwd_tflops=0.0).rest_tiles(tiles), tiles)
+    assert np.array_equal(CostModel.from_flat(dict(dense_fwd_tflops=0.0)).rest_tiles(tiles), tiles)
 
 
 def test_tile_time_is_remembered_by_content(monkeypatch):
@@ -478,7 +522,7 @@ def test_tile_time_is_remembered_by_content(monkeypatch):
     recount), and a list that differs in one value is priced anew."""
     from megatron_cp.planner import Workload
     from megatron_cp.runtime import CostModel
-    from megatron_cp.runtime import cost as C
+    from megatron_cp.runtime import rates as C
 
     tiles = np.array([[0, 64, 0, 64, 1], [64, 128, 0, 128, 1], [128, 200, 0, 50, 0]])
     model, work = CostModel(), Workload()
@@ -505,8 +549,8 @@ def test_choose_schedule_builds_only_the_choice_it_returns(case):
     work = Workload(32, 8, 128, 2)
     plan, model = {
         "packed": (mcp.plan(M.varlen(list(range(0, 65536, 1000)) + [65536], causal=True), 4), CostModel()),
-        "causal_slow_links": (mcp.plan(M.causal(65536), 4, solver="zigzag"), CostModel(intra_gbps=3.0, launch_us=5.0)),
-        "sliding": (mcp.plan(M.sliding_window(32768, 4096), 4), CostModel(intra_gbps=30.0)),
+        "causal_slow_links": (mcp.plan(M.causal(65536), 4, solver="zigzag"), CostModel.from_flat(dict(intra_gbps=3.0, launch_us=5.0))),
+        "sliding": (mcp.plan(M.sliding_window(32768, 4096), 4), CostModel.from_flat(dict(intra_gbps=30.0))),
     }[case]
     staged = schedule(plan, None, cost=model, work=work)
     single = predict_single(plan, model, work)
@@ -595,7 +639,7 @@ def test_staged_floor_is_under_every_candidate(seed):
     cuts = np.unique(np.concatenate([[0, 32768], rng.integers(1, 32768, size=int(rng.integers(2, 60)))]))
     work = Workload(32, 8, 128, 2)
     for mask in (M.varlen(cuts.tolist(), causal=True), M.causal(32768), M.sliding_window(32768, 2048)):
-        for model in (CostModel(), CostModel(intra_gbps=3.0, launch_us=5.0)):
+        for model in (CostModel(), CostModel.from_flat(dict(intra_gbps=3.0, launch_us=5.0))):
             plan = mcp.plan(mask, 4)
             one = S._stage_tiles(plan, S._stage_ids(plan, 1, None), [rp.traps for rp in plan.ranks])
             floor = S._staged_floor(plan, one, model, work)

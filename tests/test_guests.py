@@ -182,8 +182,8 @@ def test_guest_fixed_cost_is_the_cost_models_default():
 
     c = CostModel()
     assert guests.GUEST_LAUNCH_US == c.launch_us
-    assert (LINKS.intra_gbps, LINKS.inter_gbps, LINKS.latency_us) == (c.intra_gbps, c.inter_gbps, c.latency_us)
-    assert (mcp.Topology(2, 2).intra_node_gbps, mcp.Topology(2, 2).inter_node_gbps) == (c.intra_gbps, c.inter_gbps)
+    assert (LINKS.intra_gbps, LINKS.inter_gbps, LINKS.latency_us) == (c.links.intra_gbps, c.links.inter_gbps, c.links.latency_us)
+    assert (mcp.Topology(2, 2).intra_node_gbps, mcp.Topology(2, 2).inter_node_gbps) == (c.links.intra_gbps, c.links.inter_gbps)
     w = mcp.planner.Workload()
-    want = (2 * c.launch_us + 5 * c.latency_us) * 1e-6 * c.intra_gbps * 1e9 / (2 * w.kv_bytes_per_token)
+    want = (2 * c.launch_us + 5 * c.links.latency_us) * 1e-6 * c.links.intra_gbps * 1e9 / (2 * w.kv_bytes_per_token)
     assert guests.fixed_units(w) == pytest.approx(want)

@@ -101,8 +101,8 @@ def test_cost_model_chooses_stages_and_round_trips(tmp_path):
     plan = mcp.plan(mask, 8, solver="zigzag")
     work = Workload(32, 8, 128, 2)
     # communication much slower than compute: more stages hide more of it
-    slow = CostModel(intra_gbps=2.0, launch_us=5.0, latency_us=5.0)
-    fast = CostModel(intra_gbps=1e5, launch_us=200.0, latency_us=200.0)
+    slow = CostModel.from_flat(dict(intra_gbps=2.0, launch_us=5.0, latency_us=5.0))
+    fast = CostModel.from_flat(dict(intra_gbps=1e5, launch_us=200.0, latency_us=200.0))
     n_slow = schedule(plan, None, cost=slow, work=work).num_stages
     n_fast = schedule(plan, None, cost=fast, work=work).num_stages
     assert n_slow > 1 and n_fast == 1, (n_slow, n_fast)

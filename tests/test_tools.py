@@ -38,8 +38,8 @@ def test_ring_model_pays_forward_transfers_after_kernels_and_overlaps_backward_o
     the step's kernels to free the multiprocessors), each backward transfer but the last hides behind
     the next step's kernel."""
     base = dict(launch_us=0.0, tile_us=0.0, latency_us=0.0, hbm_gbps=1e9, dense_fwd_tflops=0.0, dense_bwd_tflops=0.0)
-    fast_link = CostModel(**base, p2p_gbps=1e9)
-    slow_link = CostModel(**base, p2p_gbps=1.0)  # transfers far longer than any kernel
+    fast_link = CostModel.from_flat(dict(**base, p2p_gbps=1e9))
+    slow_link = CostModel.from_flat(dict(**base, p2p_gbps=1.0))  # transfers far longer than any kernel
     (fast, w), (slow, _) = _ring_case(fast_link), _ring_case(slow_link)
     blk = 4096 // 4 * w.kv_bytes_per_token  # one rank's K|V block (bf16)
     t = blk / 1e9  # its transfer at 1 GB/s
@@ -70,9 +70,9 @@ def test_ulysses_model_pays_layouts_at_the_head_split_rate():
     w = Workload(8, 4, 64, 2)  # 4 K/V heads over cp 4: no head repeat
     mask = catalog.build("causal", 4096)
     base = dict(launch_us=0.0, tile_us=0.0, latency_us=0.0, hbm_gbps=1000.0, dense_fwd_tflops=0.0, dense_bwd_tflops=0.0)
-    same = sim.ulysses(mask, 4, 8, CostModel(**base), w)
-    assert sim.ulysses(mask, 4, 8, CostModel(**base, split_gbps=1000.0), w) == same
-    slow = sim.ulysses(mask, 4, 8, CostModel(**base, split_gbps=100.0), w)
+    same = sim.ulysses(mask, 4, 8, CostModel.from_flat(dict(**base)), w)
+    assert sim.ulysses(mask, 4, 8, CostModel.from_flat(dict(**base, split_gbps=1000.0)), w) == same
+    slow = sim.ulysses(mask, 4, 8, CostModel.from_flat(dict(**base, split_gbps=100.0)), w)
     tok = 4096 / 4 * 64 * 2  # bytes of one head of a GPU's rows
     layout = 2 * tok * (8 + 2 * 4) + 2 * tok * 8
     for phase in ("fwd_s", "bwd_s"):

@@ -1,6 +1,7 @@
 """Research instrument (the cost model's calibration and check; not needed to use megatron-cp).
 
-Measures the cost model's numbers on this machine into OUT/cost<tag>.json (``CostModel.load``; the tools' ``--cost``),
+Measures the cost model's numbers on this machine into OUT/cost<tag>.json (``CostModel.load``; the tools' ``--cost``;
+measured under their flat names, ``runtime.cost.flat_names``, saved nested),
 timing kernels as tools/bench_dist.py times a step. ``--check``: ``--cost``'s ``tile_time`` against each kernel call
 tools/bench_dist.py makes per ``--masks`` at ``--seqlen`` (131072), cp 4, one GPU: OUT/cost_check<tag>.json, a table.
 
@@ -12,7 +13,6 @@ tools/bench_dist.py makes per ``--masks`` at ``--seqlen`` (131072), cp 4, one GP
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import sys
@@ -128,9 +128,8 @@ def _kernel(dry, device, work: Workload, bar) -> dict:
             c = be.config.for_head_dim(d, cls)
             blocks = ((c.fwd.block_m, c.fwd.block_n), (c.dq.block_m, c.dq.block_n))
         else:  # another backend (CPU dry run): the model's default blocks
-            cm = CostModel()
-            blocks = ((getattr(cm, f"{cls}_block_m", 128), getattr(cm, f"{cls}_block_n", 128)),
-                      (cm.bwd_block_m, cm.bwd_block_n))
+            t = CostModel().triton
+            blocks = ((getattr(t, cls).block_m or 128, getattr(t, cls).block_n or 128), (t.bwd_block_m, t.bwd_block_n))
         rf, rb = zip(*(points(tl, cls, None if cls == "long" else blocks) for tl in tls))
         (peak_f, half_f), (peak_b, half_b) = linear_fit(rf, cls), linear_fit(rb, cls)
         if cls == "long":  # one half-efficiency for both phases
@@ -198,11 +197,11 @@ def fit_long_rows(timed, fitted, work: Workload, rows: int, tiny: bool) -> dict:
     light = long_row + [[i, i + 128, i, i + 64, 0] for i in range(128, rows, 128)]
     heavy = long_row + [[i, min(i + step, rows), i, i + bg, 0] for i in range(128, rows, step)]
     t_light, t_heavy = (timed(tl, rows, keys, row_class="blocky") for tl in (light, heavy))
-    base = {k: v for k, v in fitted.items() if k in {f.name for f in dataclasses.fields(CostModel)}}
+    base = {k: v for k, v in fitted.items() if k in CostModel().flat()}  # the fields measured so far
     base.update(launch_us=0.0, tile_us=0.0, dense_fwd_tflops=0.0)
 
     def model_t(tiles, alone, share):
-        return CostModel(**{**base, "row_alone_tflops": alone, "row_share": share}).tile_time(
+        return CostModel.from_flat({**base, "row_alone_tflops": alone, "row_share": share}).tile_time(
             np.array(tiles, dtype=np.int64), work)
 
     def solve(f, target, lo, hi):  # model time decreasing in the parameter: bisection in log space
@@ -299,7 +298,7 @@ def summary_table(fields, default):
     cell = lambda v: f"[{', '.join(map(cell, v))}]" if isinstance(v, (list, tuple)) else f"{v:.4g}" \
         if isinstance(v, float) else str(v)  # noqa: E731
     return markdown_table(["field", "measured", "default"],
-                          [[k, cell(v), cell(getattr(default, k, "-"))] for k, v in fields.items() if k != "source"])
+                          [[k, cell(v), cell(default.flat().get(k, "-"))] for k, v in fields.items() if k != "source"])
 
 
 def check_table(rows):
@@ -387,7 +386,7 @@ def main(argv=None):
                        f"command: {rec['command']}"
     if rank0:
         path = os.path.join(out_dir(args), f"cost{args.tag}.json")
-        dataclasses.replace(CostModel(), **fields).save(path)
+        CostModel.from_flat(fields).save(path)
         print("wrote", path)
         print("\n".join(summary_table(fields, CostModel())))
     if distributed:

@@ -47,7 +47,7 @@ def micro_batch(n: int, median: int, lo: int, hi: int, sigma: float, rng) -> mcp
 
 def _plan_args(world, cost=None) -> dict:
     """mcp.plan's topology and solver over all ``world`` ranks, as simulate.ours plans (``cost``: its links)."""
-    gbps = {} if cost is None else dict(intra_node_gbps=cost.intra_gbps, inter_node_gbps=cost.inter_gbps)
+    gbps = {} if cost is None else dict(intra_node_gbps=cost.links.intra_gbps, inter_node_gbps=cost.links.inter_gbps)
     return dict(topology=mcp.Topology(max(1, world // G), min(G, world), **gbps),
                 solver="hierarchical" if world > G else "auto")
 
@@ -119,7 +119,7 @@ def main(argv=None) -> list[dict]:
         ap.error(f"--worlds {worlds} must be multiples of --cp {cp}")
     median, lo, hi, sigma = docs = a.docs
     # GPU time (the host ahead, as in training), the NIC figure simulate asks about
-    cost = CostModel(inter_gbps=INTER_GBPS, call_fwd_us=0.0, call_bwd_us=0.0)
+    cost = CostModel().replace(links={"inter_gbps": INTER_GBPS}, call={"fwd_us": 0.0, "bwd_us": 0.0})
     rows = []
     with Progress(len(worlds), "dp x cp", verbose=a.verbose) as bar:
         for w in worlds:
@@ -128,7 +128,7 @@ def main(argv=None) -> list[dict]:
             if a.step_s is not None:
                 rows[-1].update(ahead(w, cp, tpg, docs, a.step_s, a.ahead_batches, a.max_workers))
             bar.step()
-    write_json(os.path.join(out_dir(a), f"dp_x_cp{a.tag}.json"), run_record("cpu", cost_model=cost.__dict__, rows=rows))
+    write_json(os.path.join(out_dir(a), f"dp_x_cp{a.tag}.json"), run_record("cpu", cost_model=cost.flat(), rows=rows))
     print(f"attention fwd + bwd of one layer, predicted GPU time; CP {cp} per DP group, {tpg} tokens/GPU, documents "
           f"log-normal median {median} in [{lo}, {hi}] sigma {sigma}; {G} GPUs/node, {INTER_GBPS} GB/s/GPU between "
           f"nodes; cost model: {cost.source}")

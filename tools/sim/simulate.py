@@ -61,9 +61,10 @@ def _kernel_time(cost: CostModel, work: Workload, area: float, rows: float, back
     """Cost-model kernel time of ``area`` cells spread over ``rows`` rows in one tile (no tile list: cp > 16)."""
     if area <= 0:
         return 0.0
-    peak = (cost.bwd_tflops / 2.5 if backward else cost.fwd_tflops) * 1e12
+    long = cost.triton.long
+    peak = (long.bwd_tflops / 2.5 if backward else long.fwd_tflops) * 1e12
     keys = area / max(rows, 1)
-    return (cost.launch_us + cost.tile_us) * 1e-6 + work.fwd_flops(area) / (peak * keys / (keys + cost.half_keys))
+    return (cost.launch_us + cost.triton.tile_us) * 1e-6 + work.fwd_flops(area) / (peak * keys / (keys + long.half_keys))
 
 
 def _union_len(runs) -> int:
@@ -83,7 +84,7 @@ def _pipeline(local_c, remote_c, comm, n, latency):
 def ours(mask, cp, g, cost, work, hierarchical=True, solver=None, guest_rows="auto", plan=None):
     """megatron-cp's predicted step on ``mask`` over ``cp`` GPUs, ``g`` a node (``plan``: made already)."""
     nodes = max(1, cp // g)
-    topo = mcp.Topology(nodes, min(g, cp), intra_node_gbps=cost.intra_gbps, inter_node_gbps=cost.inter_gbps)
+    topo = mcp.Topology(nodes, min(g, cp), intra_node_gbps=cost.links.intra_gbps, inter_node_gbps=cost.links.inter_gbps)
     if plan is None:
         plan = mcp.plan(mask, cp, topology=topo, solver=solver or ("hierarchical" if nodes > 1 else "auto"),
                         guest_rows=guest_rows)
@@ -120,9 +121,9 @@ def ours(mask, cp, g, cost, work, hierarchical=True, solver=None, guest_rows="au
         times.append(t)
         inter_b.append(inter)
         intra_b.append(intra)
-        comms.append(max(intra / (cost.intra_gbps * 1e9), inter / (cost.inter_gbps * 1e9)))
+        comms.append(max(intra / (cost.links.intra_gbps * 1e9), inter / (cost.links.inter_gbps * 1e9)))
     comm = max(comms)  # the collectives synchronise: every transfer takes the busiest GPU's time
-    lat = cost.latency_us * 1e-6 * (2 if hierarchical and nodes > 1 else 1)
+    lat = cost.links.latency_us * 1e-6 * (2 if hierarchical and nodes > 1 else 1)
     cands = [[max(t[0][i] + (comm + lat if comm > 0 else 0.0) if n == 0 else _pipeline(*t[n][i], comm, n, lat)
                   for t in times) for i in (0, 1)] + [n]
              for n in ((0, 1, 2, 4, 8) if nodes == 1 else (1, 2, 4, 8))]  # 0: one exchange (flat, one node only)
@@ -150,10 +151,10 @@ def ring(mask, cp, g, cost, work, layout="contiguous"):
     rows = np.array([p.num_tokens for p in plan.ranks], dtype=float)
     blk = rows.max() * per_tok
     # a neighbour's send|receive: across nodes at the NIC's rate, inside a node at calibrated point-to-point times
-    hop = (lambda b: b / (cost.inter_gbps * 1e9) + cost.latency_us * 1e-6) if nodes > 1 else cost.p2p_time
+    hop = (lambda b: b / (cost.links.inter_gbps * 1e9) + cost.links.latency_us * 1e-6) if nodes > 1 else cost.p2p_time
     cb = hop(2 * blk)
     # backward's dK|dV per step: concatenated (2+2 bytes), made fp32 (2+4), added to the arriving sums (4+4+4)
-    kv_pass = rows.max() * 2 * work.num_kv_heads * work.head_dim * 22 / (cost.hbm_gbps * 1e9)
+    kv_pass = rows.max() * 2 * work.num_kv_heads * work.head_dim * 22 / (cost.memory.hbm_gbps * 1e9)
     tf = tb = 0.0
     for i in range(cp):
         src = (np.arange(cp) - i) % cp
@@ -183,8 +184,8 @@ def ring(mask, cp, g, cost, work, layout="contiguous"):
 def _a2a(cost, b, cp, g):
     """One all-to-all of ``b`` bytes per GPU; the share bound for other nodes at the NIC's rate."""
     inter = b * (cp - min(g, cp)) / max(cp - 1, 1)
-    return cost.latency_us * 1e-6 + max((b - inter) / (cost.intra_gbps * 1e9),
-                                        inter / (cost.inter_gbps * 1e9) if cp // g > 1 else 0)
+    return cost.links.latency_us * 1e-6 + max((b - inter) / (cost.links.intra_gbps * 1e9),
+                                              inter / (cost.links.inter_gbps * 1e9) if cp // g > 1 else 0)
 
 
 def ulysses(mask, cp, g, cost, work):
@@ -200,7 +201,7 @@ def ulysses(mask, cp, g, cost, work):
     n = s / cp
     tok = n * work.head_dim * work.dtype_bytes  # bytes of one head of this GPU's rows
     per = lambda heads: tok * heads * (cp - 1) / cp  # noqa: E731 bytes each GPU sends
-    hbm, split = cost.hbm_gbps * 1e9, (cost.split_gbps or cost.hbm_gbps) * 1e9  # split: the layouts' copies
+    hbm, split = cost.memory.hbm_gbps * 1e9, (cost.memory.split_gbps or cost.memory.hbm_gbps) * 1e9  # split: the layouts' copies
     qkv, q = tok * (hq + 2 * hkv), tok * hq  # bytes of this GPU's q|k|v and q (or out) rows
     rep = 2 * tok * 2 * hkv if f > 1 else 0.0  # K/V head repeat (write hkv * f heads)
     lse = n * hq * 4 * (cp - 1) / cp
@@ -222,7 +223,7 @@ def allgather(mask, cp, g, cost, work):
     counts = [plan.num_local(r) for r in range(cp)]
     b = (cp - 1) / cp * s * per_tok
     comm = _a2a(cost, b, cp, g)
-    n, hbm = max(counts), cost.hbm_gbps * 1e9
+    n, hbm = max(counts), cost.memory.hbm_gbps * 1e9
     q_b = n * work.num_heads * work.head_dim * work.dtype_bytes
     fwd_pass = 2 * n * per_tok + (2 * s * per_tok if len(set(counts)) > 1 else 0.0)
     bwd_pass = 2 * s * per_tok + s * per_tok + n * per_tok + 2 * q_b  # cat, sum over copies, delta
@@ -334,7 +335,7 @@ def compare(path, cost, work, g, target="gpu", show=True, bar=None):
     with open(path) as f:
         data = json.load(f)
     if target in ("gpu", "b2b"):
-        cost = CostModel(**{**cost.__dict__, "call_fwd_us": 0.0, "call_bwd_us": 0.0})
+        cost = cost.replace(call={"fwd_us": 0.0, "bwd_us": 0.0})
     fn = {"kernel-only": kernel_only} if target == "kernel" else \
         {"megatron-cp": ours, "ring": ring, "ulysses": ulysses, "allgather": allgather}
     key = {"gpu": "_ms", "wall": "_wall_ms", "b2b": "_b2b_ms", "kernel": "_max_ms"}[target]
@@ -369,20 +370,20 @@ def main(argv=None):
     args = ap.parse_args(argv)
     path = os.path.join(out_dir(args), f"simulate{args.tag}.json")
     cost = CostModel.load(args.cost) if args.cost else CostModel()
-    cost = CostModel(**{**cost.__dict__, "inter_gbps": INTER_GBPS})  # the NIC is part of the question asked
+    cost = cost.replace(links={"inter_gbps": INTER_GBPS})  # the NIC is part of the question asked
     if args.compare:
         with Progress(None, "compare", verbose=args.verbose) as bar:
             by_target = {t: compare(args.compare, cost, None, GPUS_PER_NODE, t, show=False, bar=bar) for t in TARGETS}
         by_target = {t: rows for t, rows in by_target.items() if rows or t not in ("b2b", "kernel")}
-        write_json(path, run_record("cpu", compare=args.compare, cost_model=cost.__dict__, by_target=by_target))
+        write_json(path, run_record("cpu", compare=args.compare, cost_model=cost.flat(), by_target=by_target))
         show_compare(args.compare, by_target)
         return
-    cost = CostModel(**{**cost.__dict__, "call_fwd_us": 0.0, "call_bwd_us": 0.0})  # host hidden, as in training
+    cost = cost.replace(call={"fwd_us": 0.0, "bwd_us": 0.0})  # host hidden, as in training
     work, masks, strategies = Workload(), args.masks.split(","), args.strategies.split(",")
     cps = [int(c) for c in (args.cps or ("2,4" if args.dry_run else "8,16,32,64,128,256,512,1024")).split(",")]
     tpg = args.tokens_per_gpu or (256 if args.dry_run else 8192)
     rows = simulate(masks, cps, tpg, cost, work, strategies, args.verbose)
-    write_json(path, run_record("cpu", cost_model=cost.__dict__, results=rows))
+    write_json(path, run_record("cpu", cost_model=cost.flat(), results=rows))
     print(f"GPU time; cost model: {cost.source}; {tpg} tokens/GPU, {GPUS_PER_NODE} GPUs/node, {INTER_GBPS} GB/s/GPU "
           f"between nodes; Hq={work.num_heads} Hkv={work.num_kv_heads} D={work.head_dim}")
     for m in masks:

@@ -202,8 +202,9 @@ def mb_costs(plan, wplan, setting: Setting, cal: Calibration, span: int) -> list
         span_h = span if moves else 1  # no exchange: the call has no row moves (the runtime's ``identity``)
         recv = max(r.num_remote for r in p.ranks) * kvb
         # the collectives sync their ranks; dK|dV return as fp32 sums (twice the bytes); not overlapped (small here)
-        ex_f = (link.latency_us * 1e-6 + recv / (link.intra_gbps * 1e9)) if moves else 0.0
-        ex_b = (link.latency_us * 1e-6 + 2 * recv / (link.intra_gbps * 1e9)) if moves else 0.0
+        ln = link.links
+        ex_f = (ln.latency_us * 1e-6 + recv / (ln.intra_gbps * 1e9)) if moves else 0.0
+        ex_b = (ln.latency_us * 1e-6 + 2 * recv / (ln.intra_gbps * 1e9)) if moves else 0.0
         ranks = []
         for r in p.ranks:
             kf = cal.kernels.time(r.tiles, r.num_tokens, r.buffer_len, work)
