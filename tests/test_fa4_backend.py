@@ -340,3 +340,111 @@ def test_fa4_forward_replays_each_runs_kernel_for_later_layers(mode):
         assert front.calls == layers * runs and not kernels
     else:  # recorded, its check failed (the checked layer's result is the interface's): the interface from then on
         assert front.calls == layers * runs and kernels and not any(replay._CHECKED[i] for i in kernels)
+
+
+_BWD_STANDIN = '''
+import torch
+import torch as kernel_torch  # what the "compiled kernels" use: not the front's allocations
+import fa4_semantics
+
+
+def _pre(dout, scratch):  # "compiled": a kernel writes the front's buffer
+    scratch.copy_(dout)
+
+
+def _main(q, k, v, out, dout, lse, acc, dk, dv, dlse, scale, det, kw):
+    # accumulates into the front's zero-filled buffer: a replay that skipped the zero fill would double dq
+    dq = kernel_torch.empty_like(q)
+    fa4_semantics.bwd(q, k, v, out, dout, lse, scale, deterministic=det, dq=dq, dk=dk, dv=dv, dlse=dlse, **dict(kw))
+    acc.add_(dq)
+
+
+def _post(acc, dq):
+    dq.copy_(acc)
+
+
+def bwd(q, k, v, out, dout, lse, softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None, dlse=None, **kw):
+    bwd.calls += 1
+    acc = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    scratch = torch.empty_like(dout)
+    if MODE == "workspace":  # the kernel reads q from a buffer the front fills with a torch op: stale on a replay
+        ws = torch.empty_like(q)
+        ws.copy_(q)
+        q = ws
+    if MODE == "derived":  # the front hands the kernel a tensor it computed (not one it allocated): never replayed
+        lse = lse * 1.0
+    key = (q.dtype, q.dim(), tuple(sorted(kw)))
+    for f, k_ in ((_pre, key), (_main, key), (_post, key)):
+        if k_ not in CACHES[f.__name__]:
+            CACHES[f.__name__][k_] = f
+    _pre_front.compile_cache[key](dout, scratch)
+    bwd.compile_cache[key](q, k, v, out, scratch, lse, acc, dk, dv, dlse, softmax_scale, deterministic,
+                           tuple(kw.items()))
+    _post_front.compile_cache[key](acc, dq)
+    return dq, dk, dv
+
+
+def _pre_front():
+    pass
+
+
+def _post_front():
+    pass
+
+
+CACHES = {"_pre": {}, "_main": {}, "_post": {}}
+_pre_front.compile_cache = CACHES["_pre"]
+bwd.compile_cache = CACHES["_main"]
+_post_front.compile_cache = CACHES["_post"]
+bwd.calls = 0
+'''
+
+
+@pytest.mark.parametrize("mode", ["plain", "workspace", "derived"])
+def test_fa4_backward_replays_each_runs_program_for_later_layers(mode):
+    """replay.launch_bwd: the first layer's backward goes through the interface (a stand-in module with FA4's
+    structure: compile caches for a preprocess, the main kernel and a postprocess, a zero-filled accumulator and an
+    empty scratch it allocates) and records the run's program; the first replay is checked against the interface,
+    later layers run the program with their own tensors and fresh buffers. Every layer's gradients are the
+    reference's: where the front computed a kernel argument itself (derived) the program is never made, where a
+    kernel read a buffer the front filled by a torch op (workspace) the first replay's check fails and the interface
+    runs from then on."""
+    import sys
+    import types
+
+    from megatron_cp.kernels.fa4 import replay
+
+    name = f"fa4_bwd_standin_{mode}"
+    mod = types.ModuleType(name)
+    mod.MODE = mode
+    sys.modules[name] = mod
+    try:
+        exec(compile(_BWD_STANDIN, name, "exec"), mod.__dict__)
+        s = 96
+        tiles = catalog.tiles(catalog.build("packed", s))
+        be = FA4Backend(functions=Fa4Functions(fa4_semantics.fwd, mod.bwd, "reference", (torch.float64,),
+                                               fa4_semantics.block_sparse, fa4_semantics.interval_masks(),
+                                               fa4_semantics.band_mask))
+        prep = be.prepare(tiles, s, s)
+        runs = prep.runs("bwd", torch.device("cpu"), be.functions, False)
+        assert len(runs) == 1, "one launch a layer: the counts below assume it"
+        keep = tiles_to_dense(tiles, s, s)
+        layers = 5
+        for layer in range(layers):
+            q, k, v, do, _ = _inputs(s, s, seed=10 + layer)
+            out, lse = be.forward(q, k, v, prep, 0.3)
+            dq, dk, dv = be.backward(q, k, v, out, lse, do, prep, 0.3)
+            ref = reference_attention(q, k, v, keep, 0.3, dout=do)
+            for got, want in zip((dq, dk, dv), ref[2:]):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        progs = [p for p in runs[0].bwd_replays.values()]
+        if mode == "plain":  # recorded, checked once (one more interface call), then replayed
+            assert mod.bwd.calls == 2 and progs[0] is not None and replay._CHECKED[progs[0][2]]
+            assert [z for *_, z in progs[0][1]] == [True, False], "the accumulator zero-filled again, the scratch not"
+        elif mode == "workspace":  # recorded, its check failed (that layer kept the interface's result): the
+            # interface from then on
+            assert mod.bwd.calls == layers and progs[0] is not None and not replay._CHECKED[progs[0][2]]
+        else:  # never recorded
+            assert mod.bwd.calls == layers and progs == [None]
+    finally:
+        sys.modules.pop(name, None)

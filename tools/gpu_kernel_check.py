@@ -164,7 +164,8 @@ def check_case(be, be_det, name, tiles, keep, sq, sk, heads, seed, block=None):
     det = all(torch.equal(a, b) for a, b in zip(first, second))
     key = "triton" if triton else f"{be_det.name}_det"  # the runs' keys, result fields too
     runs, last_path = {key: first}, {key: paths}
-    if not triton:  # a second call of a prepared list replays FA4's recorded launches (kernels.fa4.replay)
+    if not triton:  # a second call of a prepared list replays FA4's recorded launches (kernels.fa4.replay:
+        # forward and backward)
         runs[key + "_again"], last_path[key + "_again"] = second, paths
     prep_f = be.prepare(tiles, sq, sk, head_dims=(d,))
     if sel is not None and hasattr(prep_f, "sparse"):  # a layer call must not wait on the GPU
@@ -174,6 +175,8 @@ def check_case(be, be_det, name, tiles, keep, sq, sk, heads, seed, block=None):
         got, paths = run(be, prep_f)
         key = f"fast_{paths[0]}_{paths[1]}" if triton else f"{be.name}_default"
         runs[key], last_path[key] = got, paths
+        if not triton:  # and replayed in the default (non-deterministic) mode
+            runs[key + "_again"], last_path[key + "_again"] = run(be, prep_f)
     ref, low = (chunked_reference(q, k, v, dout, keep, dt, scale, dlse=dlse) for dt in (torch.float64, dtype))
     empty = ~keep.any(-1) if keep.dim() == 2 else ~keep.any(-1).t()  # [sq] or per head [sq, Hq]
     res.update(deterministic=det, empty_rows=int(empty.sum()), paths=list(runs), last_path=last_path)

@@ -168,6 +168,7 @@ class Run:
     # the forward's compiled kernel and arguments per input signature (replay.launch): every layer of a
     # micro-batch calls the run on tensors of the same shapes
     replays: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    bwd_replays: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # replay.launch_bwd's
 
 
 @dataclass
@@ -385,14 +386,19 @@ class FA4Backend:
 
     # -- backward ---------------------------------------------------------------------------------
     def _run_bwd(self, q, k, v, out, dout, lse_hm, dlse_hm, run: Run, scale, dq, dk, dv):
+        """One FA4 backward launch writing dq, dk, dv (replayed from the run's recorded program after its first)."""
         f = self.functions.bwd
         det = self.config.deterministic
-        if run.dense:
-            f(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), dout.unsqueeze(0),
-              lse_hm.unsqueeze(0), scale, deterministic=det, dq=dq.unsqueeze(0), dk=dk.unsqueeze(0),
-              dv=dv.unsqueeze(0), dlse=None if dlse_hm is None else dlse_hm.unsqueeze(0), **run.kw)
-        else:
-            f(q, k, v, out, dout, lse_hm, scale, deterministic=det, dq=dq, dk=dk, dv=dv, dlse=dlse_hm, **run.kw)
+        given = dict(zip(replay.BWD_SLOTS, (q, k, v, out, dout, lse_hm, dq, dk, dv, dlse_hm)))
+        given = {n: t.unsqueeze(0) if run.dense else t for n, t in given.items() if t is not None}
+
+        def call(gq, gk, gv):
+            t = given
+            f(t["q"], t["k"], t["v"], t["out"], t["dout"], t["lse"], scale, deterministic=det, dq=gq, dk=gk, dv=gv,
+              dlse=t.get("dlse"), **run.kw)
+
+        replay.launch_bwd(f, given, run.bwd_replays, (scale, det, "dlse" in given), list(run.kw.values()), call,
+                          exact=det)
 
     @staticmethod
     def _head_major(lse, out, dout, delta):

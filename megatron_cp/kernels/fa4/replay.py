@@ -18,11 +18,13 @@ and process.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 SLOTS = 5  # q, k, v, out, lse lead the compiled kernel's argument list
-_CHECKED: dict = {}  # id(compiled kernel) -> whether its replay gave the interface's result (kernels live on in
-# the interface's compile cache, so ids are not reused)
+_CHECKED: dict = {}  # id(compiled kernel) (forward) or a program's shape (backward) -> whether its replay gave the
+# interface's result (kernels live on in the interface's compile caches, so ids are not reused)
 
 
 class Recorder:
@@ -93,3 +95,183 @@ def launch(fn, tensors, replays: dict, scale: float, call) -> None:
         _same(a, t) for a, t in zip(rec.calls[0][1][:SLOTS], tensors))
     # the tensors' places are left empty: the record must not keep the first layer's tensors alive
     replays[sig] = (rec.calls[0][0], rec.calls[0][1][SLOTS:]) if ok else None
+
+
+# ---------------------------------------------------------------------------------------------- backward
+
+# Every layer's backward makes the same compiled calls too (FA4's ``_flash_attn_bwd``: a preprocess, the main kernel,
+# one to three postprocess conversions), through a longer front (~200 us of Python). Its calls also take buffers
+# the front allocates per call (dq / dk / dv accumulators, dpsum, lse in log2, semaphores), some zero-filled. A
+# backward launch is replayed as its recorded program: each argument that is a given tensor (or a view of one) is
+# the same view of the next layer's tensor; each buffer the front allocated is allocated again (zero-filled where the
+# front zero-filled it: accumulators), so that a program holds no memory between layers; tensors of the run itself
+# (cu_seqlens, block lists) stay. A call whose arguments hold any other tensor (something the front computed from
+# the inputs) is not replayed.
+
+BWD_SLOTS = ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "dlse")
+
+
+class _Allocations:
+    """Stands in for ``torch`` in the interface's module during one recorded call: the tensors it allocates, and
+    which of them it zero-filled."""
+
+    def __init__(self, torch_module):
+        self._torch, self.made = torch_module, []  # (tensor, zero-filled)
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+    def _keep(self, t, zero: bool):
+        self.made.append((t, zero))
+        return t
+
+    def empty(self, *a, **k):
+        return self._keep(self._torch.empty(*a, **k), False)
+
+    def empty_like(self, *a, **k):
+        return self._keep(self._torch.empty_like(*a, **k), False)
+
+    def zeros(self, *a, **k):
+        return self._keep(self._torch.zeros(*a, **k), True)
+
+    def zeros_like(self, *a, **k):
+        return self._keep(self._torch.zeros_like(*a, **k), True)
+
+
+def _tensors(x):
+    """The tensors inside ``x`` (nested tuples, lists, dicts, objects with tensor fields)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+    elif hasattr(x, "__dict__") and not callable(x):
+        for y in vars(x).values():
+            if isinstance(y, (torch.Tensor, tuple, list, dict)):
+                yield from _tensors(y)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _place(t: torch.Tensor, given: dict, made: list, constants: set):
+    """Where a tensor argument comes from on a replay: ("slot", name, view) for a given tensor or a view starting
+    where one starts; ("buf", index, view) for a view of the front's index-th allocation; ("keep", t) for the run's
+    own tensors; None where it cannot be placed (inside a given tensor elsewhere, or computed by the front)."""
+    view = (tuple(t.shape), t.stride())
+    hits = [n for n, g in given.items() if g.data_ptr() == t.data_ptr()]
+    if len(hits) > 1:  # two given tensors starting at one address: the one of the same shape and strides
+        hits = [n for n in hits if (tuple(given[n].shape), given[n].stride()) == view]
+    if len(hits) == 1:
+        return ("slot", hits[0], view, t.storage_offset() - given[hits[0]].storage_offset())
+    if hits or any(_storage(g) == _storage(t) for g in given.values()):
+        return None
+    for i, (b, _) in enumerate(made):
+        if _storage(b) == _storage(t):
+            return ("buf", i, view, t.storage_offset() - b.storage_offset())
+    return ("keep", t) if _storage(t) in constants else None
+
+
+def _program(calls, given: dict, made: list, constants: list):
+    """The recorded calls as a program, or None where one argument cannot be placed."""
+    const = {_storage(t) for c in constants for t in _tensors(c)}
+    steps = []
+    for fn, args in calls:
+        placed = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                p = _place(a, given, made, const)
+                if p is None:
+                    return None
+                placed.append(p)
+            elif any(_place(t, given, made, const) != ("keep", t) for t in _tensors(a)):
+                return None  # a container holding per-call tensors: not rebuilt here
+            else:
+                placed.append(("keep", a))
+        steps.append((fn, tuple(placed)))
+    bufs = tuple((tuple(b.shape), b.stride(), b.dtype, b.device, zero) for b, zero in made)
+    # what the first-replay check is kept by: the compiled kernels (they live on in the interface's caches) and how
+    # each argument is placed
+    shape = tuple((id(fn), tuple(p[:2] if p[0] != "keep" else ("keep",) for p in placed)) for fn, placed in steps)
+    return steps, bufs, shape
+
+
+def _run(program, given: dict) -> None:
+    steps, bufs, _ = program
+    made = []
+    for shape, stride, dtype, device, zero in bufs:
+        b = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        made.append(b.zero_() if zero else b)
+
+    def arg(p):
+        if p[0] == "keep":
+            return p[1]
+        base = given[p[1]] if p[0] == "slot" else made[p[1]]
+        return base.as_strided(p[2][0], p[2][1], base.storage_offset() + p[3])
+
+    for fn, placed in steps:
+        fn(*(arg(p) for p in placed))
+
+
+def _record(fn, call):
+    """Run ``call()`` with every compile cache of ``fn``'s module recorded and its allocations seen: (calls, made),
+    or None where the module has no compile caches (a stand-in without them)."""
+    mod = sys.modules.get(getattr(fn, "__module__", None) or "")
+    caches = [(o, o.compile_cache) for o in list(vars(mod).values())
+              if getattr(o, "compile_cache", None) is not None] if mod is not None else []
+    if not caches or getattr(mod, "torch", None) is not torch:
+        call()
+        return None
+    calls, allocs = [], _Allocations(torch)
+    for o, cache in caches:
+        rec = Recorder(cache)
+        rec.calls = calls  # one list: the calls in the order they ran, whichever cache served them
+        o.compile_cache = rec
+    mod.torch = allocs
+    try:
+        call()
+    finally:
+        mod.torch = torch
+        for o, cache in caches:
+            o.compile_cache = cache
+    return calls, allocs.made
+
+
+def _agree(got: torch.Tensor, ref: torch.Tensor, exact: bool) -> bool:
+    """The replay's gradient against the interface's: bit for bit where the kernels are deterministic, else within
+    the spread of FA4's atomic dQ sums (units in the last place; a misplaced or stale argument is off by the whole
+    magnitude)."""
+    if exact or not got.numel():
+        return torch.equal(got, ref)
+    diff = (got.float() - ref.float()).abs().max()
+    return bool(torch.isfinite(got).all()) and float(diff) <= 2.0 ** -5 * float(ref.abs().max())
+
+
+def launch_bwd(fn, given: dict, replays: dict, key: tuple, constants: list, call, exact: bool) -> None:
+    """One backward launch on ``given`` ({BWD_SLOTS name: tensor}; dq, dk, dv written): replayed where ``replays``
+    (the run's) holds a program for this signature, else through ``call(dq, dk, dv)`` (the interface), recording
+    the program for the next time. ``constants``: the run's own tensors (cu_seqlens, block lists), which a program
+    may keep. The first replay of each program shape in a process is checked against the interface (``exact``: bit
+    for bit), and programs of that shape are used from then on only where they agreed."""
+    sig = key + tuple((n, tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+                      for n, t in given.items())
+    prog = replays.get(sig)
+    if prog is not None and _CHECKED.get(prog[2], True):
+        _run(prog, given)
+        if prog[2] not in _CHECKED:
+            ref = {n: given[n].clone() for n in ("dq", "dk", "dv")}
+            call(ref["dq"], ref["dk"], ref["dv"])
+            _CHECKED[prog[2]] = all(_agree(given[n], ref[n], exact) for n in ref)
+            if not _CHECKED[prog[2]]:
+                for n in ref:
+                    given[n].copy_(ref[n])
+        return
+    if sig in replays:  # recorded and not replayable, or its check failed
+        call(given["dq"], given["dk"], given["dv"])
+        return
+    got = _record(fn, lambda: call(given["dq"], given["dk"], given["dv"]))
+    replays[sig] = None if got is None or not got[0] else _program(got[0], given, got[1], constants)
