@@ -3,7 +3,7 @@
 ``PlanAhead(batches, plan_fn, depth)`` wraps the micro-batch iterator that ``forward_step`` pulls with
 ``next(data_iterator)``. A background thread (``concurrent.futures``) runs ``plan_fn`` on
 the next ``depth`` micro-batches while the step computes; ``plan_fn`` leaves the plan in the plan cache
-(``batch.plan_for_batch``), so ``prepare_batch`` finds it there instead of planning on the step.
+(``planning.plan_for_batch``), so ``prepare_batch`` finds it there instead of planning on the step.
 ``next()`` yields each micro-batch unchanged once its plan is made and records how long it was blocked
 waiting for it (``waits``): zero when planning keeps ahead of the step.
 
