@@ -177,27 +177,37 @@ def _place(t: torch.Tensor, given: dict, made: list, constants: set):
 
 
 def _program(calls, given: dict, made: list, constants: list):
-    """The recorded calls as a program, or None where one argument cannot be placed."""
+    """The recorded calls as a program, or None where one argument cannot be placed. Each step is the compiled
+    function, its argument list with the run's own values in place, and the places to fill on a replay:
+    (position, "slot" name or buffer index, view or None where the argument is the tensor itself)."""
     const = {_storage(t) for c in constants for t in _tensors(c)}
-    steps = []
+    steps, shape = [], []
     for fn, args in calls:
-        placed = []
-        for a in args:
+        template, fills, kinds = [], [], []
+        for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
                 p = _place(a, given, made, const)
                 if p is None:
                     return None
-                placed.append(p)
+                kinds.append(p[:2] if p[0] != "keep" else ("keep",))
+                if p[0] == "keep":
+                    template.append(a)
+                    continue
+                base = given[p[1]] if p[0] == "slot" else made[p[1]][0]
+                same = p[3] == 0 and p[2] == (tuple(base.shape), base.stride())
+                template.append(None)
+                fills.append((i, p[1], None if same else (p[2][0], p[2][1], p[3])))
             elif any(_place(t, given, made, const) != ("keep", t) for t in _tensors(a)):
                 return None  # a container holding per-call tensors: not rebuilt here
             else:
-                placed.append(("keep", a))
-        steps.append((fn, tuple(placed)))
+                template.append(a)
+                kinds.append(("keep",))
+        steps.append((fn, template, tuple(fills)))
+        shape.append((id(fn), tuple(kinds)))
     bufs = tuple((tuple(b.shape), b.stride(), b.dtype, b.device, zero) for b, zero in made)
     # what the first-replay check is kept by: the compiled kernels (they live on in the interface's caches) and how
     # each argument is placed
-    shape = tuple((id(fn), tuple(p[:2] if p[0] != "keep" else ("keep",) for p in placed)) for fn, placed in steps)
-    return steps, bufs, shape
+    return tuple(steps), bufs, tuple(shape)
 
 
 def _run(program, given: dict) -> None:
@@ -206,15 +216,12 @@ def _run(program, given: dict) -> None:
     for shape, stride, dtype, device, zero in bufs:
         b = torch.empty_strided(shape, stride, dtype=dtype, device=device)
         made.append(b.zero_() if zero else b)
-
-    def arg(p):
-        if p[0] == "keep":
-            return p[1]
-        base = given[p[1]] if p[0] == "slot" else made[p[1]]
-        return base.as_strided(p[2][0], p[2][1], base.storage_offset() + p[3])
-
-    for fn, placed in steps:
-        fn(*(arg(p) for p in placed))
+    for fn, template, fills in steps:
+        args = list(template)
+        for i, src, view in fills:
+            t = given[src] if isinstance(src, str) else made[src]
+            args[i] = t if view is None else t.as_strided(view[0], view[1], t.storage_offset() + view[2])
+        fn(*args)
 
 
 def _record(fn, call):
