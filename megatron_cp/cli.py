@@ -79,24 +79,24 @@ def read_doc_lengths(path: str) -> list[int]:
     return out
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+def _number(name: str, convert, expected: str, in_range, range_text: str):
+    """An argparse ``type``: ``convert(text)``, refused with "expected <expected>" when it does not parse and
+    "expected <range_text>" when ``in_range`` rejects the value (argparse prints the message)."""
+    def parse(text: str):
+        try:
+            v = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not in_range(v):
+            raise argparse.ArgumentTypeError(f"expected {range_text}, got {v}")
+        return v
+
+    parse.__name__ = name
+    return parse
 
 
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not 0 <= v < 10:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 10), got {v}")
-    return v
+_positive = _number("_positive", int, "a positive integer", lambda v: v >= 1, "a positive integer")
+_fraction = _number("_fraction", float, "a number >= 0", lambda v: 0 <= v < 10, "a fraction in [0, 10)")
 
 
 # the builders of megatron_cp.masks that take (seqlen, integer sizes): --mask NAME --mask-args K=V,...

@@ -224,59 +224,52 @@ def _check_balance_over_dp(args, sparse, gating) -> None:
                          "--cp-head-pattern")
 
 
-# Megatron options that megatron-cp attention does not honour: (attribute, is_set(value), message). Each is
-# refused when the arguments are parsed; a feature that gains support is lifted by deleting its row.
-UNSUPPORTED = (
-    ("attention_dropout", lambda v: bool(v),
-     "--attention-dropout {v}: megatron-cp attention has no attention dropout; pass --attention-dropout 0 "
-     "(Megatron's default is 0.1)"),
-    ("cp_comm_type", lambda v: list(v or ["p2p"]) != ["p2p"],
-     "--cp-comm-type {v} selects Transformer Engine's CP communication; megatron-cp plans its own. Drop the flag, "
-     "or pick a baseline with --context-parallel-impl ring|ulysses|usp|allgather|head_context"),
-    ("hierarchical_context_parallel_sizes", lambda v: bool(v),
-     "--hierarchical-context-parallel-sizes {v} is Transformer Engine's a2a+p2p CP; megatron-cp takes the CP "
-     "group's shape from --cp-topology NODESxGPUS"),
-    ("hybrid_context_parallel", lambda v: bool(v),
-     "--hybrid-context-parallel is Megatron's own packing-aware CP; it does not combine with --context-parallel-impl"),
-    ("mtp_num_layers", lambda v: bool(v),
-     "--mtp-num-layers {v}: Megatron's multi-token prediction shifts tokens across CP ranks with roll_tensor, "
-     "which assumes its own 2 x cp zigzag split, and builds its layers' attention from Megatron's spec; it "
-     "does not run under megatron-cp's token layout"),
-    ("multi_latent_attention", lambda v: bool(v),
-     "--multi-latent-attention: megatron-cp runs Megatron's MLASelfAttention from Python (CPCoreAttention in its "
-     "core_attention slot, megatron_cp.megatron.mla.install_mla for RoPE / YaRN at the plan's positions; CP 2 "
-     "equals CP 1 in tests/test_mla.py), but this plugin does not install MLA's plan RoPE in pretrain_gpt.py yet"),
-    ("experimental_attention_variant", lambda v: v is not None,
-     "--experimental-attention-variant {v} brings its own attention module; megatron-cp replaces only "
-     "Megatron's dot-product core attention"),
-    ("use_kitchen_attention", lambda v: bool(v),
-     "--use-kitchen-attention brings its own attention module; megatron-cp replaces only Megatron's "
-     "dot-product core attention"),
-    ("transformer_impl", lambda v: v == "inference_optimized",
-     "--transformer-impl inference_optimized has its own attention; use transformer_engine or local"),
-    ("cuda_graph_impl", lambda v: v != "none",
-     "--cuda-graph-impl {v}: megatron-cp's attention follows each micro-batch's plan, which a captured CUDA graph "
-     "would replay unchanged; use --cuda-graph-impl none"),
-    ("enable_cuda_graph", lambda v: bool(v),
-     "--enable-cuda-graph: megatron-cp's attention follows each micro-batch's plan, which a captured CUDA graph "
-     "would replay unchanged"),
-    ("external_cuda_graph", lambda v: bool(v),
-     "--external-cuda-graph: megatron-cp's attention follows each micro-batch's plan, which a captured CUDA graph "
-     "would replay unchanged"),
-    ("overlap_moe_expert_parallel_comm", lambda v: bool(v),
-     "--overlap-moe-expert-parallel-comm builds schedule plans that bypass megatron-cp's batch hook"),
-    ("dataloader_inter_document_masking", lambda v: bool(v),
-     "--dataloader-inter-document-masking sends Megatron's THD cu_seqlens; with megatron-cp pass "
-     "--reset-attention-mask (or --cp-mask packed): documents are cut at EOD tokens"),
-    ("sft", lambda v: bool(v),
-     "--sft packs and pads sequences in Megatron's THD format, which megatron-cp's batch hook does not read"),
-)
+# Megatron options that megatron-cp attention does not honour: attribute -> message. Each is refused when the
+# arguments are parsed and it is set: truthy, or what ``SET_WHEN`` says for an option whose unset value is not
+# falsy; a feature that gains support is lifted by deleting its row.
+_CUDA_GRAPH = ("megatron-cp's attention follows each micro-batch's plan, which a captured CUDA graph would replay "
+               "unchanged")
+_OWN_ATTENTION = "brings its own attention module; megatron-cp replaces only Megatron's dot-product core attention"
+UNSUPPORTED = {
+    "attention_dropout": "--attention-dropout {v}: megatron-cp attention has no attention dropout; pass "
+    "--attention-dropout 0 (Megatron's default is 0.1)",
+    "cp_comm_type": "--cp-comm-type {v} selects Transformer Engine's CP communication; megatron-cp plans its own. Drop "
+    "the flag, or pick a baseline with --context-parallel-impl ring|ulysses|usp|allgather|head_context",
+    "hierarchical_context_parallel_sizes": "--hierarchical-context-parallel-sizes {v} is Transformer Engine's a2a+p2p "
+    "CP; megatron-cp takes the CP group's shape from --cp-topology NODESxGPUS",
+    "hybrid_context_parallel": "--hybrid-context-parallel is Megatron's own packing-aware CP; it does not combine "
+    "with --context-parallel-impl",
+    "mtp_num_layers": "--mtp-num-layers {v}: Megatron's multi-token prediction shifts tokens across CP ranks with "
+    "roll_tensor, which assumes its own 2 x cp zigzag split, and builds its layers' attention from Megatron's spec; "
+    "it does not run under megatron-cp's token layout",
+    "multi_latent_attention": "--multi-latent-attention: megatron-cp runs Megatron's MLASelfAttention from Python "
+    "(CPCoreAttention in its core_attention slot, megatron_cp.megatron.mla.install_mla for RoPE / YaRN at the plan's "
+    "positions; CP 2 equals CP 1 in tests/test_mla.py), but this plugin does not install MLA's plan RoPE in "
+    "pretrain_gpt.py yet",
+    "experimental_attention_variant": "--experimental-attention-variant {v} " + _OWN_ATTENTION,
+    "use_kitchen_attention": "--use-kitchen-attention " + _OWN_ATTENTION,
+    "transformer_impl": "--transformer-impl inference_optimized has its own attention; use transformer_engine or local",
+    "cuda_graph_impl": "--cuda-graph-impl {v}: " + _CUDA_GRAPH + "; use --cuda-graph-impl none",
+    "enable_cuda_graph": "--enable-cuda-graph: " + _CUDA_GRAPH,
+    "external_cuda_graph": "--external-cuda-graph: " + _CUDA_GRAPH,
+    "overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm builds schedule plans that bypass "
+    "megatron-cp's batch hook",
+    "dataloader_inter_document_masking": "--dataloader-inter-document-masking sends Megatron's THD cu_seqlens; with "
+    "megatron-cp pass --reset-attention-mask (or --cp-mask packed): documents are cut at EOD tokens",
+    "sft": "--sft packs and pads sequences in Megatron's THD format, which megatron-cp's batch hook does not read",
+}
+SET_WHEN = {
+    "cp_comm_type": lambda v: list(v or ["p2p"]) != ["p2p"],
+    "experimental_attention_variant": lambda v: v is not None,
+    "transformer_impl": lambda v: v == "inference_optimized",
+    "cuda_graph_impl": lambda v: v != "none",
+}
 
 
 def _refuse_unsupported(args) -> None:
-    for attr, is_set, message in UNSUPPORTED:
+    for attr, message in UNSUPPORTED.items():
         v = getattr(args, attr, None)
-        if v is not None and is_set(v):
+        if v is not None and SET_WHEN.get(attr, bool)(v):
             raise ValueError(message.format(v=v))
 
 

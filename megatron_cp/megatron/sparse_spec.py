@@ -84,32 +84,33 @@ def _threshold(text: str):
     return vals[0] if len(vals) == 1 else tuple(vals)
 
 
-# the method flags of --cp-sparse: (flag, attribute, the method it belongs to ("any": every method), add_argument's
-# arguments). They default to None (the values spec_from_args applies then): a flag given for another method, or
-# without --cp-sparse, is refused instead of ignored
-METHOD_FLAGS = (
-    ("--cp-sparse-block", "cp_sparse_block", "any", dict(type=int, help=(
-        "selection block in tokens (default: " + ", ".join(f"{m} {b}" for m, b in DEFAULT_BLOCK.items())
-        + "); divides --seq-length"))),
-    ("--cp-sparse-layers", "cp_sparse_layers", "any", dict(type=str, help=(
-        "1-based layers that run sparse, e.g. '3-24' or '1,5,9' (default all; others dense)"))),
-    ("--cp-moba-top-k", "cp_moba_top_k", "moba", dict(type=int, help=(
-        "MoBA: key blocks per q block besides its own (default 3)"))),
-    ("--cp-xattn-stride", "cp_xattn_stride", "xattention", dict(type=int, help=(
-        "XAttention: antidiagonal stride (8 or 16; default 8)"))),
-    ("--cp-xattn-threshold", "cp_xattn_threshold", "xattention", dict(type=str, help=(
-        "XAttention: cumulative block mass to keep, or one value per query head (comma list; default 0.9)"))),
-    ("--cp-flexprefill-gamma", "cp_flexprefill_gamma", "flexprefill", dict(type=float, help=(
-        "FlexPrefill: coverage gamma (default 0.9)"))),
-    ("--cp-flexprefill-tau", "cp_flexprefill_tau", "flexprefill", dict(type=float, help=(
-        "FlexPrefill: Jensen-Shannon threshold between query-aware and vertical-slash (default 0.1)"))),
-    ("--cp-flexprefill-min-budget", "cp_flexprefill_min_budget", "flexprefill", dict(type=int, help=(
-        "FlexPrefill: min budget"))),
-    ("--cp-flexprefill-max-budget", "cp_flexprefill_max_budget", "flexprefill", dict(type=int, help=(
-        "FlexPrefill: max budget"))),
-    ("--cp-minference-config", "cp_minference_config", "minference", dict(type=str, help=(
-        "MInference: per-layer, per-head pattern JSON (tools/minference_search.py)"))),
-)
+# the method flags of --cp-sparse, per method ("any": every method) with the label their help starts with:
+# (flag, type, help). They default to None (the values spec_from_args applies then): a flag given for another
+# method, or without --cp-sparse, is refused instead of ignored
+_FLAGS_BY_METHOD = {
+    "any": ("", (
+        ("--cp-sparse-block", int, "selection block in tokens (default: "
+         + ", ".join(f"{m} {b}" for m, b in DEFAULT_BLOCK.items()) + "); divides --seq-length"),
+        ("--cp-sparse-layers", str, "1-based layers that run sparse, e.g. '3-24' or '1,5,9' (default all; others "
+         "dense)"))),
+    "moba": ("MoBA", (("--cp-moba-top-k", int, "key blocks per q block besides its own (default 3)"),)),
+    "xattention": ("XAttention", (
+        ("--cp-xattn-stride", int, "antidiagonal stride (8 or 16; default 8)"),
+        ("--cp-xattn-threshold", str, "cumulative block mass to keep, or one value per query head (comma list; "
+         "default 0.9)"))),
+    "flexprefill": ("FlexPrefill", (
+        ("--cp-flexprefill-gamma", float, "coverage gamma (default 0.9)"),
+        ("--cp-flexprefill-tau", float, "Jensen-Shannon threshold between query-aware and vertical-slash "
+         "(default 0.1)"),
+        ("--cp-flexprefill-min-budget", int, "min budget"),
+        ("--cp-flexprefill-max-budget", int, "max budget"))),
+    "minference": ("MInference", (
+        ("--cp-minference-config", str, "per-layer, per-head pattern JSON (tools/minference_search.py)"),)),
+}
+# (flag, attribute, the method it belongs to, add_argument's arguments)
+METHOD_FLAGS = tuple(
+    (flag, flag[2:].replace("-", "_"), method, dict(type=type_, help=f"{label}: {help}" if label else help))
+    for method, (label, rows) in _FLAGS_BY_METHOD.items() for flag, type_, help in rows)
 
 
 def _or(value, default):

@@ -135,11 +135,11 @@ def choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts,
         for m in (4, 8):
             if m * cp * 4 <= seqlen:
                 candidates[f"zigzag{m}"] = solvers.zigzag(seqlen, cp, rounds=m)
-    kw = dict(prefix=prefix, chunk_size=chunk, key_spans=spans, tol=tol)
+    inputs = solvers.Chunking(prefix, chunk, spans, tol)
     if solver in ("greedy", "auto"):
-        candidates["greedy"] = solvers.greedy(seqlen, cp, **kw)
+        candidates["greedy"] = solvers.greedy(seqlen, cp, inputs)
     if solver in ("swap", "auto"):
-        candidates["swap"] = solvers.swap_balanced(seqlen, cp, **kw)
+        candidates["swap"] = solvers.swap_balanced(seqlen, cp, inputs)
     if solver == "documents" or (solver == "auto" and len(cuts) - 1 > cp):
         candidates["documents"] = solvers.documents(seqlen, cp, prefix=prefix, traps=traps, tol=tol, cuts=cuts)
         if block > 1:
@@ -155,7 +155,7 @@ def choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts,
     multi_node = topology is not None and topology.nodes > 1
     if (multi_node and solver == "auto") or solver == "hierarchical":
         topo = topology if topology is not None else Topology(1, cp)
-        candidates.update(hierarchical_candidates(traps, spans, prefix, seqlen, topo, chunk, tol, cuts))
+        candidates.update(hierarchical_candidates(traps, inputs, seqlen, topo, cuts))
     scores = {}
     for name, (b, o) in list(candidates.items()):
         if block > 1:  # the aligned layout comes scored
@@ -167,7 +167,7 @@ def choose(traps, prefix, spans, seqlen, cp, chunk, topology, solver, tol, cuts,
             scores[name] = (scores[name][0], inter_node_max(spans, b, o, topology), *scores[name][1:])
     if solver == "auto" and not any(sc[0] <= tol for sc in scores.values()):
         # nothing balances whole chunks: deal the heaviest chunks out in pieces (dense rows)
-        b, o = solvers.greedy(seqlen, cp, split_heavy=True, **kw)
+        b, o = solvers.greedy(seqlen, cp, inputs, split_heavy=True)
         b, o, sc = snap_best(b, o, block, traps, spans, cp, prefix, tol) if block > 1 else (
             b, o, score(traps, spans, b, o, cp, prefix))
         candidates["greedy_split"], scores["greedy_split"] = (b, o), sc
@@ -184,9 +184,9 @@ def inter_node_max(spans, bounds, owner, topology) -> int:
     return int(remote_counts(*spans.spans(bounds), bounds, node, topology.nodes).max())
 
 
-def hierarchical_candidates(traps, spans, prefix, seqlen, topology, chunk, tol, cuts):
+def hierarchical_candidates(traps, inputs, seqlen, topology, cuts):
     nodes = topology.nodes
-    kw = dict(prefix=prefix, chunk_size=chunk, key_spans=spans, tol=tol)
+    prefix, spans, tol = inputs.prefix, inputs.key_spans, inputs.tol
     flat = Topology(nodes, 1)
 
     def key(bo):
@@ -203,12 +203,12 @@ def hierarchical_candidates(traps, spans, prefix, seqlen, topology, chunk, tol, 
     # solvers, which cut every long document at node boundaries, are not tried (on packed documents at 256-1024
     # GPUs they moved 5-10x its keys between nodes, and took a fifth of the planning time)
     if nodes > 1 and (len(node_cands) == 2 or keys[2][0]):
-        for bo in (solvers.greedy(seqlen, nodes, **kw), solvers.swap_balanced(seqlen, nodes, **kw)):
+        for bo in (solvers.greedy(seqlen, nodes, inputs), solvers.swap_balanced(seqlen, nodes, inputs)):
             node_cands.append(bo)
             keys.append(key(bo))
     best = node_cands[keys.index(min(keys))]  # the first of equal keys, as min(node_cands, key=key)
     g = topology.gpus_per_node
-    out = {"hierarchical": solvers.hierarchical(seqlen, topology.world_size, gpus_per_node=g, node_layout=best, **kw)}
+    out = {"hierarchical": solvers.hierarchical(seqlen, topology.world_size, inputs, gpus_per_node=g, node_layout=best)}
     if len(cuts) - 1 > topology.world_size:  # and whole documents per GPU inside each node
         out["hierarchical_documents"] = solvers.node_documents(
             seqlen, topology.world_size, prefix=prefix, tol=tol, gpus_per_node=g, node_layout=best, cuts=cuts)

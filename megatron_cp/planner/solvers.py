@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -54,37 +55,49 @@ def zigzag(seqlen: int, cp: int, rounds: int = 2, **_) -> tuple[np.ndarray, np.n
     return even_bounds(seqlen, n), owner
 
 
-def greedy_chunk(seqlen: int, cp: int, prefix: np.ndarray, chunk_size: int, tol: float) -> int:
-    """Largest power-of-two chunk <= ``chunk_size`` whose heaviest chunk is at most ``tol/2`` of a
-    rank's mean area, so that largest-first assignment can balance to about ``tol``."""
-    limit = tol * float(prefix[-1]) / cp / 2
-    c = chunk_size
-    while c > 1:
-        b = np.append(np.arange(0, seqlen, c, dtype=np.int64), seqlen)
-        if (prefix[b[1:]] - prefix[b[:-1]]).max() <= limit or seqlen // c >= 64 * cp:
-            break
-        c //= 2
-    return c
+def _grid(seqlen: int, c: int) -> np.ndarray:
+    """int64 bounds of [0, seqlen) cut every ``c`` tokens (the last chunk shorter)."""
+    return np.append(np.arange(0, seqlen, c, dtype=np.int64), seqlen)
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """The inputs the chunk solvers (``greedy``, ``swap_balanced``, ``hierarchical``) share: the mask's
+    row-area ``prefix`` (int64 [seqlen + 1]), the largest ``chunk_size`` to try, the mask's ``key_spans``
+    and the imbalance target ``tol``."""
+
+    prefix: np.ndarray
+    chunk_size: int
+    key_spans: "KeySpans"
+    tol: float
+
+    def chunk(self, seqlen: int, cp: int) -> int:
+        """Largest power-of-two chunk <= ``chunk_size`` whose heaviest chunk is at most ``tol/2`` of a
+        rank's mean area, so that largest-first assignment can balance to about ``tol``."""
+        prefix = self.prefix
+        limit = self.tol * float(prefix[-1]) / cp / 2
+        c = self.chunk_size
+        while c > 1:
+            b = _grid(seqlen, c)
+            if (prefix[b[1:]] - prefix[b[:-1]]).max() <= limit or seqlen // c >= 64 * cp:
+                break
+            c //= 2
+        return c
+
+    def grid(self, seqlen: int, cp: int) -> np.ndarray:
+        """int64 bounds of the equal chunks of ``chunk`` tokens."""
+        return _grid(seqlen, self.chunk(seqlen, cp))
 
 
 def greedy(
-    seqlen: int,
-    cp: int,
-    *,
-    prefix: np.ndarray,
-    chunk_size: int,
-    key_spans: "KeySpans",
-    tol: float,
-    slack_frac: float = 0.25,
-    split_heavy: bool = False,
-    **_,
+    seqlen: int, cp: int, inputs: Chunking, *, slack_frac: float = 0.25, split_heavy: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """Largest-area-first assignment of equal chunks, equal chunk counts per rank, key affinity as
     the tie-break among ranks whose load is within ``tol/4`` of the least loaded (see module doc).
     ``split_heavy`` first deals chunks too heavy to place whole out to all ranks in cp pieces."""
+    prefix, key_spans, tol = inputs.prefix, inputs.key_spans, inputs.tol
     total = float(prefix[-1])
-    c = greedy_chunk(seqlen, cp, prefix, chunk_size, tol)
-    bounds = np.append(np.arange(0, seqlen, c, dtype=np.int64), seqlen)
+    bounds = inputs.grid(seqlen, cp)
     # Chunks still too heavy to place whole (dense rows, e.g. global tokens) are cut into cp equal
     # pieces dealt one per rank, which keeps token counts equal and spreads their area evenly.
     area = prefix[bounds[1:]] - prefix[bounds[:-1]]
@@ -162,22 +175,13 @@ def greedy(
     return bounds, owner
 
 
-def swap_balanced(
-    seqlen: int,
-    cp: int,
-    *,
-    prefix: np.ndarray,
-    chunk_size: int,
-    key_spans: "KeySpans",
-    tol: float,
-    **_,
-) -> tuple[np.ndarray, np.ndarray]:
+def swap_balanced(seqlen: int, cp: int, inputs: Chunking) -> tuple[np.ndarray, np.ndarray]:
     """Start from the contiguous layout (equal chunks) and swap chunks between the most and the
     least loaded ranks until within ``tol/2``: locality is kept wherever balance allows. Each swap
     moves the pair whose area difference is closest to half the load gap; among pairs within 10% of
     that, the one whose moved chunks need the fewest keys the receiving rank does not own."""
-    c = greedy_chunk(seqlen, cp, prefix, chunk_size, tol)
-    bounds = np.append(np.arange(0, seqlen, c, dtype=np.int64), seqlen)
+    prefix, key_spans, tol = inputs.prefix, inputs.key_spans, inputs.tol
+    bounds = inputs.grid(seqlen, cp)
     n = len(bounds) - 1
     area = (prefix[bounds[1:]] - prefix[bounds[:-1]]).astype(np.float64)
     owner = (np.arange(n) * cp // n).astype(np.int32)
@@ -437,16 +441,7 @@ def _trade(u: np.ndarray, prefix: np.ndarray, cp: int, tol: float, load: np.ndar
 
 
 def hierarchical(
-    seqlen: int,
-    cp: int,
-    *,
-    prefix: np.ndarray,
-    chunk_size: int,
-    key_spans: "KeySpans",
-    tol: float,
-    gpus_per_node: int,
-    node_layout: tuple[np.ndarray, np.ndarray],
-    **_,
+    seqlen: int, cp: int, inputs: Chunking, *, gpus_per_node: int, node_layout: tuple[np.ndarray, np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray]:
     """Node first, then GPUs: ``node_layout`` = (bounds, node owner) from a solver run with
     cp = nodes (chosen by the caller for least inter-node keys under balance). Each node's rows are
@@ -455,11 +450,12 @@ def hierarchical(
     loaded GPUs of the node until within ``tol/2`` (the swap whose area difference is closest to half
     the gap).
     Rank = node * gpus_per_node + local GPU."""
+    prefix, tol = inputs.prefix, inputs.tol
     g = gpus_per_node
     nb, no = node_layout
     # fine chunks, at least two per GPU's share; node boundaries are cuts too (pieces of a documents
     # node layout can be far smaller than a chunk: they stay whole)
-    c = max(1, min(greedy_chunk(seqlen, cp, prefix, chunk_size, tol), seqlen // (2 * cp)))
+    c = max(1, min(inputs.chunk(seqlen, cp), seqlen // (2 * cp)))
     grid = np.arange(0, seqlen, c, dtype=np.int64)
     bounds = np.unique(np.concatenate([nb, grid, [seqlen]]))
     node = no[np.searchsorted(nb, bounds[:-1], side="right") - 1].astype(np.int64)
