@@ -426,7 +426,7 @@ def test_calibrate_check_dry_run_writes_a_row_per_call(tmp_path, capsys):
 
     rows = _calibrate_tool().main(["--dry-run", "--check", "--masks", "causal", "--out", str(tmp_path)])
     assert rows and json.loads((tmp_path / "cost_check.json").read_text())["results"] == rows
-    assert {"megatron-cp", "ring", "ulysses", "allgather"} <= {r["impl"] for r in rows}
+    assert {"megatron_cp", "ring", "ulysses", "allgather"} <= {r["impl"] for r in rows}
     for r in rows:
         for k in ("fwd_ms", "bwd_ms", "fwd_pred_ms", "bwd_pred_ms"):
             assert math.isfinite(r[k]) and r[k] > 0, (k, r)

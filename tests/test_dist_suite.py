@@ -18,7 +18,7 @@ from scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE = os.path.join(ROOT, "tools", "run_dist_suite.py")
-IMPLS = ["megatron-cp", "megatron-cp+xattention", "megatron-cp+moba", "ring", "ulysses", "allgather"]
+IMPLS = ["megatron_cp", "megatron_cp+xattention", "megatron_cp+moba", "ring", "ulysses", "allgather"]
 
 
 def _suite_module():
@@ -62,7 +62,7 @@ def test_bench_profile_writes_a_timeline_per_case(dry_run):
     with open(os.path.join(out, "bench_dist_s256_profile.txt")) as f:
         text = f.read()
     for m in ("causal", "packed"):
-        assert f"== megatron-cp {m} S=256 rank 0 of 2 (cpu), right after another step (back to back)" in text, text
+        assert f"== megatron_cp {m} S=256 rank 0 of 2 (cpu), right after another step (back to back)" in text, text
     assert text.count("-- fwd: host ") == 2 and text.count("-- bwd: host ") == 2, text
 
 
@@ -78,9 +78,9 @@ def test_bench_has_every_row_with_finite_times_and_sparse_bytes_within_the_envel
         for r in got.values():
             for key in ("fwd_ms", "bwd_ms", "fwd_tflops_per_gpu", "bwd_tflops_per_gpu"):
                 assert math.isfinite(r[key]) and r[key] > 0, (mask, r["impl"], key, r[key])
-        dense = got["megatron-cp"]
+        dense = got["megatron_cp"]
         assert dense["kv_bytes"] > 0  # cp 2: the causal and packed plans move K/V
-        for impl in ("megatron-cp+xattention", "megatron-cp+moba"):
+        for impl in ("megatron_cp+xattention", "megatron_cp+moba"):
             sp = got[impl]
             assert 0 < sp["kept_fraction"] <= 1
             for key in ("kv_bytes", "envelope_kv_bytes", "selector_bytes", "bytes_moved", "max_kv_bytes_received"):
@@ -90,15 +90,15 @@ def test_bench_has_every_row_with_finite_times_and_sparse_bytes_within_the_envel
             assert sp["bytes_moved"] == sp["kv_bytes"] + sp["selector_bytes"] and sp["selector_bytes"] > 0
         check = next(c for c in bench["checks"] if c["mask"] == mask)
         vs = {x["impl"]: x for x in check["sparse_vs_dense"]}
-        assert sorted(vs) == ["megatron-cp+moba", "megatron-cp+xattention"]
+        assert sorted(vs) == ["megatron_cp+moba", "megatron_cp+xattention"]
         for impl, x in vs.items():
             assert x["fwd_time_ratio"] == pytest.approx(got[impl]["fwd_ms"] / dense["fwd_ms"])
             assert x["kv_bytes_ratio"] == pytest.approx(got[impl]["kv_bytes"] / dense["kv_bytes"])
             assert x["layout_kv_bytes_ratio"] <= 1
     # XAttention's selection reads whole envelope blocks of keys held elsewhere
-    xa = next(r for r in rows if r["mask"] == "causal" and r["impl"] == "megatron-cp+xattention")
+    xa = next(r for r in rows if r["mask"] == "causal" and r["impl"] == "megatron_cp+xattention")
     assert xa["selector"] == "xattention" and xa["selector_params"]["threshold"] == 0.9
-    assert next(r for r in rows if r["impl"] == "megatron-cp+moba")["selector_params"]["top_k"] == 3
+    assert next(r for r in rows if r["impl"] == "megatron_cp+moba")["selector_params"]["top_k"] == 3
 
 
 def test_prediction_and_scaling_table_are_written(dry_run):
@@ -108,12 +108,12 @@ def test_prediction_and_scaling_table_are_written(dry_run):
         pred = json.load(f)
     gpu = pred["by_target"]["gpu"]
     impls = {r["impl"] for r in gpu}
-    assert {"megatron-cp", "ring", "ulysses", "allgather"} <= impls
-    assert not impls & {"megatron-cp+xattention", "megatron-cp+moba"}  # the simulator has no sparse model
+    assert {"megatron_cp", "ring", "ulysses", "allgather"} <= impls
+    assert not impls & {"megatron_cp+xattention", "megatron_cp+moba"}  # the simulator has no sparse model
     assert all(math.isfinite(r["fwd_pred_ms"]) and r["fwd_pred_ms"] > 0 and r["fwd_ms"] > 0 for r in gpu)
     with open(os.path.join(out, "simulate_packed_scaling.json")) as f:
         scal = json.load(f)
-    cps = {r["cp"] for r in scal["results"] if r["strategy"] == "megatron-cp" and r["mask"] == "packed"}
+    cps = {r["cp"] for r in scal["results"] if r["strategy"] == "megatron_cp" and r["mask"] == "packed"}
     assert cps == {2, 4}
 
 
@@ -156,7 +156,7 @@ def test_bench_nodes_emulates_a_topology_and_counts_bytes_across_it(tmp_path, mo
     with open(tmp_path / path) as f:
         record = json.load(f)
     assert record["nodes"] == 2
-    rows = {r["mask"]: r for r in record["results"] if r["impl"] == "megatron-cp"}
+    rows = {r["mask"]: r for r in record["results"] if r["impl"] == "megatron_cp"}  # --impls megatron-cp: read as it
     assert set(rows) == {"causal", "packed"} and all("error" not in r for r in rows.values())
     for r in rows.values():
         assert 0 < r["inter_node_bytes"] <= r["inter_node_bytes_flat_routes"] <= r["kv_bytes"], r

@@ -163,10 +163,10 @@ def test_tools_and_examples_choices_are_their_registries(monkeypatch):
 
 def test_tools_lists_are_their_registries():
     bench_train, bench_dist, gpu_dist = _tool("bench_train"), _tool("bench_dist"), _tool("gpu_dist_check")
-    assert bench_train.IMPLS == ("megatron-cp", *baselines.STRATEGIES)
+    assert bench_train.IMPLS == (baselines.OWN, *baselines.STRATEGIES)
     assert set(bench_train.IMPLS) - set(bench_train.DEFAULT_IMPLS) == {"head_context"}
     impls = bench_dist.IMPLS.split(",")
-    assert set(impls) == {"megatron-cp", *bench_dist.SPARSE_IMPLS, *baselines.STRATEGIES, "torch-native"} - {
+    assert set(impls) == {baselines.OWN, *bench_dist.SPARSE_IMPLS, *baselines.STRATEGIES, "torch-native"} - {
         "head_context"}
     assert {i.split("+")[1] for i in bench_dist.SPARSE_IMPLS} <= set(sparse.SELECTORS)
     assert gpu_dist.STRATEGIES == tuple(baselines.STRATEGIES)

@@ -136,6 +136,28 @@ def test_compare_kernel_target_checks_kernel_only_rows(tmp_path, capsys):
     assert "0/2 within 15%" in capsys.readouterr().out
 
 
+def test_tools_read_both_spellings_of_our_label(tmp_path, capsys):
+    """The tools write our own attention as the registry spells it (``megatron_cp``); records and commands written
+    before say ``megatron-cp``: every reader takes both, as the same implementation."""
+    import json
+
+    common, sim, bench = _tool("common"), _tool("simulate"), _tool("bench_dist")
+    assert common.OURS == "megatron_cp"
+    assert common.impl_list("megatron-cp,megatron-cp+moba,megatron_cp,ring,torch-native") == [
+        "megatron_cp", "megatron_cp+moba", "megatron_cp", "ring", "torch-native"]
+    assert bench.IMPLS.split(",")[:3] == ["megatron_cp", "megatron_cp+xattention", "megatron_cp+moba"]
+    res = [dict(mask="causal", seqlen=1024, cp=2, impl=impl, fwd_ms=1.0, bwd_ms=2.0)
+           for impl in ("megatron-cp", "megatron_cp")]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(dict(heads=8, kv_heads=2, head_dim=64, results=res)))
+    rows = sim.compare(str(path), CostModel(), Workload(8, 2, 64, 2), 8, "gpu", show=False)
+    assert [r["impl"] for r in rows] == ["megatron_cp", "megatron_cp"]
+    assert rows[0]["fwd_pred_ms"] == rows[1]["fwd_pred_ms"] > 0
+    old = [dict(mask="causal", seqlen=1024, impl="megatron-cp", fwd_tflops_per_gpu=600.0, bwd_tflops_per_gpu=500.0),
+           dict(mask="causal", seqlen=1024, impl="kernel-only", fwd_tflops_per_gpu=650.0, bwd_tflops_per_gpu=520.0)]
+    assert [c["fwd_scaling"] for c in bench.summarize(old, show=False)] == [pytest.approx(600 / 650)]
+
+
 def test_calibrate_link_timing_ignores_one_stalled_group():
     """tools/sim/calibrate.py times each link as the median of groups of calls: one stall (a rank held up once,
     which holds every rank's collective) does not set the link's rate, as a mean over the calls did."""
@@ -351,7 +373,8 @@ def test_simulate_prints_one_table_and_keeps_per_case_lines_off_stdout(capsys):
     out, err = capsys.readouterr()
     table = _ends_with_one_table(out, 2)
     assert len(out.splitlines()) == 1 + len(table)  # the caption, then the table: no per-case lines
-    assert table[0].startswith("| mask | cp | megatron-cp fwd / bwd TFLOP/s | ulysses fwd / bwd TFLOP/s |")
+    # --strategies in the spelling of records and commands before the registry's: read as megatron_cp
+    assert table[0].startswith("| mask | cp | megatron_cp fwd / bwd TFLOP/s | ulysses fwd / bwd TFLOP/s |")
     assert table[2].startswith("| causal | 2 |") and table[3].startswith("| causal | 4 |")
     assert "simulated" not in out + err
     sim.main(argv + ["--verbose"])
@@ -471,19 +494,19 @@ def test_bench_train_runs_fresh_plans_per_micro_batch(tmp_path, capsys):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "bench_train.json").read_text())["rows"]
-    assert [r["impl"] for r in rows] == ["megatron-cp", "ring"]
+    assert [r["impl"] for r in rows] == ["megatron_cp", "ring"]  # --impls megatron-cp: the registry's spelling
     for r in rows:
         assert r["seqlen"] == 128 and r["layers"] == 2 and r["gpu_ms"] is None
         assert r["step_ms"] > 0 and r["first_call_ms"] > 0 and r["call_ms"] > 0 and r["plan_ms"] > 0
         assert r["planned_before_ms"] > 0 and r["wait_ms"] >= 0
-    assert "tokens/GPU  megatron-cp: step" in out.stdout
+    assert "tokens/GPU  megatron_cp: step" in out.stdout
     # rank 0's host profile of one more megatron-cp step: the attention's forward among its functions
-    prof = (tmp_path / "host_profile_megatron-cp_64.txt").read_text()
+    prof = (tmp_path / "host_profile_megatron_cp_64.txt").read_text()
     assert "function calls" in prof and "runtime/attention.py" in prof
     assert not list(tmp_path.glob("host_profile_ring_*"))
     with pytest.raises(SystemExit) as bad:  # refused by argument parsing, before any process starts
         _tool("bench_train").main(["--dry-run", "--impls", "te"])
-    assert bad.value.code == 2 and "--impls: 'te' is not one of megatron-cp, ring" in capsys.readouterr().err
+    assert bad.value.code == 2 and "--impls: 'te' is not one of megatron_cp, ring" in capsys.readouterr().err
 
 
 def test_bench_train_gpu_time_keeps_nccl_apart():
@@ -527,7 +550,7 @@ def test_gpu_dist_check_dry_run_covers_every_case_family(tmp_path):
             for f in ("dense", "sparse", "sink", "mla", "mismatch")}
     assert {m for m, *_ in fams["dense"]} == set(catalog.DIST_MASKS)
     assert {(m, i) for m, i, _ in fams["dense"]} >= {(m, i) for m in catalog.DIST_MASKS
-                                                      for i in ("megatron-cp", "ring", "ulysses", "allgather")}
+                                                      for i in ("megatron_cp", "ring", "ulysses", "allgather")}
     assert {(m, v) for m, _, v in fams["sparse"]} == {(m, v) for m in ("causal", "packed")
                                                       for v in ("moba", "xattention")}
     assert {m for m, *_ in fams["sink"]} == {m for m, *_ in fams["mla"]} == {"causal", "packed"}

@@ -41,10 +41,10 @@ from megatron_cp.runtime import CostModel
 from megatron_cp.runtime.state import states_of
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
-from common import (Progress, Timer, bar_panels, device_name, local_rank_and_world, markdown_table, out_dir,  # noqa: E402
-                    parser, profile_step, run_record, timeline_summary, write_json)
+from common import (OURS, Progress, Timer, bar_panels, device_name, impl_list, impl_name,  # noqa: E402
+                    local_rank_and_world, markdown_table, out_dir, parser, profile_step, run_record, timeline_summary,
+                    write_json)
 
-OURS = "megatron-cp"  # megatron-cp's own attention: the record label of every tool's results and tools/sim's
 SPARSE_IMPLS = (f"{OURS}+xattention", f"{OURS}+moba")  # on the causal and packed masks only
 # by default every baseline but head_context, which on one node (no --nodes) is Ulysses over every rank
 IMPLS = ",".join((OURS, *SPARSE_IMPLS, *(s for s in STRATEGIES if s != "head_context"), "torch-native"))
@@ -101,7 +101,7 @@ def timed(fn, q, k, v, a, profile=False):
 
 
 def bench_ours(name, mask, a):
-    if name == "megatron-cp":
+    if name == OURS:
         plan = mcp.plan(mask, a.cp, topology=a.topology)  # nodes: hierarchical routes (one crossing a node)
         be = a.backend = kernels.get_backend("auto", a.device)  # one object: its state is reported
         fn = lambda q, k, v: mcp.attention(q, k, v, plan, a.group, backend=be, cost_model=a.cost_model)[0]  # noqa
@@ -113,7 +113,7 @@ def bench_ours(name, mask, a):
         fn = lambda q, k, v: strat(q, k, v, plan, a.group, None)[0]  # noqa: E731
     qkv = (_rand(plan.num_local(a.rank), h, a, seed + a.rank) for h, seed in ((a.heads, 1), (a.kv_heads, 100),
                                                                               (a.kv_heads, 200)))
-    return timed(fn, *qkv, a, profile=a.profile and name == "megatron-cp"), plan
+    return timed(fn, *qkv, a, profile=a.profile and name == OURS), plan
 
 
 def bench_sparse(name, mask, a):
@@ -239,7 +239,7 @@ def run_case(impl, mask, base, a):
                         f"{p}_wall_tflops_per_gpu": x * flops / wall})
             if b2b is not None:  # back to back: each rank's GPU and host issue times too
                 rec.update({f"{p}_b2b_ms": b2b * 1e3}, b2b_ranks_ms=[[y * 1e3 for y in r] for r in a.timer.b2b_ranks])
-        if impl != "megatron-cp":
+        if impl != OURS:
             return [rec]
         stats = lambda p: p.stats(num_kv_heads=a.kv_heads, head_dim=a.head_dim, dtype_bytes=a.dtype)  # noqa: E731
         st = stats(plan)
@@ -296,7 +296,7 @@ def main(argv=None):
                            dtype=str(a.dtype), masks={m: catalog.DESCRIPTIONS[m] for m in masks},
                            flops="forward 4*area*Hq*D, backward 2.5x; per GPU: / cp / the slowest rank's time",
                            bytes="kv_bytes: forward K/V bytes received, summed over ranks")
-    results, impls = [], a.impls.split(",")
+    results, impls = [], impl_list(a.impls)
     bar = Progress(len(seqlens) * len(masks) * len(impls), "bench_dist", enabled=a.rank == 0, verbose=a.verbose)
     for s, mname in itertools.product(seqlens, masks):
         mask = catalog.build(mname, s)
@@ -324,9 +324,9 @@ def summarize(results, show=True):
     """The checks per S and mask (``show``: printed): megatron-cp vs the torch peer and vs kernel-only in each
     timing; each sparse row's time and bytes vs the dense envelope's."""
     checks = []
-    ok = {(r["mask"], r["seqlen"], r["impl"]): r for r in results if "error" not in r}
+    ok = {(r["mask"], r["seqlen"], impl_name(r["impl"])): r for r in results if "error" not in r}
     for s, m in itertools.product(sorted({r["seqlen"] for r in results}), sorted({r["mask"] for r in results})):
-        if (ours := ok.get((m, s, "megatron-cp"))) is not None:
+        if (ours := ok.get((m, s, OURS))) is not None:
             ref_name = "torch-sdpa-ring" if m in ("full", "causal") else "torch-flex-allgather"
             ref, kern, c = ok.get((m, s, ref_name)), ok.get((m, s, "kernel-only")), dict(mask=m, seqlen=s)
             if ref is not None:

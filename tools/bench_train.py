@@ -9,7 +9,7 @@ does) while a step runs 4 micro-batches of 8 attention layers forward, then back
 (``bench``): the step's wall time, again with every plan made before it, its device time outside and inside NCCL,
 the host time of a micro-batch's first layer call (megatron-cp builds the plan's state and waits for the plan check
 there) and of the others, the planning thread's time per micro-batch and the step's wait for it. Writes
-OUT/bench_train<tag>.json after every implementation and OUT/host_profile_megatron-cp_<tokens per GPU><tag>.txt:
+OUT/bench_train<tag>.json after every implementation and OUT/host_profile_megatron_cp_<tokens per GPU><tag>.txt:
 rank 0's host time by function over one more step (cProfile, which on Python 3.12 sees the planning thread too).
 """
 
@@ -28,14 +28,14 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import megatron_cp as mcp
-from megatron_cp.baselines import STRATEGIES, get_strategy, plan_for
+from megatron_cp.baselines import STRATEGY_NAMES, get_strategy, plan_for
 from megatron_cp.planner import Workload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from bench_dist import start_ranks  # noqa: E402
-from common import device_name, out_dir, parser, run_record, write_json  # noqa: E402
+from common import OURS, device_name, impl_list, out_dir, parser, run_record, write_json  # noqa: E402
 
-IMPLS = ("megatron-cp", *STRATEGIES)  # megatron-cp's own attention (every tool's record label) and each baseline
+IMPLS = STRATEGY_NAMES  # megatron-cp's own attention (OURS, every tool's record label) and each baseline
 # by default all but head_context, which without a topology is plain Ulysses (one group of every rank)
 DEFAULT_IMPLS = tuple(i for i in IMPLS if i != "head_context")
 
@@ -56,7 +56,7 @@ def micro_batch_masks(seqlen: int, count: int) -> list:
 def _planner(impl: str, a):
     """mask -> plan (the planning thread's work; megatron-cp's checked across the ranks as the plugin does, its
     execution state built by the plan's first call) and the attention of (q, k, v, plan)."""
-    if impl != "megatron-cp":
+    if impl != OURS:
         fn = get_strategy(impl)
         return (lambda mask: plan_for(impl, mask, a.cp)), lambda q, k, v, plan: fn(q, k, v, plan, a.group)[0]
     from megatron_cp.megatron import in_turn
@@ -95,7 +95,7 @@ def bench(impl: str, seqlen: int, a) -> dict:
     # imported in the ranks: Megatron-Core takes seconds to import, and a dry run's parent needs none of it
     from megatron_cp.megatron import PlanAhead, default_workers
 
-    cuda, mega = a.device.type == "cuda", impl == "megatron-cp"
+    cuda, mega = a.device.type == "cuda", impl == OURS
     make, attend = _planner(impl, a)
     masks = micro_batch_masks(seqlen, (a.warmup + a.iters + (2 if cuda else 1)) * a.micro_batches)
     plans: dict[int, object] = {}
@@ -183,7 +183,7 @@ def run(rank: int, world: int, a) -> list[dict]:
                       head_dim=a.head_dim, dtype=str(a.dtype))
     rows = []
     for tpg in a.tokens_per_gpu:
-        for impl in a.impls.split(","):
+        for impl in a.impls:
             rows.append(r := bench(impl, tpg * a.cp, a))
             if a.rank == 0:
                 gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f} (x{r['host_over_gpu']:.2f})"
@@ -200,7 +200,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tokens-per-gpu", default=None, help="comma list (default 8192,16384,32768; dry run 64)")
     ap.add_argument("--impls", default=",".join(DEFAULT_IMPLS))
     a = ap.parse_args(argv)
-    if bad := [i for i in a.impls.split(",") if i not in IMPLS]:
+    a.impls = impl_list(a.impls)
+    if bad := [i for i in a.impls if i not in IMPLS]:
         ap.error(f"--impls: {bad[0]!r} is not one of {', '.join(IMPLS)}")
     if not a.dry_run and not torch.cuda.is_available():
         ap.error("no CUDA device: --dry-run runs gloo processes on the CPU")

@@ -23,7 +23,25 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 from tqdm import tqdm
 
+from megatron_cp.baselines import OWN
 from megatron_cp.comm import all_gather_single
+
+# our own attention's label in every tool's records and comma lists (--impls, --strategies): the registry's name
+# (baselines.OWN, --context-parallel-impl's); records and commands written before it say "megatron-cp"
+OURS = OWN
+_OLD_OURS = "megatron-cp"
+
+
+def impl_name(label: str) -> str:
+    """``label`` in the registry's spelling: ``megatron-cp`` and the labels built on it (``megatron-cp+moba``) read
+    as ``megatron_cp`` ones, every other label as it is. What reads a record or a list of implementations passes
+    each label through this, so that the committed records and quoted commands still load."""
+    return OURS + label[len(_OLD_OURS):] if label.startswith(_OLD_OURS) else label
+
+
+def impl_list(text: str) -> list[str]:
+    """A comma list of implementations (``--impls``, ``--strategies``), each label as ``impl_name`` reads it."""
+    return [impl_name(x) for x in text.split(",")]
 
 
 def device_name(device=None) -> str:

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from gpu_kernel_check import chunked_reference, rms  # noqa: E402
 from bench_dist import start_ranks, torchrun_record  # noqa: E402
 from bench_sparse import structured_qk  # noqa: E402
-from common import Progress, markdown_table, out_dir, parser, write_json  # noqa: E402
+from common import OURS, Progress, markdown_table, out_dir, parser, write_json  # noqa: E402
 
 STRATEGIES = tuple(BASELINES)  # every baseline beside megatron-cp
 # the default --backends: the GPU backends (the reference is what they are checked against) that the GPU has
@@ -214,7 +214,7 @@ def cases(s, s_x, cp, dims, dev, dry):
         if len(cand) and not plans[0][0].has_guests:
             plans.append((mcp.plan(mask, cp, guest_rows=cand), " +guests"))
         yield name, functools.partial(problem, mask, dims, dev), [
-            *(("dense", "megatron-cp", f"stages {'auto' if st is None else st}{tag}",
+            *(("dense", OURS, f"stages {'auto' if st is None else st}{tag}",
                functools.partial(check, run_ours(st), p)) for p, tag in plans for st in (None, 0)),
             *(("dense", x, "-", functools.partial(check, run_baseline(x), plan_for(x, mask, cp), may_refuse=True))
               for x in STRATEGIES)]
@@ -226,14 +226,14 @@ def cases(s, s_x, cp, dims, dev, dry):
                     mcp.sparse.XAttention(block=16 if dry else 128)):
             plan = mcp.plan(mask, cp, block=sel.block, guest_rows="none")  # what sparse_attention needs
             yield name, functools.partial(problem, mask, dims, dev, sparse=(plan, sel)), [
-                ("sparse", "megatron-cp", sel.name, functools.partial(check, run_sparse(sel), plan))]
+                ("sparse", OURS, sel.name, functools.partial(check, run_sparse(sel), plan))]
         plan = mcp.plan(mask, cp)
         yield name, functools.partial(problem, mask, dims, dev, sink=True), [
-            ("sink", "megatron-cp", "sink", functools.partial(check, run_ours(), plan))]
+            ("sink", OURS, "sink", functools.partial(check, run_ours(), plan))]
         yield name, functools.partial(problem, mask, mla, dev), [
-            ("mla", "megatron-cp", "q/k {} v {}".format(*MLA_DIMS), functools.partial(check, run_ours(), plan))]
+            ("mla", OURS, "q/k {} v {}".format(*MLA_DIMS), functools.partial(check, run_ours(), plan))]
     if cp > 1:
-        yield "causal", lambda: None, [("mismatch", "megatron-cp", f"mismatch {kind}",
+        yield "causal", lambda: None, [("mismatch", OURS, f"mismatch {kind}",
                                         functools.partial(mismatch, kind, "causal", s_x, dims, dev))
                                        for kind in ("plan", "heads")]
 

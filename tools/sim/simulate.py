@@ -33,7 +33,8 @@ from megatron_cp.runtime import CostModel
 from megatron_cp.runtime.cost import guest_predict, guest_traffic
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/common.py
-from common import Progress, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
+from common import (OURS, Progress, impl_list, impl_name, markdown_table, out_dir, parser, run_record,  # noqa: E402
+                    write_json)
 
 GPUS_PER_NODE, INTER_GBPS = 8, 50.0
 MAX_RING_CP = 64  # the ring needs cp^2 block areas
@@ -233,8 +234,7 @@ def allgather(mask, cp, g, cost, work):
                 imbalance=plan.stats()["imbalance"], inter_node_bytes_per_gpu=b * (cp - min(g, cp)) / max(cp - 1, 1))
 
 
-STRATS = {"megatron-cp": ours, "greedy": functools.partial(ours, hierarchical=False, solver="greedy",
-                                                           guest_rows="none"),
+STRATS = {OURS: ours, "greedy": functools.partial(ours, hierarchical=False, solver="greedy", guest_rows="none"),
           "ring": ring, "zigzag": functools.partial(ring, layout="zigzag"), "ulysses": ulysses}
 
 
@@ -266,26 +266,26 @@ def summary_table(rows, strategies):
         by = {x["strategy"]: x for x in rows if x["mask"] == m and x["cp"] == cp}
         cells = [f"{r['fwd_tflops_per_gpu']:.0f} / {r['bwd_tflops_per_gpu']:.0f} (i{r['imbalance']:.2f})"
                  if (r := by.get(s)) else "n/a" for s in strategies]
-        o = by.get("megatron-cp")
+        o = by.get(OURS)
         cells += ["-"] * 4 if o is None else [o["solver"], o["stages"], f"{o['inter_node_bytes_per_gpu'] / 2**20:.1f}",
                                               f"{o['intra_node_bytes_per_gpu'] / 2**20:.1f}"]
         out.append([m, cp, *cells])
-    return markdown_table(["mask", "cp", *(f"{s} fwd / bwd TFLOP/s" for s in strategies), "megatron-cp solver",
+    return markdown_table(["mask", "cp", *(f"{s} fwd / bwd TFLOP/s" for s in strategies), f"{OURS} solver",
                            "stages", "inter-node MB/GPU", "intra-node MB/GPU"], out)
 
 
 def bench_calls(mask, cp: int, work: Workload):
     """Every kernel call tools/bench_dist.py's implementations make on ``mask`` (dicts: impl, rank, step, tiles, sq, sk,
-    heads, kv_heads as the kernel sees them, head_dim). ``megatron-cp-guest``: guest rows over the rank's own keys;
+    heads, kv_heads as the kernel sees them, head_dim). ``megatron_cp-guest``: guest rows over the rank's own keys;
     ``ring``: step i against rank (r - i) % cp's block; ``ulysses``: K/V heads repeated as the baseline does."""
     s = mask.seqlen_q
     base = dict(seqlen=s, cp=cp, heads=work.num_heads, kv_heads=work.num_kv_heads, head_dim=work.head_dim)
     out = []
     for r in mcp.plan(mask, cp).ranks:
-        out.append(dict(base, impl="megatron-cp", rank=r.rank, step=0, tiles=r.tiles, sq=r.num_tokens,
+        out.append(dict(base, impl=OURS, rank=r.rank, step=0, tiles=r.tiles, sq=r.num_tokens,
                         sk=max(r.buffer_len, 1)))
         if len(r.guest_tiles) and sum(r.guest_recv_counts()):
-            out.append(dict(base, impl="megatron-cp-guest", rank=r.rank, step=0, tiles=r.guest_tiles,
+            out.append(dict(base, impl=f"{OURS}-guest", rank=r.rank, step=0, tiles=r.guest_tiles,
                             sq=sum(r.guest_recv_counts()), sk=r.num_tokens))
     plan = plan_for("ring", mask, cp)
     for r in range(cp):
@@ -304,7 +304,7 @@ def bench_calls(mask, cp: int, work: Workload):
 
 def kernel_only(mask, cp, g, cost, work):
     """bench_dist's kernel-only calls (``bench_calls``' megatron-cp ones) on its plan; the slowest rank."""
-    calls = [c for c in bench_calls(mask, cp, work) if c["impl"].startswith("megatron-cp")]
+    calls = [c for c in bench_calls(mask, cp, work) if c["impl"].startswith(OURS)]
     return {f"{p}_s": max(sum(cost.tile_time(c["tiles"], work, p == "bwd") for c in calls if c["rank"] == r)
                           for r in range(cp)) for p in ("fwd", "bwd")}
 
@@ -337,13 +337,14 @@ def compare(path, cost, work, g, target="gpu", show=True, bar=None):
     if target in ("gpu", "b2b"):
         cost = cost.replace(call={"fwd_us": 0.0, "bwd_us": 0.0})
     fn = {"kernel-only": kernel_only} if target == "kernel" else \
-        {"megatron-cp": ours, "ring": ring, "ulysses": ulysses, "allgather": allgather}
+        {OURS: ours, "ring": ring, "ulysses": ulysses, "allgather": allgather}
     key = {"gpu": "_ms", "wall": "_wall_ms", "b2b": "_b2b_ms", "kernel": "_max_ms"}[target]
     w = Workload(data["heads"], data["kv_heads"], data["head_dim"], 2)
     bar, rows = bar or Progress(None, "", enabled=False), []
     for r in data["results"]:
         bar.step()
-        if r.get("impl") not in fn or r.get("fwd_ms") is None or "fwd" + key not in r:
+        r = dict(r, impl=impl_name(r.get("impl", "")))  # records before the registry's spelling: "megatron-cp"
+        if r["impl"] not in fn or r.get("fwd_ms") is None or "fwd" + key not in r:
             continue
         bar.running(f"{target} {r['mask']} S={r['seqlen']} {r['impl']}")
         mask = catalog.build(r["mask"], r["seqlen"])
@@ -379,7 +380,7 @@ def main(argv=None):
         show_compare(args.compare, by_target)
         return
     cost = cost.replace(call={"fwd_us": 0.0, "bwd_us": 0.0})  # host hidden, as in training
-    work, masks, strategies = Workload(), args.masks.split(","), args.strategies.split(",")
+    work, masks, strategies = Workload(), args.masks.split(","), impl_list(args.strategies)
     cps = [int(c) for c in (args.cps or ("2,4" if args.dry_run else "8,16,32,64,128,256,512,1024")).split(",")]
     tpg = args.tokens_per_gpu or (256 if args.dry_run else 8192)
     rows = simulate(masks, cps, tpg, cost, work, strategies, args.verbose)
@@ -387,7 +388,7 @@ def main(argv=None):
     print(f"GPU time; cost model: {cost.source}; {tpg} tokens/GPU, {GPUS_PER_NODE} GPUs/node, {INTER_GBPS} GB/s/GPU "
           f"between nodes; Hq={work.num_heads} Hkv={work.num_kv_heads} D={work.head_dim}")
     for m in masks:
-        pk = {r["cp"]: r for r in rows if r["mask"] == m and r["strategy"] == "megatron-cp"}
+        pk = {r["cp"]: r for r in rows if r["mask"] == m and r["strategy"] == OURS}
         if 8 in pk and 64 in pk:
             print(f"{m}: megatron-cp predicted per-GPU fwd at cp 64 / cp 8 = "
                   f"{pk[64]['fwd_tflops_per_gpu'] / pk[8]['fwd_tflops_per_gpu']:.3f}, bwd "
