@@ -397,8 +397,7 @@ class FA4Backend:
             f(t["q"], t["k"], t["v"], t["out"], t["dout"], t["lse"], scale, deterministic=det, dq=gq, dk=gk, dv=gv,
               dlse=t.get("dlse"), **run.kw)
 
-        replay.launch_bwd(f, given, run.bwd_replays, (scale, det, "dlse" in given), list(run.kw.values()), call,
-                          exact=det)
+        replay.launch_bwd(f, given, run.bwd_replays, (scale, det), run.kw, call, exact=det)
 
     @staticmethod
     def _head_major(lse, out, dout, delta):

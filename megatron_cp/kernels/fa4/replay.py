@@ -176,11 +176,11 @@ def _place(t: torch.Tensor, given: dict, made: list, constants: set):
     return ("keep", t) if _storage(t) in constants else None
 
 
-def _program(calls, given: dict, made: list, constants: list):
+def _program(calls, given: dict, made: list, constants):
     """The recorded calls as a program, or None where one argument cannot be placed. Each step is the compiled
     function, its argument list with the run's own values in place, and the places to fill on a replay:
     (position, "slot" name or buffer index, view or None where the argument is the tensor itself)."""
-    const = {_storage(t) for c in constants for t in _tensors(c)}
+    const = {_storage(t) for t in _tensors(constants)}
     steps, shape = [], []
     for fn, args in calls:
         template, fills, kinds = [], [], []
@@ -258,11 +258,11 @@ def _agree(got: torch.Tensor, ref: torch.Tensor, exact: bool) -> bool:
     return bool(torch.isfinite(got).all()) and float(diff) <= 2.0 ** -5 * float(ref.abs().max())
 
 
-def launch_bwd(fn, given: dict, replays: dict, key: tuple, constants: list, call, exact: bool) -> None:
+def launch_bwd(fn, given: dict, replays: dict, key: tuple, constants, call, exact: bool) -> None:
     """One backward launch on ``given`` ({BWD_SLOTS name: tensor}; dq, dk, dv written): replayed where ``replays``
     (the run's) holds a program for this signature, else through ``call(dq, dk, dv)`` (the interface), recording
-    the program for the next time. ``constants``: the run's own tensors (cu_seqlens, block lists), which a program
-    may keep. The first replay of each program shape in a process is checked against the interface (``exact``: bit
+    the program for the next time. ``constants``: the run's own arguments (a dict or list holding its cu_seqlens,
+    block lists), whose tensors a program may keep (read only when recording). The first replay of each program shape in a process is checked against the interface (``exact``: bit
     for bit), and programs of that shape are used from then on only where they agreed."""
     sig = key + tuple((n, tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
                       for n, t in given.items())
