@@ -291,6 +291,10 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
     gc.freeze()  # the fork server's imports are never garbage: a collection the check makes skips them
     try:  # the rendezvous is explicit (no MASTER_ADDR / MASTER_PORT read from the environment)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        # gloo connects the ranks pair by pair: a rank whose pairs are up may run a quick check, exit and close
+        # its sockets while another still connects, which then fails its init ("connection closed by peer").
+        # Past this barrier every rank has finished connecting.
+        dist.barrier()
         out = fn(rank, world, *args)
         _refuse_tensors(out, f"{getattr(fn, '__name__', fn)}'s result")
         results.put((rank, "ok", out))
