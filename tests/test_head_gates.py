@@ -253,17 +253,19 @@ def _core_worker(rank, world):
     from megatron.core import parallel_state as ps
 
     import megatron_cp as mcp
-    from megatron_cp.megatron import CPCoreAttention, CPParams
+    from megatron_cp.megatron import CPCoreAttention, CPParams, LayerOptions
     from megatron_cp.megatron.gating import GateSource, PatternSource
     from megatron_cp.gating.attention import streaming_plans
     from tiny_llama import trainer
     from tiny_llama.model import LlamaShape, transformer_config
 
     torch.set_num_threads(1)
+    ref_options = LayerOptions(kernel_backend="reference")
     trainer.init_parallel(1, 2)
     shape = LlamaShape(num_layers=2, hidden_size=HQ * D, num_attention_heads=HQ, num_query_groups=HKV,
                        ffn_hidden_size=16, vocab_size=64, seq_length=S)
-    attn = CPCoreAttention(transformer_config(shape), layer_number=2, attn_mask_type=None, attention_type="self")
+    attn = CPCoreAttention(transformer_config(shape), layer_number=2, attn_mask_type=None, attention_type="self",
+                           options=ref_options)
     plan, stream = streaming_plans(mcp.masks.causal(S), 2, SINK, WIN)
     ids = torch.from_numpy(plan.local_ids(rank).astype("int64"))
     g = torch.Generator().manual_seed(0)
@@ -274,7 +276,7 @@ def _core_worker(rank, world):
     rep = lambda t: t.repeat_interleave(HQ // HKV, 1)  # noqa: E731
     out = {}
     for name, gating in (("train", GateSource(lambda: gates)), ("pattern", PatternSource([[True, True], [False, True]]))):
-        params = CPParams(plan=plan, position_ids=ids[None], cp_rank=rank, kernel_backend="reference",
+        params = CPParams(plan=plan, position_ids=ids[None], cp_rank=rank, layer=ref_options,
                           gating=gating, stream_plan=stream)
         q, k, v = (t.index_select(0, ids).clone().requires_grad_(True) for t in (qf, kf, vf))
         o = attn(q, k, v, None, packed_seq_params=params)  # [s_local, B, Hq * D]
@@ -298,13 +300,14 @@ def _core_worker(rank, world):
         out[name] = (err, grad_err)
     # TP = 2, CP = 1: each rank runs its half of the KV heads with its half of the model's gates / pattern
     trainer.init_parallel(2, 1)
-    attn = CPCoreAttention(transformer_config(shape), layer_number=2, attn_mask_type=None, attention_type="self")
+    attn = CPCoreAttention(transformer_config(shape), layer_number=2, attn_mask_type=None, attention_type="self",
+                           options=ref_options)
     plan1, stream1 = streaming_plans(mcp.masks.causal(S), 1, SINK, WIN)
     hq, hkv = HQ // 2, HKV // 2
     q, k, v = qf[:, :, rank * hq:(rank + 1) * hq], kf[:, :, rank * hkv:(rank + 1) * hkv], vf[:, :, rank * hkv:(rank + 1) * hkv]
     for name, gating, a in (("tp_train", GateSource(lambda: gates.detach()), gates.detach()[1, rank]),
                             ("tp_pattern", PatternSource([[True, True], [False, True]]), float(rank == 1))):
-        params = CPParams(plan=plan1, position_ids=torch.arange(S)[None], cp_rank=0, kernel_backend="reference",
+        params = CPParams(plan=plan1, position_ids=torch.arange(S)[None], cp_rank=0, layer=ref_options,
                           gating=gating, stream_plan=stream1)
         o = attn(q, k, v, None, packed_seq_params=params)
         ref = []

@@ -206,6 +206,29 @@ class TestCPCoreAttention:
             with pytest.raises(ValueError, match="no_mask"):
                 attn(q, kv, kv, None, attn_mask_type=AttnMaskType.no_mask, packed_seq_params=None)
 
+    def test_a_batch_planned_for_other_run_options_is_refused(self):
+        """A layer runs the kernel backend, strategy and sparse selectors bound in its spec; a micro-batch whose
+        plan was made for others (a ring layout for a megatron_cp layer, another backend) is refused by name."""
+        import megatron_cp as mcp
+        from megatron.core.transformer.enums import AttnMaskType
+
+        from megatron_cp.megatron import CPCoreAttention, CPParams, LayerOptions
+
+        world = dist.get_world_size()
+        plan = mcp.plan(mcp.masks.causal(16), world)
+        n = len(plan.local_ids(dist.get_rank()))
+        q, kv = torch.randn(n, 1, 4, 16), torch.randn(n, 1, 2, 16)
+        ring = CPCoreAttention(config=self._config(), layer_number=3, attn_mask_type=AttnMaskType.causal,
+                               attention_type="self", options=LayerOptions(strategy="ring"))
+        for layer in (LayerOptions(), LayerOptions(kernel_backend="reference", strategy="ring")):
+            p = CPParams(plan=plan, position_ids=None, cp_rank=dist.get_rank(), layer=layer)
+            with pytest.raises(ValueError, match=r"layer 3 was built for LayerOptions\(kernel_backend='auto', "
+                                                 r"strategy='ring'.*planned for"):
+                ring(q, kv, kv, None, packed_seq_params=p)
+        with pytest.raises(ValueError, match="options must be a LayerOptions"):
+            CPCoreAttention(config=self._config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
+                            attention_type="self", options="ring")
+
     def test_constructor_refuses_unsupported_config(self):
         from megatron.core.transformer.enums import AttnMaskType
 

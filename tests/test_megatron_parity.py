@@ -48,10 +48,12 @@ S, G, MBS, STEPS = 48, 4, 2, 2
 LR = 1e-3
 
 
-def _build(shape, variant=""):
+def _build(shape, variant="", strategy="megatron_cp"):
+    from megatron_cp.megatron import LayerOptions
     from tiny_llama.model import build_llama, transformer_config
 
-    return build_llama(shape, transformer_config(shape, **VARIANTS[variant][2]) if variant else None)
+    return build_llama(shape, transformer_config(shape, **VARIANTS[variant][2]) if variant else None,
+                       options=LayerOptions(strategy=strategy))
 
 
 def _run(model, batches, spec, steps, lr, strategy="megatron_cp", token_multiple=1):
@@ -99,7 +101,7 @@ def _worker(rank, world):
         for tp, cp, strategy, variant in [c[1:] for c in CASES if c[0] == mask]:
             trainer.init_parallel(tp, cp)
             tp_group = ps.get_tensor_model_parallel_group()
-            model = _build(shape, variant)
+            model = _build(shape, variant, strategy)
             calls = [0]  # core-attention calls: activation recompute runs each layer's attention twice
             for m in model.modules():
                 if isinstance(m, CPCoreAttention):

@@ -69,7 +69,7 @@ def _worker(rank, world):
             for cp in (1, 2):
                 trainer.init_parallel(1, cp)
                 torch.manual_seed(11)
-                losses[cp] = _train(build_llama(shape), batches, spec, options)
+                losses[cp] = _train(build_llama(shape, options=options), batches, spec, options)
             report.append(dict(method=method, mask=mask, losses=losses))
     return report
 

@@ -73,7 +73,7 @@ def test_spec_does_not_mutate_megatrons_and_refuses_unknown_core_attention():
     base = get_gpt_layer_local_spec(normalization="RMSNorm")
     core = base.submodules.self_attention.submodules.core_attention
     ours = swap_core_attention(base)
-    assert ours.submodules.self_attention.submodules.core_attention is CPCoreAttention
+    assert ours.submodules.self_attention.submodules.core_attention.module is CPCoreAttention
     assert base.submodules.self_attention.submodules.core_attention is core
     base.submodules.self_attention.submodules.core_attention = IdentityOp
     with pytest.raises(ValueError, match="IdentityOp"):

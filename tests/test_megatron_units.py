@@ -190,12 +190,13 @@ def test_packed_documents_feed_megatrons_flops_accounting(world1):
 def test_layer_spec_swaps_only_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_cp.megatron import CPCoreAttention, get_llama_layer_spec
+    from megatron_cp.megatron import CPCoreAttention, LayerOptions, get_llama_layer_spec
     from megatron_cp.megatron.specs import megatron_cp_layer_spec
 
     ours = get_llama_layer_spec("local")
     base = get_gpt_layer_local_spec(normalization="RMSNorm")
-    assert ours.submodules.self_attention.submodules.core_attention is CPCoreAttention
+    core = ours.submodules.self_attention.submodules.core_attention
+    assert core.module is CPCoreAttention and core.params == {"options": LayerOptions()}
     assert base.submodules.self_attention.submodules.core_attention is not CPCoreAttention  # not mutated
     assert repr(ours.submodules.mlp) == repr(base.submodules.mlp)
     assert ours.submodules.self_attention.submodules.linear_qkv is base.submodules.self_attention.submodules.linear_qkv
@@ -203,6 +204,41 @@ def test_layer_spec_swaps_only_core_attention():
         megatron_cp_layer_spec(None)
     with pytest.raises(ValueError, match="'fast'"):
         get_llama_layer_spec("fast")
+
+
+def test_layer_spec_binds_the_runs_options():
+    """The run-wide values (kernel backend, strategy, sparse selectors) are bound when the spec is built: from
+    the argument, else from Megatron's parsed --cp-* flags, else the defaults; a bound spec swapped again takes
+    the new binding; the options are checked there, naming the value."""
+    from megatron.training import global_vars
+
+    from megatron_cp.megatron import LayerOptions, PlanOptions, get_llama_layer_spec
+    from megatron_cp.megatron.arguments import specs_from_args
+    from megatron_cp.megatron.specs import swap_core_attention
+
+    def bound(spec):
+        return spec.submodules.self_attention.submodules.core_attention.params["options"]
+
+    ring = PlanOptions(strategy="ring", kernel_backend="reference").layer
+    assert bound(get_llama_layer_spec("local", options=ring)) == LayerOptions("reference", "ring", None)
+    assert bound(swap_core_attention(get_llama_layer_spec("local", options=ring))) == LayerOptions()
+    with pytest.raises(ValueError, match="LayerOptions.*PlanOptions"):
+        get_llama_layer_spec("local", options=PlanOptions())
+    with pytest.raises(ValueError, match="kernel_backend='cudnn9'"):
+        LayerOptions(kernel_backend="cudnn9")
+    with pytest.raises(ValueError, match="strategy='zigzag'"):
+        LayerOptions(strategy="zigzag")
+    args = _args("--context-parallel-impl", "ulysses", "--cp-kernel-backend", "reference",
+                 "--calculate-per-token-loss")
+    saved = global_vars._GLOBAL_ARGS
+    global_vars._GLOBAL_ARGS = args
+    try:
+        assert bound(get_llama_layer_spec("local")) == specs_from_args(args, eod=0)[1].layer == \
+            LayerOptions("reference", "ulysses", None)
+        args.context_parallel_impl = "te"  # Megatron's own CP: our spec is not in use; nothing to read
+        assert bound(get_llama_layer_spec("local")) == LayerOptions()
+    finally:
+        global_vars._GLOBAL_ARGS = saved
 
 
 def _args(*argv):

@@ -338,7 +338,7 @@ def _full_init(train: Train, length: int) -> dict:
     return {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
-def _build(train: Train, layout: Layout, length: int, full: dict, device):
+def _build(train: Train, layout: Layout, length: int, full: dict, device, options: PlanOptions):
     from megatron.core import parallel_state as ps
 
     from . import trainer
@@ -352,7 +352,8 @@ def _build(train: Train, layout: Layout, length: int, full: dict, device):
     if train.layer_window is not None:
         over.update(window_size=(train.layer_window, 0), window_attn_skip_freq=train.windowed_layers())
     config = transformer_config(shape, dtype=DTYPES[train.dtype], **over)
-    chunks = build_pipeline_stage(shape, config) if layout.pp > 1 else [build_llama(shape, config)]
+    chunks = (build_pipeline_stage(shape, config, options=options) if layout.pp > 1
+              else [build_llama(shape, config, options=options)])
     load_full_state(chunks, full)
     if device is not None:
         chunks = [c.to(device) for c in chunks]
@@ -512,7 +513,7 @@ def _one_run(train: Train, run: Run, full: dict, corpus: Corpus, device, pretrai
     saved every ``every`` steps and where it stops; a run found there continues from it (one found
     complete is not trained again). ``deadline``: stop before a step that would pass it (the result then
     has ``stopped_at``, the steps done)."""
-    chunks, dp = _build(train, run.layout, corpus.length, full, device)
+    chunks, dp = _build(train, run.layout, corpus.length, full, device, run.options(train))
     main = MainParams(chunks)
     opt = _optimizer(main, train)
     if run.start == "pretrained":
@@ -571,10 +572,10 @@ def _pretrain(train: Train, run: Run, full: dict, corpus: Corpus, device, log, c
               deadline: "_Deadline | None" = None, every: int = SAVE_EVERY) -> dict:
     """Dense steps on ``run``'s layout; returns this rank's master weights and optimiser state (checkpointed and
     stopped as a run is, ``_resumable``: then ``stopped_at``)."""
-    chunks, dp = _build(train, run.layout, corpus.length, full, device)
+    dense = Run("pretrain", run.layout)
+    chunks, dp = _build(train, run.layout, corpus.length, full, device, dense.options(train))
     main = MainParams(chunks)
     opt = _optimizer(main, train)
-    dense = Run("pretrain", run.layout)
     losses, _, _, _, stopped = _resumable(chunks, main, opt, train, dense, corpus, dp, device, train.pretrain_steps, 0,
                                        log, checkpoint, deadline, every)
     if stopped is not None:

@@ -115,11 +115,12 @@ def _train_worker(rank, world, tp, cp, steps, shape, global_batch, micro_batch, 
     trainer.init_parallel(tp, cp)
     device = torch.device("cuda", torch.cuda.current_device()) if backend != "gloo" else None
     torch.manual_seed(seed)
-    model = build_llama(shape, transformer_config(shape))
+    options = PlanOptions(kernel_backend=kernel_backend)
+    model = build_llama(shape, transformer_config(shape), options=options)
     if device is not None:
         model = model.to(device)
     cfg = trainer.TrainConfig(steps=steps, global_batch=global_batch, micro_batch=micro_batch, lr=lr, seed=seed,
-                              spec=MaskSpec("packed", eod=EOD), options=PlanOptions(kernel_backend=kernel_backend))
+                              spec=MaskSpec("packed", eod=EOD), options=options)
     batches = stdlib_batches(steps, global_batch, shape.seq_length, seed)
     t0 = time.time()
     log = (lambda s, r: print(f"  [cp={cp}] step {s:3d} loss {r.loss:.6f} tokens {r.tokens}", flush=True)) \

@@ -135,7 +135,7 @@ def worker(rank: int, world: int, runs: list, batch: tuple, device_kind: str) ->
         if key not in inits:
             inits[key] = _full_init(train, length)
         full = inits[key]
-        chunks, _ = _build(train, run.layout, length, full, device)
+        chunks, _ = _build(train, run.layout, length, full, device, run.options(train))
         main = MainParams(chunks)
         spec = train.mask_spec()
         micro = [(tokens[i:i + 1], labels[i:i + 1], mask[i:i + 1]) for i in range(tokens.shape[0])]

@@ -68,25 +68,27 @@ def transformer_config(shape: LlamaShape, dtype=torch.float32, cpu_init: bool = 
     return TransformerConfig(**kw)
 
 
-def _layer_spec(config, backend: str, vp_stage):
+def _layer_spec(config, backend: str, vp_stage, options):
     # under sequence parallelism Megatron's torch norm (the local modules' without Apex) is swapped for one
     # that runs on a rank's shard of the sequence (megatron_cp.megatron.specs.sequence_parallel_norms)
-    return sequence_parallel_norms(get_llama_layer_spec(backend), config, vp_stage)
+    return sequence_parallel_norms(get_llama_layer_spec(backend, options=options), config, vp_stage)
 
 
 def build_llama(shape: LlamaShape, config=None, backend: str = "local", pre_process=True, post_process=True,
-                vp_stage: int | None = None):
+                vp_stage: int | None = None, options=None):
     """GPTModel with ``get_llama_layer_spec`` and megatron-cp RoPE installed (``rope.install``).
 
     ``pre_process`` / ``post_process`` / ``vp_stage``: the pipeline stage's (virtual) model chunk, as
     Megatron's ``get_model`` builds it. With ``config.sequence_parallel`` on the local backend the norms are
-    ``megatron_cp.megatron.norms.SequenceParallelTorchNorm``.
+    ``megatron_cp.megatron.norms.SequenceParallelTorchNorm``. ``options``: the run's ``PlanOptions`` (or their
+    ``LayerOptions``), whose kernel backend, strategy and sparse selectors the attention layers bind.
     """
+    options = getattr(options, "layer", options)
     from megatron.core.models.gpt import GPTModel
 
     config = config or transformer_config(shape)
     model = GPTModel(
-        config, _layer_spec(config, backend, vp_stage), vocab_size=shape.vocab_size,
+        config, _layer_spec(config, backend, vp_stage, options), vocab_size=shape.vocab_size,
         max_sequence_length=shape.seq_length, pre_process=pre_process, post_process=post_process,
         position_embedding_type="rope", rotary_base=shape.rotary_base,
         share_embeddings_and_output_weights=False, vp_stage=vp_stage,
@@ -101,11 +103,11 @@ def build_llama(shape: LlamaShape, config=None, backend: str = "local", pre_proc
     return model
 
 
-def build_pipeline_stage(shape: LlamaShape, config=None, backend: str = "local") -> list:
+def build_pipeline_stage(shape: LlamaShape, config=None, backend: str = "local", options=None) -> list:
     """This pipeline rank's model chunks, as Megatron's ``get_model`` builds them: one chunk, or one per
     virtual stage (``virtual_pipeline_model_parallel_size`` of the process groups); the first chunk of the
     first stage embeds, the last chunk of the last stage has the output layer. Each chunk's layers carry
-    their global ``layer_number``."""
+    their global ``layer_number``. ``options``: as ``build_llama``'s."""
     from megatron.core import parallel_state as ps
 
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -116,7 +118,7 @@ def build_pipeline_stage(shape: LlamaShape, config=None, backend: str = "local")
         chunks.append(build_llama(shape, config, backend,
                                   pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                                   post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                                  vp_stage=vp))
+                                  vp_stage=vp, options=options))
     return chunks
 
 

@@ -117,8 +117,7 @@ def prepare_batch(
 
     local_pos = take(pos)
     params = CPParams(plan=plan, position_ids=local_pos, cp_rank=cp_rank, cp_group=cp_group,
-                      kernel_backend=options.kernel_backend, strategy=strategy, sparse=options.sparse,
-                      gating=gating, stream_plan=stream_plan, layer_window=spec.layer_window,
+                      layer=options.layer, gating=gating, stream_plan=stream_plan, layer_window=spec.layer_window,
                       window_plan=window_plan, qkv_format="sbhd")
     return CPBatch(take(tokens), take(labels), take(loss_mask), local_pos, params, cu)
 
@@ -167,7 +166,7 @@ def prepare_global_batch(
     # rerun of a step does on every rank) is not used: planned here instead
     if planned is None or not np.array_equal(planned.tokens[dp_rank], host):
         planned = plan_global_batch(host, spec, mcp.runtime.host_group(group), options=options, **place)
-    plan, strategy, cus = planned.plan, planned.strategy, planned.cu_seqlens
+    plan, cus = planned.plan, planned.cu_seqlens
     full = mcp.runtime.all_micro_batches(
         {"tokens": tokens.reshape(-1), "labels": labels.reshape(-1), "loss_mask": loss_mask.reshape(-1)}, group,
         **place)
@@ -180,7 +179,7 @@ def prepare_global_batch(
 
     local_pos = take(pos)
     params = CPParams(plan=plan, position_ids=local_pos, cp_rank=rank, cp_group=group,
-                      kernel_backend=options.kernel_backend, strategy=strategy, layer_window=spec.layer_window,
+                      layer=options.layer, layer_window=spec.layer_window,
                       window_plan=planned.window_plan, qkv_format="sbhd")
     return CPBatch(take(full["tokens"]), take(full["labels"]), take(full["loss_mask"]), local_pos, params,
                    cus[dp_rank])

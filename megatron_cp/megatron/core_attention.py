@@ -53,6 +53,7 @@ from megatron_cp.gating import gated_attention, pattern_attention
 from megatron_cp.runtime import apply_sink, plan_cache, resolve_backend
 from megatron_cp.runtime.state import fingerprint, input_fields, verify_plan
 
+from .options import LayerOptions
 from .params import CPParams
 from .step_log import STEP_LOG
 
@@ -90,11 +91,18 @@ class CPCoreAttention(MegatronModule):
         pg_collection: ProcessGroupCollection | None = None,
         k_channels: int | None = None,
         v_channels: int | None = None,
+        options: LayerOptions | None = None,
     ):
         super().__init__(config=config)
+        # the run-wide values, bound here (the layer spec's, ``specs.bound_core_attention``), not read per batch
+        self.options = LayerOptions() if options is None else options
+        if not isinstance(self.options, LayerOptions):
+            raise ValueError(f"CPCoreAttention: options must be a LayerOptions, got {type(options).__name__}")
         self.config = config
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
+        sparse = self.options.sparse
+        self.selector = None if sparse is None else sparse.selector(self.layer_number)
         if attention_type != "self":
             raise ValueError(f"CPCoreAttention supports attention_type='self' only, got {attention_type!r}")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -194,8 +202,15 @@ class CPCoreAttention(MegatronModule):
         group = getattr(packed_seq_params, "cp_group", None) if isinstance(packed_seq_params, CPParams) else None
         group = group if group is not None else self.cp_group
         cp_rank, cp_size = (0, 1) if group is None else (group.rank(), group.size())
-        backend, strategy, selector, gating = "auto", "megatron_cp", None, None
+        backend, strategy, selector = self.options.kernel_backend, self.options.strategy, self.selector
+        gating = None
         if isinstance(packed_seq_params, CPParams):
+            if packed_seq_params.layer is not self.options and packed_seq_params.layer != self.options:
+                raise ValueError(
+                    f"layer {self.layer_number} was built for {self.options} but its micro-batch was planned for "
+                    f"{packed_seq_params.layer}: build the layer spec with the options the batches are planned "
+                    "with (megatron_cp_layer_spec reads them from the --cp-* flags; get_llama_layer_spec(options="
+                    "PlanOptions(...).layer))")
             plan = packed_seq_params.plan
             if self.layer_window is not None:
                 if packed_seq_params.layer_window != self.layer_window:
@@ -204,9 +219,6 @@ class CPCoreAttention(MegatronModule):
                         f"was prepared with layer_window={packed_seq_params.layer_window}: prepare_batch with "
                         f"MaskSpec(layer_window={self.layer_window}) (the plugin derives it from --window-size)")
                 plan = packed_seq_params.window_plan
-            backend, strategy = packed_seq_params.kernel_backend, packed_seq_params.strategy
-            if packed_seq_params.sparse is not None:
-                selector = packed_seq_params.sparse.selector(self.layer_number)
             gating = packed_seq_params.gating
         elif packed_seq_params is None and cp_size == 1:
             # No batch hook (e.g. evaluation at CP=1): plain causal attention over the sequence.
@@ -214,6 +226,7 @@ class CPCoreAttention(MegatronModule):
             if kind != AttnMaskType.causal:
                 raise ValueError(f"without CPParams only causal attention is implied, got attn_mask_type={kind}")
             plan = _causal_plan_cp1(s, self.layer_window)
+            strategy, selector = "megatron_cp", None  # one rank, dense: the plan is no strategy's layout
         else:
             raise ValueError(
                 "CPCoreAttention needs packed_seq_params=CPParams from megatron_cp.megatron.prepare_batch "
@@ -238,8 +251,8 @@ class CPCoreAttention(MegatronModule):
             # raise here, every one of them, instead of aborting in mismatched collectives
             fields = input_fields(q, k, v)
             fields.update({"batch": b, "softmax_type": _SOFTMAX_TYPES.index(self.softmax_type)})
-            if packed_seq_params is not None and packed_seq_params.sparse is not None:
-                sp = packed_seq_params.sparse  # the same on every layer: method, parameters, sparse layers
+            if self.options.sparse is not None:
+                sp = self.options.sparse  # the same on every layer: method, parameters, sparse layers
                 fields["sparse settings"] = fingerprint((sp.method, sp.params, sorted(sp.layers or ()), sp.config))
             verify_plan(plan, group, fields)
         sink = None if self.softmax_offset is None else self.softmax_offset.repeat(b)  # folded heads, batch-major

@@ -12,7 +12,7 @@ import megatron_cp as mcp
 from megatron_cp.baselines import STRATEGIES, STRATEGY_NAMES
 from megatron_cp.kernels import BACKEND_CHOICES
 
-__all__ = ["BOUNDARY_MASKS", "BUILDER_MASKS", "MASKS", "IMPLS", "MaskSpec", "PlanOptions", "flag"]
+__all__ = ["BOUNDARY_MASKS", "BUILDER_MASKS", "MASKS", "IMPLS", "LayerOptions", "MaskSpec", "PlanOptions", "flag"]
 
 # masks built from each micro-batch's sample and document boundaries; the others are the builders of
 # megatron_cp.masks that take (seqlen, sizes), called per sample (sliding_window is the boundary mask's)
@@ -75,6 +75,26 @@ class MaskSpec:
 
 
 @dataclass(frozen=True)
+class LayerOptions:
+    """What every attention layer runs for the whole run, bound when the layer spec is built
+    (``specs.megatron_cp_layer_spec`` / ``get_llama_layer_spec``): the kernel backend (a name of
+    ``kernels.BACKEND_CHOICES``), the strategy (a name of ``baselines.STRATEGY_NAMES``) and the sparse selectors
+    (a ``SparseSpec`` or None). Each micro-batch's ``CPParams.layer`` says which of these its plan was made for
+    (``PlanOptions.layer``); a layer refuses a micro-batch planned for other ones."""
+
+    kernel_backend: str = "auto"
+    strategy: str = "megatron_cp"
+    sparse: object = None
+
+    def __post_init__(self):
+        if self.kernel_backend not in BACKEND_CHOICES:
+            raise ValueError(f"kernel_backend={self.kernel_backend!r} is unknown; choose from "
+                             f"{', '.join(BACKEND_CHOICES)}")
+        if self.strategy not in STRATEGY_NAMES:
+            raise ValueError(f"strategy={self.strategy!r} is unknown; choose from {', '.join(STRATEGY_NAMES)}")
+
+
+@dataclass(frozen=True)
 class PlanOptions:
     """Arguments passed through to ``megatron_cp.plan`` (chunk_size, topology, solver) and to
     ``megatron_cp.attention`` (kernel_backend: a name of ``kernels.BACKEND_CHOICES``). ``strategy``: a name of
@@ -111,6 +131,11 @@ class PlanOptions:
         "--cp-balance-over-dp", "one plan per micro-batch over the whole DP x CP world: every DP group's micro-batch "
         "is gathered and its documents balanced over all DP x CP ranks (docs/design.md, 'One plan over DP x CP'); "
         "megatron_cp at TP 1 and PP 1, dense attention", action="store_true"))
+
+    @property
+    def layer(self) -> LayerOptions:
+        """The run-wide values the attention layers bind (the layer spec's), as this run plans for them."""
+        return LayerOptions(self.kernel_backend, self.strategy, self.sparse)
 
     @property
     def block(self) -> int:

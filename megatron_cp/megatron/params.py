@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from .options import LayerOptions
+
 
 @dataclass
 class CPParams(PackedSeqParams):
@@ -26,9 +28,9 @@ class CPParams(PackedSeqParams):
     plan:          the megatron-cp plan over the micro-batch's tokens (one sequence, see batch.py)
     position_ids:  int64 ``[b, s_local]``, the RoPE position of each local token (per-document reset)
     cp_rank:       this rank's index in the CP group the plan was dispatched for
-    kernel_backend: megatron_cp.attention's kernel backend (a name of ``kernels.BACKEND_CHOICES``)
-    strategy:      a name of ``baselines.STRATEGY_NAMES``: megatron_cp, or a baseline strategy
-    sparse:        a ``SparseSpec`` (--cp-sparse) or None: the layers' dynamic sparse selectors
+    layer:         the run-wide values ``plan`` was made for (``options.LayerOptions``: kernel backend, strategy,
+                   sparse selectors); the layers run the ones bound in their spec and refuse a batch whose
+                   ``layer`` differs (a plan made for another strategy has another layout)
     gating:        None, or a head-gating object (``gating.GateSource`` / ``PatternSource``): ``mode`` in
                    {train, pattern}, ``gate(layer_number)`` -> float [Hkv] or None, ``pattern(layer_number)``
                    -> Hkv bools or None (--cp-head-gating / --cp-head-pattern)
@@ -41,9 +43,7 @@ class CPParams(PackedSeqParams):
     plan: Any = None
     position_ids: torch.Tensor = None
     cp_rank: int = 0
-    kernel_backend: str = "auto"
-    strategy: str = "megatron_cp"
-    sparse: Any = None
+    layer: LayerOptions = LayerOptions()
     gating: Any = None
     stream_plan: Any = None
     layer_window: int | None = None
