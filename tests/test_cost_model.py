@@ -171,7 +171,8 @@ def test_dense_path_changes_kernel_time_and_stage_choice():
 def test_single_exchange_chosen_when_little_moves():
     """choose_schedule: packed short documents move a few boundary rows: one exchange and one kernel
     call beat the staged path's extra passes; a dense mask on slow links is staged (overlap pays)."""
-    from megatron_cp.runtime.schedule import choose_schedule, predict_single, schedule
+    from megatron_cp.runtime.predict import predict_single
+    from megatron_cp.runtime.schedule import choose_schedule, schedule
 
     work = Workload(32, 8, 128, 2)
     model = CostModel.from_flat(dict(intra_gbps=300.0))
@@ -189,7 +190,8 @@ def test_single_exchange_chosen_when_little_moves():
 def test_flat_routes_on_several_nodes_pay_the_inter_node_link():
     """predict(): with flat routes (topo None) rows from another node of plan.topology still cross the
     slow link (once per receiving rank); hierarchical routes cross once per node, spread over its GPUs."""
-    from megatron_cp.runtime.schedule import _stage_ids, _stage_tiles, predict
+    from megatron_cp.runtime.predict import predict
+    from megatron_cp.runtime.schedule import _stage_ids, _stage_tiles
 
     work = Workload(32, 8, 128, 2)
     plan = mcp.plan(M.causal(8192), 4, topology=mcp.Topology(2, 2), solver="zigzag")
@@ -544,7 +546,8 @@ def test_choose_schedule_builds_only_the_choice_it_returns(case):
     """choose_schedule prices the candidates before building a staged schedule: its answer is the one the
     full staged schedule and the single exchange's prediction give (None where the single exchange is no
     slower), and a staged answer is the schedule ``schedule(plan, None)`` builds, stage for stage."""
-    from megatron_cp.runtime.schedule import choose_schedule, predict_single, schedule
+    from megatron_cp.runtime.predict import predict_single
+    from megatron_cp.runtime.schedule import choose_schedule, schedule
 
     work = Workload(32, 8, 128, 2)
     plan, model = {
@@ -633,6 +636,7 @@ def test_staged_floor_is_under_every_candidate(seed):
     """choose_schedule skips pricing the staged candidates when the single exchange is no slower than their
     floor: the floor is under every candidate's predicted time (so skipping never changes the answer), on
     random packed documents, causal and sliding-window plans under fast and slow links."""
+    from megatron_cp.runtime import predict as P
     from megatron_cp.runtime import schedule as S
 
     rng = np.random.default_rng(seed)
@@ -642,10 +646,10 @@ def test_staged_floor_is_under_every_candidate(seed):
         for model in (CostModel(), CostModel.from_flat(dict(intra_gbps=3.0, launch_us=5.0))):
             plan = mcp.plan(mask, 4)
             one = S._stage_tiles(plan, S._stage_ids(plan, 1, None), [rp.traps for rp in plan.ranks])
-            floor = S._staged_floor(plan, one, model, work)
+            floor = P.staged_floor(plan, one, model, work)
             _, _, preds = S._priced(plan, model, work, None, one)
             assert preds and floor <= min(preds.values())
-            single = S.predict_single(plan, model, work)
+            single = P.predict_single(plan, model, work)
             staged = S.schedule(plan, None, cost=model, work=work)
             want_single = single["fwd_s"] + single["bwd_s"] <= staged.predicted["candidates"][staged.num_stages]
             got = S.choose_schedule(plan, None, model, work)

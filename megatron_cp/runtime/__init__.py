@@ -8,7 +8,7 @@ group's micro-batch under one plan of the DP x CP world, ``runtime.global_batch`
 ``resolve_backend`` and ``plan_cache`` (state derived from a plan, kept weakly by it)
 are what other strategies (``megatron_cp.baselines``) share with it (``__shared__``, with the plan checks and the
 gloo twins of a group: not the user API); ``CostModel`` (``runtime.cost``)
-chooses the exchange and is what ``tools/sim`` calibrates.
+prices the exchange choice (a step's prediction: ``runtime.predict``) and is what ``tools/sim`` calibrates.
 """
 
 from .attention import attention, check_inputs, prebuild, resolve_backend

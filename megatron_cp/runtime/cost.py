@@ -27,6 +27,9 @@ The rates are nested by what they price, each group with its prediction beside i
 ``CostModel.tile_time`` prices one kernel call: ``launch_us``, the dense pieces, the Triton rest. Calibration
 files name the rates flat (``short_fwd_tflops`` for ``triton.short.fwd_tflops``: ``flat_names``), as
 tools/sim/calibrate.py measures them; ``save`` writes the nested form and ``load`` reads both.
+
+A whole step's prediction from a plan (the staged pipeline, the single exchange, guest rows) is
+``runtime.predict``'s: it prices its parts with these methods.
 """
 
 from __future__ import annotations
@@ -41,8 +44,7 @@ from ..planner import Workload
 from .rates import (RATES, CallRates, DenseGrid, DenseRates, LinkRates, MemoryRates, TritonRates, block_counts,
                     memo, row_block_entries, tile_areas, tile_digest)
 
-__all__ = ["CostModel", "flat_names", "link_bytes", "guest_pairs", "guest_traffic", "guest_predict", "tile_areas",
-           "block_counts", "row_block_entries"]
+__all__ = ["CostModel", "flat_names", "tile_areas", "block_counts", "row_block_entries"]
 
 # fields of older calibration files that no longer mean anything (the options they described were
 # removed, or the rule is now the kernels' own): dropped on load
@@ -236,60 +238,3 @@ def _replace(obj, parts: dict, path: tuple = ()):
 
 _RATES = {c.__name__: c for c in RATES}
 _FLAT_NAMES = _flat_paths(CostModel, ())
-
-
-def link_bytes(M: np.ndarray, node: np.ndarray) -> tuple[float, float]:
-    """(intra, inter): the busiest GPU's bytes (max of sent and received) inside its node and across
-    nodes in one collective with byte matrix ``M[src, dst]`` ([cp, cp], diagonal ignored)."""
-    M = np.array(M, dtype=np.float64)
-    np.fill_diagonal(M, 0.0)
-    same = node[:, None] == node[None, :]
-    a, b = np.where(same, M, 0.0), np.where(same, 0.0, M)
-    intra = float(np.maximum(a.sum(1), a.sum(0)).max(initial=0.0))
-    inter = float(np.maximum(b.sum(1), b.sum(0)).max(initial=0.0))
-    return intra, inter
-
-
-# -- guest rows (planner.guests): what their exchanges and calls cost
-
-
-def guest_pairs(plan) -> np.ndarray:
-    """``M[a, b]`` of a built plan: guest rows rank ``a`` sends to rank ``b`` (self included)."""
-    cp = plan.cp_size
-    M = np.zeros((cp, cp), dtype=np.int64)
-    for rp in plan.ranks:
-        for b, runs in enumerate(rp.guest_send_runs):
-            M[rp.rank, b] = int((runs[:, 1] - runs[:, 0]).sum()) if len(runs) else 0
-    return M
-
-
-def guest_traffic(plan, work: Workload) -> list[tuple[str, np.ndarray]]:
-    """The guest rows' exchanges as the runtime issues them, forward then backward: ``(phase,
-    bytes[src, dst])`` (float64 [cp, cp], self pairs included: callers ignore the diagonal)."""
-    if not plan.has_guests:
-        return []
-    M = guest_pairs(plan).astype(np.float64)
-    h, d, b = work.num_heads, work.head_dim, work.dtype_bytes
-    acc = 8 if b == 8 else 4
-    return [("guest_q", M * h * d * b), ("guest_out", M.T * h * (d + 1) * acc),
-            ("guest_dout", M * 2 * h * d * b), ("guest_lse", M * 2 * h * acc), ("guest_dq", M.T * h * d * b)]
-
-
-def guest_predict(plan, cost: "CostModel", work: Workload) -> dict:
-    """Time the guest rows add to a step (seconds): their exchanges (each a collective; the busiest
-    GPU's bytes per link class) and the kernel calls over the guest tiles, the busiest rank's."""
-    if not plan.has_guests:
-        return {"fwd_s": 0.0, "bwd_s": 0.0}
-    cp = plan.cp_size
-    g = plan.topology.gpus_per_node if plan.topology is not None else cp
-    node = np.arange(cp) // g
-    t = {}
-    for name, B in guest_traffic(plan, work):
-        intra, inter = link_bytes(B, node)
-        t[name] = cost.comm_time(intra, inter) if intra + inter > 0 else cost.links.latency_us * 1e-6
-    kf = max(cost.tile_time(rp.guest_tiles, work) for rp in plan.ranks)
-    kb = max(cost.tile_time(rp.guest_tiles, work, backward=True) for rp in plan.ranks)
-    # the partials / dq travel back while the own tiles compute: only their latency is exposed
-    lat = cost.links.latency_us * 1e-6
-    return {"fwd_s": t["guest_q"] + kf + min(t["guest_out"], lat),
-            "bwd_s": t["guest_dout"] + t["guest_lse"] + kb + min(t["guest_dq"], lat)}

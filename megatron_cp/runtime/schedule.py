@@ -13,8 +13,9 @@ rail-aligned GPU there (same local index as the owner), in phase A, and that GPU
 other GPUs of its node that need it in phase B (an all-to-all-v with only intra-node traffic). The
 adjoint (GroupReduce) runs B backwards (pre-reducing on the relay), then A backwards.
 
-The number of stages comes from ``CostModel`` (``choose_num_stages``): the fewest stages whose
-predicted pipelined time is within 2% of the best.
+The number of stages is chosen here among candidates ``runtime.predict`` prices, one call a candidate
+(``choose_num_stages``): the fewest stages whose predicted pipelined time is within 2% of the best; and the
+single exchange against the staged path the same way (``choose_schedule``). Nothing here prices.
 
 Pure numpy; every rank builds the same schedule.
 """
@@ -27,7 +28,8 @@ import numpy as np
 
 from ..masks import geometry
 from ..planner import Plan, Topology, Workload
-from .cost import CostModel, guest_predict
+from .cost import CostModel
+from .predict import predict, predict_single, staged_floor
 
 
 @dataclass(frozen=True)
@@ -214,77 +216,6 @@ def _stage_tiles(plan: Plan, stage_ids, traps_by_rank) -> list[list[np.ndarray]]
     return out
 
 
-def predict(plan: Plan, stage_ids, stage_tiles, topo: Topology | None, cost: CostModel, work: Workload,
-            split: int | None = None) -> dict:
-    """Pipelined time (seconds) of forward and backward, the busiest rank, with this staging.
-    ``split``: ``stage_tiles`` hold one remote stage, to be counted as ``split`` equal stages."""
-    cp = plan.cp_size
-    n = len(stage_ids[0]) if cp else 0
-    per_tok = work.kv_bytes_per_token
-    # links: the plan's topology decides what crosses nodes, whatever the routes; hierarchical routes
-    # (``topo`` with several nodes) cross once per destination node, spread over the node's rail-aligned
-    # relays, and fan out inside the node (phase B: intra-node bytes too); flat routes cross per rank
-    pt = plan.topology
-    g = pt.gpus_per_node if pt is not None else cp
-    hier = topo is not None and topo.nodes > 1
-    owner_tok = np.repeat(plan.owner.astype(np.int64), np.diff(plan.bounds))
-    comm = []
-    for s in range(n):
-        intra = np.zeros(cp)
-        inter = np.zeros(cp)
-        node_seen = {}
-        for r in range(cp):
-            ids = stage_ids[r][s]
-            o = owner_tok[ids]
-            far = (o // g) != (r // g)
-            intra[r] += ((~far).sum() + (far.sum() if hier else 0)) * per_tok
-            if far.any():
-                if hier:
-                    node_seen.setdefault(r // g, []).append(ids[far])
-                else:
-                    inter[r] += far.sum() * per_tok
-        for node, lst in node_seen.items():
-            u = _sorted_unique(np.concatenate(lst))
-            inter[node * g:(node + 1) * g] += len(u) * per_tok / g
-        comm.append(cost.comm_time(intra.max(), inter.max()))
-    fwd = np.zeros(cp)
-    bwd = np.zeros(cp)
-    for r in range(cp):
-        if split is not None:  # one remote stage's tiles, counted as ``split`` stages of equal key pieces
-            own, one = stage_tiles[r][0], stage_tiles[r][1]
-            kf = [cost.tile_time(own, work, accumulate=True)] + [cost.tile_time(one, work, key_split=split)] * split
-            kb = [cost.tile_time(own, work, True)] + [cost.tile_time(one, work, True, key_split=split)] * split
-        else:
-            kf = [cost.tile_time(t, work, accumulate=True) for t in stage_tiles[r]]  # stages add into a running output
-            kb = [cost.tile_time(t, work, backward=True) for t in stage_tiles[r]]
-        ov_f = cost.stage_overhead(plan.num_local(r), work)
-        ov_b = cost.stage_overhead(plan.num_local(r), work, backward=True)
-        kf = [t + ov_f for t in kf]
-        kb = [t + ov_b for t in kb]
-        # the exchanges' row gathers and placements (delta: in stage_bwd_bytes) and the call's fixed time
-        n_recv, n_send = _exchange_rows(plan, r)
-        kf[0] += cost.call_time() + cost.exchange_passes(plan.num_local(r), n_recv, n_send, work)
-        kb[0] += cost.call_time(True) + cost.exchange_passes(plan.num_local(r), n_recv, n_send, work, True, False)
-        # forward: cast of stage i+1 issued when stage i starts computing
-        start, end, comm_end = 0.0, kf[0], 0.0
-        comm_end = comm[0] if n else 0.0
-        for s in range(1, n + 1):
-            start = max(end, comm_end)
-            if s < n:
-                comm_end = max(start, comm_end) + comm[s]
-            end = start + kf[s]
-        fwd[r] = end
-        # backward: remote stages first, each reduce issued after its compute, then own keys
-        t, red = 0.0, 0.0
-        for s in range(1, n + 1):
-            t += kb[s]
-            red = max(red, t) + comm[s - 1]
-        t += kb[0]
-        bwd[r] = max(t, red)
-    g = guest_predict(plan, cost, work)  # guest rows: their exchanges and call, after the stages
-    return {"fwd_s": float(fwd.max()) + g["fwd_s"], "bwd_s": float(bwd.max()) + g["bwd_s"], "comm_s": comm}
-
-
 CANDIDATE_STAGES = (1, 2, 3, 4, 6, 8)
 
 
@@ -313,37 +244,6 @@ def choose_num_stages(plan: Plan, cost: CostModel, work: Workload, topo: Topolog
     return n, preds
 
 
-def predict_single(plan: Plan, cost: CostModel, work: Workload) -> dict:
-    """Time of the single-exchange path (``stages=0``): one flat GroupCast of every remote row, then one
-    kernel call over the rank's whole tile list (no running-output passes); backward mirrors it."""
-    cp = plan.cp_size
-    per_tok = work.kv_bytes_per_token
-    g = plan.topology.gpus_per_node if plan.topology is not None else cp
-    owner_tok = np.repeat(plan.owner.astype(np.int64), np.diff(plan.bounds))
-    intra, inter = np.zeros(cp), np.zeros(cp)
-    for r in range(cp):
-        o = owner_tok[_remote_ids(plan, r)]
-        far = (o // g) != (r // g)
-        intra[r], inter[r] = (~far).sum() * per_tok, far.sum() * per_tok
-    comm = cost.comm_time(intra.max(), inter.max())
-    kf = kb = 0.0
-    for r, rp in enumerate(plan.ranks):
-        n_recv, n_send = _exchange_rows(plan, r)
-        kf = max(kf, cost.tile_time(rp.tiles, work) + cost.exchange_passes(rp.num_tokens, n_recv, n_send, work))
-        kb = max(kb, cost.tile_time(rp.tiles, work, backward=True)
-                 + cost.exchange_passes(rp.num_tokens, n_recv, n_send, work, backward=True))
-    g = guest_predict(plan, cost, work)  # guest rows: their exchanges and call, after the main call
-    return {"fwd_s": cost.call_time() + comm + kf + g["fwd_s"], "bwd_s": cost.call_time(True) + kb + comm + g["bwd_s"],
-            "comm_s": [comm]}
-
-
-def _exchange_rows(plan: Plan, r: int) -> tuple[int, int]:
-    """(rows rank r receives, rows it sends) in one exchange of everything it needs / others need."""
-    rp = plan.ranks[r]
-    n_send = sum(int((x[:, 1] - x[:, 0]).sum()) for x in rp.send_runs if len(x))
-    return int(rp.num_remote), n_send
-
-
 def choose_schedule(plan: Plan, stages: int | None, cost: CostModel, work: Workload,
                     hierarchical: bool = True) -> "Schedule | None":
     """The runtime's execution choice for ``plan``: None for the single exchange (one GroupCast of every
@@ -365,7 +265,7 @@ def choose_schedule(plan: Plan, stages: int | None, cost: CostModel, work: Workl
         single = single["fwd_s"] + single["bwd_s"]
         # no staged candidate can beat the single exchange when it is no slower than every candidate's floor
         # (own keys' compute and passes, one stage's overhead more): then none is priced
-        if single <= _staged_floor(plan, one, cost, work):
+        if single <= staged_floor(plan, one, cost, work):
             return None
     # price the candidates first and build the staged schedule (routes, per-stage tiles) only when it
     # wins: for packed documents the single exchange usually does, and the build is half the choice's cost
@@ -373,22 +273,6 @@ def choose_schedule(plan: Plan, stages: int | None, cost: CostModel, work: Workl
     if n == 0 or (single is not None and single <= preds[n]):
         return None
     return _build(plan, n, cost, work, topo, one, preds)
-
-
-def _staged_floor(plan: Plan, one, cost: CostModel, work: Workload) -> float:
-    """A floor under ``predict``'s fwd + bwd time of every staged candidate (any stage count): each rank
-    computes its stages one after another, so a rank takes at least its own keys' stage (running-output
-    passes, call and exchange passes included) plus one remote stage's overhead, forward and backward."""
-    fwd = bwd = 0.0
-    for r in range(plan.cp_size):
-        n_recv, n_send = _exchange_rows(plan, r)
-        nl = plan.num_local(r)
-        fwd = max(fwd, cost.tile_time(one[r][0], work, accumulate=True) + 2 * cost.stage_overhead(nl, work)
-                  + cost.call_time() + cost.exchange_passes(nl, n_recv, n_send, work))
-        bwd = max(bwd, cost.tile_time(one[r][0], work, True) + 2 * cost.stage_overhead(nl, work, backward=True)
-                  + cost.call_time(True) + cost.exchange_passes(nl, n_recv, n_send, work, True, False))
-    g = guest_predict(plan, cost, work)
-    return fwd + bwd + g["fwd_s"] + g["bwd_s"]
 
 
 def schedule(

@@ -4,7 +4,7 @@ Predicts context-parallel steps' GPU time (host ahead, as in training) from plan
 calibrate.py's cost.json) at cp 8 .. 1024, 8 GPUs a node, 50 GB/s per GPU between nodes, for ``megatron-cp``,
 ``greedy`` (area-balanced, flat routes: MagiAttention-like), ``ring`` / ``zigzag`` (cp <= 64) and ``ulysses``
 (cp <= Hq), in TFLOP/s per GPU of mask-area FLOPs. ``--compare``: against a tools/bench_dist.py JSON (TARGETS).
-Writes OUT/simulate<tag>.json and one table. Reads documented internals: ``runtime.cost.guest_predict`` /
+Writes OUT/simulate<tag>.json and one table. Reads documented internals: ``runtime.predict.guest_predict`` /
 ``guest_traffic``, the plan's ``traps`` / ``recv_runs`` / ``send_runs``, ``masks.geometry.traps_to_tiles``.
 
     python tools/sim/simulate.py --masks packed,causal --cps 8,16,32,64 --cost cost.json --out out
@@ -30,7 +30,7 @@ from megatron_cp.masks.geometry import traps_to_tiles
 from megatron_cp.planner import Workload
 from megatron_cp.planner.layout import kv_head_repeat
 from megatron_cp.runtime import CostModel
-from megatron_cp.runtime.cost import guest_predict, guest_traffic
+from megatron_cp.runtime.predict import guest_predict, guest_traffic
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/common.py
 from common import (OURS, Progress, impl_list, impl_name, markdown_table, out_dir, parser, run_record,  # noqa: E402
