@@ -29,9 +29,10 @@ MLA (``MLASelfAttention``): built with ``k_channels`` / ``v_channels`` (q/k and 
 and called with ``[s, H, D]`` tensors when ``packed_seq_params`` is set; its rotary runs at the plan's
 positions through ``mla.install_mla`` (docs/sinks_mla.md).
 
-Cross-rank consistency: the first forward of a plan (every forward on a gloo CP group) all-reduces (with the plan
-digest) the head counts, head dims, dtype, batch and softmax type; ranks that differ raise a ValueError on every
-rank naming the values, before any exchange (``runtime.verify_plan``).
+Cross-rank consistency: the first forward of a plan (every forward on a gloo CP group, and a later one whose values
+the group never agreed on) all-reduces (with the plan digest) the head counts, head dims, dtype, batch and softmax
+type; ranks that differ raise a ValueError on every rank naming the values, before any exchange
+(``runtime.verify_plan``). The kernel backend, strategy and sparse selectors are the spec's (``options``).
 """
 
 from __future__ import annotations

@@ -309,7 +309,8 @@ def attention(
     exact to ~1e-15); rows with no kept key give out 0 and lse -inf. Differentiable once in q, k, v and through
     lse (attention sinks: ``apply_sink``; double backward raises). Bad input raises before any collective, and
     the CP ranks check they agree on the plan, head counts, head dims and dtype (``verify_plan``: a ValueError on
-    every rank otherwise), once per plan, and on every call where ``group`` is a gloo group.
+    every rank otherwise), once per plan, on every call where ``group`` is a gloo group, and on a later call whose
+    fields the group never agreed on (a rank alone in such a change raises; its peers stop in their exchange).
 
     ``backend``: a kernel backend name (one of ``kernels.BACKEND_CHOICES``) or an object implementing
     ``kernels.Backend``, e.g. ``kernels.TritonBackend(kernels.TritonConfig(deterministic=True))`` (its
@@ -338,7 +339,8 @@ def attention(
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     work = Workload(q.shape[1], k.shape[1], q.shape[2], q.element_size())
     # the state first (host work, no collective: built by a plan's first call, it overlaps the kernels still
-    # queued), then the plan check (a host all-reduce: once per plan; every call on a gloo group)
+    # queued), then the plan check (a host all-reduce: once per plan; every call on a gloo group; a later call
+    # with fields never agreed on the group)
     rt = rank_state(plan, rank, q.device, be, bkey, stages=stages, hierarchical=hierarchical,
                     cost=cost_model or DEFAULT_COST, work=work)
     verify_plan(plan, group, input_fields(q, k, v))

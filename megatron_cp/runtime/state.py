@@ -10,6 +10,7 @@ from the planner's internals: the runtime reads the plan's public fields only.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import weakref
 from dataclasses import dataclass
@@ -137,13 +138,41 @@ def _agree(names: list, vals: list, check_group) -> None:
     differ, a ``RanksDisagreeError`` on every rank naming this rank's value and the range seen across ranks."""
     t = torch.tensor(vals + [-x for x in vals], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=check_group)
-    hi, lo = t[:len(vals)].tolist(), [-x for x in t[len(vals):].tolist()]
+    _raise_where_they_differ(names, vals, t[:len(vals)].tolist(), [-x for x in t[len(vals):].tolist()])
+
+
+def _raise_where_they_differ(names: list, vals: list, hi: list, lo: list) -> None:
     bad = [f"{n} differs across ranks (this rank: {_shown(n, x)}, seen from {_shown(n, a)} to {_shown(n, b)})"
            for n, x, a, b in zip(names, vals, lo, hi) if a != b]
     if bad:
         raise RanksDisagreeError("CP ranks disagree: " + "; ".join(bad) + ". Every rank of a CP group must build "
                                  "the same plan from the same mask and call attention with the same heads, head "
                                  "dims and dtype, on every call")
+
+
+_STORE_CHECKS: dict = {}  # group token -> how many checks through the group's store this process made
+
+
+def _agree_unless_alone(names: list, vals: list, group, alone: str) -> None:
+    """``_agree`` where the other ranks may not come (they may be in an exchange instead): through the store of
+    ``group``'s host group, whose wait ends after ``FIELD_CHANGE_TIMEOUT_S`` and leaves nothing pending (a gloo
+    collective left waiting would hold this process at exit). Ranks that come compare as ``_agree`` does; a rank
+    left alone raises a ``RanksDisagreeError`` saying ``alone``."""
+    from torch.distributed import distributed_c10d as c10d
+
+    hg = host_group(group)
+    store = c10d._get_process_group_store(hg)
+    token = group_token(hg)
+    n = _STORE_CHECKS[token] = _STORE_CHECKS.get(token, 0) + 1  # the same on every rank that comes
+    keys = [f"megatron_cp/fields/{n}/{r}" for r in range(hg.size())]
+    store.set(keys[hg.rank()], ",".join(str(int(x)) for x in vals))
+    try:
+        store.wait(keys, datetime.timedelta(seconds=FIELD_CHANGE_TIMEOUT_S))
+    except (RuntimeError, dist.DistError) as e:
+        raise RanksDisagreeError(f"{alone} (no other rank came to check them within {FIELD_CHANGE_TIMEOUT_S:g} s: "
+                                 f"{type(e).__name__})") from None
+    seen = [[int(x) for x in store.get(k).decode().split(",")] for k in keys]
+    _raise_where_they_differ(names, vals, [max(c) for c in zip(*seen)], [min(c) for c in zip(*seen)])
 
 
 def check_plan_ahead(plan: Plan, group, check_group) -> None:
@@ -175,6 +204,18 @@ def accept_plan_check(plan: Plan, group) -> None:
         cache.setdefault("accepted", set()).add(token)
 
 
+# how long a rank whose call brings fields not agreed on its group waits for the other ranks to check them with
+# it: they come at once where every rank's call changed alike (a model whose layers differ); where this rank is
+# alone in its change they are in the call's exchange instead, and this rank raises
+FIELD_CHANGE_TIMEOUT_S = 120.0
+
+
+def _checks_every_call(group) -> bool:
+    """Whether every call on ``group`` checks again (a gloo group: its exchanges block the host on the peers
+    anyway), the same answer on every rank."""
+    return "gloo" in str(dist.get_backend(group))
+
+
 def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
     """Every rank must hold the same plan and pass the same ``fields`` (named ints, e.g. ``input_fields``: head
     counts, head dims, dtype code). One tiny all-reduce of (max, -max) of the digest and the fields, on the host
@@ -182,32 +223,46 @@ def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
     ValueError) on every rank naming this rank's value and the range seen across ranks, before any exchange of
     the attention (whose mismatched sizes would abort gloo or hang NCCL).
 
-    When: on a plan's first call with ``group``; again on every later call where ``group`` is a gloo group (CPU
-    tensors, or gloo through host copies: its exchanges already block the host on its peers, and a rank that
-    changes its dtype or heads on a later call would abort gloo), unless the step accepted a planning thread's
-    check of the plan. On a device group (NCCL) later calls run no check: a host collective per layer call
-    would tie every rank's host to the slowest one's, and no exchange of a call can carry the fields, since
-    its sizes follow from them. No collective at the first call either where the step accepted a planning
-    thread's check of the plan (``check_plan_ahead``, ``accept_plan_check``) and these fields were agreed on an
-    earlier plan. Each of these decisions is the same on every rank (the group's backend, the plan, the step's
-    acceptance), never the fields themselves, which may differ."""
+    When: on a plan's first call with ``group`` (no collective where the step accepted a planning thread's check
+    of the plan, ``check_plan_ahead`` / ``accept_plan_check``, and these fields were agreed on an earlier plan);
+    again on every later call where ``group`` is a gloo group whose plan was not checked ahead. Other later calls
+    (NCCL; gloo checked ahead) run no collective while their fields are ones agreed on the group: a comparison on
+    the host. A later call whose fields were never agreed on the group checks them: where every rank's call
+    changed alike (a model whose layers differ in heads or head dims) the ranks meet there and go on; a rank
+    alone in its change (another dtype or head count than its peers') raises a ``RanksDisagreeError`` naming its
+    fields and the agreed ones after ``FIELD_CHANGE_TIMEOUT_S``, before any exchange. Its peers, in that call's
+    exchange meanwhile, stop there with it (a gloo error; on NCCL the job's launcher ends them when this rank
+    exits) rather than finish. Each decision is the same on every rank where the fields agree (the group's
+    backend, the plan, the step's acceptance)."""
     if group is None or plan.cp_size == 1:
         return
     cache = plan_cache(plan)
-    seen = cache.setdefault("verified", {})  # group token -> whether every later call checks again
+    seen = cache.setdefault("verified", {})  # group token -> (every later call checks again, first fields)
     token = group_token(group)
-    again = seen.get(token)
-    if again is False or (again and token in cache.get("accepted", ())):
+    items = tuple((fields or {}).items())
+    state = seen.get(token)
+    if state is not None:
+        again, first = state
+        if not again or token in cache.get("accepted", ()):
+            if items == first or (token, items) in _FIELDS_AGREED:
+                return
+            agreed = "; ".join(f"{n} {_shown(n, x)}" for n, x in first)
+            mine = "; ".join(f"{n} {_shown(n, x)}" for n, x in items)
+            _agree_unless_alone(["plan digest"] + [n for n, _ in items],
+                                [int(plan.digest64)] + [int(x) for _, x in items], group,
+                                f"CP ranks disagree: this rank's attention call brings {mine}, not what the group "
+                                f"agreed on for this plan ({agreed}); every rank of a CP group must call attention "
+                                "with the same heads, head dims and dtype")
+            _FIELDS_AGREED.add((token, items))
+            return
+    elif token in cache.get("accepted", ()) and (token, items) in _FIELDS_AGREED:
+        seen[token] = (False, items)
         return
-    agreed = (token, tuple((fields or {}).items()))
-    if again is None and token in cache.get("accepted", ()) and agreed in _FIELDS_AGREED:
-        seen[token] = False
-        return
-    _agree(["plan digest"] + list(fields or {}), [int(plan.digest64)] + [int(x) for x in (fields or {}).values()],
+    _agree(["plan digest"] + [n for n, _ in items], [int(plan.digest64)] + [int(x) for _, x in items],
            host_group(group))
-    _FIELDS_AGREED.add(agreed)
-    if again is None:
-        seen[token] = "gloo" in str(dist.get_backend(group))
+    _FIELDS_AGREED.add((token, items))
+    if state is None:
+        seen[token] = (_checks_every_call(group), items)
 
 
 def exchange_choice(plan: Plan, *, stages: int | None, hierarchical: bool, cost: CostModel,

@@ -1,0 +1,81 @@
+"""Later attention calls of a plan on a group that checks only the plan's first call (NCCL; gloo with the plan
+checked ahead): a call whose head counts, head dims or dtype were never agreed on the group is checked then.
+Every rank changed alike (a model whose layers differ): the ranks meet in the check and go on, exact; a rank alone
+in its change raises a ValueError naming its fields and the agreed ones, before any exchange, and its peers stop
+in their exchange instead of finishing. Gloo ranks that take NCCL's decision (``_checks_every_call`` False)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import megatron_cp as mcp
+from megatron_cp.runtime import state
+from megatron_cp.testing import reference_attention, run_ranks
+
+S = 96
+
+
+def _counted():
+    calls, real = [], dist.all_reduce
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    dist.all_reduce = counted
+    return calls
+
+
+def _inputs(hq, hkv, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(S, h, d, generator=g, dtype=torch.float64).to(dtype) for h in (hq, hkv, hkv)]
+
+
+def _alike(rank, world):
+    """Every rank: heads 4:2, then 6:3 (new: one check), 6:3 and 4:2 again (agreed: none); each call exact."""
+    state._checks_every_call = lambda group: False
+    mask = mcp.masks.varlen([0, 40, S], causal=True)
+    plan = mcp.plan(mask, world)
+    ids = torch.from_numpy(plan.local_ids(rank))
+    reduces = _counted()
+    calls = lambda: len(reduces) + sum(state._STORE_CHECKS.values())  # noqa: E731 - collectives and store checks
+    out = []
+    for hq, hkv in ((4, 2), (6, 3), (6, 3), (4, 2)):
+        before = calls()
+        q, k, v = _inputs(hq, hkv, 16, torch.float64, seed=hq)
+        o, _ = mcp.attention(q[ids], k[ids], v[ids], plan, dist.group.WORLD)
+        ref = reference_attention(q, k, v, mask).out
+        out.append((calls() - before, float((o - ref[ids]).abs().max())))
+    return out
+
+
+def test_a_later_call_whose_fields_every_rank_changed_alike_checks_once_and_runs():
+    for rank_out in run_ranks(_alike, 3):
+        assert [c for c, _ in rank_out] == [1, 1, 0, 0], rank_out  # checks per call
+        assert max(e for _, e in rank_out) < 1e-12, rank_out
+
+
+def _alone(rank, world):
+    """Rank 1 alone calls with float32 on its second call: it raises, naming both; rank 0 does not finish."""
+    state._checks_every_call = lambda group: False
+    state.FIELD_CHANGE_TIMEOUT_S = 3.0
+    mask = mcp.masks.varlen([0, 40, S], causal=True)
+    plan = mcp.plan(mask, world)
+    ids = torch.from_numpy(plan.local_ids(rank))
+    q, k, v = (t[ids] for t in _inputs(4, 2, 16, torch.float64))
+    mcp.attention(q, k, v, plan, dist.group.WORLD)
+    try:
+        if rank == 1:
+            q, k, v = q.float(), k.float(), v.float()
+        mcp.attention(q, k, v, plan, dist.group.WORLD)
+    except Exception as e:  # noqa: BLE001 - what each rank met is the result
+        return type(e).__name__, isinstance(e, ValueError), str(e)
+    return "finished", False, ""
+
+
+def test_a_rank_alone_in_a_later_change_raises_and_no_peer_finishes():
+    (kind0, _, msg0), (kind1, is_value_error, msg1) = run_ranks(_alone, 2)
+    assert kind1 == "RanksDisagreeError" and is_value_error, msg1
+    assert "dtype float32" in msg1 and "dtype float64" in msg1 and "within 3 s" in msg1, msg1
+    assert kind0 != "finished", msg0  # its exchange meets no peer: an error, not a result
