@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from . import replay
+from . import measured, replay
 from . import sparse as fa4_sparse
 from .calls import BLOCK, MASK_INTERVALS, Fa4Calls, fa4_calls
 from ..config import TritonConfig
@@ -179,6 +179,7 @@ class Fa4Prepared:
     _device: dict = field(default_factory=dict)  # (device, direction) -> [Run]
     _triton: object = None  # the Triton fallback's prepared list, built on first fallback
     _sparse: object = None  # fa4_sparse.SparseStatic, built on the first call with a BlockKeep
+    _classes: dict = field(default_factory=dict)  # input signature -> measured.route_class (None: no choice)
 
     def sparse(self) -> "fa4_sparse.SparseStatic":
         """The list's per-head block-sparse static part (host, built once)."""
@@ -196,7 +197,7 @@ class Fa4Prepared:
 
     def runs(self, direction: str, device, fns: "Fa4Functions", deterministic: bool) -> list[Run]:
         """The direction's launches with their device metadata, built once per (device, direction)."""
-        route = "varlen" if deterministic and direction == "bwd" else self.calls.route(direction)
+        route = "varlen" if deterministic and direction == "bwd" else self.calls.fa4_route(direction)
         key = (str(device), direction, route)
         got = self._device.get(key)
         if got is not None:
@@ -230,12 +231,15 @@ class FA4Backend:
 
     last_path: what the latest call ran: "fa4" or "triton (<reason>)".
     last_configs: the Triton fallback's kernel configs of its latest calls (empty while FA4 runs).
+    routes: the list classes timed on FA4 and Triton and which ran faster (``measured.py``); ``timer``: how
+    (default: CUDA events on CUDA tensors).
     """
 
     name = "fa4"
 
-    def __init__(self, config: TritonConfig | None = None, functions: Fa4Functions | None = None):
+    def __init__(self, config: TritonConfig | None = None, functions: Fa4Functions | None = None, timer=None):
         self.config = config or TritonConfig()
+        self.routes = measured.RouteTimes(timer)
         self.triton = fallback_backend(self.config)
         self._functions = functions
         self.last_path: str | None = None
@@ -258,7 +262,7 @@ class FA4Backend:
             arch = "sm%d%d" % torch.cuda.get_device_capability()
         ver = self._functions.version if self._functions is not None else None
         return {"backend": "fa4", "flash_attn_4": ver, "arch": arch, "deterministic": self.config.deterministic,
-                "fallbacks": dict(self.fallbacks)}
+                "fallbacks": dict(self.fallbacks), "routes": self.routes.describe()}
 
     def supports(self, device, dtype: torch.dtype, head_dim: int, head_dim_v: int | None = None) -> str | None:
         """FA4 itself or the Triton fallback must run it; on a device without FA4 this backend does not."""
@@ -273,8 +277,9 @@ class FA4Backend:
         # a v head dim of its own: wherever FA4 cannot run the pair, the Triton fallback must
         return self.triton.supports(device, dtype, head_dim, head_dim_v)
 
-    def _fallback(self, phase: str, q: torch.Tensor, v: torch.Tensor, prepared: Fa4Prepared) -> str | None:
-        """Why ``phase`` ("fwd" / "bwd") of inputs like ``q``, ``v`` runs on Triton, or None (FA4 runs it)."""
+    def _fallback(self, phase: str, q, k, v, prepared: Fa4Prepared, candidates=None) -> str | None:
+        """Why ``phase`` ("fwd" / "bwd") of inputs like ``q``, ``k``, ``v`` runs on Triton, or None (FA4 runs it).
+        ``candidates``: makes this call's (FA4 run, Triton run) to time the list's class (``measured.list_reason``)."""
         why = None
         d, dv = q.shape[-1], v.shape[-1]
         dtypes = self._functions.dtypes if self._functions is not None else (torch.float16, torch.bfloat16)
@@ -286,8 +291,8 @@ class FA4Backend:
             why = f"head_dim {d}: FA4's sm90 backward runs head_dim <= {FA4_BWD_MAX_HEAD_DIM}"
         elif dv != d:
             why = fa4_head_dims_reason(d, dv, _arch_major(q.device), phase=phase, gqa=q.shape[1] != v.shape[1])
-        if why is None and prepared.calls.route(phase) == "triton":
-            why = prepared.calls.triton_reason(phase)
+        if why is None:
+            why = measured.list_reason(self.routes, phase, q, k, v, prepared, self.config.deterministic, candidates)
         if why is not None:
             tag = f"{phase} {q.dtype} d{d}" + (f"/{dv}" if dv != d else "")
             self.fallbacks[tag if "head_dim" in why or "float" in why else f"{phase} list"] = why
@@ -317,6 +322,18 @@ class FA4Backend:
     def _runs(self, prepared: Fa4Prepared, direction: str, device) -> list[Run]:
         return prepared.runs(direction, device, self.functions, self.config.deterministic)
 
+    def _candidates(self, q, k, v, prepared: Fa4Prepared, scale, grads=None) -> tuple:
+        """(FA4 run, Triton run) of the forward (``grads`` None) or of the backward (grads: out, lse, dout,
+        delta), each on fresh outputs: what ``measured`` times; None where Triton cannot run these inputs."""
+        if self.triton.supports(q.device, q.dtype, q.shape[-1], v.shape[-1]) is not None:
+            return None
+        tri = self._triton_prepared
+        if grads is None:
+            return (lambda: self._fa4_forward(q, k, v, prepared, scale),
+                    lambda: self.triton.forward(q, k, v, tri(prepared), scale))
+        return (lambda: self._fa4_backward(q, k, v, *grads[:3], prepared, scale, grads[3]),
+                lambda: self.triton.backward(q, k, v, *grads[:3], tri(prepared), scale, grads[3]))
+
     # -- forward ----------------------------------------------------------------------------------
     def _run_fwd(self, q, k, v, run: Run, scale: float, out, lse_hm):
         """One FA4 forward launch writing its rows of ``out`` [sq, Hq, D] and ``lse_hm`` [Hq, sq]."""
@@ -332,8 +349,11 @@ class FA4Backend:
         keep: None or a BlockKeep (per-head block selection): one per-head block-sparse FA4 call."""
         if keep is not None:
             return self._sparse_forward(q, k, v, prepared, softmax_scale, keep)
-        if self._fallback("fwd", q, v, prepared) is not None:
+        if self._fallback("fwd", q, k, v, prepared, lambda: self._candidates(q, k, v, prepared, softmax_scale)):
             return self.triton.forward(q, k, v, self._triton_prepared(prepared), softmax_scale)
+        return self._fa4_forward(q, k, v, prepared, softmax_scale)
+
+    def _fa4_forward(self, q, k, v, prepared: Fa4Prepared, softmax_scale):
         _check_call(q, k, v, prepared)
         scale = self._scale(softmax_scale, q)
         runs = self._runs(prepared, "fwd", q.device)
@@ -355,7 +375,7 @@ class FA4Backend:
 
     def forward_accumulate(self, q, k, v, prepared: Fa4Prepared, softmax_scale, out, lse) -> None:
         """Merge the list into the running (out [sq, Hq, D], lse [sq, Hq]) in place (protocol)."""
-        if self._fallback("fwd", q, v, prepared) is not None:
+        if self._fallback("fwd", q, k, v, prepared, lambda: self._candidates(q, k, v, prepared, softmax_scale)):
             self.triton.forward_accumulate(q, k, v, self._triton_prepared(prepared), softmax_scale, out, lse)
             return
         _check_call(q, k, v, prepared)
@@ -413,8 +433,12 @@ class FA4Backend:
         keep: as in ``forward`` (the same selection)."""
         if keep is not None:
             return self._sparse_backward(q, k, v, out, lse, dout, prepared, softmax_scale, delta, keep)
-        if self._fallback("bwd", q, v, prepared) is not None:
+        grads = (out, lse, dout, delta)
+        if self._fallback("bwd", q, k, v, prepared, lambda: self._candidates(q, k, v, prepared, softmax_scale, grads)):
             return self.triton.backward(q, k, v, out, lse, dout, self._triton_prepared(prepared), softmax_scale, delta)
+        return self._fa4_backward(q, k, v, out, lse, dout, prepared, softmax_scale, delta)
+
+    def _fa4_backward(self, q, k, v, out, lse, dout, prepared: Fa4Prepared, softmax_scale, delta):
         _check_call(q, k, v, prepared)
         runs = self._runs(prepared, "bwd", q.device)
         scale = self._scale(softmax_scale, q)
@@ -441,7 +465,8 @@ class FA4Backend:
 
     def backward_into(self, q, k, v, out, lse, dout, prepared: Fa4Prepared, softmax_scale, delta, dq, dk, dv) -> None:
         """``backward``'s gradients added into float32 running sums (any strides), unrounded (protocol)."""
-        if self._fallback("bwd", q, v, prepared) is not None:
+        grads = (out, lse, dout, delta)
+        if self._fallback("bwd", q, k, v, prepared, lambda: self._candidates(q, k, v, prepared, softmax_scale, grads)):
             self.triton.backward_into(q, k, v, out, lse, dout, self._triton_prepared(prepared), softmax_scale,
                                       delta, dq, dk, dv)
             return

@@ -76,6 +76,11 @@ class Call:
     dense: bool = False
 
     @property
+    def area(self) -> int:
+        """Cells the call computes."""
+        return sum(s.area() for s in self.segments)
+
+    @property
     def causal(self) -> bool:
         return self.left is None and self.right == 0
 
@@ -113,6 +118,8 @@ MASK_INTERVALS = 2  # kept key intervals per row the mask_mod reads (on the row'
 #   511), and with more one block-sparse launch wins (strided: 507 vs 199 fwd);
 # - FA4's block-sparse backward reads the mask_mod's intervals per element: with many partial blocks (a
 #   sink + window list, 30% partial) it ran at 163 where Triton ran 288.
+# These are the prior: on a device that can be timed, FA4 and Triton are measured per list class
+# (``measured.py``) and the faster runs.
 VARLEN_MAX_CALLS = 2
 BWD_MAX_PARTIAL_FRACTION = 0.2
 
@@ -163,18 +170,27 @@ class Fa4Calls:
     def triton_reason(self, direction: str) -> str | None:
         return self._route(direction)[1]
 
-    def _route(self, direction: str) -> tuple[str, str | None]:
+    def fa4_route(self, direction: str) -> str | None:
+        """How FA4 itself runs the direction: "varlen" (its calls) or "blocks" (one block-sparse call), or None
+        where it cannot (more varlen calls than ``VARLEN_MAX_CALLS`` and no block-sparse form)."""
         calls = self.fwd if direction == "fwd" else self.bwd
         n, b = len(calls), self.blocks
         if n == 1 and calls[0].dense:
-            return "varlen", None
+            return "varlen"
         if b is not None and b.partial_blocks == 0:
-            return "blocks", None
+            return "blocks"
         if n <= VARLEN_MAX_CALLS:
-            return "varlen", None
-        if b is None:
-            return "triton", (f"{n} varlen calls and rows with more than {MASK_INTERVALS} key intervals on "
-                              "partial blocks (no block-sparse form)")
+            return "varlen"
+        return None if b is None else "blocks"
+
+    def _route(self, direction: str) -> tuple[str, str | None]:
+        r = self.fa4_route(direction)
+        calls, b = (self.fwd if direction == "fwd" else self.bwd), self.blocks
+        if r is None:
+            return "triton", (f"{len(calls)} varlen calls and rows with more than {MASK_INTERVALS} key intervals "
+                              "on partial blocks (no block-sparse form)")
+        if r == "varlen" or b.partial_blocks == 0:
+            return r, None
         frac = b.partial_blocks / max(1, b.partial_blocks + b.full_blocks)
         if direction == "bwd" and frac > BWD_MAX_PARTIAL_FRACTION:
             return "triton", (f"{frac:.0%} partial blocks: FA4's block-sparse backward is slower than Triton "

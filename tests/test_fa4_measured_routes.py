@@ -1,0 +1,130 @@
+"""Routes by measured cost (kernels/fa4/measured.py): where a list could run on FA4 or on Triton, each is timed
+once per list class on the device in hand and the faster runs, forward and backward apart; a class timed once is
+not timed again; one dense FA4 call is never timed; without a timer (the CPU) the rules of calls.py hold. FA4 runs
+through the reference of its call semantics (tests/fa4_semantics.py); timings come from a scripted timer that
+also checks which candidate it was given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fa4_semantics
+import megatron_cp as mcp
+from megatron_cp.kernels import FA4Backend, TritonConfig
+from megatron_cp.kernels.fa4.backend import Fa4Functions
+from megatron_cp.masks import catalog
+from megatron_cp.masks.catalog import tiles_to_dense
+from megatron_cp.testing import reference_attention
+
+# float32, a dtype both candidates run (the Triton kernels run on the CPU under TRITON_INTERPRET)
+EMULATED = Fa4Functions(fa4_semantics.fwd, fa4_semantics.bwd, "reference", (torch.float32,),
+                        fa4_semantics.block_sparse, fa4_semantics.interval_masks(), fa4_semantics.band_mask)
+
+
+class ScriptedTimer:
+    """Times a candidate as scripted: FA4's seconds, then Triton's, per class met; records what it ran (the
+    candidate's result, to check it is the route's) and fails when asked more often than scripted."""
+
+    def __init__(self, *pairs):
+        self.left = [t for p in pairs for t in p]
+        self.ran = []
+
+    def __call__(self, fn):
+        if not self.left:
+            raise AssertionError("a class was timed that the test did not expect")
+        self.ran.append(fn())
+        return self.left.pop(0)
+
+
+S = 512
+TOL = 2e-5  # float32 kernels against the float64 reference
+MASKS = {"streaming": lambda: mcp.masks.streaming(S, 4, 129),  # 3 varlen calls or one block-sparse call with
+         # every block partial: the prior's forward is FA4's, its backward Triton's (the partial-block rule)
+         "causal": lambda: mcp.masks.causal(S),  # one dense call
+         "packed": lambda: mcp.masks.varlen([0, 100, 300, S], causal=True)}  # one varlen call
+
+
+def _case(name, s=S, hq=4, hkv=2, d=16, seed=0):
+    tiles = catalog.tiles(MASKS[name]())
+    g = torch.Generator().manual_seed(seed)
+    q, do = (torch.randn(s, hq, d, generator=g) for _ in range(2))
+    k, v = (torch.randn(s, hkv, d, generator=g) for _ in range(2))
+    ref = reference_attention(q, k, v, tiles_to_dense(tiles, s, s), 0.25, dout=do)
+    ref = type(ref)(*(None if t is None else t.float() for t in ref))
+    return tiles, (q, k, v, do), ref
+
+
+@pytest.mark.parametrize("faster", ["triton", "fa4"])
+def test_the_faster_candidate_runs_and_its_class_is_timed_once(faster):
+    tiles, (q, k, v, do), ref = _case("streaming")
+    fa4_s, tri_s = (2e-3, 1e-3) if faster == "triton" else (1e-3, 2e-3)
+    timer = ScriptedTimer((fa4_s, tri_s), (fa4_s, tri_s))  # the forward's class, then the backward's
+    be = FA4Backend(functions=EMULATED, timer=timer)
+    prep = be.prepare(tiles, S, S)
+    assert (prep.calls.route("fwd"), prep.calls.route("bwd"), prep.calls.fa4_route("bwd")) == ("blocks", "triton",
+                                                                                               "blocks")
+    out, lse = be.forward(q, k, v, prep, 0.25)
+    if faster == "triton":
+        assert be.last_path.startswith("triton (measured faster here: 1.000 ms against FA4's blocks 2.000 ms")
+    else:
+        assert be.last_path == "fa4"
+    torch.testing.assert_close(out, ref.out, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(lse, ref.lse, rtol=TOL, atol=TOL)
+    # the backward: FA4's block-sparse call where it measured faster, over the prior's partial-block rule
+    dq, dk, dv = be.backward(q, k, v, ref.out, ref.lse, do, prep, 0.25)
+    assert be.last_path == "fa4" if faster == "fa4" else be.last_path.startswith("triton (measured")
+    for got, want in ((dq, ref.dq), (dk, ref.dk), (dv, ref.dv)):
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+    assert len(timer.ran) == 4 and not timer.left
+    for got in timer.ran[:2]:  # each timed forward candidate computed the same attention
+        torch.testing.assert_close(got[0], ref.out, rtol=TOL, atol=TOL)
+    routes = be.describe()["routes"]
+    assert [r["runs"] for r in routes] == [faster, faster] and [r["class"][1] for r in routes] == ["fwd", "bwd"]
+    # another list of the same class (a new plan's, other inputs): no timing (the timer would fail), same routes
+    prep2 = be.prepare(tiles, S, S)
+    _, (q2, k2, v2, do2), ref2 = _case("streaming", seed=1)
+    acc = torch.zeros_like(q2)
+    run = torch.full(q2.shape[:2], float("-inf"))
+    be.forward_accumulate(q2, k2, v2, prep2, 0.25, acc, run)
+    torch.testing.assert_close(acc, ref2.out, rtol=TOL, atol=TOL)
+    sums = [torch.zeros_like(t) for t in (q2, k2, v2)]
+    be.backward_into(q2, k2, v2, ref2.out, ref2.lse, do2, prep2, 0.25, None, *sums)
+    assert be.last_path == "fa4" if faster == "fa4" else be.last_path.startswith("triton (measured")
+    for got, want in zip(sums, (ref2.dq, ref2.dk, ref2.dv)):
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+
+
+def test_one_varlen_call_is_timed_but_one_dense_call_never():
+    tiles, (q, k, v, do), ref = _case("packed")
+    be = FA4Backend(functions=EMULATED, timer=ScriptedTimer((1e-3, 2e-3)))
+    out, _ = be.forward(q, k, v, be.prepare(tiles, S, S), 0.25)
+    ((route,),) = [be.describe()["routes"]]
+    assert route["runs"] == "fa4" and route["class"][8:] == ("varlen", 1, 2)  # 1 call, ~2^2 128-blocks of cells
+    torch.testing.assert_close(out, ref.out, rtol=TOL, atol=TOL)
+    tiles, (q, k, v, do), ref = _case("causal")
+    be = FA4Backend(functions=EMULATED, timer=ScriptedTimer())  # any timing fails
+    prep = be.prepare(tiles, S, S)
+    out, _ = be.forward(q, k, v, prep, 0.25)
+    be.backward(q, k, v, ref.out, ref.lse, do, prep, 0.25)
+    assert be.last_path == "fa4" and be.describe()["routes"] == []
+    torch.testing.assert_close(out, ref.out, rtol=TOL, atol=TOL)
+    tiles, (q, k, v, do), ref = _case("streaming")
+    be = FA4Backend(functions=EMULATED)  # no timer, CPU tensors: the prior's routes, nothing timed
+    prep = be.prepare(tiles, S, S)
+    be.forward(q, k, v, prep, 0.25)
+    assert be.last_path == "fa4"
+    be.backward(q, k, v, ref.out, ref.lse, do, prep, 0.25)
+    assert be.last_path.startswith("triton (") and "partial blocks" in be.last_path
+    assert be.describe()["routes"] == []
+
+
+def test_deterministic_mode_times_nothing():
+    """Deterministic mode takes the same kernels in every run: the rules, never a timing's pick."""
+    tiles, (q, k, v, do), ref = _case("streaming")
+    be = FA4Backend(TritonConfig(deterministic=True), functions=EMULATED, timer=ScriptedTimer())
+    prep = be.prepare(tiles, S, S)
+    out, _ = be.forward(q, k, v, prep, 0.25)
+    be.backward(q, k, v, ref.out, ref.lse, do, prep, 0.25)
+    assert be.describe()["routes"] == [] and be.last_path.startswith("triton (") and "partial" in be.last_path
+    torch.testing.assert_close(out, ref.out, rtol=TOL, atol=TOL)
