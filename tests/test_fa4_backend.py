@@ -166,6 +166,64 @@ def test_routes():
     assert c.blocks.band == (4, -1024, 0)  # a causal window of 1025 keys and 4 sink keys
 
 
+def test_fusion_agrees_with_a_row_by_row_comparison():
+    """Two row-adjacent segments fuse iff one window has exactly their cells: the check at the rows where the
+    bounds change slope (calls._bounds_agree) decides as comparing every row's bounds does."""
+    from megatron_cp.kernels.fa4 import calls as fc
+
+    def by_rows(a, b):
+        if a.q1 != b.q0:
+            return None
+        ra, rb = np.arange(a.q0, a.q1), np.arange(b.q0, b.q1)
+        for left in dict.fromkeys((a.left, b.left, None)):
+            for right in dict.fromkeys((a.right, b.right, None)):
+                c = fc.Segment(a.q0, b.q1, min(a.k0, b.k0), max(a.k1, b.k1), left, right)
+                if all(np.array_equal(x, y) for r, s in ((ra, a), (rb, b)) for x, y in zip(c.bounds(r), s.bounds(r))):
+                    return fc._canonical(c)
+        return None
+
+    rng, fused, pairs = np.random.default_rng(0), 0, 0
+    for _ in range(6000):
+        q0, m1, m2 = (int(x) for x in rng.integers(1, 13, 3))
+        k0, w = int(rng.integers(0, 30)), int(rng.integers(1, 20))
+        a = fc.segment_of(q0, q0 + m1, k0, k0 + w, int(rng.integers(0, 4)))
+        if a is None:
+            continue
+        if rng.random() < 0.5:  # the window of a carried on (shifted keys), so that fusions occur
+            d0, d1 = (int(x) for x in rng.integers(-2, 3, 2))
+            b = fc._canonical(fc.Segment(a.q1, a.q1 + m2, a.k0 + d0, a.k1 + m2 + d1, a.left, a.right))
+        else:
+            b0 = int(rng.integers(0, 30))
+            b = fc.segment_of(a.q1, a.q1 + m2, b0, b0 + int(rng.integers(1, 20)), int(rng.integers(0, 4)))
+        if b is None or b.k1 <= b.k0 or b.k0 < 0:
+            continue
+        want = by_rows(a, b)
+        assert fc._fuse(a, b) == want, (a, b)
+        pairs, fused = pairs + 1, fused + (want is not None)
+    assert pairs > 4000 and fused > 100, (pairs, fused)
+
+
+def test_block_cells_count_every_kept_cell():
+    """calls._block_cells (kept cells per 128 x 128 block, from each row's key intervals) equals the dense count."""
+    from megatron_cp.kernels.fa4 import calls as fc
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        sq, sk, n = int(rng.integers(1, 700)), int(rng.integers(1, 900)), int(rng.integers(1, 300))
+        row = np.sort(rng.integers(0, sq, n))
+        lo = rng.integers(0, sk, n)
+        hi = np.minimum(sk, lo + rng.integers(1, sk + 1, n))
+        dense = np.zeros((sq, sk), dtype=np.int64)
+        for r, a, b in zip(row, lo, hi):
+            dense[r, a:b] += 1
+        m, nb = -(-sq // fc.BLOCK), -(-sk // fc.BLOCK)
+        pad = np.zeros((m * fc.BLOCK, nb * fc.BLOCK), dtype=np.int64)
+        pad[:sq, :sk] = dense
+        want = pad.reshape(m, fc.BLOCK, nb, fc.BLOCK).sum((1, 3))
+        got = fc._block_cells(row, lo, hi, m, nb)
+        assert got.dtype == np.int64 and np.array_equal(got, want)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_band_check_agrees_with_a_cell_by_cell_comparison(monkeypatch, seed):
     """calls._band (are a list's partial blocks one diagonal band, with or without sink keys?) compares interval

@@ -256,19 +256,40 @@ def _canonical(s: Segment) -> Segment:
     return Segment(s.q0, s.q1, s.k0, s.k1, left, right)
 
 
+def _kinks(s: Segment) -> tuple[int, ...]:
+    """The rows where ``s.bounds`` changes slope: lo = max(k0, r + k1 - q1 - left) and hi = min(k1, r + k1 - q1 +
+    right + 1) are each a constant and a unit-slope line, kinked where the two meet."""
+    out = ()
+    if s.left is not None:
+        out += (s.k0 + s.q1 - s.k1 + s.left,)
+    if s.right is not None:
+        out += (s.q1 - s.right - 1,)
+    return out
+
+
+def _bounds_agree(x: Segment, y: Segment, r0: int, r1: int) -> bool:
+    """Whether ``x.bounds`` and ``y.bounds`` are equal on rows [r0, r1): both are piecewise linear with integer
+    kinks, so equal at the ends and at every kink between they are equal on every row."""
+    rows = {r0, r1 - 1, *(r for r in _kinks(x) + _kinks(y) if r0 <= r < r1)}
+    return all(_row_bounds(x, r) == _row_bounds(y, r) for r in rows)
+
+
+def _row_bounds(s: Segment, r: int) -> tuple[int, int]:
+    """``s.bounds`` of one row, in plain ints (a few rows: no arrays)."""
+    diag = r + s.k1 - s.q1
+    return (s.k0 if s.left is None else max(s.k0, diag - s.left),
+            s.k1 if s.right is None else min(s.k1, diag + s.right + 1))
+
+
 def _fuse(a: Segment, b: Segment) -> Segment | None:
     """One segment with exactly the cells of row-adjacent ``a`` (above) and ``b``, or None."""
     if a.q1 != b.q0:
         return None
     k0, k1 = min(a.k0, b.k0), max(a.k1, b.k1)
-    rows_a = np.arange(a.q0, a.q1, dtype=np.int64)
-    rows_b = np.arange(b.q0, b.q1, dtype=np.int64)
-    want = [a.bounds(rows_a), b.bounds(rows_b)]
     for left in dict.fromkeys((a.left, b.left, None)):
         for right in dict.fromkeys((a.right, b.right, None)):
             c = Segment(a.q0, b.q1, k0, k1, left, right)
-            if all(np.array_equal(x, y) for got, w in zip((c.bounds(rows_a), c.bounds(rows_b)), want)
-                   for x, y in zip(got, w)):
+            if _bounds_agree(c, a, a.q0, a.q1) and _bounds_agree(c, b, b.q0, b.q1):
                 return _canonical(c)
     return None
 
@@ -344,17 +365,18 @@ def _block_cells(row, lo, hi, m_blocks: int, n_blocks: int) -> np.ndarray:
     """Kept cells per (q-block, k-block) of 128 x 128 blocks, int64 [M, N]."""
     m = row // BLOCK
     a, b = lo // BLOCK, (hi - 1) // BLOCK
-    cells = np.zeros((m_blocks, n_blocks + 1), dtype=np.int64)
+    w = n_blocks + 1
+
+    def summed(cols, vals):  # sums per (q-block, col) as one bincount (np.add.at is several times slower);
+        # float64 sums of ints below 2^53 are exact
+        return np.bincount(m * w + cols, weights=vals, minlength=m_blocks * w).reshape(m_blocks, w)
+
     one = a == b
-    np.add.at(cells, (m[one], a[one]), (hi - lo)[one])
-    many = ~one
-    m, a, b, lo, hi = m[many], a[many], b[many], lo[many], hi[many]
-    np.add.at(cells, (m, a), (a + 1) * BLOCK - lo)
-    np.add.at(cells, (m, b), hi - b * BLOCK)
-    inner = np.zeros_like(cells)  # blocks strictly between a and b: BLOCK cells each
-    np.add.at(inner, (m, a + 1), BLOCK)
-    np.add.at(inner, (m, b), -BLOCK)
-    return (cells + np.cumsum(inner, axis=1))[:, :n_blocks]
+    cells = summed(a, np.where(one, hi - lo, (a + 1) * BLOCK - lo))
+    cells += summed(b, np.where(one, 0, hi - b * BLOCK))
+    # blocks strictly between a and b: BLOCK cells each
+    inner = summed(np.where(one, a, a + 1), np.where(one, 0, BLOCK)) - summed(b, np.where(one, 0, BLOCK))
+    return (cells + np.cumsum(inner, axis=1))[:, :n_blocks].astype(np.int64)
 
 
 def _lists(full: np.ndarray, partial: np.ndarray) -> tuple[np.ndarray, ...]:
