@@ -380,7 +380,7 @@ def test_fa4_forward_replays_each_runs_kernel_for_later_layers(mode):
                                            fa4_semantics.block_sparse, fa4_semantics.interval_masks(),
                                            fa4_semantics.band_mask))
     prep = be.prepare(tiles, 96, 96)
-    runs = len(prep.runs("fwd", torch.device("cpu"), be.functions, False))
+    runs = len(prep.runs("fwd", torch.device("cpu"), be.functions, prep.calls.route("fwd")))
     assert runs >= 1
     keep = tiles_to_dense(tiles, 96, 96)
     layers = 5
@@ -390,7 +390,7 @@ def test_fa4_forward_replays_each_runs_kernel_for_later_layers(mode):
         o_ref, l_ref = reference_attention(q, k, v, keep, 0.3)[:2]
         torch.testing.assert_close(out, o_ref, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(lse, l_ref, rtol=1e-10, atol=1e-10)
-    kernels = {id(r.replays[s][0]) for r in prep.runs("fwd", torch.device("cpu"), be.functions, False)
+    kernels = {id(r.replays[s][0]) for r in prep.runs("fwd", torch.device("cpu"), be.functions, prep.calls.route("fwd"))
                for s in r.replays if r.replays[s] is not None}
     if mode == "plain":  # recorded, checked once, replayed: the interface ran twice per run
         assert front.calls == 2 * runs and all(replay._CHECKED[i] for i in kernels)
@@ -484,7 +484,7 @@ def test_fa4_backward_replays_each_runs_program_for_later_layers(mode):
                                                fa4_semantics.block_sparse, fa4_semantics.interval_masks(),
                                                fa4_semantics.band_mask))
         prep = be.prepare(tiles, s, s)
-        runs = prep.runs("bwd", torch.device("cpu"), be.functions, False)
+        runs = prep.runs("bwd", torch.device("cpu"), be.functions, prep.calls.route("bwd"))
         assert len(runs) == 1, "one launch a layer: the counts below assume it"
         keep = tiles_to_dense(tiles, s, s)
         layers = 5

@@ -23,11 +23,11 @@ EMULATED = Fa4Functions(fa4_semantics.fwd, fa4_semantics.bwd, "reference", (torc
 
 
 class ScriptedTimer:
-    """Times a candidate as scripted: FA4's seconds, then Triton's, per class met; records what it ran (the
-    candidate's result, to check it is the route's) and fails when asked more often than scripted."""
+    """Times the candidates as scripted, in the order they are given ("varlen", "blocks" where FA4 has them, then
+    "triton"), class after class; keeps what each run returned and fails when asked more often than scripted."""
 
-    def __init__(self, *pairs):
-        self.left = [t for p in pairs for t in p]
+    def __init__(self, *times):
+        self.left = list(times)
         self.ran = []
 
     def __call__(self, fn):
@@ -55,32 +55,37 @@ def _case(name, s=S, hq=4, hkv=2, d=16, seed=0):
     return tiles, (q, k, v, do), ref
 
 
-@pytest.mark.parametrize("faster", ["triton", "fa4"])
-def test_the_faster_candidate_runs_and_its_class_is_timed_once(faster):
+TIMES = {"varlen": (1e-3, 2e-3, 3e-3), "blocks": (2e-3, 1e-3, 3e-3), "triton": (2e-3, 3e-3, 1e-3)}
+
+
+@pytest.mark.parametrize("faster", ["varlen", "blocks", "triton"])
+def test_the_fastest_candidate_runs_and_its_class_is_timed_once(faster):
+    """The streaming list: 3 varlen calls or one block-sparse call (every block partial) on FA4, or Triton; the
+    prior runs its forward block-sparse and its backward on Triton (the partial-block rule)."""
     tiles, (q, k, v, do), ref = _case("streaming")
-    fa4_s, tri_s = (2e-3, 1e-3) if faster == "triton" else (1e-3, 2e-3)
-    timer = ScriptedTimer((fa4_s, tri_s), (fa4_s, tri_s))  # the forward's class, then the backward's
+    timer = ScriptedTimer(*TIMES[faster], *TIMES[faster])  # the forward's class, then the backward's
     be = FA4Backend(functions=EMULATED, timer=timer)
     prep = be.prepare(tiles, S, S)
-    assert (prep.calls.route("fwd"), prep.calls.route("bwd"), prep.calls.fa4_route("bwd")) == ("blocks", "triton",
-                                                                                               "blocks")
+    assert (prep.calls.route("fwd"), prep.calls.route("bwd"), len(prep.calls.fwd)) == ("blocks", "triton", 3)
     out, lse = be.forward(q, k, v, prep, 0.25)
     if faster == "triton":
-        assert be.last_path.startswith("triton (measured faster here: 1.000 ms against FA4's blocks 2.000 ms")
+        assert be.last_path.startswith("triton (measured fastest here: 1.000 ms against FA4's varlen 2.000 ms")
     else:
         assert be.last_path == "fa4"
     torch.testing.assert_close(out, ref.out, rtol=TOL, atol=TOL)
     torch.testing.assert_close(lse, ref.lse, rtol=TOL, atol=TOL)
-    # the backward: FA4's block-sparse call where it measured faster, over the prior's partial-block rule
     dq, dk, dv = be.backward(q, k, v, ref.out, ref.lse, do, prep, 0.25)
-    assert be.last_path == "fa4" if faster == "fa4" else be.last_path.startswith("triton (measured")
+    assert be.last_path == "fa4" if faster != "triton" else be.last_path.startswith("triton (measured")
     for got, want in ((dq, ref.dq), (dk, ref.dk), (dv, ref.dv)):
         torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
-    assert len(timer.ran) == 4 and not timer.left
-    for got in timer.ran[:2]:  # each timed forward candidate computed the same attention
+    assert len(timer.ran) == 6 and not timer.left
+    for got in timer.ran[:3]:  # each timed forward candidate computed the same attention
         torch.testing.assert_close(got[0], ref.out, rtol=TOL, atol=TOL)
+    for got in timer.ran[3:]:  # and each backward candidate the same gradients
+        torch.testing.assert_close(got[1], ref.dk, rtol=TOL, atol=TOL)
     routes = be.describe()["routes"]
     assert [r["runs"] for r in routes] == [faster, faster] and [r["class"][1] for r in routes] == ["fwd", "bwd"]
+    assert routes[0]["triton_ms"] == TIMES[faster][2] * 1e3
     # another list of the same class (a new plan's, other inputs): no timing (the timer would fail), same routes
     prep2 = be.prepare(tiles, S, S)
     _, (q2, k2, v2, do2), ref2 = _case("streaming", seed=1)
@@ -90,17 +95,19 @@ def test_the_faster_candidate_runs_and_its_class_is_timed_once(faster):
     torch.testing.assert_close(acc, ref2.out, rtol=TOL, atol=TOL)
     sums = [torch.zeros_like(t) for t in (q2, k2, v2)]
     be.backward_into(q2, k2, v2, ref2.out, ref2.lse, do2, prep2, 0.25, None, *sums)
-    assert be.last_path == "fa4" if faster == "fa4" else be.last_path.startswith("triton (measured")
+    assert be.last_path == "fa4" if faster != "triton" else be.last_path.startswith("triton (measured")
+    # the route chosen is the one that runs: on the untimed list only its FA4 launches were built
+    assert {key[2] for key in prep2._device} == (set() if faster == "triton" else {faster})
     for got, want in zip(sums, (ref2.dq, ref2.dk, ref2.dv)):
         torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
 
 
 def test_one_varlen_call_is_timed_but_one_dense_call_never():
     tiles, (q, k, v, do), ref = _case("packed")
-    be = FA4Backend(functions=EMULATED, timer=ScriptedTimer((1e-3, 2e-3)))
+    be = FA4Backend(functions=EMULATED, timer=ScriptedTimer(1e-3, 2e-3))  # varlen (no block form), Triton
     out, _ = be.forward(q, k, v, be.prepare(tiles, S, S), 0.25)
     ((route,),) = [be.describe()["routes"]]
-    assert route["runs"] == "fa4" and route["class"][8:] == ("varlen", 1, 2)  # 1 call, ~2^2 128-blocks of cells
+    assert route["runs"] == "varlen" and route["class"][8:] == (1, 2, None)  # 1 call, ~2^2 blocks' cells, no blocks
     torch.testing.assert_close(out, ref.out, rtol=TOL, atol=TOL)
     tiles, (q, k, v, do), ref = _case("causal")
     be = FA4Backend(functions=EMULATED, timer=ScriptedTimer())  # any timing fails

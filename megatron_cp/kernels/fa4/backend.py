@@ -195,9 +195,8 @@ class Fa4Prepared:
     def seqlen_k(self) -> int:
         return self.calls.seqlen_k
 
-    def runs(self, direction: str, device, fns: "Fa4Functions", deterministic: bool) -> list[Run]:
-        """The direction's launches with their device metadata, built once per (device, direction)."""
-        route = "varlen" if deterministic and direction == "bwd" else self.calls.fa4_route(direction)
+    def runs(self, direction: str, device, fns: "Fa4Functions", route: str) -> list[Run]:
+        """The direction's launches by ``route`` ("varlen" / "blocks"), built once per (device, direction, route)."""
         key = (str(device), direction, route)
         got = self._device.get(key)
         if got is not None:
@@ -277,10 +276,11 @@ class FA4Backend:
         # a v head dim of its own: wherever FA4 cannot run the pair, the Triton fallback must
         return self.triton.supports(device, dtype, head_dim, head_dim_v)
 
-    def _fallback(self, phase: str, q, k, v, prepared: Fa4Prepared, candidates=None) -> str | None:
-        """Why ``phase`` ("fwd" / "bwd") of inputs like ``q``, ``k``, ``v`` runs on Triton, or None (FA4 runs it).
-        ``candidates``: makes this call's (FA4 run, Triton run) to time the list's class (``measured.list_reason``)."""
-        why = None
+    def _route(self, phase: str, q, k, v, prepared: Fa4Prepared, candidates=None) -> str:
+        """How ``phase`` ("fwd" / "bwd") of inputs like ``q``, ``k``, ``v`` runs: "triton" (the reason in
+        ``last_path``), or FA4's "varlen" / "blocks". ``candidates``: makes this call's runs of given routes, to
+        time the list's class (``measured.list_route``)."""
+        why, route = None, "triton"
         d, dv = q.shape[-1], v.shape[-1]
         dtypes = self._functions.dtypes if self._functions is not None else (torch.float16, torch.bfloat16)
         if q.dtype not in dtypes:
@@ -292,14 +292,15 @@ class FA4Backend:
         elif dv != d:
             why = fa4_head_dims_reason(d, dv, _arch_major(q.device), phase=phase, gqa=q.shape[1] != v.shape[1])
         if why is None:
-            why = measured.list_reason(self.routes, phase, q, k, v, prepared, self.config.deterministic, candidates)
+            route, why = measured.list_route(self.routes, phase, q, k, v, prepared, self.config.deterministic,
+                                             candidates)
         if why is not None:
             tag = f"{phase} {q.dtype} d{d}" + (f"/{dv}" if dv != d else "")
             self.fallbacks[tag if "head_dim" in why or "float" in why else f"{phase} list"] = why
             self.last_path = f"triton ({why})"
         else:
             self.last_path = "fa4"
-        return why
+        return route
 
     def _triton_prepared(self, prepared: Fa4Prepared):
         if prepared._triton is None:
@@ -319,20 +320,22 @@ class FA4Backend:
         tiles = tiles.to("cpu", torch.int32).contiguous()
         return Fa4Prepared(fa4_calls(tiles.numpy(), seqlen_q, seqlen_k), tiles, tuple(head_dims))
 
-    def _runs(self, prepared: Fa4Prepared, direction: str, device) -> list[Run]:
-        return prepared.runs(direction, device, self.functions, self.config.deterministic)
+    def _runs(self, prepared: Fa4Prepared, direction: str, device, route: str) -> list[Run]:
+        return prepared.runs(direction, device, self.functions, route)
 
-    def _candidates(self, q, k, v, prepared: Fa4Prepared, scale, grads=None) -> tuple:
-        """(FA4 run, Triton run) of the forward (``grads`` None) or of the backward (grads: out, lse, dout,
-        delta), each on fresh outputs: what ``measured`` times; None where Triton cannot run these inputs."""
+    def _candidates(self, names, q, k, v, prepared: Fa4Prepared, scale, grads=None) -> dict | None:
+        """{route: run} of the forward (``grads`` None) or the backward (grads: out, lse, dout, delta) by each of
+        ``names``, on fresh outputs: what ``measured`` times; None where Triton cannot run these inputs."""
         if self.triton.supports(q.device, q.dtype, q.shape[-1], v.shape[-1]) is not None:
             return None
-        tri = self._triton_prepared
-        if grads is None:
-            return (lambda: self._fa4_forward(q, k, v, prepared, scale),
-                    lambda: self.triton.forward(q, k, v, tri(prepared), scale))
-        return (lambda: self._fa4_backward(q, k, v, *grads[:3], prepared, scale, grads[3]),
-                lambda: self.triton.backward(q, k, v, *grads[:3], tri(prepared), scale, grads[3]))
+        def run(r):
+            if r == "triton":
+                tp = self._triton_prepared(prepared)
+                return (self.triton.forward(q, k, v, tp, scale) if grads is None else
+                        self.triton.backward(q, k, v, *grads[:3], tp, scale, grads[3]))
+            return (self._fa4_forward(q, k, v, prepared, scale, r) if grads is None else
+                    self._fa4_backward(q, k, v, *grads[:3], prepared, scale, grads[3], r))
+        return {r: functools.partial(run, r) for r in names}
 
     # -- forward ----------------------------------------------------------------------------------
     def _run_fwd(self, q, k, v, run: Run, scale: float, out, lse_hm):
@@ -349,14 +352,15 @@ class FA4Backend:
         keep: None or a BlockKeep (per-head block selection): one per-head block-sparse FA4 call."""
         if keep is not None:
             return self._sparse_forward(q, k, v, prepared, softmax_scale, keep)
-        if self._fallback("fwd", q, k, v, prepared, lambda: self._candidates(q, k, v, prepared, softmax_scale)):
+        route = self._route("fwd", q, k, v, prepared, lambda n: self._candidates(n, q, k, v, prepared, softmax_scale))
+        if route == "triton":
             return self.triton.forward(q, k, v, self._triton_prepared(prepared), softmax_scale)
-        return self._fa4_forward(q, k, v, prepared, softmax_scale)
+        return self._fa4_forward(q, k, v, prepared, softmax_scale, route)
 
-    def _fa4_forward(self, q, k, v, prepared: Fa4Prepared, softmax_scale):
+    def _fa4_forward(self, q, k, v, prepared: Fa4Prepared, softmax_scale, route: str):
         _check_call(q, k, v, prepared)
         scale = self._scale(softmax_scale, q)
-        runs = self._runs(prepared, "fwd", q.device)
+        runs = self._runs(prepared, "fwd", q.device, route)
         sq, hq, _ = q.shape
         cdt = accumulate_dtype(q.dtype)
         if len(runs) > 1:
@@ -375,13 +379,14 @@ class FA4Backend:
 
     def forward_accumulate(self, q, k, v, prepared: Fa4Prepared, softmax_scale, out, lse) -> None:
         """Merge the list into the running (out [sq, Hq, D], lse [sq, Hq]) in place (protocol)."""
-        if self._fallback("fwd", q, k, v, prepared, lambda: self._candidates(q, k, v, prepared, softmax_scale)):
+        route = self._route("fwd", q, k, v, prepared, lambda n: self._candidates(n, q, k, v, prepared, softmax_scale))
+        if route == "triton":
             self.triton.forward_accumulate(q, k, v, self._triton_prepared(prepared), softmax_scale, out, lse)
             return
         _check_call(q, k, v, prepared)
         check_running("out", out, q, _out_shape(q, v))
         check_running("lse", lse, q, tuple(q.shape[:2]))
-        runs = self._runs(prepared, "fwd", q.device)
+        runs = self._runs(prepared, "fwd", q.device, route)
         self._accumulate(q, k, v, runs, self._scale(softmax_scale, q), out, lse, prepared.calls.row_gaps)
 
     def _accumulate(self, q, k, v, runs: list[Run], scale, out, lse, gaps=()) -> None:
@@ -434,13 +439,15 @@ class FA4Backend:
         if keep is not None:
             return self._sparse_backward(q, k, v, out, lse, dout, prepared, softmax_scale, delta, keep)
         grads = (out, lse, dout, delta)
-        if self._fallback("bwd", q, k, v, prepared, lambda: self._candidates(q, k, v, prepared, softmax_scale, grads)):
+        route = self._route("bwd", q, k, v, prepared, lambda n: self._candidates(n, q, k, v, prepared, softmax_scale,
+                                                                                  grads))
+        if route == "triton":
             return self.triton.backward(q, k, v, out, lse, dout, self._triton_prepared(prepared), softmax_scale, delta)
-        return self._fa4_backward(q, k, v, out, lse, dout, prepared, softmax_scale, delta)
+        return self._fa4_backward(q, k, v, out, lse, dout, prepared, softmax_scale, delta, route)
 
-    def _fa4_backward(self, q, k, v, out, lse, dout, prepared: Fa4Prepared, softmax_scale, delta):
+    def _fa4_backward(self, q, k, v, out, lse, dout, prepared: Fa4Prepared, softmax_scale, delta, route: str):
         _check_call(q, k, v, prepared)
-        runs = self._runs(prepared, "bwd", q.device)
+        runs = self._runs(prepared, "bwd", q.device, route)
         scale = self._scale(softmax_scale, q)
         calls = prepared.calls
         if len(runs) > 1:
@@ -466,14 +473,16 @@ class FA4Backend:
     def backward_into(self, q, k, v, out, lse, dout, prepared: Fa4Prepared, softmax_scale, delta, dq, dk, dv) -> None:
         """``backward``'s gradients added into float32 running sums (any strides), unrounded (protocol)."""
         grads = (out, lse, dout, delta)
-        if self._fallback("bwd", q, k, v, prepared, lambda: self._candidates(q, k, v, prepared, softmax_scale, grads)):
+        route = self._route("bwd", q, k, v, prepared, lambda n: self._candidates(n, q, k, v, prepared, softmax_scale,
+                                                                                  grads))
+        if route == "triton":
             self.triton.backward_into(q, k, v, out, lse, dout, self._triton_prepared(prepared), softmax_scale,
                                       delta, dq, dk, dv)
             return
         _check_call(q, k, v, prepared)
         for name, acc, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
             check_running(name, acc, q, tuple(like.shape))
-        runs = self._runs(prepared, "bwd", q.device)
+        runs = self._runs(prepared, "bwd", q.device, route)
         self._backward_sum(q, k, v, out, lse, dout, runs, self._scale(softmax_scale, q), delta, dq, dk, dv,
                            prepared.calls.row_gaps, prepared.calls.key_gaps)
 
