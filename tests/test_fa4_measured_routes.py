@@ -135,3 +135,32 @@ def test_deterministic_mode_times_nothing():
     be.backward(q, k, v, ref.out, ref.lse, do, prep, 0.25)
     assert be.describe()["routes"] == [] and be.last_path.startswith("triton (") and "partial" in be.last_path
     torch.testing.assert_close(out, ref.out, rtol=TOL, atol=TOL)
+
+
+def test_a_candidate_that_fails_is_left_out_and_shown():
+    """A timed candidate that raises (once per class) is left out where another ran, its error in describe();
+    where every candidate fails, the error is raised."""
+    tiles, (q, k, v, do), ref = _case("streaming")
+    be = FA4Backend(functions=EMULATED, timer=ScriptedTimer(1e-3, 2e-3))  # blocks, then Triton: varlen fails
+    prep = be.prepare(tiles, S, S)
+    real = be._fa4_forward
+
+    def broken(q, k, v, prepared, scale, route):
+        if route == "varlen":
+            raise RuntimeError("varlen launch failed")
+        return real(q, k, v, prepared, scale, route)
+
+    be._fa4_forward = broken
+    out, _ = be.forward(q, k, v, prep, 0.25)
+    torch.testing.assert_close(out, ref.out, rtol=TOL, atol=TOL)
+    routes = be.describe()["routes"]
+    assert routes[0]["runs"] == "blocks" and "varlen_ms" not in routes[0]
+    assert routes[1]["failed"] == "varlen" and "varlen launch failed" in routes[1]["error"]
+
+    def fails(*a, **kw):
+        raise RuntimeError("no kernel ran")
+
+    be2 = FA4Backend(functions=EMULATED, timer=lambda fn: (fn(), 1.0)[1])
+    be2.triton.forward = be2._fa4_forward = fails
+    with pytest.raises(RuntimeError, match="no kernel ran"):
+        be2.forward(q, k, v, be2.prepare(tiles, S, S), 0.25)

@@ -91,18 +91,30 @@ class RouteTimes:
             return True
         return q.is_cuda and not torch.cuda.is_current_stream_capturing()
 
+    failed: dict = field(default_factory=dict)  # (class, candidate) -> the error a timed candidate raised
+
     def choose(self, key: tuple, candidates: dict) -> tuple:
-        """(fastest, {name: seconds}) of ``key``: timed now on the first meeting of its class, kept after."""
+        """(fastest, {name: seconds}) of ``key``: timed now on the first meeting of its class, kept after. A
+        candidate that raises is left out (its error kept in ``failed``, shown by ``describe``) where another
+        ran; where none ran, the first error is raised."""
         got = self.chosen.get(key)
         if got is None:
-            time = self.timer or cuda_time
-            times = {name: time(fn) for name, fn in candidates.items()}
+            time, times, errors = self.timer or cuda_time, {}, []
+            for name, fn in candidates.items():
+                try:
+                    times[name] = time(fn)
+                except Exception as e:  # noqa: BLE001 - once per class; the other candidates compute the same
+                    self.failed[(key, name)] = f"{type(e).__name__}: {e}"
+                    errors.append(e)
+            if not times:
+                raise errors[0]
             got = self.chosen[key] = (min(times, key=times.get), times)
         return got
 
     def describe(self) -> list[dict]:
-        return [{"class": k, "runs": c, **{f"{n}_ms": round(t * 1e3, 4) for n, t in times.items()}}
-                for k, (c, times) in self.chosen.items()]
+        out = [{"class": k, "runs": c, **{f"{n}_ms": round(t * 1e3, 4) for n, t in times.items()}}
+               for k, (c, times) in self.chosen.items()]
+        return out + [{"class": k, "failed": n, "error": e} for (k, n), e in self.failed.items()]
 
 
 def list_route(routes: RouteTimes, phase: str, q, k, v, prepared, deterministic: bool,
@@ -131,5 +143,6 @@ def list_route(routes: RouteTimes, phase: str, q, k, v, prepared, deterministic:
     choice, times = got
     if choice != "triton":
         return choice, None
-    t, name = min((t, n) for n, t in times.items() if n != "triton")
-    return "triton", f"measured fastest here: {times['triton'] * 1e3:.3f} ms against FA4's {name} {t * 1e3:.3f} ms"
+    fa4 = min(((t, n) for n, t in times.items() if n != "triton"), default=None)
+    against = "no FA4 route that ran" if fa4 is None else f"FA4's {fa4[1]} {fa4[0] * 1e3:.3f} ms"
+    return "triton", f"measured fastest here: {times['triton'] * 1e3:.3f} ms against {against}"
