@@ -42,6 +42,7 @@ TOL = 2e-5  # float32 kernels against the float64 reference
 MASKS = {"streaming": lambda: mcp.masks.streaming(S, 4, 129),  # 3 varlen calls or one block-sparse call with
          # every block partial: the prior's forward is FA4's, its backward Triton's (the partial-block rule)
          "causal": lambda: mcp.masks.causal(S),  # one dense call
+         "strided": lambda: mcp.masks.strided(S, 16, 2, local_blocks=1),  # 16 varlen calls, no block-sparse form
          "packed": lambda: mcp.masks.varlen([0, 100, 300, S], causal=True)}  # one varlen call
 
 
@@ -124,6 +125,18 @@ def test_one_varlen_call_is_timed_but_one_dense_call_never():
     be.backward(q, k, v, ref.out, ref.lse, do, prep, 0.25)
     assert be.last_path.startswith("triton (") and "partial blocks" in be.last_path
     assert be.describe()["routes"] == []
+
+
+def test_many_varlen_calls_without_a_block_form_are_not_timed():
+    """16 varlen calls and rows of more than two key intervals in a block: the prior's Triton, nothing timed (FA4
+    has no candidate worth timing: each call a launch)."""
+    tiles, (q, k, v, do), ref = _case("strided")
+    be = FA4Backend(functions=EMULATED, timer=ScriptedTimer())  # any timing fails
+    prep = be.prepare(tiles, S, S)
+    assert len(prep.calls.fwd) == 16 and prep.calls.blocks is None
+    out, _ = be.forward(q, k, v, prep, 0.25)
+    assert be.last_path.startswith("triton (16 varlen calls") and be.describe()["routes"] == []
+    torch.testing.assert_close(out, ref.out, rtol=TOL, atol=TOL)
 
 
 def test_deterministic_mode_times_nothing():

@@ -55,11 +55,11 @@ MAX_TIMED_VARLEN_CALLS = 8
 
 
 def fa4_routes(calls, phase: str) -> tuple[str, ...]:
-    """FA4's ways to run the list's ``phase``: "varlen" (its calls, up to ``MAX_TIMED_VARLEN_CALLS`` of them, or
-    however many where there is no block-sparse form) and "blocks" (one block-sparse call) where that form
-    exists (``calls.blocks``: every list of more than two calls that has one, and lists of whole blocks)."""
+    """FA4's ways to run the list's ``phase`` worth timing: "varlen" (its calls, up to ``MAX_TIMED_VARLEN_CALLS``
+    of them) and "blocks" (one block-sparse call) where that form exists (``calls.blocks``: every list of more
+    than two calls that has one, and lists of whole blocks)."""
     runs = calls.fwd if phase == "fwd" else calls.bwd
-    out = ("varlen",) if len(runs) <= MAX_TIMED_VARLEN_CALLS or calls.blocks is None else ()
+    out = ("varlen",) if len(runs) <= MAX_TIMED_VARLEN_CALLS else ()
     return out + (("blocks",) if calls.blocks is not None else ())
 
 
@@ -135,7 +135,8 @@ def list_route(routes: RouteTimes, phase: str, q, k, v, prepared, deterministic:
     key = prepared._classes[sig]
     got = routes.chosen.get(key) if key is not None else None
     if got is None and key is not None and candidates is not None and routes.can_time(q):
-        fns = candidates(fa4_routes(calls, phase) + ("triton",))
+        ways = fa4_routes(calls, phase)
+        fns = candidates(ways + ("triton",)) if ways else None
         if fns is not None:
             got = routes.choose(key, fns)
     if got is None:
