@@ -179,7 +179,7 @@ class Fa4Prepared:
     _device: dict = field(default_factory=dict)  # (device, direction) -> [Run]
     _triton: object = None  # the Triton fallback's prepared list, built on first fallback
     _sparse: object = None  # fa4_sparse.SparseStatic, built on the first call with a BlockKeep
-    _classes: dict = field(default_factory=dict)  # input signature -> measured.route_class (None: no choice)
+    _routes: dict = field(default_factory=dict)  # input signature -> (route, reason): measured.list_route
 
     def sparse(self) -> "fa4_sparse.SparseStatic":
         """The list's per-head block-sparse static part (host, built once)."""

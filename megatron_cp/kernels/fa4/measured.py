@@ -85,13 +85,12 @@ class RouteTimes:
 
     timer: Callable[[Callable[[], object]], float] | None = None
     chosen: dict = field(default_factory=dict)
+    failed: dict = field(default_factory=dict)  # (class, candidate) -> the error a timed candidate raised
 
     def can_time(self, q: torch.Tensor) -> bool:
         if self.timer is not None:
             return True
         return q.is_cuda and not torch.cuda.is_current_stream_capturing()
-
-    failed: dict = field(default_factory=dict)  # (class, candidate) -> the error a timed candidate raised
 
     def choose(self, key: tuple, candidates: dict) -> tuple:
         """(fastest, {name: seconds}) of ``key``: timed now on the first meeting of its class, kept after. A
@@ -120,30 +119,38 @@ class RouteTimes:
 def list_route(routes: RouteTimes, phase: str, q, k, v, prepared, deterministic: bool,
                candidates: Callable | None) -> tuple[str, str | None]:
     """(route, reason) of the list ``prepared``'s ``phase``: "varlen" / "blocks" (FA4's) with None, or "triton"
-    with why - a rule of ``calls.py`` where nothing was measured, or Triton measured fastest here.
+    with why - a rule of ``calls.py`` where nothing was measured, or Triton measured fastest here. Decided once per
+    list and input shape (kept in ``prepared._routes``: a layer call after the first is one look-up).
     ``candidates(names)``: makes this call's runs {name: run} of those routes, called only to time the class on
-    first meeting (None, or making None: they cannot be timed here; the class keeps the rules until a call can
-    time them)."""
+    first meeting (None, or making None: they cannot be timed here)."""
+    sig = (phase, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], v.shape[2])
+    known = prepared._routes.get(sig)
+    if known is not None:
+        return known
     calls = prepared.calls
     prior = calls.route(phase)
+    got, final = None, True
     if deterministic:  # the same kernels in every run, never a timing's pick; FA4's deterministic bwd is varlen
-        return (prior, calls.triton_reason(phase)) if prior == "triton" else ("varlen" if phase == "bwd" else prior,
-                                                                              None)
-    sig = (phase, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], v.shape[2])
-    if sig not in prepared._classes:  # a list's class is fixed for its inputs' shapes: found once
-        prepared._classes[sig] = route_class(phase, q, k, v, calls)
-    key = prepared._classes[sig]
-    got = routes.chosen.get(key) if key is not None else None
-    if got is None and key is not None and candidates is not None and routes.can_time(q):
-        ways = fa4_routes(calls, phase)
-        fns = candidates(ways + ("triton",)) if ways else None
-        if fns is not None:
-            got = routes.choose(key, fns)
+        prior = prior if prior == "triton" or phase == "fwd" else "varlen"
+    else:
+        key = route_class(phase, q, k, v, calls)
+        ways = fa4_routes(calls, phase) if key is not None else ()
+        got = routes.chosen.get(key) if ways else None
+        if got is None and ways:
+            if candidates is not None and routes.can_time(q):
+                fns = candidates(ways + ("triton",))  # None: Triton cannot run these inputs, the rules hold
+                got = routes.choose(key, fns) if fns is not None else None
+            else:  # the rules for this call; a CPU tensor is never timed, graph capture may end
+                final = not q.is_cuda
     if got is None:
-        return prior, calls.triton_reason(phase) if prior == "triton" else None
-    choice, times = got
-    if choice != "triton":
-        return choice, None
-    fa4 = min(((t, n) for n, t in times.items() if n != "triton"), default=None)
-    against = "no FA4 route that ran" if fa4 is None else f"FA4's {fa4[1]} {fa4[0] * 1e3:.3f} ms"
-    return "triton", f"measured fastest here: {times['triton'] * 1e3:.3f} ms against {against}"
+        out = (prior, calls.triton_reason(phase) if prior == "triton" else None)
+    elif got[0] != "triton":
+        out = (got[0], None)
+    else:
+        times = got[1]
+        fa4 = min(((t, n) for n, t in times.items() if n != "triton"), default=None)
+        against = "no FA4 route that ran" if fa4 is None else f"FA4's {fa4[1]} {fa4[0] * 1e3:.3f} ms"
+        out = ("triton", f"measured fastest here: {times['triton'] * 1e3:.3f} ms against {against}")
+    if final:
+        prepared._routes[sig] = out
+    return out
