@@ -14,8 +14,9 @@ varlen calls and its size in powers of two, and where it has a block-sparse form
 its partial-block fraction (tenths) and its block count in powers of two. One FA4 call on a dense layout is never
 timed: it is FA4's own best case.
 
-Timing (``cuda_time``): one untimed run (compilation, first-call work), the device synchronised, then three runs
-between CUDA events on the current stream. Only where the device can be timed: a CUDA tensor outside CUDA graph
+Timing (``cuda_time``): two untimed runs (compilation, the first replay's check), the device synchronised, then
+the fastest of three runs between CUDA events on the current stream, queued behind a spin so that GPU time alone
+counts. Only where the device can be timed: a CUDA tensor outside CUDA graph
 capture (or a timer the caller gives, as the CPU tests do), and not in deterministic mode (``TritonConfig
 (deterministic=True)``: every run must take the same kernels, and two close timings may order either way);
 elsewhere the rules of ``calls.py`` hold. A class whose candidates time within noise of each other may take
@@ -34,16 +35,27 @@ from .calls import BLOCK
 
 
 def cuda_time(fn: Callable[[], object], reps: int = 3) -> float:
-    """Seconds one ``fn()`` takes on the current CUDA stream (after one untimed run)."""
+    """Seconds of GPU time one ``fn()`` takes on the current CUDA stream: the fastest of ``reps`` runs.
+
+    Two untimed runs first: the first compiles and records (FA4's replayed launches), the second is a replay's
+    first, checked against FA4's own path (an extra run and a sync). The timed runs are queued behind a spin of
+    ``HOLD_CYCLES`` so that their host work (launches) is not counted: a route is chosen by GPU cost, the host
+    path is cut on its own."""
+    fn()
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+    torch.cuda._sleep(HOLD_CYCLES)
+    marks[0].record()
+    for m in marks[1:]:
         fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
+        m.record()
+    marks[-1].synchronize()
+    return min(a.elapsed_time(b) for a, b in zip(marks, marks[1:])) / 1e3
+
+
+# ~2 ms of a GPU clock near 2 GHz: longer than the host needs to issue a candidate's timed runs
+HOLD_CYCLES = 4_000_000
 
 
 def _log2(x: float) -> int:
