@@ -12,8 +12,8 @@ not failed). The default mode runs too (for Triton where it sends pieces to cuDN
                 key buffer, as the distributed runtime calls the backend
     sparse      causal and docs_causal at S 4096 under a random per-head BlockKeep (blocks 128, 256) with an lse
                 gradient; FA4's per-call block lists built with a host synchronisation an error
-Always forward_accumulate (two stages == one) and float32 inputs; --big: S = 131072 (no NaN, peak memory < 4 x
-the inputs). Each case records the paths its runs took (``last_path``: [forward's, backward's]).
+Always forward_accumulate (two stages == one), float32 inputs and (on a GPU) the runtime's row kernels against
+torch; --big: S = 131072 (no NaN, peak memory < 4 x the inputs). Each case records the paths its runs took (``last_path``: [forward's, backward's]).
 
 Usage: python tools/gpu_kernel_check.py [--backend auto|triton|fa4] [--seqlens 1024 4096 16384] [--big]
        [--parts matrix,bands,rank_lists,sparse] [--out DIR]
@@ -236,6 +236,46 @@ def extra_checks(be, s, d, hq, hkv, low_dtype):
     return out
 
 
+def row_kernel_checks(calls=4):
+    """The runtime's row moves and merges (kernels/rows.py, merge.py: launched through kernels.fast_launch, whose
+    cache serves every call after a key's first) against torch, ``calls`` calls per case on tensors at aligned and
+    unaligned offsets: exact for moves and sums, 1e-5 (relative and absolute: lse near 0) for the merge."""
+    from megatron_cp.kernels import copy_row_pairs, copy_rows, reduce_rows
+    from megatron_cp.kernels.merge import merge_into
+    out, g = [], torch.Generator(device=DEV).manual_seed(3)
+    for dt, off, n in itertools.product((torch.bfloat16, torch.float32), (0, 1, 8), (1, 37, 4096)):
+        ok, what = True, f"{str(dt).split('.')[-1]} offset {off} rows {n}"
+        for i in range(calls):
+            src = torch.randn(n + 64 + off, 8, 128, device=DEV, generator=g).to(dt)[off:]
+            src2 = torch.randn(n + 64, 8, 64, device=DEV, generator=g).to(dt)
+            si = torch.randperm(n + 64, device=DEV, generator=g)[:n]
+            di = torch.randperm(n + 64, device=DEV, generator=g)[:n]
+            dst, dst2 = torch.zeros_like(src), torch.zeros_like(src2)
+            copy_rows(dst, src, di, si)
+            copy_row_pairs(dst, src, dst2, src2, None, si)
+            want, want2 = torch.zeros_like(src), torch.zeros_like(src2)
+            want.index_copy_(0, di, src[si])
+            want[:n], want2[:n] = src[si], src2[si]
+            ok &= bool(torch.equal(dst, want)) and bool(torch.equal(dst2, want2))
+            rows = torch.arange(0, n, 2, device=DEV)
+            ptr = torch.arange(0, 2 * len(rows) + 1, 2, device=DEV)
+            pos = torch.randint(0, n + 64, (2 * len(rows),), device=DEV, generator=g)
+            red, parts = src.clone(), src2[:, :, :64].repeat(1, 1, 2).contiguous()
+            reduce_rows(red, parts, rows, ptr, pos)
+            ref = src.float().clone()
+            ref[rows] = (ref[rows] + parts.float()[pos[0::2]]) + parts.float()[pos[1::2]]  # the kernel's order
+            ok &= bool(torch.equal(red, ref.to(dt)))
+            acc = torch.randn(n, 8, 128, device=DEV, generator=g)
+            lse, o, lo = torch.randn(n, 8, device=DEV, generator=g), src[:n], torch.randn(n, 8, device=DEV, generator=g)
+            m = torch.maximum(lse, lo)
+            want_l = m + torch.log(torch.exp(lse - m) + torch.exp(lo - m))
+            want_a = acc * torch.exp(lse - want_l)[..., None] + o.float() * torch.exp(lo - want_l)[..., None]
+            merge_into(acc, lse, o, lo)
+            ok &= all(bool(torch.allclose(x, y, rtol=1e-5, atol=1e-5)) for x, y in ((acc, want_a), (lse, want_l)))
+        out.append({"check": f"rows {what}", "S": n, "last_path": "triton rows (fast launch)", "pass": ok})
+    return out
+
+
 def big_runs(be, s=131072, hq=32, hkv=8, d=128):
     """bf16 at S = 131072: no NaN, peak memory under 4 x the inputs (no S^2 buffers)."""
     out = []
@@ -315,7 +355,7 @@ def main():
             del keep
             torch.cuda.empty_cache()
         bar.running("accumulate, float32" + (", S=131072 runs" if args.big else ""))
-        big = extra_checks(be_det, *extra)
+        big = extra_checks(be_det, *extra) + (row_kernel_checks() if DEV == "cuda" else [])
         roles = {"default": be, "deterministic": be_det, "band_squares_2048": be_band}
         if args.big:
             roles["big"] = make_backend(args.backend, overrides, dense_fast_path=False)
