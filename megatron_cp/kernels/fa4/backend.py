@@ -348,7 +348,7 @@ class FA4Backend:
                                                                 out=o, lse=lse, **run.kw))
 
     def forward(self, q, k, v, prepared: Fa4Prepared, softmax_scale=None, keep=None):
-        """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q's dtype), lse [sq, Hq] float32.
+        """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q's dtype), lse [sq, Hq] float32 (a head-major view).
         keep: None or a BlockKeep (per-head block selection): one per-head block-sparse FA4 call."""
         if keep is not None:
             return self._sparse_forward(q, k, v, prepared, softmax_scale, keep)
@@ -375,7 +375,7 @@ class FA4Backend:
         for a, b in prepared.calls.row_gaps:  # after the launch: FA4 owns only the rows it covers
             out[a:b] = 0
             lse_hm[:, a:b] = float("-inf")
-        return out, lse_hm.t().contiguous()
+        return out, lse_hm.t()  # FA4's head-major lse as a view: the backward takes it back without a copy
 
     def forward_accumulate(self, q, k, v, prepared: Fa4Prepared, softmax_scale, out, lse) -> None:
         """Merge the list into the running (out [sq, Hq, D], lse [sq, Hq]) in place (protocol)."""
@@ -539,7 +539,7 @@ class FA4Backend:
         out = torch.empty(_out_shape(q, v), device=q.device, dtype=q.dtype)
         lse_hm = torch.empty(hq, sq, device=q.device, dtype=cdt)
         self._run_fwd(q, k, v, run, self._scale(softmax_scale, q), out, lse_hm)
-        return out, lse_hm.t().contiguous()
+        return out, lse_hm.t()
 
     def _sparse_backward(self, q, k, v, out, lse, dout, prepared: Fa4Prepared, softmax_scale, delta, keep):
         if self._sparse_fallback("bwd", q, k, v, prepared, keep) is not None:
