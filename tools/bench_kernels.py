@@ -16,7 +16,8 @@ backward); ours' paths and Triton block configs; fwd_vs_P / bwd_vs_P = peer P's 
 *_vs_best against the fastest (best_*_peer). --tune times candidate block configs of TritonBackend per phase
 instead: OUT/tune<tag>.json, the fastest per row class in OUT/tuned_configs.json (configs_from_json's format).
 
-Usage: python tools/bench_kernels.py [--seqlens 16384 4096] [--masks ...] [--tune] [--out DIR]
+Usage: python tools/bench_kernels.py [--seqlens 16384 4096] [--masks ...] [--peers flex_flash,fa4,cudnn] [--tune]
+       [--out DIR]
        python tools/bench_kernels.py --dry-run   # CPU, Triton's interpreter, no peers; its times mean nothing
 Writes OUT/bench_kernels<tag>.json and .png; ends with a table on stdout.
 """
@@ -50,6 +51,7 @@ HQ, HKV, D, DEVICE, DTYPE = 32, 8, 128, "cuda", torch.bfloat16
 BENCH_MS = {"warmup": 50, "rep": 200}  # --tune uses shorter runs
 PEERS = ("flex", "flex_flash", "fa4", "cudnn")  # what ours is compared with (ratios, best peer)
 IMPLS = ("ours", "triton", "ours_triton") + PEERS  # print, table and plot order
+PEERS_ON = set(PEERS)  # --peers
 OWN_ALTERNATIVES = ("triton", "ours_triton")  # our other paths: in *_vs_best beside the peers
 FA4_MASKS = ("full", "causal", "docs_causal", "sliding_window_1024")  # the masks FA4 expresses natively
 
@@ -264,6 +266,7 @@ def run_case(s, name, backends, inputs, bar):
              "flex_flash": lambda: time_flex(name, s, q, k, v, do, backend="FLASH"),
              "fa4": lambda: time_fa4(name, s, q, k, v, do), "cudnn": lambda: time_cudnn(causal, q, k, v, do)}
     ran = {"fa4": name in FA4_MASKS, "cudnn": causal is not None, "flex": True, "flex_flash": True}
+    ran = {p: ok and p in PEERS_ON for p, ok in ran.items()}
     for impl in [*ours, *(p for p in peers if ran[p] and DEVICE == "cuda")]:  # the peers run on the GPU alone
         bar.running(f"S={s} {name} {impl}")
         try:
@@ -290,7 +293,14 @@ def main():
     ap.add_argument("--seqlens", type=int, nargs="+", default=None, help="default 16384 (a dry run: 256)")
     ap.add_argument("--masks", nargs="+", default=None, help="catalog masks (default: see above)")
     ap.add_argument("--tune", action="store_true", help="time candidate block configs instead")
+    ap.add_argument("--peers", default=",".join(PEERS), help="comma list of the peers to time (default: all of "
+                    + ", ".join(PEERS) + "; each flex peer compiles per mask and size)")
     args = ap.parse_args()
+    unknown = set(args.peers.split(",")) - set(PEERS)
+    if unknown:
+        ap.error(f"--peers: unknown {sorted(unknown)}")
+    PEERS_ON.clear()
+    PEERS_ON.update(args.peers.split(","))
     global HQ, HKV, D, DEVICE, DTYPE
     overrides = {}  # the dry run's blocks
     if args.dry_run:  # fp16: the interpreter computes bf16 tl.dot wrongly; 64 x 64 blocks: fewest interpreted steps
