@@ -237,9 +237,8 @@ def extra_checks(be, s, d, hq, hkv, low_dtype):
 
 
 def row_kernel_checks(calls=4):
-    """The runtime's row moves and merges (kernels/rows.py, merge.py: launched through kernels.fast_launch, whose
-    cache serves every call after a key's first) against torch, ``calls`` calls per case on tensors at aligned and
-    unaligned offsets: exact for moves and sums, 1e-5 (relative and absolute: lse near 0) for the merge."""
+    """The runtime's row moves and merges (kernels/rows.py, merge.py) against torch, ``calls`` calls per case on
+    tensors at aligned and unaligned offsets: exact for moves and sums, 1e-5 (relative and absolute: lse near 0) for the merge."""
     from megatron_cp.kernels import copy_row_pairs, copy_rows, reduce_rows
     from megatron_cp.kernels.merge import merge_into
     out, g = [], torch.Generator(device=DEV).manual_seed(3)
@@ -272,7 +271,7 @@ def row_kernel_checks(calls=4):
             want_a = acc * torch.exp(lse - want_l)[..., None] + o.float() * torch.exp(lo - want_l)[..., None]
             merge_into(acc, lse, o, lo)
             ok &= all(bool(torch.allclose(x, y, rtol=1e-5, atol=1e-5)) for x, y in ((acc, want_a), (lse, want_l)))
-        out.append({"check": f"rows {what}", "S": n, "last_path": "triton rows (fast launch)", "pass": ok})
+        out.append({"check": f"rows {what}", "S": n, "last_path": "triton rows", "pass": ok})
     return out
 
 

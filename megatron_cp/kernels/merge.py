@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .fast_launch import FastLaunch
-
 
 @triton.jit
 def _side(L, r64, ok, n_heads, n_rows, REV: tl.constexpr):
@@ -70,9 +68,6 @@ def _merge_kernel(ACC, LSE, O, L, O2, L2, n_rows, n_heads, HEAD_DIM: tl.constexp
         new += tl.where(wc[:, None] > 0.0, o2 * wc[:, None], 0.0)
     tl.store(ACC + off, new.to(ACC.dtype.element_ty), mask=ok[:, None])
     tl.store(LSE + r64, tl.where(keep, m0 + tl.log(tot_s), float("-inf")), mask=ok)
-
-
-_merge = FastLaunch(_merge_kernel)  # launched per merged run: the host cost of a launch only
 
 
 def merge_torch(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
@@ -132,6 +127,6 @@ def merge_into(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.T
     block = max(1, min(64, 8192 // d))
     lf = [y.float() if y.dtype != torch.float32 else y for _, y in parts]
     two = o2 is not None
-    _merge[(triton.cdiv(n, block),)](acc, lse, o, lf[0], o2 if two else o, lf[-1], n, lse.shape[1],
-                                     HEAD_DIM=d, BLOCK_R=block, REV=bool(reverse), TWO=two,
-                                     REV2=bool(reverse2) and two, FRESH=bool(fresh), num_warps=4)
+    _merge_kernel[(triton.cdiv(n, block),)](acc, lse, o, lf[0], o2 if two else o, lf[-1], n, lse.shape[1],
+                                            HEAD_DIM=d, BLOCK_R=block, REV=bool(reverse), TWO=two,
+                                            REV2=bool(reverse2) and two, FRESH=bool(fresh), num_warps=4)

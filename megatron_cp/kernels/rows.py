@@ -17,8 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .fast_launch import FastLaunch
-
 BLOCK_R = 8
 
 
@@ -83,12 +81,6 @@ def _reduce_rows_kernel(DST, PARTS, ROWS, PTR, POS, n, width, stride_d, stride_p
         tl.store(DST + row * stride_d + c, acc.to(DST.dtype.element_ty), mask=m)
 
 
-# each layer call launches these several times with arguments of the same kinds (fast_launch.py)
-_copy_rows = FastLaunch(_copy_rows_kernel)
-_copy_row_pairs = FastLaunch(_copy_row_pairs_kernel)
-_reduce_rows = FastLaunch(_reduce_rows_kernel)
-
-
 def _rows2d(t: torch.Tensor) -> torch.Tensor:
     """[rows, ...] with the trailing dims one dense block per row -> a [rows, width] view."""
     if t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1):
@@ -147,7 +139,7 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor | None
         # a layout the kernel's row view cannot address; one dense copy of the source rows
         src = src.contiguous()
     d2, s2, width = _pair2d(dst, src, "src")
-    _copy_rows[(triton.cdiv(n, BLOCK_R),)](
+    _copy_rows_kernel[(triton.cdiv(n, BLOCK_R),)](
         d2, s2, dst_idx if dst_idx is not None else d2, src_idx if src_idx is not None else s2, n, width,
         d2.stride(0), s2.stride(0), HAS_DST_IDX=dst_idx is not None, HAS_SRC_IDX=src_idx is not None,
         BLOCK_R=BLOCK_R, BLOCK_W=_block_w(width), num_warps=4)
@@ -167,7 +159,7 @@ def copy_row_pairs(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor
     src_a, src_b = (s if _dense_rows(s) else s.contiguous() for s in (src_a, src_b))
     da, sa, wa = _pair2d(dst_a, src_a, "src")
     db, sb, wb = _pair2d(dst_b, src_b, "src")
-    _copy_row_pairs[(triton.cdiv(n, BLOCK_R), 2)](
+    _copy_row_pairs_kernel[(triton.cdiv(n, BLOCK_R), 2)](
         da, sa, db, sb, dst_idx if dst_idx is not None else da, src_idx if src_idx is not None else sa, n, wa, wb,
         da.stride(0), sa.stride(0), db.stride(0), sb.stride(0), HAS_DST_IDX=dst_idx is not None,
         HAS_SRC_IDX=src_idx is not None, BLOCK_R=BLOCK_R, BLOCK_W=_block_w(max(wa, wb)), num_warps=4)
@@ -188,5 +180,5 @@ def reduce_rows(dst: torch.Tensor, parts: torch.Tensor, rows: torch.Tensor, ptr:
         dst.index_copy_(0, rows, acc.to(dst.dtype))
         return
     d2, p2, width = _pair2d(dst, parts, "parts")
-    _reduce_rows[(len(rows),)](d2, p2, rows, ptr, pos, len(rows), width, d2.stride(0), p2.stride(0),
+    _reduce_rows_kernel[(len(rows),)](d2, p2, rows, ptr, pos, len(rows), width, d2.stride(0), p2.stride(0),
                                       BLOCK_W=_block_w(width), num_warps=4)

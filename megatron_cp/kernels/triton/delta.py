@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fast_launch import FastLaunch
-
 BLOCK_S = 64
 
 
@@ -40,9 +38,6 @@ def row_delta_kernel(O, DO, DLSE, DELTA, stride_os, stride_oh, stride_dos, strid
     tl.store(DELTA + h.to(tl.int64) * sq + offs64, delta, mask=ok)
 
 
-_row_delta = FastLaunch(row_delta_kernel)
-
-
 def row_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None) -> torch.Tensor:
     """delta = rowsum(dout * out) - dlse as an fp32 [sq, Hq] view of a head-major [Hq, sq] buffer.
 
@@ -60,7 +55,7 @@ def row_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None =
     delta = torch.empty(hq, sq, device=out.device, dtype=torch.float32)
     if sq > 0 and hq > 0:
         dl = dlse if dlse is not None else delta
-        _row_delta[(triton.cdiv(sq, BLOCK_S), hq)](
+        row_delta_kernel[(triton.cdiv(sq, BLOCK_S), hq)](
             out, dout, dl, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
             dl.stride(0) if dlse is not None else 0, dl.stride(1) if dlse is not None else 0, sq,
             HAS_DLSE=dlse is not None, HEAD_DIM=block_dim(d), DIM=d, BLOCK=BLOCK_S, num_warps=4,

@@ -11,14 +11,9 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..config import KernelConfig
-from ..fast_launch import FastLaunch
 from .bwd import attn_bwd_dkdv_kernel, attn_bwd_dkdv_reduce_kernel, attn_bwd_dq_kernel
 from .delta import block_dim
 from .fwd import LOG2E, attn_fwd_kernel
-
-# ~40 arguments a launch: Triton's generic path would cost the host more than many of these kernels take
-_fwd, _dkdv, _dkdv_reduce, _dq = map(FastLaunch, (attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dkdv_reduce_kernel,
-                                                  attn_bwd_dq_kernel))
 
 __all__ = ["launch_dkdv", "launch_dq", "launch_fwd", "plain_dims"]
 
@@ -82,7 +77,7 @@ def launch_fwd(c: KernelConfig, q, k, v, out, lse, prepared, scale: float, accum
         return
     tma = _use_tma(c, q) and plain_dims(q, v)
     kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
-    _fwd[(nm * hq,)](
+    attn_fwd_kernel[(nm * hq,)](
         q, k, v, out, lse, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), sb, se,
@@ -109,7 +104,7 @@ def launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared, sc
         wv = torch.empty(w.n_slots, hkv, c.block_n, block_dim(v.shape[2]), device=q.device, dtype=torch.float32)
     else:
         wk = wv = dk  # unused
-    _dkdv[(w.n.shape[0] * hkv,)](
+    attn_bwd_dkdv_kernel[(w.n.shape[0] * hkv,)](
         q, k, v, dout, lse, delta, dk, dv, qd, dod, desc, cols.ptr, cols.mid, cols.off, cols.tile,
         w.n, w.seg, w.nseg, w.slot, wk, wv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -121,7 +116,7 @@ def launch_dkdv(c: KernelConfig, q, k, v, dout, lse, delta, dk, dv, prepared, sc
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if w.n_slots:
-        _dkdv_reduce[(w.red_n.shape[0] * hkv,)](
+        attn_bwd_dkdv_reduce_kernel[(w.red_n.shape[0] * hkv,)](
             wk, wv, dk, dv, w.red_n, w.red_slot0, w.red_nseg,
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), sk, hkv,
             BLOCK_N=c.block_n, **_dims(q, v), num_warps=4,
@@ -137,7 +132,7 @@ def launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, prepared, scale: f
     nm = rows.order.shape[1]
     tma = _use_tma(c, q) and plain_dims(q, v)
     kd, vd = (_descriptor(x, c.block_n) for x in (k, v)) if tma else (k, v)
-    _dq[(nm * hq,)](
+    attn_bwd_dq_kernel[(nm * hq,)](
         q, k, v, dout, lse, delta, dq, kd, vd, desc, rows.ptr, rows.mid, rows.order, rows.off, rows.tile,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), lse.stride(1),
