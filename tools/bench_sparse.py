@@ -202,6 +202,8 @@ def sparse_case(method, sel, mask, t: dict, be, clock, dense: dict, args, plans:
          "kernel_fwd_ms": kf, "kernel_bwd_ms": kb, "kernel_path": path,
          **{f"dense_{x}": dense[x] for x in ("fwd_ms", "bwd_ms", "kernel_fwd_ms", "kernel_bwd_ms", "kernel_path")},
          "speedup_fwd": dense["fwd_ms"] / f, "speedup_bwd": dense["bwd_ms"] / b,
+         # what "sparse never loses to dense" reads: <= 1 on every row, forward and backward
+         "sparse_over_dense_fwd": f / dense["fwd_ms"], "sparse_over_dense_bwd": b / dense["bwd_ms"],
          "kernel_speedup_fwd": dense["kernel_fwd_ms"] / kf, "kernel_speedup_bwd": dense["kernel_bwd_ms"] / kb,
          "kernel_tflops_fwd": flops / kf / 1e9, "kernel_tflops_bwd": 2.5 * flops / kb / 1e9,
          "dense_tflops_fwd": dense["tflops_fwd"], "dense_tflops_bwd": dense["tflops_bwd"]}
