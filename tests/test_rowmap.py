@@ -95,6 +95,16 @@ def test_copy_rows_and_reduce_rows(use_triton):
     reduce_rows(out, parts[:, :h], rows, ptr, order, use_triton=use_triton)
     assert torch.equal(out, expect.half())  # one rounding of the fp32 sum
     assert torch.equal(out[[2, 3, 5]], dst[[2, 3, 5]])  # rows without partials untouched
+    # dK and dV in one launch: the two halves of one received buffer, widths of their own (MLA: 3 x 8 and 2 x 8 here)
+    from megatron_cp.kernels.rows import reduce_row_pairs
+    buf = torch.randn(7, h * 5 * 8, generator=g).half()
+    pa, pb = buf[:, :h * 3 * 8].unflatten(1, (h, 24)), buf[:, h * 3 * 8:].unflatten(1, (h, 16))
+    da, db = torch.randn(6, h, 24, generator=g).half(), torch.randn(6, h, 16, generator=g).half()
+    ea, eb, da0 = da.clone(), db.clone(), da.clone()
+    reduce_rows(ea, pa, rows, ptr, order, use_triton=use_triton)
+    reduce_rows(eb, pb, rows, ptr, order, use_triton=use_triton)
+    reduce_row_pairs(da, pa, db, pb, rows, ptr, order, use_triton=use_triton)
+    assert torch.equal(da, ea) and torch.equal(db, eb) and not torch.equal(da[rows], da0[rows])
 
 
 @pytest.mark.parametrize("use_triton", [False, True])  # torch index ops / the Triton kernel (interpreter)

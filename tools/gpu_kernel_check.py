@@ -237,9 +237,10 @@ def extra_checks(be, s, d, hq, hkv, low_dtype):
 
 
 def row_kernel_checks(calls=4):
-    """The runtime's row moves and merges (kernels/rows.py, merge.py) against torch, ``calls`` calls per case on
-    tensors at aligned and unaligned offsets: exact for moves and sums, 1e-5 (relative and absolute: lse near 0) for the merge."""
-    from megatron_cp.kernels import copy_row_pairs, copy_rows, reduce_rows
+    """The runtime's row moves, sums (one pair and two) and merges (kernels/rows.py, merge.py) against torch,
+    ``calls`` calls per case on tensors at aligned and unaligned offsets: exact for moves and sums, 1e-5 (relative
+    and absolute: lse near 0) for the merge."""
+    from megatron_cp.kernels import copy_row_pairs, copy_rows, reduce_row_pairs, reduce_rows
     from megatron_cp.kernels.merge import merge_into
     out, g = [], torch.Generator(device=DEV).manual_seed(3)
     for dt, off, n in itertools.product((torch.bfloat16, torch.float32), (0, 1, 8), (1, 37, 4096)):
@@ -264,6 +265,12 @@ def row_kernel_checks(calls=4):
             ref = src.float().clone()
             ref[rows] = (ref[rows] + parts.float()[pos[0::2]]) + parts.float()[pos[1::2]]  # the kernel's order
             ok &= bool(torch.equal(red, ref.to(dt)))
+            # dK and dV in one launch (widths of their own) == one launch each
+            pb, red_a, red_b = parts[:, :, :64].contiguous(), src.clone(), src[:, :, :64].clone()
+            want_b = red_b.clone()
+            reduce_rows(want_b, pb, rows, ptr, pos)
+            reduce_row_pairs(red_a, parts, red_b, pb, rows, ptr, pos)
+            ok &= bool(torch.equal(red_a, red)) and bool(torch.equal(red_b, want_b))
             acc = torch.randn(n, 8, 128, device=DEV, generator=g)
             lse, o, lo = torch.randn(n, 8, device=DEV, generator=g), src[:n], torch.randn(n, 8, device=DEV, generator=g)
             m = torch.maximum(lse, lo)

@@ -65,9 +65,7 @@ def _copy_row_pairs_kernel(DA, SA, DB, SB, DST_IDX, SRC_IDX, n, width_a, width_b
 
 
 @triton.jit
-def _reduce_rows_kernel(DST, PARTS, ROWS, PTR, POS, n, width, stride_d, stride_p,
-                        BLOCK_W: tl.constexpr):
-    i = tl.program_id(0)
+def _reduce_row(DST, PARTS, ROWS, PTR, POS, i, width, stride_d, stride_p, BLOCK_W: tl.constexpr):
     row = tl.load(ROWS + i).to(tl.int64)
     p0 = tl.load(PTR + i)
     p1 = tl.load(PTR + i + 1)
@@ -79,6 +77,22 @@ def _reduce_rows_kernel(DST, PARTS, ROWS, PTR, POS, n, width, stride_d, stride_p
             pr = tl.load(POS + j).to(tl.int64)
             acc += tl.load(PARTS + pr * stride_p + c, mask=m, other=0.0).to(tl.float32)
         tl.store(DST + row * stride_d + c, acc.to(DST.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _reduce_rows_kernel(DST, PARTS, ROWS, PTR, POS, n, width, stride_d, stride_p,
+                        BLOCK_W: tl.constexpr):
+    _reduce_row(DST, PARTS, ROWS, PTR, POS, tl.program_id(0), width, stride_d, stride_p, BLOCK_W)
+
+
+@triton.jit
+def _reduce_row_pairs_kernel(DA, PA, DB, PB, ROWS, PTR, POS, n, width_a, width_b, stride_da, stride_pa, stride_db,
+                             stride_pb, BLOCK_W: tl.constexpr):
+    # program_id(1) picks the pair: dK and dV through the same rows in one launch
+    if tl.program_id(1) == 0:
+        _reduce_row(DA, PA, ROWS, PTR, POS, tl.program_id(0), width_a, stride_da, stride_pa, BLOCK_W)
+    else:
+        _reduce_row(DB, PB, ROWS, PTR, POS, tl.program_id(0), width_b, stride_db, stride_pb, BLOCK_W)
 
 
 def _rows2d(t: torch.Tensor) -> torch.Tensor:
@@ -182,3 +196,21 @@ def reduce_rows(dst: torch.Tensor, parts: torch.Tensor, rows: torch.Tensor, ptr:
     d2, p2, width = _pair2d(dst, parts, "parts")
     _reduce_rows_kernel[(len(rows),)](d2, p2, rows, ptr, pos, len(rows), width, d2.stride(0), p2.stride(0),
                                       BLOCK_W=_block_w(width), num_warps=4)
+
+
+def reduce_row_pairs(dst_a: torch.Tensor, parts_a: torch.Tensor, dst_b: torch.Tensor, parts_b: torch.Tensor,
+                     rows: torch.Tensor, ptr: torch.Tensor, pos: torch.Tensor, use_triton=None) -> None:
+    """``reduce_rows`` of two pairs through the same rows (dK and dV; their widths may differ, as MLA's) in one
+    launch on a GPU, as ``copy_row_pairs``."""
+    if len(rows) == 0:
+        return
+    if (not _triton_ok(dst_a, use_triton) or dst_a.dtype == torch.float64 or dst_a.dtype != dst_b.dtype
+            or parts_a.dtype != parts_b.dtype):
+        reduce_rows(dst_a, parts_a, rows, ptr, pos, use_triton)
+        reduce_rows(dst_b, parts_b, rows, ptr, pos, use_triton)
+        return
+    da, pa, wa = _pair2d(dst_a, parts_a, "parts")
+    db, pb, wb = _pair2d(dst_b, parts_b, "parts")
+    _reduce_row_pairs_kernel[(len(rows), 2)](da, pa, db, pb, rows, ptr, pos, len(rows), wa, wb, da.stride(0),
+                                             pa.stride(0), db.stride(0), pb.stride(0),
+                                             BLOCK_W=_block_w(max(wa, wb)), num_warps=4)

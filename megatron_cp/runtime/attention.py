@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..comm import COMM_LEAD_US, all_to_all_v, cast_steps, comm_lead, grad_buffer, reduce_steps
-from ..kernels import accumulate_dtype, reduce_rows
+from ..kernels import accumulate_dtype, reduce_row_pairs
 from ..planner import Plan, Workload
 from . import guests
 from .cost import CostModel
@@ -167,8 +167,7 @@ class _SingleExchangeAttention(torch.autograd.Function):
         dk, dv = ex.own_rows.gather(dk_buf), ex.own_rows.gather(dv_buf)
         if back is not None and back[0].shape[0]:
             # rows with partials from other ranks: summed in fp32 (fp64), in source order, rounded once
-            reduce_rows(dk, back[0], ex.red_rows, ex.red_ptr, ex.red_pos)
-            reduce_rows(dv, back[1], ex.red_rows, ex.red_ptr, ex.red_pos)
+            reduce_row_pairs(dk, back[0], dv, back[1], ex.red_rows, ex.red_ptr, ex.red_pos)
         if gr is not None:  # guest rows' dq back; dK/dV of the own keys from the rows computed here
             guests.finish_backward(gr, pend, dq)
             if dk_g is not None:
