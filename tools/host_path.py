@@ -17,8 +17,8 @@ phase (kernels and copies, streams merged: the timed micro-batches run again, ea
 micro-batch's own), the host time of a layer call (the forward call's wall; the backward's
 ``*AttentionBackward`` autograd nodes' host time), the first call of a new plan (state built there) and the wait
 for the planning helper. Writes OUT/host_path<tag>.json, OUT/host_path_profile<tag>.txt (the first row's last
-profiled micro-batch: host time by op) and OUT/host_path_pyprofile<tag>.txt (every row: one more micro-batch under
-cProfile, Python functions by own time).
+profiled micro-batch: host time by op) and OUT/host_path_pyprofile<tag>.txt (every row: one more micro-batch, then a
+new plan's first call, under cProfile: Python functions by own and cumulative time).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
     hq, hkv = heads
     seqlen, group = tokens * cp, dist.group.WORLD
     n_mb = a.warmup + a.iters
-    masks = masks_for(mask_name, seqlen, n_mb)
+    masks = masks_for(mask_name, seqlen, n_mb + 1)  # the last: a fresh plan whose first call is profiled alone
     work = Workload(hq, hkv, a.head_dim, a.dtype.itemsize)
 
     def make(mask):
@@ -179,6 +179,19 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
                     f"({a.layers} layers, forward then backward) under cProfile, by own time\n")
             pstats.Stats(py, stream=f).sort_stats("tottime").print_stats(30)
             pstats.Stats(py, stream=f).sort_stats("cumulative").print_stats(30)
+        # a new plan's first call (the rank's state built there: over a third of a forward at 8k tokens per rank)
+        plan = ahead[n_mb].result()
+        q, k, v = (t[:plan.num_local(a.rank)] for t in base[0])
+        sync()
+        py = cProfile.Profile()
+        py.enable()
+        mcp.attention(q, k, v, plan, group)
+        sync()
+        py.disable()
+        with open(a.pyprofile_path, "a") as f:
+            f.write(f"\n== {mask_name}, {tokens} tokens per rank, cp {cp}, heads {hq}:{hkv}, rank {a.rank}: a new plan's "
+                    "first forward call under cProfile, by cumulative time\n")
+            pstats.Stats(py, stream=f).sort_stats("cumulative").print_stats(40)
     if profile_path is not None:
         with open(profile_path, "w") as f:
             f.write(f"{mask_name}, {tokens} tokens per rank, cp {cp}, heads {hq}:{hkv}, rank {a.rank}: the last timed "
