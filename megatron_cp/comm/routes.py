@@ -85,20 +85,20 @@ class DeviceRoute:
     out_inv: torch.Tensor | None = None
 
     @classmethod
-    def from_route(cls, r, device) -> "DeviceRoute":
-        cuda = torch.device(device).type == "cuda"
-
-        def t(a):  # pinned and non_blocking: a plain .to(cuda) would synchronise the host with the queued kernels
-            if a is None:
-                return None
-            a = torch.from_numpy(a)
-            return a.pin_memory().to(device, non_blocking=True) if cuda else a
+    def from_route(cls, r, device, upload) -> "DeviceRoute":
+        """The route's index arrays on ``device``, each through ``upload(array, device)`` (the runtime passes
+        ``kernels.upload``: pinned staging, no host synchronisation with the queued kernels)."""
+        def t(a):
+            return None if a is None else upload(a, device)
 
         out = np.asarray(r.out_idx, dtype=np.int64) - r.n_local
         n_cat = int(sum(r.a_recv_counts)) + (int(sum(r.b_recv_counts)) if r.b_recv_counts is not None else 0)
         identity = len(out) == n_cat and bool(np.array_equal(out, np.arange(n_cat)))
         inv = None
-        if not identity and len(out) == n_cat and n_cat and len(np.unique(out)) == n_cat:
+        # a permutation: every place in range and taken once (a count per place: O(n), where np.unique's hashing
+        # took milliseconds of a new plan's first call at tens of thousands of rows)
+        if (not identity and len(out) == n_cat and n_cat and out.min() >= 0 and out.max() < n_cat
+                and bool((np.bincount(out, minlength=n_cat) == 1).all())):
             inv = np.empty(n_cat, dtype=np.int64)
             inv[out] = np.arange(n_cat)
         return cls(

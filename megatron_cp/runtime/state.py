@@ -320,7 +320,9 @@ def _single(plan: Plan, rank: int, device, backend: Backend, exchanges: bool) ->
     buffer_len = max(rp.buffer_len, 1)
     # returned partial rows grouped by the local row they add to (CSR, source order kept)
     red_order = np.argsort(send_index, kind="stable")
-    red_rows, red_counts = np.unique(send_index, return_counts=True)
+    red_counts = np.bincount(send_index, minlength=rp.num_tokens)  # send_index: local rows
+    red_rows = np.flatnonzero(red_counts)
+    red_counts = red_counts[red_rows]
     red_ptr = np.concatenate([[0], np.cumsum(red_counts)])
     own_identity = len(own_pos) == rp.num_tokens and bool(np.array_equal(own_pos, np.arange(rp.num_tokens)))
     return SingleExchange(
@@ -355,6 +357,6 @@ def _staged(plan: Plan, sched: Schedule, rank: int, device, backend: Backend) ->
     return StagedExchange(
         prepared=prepared,
         buf_len=[st.buf_len for st in stages],
-        routes=[None] + [DeviceRoute.from_route(st.route, device) for st in stages[1:]],
+        routes=[None] + [DeviceRoute.from_route(st.route, device, upload) for st in stages[1:]],
         active=[False] + list(sched.active),
     )

@@ -196,10 +196,7 @@ class XAttention:
         """[Hq] thresholds in ``dtype``."""
         th = self.threshold
         vals = list(th) if isinstance(th, tuple) else [th] * num_q_heads
-        t = torch.tensor([float(x) for x in vals], dtype=dtype)
-        if torch.device(device).type == "cuda":  # pinned + non_blocking: the copy does not wait for the stream
-            return t.pin_memory().to(device, non_blocking=True)
-        return t.to(device)
+        return upload(torch.tensor([float(x) for x in vals], dtype=dtype), device)  # no wait for the stream
 
     @staticmethod
     def _choose(mass: torch.Tensor, env: torch.Tensor, q_blocks: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
