@@ -100,3 +100,65 @@ def test_threads_asking_at_once_each_get_a_helper():
     assert [p.digest64 for p in got] == [mcp.plan(m, 8).digest64 for m in masks]
     alive = [p for p in plan_process._IDLE if p.poll() is None]
     assert len({p.pid for p in alive}) >= 2  # more than one helper answered
+
+
+def _fa4_emulated():
+    import fa4_semantics
+    import torch
+
+    from megatron_cp.kernels import FA4Backend
+    from megatron_cp.kernels.fa4.backend import Fa4Functions
+
+    return FA4Backend(functions=Fa4Functions(fa4_semantics.fwd, fa4_semantics.bwd, "reference", (torch.float64,),
+                                             fa4_semantics.block_sparse, fa4_semantics.interval_masks(),
+                                             fa4_semantics.band_mask))
+
+
+@pytest.mark.parametrize("mask_name,cp,stages", [("packed", 4, None), ("global_local", 4, None), ("causal", 4, 2)])
+def test_a_ranks_fa4_lists_prepared_in_the_helper_are_what_its_first_call_would_prepare(mask_name, cp, stages):
+    """Given the rank and an FA4 backend, the helper prepares the rank's tile lists (single exchange: the whole
+    list; staged: one per stage) for the exchange it chose; the plan's first rank_state takes them and prepares
+    nothing on the step's thread; each list is the one prepare makes here, and runs to the same attention."""
+    import torch
+
+    from megatron_cp.kernels.fa4.prepared import prepare_list
+
+    mask = _packed(7, 2048) if mask_name == "packed" else mcp.masks.catalog.build(mask_name, 2048)
+    be = _fa4_emulated()
+    rank, cost = 1, mcp.runtime.CostModel()
+    got = plan_in_helper(mask, cp, work=WORK, stages=stages, rank=rank, backend=be, device="cpu")
+    kept = state.plan_cache(got)[state._lists_key(rank, prepare_list, stages, True, cost, WORK)]
+    sched = state.exchange_choice(got, stages=stages, hierarchical=True, cost=cost, work=WORK)
+    assert (sched is None) == (stages is None)
+    here = state.prepare_lists(mcp.plan(mask, cp), rank, sched, be.prepare)
+    assert len(kept) == len(here) >= 1 and any(p is not None for p in kept)
+
+    def prepared_again(*a, **k):
+        raise LookupError("prepared on the step's thread")
+
+    be.prepare = prepared_again
+    st = state.rank_state(got, rank, torch.device("cpu"), be, "fa4-emulated", stages=stages, hierarchical=True,
+                          cost=cost, work=WORK)
+    assert [id(p) for p in st.prepared_lists()] == [id(p) for p in kept if p is not None]
+    g = torch.Generator().manual_seed(0)
+    for a, b in zip(kept, here):
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
+        assert torch.equal(a.tiles, b.tiles) and pickle.dumps(a.calls) == pickle.dumps(b.calls)
+        q = torch.randn(a.seqlen_q, 4, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(a.seqlen_k, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        for x, y in zip(be.forward(q, k, v, a), be.forward(q, k, v, b)):
+            assert torch.equal(x, y)
+
+
+def test_lists_are_prepared_ahead_only_where_the_backend_can_and_with_what_they_need():
+    """A backend without prepare_host (the reference) gets nothing ahead: its first call prepares. rank= without
+    work / backend / device, or out of range, is refused before the helper is asked."""
+    mask = _packed(8, 1024)
+    got = plan_in_helper(mask, 2, work=WORK, rank=0, backend="reference", device="cpu")
+    assert not any(isinstance(k, tuple) and k[0] == "prepared lists" for k in state.plan_cache(got))
+    with pytest.raises(ValueError, match="needs work, backend and device too"):
+        plan_in_helper(mask, 2, rank=0, backend="reference", device="cpu")
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, cp_size=2\), got 2"):
+        plan_in_helper(mask, 2, work=WORK, rank=2, backend=_fa4_emulated(), device="cpu")

@@ -66,7 +66,7 @@ def _planner(impl: str, a):
 
     def make(mask):
         if a.device.type == "cuda":
-            plan = mcp.runtime.plan_in_helper(mask, a.cp, work=work)
+            plan = mcp.runtime.plan_in_helper(mask, a.cp, work=work, rank=a.rank, backend="auto", device=a.device)
         else:
             plan = mcp.plan(mask, a.cp)
             mcp.runtime.prebuild(plan, work)

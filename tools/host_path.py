@@ -85,7 +85,8 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
 
     def make(mask):
         if cuda:
-            return mcp.runtime.plan_in_helper(mask, cp, work=work)
+            # the rank's FA4 lists prepared there too, as the Megatron plugin asks
+            return mcp.runtime.plan_in_helper(mask, cp, work=work, rank=a.rank, backend="auto", device=a.device)
         plan = mcp.plan(mask, cp)
         mcp.runtime.prebuild(plan, work)
         return plan

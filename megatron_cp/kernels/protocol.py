@@ -61,9 +61,11 @@ Members
     ``backward``'s gradients added into running sums ``dq [sq, Hq, D]``, ``dk``/``dv [sk, Hkv, D]`` of
     ``accumulate_dtype(q.dtype)`` (dk/dv may be strided views of one ``[sk, 2*Hkv, D]`` buffer), without
     rounding them to q's dtype first.
-``upload(prepared, device) -> None`` (optional)
-    Puts the list's device-side launch metadata on ``device`` ahead of the first call (the runtime calls it
-    from ``prebuild``, off the step); a backend without it builds that metadata on first use.
+``prepare_host`` (optional)
+    A picklable module-level function ``(tiles, seqlen_q, seqlen_k) -> prepared`` giving what ``prepare`` gives
+    (host work only, a picklable result), so that the runtime can prepare a new plan's lists in its planning
+    helper process (``runtime.plan_in_helper``) instead of on the step's thread. None or absent: ``prepare``
+    runs in the first call.
 """
 
 from __future__ import annotations

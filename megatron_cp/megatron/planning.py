@@ -103,8 +103,9 @@ PLANS = PlanCache()  # every micro-batch's plans, made once
 
 def make_plan(mask, cp_size: int, options: PlanOptions, work: Workload | None = None):
     """(plan, strategy) of one micro-batch's mask (the strategy is ``options.strategy``). With
-    ``options.helper_process`` megatron-cp's plan and, given ``work``, its exchange choice are made in the
-    planning helper process (``runtime.plan_in_helper``: the step's host loop keeps the GIL)."""
+    ``options.helper_process`` megatron-cp's plan and, given ``work``, its exchange choice (and with
+    ``options.plan_rank`` that rank's tile lists for ``options.kernel_backend``) are made in the planning helper
+    process (``runtime.plan_in_helper``: the step's host loop keeps the GIL)."""
     from megatron_cp.baselines import plan_for
 
     strategy = options.strategy
@@ -113,8 +114,12 @@ def make_plan(mask, cp_size: int, options: PlanOptions, work: Workload | None = 
         sparse = {} if options.sparse is None else {"guest_rows": "none"}
         kw = dict(chunk_size=options.chunk_size, topology=options.topology, solver=options.solver,
                   block=options.block, **sparse)
-        plan = mcp.runtime.plan_in_helper(mask, cp_size, work=work, **kw) if options.helper_process \
-            else mcp.plan(mask, cp_size, **kw)
+        if not options.helper_process:
+            return mcp.plan(mask, cp_size, **kw), strategy
+        if work is not None and options.plan_rank is not None:  # the rank's lists prepared there too
+            kw.update(rank=options.plan_rank, backend=options.kernel_backend,
+                      device=torch.device("cuda", torch.cuda.current_device()))
+        plan = mcp.runtime.plan_in_helper(mask, cp_size, work=work, **kw)
         return plan, strategy
     block = {} if options.block == 1 else {"block": options.block}  # head_context takes no block (refused)
     return plan_for(strategy, mask, cp_size, chunk_size=options.chunk_size, topology=options.topology,

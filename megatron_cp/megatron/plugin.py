@@ -258,8 +258,10 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         pass
     spec, options = plan_specs(args, eod=eod)
     over_dp, training = options.over_dp, getattr(model, "training", True)
-    if torch.cuda.is_available():  # plans (and exchange choices) from the planning helper process
-        options = dataclasses.replace(options, helper_process=True)
+    if torch.cuda.is_available():  # plans, exchange choices and this rank's tile lists from the planning helper
+        # (one plan over DP x CP is planned over the world: its lists are prepared by the first call)
+        options = dataclasses.replace(options, helper_process=True,
+                                      plan_rank=None if over_dp else ps.get_context_parallel_rank())
     if data_iterator is not None and ps.get_tensor_model_parallel_rank() == 0 and (training or not over_dp):
         # each stage's reader plans ahead (one plan over DP x CP: the training iterator only; evaluation's
         # micro-batches plan in the step)

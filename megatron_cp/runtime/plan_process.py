@@ -5,8 +5,10 @@ host-bound (small micro-batches: issuing kernels is all it does), every millisec
 GIL is a millisecond the loop cannot issue work: at 8k tokens per GPU a step of 8 attention layers per
 micro-batch took about 2x as long with its plans made by a thread beside it as with the same plans made before
 the step (docs/measurements.md). ``plan_in_helper`` makes
-``planner.plan``'s plan, and the exchange choice the attention's first call would make on it
-(``runtime.prebuild``'s costliest part), in one helper process per training process; the calling thread waits on
+``planner.plan``'s plan, the exchange choice the attention's first call would make on it
+(``runtime.prebuild``'s costliest part) and, given the rank and its backend, the rank's tile lists prepared for
+that backend (FA4's calls: a millisecond or two of a new plan's first call), in one helper process per training
+process; the calling thread waits on
 a pipe, without the GIL, and gets back the plan with its choice kept in the plan's cache. Threads asking at
 once (``megatron.PlanAhead`` making several slow plans at once) each get a helper of their own. The rank's
 execution state (device tensors) is built by the plan's first attention call, in this process.
@@ -27,13 +29,15 @@ import sys
 import threading
 import traceback
 
+import torch
+
 from ..masks import AttnMask
 from ..planner import Plan, Workload
 from ..planner import plan as make_plan
-from .attention import DEFAULT_COST
+from .attention import DEFAULT_COST, resolve_backend
 from .cost import CostModel
 from .schedule import choose_schedule
-from .state import keep_exchange_choice
+from .state import keep_exchange_choice, keep_prepared_lists, prepare_lists
 
 _LOCK = threading.Lock()
 _IDLE: list = []  # started helpers no thread is asking now (one request at a time each)
@@ -89,34 +93,52 @@ def _ask(request: tuple):
 
 
 def plan_in_helper(mask: AttnMask, cp_size: int, *, work: Workload | None = None, stages: int | None = None,
-                   hierarchical: bool = True, cost_model: CostModel | None = None, **plan_kwargs) -> Plan:
+                   hierarchical: bool = True, cost_model: CostModel | None = None, rank: int | None = None,
+                   backend=None, device=None, **plan_kwargs) -> Plan:
     """``planner.plan(mask, cp_size, **plan_kwargs)``, made in this process's planning helper process; given
     ``work``, the exchange choice ``runtime.attention`` / ``runtime.prebuild`` would make for it (with the same
-    ``stages``, ``hierarchical``, ``cost_model``) is made there too and kept with the plan. The same plan,
-    bit for bit, as ``planner.plan`` here; the calling thread waits without holding the GIL."""
+    ``stages``, ``hierarchical``, ``cost_model``) is made there too and kept with the plan; given also ``rank``
+    and the ``backend`` (name or object) and ``device`` of that rank's attention calls, so are the rank's tile
+    lists where the backend can prepare them elsewhere (its ``prepare_host``: FA4's), which the plan's first
+    call then takes instead of preparing them on the step's thread. The same plan, bit for bit, as
+    ``planner.plan`` here; the calling thread waits without holding the GIL."""
     if not isinstance(mask, AttnMask):
         raise TypeError(f"plan_in_helper() needs an AttnMask, got {type(mask).__name__}")
     if work is not None and not isinstance(work, Workload):
         raise ValueError(f"work must be a megatron_cp.planner.Workload, got {type(work).__name__}")
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
+    prepare = None
+    if rank is not None:
+        if work is None or backend is None or device is None:
+            raise ValueError("plan_in_helper(rank=...) needs work, backend and device too (the lists are prepared "
+                             "for the exchange chosen for work, by that backend)")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < cp_size:
+            raise ValueError(f"rank must be an int in [0, cp_size={cp_size}), got {rank!r}")
+        prepare = getattr(resolve_backend(backend, torch.device(device))[1], "prepare_host", None)
     cost = cost_model or DEFAULT_COST
     choice = None if work is None else (stages, hierarchical, cost, work)
-    plan, sched = _ask((mask, cp_size, plan_kwargs, choice))
+    plan, sched, lists = _ask((mask, cp_size, plan_kwargs, choice, None if prepare is None else (rank, prepare)))
     if choice is not None:
         keep_exchange_choice(plan, sched, stages=stages, hierarchical=hierarchical, cost=cost, work=work)
+    if lists is not None:
+        keep_prepared_lists(plan, rank, prepare, lists, stages=stages, hierarchical=hierarchical, cost=cost,
+                            work=work)
     return plan
 
 
 def _answer(request: tuple) -> tuple:
-    mask, cp_size, plan_kwargs, choice = request
+    mask, cp_size, plan_kwargs, choice, lists_for = request
     try:
         plan = make_plan(mask, cp_size, **plan_kwargs)
-        sched = None
+        sched = lists = None
         if choice is not None:
             stages, hierarchical, cost, work = choice
             sched = choose_schedule(plan, stages, cost, work, hierarchical)
-        return ("ok", plan, sched)
+            if lists_for is not None:
+                rank, prepare = lists_for
+                lists = prepare_lists(plan, rank, sched, prepare)
+        return ("ok", plan, sched, lists)
     except Exception as e:  # the planner's own error, raised again in the asking process
         text = traceback.format_exc()
         try:

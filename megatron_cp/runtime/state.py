@@ -288,24 +288,53 @@ def _exchange_key(stages, hierarchical, cost, work) -> tuple:
     return ("exchange", stages, hierarchical, cost, work)
 
 
+def prepare_lists(plan: Plan, rank: int, sched: Schedule | None, prepare) -> list:
+    """``rank``'s tile lists under the exchange ``sched`` (None: the single exchange), each through ``prepare``
+    (a backend's ``prepare`` or ``prepare_host``): [the whole list] for the single exchange, one per stage
+    (None for a stage without tiles) for a staged one."""
+    if sched is None:
+        rp = plan.ranks[rank]
+        return [prepare(torch.from_numpy(rp.tiles.astype("int32")), rp.num_tokens, max(rp.buffer_len, 1))]
+    return [prepare(torch.from_numpy(st.tiles.astype("int32")), plan.num_local(rank), max(st.buf_len, 1))
+            if len(st.tiles) else None for st in sched.ranks[rank]]
+
+
+def _lists_key(rank: int, prepare, stages, hierarchical, cost, work) -> tuple:
+    return ("prepared lists", rank, f"{prepare.__module__}.{prepare.__qualname__}", stages, hierarchical, cost, work)
+
+
+def keep_prepared_lists(plan: Plan, rank: int, prepare, lists: list, *, stages: int | None, hierarchical: bool,
+                        cost: CostModel, work: Workload) -> None:
+    """Keep ``prepare_lists``' answer, made elsewhere (``runtime.plan_process``: the planning helper process ran a
+    backend's ``prepare_host`` on a copy of the plan), for the first ``rank_state`` of a backend with that
+    ``prepare_host`` to take instead of preparing the lists itself."""
+    plan_cache(plan)[_lists_key(rank, prepare, stages, hierarchical, cost, work)] = lists
+
+
 def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, backend_key, *,
                stages: int | None, hierarchical: bool, cost: CostModel, work: Workload) -> RankRuntime:
     """The cached ``RankRuntime`` of ``rank`` (built on first use; every rank makes the same exchange
-    choice, since the cost model's inputs are the same on every rank)."""
+    choice, since the cost model's inputs are the same on every rank). Its tile lists are the ones prepared
+    ahead (``keep_prepared_lists``) where the backend's ``prepare_host`` made them, else prepared here."""
     key = ("rank", rank, str(device), backend_key, stages, hierarchical, cost, work)
     cache = plan_cache(plan)
     st = cache.get(key)
     if st is None:
         sched = exchange_choice(plan, stages=stages, hierarchical=hierarchical, cost=cost, work=work)
         exchanges = any(r.num_remote > 0 for r in plan.ranks)
+        host = getattr(backend, "prepare_host", None)
+        # taken, not shared: a prepared list caches device metadata and routes for the state that uses it
+        lists = cache.pop(_lists_key(rank, host, stages, hierarchical, cost, work), None) if host else None
+        if lists is None:
+            lists = prepare_lists(plan, rank, sched, backend.prepare)
         st = RankRuntime(
             rank=rank,
             s_local=plan.num_local(rank),
             backend=backend,
             exchanges=exchanges,
             schedule=sched,
-            single=_single(plan, rank, device, backend, exchanges) if sched is None else None,
-            staged=_staged(plan, sched, rank, device, backend) if sched is not None else None,
+            single=_single(plan, rank, device, lists[0], exchanges) if sched is None else None,
+            staged=_staged(plan, sched, rank, device, lists) if sched is not None else None,
             guests=guests.guest_runtime(plan, rank, device, backend) if plan.has_guests else None,
             pool=device_pool(device),
         )
@@ -313,7 +342,7 @@ def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, ba
     return st
 
 
-def _single(plan: Plan, rank: int, device, backend: Backend, exchanges: bool) -> SingleExchange:
+def _single(plan: Plan, rank: int, device, prepared, exchanges: bool) -> SingleExchange:
     rp = plan.ranks[rank]
     send_index, send_counts = rp.send_index()
     own_pos, recv_pos = rp.buffer_index()
@@ -337,20 +366,13 @@ def _single(plan: Plan, rank: int, device, backend: Backend, exchanges: bool) ->
         red_rows=upload(red_rows.astype(np.int64), device),
         red_ptr=upload(red_ptr.astype(np.int64), device),
         red_pos=upload(red_order.astype(np.int64), device),
-        prepared=backend.prepare(torch.from_numpy(rp.tiles.astype("int32")), rp.num_tokens, buffer_len),
+        prepared=prepared,
         identity=(not exchanges or plan.cp_size == 1) and own_identity and buffer_len == rp.num_tokens,
     )
 
 
-def _staged(plan: Plan, sched: Schedule, rank: int, device, backend: Backend) -> StagedExchange:
+def _staged(plan: Plan, sched: Schedule, rank: int, device, prepared: list) -> StagedExchange:
     stages = sched.ranks[rank]
-    prepared = []
-    for st in stages:
-        if len(st.tiles):
-            tiles = torch.from_numpy(st.tiles.astype("int32"))
-            prepared.append(backend.prepare(tiles, plan.num_local(rank), max(st.buf_len, 1)))
-        else:
-            prepared.append(None)
     idle = [i for i, st in enumerate(stages) if i > 0 and len(st.tiles) and not sched.active[i - 1]]
     if idle:  # its keys would never arrive (and its backward has no reduce to join)
         raise RuntimeError(f"rank {rank}: stages {idle} have tiles but exchange nothing (schedule bug)")

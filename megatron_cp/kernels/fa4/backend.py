@@ -28,21 +28,20 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from . import measured, replay
 from . import sparse as fa4_sparse
-from .calls import BLOCK, MASK_INTERVALS, Fa4Calls, fa4_calls
+from .calls import MASK_INTERVALS
+from .prepared import DEFAULT_HEAD_DIMS, Fa4Prepared, Run, prepare_list
 from ..config import TritonConfig
 from ..fallback import fallback_backend
 from ..merge import merge_into
 from ..pieces import uncovered_rows
 from ..protocol import accumulate_dtype, check_running
-from ..tiles import check_tiles
-from ..upload import upload
 
 FA4_BWD_MAX_HEAD_DIM = 192  # FA4's sm90 backward (flash_bwd_sm90) supports head_dim <= 192
 FA4_ARCHS = (9, 10)  # sm90 (Hopper), sm100 (Blackwell)
@@ -156,75 +155,6 @@ def _interval_mask_mods() -> dict:
     return {1: one_interval, 2: two_intervals}
 
 
-@dataclass(frozen=True)
-class Run:
-    """One FA4 launch: ``dense`` (batch layout, no cu_seqlens) or varlen, its keyword arguments (device
-    tensors included) and the rows / keys it writes."""
-
-    dense: bool
-    kw: dict
-    row_spans: tuple
-    key_spans: tuple
-    # the forward's compiled kernel and arguments per input signature (replay.launch): every layer of a
-    # micro-batch calls the run on tensors of the same shapes
-    replays: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
-    bwd_replays: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # replay.launch_bwd's
-
-
-@dataclass
-class Fa4Prepared:
-    calls: Fa4Calls
-    tiles: torch.Tensor
-    head_dims: tuple
-    _device: dict = field(default_factory=dict)  # (device, direction) -> [Run]
-    _triton: object = None  # the Triton fallback's prepared list, built on first fallback
-    _sparse: object = None  # fa4_sparse.SparseStatic, built on the first call with a BlockKeep
-    _routes: dict = field(default_factory=dict)  # input signature -> (route, reason): measured.list_route
-
-    def sparse(self) -> "fa4_sparse.SparseStatic":
-        """The list's per-head block-sparse static part (host, built once)."""
-        if self._sparse is None:
-            self._sparse = fa4_sparse.sparse_static(self.tiles.numpy(), self.seqlen_q, self.seqlen_k)
-        return self._sparse
-
-    @property
-    def seqlen_q(self) -> int:
-        return self.calls.seqlen_q
-
-    @property
-    def seqlen_k(self) -> int:
-        return self.calls.seqlen_k
-
-    def runs(self, direction: str, device, fns: "Fa4Functions", route: str) -> list[Run]:
-        """The direction's launches by ``route`` ("varlen" / "blocks"), built once per (device, direction, route)."""
-        key = (str(device), direction, route)
-        got = self._device.get(key)
-        if got is not None:
-            return got
-        c = self.calls
-        if route == "blocks":
-            b = c.blocks
-            lists = b.fwd if direction == "fwd" else b.bwd
-            t = [upload(a, device)[None, None] for a in lists]  # heads and batch broadcast
-            kw = {"block_sparse_tensors": fns.block_sparse(*t, block_size=(BLOCK, BLOCK))}
-            if b.band is not None:
-                kw["mask_mod"] = fns.band_mask(*b.band)
-            else:
-                kw.update(mask_mod=fns.interval_masks[b.intervals], aux_tensors=[upload(b.bounds, device)])
-            got = [Run(True, kw, ((0, c.seqlen_q),), ((0, c.seqlen_k),))]
-        else:
-            got = []
-            for call in (c.fwd if direction == "fwd" else c.bwd):
-                kw = {"causal": call.causal, "window_size_left": None if call.causal else call.left,
-                      "window_size_right": None if call.causal else call.right}
-                if not call.dense:
-                    kw.update({n: upload(a, device) for n, a in call.arrays().items()})
-                    kw.update(max_seqlen_q=call.max_q, max_seqlen_k=call.max_k)
-                got.append(Run(call.dense, kw, tuple(call.row_spans()), tuple(call.key_spans())))
-        self._device[key] = got
-        return got
-
-
 class FA4Backend:
     """Tile lists on FlashAttention-4 (see the module doc), Triton where FA4 cannot run.
 
@@ -235,6 +165,7 @@ class FA4Backend:
     """
 
     name = "fa4"
+    prepare_host = staticmethod(prepare_list)  # the lists of a new plan can be prepared in the planning helper
 
     def __init__(self, config: TritonConfig | None = None, functions: Fa4Functions | None = None, timer=None):
         self.config = config or TritonConfig()
@@ -313,12 +244,9 @@ class FA4Backend:
         return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
     # -- per list ---------------------------------------------------------------------------------
-    def prepare(self, tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, head_dims=(64, 128)) -> Fa4Prepared:
-        """tiles int [n, 5] (cpu) -> the list's FA4 calls (fa4_calls); the Triton fallback's schedules are
-        built on its first use."""
-        check_tiles(tiles, seqlen_q, seqlen_k)
-        tiles = tiles.to("cpu", torch.int32).contiguous()
-        return Fa4Prepared(fa4_calls(tiles.numpy(), seqlen_q, seqlen_k), tiles, tuple(head_dims))
+    def prepare(self, tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, head_dims=DEFAULT_HEAD_DIMS) -> Fa4Prepared:
+        """tiles int [n, 5] (cpu) -> the list's FA4 calls (``prepared.prepare_list``)."""
+        return prepare_list(tiles, seqlen_q, seqlen_k, head_dims)
 
     def _runs(self, prepared: Fa4Prepared, direction: str, device, route: str) -> list[Run]:
         return prepared.runs(direction, device, self.functions, route)
