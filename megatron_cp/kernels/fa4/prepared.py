@@ -46,6 +46,14 @@ class Fa4Prepared:
     _sparse: object = None  # fa4_sparse.SparseStatic, built on the first call with a BlockKeep
     _routes: dict = field(default_factory=dict)  # input signature -> (route, reason): measured.list_route
 
+    # pickled (the planning helper's answers) with the tiles as an array: a tensor unpickles an order of magnitude
+    # slower, in the planning thread, holding the GIL the step needs
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, tiles=self.tiles.numpy())
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d, tiles=torch.from_numpy(d["tiles"]))
+
     def sparse(self) -> "fa4_sparse.SparseStatic":
         """The list's per-head block-sparse static part (host, built once)."""
         if self._sparse is None:
