@@ -115,10 +115,12 @@ def _fa4_emulated():
 
 
 @pytest.mark.parametrize("mask_name,cp,stages", [("packed", 4, None), ("global_local", 4, None), ("causal", 4, 2)])
-def test_a_ranks_fa4_lists_prepared_in_the_helper_are_what_its_first_call_would_prepare(mask_name, cp, stages):
-    """Given the rank and an FA4 backend, the helper prepares the rank's tile lists (single exchange: the whole
-    list; staged: one per stage) for the exchange it chose; the plan's first rank_state takes them and prepares
-    nothing on the step's thread; each list is the one prepare makes here, and runs to the same attention."""
+def test_a_ranks_first_call_host_work_made_in_the_helper_is_what_the_call_would_make(mask_name, cp, stages,
+                                                                                     monkeypatch):
+    """Given the rank and an FA4 backend, the helper makes the rank's single-exchange host part and prepares its
+    tile lists (single exchange: the whole list; staged: one per stage) for the exchange it chose; the plan's
+    first rank_state takes them and makes neither on the step's thread; each is what is made here, and each
+    list runs to the same attention."""
     import torch
 
     from megatron_cp.kernels.fa4.prepared import prepare_list
@@ -127,19 +129,28 @@ def test_a_ranks_fa4_lists_prepared_in_the_helper_are_what_its_first_call_would_
     be = _fa4_emulated()
     rank, cost = 1, mcp.runtime.CostModel()
     got = plan_in_helper(mask, cp, work=WORK, stages=stages, rank=rank, backend=be, device="cpu")
-    kept = state.plan_cache(got)[state._lists_key(rank, prepare_list, stages, True, cost, WORK)]
+    ahead = state.plan_cache(got)[state._ahead_key(rank, stages, True, cost, WORK)]
+    assert ahead.prepare == state.prepare_name(prepare_list)
+    kept = ahead.lists
     sched = state.exchange_choice(got, stages=stages, hierarchical=True, cost=cost, work=WORK)
-    assert (sched is None) == (stages is None)
+    assert (sched is None) == (stages is None) == (ahead.single is not None)
     here = state.prepare_lists(mcp.plan(mask, cp), rank, sched, be.prepare)
     assert len(kept) == len(here) >= 1 and any(p is not None for p in kept)
 
-    def prepared_again(*a, **k):
-        raise LookupError("prepared on the step's thread")
+    def made_again(*a, **k):
+        raise LookupError("made on the step's thread")
 
-    be.prepare = prepared_again
+    be.prepare = made_again
+    monkeypatch.setattr(state, "single_host", made_again)
     st = state.rank_state(got, rank, torch.device("cpu"), be, "fa4-emulated", stages=stages, hierarchical=True,
                           cost=cost, work=WORK)
     assert [id(p) for p in st.prepared_lists()] == [id(p) for p in kept if p is not None]
+    if ahead.single is not None:  # the single exchange's maps and arrays are the helper's, as made here
+        monkeypatch.undo()
+        want = state.single_host(mcp.plan(mask, cp), rank)
+        assert pickle.dumps(ahead.single) == pickle.dumps(want)
+        assert st.single.own.runs == want.own.runs and st.single.send.indexed == want.send.indexed
+        assert torch.equal(st.single.red_pos, torch.from_numpy(want.red_pos))
     g = torch.Generator().manual_seed(0)
     for a, b in zip(kept, here):
         assert (a is None) == (b is None)
@@ -153,12 +164,25 @@ def test_a_ranks_fa4_lists_prepared_in_the_helper_are_what_its_first_call_would_
 
 
 def test_lists_are_prepared_ahead_only_where_the_backend_can_and_with_what_they_need():
-    """A backend without prepare_host (the reference) gets nothing ahead: its first call prepares. rank= without
-    work / backend / device, or out of range, is refused before the helper is asked."""
+    """A backend without prepare_host (the reference) gets the rank's index arrays ahead but no lists: its first
+    call prepares them. rank= without work, backend= without device= or rank=, or a rank out of range, is
+    refused before the helper is asked."""
+    import torch
+
     mask = _packed(8, 1024)
     got = plan_in_helper(mask, 2, work=WORK, rank=0, backend="reference", device="cpu")
-    assert not any(isinstance(k, tuple) and k[0] == "prepared lists" for k in state.plan_cache(got))
-    with pytest.raises(ValueError, match="needs work, backend and device too"):
+    cost = mcp.runtime.CostModel()
+    ahead = state.plan_cache(got)[state._ahead_key(0, None, True, cost, WORK)]
+    assert ahead.single is not None and ahead.prepare is None and ahead.lists is None
+    be = mcp.kernels.get_backend("reference")
+    st = state.rank_state(got, 0, torch.device("cpu"), be, "reference", stages=None, hierarchical=True, cost=cost,
+                          work=WORK)
+    assert len(st.prepared_lists()) == 1 and state._ahead_key(0, None, True, cost, WORK) not in state.plan_cache(got)
+    with pytest.raises(ValueError, match="needs work too"):
         plan_in_helper(mask, 2, rank=0, backend="reference", device="cpu")
+    with pytest.raises(ValueError, match="backend= and device= come together"):
+        plan_in_helper(mask, 2, work=WORK, rank=0, backend="reference")
+    with pytest.raises(ValueError, match="backend= and device= come together"):
+        plan_in_helper(mask, 2, work=WORK, backend="reference", device="cpu")
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, cp_size=2\), got 2"):
         plan_in_helper(mask, 2, work=WORK, rank=2, backend=_fa4_emulated(), device="cpu")

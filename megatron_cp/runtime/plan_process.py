@@ -6,9 +6,9 @@ GIL is a millisecond the loop cannot issue work: at 8k tokens per GPU a step of 
 micro-batch took about 2x as long with its plans made by a thread beside it as with the same plans made before
 the step (docs/measurements.md). ``plan_in_helper`` makes
 ``planner.plan``'s plan, the exchange choice the attention's first call would make on it
-(``runtime.prebuild``'s costliest part) and, given the rank and its backend, the rank's tile lists prepared for
-that backend (FA4's calls: a millisecond or two of a new plan's first call), in one helper process per training
-process; the calling thread waits on
+(``runtime.prebuild``'s costliest part) and, given the rank (and its backend), the rank's host work of that first
+call (index arrays and row maps; the tile lists prepared for the backend: FA4's calls, a millisecond or two), in
+one helper process per training process; the calling thread waits on
 a pipe, without the GIL, and gets back the plan with its choice kept in the plan's cache. Threads asking at
 once (``megatron.PlanAhead`` making several slow plans at once) each get a helper of their own. The rank's
 execution state (device tensors) is built by the plan's first attention call, in this process.
@@ -37,7 +37,7 @@ from ..planner import plan as make_plan
 from .attention import DEFAULT_COST, resolve_backend
 from .cost import CostModel
 from .schedule import choose_schedule
-from .state import keep_exchange_choice, keep_prepared_lists, prepare_lists
+from .state import keep_exchange_choice, keep_rank_ahead, rank_ahead
 
 _LOCK = threading.Lock()
 _IDLE: list = []  # started helpers no thread is asking now (one request at a time each)
@@ -98,10 +98,11 @@ def plan_in_helper(mask: AttnMask, cp_size: int, *, work: Workload | None = None
     """``planner.plan(mask, cp_size, **plan_kwargs)``, made in this process's planning helper process; given
     ``work``, the exchange choice ``runtime.attention`` / ``runtime.prebuild`` would make for it (with the same
     ``stages``, ``hierarchical``, ``cost_model``) is made there too and kept with the plan; given also ``rank``
-    and the ``backend`` (name or object) and ``device`` of that rank's attention calls, so are the rank's tile
-    lists where the backend can prepare them elsewhere (its ``prepare_host``: FA4's), which the plan's first
-    call then takes instead of preparing them on the step's thread. The same plan, bit for bit, as
-    ``planner.plan`` here; the calling thread waits without holding the GIL."""
+    (this process's rank in the plan), so is that rank's host work of its first call (``state.rank_ahead``: the
+    single exchange's index arrays and row maps) and, given the ``backend`` (name or object) and ``device`` of
+    its attention calls too, its tile lists where the backend can prepare them elsewhere (its ``prepare_host``:
+    FA4's); the plan's first call takes them instead of making them on the step's thread. The same plan, bit
+    for bit, as ``planner.plan`` here; the calling thread waits without holding the GIL."""
     if not isinstance(mask, AttnMask):
         raise TypeError(f"plan_in_helper() needs an AttnMask, got {type(mask).__name__}")
     if work is not None and not isinstance(work, Workload):
@@ -110,35 +111,38 @@ def plan_in_helper(mask: AttnMask, cp_size: int, *, work: Workload | None = None
         raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
     prepare = None
     if rank is not None:
-        if work is None or backend is None or device is None:
-            raise ValueError("plan_in_helper(rank=...) needs work, backend and device too (the lists are prepared "
-                             "for the exchange chosen for work, by that backend)")
+        if work is None:
+            raise ValueError("plan_in_helper(rank=...) needs work too (the rank's state follows the exchange chosen "
+                             "for it)")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < cp_size:
             raise ValueError(f"rank must be an int in [0, cp_size={cp_size}), got {rank!r}")
+    if (backend is None) != (device is None) or (backend is not None and rank is None):
+        raise ValueError("plan_in_helper's backend= and device= come together, with rank= (the lists prepared for "
+                         "that rank's attention calls)")
+    if backend is not None:
         prepare = getattr(resolve_backend(backend, torch.device(device))[1], "prepare_host", None)
     cost = cost_model or DEFAULT_COST
     choice = None if work is None else (stages, hierarchical, cost, work)
-    plan, sched, lists = _ask((mask, cp_size, plan_kwargs, choice, None if prepare is None else (rank, prepare)))
+    plan, sched, ahead = _ask((mask, cp_size, plan_kwargs, choice, None if rank is None else (rank, prepare)))
     if choice is not None:
         keep_exchange_choice(plan, sched, stages=stages, hierarchical=hierarchical, cost=cost, work=work)
-    if lists is not None:
-        keep_prepared_lists(plan, rank, prepare, lists, stages=stages, hierarchical=hierarchical, cost=cost,
-                            work=work)
+    if ahead is not None:
+        keep_rank_ahead(plan, rank, ahead, stages=stages, hierarchical=hierarchical, cost=cost, work=work)
     return plan
 
 
 def _answer(request: tuple) -> tuple:
-    mask, cp_size, plan_kwargs, choice, lists_for = request
+    mask, cp_size, plan_kwargs, choice, ahead_for = request
     try:
         plan = make_plan(mask, cp_size, **plan_kwargs)
-        sched = lists = None
+        sched = ahead = None
         if choice is not None:
             stages, hierarchical, cost, work = choice
             sched = choose_schedule(plan, stages, cost, work, hierarchical)
-            if lists_for is not None:
-                rank, prepare = lists_for
-                lists = prepare_lists(plan, rank, sched, prepare)
-        return ("ok", plan, sched, lists)
+            if ahead_for is not None:
+                rank, prepare = ahead_for
+                ahead = rank_ahead(plan, rank, sched, prepare)
+        return ("ok", plan, sched, ahead)
     except Exception as e:  # the planner's own error, raised again in the asking process
         text = traceback.format_exc()
         try:

@@ -12,6 +12,8 @@ index ops on CPU).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -35,24 +37,51 @@ def runs_of(dst_idx: np.ndarray, src_idx: np.ndarray) -> list[tuple[int, int, in
     return [(int(dst_idx[a]), int(src_idx[a]), int(b - a)) for a, b in zip(starts, ends)]
 
 
-class RowMap:
-    """``dst[dst_idx[i]] = src[src_idx[i]]`` for every i (dim 0), fixed once, applied many times.
+@dataclass(frozen=True)
+class RowIndex:
+    """A ``RowMap``'s host part, made anywhere (the planning helper process makes a new plan's ahead): its
+    size, runs and whether it copies by index (then the index arrays the device needs)."""
 
-    ``src_idx`` None means ``arange(n)`` (scatter), ``dst_idx`` None means ``arange(n)`` (gather)."""
+    n: int
+    gatherable: bool
+    runs: list
+    indexed: bool
+    dst: np.ndarray | None
+    src: np.ndarray | None
 
-    def __init__(self, dst_idx, src_idx, device, max_runs: int | None = None):
+    @classmethod
+    def of(cls, dst_idx, src_idx, max_runs: int | None = None) -> "RowIndex":
         if dst_idx is None and src_idx is None:
             raise ValueError("RowMap needs at least one index")
         n = len(dst_idx if dst_idx is not None else src_idx)
         ar = np.arange(n, dtype=np.int64)
         d = ar if dst_idx is None else np.asarray(dst_idx, dtype=np.int64)
         s = ar if src_idx is None else np.asarray(src_idx, dtype=np.int64)
-        self.n = n
-        self.gatherable = dst_idx is None
-        self.runs = runs_of(d, s)
-        self.indexed = len(self.runs) > (MAX_RUNS if max_runs is None else max_runs)
-        self.dst_t = None if (dst_idx is None or not self.indexed) else upload(d, device)
-        self.src_t = None if (src_idx is None or not self.indexed) else upload(s, device)
+        runs = runs_of(d, s)
+        indexed = len(runs) > (MAX_RUNS if max_runs is None else max_runs)
+        return cls(n, dst_idx is None, runs, indexed, d if dst_idx is not None and indexed else None,
+                   s if src_idx is not None and indexed else None)
+
+
+class RowMap:
+    """``dst[dst_idx[i]] = src[src_idx[i]]`` for every i (dim 0), fixed once, applied many times.
+
+    ``src_idx`` None means ``arange(n)`` (scatter), ``dst_idx`` None means ``arange(n)`` (gather)."""
+
+    def __init__(self, dst_idx, src_idx, device, max_runs: int | None = None):
+        self._place(RowIndex.of(dst_idx, src_idx, max_runs), device)
+
+    @classmethod
+    def on(cls, host: RowIndex, device) -> "RowMap":
+        """The map of ``host`` (a ``RowIndex`` made elsewhere) on ``device``."""
+        m = cls.__new__(cls)
+        m._place(host, device)
+        return m
+
+    def _place(self, h: RowIndex, device) -> None:
+        self.n, self.gatherable, self.runs, self.indexed = h.n, h.gatherable, h.runs, h.indexed
+        self.dst_t = None if h.dst is None else upload(h.dst, device)
+        self.src_t = None if h.src is None else upload(h.src, device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Apply in place (dtype conversion included)."""

@@ -25,7 +25,7 @@ from ..planner import Plan, Workload
 from . import guests
 from .cost import CostModel
 from .groups import group_token, host_group
-from .rowmap import RowMap
+from .rowmap import RowIndex, RowMap
 from .schedule import Schedule, choose_schedule
 
 
@@ -53,6 +53,36 @@ class SingleExchange:
     prepared: object
     # the local K/V are the buffer as they are: no exchange anywhere and the buffer is the local rows
     identity: bool
+
+
+@dataclass
+class SingleHost:
+    """A ``SingleExchange``'s host part (``single_host``): what the device state is built from by uploads alone,
+    made anywhere (the planning helper process makes a new plan's ahead)."""
+
+    buffer_len: int
+    send_counts: list
+    recv_counts: list
+    own: RowIndex
+    recv: RowIndex
+    send: RowIndex
+    own_rows: RowIndex
+    recv_rows: RowIndex
+    red_rows: np.ndarray
+    red_ptr: np.ndarray
+    red_pos: np.ndarray
+    identity: bool
+
+
+@dataclass
+class RankAhead:
+    """What a planning helper made ahead of a rank's first call for one exchange choice (``keep_rank_ahead``):
+    the single exchange's host part (None for a staged exchange) and the tile lists ``prepare_lists`` made with a
+    backend's ``prepare_host`` named ``prepare`` (None: none)."""
+
+    single: SingleHost | None
+    prepare: str | None
+    lists: list | None
 
 
 @dataclass
@@ -299,41 +329,59 @@ def prepare_lists(plan: Plan, rank: int, sched: Schedule | None, prepare) -> lis
             if len(st.tiles) else None for st in sched.ranks[rank]]
 
 
-def _lists_key(rank: int, prepare, stages, hierarchical, cost, work) -> tuple:
-    return ("prepared lists", rank, f"{prepare.__module__}.{prepare.__qualname__}", stages, hierarchical, cost, work)
+def prepare_name(prepare) -> str:
+    """What names a backend's ``prepare_host`` across processes (its module and qualified name)."""
+    return f"{prepare.__module__}.{prepare.__qualname__}"
 
 
-def keep_prepared_lists(plan: Plan, rank: int, prepare, lists: list, *, stages: int | None, hierarchical: bool,
-                        cost: CostModel, work: Workload) -> None:
-    """Keep ``prepare_lists``' answer, made elsewhere (``runtime.plan_process``: the planning helper process ran a
-    backend's ``prepare_host`` on a copy of the plan), for the first ``rank_state`` of a backend with that
-    ``prepare_host`` to take instead of preparing the lists itself."""
-    plan_cache(plan)[_lists_key(rank, prepare, stages, hierarchical, cost, work)] = lists
+def rank_ahead(plan: Plan, rank: int, sched: Schedule | None, prepare=None) -> RankAhead:
+    """``rank``'s host work for its first call under the exchange ``sched``, made ahead: the single exchange's
+    host part and, given a backend's ``prepare_host``, the tile lists. Host work only (numpy); picklable."""
+    return RankAhead(single_host(plan, rank) if sched is None else None,
+                     None if prepare is None else prepare_name(prepare),
+                     None if prepare is None else prepare_lists(plan, rank, sched, prepare))
+
+
+def _ahead_key(rank: int, stages, hierarchical, cost, work) -> tuple:
+    return ("ahead", rank, stages, hierarchical, cost, work)
+
+
+def keep_rank_ahead(plan: Plan, rank: int, ahead: RankAhead, *, stages: int | None, hierarchical: bool,
+                    cost: CostModel, work: Workload) -> None:
+    """Keep ``rank_ahead``'s answer, made elsewhere (``runtime.plan_process``: the planning helper process made it
+    on a copy of the plan), for ``rank``'s first ``rank_state`` with these exchange settings to take instead of
+    making it on the step's thread (its lists where the state's backend has that ``prepare_host``)."""
+    plan_cache(plan)[_ahead_key(rank, stages, hierarchical, cost, work)] = ahead
 
 
 def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, backend_key, *,
                stages: int | None, hierarchical: bool, cost: CostModel, work: Workload) -> RankRuntime:
     """The cached ``RankRuntime`` of ``rank`` (built on first use; every rank makes the same exchange
-    choice, since the cost model's inputs are the same on every rank). Its tile lists are the ones prepared
-    ahead (``keep_prepared_lists``) where the backend's ``prepare_host`` made them, else prepared here."""
+    choice, since the cost model's inputs are the same on every rank). Its host part is the one made ahead
+    (``keep_rank_ahead``) where there is one (its tile lists where the backend's ``prepare_host`` made them), else
+    made here."""
     key = ("rank", rank, str(device), backend_key, stages, hierarchical, cost, work)
     cache = plan_cache(plan)
     st = cache.get(key)
     if st is None:
         sched = exchange_choice(plan, stages=stages, hierarchical=hierarchical, cost=cost, work=work)
         exchanges = any(r.num_remote > 0 for r in plan.ranks)
-        host = getattr(backend, "prepare_host", None)
         # taken, not shared: a prepared list caches device metadata and routes for the state that uses it
-        lists = cache.pop(_lists_key(rank, host, stages, hierarchical, cost, work), None) if host else None
-        if lists is None:
-            lists = prepare_lists(plan, rank, sched, backend.prepare)
+        ahead = cache.pop(_ahead_key(rank, stages, hierarchical, cost, work), None)
+        host = getattr(backend, "prepare_host", None)
+        lists = ahead.lists if ahead is not None and host is not None and ahead.prepare == prepare_name(host) \
+            else prepare_lists(plan, rank, sched, backend.prepare)
+        single = None
+        if sched is None:
+            single = _single(ahead.single if ahead is not None and ahead.single is not None else
+                             single_host(plan, rank), device, lists[0])
         st = RankRuntime(
             rank=rank,
             s_local=plan.num_local(rank),
             backend=backend,
             exchanges=exchanges,
             schedule=sched,
-            single=_single(plan, rank, device, lists[0], exchanges) if sched is None else None,
+            single=single,
             staged=_staged(plan, sched, rank, device, lists) if sched is not None else None,
             guests=guests.guest_runtime(plan, rank, device, backend) if plan.has_guests else None,
             pool=device_pool(device),
@@ -342,8 +390,10 @@ def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, ba
     return st
 
 
-def _single(plan: Plan, rank: int, device, prepared, exchanges: bool) -> SingleExchange:
+def single_host(plan: Plan, rank: int) -> SingleHost:
+    """The single exchange's host part for ``rank``: index arrays, counts and row maps (numpy)."""
     rp = plan.ranks[rank]
+    exchanges = any(r.num_remote > 0 for r in plan.ranks)
     send_index, send_counts = rp.send_index()
     own_pos, recv_pos = rp.buffer_index()
     buffer_len = max(rp.buffer_len, 1)
@@ -354,20 +404,37 @@ def _single(plan: Plan, rank: int, device, prepared, exchanges: bool) -> SingleE
     red_counts = red_counts[red_rows]
     red_ptr = np.concatenate([[0], np.cumsum(red_counts)])
     own_identity = len(own_pos) == rp.num_tokens and bool(np.array_equal(own_pos, np.arange(rp.num_tokens)))
-    return SingleExchange(
+    return SingleHost(
         buffer_len=buffer_len,
         send_counts=send_counts,
         recv_counts=rp.recv_counts(),
-        own=RowMap(own_pos, None, device),
-        recv=RowMap(recv_pos, None, device),
-        send=RowMap(None, send_index, device),
-        own_rows=RowMap(None, own_pos, device),
-        recv_rows=RowMap(None, recv_pos, device),
-        red_rows=upload(red_rows.astype(np.int64), device),
-        red_ptr=upload(red_ptr.astype(np.int64), device),
-        red_pos=upload(red_order.astype(np.int64), device),
-        prepared=prepared,
+        own=RowIndex.of(own_pos, None),
+        recv=RowIndex.of(recv_pos, None),
+        send=RowIndex.of(None, send_index),
+        own_rows=RowIndex.of(None, own_pos),
+        recv_rows=RowIndex.of(None, recv_pos),
+        red_rows=red_rows.astype(np.int64),
+        red_ptr=red_ptr.astype(np.int64),
+        red_pos=red_order.astype(np.int64),
         identity=(not exchanges or plan.cp_size == 1) and own_identity and buffer_len == rp.num_tokens,
+    )
+
+
+def _single(h: SingleHost, device, prepared) -> SingleExchange:
+    return SingleExchange(
+        buffer_len=h.buffer_len,
+        send_counts=h.send_counts,
+        recv_counts=h.recv_counts,
+        own=RowMap.on(h.own, device),
+        recv=RowMap.on(h.recv, device),
+        send=RowMap.on(h.send, device),
+        own_rows=RowMap.on(h.own_rows, device),
+        recv_rows=RowMap.on(h.recv_rows, device),
+        red_rows=upload(h.red_rows, device),
+        red_ptr=upload(h.red_ptr, device),
+        red_pos=upload(h.red_pos, device),
+        prepared=prepared,
+        identity=h.identity,
     )
 
 
