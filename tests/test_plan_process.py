@@ -186,3 +186,15 @@ def test_lists_are_prepared_ahead_only_where_the_backend_can_and_with_what_they_
         plan_in_helper(mask, 2, work=WORK, backend="reference", device="cpu")
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, cp_size=2\), got 2"):
         plan_in_helper(mask, 2, work=WORK, rank=2, backend=_fa4_emulated(), device="cpu")
+
+
+def test_a_request_that_cannot_be_pickled_is_refused_before_any_helper_reads_it():
+    """A backend whose prepare_host is a lambda: the pickling error comes back at once, and the helper that
+    answers next is not left reading half a request."""
+    be = _fa4_emulated()
+    be.prepare_host = lambda tiles, sq, sk: None
+    mask = _packed(9, 512)
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        plan_in_helper(mask, 2, work=WORK, rank=0, backend=be, device="cpu")
+    assert plan_in_helper(mask, 2, work=WORK).digest64 == mcp.plan(mask, 2).digest64
+

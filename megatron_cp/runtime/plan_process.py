@@ -64,12 +64,15 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _ask(request: tuple):
     """Send one request to an idle helper (started if none is) and return its answer."""
+    # pickled whole before anything is written: a request that cannot be pickled (a backend's prepare_host that
+    # is not a module-level function) raises here and leaves no half-written request in a helper's input
+    data = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
     with _LOCK:
         proc = _IDLE.pop() if _IDLE else None
     if proc is None or proc.poll() is not None:
         proc = _start()
     try:
-        pickle.dump(request, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        proc.stdin.write(data)
         proc.stdin.flush()
         status, *answer = pickle.load(proc.stdout)
     except pickle.UnpicklingError as e:  # alive but its answer unreadable: stopped
