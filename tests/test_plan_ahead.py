@@ -266,6 +266,10 @@ def test_helper_process_plans_the_same_and_chooses_the_exchange_there(fresh_cach
     plan, _ = B.plan_for_batch(tok, SPEC, CP, B.PlanOptions(workload=work, helper_process=True))
     assert plan.digest == _direct_digest(tok)
     assert ("exchange", None, True, mcp.runtime.CostModel(), work) in state.plan_cache(plan)
+    # with the rank (what the plugin sets), that rank's host part of the first call is made there too
+    ranked, _ = B.plan_for_batch(_tokens(12), SPEC, CP, B.PlanOptions(workload=work, helper_process=True, plan_rank=1))
+    ahead = state.plan_cache(ranked)[state._ahead_key(1, None, True, mcp.runtime.CostModel(), work)]
+    assert ahead.single is not None and ahead.lists is None  # on the CPU "auto" is the reference: no lists ahead
     with pytest.raises(LookupError, match="chosen in this process"):  # planned here, it is priced here
         B.plan_for_batch(_tokens(11), SPEC, CP, B.PlanOptions(workload=work))
 

@@ -117,8 +117,8 @@ def make_plan(mask, cp_size: int, options: PlanOptions, work: Workload | None = 
         if not options.helper_process:
             return mcp.plan(mask, cp_size, **kw), strategy
         if work is not None and options.plan_rank is not None:  # the rank's lists prepared there too
-            kw.update(rank=options.plan_rank, backend=options.kernel_backend,
-                      device=torch.device("cuda", torch.cuda.current_device()))
+            kw.update(rank=options.plan_rank, backend=options.kernel_backend, device=torch.device(
+                "cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         plan = mcp.runtime.plan_in_helper(mask, cp_size, work=work, **kw)
         return plan, strategy
     block = {} if options.block == 1 else {"block": options.block}  # head_context takes no block (refused)
