@@ -126,8 +126,8 @@ class PlanOptions:
     # megatron-cp's plans (and exchange choices) made in the planning helper process (runtime.plan_in_helper),
     # not beside the step in this interpreter: what the plugin sets where the step runs on a GPU
     helper_process: bool = False
-    # with helper_process: this process's rank in the plans' CP group, whose tile lists the helper then prepares
-    # for kernel_backend with each plan (runtime.plan_in_helper's rank=), off the plan's first attention call
+    # with helper_process: this process's rank in the plans' CP group, whose first-call host work (index arrays, row
+    # maps, tile lists for kernel_backend) the helper then makes with each plan (runtime.plan_in_helper's rank=)
     plan_rank: int | None = None
     # one plan per micro-batch over the whole DP x CP world (--cp-balance-over-dp, prepare_global_batch)
     over_dp: bool = field(default=False, metadata=flag(

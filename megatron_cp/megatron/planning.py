@@ -104,8 +104,8 @@ PLANS = PlanCache()  # every micro-batch's plans, made once
 def make_plan(mask, cp_size: int, options: PlanOptions, work: Workload | None = None):
     """(plan, strategy) of one micro-batch's mask (the strategy is ``options.strategy``). With
     ``options.helper_process`` megatron-cp's plan and, given ``work``, its exchange choice (and with
-    ``options.plan_rank`` that rank's tile lists for ``options.kernel_backend``) are made in the planning helper
-    process (``runtime.plan_in_helper``: the step's host loop keeps the GIL)."""
+    ``options.plan_rank`` that rank's first-call host work, its lists for ``options.kernel_backend``) are made in the
+    planning helper process (``runtime.plan_in_helper``: the step's host loop keeps the GIL)."""
     from megatron_cp.baselines import plan_for
 
     strategy = options.strategy
@@ -116,7 +116,7 @@ def make_plan(mask, cp_size: int, options: PlanOptions, work: Workload | None = 
                   block=options.block, **sparse)
         if not options.helper_process:
             return mcp.plan(mask, cp_size, **kw), strategy
-        if work is not None and options.plan_rank is not None:  # the rank's lists prepared there too
+        if work is not None and options.plan_rank is not None:  # the rank's first-call host work made there too
             kw.update(rank=options.plan_rank, backend=options.kernel_backend, device=torch.device(
                 "cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         plan = mcp.runtime.plan_in_helper(mask, cp_size, work=work, **kw)
