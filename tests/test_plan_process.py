@@ -4,6 +4,7 @@ themselves; a helper that dies raises a clear error and the next call starts a n
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 
@@ -117,8 +118,8 @@ def _fa4_emulated():
 @pytest.mark.parametrize("mask_name,cp,stages", [("packed", 4, None), ("global_local", 4, None), ("causal", 4, 2)])
 def test_a_ranks_first_call_host_work_made_in_the_helper_is_what_the_call_would_make(mask_name, cp, stages,
                                                                                      monkeypatch):
-    """Given the rank and an FA4 backend, the helper makes the rank's single-exchange host part and prepares its
-    tile lists (single exchange: the whole list; staged: one per stage) for the exchange it chose; the plan's
+    """Given the rank and an FA4 backend, the helper makes the rank's single-exchange host part (or staged routes)
+    and prepares its tile lists (single exchange: the whole list; staged: one per stage) for the exchange it chose; the plan's
     first rank_state takes them and makes neither on the step's thread; each is what is made here, and each
     list runs to the same attention."""
     import torch
@@ -142,9 +143,20 @@ def test_a_ranks_first_call_host_work_made_in_the_helper_is_what_the_call_would_
 
     be.prepare = made_again
     monkeypatch.setattr(state, "single_host", made_again)
+    monkeypatch.setattr(state.RouteIndex, "of", made_again)
+    assert (ahead.routes is not None) == (sched is not None)
     st = state.rank_state(got, rank, torch.device("cpu"), be, "fa4-emulated", stages=stages, hierarchical=True,
                           cost=cost, work=WORK)
     assert [id(p) for p in st.prepared_lists()] == [id(p) for p in kept if p is not None]
+    if ahead.routes is not None:  # the staged exchange's routes are the helper's, as made here
+        monkeypatch.undo()
+        want = [state.RouteIndex.of(s.route) for s in sched.ranks[rank][1:]]
+        for got_r, want_r in zip(ahead.routes[1:], want, strict=True):
+            for f in dataclasses.fields(want_r):
+                a, b = getattr(got_r, f.name), getattr(want_r, f.name)
+                assert (a is None and b is None) or (np.array_equal(a, b) if isinstance(b, np.ndarray) else a == b)
+        assert [torch.equal(r.out_idx, torch.from_numpy(w.out_idx)) for r, w in zip(st.staged.routes[1:], want)] \
+            == [True] * len(want)
     if ahead.single is not None:  # the single exchange's maps and arrays are the helper's, as made here
         monkeypatch.undo()
         want = state.single_host(mcp.plan(mask, cp), rank)

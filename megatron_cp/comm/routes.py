@@ -1,6 +1,7 @@
 """Staged, optionally hierarchical GroupCast / GroupReduce over precomputed routes.
 
-A route (``runtime.schedule.Route`` converted by ``DeviceRoute``) is one or two all-to-all-v phases:
+A route (``runtime.schedule.Route``: its host part ``RouteIndex``, on a device ``DeviceRoute``) is one or two
+all-to-all-v phases:
 phase A (any rank to any rank; across nodes only to the rail-aligned relay) and, when hierarchical,
 phase B (relays forward inside their node). ``cast_steps`` / ``reduce_steps`` are generators: each
 ``next()`` issues the next collective asynchronously and yields; the caller computes in between, so
@@ -64,6 +65,49 @@ def device_pool(device) -> BufferPool:
     return _POOLS[key]
 
 
+@dataclass(frozen=True)
+class RouteIndex:
+    """A ``DeviceRoute``'s host part: its index arrays and counts (numpy), made anywhere (the planning helper
+    process makes a new plan's ahead). ``b_send_idx`` / ``out_idx`` index ``cat[recvA, recvB]`` already."""
+
+    n_local: int
+    a_send_idx: np.ndarray
+    a_send_counts: list
+    a_recv_counts: list
+    b_send_idx: np.ndarray | None
+    b_send_counts: list | None
+    b_recv_counts: list | None
+    out_idx: np.ndarray
+    out_identity: bool
+    out_inv: np.ndarray | None
+
+    @classmethod
+    def of(cls, r) -> "RouteIndex":
+        """Of a planned route ``r`` (``runtime.schedule.Route``)."""
+        out = np.asarray(r.out_idx, dtype=np.int64) - r.n_local
+        n_cat = int(sum(r.a_recv_counts)) + (int(sum(r.b_recv_counts)) if r.b_recv_counts is not None else 0)
+        identity = len(out) == n_cat and bool(np.array_equal(out, np.arange(n_cat)))
+        inv = None
+        # a permutation: every place in range and taken once (a count per place: O(n), where np.unique's hashing
+        # took milliseconds of a new plan's first call at tens of thousands of rows)
+        if (not identity and len(out) == n_cat and n_cat and out.min() >= 0 and out.max() < n_cat
+                and bool((np.bincount(out, minlength=n_cat) == 1).all())):
+            inv = np.empty(n_cat, dtype=np.int64)
+            inv[out] = np.arange(n_cat)
+        return cls(
+            n_local=r.n_local,
+            a_send_idx=np.asarray(r.a_send_idx),
+            a_send_counts=list(r.a_send_counts),
+            a_recv_counts=list(r.a_recv_counts),
+            b_send_idx=None if r.b_send_idx is None else r.b_send_idx - r.n_local,
+            b_send_counts=None if r.b_send_counts is None else list(r.b_send_counts),
+            b_recv_counts=None if r.b_recv_counts is None else list(r.b_recv_counts),
+            out_idx=out,
+            out_identity=identity,
+            out_inv=inv,
+        )
+
+
 @dataclass
 class DeviceRoute:
     """Index tensors of one route on one device (built once per plan). A remote stage never needs
@@ -85,34 +129,15 @@ class DeviceRoute:
     out_inv: torch.Tensor | None = None
 
     @classmethod
-    def from_route(cls, r, device, upload) -> "DeviceRoute":
-        """The route's index arrays on ``device``, each through ``upload(array, device)`` (the runtime passes
-        ``kernels.upload``: pinned staging, no host synchronisation with the queued kernels)."""
+    def on(cls, h: "RouteIndex", device, upload) -> "DeviceRoute":
+        """The route of ``h`` (a ``RouteIndex`` made elsewhere) on ``device``, through ``upload``."""
         def t(a):
             return None if a is None else upload(a, device)
 
-        out = np.asarray(r.out_idx, dtype=np.int64) - r.n_local
-        n_cat = int(sum(r.a_recv_counts)) + (int(sum(r.b_recv_counts)) if r.b_recv_counts is not None else 0)
-        identity = len(out) == n_cat and bool(np.array_equal(out, np.arange(n_cat)))
-        inv = None
-        # a permutation: every place in range and taken once (a count per place: O(n), where np.unique's hashing
-        # took milliseconds of a new plan's first call at tens of thousands of rows)
-        if (not identity and len(out) == n_cat and n_cat and out.min() >= 0 and out.max() < n_cat
-                and bool((np.bincount(out, minlength=n_cat) == 1).all())):
-            inv = np.empty(n_cat, dtype=np.int64)
-            inv[out] = np.arange(n_cat)
-        return cls(
-            n_local=r.n_local,
-            a_send_idx=t(r.a_send_idx),
-            a_send_counts=list(r.a_send_counts),
-            a_recv_counts=list(r.a_recv_counts),
-            b_send_idx=None if r.b_send_idx is None else t(r.b_send_idx - r.n_local),
-            b_send_counts=None if r.b_send_counts is None else list(r.b_send_counts),
-            b_recv_counts=None if r.b_recv_counts is None else list(r.b_recv_counts),
-            out_idx=t(out),
-            out_identity=identity,
-            out_inv=t(inv),
-        )
+        return cls(n_local=h.n_local, a_send_idx=t(h.a_send_idx), a_send_counts=h.a_send_counts,
+                   a_recv_counts=h.a_recv_counts, b_send_idx=t(h.b_send_idx), b_send_counts=h.b_send_counts,
+                   b_recv_counts=h.b_recv_counts, out_idx=t(h.out_idx), out_identity=h.out_identity,
+                   out_inv=t(h.out_inv))
 
     @property
     def n_a(self) -> int:

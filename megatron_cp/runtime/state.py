@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..comm import BufferPool, DeviceRoute, device_pool
+from ..comm import BufferPool, DeviceRoute, RouteIndex, device_pool
 from ..kernels import Backend, upload
 from ..planner import Plan, Workload
 from . import guests
@@ -77,10 +77,11 @@ class SingleHost:
 @dataclass
 class RankAhead:
     """What a planning helper made ahead of a rank's first call for one exchange choice (``keep_rank_ahead``):
-    the single exchange's host part (None for a staged exchange) and the tile lists ``prepare_lists`` made with a
+    the single exchange's host part or a staged one's routes, and the tile lists ``prepare_lists`` made with a
     backend's ``prepare_host`` named ``prepare`` (None: none)."""
 
     single: SingleHost | None
+    routes: list | None  # a staged exchange's routes per stage (None for stage 0), host parts
     prepare: str | None
     lists: list | None
 
@@ -336,8 +337,10 @@ def prepare_name(prepare) -> str:
 
 def rank_ahead(plan: Plan, rank: int, sched: Schedule | None, prepare=None) -> RankAhead:
     """``rank``'s host work for its first call under the exchange ``sched``, made ahead: the single exchange's
-    host part and, given a backend's ``prepare_host``, the tile lists. Host work only (numpy); picklable."""
+    host part or the staged exchange's routes and, given a backend's ``prepare_host``, the tile lists. Host work
+    only (numpy); picklable."""
     return RankAhead(single_host(plan, rank) if sched is None else None,
+                     None if sched is None else [None] + [RouteIndex.of(st.route) for st in sched.ranks[rank][1:]],
                      None if prepare is None else prepare_name(prepare),
                      None if prepare is None else prepare_lists(plan, rank, sched, prepare))
 
@@ -382,7 +385,8 @@ def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, ba
             exchanges=exchanges,
             schedule=sched,
             single=single,
-            staged=_staged(plan, sched, rank, device, lists) if sched is not None else None,
+            staged=_staged(sched, rank, device, lists, ahead.routes if ahead is not None else None)
+            if sched is not None else None,
             guests=guests.guest_runtime(plan, rank, device, backend) if plan.has_guests else None,
             pool=device_pool(device),
         )
@@ -438,14 +442,15 @@ def _single(h: SingleHost, device, prepared) -> SingleExchange:
     )
 
 
-def _staged(plan: Plan, sched: Schedule, rank: int, device, prepared: list) -> StagedExchange:
+def _staged(sched: Schedule, rank: int, device, prepared: list, routes: list | None) -> StagedExchange:
     stages = sched.ranks[rank]
+    routes = routes or [None] + [RouteIndex.of(st.route) for st in stages[1:]]
     idle = [i for i, st in enumerate(stages) if i > 0 and len(st.tiles) and not sched.active[i - 1]]
     if idle:  # its keys would never arrive (and its backward has no reduce to join)
         raise RuntimeError(f"rank {rank}: stages {idle} have tiles but exchange nothing (schedule bug)")
     return StagedExchange(
         prepared=prepared,
         buf_len=[st.buf_len for st in stages],
-        routes=[None] + [DeviceRoute.from_route(st.route, device, upload) for st in stages[1:]],
+        routes=[None] + [DeviceRoute.on(h, device, upload) for h in routes[1:]],
         active=[False] + list(sched.active),
     )
