@@ -131,3 +131,33 @@ def test_copy_row_pairs_moves_both_pairs_like_two_copies(use_triton):
     bk, bv = torch.zeros(9, 2, 12, dtype=torch.float16), torch.zeros(9, 2, 8, dtype=torch.float16)
     m.copy_pair(bk, k, bv, v)
     assert torch.equal(bk, ref_k) and torch.equal(bv, ref_v)
+
+
+def test_upload_all_packs_every_array_at_an_aligned_offset_and_unpacks_it_as_it_was():
+    """kernels.upload_all's packing (what a CUDA upload copies in one go): arrays of several dtypes and shapes,
+    empty ones, a strided one, a tensor and None come back equal, each a view at a 16-byte offset of the one
+    buffer."""
+    from megatron_cp.kernels.upload import ALIGN, pack, unpack, upload_all
+
+    rng = np.random.default_rng(3)
+    arrays = [rng.integers(-9, 9, 7).astype(np.int64), None, np.zeros(0, np.int32),
+              rng.integers(0, 100, (3, 5)).astype(np.int32), rng.standard_normal(5).astype(np.float32),
+              np.arange(20, dtype=np.int64)[::3], torch.arange(6, dtype=torch.int32).reshape(2, 3),
+              np.array([1], np.int8)]
+    blob, spans = pack(arrays)
+    buf = torch.from_numpy(blob)
+    got = unpack(buf, spans)
+    assert len(got) == len(arrays)
+    for a, g, sp in zip(arrays, got, spans):
+        if a is None:
+            assert g is None and sp is None
+            continue
+        want = torch.as_tensor(np.ascontiguousarray(a))
+        assert g.dtype == want.dtype and g.shape == want.shape and torch.equal(g, want)
+        assert sp[0] % ALIGN == 0 and (g.numel() == 0 or g.data_ptr() == buf.data_ptr() + sp[0])  # (empty: no pointer)
+    ends = [sp[0] for sp in spans if sp is not None]
+    assert ends == sorted(ends) and len(set(ends[:2])) == 2  # an empty array takes no room, the others do
+    # off CUDA: one tensor per array, as upload gives
+    cpu = upload_all(arrays, "cpu")
+    assert cpu[1] is None and all(torch.equal(c, torch.as_tensor(np.ascontiguousarray(a)))
+                                  for a, c in zip(arrays, cpu) if a is not None)

@@ -129,15 +129,14 @@ class DeviceRoute:
     out_inv: torch.Tensor | None = None
 
     @classmethod
-    def on(cls, h: "RouteIndex", device, upload) -> "DeviceRoute":
-        """The route of ``h`` (a ``RouteIndex`` made elsewhere) on ``device``, through ``upload``."""
-        def t(a):
-            return None if a is None else upload(a, device)
-
-        return cls(n_local=h.n_local, a_send_idx=t(h.a_send_idx), a_send_counts=h.a_send_counts,
-                   a_recv_counts=h.a_recv_counts, b_send_idx=t(h.b_send_idx), b_send_counts=h.b_send_counts,
-                   b_recv_counts=h.b_recv_counts, out_idx=t(h.out_idx), out_identity=h.out_identity,
-                   out_inv=t(h.out_inv))
+    def on(cls, h: "RouteIndex", device, upload_all) -> "DeviceRoute":
+        """The route of ``h`` (a ``RouteIndex`` made elsewhere) on ``device``: its index arrays through
+        ``upload_all(arrays, device)`` (the runtime passes ``kernels.upload_all``: one pinned block, one copy, no
+        host synchronisation with the queued kernels)."""
+        a_send, b_send, out, inv = upload_all([h.a_send_idx, h.b_send_idx, h.out_idx, h.out_inv], device)
+        return cls(n_local=h.n_local, a_send_idx=a_send, a_send_counts=h.a_send_counts,
+                   a_recv_counts=h.a_recv_counts, b_send_idx=b_send, b_send_counts=h.b_send_counts,
+                   b_recv_counts=h.b_recv_counts, out_idx=out, out_identity=h.out_identity, out_inv=inv)
 
     @property
     def n_a(self) -> int:

@@ -30,7 +30,7 @@ from .triton.antidiagonal import antidiagonal_mass, fused_mass_supported
 from .config import DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonConfig, configs_from_json
 from .triton.backend import TritonBackend
 from .pieces import kept_area
-from .upload import upload
+from .upload import upload, upload_all
 
 # the user API: the backends by name and their configuration, the tile list and its checks, per-head block selections
 __all__ = [
@@ -63,6 +63,6 @@ __all__ = [
 __shared__ = [
     "block_classes", "accumulate_dtype", "refuse_double_backward",
     "copy_rows", "copy_row_pairs", "reduce_rows", "reduce_row_pairs",
-    "merge", "pieces", "upload",
+    "merge", "pieces", "upload", "upload_all",
     "antidiagonal_mass", "fused_mass_supported",
 ]

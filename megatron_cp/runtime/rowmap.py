@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels import copy_row_pairs, copy_rows, upload
+from ..kernels import copy_row_pairs, copy_rows, upload_all
 
 MAX_RUNS = 1  # more runs than this: one indexed row-copy kernel instead of slice copies
 
@@ -69,19 +69,22 @@ class RowMap:
     ``src_idx`` None means ``arange(n)`` (scatter), ``dst_idx`` None means ``arange(n)`` (gather)."""
 
     def __init__(self, dst_idx, src_idx, device, max_runs: int | None = None):
-        self._place(RowIndex.of(dst_idx, src_idx, max_runs), device)
+        h = RowIndex.of(dst_idx, src_idx, max_runs)
+        self._set(h, *upload_all([h.dst, h.src], device))
 
     @classmethod
-    def on(cls, host: RowIndex, device) -> "RowMap":
-        """The map of ``host`` (a ``RowIndex`` made elsewhere) on ``device``."""
+    def placed(cls, host: RowIndex, dst_t: torch.Tensor | None, src_t: torch.Tensor | None) -> "RowMap":
+        """The map of ``host`` (a ``RowIndex`` made elsewhere) with its index arrays already on the device
+        (``host.dst`` / ``host.src`` uploaded, e.g. with others in one ``upload_all``)."""
         m = cls.__new__(cls)
-        m._place(host, device)
+        m._set(host, dst_t, src_t)
         return m
 
-    def _place(self, h: RowIndex, device) -> None:
+    def _set(self, h: RowIndex, dst_t, src_t) -> None:
+        if (dst_t is None) != (h.dst is None) or (src_t is None) != (h.src is None):
+            raise ValueError("a RowMap's device indices must be its RowIndex's arrays, uploaded")
         self.n, self.gatherable, self.runs, self.indexed = h.n, h.gatherable, h.runs, h.indexed
-        self.dst_t = None if h.dst is None else upload(h.dst, device)
-        self.src_t = None if h.src is None else upload(h.src, device)
+        self.dst_t, self.src_t = dst_t, src_t
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Apply in place (dtype conversion included)."""

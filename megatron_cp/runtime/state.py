@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import BufferPool, DeviceRoute, RouteIndex, device_pool
-from ..kernels import Backend, upload
+from ..kernels import Backend, upload_all
 from ..planner import Plan, Workload
 from . import guests
 from .cost import CostModel
@@ -425,18 +425,21 @@ def single_host(plan: Plan, rank: int) -> SingleHost:
 
 
 def _single(h: SingleHost, device, prepared) -> SingleExchange:
+    maps = (h.own, h.recv, h.send, h.own_rows, h.recv_rows)
+    t = upload_all([a for m in maps for a in (m.dst, m.src)] + [h.red_rows, h.red_ptr, h.red_pos], device)
+    own, recv, send, own_rows, recv_rows = (RowMap.placed(m, t[2 * i], t[2 * i + 1]) for i, m in enumerate(maps))
     return SingleExchange(
         buffer_len=h.buffer_len,
         send_counts=h.send_counts,
         recv_counts=h.recv_counts,
-        own=RowMap.on(h.own, device),
-        recv=RowMap.on(h.recv, device),
-        send=RowMap.on(h.send, device),
-        own_rows=RowMap.on(h.own_rows, device),
-        recv_rows=RowMap.on(h.recv_rows, device),
-        red_rows=upload(h.red_rows, device),
-        red_ptr=upload(h.red_ptr, device),
-        red_pos=upload(h.red_pos, device),
+        own=own,
+        recv=recv,
+        send=send,
+        own_rows=own_rows,
+        recv_rows=recv_rows,
+        red_rows=t[-3],
+        red_ptr=t[-2],
+        red_pos=t[-1],
         prepared=prepared,
         identity=h.identity,
     )
@@ -451,6 +454,6 @@ def _staged(sched: Schedule, rank: int, device, prepared: list, routes: list | N
     return StagedExchange(
         prepared=prepared,
         buf_len=[st.buf_len for st in stages],
-        routes=[None] + [DeviceRoute.on(h, device, upload) for h in routes[1:]],
+        routes=[None] + [DeviceRoute.on(h, device, upload_all) for h in routes[1:]],
         active=[False] + list(sched.active),
     )

@@ -16,7 +16,7 @@ import torch
 from . import sparse as fa4_sparse
 from .calls import BLOCK, Fa4Calls, fa4_calls
 from ..tiles import check_tiles
-from ..upload import upload
+from ..upload import upload_all
 
 DEFAULT_HEAD_DIMS = (64, 128)
 
@@ -78,20 +78,24 @@ class Fa4Prepared:
         if route == "blocks":
             b = c.blocks
             lists = b.fwd if direction == "fwd" else b.bwd
-            t = [upload(a, device)[None, None] for a in lists]  # heads and batch broadcast
+            *t, bounds = upload_all(list(lists) + [b.bounds if b.band is None else None], device)
+            t = [a[None, None] for a in t]  # heads and batch broadcast
             kw = {"block_sparse_tensors": fns.block_sparse(*t, block_size=(BLOCK, BLOCK))}
             if b.band is not None:
                 kw["mask_mod"] = fns.band_mask(*b.band)
             else:
-                kw.update(mask_mod=fns.interval_masks[b.intervals], aux_tensors=[upload(b.bounds, device)])
+                kw.update(mask_mod=fns.interval_masks[b.intervals], aux_tensors=[bounds])
             got = [Run(True, kw, ((0, c.seqlen_q),), ((0, c.seqlen_k),))]
         else:
             got = []
-            for call in (c.fwd if direction == "fwd" else c.bwd):
+            calls = c.fwd if direction == "fwd" else c.bwd
+            arrays = [{} if call.dense else call.arrays() for call in calls]
+            dev = iter(upload_all([a for d in arrays for a in d.values()], device))  # one copy for every call's
+            for call, names in zip(calls, arrays):
                 kw = {"causal": call.causal, "window_size_left": None if call.causal else call.left,
                       "window_size_right": None if call.causal else call.right}
                 if not call.dense:
-                    kw.update({n: upload(a, device) for n, a in call.arrays().items()})
+                    kw.update({n: next(dev) for n in names})
                     kw.update(max_seqlen_q=call.max_q, max_seqlen_k=call.max_k)
                 got.append(Run(call.dense, kw, tuple(call.row_spans()), tuple(call.key_spans())))
         self._device[key] = got
