@@ -83,13 +83,8 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
     masks = masks_for(mask_name, seqlen, n_mb + 1)  # the last: a fresh plan whose first call is profiled alone
     work = Workload(hq, hkv, a.head_dim, a.dtype.itemsize)
 
-    def make(mask):
-        if cuda:
-            # the rank's FA4 lists prepared there too, as the Megatron plugin asks
-            return mcp.runtime.plan_in_helper(mask, cp, work=work, rank=a.rank, backend="auto", device=a.device)
-        plan = mcp.plan(mask, cp)
-        mcp.runtime.prebuild(plan, work)
-        return plan
+    def make(mask):  # as the Megatron plugin plans: the plan, its exchange and the rank's first-call host work
+        return mcp.runtime.plan_in_helper(mask, cp, work=work, rank=a.rank, backend="auto", device=a.device)
 
     pool = ThreadPoolExecutor(1)
     ahead = [pool.submit(make, m) for m in masks]  # one planning thread, in micro-batch order
