@@ -216,8 +216,10 @@ class TritonBackend:
         return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
     # -- per list ---------------------------------------------------------------------------------
-    def prepare(self, tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, head_dims=(64, 128)) -> TritonPrepared:
-        """tiles int [n, 5] (cpu) -> TritonPrepared; builds the schedules of ``head_dims``' configs now.
+    def prepare(self, tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, head_dims=()) -> TritonPrepared:
+        """tiles int [n, 5] (cpu) -> TritonPrepared; builds the schedules of ``head_dims``' configs now, the others'
+        on their first use (by default each block shape's: a list whose forward alone runs here, as under FA4's
+        routes, never builds the backward's, nor another head dim's).
 
         Where cuDNN may run (dense_fast_path, not deterministic, CUDA present) also splits the list into
         cuDNN pieces and a Triton rest per direction (``pieces.split_pieces`` with this config's values),
