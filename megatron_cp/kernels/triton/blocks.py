@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..tiles import BI_CAUSAL, CAUSAL, INV_CAUSAL
@@ -96,114 +97,126 @@ class ColumnWork:
                           f(self.red_nseg), self.n_slots)
 
 
-def column_work(ptr: torch.Tensor, min_segment: int = 16, imbalance: float = 2.0) -> ColumnWork:
+def column_work(ptr: np.ndarray, min_segment: int = 16, imbalance: float = 2.0) -> ColumnWork:
     """Split k blocks with more than ``imbalance`` x the mean entries (and > min_segment) into segments."""
-    counts = (ptr[1:] - ptr[:-1]).long()
-    nn = counts.numel()
+    counts = (ptr[1:] - ptr[:-1]).astype(np.int64)
+    nn = counts.size
     mean = float(counts.sum()) / max(nn, 1)
     seg_len = max(min_segment, int(imbalance * mean) + 1)
-    nseg = torch.clamp((counts + seg_len - 1) // seg_len, min=1)
-    n = torch.repeat_interleave(torch.arange(nn), nseg)
-    first = torch.repeat_interleave(torch.cumsum(nseg, 0) - nseg, nseg)
-    seg = torch.arange(n.numel()) - first
+    nseg = np.maximum((counts + seg_len - 1) // seg_len, 1)
+    n = np.repeat(np.arange(nn), nseg)
+    first = np.repeat(np.cumsum(nseg) - nseg, nseg)
+    seg = np.arange(n.size) - first
     ns = nseg[n]
     split = ns > 1
-    slot = torch.full_like(n, -1)
-    slot[split] = torch.arange(int(split.sum()))
-    red_n = torch.nonzero(nseg > 1).flatten()
+    slot = np.full_like(n, -1)
+    slot[split] = np.arange(int(split.sum()))
+    red_n = np.flatnonzero(nseg > 1)
     red_nseg = nseg[red_n]
-    red_slot0 = torch.cumsum(red_nseg, 0) - red_nseg
-    per_item = counts[n] / ns
-    order = torch.argsort(-per_item, stable=True)
-    i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
-    return ColumnWork(i32(n[order]), i32(seg[order]), i32(ns[order]), i32(slot[order]), i32(red_n), i32(red_slot0),
-                      i32(red_nseg), int(split.sum()))
+    red_slot0 = np.cumsum(red_nseg) - red_nseg
+    per_item = counts[n].astype(np.float32) / ns.astype(np.float32)  # float32: the order ties break as before
+    order = np.argsort(-per_item, kind="stable")
+    return ColumnWork(_i32(n[order]), _i32(seg[order]), _i32(ns[order]), _i32(slot[order]), _i32(red_n),
+                      _i32(red_slot0), _i32(red_nseg), int(split.sum()))
 
 
-def tile_descriptors(tiles: torch.Tensor) -> torch.Tensor:
-    """tiles int [n, 5] -> descriptors int64 [n, 6] = (qs, qe, ks, ke, lo, hi) with lo <= k - q <= hi."""
-    t = tiles.to("cpu", torch.int64)
-    qs, qe, ks, ke, kind = t.unbind(1)
-    lo = torch.full_like(qs, -_BIG)
-    hi = torch.full_like(qs, _BIG)
+def _np(x) -> np.ndarray:
+    return (x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)).astype(np.int64, copy=False)
+
+
+def _i32(x: np.ndarray, lead: bool = False) -> torch.Tensor:
+    x = np.ascontiguousarray(x, dtype=np.int32)
+    return torch.from_numpy(x[None] if lead else x)
+
+
+def _descriptors(tiles) -> np.ndarray:
+    t = _np(tiles).reshape(-1, 5)
+    qs, qe, ks, ke, kind = t.T
     upper = (kind == CAUSAL) | (kind == BI_CAUSAL)
     lower = (kind == INV_CAUSAL) | (kind == BI_CAUSAL)
-    hi = torch.where(upper, ke - qe, hi)
-    lo = torch.where(lower, ks - qs, lo)
-    return torch.stack([qs, qe, ks, ke, lo, hi], 1)
+    hi = np.where(upper, ke - qe, _BIG)
+    lo = np.where(lower, ks - qs, -_BIG)
+    return np.stack([qs, qe, ks, ke, lo, hi], 1)
 
 
-def block_pairs(desc: torch.Tensor, block_m: int, block_n: int):
-    """All non-empty (tile, m, n) triples with a full flag; int64 1-D tensors."""
+def tile_descriptors(tiles) -> torch.Tensor:
+    """tiles int [n, 5] -> descriptors int64 [n, 6] = (qs, qe, ks, ke, lo, hi) with lo <= k - q <= hi."""
+    return torch.from_numpy(_descriptors(tiles))
+
+
+def _block_pairs(desc: np.ndarray, block_m: int, block_n: int):
     if desc.shape[0] == 0:
-        e = torch.zeros(0, dtype=torch.int64)
-        return e, e, e, torch.zeros(0, dtype=torch.bool)
-    qs, qe, ks, ke, lo, hi = desc.unbind(1)
+        e = np.zeros(0, dtype=np.int64)
+        return e, e, e, np.zeros(0, dtype=bool)
+    qs, qe, ks, ke, lo, hi = desc.T
     # 1) (tile, m) pairs over each tile's q blocks
     m0, m1 = qs // block_m, (qe - 1) // block_m + 1
     cnt = m1 - m0
-    tid = torch.repeat_interleave(torch.arange(desc.shape[0]), cnt)
-    start = torch.repeat_interleave(m0, cnt)
-    first = torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
-    m = start + torch.arange(tid.numel()) - first
+    tid = np.repeat(np.arange(desc.shape[0]), cnt)
+    first = np.repeat(np.cumsum(cnt) - cnt, cnt)
+    m = np.repeat(m0, cnt) + np.arange(tid.size) - first
     # rows of this block inside the tile
-    r0 = torch.maximum(qs[tid], m * block_m)
-    r1 = torch.minimum(qe[tid], (m + 1) * block_m) - 1
+    r0 = np.maximum(qs[tid], m * block_m)
+    r1 = np.minimum(qe[tid], (m + 1) * block_m) - 1
     # keys a kept cell can have for these rows: ks..ke-1 and r0+lo..r1+hi
-    c0 = torch.maximum(ks[tid], r0 + lo[tid].clamp(min=-_BIG))
-    c1 = torch.minimum(ke[tid] - 1, r1 + hi[tid])
+    c0 = np.maximum(ks[tid], r0 + np.maximum(lo[tid], -_BIG))
+    c1 = np.minimum(ke[tid] - 1, r1 + hi[tid])
     keep = c1 >= c0
     tid, m, c0, c1 = tid[keep], m[keep], c0[keep], c1[keep]
     # 2) expand to (tile, m, n) over those key blocks
     n0, n1 = c0 // block_n, c1 // block_n + 1
     cnt = n1 - n0
-    idx = torch.repeat_interleave(torch.arange(tid.numel()), cnt)
-    first = torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
-    n = n0[idx] + torch.arange(idx.numel()) - first
+    idx = np.repeat(np.arange(tid.size), cnt)
+    first = np.repeat(np.cumsum(cnt) - cnt, cnt)
+    n = n0[idx] + np.arange(idx.size) - first
     tid, m = tid[idx], m[idx]
-    d = desc[tid]
-    qs, qe, ks, ke, lo, hi = d.unbind(1)
+    qs, qe, ks, ke, lo, hi = desc[tid].T
     bq0, bq1 = m * block_m, (m + 1) * block_m - 1  # inclusive block bounds
     bk0, bk1 = n * block_n, (n + 1) * block_n - 1
     # exact emptiness on the clipped rectangle: some q in [a0,a1], k in [b0,b1] with lo <= k-q <= hi
-    a0, a1 = torch.maximum(qs, bq0), torch.minimum(qe - 1, bq1)
-    b0, b1 = torch.maximum(ks, bk0), torch.minimum(ke - 1, bk1)
+    a0, a1 = np.maximum(qs, bq0), np.minimum(qe - 1, bq1)
+    b0, b1 = np.maximum(ks, bk0), np.minimum(ke - 1, bk1)
     nonempty = (a1 >= a0) & (b1 >= b0) & (b1 - a0 >= lo) & (b0 - a1 <= hi)
     full = (qs <= bq0) & (qe - 1 >= bq1) & (ks <= bk0) & (ke - 1 >= bk1) & (bk0 - bq1 >= lo) & (bk1 - bq0 <= hi)
     s = nonempty
     return tid[s], m[s], n[s], full[s]
 
 
-def _csr(major, minor_off, tid, full, n_major):
+def block_pairs(desc, block_m: int, block_n: int):
+    """All non-empty (tile, m, n) triples with a full flag; int64 1-D tensors (bool for the flag)."""
+    return tuple(torch.from_numpy(np.ascontiguousarray(x)) for x in _block_pairs(_np(desc).reshape(-1, 6),
+                                                                                  block_m, block_n))
+
+
+def _csr(major, minor_off, tid, full, n_major) -> BlockSchedule:
     """Sort entries by (major, partial, minor) and build the CSR arrays with a leading head axis."""
-    key = (major * 2 + (~full).long()) * (1 << 32) + minor_off  # full entries first within a block
-    perm = torch.argsort(key, stable=True)
+    key = (major * 2 + (~full).astype(np.int64)) * (1 << 32) + minor_off  # full entries first within a block
+    perm = np.argsort(key, kind="stable")
     major, minor_off, tid, full = major[perm], minor_off[perm], tid[perm], full[perm]
-    counts = torch.bincount(major, minlength=n_major)
-    fulls = torch.bincount(major[full], minlength=n_major)
-    ptr = torch.zeros(n_major + 1, dtype=torch.int64)
-    ptr[1:] = torch.cumsum(counts, 0)
+    counts = np.bincount(major, minlength=n_major)
+    fulls = np.bincount(major[full], minlength=n_major)
+    ptr = np.zeros(n_major + 1, dtype=np.int64)
+    ptr[1:] = np.cumsum(counts)
     mid = ptr[:-1] + fulls
     # heaviest first; partial blocks cost a little more (mask arithmetic)
     cost = fulls * 4 + (counts - fulls) * 5
-    order = torch.argsort(-cost, stable=True)
-    i32 = lambda x: x.to(torch.int32).unsqueeze(0).contiguous()  # noqa: E731
-    return BlockSchedule(i32(ptr), i32(mid), i32(order), i32(minor_off), i32(tid),
-                         int(full.sum()), int((~full).sum()), n_busy=int((counts > 0).sum()))
+    order = np.argsort(-cost, kind="stable")
+    return BlockSchedule(_i32(ptr, True), _i32(mid, True), _i32(order, True), _i32(minor_off, True),
+                         _i32(tid, True), int(full.sum()), int((~full).sum()), n_busy=int((counts > 0).sum()))
 
 
-def build_schedules(tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
+def build_schedules(tiles, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
                     split_min_segment: int = 16):
     """Row-major (per q block) and column-major (per k block) schedules for blocks (block_m, block_n);
-    the column schedule's dK/dV work items split long columns (``column_work``).
+    the column schedule's dK/dV work items split long columns (``column_work``). Built with numpy (small
+    arrays: a torch op's dispatch cost more than its work).
 
     Returns (rows: BlockSchedule, cols: BlockSchedule) on the CPU.
     """
-    desc = tile_descriptors(tiles)
-    tid, m, n, full = block_pairs(desc, block_m, block_n)
+    tid, m, n, full = _block_pairs(_descriptors(tiles), block_m, block_n)
     nm = (seqlen_q + block_m - 1) // block_m
     nn = (seqlen_k + block_n - 1) // block_n
     rows = _csr(m, n * block_n, tid, full, nm)
     cols = _csr(n, m * block_m, tid, full, nn)
-    cols.work = column_work(cols.ptr[0], split_min_segment)
+    cols.work = column_work(cols.ptr[0].numpy(), split_min_segment)
     return rows, cols
