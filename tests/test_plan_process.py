@@ -115,8 +115,10 @@ def _fa4_emulated():
                                              fa4_semantics.band_mask))
 
 
-@pytest.mark.parametrize("mask_name,cp,stages", [("packed", 4, None), ("global_local", 4, None), ("causal", 4, 2)])
-def test_a_ranks_first_call_host_work_made_in_the_helper_is_what_the_call_would_make(mask_name, cp, stages,
+@pytest.mark.parametrize("mask_name,cp,stages,kw", [("packed", 4, None, {}), ("global_local", 4, None, {}),
+                                                    ("global_local", 4, None, {"guest_rows": [[0, 64]]}),
+                                                    ("causal", 4, 2, {})])
+def test_a_ranks_first_call_host_work_made_in_the_helper_is_what_the_call_would_make(mask_name, cp, stages, kw,
                                                                                      monkeypatch):
     """Given the rank and an FA4 backend, the helper makes the rank's single-exchange host part (or staged routes)
     and prepares its tile lists (single exchange: the whole list; staged: one per stage) for the exchange it chose; the plan's
@@ -129,13 +131,13 @@ def test_a_ranks_first_call_host_work_made_in_the_helper_is_what_the_call_would_
     mask = _packed(7, 2048) if mask_name == "packed" else mcp.masks.catalog.build(mask_name, 2048)
     be = _fa4_emulated()
     rank, cost = 1, mcp.runtime.CostModel()
-    got = plan_in_helper(mask, cp, work=WORK, stages=stages, rank=rank, backend=be, device="cpu")
+    got = plan_in_helper(mask, cp, work=WORK, stages=stages, rank=rank, backend=be, device="cpu", **kw)
     ahead = state.plan_cache(got)[state._ahead_key(rank, stages, True, cost, WORK)]
     assert ahead.prepare == state.prepare_name(prepare_list)
     kept = ahead.lists
     sched = state.exchange_choice(got, stages=stages, hierarchical=True, cost=cost, work=WORK)
     assert (sched is None) == (stages is None) == (ahead.single is not None)
-    here = state.prepare_lists(mcp.plan(mask, cp), rank, sched, be.prepare)
+    here = state.prepare_lists(mcp.plan(mask, cp, **kw), rank, sched, be.prepare)
     assert len(kept) == len(here) >= 1 and any(p is not None for p in kept)
 
     def made_again(*a, **k):
@@ -144,10 +146,14 @@ def test_a_ranks_first_call_host_work_made_in_the_helper_is_what_the_call_would_
     be.prepare = made_again
     monkeypatch.setattr(state, "single_host", made_again)
     monkeypatch.setattr(state.RouteIndex, "of", made_again)
+    monkeypatch.setattr(state.guests, "guest_host", made_again)
     assert (ahead.routes is not None) == (sched is not None)
+    assert (ahead.guests is not None) == got.has_guests == ("guest_rows" in kw)
+    if got.has_guests:  # the guest list too, prepared there
+        assert ahead.guest_list is not None
     st = state.rank_state(got, rank, torch.device("cpu"), be, "fa4-emulated", stages=stages, hierarchical=True,
                           cost=cost, work=WORK)
-    assert [id(p) for p in st.prepared_lists()] == [id(p) for p in kept if p is not None]
+    assert [id(p) for p in st.prepared_lists()] == [id(p) for p in kept + [ahead.guest_list] if p is not None]
     if ahead.routes is not None:  # the staged exchange's routes are the helper's, as made here
         monkeypatch.undo()
         want = [state.RouteIndex.of(s.route) for s in sched.ranks[rank][1:]]
@@ -159,7 +165,7 @@ def test_a_ranks_first_call_host_work_made_in_the_helper_is_what_the_call_would_
             == [True] * len(want)
     if ahead.single is not None:  # the single exchange's maps and arrays are the helper's, as made here
         monkeypatch.undo()
-        want = state.single_host(mcp.plan(mask, cp), rank)
+        want = state.single_host(mcp.plan(mask, cp, **kw), rank)
         assert pickle.dumps(ahead.single) == pickle.dumps(want)
         assert st.single.own.runs == want.own.runs and st.single.send.indexed == want.send.indexed
         assert torch.equal(st.single.red_pos, torch.from_numpy(want.red_pos))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..comm import all_to_all_v, device_pool
-from ..kernels import accumulate_dtype, upload
+from ..kernels import accumulate_dtype, upload_all
 from ..planner import Plan
 
 
@@ -36,9 +36,24 @@ class GuestRuntime:
     whole: bool = False
 
 
-def guest_runtime(plan: Plan, rank: int, device, backend) -> GuestRuntime:
-    """Index tensors and prepared tiles of ``rank``'s guest rows (part of the rank's runtime state,
-    built once)."""
+@dataclass
+class GuestHost:
+    """A ``GuestRuntime``'s host part (``guest_host``), made anywhere (the planning helper makes a new plan's
+    ahead): the index arrays, counts and the guest tile list (q: received rows, k: own keys in local order)."""
+
+    send: np.ndarray
+    send_counts: list
+    recv_counts: list
+    rows: np.ndarray
+    merge: list  # per source with rows: (slice of the returned rows, positions in ``rows``)
+    whole: bool
+    tiles: np.ndarray | None  # int32 [n, 5]; None when the rank computes no guest row
+    n_recv: int
+    n_tokens: int
+
+
+def guest_host(plan: Plan, rank: int) -> GuestHost:
+    """``rank``'s guest rows' host part (numpy)."""
     rp = plan.ranks[rank]
     send, send_counts = rp.guest_send_index()
     recv_counts = rp.guest_recv_counts()
@@ -48,23 +63,25 @@ def guest_runtime(plan: Plan, rank: int, device, backend) -> GuestRuntime:
         if c:
             pos = np.searchsorted(rows, send[off:off + c])
             whole = whole and c == len(rows) and bool(np.array_equal(pos, np.arange(len(rows))))
-            merge.append((slice(off, off + c), upload(pos.astype(np.int64), device)))
+            merge.append((slice(off, off + c), pos.astype(np.int64)))
         off += c
     n_recv = sum(recv_counts)
-    prepared = None
-    if len(rp.guest_tiles) and n_recv:
-        tiles = torch.from_numpy(rp.guest_tiles.astype("int32"))
-        prepared = backend.prepare(tiles, n_recv, rp.num_tokens)
-    gr = GuestRuntime(
-        send=upload(send, device),
-        send_counts=send_counts,
-        recv_counts=recv_counts,
-        rows=upload(rows.astype(np.int64), device),
-        merge=merge,
-        prepared=prepared,
-        whole=whole,
-    )
-    return gr
+    tiles = rp.guest_tiles.astype("int32") if len(rp.guest_tiles) and n_recv else None
+    return GuestHost(send.astype(np.int64), send_counts, recv_counts, rows.astype(np.int64), merge, whole, tiles,
+                     n_recv, rp.num_tokens)
+
+
+def guest_list(h: GuestHost, prepare):
+    """The guest tile list through ``prepare`` (a backend's ``prepare`` or ``prepare_host``); None: no list."""
+    return None if h.tiles is None else prepare(torch.from_numpy(h.tiles), h.n_recv, h.n_tokens)
+
+
+def guest_runtime(h: GuestHost, device, prepared) -> GuestRuntime:
+    """Index tensors of ``h`` on ``device`` with the prepared guest list (part of the rank's runtime state,
+    built once)."""
+    t = upload_all([h.send, h.rows] + [pos for _, pos in h.merge], device)
+    return GuestRuntime(send=t[0], send_counts=h.send_counts, recv_counts=h.recv_counts, rows=t[1],
+                        merge=[(sl, pos) for (sl, _), pos in zip(h.merge, t[2:])], prepared=prepared, whole=h.whole)
 
 
 def _a2a(x, send_counts, recv_counts, group, async_op=False, tag=None):

@@ -82,8 +82,10 @@ class RankAhead:
 
     single: SingleHost | None
     routes: list | None  # a staged exchange's routes per stage (None for stage 0), host parts
+    guests: guests.GuestHost | None  # the guest rows' host part (None: the plan has none)
     prepare: str | None
     lists: list | None
+    guest_list: object = None  # the guest tile list prepared with ``prepare`` (None: none)
 
 
 @dataclass
@@ -339,10 +341,13 @@ def rank_ahead(plan: Plan, rank: int, sched: Schedule | None, prepare=None) -> R
     """``rank``'s host work for its first call under the exchange ``sched``, made ahead: the single exchange's
     host part or the staged exchange's routes and, given a backend's ``prepare_host``, the tile lists. Host work
     only (numpy); picklable."""
+    gh = guests.guest_host(plan, rank) if plan.has_guests else None
     return RankAhead(single_host(plan, rank) if sched is None else None,
                      None if sched is None else [None] + [RouteIndex.of(st.route) for st in sched.ranks[rank][1:]],
+                     gh,
                      None if prepare is None else prepare_name(prepare),
-                     None if prepare is None else prepare_lists(plan, rank, sched, prepare))
+                     None if prepare is None else prepare_lists(plan, rank, sched, prepare),
+                     None if prepare is None or gh is None else guests.guest_list(gh, prepare))
 
 
 def _ahead_key(rank: int, stages, hierarchical, cost, work) -> tuple:
@@ -371,13 +376,18 @@ def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, ba
         exchanges = any(r.num_remote > 0 for r in plan.ranks)
         # taken, not shared: a prepared list caches device metadata and routes for the state that uses it
         ahead = cache.pop(_ahead_key(rank, stages, hierarchical, cost, work), None)
+        ahead = ahead or RankAhead(None, None, None, None, None)
         host = getattr(backend, "prepare_host", None)
-        lists = ahead.lists if ahead is not None and host is not None and ahead.prepare == prepare_name(host) \
-            else prepare_lists(plan, rank, sched, backend.prepare)
+        taken = host is not None and ahead.prepare == prepare_name(host)  # lists prepared ahead for this backend
+        lists = ahead.lists if taken else prepare_lists(plan, rank, sched, backend.prepare)
         single = None
         if sched is None:
-            single = _single(ahead.single if ahead is not None and ahead.single is not None else
-                             single_host(plan, rank), device, lists[0])
+            single = _single(ahead.single or single_host(plan, rank), device, lists[0])
+        guest_rt = None
+        if plan.has_guests:
+            gh = ahead.guests or guests.guest_host(plan, rank)
+            guest_rt = guests.guest_runtime(gh, device, ahead.guest_list if taken else
+                                            guests.guest_list(gh, backend.prepare))
         st = RankRuntime(
             rank=rank,
             s_local=plan.num_local(rank),
@@ -385,9 +395,8 @@ def rank_state(plan: Plan, rank: int, device: torch.device, backend: Backend, ba
             exchanges=exchanges,
             schedule=sched,
             single=single,
-            staged=_staged(sched, rank, device, lists, ahead.routes if ahead is not None else None)
-            if sched is not None else None,
-            guests=guests.guest_runtime(plan, rank, device, backend) if plan.has_guests else None,
+            staged=_staged(sched, rank, device, lists, ahead.routes) if sched is not None else None,
+            guests=guest_rt,
             pool=device_pool(device),
         )
         cache[key] = st
