@@ -57,8 +57,10 @@ def random_mask(seed: int) -> mcp.AttnMask:
 
 
 def _case(rank, world, mask, hq, hkv, dtype=torch.float32, solver="auto", with_lse_grad=False, d=8, guest_rows="auto",
-          **attn_kw):
-    """Max abs errors of out, lse, dq, dk, dv on this rank vs the fp64 dense reference."""
+          ahead=None, **attn_kw):
+    """Max abs errors of out, lse, dq, dk, dv on this rank vs the fp64 dense reference. ``ahead``: a backend whose
+    plan, exchange and first-call host work the planning helper process makes (``plan_in_helper(rank=)``, as the
+    Megatron plugin asks), checked to be what the first call took."""
     s = mask.seqlen_q
     gen = torch.Generator().manual_seed(1234 + s + hq)
     q, do = (torch.randn(s, hq, d, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -67,10 +69,24 @@ def _case(rank, world, mask, hq, hkv, dtype=torch.float32, solver="auto", with_l
     scale = 0.37
     ref = reference_attention(q, k, v, mask, scale, dout=do, dlse=dl if with_lse_grad else None)
 
-    plan = mcp.plan(mask, world, solver=solver, guest_rows=guest_rows)
+    if ahead is None:
+        plan = mcp.plan(mask, world, solver=solver, guest_rows=guest_rows)
+    else:
+        from megatron_cp.runtime import state
+
+        work = mcp.planner.Workload(hq, hkv, d, torch.empty(0, dtype=dtype).element_size())
+        stages = attn_kw.get("stages")
+        plan = mcp.runtime.plan_in_helper(mask, world, work=work, stages=stages, rank=rank, backend=ahead,
+                                          device="cpu", solver=solver, guest_rows=guest_rows)
+        key = state._ahead_key(rank, stages, True, mcp.runtime.CostModel(), work)
+        made = state.plan_cache(plan)[key]  # the single exchange's or staged routes' arrays, the guest rows'
+        assert (made.single is None) == (made.routes is not None) and (made.guests is not None) == plan.has_guests
+        attn_kw = dict(attn_kw, backend=ahead)
     group = dist.group.WORLD if world > 1 else None
     ql, kl, vl = (mcp.dispatch(t.to(dtype), plan, group).detach().requires_grad_() for t in (q, k, v))
     out, lse = mcp.attention(ql, kl, vl, plan, group, softmax_scale=scale, **attn_kw)
+    if ahead is not None:
+        assert key not in state.plan_cache(plan)  # taken by the first call
     ids = torch.from_numpy(plan.local_ids(rank))
     loss = (out.double() * do[ids]).sum()
     if with_lse_grad:
@@ -109,6 +125,12 @@ def _exact_cases(rank, world, names):
             extra = {"guest_rows": [[S - 6, S]]} if name == "guests" else {}
             res[("float64", name, str(kw))] = _case(rank, world, masks["causal" if name == "guests" else name], 4, 2,
                                                     dtype=torch.float64, with_lse_grad=True, **extra, **kw)
+    if world > 1:  # the first call's host work made in each rank's planning helper (FA4's lists: test_plan_process)
+        for name, kw in (("varlen", {"stages": 0}), ("guests", {"stages": 0}), ("causal", {"stages": 1})):
+            extra = {"guest_rows": [[S - 6, S]]} if name == "guests" else {}
+            res[("float64", "ahead", name)] = _case(rank, world, masks["causal" if name == "guests" else name], 4, 2,
+                                                    dtype=torch.float64, with_lse_grad=True, ahead="reference",
+                                                    **extra, **kw)
     if world > 1:  # the runtime's row moves as slice copies per run (by default several runs go indexed)
         from megatron_cp.runtime import rowmap
 
