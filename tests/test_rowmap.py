@@ -161,3 +161,63 @@ def test_upload_all_packs_every_array_at_an_aligned_offset_and_unpacks_it_as_it_
     cpu = upload_all(arrays, "cpu")
     assert cpu[1] is None and all(torch.equal(c, torch.as_tensor(np.ascontiguousarray(a)))
                                   for a, c in zip(arrays, cpu) if a is not None)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])  # torch index ops / the Triton kernel (interpreter)
+def test_two_row_pair_moves_in_one_launch_are_the_two_moves(use_triton):
+    """kernels.copy_row_pair_moves: a scatter through a destination index into a K / V buffer beside a gather
+    through a source index into strided halves of a send buffer (a layer call's own-rows placement and send
+    gather), of different lengths and widths, dtype converted; and a one-run slice move beside an indexed one,
+    as runtime.rowmap.copy_pairs pairs them: each what its own copy_row_pairs gives."""
+    from megatron_cp.kernels.rows import copy_row_pair_moves, copy_row_pairs
+
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(7, 2, 12, generator=g).half(), torch.randn(7, 2, 8, generator=g).half()
+    own_idx, send_idx = torch.tensor([9, 0, 4, 5, 2, 8, 1]), torch.tensor([6, 6, 0, 3])
+
+    def run(one_by_one):
+        kbuf, vbuf = torch.zeros(10, 2, 12, dtype=torch.float16), torch.zeros(10, 2, 8, dtype=torch.float16)
+        send = torch.zeros(4, 2 * 12 + 2 * 8, dtype=torch.float32)
+        sa, sb = send[:, :24].unflatten(1, (2, 12)), send[:, 24:].unflatten(1, (2, 8))
+        moves = [(kbuf, k, vbuf, v, own_idx, None), (sa, k, sb, v, None, send_idx),
+                 (kbuf[6:8], k[1:3], vbuf[6:8], v[1:3], None, None)]  # rows no other move writes
+        if one_by_one:
+            for m in moves:
+                copy_row_pairs(*m, use_triton=False)
+        else:
+            copy_row_pair_moves(moves[:2], use_triton=use_triton)
+            copy_row_pair_moves(moves[2:] + [moves[0]], use_triton=use_triton)
+        return kbuf, vbuf, send
+
+    for got, want in zip(run(one_by_one=False), run(one_by_one=True)):
+        assert torch.equal(got, want)
+    assert run(False)[2].abs().sum() > 0
+
+
+@pytest.mark.parametrize("use_triton", [False, True])  # torch index ops / the Triton kernels (interpreter)
+def test_copy_pairs_runs_each_maps_copy_pair(use_triton):
+    """runtime.rowmap.copy_pairs over an indexed scatter with a one-run map (which joins its launch with the Triton
+    kernels) and an empty one, then an indexed gather alone: what each map's copy_pair gives."""
+    from megatron_cp.runtime.rowmap import copy_pairs
+
+    g = torch.Generator().manual_seed(6)
+    k, v = torch.randn(7, 2, 12, generator=g).half(), torch.randn(7, 2, 8, generator=g).half()
+    own = RowMap(np.array([9, 0, 4, 5, 2, 8, 1]), None, "cpu")
+    send = RowMap(None, np.array([6, 6, 0, 3]), "cpu")
+    one = RowMap(np.array([6, 7]), np.array([1, 2]), "cpu")
+    none = RowMap(None, np.zeros(0, np.int64), "cpu")
+    assert own.indexed and send.indexed and not one.indexed and len(one.runs) == 1
+
+    def buffers():
+        return (torch.zeros(10, 2, 12, dtype=torch.float16), torch.zeros(10, 2, 8, dtype=torch.float16),
+                torch.zeros(4, 2, 12, dtype=torch.float32), torch.zeros(4, 2, 8, dtype=torch.float32),
+                torch.zeros(10, 2, 12, dtype=torch.float16), torch.zeros(10, 2, 8, dtype=torch.float16))
+
+    kb, vb, sk, sv, ok_, ov = got = buffers()
+    copy_pairs([(own, kb, k, vb, v), (one, ok_, k, ov, v), (none, sk, k, sv, v)], use_triton=use_triton)  # joined
+    copy_pairs([(send, sk, k, sv, v)], use_triton=use_triton)
+    kb, vb, sk, sv, ok_, ov = want = buffers()
+    own.copy_pair(kb, k, vb, v)
+    send.copy_pair(sk, k, sv, v)
+    one.copy_pair(ok_, k, ov, v)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and ok_.abs().sum() > 0

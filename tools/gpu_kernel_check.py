@@ -237,10 +237,10 @@ def extra_checks(be, s, d, hq, hkv, low_dtype):
 
 
 def row_kernel_checks(calls=4):
-    """The runtime's row moves, sums (one pair and two) and merges (kernels/rows.py, merge.py) against torch,
+    """The runtime's row moves (one pair, two pairs in one launch), sums (one pair and two) and merges (kernels/rows.py, merge.py) against torch,
     ``calls`` calls per case on tensors at aligned and unaligned offsets: exact for moves and sums, 1e-5 (relative
     and absolute: lse near 0) for the merge."""
-    from megatron_cp.kernels import copy_row_pairs, copy_rows, reduce_row_pairs, reduce_rows
+    from megatron_cp.kernels import copy_row_pair_moves, copy_row_pairs, copy_rows, reduce_row_pairs, reduce_rows
     from megatron_cp.kernels.merge import merge_into
     out, g = [], torch.Generator(device=DEV).manual_seed(3)
     for dt, off, n in itertools.product((torch.bfloat16, torch.float32), (0, 1, 8), (1, 37, 4096)):
@@ -257,6 +257,14 @@ def row_kernel_checks(calls=4):
             want.index_copy_(0, di, src[si])
             want[:n], want2[:n] = src[si], src2[si]
             ok &= bool(torch.equal(dst, want)) and bool(torch.equal(dst2, want2))
+            # two pair moves in one launch (a scatter and a gather of other lengths) == one launch each
+            g1, g2, h1, h2 = (torch.zeros_like(x) for x in (src, src2, src, src2))
+            copy_row_pair_moves([(g1, src, g2, src2, di, None), (h1[:n // 2], src, h2[:n // 2], src2, None,
+                                                                  si[:n // 2])])
+            w1, w2, x1, x2 = (torch.zeros_like(x) for x in (src, src2, src, src2))
+            copy_row_pairs(w1, src, w2, src2, di, None)
+            copy_row_pairs(x1[:n // 2], src, x2[:n // 2], src2, None, si[:n // 2])
+            ok &= all(bool(torch.equal(a, b)) for a, b in ((g1, w1), (g2, w2), (h1, x1), (h2, x2)))
             rows = torch.arange(0, n, 2, device=DEV)
             ptr = torch.arange(0, 2 * len(rows) + 1, 2, device=DEV)
             pos = torch.randint(0, n + 64, (2 * len(rows),), device=DEV, generator=g)

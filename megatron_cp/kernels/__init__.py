@@ -24,7 +24,7 @@ from .fa4.backend import FA4Backend, fa4_unavailable
 from .protocol import Backend, accumulate_dtype, refuse_double_backward
 from .reference import ReferenceBackend
 from .registry import BACKEND_CHOICES, BACKENDS, available_backends, get_backend
-from .rows import copy_row_pairs, copy_rows, reduce_row_pairs, reduce_rows
+from .rows import copy_row_pair_moves, copy_row_pairs, copy_rows, reduce_row_pairs, reduce_rows
 from .tiles import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, KIND_CODES, check_tiles
 from .triton.antidiagonal import antidiagonal_mass, fused_mass_supported
 from .config import DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonConfig, configs_from_json
@@ -62,7 +62,7 @@ __all__ = [
 # into pieces, row moves, uploads, dtype and autograd rules, and XAttention's block masses
 __shared__ = [
     "block_classes", "accumulate_dtype", "refuse_double_backward",
-    "copy_rows", "copy_row_pairs", "reduce_rows", "reduce_row_pairs",
+    "copy_rows", "copy_row_pairs", "copy_row_pair_moves", "reduce_rows", "reduce_row_pairs",
     "merge", "pieces", "upload", "upload_all",
     "antidiagonal_mass", "fused_mass_supported",
 ]

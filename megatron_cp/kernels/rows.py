@@ -65,6 +65,27 @@ def _copy_row_pairs_kernel(DA, SA, DB, SB, DST_IDX, SRC_IDX, n, width_a, width_b
 
 
 @triton.jit
+def _copy_two_row_pairs_kernel(DA0, SA0, DB0, SB0, DI0, SI0, n0, wa0, wb0, sda0, ssa0, sdb0, ssb0,
+                               DA1, SA1, DB1, SB1, DI1, SI1, n1, wa1, wb1, sda1, ssa1, sdb1, ssb1,
+                               HAS_DI0: tl.constexpr, HAS_SI0: tl.constexpr, HAS_DI1: tl.constexpr,
+                               HAS_SI1: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    # program_id(1): 0 / 1 the first move's pair (K, V), 2 / 3 the second's; rows past a move's n are masked
+    p = tl.program_id(1)
+    if p < 2:
+        dr, sr, ok = _row_block(DI0, SI0, n0, HAS_DI0, HAS_SI0, BLOCK_R)
+        if p == 0:
+            _move_rows(DA0, SA0, dr, sr, ok, wa0, sda0, ssa0, BLOCK_W)
+        else:
+            _move_rows(DB0, SB0, dr, sr, ok, wb0, sdb0, ssb0, BLOCK_W)
+    else:
+        dr, sr, ok = _row_block(DI1, SI1, n1, HAS_DI1, HAS_SI1, BLOCK_R)
+        if p == 2:
+            _move_rows(DA1, SA1, dr, sr, ok, wa1, sda1, ssa1, BLOCK_W)
+        else:
+            _move_rows(DB1, SB1, dr, sr, ok, wb1, sdb1, ssb1, BLOCK_W)
+
+
+@triton.jit
 def _reduce_row(DST, PARTS, ROWS, PTR, POS, i, width, stride_d, stride_p, BLOCK_W: tl.constexpr):
     row = tl.load(ROWS + i).to(tl.int64)
     p0 = tl.load(PTR + i)
@@ -177,6 +198,39 @@ def copy_row_pairs(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor
         da, sa, db, sb, dst_idx if dst_idx is not None else da, src_idx if src_idx is not None else sa, n, wa, wb,
         da.stride(0), sa.stride(0), db.stride(0), sb.stride(0), HAS_DST_IDX=dst_idx is not None,
         HAS_SRC_IDX=src_idx is not None, BLOCK_R=BLOCK_R, BLOCK_W=_block_w(max(wa, wb)), num_warps=4)
+
+
+def copy_row_pair_moves(moves, use_triton=None) -> None:
+    """``copy_row_pairs(*move)`` for each of ``moves`` (tuples dst_a, src_a, dst_b, src_b, dst_idx, src_idx), two
+    moves in one launch on a GPU: a layer call's own-rows placement and send gather read the same K / V, and its
+    backward's gathers the same dK / dV."""
+    moves = [m for m in moves if _move_len(m)]
+    while len(moves) > 2:
+        copy_row_pair_moves(moves[:2], use_triton)
+        moves = moves[2:]
+    if len(moves) < 2 or not _triton_ok(moves[0][0], use_triton) or any(
+            m[0].dtype != m[2].dtype or m[1].dtype != m[3].dtype for m in moves):
+        for m in moves:
+            copy_row_pairs(*m, use_triton=use_triton)
+        return
+    args, consts, ns, widths = [], {}, [], []
+    for j, (dst_a, src_a, dst_b, src_b, dst_idx, src_idx) in enumerate(moves):
+        src_a, src_b = (x if _dense_rows(x) else x.contiguous() for x in (src_a, src_b))
+        da, sa, wa = _pair2d(dst_a, src_a, "src")
+        db, sb, wb = _pair2d(dst_b, src_b, "src")
+        n = _move_len(moves[j])
+        args += [da, sa, db, sb, dst_idx if dst_idx is not None else da, src_idx if src_idx is not None else sa, n,
+                 wa, wb, da.stride(0), sa.stride(0), db.stride(0), sb.stride(0)]
+        consts[f"HAS_DI{j}"], consts[f"HAS_SI{j}"] = dst_idx is not None, src_idx is not None
+        ns.append(n)
+        widths += [wa, wb]
+    _copy_two_row_pairs_kernel[(triton.cdiv(max(ns), BLOCK_R), 4)](
+        *args, **consts, BLOCK_R=BLOCK_R, BLOCK_W=_block_w(max(widths)), num_warps=4)
+
+
+def _move_len(m) -> int:
+    """Rows a ``copy_row_pair_moves`` move copies (as ``copy_row_pairs`` counts them)."""
+    return len(m[4]) if m[4] is not None else len(m[5]) if m[5] is not None else m[1].shape[0]
 
 
 def reduce_rows(dst: torch.Tensor, parts: torch.Tensor, rows: torch.Tensor, ptr: torch.Tensor,

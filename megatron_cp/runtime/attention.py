@@ -35,7 +35,7 @@ from ..planner import Plan, Workload
 from . import guests
 from .cost import CostModel
 from .groups import plan_rank
-from .rowmap import RowMap
+from .rowmap import RowMap, copy_pairs
 from .state import RankRuntime, exchange_choice, input_fields, rank_state, verify_plan
 
 
@@ -103,14 +103,15 @@ def split_kv(buf: torch.Tensor, h: int, da: int, db: int) -> tuple[torch.Tensor,
     return buf[:, :h * da].unflatten(1, (h, da)), buf[:, h * da:].unflatten(1, (h, db))
 
 
-def _cast_kv(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_counts, group, pool, tag):
+def _cast_kv(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_counts, group, pool, tag, also=()):
     """Rows ``pick`` selects of ``a`` and ``b`` (K and V, or dK and dV: [rows, H, Da] / [rows, H, Db])
     travel together in one all-to-all-v; returns the received rows as views (a's, b's). Both buffers
-    come from the shared pool (bounded, reused by every layer)."""
+    come from the shared pool (bounded, reused by every layer). ``also``: more ``rowmap.copy_pairs`` moves, run
+    with the send gather (one kernel launch for two)."""
     h, da, db = a.shape[1], a.shape[2], b.shape[2]
     send = pool.get((pick.n, h * (da + db)), a.dtype, a.device, (tag, "send"))
     sa, sb = split_kv(send, h, da, db)
-    pick.copy_pair(sa, a, sb, b)
+    copy_pairs([(pick, sa, a, sb, b), *also])
     recv = pool.get((sum(recv_counts), h * (da + db)), a.dtype, a.device, (tag, "recv"))
     return split_kv(all_to_all_v(send, send_counts, recv_counts, group, recv), h, da, db)
 
@@ -131,15 +132,19 @@ class _SingleExchangeAttention(torch.autograd.Function):
         gr = rt.guests
         # guest rows first: their partials travel back while this rank's own tiles compute
         pend = guests.start_forward(gr, be, q, k, v, group, scale) if gr is not None else None
+        own = ()
         if ex.identity:
             kbuf, vbuf = k, v  # the buffer is the local K/V: nothing to place
         else:
             kbuf = k.new_empty((ex.buffer_len,) + tuple(k.shape[1:]))
             vbuf = v.new_empty((ex.buffer_len,) + tuple(v.shape[1:]))
-            ex.own.copy_pair(kbuf, k, vbuf, v)
-        if group is not None and rt.exchanges:
-            got_k, got_v = _cast_kv(ex.send, k, v, ex.send_counts, ex.recv_counts, group, rt.pool, "single_fwd")
+            own = ((ex.own, kbuf, k, vbuf, v),)
+        if group is not None and rt.exchanges:  # the own rows placed in the send gather's launch
+            got_k, got_v = _cast_kv(ex.send, k, v, ex.send_counts, ex.recv_counts, group, rt.pool, "single_fwd",
+                                    also=own)
             ex.recv.copy_pair(kbuf, got_k, vbuf, got_v)
+        else:
+            copy_pairs(own)
         out, lse = be.forward(q, kbuf, vbuf, ex.prepared, scale)
         gq = guests.finish_forward(gr, pend, out, lse) if gr is not None else None
         # k / v themselves only for guest rows (their dK/dV are of the own keys in local order)
@@ -160,11 +165,20 @@ class _SingleExchangeAttention(torch.autograd.Function):
             pend, dk_g, dv_g = guests.start_backward(gr, be, gq, k, v, out, lse, dout, dlse, group, ctx.scale)
         dq, dk_buf, dv_buf = be.backward(q, kbuf, vbuf, out, lse, dout, ex.prepared, ctx.scale, delta)
         dk_buf, dv_buf = dk_buf.contiguous(), dv_buf.contiguous()
+        # own rows: a view of the buffer's gradient when they are one run (no copy), else gathered with the send's
+        own = ()
+        if ex.own_rows.indexed:
+            dk = dk_buf.new_empty((ex.own_rows.n,) + tuple(dk_buf.shape[1:]))
+            dv = dv_buf.new_empty((ex.own_rows.n,) + tuple(dv_buf.shape[1:]))
+            own = ((ex.own_rows, dk, dk_buf, dv, dv_buf),)
+        else:
+            dk, dv = ex.own_rows.gather(dk_buf), ex.own_rows.gather(dv_buf)
         back = None
         if group is not None and rt.exchanges:  # partial dK/dV of received rows go back to their owners
-            back = _cast_kv(ex.recv_rows, dk_buf, dv_buf, ex.recv_counts, ex.send_counts, group, rt.pool, "single_bwd")
-        # own rows: a view of the buffer's gradient when they are one run (no copy)
-        dk, dv = ex.own_rows.gather(dk_buf), ex.own_rows.gather(dv_buf)
+            back = _cast_kv(ex.recv_rows, dk_buf, dv_buf, ex.recv_counts, ex.send_counts, group, rt.pool, "single_bwd",
+                            also=own)
+        else:
+            copy_pairs(own)
         if back is not None and back[0].shape[0]:
             # rows with partials from other ranks: summed in fp32 (fp64), in source order, rounded once
             reduce_row_pairs(dk, back[0], dv, back[1], ex.red_rows, ex.red_ptr, ex.red_pos)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels import copy_row_pairs, copy_rows, upload_all
+from ..kernels import copy_row_pair_moves, copy_row_pairs, copy_rows, upload_all
 
 MAX_RUNS = 1  # more runs than this: one indexed row-copy kernel instead of slice copies
 
@@ -117,3 +117,29 @@ class RowMap:
         if not self.runs:
             return src[:0]
         return torch.cat([src[s0:s0 + m] for _, s0, m in self.runs])
+
+
+def copy_pairs(moves, use_triton=None) -> None:
+    """Each ``(map, dst_a, src_a, dst_b, src_b)`` of ``moves`` applied as ``map.copy_pair``; indexed maps go two
+    to a kernel launch (``kernels.copy_row_pair_moves``), a one-run map joining an indexed one's launch on a GPU
+    (alone it stays two slice copies): each launch costs the host tens of microseconds. ``use_triton``: as the
+    kernels' (None: on CUDA tensors; True: the Triton kernels on the CPU too, under TRITON_INTERPRET in tests)."""
+    launch, one, rest = [], [], []
+    for m, da, sa, db, sb in moves:
+        if m.n == 0:
+            continue
+        if m.indexed:
+            launch.append((da, sa, db, sb, m.dst_t, m.src_t))
+        elif len(m.runs) == 1 and (da.is_cuda if use_triton is None else use_triton):
+            one.append((m, da, sa, db, sb))
+        else:
+            rest.append((m, da, sa, db, sb))
+    while len(launch) % 2 and one:
+        m, da, sa, db, sb = one.pop()
+        d0, s0, c = m.runs[0]
+        launch.append((da[d0:d0 + c], sa[s0:s0 + c], db[d0:d0 + c], sb[s0:s0 + c], None, None))
+    if launch:
+        copy_row_pair_moves(launch, use_triton)
+    for m, da, sa, db, sb in one + rest:
+        m.copy_pair(da, sa, db, sb)
+
