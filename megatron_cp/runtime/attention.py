@@ -165,20 +165,17 @@ class _SingleExchangeAttention(torch.autograd.Function):
             pend, dk_g, dv_g = guests.start_backward(gr, be, gq, k, v, out, lse, dout, dlse, group, ctx.scale)
         dq, dk_buf, dv_buf = be.backward(q, kbuf, vbuf, out, lse, dout, ex.prepared, ctx.scale, delta)
         dk_buf, dv_buf = dk_buf.contiguous(), dv_buf.contiguous()
-        # own rows: a view of the buffer's gradient when they are one run (no copy), else gathered with the send's
-        own = ()
+        back = None
+        if group is not None and rt.exchanges:  # partial dK/dV of received rows go back to their owners
+            back = _cast_kv(ex.recv_rows, dk_buf, dv_buf, ex.recv_counts, ex.send_counts, group, rt.pool, "single_bwd")
+        # own rows: a view of the buffer's gradient when they are one run (no copy), else dK's and dV's gathered in
+        # one launch, after the partials' send gather (so that it overlaps their exchange)
         if ex.own_rows.indexed:
             dk = dk_buf.new_empty((ex.own_rows.n,) + tuple(dk_buf.shape[1:]))
             dv = dv_buf.new_empty((ex.own_rows.n,) + tuple(dv_buf.shape[1:]))
-            own = ((ex.own_rows, dk, dk_buf, dv, dv_buf),)
+            copy_pairs([(ex.own_rows, dk, dk_buf, dv, dv_buf)])
         else:
             dk, dv = ex.own_rows.gather(dk_buf), ex.own_rows.gather(dv_buf)
-        back = None
-        if group is not None and rt.exchanges:  # partial dK/dV of received rows go back to their owners
-            back = _cast_kv(ex.recv_rows, dk_buf, dv_buf, ex.recv_counts, ex.send_counts, group, rt.pool, "single_bwd",
-                            also=own)
-        else:
-            copy_pairs(own)
         if back is not None and back[0].shape[0]:
             # rows with partials from other ranks: summed in fp32 (fp64), in source order, rounded once
             reduce_row_pairs(dk, back[0], dv, back[1], ex.red_rows, ex.red_ptr, ex.red_pos)

@@ -90,7 +90,7 @@ class Fa4Prepared:
             got = []
             calls = c.fwd if direction == "fwd" else c.bwd
             arrays = [{} if call.dense else call.arrays() for call in calls]
-            dev = iter(upload_all([a for d in arrays for a in d.values()], device))  # one copy for every call's
+            dev = iter(upload_all([a for d in arrays for a in d.values()], device))  # every call's arrays, one copy
             for call, names in zip(calls, arrays):
                 kw = {"causal": call.causal, "window_size_left": None if call.causal else call.left,
                       "window_size_right": None if call.causal else call.right}
