@@ -572,6 +572,21 @@ def test_gpu_dist_check_dry_run_covers_every_case_family(tmp_path):
     assert table[0].startswith("| mask | backend | impl | variant |")
 
 
+def test_bench_first_call_times_both_ways_of_building_a_new_plans_state(tmp_path):
+    """tools/bench_first_call.py --dry-run: a row per (cp, mask) with both state timings, the helper's time and what
+    its answer grows by (no timing asserted); a mask outside the catalog is refused."""
+    import json
+
+    fc = _tool("bench_first_call")
+    rows = fc.main(["--dry-run", "--out", str(tmp_path), "--cps", "2", "--masks", "packed,causal"])
+    assert [(r["cp"], r["mask"]) for r in rows] == [(2, "packed"), (2, "causal")]
+    for r in rows:
+        assert r["in_call_ms"] > 0 and r["with_ahead_ms"] > 0 and r["helper_ms"] > 0 and r["answer_bytes"] > 0
+    assert len(json.loads((tmp_path / "first_call.json").read_text())["rows"]) == 2
+    with pytest.raises(SystemExit):
+        fc.main(["--dry-run", "--out", str(tmp_path), "--masks", "nope"])
+
+
 def test_host_path_runs_one_rank_alone_on_a_loopback_group(tmp_path):
     """tools/host_path.py --dry-run: rank 0 of cp 4 and cp 8 plans in one process whose collectives move nothing
     (comm.loopback), a row per case with the back-to-back and host figures (no GPU time on CPU), the JSON written
