@@ -32,7 +32,7 @@ from megatron_cp.runtime import state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from bench_train import micro_batch_masks  # noqa: E402
-from common import device_name, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
+from common import case_lists, device_name, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
 
 COST = mcp.runtime.CostModel()
 UNPICKLES = 10  # an answer's unpickling: the fastest of this many (one is a few tens of microseconds)
@@ -91,13 +91,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--plans", type=int, default=None, help="new plans timed per row (default 6; dry run 2)")
     ap.add_argument("--rank", type=int, default=0, help="which rank of the plan (default 0)")
     a = ap.parse_args(argv)
-    masks = a.masks.split(",")
-    if bad := [m for m in masks if m not in catalog.NAMES]:
-        ap.error(f"--masks: {bad[0]!r} is not a catalog mask ({', '.join(catalog.NAMES)})")
-    cps = [int(x) for x in a.cps.split(",")]
-    if any(c < 1 for c in cps) or not all(0 <= a.rank < c for c in cps):
-        ap.error(f"--cps {a.cps} / --rank {a.rank}: each cp must be >= 1 and the rank below it")
-    tokens = [int(x) for x in (a.tokens_per_rank or ("64" if a.dry_run else "8192")).split(",")]
+    masks, cps, tokens = case_lists(ap, a, least_cp=1)
     a.plans = a.plans or (2 if a.dry_run else 6)
     a.heads, a.head_dim = (32, 8), 128
     a.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not a.dry_run \

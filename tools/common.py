@@ -92,6 +92,21 @@ def parser(doc: str, out: str, timing: tuple[int, int] | None = None) -> argpars
     return ap
 
 
+def case_lists(ap: argparse.ArgumentParser, a, least_cp: int) -> tuple[list[str], list[int], list[int]]:
+    """``--masks`` (catalog names), ``--cps`` (each >= ``least_cp``, ``--rank`` below each) and ``--tokens-per-rank``
+    (default 8192; a dry run 64) of a one-rank host tool, as lists; a bad value is ``ap.error`` naming it."""
+    from megatron_cp.masks import catalog
+
+    masks = a.masks.split(",")
+    if bad := [m for m in masks if m not in catalog.NAMES]:
+        ap.error(f"--masks: {bad[0]!r} is not a catalog mask ({', '.join(catalog.NAMES)})")
+    cps = [int(x) for x in a.cps.split(",")]
+    if any(c < least_cp for c in cps) or not all(0 <= a.rank < c for c in cps):
+        ap.error(f"--cps {a.cps} / --rank {a.rank}: each cp must be >= {least_cp} and the rank below it")
+    tokens = [int(x) for x in (a.tokens_per_rank or ("64" if a.dry_run else "8192")).split(",")]
+    return masks, cps, tokens
+
+
 def out_dir(args) -> str:
     """The folder ``args.out`` names, made (unset: the parser's default, or a new temporary folder for a dry run)."""
     if args.out is None:

@@ -44,7 +44,7 @@ from megatron_cp.planner import Workload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from bench_train import micro_batch_masks  # noqa: E402
-from common import device_name, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
+from common import case_lists, device_name, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
 
 BACKWARD_NODE = "AttentionBackward"  # autograd's name of _SingleExchangeAttention / _StagedAttention's backward
 
@@ -221,13 +221,7 @@ def main(argv=None) -> list[dict]:
     if not a.dry_run and not torch.cuda.is_available():
         ap.error("no CUDA device: --dry-run runs on the CPU")
     dry = a.dry_run
-    masks = a.masks.split(",")
-    if bad := [m for m in masks if m not in catalog.NAMES]:
-        ap.error(f"--masks: {bad[0]!r} is not a catalog mask ({', '.join(catalog.NAMES)})")
-    cps = [int(x) for x in a.cps.split(",")]
-    if any(c < 2 for c in cps) or not all(0 <= a.rank < c for c in cps):
-        ap.error(f"--cps {a.cps} / --rank {a.rank}: each cp must be >= 2 and the rank below it")
-    tokens = [int(x) for x in (a.tokens_per_rank or ("64" if dry else "8192")).split(",")]
+    masks, cps, tokens = case_lists(ap, a, least_cp=2)
     heads = [tuple(int(y) for y in x.split(":")) for x in (a.heads or ("4:2" if dry else "32:8,64:8")).split(",")]
     a.layers = a.layers or (2 if dry else 26)
     a.head_dim = 16 if dry else 128
