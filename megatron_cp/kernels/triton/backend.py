@@ -35,7 +35,7 @@ from .fwd import attn_fwd_kernel
 from .launch import launch_dkdv, launch_dq, launch_fwd, plain_dims
 from .blocks import BlockSchedule, build_schedules, tile_descriptors
 from .sparse import head_schedule, kernel_blocks, static_entries
-from ..upload import upload
+from ..upload import upload_all
 
 __all__ = ["BLOCKY_FULL_FRACTION", "DEFAULT_CONFIGS", "KernelConfig", "LONG_ROW_KEYS", "PhaseConfigs", "TritonBackend",
            "TritonConfig", "TritonPrepared", "CudnnSplit", "configs_from_json"]
@@ -83,7 +83,9 @@ class TritonPrepared:
                 self._host[(block_m, block_n)] = build_schedules(
                     self.tiles, self.seqlen_q, self.seqlen_k, block_m, block_n, self.split_min)
             rows, cols = self._host[(block_m, block_n)]
-            self._dev[key] = (upload(self.desc, device), rows.to(device), cols.to(device))
+            r, c = rows.arrays(), cols.arrays()  # every array of the pair in one copy
+            desc, *t = upload_all([self.desc] + r + c, device)
+            self._dev[key] = (desc, rows.placed(t[:len(r)]), cols.placed(t[len(r):]))
         return self._dev[key]
 
     def keep_schedule(self, block_m: int, block_n: int, keep, rows: bool) -> tuple[torch.Tensor, BlockSchedule]:

@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 from ..tiles import BI_CAUSAL, CAUSAL, INV_CAUSAL
-from ..upload import upload
 
 _BIG = 1 << 30  # "no band limit"; |k - q| < 2^30 for every supported length
 
@@ -64,12 +63,14 @@ class BlockSchedule:
     work: "ColumnWork | None" = None  # column-major schedules only
     n_busy: int = -1  # blocks with at least one entry: ``order[:n_busy]`` (empty blocks sort last)
 
-    def to(self, device) -> "BlockSchedule":
-        return BlockSchedule(
-            upload(self.ptr, device), upload(self.mid, device), upload(self.order, device), upload(self.off, device),
-            upload(self.tile, device), self.n_full, self.n_partial, None if self.work is None else self.work.to(device),
-            self.n_busy,
-        )
+    def arrays(self) -> list:
+        """Its tensors in ``placed``'s order (the work items' after the schedule's)."""
+        return [self.ptr, self.mid, self.order, self.off, self.tile] + ([] if self.work is None else self.work.arrays())
+
+    def placed(self, t: list) -> "BlockSchedule":
+        """This schedule with the tensors ``t`` (``arrays()`` moved, e.g. by ``upload_all``) in place of its own."""
+        work = None if self.work is None else self.work.placed(t[5:])
+        return BlockSchedule(*t[:5], self.n_full, self.n_partial, work, self.n_busy)
 
 
 @dataclass
@@ -91,10 +92,11 @@ class ColumnWork:
     red_nseg: torch.Tensor
     n_slots: int
 
-    def to(self, device) -> "ColumnWork":
-        f = lambda x: upload(x, device)  # noqa: E731
-        return ColumnWork(f(self.n), f(self.seg), f(self.nseg), f(self.slot), f(self.red_n), f(self.red_slot0),
-                          f(self.red_nseg), self.n_slots)
+    def arrays(self) -> list:
+        return [self.n, self.seg, self.nseg, self.slot, self.red_n, self.red_slot0, self.red_nseg]
+
+    def placed(self, t: list) -> "ColumnWork":
+        return ColumnWork(*t[:7], self.n_slots)
 
 
 def column_work(ptr: np.ndarray, min_segment: int = 16, imbalance: float = 2.0) -> ColumnWork:
