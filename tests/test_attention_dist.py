@@ -9,6 +9,8 @@ Each world size is spawned once and runs all its cases.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -273,6 +275,7 @@ def _bad_input_cases(rank, world):
         "no heads": (lambda: mcp.attention(q[:, :0], k[:, :0], v[:, :0], plan, group),
                      "at least one head each, got 0 query and 0 key/value heads"),
     }
+    mcp.attention(q, k, v, plan, group)  # a good call first: the bad ones below are later calls of the same plan
     out = raise_before_collectives(bad)
     # plans that differ across ranks: same local sizes (contiguous), different masks
     other = mcp.plan(M.full(40) if rank == 0 else M.causal(40), world, solver="contiguous")
@@ -407,3 +410,30 @@ def _case_backend(rank, world, mask, plan, backend, hq=4, hkv=2, d=16, stages=No
 def test_triton_backend_in_the_distributed_path():
     pytest.importorskip("triton")
     _check(run_ranks(_triton_cases, 2))
+
+
+def test_a_repeated_call_reuses_its_checks_and_a_changed_one_checks_again(monkeypatch):
+    """The checks and state look-up of a call are made once per plan and call signature: a layer that calls again
+    with the same shapes, dtypes, devices and settings skips them (every layer of a micro-batch does); a call that
+    differs in any of them is checked again, so a mistake on a later call still raises."""
+    att_mod = sys.modules["megatron_cp.runtime.attention"]  # the package's ``attention`` is the function
+    calls = []
+    real = att_mod.check_inputs
+    monkeypatch.setattr(att_mod, "check_inputs", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    plan = mcp.plan(M.causal(32), 1)
+    q, k, v = torch.randn(32, 4, 8), torch.randn(32, 2, 8), torch.randn(32, 2, 8)
+    first, _ = mcp.attention(q, k, v, plan)
+    again, _ = mcp.attention(q * 1, k * 1, v * 1, plan)  # new tensors, same signature
+    assert len(calls) == 1 and torch.equal(first, again)
+    mcp.attention(q, k, v, plan, softmax_scale=0.5)
+    mcp.attention(q.double(), k.double(), v.double(), plan)
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="softmax_scale must be a positive number, got -1.0"):
+        mcp.attention(q, k, v, plan, softmax_scale=-1.0)
+    with pytest.raises(ValueError, match="31 tokens but the plan gives rank 0 32"):
+        mcp.attention(q[:31], k[:31], v[:31], plan)
+    with pytest.raises(ValueError, match="stages must be None or an int >= 0, got -1"):
+        mcp.attention(q, k, v, plan, stages=-1)
+    with pytest.raises(ValueError, match="comm_lead_us must be"):
+        mcp.attention(q, k, v, plan, comm_lead_us=-1.0)
+    assert len(calls) == 7

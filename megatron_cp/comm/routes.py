@@ -34,9 +34,18 @@ class BufferPool:
 
     def __init__(self):
         self._bufs: dict = {}
+        self._views: dict = {}  # key -> ((shape, parts), what get returned): every layer asks for the same
 
-    def get(self, shape, dtype, device, tag) -> torch.Tensor:
+    def get(self, shape, dtype, device, tag, parts=None):
+        """A [shape] view of the key's buffer. ``parts``: ((heads, dim), ...) of a [rows, sum(heads * dim)]
+        buffer (``kv_rows``' layout): then (buffer, *its column blocks as [rows, heads, dim] views). What a key
+        returned is returned again while the same shape and parts are asked for (every layer of a micro-batch asks
+        for the same): a view op costs the host microseconds, and a layer call asks for several."""
         key = (dtype, str(device), tag)
+        ask = (tuple(shape), parts)
+        hit = self._views.get(key)
+        if hit is not None and hit[0] == ask:
+            return hit[1]
         n = 1
         for d in shape:
             n *= int(d)
@@ -44,13 +53,22 @@ class BufferPool:
         if t is None or t.numel() < n:
             t = torch.empty(max(n, 1), dtype=dtype, device=device)
             self._bufs[key] = t
-        return t[:n].view(tuple(shape))
+        out = t[:n].view(ask[0])
+        if parts is not None:
+            views, c = [out], 0
+            for h, d in parts:
+                views.append(out[:, c:c + h * d].unflatten(1, (h, d)))
+                c += h * d
+            out = tuple(views)
+        self._views[key] = (ask, out)
+        return out
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._bufs.values())
 
     def clear(self) -> None:
         self._bufs.clear()
+        self._views.clear()
 
 
 _POOLS: dict = {}

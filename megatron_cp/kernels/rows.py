@@ -6,8 +6,9 @@ for rows of a few KB (docs/measurements.md), because they address every element 
 vector loads, and the reduce sums each destination row's partials in one pass, in a fixed order
 (deterministic), in fp32, rounding once.
 
-Tensors are 2-D row views ``[rows, width]`` with unit stride along the width and any row stride
-(e.g. the K half of a ``[rows, 2 * Hkv * D]`` receive buffer). CPU tensors use torch index ops
+Tensors are ``[rows, ...]`` whose trailing dims form one dense block per row, with any row stride (e.g. the K
+half of a ``[rows, 2 * Hkv * D]`` receive buffer, viewed as [rows, Hkv, D]): a kernel reads a row as ``width``
+contiguous elements. CPU tensors use torch index ops
 (same results), except under ``TRITON_INTERPRET=1`` when ``use_triton=True`` is asked for (tests).
 """
 
@@ -116,35 +117,34 @@ def _reduce_row_pairs_kernel(DA, PA, DB, PB, ROWS, PTR, POS, n, width_a, width_b
         _reduce_row(DB, PB, ROWS, PTR, POS, tl.program_id(0), width_b, stride_db, stride_pb, BLOCK_W)
 
 
-def _rows2d(t: torch.Tensor) -> torch.Tensor:
-    """[rows, ...] with the trailing dims one dense block per row -> a [rows, width] view."""
-    if t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1):
-        return t
-    inner = t.shape[1:]
-    exp = 1
-    for size, stride in zip(reversed(inner), reversed(t.stride()[1:])):
-        if size > 1 and stride != exp:
-            raise ValueError(f"rows must be dense blocks: shape {tuple(t.shape)}, strides {t.stride()}")
-        exp *= size
-    return t.as_strided((t.shape[0], exp), (t.stride(0), 1))
+def _row_geom(t: torch.Tensor):
+    """(width, row stride) where ``t`` ([rows, ...]) has its trailing dims as one dense block per row, else None.
+    The kernels take ``t`` itself and address row r's element c at r * row stride + c: no 2-D view is made (a view
+    op costs the host microseconds, several per launch)."""
+    shape, stride = t.shape, t.stride()
+    width = 1
+    for i in range(len(shape) - 1, 0, -1):
+        if shape[i] > 1 and stride[i] != width:
+            return None
+        width *= shape[i]
+    return width, stride[0]
 
 
-def _dense_rows(t: torch.Tensor) -> bool:
-    """Whether ``t``'s trailing dims form one dense block per row (``_rows2d`` can view it)."""
-    exp = 1
-    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
-        if size > 1 and stride != exp:
-            return False
-        exp *= size
-    return True
+def _dense(src: torch.Tensor) -> torch.Tensor:
+    """``src``, or one dense copy of it where its rows are not dense blocks (e.g. K or V split off Megatron's
+    fused QKV projection: each token's heads lie apart within its row, which a row's one stride cannot address)."""
+    return src if _row_geom(src) is not None else src.contiguous()
 
 
-def _pair2d(dst: torch.Tensor, other: torch.Tensor, name: str):
-    """Row views of dst and the other operand, and their common width."""
-    d2, o2 = _rows2d(dst), _rows2d(other)
-    if d2.shape[1] != o2.shape[1]:
-        raise ValueError(f"row widths differ: dst {d2.shape[1]}, {name} {o2.shape[1]}")
-    return d2, o2, d2.shape[1]
+def _pair(dst: torch.Tensor, other: torch.Tensor, name: str) -> tuple[int, int, int]:
+    """(common width, dst's row stride, the other operand's row stride)."""
+    gd, go = _row_geom(dst), _row_geom(other)
+    for t, g, what in ((dst, gd, "dst"), (other, go, name)):
+        if g is None:
+            raise ValueError(f"rows must be dense blocks: {what} shape {tuple(t.shape)}, strides {t.stride()}")
+    if gd[0] != go[0]:
+        raise ValueError(f"row widths differ: dst {gd[0]}, {name} {go[0]}")
+    return gd[0], gd[1], go[1]
 
 
 def _triton_ok(t: torch.Tensor, use_triton) -> bool:
@@ -159,7 +159,7 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor | None
               src_idx: torch.Tensor | None = None, use_triton=None) -> None:
     """``dst[dst_idx[i]] = src[src_idx[i]]`` (dtype converted) for i < n; a None index is arange(n).
     n = len of whichever index is given (or rows of src). Indices int64 on dst's device."""
-    n = len(dst_idx) if dst_idx is not None else len(src_idx) if src_idx is not None else src.shape[0]
+    n = dst_idx.shape[0] if dst_idx is not None else src_idx.shape[0] if src_idx is not None else src.shape[0]
     if n == 0:
         return
     if not _triton_ok(dst, use_triton):
@@ -169,15 +169,12 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor | None
         else:
             dst.index_copy_(0, dst_idx, rows.to(dst.dtype))
         return
-    if not _dense_rows(src):
-        # e.g. K or V split off Megatron's fused QKV projection: each token's heads lie apart within its row,
-        # a layout the kernel's row view cannot address; one dense copy of the source rows
-        src = src.contiguous()
-    d2, s2, width = _pair2d(dst, src, "src")
+    src = _dense(src)
+    width, sd, ss = _pair(dst, src, "src")
     _copy_rows_kernel[(triton.cdiv(n, BLOCK_R),)](
-        d2, s2, dst_idx if dst_idx is not None else d2, src_idx if src_idx is not None else s2, n, width,
-        d2.stride(0), s2.stride(0), HAS_DST_IDX=dst_idx is not None, HAS_SRC_IDX=src_idx is not None,
-        BLOCK_R=BLOCK_R, BLOCK_W=_block_w(width), num_warps=4)
+        dst, src, dst_idx if dst_idx is not None else dst, src_idx if src_idx is not None else src, n, width, sd, ss,
+        HAS_DST_IDX=dst_idx is not None, HAS_SRC_IDX=src_idx is not None, BLOCK_R=BLOCK_R, BLOCK_W=_block_w(width),
+        num_warps=4)
 
 
 def copy_row_pairs(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor, src_b: torch.Tensor,
@@ -188,15 +185,15 @@ def copy_row_pairs(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor
         copy_rows(dst_a, src_a, dst_idx, src_idx, use_triton)
         copy_rows(dst_b, src_b, dst_idx, src_idx, use_triton)
         return
-    n = len(dst_idx) if dst_idx is not None else len(src_idx) if src_idx is not None else src_a.shape[0]
+    n = dst_idx.shape[0] if dst_idx is not None else src_idx.shape[0] if src_idx is not None else src_a.shape[0]
     if n == 0:
         return
-    src_a, src_b = (s if _dense_rows(s) else s.contiguous() for s in (src_a, src_b))
-    da, sa, wa = _pair2d(dst_a, src_a, "src")
-    db, sb, wb = _pair2d(dst_b, src_b, "src")
+    src_a, src_b = _dense(src_a), _dense(src_b)
+    wa, sda, ssa = _pair(dst_a, src_a, "src")
+    wb, sdb, ssb = _pair(dst_b, src_b, "src")
     _copy_row_pairs_kernel[(triton.cdiv(n, BLOCK_R), 2)](
-        da, sa, db, sb, dst_idx if dst_idx is not None else da, src_idx if src_idx is not None else sa, n, wa, wb,
-        da.stride(0), sa.stride(0), db.stride(0), sb.stride(0), HAS_DST_IDX=dst_idx is not None,
+        dst_a, src_a, dst_b, src_b, dst_idx if dst_idx is not None else dst_a,
+        src_idx if src_idx is not None else src_a, n, wa, wb, sda, ssa, sdb, ssb, HAS_DST_IDX=dst_idx is not None,
         HAS_SRC_IDX=src_idx is not None, BLOCK_R=BLOCK_R, BLOCK_W=_block_w(max(wa, wb)), num_warps=4)
 
 
@@ -215,12 +212,12 @@ def copy_row_pair_moves(moves, use_triton=None) -> None:
         return
     args, consts, ns, widths = [], {}, [], []
     for j, (dst_a, src_a, dst_b, src_b, dst_idx, src_idx) in enumerate(moves):
-        src_a, src_b = (x if _dense_rows(x) else x.contiguous() for x in (src_a, src_b))
-        da, sa, wa = _pair2d(dst_a, src_a, "src")
-        db, sb, wb = _pair2d(dst_b, src_b, "src")
+        src_a, src_b = _dense(src_a), _dense(src_b)
+        wa, sda, ssa = _pair(dst_a, src_a, "src")
+        wb, sdb, ssb = _pair(dst_b, src_b, "src")
         n = _move_len(moves[j])
-        args += [da, sa, db, sb, dst_idx if dst_idx is not None else da, src_idx if src_idx is not None else sa, n,
-                 wa, wb, da.stride(0), sa.stride(0), db.stride(0), sb.stride(0)]
+        args += [dst_a, src_a, dst_b, src_b, dst_idx if dst_idx is not None else dst_a,
+                 src_idx if src_idx is not None else src_a, n, wa, wb, sda, ssa, sdb, ssb]
         consts[f"HAS_DI{j}"], consts[f"HAS_SI{j}"] = dst_idx is not None, src_idx is not None
         ns.append(n)
         widths += [wa, wb]
@@ -230,14 +227,14 @@ def copy_row_pair_moves(moves, use_triton=None) -> None:
 
 def _move_len(m) -> int:
     """Rows a ``copy_row_pair_moves`` move copies (as ``copy_row_pairs`` counts them)."""
-    return len(m[4]) if m[4] is not None else len(m[5]) if m[5] is not None else m[1].shape[0]
+    return m[4].shape[0] if m[4] is not None else m[5].shape[0] if m[5] is not None else m[1].shape[0]
 
 
 def reduce_rows(dst: torch.Tensor, parts: torch.Tensor, rows: torch.Tensor, ptr: torch.Tensor,
                 pos: torch.Tensor, use_triton=None) -> None:
     """In place: ``dst[rows[i]] += sum(parts[pos[j]] for j in ptr[i] .. ptr[i+1])``, summed in fp32
     (fp64 for fp64 ``dst``) in that order and rounded once. rows/pos int64, ptr int64 [len(rows) + 1]."""
-    if len(rows) == 0:
+    if rows.shape[0] == 0:
         return
     if not _triton_ok(dst, use_triton) or dst.dtype == torch.float64:
         cdt = torch.float64 if dst.dtype == torch.float64 else torch.float32
@@ -247,24 +244,24 @@ def reduce_rows(dst: torch.Tensor, parts: torch.Tensor, rows: torch.Tensor, ptr:
         acc.index_add_(0, seg, parts.index_select(0, pos).to(cdt))
         dst.index_copy_(0, rows, acc.to(dst.dtype))
         return
-    d2, p2, width = _pair2d(dst, parts, "parts")
-    _reduce_rows_kernel[(len(rows),)](d2, p2, rows, ptr, pos, len(rows), width, d2.stride(0), p2.stride(0),
-                                      BLOCK_W=_block_w(width), num_warps=4)
+    width, sd, sp = _pair(dst, parts, "parts")
+    n = rows.shape[0]
+    _reduce_rows_kernel[(n,)](dst, parts, rows, ptr, pos, n, width, sd, sp, BLOCK_W=_block_w(width), num_warps=4)
 
 
 def reduce_row_pairs(dst_a: torch.Tensor, parts_a: torch.Tensor, dst_b: torch.Tensor, parts_b: torch.Tensor,
                      rows: torch.Tensor, ptr: torch.Tensor, pos: torch.Tensor, use_triton=None) -> None:
     """``reduce_rows`` of two pairs through the same rows (dK and dV; their widths may differ, as MLA's) in one
     launch on a GPU, as ``copy_row_pairs``."""
-    if len(rows) == 0:
+    if rows.shape[0] == 0:
         return
     if (not _triton_ok(dst_a, use_triton) or dst_a.dtype == torch.float64 or dst_a.dtype != dst_b.dtype
             or parts_a.dtype != parts_b.dtype):
         reduce_rows(dst_a, parts_a, rows, ptr, pos, use_triton)
         reduce_rows(dst_b, parts_b, rows, ptr, pos, use_triton)
         return
-    da, pa, wa = _pair2d(dst_a, parts_a, "parts")
-    db, pb, wb = _pair2d(dst_b, parts_b, "parts")
-    _reduce_row_pairs_kernel[(len(rows), 2)](da, pa, db, pb, rows, ptr, pos, len(rows), wa, wb, da.stride(0),
-                                             pa.stride(0), db.stride(0), pb.stride(0),
-                                             BLOCK_W=_block_w(max(wa, wb)), num_warps=4)
+    wa, sda, spa = _pair(dst_a, parts_a, "parts")
+    wb, sdb, spb = _pair(dst_b, parts_b, "parts")
+    n = rows.shape[0]
+    _reduce_row_pairs_kernel[(n, 2)](dst_a, parts_a, dst_b, parts_b, rows, ptr, pos, n, wa, wb, sda, spa, sdb, spb,
+                                     BLOCK_W=_block_w(max(wa, wb)), num_warps=4)
