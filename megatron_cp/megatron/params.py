@@ -71,4 +71,4 @@ class CPParams(PackedSeqParams):
 
     @property
     def local_len(self) -> int:
-        return int(len(self.plan.local_ids(self.cp_rank)))
+        return self.plan.num_local(self.cp_rank)
