@@ -606,3 +606,23 @@ def test_host_path_runs_one_rank_alone_on_a_loopback_group(tmp_path):
     assert "Self CPU" in (tmp_path / "host_path_profile.txt").read_text()
     with pytest.raises(SystemExit):
         hp.main(["--dry-run", "--out", str(tmp_path), "--cps", "1"])
+
+
+def test_host_glue_counts_a_later_calls_ops_and_launches_with_no_kernels(tmp_path):
+    """tools/host_glue.py --dry-run: rank 0 of cp 2 plans alone on the CPU, kernels made no-ops and row-kernel launches
+    counted: a row per case with host times, aten ops and launches; the library's kernels are restored after."""
+    import json
+
+    from megatron_cp.kernels import rows as row_kernels
+
+    before = row_kernels._copy_row_pairs_kernel, row_kernels._triton_ok
+    hg = _tool("host_glue")
+    got = hg.main(["--dry-run", "--out", str(tmp_path), "--cps", "2", "--masks", "packed,causal"])
+    assert [(r["cp"], r["mask"]) for r in got] == [(2, "packed"), (2, "causal")]
+    for r in got:
+        assert r["fwd_host_us"] > 0 and r["bwd_host_us"] > 0 and r["fwd_aten_ops"] > 0 and r["bwd_aten_ops"] > 0
+        assert r["fwd_launches"] >= 0 and r["bwd_launches"] >= 0
+    assert (row_kernels._copy_row_pairs_kernel, row_kernels._triton_ok) == before
+    assert len(json.loads((tmp_path / "host_glue.json").read_text())["rows"]) == 2
+    with pytest.raises(SystemExit):
+        hg.main(["--dry-run", "--out", str(tmp_path), "--cps", "1"])
