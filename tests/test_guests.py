@@ -187,3 +187,41 @@ def test_guest_fixed_cost_is_the_cost_models_default():
     w = mcp.planner.Workload()
     want = (2 * c.launch_us + 5 * c.links.latency_us) * 1e-6 * c.links.intra_gbps * 1e9 / (2 * w.kv_bytes_per_token)
     assert guests.fixed_units(w) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("d", [16, 24])  # a power of two and not (the kernel pads the head dim)
+def test_the_guest_rows_merge_kernel_matches_the_torch_merge(d):
+    """kernels.merge.merge_sources: the one-launch merge of every source's partial into the guest rows (Triton under
+    the CPU interpreter) against the torch ops it replaces on a GPU: rows some sources kept and others did not, a
+    row and a head no source kept (0 / -inf), an lse that is a transposed view (FA4's head-major lse), and the rows
+    outside ``rows`` untouched."""
+    import torch
+
+    from megatron_cp.kernels.merge import merge_sources
+
+    g = torch.Generator().manual_seed(0)
+    k, n, hq, s = 3, 5, 20, 9
+    parts = torch.randn(k, n, hq, d + 1, generator=g)
+    parts[..., :d] /= 3
+    parts[1, 2, :, d] = float("-inf")  # a source without row 2
+    parts[:, 3, :, d] = float("-inf")  # row 3: no source kept a cell
+    parts[:, 4, 7, d] = float("-inf")  # row 4, head 7 likewise
+    parts[parts[..., d] == float("-inf")] = torch.cat([torch.zeros(d), torch.tensor([float("-inf")])])
+    rows = torch.tensor([8, 0, 5, 2, 6])
+    got = {}
+    for use_triton in (False, True):
+        out = torch.full((s, hq, d), 7.0, dtype=torch.bfloat16)
+        lse = torch.full((hq, s), 7.0).t()  # head-major storage, [s, hq] view
+        merge_sources(out, lse, rows, parts, use_triton=use_triton)
+        got[use_triton] = out.float(), lse.clone()
+    (o0, l0), (o1, l1) = got[False], got[True]
+    assert torch.allclose(l0, l1, atol=1e-6, rtol=0) and torch.equal(l0.isinf(), l1.isinf())
+    assert (o0 - o1).abs().max() <= 2 ** -8 * o0.abs().max()  # bf16 rounding of fp32 sums that may differ in order
+    assert (o1[2] == 0).all() and (l1[2] == float("-inf")).all()  # parts' row 3 is local row rows[3] = 2
+    assert (o1[6, 7] == 0).all() and l1[6, 7] == float("-inf") and (l1[6, :7] > float("-inf")).all()
+    untouched = [r for r in range(s) if r not in rows.tolist()]
+    assert (o1[untouched] == 7).all() and (l1[untouched] == 7).all()
+    lse0 = torch.logsumexp(parts[:, 0, :, d], dim=0)  # parts' row 0 (local row 8) by hand
+    out0 = (parts[:, 0, :, :d] * torch.exp(parts[:, 0, :, d] - lse0).unsqueeze(-1)).sum(0)
+    # one bf16 step: Triton's CPU interpreter truncates fp32 -> bf16 where a GPU rounds (tests/test_rowmap.py)
+    assert torch.allclose(l1[8], lse0, atol=1e-6) and torch.allclose(o1[8], out0, atol=2 ** -7 * out0.abs().max())

@@ -237,11 +237,12 @@ def extra_checks(be, s, d, hq, hkv, low_dtype):
 
 
 def row_kernel_checks(calls=4):
-    """The runtime's row moves (one pair, two pairs in one launch), sums (one pair and two) and merges (kernels/rows.py, merge.py) against torch,
+    """The runtime's row moves (one pair, two pairs in one launch), sums (one pair and two) and merges (kernels/rows.py,
+    merge.py: a running pair's, the guest rows' sources') against torch,
     ``calls`` calls per case on tensors at aligned and unaligned offsets: exact for moves and sums, 1e-5 (relative
     and absolute: lse near 0) for the merge."""
     from megatron_cp.kernels import copy_row_pair_moves, copy_row_pairs, copy_rows, reduce_row_pairs, reduce_rows
-    from megatron_cp.kernels.merge import merge_into
+    from megatron_cp.kernels.merge import merge_into, merge_sources
     out, g = [], torch.Generator(device=DEV).manual_seed(3)
     for dt, off, n in itertools.product((torch.bfloat16, torch.float32), (0, 1, 8), (1, 37, 4096)):
         ok, what = True, f"{str(dt).split('.')[-1]} offset {off} rows {n}"
@@ -286,6 +287,18 @@ def row_kernel_checks(calls=4):
             want_a = acc * torch.exp(lse - want_l)[..., None] + o.float() * torch.exp(lo - want_l)[..., None]
             merge_into(acc, lse, o, lo)
             ok &= all(bool(torch.allclose(x, y, rtol=1e-5, atol=1e-5)) for x, y in ((acc, want_a), (lse, want_l)))
+            # guest rows: 3 sources' partials merged into rows of out (dt) and a head-major lse, one launch == torch
+            gp = torch.randn(3, min(n, 64), 8, 129, device=DEV, generator=g)
+            gp[1, ::3, :, 128] = float("-inf")
+            gp[1, ::3, :, :128] = 0
+            gr = torch.randperm(n + 64, device=DEV, generator=g)[:gp.shape[1]]
+            res = []
+            for use in (True, False):
+                go, gl = torch.zeros(n + 64, 8, 128, device=DEV, dtype=dt), torch.zeros(8, n + 64, device=DEV).t()
+                merge_sources(go, gl, gr, gp, use_triton=use)
+                res.append((go.float(), gl))
+            ok &= bool(torch.allclose(res[0][1], res[1][1], rtol=1e-5, atol=1e-5)) and bool(
+                torch.allclose(res[0][0], res[1][0], rtol=1e-2 if dt == torch.bfloat16 else 1e-5, atol=1e-5))
         out.append({"check": f"rows {what}", "S": n, "last_path": "triton rows", "pass": ok})
     return out
 

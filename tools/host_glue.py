@@ -5,18 +5,18 @@
     python tools/host_glue.py --dry-run               # tiny sizes
 
 Rank r of a cp N plan runs alone on a ``comm.loopback`` group (as tools/host_path.py), on the CPU, with the inputs'
-real token counts and the exchange their real heads and head dim choose (``stages`` passed), but one head of dim 8,
-so that the few copies torch still makes on the CPU move little: the attention kernels are a backend that only allocates its outputs, and the row moves take the GPU's
-branch (Triton, one-run copies joining an indexed launch) with each launch counted instead of made. What remains is
-what the runtime's Python and the aten ops it calls cost the host: the part a GPU's host time per call adds to
-Triton's and FA4's launches, measurable on any machine and without a GPU's noise. Torch ops that compute on the
-CPU here (one-run slice copies, a staged exchange's index moves, guest rows' merges) still touch their (small) data:
-compare a row with itself across code versions.
+real token counts and the exchange their real heads and head dim choose (``stages`` passed), but one head of dim 8
+(the few copies torch still makes on the CPU then move little). The attention kernels are a backend that only
+allocates its outputs; the row moves and the guest rows' merge take the GPU's branch (Triton; one-run copies joining
+an indexed launch), each launch counted instead of made. What remains is what the runtime's Python and the aten ops
+it calls cost the host: the part a GPU's host time per call adds to Triton's and FA4's launches, measurable on any
+machine. Torch ops that compute on the CPU here (one-run slice copies, a staged exchange's index moves) still touch
+their (small) data; this machine's noise stays: compare a row with itself across code versions, op counts first.
 
 Per row (mask, tokens per rank, cp, heads): the forward call's and the backward node's host time (a new plan, then
 ``--calls`` calls per repeat, each on its own leaf tensors; the fastest of ``--iters`` repeats' medians, after
-``--warmup``), the aten ops of one
-later forward call and of its backward (counted by a dispatch mode), and the kernel launches each would make.
+``--warmup``), the aten ops of one later forward call and of its backward (counted by a dispatch mode), and the
+kernel launches each would make.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_cp as mcp
 from megatron_cp.comm import loopback
-from megatron_cp.kernels import ReferenceBackend, rows
+from megatron_cp.kernels import ReferenceBackend, merge, rows
 from megatron_cp.masks import catalog
 from megatron_cp.runtime import rowmap
 from megatron_cp.planner import Workload
@@ -48,6 +48,7 @@ from common import case_lists, markdown_table, out_dir, parser, run_record, writ
 
 ROW_KERNELS = ("_copy_rows_kernel", "_copy_row_pairs_kernel", "_copy_two_row_pairs_kernel", "_reduce_rows_kernel",
                "_reduce_row_pairs_kernel")
+MERGE_KERNELS = ("_merge_sources_kernel",)
 
 
 class NoKernels(ReferenceBackend):
@@ -85,15 +86,19 @@ class _Counted:
 
 @contextlib.contextmanager
 def gpu_branch_without_launches(counts: collections.Counter):
-    """The row moves as on a GPU (``use_triton`` on), their launches counted in ``counts``; restored on exit."""
+    """The row moves and the guest rows' merge as on a GPU (``use_triton`` on), their launches counted in ``counts``;
+    restored on exit."""
     att = sys.modules["megatron_cp.runtime.attention"]  # the package's ``attention`` is the function
     saved = [(rows, n, getattr(rows, n)) for n in (*ROW_KERNELS, "_triton_ok")]
+    saved += [(merge, n, getattr(merge, n)) for n in (*MERGE_KERNELS, "merge_sources")]
     saved += [(m, "copy_pairs", m.copy_pairs) for m in (rowmap, att)]
-    real = rowmap.copy_pairs
+    real, real_merge = rowmap.copy_pairs, merge.merge_sources
     try:
-        for n in ROW_KERNELS:
-            setattr(rows, n, _Counted(n, counts))
+        for mod, names in ((rows, ROW_KERNELS), (merge, MERGE_KERNELS)):
+            for n in names:
+                setattr(mod, n, _Counted(n, counts))
         rows._triton_ok = lambda t, use_triton: True
+        merge.merge_sources = lambda out, lse, r, parts, use_triton=None: real_merge(out, lse, r, parts, True)
         for m in (rowmap, att):
             m.copy_pairs = lambda moves, use_triton=None: real(moves, True)
         yield

@@ -130,3 +130,66 @@ def merge_into(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.T
     _merge_kernel[(triton.cdiv(n, block),)](acc, lse, o, lf[0], o2 if two else o, lf[-1], n, lse.shape[1],
                                             HEAD_DIM=d, BLOCK_R=block, REV=bool(reverse), TWO=two,
                                             REV2=bool(reverse2) and two, FRESH=bool(fresh), num_warps=4)
+
+
+@triton.jit
+def _merge_sources_kernel(OUT, LSE, ROWS, PARTS, n_src, n_rows, n_heads, dim, stride_or, stride_oh, stride_lr,
+                          stride_lh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    i = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hok = h < n_heads
+    cols = tl.arange(0, BLOCK_D)
+    cok = cols < dim
+    w = dim + 1  # a source's row: its output, then its lse
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(n_src):
+        base = (s * n_rows + i).to(tl.int64) * n_heads
+        m = tl.maximum(m, tl.load(PARTS + (base + h) * w + dim, mask=hok, other=float("-inf")).to(tl.float32))
+    m0 = tl.where(m == float("-inf"), 0.0, m)
+    tot = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(n_src):  # source order: the same sum on every run
+        base = (s * n_rows + i).to(tl.int64) * n_heads
+        l = tl.load(PARTS + (base + h) * w + dim, mask=hok, other=float("-inf")).to(tl.float32)
+        e = tl.exp(l - m0)
+        o = tl.load(PARTS + (base + h)[:, None] * w + cols[None, :], mask=hok[:, None] & cok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.where(e[:, None] > 0.0, o * e[:, None], 0.0)  # 0 * a source's empty row stays 0
+        tot += e
+    keep = tot > 0.0
+    tot_s = tl.where(keep, tot, 1.0)
+    row = tl.load(ROWS + i).to(tl.int64)
+    o_ptr = OUT + row * stride_or + h[:, None].to(tl.int64) * stride_oh + cols[None, :]
+    tl.store(o_ptr, (acc / tot_s[:, None]).to(OUT.dtype.element_ty), mask=hok[:, None] & cok[None, :])
+    tl.store(LSE + row * stride_lr + h.to(tl.int64) * stride_lh, tl.where(keep, m0 + tl.log(tot_s), float("-inf")),
+             mask=hok)
+
+
+def merge_sources(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, parts: torch.Tensor,
+                  use_triton=None) -> None:
+    """In place: ``out[rows[i]]`` / ``lse[rows[i]]`` <- the LSE merge of every source's partial of row i, in source
+    order, rounded once to out's dtype. parts: [sources, len(rows), H, Dv + 1] in the accumulation dtype, each
+    source's output then its lse (-inf: the source kept no cell of that row); out [s, H, Dv] with unit stride along
+    Dv, lse [s, H] any strides. Rows no source kept get 0 / -inf. One launch on a GPU (torch ops otherwise; float64
+    always): guest rows' partials come back to their owner every layer call, and the merge by torch ops was a dozen
+    small ops on the host's critical path."""
+    k, n, hq, w = parts.shape
+    d = w - 1
+    if tuple(out.shape[1:]) != (hq, d) or tuple(lse.shape[1:]) != (hq,) or rows.shape != (n,):
+        raise ValueError(f"shapes differ: out {tuple(out.shape)}, lse {tuple(lse.shape)}, rows {tuple(rows.shape)}, "
+                         f"parts {tuple(parts.shape)}")
+    if n == 0:
+        return
+    if use_triton is None:
+        use_triton = out.is_cuda
+    if not use_triton or parts.dtype == torch.float64 or not parts.is_contiguous() or out.stride(2) != 1:
+        l = parts[..., d]
+        L = torch.logsumexp(l, dim=0)  # -inf where no source kept a cell
+        wt = torch.exp(l - torch.where(torch.isinf(L), 0.0, L))  # 0 for a source's empty rows
+        out[rows] = (parts[..., :d] * wt.unsqueeze(-1)).sum(0).to(out.dtype)
+        lse[rows] = L.to(lse.dtype)
+        return
+    block_h = min(triton.next_power_of_2(hq), 16)
+    _merge_sources_kernel[(n, triton.cdiv(hq, block_h))](
+        out, lse, rows, parts, k, n, hq, d, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(max(d, 16)), num_warps=4)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..comm import all_to_all_v, device_pool
-from ..kernels import accumulate_dtype, upload_all
+from ..kernels import accumulate_dtype, merge, upload_all
 from ..planner import Plan
 
 
@@ -135,32 +135,26 @@ def finish_forward(gr: GuestRuntime, pend: _Pending, out, lse) -> torch.Tensor:
     ``out`` / ``lse`` (0 / -inf there from the other tiles) in place; returns the received guest q
     (kept for backward)."""
     back = pend.wait()
-    d = out.shape[2]
-    if len(gr.rows):
-        o, l = _sources(gr, back, float("-inf"))
-        # all sources at once, a fixed number of kernels whatever their count (one pairwise merge per source
-        # was ~16 small kernels each on the host's critical path)
-        L = torch.logsumexp(l, dim=0)  # -inf where no source kept a cell
-        w = torch.exp(l - torch.where(torch.isinf(L), 0.0, L))  # 0 for a source's empty rows
-        out[gr.rows] = (o[..., :d] * w.unsqueeze(-1)).sum(0).to(out.dtype)
-        lse[gr.rows] = L.to(lse.dtype)
+    if gr.rows.shape[0]:
+        # all sources at once: one kernel whatever their count (a pairwise merge per source was ~16 small kernels
+        # each on the host's critical path)
+        merge.merge_sources(out, lse, gr.rows, _sources(gr, back, float("-inf")))
     return pend.keep[1]
 
 
-def _sources(gr: GuestRuntime, back: torch.Tensor, empty: float | None):
-    """The returned rows as [sources, guest rows, ...] (a view when every source returned every row in
-    order, else gathered, with ``empty`` in the last column of rows a source did not return) and, for
-    partial outputs, that last column ([sources, rows, H]); None for the second with ``empty`` None."""
-    n, k = len(gr.rows), len(gr.merge)
+def _sources(gr: GuestRuntime, back: torch.Tensor, empty: float | None) -> torch.Tensor:
+    """The returned rows as [sources, guest rows, ...]: a view when every source returned every row in order, else
+    gathered, with ``empty`` (when given) in the last column of the rows a source did not return (a partial
+    output's lse)."""
+    n, k = gr.rows.shape[0], len(gr.merge)
     if gr.whole:
-        parts = back.view((k, n) + tuple(back.shape[1:]))
-    else:
-        parts = back.new_zeros((k, n) + tuple(back.shape[1:]))
-        if empty is not None:
-            parts[..., -1] = empty
-        for i, (sl, pos) in enumerate(gr.merge):
-            parts[i].index_copy_(0, pos, back[sl])
-    return (parts, parts[..., -1]) if empty is not None else (parts, None)
+        return back.view((k, n) + tuple(back.shape[1:]))
+    parts = back.new_zeros((k, n) + tuple(back.shape[1:]))
+    if empty is not None:
+        parts[..., -1] = empty
+    for i, (sl, pos) in enumerate(gr.merge):
+        parts[i].index_copy_(0, pos, back[sl])
+    return parts
 
 
 def start_backward(gr: GuestRuntime, backend, gq, k, v, out, lse, dout, dlse, group, scale):
@@ -194,5 +188,5 @@ def finish_backward(gr: GuestRuntime, pend: _Pending, dq: torch.Tensor) -> None:
     back = pend.wait()
     acc_dt = accumulate_dtype(dq.dtype)
     if len(gr.rows):
-        parts, _ = _sources(gr, back, None)
+        parts = _sources(gr, back, None)
         dq.index_add_(0, gr.rows, parts.to(acc_dt).sum(0).to(dq.dtype))
