@@ -24,6 +24,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import functools
+import inspect
 import os
 import sys
 import time
@@ -35,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_cp as mcp
 from megatron_cp.comm import loopback
-from megatron_cp.kernels import ReferenceBackend, merge, rows
+from megatron_cp.kernels import ReferenceBackend, merge
 from megatron_cp.masks import catalog
 from megatron_cp.runtime import rowmap
 from megatron_cp.planner import Workload
@@ -46,9 +48,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from bench_train import micro_batch_masks  # noqa: E402
 from common import case_lists, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
 
-ROW_KERNELS = ("_copy_rows_kernel", "_copy_row_pairs_kernel", "_copy_two_row_pairs_kernel", "_reduce_rows_kernel",
-               "_reduce_row_pairs_kernel")
-MERGE_KERNELS = ("_merge_sources_kernel",)
+def _kernel_classes() -> list:
+    """Triton's kernel classes (the interpreter's too, where TRITON_INTERPRET makes ``triton.jit`` use it)."""
+    from triton.runtime.jit import JITFunction
+    out = [JITFunction]
+    with contextlib.suppress(ImportError):
+        from triton.runtime.interpreter import InterpretedFunction
+        out.append(InterpretedFunction)
+    return out
 
 
 class NoKernels(ReferenceBackend):
@@ -72,35 +79,30 @@ class NoKernels(ReferenceBackend):
         return None
 
 
-class _Counted:
-    """A Triton kernel's launches counted, not made."""
+def _on_triton(f):
+    """``f`` called with ``use_triton=True``, whether its callers pass use_triton by position, name or not at all."""
+    at = list(inspect.signature(f).parameters).index("use_triton")
 
-    def __init__(self, name: str, counts: collections.Counter):
-        self.name, self.counts = name, counts
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.counts[self.name] += 1
-        return launch
+    @functools.wraps(f)
+    def call(*args, **kwargs):
+        kwargs["use_triton"] = True
+        return f(*args[:at], **kwargs)
+    return call
 
 
 @contextlib.contextmanager
 def gpu_branch_without_launches(counts: collections.Counter):
-    """The row moves and the guest rows' merge as on a GPU (``use_triton`` on), their launches counted in ``counts``;
-    restored on exit."""
+    """The runtime's row moves and guest rows' merge as on a GPU (``use_triton=True``), every Triton launch counted in
+    ``counts`` (by kernel name) instead of made; restored on exit."""
     att = sys.modules["megatron_cp.runtime.attention"]  # the package's ``attention`` is the function
-    saved = [(rows, n, getattr(rows, n)) for n in (*ROW_KERNELS, "_triton_ok")]
-    saved += [(merge, n, getattr(merge, n)) for n in (*MERGE_KERNELS, "merge_sources")]
-    saved += [(m, "copy_pairs", m.copy_pairs) for m in (rowmap, att)]
-    real, real_merge = rowmap.copy_pairs, merge.merge_sources
+    forced = [(rowmap, n) for n in ("copy_pairs", "copy_rows", "copy_row_pairs", "copy_row_pair_moves")]
+    forced += [(att, "copy_pairs"), (att, "reduce_row_pairs"), (merge, "merge_sources")]
+    saved = [(m, n, getattr(m, n)) for m, n in forced] + [(c, "__getitem__", c.__getitem__) for c in _kernel_classes()]
     try:
-        for mod, names in ((rows, ROW_KERNELS), (merge, MERGE_KERNELS)):
-            for n in names:
-                setattr(mod, n, _Counted(n, counts))
-        rows._triton_ok = lambda t, use_triton: True
-        merge.merge_sources = lambda out, lse, r, parts, use_triton=None: real_merge(out, lse, r, parts, True)
-        for m in (rowmap, att):
-            m.copy_pairs = lambda moves, use_triton=None: real(moves, True)
+        for m, n, f in saved[:len(forced)]:
+            setattr(m, n, _on_triton(f))
+        for c in _kernel_classes():
+            c.__getitem__ = lambda kernel, grid: (lambda *a, **k: counts.update([kernel.fn.__name__]))
         yield
     finally:
         for m, n, f in saved:
@@ -131,8 +133,9 @@ def run_case(name: str, tokens: int, cp: int, heads: tuple[int, int], a) -> dict
         o, _ = mcp.attention(q, k, v, plan, group, backend=be, stages=stages)  # the first call: the state, the plan check
         o.backward(torch.empty_like(o))
         launches.clear()
+        lq, lk, lv = (t.detach().requires_grad_() for t in (q, k, v))  # leaves of its own: gradients stored, not added
         with _Ops() as ops:
-            o, _ = mcp.attention(q, k, v, plan, group, backend=be, stages=stages)
+            o, _ = mcp.attention(lq, lk, lv, plan, group, backend=be, stages=stages)
         fwd_ops, fwd_launches = ops.n, sum(launches.values())
         launches.clear()
         go = torch.empty_like(o)

@@ -34,7 +34,7 @@ from ..kernels import accumulate_dtype, reduce_row_pairs
 from ..planner import Plan, Workload
 from . import guests
 from .cost import CostModel
-from .groups import plan_rank
+from .groups import group_token, plan_rank
 from .rowmap import RowMap, copy_pairs
 from .state import RankRuntime, exchange_choice, input_fields, plan_cache, rank_state, verify_plan
 
@@ -356,7 +356,9 @@ def _checked_call(q, k, v, plan: Plan, group, softmax_scale, backend, stages, co
             and type(comm_lead_us) in (float, int) and (stages is None or type(stages) is int)
             and type(hierarchical) is bool and (group is None or isinstance(group, dist.ProcessGroup))):
         # objects by identity, held by the entry (a backend or cost model need not hash, nor hash cheaply)
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, group,
+        # the group by its token: a key must not keep a destroyed group alive
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               None if group is None else group_token(group),
                softmax_scale, backend if isinstance(backend, str) else id(backend), stages, id(cost_model),
                hierarchical, comm_lead_us)
         memo = plan_cache(plan).setdefault("checked calls", {})
