@@ -165,8 +165,8 @@ def start_backward(gr: GuestRuntime, backend, gq, k, v, out, lse, dout, dlse, gr
     hq = out.shape[1]
     sel = gr.send
     od = _a2a(torch.cat([dout[sel], out[sel].to(dout.dtype)], dim=1), gr.send_counts, gr.recv_counts, group)
-    ld = torch.stack([lse[sel].to(acc_dt), dlse[sel].to(acc_dt) if dlse is not None else
-                      torch.zeros_like(lse[sel], dtype=acc_dt)], dim=-1)
+    ls = lse[sel].to(acc_dt)
+    ld = torch.stack([ls, dlse[sel].to(acc_dt) if dlse is not None else torch.zeros_like(ls)], dim=-1)
     ld = _a2a(ld, gr.send_counts, gr.recv_counts, group)
     dk = dv = None
     if gr.prepared is not None:
