@@ -20,6 +20,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 import megatron_cp.kernels.triton.backend as tb  # noqa: E402
+import megatron_cp.kernels.triton.prepared as tprep  # noqa: E402
 from megatron_cp.kernels import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: E402
 from megatron_cp.kernels.triton import cudnn  # noqa: E402
 from megatron_cp.kernels.merge import merge_into, merge_torch  # noqa: E402
@@ -411,11 +412,11 @@ def test_family_the_probe_rejects_runs_on_triton(monkeypatch):
 
 
 def test_prepare_splits_with_split_pieces(monkeypatch):
-    """prepare's split is pieces.split_pieces called with the config's values (backward: no band squares),
+    """prepare's split (kernels/triton/prepared.py) is pieces.split_pieces called with the config's values (backward: no band squares),
     and each prepared list's row class is pieces.row_class of its tiles."""
     install_fake(monkeypatch)
     seen = []
-    monkeypatch.setattr(tb, "split_pieces", lambda *a, **kw: seen.append(kw) or split_pieces(*a, **kw))
+    monkeypatch.setattr(tprep, "split_pieces", lambda *a, **kw: seen.append(kw) or split_pieces(*a, **kw))
     be = backend(min_rows=16, min_keys=20, band_squares=12)
     sq, sk = 70, 86
     tiles = torch.tensor([[0, 8, 0, 8, CAUSAL], [8, 40, 8, 40, FULL], [40, sq, 40, sk, BI_CAUSAL]], dtype=torch.int32)

@@ -216,3 +216,51 @@ def test_a_request_that_cannot_be_pickled_is_refused_before_any_helper_reads_it(
         plan_in_helper(mask, 2, work=WORK, rank=0, backend=be, device="cpu")
     assert plan_in_helper(mask, 2, work=WORK).digest64 == mcp.plan(mask, 2).digest64
 
+
+
+@pytest.mark.parametrize("mask_name", ["packed", "global_local"])
+def test_triton_lists_are_prepared_in_the_helper_with_their_schedules(mask_name, monkeypatch):
+    """TritonBackend's prepare_host (a HostPrepare of its config): the helper prepares the rank's list with the block
+    schedules of the calls' head dim (the most of a list's preparation), the plan's first rank_state takes it and
+    prepares nothing, the list equals the one prepared here (tiles, descriptors, row class, every schedule array)
+    and runs to the same attention; a backend of another configuration does not take it."""
+    import dataclasses as dc
+
+    import torch
+
+    from megatron_cp.kernels import TritonBackend, TritonConfig
+
+    mask = _packed(3, 1024) if mask_name == "packed" else mcp.masks.catalog.build(mask_name, 1024)
+    be, rank, cost = TritonBackend(), 1, mcp.runtime.CostModel()
+    got = plan_in_helper(mask, 4, work=WORK, rank=rank, backend=be, device="cpu")
+    ahead = state.plan_cache(got)[state._ahead_key(rank, None, True, cost, WORK)]
+    assert ahead.prepare == state.prepare_name(be.prepare_host) != state.prepare_name(
+        TritonBackend(TritonConfig(dkdv_split_min=8)).prepare_host)
+    (kept,) = ahead.lists
+    (here,) = state.prepare_lists(mcp.plan(mask, 4), rank, None, be.prepare)
+    c = be.config.for_head_dim(WORK.head_dim, here.row_class)
+    shapes = {(k.block_m, k.block_n) for k in (c.fwd, c.dq, c.dkdv)}
+    assert set(kept._host) == shapes and not here._host  # built there; here they would be built on first use
+    assert torch.equal(kept.tiles, here.tiles) and torch.equal(kept.desc, here.desc)
+    assert kept.row_class == here.row_class and kept.cudnn_fwd is None is here.cudnn_fwd
+    for bm, bn in shapes:
+        for a, b in zip(kept._host[(bm, bn)], here.host_schedules(bm, bn)):
+            assert all(np.array_equal(x, y) for x, y in zip(a.arrays(), b.arrays(), strict=True))
+
+    def made_again(*a, **k):
+        raise LookupError("prepared on the step's thread")
+
+    monkeypatch.setattr(be, "prepare", made_again)
+    st = state.rank_state(got, rank, torch.device("cpu"), be, "triton", stages=None, hierarchical=True, cost=cost,
+                          work=WORK)
+    assert [id(p) for p in st.prepared_lists()] == [id(kept)]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 1, WORK.head_dim, generator=g) for n in (kept.seqlen_q, kept.seqlen_k, kept.seqlen_k))
+    for x, y in zip(TritonBackend().forward(q, k, v, kept), TritonBackend().forward(q, k, v, here)):
+        assert torch.equal(x, y)
+    other = mcp.plan(mask, 4)
+    state.keep_rank_ahead(other, rank, dc.replace(ahead), stages=None, hierarchical=True, cost=cost, work=WORK)
+    monkeypatch.undo()
+    st2 = state.rank_state(other, rank, torch.device("cpu"), TritonBackend(TritonConfig(dkdv_split_min=8)),
+                           "triton-other", stages=None, hierarchical=True, cost=cost, work=WORK)
+    assert st2.prepared_lists()[0] is not kept  # another configuration's lists: prepared in the call

@@ -583,6 +583,9 @@ def test_bench_first_call_times_both_ways_of_building_a_new_plans_state(tmp_path
     for r in rows:
         assert r["in_call_ms"] > 0 and r["with_ahead_ms"] > 0 and r["helper_ms"] > 0 and r["answer_bytes"] > 0
     assert len(json.loads((tmp_path / "first_call.json").read_text())["rows"]) == 2
+    # the Triton backend's lists, their block schedules built ahead (a first forward and backward build them here)
+    rows = fc.main(["--dry-run", "--out", str(tmp_path), "--cps", "2", "--masks", "packed", "--backend", "triton"])
+    assert rows[0]["backend"] == "triton" and rows[0]["answer_bytes"] > 0 and rows[0]["with_ahead_ms"] > 0
     with pytest.raises(SystemExit):
         fc.main(["--dry-run", "--out", str(tmp_path), "--masks", "nope"])
 

@@ -62,10 +62,12 @@ Members
     ``accumulate_dtype(q.dtype)`` (dk/dv may be strided views of one ``[sk, 2*Hkv, D]`` buffer), without
     rounding them to q's dtype first.
 ``prepare_host`` (optional)
-    A picklable module-level function ``(tiles, seqlen_q, seqlen_k) -> prepared`` giving what ``prepare`` gives
-    (host work only, a picklable result), so that the runtime can prepare a new plan's lists in its planning
-    helper process (``runtime.plan_in_helper``) instead of on the step's thread. None or absent: ``prepare``
-    runs in the first call.
+    A picklable callable ``(tiles, seqlen_q, seqlen_k) -> prepared`` giving what ``prepare`` gives (host work
+    only, a picklable result), so that the runtime can prepare a new plan's lists in its planning helper process
+    (``runtime.plan_in_helper``) instead of on the step's thread: a module-level function, or an object with a
+    ``name`` saying which lists it makes (lists are taken only from a ``prepare_host`` of the same name) and
+    optionally ``with_head_dims(dims)``, the same callable doing the calls' head dims' part too. None or absent:
+    ``prepare`` runs in the first call.
 """
 
 from __future__ import annotations

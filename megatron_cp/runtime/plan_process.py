@@ -104,7 +104,7 @@ def plan_in_helper(mask: AttnMask, cp_size: int, *, work: Workload | None = None
     (this process's rank in the plan), so is that rank's host work of its first call (``state.rank_ahead``: the
     single exchange's index arrays and row maps) and, given the ``backend`` (name or object) and ``device`` of
     its attention calls too, its tile lists where the backend can prepare them elsewhere (its ``prepare_host``:
-    FA4's); the plan's first call takes them instead of making them on the step's thread. The same plan, bit
+    FA4's, Triton's); the plan's first call takes them instead of making them on the step's thread. The same plan, bit
     for bit, as ``planner.plan`` here; the calling thread waits without holding the GIL."""
     if not isinstance(mask, AttnMask):
         raise TypeError(f"plan_in_helper() needs an AttnMask, got {type(mask).__name__}")
@@ -124,6 +124,8 @@ def plan_in_helper(mask: AttnMask, cp_size: int, *, work: Workload | None = None
                          "that rank's attention calls)")
     if backend is not None:
         prepare = getattr(resolve_backend(backend, torch.device(device))[1], "prepare_host", None)
+        if hasattr(prepare, "with_head_dims"):  # it builds what the calls' head dim needs there too (schedules)
+            prepare = prepare.with_head_dims((work.head_dim,))
     cost = cost_model or DEFAULT_COST
     choice = None if work is None else (stages, hierarchical, cost, work)
     plan, sched, ahead = _ask((mask, cp_size, plan_kwargs, choice, None if rank is None else (rank, prepare)))

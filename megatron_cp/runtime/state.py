@@ -333,8 +333,9 @@ def prepare_lists(plan: Plan, rank: int, sched: Schedule | None, prepare) -> lis
 
 
 def prepare_name(prepare) -> str:
-    """What names a backend's ``prepare_host`` across processes (its module and qualified name)."""
-    return f"{prepare.__module__}.{prepare.__qualname__}"
+    """What names a backend's ``prepare_host`` across processes: its ``name`` where it has one (an object that says
+    which lists it makes, e.g. the Triton backend's, of a configuration), else its module and qualified name."""
+    return getattr(prepare, "name", None) or f"{prepare.__module__}.{prepare.__qualname__}"
 
 
 def rank_ahead(plan: Plan, rank: int, sched: Schedule | None, prepare=None) -> RankAhead:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
 
 import torch
 from triton.runtime.interpreter import InterpretedFunction
@@ -27,81 +26,19 @@ from ...kinds import Kind
 from . import cudnn
 from ..config import DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonConfig, configs_from_json
 from ..merge import merge_into
-from ..pieces import BLOCKY_FULL_FRACTION, LONG_ROW_KEYS, Pieces, row_class, split_pieces, uncovered_rows
+from ..pieces import BLOCKY_FULL_FRACTION, LONG_ROW_KEYS
 from ..protocol import check_running
-from ..tiles import check_tiles
 from .delta import head_major, row_delta
 from .fwd import attn_fwd_kernel
 from .launch import launch_dkdv, launch_dq, launch_fwd, plain_dims
-from .blocks import BlockSchedule, build_schedules, tile_descriptors
-from .sparse import head_schedule, kernel_blocks, static_entries
-from ..upload import upload_all
+from .prepared import CudnnSplit, HostPrepare, TritonPrepared, prepare_list
+from .sparse import kernel_blocks
 
 __all__ = ["BLOCKY_FULL_FRACTION", "DEFAULT_CONFIGS", "KernelConfig", "LONG_ROW_KEYS", "PhaseConfigs", "TritonBackend",
-           "TritonConfig", "TritonPrepared", "CudnnSplit", "configs_from_json"]
+           "TritonConfig", "TritonPrepared", "CudnnSplit", "HostPrepare", "configs_from_json"]
 
 # Triton's interpreter (TRITON_INTERPRET=1 before triton was imported) runs the kernels on CPU tensors
 INTERPRETED = isinstance(attn_fwd_kernel, InterpretedFunction)
-_NEVER = 1 << 62  # a piece size no list reaches: no cuDNN pieces but the whole-call one
-
-
-@dataclass
-class CudnnSplit:
-    """One direction's run of a prepared list with cuDNN (kernels/pieces.py): the ``pieces``, the Triton
-    ``rest`` (prepared; None when the pieces cover the list), ``whole`` (one piece that is the whole call),
-    ``direct`` (forward: band-square pairs written straight into the output) and, when direct with no
-    rest, the ``gaps``: rows nothing covers, (start, end), filled empty."""
-
-    pieces: tuple
-    rest: "TritonPrepared | None"
-    whole: bool = False
-    direct: bool = False
-    gaps: tuple = ()
-
-
-@dataclass
-class TritonPrepared:
-    """Per-list state: the tile list, its descriptors and block schedules (built on the host once per
-    block shape, copied per device once), and the cuDNN splits of each direction (None: Triton only)."""
-
-    tiles: torch.Tensor
-    seqlen_q: int
-    seqlen_k: int
-    desc: torch.Tensor  # int32 [n, 6] (qs, qe, ks, ke, lo, hi)
-    row_class: str = "long"  # kernels/pieces.row_class
-    split_min: int = 16
-    cudnn_fwd: CudnnSplit | None = None
-    cudnn_bwd: CudnnSplit | None = None
-    _host: dict = field(default_factory=dict)  # (bm, bn) -> (rows, cols) on cpu
-    _dev: dict = field(default_factory=dict)  # (bm, bn, device) -> (desc, rows, cols)
-    _entries: dict = field(default_factory=dict)  # (bm, bn, keep block, device) -> (rows, cols) StaticEntries
-
-    def schedules(self, block_m: int, block_n: int, device) -> tuple[torch.Tensor, BlockSchedule, BlockSchedule]:
-        key = (block_m, block_n, str(device))
-        if key not in self._dev:
-            if (block_m, block_n) not in self._host:
-                self._host[(block_m, block_n)] = build_schedules(
-                    self.tiles, self.seqlen_q, self.seqlen_k, block_m, block_n, self.split_min)
-            rows, cols = self._host[(block_m, block_n)]
-            r, c = rows.arrays(), cols.arrays()  # every array of the pair in one copy
-            desc, *t = upload_all([self.desc] + r + c, device)
-            self._dev[key] = (desc, rows.placed(t[:len(r)]), cols.placed(t[len(r):]))
-        return self._dev[key]
-
-    def keep_schedule(self, block_m: int, block_n: int, keep, rows: bool) -> tuple[torch.Tensor, BlockSchedule]:
-        """(desc, per-head schedule) of the row-major (``rows``) or column-major schedule narrowed by
-        ``keep`` (a BlockKeep whose block block_m and block_n divide), built on the mask's device by
-        ``triton_sparse.head_schedule``; the static parts (schedules, ``static_entries``) are cached here."""
-        dev = keep.mask.device
-        desc, r, c = self.schedules(block_m, block_n, dev)
-        key = (block_m, block_n, keep.block, str(dev))
-        if key not in self._entries:
-            hr, hc = self._host[(block_m, block_n)]
-            nkk = -(-self.seqlen_k // keep.block)
-            self._entries[key] = (static_entries(hr, block_m, keep.block, nkk, True, dev),
-                                  static_entries(hc, block_n, keep.block, nkk, False, dev))
-        s = r if rows else c
-        return desc, head_schedule(self._entries[key][0 if rows else 1], keep.mask, s.n_full, s.n_partial)
 
 
 def _check_call(q, k, v, prepared) -> None:
@@ -219,45 +156,21 @@ class TritonBackend:
 
     # -- per list ---------------------------------------------------------------------------------
     def prepare(self, tiles: torch.Tensor, seqlen_q: int, seqlen_k: int, head_dims=()) -> TritonPrepared:
-        """tiles int [n, 5] (cpu) -> TritonPrepared; builds the schedules of ``head_dims``' configs now, the others'
-        on their first use (by default each block shape's: a list whose forward alone runs here, as under FA4's
-        routes, never builds the backward's, nor another head dim's).
+        """tiles int [n, 5] (cpu) -> TritonPrepared (``prepared.prepare_list``): the schedules of ``head_dims``'
+        configs built now, the others' on their first use (by default each block shape's: a list whose forward alone
+        runs here, as under FA4's routes, never builds the backward's, nor another head dim's); split into cuDNN
+        pieces and a Triton rest per direction where cuDNN may run (dense_fast_path, not deterministic, CUDA
+        present), the whole list prepared too for families the cuDNN probe rejects."""
+        return prepare_list(self.config, tiles, seqlen_q, seqlen_k, head_dims, self._splits())
 
-        Where cuDNN may run (dense_fast_path, not deterministic, CUDA present) also splits the list into
-        cuDNN pieces and a Triton rest per direction (``pieces.split_pieces`` with this config's values),
-        rests prepared too; the whole list stays prepared for families the cuDNN probe rejects."""
-        prep = self._prepare(tiles, seqlen_q, seqlen_k, head_dims)
-        c = self.config
-        if not (self._cudnn_wanted and prep.tiles.shape[0] and _cuda_present()):
-            return prep
-        kw = dict(min_rows=c.dense_min_rows if c.dense_tiles else _NEVER,
-                  min_keys=c.dense_min_keys if c.dense_tiles else _NEVER, seqlen_q=prep.seqlen_q, seqlen_k=prep.seqlen_k)
-        bwd = split_pieces(prep.tiles, band_squares=0, forward=False, **kw)
-        fwd = split_pieces(prep.tiles, band_squares=c.band_squares if c.dense_tiles else 0, forward=True, **kw)
-        prep.cudnn_bwd = self._split(bwd, prep, head_dims)
-        prep.cudnn_fwd = prep.cudnn_bwd if fwd.cudnn == bwd.cudnn else self._split(fwd, prep, head_dims)
-        return prep
+    @property
+    def prepare_host(self) -> HostPrepare:
+        """``prepare`` made anywhere (protocol): a new plan's lists in the planning helper process, with the schedules
+        of the calls' head dim (``HostPrepare.with_head_dims``) built there too."""
+        return HostPrepare(self.config, self._splits())
 
-    def _split(self, p: Pieces, prep: TritonPrepared, head_dims) -> CudnnSplit | None:
-        if not p.cudnn:
-            return None
-        rest = self._prepare(p.rest, prep.seqlen_q, prep.seqlen_k, head_dims) if p.rest.shape[0] else None
-        gaps = tuple(uncovered_rows(p.cudnn, prep.seqlen_q)) if p.direct and rest is None else ()
-        return CudnnSplit(p.cudnn, rest, p.whole, p.direct, gaps)
-
-    def _prepare(self, tiles, seqlen_q, seqlen_k, head_dims) -> TritonPrepared:
-        check_tiles(tiles, seqlen_q, seqlen_k)
-        tiles = tiles.to("cpu", torch.int32).contiguous()
-        cls = row_class(tiles)
-        prep = TritonPrepared(tiles, int(seqlen_q), int(seqlen_k), tile_descriptors(tiles).to(torch.int32).contiguous(),
-                              cls, self.config.dkdv_split_min)
-        for d in head_dims:
-            c = self.config.for_head_dim(d, cls)
-            for kc in (c.fwd, c.dq, c.dkdv):
-                if (kc.block_m, kc.block_n) not in prep._host:
-                    prep._host[(kc.block_m, kc.block_n)] = build_schedules(
-                        tiles, prep.seqlen_q, prep.seqlen_k, kc.block_m, kc.block_n, prep.split_min)
-        return prep
+    def _splits(self) -> bool:
+        return self._cudnn_wanted and _cuda_present()
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, q, k, v, prepared: TritonPrepared, softmax_scale=None, keep=None):

@@ -44,8 +44,20 @@ from ..tiles import BI_CAUSAL, CAUSAL, INV_CAUSAL
 _BIG = 1 << 30  # "no band limit"; |k - q| < 2^30 for every supported length
 
 
+class _HostArrays:
+    """Pickled (the planning helper's answers) with their host tensors as arrays: a tensor unpickles an order of
+    magnitude slower, in the planning thread, holding the GIL the step needs."""
+
+    def __getstate__(self) -> dict:
+        return {k: v.numpy() if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v
+                for k, v in self.__dict__.items()}
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update({k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in d.items()})
+
+
 @dataclass
-class BlockSchedule:
+class BlockSchedule(_HostArrays):
     """One direction's block lists for a fixed (block_m, block_n).
 
     ptr [H, nb+1], mid [H, nb], order [H, nb]: int32 (nb = number of blocks along the major axis);
@@ -74,7 +86,7 @@ class BlockSchedule:
 
 
 @dataclass
-class ColumnWork:
+class ColumnWork(_HostArrays):
     """dK/dV work items: k block ``n[i]``, segment ``seg[i]`` of ``nseg[i]`` equal parts of its entry list.
 
     A k block met by many more q blocks than average (global keys, attention sinks) would make one program
