@@ -39,7 +39,7 @@ import megatron_cp as mcp
 from megatron_cp.comm import loopback
 from megatron_cp.kernels import ReferenceBackend, merge
 from megatron_cp.masks import catalog
-from megatron_cp.runtime import rowmap
+from megatron_cp.runtime import guests, rowmap
 from megatron_cp.planner import Workload
 from megatron_cp.runtime.attention import DEFAULT_COST
 from megatron_cp.runtime.state import exchange_choice
@@ -92,11 +92,11 @@ def _on_triton(f):
 
 @contextlib.contextmanager
 def gpu_branch_without_launches(counts: collections.Counter):
-    """The runtime's row moves and guest rows' merge as on a GPU (``use_triton=True``), every Triton launch counted in
-    ``counts`` (by kernel name) instead of made; restored on exit."""
+    """The runtime's row moves and its guest rows' merge and sum as on a GPU (``use_triton=True``), every Triton launch
+    counted in ``counts`` (by kernel name) instead of made; restored on exit."""
     att = sys.modules["megatron_cp.runtime.attention"]  # the package's ``attention`` is the function
     forced = [(rowmap, n) for n in ("copy_pairs", "copy_rows", "copy_row_pairs", "copy_row_pair_moves")]
-    forced += [(att, "copy_pairs"), (att, "reduce_row_pairs"), (merge, "merge_sources")]
+    forced += [(att, "copy_pairs"), (att, "reduce_row_pairs"), (merge, "merge_sources"), (guests, "reduce_rows")]
     saved = [(m, n, getattr(m, n)) for m, n in forced] + [(c, "__getitem__", c.__getitem__) for c in _kernel_classes()]
     try:
         for m, n, f in saved[:len(forced)]:
@@ -130,7 +130,7 @@ def run_case(name: str, tokens: int, cp: int, heads: tuple[int, int], a) -> dict
     q, k, v = (torch.empty(n, 1, 8, dtype=a.dtype).requires_grad_() for _ in range(3))
     launches: collections.Counter = collections.Counter()
     with gpu_branch_without_launches(launches):
-        o, _ = mcp.attention(q, k, v, plan, group, backend=be, stages=stages)  # the first call: the state, the plan check
+        o, _ = mcp.attention(q, k, v, plan, group, backend=be, stages=stages)  # the first call: state, plan check
         o.backward(torch.empty_like(o))
         launches.clear()
         lq, lk, lv = (t.detach().requires_grad_() for t in (q, k, v))  # leaves of its own: gradients stored, not added

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..comm import all_to_all_v, device_pool
-from ..kernels import accumulate_dtype, merge, upload_all
+from ..kernels import accumulate_dtype, merge, reduce_rows, upload_all
 from ..planner import Plan
 
 
@@ -31,6 +31,10 @@ class GuestRuntime:
     rows: torch.Tensor  # the rank's guest rows (sorted local positions, unique)
     merge: list  # per source with rows: (slice of the returned rows, positions in ``rows``)
     prepared: object  # guest tiles (q: received rows, k: own keys in local order); None when none
+    # returned partial dq summed into the guest rows: row i's partials are the returned rows red_pos[red_ptr[i] :
+    # red_ptr[i + 1]], in source order (``kernels.reduce_rows``)
+    red_ptr: torch.Tensor
+    red_pos: torch.Tensor
     # every source returns every guest row in ``rows`` order (global rows of global + local: each key owner
     # computes them all): the returned rows are then [sources, rows] as they arrive, merged without gathers
     whole: bool = False
@@ -46,6 +50,8 @@ class GuestHost:
     recv_counts: list
     rows: np.ndarray
     merge: list  # per source with rows: (slice of the returned rows, positions in ``rows``)
+    red_ptr: np.ndarray  # the returned rows of each guest row, in source order (CSR over ``rows``)
+    red_pos: np.ndarray
     whole: bool
     tiles: np.ndarray | None  # int32 [n, 5]; None when the rank computes no guest row
     n_recv: int
@@ -67,8 +73,13 @@ def guest_host(plan: Plan, rank: int) -> GuestHost:
         off += c
     n_recv = sum(recv_counts)
     tiles = rp.guest_tiles.astype("int32") if len(rp.guest_tiles) and n_recv else None
-    return GuestHost(send.astype(np.int64), send_counts, recv_counts, rows.astype(np.int64), merge, whole, tiles,
-                     n_recv, rp.num_tokens)
+    # which returned rows add to which guest row, sources in order (a stable sort keeps it)
+    dest = np.concatenate([pos for _, pos in merge] + [np.zeros(0, np.int64)])
+    order = np.argsort(dest, kind="stable")
+    red_pos = np.concatenate([np.arange(sl.start, sl.stop) for sl, _ in merge] + [np.zeros(0, np.int64)])[order]
+    red_ptr = np.concatenate([[0], np.cumsum(np.bincount(dest, minlength=len(rows)))])
+    return GuestHost(send.astype(np.int64), send_counts, recv_counts, rows.astype(np.int64), merge,
+                     red_ptr.astype(np.int64), red_pos.astype(np.int64), whole, tiles, n_recv, rp.num_tokens)
 
 
 def guest_list(h: GuestHost, prepare):
@@ -79,9 +90,10 @@ def guest_list(h: GuestHost, prepare):
 def guest_runtime(h: GuestHost, device, prepared) -> GuestRuntime:
     """Index tensors of ``h`` on ``device`` with the prepared guest list (part of the rank's runtime state,
     built once)."""
-    t = upload_all([h.send, h.rows] + [pos for _, pos in h.merge], device)
+    t = upload_all([h.send, h.rows, h.red_ptr, h.red_pos] + [pos for _, pos in h.merge], device)
     return GuestRuntime(send=t[0], send_counts=h.send_counts, recv_counts=h.recv_counts, rows=t[1],
-                        merge=[(sl, pos) for (sl, _), pos in zip(h.merge, t[2:])], prepared=prepared, whole=h.whole)
+                        merge=[(sl, pos) for (sl, _), pos in zip(h.merge, t[4:])], prepared=prepared, red_ptr=t[2],
+                        red_pos=t[3], whole=h.whole)
 
 
 def _a2a(x, send_counts, recv_counts, group, async_op=False, tag=None):
@@ -138,20 +150,18 @@ def finish_forward(gr: GuestRuntime, pend: _Pending, out, lse) -> torch.Tensor:
     if gr.rows.shape[0]:
         # all sources at once: one kernel whatever their count (a pairwise merge per source was ~16 small kernels
         # each on the host's critical path)
-        merge.merge_sources(out, lse, gr.rows, _sources(gr, back, float("-inf")))
+        merge.merge_sources(out, lse, gr.rows, _sources(gr, back))
     return pend.keep[1]
 
 
-def _sources(gr: GuestRuntime, back: torch.Tensor, empty: float | None) -> torch.Tensor:
-    """The returned rows as [sources, guest rows, ...]: a view when every source returned every row in order, else
-    gathered, with ``empty`` (when given) in the last column of the rows a source did not return (a partial
-    output's lse)."""
+def _sources(gr: GuestRuntime, back: torch.Tensor) -> torch.Tensor:
+    """The returned partials as [sources, guest rows, H, D + 1]: a view when every source returned every row in
+    order, else gathered, with lse -inf (no cell) in the rows a source did not return."""
     n, k = gr.rows.shape[0], len(gr.merge)
     if gr.whole:
         return back.view((k, n) + tuple(back.shape[1:]))
     parts = back.new_zeros((k, n) + tuple(back.shape[1:]))
-    if empty is not None:
-        parts[..., -1] = empty
+    parts[..., -1] = float("-inf")
     for i, (sl, pos) in enumerate(gr.merge):
         parts[i].index_copy_(0, pos, back[sl])
     return parts
@@ -183,10 +193,8 @@ def start_backward(gr: GuestRuntime, backend, gq, k, v, out, lse, dout, dlse, gr
 
 
 def finish_backward(gr: GuestRuntime, pend: _Pending, dq: torch.Tensor) -> None:
-    """Add the returned partial dq of the guest rows into ``dq`` [s_local, Hq, D] (summed in the
-    accumulation dtype in source order, rounded once)."""
+    """Add the returned partial dq of the guest rows into ``dq`` [s_local, Hq, D]: each row and its partials summed in
+    float32 (float64 for float64) in source order, rounded once."""
     back = pend.wait()
-    acc_dt = accumulate_dtype(dq.dtype)
-    if len(gr.rows):
-        parts = _sources(gr, back, None)
-        dq.index_add_(0, gr.rows, parts.to(acc_dt).sum(0).to(dq.dtype))
+    if gr.rows.shape[0]:  # one launch on a GPU, whatever the sources
+        reduce_rows(dq, back, gr.rows, gr.red_ptr, gr.red_pos)
