@@ -146,6 +146,7 @@ def test_tools_and_examples_choices_are_their_registries(monkeypatch):
         ("tools/bench_sparse.py", "--methods"): tuple(sparse.SELECTORS),
         ("tools/bench_sparse.py", "--backend"): kernels.BACKEND_CHOICES,
         ("tools/gpu_kernel_check.py", "--backend"): ("auto", *GPU_BACKENDS),
+        ("tools/bench_first_call.py", "--backend"): GPU_BACKENDS,
         ("examples/tiny_llama/demo.py", "--kernel-backend"): kernels.BACKEND_CHOICES,
         ("examples/tiny_llama/train_gates.py", "--method"): (*gating.METHODS, "both"),
     }

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 import megatron_cp as mcp
-from megatron_cp.kernels import FA4Backend, TritonBackend
+from megatron_cp.kernels import TritonBackend
 from megatron_cp.masks import catalog
 from megatron_cp.planner import Workload
 from megatron_cp.runtime import state
@@ -37,6 +37,7 @@ from bench_train import micro_batch_masks  # noqa: E402
 from common import case_lists, device_name, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
 
 COST = mcp.runtime.CostModel()
+GPU_BACKENDS = tuple(b for b in mcp.kernels.BACKENDS if b != "reference")  # the backends whose lists a GPU runs
 UNPICKLES = 10  # an answer's unpickling: the fastest of this many (one is a few tens of microseconds)
 
 
@@ -47,7 +48,7 @@ def _ms(f) -> tuple[float, object]:
 
 
 def _backend(name: str):
-    return FA4Backend() if name == "fa4" else TritonBackend()
+    return mcp.kernels.BACKENDS[name]()
 
 
 def _state(plan, a, be, work):
@@ -109,7 +110,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--cps", default="4,8", help="comma list of CP sizes (default 4,8)")
     ap.add_argument("--plans", type=int, default=None, help="new plans timed per row (default 6; dry run 2)")
     ap.add_argument("--rank", type=int, default=0, help="which rank of the plan (default 0)")
-    ap.add_argument("--backend", choices=("fa4", "triton"), default="fa4",
+    ap.add_argument("--backend", choices=GPU_BACKENDS, default="fa4",
                     help="whose lists: FA4's (Hopper) or the Triton backend's (other GPUs; their block schedules, built "
                          "by a first call's forward and backward, counted in)")
     a = ap.parse_args(argv)
