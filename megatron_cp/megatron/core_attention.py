@@ -235,7 +235,7 @@ class CPCoreAttention(MegatronModule):
             )
         if plan.cp_size != cp_size:
             raise ValueError(f"plan was made for cp_size={plan.cp_size} but the CP group has {cp_size} ranks")
-        n_local = plan.num_local(cp_rank)  # not len(local_ids): that builds the rank's ids, ~10 us a call
+        n_local = plan.num_local(cp_rank)  # not len(local_ids): that builds the rank's ids on every call
         if n_local != s:
             raise ValueError(
                 f"CP rank {cp_rank} holds {n_local} tokens under the plan but got q with s={s}; "
