@@ -174,6 +174,7 @@ def test_a_ranks_first_call_host_work_made_in_the_helper_is_what_the_call_would_
         assert (a is None) == (b is None)
         if a is None:
             continue
+        assert a._triton is None  # no list of this process ran on the Triton fallback: no Triton form made ahead
         assert torch.equal(a.tiles, b.tiles) and pickle.dumps(a.calls) == pickle.dumps(b.calls)
         q = torch.randn(a.seqlen_q, 4, 8, generator=g, dtype=torch.float64)
         k, v = (torch.randn(a.seqlen_k, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
@@ -209,7 +210,8 @@ def test_lists_are_prepared_ahead_only_where_the_backend_can_and_with_what_they_
 def test_a_request_that_cannot_be_pickled_is_refused_before_any_helper_reads_it():
     """A backend whose prepare_host is a lambda: the pickling error comes back at once, and the helper that
     answers next is not left reading half a request."""
-    be = _fa4_emulated()
+    be = mcp.kernels.get_backend("reference")
+    be = type(be)()  # an object of its own, given an unpicklable prepare_host
     be.prepare_host = lambda tiles, sq, sk: None
     mask = _packed(9, 512)
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
@@ -264,3 +266,31 @@ def test_triton_lists_are_prepared_in_the_helper_with_their_schedules(mask_name,
     st2 = state.rank_state(other, rank, torch.device("cpu"), TritonBackend(TritonConfig(dkdv_split_min=8)),
                            "triton-other", stages=None, hierarchical=True, cost=cost, work=WORK)
     assert st2.prepared_lists()[0] is not kept  # another configuration's lists: prepared in the call
+
+
+def test_fa4_lists_come_with_their_triton_form_once_the_process_ran_lists_on_triton(monkeypatch):
+    """Once an FA4 backend has run some list on its Triton fallback (a measured route, a rule, a dtype), the helper
+    also prepares each list's Triton form with the calls' head dim's block schedules: the fallback takes it rather
+    than preparing it on the step's thread, and it is the form prepared here."""
+    import torch
+
+    mask = mcp.masks.catalog.build("global_local", 1024)
+    be, rank, cost = _fa4_emulated(), 1, mcp.runtime.CostModel()
+    be.fallbacks["fwd list"] = "measured fastest here"  # what a call routed to Triton leaves
+    got = plan_in_helper(mask, 4, work=WORK, rank=rank, backend=be, device="cpu")
+    (kept,) = state.plan_cache(got)[state._ahead_key(rank, None, True, cost, WORK)].lists
+    tri = kept._triton
+    assert tri is not None and tri._host  # prepared there, schedules built
+    want = be.triton.prepare(kept.tiles, kept.seqlen_q, kept.seqlen_k, head_dims=(WORK.head_dim,))
+    assert torch.equal(tri.desc, want.desc) and tri.row_class == want.row_class and set(tri._host) == set(want._host)
+    for key in want._host:
+        for a, b in zip(tri._host[key], want._host[key]):
+            assert all(np.array_equal(x, y) for x, y in zip(a.arrays(), b.arrays(), strict=True))
+
+    def made_again(*a, **k):
+        raise LookupError("prepared on the step's thread")
+
+    monkeypatch.setattr(be.triton, "prepare", made_again)
+    st = state.rank_state(got, rank, torch.device("cpu"), be, "fa4-emulated", stages=None, hierarchical=True,
+                          cost=cost, work=WORK)
+    assert st.prepared_lists()[0] is kept and be._triton_prepared(kept) is tri

@@ -36,7 +36,7 @@ import torch
 from . import measured, replay
 from . import sparse as fa4_sparse
 from .calls import MASK_INTERVALS
-from .prepared import DEFAULT_HEAD_DIMS, Fa4Prepared, Run, prepare_list
+from .prepared import DEFAULT_HEAD_DIMS, Fa4Prepared, HostPrepare, Run, prepare_list
 from ..config import TritonConfig
 from ..fallback import fallback_backend
 from ..merge import merge_into
@@ -165,7 +165,12 @@ class FA4Backend:
     """
 
     name = "fa4"
-    prepare_host = staticmethod(prepare_list)  # the lists of a new plan can be prepared in the planning helper
+
+    @property
+    def prepare_host(self) -> HostPrepare:
+        """The lists of a new plan prepared in the planning helper (protocol): with their Triton form too once this
+        process has run some list on the Triton fallback (a measured route, a rule of ``calls.py``, a dtype)."""
+        return HostPrepare(self.triton.prepare_host if self.fallbacks else None)
 
     def __init__(self, config: TritonConfig | None = None, functions: Fa4Functions | None = None, timer=None):
         self.config = config or TritonConfig()

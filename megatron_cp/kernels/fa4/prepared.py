@@ -3,11 +3,14 @@
 route) on first use.
 
 ``prepare_list`` is host work only, a module function with a picklable result, so a new plan's lists can be
-prepared ahead in the planning helper process (``runtime.plan_in_helper``): ``FA4Backend.prepare_host``.
+prepared ahead in the planning helper process (``runtime.plan_in_helper``): ``FA4Backend.prepare_host`` is a
+``HostPrepare`` of it, which in a process that has run lists on the Triton fallback also prepares each list's Triton
+form there (with its block schedules), rather than on the step's thread when a list first routes to Triton.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -109,3 +112,27 @@ def prepare_list(tiles, seqlen_q: int, seqlen_k: int, head_dims=DEFAULT_HEAD_DIM
     check_tiles(tiles, seqlen_q, seqlen_k)
     tiles = tiles.to("cpu", torch.int32).contiguous()
     return Fa4Prepared(fa4_calls(tiles.numpy(), seqlen_q, seqlen_k), tiles, tuple(head_dims))
+
+
+@dataclass(frozen=True)
+class HostPrepare:
+    """``FA4Backend.prepare_host``: ``prepare_list`` as a picklable callable ``(tiles, seqlen_q, seqlen_k)``. With
+    ``triton`` (the Triton fallback's own ``prepare_host``; given where this process has routed some list to Triton)
+    each list's Triton form is prepared too, which the fallback then takes instead of preparing it on first use. Its
+    ``name`` is ``prepare_list``'s: the lists are the same with or without the Triton form, a cache of it."""
+
+    triton: object = None
+
+    @property
+    def name(self) -> str:
+        return f"{prepare_list.__module__}.{prepare_list.__qualname__}"
+
+    def with_head_dims(self, head_dims) -> "HostPrepare":
+        """The same, the Triton form's block schedules built for ``head_dims`` (the calls')."""
+        return self if self.triton is None else dataclasses.replace(self, triton=self.triton.with_head_dims(head_dims))
+
+    def __call__(self, tiles, seqlen_q: int, seqlen_k: int) -> Fa4Prepared:
+        prep = prepare_list(tiles, seqlen_q, seqlen_k)
+        if self.triton is not None:
+            prep._triton = self.triton(prep.tiles, seqlen_q, seqlen_k)
+        return prep
