@@ -11,8 +11,9 @@ Per row (mask, tokens per rank, cp): medians over ``--plans`` new plans (after o
 the call, the state built from the helper's part, the helper's time making that part, and what it adds to the
 helper's answer (bytes) and to unpickling it in the planning thread (which holds the GIL meanwhile). The lists are
 FA4's or the Triton backend's (host work: no GPU needed; Triton's with the block schedules a first forward and
-backward build, which the helper builds ahead for the calls' head dim); on a CUDA device the uploads are real, elsewhere they are no copies. The helper's
-part is made here, by the code the helper runs, so the times are of that code alone (no pipe, no second process).
+backward build, which the helper builds ahead for the calls' head dim); on a CUDA device the uploads are real,
+elsewhere they are no copies. The helper's part is made here, by the code the helper runs, so the times are of that
+code alone (no pipe, no second process).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from megatron_cp.runtime import state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from bench_train import micro_batch_masks  # noqa: E402
-from common import case_lists, device_name, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
+from common import (case_args, case_lists, device_name, markdown_table, out_dir, parser, run_record,  # noqa: E402
+                    write_json)
 
 COST = mcp.runtime.CostModel()
 GPU_BACKENDS = tuple(b for b in mcp.kernels.BACKENDS if b != "reference")  # the backends whose lists a GPU runs
@@ -105,11 +107,8 @@ def summary(rows) -> list[str]:
 def main(argv=None) -> list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = parser(__doc__, "out/first_call")
-    ap.add_argument("--masks", default="packed,global_local,sliding_window,causal", help="comma list of catalog masks")
-    ap.add_argument("--tokens-per-rank", default=None, help="comma list (default 8192; dry run 64)")
-    ap.add_argument("--cps", default="4,8", help="comma list of CP sizes (default 4,8)")
+    case_args(ap, "packed,global_local,sliding_window,causal")
     ap.add_argument("--plans", type=int, default=None, help="new plans timed per row (default 6; dry run 2)")
-    ap.add_argument("--rank", type=int, default=0, help="which rank of the plan (default 0)")
     ap.add_argument("--backend", choices=GPU_BACKENDS, default="fa4",
                     help="whose lists: FA4's (Hopper) or the Triton backend's (other GPUs; their block schedules, built "
                          "by a first call's forward and backward, counted in)")

@@ -92,6 +92,20 @@ def parser(doc: str, out: str, timing: tuple[int, int] | None = None) -> argpars
     return ap
 
 
+def case_args(ap: argparse.ArgumentParser, masks: str) -> None:
+    """A one-rank host tool's case arguments, one meaning in all: --masks (default ``masks``), --tokens-per-rank,
+    --cps, --rank (``case_lists`` reads them)."""
+    ap.add_argument("--masks", default=masks, help=f"comma list of catalog masks (default {masks})")
+    ap.add_argument("--tokens-per-rank", default=None, help="comma list (default 8192; dry run 64)")
+    ap.add_argument("--cps", default="4,8", help="comma list of CP sizes (default 4,8)")
+    ap.add_argument("--rank", type=int, default=0, help="which rank of the plan this process is (default 0)")
+
+
+def heads_list(text: str | None, dry_run: bool, default: str) -> list[tuple[int, int]]:
+    """``--heads`` (comma list of Hq:Hkv; ``default``, a dry run 4:2) as [(Hq, Hkv), ...]."""
+    return [tuple(int(y) for y in x.split(":")) for x in (text or ("4:2" if dry_run else default)).split(",")]
+
+
 def case_lists(ap: argparse.ArgumentParser, a, least_cp: int) -> tuple[list[str], list[int], list[int]]:
     """``--masks`` (catalog names), ``--cps`` (each >= ``least_cp``, ``--rank`` below each) and ``--tokens-per-rank``
     (default 8192; a dry run 64) of a one-rank host tool, as lists; a bad value is ``ap.error`` naming it."""

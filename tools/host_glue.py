@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import datetime
 import functools
 import inspect
 import os
@@ -46,7 +45,9 @@ from megatron_cp.runtime.state import exchange_choice
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from bench_train import micro_batch_masks  # noqa: E402
-from common import case_lists, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
+from common import (case_args, case_lists, heads_list, markdown_table, out_dir, parser, run_record,  # noqa: E402
+                    write_json)
+from host_path import start_rank_alone  # noqa: E402
 
 def _kernel_classes() -> list:
     """Triton's kernel classes (the interpreter's too, where TRITON_INTERPRET makes ``triton.jit`` use it)."""
@@ -175,15 +176,12 @@ def summary(rows) -> list[str]:
 def main(argv=None) -> list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = parser(__doc__, "out/host_glue", timing=(2, 7))
-    ap.add_argument("--masks", default="packed,sliding_window", help="comma list of catalog masks")
-    ap.add_argument("--tokens-per-rank", default=None, help="comma list (default 8192; dry run 64)")
-    ap.add_argument("--cps", default="4,8", help="comma list of CP sizes (default 4,8)")
+    case_args(ap, "packed,sliding_window")
     ap.add_argument("--heads", default=None, help="comma list of Hq:Hkv (default 32:8; dry run 4:2)")
     ap.add_argument("--calls", type=int, default=None, help="layer calls per repeat (default 26; dry run 3)")
-    ap.add_argument("--rank", type=int, default=0, help="which rank of the plan this process is (default 0)")
     a = ap.parse_args(argv)
     masks, cps, tokens = case_lists(ap, a, least_cp=2)
-    heads = [tuple(int(y) for y in x.split(":")) for x in (a.heads or ("4:2" if a.dry_run else "32:8")).split(",")]
+    heads = heads_list(a.heads, a.dry_run, "32:8")
     a.calls = a.calls or (3 if a.dry_run else 26)
     a.head_dim, a.dtype = (16, torch.float32) if a.dry_run else (128, torch.bfloat16)
     if a.dry_run:
@@ -193,10 +191,7 @@ def main(argv=None) -> list[dict]:
                       dtype=str(a.dtype), process_group=loopback.BACKEND)
     result = []
     for cp in cps:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group(loopback.BACKEND, store=dist.HashStore(), rank=a.rank, world_size=cp,
-                                timeout=datetime.timedelta(minutes=5))
+        start_rank_alone(a.rank, cp)
         for name in masks:
             for t in tokens:
                 for h in heads:

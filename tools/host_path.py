@@ -44,7 +44,8 @@ from megatron_cp.planner import Workload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from bench_train import micro_batch_masks  # noqa: E402
-from common import case_lists, device_name, markdown_table, out_dir, parser, run_record, write_json  # noqa: E402
+from common import (case_args, case_lists, device_name, heads_list, markdown_table, out_dir, parser,  # noqa: E402
+                    run_record, write_json)
 
 BACKWARD_NODE = "AttentionBackward"  # autograd's name of _SingleExchangeAttention / _StagedAttention's backward
 
@@ -211,18 +212,15 @@ def summary(rows) -> list[str]:
 def main(argv=None) -> list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = parser(__doc__, "out/host_path", timing=(3, 5))
-    ap.add_argument("--masks", default="packed", help="comma list of catalog masks (default packed)")
-    ap.add_argument("--tokens-per-rank", default=None, help="comma list (default 8192; dry run 64)")
-    ap.add_argument("--cps", default="4,8", help="comma list of CP sizes (default 4,8)")
+    case_args(ap, "packed")
     ap.add_argument("--heads", default=None, help="comma list of Hq:Hkv (default 32:8,64:8; dry run 4:2)")
     ap.add_argument("--layers", type=int, default=None, help="attention calls per micro-batch (default 26; dry 2)")
-    ap.add_argument("--rank", type=int, default=0, help="which rank of the plan this process is (default 0)")
     a = ap.parse_args(argv)
     if not a.dry_run and not torch.cuda.is_available():
         ap.error("no CUDA device: --dry-run runs on the CPU")
     dry = a.dry_run
     masks, cps, tokens = case_lists(ap, a, least_cp=2)
-    heads = [tuple(int(y) for y in x.split(":")) for x in (a.heads or ("4:2" if dry else "32:8,64:8")).split(",")]
+    heads = heads_list(a.heads, dry, "32:8,64:8")
     a.layers = a.layers or (2 if dry else 26)
     a.head_dim = 16 if dry else 128
     a.device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())

@@ -55,11 +55,7 @@ class BufferPool:
             self._bufs[key] = t
         out = t[:n].view(ask[0])
         if parts is not None:
-            views, c = [out], 0
-            for h, d in parts:
-                views.append(out[:, c:c + h * d].unflatten(1, (h, d)))
-                c += h * d
-            out = tuple(views)
+            out = (out, *column_blocks(out, parts))
         self._views[key] = (ask, out)
         return out
 
@@ -69,6 +65,16 @@ class BufferPool:
     def clear(self) -> None:
         self._bufs.clear()
         self._views.clear()
+
+
+def column_blocks(buf: torch.Tensor, parts) -> list:
+    """The column blocks of ``buf`` [rows, sum(heads * dim)] as [rows, heads, dim] views, one per (heads, dim) of
+    ``parts`` in order (K and V side by side in one row: ``runtime.attention.kv_rows``)."""
+    views, c = [], 0
+    for h, d in parts:
+        views.append(buf[:, c:c + h * d].unflatten(1, (h, d)))
+        c += h * d
+    return views
 
 
 _POOLS: dict = {}

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..comm import COMM_LEAD_US, all_to_all_v, cast_steps, comm_lead, grad_buffer, reduce_steps
+from ..comm import COMM_LEAD_US, all_to_all_v, cast_steps, column_blocks, comm_lead, grad_buffer, reduce_steps
 from ..kernels import accumulate_dtype, reduce_row_pairs
 from ..planner import Plan, Workload
 from . import guests
@@ -100,7 +100,8 @@ def kv_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def split_kv(buf: torch.Tensor, h: int, da: int, db: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views ([rows, H, Da], [rows, H, Db]) of a ``kv_rows`` buffer (unit stride along the head dim; with
     Da == Db the same strides as the two halves of a [rows, 2H, D] buffer)."""
-    return buf[:, :h * da].unflatten(1, (h, da)), buf[:, h * da:].unflatten(1, (h, db))
+    a, b = column_blocks(buf, ((h, da), (h, db)))
+    return a, b
 
 
 def _cast_kv(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_counts, group, pool, tag, also=()):
@@ -109,7 +110,7 @@ def _cast_kv(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_c
     come from the shared pool (bounded, reused by every layer). ``also``: more ``rowmap.copy_pairs`` moves, run
     with the send gather (one kernel launch for two)."""
     h, da, db = a.shape[1], a.shape[2], b.shape[2]
-    parts = ((h, da), (h, db))  # split_kv's views, made once per shape by the pool
+    parts = ((h, da), (h, db))  # split_kv's views, made by the pool once per shape
     send, sa, sb = pool.get((pick.n, h * (da + db)), a.dtype, a.device, (tag, "send"), parts)
     copy_pairs([(pick, sa, a, sb, b), *also])
     recv, ra, rb = pool.get((sum(recv_counts), h * (da + db)), a.dtype, a.device, (tag, "recv"), parts)

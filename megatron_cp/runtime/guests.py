@@ -21,6 +21,7 @@ import torch
 from ..comm import all_to_all_v, device_pool
 from ..kernels import accumulate_dtype, merge, reduce_rows, upload_all
 from ..planner import Plan
+from .rowmap import grouped
 
 
 @dataclass
@@ -73,13 +74,13 @@ def guest_host(plan: Plan, rank: int) -> GuestHost:
         off += c
     n_recv = sum(recv_counts)
     tiles = rp.guest_tiles.astype("int32") if len(rp.guest_tiles) and n_recv else None
-    # which returned rows add to which guest row, sources in order (a stable sort keeps it)
+    # which returned rows add to which guest row, sources in order; every guest row comes back from each rank it
+    # went to, so every one has a group
     dest = np.concatenate([pos for _, pos in merge] + [np.zeros(0, np.int64)])
-    order = np.argsort(dest, kind="stable")
+    _, red_ptr, order = grouped(dest, len(rows))
     red_pos = np.concatenate([np.arange(sl.start, sl.stop) for sl, _ in merge] + [np.zeros(0, np.int64)])[order]
-    red_ptr = np.concatenate([[0], np.cumsum(np.bincount(dest, minlength=len(rows)))])
-    return GuestHost(send.astype(np.int64), send_counts, recv_counts, rows.astype(np.int64), merge,
-                     red_ptr.astype(np.int64), red_pos.astype(np.int64), whole, tiles, n_recv, rp.num_tokens)
+    return GuestHost(send.astype(np.int64), send_counts, recv_counts, rows.astype(np.int64), merge, red_ptr,
+                     red_pos.astype(np.int64), whole, tiles, n_recv, rp.num_tokens)
 
 
 def guest_list(h: GuestHost, prepare):

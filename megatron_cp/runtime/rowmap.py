@@ -63,6 +63,17 @@ class RowIndex:
                    s if src_idx is not None and indexed else None)
 
 
+def grouped(dest: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The positions i of ``dest`` (ints in [0, n)) grouped by ``dest[i]``, each group in position order: (the rows
+    with any, int64; ptr [len + 1]; the positions, group after group) - what ``kernels.reduce_rows`` sums in a fixed
+    order."""
+    order = np.argsort(dest, kind="stable")
+    counts = np.bincount(dest, minlength=n)
+    rows = np.flatnonzero(counts)
+    ptr = np.concatenate([[0], np.cumsum(counts[rows])])
+    return rows.astype(np.int64), ptr.astype(np.int64), order.astype(np.int64)
+
+
 class RowMap:
     """``dst[dst_idx[i]] = src[src_idx[i]]`` for every i (dim 0), fixed once, applied many times.
 

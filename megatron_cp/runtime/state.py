@@ -25,7 +25,7 @@ from ..planner import Plan, Workload
 from . import guests
 from .cost import CostModel
 from .groups import group_token, host_group
-from .rowmap import RowIndex, RowMap
+from .rowmap import RowIndex, RowMap, grouped
 from .schedule import Schedule, choose_schedule
 
 
@@ -412,11 +412,7 @@ def single_host(plan: Plan, rank: int) -> SingleHost:
     own_pos, recv_pos = rp.buffer_index()
     buffer_len = max(rp.buffer_len, 1)
     # returned partial rows grouped by the local row they add to (CSR, source order kept)
-    red_order = np.argsort(send_index, kind="stable")
-    red_counts = np.bincount(send_index, minlength=rp.num_tokens)  # send_index: local rows
-    red_rows = np.flatnonzero(red_counts)
-    red_counts = red_counts[red_rows]
-    red_ptr = np.concatenate([[0], np.cumsum(red_counts)])
+    red_rows, red_ptr, red_order = grouped(send_index, rp.num_tokens)  # send_index: local rows
     own_identity = len(own_pos) == rp.num_tokens and bool(np.array_equal(own_pos, np.arange(rp.num_tokens)))
     return SingleHost(
         buffer_len=buffer_len,
@@ -427,9 +423,9 @@ def single_host(plan: Plan, rank: int) -> SingleHost:
         send=RowIndex.of(None, send_index),
         own_rows=RowIndex.of(None, own_pos),
         recv_rows=RowIndex.of(None, recv_pos),
-        red_rows=red_rows.astype(np.int64),
-        red_ptr=red_ptr.astype(np.int64),
-        red_pos=red_order.astype(np.int64),
+        red_rows=red_rows,
+        red_ptr=red_ptr,
+        red_pos=red_order,
         identity=(not exchanges or plan.cp_size == 1) and own_identity and buffer_len == rp.num_tokens,
     )
 
