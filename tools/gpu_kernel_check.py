@@ -300,7 +300,31 @@ def row_kernel_checks(calls=4):
             ok &= bool(torch.allclose(res[0][1], res[1][1], rtol=1e-5, atol=1e-5)) and bool(
                 torch.allclose(res[0][0], res[1][0], rtol=1e-2 if dt == torch.bfloat16 else 1e-5, atol=1e-5))
         out.append({"check": f"rows {what}", "S": n, "last_path": "triton rows", "pass": ok})
-    return out
+    return out + upload_checks()
+
+
+def upload_checks(rounds=40):
+    """kernels.upload / upload_all while the GPU is busy: each round queues a long kernel, then uploads arrays of
+    sizes that vary round to round (pinned blocks reused once their copy has run) and overwrites the host arrays at
+    once (the copy must have taken them when the call returned); every upload equal to its array after one sync."""
+    import numpy as np  # noqa: PLC0415
+    from megatron_cp.kernels import upload_all  # noqa: PLC0415
+    from megatron_cp.kernels.upload import upload  # noqa: PLC0415
+
+    rng, want, got = np.random.default_rng(0), [], []
+    for r in range(rounds):
+        torch.cuda._sleep(200_000)  # ~0.1 ms of a busy queue ahead of the copies
+        arrays = [rng.integers(-2**40, 2**40, int(rng.integers(0, 40_000))) for _ in range(3)] + [
+            rng.integers(0, 2**31 - 1, (int(rng.integers(1, 90)), 3)).astype(np.int32), None]
+        got.append(upload_all(arrays, "cuda") + [upload(arrays[0], "cuda")])
+        want.append([None if a is None else a.copy() for a in arrays] + [arrays[0].copy()])
+        for a in arrays:
+            if a is not None:
+                a[...] = -1
+    torch.cuda.synchronize()
+    ok = all((w is None and g is None) or (g is not None and g.shape == w.shape and np.array_equal(g.cpu().numpy(), w))
+             for gs, ws in zip(got, want) for g, w in zip(gs, ws))
+    return [{"check": "uploads under a busy queue", "S": rounds, "last_path": "pinned staging", "pass": ok}]
 
 
 def big_runs(be, s=131072, hq=32, hkv=8, d=128):

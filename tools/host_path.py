@@ -8,8 +8,8 @@
 The rank's process group is ``comm.loopback``: every collective returns at once and moves nothing, so the
 rank's host path (input checks, state, index copies, exchange calls, kernel launches) and its kernels run exactly as
 rank r runs them in a job of N GPUs, less the other ranks' data (received K/V rows are whatever the buffers held)
-and the time the exchange takes on the wire. A new plan per micro-batch, made ahead in the planning helper process as
-the Megatron plugin does; per micro-batch ``--layers`` attention calls forward, then the backward of all of them.
+and the time the exchange takes on the wire. A new plan per micro-batch, made ahead in the planning helper process and
+checked across the ranks on the planning thread as the Megatron plugin does; per micro-batch ``--layers`` attention calls forward, then the backward of all of them.
 
 Per row (mask, tokens per rank, cp, heads): the forward's and the backward's back-to-back wall (all the phase's calls
 issued with no sync between, then one sync; medians over the timed micro-batches), the GPU's busy time in the same
@@ -84,8 +84,13 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
     masks = masks_for(mask_name, seqlen, n_mb + 1)  # the last: a fresh plan whose first call is profiled alone
     work = Workload(hq, hkv, a.head_dim, a.dtype.itemsize)
 
-    def make(mask):  # as the Megatron plugin plans: the plan, its exchange and the rank's first-call host work
-        return mcp.runtime.plan_in_helper(mask, cp, work=work, rank=a.rank, backend="auto", device=a.device)
+    check = mcp.runtime.planning_group(group, "host_path")
+
+    def make(mask):  # as the Megatron plugin plans: the plan, its exchange, the rank's first-call host work, and the
+        # plan checked across the ranks on the planning thread
+        plan = mcp.runtime.plan_in_helper(mask, cp, work=work, rank=a.rank, backend="auto", device=a.device)
+        mcp.runtime.check_plan_ahead(plan, group, check)
+        return plan
 
     pool = ThreadPoolExecutor(1)
     ahead = [pool.submit(make, m) for m in masks]  # one planning thread, in micro-batch order
@@ -102,6 +107,7 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
         t = time.perf_counter()
         plan = ahead[i].result()
         wait = (time.perf_counter() - t) * 1e3
+        mcp.runtime.accept_plan_check(plan, group)  # as the plugin's step takes the micro-batch
         n = plan.num_local(a.rank)
         if n > n_max:
             raise ValueError(f"rank {a.rank} holds {n} tokens, more than the {n_max} this tool allocated")
@@ -178,6 +184,7 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
             pstats.Stats(py, stream=f).sort_stats("cumulative").print_stats(30)
         # a new plan's first call (the rank's state built there: over a third of a forward at 8k tokens per rank)
         plan = ahead[n_mb].result()
+        mcp.runtime.accept_plan_check(plan, group)
         q, k, v = (t[:plan.num_local(a.rank)] for t in base[0])
         sync()
         py = cProfile.Profile()

@@ -34,6 +34,7 @@ segment become one (a sliding window's causal head and its band are one FA4 wind
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,7 +76,7 @@ class Call:
     segments: tuple[Segment, ...]
     dense: bool = False
 
-    @property
+    @functools.cached_property  # a route's class sums it on first use: made with the list (the planning helper)
     def area(self) -> int:
         """Cells the call computes."""
         return sum(s.area() for s in self.segments)

@@ -111,7 +111,10 @@ def prepare_list(tiles, seqlen_q: int, seqlen_k: int, head_dims=DEFAULT_HEAD_DIM
     tiles = torch.from_numpy(np.ascontiguousarray(tiles)) if isinstance(tiles, np.ndarray) else tiles
     check_tiles(tiles, seqlen_q, seqlen_k)
     tiles = tiles.to("cpu", torch.int32).contiguous()
-    return Fa4Prepared(fa4_calls(tiles.numpy(), seqlen_q, seqlen_k), tiles, tuple(head_dims))
+    calls = fa4_calls(tiles.numpy(), seqlen_q, seqlen_k)
+    for c in (*calls.fwd, *calls.bwd):
+        c.area  # noqa: B018  (cached: made wherever the list is, e.g. the helper, not on a first call's thread)
+    return Fa4Prepared(calls, tiles, tuple(head_dims))
 
 
 @dataclass(frozen=True)
