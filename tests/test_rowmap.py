@@ -163,6 +163,19 @@ def test_upload_all_packs_every_array_at_an_aligned_offset_and_unpacks_it_as_it_
                                   for a, c in zip(arrays, cpu) if a is not None)
 
 
+def test_upload_all_copies_an_array_passed_twice_once():
+    """A map's row index and its inverse's are one array (a single exchange's own rows, say): packed once, both
+    tensors views of the same bytes."""
+    from megatron_cp.kernels.upload import pack, unpack
+
+    a, b = np.arange(9, dtype=np.int64), np.arange(4, dtype=np.int32)
+    blob, spans = pack([a, b, a])
+    assert blob.nbytes == pack([a, b])[0].nbytes
+    ga, gb, ga2 = unpack(torch.from_numpy(blob), spans)
+    assert torch.equal(ga, torch.from_numpy(a)) and torch.equal(gb, torch.from_numpy(b))
+    assert ga2.data_ptr() == ga.data_ptr() and torch.equal(ga2, ga)
+
+
 @pytest.mark.parametrize("use_triton", [False, True])  # torch index ops / the Triton kernel (interpreter)
 def test_two_row_pair_moves_in_one_launch_are_the_two_moves(use_triton):
     """kernels.copy_row_pair_moves: a scatter through a destination index into a K / V buffer beside a gather

@@ -74,19 +74,25 @@ ALIGN = 16  # bytes: each array of a packed upload starts at such an offset (wha
 def _layout(arrays) -> tuple[list, list, int]:
     """The arrays as contiguous numpy arrays (None kept), their spans (offset, dtype, shape) at ``ALIGN``-byte
     offsets and the bytes they take together."""
-    spans, off = [], 0
+    spans, off, seen = [], 0, {}
     arrs = [None if a is None else np.ascontiguousarray(a.numpy() if isinstance(a, torch.Tensor) else a)
             for a in arrays]
-    for a in arrs:
+    for i, a in enumerate(arrs):
         if a is None:
             spans.append(None)
             continue
+        if id(a) in seen:  # one array passed twice (a map's rows and its inverse's): copied once, two views
+            spans.append(spans[seen[id(a)]])
+            arrs[i] = None
+            continue
+        seen[id(a)] = i
         spans.append((off, a.dtype, a.shape))
         off += -(-a.nbytes // ALIGN) * ALIGN
     return arrs, spans, max(off, ALIGN)
 
 
 def _fill(blob: np.ndarray, arrs: list, spans: list) -> None:
+    """Each array of ``_layout`` into ``blob`` at its span."""
     for a, sp in zip(arrs, spans):
         if a is not None and a.nbytes:
             blob[sp[0]:sp[0] + a.nbytes] = a.reshape(-1).view(np.uint8)
