@@ -258,13 +258,11 @@ def row_kernel_checks(calls=4):
             want.index_copy_(0, di, src[si])
             want[:n], want2[:n] = src[si], src2[si]
             ok &= bool(torch.equal(dst, want)) and bool(torch.equal(dst2, want2))
-            # gathers into the column halves of one send buffer (torch's index_select up to
-            # TORCH_GATHER_MAX_ROWS rows, which the above took) and by the Triton kernel (larger gathers)
-            for use in (None, True):
-                buf = torch.zeros(n, 8 * 128 + 8 * 64, device=DEV, dtype=dt)
-                sa, sb = buf[:, :1024].unflatten(1, (8, 128)), buf[:, 1024:].unflatten(1, (8, 64))
-                copy_row_pairs(sa, src, sb, src2, None, si, use_triton=use)
-                ok &= bool(torch.equal(sa, src[si])) and bool(torch.equal(sb, src2[si]))
+            # a gather into the column halves of one send buffer (a layer call's K / V send gather)
+            buf = torch.zeros(n, 8 * 128 + 8 * 64, device=DEV, dtype=dt)
+            sa, sb = buf[:, :1024].unflatten(1, (8, 128)), buf[:, 1024:].unflatten(1, (8, 64))
+            copy_row_pairs(sa, src, sb, src2, None, si)
+            ok &= bool(torch.equal(sa, src[si])) and bool(torch.equal(sb, src2[si]))
             # two pair moves in one launch (a scatter and a gather of other lengths) == one launch each
             g1, g2, h1, h2 = (torch.zeros_like(x) for x in (src, src2, src, src2))
             copy_row_pair_moves([(g1, src, g2, src2, di, None), (h1[:n // 2], src, h2[:n // 2], src2, None,

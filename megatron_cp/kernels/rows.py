@@ -151,20 +151,6 @@ def _triton_ok(t: torch.Tensor, use_triton) -> bool:
     return t.is_cuda if use_triton is None else bool(use_triton)
 
 
-# A gather (source index only, into the first rows of dst) of at most this many rows runs as torch.index_select
-# writing dst, one dispatcher op per tensor, on a GPU too: two of them (K and V) cost the host ~26 us where one
-# Triton launch costs ~45 us, at the same GPU time up to 16k rows of 2 KB; at 32k rows Triton's kernel is ~7%
-# faster and the GPU, not the host, is what waits (docs/measurements.md, "Row gathers").
-TORCH_GATHER_MAX_ROWS = 16384
-
-
-def _by_torch(dst: torch.Tensor, src: torch.Tensor, dst_idx, src_idx, n: int, use_triton) -> bool:
-    """Whether ``dst[:n] = src[src_idx]`` is a gather ``torch.index_select`` makes (see TORCH_GATHER_MAX_ROWS;
-    the same dtype and row shape)."""
-    return (dst_idx is None and src_idx is not None and dst.dtype == src.dtype and dst.shape[1:] == src.shape[1:]
-            and not use_triton and not (use_triton is None and dst.is_cuda and n > TORCH_GATHER_MAX_ROWS))
-
-
 def _block_w(width: int) -> int:
     return min(1024, triton.next_power_of_2(max(width, 16)))
 
@@ -175,9 +161,6 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor | None
     n = len of whichever index is given (or rows of src). Indices int64 on dst's device."""
     n = dst_idx.shape[0] if dst_idx is not None else src_idx.shape[0] if src_idx is not None else src.shape[0]
     if n == 0:
-        return
-    if _by_torch(dst, src, dst_idx, src_idx, n, use_triton):
-        torch.index_select(src, 0, src_idx, out=dst if dst.shape[0] == n else dst[:n])
         return
     if not _triton_ok(dst, use_triton):
         rows = src[:n] if src_idx is None else src.index_select(0, src_idx)
@@ -198,13 +181,12 @@ def copy_row_pairs(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor
                    dst_idx: torch.Tensor | None = None, src_idx: torch.Tensor | None = None, use_triton=None) -> None:
     """``copy_rows`` of two pairs through the same indices (K and V, dK and dV; their widths may differ, as MLA's)
     in one launch on a GPU: each launch costs the host tens of microseconds, and a layer call makes several."""
-    n = dst_idx.shape[0] if dst_idx is not None else src_idx.shape[0] if src_idx is not None else src_a.shape[0]
-    if n == 0:
-        return
-    if (not _triton_ok(dst_a, use_triton) or dst_a.dtype != dst_b.dtype or src_a.dtype != src_b.dtype
-            or _torch_gathers((dst_a, src_a, dst_b, src_b, dst_idx, src_idx), n, use_triton)):
+    if not _triton_ok(dst_a, use_triton) or dst_a.dtype != dst_b.dtype or src_a.dtype != src_b.dtype:
         copy_rows(dst_a, src_a, dst_idx, src_idx, use_triton)
         copy_rows(dst_b, src_b, dst_idx, src_idx, use_triton)
+        return
+    n = dst_idx.shape[0] if dst_idx is not None else src_idx.shape[0] if src_idx is not None else src_a.shape[0]
+    if n == 0:
         return
     src_a, src_b = _dense(src_a), _dense(src_b)
     wa, sda, ssa = _pair(dst_a, src_a, "src")
@@ -220,12 +202,6 @@ def copy_row_pair_moves(moves, use_triton=None) -> None:
     moves in one launch on a GPU: a layer call's own-rows placement and send gather read the same K / V, and its
     backward's gathers the same dK / dV."""
     moves = [m for m in moves if _move_len(m)]
-    by_torch = [_torch_gathers(m, _move_len(m), use_triton) for m in moves]
-    if any(by_torch):  # those by torch, the rest paired in launches
-        for m, t in zip(moves, by_torch):
-            if t:
-                copy_row_pairs(*m, use_triton=use_triton)
-        moves = [m for m, t in zip(moves, by_torch) if not t]
     while len(moves) > 2:
         copy_row_pair_moves(moves[:2], use_triton)
         moves = moves[2:]
@@ -247,12 +223,6 @@ def copy_row_pair_moves(moves, use_triton=None) -> None:
         widths += [wa, wb]
     _copy_two_row_pairs_kernel[(triton.cdiv(max(ns), BLOCK_R), 4)](
         *args, **consts, BLOCK_R=BLOCK_R, BLOCK_W=_block_w(max(widths)), num_warps=4)
-
-
-def _torch_gathers(m, n: int, use_triton) -> bool:
-    """Whether both pairs of the move ``m`` (dst_a, src_a, dst_b, src_b, dst_idx, src_idx) are gathers
-    ``torch.index_select`` makes (then no launch is paired for it)."""
-    return _by_torch(m[0], m[1], m[4], m[5], n, use_triton) and _by_torch(m[2], m[3], m[4], m[5], n, use_triton)
 
 
 def _move_len(m) -> int:

@@ -33,9 +33,9 @@ def upload(a, device) -> torch.Tensor:
 class _Staging:
     """Pinned host blocks for uploads, each reused once the copy out of it has run (an event per block).
 
-    Why not ``torch.empty(..., pin_memory=True)`` per upload: a new plan's upload sizes vary, and the caching host
-    allocator then pins new blocks (``cudaHostAlloc``, hundreds of microseconds) and fills them with a multi-threaded
-    ``copy_``; here a block is filled by numpy's one memcpy and pinned once per size the process meets."""
+    Why not a ``torch.empty(..., pin_memory=True)`` per upload, filled by ``copy_`` from a packed array: on a GPU
+    host that cost a new plan's first call over twice the time of these blocks, filled in place by numpy
+    (docs/measurements.md); a block is pinned once per size (powers of two) the process meets."""
 
     def __init__(self):
         self.lock = threading.Lock()

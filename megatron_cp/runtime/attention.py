@@ -104,14 +104,15 @@ def split_kv(buf: torch.Tensor, h: int, da: int, db: int) -> tuple[torch.Tensor,
     return a, b
 
 
-def _cast_kv(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_counts, group, pool, tag):
+def _cast_kv(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_counts, group, pool, tag, also=()):
     """Rows ``pick`` selects of ``a`` and ``b`` (K and V, or dK and dV: [rows, H, Da] / [rows, H, Db])
     travel together in one all-to-all-v; returns the received rows as views (a's, b's). Both buffers
-    come from the shared pool (bounded, reused by every layer)."""
+    come from the shared pool (bounded, reused by every layer). ``also``: more ``rowmap.copy_pairs`` moves, run
+    with the send gather (one kernel launch for two)."""
     h, da, db = a.shape[1], a.shape[2], b.shape[2]
     parts = ((h, da), (h, db))  # split_kv's views, made by the pool once per shape
     send, sa, sb = pool.get((pick.n, h * (da + db)), a.dtype, a.device, (tag, "send"), parts)
-    copy_pairs([(pick, sa, a, sb, b)])
+    copy_pairs([(pick, sa, a, sb, b), *also])
     recv, ra, rb = pool.get((sum(recv_counts), h * (da + db)), a.dtype, a.device, (tag, "recv"), parts)
     all_to_all_v(send, send_counts, recv_counts, group, recv)
     return ra, rb
@@ -140,11 +141,10 @@ class _SingleExchangeAttention(torch.autograd.Function):
             kbuf = k.new_empty((ex.buffer_len,) + tuple(k.shape[1:]))
             vbuf = v.new_empty((ex.buffer_len,) + tuple(v.shape[1:]))
             own = ((ex.own, kbuf, k, vbuf, v),)
-        if group is not None and rt.exchanges:
-            got_k, got_v = _cast_kv(ex.send, k, v, ex.send_counts, ex.recv_counts, group, rt.pool, "single_fwd")
-            # the own rows placed in the received rows' launch (the send gather is torch's where it is small:
-            # kernels.rows.TORCH_GATHER_MAX_ROWS)
-            copy_pairs([(ex.recv, kbuf, got_k, vbuf, got_v), *own])
+        if group is not None and rt.exchanges:  # the own rows placed in the send gather's launch
+            got_k, got_v = _cast_kv(ex.send, k, v, ex.send_counts, ex.recv_counts, group, rt.pool, "single_fwd",
+                                    also=own)
+            ex.recv.copy_pair(kbuf, got_k, vbuf, got_v)
         else:
             copy_pairs(own)
         out, lse = be.forward(q, kbuf, vbuf, ex.prepared, scale)
