@@ -317,7 +317,7 @@ def upload_checks(rounds=40):
     from megatron_cp.kernels.upload import upload  # noqa: PLC0415
 
     rng, want, got = np.random.default_rng(0), [], []
-    for r in range(rounds):
+    for _ in range(rounds):
         torch.cuda._sleep(200_000)  # ~0.1 ms of a busy queue ahead of the copies
         arrays = [rng.integers(-2**40, 2**40, int(rng.integers(0, 40_000))) for _ in range(3)] + [
             rng.integers(0, 2**31 - 1, (int(rng.integers(1, 90)), 3)).astype(np.int32), None]

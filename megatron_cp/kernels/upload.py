@@ -135,8 +135,8 @@ _TORCH_DTYPES = {np.dtype(d): torch.from_numpy(np.zeros(0, d)).dtype
 
 
 def upload_all(arrays, device) -> list:
-    """Each of ``arrays`` (numpy arrays or None) as a tensor on ``device``: to CUDA in one pinned block and one
-    copy (``upload``), each a view of one device buffer at an ``ALIGN``-byte offset; elsewhere as ``upload``."""
+    """Each of ``arrays`` (numpy arrays or None) as a tensor on ``device``: to CUDA packed into one pinned block
+    and one copy, each a view of one device buffer at an ``ALIGN``-byte offset; elsewhere as ``upload``."""
     if torch.device(device).type != "cuda":
         return [None if a is None else upload(a, device) for a in arrays]
     arrs, spans, size = _layout(arrays)  # packed straight into the pinned block
