@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from bench_train import micro_batch_masks  # noqa: E402
 from common import (case_args, case_lists, heads_list, markdown_table, out_dir, parser, run_record,  # noqa: E402
                     write_json)
-from host_path import start_rank_alone  # noqa: E402
+from host_path import cases_alone  # noqa: E402
 
 def _kernel_classes() -> list:
     """Triton's kernel classes (the interpreter's too, where TRITON_INTERPRET makes ``triton.jit`` use it)."""
@@ -190,16 +190,11 @@ def main(argv=None) -> list[dict]:
     meta = run_record("CPU", " ".join(["python", os.path.relpath(sys.argv[0]), *argv]), host_cpu=os.cpu_count(),
                       dtype=str(a.dtype), process_group=loopback.BACKEND)
     result = []
-    for cp in cps:
-        start_rank_alone(a.rank, cp)
-        for name in masks:
-            for t in tokens:
-                for h in heads:
-                    result.append(run_case(name, t, cp, h, a))
-                    if a.verbose:
-                        print("\n".join(summary(result[-1:])[2:]), file=sys.stderr, flush=True)
-                    write_json(os.path.join(out, f"host_glue{a.tag}.json"), {**meta, "rows": result})
-    dist.destroy_process_group()
+    for cp, name, t, h in cases_alone(a.rank, cps, masks, tokens, heads):
+        result.append(run_case(name, t, cp, h, a))
+        if a.verbose:
+            print("\n".join(summary(result[-1:])[2:]), file=sys.stderr, flush=True)
+        write_json(os.path.join(out, f"host_glue{a.tag}.json"), {**meta, "rows": result})
     print("\n".join(summary(result)))
     return result
 

@@ -59,6 +59,18 @@ def start_rank_alone(rank: int, cp: int) -> None:
                             timeout=datetime.timedelta(minutes=5))
 
 
+def cases_alone(rank: int, cps, masks, tokens, heads):
+    """(cp, mask, tokens per rank, heads) of every row, this process rank ``rank`` of each cp alone in turn
+    (``start_rank_alone``); the group destroyed after the last."""
+    for cp in cps:
+        start_rank_alone(rank, cp)
+        for name in masks:
+            for t in tokens:
+                for h in heads:
+                    yield cp, name, t, h
+    dist.destroy_process_group()
+
+
 def masks_for(name: str, seqlen: int, count: int) -> list:
     """``count`` micro-batches' masks: packed documents drawn anew each (bench_train's), else the catalog mask
     (each micro-batch still gets a plan of its own)."""
@@ -240,16 +252,11 @@ def main(argv=None) -> list[dict]:
     rows = []
     a.pyprofile_path = os.path.join(out, f"host_path_pyprofile{a.tag}.txt")
     open(a.pyprofile_path, "w").close()
-    for cp in cps:
-        start_rank_alone(a.rank, cp)
-        for name in masks:
-            for t in tokens:
-                for h in heads:
-                    prof = os.path.join(out, f"host_path_profile{a.tag}.txt") if not rows else None
-                    rows.append(run_case(name, t, cp, h, a, prof))
-                    print("\n".join(summary(rows[-1:])[2:]), flush=True)
-                    write_json(os.path.join(out, f"host_path{a.tag}.json"), {**meta, "rows": rows})
-    dist.destroy_process_group()
+    for cp, name, t, h in cases_alone(a.rank, cps, masks, tokens, heads):
+        prof = os.path.join(out, f"host_path_profile{a.tag}.txt") if not rows else None
+        rows.append(run_case(name, t, cp, h, a, prof))
+        print("\n".join(summary(rows[-1:])[2:]), flush=True)
+        write_json(os.path.join(out, f"host_path{a.tag}.json"), {**meta, "rows": rows})
     print("\n".join(summary(rows)))
     return rows
 
