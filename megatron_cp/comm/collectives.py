@@ -27,22 +27,25 @@ def all_to_all_v(x: torch.Tensor, send_counts: list[int], recv_counts: list[int]
                  out: torch.Tensor | None = None, async_op: bool = False):
     """Rows ``x[sum(send_counts[:d]) : ...]`` go to rank d; returns rows from each source in rank order.
 
-    x: [sum(send_counts), ...] contiguous; result: [sum(recv_counts), ...] of x's dtype, written into
-    ``out`` (contiguous, that shape) when given. ``async_op``: returns (result, handle); the result
-    may be read, and ``x`` written, only after ``handle.wait()`` (on GPUs a stream wait, not a host
-    block).
+    x: [sum(send_counts), ...]; result: [sum(recv_counts), ...] of x's dtype, written into ``out`` (contiguous,
+    that shape) when given. ``async_op``: returns (result, handle); the result may be read, and ``x`` written, only
+    after ``handle.wait()`` (on GPUs a stream wait, not a host block).
     """
-    shape = (sum(recv_counts),) + tuple(x.shape[1:])
+    rows = sum(recv_counts)
     if out is None:
-        out = x.new_empty(shape)
-    elif tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {shape}, got "
+        out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    elif out.shape[0] != rows or out.shape[1:] != x.shape[1:] or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(rows,) + tuple(x.shape[1:])}, got "
                          f"{out.dtype} {tuple(out.shape)}")
-    work = dist.all_to_all_single(
-        wire(out), wire(x.contiguous()), output_split_sizes=list(recv_counts),
-        input_split_sizes=list(send_counts), group=group, async_op=async_op,
-    )
+    if not x.is_contiguous():
+        x = x.contiguous()
+    work = dist.all_to_all_single(wire(out), wire(x), output_split_sizes=_ints(recv_counts),
+                                  input_split_sizes=_ints(send_counts), group=group, async_op=async_op)
     return (out, work) if async_op else out
+
+
+def _ints(counts) -> list:
+    return counts if type(counts) is list else [int(c) for c in counts]
 
 
 def all_gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from .collectives import wire
+from .collectives import all_to_all_v
 
 
 class BufferPool:
@@ -172,10 +171,7 @@ class DeviceRoute:
 
 
 def _a2a_async(out, x, send_counts, recv_counts, group):
-    return dist.all_to_all_single(
-        wire(out), wire(x), output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts),
-        group=group, async_op=True,
-    )
+    return all_to_all_v(x, send_counts, recv_counts, group, out, async_op=True)[1]
 
 
 # microseconds the compute stream waits after a collective is issued and before the kernel that is to

@@ -122,6 +122,11 @@ def _row_geom(t: torch.Tensor):
     The kernels take ``t`` itself and address row r's element c at r * row stride + c: no 2-D view is made (a view
     op costs the host microseconds, several per launch)."""
     shape, stride = t.shape, t.stride()
+    if len(shape) == 3:  # [rows, heads, dim], every layer call's tensors: without the loop
+        h, d = shape[1], shape[2]
+        if (d > 1 and stride[2] != 1) or (h > 1 and stride[1] != d):
+            return None
+        return h * d, stride[0]
     width = 1
     for i in range(len(shape) - 1, 0, -1):
         if shape[i] > 1 and stride[i] != width:
@@ -130,10 +135,21 @@ def _row_geom(t: torch.Tensor):
     return width, stride[0]
 
 
-def _dense(src: torch.Tensor) -> torch.Tensor:
-    """``src``, or one dense copy of it where its rows are not dense blocks (e.g. K or V split off Megatron's
-    fused QKV projection: each token's heads lie apart within its row, which a row's one stride cannot address)."""
-    return src if _row_geom(src) is not None else src.contiguous()
+def _geoms(dst: torch.Tensor, src: torch.Tensor, name: str = "src") -> tuple[torch.Tensor, int, int, int]:
+    """(src, common width, dst's row stride, src's row stride), src made dense first where its rows are not dense
+    blocks (e.g. K or V split off Megatron's fused QKV projection: each token's heads lie apart within its row, which
+    a row's one stride cannot address)."""
+    gs = _row_geom(src)
+    if gs is None:
+        src = src.contiguous()
+        gs = _row_geom(src)
+    gd = _row_geom(dst)
+    if gd is None or gs is None:
+        t, what = (dst, "dst") if gd is None else (src, name)
+        raise ValueError(f"rows must be dense blocks: {what} shape {tuple(t.shape)}, strides {t.stride()}")
+    if gd[0] != gs[0]:
+        raise ValueError(f"row widths differ: dst {gd[0]}, {name} {gs[0]}")
+    return src, gd[0], gd[1], gs[1]
 
 
 def _pair(dst: torch.Tensor, other: torch.Tensor, name: str) -> tuple[int, int, int]:
@@ -169,8 +185,7 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor | None
         else:
             dst.index_copy_(0, dst_idx, rows.to(dst.dtype))
         return
-    src = _dense(src)
-    width, sd, ss = _pair(dst, src, "src")
+    src, width, sd, ss = _geoms(dst, src)
     _copy_rows_kernel[(triton.cdiv(n, BLOCK_R),)](
         dst, src, dst_idx if dst_idx is not None else dst, src_idx if src_idx is not None else src, n, width, sd, ss,
         HAS_DST_IDX=dst_idx is not None, HAS_SRC_IDX=src_idx is not None, BLOCK_R=BLOCK_R, BLOCK_W=_block_w(width),
@@ -188,9 +203,8 @@ def copy_row_pairs(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor
     n = dst_idx.shape[0] if dst_idx is not None else src_idx.shape[0] if src_idx is not None else src_a.shape[0]
     if n == 0:
         return
-    src_a, src_b = _dense(src_a), _dense(src_b)
-    wa, sda, ssa = _pair(dst_a, src_a, "src")
-    wb, sdb, ssb = _pair(dst_b, src_b, "src")
+    src_a, wa, sda, ssa = _geoms(dst_a, src_a)
+    src_b, wb, sdb, ssb = _geoms(dst_b, src_b)
     _copy_row_pairs_kernel[(triton.cdiv(n, BLOCK_R), 2)](
         dst_a, src_a, dst_b, src_b, dst_idx if dst_idx is not None else dst_a,
         src_idx if src_idx is not None else src_a, n, wa, wb, sda, ssa, sdb, ssb, HAS_DST_IDX=dst_idx is not None,
@@ -210,19 +224,19 @@ def copy_row_pair_moves(moves, use_triton=None) -> None:
         for m in moves:
             copy_row_pairs(*m, use_triton=use_triton)
         return
-    args, consts, ns, widths = [], {}, [], []
-    for j, (dst_a, src_a, dst_b, src_b, dst_idx, src_idx) in enumerate(moves):
-        src_a, src_b = _dense(src_a), _dense(src_b)
-        wa, sda, ssa = _pair(dst_a, src_a, "src")
-        wb, sdb, ssb = _pair(dst_b, src_b, "src")
-        n = _move_len(moves[j])
+    args, has, ns, width = [], [], [], 0
+    for dst_a, src_a, dst_b, src_b, dst_idx, src_idx in moves:
+        src_a, wa, sda, ssa = _geoms(dst_a, src_a)
+        src_b, wb, sdb, ssb = _geoms(dst_b, src_b)
+        n = dst_idx.shape[0] if dst_idx is not None else src_idx.shape[0] if src_idx is not None else src_a.shape[0]
         args += [dst_a, src_a, dst_b, src_b, dst_idx if dst_idx is not None else dst_a,
                  src_idx if src_idx is not None else src_a, n, wa, wb, sda, ssa, sdb, ssb]
-        consts[f"HAS_DI{j}"], consts[f"HAS_SI{j}"] = dst_idx is not None, src_idx is not None
+        has += [dst_idx is not None, src_idx is not None]
         ns.append(n)
-        widths += [wa, wb]
+        width = max(width, wa, wb)
     _copy_two_row_pairs_kernel[(triton.cdiv(max(ns), BLOCK_R), 4)](
-        *args, **consts, BLOCK_R=BLOCK_R, BLOCK_W=_block_w(max(widths)), num_warps=4)
+        *args, HAS_DI0=has[0], HAS_SI0=has[1], HAS_DI1=has[2], HAS_SI1=has[3], BLOCK_R=BLOCK_R,
+        BLOCK_W=_block_w(width), num_warps=4)
 
 
 def _move_len(m) -> int:

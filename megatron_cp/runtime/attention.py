@@ -104,6 +104,14 @@ def split_kv(buf: torch.Tensor, h: int, da: int, db: int) -> tuple[torch.Tensor,
     return a, b
 
 
+def _kv_buffers(k: torch.Tensor, v: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """New contiguous K and V key buffers of ``rows`` rows: one allocation where their shapes agree (an allocation
+    costs the host microseconds)."""
+    if k.shape[1:] == v.shape[1:] and k.dtype == v.dtype:
+        return k.new_empty((2, rows) + tuple(k.shape[1:])).unbind(0)
+    return k.new_empty((rows,) + tuple(k.shape[1:])), v.new_empty((rows,) + tuple(v.shape[1:]))
+
+
 def _cast_kv(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_counts, group, pool, tag, also=()):
     """Rows ``pick`` selects of ``a`` and ``b`` (K and V, or dK and dV: [rows, H, Da] / [rows, H, Db])
     travel together in one all-to-all-v; returns the received rows as views (a's, b's). Both buffers
@@ -138,8 +146,7 @@ class _SingleExchangeAttention(torch.autograd.Function):
         if ex.identity:
             kbuf, vbuf = k, v  # the buffer is the local K/V: nothing to place
         else:
-            kbuf = k.new_empty((ex.buffer_len,) + tuple(k.shape[1:]))
-            vbuf = v.new_empty((ex.buffer_len,) + tuple(v.shape[1:]))
+            kbuf, vbuf = _kv_buffers(k, v, ex.buffer_len)
             own = ((ex.own, kbuf, k, vbuf, v),)
         if group is not None and rt.exchanges:  # the own rows placed in the send gather's launch
             got_k, got_v = _cast_kv(ex.send, k, v, ex.send_counts, ex.recv_counts, group, rt.pool, "single_fwd",
@@ -167,17 +174,22 @@ class _SingleExchangeAttention(torch.autograd.Function):
             pend, dk_g, dv_g = guests.start_backward(gr, be, gq, k, v, out, lse, dout, dlse, group, ctx.scale)
         dq, dk_buf, dv_buf = be.backward(q, kbuf, vbuf, out, lse, dout, ex.prepared, ctx.scale, delta)
         dk_buf, dv_buf = dk_buf.contiguous(), dv_buf.contiguous()
-        back = None
-        if group is not None and rt.exchanges:  # partial dK/dV of received rows go back to their owners
-            back = _cast_kv(ex.recv_rows, dk_buf, dv_buf, ex.recv_counts, ex.send_counts, group, rt.pool, "single_bwd")
         # own rows: a view of the buffer's gradient when they are one run (no copy), else dK's and dV's gathered in
-        # one launch, after the partials' send gather (so that it overlaps their exchange)
+        # the launch of the partials' send gather: a launch less per call (each costs the host tens of us), their
+        # exchange starting after both gathers (tens of us of GPU at most; docs/measurements.md)
+        own = ()
         if ex.own_rows.indexed:
             dk = dk_buf.new_empty((ex.own_rows.n,) + tuple(dk_buf.shape[1:]))
             dv = dv_buf.new_empty((ex.own_rows.n,) + tuple(dv_buf.shape[1:]))
-            copy_pairs([(ex.own_rows, dk, dk_buf, dv, dv_buf)])
+            own = ((ex.own_rows, dk, dk_buf, dv, dv_buf),)
         else:
             dk, dv = ex.own_rows.gather(dk_buf), ex.own_rows.gather(dv_buf)
+        back = None
+        if group is not None and rt.exchanges:  # partial dK/dV of received rows go back to their owners
+            back = _cast_kv(ex.recv_rows, dk_buf, dv_buf, ex.recv_counts, ex.send_counts, group, rt.pool, "single_bwd",
+                            also=own)
+        else:
+            copy_pairs(own)
         if back is not None and back[0].shape[0]:
             # rows with partials from other ranks: summed in fp32 (fp64), in source order, rounded once
             reduce_row_pairs(dk, back[0], dv, back[1], ex.red_rows, ex.red_ptr, ex.red_pos)

@@ -100,8 +100,8 @@ class RowMap:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Apply in place (dtype conversion included)."""
         if not self.indexed:
-            for d0, s0, m in self.runs:
-                dst[d0:d0 + m].copy_(src[s0:s0 + m])
+            for d0, s0, m in self.runs:  # narrow: a slice through __getitem__ costs the host more
+                dst.narrow(0, d0, m).copy_(src if s0 == 0 and m == src.shape[0] else src.narrow(0, s0, m))
             return
         copy_rows(dst, src, self.dst_t, self.src_t)
 
@@ -124,7 +124,7 @@ class RowMap:
             return out
         if len(self.runs) == 1:
             s0, m = self.runs[0][1], self.runs[0][2]
-            return src[s0:s0 + m]
+            return src.narrow(0, s0, m)
         if not self.runs:
             return src[:0]
         return torch.cat([src[s0:s0 + m] for _, s0, m in self.runs])
@@ -148,7 +148,7 @@ def copy_pairs(moves, use_triton=None) -> None:
     while len(launch) % 2 and one:
         m, da, sa, db, sb = one.pop()
         d0, s0, c = m.runs[0]
-        launch.append((da[d0:d0 + c], sa[s0:s0 + c], db[d0:d0 + c], sb[s0:s0 + c], None, None))
+        launch.append((da.narrow(0, d0, c), sa.narrow(0, s0, c), db.narrow(0, d0, c), sb.narrow(0, s0, c), None, None))
     if launch:
         copy_row_pair_moves(launch, use_triton)
     for m, da, sa, db, sb in one + rest:
