@@ -208,6 +208,33 @@ def test_two_row_pair_moves_in_one_launch_are_the_two_moves(use_triton):
 
 
 @pytest.mark.parametrize("use_triton", [False, True])  # torch index ops / the Triton kernels (interpreter)
+def test_two_gathers_in_one_launch_are_the_two_gathers(use_triton):
+    """A backward call's pairing: the partial dK / dV rows gathered into the column halves of the send buffer and the
+    own rows' dK / dV gathered into their own tensors, both through source indices only, in one launch."""
+    from megatron_cp.kernels.rows import copy_row_pair_moves, copy_row_pairs
+
+    g = torch.Generator().manual_seed(8)
+    dk, dv = torch.randn(9, 2, 12, generator=g), torch.randn(9, 2, 12, generator=g)
+    recv_idx, own_idx = torch.tensor([7, 2, 2, 5]), torch.tensor([0, 1, 3, 4, 6, 8])
+
+    def run(one_by_one):
+        send = torch.zeros(4, 2 * 2 * 12)
+        sa, sb = send[:, :24].unflatten(1, (2, 12)), send[:, 24:].unflatten(1, (2, 12))
+        ok, ov = torch.zeros(6, 2, 12), torch.zeros(6, 2, 12)
+        moves = [(sa, dk, sb, dv, None, recv_idx), (ok, dk, ov, dv, None, own_idx)]
+        if one_by_one:
+            for m in moves:
+                copy_row_pairs(*m, use_triton=False)
+        else:
+            copy_row_pair_moves(moves, use_triton=use_triton)
+        return send, ok, ov
+
+    for got, want in zip(run(one_by_one=False), run(one_by_one=True)):
+        assert torch.equal(got, want)
+    assert torch.equal(run(False)[1], dk[own_idx])
+
+
+@pytest.mark.parametrize("use_triton", [False, True])  # torch index ops / the Triton kernels (interpreter)
 def test_copy_pairs_runs_each_maps_copy_pair(use_triton):
     """runtime.rowmap.copy_pairs over an indexed scatter with a one-run map (which joins its launch with the Triton
     kernels) and an empty one, then an indexed gather alone: what each map's copy_pair gives."""

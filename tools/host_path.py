@@ -15,8 +15,10 @@ Per row (mask, tokens per rank, cp, heads): the forward's and the backward's bac
 issued with no sync between, then one sync; medians over the timed micro-batches), the GPU's busy time in the same
 phase (kernels and copies, streams merged: the timed micro-batches run again, each profiled; ratios are medians of each
 micro-batch's own), the host time of a layer call (the forward call's wall; the backward's
-``*AttentionBackward`` autograd nodes' host time), the first call of a new plan (state built there) and the wait
-for the planning helper. Writes OUT/host_path<tag>.json, OUT/host_path_profile<tag>.txt (the first row's last
+``*AttentionBackward`` autograd nodes' host time), the first call of a new plan (state built there), the wait
+for the planning helper, and the host's own speed just before and after the timed micro-batches (``host_ref_us``: a
+fixed allocation-and-Python loop; it moves between sittings of the same code by as much as a change, so compare rows
+per unit of it). Writes OUT/host_path<tag>.json, OUT/host_path_profile<tag>.txt (the first row's last
 profiled micro-batch: host time by op) and OUT/host_path_pyprofile<tag>.txt (every row: one more micro-batch, then a
 new plan's first call, under cProfile: Python functions by own and cumulative time).
 """
@@ -77,6 +79,21 @@ def masks_for(name: str, seqlen: int, count: int) -> list:
     if name == "packed":
         return micro_batch_masks(seqlen, count)
     return [catalog.build(name, seqlen)] * count
+
+
+def host_speed_us(device, reps: int = 1000, rounds: int = 5) -> list[float]:
+    """Microseconds per repetition of a fixed piece of host work (an allocation on ``device``, a view, a few Python
+    operations), one figure per round: the host's own speed at the time. It wanders between sittings of the same
+    code by as much as a change under test, so a row carries it (``host_ref_us``) and rows of different sittings or
+    code can be compared per unit of it."""
+    out = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for i in range(reps):
+            y = torch.empty(16, device=device).view(4, 4)
+            _ = {"i": i, "shape": y.shape}
+        out.append((time.perf_counter() - t) / reps * 1e6)
+    return out
 
 
 def busy_ms(events, lo_us: float, hi_us: float) -> float:
@@ -142,14 +159,17 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
 
     for i in range(a.warmup):  # compiles, caches, the helper process's start
         micro_batch(i)
+    ref = host_speed_us(a.device)
     recs: list[dict] = []
     for i in range(a.warmup, a.warmup + a.iters):
         micro_batch(i, recs)
+    ref += host_speed_us(a.device)
     med = {k: float(np.median([r[k] for r in recs])) for k in recs[0] if k != "t"}
     row = dict(mask=mask_name, tokens_per_rank=tokens, cp=cp, rank=a.rank, heads=f"{hq}:{hkv}", head_dim=a.head_dim,
                layers=a.layers, fwd_b2b_ms=med["fwd_b2b_ms"], bwd_b2b_ms=med["bwd_b2b_ms"],
                b2b_ms=med["fwd_b2b_ms"] + med["bwd_b2b_ms"], host_ms_per_call=med["call_ms"],
-               first_call_ms=med["first_call_ms"], plan_wait_ms=med["wait_ms"], fwd_gpu_ms=None, bwd_gpu_ms=None,
+               first_call_ms=med["first_call_ms"], plan_wait_ms=med["wait_ms"], host_ref_us=float(np.median(ref)),
+               fwd_gpu_ms=None, bwd_gpu_ms=None,
                gpu_ms=None, host_ms_per_call_bwd=None, b2b_over_gpu=None, fwd_b2b_over_gpu=None,
                bwd_b2b_over_gpu=None)
     # the timed micro-batches again, each under the profiler (the same plans, their state built): GPU busy time per
@@ -221,11 +241,11 @@ def summary(rows) -> list[str]:
     f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
     return markdown_table(
         ["mask", "tokens / rank", "cp", "heads", "fwd b2b / GPU ms", "bwd b2b / GPU ms", "b2b / GPU",
-         "host ms / call fwd, bwd", "first call ms", "plan wait ms"],
+         "host ms / call fwd, bwd", "first call ms", "plan wait ms", "host ref us"],
         [[r["mask"], r["tokens_per_rank"], r["cp"], r["heads"], f"{f(r['fwd_b2b_ms'])} / {f(r['fwd_gpu_ms'])}",
           f"{f(r['bwd_b2b_ms'])} / {f(r['bwd_gpu_ms'])}", f(r["b2b_over_gpu"]),
           f"{f(r['host_ms_per_call'], 3)}, {f(r['host_ms_per_call_bwd'], 3)}", f(r["first_call_ms"]),
-          f(r["plan_wait_ms"])] for r in rows])
+          f(r["plan_wait_ms"]), f(r.get("host_ref_us"))] for r in rows])
 
 
 def main(argv=None) -> list[dict]:
