@@ -400,6 +400,82 @@ def test_fa4_forward_replays_each_runs_kernel_for_later_layers(mode):
         assert front.calls == layers * runs and kernels and not any(replay._CHECKED[i] for i in kernels)
 
 
+_FWD_STANDIN = '''
+import torch
+import fa4_semantics
+
+
+def _meta(buf, q):  # "compiled": fills a buffer the front allocated (as FA4's tile-count prefix sum)
+    buf.fill_(1.0)
+
+
+def _main(q4, k, v, out, lse, buf, scale, kw):  # reads that buffer; takes q as a 4-D view of the given q
+    fa4_semantics.fwd(q4[0] * buf[0], k, v, softmax_scale=scale, return_lse=True, out=out, lse=lse, **dict(kw))
+
+
+def fwd(q, k, v, softmax_scale=None, return_lse=False, out=None, lse=None, **kw):
+    fwd.calls += 1
+    buf = torch.empty(1, dtype=q.dtype, device=q.device)
+    key = (q.dtype, q.dim(), tuple(sorted(kw)))
+    CACHES["_meta"].setdefault(key, _meta)
+    CACHES["_main"].setdefault(key, _main)
+    _meta_front.compile_cache[key](buf, q.detach())
+    fwd.compile_cache[key](q.detach().unsqueeze(0), k.detach(), v.detach(), out, lse, buf, softmax_scale,
+                           tuple(kw.items()))
+    return out, lse
+
+
+def _meta_front():
+    pass
+
+
+CACHES = {"_meta": {}, "_main": {}}
+_meta_front.compile_cache = CACHES["_meta"]
+fwd.compile_cache = CACHES["_main"]
+fwd.calls = 0
+'''
+
+
+def test_fa4_forward_of_two_compiled_calls_replays_as_a_program():
+    """replay.launch: a forward whose interface makes two compiled calls (a metadata kernel filling a buffer the front
+    allocated, then the main kernel reading it) and hands the kernel a view of q is not served by the one-kernel
+    record; the second layer records it as a program (replay.launch_program), the third checks its first replay
+    against the interface, later layers replay it, each with a fresh buffer its metadata kernel fills again. Every
+    layer gets the reference's result."""
+    import sys
+    import types
+
+    from megatron_cp.kernels.fa4 import replay
+
+    name = "fa4_fwd_standin_program"
+    mod = types.ModuleType(name)
+    sys.modules[name] = mod
+    try:
+        exec(compile(_FWD_STANDIN, name, "exec"), mod.__dict__)
+        s = 96
+        tiles = catalog.tiles(catalog.build("packed", s))
+        be = FA4Backend(functions=Fa4Functions(mod.fwd, fa4_semantics.bwd, "reference", (torch.float64,),
+                                               fa4_semantics.block_sparse, fa4_semantics.interval_masks(),
+                                               fa4_semantics.band_mask))
+        prep = be.prepare(tiles, s, s)
+        runs = prep.runs("fwd", torch.device("cpu"), be.functions, prep.calls.route("fwd"))
+        keep = tiles_to_dense(tiles, s, s)
+        layers = 6
+        for layer in range(layers):
+            q, k, v, _, _ = _inputs(s, s, seed=20 + layer)
+            out, lse = be.forward(q, k, v, prep, 0.3)
+            o_ref, l_ref = reference_attention(q, k, v, keep, 0.3)[:2]
+            torch.testing.assert_close(out, o_ref, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(lse, l_ref, rtol=1e-10, atol=1e-10)
+        # per run: the one-kernel record, the program's record, its checked first replay; then replays only
+        assert mod.fwd.calls == 3 * len(runs), (mod.fwd.calls, len(runs))
+        progs = [p for r in runs for p in r.fwd_programs.values()]
+        assert len(progs) == len(runs) and all(p is not None and replay._CHECKED[p[2]] for p in progs)
+        assert all(v is None for r in runs for v in r.replays.values())  # the one-kernel record did not serve
+    finally:
+        sys.modules.pop(name, None)
+
+
 _BWD_STANDIN = '''
 import torch
 import torch as kernel_torch  # what the "compiled kernels" use: not the front's allocations

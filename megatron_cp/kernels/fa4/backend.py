@@ -278,7 +278,7 @@ class FA4Backend:
         if run.dense:
             t = tuple(x.unsqueeze(0) for x in t)
         replay.launch(f, t, run.replays, scale, lambda o, lse: f(*t[:3], softmax_scale=scale, return_lse=True,
-                                                                out=o, lse=lse, **run.kw))
+                                                                out=o, lse=lse, **run.kw), run.fwd_programs, run.kw)
 
     def forward(self, q, k, v, prepared: Fa4Prepared, softmax_scale=None, keep=None):
         """q [sq, Hq, D], k/v [sk, Hkv, D] -> out [sq, Hq, D] (q's dtype), lse [sq, Hq] float32 (a head-major view).

@@ -37,6 +37,8 @@ class Run:
     # micro-batch calls the run on tensors of the same shapes
     replays: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     bwd_replays: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # replay.launch_bwd's
+    # the forward recorded as a program where its one-kernel record cannot serve (replay.launch_program)
+    fwd_programs: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
 @dataclass

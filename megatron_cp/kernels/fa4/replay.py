@@ -13,7 +13,9 @@ windows, block-sparse lists, scheduling metadata) depend on the run alone and st
 The first replay of each compiled kernel in a process is checked: the launch runs both ways, into the caller's
 out / lse and into scratch copies, and the kernel is replayed from then on only where the two agree bit for bit
 (FA4's forward is deterministic); else that kernel always takes the interface. One host synchronisation per kernel
-and process.
+and process. A forward the single-kernel record cannot serve (the interface made more than one compiled call, e.g.
+FA4's tile-count prefix sum for more than 256 varlen sequences, or handed the kernel views of the given tensors) is
+recorded as a program instead, as a backward is (``launch_program``).
 """
 
 from __future__ import annotations
@@ -63,11 +65,15 @@ def _same(a, b: torch.Tensor) -> bool:
         and a.stride() == b.stride() and a.dtype == b.dtype
 
 
-def launch(fn, tensors, replays: dict, scale: float, call) -> None:
+FWD_SLOTS = ("q", "k", "v", "out", "lse")
+
+
+def launch(fn, tensors, replays: dict, scale: float, call, programs: dict | None = None, constants=None) -> None:
     """Run one launch on ``tensors`` (q, k, v, out, lse as the interface takes them): replayed where ``replays``
     (the run's, keyed by ``signature``) holds this signature's kernel, else through ``call(out, lse)`` (the
     interface, writing those), recording the kernel for the next time when ``fn`` (the interface function) has a
-    compile cache."""
+    compile cache. Where that record could not serve, ``programs`` (the run's, given) holds the launch recorded as a
+    program (``launch_program``; ``constants`` as there)."""
     sig = signature(tensors, scale)
     got = replays.get(sig)
     if got is not None and _CHECKED.get(id(got[0]), True):
@@ -82,6 +88,10 @@ def launch(fn, tensors, replays: dict, scale: float, call) -> None:
                 tensors[4].copy_(lse)
         return
     cache = getattr(fn, "compile_cache", None)
+    if programs is not None and got is None and sig in replays:  # the one-kernel record could not serve
+        launch_program(fn, dict(zip(FWD_SLOTS, (t.detach() for t in tensors))), ("out", "lse"), programs, (scale,),
+                       constants, call, exact=True)
+        return
     if cache is None or sig in replays:  # no cache to record from (a stand-in), or not replayable
         call(tensors[3], tensors[4])
         return
@@ -258,27 +268,34 @@ def _agree(got: torch.Tensor, ref: torch.Tensor, exact: bool) -> bool:
     return bool(torch.isfinite(got).all()) and float(diff) <= 2.0 ** -5 * float(ref.abs().max())
 
 
-def launch_bwd(fn, given: dict, replays: dict, key: tuple, constants, call, exact: bool) -> None:
-    """One backward launch on ``given`` ({BWD_SLOTS name: tensor}; dq, dk, dv written): replayed where ``replays``
-    (the run's) holds a program for this signature, else through ``call(dq, dk, dv)`` (the interface), recording
+def launch_program(fn, given: dict, outputs: tuple, replays: dict, key: tuple, constants, call, exact: bool) -> None:
+    """One launch on ``given`` ({slot name: tensor}; the ``outputs`` slots written): replayed where ``replays`` (the
+    run's) holds a program for this signature, else through ``call(*outputs' tensors)`` (the interface), recording
     the program for the next time. ``constants``: the run's own arguments (a dict or list holding its cu_seqlens,
-    block lists), whose tensors a program may keep (read only when recording). The first replay of each program shape in a process is checked against the interface (``exact``: bit
-    for bit), and programs of that shape are used from then on only where they agreed."""
+    block lists), whose tensors a program may keep (read only when recording). The first replay of each program shape
+    in a process is checked against the interface (``exact``: bit for bit), and programs of that shape are used from
+    then on only where they agreed."""
     sig = key + tuple((n, tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
                       for n, t in given.items())
     prog = replays.get(sig)
     if prog is not None and _CHECKED.get(prog[2], True):
         _run(prog, given)
         if prog[2] not in _CHECKED:
-            ref = {n: given[n].clone() for n in ("dq", "dk", "dv")}
-            call(ref["dq"], ref["dk"], ref["dv"])
-            _CHECKED[prog[2]] = all(_agree(given[n], ref[n], exact) for n in ref)
+            ref = {n: given[n].clone() for n in outputs}
+            call(*(ref[n] for n in outputs))
+            _CHECKED[prog[2]] = all(_agree(given[n], ref[n], exact) for n in outputs)
             if not _CHECKED[prog[2]]:
-                for n in ref:
+                for n in outputs:
                     given[n].copy_(ref[n])
         return
     if sig in replays:  # recorded and not replayable, or its check failed
-        call(given["dq"], given["dk"], given["dv"])
+        call(*(given[n] for n in outputs))
         return
-    got = _record(fn, lambda: call(given["dq"], given["dk"], given["dv"]))
+    got = _record(fn, lambda: call(*(given[n] for n in outputs)))
     replays[sig] = None if got is None or not got[0] else _program(got[0], given, got[1], constants)
+
+
+def launch_bwd(fn, given: dict, replays: dict, key: tuple, constants, call, exact: bool) -> None:
+    """One backward launch on ``given`` ({BWD_SLOTS name: tensor}; dq, dk, dv written): ``launch_program`` with
+    ``call(dq, dk, dv)`` the interface."""
+    launch_program(fn, given, ("dq", "dk", "dv"), replays, key, constants, call, exact)
