@@ -6,6 +6,8 @@ lists (sq != sk, every kind) and random cell-disjoint lists. A wrong mapping fai
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -400,6 +402,28 @@ def test_fa4_forward_replays_each_runs_kernel_for_later_layers(mode):
         assert front.calls == layers * runs and kernels and not any(replay._CHECKED[i] for i in kernels)
 
 
+@contextlib.contextmanager
+def _standin_module(source: str, name: str, **attrs):
+    """A stand-in of flash_attn.cute's interface module made from ``source`` (module-level compile caches, as FA4's),
+    importable by ``name`` while the block runs."""
+    import sys
+    import types
+
+    mod = types.ModuleType(name)
+    vars(mod).update(attrs)
+    sys.modules[name] = mod
+    try:
+        exec(compile(source, name, "exec"), mod.__dict__)
+        yield mod
+    finally:
+        sys.modules.pop(name, None)
+
+
+def _standin_backend(fwd, bwd) -> FA4Backend:
+    return FA4Backend(functions=Fa4Functions(fwd, bwd, "reference", (torch.float64,), fa4_semantics.block_sparse,
+                                             fa4_semantics.interval_masks(), fa4_semantics.band_mask))
+
+
 _FWD_STANDIN = '''
 import torch
 import fa4_semantics
@@ -442,21 +466,12 @@ def test_fa4_forward_of_two_compiled_calls_replays_as_a_program():
     record; the second layer records it as a program (replay.launch_program), the third checks its first replay
     against the interface, later layers replay it, each with a fresh buffer its metadata kernel fills again. Every
     layer gets the reference's result."""
-    import sys
-    import types
-
     from megatron_cp.kernels.fa4 import replay
 
-    name = "fa4_fwd_standin_program"
-    mod = types.ModuleType(name)
-    sys.modules[name] = mod
-    try:
-        exec(compile(_FWD_STANDIN, name, "exec"), mod.__dict__)
+    with _standin_module(_FWD_STANDIN, "fa4_fwd_standin_program") as mod:
         s = 96
         tiles = catalog.tiles(catalog.build("packed", s))
-        be = FA4Backend(functions=Fa4Functions(mod.fwd, fa4_semantics.bwd, "reference", (torch.float64,),
-                                               fa4_semantics.block_sparse, fa4_semantics.interval_masks(),
-                                               fa4_semantics.band_mask))
+        be = _standin_backend(mod.fwd, fa4_semantics.bwd)
         prep = be.prepare(tiles, s, s)
         runs = prep.runs("fwd", torch.device("cpu"), be.functions, prep.calls.route("fwd"))
         keep = tiles_to_dense(tiles, s, s)
@@ -472,8 +487,6 @@ def test_fa4_forward_of_two_compiled_calls_replays_as_a_program():
         progs = [p for r in runs for p in r.fwd_programs.values()]
         assert len(progs) == len(runs) and all(p is not None and replay._CHECKED[p[2]] for p in progs)
         assert all(v is None for r in runs for v in r.replays.values())  # the one-kernel record did not serve
-    finally:
-        sys.modules.pop(name, None)
 
 
 _BWD_STANDIN = '''
@@ -543,22 +556,12 @@ def test_fa4_backward_replays_each_runs_program_for_later_layers(mode):
     reference's: where the front computed a kernel argument itself (derived) the program is never made, where a
     kernel read a buffer the front filled by a torch op (workspace) the first replay's check fails and the interface
     runs from then on."""
-    import sys
-    import types
-
     from megatron_cp.kernels.fa4 import replay
 
-    name = f"fa4_bwd_standin_{mode}"
-    mod = types.ModuleType(name)
-    mod.MODE = mode
-    sys.modules[name] = mod
-    try:
-        exec(compile(_BWD_STANDIN, name, "exec"), mod.__dict__)
+    with _standin_module(_BWD_STANDIN, f"fa4_bwd_standin_{mode}", MODE=mode) as mod:
         s = 96
         tiles = catalog.tiles(catalog.build("packed", s))
-        be = FA4Backend(functions=Fa4Functions(fa4_semantics.fwd, mod.bwd, "reference", (torch.float64,),
-                                               fa4_semantics.block_sparse, fa4_semantics.interval_masks(),
-                                               fa4_semantics.band_mask))
+        be = _standin_backend(fa4_semantics.fwd, mod.bwd)
         prep = be.prepare(tiles, s, s)
         runs = prep.runs("bwd", torch.device("cpu"), be.functions, prep.calls.route("bwd"))
         assert len(runs) == 1, "one launch a layer: the counts below assume it"
@@ -580,5 +583,3 @@ def test_fa4_backward_replays_each_runs_program_for_later_layers(mode):
             assert mod.bwd.calls == layers and progs[0] is not None and not replay._CHECKED[progs[0][2]]
         else:  # never recorded
             assert mod.bwd.calls == layers and progs == [None]
-    finally:
-        sys.modules.pop(name, None)
