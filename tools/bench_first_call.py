@@ -35,8 +35,7 @@ from megatron_cp.runtime import state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from bench_train import micro_batch_masks  # noqa: E402
-from common import (case_args, case_lists, device_name, markdown_table, out_dir, parser, run_record,  # noqa: E402
-                    write_json)
+from common import case_args, case_lists, device_name, keep_row, markdown_table, out_dir, parser, run_record  # noqa: E402
 
 COST = mcp.runtime.CostModel()
 GPU_BACKENDS = tuple(b for b in mcp.kernels.BACKENDS if b != "reference")  # the backends whose lists a GPU runs
@@ -125,10 +124,8 @@ def main(argv=None) -> list[dict]:
     for cp in cps:
         for name in masks:
             for t in tokens:
-                rows.append(run_case(name, t, cp, a))
-                if a.verbose:
-                    print("\n".join(summary(rows[-1:])[2:]), file=sys.stderr, flush=True)
-                write_json(os.path.join(out, f"first_call{a.tag}.json"), {**meta, "rows": rows})
+                keep_row(rows, run_case(name, t, cp, a), summary, os.path.join(out, f"first_call{a.tag}.json"), meta,
+                         a.verbose, sys.stderr)
     print("\n".join(summary(rows)))
     return rows
 

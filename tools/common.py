@@ -75,6 +75,15 @@ def write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=1, default=str)
 
 
+def keep_row(rows: list, row: dict, summary, path: str, meta: dict, show: bool = True, stream=None) -> None:
+    """Append ``row`` to ``rows``, print its line of ``summary``'s table (where ``show``) and rewrite ``path`` with
+    every row so far: a long run keeps what it measured if it is stopped."""
+    rows.append(row)
+    if show:
+        print("\n".join(summary(rows[-1:])[2:]), file=stream or sys.stdout, flush=True)
+    write_json(path, {**meta, "rows": rows})
+
+
 def parser(doc: str, out: str, timing: tuple[int, int] | None = None) -> argparse.ArgumentParser:
     """A parser for a tool documented by ``doc``, with the arguments every tool shares, one meaning in all:
     --dry-run (CPU, tiny sizes), --out (a folder; default ``out``), --tag, --verbose and with ``timing`` (their

@@ -45,8 +45,7 @@ from megatron_cp.runtime.state import exchange_choice
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from bench_train import micro_batch_masks  # noqa: E402
-from common import (case_args, case_lists, heads_list, markdown_table, out_dir, parser, run_record,  # noqa: E402
-                    write_json)
+from common import case_args, case_lists, heads_list, keep_row, markdown_table, out_dir, parser, run_record  # noqa: E402
 from host_path import cases_alone  # noqa: E402
 
 def _kernel_classes() -> list:
@@ -191,10 +190,8 @@ def main(argv=None) -> list[dict]:
                       dtype=str(a.dtype), process_group=loopback.BACKEND)
     result = []
     for cp, name, t, h in cases_alone(a.rank, cps, masks, tokens, heads):
-        result.append(run_case(name, t, cp, h, a))
-        if a.verbose:
-            print("\n".join(summary(result[-1:])[2:]), file=sys.stderr, flush=True)
-        write_json(os.path.join(out, f"host_glue{a.tag}.json"), {**meta, "rows": result})
+        keep_row(result, run_case(name, t, cp, h, a), summary, os.path.join(out, f"host_glue{a.tag}.json"), meta,
+                 a.verbose, sys.stderr)
     print("\n".join(summary(result)))
     return result
 

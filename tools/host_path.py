@@ -46,8 +46,8 @@ from megatron_cp.planner import Workload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from bench_train import micro_batch_masks  # noqa: E402
-from common import (case_args, case_lists, device_name, heads_list, markdown_table, out_dir, parser,  # noqa: E402
-                    run_record, write_json)
+from common import (case_args, case_lists, device_name, heads_list, keep_row, markdown_table, out_dir,  # noqa: E402
+                    parser, run_record)
 
 BACKWARD_NODE = "AttentionBackward"  # autograd's name of _SingleExchangeAttention / _StagedAttention's backward
 
@@ -274,9 +274,7 @@ def main(argv=None) -> list[dict]:
     open(a.pyprofile_path, "w").close()
     for cp, name, t, h in cases_alone(a.rank, cps, masks, tokens, heads):
         prof = os.path.join(out, f"host_path_profile{a.tag}.txt") if not rows else None
-        rows.append(run_case(name, t, cp, h, a, prof))
-        print("\n".join(summary(rows[-1:])[2:]), flush=True)
-        write_json(os.path.join(out, f"host_path{a.tag}.json"), {**meta, "rows": rows})
+        keep_row(rows, run_case(name, t, cp, h, a, prof), summary, os.path.join(out, f"host_path{a.tag}.json"), meta)
     print("\n".join(summary(rows)))
     return rows
 
