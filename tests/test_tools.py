@@ -600,8 +600,9 @@ def test_host_path_runs_one_rank_alone_on_a_loopback_group(tmp_path):
     rows = hp.main(["--dry-run", "--out", str(tmp_path), "--cps", "4,8"])
     assert [(r["cp"], r["mask"], r["tokens_per_rank"]) for r in rows] == [(4, "packed", 64), (8, "packed", 64)]
     for r in rows:
-        assert r["fwd_b2b_ms"] > 0 and r["bwd_b2b_ms"] > 0 and r["host_ms_per_call"] > 0
+        assert r["fwd_b2b_ms"] > 0 and r["bwd_b2b_ms"] > 0 and r["host_ms_per_call"] > 0 and r["step_ms_per_mb"] > 0
         assert r["gpu_ms"] is None and r["b2b_over_gpu"] is None  # no device time on a CPU
+        assert r["step_gpu_ms_per_mb"] is None and r["step_over_gpu"] is None
     saved = json.loads((tmp_path / "host_path.json").read_text())
     assert saved["process_group"] == "loopback" and len(saved["rows"]) == 2
     for key in ("tokens_per_rank", "cp", "mask", "heads", "b2b_ms", "gpu_ms", "host_ms_per_call", "b2b_over_gpu"):

@@ -12,7 +12,10 @@ and the time the exchange takes on the wire. A new plan per micro-batch, made ah
 checked across the ranks on the planning thread as the Megatron plugin does; per micro-batch ``--layers`` attention calls forward, then the backward of all of them.
 
 Per row (mask, tokens per rank, cp, heads): the forward's and the backward's back-to-back wall (all the phase's calls
-issued with no sync between, then one sync; medians over the timed micro-batches), the GPU's busy time in the same
+issued with no sync between, then one sync; medians over the timed micro-batches); a training step's wall per
+micro-batch (``step_ms_per_mb``: as many fresh plans' micro-batches, forward and backward, issued back to back with one
+sync at the end, so that a phase's host work may run under the previous phase's queued GPU work) over the same
+micro-batches' GPU busy time (``step_over_gpu``); the GPU's busy time in the same
 phase (kernels and copies, streams merged: the timed micro-batches run again, each profiled; ratios are medians of each
 micro-batch's own), the host time of a layer call (the forward call's wall; the backward's
 ``*AttentionBackward`` autograd nodes' host time), the first call of a new plan (state built there), the wait
@@ -110,7 +113,9 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
     hq, hkv = heads
     seqlen, group = tokens * cp, dist.group.WORLD
     n_mb = a.warmup + a.iters
-    masks = masks_for(mask_name, seqlen, n_mb + 1)  # the last: a fresh plan whose first call is profiled alone
+    # then: a fresh plan whose first call is profiled alone, and ``iters`` fresh plans for the training step
+    masks = masks_for(mask_name, seqlen, n_mb + 1 + a.iters)
+    step_mbs = range(n_mb + 1, n_mb + 1 + a.iters)
     work = Workload(hq, hkv, a.head_dim, a.dtype.itemsize)
 
     check = mcp.runtime.planning_group(group, "host_path")
@@ -132,7 +137,9 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
         if cuda:
             torch.cuda.synchronize(a.device)
 
-    def micro_batch(i, rec=None):
+    def micro_batch(i, rec=None, phases=True):
+        """Micro-batch ``i``'s forward of every layer, then its backward; ``phases``: synchronised before, between
+        and after them (else issued as a training step issues micro-batches, back to back)."""
         t = time.perf_counter()
         plan = ahead[i].result()
         wait = (time.perf_counter() - t) * 1e3
@@ -141,17 +148,20 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
         if n > n_max:
             raise ValueError(f"rank {a.rank} holds {n} tokens, more than the {n_max} this tool allocated")
         layers = [tuple(t[:n].detach().requires_grad_() for t in layer) for layer in base]
-        sync()
+        if phases:
+            sync()
         t0 = time.perf_counter()
         outs, calls = [], []
         for q, k, v in layers:
             t = time.perf_counter()
             outs.append(mcp.attention(q, k, v, plan, group)[0])
             calls.append((time.perf_counter() - t) * 1e3)
-        sync()
+        if phases:
+            sync()
         t1 = time.perf_counter()
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-        sync()
+        if phases:
+            sync()
         t2 = time.perf_counter()
         if rec is not None:
             rec.append(dict(fwd_b2b_ms=(t1 - t0) * 1e3, bwd_b2b_ms=(t2 - t1) * 1e3, first_call_ms=calls[0],
@@ -164,6 +174,14 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
     for i in range(a.warmup, a.warmup + a.iters):
         micro_batch(i, recs)
     ref += host_speed_us(a.device)
+    # a training step: fresh plans' micro-batches issued back to back, one synchronisation at the end (a new plan's
+    # first call and a forward's host work may then run while the GPU still works through the previous backward)
+    sync()
+    t = time.perf_counter()
+    for i in step_mbs:
+        micro_batch(i, phases=False)
+    sync()
+    step_ms = (time.perf_counter() - t) * 1e3 / a.iters
     med = {k: float(np.median([r[k] for r in recs])) for k in recs[0] if k != "t"}
     row = dict(mask=mask_name, tokens_per_rank=tokens, cp=cp, rank=a.rank, heads=f"{hq}:{hkv}", head_dim=a.head_dim,
                layers=a.layers, fwd_b2b_ms=med["fwd_b2b_ms"], bwd_b2b_ms=med["bwd_b2b_ms"],
@@ -171,7 +189,7 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
                first_call_ms=med["first_call_ms"], plan_wait_ms=med["wait_ms"], host_ref_us=float(np.median(ref)),
                fwd_gpu_ms=None, bwd_gpu_ms=None,
                gpu_ms=None, host_ms_per_call_bwd=None, b2b_over_gpu=None, fwd_b2b_over_gpu=None,
-               bwd_b2b_over_gpu=None)
+               bwd_b2b_over_gpu=None, step_ms_per_mb=step_ms, step_gpu_ms_per_mb=None, step_over_gpu=None)
     # the timed micro-batches again, each under the profiler (the same plans, their state built): GPU busy time per
     # phase of the very micro-batches timed back to back (document mixes differ between micro-batches), the
     # backward nodes' host time
@@ -202,6 +220,14 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
         row["bwd_b2b_over_gpu"] = float(np.median([x / g for x, g in zip(b, bwd_gpu)]))
         row["b2b_over_gpu"] = float(np.median([(x + y) / (g + h) for x, y, g, h in zip(f, b, fwd_gpu, bwd_gpu)]))
         row["gpu_ms_per_call"] = row["fwd_gpu_ms"] / a.layers
+        # the step's micro-batches again under the profiler (their states built: the GPU work is the same)
+        with profile(activities=acts) as sprof:
+            for i in step_mbs:
+                micro_batch(i, phases=False)
+            sync()
+        dev = [e for e in sprof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        row["step_gpu_ms_per_mb"] = busy_ms(dev, 0.0, float("inf")) / a.iters
+        row["step_over_gpu"] = step_ms / row["step_gpu_ms_per_mb"]
     if a.pyprofile_path is not None:  # where the host's Python goes: one more micro-batch under cProfile
         py = cProfile.Profile()
         # the backward on this thread (autograd runs a GPU's nodes on a thread of its own, which cProfile misses)
@@ -241,9 +267,10 @@ def summary(rows) -> list[str]:
     f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
     return markdown_table(
         ["mask", "tokens / rank", "cp", "heads", "fwd b2b / GPU ms", "bwd b2b / GPU ms", "b2b / GPU",
-         "host ms / call fwd, bwd", "first call ms", "plan wait ms", "host ref us"],
+         "step b2b / GPU ms per MB", "host ms / call fwd, bwd", "first call ms", "plan wait ms", "host ref us"],
         [[r["mask"], r["tokens_per_rank"], r["cp"], r["heads"], f"{f(r['fwd_b2b_ms'])} / {f(r['fwd_gpu_ms'])}",
           f"{f(r['bwd_b2b_ms'])} / {f(r['bwd_gpu_ms'])}", f(r["b2b_over_gpu"]),
+          f"{f(r.get('step_ms_per_mb'))} / {f(r.get('step_gpu_ms_per_mb'))} ({f(r.get('step_over_gpu'))})",
           f"{f(r['host_ms_per_call'], 3)}, {f(r['host_ms_per_call_bwd'], 3)}", f(r["first_call_ms"]),
           f(r["plan_wait_ms"]), f(r.get("host_ref_us"))] for r in rows])
 

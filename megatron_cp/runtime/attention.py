@@ -104,26 +104,35 @@ def split_kv(buf: torch.Tensor, h: int, da: int, db: int) -> tuple[torch.Tensor,
     return a, b
 
 
-def _kv_buffers(k: torch.Tensor, v: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """New contiguous K and V key buffers of ``rows`` rows: one allocation where their shapes agree (an allocation
-    costs the host microseconds)."""
-    if k.shape[1:] == v.shape[1:] and k.dtype == v.dtype:
-        return k.new_empty((2, rows) + tuple(k.shape[1:])).unbind(0)
-    return k.new_empty((rows,) + tuple(k.shape[1:])), v.new_empty((rows,) + tuple(v.shape[1:]))
+def _kv_buffer(k: torch.Tensor, v: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A new key buffer of ``rows`` rows in ``kv_rows``' layout (each token's K row, then its V row) and its K and V
+    views: the all-to-all delivers received rows in that layout, so they land in it without a copy. The kernels read
+    the views as they read contiguous K / V (each row's heads are one dense block; its stride only is longer)."""
+    h, da, db = k.shape[1], k.shape[2], v.shape[2]
+    kv = k.new_empty((rows, h * (da + db)))
+    if da == db:  # two view ops instead of split_kv's four: each costs the host microseconds
+        kb, vb = kv.view(rows, 2, h, da).unbind(1)
+        return kv, kb, vb
+    return (kv, *split_kv(kv, h, da, db))
 
 
-def _cast_kv(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_counts, group, pool, tag, also=()):
+def _cast_kv(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_counts, group, pool, tag, also=(),
+             into=None):
     """Rows ``pick`` selects of ``a`` and ``b`` (K and V, or dK and dV: [rows, H, Da] / [rows, H, Db])
-    travel together in one all-to-all-v; returns the received rows as views (a's, b's). Both buffers
-    come from the shared pool (bounded, reused by every layer). ``also``: more ``rowmap.copy_pairs`` moves, run
-    with the send gather (one kernel launch for two)."""
+    travel together in one all-to-all-v; returns the received rows (``kv_rows``' layout) and their views (a's,
+    b's). Both buffers come from the shared pool (bounded, reused by every layer). ``also``: more
+    ``rowmap.copy_pairs`` moves, run with the send gather (one kernel launch for two). ``into``: where the received
+    rows go instead of the pool's buffer (contiguous, ``kv_rows``' layout); then nothing is returned."""
     h, da, db = a.shape[1], a.shape[2], b.shape[2]
     parts = ((h, da), (h, db))  # split_kv's views, made by the pool once per shape
     send, sa, sb = pool.get((pick.n, h * (da + db)), a.dtype, a.device, (tag, "send"), parts)
     copy_pairs([(pick, sa, a, sb, b), *also])
-    recv, ra, rb = pool.get((sum(recv_counts), h * (da + db)), a.dtype, a.device, (tag, "recv"), parts)
-    all_to_all_v(send, send_counts, recv_counts, group, recv)
-    return ra, rb
+    if into is not None:
+        all_to_all_v(send, send_counts, recv_counts, group, into)
+        return None
+    got = pool.get((sum(recv_counts), h * (da + db)), a.dtype, a.device, (tag, "recv"), parts)
+    all_to_all_v(send, send_counts, recv_counts, group, got[0])
+    return got
 
 
 def _delta(dout, out, dlse):
@@ -142,16 +151,20 @@ class _SingleExchangeAttention(torch.autograd.Function):
         gr = rt.guests
         # guest rows first: their partials travel back while this rank's own tiles compute
         pend = guests.start_forward(gr, be, q, k, v, group, scale) if gr is not None else None
-        own = ()
+        own, into = (), None
         if ex.identity:
             kbuf, vbuf = k, v  # the buffer is the local K/V: nothing to place
         else:
-            kbuf, vbuf = _kv_buffers(k, v, ex.buffer_len)
+            kv, kbuf, vbuf = _kv_buffer(k, v, ex.buffer_len)
             own = ((ex.own, kbuf, k, vbuf, v),)
+            # received rows that are one run of the buffer in arrival order are received there: no copy, on the
+            # GPU or the host (a copy's launch costs a layer call tens of us of host; docs/measurements.md)
+            into = None if ex.recv_into is None else kv.narrow(0, *ex.recv_into)
         if group is not None and rt.exchanges:  # the own rows placed in the send gather's launch
-            got_k, got_v = _cast_kv(ex.send, k, v, ex.send_counts, ex.recv_counts, group, rt.pool, "single_fwd",
-                                    also=own)
-            ex.recv.copy_pair(kbuf, got_k, vbuf, got_v)
+            got = _cast_kv(ex.send, k, v, ex.send_counts, ex.recv_counts, group, rt.pool, "single_fwd", also=own,
+                           into=into)
+            if got is not None:  # K and V rows together: one copy a run
+                ex.recv.copy(kv, got[0])
         else:
             copy_pairs(own)
         out, lse = be.forward(q, kbuf, vbuf, ex.prepared, scale)
@@ -187,7 +200,7 @@ class _SingleExchangeAttention(torch.autograd.Function):
         back = None
         if group is not None and rt.exchanges:  # partial dK/dV of received rows go back to their owners
             back = _cast_kv(ex.recv_rows, dk_buf, dv_buf, ex.recv_counts, ex.send_counts, group, rt.pool, "single_bwd",
-                            also=own)
+                            also=own)[1:]
         else:
             copy_pairs(own)
         if back is not None and back[0].shape[0]:

@@ -33,8 +33,9 @@ from .schedule import Schedule, choose_schedule
 class SingleExchange:
     """One GroupCast of every remote K/V row, then one kernel call over the rank's whole tile list.
 
-    K and V live in separate contiguous buffers (what cuDNN pieces and the kernels read best);
-    ``own``/``recv`` place the own and received rows in them, ``send`` gathers the rows to send and
+    K and V live in one buffer per call, each token's K row then its V row (``kv_rows``' layout, the
+    all-to-all's); ``own``/``recv`` place the own and received rows in it (``recv_into``: the received rows
+    are one run in arrival order, received in place), ``send`` gathers the rows to send and
     ``own_rows``/``recv_rows`` take gradients back out. ``red_rows`` are the local rows that get
     partial gradients from other ranks; the returned rows ``red_pos[red_ptr[i]:red_ptr[i+1]]`` add
     into ``red_rows[i]``."""
@@ -53,6 +54,8 @@ class SingleExchange:
     prepared: object
     # the local K/V are the buffer as they are: no exchange anywhere and the buffer is the local rows
     identity: bool
+    # (first buffer row, rows) where every received row lands in arrival order, one run: received in place
+    recv_into: tuple | None = None
 
 
 @dataclass
@@ -448,7 +451,15 @@ def _single(h: SingleHost, device, prepared) -> SingleExchange:
         red_pos=t[-1],
         prepared=prepared,
         identity=h.identity,
+        recv_into=_in_order(h.recv, sum(h.recv_counts)),
     )
+
+
+def _in_order(m: RowIndex, n: int) -> tuple | None:
+    """(first row, n) where ``m`` places rows 0..n-1 of its source at n consecutive rows, in order; else None."""
+    if n and not m.indexed and len(m.runs) == 1 and m.runs[0][1] == 0 and m.runs[0][2] == n:
+        return (int(m.runs[0][0]), n)
+    return None
 
 
 def _staged(sched: Schedule, rank: int, device, prepared: list, routes: list | None) -> StagedExchange:
