@@ -570,6 +570,17 @@ def test_gpu_dist_check_dry_run_covers_every_case_family(tmp_path):
     rows = {(r["mask"], r["backend"], r["impl"], r["variant"]) for r in res}
     table = _ends_with_one_table(p.stdout, len(rows))
     assert table[0].startswith("| mask | backend | impl | variant |")
+    # a part of the cases: the dense family of megatron-cp alone (its exchange paths on every mask)
+    gd, ours = _tool("gpu_dist_check"), "megatron_cp"
+    out = tmp_path / "part"
+    p = subprocess.run(cmd[:-1] + [str(out), "--families", "dense", "--impls", ours], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    part = json.loads((out / "gpu_dist_check.json").read_text())["results"]
+    assert part and {(r["family"], r["impl"]) for r in part} == {("dense", ours)}
+    assert {(r["mask"], r["variant"]) for r in part} == {(m, v) for m, i, v in fams["dense"] if i == ours}
+    with pytest.raises(SystemExit):
+        gd.main(["--dry-run", "--families", "dense,nope"])
 
 
 def test_bench_first_call_times_both_ways_of_building_a_new_plans_state(tmp_path):

@@ -238,13 +238,27 @@ def cases(s, s_x, cp, dims, dev, dry):
                                        for kind in ("plan", "heads")]
 
 
+FAMILIES = ("dense", "sparse", "sink", "mla", "mismatch")
+
+
 def main(argv=None):
     ap = parser(__doc__, "out")
     ap.add_argument("--share-gpu", action="store_true",
                     help="ranks spread over the visible GPUs on gloo through host copies: correctness only")
     ap.add_argument("--backends", default=None, help=f"comma list of kernel backends (default: those of "
                     f"{', '.join(BACKENDS)} the GPU has; a dry run: reference)")
+    ap.add_argument("--families", default=None, help=f"comma list of case families (default: all of "
+                    f"{', '.join(FAMILIES)}); e.g. dense alone checks the exchange paths on every mask")
+    ap.add_argument("--impls", default=None, help="comma list of implementations (default: megatron_cp and every "
+                    "baseline); e.g. megatron_cp alone")
     args = ap.parse_args(argv)
+    fams = FAMILIES if args.families is None else tuple(args.families.split(","))
+    if set(fams) - set(FAMILIES):
+        ap.error(f"--families: unknown {sorted(set(fams) - set(FAMILIES))}; choose from {', '.join(FAMILIES)}")
+    impls = (OURS, *BASELINES) if args.impls is None else tuple(args.impls.split(","))
+    if set(impls) - {OURS, *BASELINES}:
+        ap.error(f"--impls: unknown {sorted(set(impls) - {OURS, *BASELINES})}; choose from "
+                 f"{', '.join((OURS, *BASELINES))}")
     dev = start_ranks(args.dry_run, args.share_gpu)
     names = args.backends.split(",") if args.backends else (
         ["reference"] if args.dry_run else [b for b in kernels.available_backends(dev) if b in BACKENDS])
@@ -254,7 +268,9 @@ def main(argv=None):
     backends = {n: make_backend(n, dev) for n in names}
     rank, cp = dist.get_rank(), dist.get_world_size()
     (s, s_x), dims = ((512, 512) if args.dry_run else (16384, 8192)), (8, 2, 128, 128)
-    todo, results = list(cases(s, s_x, cp, dims, dev, args.dry_run)), []
+    todo = [(name, make, [c for c in group if c[0] in fams and c[1] in impls]) for name, make, group in cases(s, s_x, cp, dims, dev,
+                                                                                        args.dry_run)]
+    todo, results = [t for t in todo if t[2]], []
     bar = Progress(len(backends) * sum(len(c) for *_, c in todo), "gpu_dist_check", enabled=rank == 0,
                    verbose=args.verbose)
     for name, make, group in todo:
