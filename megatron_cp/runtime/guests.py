@@ -2,8 +2,9 @@
 
 Forward: each rank sends its guest rows' q to every rank holding keys they keep (itself included: a
 local copy), each rank computes the received rows over its own keys in one kernel call and returns
-the partial output with its LSE (float32; float64 for float64 inputs), and the owner merges the
-partials by LSE in source order (deterministic) into the rows, which no other tile of the plan covers.
+the partial output (as the kernel wrote it, in q's dtype) with its LSE (float32; float64 for float64 inputs),
+and the owner merges the partials by LSE in source order (deterministic) into the rows, which no other tile of
+the plan covers.
 Backward: the owner sends dout and out (q's dtype) with lse and delta, the key owner adds the dK/dV of
 its own keys to its gradients and returns the partial dq, which the owner sums in source order.
 
@@ -130,15 +131,15 @@ def start_forward(gr: GuestRuntime, backend, q, k, v, group, scale) -> _Pending:
     acc_dt = accumulate_dtype(q.dtype)
     gq = _a2a(q[gr.send], gr.send_counts, gr.recv_counts, group)
     hq, d = q.shape[1], v.shape[2]
-    # the partial and its lse side by side, one buffer to send; full precision (the owner merges them)
-    part = torch.zeros((gq.shape[0], hq, d + 1), dtype=acc_dt, device=q.device)
-    part[..., d] = float("-inf")
-    if gr.prepared is not None:  # rows with no cell here (or none received) send the empty partial
-        o = torch.zeros((gq.shape[0], hq, d), dtype=acc_dt, device=q.device)
-        l = torch.full((gq.shape[0], hq), float("-inf"), dtype=acc_dt, device=q.device)
-        backend.forward_accumulate(gq, k, v, gr.prepared, scale, o, l)
-        part[..., :d] = o
-        part[..., d] = l
+    # the partial and its lse side by side, one buffer to send, in the accumulation dtype (the owner merges them);
+    # the partial as the kernel wrote it, in q's dtype (as FA4 writes every launch's): two ops on the host, where
+    # accumulating into a fresh running pair took a dozen and a merge launch (docs/measurements.md)
+    if gr.prepared is not None:  # rows with no cell here give 0 / -inf
+        o, l = backend.forward(gq, k, v, gr.prepared, scale)
+        part = torch.cat([o.to(acc_dt), l.to(acc_dt).unsqueeze(-1)], dim=-1)
+    else:  # none received: the empty partial
+        part = torch.zeros((gq.shape[0], hq, d + 1), dtype=acc_dt, device=q.device)
+        part[..., d] = float("-inf")
     back, handle = _a2a(part, gr.recv_counts, gr.send_counts, group, async_op=True, tag="guest_out")
     return _Pending(back, handle, (part, gq))
 

@@ -15,8 +15,11 @@ its partial-block fraction (tenths) and its block count in powers of two. One FA
 timed: it is FA4's own best case.
 
 Timing (``cuda_time``): two untimed runs (compilation, the first replay's check), the device synchronised, then
-the fastest of three runs between CUDA events on the current stream, queued behind a spin so that GPU time alone
-counts. Only where the device can be timed: a CUDA tensor outside CUDA graph
+three runs between CUDA events on the current stream, queued behind a spin so that their GPU time is measured apart
+from the host time that issues them; a candidate costs the larger of the two (fastest runs each). Layer calls are
+issued back to back, so a list with little GPU work (a few guest rows, short documents) costs the step its host
+time: a route of several launches there loses to a one-launch route whose kernel runs slower. Only where the device
+can be timed: a CUDA tensor outside CUDA graph
 capture (or a timer the caller gives, as the CPU tests do), and not in deterministic mode (``TritonConfig
 (deterministic=True)``: every run must take the same kernels, and two close timings may order either way);
 elsewhere the rules of ``calls.py`` hold. A class whose candidates time within noise of each other may take
@@ -26,6 +29,7 @@ either in another run: results then differ in rounding only.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -35,27 +39,32 @@ from .calls import BLOCK
 
 
 def cuda_time(fn: Callable[[], object], reps: int = 3) -> float:
-    """Seconds of GPU time one ``fn()`` takes on the current CUDA stream: the fastest of ``reps`` runs.
+    """Seconds one ``fn()`` costs a step on the current CUDA stream: the larger of its GPU time and the host time
+    that issues it, each the fastest of ``reps`` runs.
 
     Two untimed runs first: the first compiles and records (FA4's replayed launches), the second is a replay's
     first, checked against FA4's own path (an extra run and a sync). The timed runs are queued behind a spin of
-    ``HOLD_CYCLES`` so that their host work (launches) is not counted: a route is chosen by GPU cost, the host
-    path is cut on its own."""
+    ``HOLD_CYCLES``, so that their GPU time does not include the host's issuing and each run's issuing is timed
+    on the host while the GPU waits."""
     fn()
     fn()
     torch.cuda.synchronize()
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
     torch.cuda._sleep(HOLD_CYCLES)
     marks[0].record()
+    host = []
     for m in marks[1:]:
+        t = time.perf_counter()
         fn()
+        host.append(time.perf_counter() - t)
         m.record()
     marks[-1].synchronize()
-    return min(a.elapsed_time(b) for a, b in zip(marks, marks[1:])) / 1e3
+    return max(min(a.elapsed_time(b) for a, b in zip(marks, marks[1:])) / 1e3, min(host))
 
 
-# ~2 ms of a GPU clock near 2 GHz: longer than the host needs to issue a candidate's timed runs
-HOLD_CYCLES = 4_000_000
+# ~5 ms of a GPU clock near 2 GHz: longer than the host needs to issue a candidate's timed runs (a Triton backward
+# of a list with many pieces issues for about a millisecond a run)
+HOLD_CYCLES = 10_000_000
 
 
 def _log2(x: float) -> int:
