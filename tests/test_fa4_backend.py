@@ -386,6 +386,7 @@ def test_fa4_forward_replays_each_runs_kernel_for_later_layers(mode):
     assert runs >= 1
     keep = tiles_to_dense(tiles, 96, 96)
     layers = 5
+    before = dict(replay.REFUSED)
     for layer in range(layers):
         q, k, v, _, _ = _inputs(96, 96, seed=layer)
         out, lse = be.forward(q, k, v, prep, 0.3)
@@ -394,12 +395,19 @@ def test_fa4_forward_replays_each_runs_kernel_for_later_layers(mode):
         torch.testing.assert_close(lse, l_ref, rtol=1e-10, atol=1e-10)
     kernels = {id(r.replays[s][0]) for r in prep.runs("fwd", torch.device("cpu"), be.functions, prep.calls.route("fwd"))
                for s in r.replays if r.replays[s] is not None}
+    # describe() names each launch kept on the interface with why, once per record
+    why = {w: n - before.get((f, w), 0) for (f, w), n in replay.REFUSED.items() if n > before.get((f, w), 0)}
+    not_replayed = {(d["function"], d["why"]) for d in be.describe()["not_replayed"]}
+    assert all((front.__qualname__, w) in not_replayed for w in why)
     if mode == "plain":  # recorded, checked once, replayed: the interface ran twice per run
-        assert front.calls == 2 * runs and all(replay._CHECKED[i] for i in kernels)
-    elif mode == "copy_q":  # never recorded
+        assert front.calls == 2 * runs and all(replay._CHECKED[i] for i in kernels) and not why
+    elif mode == "copy_q":  # never recorded: the kernel's q is a copy the interface made, and this stand-in's
+        # module has no compile caches to record a program from (FA4's has: test_fa4_backward_... names its reason)
         assert front.calls == layers * runs and not kernels
+        assert why == {"no compile caches in the interface's module": runs}, why
     else:  # recorded, its check failed (the checked layer's result is the interface's): the interface from then on
         assert front.calls == layers * runs and kernels and not any(replay._CHECKED[i] for i in kernels)
+        assert why == {"the kernel's first replay differed from the interface's result": len(kernels)}, why
 
 
 @contextlib.contextmanager
@@ -567,6 +575,7 @@ def test_fa4_backward_replays_each_runs_program_for_later_layers(mode):
         assert len(runs) == 1, "one launch a layer: the counts below assume it"
         keep = tiles_to_dense(tiles, s, s)
         layers = 5
+        before = dict(replay.REFUSED)
         for layer in range(layers):
             q, k, v, do, _ = _inputs(s, s, seed=10 + layer)
             out, lse = be.forward(q, k, v, prep, 0.3)
@@ -583,3 +592,8 @@ def test_fa4_backward_replays_each_runs_program_for_later_layers(mode):
             assert mod.bwd.calls == layers and progs[0] is not None and not replay._CHECKED[progs[0][2]]
         else:  # never recorded
             assert mod.bwd.calls == layers and progs == [None]
+        why = {w: n - before.get((f, w), 0) for (f, w), n in replay.REFUSED.items() if n > before.get((f, w), 0)}
+        assert why == {"plain": {}, "workspace": {"the program's first replay differed from the interface's result": 1},
+                       "derived": {"argument 5 of compiled call 2 of 3: a tensor the interface computed ((4, 96) "
+                                   "torch.float64), not a given tensor, a buffer it allocated or the run's own": 1}
+                       }[mode], why

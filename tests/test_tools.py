@@ -614,6 +614,7 @@ def test_host_path_runs_one_rank_alone_on_a_loopback_group(tmp_path):
         assert r["fwd_b2b_ms"] > 0 and r["bwd_b2b_ms"] > 0 and r["host_ms_per_call"] > 0 and r["step_ms_per_mb"] > 0
         assert r["gpu_ms"] is None and r["b2b_over_gpu"] is None  # no device time on a CPU
         assert r["step_gpu_ms_per_mb"] is None and r["step_over_gpu"] is None
+        assert r["not_replayed"] == {}  # no FA4 launch on a CPU
     saved = json.loads((tmp_path / "host_path.json").read_text())
     assert saved["process_group"] == "loopback" and len(saved["rows"]) == 2
     for key in ("tokens_per_rank", "cp", "mask", "heads", "b2b_ms", "gpu_ms", "host_ms_per_call", "b2b_over_gpu"):

@@ -101,6 +101,14 @@ def host_speed_us(device, reps: int = 1000, rounds: int = 5) -> list[float]:
     return out
 
 
+def not_replayed(device) -> dict:
+    """{"function: why": records} of the launches the auto backend keeps on FA4's interface so far in this process
+    (its ``describe()``; empty for backends without replayed launches)."""
+    be = mcp.runtime.resolve_backend("auto", device)[1]
+    rows = be.describe().get("not_replayed", []) if hasattr(be, "describe") else []
+    return {f"{r['function']}: {r['why']}": r["records"] for r in rows}
+
+
 def busy_ms(events, lo_us: float, hi_us: float) -> float:
     """ms of the union of the device events' intervals that start in [lo_us, hi_us)."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events if lo_us <= e.time_range.start < hi_us)
@@ -128,6 +136,7 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
         mcp.runtime.check_plan_ahead(plan, group, check)
         return plan
 
+    refused0 = not_replayed(a.device)
     pool = ThreadPoolExecutor(1)
     ahead = [pool.submit(make, m) for m in masks]  # one planning thread, in micro-batch order
     g = torch.Generator(device=a.device).manual_seed(1234 + a.rank)
@@ -239,6 +248,9 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
         row["steps_gpu_ms_per_mb"] = gpu
         row["step_ms_per_mb"], row["step_gpu_ms_per_mb"] = step_ms[best], gpu[best]
         row["step_over_gpu"] = step_ms[best] / gpu[best]
+    # launches this row kept on FA4's interface on every call (each costs the host its front), with why
+    row["not_replayed"] = {k: n - refused0.get(k, 0) for k, n in not_replayed(a.device).items()
+                           if n > refused0.get(k, 0)}
     if a.pyprofile_path is not None:  # where the host's Python goes: one more micro-batch under cProfile
         py = cProfile.Profile()
         # the backward on this thread (autograd runs a GPU's nodes on a thread of its own, which cProfile misses)
@@ -314,6 +326,9 @@ def main(argv=None) -> list[dict]:
         prof = os.path.join(out, f"host_path_profile{a.tag}.txt") if not rows else None
         keep_row(rows, run_case(name, t, cp, h, a, prof), summary, os.path.join(out, f"host_path{a.tag}.json"), meta)
     print("\n".join(summary(rows)))
+    for r in rows:  # launches kept on FA4's interface (a few hundred us of host each call)
+        for what, n in r.get("not_replayed", {}).items():
+            print(f"not replayed ({r['mask']}, cp {r['cp']}, {r['heads']}): {what} [{n} records]")
     return rows
 
 

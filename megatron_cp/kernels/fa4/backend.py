@@ -191,13 +191,15 @@ class FA4Backend:
         return self._functions
 
     def describe(self) -> dict:
-        """FA4 version, the device's arch, and every fallback to Triton met so far with its reason."""
+        """FA4 version, the device's arch, every fallback to Triton met so far with its reason, the routes timed, and
+        the launches kept on FA4's interface on every call (not replayed) with why (``replay.refusals``)."""
         arch = None
         if torch.cuda.is_available():
             arch = "sm%d%d" % torch.cuda.get_device_capability()
         ver = self._functions.version if self._functions is not None else None
         return {"backend": "fa4", "flash_attn_4": ver, "arch": arch, "deterministic": self.config.deterministic,
-                "fallbacks": dict(self.fallbacks), "routes": self.routes.describe()}
+                "fallbacks": dict(self.fallbacks), "routes": self.routes.describe(),
+                "not_replayed": replay.refusals()}
 
     def supports(self, device, dtype: torch.dtype, head_dim: int, head_dim_v: int | None = None) -> str | None:
         """FA4 itself or the Triton fallback must run it; on a device without FA4 this backend does not."""

@@ -27,6 +27,20 @@ import torch
 SLOTS = 5  # q, k, v, out, lse lead the compiled kernel's argument list
 _CHECKED: dict = {}  # id(compiled kernel) (forward) or a program's shape (backward) -> whether its replay gave the
 # interface's result (kernels live on in the interface's compile caches, so ids are not reused)
+# (interface function, why) -> launch records that keep the interface on every call for that reason: each such call
+# costs the host the interface's front (hundreds of us), so the backend's describe() shows them
+REFUSED: dict = {}
+
+
+def _refuse(fn, why: str) -> None:
+    key = (getattr(fn, "__qualname__", type(fn).__name__), why)
+    REFUSED[key] = REFUSED.get(key, 0) + 1
+
+
+def refusals() -> list[dict]:
+    """The launches this process keeps on FA4's interface on every call, by function and reason, with how many
+    records (run and input signature) each reason took."""
+    return [{"function": f, "why": w, "records": n} for (f, w), n in sorted(REFUSED.items())]
 
 
 class Recorder:
@@ -68,12 +82,12 @@ def _same(a, b: torch.Tensor) -> bool:
 FWD_SLOTS = ("q", "k", "v", "out", "lse")
 
 
-def launch(fn, tensors, replays: dict, scale: float, call, programs: dict | None = None, constants=None) -> None:
+def launch(fn, tensors, replays: dict, scale: float, call, programs: dict, constants) -> None:
     """Run one launch on ``tensors`` (q, k, v, out, lse as the interface takes them): replayed where ``replays``
     (the run's, keyed by ``signature``) holds this signature's kernel, else through ``call(out, lse)`` (the
     interface, writing those), recording the kernel for the next time when ``fn`` (the interface function) has a
-    compile cache. Where that record could not serve, ``programs`` (the run's, given) holds the launch recorded as a
-    program (``launch_program``; ``constants`` as there)."""
+    compile cache. Where that record could not serve, ``programs`` (the run's) holds the launch recorded as a program
+    (``launch_program``; ``constants`` as there)."""
     sig = signature(tensors, scale)
     got = replays.get(sig)
     if got is not None and _CHECKED.get(id(got[0]), True):
@@ -84,11 +98,12 @@ def launch(fn, tensors, replays: dict, scale: float, call, programs: dict | None
             call(out, lse)
             _CHECKED[id(kernel)] = torch.equal(out, tensors[3]) and torch.equal(lse, tensors[4])
             if not _CHECKED[id(kernel)]:
+                _refuse(fn, "the kernel's first replay differed from the interface's result")
                 tensors[3].copy_(out)
                 tensors[4].copy_(lse)
         return
     cache = getattr(fn, "compile_cache", None)
-    if programs is not None and got is None and sig in replays:  # the one-kernel record could not serve
+    if got is None and sig in replays:  # the one-kernel record could not serve
         launch_program(fn, dict(zip(FWD_SLOTS, (t.detach() for t in tensors))), ("out", "lse"), programs, (scale,),
                        constants, call, exact=True)
         return
@@ -105,6 +120,7 @@ def launch(fn, tensors, replays: dict, scale: float, call, programs: dict | None
         _same(a, t) for a, t in zip(rec.calls[0][1][:SLOTS], tensors))
     # the tensors' places are left empty: the record must not keep the first layer's tensors alive
     replays[sig] = (rec.calls[0][0], rec.calls[0][1][SLOTS:]) if ok else None
+
 
 
 # ---------------------------------------------------------------------------------------------- backward
@@ -187,18 +203,20 @@ def _place(t: torch.Tensor, given: dict, made: list, constants: set):
 
 
 def _program(calls, given: dict, made: list, constants):
-    """The recorded calls as a program, or None where one argument cannot be placed. Each step is the compiled
-    function, its argument list with the run's own values in place, and the places to fill on a replay:
-    (position, "slot" name or buffer index, view or None where the argument is the tensor itself)."""
+    """(program, None): the recorded calls as a program, or (None, why) where one argument cannot be placed. Each
+    step is the compiled function, its argument list with the run's own values in place, and the places to fill on a
+    replay: (position, "slot" name or buffer index, view or None where the argument is the tensor itself)."""
     const = {_storage(t) for t in _tensors(constants)}
     steps, shape = [], []
-    for fn, args in calls:
+    for j, (fn, args) in enumerate(calls):
         template, fills, kinds = [], [], []
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
                 p = _place(a, given, made, const)
                 if p is None:
-                    return None
+                    return None, (f"argument {i} of compiled call {j + 1} of {len(calls)}: a tensor the interface "
+                                  f"computed ({tuple(a.shape)} {a.dtype}), not a given tensor, a buffer it allocated "
+                                  "or the run's own")
                 kinds.append(p[:2] if p[0] != "keep" else ("keep",))
                 if p[0] == "keep":
                     template.append(a)
@@ -207,8 +225,9 @@ def _program(calls, given: dict, made: list, constants):
                 same = p[3] == 0 and p[2] == (tuple(base.shape), base.stride())
                 template.append(None)
                 fills.append((i, p[1], None if same else (p[2][0], p[2][1], p[3])))
-            elif any(_place(t, given, made, const) != ("keep", t) for t in _tensors(a)):
-                return None  # a container holding per-call tensors: not rebuilt here
+            elif any(_place(t, given, made, const) != ("keep", t) for t in _tensors(a)):  # not rebuilt here
+                return None, (f"argument {i} of compiled call {j + 1} of {len(calls)}: a {type(a).__name__} holding "
+                              "tensors made per call")
             else:
                 template.append(a)
                 kinds.append(("keep",))
@@ -217,7 +236,7 @@ def _program(calls, given: dict, made: list, constants):
     bufs = tuple((tuple(b.shape), b.stride(), b.dtype, b.device, zero) for b, zero in made)
     # what the first-replay check is kept by: the compiled kernels (they live on in the interface's caches) and how
     # each argument is placed
-    return tuple(steps), bufs, tuple(shape)
+    return (tuple(steps), bufs, tuple(shape)), None
 
 
 def _run(program, given: dict) -> None:
@@ -285,6 +304,7 @@ def launch_program(fn, given: dict, outputs: tuple, replays: dict, key: tuple, c
             call(*(ref[n] for n in outputs))
             _CHECKED[prog[2]] = all(_agree(given[n], ref[n], exact) for n in outputs)
             if not _CHECKED[prog[2]]:
+                _refuse(fn, "the program's first replay differed from the interface's result")
                 for n in outputs:
                     given[n].copy_(ref[n])
         return
@@ -292,7 +312,14 @@ def launch_program(fn, given: dict, outputs: tuple, replays: dict, key: tuple, c
         call(*(given[n] for n in outputs))
         return
     got = _record(fn, lambda: call(*(given[n] for n in outputs)))
-    replays[sig] = None if got is None or not got[0] else _program(got[0], given, got[1], constants)
+    if got is None or not got[0]:
+        why = "no compile caches in the interface's module" if got is None else "no compiled call recorded"
+        prog = None
+    else:
+        prog, why = _program(got[0], given, got[1], constants)
+    if prog is None:
+        _refuse(fn, why)
+    replays[sig] = prog
 
 
 def launch_bwd(fn, given: dict, replays: dict, key: tuple, constants, call, exact: bool) -> None:
