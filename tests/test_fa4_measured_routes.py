@@ -177,3 +177,44 @@ def test_a_candidate_that_fails_is_left_out_and_shown():
     be2.triton.forward = be2._fa4_forward = fails
     with pytest.raises(RuntimeError, match="no kernel ran"):
         be2.forward(q, k, v, be2.prepare(tiles, S, S), 0.25)
+
+
+@pytest.mark.parametrize("gpu_ms, host_ms", [(4.0, 1.0), (0.5, 3.0)])
+def test_a_candidate_costs_the_larger_of_its_gpu_time_and_its_host_issue_time(monkeypatch, gpu_ms, host_ms):
+    """measured.cuda_time: two untimed runs, then three runs behind a spin; the cost is the fastest run's GPU time
+    (between CUDA events) or the fastest run's issue time on the host, whichever is larger (back-to-back layer
+    calls: a list with little GPU work costs the step its host time). CUDA's events, spin and sync are stand-ins
+    here: each run's GPU time is ``gpu_ms`` (+ 1 ms on the first timed run), its issue time ``host_ms``."""
+    import time as time_mod
+
+    from megatron_cp.kernels.fa4 import measured
+
+    clock = {"host": 0.0, "gpu": 0.0}
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = clock["gpu"]
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+
+        def synchronize(self):
+            pass
+
+    runs = []
+
+    def fn():
+        runs.append(1)
+        clock["host"] += host_ms / 1e3
+        clock["gpu"] += gpu_ms + (1.0 if len(runs) == 3 else 0.0)  # the first timed run is slower on the GPU
+
+    monkeypatch.setattr(measured.torch.cuda, "Event", Event)
+    monkeypatch.setattr(measured.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(measured.torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: clock["host"])
+    cost = measured.cuda_time(fn)
+    assert len(runs) == 5  # two untimed, three timed
+    assert cost == pytest.approx(max(gpu_ms, host_ms) / 1e3)
