@@ -615,6 +615,10 @@ def test_host_path_runs_one_rank_alone_on_a_loopback_group(tmp_path):
         assert r["gpu_ms"] is None and r["b2b_over_gpu"] is None  # no device time on a CPU
         assert r["step_gpu_ms_per_mb"] is None and r["step_over_gpu"] is None
         assert r["not_replayed"] == {}  # no FA4 launch on a CPU
+        # a later call's pieces inside the loop: the whole call holds its kernels' call and its exchange's
+        fwd, bwd = r["pieces_us"]["forward"], r["pieces_us"]["backward"]
+        assert fwd["attention (the whole call)"][0] >= fwd["ReferenceBackend.forward"][0] > 0
+        assert fwd["attention.all_to_all_v"][1] == 1 and bwd["ReferenceBackend.backward"][1] == 1
     saved = json.loads((tmp_path / "host_path.json").read_text())
     assert saved["process_group"] == "loopback" and len(saved["rows"]) == 2
     for key in ("tokens_per_rank", "cp", "mask", "heads", "b2b_ms", "gpu_ms", "host_ms_per_call", "b2b_over_gpu"):

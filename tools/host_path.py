@@ -23,7 +23,9 @@ micro-batch's own), the host time of a layer call (the forward call's wall; the 
 for the planning helper, and the host's own speed just before and after the timed micro-batches (``host_ref_us``: a
 fixed allocation-and-Python loop; it moves between sittings of the same code by as much as a change, so compare rows
 per unit of it). Writes OUT/host_path<tag>.json, OUT/host_path_profile<tag>.txt (the first row's last
-profiled micro-batch: host time by op) and OUT/host_path_pyprofile<tag>.txt (every row: one more micro-batch, then a
+profiled micro-batch: host time by op), per row the inclusive host time of the runtime's, its backend's and Triton's
+named functions in one more micro-batch's later calls (``pieces_us``; printed) and OUT/host_path_pyprofile<tag>.txt
+(every row: one more micro-batch, then a
 new plan's first call, under cProfile: Python functions by own and cumulative time).
 """
 
@@ -99,6 +101,79 @@ def host_speed_us(device, reps: int = 1000, rounds: int = 5) -> list[float]:
             _ = {"i": i, "shape": y.shape}
         out.append((time.perf_counter() - t) / reps * 1e6)
     return out
+
+
+class Pieces:
+    """Inclusive host time of named public functions of the runtime, its backend and Triton's launcher inside the real
+    layer loop (a wrapper's timer around each; a few us per call added, so the row's timed figures are made without
+    them): per forward call (each ``mcp.attention`` call apart) and over the backward (per layer). Where a later call's
+    time goes in the loop, not in a piece timed alone (there each costs about half)."""
+
+    def __init__(self, backend):
+        import megatron_cp.runtime.attention  # noqa: F401  (the module, not the function the package exports)
+        import megatron_cp.runtime.guests
+        import megatron_cp.runtime.rowmap
+
+        att = sys.modules["megatron_cp.runtime.attention"]
+        targets = [(att, n) for n in ("verify_plan", "all_to_all_v", "copy_pairs", "reduce_row_pairs")]
+        targets += [(megatron_cp.runtime.rowmap.RowMap, n) for n in ("copy", "copy_pair", "gather")]
+        targets += [(megatron_cp.runtime.guests, n) for n in ("start_forward", "finish_forward", "start_backward",
+                                                              "finish_backward")]
+        targets += [(type(backend), n) for n in ("forward", "forward_accumulate", "backward", "backward_into")]
+        replay = sys.modules.get("megatron_cp.kernels.fa4.replay")
+        if replay is not None:
+            targets += [(replay, "launch"), (replay, "launch_program")]
+        with contextlib.suppress(ImportError):
+            from triton.runtime.jit import JITFunction
+            targets.append((JITFunction, "run"))
+        self.targets = [(o, n) for o, n in targets if n in vars(o)]
+        self.calls, self.bwd, self.current = [], {}, None
+
+    def _timed(self, label, fn):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc = self.bwd if self.current is None else self.current
+                us, n = acc.get(label, (0.0, 0))
+                acc[label] = (us + (time.perf_counter() - t) * 1e6, n + 1)
+        return timed
+
+    @contextlib.contextmanager
+    def installed(self):
+        saved = [(o, n, vars(o)[n]) for o, n in self.targets]
+        real = mcp.attention
+
+        def call(*args, **kwargs):
+            self.current = {}
+            try:
+                return self._timed("attention (the whole call)", real)(*args, **kwargs)
+            finally:
+                self.calls.append(self.current)
+                self.current = None
+
+        try:
+            for o, n, f in saved:
+                name = f"{getattr(o, '__name__', '?').rsplit('.', 1)[-1]}.{n}"
+                w = self._timed(name, f.__func__ if isinstance(f, staticmethod) else f)
+                setattr(o, n, staticmethod(w) if isinstance(f, staticmethod) else w)
+            mcp.attention = call
+            yield self
+        finally:
+            mcp.attention = real
+            for o, n, f in saved:
+                setattr(o, n, f)
+
+    def result(self, layers: int) -> dict:
+        """{"forward": {name: [us a call (median over calls), calls a call]}, "backward": {name: [us a layer, calls a
+        layer]}}, each by time, largest first."""
+        names = {k for c in self.calls for k in c}
+        fwd = {k: [float(np.median([c.get(k, (0.0, 0))[0] for c in self.calls])),
+                   float(np.median([c.get(k, (0.0, 0))[1] for c in self.calls]))] for k in names}
+        bwd = {k: [us / layers, n / layers] for k, (us, n) in self.bwd.items()}
+        order = lambda d: dict(sorted(d.items(), key=lambda kv: -kv[1][0]))  # noqa: E731
+        return {"forward": order(fwd), "backward": order(bwd)}
 
 
 def not_replayed(device) -> dict:
@@ -248,6 +323,11 @@ def run_case(mask_name: str, tokens: int, cp: int, heads: tuple[int, int], a, pr
         row["steps_gpu_ms_per_mb"] = gpu
         row["step_ms_per_mb"], row["step_gpu_ms_per_mb"] = step_ms[best], gpu[best]
         row["step_over_gpu"] = step_ms[best] / gpu[best]
+    # where a later call's host time goes inside the loop: one more micro-batch (its state built) with timers
+    pieces = Pieces(mcp.runtime.resolve_backend("auto", a.device)[1])
+    with pieces.installed():
+        micro_batch(a.warmup)
+    row["pieces_us"] = pieces.result(a.layers)
     # launches this row kept on FA4's interface on every call (each costs the host its front), with why
     row["not_replayed"] = {k: n - refused0.get(k, 0) for k, n in not_replayed(a.device).items()
                            if n > refused0.get(k, 0)}
@@ -326,7 +406,11 @@ def main(argv=None) -> list[dict]:
         prof = os.path.join(out, f"host_path_profile{a.tag}.txt") if not rows else None
         keep_row(rows, run_case(name, t, cp, h, a, prof), summary, os.path.join(out, f"host_path{a.tag}.json"), meta)
     print("\n".join(summary(rows)))
-    for r in rows:  # launches kept on FA4's interface (a few hundred us of host each call)
+    for r in rows:  # where a later call's host time goes; launches kept on FA4's interface (hundreds of us each)
+        for phase, per in (("forward us a call", r["pieces_us"]["forward"]),
+                           ("backward us a layer", r["pieces_us"]["backward"])):
+            print(f"pieces ({r['mask']}, cp {r['cp']}, {r['heads']}), {phase}: "
+                  + "; ".join(f"{k} {us:.0f} x{n:g}" for k, (us, n) in list(per.items())[:10]))
         for what, n in r.get("not_replayed", {}).items():
             print(f"not replayed ({r['mask']}, cp {r['cp']}, {r['heads']}): {what} [{n} records]")
     return rows
