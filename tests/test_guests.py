@@ -225,3 +225,27 @@ def test_the_guest_rows_merge_kernel_matches_the_torch_merge(d):
     out0 = (parts[:, 0, :, :d] * torch.exp(parts[:, 0, :, d] - lse0).unsqueeze(-1)).sum(0)
     # one bf16 step: Triton's CPU interpreter truncates fp32 -> bf16 where a GPU rounds (tests/test_rowmap.py)
     assert torch.allclose(l1[8], lse0, atol=1e-6) and torch.allclose(o1[8], out0, atol=2 ** -7 * out0.abs().max())
+
+
+def _bf16_guest_cases(rank, world):
+    from reference import bf16_errors
+
+    out = {}
+    for name, mask, rows in (("global_local", M.global_local(96, 4, 2, 1), [[0, 8]]),
+                             ("star", M.star(53, 8, 6), [[0, 8]])):
+        plan = mcp.plan(mask, world, guest_rows=rows)
+        assert plan.has_guests
+        for st in (0, 1):
+            out.update({(name, st, tag): e for tag, e in bf16_errors(rank, world, mask, plan, stages=st).items()})
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_guest_rows_in_bf16_within_twice_plain_bf16_error(world):
+    """Guest rows' partials travel in q's dtype as the kernel wrote them (bf16 here) and merge at the owner in fp32:
+    out, dq, dk, dv within the 2x rule of a plain bf16 dense PyTorch run, on both exchange paths."""
+    from reference import assert_bf16
+
+    for r in run_ranks(_bf16_guest_cases, world):
+        for key, e in r.items():
+            assert_bf16({key[2]: e}, key[:2])
