@@ -225,10 +225,11 @@ def copy_row_pair_moves(moves, use_triton=None) -> None:
             copy_row_pairs(*m, use_triton=use_triton)
         return
     args, has, ns, width = [], [], [], 0
-    for dst_a, src_a, dst_b, src_b, dst_idx, src_idx in moves:
+    for move in moves:
+        dst_a, src_a, dst_b, src_b, dst_idx, src_idx = move
+        n = _move_len(move)
         src_a, wa, sda, ssa = _geoms(dst_a, src_a)
         src_b, wb, sdb, ssb = _geoms(dst_b, src_b)
-        n = dst_idx.shape[0] if dst_idx is not None else src_idx.shape[0] if src_idx is not None else src_a.shape[0]
         args += [dst_a, src_a, dst_b, src_b, dst_idx if dst_idx is not None else dst_a,
                  src_idx if src_idx is not None else src_a, n, wa, wb, sda, ssa, sdb, ssb]
         has += [dst_idx is not None, src_idx is not None]

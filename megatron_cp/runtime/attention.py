@@ -100,6 +100,9 @@ def kv_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def split_kv(buf: torch.Tensor, h: int, da: int, db: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views ([rows, H, Da], [rows, H, Db]) of a ``kv_rows`` buffer (unit stride along the head dim; with
     Da == Db the same strides as the two halves of a [rows, 2H, D] buffer)."""
+    if da == db:  # two view ops instead of column_blocks' four (each costs the host microseconds, every stage)
+        a, b = buf.unflatten(1, (2, h, da)).unbind(1)
+        return a, b
     a, b = column_blocks(buf, ((h, da), (h, db)))
     return a, b
 
@@ -108,12 +111,8 @@ def _kv_buffer(k: torch.Tensor, v: torch.Tensor, rows: int) -> tuple[torch.Tenso
     """A new key buffer of ``rows`` rows in ``kv_rows``' layout (each token's K row, then its V row) and its K and V
     views: the all-to-all delivers received rows in that layout, so they land in it without a copy. The kernels read
     the views as they read contiguous K / V (each row's heads are one dense block; its stride only is longer)."""
-    h, da, db = k.shape[1], k.shape[2], v.shape[2]
-    kv = k.new_empty((rows, h * (da + db)))
-    if da == db:  # two view ops instead of split_kv's four: each costs the host microseconds
-        kb, vb = kv.view(rows, 2, h, da).unbind(1)
-        return kv, kb, vb
-    return (kv, *split_kv(kv, h, da, db))
+    kv = k.new_empty((rows, k.shape[1] * (k.shape[2] + v.shape[2])))
+    return (kv, *split_kv(kv, k.shape[1], k.shape[2], v.shape[2]))
 
 
 def _cast_kv(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_counts, group, pool, tag, also=(),
