@@ -103,6 +103,28 @@ def test_threads_asking_at_once_each_get_a_helper():
     assert len({p.pid for p in alive}) >= 2  # more than one helper answered
 
 
+def test_helpers_started_ahead_answer_and_taking_the_last_idle_one_starts_a_spare():
+    """start_planning_helpers starts idle helpers without waiting for their imports; a plan takes one of them; the
+    call that takes the last idle helper leaves a spare started behind it (the next thread asking at once does not
+    wait seconds for a helper's imports)."""
+    from megatron_cp.runtime import plan_process, start_planning_helpers
+
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="count must be an int >= 0"):
+            start_planning_helpers(bad)
+    with plan_process._LOCK:
+        idle, plan_process._IDLE[:] = list(plan_process._IDLE), []
+    for p in idle:
+        plan_process._stop(p)
+    assert start_planning_helpers(1) == 1 and start_planning_helpers(1) == 0  # one alive and idle: none more
+    (ahead,) = plan_process._IDLE
+    m = _packed(7, 2048)
+    assert plan_in_helper(m, 4, work=WORK).digest64 == mcp.plan(m, 4).digest64
+    alive = [p for p in plan_process._IDLE if p.poll() is None]
+    assert len(alive) == 2 and ahead in alive  # the helper started ahead answered and is idle again, beside a spare
+    assert start_planning_helpers(3) == 1 and len(plan_process._IDLE) == 3
+
+
 def _fa4_emulated():
     import fa4_semantics
     import torch

@@ -28,6 +28,7 @@ from functools import partial
 import torch
 
 from megatron_cp.planner import Workload
+from megatron_cp.runtime import start_planning_helpers
 
 from . import rope
 from .arguments import OURS, add_megatron_cp_args, check_megatron_args, compose, dry_run, specs_from_args
@@ -154,6 +155,10 @@ def wrap_parse(parse_and_validate_args):
         args = parse_and_validate_args(*a, extra_args_provider=compose(extra_args_provider, add_megatron_cp_args), **kw)
         validate_args(args)
         check_eod(args)
+        if torch.cuda.is_available() and getattr(args, "context_parallel_impl", None) == "megatron_cp":
+            # forward_step's plans come from planning helpers (a few seconds of imports each): started here, they
+            # import while the model is built, and the first micro-batches do not wait for them
+            start_planning_helpers(2)
         return args
 
     parse._megatron_cp_original = parse_and_validate_args

@@ -16,12 +16,13 @@ from .cost import CostModel
 from .dispatch import dispatch, undispatch
 from .global_batch import HostCost, all_micro_batches, gather_global_batch, plan_over_dp, predict_layer
 from .groups import host_group, plan_rank, planning_group
-from .plan_process import plan_in_helper
+from .plan_process import plan_in_helper, start_planning_helpers
 from .sinks import apply_sink
 from .state import accept_plan_check, check_plan_ahead, fingerprint, input_fields, plan_cache, verify_plan
 
 # the user API
-__all__ = ["attention", "prebuild", "plan_in_helper", "apply_sink", "dispatch", "undispatch", "CostModel",
+__all__ = ["attention", "prebuild", "plan_in_helper", "start_planning_helpers", "apply_sink", "dispatch", "undispatch",
+           "CostModel",
            # every DP group's micro-batch under one plan of the DP x CP world
            "gather_global_batch", "all_micro_batches",
            # which layout of a global micro-batch: balanced over every rank or each DP group's own (predicted)

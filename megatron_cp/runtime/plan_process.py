@@ -62,15 +62,35 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
+def start_planning_helpers(count: int = 1) -> int:
+    """Start planning helpers now, without waiting for them, until ``count`` idle ones are alive; returns how
+    many were started. A helper's imports take seconds (torch, megatron_cp): started ahead (e.g. while the model
+    is built), the first plans ``plan_in_helper`` asks for do not wait for them."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count must be an int >= 0 (idle planning helpers to keep), got {count!r}")
+    with _LOCK:
+        _IDLE[:] = [p for p in _IDLE if p.poll() is None]
+        missing = max(0, count - len(_IDLE))
+    started = [_start() for _ in range(missing)]
+    with _LOCK:
+        _IDLE[:0] = started  # under the ready ones: a thread takes the last idle helper first
+    return missing
+
+
 def _ask(request: tuple):
-    """Send one request to an idle helper (started if none is) and return its answer."""
+    """Send one request to an idle helper (started if none is) and return its answer. Taking the last idle
+    helper starts a spare one: a thread asking next (planning that fell behind runs plans at once) then finds a
+    helper whose imports are under way or done instead of starting one and waiting seconds for it."""
     # pickled whole before anything is written: a request that cannot be pickled (a backend's prepare_host that
     # is not a module-level function) raises here and leaves no half-written request in a helper's input
     data = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
     with _LOCK:
         proc = _IDLE.pop() if _IDLE else None
+        spare = not _IDLE
     if proc is None or proc.poll() is not None:
         proc = _start()
+    if spare:
+        start_planning_helpers(1)
     try:
         proc.stdin.write(data)
         proc.stdin.flush()
