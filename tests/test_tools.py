@@ -498,6 +498,9 @@ def test_bench_train_runs_fresh_plans_per_micro_batch(tmp_path, capsys):
     for r in rows:
         assert r["seqlen"] == 128 and r["layers"] == 2 and r["gpu_ms"] is None
         assert r["step_ms"] > 0 and r["first_call_ms"] > 0 and r["call_ms"] > 0 and r["plan_ms"] > 0
+        # the one timed step, and no route timed nor FA4 kernel compiled on the CPU (the rules of calls.py hold there)
+        assert len(r["steps_ms"]) == 1 and r["steps_ms"][0] > 0
+        assert r["routes_timed_in_steps"] == 0 and r["fa4_compiles_in_steps"] == 0
         assert r["planned_before_ms"] > 0 and r["wait_ms"] >= 0
     assert "tokens/GPU  megatron_cp: step" in out.stdout
     # rank 0's host profile of one more megatron-cp step: the attention's forward among its functions

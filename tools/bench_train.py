@@ -8,7 +8,8 @@ Per implementation and tokens per GPU, a thread plans the next micro-batches (``
 does) while a step runs 4 micro-batches of 8 attention layers forward, then backward, with no sync inside. A row
 (``bench``): the step's wall time, again with every plan made before it, its device time outside and inside NCCL,
 the host time of a micro-batch's first layer call (megatron-cp builds the plan's state and waits for the plan check
-there) and of the others, the planning thread's time per micro-batch and the step's wait for it. Writes
+there) and of the others, the planning thread's time per micro-batch and the step's wait for it, each timed step's
+time and the one-time costs met in them (route classes timed, FA4 kernels compiled; the most on any rank). Writes
 OUT/bench_train<tag>.json after every implementation and OUT/host_profile_megatron_cp_<tokens per GPU><tag>.txt:
 rank 0's host time by function over one more step (cProfile, which on Python 3.12 sees the planning thread too).
 Six warm-up steps by default: FA4 compiles a kernel per launch configuration it meets, megatron-cp times the routes
@@ -97,6 +98,20 @@ def _busy_ms(prof) -> tuple[float, float]:
     return merged(rest), merged(nccl)
 
 
+def one_time_counts(device) -> list[int]:
+    """[route classes timed, FA4 kernels compiled] in this process so far: one-time costs a step may meet (the
+    kernel backend's measured routes, FlashAttention-4's in-memory compile caches; 0 where there are none)."""
+    routes = getattr(mcp.runtime.resolve_backend("auto", device)[1], "routes", None)
+    compiled = 0
+    try:
+        from flash_attn.cute import interface as fa4
+    except ImportError:
+        fa4 = None
+    for fn in ("_flash_attn_fwd", "_flash_attn_bwd"):
+        compiled += len(getattr(getattr(getattr(fa4, fn, None), "compile_cache", None), "cache", ()))
+    return [len(getattr(routes, "chosen", ())), compiled]
+
+
 def bench(impl: str, seqlen: int, a) -> dict:
     # imported in the ranks: Megatron-Core takes seconds to import, and a dry run's parent needs none of it
     from megatron_cp.megatron import PlanAhead, default_workers
@@ -149,7 +164,9 @@ def bench(impl: str, seqlen: int, a) -> dict:
 
     for _ in range(a.warmup):
         step()
+    before = one_time_counts(a.device)
     wall = [step_ms(timed=True) for _ in range(a.iters)]
+    met = [x - y for x, y in zip(one_time_counts(a.device), before)]
     if cuda:
         sync()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -170,15 +187,18 @@ def bench(impl: str, seqlen: int, a) -> dict:
     for p in made if mega else ():
         mcp.runtime.accept_plan_check(p, a.group)
     floor = [step_ms(source=iter(made)) for _ in range(a.iters)]
-    mine = torch.from_numpy(np.array([np.median(x) for x in (wall, first, calls or [0.0], floor)])).to(a.device)
+    mine = torch.from_numpy(np.array([np.median(x) for x in (wall, first, calls or [0.0], floor)] + wall + met,
+                                     dtype=np.float64)).to(a.device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=a.group)
-    med, first_call, call, planned_before = mine.tolist()
+    med, first_call, call, planned_before, *rest = mine.tolist()
+    steps, (routes_timed, fa4_compiled) = rest[:a.iters], rest[a.iters:]
     # the timed steps' micro-batches only: the warm-up's first plans load the kernels and fill caches
     timed_ms = lambda xs: 1e3 * float(np.mean(list(xs)[lo:hi])) if list(xs)[lo:hi] else 0.0  # noqa: E731
     return dict(impl=impl, seqlen=seqlen, tokens_per_gpu=seqlen // a.cp, layers=a.layers,
                 micro_batches=a.micro_batches, step_ms=med, planned_before_ms=planned_before, gpu_ms=busy,
                 nccl_ms=nccl, host_over_gpu=None if busy is None else med / busy, first_call_ms=first_call,
-                call_ms=call, plan_ms=timed_ms(ahead.plan_times), wait_ms=timed_ms(ahead.waits))
+                call_ms=call, plan_ms=timed_ms(ahead.plan_times), wait_ms=timed_ms(ahead.waits), steps_ms=steps,
+                routes_timed_in_steps=int(routes_timed), fa4_compiles_in_steps=int(fa4_compiled))
 
 
 def run(rank: int, world: int, a) -> list[dict]:
@@ -195,7 +215,10 @@ def run(rank: int, world: int, a) -> list[dict]:
                 gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f} (x{r['host_over_gpu']:.2f})"
                 print(f"{tpg:>7} tokens/GPU {impl:>12}: step {r['step_ms']:.2f} ms (plans made before: "
                       f"{r['planned_before_ms']:.2f}), GPU {gpu}, first call {r['first_call_ms']:.2f} ms, call "
-                      f"{r['call_ms']:.3f} ms, plan {r['plan_ms']:.2f} ms (waited {r['wait_ms']:.2f})", flush=True)
+                      f"{r['call_ms']:.3f} ms, plan {r['plan_ms']:.2f} ms (waited {r['wait_ms']:.2f}); timed steps "
+                      f"{', '.join(f'{x:.0f}' for x in r['steps_ms'])} ms, in them (the slowest rank) "
+                      f"{r['routes_timed_in_steps']} route classes timed, {r['fa4_compiles_in_steps']} FA4 "
+                      "compiles", flush=True)
                 write_json(os.path.join(a.out, f"bench_train{a.tag}.json"), {**meta, "rows": rows})
     return rows
 
