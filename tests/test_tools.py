@@ -500,6 +500,7 @@ def test_bench_train_runs_fresh_plans_per_micro_batch(tmp_path, capsys):
         assert r["step_ms"] > 0 and r["first_call_ms"] > 0 and r["call_ms"] > 0 and r["plan_ms"] > 0
         # the one timed step, and no route timed nor FA4 kernel compiled on the CPU (the rules of calls.py hold there)
         assert len(r["steps_ms"]) == 1 and r["steps_ms"][0] > 0
+        assert r["warmup_steps"] == 1  # --warmup 1, and nothing met on the CPU that would warm up longer
         assert r["routes_timed_in_steps"] == 0 and r["fa4_compiles_in_steps"] == 0
         assert r["planned_before_ms"] > 0 and r["wait_ms"] >= 0
     assert "tokens/GPU  megatron_cp: step" in out.stdout

@@ -12,10 +12,10 @@ there) and of the others, the planning thread's time per micro-batch and the ste
 time and the one-time costs met in them (route classes timed, FA4 kernels compiled; the most on any rank). Writes
 OUT/bench_train<tag>.json after every implementation and OUT/host_profile_megatron_cp_<tokens per GPU><tag>.txt:
 rank 0's host time by function over one more step (cProfile, which on Python 3.12 sees the planning thread too).
-Six warm-up steps by default: FA4 compiles a kernel per launch configuration it meets, megatron-cp times the routes
-of each tile-list class once and its planner starts a helper process when planning falls behind; new packed masks
-bring new ones for dozens of micro-batches, and fewer warm-up steps timed those one-time costs as steps (every
-implementation's: all-gather's step measured 2.2 s against 97 ms with its plans made before).
+At least six warm-up steps (--warmup), and up to SETTLE_STEPS more while a step still meets a one-time cost on some
+rank: FA4 compiles a kernel per launch configuration it meets and our backend times the routes of each tile-list
+class once (every implementation runs on it); new packed masks bring new ones for dozens of micro-batches, and
+fewer warm-up steps timed those as steps (all-gather's step 2.2 s against 97 ms with its plans made before).
 """
 
 from __future__ import annotations
@@ -98,6 +98,11 @@ def _busy_ms(prof) -> tuple[float, float]:
     return merged(rest), merged(nccl)
 
 
+# warm-up steps beyond --warmup while the last one still met a one-time cost on some rank (a route class timed, an
+# FA4 kernel compiled): those cost a step seconds, and the timed steps are to show the steps a long run is made of
+SETTLE_STEPS = 12
+
+
 def one_time_counts(device) -> list[int]:
     """[route classes timed, FA4 kernels compiled] in this process so far: one-time costs a step may meet (the
     kernel backend's measured routes, FlashAttention-4's in-memory compile caches; 0 where there are none)."""
@@ -118,7 +123,7 @@ def bench(impl: str, seqlen: int, a) -> dict:
 
     cuda, mega = a.device.type == "cuda", impl == OURS
     make, attend = _planner(impl, a)
-    masks = micro_batch_masks(seqlen, (a.warmup + a.iters + (2 if cuda else 1)) * a.micro_batches)
+    masks = micro_batch_masks(seqlen, (a.warmup + SETTLE_STEPS + a.iters + (2 if cuda else 1)) * a.micro_batches)
     plans: dict[int, object] = {}
     ahead = PlanAhead(iter(range(len(masks))), lambda i: plans.__setitem__(i, make(masks[i])), depth=2,
                       max_workers=default_workers(torch.cuda.device_count()) if cuda else 1)  # as the plugin
@@ -162,8 +167,15 @@ def bench(impl: str, seqlen: int, a) -> dict:
         sync()
         return (time.perf_counter() - t) * 1e3
 
-    for _ in range(a.warmup):
+    warm, seen = 0, one_time_counts(a.device)
+    while warm < a.warmup + SETTLE_STEPS:
         step()
+        warm, now = warm + 1, one_time_counts(a.device)
+        met = torch.tensor([float(sum(now) - sum(seen))], device=a.device)
+        dist.all_reduce(met, op=dist.ReduceOp.MAX, group=a.group)  # every rank stops after the same step
+        seen = now
+        if warm >= a.warmup and met.item() == 0:
+            break
     before = one_time_counts(a.device)
     wall = [step_ms(timed=True) for _ in range(a.iters)]
     met = [x - y for x, y in zip(one_time_counts(a.device), before)]
@@ -178,11 +190,11 @@ def bench(impl: str, seqlen: int, a) -> dict:
         step_ms()
     if host_prof is not None:
         with open(os.path.join(a.out, f"host_profile_{impl}_{seqlen // a.cp}{a.tag}.txt"), "w") as f:
-            pstats.Stats(host_prof, stream=f).sort_stats("tottime").print_stats(30)
+            pstats.Stats(host_prof, stream=f).sort_stats("tottime").print_stats(60)
     ahead.close()
     # the timed steps again (the same masks: no kernel compiles for a layout not seen yet) with every plan made
     # before them, nothing planned beside the step: what planning ahead costs the step on the host
-    lo, hi = a.warmup * a.micro_batches, (a.warmup + a.iters) * a.micro_batches
+    lo, hi = warm * a.micro_batches, (warm + a.iters) * a.micro_batches
     made = [make(m) for m in masks[lo:hi]]
     for p in made if mega else ():
         mcp.runtime.accept_plan_check(p, a.group)
@@ -195,7 +207,7 @@ def bench(impl: str, seqlen: int, a) -> dict:
     # the timed steps' micro-batches only: the warm-up's first plans load the kernels and fill caches
     timed_ms = lambda xs: 1e3 * float(np.mean(list(xs)[lo:hi])) if list(xs)[lo:hi] else 0.0  # noqa: E731
     return dict(impl=impl, seqlen=seqlen, tokens_per_gpu=seqlen // a.cp, layers=a.layers,
-                micro_batches=a.micro_batches, step_ms=med, planned_before_ms=planned_before, gpu_ms=busy,
+                micro_batches=a.micro_batches, warmup_steps=warm, step_ms=med, planned_before_ms=planned_before, gpu_ms=busy,
                 nccl_ms=nccl, host_over_gpu=None if busy is None else med / busy, first_call_ms=first_call,
                 call_ms=call, plan_ms=timed_ms(ahead.plan_times), wait_ms=timed_ms(ahead.waits), steps_ms=steps,
                 routes_timed_in_steps=int(routes_timed), fa4_compiles_in_steps=int(fa4_compiled))
@@ -215,7 +227,8 @@ def run(rank: int, world: int, a) -> list[dict]:
                 gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f} (x{r['host_over_gpu']:.2f})"
                 print(f"{tpg:>7} tokens/GPU {impl:>12}: step {r['step_ms']:.2f} ms (plans made before: "
                       f"{r['planned_before_ms']:.2f}), GPU {gpu}, first call {r['first_call_ms']:.2f} ms, call "
-                      f"{r['call_ms']:.3f} ms, plan {r['plan_ms']:.2f} ms (waited {r['wait_ms']:.2f}); timed steps "
+                      f"{r['call_ms']:.3f} ms, plan {r['plan_ms']:.2f} ms (waited {r['wait_ms']:.2f}); after "
+                      f"{r['warmup_steps']} warm-up steps, timed steps "
                       f"{', '.join(f'{x:.0f}' for x in r['steps_ms'])} ms, in them (the slowest rank) "
                       f"{r['routes_timed_in_steps']} route classes timed, {r['fa4_compiles_in_steps']} FA4 "
                       "compiles", flush=True)
