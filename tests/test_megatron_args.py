@@ -231,3 +231,24 @@ def test_help_prints_with_megatrons_own_flags():
     assert "--context-parallel-impl" in text and "--cp-moba-top-k" in text
     if "--moe-paged-stash-buffer-size-factor-cuda" in text:
         assert "10%)" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_parsing_starts_the_planning_helpers_on_a_gpu(monkeypatch, cuda):
+    """On a GPU machine ``wrap_parse`` starts two planning helpers once the flags check out (their imports take
+    seconds: they run while the model is built, not in the first micro-batches' plans); on the CPU none."""
+    import megatron.training
+
+    from megatron_cp.megatron import plugin
+
+    class Tokenizer:
+        vocab_size, eod = 320, 7
+
+    started = []
+    monkeypatch.setattr(megatron.training, "get_tokenizer", lambda: Tokenizer())
+    monkeypatch.setattr(plugin, "start_planning_helpers", started.append)
+    parse = plugin.wrap_parse(lambda extra_args_provider=None, **kw: _parse(["--reset-attention-mask"]))
+    with monkeypatch.context() as m:
+        m.setattr(plugin.torch.cuda, "is_available", lambda: cuda)
+        args = parse()
+    assert args.context_parallel_impl == "megatron_cp" and started == ([2] if cuda else [])

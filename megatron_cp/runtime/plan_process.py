@@ -64,8 +64,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def start_planning_helpers(count: int = 1) -> int:
     """Start planning helpers now, without waiting for them, until ``count`` idle ones are alive; returns how
-    many were started. A helper's imports take seconds (torch, megatron_cp): started ahead (e.g. while the model
-    is built), the first plans ``plan_in_helper`` asks for do not wait for them."""
+    many were started. A helper's imports take seconds (torch, megatron_cp; docs/measurements.md): started
+    ahead (e.g. while the model is built), the first plans ``plan_in_helper`` asks for do not wait for them."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"count must be an int >= 0 (idle planning helpers to keep), got {count!r}")
     with _LOCK:
