@@ -15,7 +15,7 @@ rank 0's host time by function over one more step (cProfile, which on Python 3.1
 At least six warm-up steps (--warmup), and up to SETTLE_STEPS more while a step still meets a one-time cost on some
 rank: FA4 compiles a kernel per launch configuration it meets and our backend times the routes of each tile-list
 class once (every implementation runs on it); new packed masks bring new ones for dozens of micro-batches, and
-fewer warm-up steps timed those as steps (all-gather's step 2.2 s against 97 ms with its plans made before).
+with fewer warm-up steps the timed steps held them (a step that compiles takes seconds).
 """
 
 from __future__ import annotations
@@ -207,8 +207,8 @@ def bench(impl: str, seqlen: int, a) -> dict:
     # the timed steps' micro-batches only: the warm-up's first plans load the kernels and fill caches
     timed_ms = lambda xs: 1e3 * float(np.mean(list(xs)[lo:hi])) if list(xs)[lo:hi] else 0.0  # noqa: E731
     return dict(impl=impl, seqlen=seqlen, tokens_per_gpu=seqlen // a.cp, layers=a.layers,
-                micro_batches=a.micro_batches, warmup_steps=warm, step_ms=med, planned_before_ms=planned_before, gpu_ms=busy,
-                nccl_ms=nccl, host_over_gpu=None if busy is None else med / busy, first_call_ms=first_call,
+                micro_batches=a.micro_batches, warmup_steps=warm, step_ms=med, planned_before_ms=planned_before,
+                gpu_ms=busy, nccl_ms=nccl, host_over_gpu=None if busy is None else med / busy, first_call_ms=first_call,
                 call_ms=call, plan_ms=timed_ms(ahead.plan_times), wait_ms=timed_ms(ahead.waits), steps_ms=steps,
                 routes_timed_in_steps=int(routes_timed), fa4_compiles_in_steps=int(fa4_compiled))
 
