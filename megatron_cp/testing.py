@@ -247,8 +247,25 @@ def plan_coverage_errors(plan, mask: AttnMask) -> np.ndarray:
 
 # -- N ranks, each its own process -----------------------------------------------------------------------------
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a tcp:// rendezvous)."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a tcp:// rendezvous), below the kernel's
+    ephemeral range: a port of that range (what binding port 0 gives) can be taken as the local end of any
+    connection (gloo opens many) between this call and the rendezvous binding it, and the rendezvous then fails
+    with EADDRINUSE."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = np.random.default_rng()
+    for port in rng.integers(max(1024, low // 2), max(1025, low), size=64).tolist():
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every candidate busy: one of the ephemeral range
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

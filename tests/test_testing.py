@@ -177,3 +177,16 @@ def test_support_doc_example_runs_as_written():
     assert exact.lse.dtype == torch.float64
     worst = {n: float((getattr(exact, n) - getattr(ref, n)).nan_to_num(posinf=0, neginf=0).abs().max()) for n in mt.FIELDS}
     assert all(e <= 1e-12 for e in worst.values()), worst
+
+
+def test_free_port_is_bindable_and_below_the_ephemeral_range():
+    """free_port: a port that binds, outside the range the kernel hands out as connections' local ends (a port of
+    that range was taken by some connection before torchrun's rendezvous bound it: EADDRINUSE)."""
+    import socket
+
+    low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    ports = [mt.free_port() for _ in range(8)]
+    assert all(1024 <= p < low for p in ports), (ports, low)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))
