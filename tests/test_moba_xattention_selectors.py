@@ -142,6 +142,26 @@ def test_moba_matches_reference(mask, top_k):
     assert (keep.sum(-1) <= top_k + 1).all()
 
 
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moba_gates_only_the_envelope_pairs_and_each_as_over_every_pair(mask, dtype):
+    """MoBA's gates are computed on the envelope's block pairs only (packed documents: a small part of nq x nb),
+    each bitwise the fold over D that every pair's product tensor gave; 0 off the envelope."""
+    from megatron_cp.sparse.moba import block_means
+
+    q, k = qk(4, dtype)
+    sel, view = MoBA(block=32), single_view(MASKS[mask](), 32, k)
+    pooled = view.combine(sel.summaries(k, view))
+    got = sel.gates(q, pooled, view)
+    qm = block_means(q, 32, pooled.dtype).transpose(0, 1)
+    kp = pooled.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)
+    every = tree_sum(qm[:, :, None, :] * kp[:, None], -1)
+    env = (view.envelope > 0)[None].expand_as(got)
+    assert torch.equal(got[env], every[env]) and not got[~env].any()
+    qi, _ = sel._pairs(view, q.device)
+    assert qi.numel() == int((view.envelope > 0).sum()) < (S // 32) ** 2
+
+
 def test_moba_default_block_and_ties():
     # block 64, top_k larger than the candidates; equal keys in every block: gate ties -> lower ids first
     m = masks.causal(S)

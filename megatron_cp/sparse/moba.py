@@ -26,9 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
-from ..kernels import accumulate_dtype
+from ..kernels import accumulate_dtype, upload
 from .selector import check_block, check_heads
 from .view import SelectionView
 
@@ -102,19 +103,36 @@ class MoBA:
 
     def gates(self, q: torch.Tensor, pooled: torch.Tensor, view: SelectionView) -> torch.Tensor:
         """Gate scores [Hq, nq, nb] (pooled's dtype): mean query of each local q block . pooled key of each
-        global block, through the q head's kv head. q [nq*B, Hq, D]; pooled [nb, Hkv, D] (combined)."""
-        nq = view.q_blocks.numel()
-        hq, hkv = q.shape[1], pooled.shape[1]
-        qm = block_means(q, self.block, pooled.dtype)  # [nq, Hq, D]
+        global block, through the q head's kv head, on the envelope's block pairs (the only candidates); 0
+        elsewhere. q [nq*B, Hq, D]; pooled [nb, Hkv, D] (combined).
+
+        Only the envelope's pairs are computed: a product tensor over every pair costs nq x nb x D per head
+        whatever the mask, as much for packed documents as for causal attention, where the envelope is a small
+        part of it. Each pair's value is the same fold over D as over every pair (the same operations)."""
+        qi, kj = self._pairs(view, q.device)
+        hq, hkv, nq = q.shape[1], pooled.shape[1], view.q_blocks.numel()
+        qm = block_means(q, self.block, pooled.dtype).transpose(0, 1)  # [Hq, nq, D]
         kp = pooled.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, nb, D]
-        qm = qm.transpose(0, 1)  # [Hq, nq, D]
-        out = torch.empty(hq, nq, view.num_blocks, dtype=pooled.dtype, device=pooled.device)
-        # the dot product over D is a fold of [Hq, c, nb, D] products: chunked over q blocks to bound memory
-        # (any chunking gives the same values: every operation is elementwise)
-        c = max(1, (1 << 24) // max(1, hq * view.num_blocks * qm.shape[-1]))
-        for s in range(0, nq, c):
-            out[:, s:s + c] = tree_sum(qm[:, s:s + c, None, :] * kp[:, None], -1)
-        return out
+        flat = torch.zeros(hq, nq * view.num_blocks, dtype=pooled.dtype, device=pooled.device)
+        # the fold over D of [Hq, c, D] products, chunked over pairs to bound memory (elementwise: any chunking
+        # gives the same values)
+        c = max(1, (1 << 24) // max(1, hq * qm.shape[-1]))
+        for s in range(0, qi.numel(), c):
+            i, j = qi[s:s + c], kj[s:s + c]
+            flat[:, i * view.num_blocks + j] = tree_sum(qm[:, i] * kp[:, j], -1)
+        return flat.view(hq, nq, view.num_blocks)
+
+    @staticmethod
+    def _pairs(view: SelectionView, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(local q block, global key block) of the envelope's pairs, long on ``device``, made once per layout
+        from the host's envelope (no wait for the device) and kept in ``view.cache``."""
+        key = ("moba envelope pairs", str(device))
+        got = view.cache.get(key)
+        if got is None:
+            qi, kj = np.nonzero(view.host_envelope().numpy() > 0)
+            both = upload(np.concatenate([qi, kj]).astype(np.int64), device)
+            got = view.cache[key] = (both[:len(qi)], both[len(qi):])
+        return got
 
     def select_from(self, q: torch.Tensor, pooled: torch.Tensor, view: SelectionView) -> torch.Tensor:
         """keep bool [Hq, nq, nb] from the local queries q [nq*B, Hq, D] and the combined pooled keys
