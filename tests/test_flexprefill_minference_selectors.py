@@ -419,3 +419,16 @@ def test_runtime_select_blocks_equal_single_process():
         assert sum(len(r["q_blocks"]) for r in ranks) == NB
         for r in ranks:
             assert np.array_equal(r[name], one[:, r["q_blocks"]].numpy()), name
+
+
+def test_the_estimation_rows_score_only_the_key_blocks_their_envelope_may_touch():
+    """FlexPrefill / MInference score the last rows against the key blocks their envelope may touch (every other
+    score is masked and adds exactly 0): on packed documents the last document's blocks, on causal attention all;
+    the selections still match the loop references (above) and CP (above)."""
+    from megatron_cp.sparse.flexprefill import estimation_blocks
+
+    docs, causal = single_view(MASKS["docs"](), B), single_view(MASKS["causal"](), B)
+    local, ids = estimation_blocks(docs, B)
+    assert ids.tolist() == local.tolist() == [3, 4, 5, 6, 7]  # the last document: tokens 100-255
+    assert estimation_blocks(causal, B)[1].tolist() == list(range(NB))
+    assert estimation_blocks(docs, 3 * B)[1].tolist() == list(range(3, NB))

@@ -60,9 +60,10 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
-from ..kernels import accumulate_dtype
+from ..kernels import accumulate_dtype, upload
 from .moba import block_means
 from .selector import check_block, check_fraction, check_heads
 from .view import SelectionView
@@ -172,6 +173,24 @@ def diag_sums(x: torch.Tensor) -> torch.Tensor:
     return y.sum(-2)
 
 
+def estimation_blocks(view: SelectionView, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local index, global id), long on the device, of this rank's key blocks that the last ``rows`` rows of the
+    sequence may attend (``view.block_spans``: a superset of the blocks their cells touch), in local order; made
+    on the host once per layout (no wait for the device), kept in ``view.cache``."""
+    key = ("estimation blocks", rows, str(view.device))
+    got = view.cache.get(key)
+    if got is None:
+        b, nb = view.block, view.num_blocks
+        spans = view.block_spans()[(view.seqlen - rows) // b: nb]
+        spans = spans[spans[:, 1] > spans[:, 0]]
+        q_host = view.q_blocks_host()
+        lo, hi = (int(spans[:, 0].min()), int(spans[:, 1].max())) if len(spans) else (0, 0)
+        local = np.nonzero((q_host >= lo) & (q_host < hi))[0]
+        both = upload(np.concatenate([local, q_host[local]]).astype(np.int64), view.device)
+        got = view.cache[key] = (both[:len(local)], both[len(local):])
+    return got
+
+
 def last_rows_summaries(q: torch.Tensor, k: torch.Tensor, view: SelectionView, rows: int, dt: torch.dtype,
                         extra: list[torch.Tensor] = ()) -> dict:
     """Owner-side attention statistics of the last ``rows`` queries of the sequence over all keys.
@@ -198,29 +217,34 @@ def last_rows_summaries(q: torch.Tensor, k: torch.Tensor, view: SelectionView, r
         torch.zeros(L, hq, d, dtype=q.dtype, device=dev)
     qe_part = torch.where((li >= 0)[:, None, None], qrow.to(dt), torch.zeros((), dtype=dt, device=dev))
     qe, *ext = combine_parts(view.combine, [qe_part, *extra])
-    # round 2: each rank scores its own key blocks (block by block: same GEMM shapes on every layout)
+    # round 2: each rank scores its own key blocks (block by block: same GEMM shapes on every layout), those the
+    # rows' envelope may touch: elsewhere every score is masked and adds exactly 0 below (packed documents: the
+    # last document's blocks, not the sequence)
+    sel, ids = estimation_blocks(view, L)
+    ns = sel.shape[0]
     qs = (qe * scale).view(L, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * L, d)
-    kb = k.view(nq, b, hkv, d)
-    keep = cells(view.traps, pos, view.q_positions()).view(L, nq, b).permute(1, 0, 2)  # [nq, L, B]
+    kb = k.view(nq, b, hkv, d)[sel]
+    kpos = (ids[:, None] * b + torch.arange(b, device=dev)).reshape(-1)
+    keep = cells(view.traps, pos, kpos).view(L, ns, b).permute(1, 0, 2)  # [ns, L, B]
     sc = per_block(lambda t: torch.matmul(qs, t.to(dt).permute(0, 2, 3, 1)).view(-1, hq, L, b), kb)
     sc = sc.masked_fill(~keep[:, None], NEG)
-    mloc = sc.amax(dim=(0, 3)) if nq else torch.full((hq, L), NEG, dtype=dt, device=dev)
+    mloc = sc.amax(dim=(0, 3)) if ns else torch.full((hq, L), NEG, dtype=dt, device=dev)
     m = view.combine_max(mloc)  # exact in any order
     m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=dt, device=dev))  # rows with no key
     # round 3: per key block partial sums of exp(s - max), summed over the global block axis
     p = torch.exp(sc - m[None, :, :, None])
     zpart = torch.zeros(nb, hq, L, dtype=dt, device=dev)
-    if nq:
-        zpart[view.q_blocks] = per_block(lambda t: t.sum(-1), p)
+    if ns:
+        zpart[ids] = per_block(lambda t: t.sum(-1), p)
     z = view.combine(zpart).sum(0)
     z = torch.where(z > 0, z, torch.ones((), dtype=dt, device=dev))
     # round 4: column masses and per (key block, local diagonal) masses of the normalised rows
     p = p / z[None, :, :, None]
     cpart = torch.zeros(nb, hq, b, dtype=dt, device=dev)
     dpart = torch.zeros(nb, hq, L + b - 1, dtype=dt, device=dev)
-    if nq:
-        cpart[view.q_blocks] = per_block(lambda t: t.sum(2), p) / L
-        dpart[view.q_blocks] = per_block(diag_sums, p) / L
+    if ns:
+        cpart[ids] = per_block(lambda t: t.sum(2), p) / L
+        dpart[ids] = per_block(diag_sums, p) / L
     col, dia = combine_parts(view.combine, [cpart, dpart])
     vertical = col.permute(1, 0, 2).reshape(hq, s)
     # fold: block kb's local diagonal dd sits at offset index (nb-1-kb)*B + dd; chunks of B entries of
