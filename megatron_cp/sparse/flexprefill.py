@@ -63,7 +63,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..kernels import accumulate_dtype, upload
+from ..kernels import accumulate_dtype, upload_all
 from .moba import block_means
 from .selector import check_block, check_fraction, check_heads
 from .view import SelectionView
@@ -185,9 +185,8 @@ def estimation_blocks(view: SelectionView, rows: int) -> tuple[torch.Tensor, tor
         spans = spans[spans[:, 1] > spans[:, 0]]
         q_host = view.q_blocks_host()
         lo, hi = (int(spans[:, 0].min()), int(spans[:, 1].max())) if len(spans) else (0, 0)
-        local = np.nonzero((q_host >= lo) & (q_host < hi))[0]
-        both = upload(np.concatenate([local, q_host[local]]).astype(np.int64), view.device)
-        got = view.cache[key] = (both[:len(local)], both[len(local):])
+        local = np.nonzero((q_host >= lo) & (q_host < hi))[0].astype(np.int64)
+        got = view.cache[key] = tuple(upload_all([local, q_host[local]], view.device))
     return got
 
 

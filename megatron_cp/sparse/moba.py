@@ -29,7 +29,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..kernels import accumulate_dtype, upload
+from ..kernels import accumulate_dtype, upload_all
 from .selector import check_block, check_heads
 from .view import SelectionView
 
@@ -129,9 +129,8 @@ class MoBA:
         key = ("moba envelope pairs", str(device))
         got = view.cache.get(key)
         if got is None:
-            qi, kj = np.nonzero(view.host_envelope().numpy() > 0)
-            both = upload(np.concatenate([qi, kj]).astype(np.int64), device)
-            got = view.cache[key] = (both[:len(qi)], both[len(qi):])
+            got = view.cache[key] = tuple(upload_all([x.astype(np.int64) for x in
+                                                      np.nonzero(view.host_envelope().numpy() > 0)], device))
         return got
 
     def select_from(self, q: torch.Tensor, pooled: torch.Tensor, view: SelectionView) -> torch.Tensor:

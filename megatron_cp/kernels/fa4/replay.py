@@ -122,7 +122,6 @@ def launch(fn, tensors, replays: dict, scale: float, call, programs: dict, const
     replays[sig] = (rec.calls[0][0], rec.calls[0][1][SLOTS:]) if ok else None
 
 
-
 # ---------------------------------------------------------------------------------------------- backward
 
 # Every layer's backward makes the same compiled calls too (FA4's ``_flash_attn_bwd``: a preprocess, the main kernel,
