@@ -341,6 +341,43 @@ def test_block_sparse_lists_at_block_scale(name, s, band, monkeypatch):
     _check(tiles, s, s, dlse=True)
 
 
+@pytest.mark.parametrize("mask", [("strided", 1024, 16, 4, 1), ("strided", 768, 32, 3, 2), ("mixed", 640)])
+def test_fine_grained_partial_blocks_run_with_intervals_per_key_block(mask, monkeypatch):
+    """Rows keeping many key intervals over their partial blocks but at most two on each (a strided mask of
+    16- / 32-token blocks; documents with strided sink keys) run as one block-sparse call whose mask_mod reads each
+    row's intervals on the key block it is in (bounds [sq, N * 2 * intervals]): exact against the dense reference,
+    forward and backward; the bounds reproduce every partial block's cells; above the size cap, Triton."""
+    from megatron_cp.kernels.fa4 import calls as fc
+    from megatron_cp.masks import builders as B
+
+    monkeypatch.setattr(fc, "BWD_MAX_PARTIAL_FRACTION", 1.0)
+    if mask[0] == "strided":
+        _, s, block, stride, local = mask
+        tiles = catalog.tiles(B.strided(s, block, stride, local_blocks=local)).numpy()
+    else:
+        s = mask[1]
+        docs = [[a, e, a, e, CAUSAL] for a, e in ((0, 200), (200, 450), (450, 640))]
+        sinks = [[200, 640, k, k + 8, FULL] for k in range(0, 200, 64)]  # strided sink keys of the first document
+        tiles = np.array(docs + sinks, dtype=np.int64)
+    c = fa4_calls(tiles, s, s)
+    b = c.blocks
+    assert b is not None and b.per_block and b.band is None, c.describe()
+    assert c.route("fwd") == c.route("bwd") == "blocks", c.describe()
+    # the bounds keep exactly the list's cells on every partial block
+    keep = tiles_to_dense(torch.as_tensor(tiles, dtype=torch.int32), s, s)
+    masks = fa4_semantics.interval_masks()
+    cnt, idx = b.fwd[0], b.fwd[1]
+    for m in range(len(cnt)):
+        for n in idx[m, :cnt[m]]:
+            r, cols = torch.arange(m * 128, min(s, m * 128 + 128)), torch.arange(n * 128, min(s, n * 128 + 128))
+            got = masks[b.mask_key](r, cols, [torch.as_tensor(b.bounds)])
+            assert torch.equal(got, keep[r[0]:r[-1] + 1, cols[0]:cols[-1] + 1]), (m, n)
+    _check(tiles, s, s, dlse=True)
+    monkeypatch.setattr(fc, "PER_BLOCK_BOUNDS_MAX_BYTES", b.bounds.nbytes - 1)
+    c = fa4_calls(tiles, s, s)
+    assert c.blocks is None and c.route("fwd") == "triton" and "a partial block" in c.triton_reason("fwd")
+
+
 def _compiled_interface(mode: str = "plain"):
     """A stand-in of flash_attn.cute's forward interface: Python in front (counted) that calls a "compiled kernel"
     from ``compile_cache`` with a flat argument list led by q, k, v, out, lse, as FA4's does. ``mode``: "copy_q", the

@@ -24,8 +24,8 @@ Lists that need more than one call in a direction run that direction as one FA4 
 instead (``BlockLists``): 128 x 128 blocks, the full ones in FA4's full lists (no mask arithmetic), the
 partial ones through a ``mask_mod``: two comparisons with constants when the partial blocks' cells form
 one diagonal band (a causal diagonal, a window's edges), else reads of each row's kept key intervals
-from an aux tensor (exact cells; at most ``MASK_INTERVALS`` intervals per row on its partial blocks,
-else the list does not run block-sparse). The backward takes the transposed lists.
+from an aux tensor (exact cells; at most ``MASK_INTERVALS`` intervals per row on its partial blocks, or as
+many per row and key block, else the list does not run block-sparse). The backward takes the transposed lists.
 
 Before grouping, tiles are normalised (rows with no kept key dropped: CAUSAL with sk < sq, INV_CAUSAL
 with sk < sq; an empty BI_CAUSAL dropped) and fused: row-adjacent segments whose union is one window
@@ -136,7 +136,11 @@ class BlockLists:
     first ``sink`` keys (attention sinks); the mask_mod then compares with constants. Else
     bounds: int32 [sq, 2 * intervals]: row r keeps key c of a partial block iff
     ``bounds[r, 2i] <= c < bounds[r, 2i + 1]`` for some i (empty intervals are (0, 0)); ``intervals``
-    (1 or 2) is the most any row needs, so the mask_mod reads no more than that (0 with a band)."""
+    (1 or 2) is the most any row needs, so the mask_mod reads no more than that (0 with a band).
+    ``per_block``: each row's intervals kept per key block instead, for rows with more than two intervals over
+    their partial blocks but at most two on each (fine-grained patterns: a strided mask of 16-token blocks):
+    bounds int32 [sq, N * 2 * intervals], row r's intervals on key block j (clipped to it) in columns
+    ``[2 * intervals * j, 2 * intervals * (j + 1))``."""
 
     fwd: tuple[np.ndarray, ...]
     bwd: tuple[np.ndarray, ...]
@@ -144,10 +148,17 @@ class BlockLists:
     full_blocks: int
     partial_blocks: int
     band: tuple[int, int, int] | None = None  # (sink, dlo, dhi), see _band
+    per_block: bool = False
 
     @property
     def intervals(self) -> int:
-        return self.bounds.shape[1] // 2
+        per = 2 * self.fwd[1].shape[1] if self.per_block else 2  # fwd[1]: mask_idx [M, N]
+        return self.bounds.shape[1] // per
+
+    @property
+    def mask_key(self) -> tuple[int, bool]:
+        """Which interval mask_mod reads ``bounds`` (the backend's ``Fa4Functions.interval_masks`` key)."""
+        return self.intervals, self.per_block
 
 
 @dataclass(frozen=True)
@@ -189,7 +200,7 @@ class Fa4Calls:
         calls, b = (self.fwd if direction == "fwd" else self.bwd), self.blocks
         if r is None:
             return "triton", (f"{len(calls)} varlen calls and rows with more than {MASK_INTERVALS} key intervals "
-                              "on partial blocks (no block-sparse form)")
+                              "on a partial block (no block-sparse form)")
         if r == "varlen" or b.partial_blocks == 0:
             return r, None
         frac = b.partial_blocks / max(1, b.partial_blocks + b.full_blocks)
@@ -453,7 +464,7 @@ def band_keep(r: np.ndarray, c: np.ndarray, sink: int, dlo: int, dhi: int) -> np
 
 def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: bool = True) -> BlockLists | None:
     """The block-sparse form of ``segs`` (see BlockLists), or None when some row keeps more than
-    MASK_INTERVALS intervals on its partial blocks, or when there are partial blocks and not
+    MASK_INTERVALS intervals on one of its partial blocks, or when there are partial blocks and not
     ``partial_ok`` (the caller wants the form only for lists of whole blocks)."""
     if not segs:
         return None
@@ -474,15 +485,50 @@ def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: b
     row, lo, hi = row[meets], lo[meets], hi[meets]
     start = np.searchsorted(row, row, side="left")
     slot = np.arange(len(row)) - start
+    lists = (_lists(full, partial), _lists(full.T, partial.T))
     if band is None and len(slot) and slot.max() >= MASK_INTERVALS:
-        return None
+        bounds = _per_block_bounds(row, lo, hi, partial, seqlen_q)
+        if bounds is None:
+            return None
+        return BlockLists(*lists, bounds, int(full.sum()), int(partial.sum()), None, per_block=True)
     used = 0 if band is not None else (int(slot.max()) + 1 if len(slot) else 1)
     bounds = np.zeros((seqlen_q, 2 * used), dtype=np.int32)
     if used:
         bounds[row, 2 * slot] = lo
         bounds[row, 2 * slot + 1] = hi
-    return BlockLists(_lists(full, partial), _lists(full.T, partial.T), bounds, int(full.sum()), int(partial.sum()),
-                      band)
+    return BlockLists(*lists, bounds, int(full.sum()), int(partial.sum()), band)
+
+
+PER_BLOCK_BOUNDS_MAX_BYTES = 32 << 20  # the per-block form's aux tensor on the device (a strided 4k list: 2 MiB)
+
+
+def _per_block_bounds(row, lo, hi, partial: np.ndarray, seqlen_q: int) -> np.ndarray | None:
+    """BlockLists.bounds of the per-block form (see there) from each row's kept intervals that meet a partial block
+    of its q-block (sorted by row, then key), or None when some row keeps more than MASK_INTERVALS intervals on one
+    partial block or the tensor would exceed PER_BLOCK_BOUNDS_MAX_BYTES."""
+    nb = partial.shape[1]
+    if seqlen_q * nb * 2 * MASK_INTERVALS * 4 > PER_BLOCK_BOUNDS_MAX_BYTES:
+        return None
+    # each interval's pieces on the partial blocks of its q-block: positions in the flattened [M, N] map
+    where = np.flatnonzero(partial.ravel())
+    m = row // BLOCK
+    first = np.searchsorted(where, m * nb + lo // BLOCK)
+    count = np.searchsorted(where, m * nb + (hi - 1) // BLOCK, side="right") - first
+    which = np.repeat(np.arange(len(row)), count)
+    j = where[np.repeat(first, count) + np.arange(len(which)) - np.repeat(np.cumsum(count) - count, count)] % nb
+    r = row[which]
+    p_lo = np.maximum(lo[which], j * BLOCK)
+    p_hi = np.minimum(hi[which], (j + 1) * BLOCK)
+    key = r * nb + j  # non-decreasing: rows ascend, a row's intervals ascend, so do their blocks
+    slot = np.arange(len(key)) - np.searchsorted(key, key, side="left")
+    if len(slot) and slot.max() >= MASK_INTERVALS:
+        return None
+    used = int(slot.max()) + 1 if len(slot) else 1
+    bounds = np.zeros((seqlen_q, nb * 2 * used), dtype=np.int32)
+    col = j * 2 * used + 2 * slot
+    bounds[r, col] = p_lo
+    bounds[r, col + 1] = p_hi
+    return bounds
 
 
 def fa4_calls(tiles: np.ndarray, seqlen_q: int, seqlen_k: int) -> Fa4Calls:

@@ -89,7 +89,7 @@ class Fa4Prepared:
             if b.band is not None:
                 kw["mask_mod"] = fns.band_mask(*b.band)
             else:
-                kw.update(mask_mod=fns.interval_masks[b.intervals], aux_tensors=[bounds])
+                kw.update(mask_mod=fns.interval_masks[b.mask_key], aux_tensors=[bounds])
             got = [Run(True, kw, ((0, c.seqlen_q),), ((0, c.seqlen_k),))]
         else:
             got = []

@@ -82,7 +82,7 @@ def sparse_static(tiles: np.ndarray, seqlen_q: int, seqlen_k: int) -> SparseStat
     b = block_lists(segs, seqlen_q, seqlen_k, partial_ok=True)
     if b is None:
         return SparseStatic(int(seqlen_q), int(seqlen_k), classes, None,
-                            f"rows with more than {MASK_INTERVALS} key intervals on partial 128-blocks "
+                            f"rows with more than {MASK_INTERVALS} key intervals on a partial 128-block "
                             "(no per-head block-sparse form)")
     mask_cnt, mask_idx, full_cnt, full_idx = b.fwd
     for cnt, idx, val in ((mask_cnt, mask_idx, 1), (full_cnt, full_idx, 2)):
@@ -144,7 +144,7 @@ def call_kwargs(static: SparseStatic, keep, direction: str, fns) -> dict:
     if b.band is not None:
         kw["mask_mod"] = fns.band_mask(*b.band)
     else:
-        kw.update(mask_mod=fns.interval_masks[b.intervals], aux_tensors=aux)
+        kw.update(mask_mod=fns.interval_masks[b.mask_key], aux_tensors=aux)
     return kw
 
 
