@@ -46,6 +46,27 @@ from common import Progress, device_name, markdown_table, out_dir, parser, run_r
 
 ERR_KEYS = ("out", "lse", "dq", "dk", "dv")
 PARTS = ("matrix", "bands", "rank_lists", "sparse")
+ROUTES = ("measured", "varlen", "blocks", "triton")
+
+
+def force_route(route: str) -> None:
+    """FA4's lists run ``route`` wherever they have it (``measured``: as chosen, nothing changed): FA4's route choice
+    (``measured.list_route``) answers that route instead of timing, for lists whose form allows it."""
+    if route == "measured":
+        return
+    from megatron_cp.kernels.fa4 import measured
+
+    chosen = measured.list_route
+
+    def forced(routes, phase, q, k, v, prepared, deterministic, candidates):
+        calls = prepared.calls
+        has = route == "triton" or (route == "blocks" and calls.blocks is not None) or (
+            route == "varlen" and len(calls.fwd if phase == "fwd" else calls.bwd) <= measured.MAX_TIMED_VARLEN_CALLS)
+        if has and not (deterministic and phase == "bwd" and route == "blocks"):
+            return route, ("forced by --route" if route == "triton" else None)
+        return chosen(routes, phase, q, k, v, prepared, deterministic, candidates)
+
+    measured.list_route = forced
 DEV = "cuda"
 
 
@@ -360,10 +381,19 @@ def main():
     ap.add_argument("--backend", choices=[b for b in BACKEND_CHOICES if b != "reference"], default="auto",
                     help="auto: FA4 where it runs")
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ", ".join(PARTS))
+    ap.add_argument("--masks", nargs="+", default=None, help="the matrix part's catalog masks (default: "
+                    "catalog.KERNEL_MASKS); given, the matrix runs the recipes' heads only (bf16, D 128, Hq / Hkv 4)")
+    ap.add_argument("--route", choices=ROUTES, default="measured", help="FA4's lists: the route timed fastest "
+                    "(default), or each list forced onto one route where it has that form (a route the timer does "
+                    "not choose on this device is checked too)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     if set(parts) - set(PARTS):
         ap.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}")
+    kernel_masks = tuple(args.masks or catalog.KERNEL_MASKS)
+    if set(kernel_masks) - set(catalog.NAMES):
+        ap.error(f"--masks: unknown {sorted(set(kernel_masks) - set(catalog.NAMES))}")
+    force_route(args.route)
     overrides = {}  # the dry run's blocks
     seqlens = args.seqlens or [1024, 4096, 16384]
     # (D, dtype, Hq / Hkv, Hkv) per part, rec: the recipes' heads; at S >= 16384 a diagonal of the matrix
@@ -373,6 +403,8 @@ def main():
              "rank_lists": [rec, (64, fp, 8, 1)], "bands": [rec, (128, fp, 8, 1), (64, bf, 1, 2)]}
     # bands (S, window): whole chunks, chunks and tail rows, a window wider than the band's rows
     extra, s_sparse, blocks, bands = (2048, 128, 8, 2, bf), 4096, (128, 256), ((8192, 2048), (8892, 2048), (6144, 4096))
+    if args.masks:
+        heads["matrix"] = heads["matrix_16k"] = [rec]
     if args.dry_run:  # fp16: the interpreter computes bf16 tl.dot wrongly; 64 x 64 blocks: fewest interpreted steps
         DEV, seqlens, overrides = "cpu", args.seqlens or [256], {32: PhaseConfigs(*[KernelConfig(64, 64, 4, 1)] * 3)}
         heads = dict.fromkeys(heads, [(32, fp, 2, 1)])
@@ -382,7 +414,7 @@ def main():
     print(f"backend: {be.name} ({type(be).__name__})", flush=True)
     # per part: (name, rows, keys, tiles, backend, heads, the mask_mod the tiles must match, keep block)
     cases = {"matrix": [(m, s, s, catalog.tiles(catalog.build(m, s)), be, heads["matrix" + "_16k" * (s >= 16384)], m,
-                         None) for s in seqlens for m in catalog.KERNEL_MASKS],
+                         None) for s in seqlens for m in kernel_masks],
              "bands": [(f"band_w{w}_s{s}", s, s, torch.tensor([[0, w, 0, w, 1], [w, s, 0, s, 3]], dtype=torch.int32),
                         be_band, heads["bands"], None, None) for s, w in bands],  # a causal head, one BI_CAUSAL band
              "rank_lists": [(*c, be, heads["rank_lists"], None, None) for c in rank_list_cases(max(seqlens))],
