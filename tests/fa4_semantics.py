@@ -61,22 +61,18 @@ def block_sparse(mask_cnt, mask_idx, full_cnt, full_idx, block_size):
 
 
 def interval_masks() -> dict:
-    """The backend's mask_mods by (intervals, per key block) (each asserts the width of the bounds it reads; the
-    per-block ones that the block's keys are one 128-block, as FA4 calls them)."""
+    """The backend's mask_mods by intervals per row (each asserts the width of the bounds it reads), and the bitmap
+    one: bit ``c & 31`` of word ``[r, c >> 5]``."""
     def make(n):
         def mask(rows, cols, aux_tensors):
             assert aux_tensors[0].shape[1] == 2 * n, f"{n}-interval mask_mod given {aux_tensors[0].shape[1]} bounds"
             return interval_mask(rows, cols, aux_tensors)
         return mask
 
-    def make_per_block(n):
-        def mask(rows, cols, aux_tensors):
-            j = int(cols[0]) // 128
-            assert int(cols[-1]) // 128 == j, "a per-block mask_mod called across 128-blocks"
-            assert aux_tensors[0].shape[1] % (2 * n) == 0, f"per-block {n}-interval bounds of width {aux_tensors[0].shape[1]}"
-            return interval_mask(rows, cols, [aux_tensors[0][:, 2 * n * j:2 * n * (j + 1)]])
-        return mask
-    return {(1, False): make(1), (2, False): make(2), (1, True): make_per_block(1), (2, True): make_per_block(2)}
+    def bitmap(rows, cols, aux_tensors):
+        words = aux_tensors[0][rows][:, cols // 32].long() & 0xFFFFFFFF
+        return ((words >> (cols % 32)[None, :]) & 1).bool()
+    return {1: make(1), 2: make(2), "bitmap": bitmap}
 
 
 def band_mask(sink, dlo, dhi):

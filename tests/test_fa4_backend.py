@@ -341,12 +341,13 @@ def test_block_sparse_lists_at_block_scale(name, s, band, monkeypatch):
     _check(tiles, s, s, dlse=True)
 
 
-@pytest.mark.parametrize("mask", [("strided", 1024, 16, 4, 1), ("strided", 768, 32, 3, 2), ("mixed", 640)])
-def test_fine_grained_partial_blocks_run_with_intervals_per_key_block(mask, monkeypatch):
-    """Rows keeping many key intervals over their partial blocks but at most two on each (a strided mask of
-    16- / 32-token blocks; documents with strided sink keys) run as one block-sparse call whose mask_mod reads each
-    row's intervals on the key block it is in (bounds [sq, N * 2 * intervals]): exact against the dense reference,
-    forward and backward; the bounds reproduce every partial block's cells; above the size cap, Triton."""
+@pytest.mark.parametrize("mask", [("strided", 1024, 16, 4, 1), ("strided", 768, 32, 3, 2), ("strided", 640, 8, 3, 1),
+                                  ("mixed", 640)])
+def test_fine_grained_partial_blocks_run_with_a_bitmap(mask, monkeypatch):
+    """Rows keeping more than two key intervals over their partial blocks (strided masks of 8- to 32-token blocks,
+    several intervals inside one 128-block; documents with strided sink keys) run as one block-sparse call whose
+    mask_mod reads the cell's bit (bounds int32 [sq, 4 N]): exact against the dense reference, forward and backward;
+    the bits are exactly every partial block's cells; above the size cap, Triton."""
     from megatron_cp.kernels.fa4 import calls as fc
     from megatron_cp.masks import builders as B
 
@@ -357,11 +358,11 @@ def test_fine_grained_partial_blocks_run_with_intervals_per_key_block(mask, monk
     else:
         s = mask[1]
         docs = [[a, e, a, e, CAUSAL] for a, e in ((0, 200), (200, 450), (450, 640))]
-        sinks = [[200, 640, k, k + 8, FULL] for k in range(0, 200, 64)]  # strided sink keys of the first document
+        sinks = [[200, 640, k, k + 8, FULL] for k in range(0, 200, 24)]  # strided sink keys of the first document
         tiles = np.array(docs + sinks, dtype=np.int64)
     c = fa4_calls(tiles, s, s)
     b = c.blocks
-    assert b is not None and b.per_block and b.band is None, c.describe()
+    assert b is not None and b.bitmap and b.band is None and b.bounds.shape == (s, 4 * -(-s // 128)), c.describe()
     assert c.route("fwd") == c.route("bwd") == "blocks", c.describe()
     # the bounds keep exactly the list's cells on every partial block
     keep = tiles_to_dense(torch.as_tensor(tiles, dtype=torch.int32), s, s)
@@ -373,9 +374,9 @@ def test_fine_grained_partial_blocks_run_with_intervals_per_key_block(mask, monk
             got = masks[b.mask_key](r, cols, [torch.as_tensor(b.bounds)])
             assert torch.equal(got, keep[r[0]:r[-1] + 1, cols[0]:cols[-1] + 1]), (m, n)
     _check(tiles, s, s, dlse=True)
-    monkeypatch.setattr(fc, "PER_BLOCK_BOUNDS_MAX_BYTES", b.bounds.nbytes - 1)
+    monkeypatch.setattr(fc, "BITMAP_MAX_BYTES", b.bounds.nbytes - 1)
     c = fa4_calls(tiles, s, s)
-    assert c.blocks is None and c.route("fwd") == "triton" and "a partial block" in c.triton_reason("fwd")
+    assert c.blocks is None and c.route("fwd") == "triton" and "bitmap of their cells above" in c.triton_reason("fwd")
 
 
 def _compiled_interface(mode: str = "plain"):

@@ -317,13 +317,20 @@ def test_fallback_block_64():
     assert any("keep.block 64" in r for r in be.describe()["fallbacks"].values())
 
 
-def test_fallback_rows_with_three_intervals():
-    """Three key intervals of one row on a partial block: no interval mask_mod; Triton runs both."""
+def test_rows_with_three_intervals_run_with_the_bitmap_and_fall_back_above_its_cap(monkeypatch):
+    """Three key intervals of one row on a partial block: the cells' bitmap mask_mod, exact; with the bitmap above
+    its size cap no block-sparse form, and Triton runs both, with the reason."""
+    from megatron_cp.kernels.fa4 import calls as fc
+
     s = 256
     tiles = torch.tensor([[0, 128, 0, 10, FULL], [0, 128, 20, 30, FULL], [0, 128, 40, 50, FULL],
                           [128, 256, 128, 256, CAUSAL]], dtype=torch.int32)
+    static = fa4_sparse.sparse_static(tiles.numpy(), s, s)
+    assert static.blocks.bitmap and static.blocks.mask_key == "bitmap"
+    _check(tiles, s, s, _keep(4, s, s, 128, seed=0), dlse=True, seed=3)
+    monkeypatch.setattr(fc, "BITMAP_MAX_BYTES", 0)
     be, rec, fwd_path, *_ = _fallback(tiles, s, _keep(4, s, s, 128, seed=0))
-    assert "key intervals" in fwd_path and not rec.calls
+    assert "key intervals" in fwd_path and "bitmap" in fwd_path and not rec.calls
     assert "bwd keep list" in be.describe()["fallbacks"]
 
 

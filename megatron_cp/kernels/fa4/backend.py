@@ -20,7 +20,7 @@ prepared object; no call synchronises with the host.
 
 With a ``BlockKeep`` (``keep``, dynamic sparse attention) each direction is ONE FA4 block-sparse call with
 per-query-head lists built on the device per call (``fa4_sparse.py``); what that call cannot run (fp32,
-keep blocks not multiples of 128, rows with more than two key intervals on a partial block, head_dim > 128
+keep blocks not multiples of 128, lists with no block-sparse form (``fa4_calls.block_lists``), head_dim > 128
 in the backward, the deterministic backward) goes to the Triton backend's ``keep`` path, with the reason.
 """
 
@@ -35,7 +35,7 @@ import torch
 
 from . import measured, replay
 from . import sparse as fa4_sparse
-from .calls import BLOCK, MASK_INTERVALS
+from .calls import MASK_INTERVALS
 from .prepared import DEFAULT_HEAD_DIMS, Fa4Prepared, HostPrepare, Run, prepare_list
 from ..config import TritonConfig
 from ..fallback import fallback_backend
@@ -124,10 +124,10 @@ def _band_mask_mod(sink: int, dlo: int, dhi: int):
 
 
 def _interval_mask_mods() -> dict:
-    """The CuTe DSL mask_mods of block-sparse calls, by ``BlockLists.mask_key`` (intervals, per key block): row r
-    keeps key c iff c lies in one of the row's intervals, read from aux tensor 0 (int32 [sq, 2 * intervals], or
-    per key block [sq, N * 2 * intervals], fa4_calls.BlockLists). FA4 evaluates them on partial blocks only, per
-    element: the one-interval form reads half as much (faster on strided masks: docs/measurements.md)."""
+    """The CuTe DSL mask_mods of block-sparse calls, by ``BlockLists.mask_key``: row r keeps key c iff c lies in one
+    of the row's intervals, read from aux tensor 0 (int32 [sq, 2 * intervals]), or iff bit ``c & 31`` of word
+    ``[r, c >> 5]`` is set ("bitmap", int32 [sq, 4 * N]). FA4 evaluates them on partial blocks only, per element:
+    the one-interval form reads half as much (faster on strided masks: docs/measurements.md), the bitmap one word."""
     import cutlass  # noqa: PLC0415
     import cutlass.cute as cute  # noqa: PLC0415
     from flash_attn.cute import utils  # noqa: PLC0415
@@ -153,26 +153,13 @@ def _interval_mask_mods() -> dict:
         return ((n_idx >= lo0) & (n_idx < hi0)) | ((n_idx >= lo1) & (n_idx < hi1))
 
     @cute.jit
-    def one_per_block(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
-        bounds = aux_tensors[0]
-        r = m_idx[0]
-        j = (n_idx[0] // BLOCK) * 2
-        lo0 = utils.scalar_to_ssa(bounds[r, j], cutlass.Int32)
-        hi0 = utils.scalar_to_ssa(bounds[r, j + 1], cutlass.Int32)
-        return (n_idx >= lo0) & (n_idx < hi0)
+    def bitmap(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+        bits = aux_tensors[0]
+        c = n_idx[0]
+        word = bits[m_idx[0], c >> 5]
+        return utils.scalar_to_ssa((word >> (c & 31)) & 1, cutlass.Int32) == utils.scalar_to_ssa(1, cutlass.Int32)
 
-    @cute.jit
-    def two_per_block(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
-        bounds = aux_tensors[0]
-        r = m_idx[0]
-        j = (n_idx[0] // BLOCK) * 4
-        lo0 = utils.scalar_to_ssa(bounds[r, j], cutlass.Int32)
-        hi0 = utils.scalar_to_ssa(bounds[r, j + 1], cutlass.Int32)
-        lo1 = utils.scalar_to_ssa(bounds[r, j + 2], cutlass.Int32)
-        hi1 = utils.scalar_to_ssa(bounds[r, j + 3], cutlass.Int32)
-        return ((n_idx >= lo0) & (n_idx < hi0)) | ((n_idx >= lo1) & (n_idx < hi1))
-
-    return {(1, False): one_interval, (2, False): two_intervals, (1, True): one_per_block, (2, True): two_per_block}
+    return {1: one_interval, 2: two_intervals, "bitmap": bitmap}
 
 
 class FA4Backend:

@@ -24,8 +24,9 @@ Lists that need more than one call in a direction run that direction as one FA4 
 instead (``BlockLists``): 128 x 128 blocks, the full ones in FA4's full lists (no mask arithmetic), the
 partial ones through a ``mask_mod``: two comparisons with constants when the partial blocks' cells form
 one diagonal band (a causal diagonal, a window's edges), else reads of each row's kept key intervals
-from an aux tensor (exact cells; at most ``MASK_INTERVALS`` intervals per row on its partial blocks, or as
-many per row and key block, else the list does not run block-sparse). The backward takes the transposed lists.
+from an aux tensor (exact cells; at most ``MASK_INTERVALS`` intervals per row on its partial blocks), or with more
+of them reads of the cell's bit from a bitmap of the partial blocks' cells (one word per 32 keys of a row, up to
+``BITMAP_MAX_BYTES``, else the list does not run block-sparse). The backward takes the transposed lists.
 
 Before grouping, tiles are normalised (rows with no kept key dropped: CAUSAL with sk < sq, INV_CAUSAL
 with sk < sq; an empty BI_CAUSAL dropped) and fused: row-adjacent segments whose union is one window
@@ -137,10 +138,9 @@ class BlockLists:
     bounds: int32 [sq, 2 * intervals]: row r keeps key c of a partial block iff
     ``bounds[r, 2i] <= c < bounds[r, 2i + 1]`` for some i (empty intervals are (0, 0)); ``intervals``
     (1 or 2) is the most any row needs, so the mask_mod reads no more than that (0 with a band).
-    ``per_block``: each row's intervals kept per key block instead, for rows with more than two intervals over
-    their partial blocks but at most two on each (fine-grained patterns: a strided mask of 16-token blocks):
-    bounds int32 [sq, N * 2 * intervals], row r's intervals on key block j (clipped to it) in columns
-    ``[2 * intervals * j, 2 * intervals * (j + 1))``."""
+    ``bitmap``: the partial blocks' cells as bits instead, for rows keeping more than two intervals over their
+    partial blocks (fine-grained patterns: a strided mask of 16-token blocks): bounds int32 [sq, 4 * N], bit
+    ``c & 31`` of word ``[r, c >> 5]`` set iff row r keeps key c (one read per cell, whatever the pattern)."""
 
     fwd: tuple[np.ndarray, ...]
     bwd: tuple[np.ndarray, ...]
@@ -148,17 +148,17 @@ class BlockLists:
     full_blocks: int
     partial_blocks: int
     band: tuple[int, int, int] | None = None  # (sink, dlo, dhi), see _band
-    per_block: bool = False
+    bitmap: bool = False
 
     @property
     def intervals(self) -> int:
-        per = 2 * self.fwd[1].shape[1] if self.per_block else 2  # fwd[1]: mask_idx [M, N]
-        return self.bounds.shape[1] // per
+        return 0 if self.bitmap else self.bounds.shape[1] // 2
 
     @property
-    def mask_key(self) -> tuple[int, bool]:
-        """Which interval mask_mod reads ``bounds`` (the backend's ``Fa4Functions.interval_masks`` key)."""
-        return self.intervals, self.per_block
+    def mask_key(self) -> int | str:
+        """Which mask_mod reads ``bounds`` (the backend's ``Fa4Functions.interval_masks`` key): the intervals per row,
+        or "bitmap"."""
+        return "bitmap" if self.bitmap else self.intervals
 
 
 @dataclass(frozen=True)
@@ -199,8 +199,9 @@ class Fa4Calls:
         r = self.fa4_route(direction)
         calls, b = (self.fwd if direction == "fwd" else self.bwd), self.blocks
         if r is None:
-            return "triton", (f"{len(calls)} varlen calls and rows with more than {MASK_INTERVALS} key intervals "
-                              "on a partial block (no block-sparse form)")
+            return "triton", (f"{len(calls)} varlen calls and no block-sparse form (rows with more than "
+                              f"{MASK_INTERVALS} key intervals on partial blocks and a bitmap of their cells above "
+                              f"{BITMAP_MAX_BYTES / 2 ** 20:g} MiB)")
         if r == "varlen" or b.partial_blocks == 0:
             return r, None
         frac = b.partial_blocks / max(1, b.partial_blocks + b.full_blocks)
@@ -464,7 +465,8 @@ def band_keep(r: np.ndarray, c: np.ndarray, sink: int, dlo: int, dhi: int) -> np
 
 def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: bool = True) -> BlockLists | None:
     """The block-sparse form of ``segs`` (see BlockLists), or None when some row keeps more than
-    MASK_INTERVALS intervals on one of its partial blocks, or when there are partial blocks and not
+    MASK_INTERVALS intervals on its partial blocks and their bitmap exceeds BITMAP_MAX_BYTES, or when there are
+    partial blocks and not
     ``partial_ok`` (the caller wants the form only for lists of whole blocks)."""
     if not segs:
         return None
@@ -487,10 +489,10 @@ def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: b
     slot = np.arange(len(row)) - start
     lists = (_lists(full, partial), _lists(full.T, partial.T))
     if band is None and len(slot) and slot.max() >= MASK_INTERVALS:
-        bounds = _per_block_bounds(row, lo, hi, partial, seqlen_q)
-        if bounds is None:
+        bits = _bitmap(row, lo, hi, partial, seqlen_q)
+        if bits is None:
             return None
-        return BlockLists(*lists, bounds, int(full.sum()), int(partial.sum()), None, per_block=True)
+        return BlockLists(*lists, bits, int(full.sum()), int(partial.sum()), None, bitmap=True)
     used = 0 if band is not None else (int(slot.max()) + 1 if len(slot) else 1)
     bounds = np.zeros((seqlen_q, 2 * used), dtype=np.int32)
     if used:
@@ -499,15 +501,15 @@ def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: b
     return BlockLists(*lists, bounds, int(full.sum()), int(partial.sum()), band)
 
 
-PER_BLOCK_BOUNDS_MAX_BYTES = 32 << 20  # the per-block form's aux tensor on the device (a strided 4k list: 2 MiB)
+BITMAP_MAX_BYTES = 32 << 20  # the bitmap form's aux tensor on the device (a strided 4k list: 2 MiB)
 
 
-def _per_block_bounds(row, lo, hi, partial: np.ndarray, seqlen_q: int) -> np.ndarray | None:
-    """BlockLists.bounds of the per-block form (see there) from each row's kept intervals that meet a partial block
-    of its q-block (sorted by row, then key), or None when some row keeps more than MASK_INTERVALS intervals on one
-    partial block or the tensor would exceed PER_BLOCK_BOUNDS_MAX_BYTES."""
+def _bitmap(row, lo, hi, partial: np.ndarray, seqlen_q: int) -> np.ndarray | None:
+    """BlockLists.bounds of the bitmap form (see there) from each row's kept intervals that meet a partial block of
+    its q-block (sorted by row, then key), or None when it would exceed BITMAP_MAX_BYTES."""
     nb = partial.shape[1]
-    if seqlen_q * nb * 2 * MASK_INTERVALS * 4 > PER_BLOCK_BOUNDS_MAX_BYTES:
+    words = nb * (BLOCK // 32)
+    if seqlen_q * words * 4 > BITMAP_MAX_BYTES:
         return None
     # each interval's pieces on the partial blocks of its q-block: positions in the flattened [M, N] map
     where = np.flatnonzero(partial.ravel())
@@ -516,19 +518,15 @@ def _per_block_bounds(row, lo, hi, partial: np.ndarray, seqlen_q: int) -> np.nda
     count = np.searchsorted(where, m * nb + (hi - 1) // BLOCK, side="right") - first
     which = np.repeat(np.arange(len(row)), count)
     j = where[np.repeat(first, count) + np.arange(len(which)) - np.repeat(np.cumsum(count) - count, count)] % nb
-    r = row[which]
-    p_lo = np.maximum(lo[which], j * BLOCK)
-    p_hi = np.minimum(hi[which], (j + 1) * BLOCK)
-    key = r * nb + j  # non-decreasing: rows ascend, a row's intervals ascend, so do their blocks
-    slot = np.arange(len(key)) - np.searchsorted(key, key, side="left")
-    if len(slot) and slot.max() >= MASK_INTERVALS:
-        return None
-    used = int(slot.max()) + 1 if len(slot) else 1
-    bounds = np.zeros((seqlen_q, nb * 2 * used), dtype=np.int32)
-    col = j * 2 * used + 2 * slot
-    bounds[r, col] = p_lo
-    bounds[r, col + 1] = p_hi
-    return bounds
+    r, p_lo, p_hi = row[which], np.maximum(lo[which], j * BLOCK), np.minimum(hi[which], (j + 1) * BLOCK)
+    # each piece's bits in the block's words: [lo, hi) clipped to the word's 32 keys
+    w = j[:, None] * (BLOCK // 32) + np.arange(BLOCK // 32)[None, :]
+    a = np.clip(p_lo[:, None] - 32 * w, 0, 32)
+    e = np.clip(p_hi[:, None] - 32 * w, 0, 32)
+    bits = (np.left_shift(np.int64(1), e) - np.left_shift(np.int64(1), a)).astype(np.float64)
+    # pieces are disjoint: their bits' sum is their union (float64 sums of ints below 2^53 are exact)
+    flat = np.bincount((r[:, None] * words + w).ravel(), weights=bits.ravel(), minlength=seqlen_q * words)
+    return flat.astype(np.uint32).view(np.int32).reshape(seqlen_q, words)
 
 
 def fa4_calls(tiles: np.ndarray, seqlen_q: int, seqlen_k: int) -> Fa4Calls:

@@ -94,7 +94,7 @@ def route_class(phase: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     b, blocks = calls.blocks, None
     if b is not None:
         total = b.full_blocks + b.partial_blocks
-        blocks = (b.band is not None, *b.mask_key, round(10 * b.partial_blocks / max(1, total)), _log2(total))
+        blocks = (b.band is not None, b.mask_key, round(10 * b.partial_blocks / max(1, total)), _log2(total))
     return head + (len(runs), _log2(sum(c.area for c in runs) / BLOCK ** 2), blocks)
 
 

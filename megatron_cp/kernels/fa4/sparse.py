@@ -5,7 +5,7 @@ with per-query-head block lists, in two parts:
 
 - static, once per (list, device) and cached in the prepared object (``SparseStatic``): the list's
   128 x 128 block classes (empty / partial / full) and the partial blocks' ``mask_mod`` (the band of
-  constants, or each row's kept key intervals, at most ``MASK_INTERVALS``, in an aux tensor) - exactly
+  constants, each row's kept key intervals, at most ``MASK_INTERVALS``, or the cells' bitmap, in an aux tensor) - exactly
   the list's own block-sparse form (``fa4_calls.block_lists``);
 - dynamic, per call on the device (``head_lists``): ``keep.mask`` expanded to 128-blocks, then
   full lists = selected & static full, partial lists = selected & static partial (the partial ones go
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .calls import BLOCK, MASK_INTERVALS, BlockLists, fuse_segments, block_lists, segment_of
+from .calls import BITMAP_MAX_BYTES, BLOCK, MASK_INTERVALS, BlockLists, fuse_segments, block_lists, segment_of
 from ..upload import upload
 
 FA4_SPARSE_BWD_MAX_HEAD_DIM = 128  # see the module doc: 128 x 128 blocks in FA4's backward tiles
@@ -43,7 +43,7 @@ class SparseStatic:
 
     classes: int8 [M, N] per 128 x 128 block pair: 0 empty, 1 partial, 2 full (M = ceil(sq / 128),
     N = ceil(sk / 128)); blocks: the list's ``BlockLists`` (its mask_mod: ``band`` or ``bounds``), None when
-    the list keeps no cell or some row needs more than MASK_INTERVALS key intervals on partial blocks;
+    the list keeps no cell or has no block-sparse form (``fa4_calls.block_lists``);
     reason: why the list cannot run per-head block-sparse (then Triton runs it), else None."""
 
     seqlen_q: int
@@ -82,8 +82,8 @@ def sparse_static(tiles: np.ndarray, seqlen_q: int, seqlen_k: int) -> SparseStat
     b = block_lists(segs, seqlen_q, seqlen_k, partial_ok=True)
     if b is None:
         return SparseStatic(int(seqlen_q), int(seqlen_k), classes, None,
-                            f"rows with more than {MASK_INTERVALS} key intervals on a partial 128-block "
-                            "(no per-head block-sparse form)")
+                            f"rows with more than {MASK_INTERVALS} key intervals on partial 128-blocks and a bitmap of "
+                            f"their cells above {BITMAP_MAX_BYTES / 2 ** 20:g} MiB (no per-head block-sparse form)")
     mask_cnt, mask_idx, full_cnt, full_idx = b.fwd
     for cnt, idx, val in ((mask_cnt, mask_idx, 1), (full_cnt, full_idx, 2)):
         rows = np.repeat(np.arange(m), cnt)
