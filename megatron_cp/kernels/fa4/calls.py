@@ -501,7 +501,9 @@ def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: b
     return BlockLists(*lists, bounds, int(full.sum()), int(partial.sum()), band)
 
 
-BITMAP_MAX_BYTES = 32 << 20  # the bitmap form's aux tensor on the device (a strided 4k list: 2 MiB)
+# the bitmap form's aux tensor on the device (a strided 4k list: 2 MiB). One read a cell: faster than two intervals
+# per row and key block (four reads a cell; docs/measurements.md)
+BITMAP_MAX_BYTES = 32 << 20
 
 
 def _bitmap(row, lo, hi, partial: np.ndarray, seqlen_q: int) -> np.ndarray | None:
