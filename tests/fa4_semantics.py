@@ -62,7 +62,7 @@ def block_sparse(mask_cnt, mask_idx, full_cnt, full_idx, block_size):
 
 def interval_masks() -> dict:
     """The backend's mask_mods by intervals per row (each asserts the width of the bounds it reads), and the bitmap
-    one: bit ``c & 31`` of word ``[r, c >> 5]``."""
+    ones: bit ``c & 31`` of word ``[r, c >> 5]`` ("bitmap"), bit ``r & 31`` of word ``[c, r >> 5]`` ("bitmap_t")."""
     def make(n):
         def mask(rows, cols, aux_tensors):
             assert aux_tensors[0].shape[1] == 2 * n, f"{n}-interval mask_mod given {aux_tensors[0].shape[1]} bounds"
@@ -72,7 +72,10 @@ def interval_masks() -> dict:
     def bitmap(rows, cols, aux_tensors):
         words = aux_tensors[0][rows][:, cols // 32].long() & 0xFFFFFFFF
         return ((words >> (cols % 32)[None, :]) & 1).bool()
-    return {1: make(1), 2: make(2), "bitmap": bitmap}
+    def bitmap_t(rows, cols, aux_tensors):
+        words = aux_tensors[0][cols][:, rows // 32].long() & 0xFFFFFFFF  # [cols, rows]
+        return ((words >> (rows % 32)[None, :]) & 1).bool().t()
+    return {1: make(1), 2: make(2), "bitmap": bitmap, "bitmap_t": bitmap_t}
 
 
 def band_mask(sink, dlo, dhi):

@@ -368,11 +368,14 @@ def test_fine_grained_partial_blocks_run_with_a_bitmap(mask, monkeypatch):
     keep = tiles_to_dense(torch.as_tensor(tiles, dtype=torch.int32), s, s)
     masks = fa4_semantics.interval_masks()
     cnt, idx = b.fwd[0], b.fwd[1]
+    assert b.mask("bwd")[0] == "bitmap_t" and b.bounds_t.shape == (s, 4 * -(-s // 128))
     for m in range(len(cnt)):
         for n in idx[m, :cnt[m]]:
             r, cols = torch.arange(m * 128, min(s, m * 128 + 128)), torch.arange(n * 128, min(s, n * 128 + 128))
-            got = masks[b.mask_key](r, cols, [torch.as_tensor(b.bounds)])
-            assert torch.equal(got, keep[r[0]:r[-1] + 1, cols[0]:cols[-1] + 1]), (m, n)
+            for d in ("fwd", "bwd"):  # the forward's bits by row, the backward's by key
+                key, aux = b.mask(d)
+                got = masks[key](r, cols, [torch.as_tensor(aux)])
+                assert torch.equal(got, keep[r[0]:r[-1] + 1, cols[0]:cols[-1] + 1]), (d, m, n)
     _check(tiles, s, s, dlse=True)
     monkeypatch.setattr(fc, "BITMAP_MAX_BYTES", b.bounds.nbytes - 1)
     c = fa4_calls(tiles, s, s)

@@ -126,7 +126,8 @@ def _band_mask_mod(sink: int, dlo: int, dhi: int):
 def _interval_mask_mods() -> dict:
     """The CuTe DSL mask_mods of block-sparse calls, by ``BlockLists.mask_key``: row r keeps key c iff c lies in one
     of the row's intervals, read from aux tensor 0 (int32 [sq, 2 * intervals]), or iff bit ``c & 31`` of word
-    ``[r, c >> 5]`` is set ("bitmap", int32 [sq, 4 * N]). FA4 evaluates them on partial blocks only, per element:
+    ``[r, c >> 5]`` is set ("bitmap", int32 [sq, 4 * N]; the backward's "bitmap_t" the same bits by key, bit r & 31
+    of word [c, r >> 5], int32 [sk, 4 * M]). FA4 evaluates them on partial blocks only, per element:
     the one-interval form reads half as much (faster on strided masks: docs/measurements.md), the bitmap one word."""
     import cutlass  # noqa: PLC0415
     import cutlass.cute as cute  # noqa: PLC0415
@@ -159,7 +160,14 @@ def _interval_mask_mods() -> dict:
         word = bits[m_idx[0], c >> 5]
         return utils.scalar_to_ssa((word >> (c & 31)) & 1, cutlass.Int32) == utils.scalar_to_ssa(1, cutlass.Int32)
 
-    return {1: one_interval, 2: two_intervals, "bitmap": bitmap}
+    @cute.jit
+    def bitmap_t(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+        bits = aux_tensors[0]
+        r = m_idx[0]
+        word = bits[n_idx[0], r >> 5]
+        return utils.scalar_to_ssa((word >> (r & 31)) & 1, cutlass.Int32) == utils.scalar_to_ssa(1, cutlass.Int32)
+
+    return {1: one_interval, 2: two_intervals, "bitmap": bitmap, "bitmap_t": bitmap_t}
 
 
 class FA4Backend:

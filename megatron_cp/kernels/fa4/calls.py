@@ -140,7 +140,10 @@ class BlockLists:
     (1 or 2) is the most any row needs, so the mask_mod reads no more than that (0 with a band).
     ``bitmap``: the partial blocks' cells as bits instead, for rows keeping more than two intervals over their
     partial blocks (fine-grained patterns: a strided mask of 16-token blocks): bounds int32 [sq, 4 * N], bit
-    ``c & 31`` of word ``[r, c >> 5]`` set iff row r keeps key c (one read per cell, whatever the pattern)."""
+    ``c & 31`` of word ``[r, c >> 5]`` set iff row r keeps key c (one read per cell, whatever the pattern); the
+    backward reads ``bounds_t`` instead, the same bits by key: int32 [sk, 4 M], bit ``r & 31`` of word ``[c, r >> 5]``
+    (FA4's sm90 backward computes S transposed at head_dim <= 128, the sparse backward's dims: a thread's cells then
+    share a few keys and span many rows, and reading by key keeps its reads in a few words; docs/measurements.md)."""
 
     fwd: tuple[np.ndarray, ...]
     bwd: tuple[np.ndarray, ...]
@@ -149,6 +152,16 @@ class BlockLists:
     partial_blocks: int
     band: tuple[int, int, int] | None = None  # (sink, dlo, dhi), see _band
     bitmap: bool = False
+    bounds_t: np.ndarray | None = None
+
+    def mask(self, direction: str) -> tuple[int | str | None, np.ndarray | None]:
+        """(the backend's ``Fa4Functions.interval_masks`` key, the aux array it reads) of ``direction``'s partial
+        blocks; (None, None) with a band (its mask_mod reads no array)."""
+        if self.band is not None:
+            return None, None
+        if self.bitmap and direction == "bwd":
+            return "bitmap_t", self.bounds_t
+        return self.mask_key, self.bounds
 
     @property
     def intervals(self) -> int:
@@ -492,7 +505,8 @@ def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: b
         bits = _bitmap(row, lo, hi, partial, seqlen_q)
         if bits is None:
             return None
-        return BlockLists(*lists, bits, int(full.sum()), int(partial.sum()), None, bitmap=True)
+        return BlockLists(*lists, bits, int(full.sum()), int(partial.sum()), None, bitmap=True,
+                          bounds_t=_by_key(bits, seqlen_q, seqlen_k))
     used = 0 if band is not None else (int(slot.max()) + 1 if len(slot) else 1)
     bounds = np.zeros((seqlen_q, 2 * used), dtype=np.int32)
     if used:
@@ -529,6 +543,20 @@ def _bitmap(row, lo, hi, partial: np.ndarray, seqlen_q: int) -> np.ndarray | Non
     # pieces are disjoint: their bits' sum is their union (float64 sums of ints below 2^53 are exact)
     flat = np.bincount((r[:, None] * words + w).ravel(), weights=bits.ravel(), minlength=seqlen_q * words)
     return flat.astype(np.uint32).view(np.int32).reshape(seqlen_q, words)
+
+
+def _by_key(bits: np.ndarray, seqlen_q: int, seqlen_k: int) -> np.ndarray:
+    """The bitmap ``bits`` (int32 [sq, 4 N], bit c & 31 of word [r, c >> 5]) by key: int32 [sk, 4 M], bit r & 31 of
+    word [c, r >> 5]; transposed a 128-row block at a time (a few MB of bits at once)."""
+    m_blocks = -(-seqlen_q // BLOCK)
+    out = np.zeros((seqlen_k, 4 * m_blocks), dtype=np.int32)
+    for m in range(m_blocks):
+        rows = np.zeros((BLOCK, bits.shape[1]), dtype=np.int32)
+        part = bits[m * BLOCK:(m + 1) * BLOCK]
+        rows[:len(part)] = part
+        cells = np.unpackbits(rows.view(np.uint8), axis=1, bitorder="little")[:, :seqlen_k]  # [128, sk]
+        out[:, 4 * m:4 * m + 4] = np.ascontiguousarray(np.packbits(cells.T, axis=1, bitorder="little")).view(np.int32)
+    return out
 
 
 def fa4_calls(tiles: np.ndarray, seqlen_q: int, seqlen_k: int) -> Fa4Calls:

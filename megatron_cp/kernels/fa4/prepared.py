@@ -83,13 +83,14 @@ class Fa4Prepared:
         if route == "blocks":
             b = c.blocks
             lists = b.fwd if direction == "fwd" else b.bwd
-            *t, bounds = upload_all(list(lists) + [b.bounds if b.band is None else None], device)
+            mask_key, aux = b.mask(direction)
+            *t, aux = upload_all(list(lists) + [aux], device)
             t = [a[None, None] for a in t]  # heads and batch broadcast
             kw = {"block_sparse_tensors": fns.block_sparse(*t, block_size=(BLOCK, BLOCK))}
             if b.band is not None:
                 kw["mask_mod"] = fns.band_mask(*b.band)
             else:
-                kw.update(mask_mod=fns.interval_masks[b.mask_key], aux_tensors=[bounds])
+                kw.update(mask_mod=fns.interval_masks[mask_key], aux_tensors=[aux])
             got = [Run(True, kw, ((0, c.seqlen_q),), ((0, c.seqlen_k),))]
         else:
             got = []

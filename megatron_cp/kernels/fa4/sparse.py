@@ -51,7 +51,7 @@ class SparseStatic:
     classes: np.ndarray
     blocks: BlockLists | None
     reason: str | None
-    _device: dict = field(default_factory=dict)  # str(device) -> (full bool [M, N], partial bool [M, N], aux)
+    _device: dict = field(default_factory=dict)  # str(device) -> (full bool [M, N], partial bool [M, N], {dir: aux})
 
     @property
     def empty(self) -> bool:
@@ -59,13 +59,15 @@ class SparseStatic:
         return self.blocks is None and self.reason is None
 
     def on(self, device) -> tuple:
-        """(static full bool [M, N], static partial bool [M, N], aux tensors or None) on ``device``, cached."""
+        """(static full bool [M, N], static partial bool [M, N], {"fwd" / "bwd": aux tensors or None}) on ``device``,
+        cached."""
         key = str(device)
         got = self._device.get(key)
         if got is None:
             c = upload(self.classes, device)
             b = self.blocks
-            aux = None if b is None or b.band is not None else [upload(b.bounds, device)]
+            arrays = {d: None if b is None else b.mask(d)[1] for d in ("fwd", "bwd")}
+            aux = {d: None if a is None else [upload(a, device)] for d, a in arrays.items()}
             got = self._device[key] = (c == 2, c == 1, aux)
         return got
 
@@ -144,7 +146,7 @@ def call_kwargs(static: SparseStatic, keep, direction: str, fns) -> dict:
     if b.band is not None:
         kw["mask_mod"] = fns.band_mask(*b.band)
     else:
-        kw.update(mask_mod=fns.interval_masks[b.mask_key], aux_tensors=aux)
+        kw.update(mask_mod=fns.interval_masks[b.mask(direction)[0]], aux_tensors=aux[direction])
     return kw
 
 
