@@ -15,6 +15,7 @@ import pytest
 
 import megatron_cp as mcp
 from megatron_cp import baselines, gating, kernels, sparse
+from megatron_cp.kernels.fa4 import measured
 from megatron_cp.masks import catalog
 from scripts import load_script
 
@@ -146,6 +147,7 @@ def test_tools_and_examples_choices_are_their_registries(monkeypatch):
         ("tools/bench_sparse.py", "--methods"): tuple(sparse.SELECTORS),
         ("tools/bench_sparse.py", "--backend"): kernels.BACKEND_CHOICES,
         ("tools/gpu_kernel_check.py", "--backend"): ("auto", *GPU_BACKENDS),
+        ("tools/gpu_kernel_check.py", "--route"): ("measured", *measured.ROUTES),
         ("tools/bench_first_call.py", "--backend"): GPU_BACKENDS,
         ("examples/tiny_llama/demo.py", "--kernel-backend"): kernels.BACKEND_CHOICES,
         ("examples/tiny_llama/train_gates.py", "--method"): (*gating.METHODS, "both"),

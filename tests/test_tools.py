@@ -324,6 +324,52 @@ def test_gpu_kernel_check_builds_the_chosen_backend_with_its_config():
         gk.make_backend("fa4", {})
 
 
+def test_gpu_kernel_check_forces_a_route_where_the_list_has_its_form(monkeypatch):
+    """--route: FA4's lists run the forced route where they have its form - a strided list of 16-token blocks (its
+    backward's prior: Triton) runs both directions as FA4's block-sparse call, exact against the fp64 reference
+    (emulated FA4); forced onto Triton, Triton with the reason; onto "varlen", FA4's varlen calls where there are
+    few enough to be timed, else as chosen; "measured" leaves the chooser as it is."""
+    import fa4_semantics
+    import torch
+
+    from megatron_cp.kernels import FA4Backend
+    from megatron_cp.kernels.fa4 import measured
+    from megatron_cp.kernels.fa4.backend import Fa4Functions
+    from megatron_cp.masks import builders
+    from megatron_cp.testing import reference_attention
+
+    gk = _tool("gpu_kernel_check")
+    chosen = measured.list_route
+    monkeypatch.setattr(measured, "list_route", chosen)  # restored after the test
+    gk.force_route("measured")
+    assert measured.list_route is chosen
+    s = 512
+    tiles = catalog.tiles(builders.strided(s, 16, 4))
+    fns = Fa4Functions(fa4_semantics.fwd, fa4_semantics.bwd, "reference", (torch.float64,), fa4_semantics.block_sparse,
+                       fa4_semantics.interval_masks(), fa4_semantics.band_mask)
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(s, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(s, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    be = FA4Backend(functions=fns)
+    prep = be.prepare(tiles, s, s, head_dims=(8,))
+    args = (be.routes, "bwd", q, k, v, prep, False, None)
+    assert chosen(*args)[0] == "triton"  # the prior: 100% partial blocks
+    few = len(prep.calls.bwd) <= measured.MAX_TIMED_VARLEN_CALLS
+    for route, want in (("triton", ("triton", "forced by --route")), ("varlen", ("varlen", None) if few else chosen(*args)),
+                        ("blocks", ("blocks", None))):
+        monkeypatch.setattr(measured, "list_route", chosen)
+        gk.force_route(route)
+        prep._routes.clear()
+        assert measured.list_route(*args) == want, route
+    out, lse = be.forward(q, k, v, prep, 0.3)
+    assert be.last_path == "fa4"
+    dq, dk, dv = be.backward(q, k, v, out, lse, do, prep, 0.3)
+    assert be.last_path == "fa4"
+    ref = reference_attention(q, k, v, catalog.tiles_to_dense(tiles, s, s), 0.3, dout=do)
+    for a, b in zip((out, lse, dq, dk, dv), ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
 def test_bench_kernels_cpu_dry_run(tmp_path):
     """The documented CPU dry run (Triton's interpreter, one mask to keep it short) runs end to end and
     writes its JSON: ours is the Triton backend on the CPU, no peer runs, meta names the backend."""

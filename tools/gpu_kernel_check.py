@@ -38,7 +38,7 @@ import megatron_cp as mcp  # noqa: E402
 from megatron_cp.kernels import (  # noqa: E402
     BACKEND_CHOICES, BlockKeep, FA4Backend, KernelConfig, PhaseConfigs, TritonBackend, TritonConfig, fa4_unavailable, get_backend,
 )
-from megatron_cp.kernels.fa4 import sparse as fa4_sparse  # noqa: E402
+from megatron_cp.kernels.fa4 import measured, sparse as fa4_sparse  # noqa: E402
 from megatron_cp.masks import catalog  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +46,7 @@ from common import Progress, device_name, markdown_table, out_dir, parser, run_r
 
 ERR_KEYS = ("out", "lse", "dq", "dk", "dv")
 PARTS = ("matrix", "bands", "rank_lists", "sparse")
-ROUTES = ("measured", "varlen", "blocks", "triton")
+ROUTES = ("measured", *measured.ROUTES)
 
 
 def force_route(route: str) -> None:
@@ -54,8 +54,6 @@ def force_route(route: str) -> None:
     (``measured.list_route``) answers that route instead of timing, for lists whose form allows it."""
     if route == "measured":
         return
-    from megatron_cp.kernels.fa4 import measured
-
     chosen = measured.list_route
 
     def forced(routes, phase, q, k, v, prepared, deterministic, candidates):

@@ -515,8 +515,8 @@ def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: b
     return BlockLists(*lists, bounds, int(full.sum()), int(partial.sum()), band)
 
 
-# the bitmap form's aux tensor on the device (a strided 4k list: 2 MiB). One read a cell: faster than two intervals
-# per row and key block (four reads a cell; docs/measurements.md)
+# each of the bitmap form's two aux tensors on the device, by row and by key (a strided 4k list: 2 MiB each). One
+# read a cell: faster than two intervals per row and key block (four reads a cell; docs/measurements.md)
 BITMAP_MAX_BYTES = 32 << 20
 
 

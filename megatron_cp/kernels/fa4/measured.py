@@ -71,6 +71,8 @@ def _log2(x: float) -> int:
     return int(round(math.log2(max(1.0, float(x)))))
 
 
+ROUTES = ("varlen", "blocks", "triton")  # the ways a list's phase can run: FA4's varlen calls, its one block-sparse call, Triton
+
 # more varlen calls than this are no candidate worth timing: each is a launch, and the block-sparse form exists
 MAX_TIMED_VARLEN_CALLS = 8
 
