@@ -311,6 +311,11 @@ def _fuse(a: Segment, b: Segment) -> Segment | None:
     """One segment with exactly the cells of row-adjacent ``a`` (above) and ``b``, or None."""
     if a.q1 != b.q0:
         return None
+    # a window's bounds rise by 0 or 1 from one row to the next: most pairs fail here, before the candidates are
+    # built (a strided list of 16-token blocks meets a few dozen row-adjacent segments per segment)
+    (la, ha), (lb, hb) = _row_bounds(a, a.q1 - 1), _row_bounds(b, b.q0)
+    if not (0 <= lb - la <= 1 and 0 <= hb - ha <= 1):
+        return None
     k0, k1 = min(a.k0, b.k0), max(a.k1, b.k1)
     for left in dict.fromkeys((a.left, b.left, None)):
         for right in dict.fromkeys((a.right, b.right, None)):
