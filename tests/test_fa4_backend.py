@@ -109,9 +109,10 @@ def test_the_natively_expressible_masks_are_one_call():
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("name", ["causal", "packed", "sliding_window", "global_local"])
+@pytest.mark.parametrize("name", ["causal", "packed", "sliding_window", "global_local", "strided"])
 def test_planner_rank_lists(name, cp, route_rules):
-    """The lists the runtime gives the backend: a rank's rows against its key buffer (sq != sk)."""
+    """The lists the runtime gives the backend: a rank's rows against its key buffer (sq != sk); strided's blocks of
+    one token at this size give its rank lists the bitmap form (by row forward, by key backward)."""
     s = 256
     plan = mcp.plan(catalog.build(name, s), cp)
     for rp in plan.ranks:
