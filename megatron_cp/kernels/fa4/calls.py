@@ -520,9 +520,11 @@ def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: b
     return BlockLists(*lists, bounds, int(full.sum()), int(partial.sum()), band)
 
 
-# each of the bitmap form's two aux tensors on the device, by row and by key (a strided 4k list: 2 MiB each). One
-# read a cell: faster than two intervals per row and key block (four reads a cell; docs/measurements.md)
-BITMAP_MAX_BYTES = 32 << 20
+# each of the bitmap form's two aux tensors, by row and by key (sq x sk / 8 bytes: a strided 4k list's 2 MiB). One read
+# a cell: faster than two intervals per row and key block (four reads a cell). The cap keeps lists where it lost
+# out of the form (a strided 16k list's 32 MiB: FA4 2.3x / 3x Triton's time; docs/measurements.md) and bounds what
+# a plan's lists carry from the planning helper and upload
+BITMAP_MAX_BYTES = 4 << 20
 
 
 def _bitmap(row, lo, hi, partial: np.ndarray, seqlen_q: int) -> np.ndarray | None:
