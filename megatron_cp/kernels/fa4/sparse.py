@@ -66,8 +66,9 @@ class SparseStatic:
         if got is None:
             c = upload(self.classes, device)
             b = self.blocks
-            arrays = {d: None if b is None else b.mask(d)[1] for d in ("fwd", "bwd")}
-            aux = {d: None if a is None else [upload(a, device)] for d, a in arrays.items()}
+            fwd, bwd = (None if b is None else b.mask(d)[1] for d in ("fwd", "bwd"))
+            up = None if fwd is None else [upload(fwd, device)]
+            aux = {"fwd": up, "bwd": up if bwd is fwd else [upload(bwd, device)]}  # one upload unless a bitmap
             got = self._device[key] = (c == 2, c == 1, aux)
         return got
 
