@@ -1,16 +1,17 @@
 """Later attention calls of a plan on a group that checks only the plan's first call (NCCL; gloo with the plan
 checked ahead): a call whose head counts, head dims or dtype were never agreed on the group is checked then.
 Every rank changed alike (a model whose layers differ): the ranks meet in the check and go on, exact; a rank alone
-in its change raises a ValueError naming its fields and the agreed ones, before any exchange, and its peers stop
-in their exchange instead of finishing. Gloo ranks that take NCCL's decision (``_checks_every_call`` False)."""
+in its change raises a ValueError naming its fields and the agreed ones, before any exchange, and its peers raise
+it from their exchange (``runtime.faults``) instead of finishing. Gloo ranks that take NCCL's decision (``_checks_every_call`` False)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import megatron_cp as mcp
-from megatron_cp.runtime import state
+from megatron_cp.runtime import faults, state
 from megatron_cp.testing import reference_attention, run_ranks
 
 S = 96
@@ -56,10 +57,26 @@ def test_a_later_call_whose_fields_every_rank_changed_alike_checks_once_and_runs
         assert max(e for _, e in rank_out) < 1e-12, rank_out
 
 
-def _alone(rank, world):
-    """Rank 1 alone calls with float32 on its second call: it raises, naming both; rank 0 does not finish."""
+class _NoClone:
+    """A store whose client cannot be cloned: the watcher reads the fault key every ``POLL_S`` instead."""
+
+    def __init__(self, store):
+        self._s = store
+
+    def __getattr__(self, name):
+        if name == "clone":
+            raise AttributeError(name)
+        return getattr(self._s, name)
+
+
+def _alone(rank, world, shared_client=False):
+    """Rank 1 alone calls with float32 on its second call: it raises, naming both; rank 0 raises rank 1's error
+    from its exchange (its watcher waits on a client of its own, or reads the shared one every 0.2 s)."""
     state._checks_every_call = lambda group: False
     state.FIELD_CHANGE_TIMEOUT_S = 3.0
+    if shared_client:
+        real, faults.POLL_S = faults._store, 0.2
+        faults._store = lambda hg: _NoClone(real(hg))
     mask = mcp.masks.varlen([0, 40, S], causal=True)
     plan = mcp.plan(mask, world)
     ids = torch.from_numpy(plan.local_ids(rank))
@@ -70,12 +87,23 @@ def _alone(rank, world):
             q, k, v = q.float(), k.float(), v.float()
         mcp.attention(q, k, v, plan, dist.group.WORLD)
     except Exception as e:  # noqa: BLE001 - what each rank met is the result
-        return type(e).__name__, isinstance(e, ValueError), str(e)
-    return "finished", False, ""
+        again = ""
+        if rank == 0:
+            try:  # a call after the error was caught: the same error, before any exchange
+                mcp.attention(q, k, v, plan, dist.group.WORLD)
+                again = "finished"
+            except Exception as e2:  # noqa: BLE001
+                again = type(e2).__name__ if str(e2) == str(e) else f"another error: {e2}"
+        return type(e).__name__, isinstance(e, ValueError), str(e), again
+    return "finished", False, "", ""
 
 
-def test_a_rank_alone_in_a_later_change_raises_and_no_peer_finishes():
-    (kind0, _, msg0), (kind1, is_value_error, msg1) = run_ranks(_alone, 2)
+@pytest.mark.parametrize("shared_client", [False, True])
+def test_a_rank_alone_in_a_later_change_raises_and_so_do_its_peers(shared_client):
+    (kind0, _, msg0, again0), (kind1, is_value_error, msg1, _) = run_ranks(_alone, 2, shared_client)
     assert kind1 == "RanksDisagreeError" and is_value_error, msg1
     assert "dtype float32" in msg1 and "dtype float64" in msg1 and "within 3 s" in msg1, msg1
-    assert kind0 != "finished", msg0  # its exchange meets no peer: an error, not a result
+    # its exchange met no peer: rank 1's error, told through the store (runtime.faults), not a result
+    assert kind0 == "RanksDisagreeError", (kind0, msg0)
+    assert "CP rank 1 of this group raised" in msg0 and "dtype float32" in msg0 and "dtype float64" in msg0, msg0
+    assert again0 == "RanksDisagreeError", again0

@@ -15,8 +15,10 @@ rows keeping no key: out 0, lse -inf), counting the cuDNN calls. The cases, by f
               reference under the cells every rank selected (sparse.select_blocks, gathered)
     sink      mcp.apply_sink on the merged out / lse (a learnable sink; its gradient summed over the ranks)
     mla       q/k head dim 192, v head dim 128
-    mismatch  the last rank attends with another plan (``plan``) or half the query heads (``heads``): ok when every
-              rank raised (RuntimeError / ValueError), none hung or finished without an error
+    mismatch  the last rank attends with another plan (``plan``) or half the query heads (``heads``), or alone
+              brings half the query heads on a plan's later call (``later``: on NCCL its peers are in that call's
+              exchange by then, runtime.faults): ok when every rank raised (RuntimeError / ValueError; ``later``:
+              RanksDisagreeError), none hung or finished without an error
 
 Writes OUT/gpu_dist_check<tag>.json (every rank's records); ends with one table; exits 1 where a case fails.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -38,6 +41,7 @@ from megatron_cp.baselines import STRATEGIES as BASELINES
 from megatron_cp.kernels.triton import cudnn
 from megatron_cp.masks import catalog, geometry
 from megatron_cp.planner.guests import candidate_rows
+from megatron_cp.runtime import state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from gpu_kernel_check import chunked_reference, rms  # noqa: E402
@@ -188,6 +192,33 @@ def mismatch(kind, name, s, dims, dev, _data, be):
     return dict(ok=all(raised), raised=err is not None, ranks_raised=sum(raised), error=err)
 
 
+def later_change(name, s, dims, dev, _data, be):
+    """The last rank alone brings half the query heads on a plan's second call (the first agreed on): every rank
+    raises ``RanksDisagreeError`` in that call or in its wait for the call's output (peers: ``runtime.faults``).
+    On a CP group of its own, which the case leaves aborted (the peers' watchers abort it)."""
+    (hq, hkv, d, dv), rank, cp = dims, dist.get_rank(), dist.get_world_size()
+    group, gloo = dist.new_group(list(range(cp))), dist.new_group(list(range(cp)), backend="gloo")
+    timeout, state.FIELD_CHANGE_TIMEOUT_S = state.FIELD_CHANGE_TIMEOUT_S, 10.0
+    plan = mcp.plan(catalog.build(name, s), cp)
+    q, k, v = (torch.randn(plan.num_local(rank), h, x, device=dev, dtype=torch.bfloat16)
+               for h, x in ((hq, d), (hkv, d), (hkv, dv)))
+    mcp.attention(q, k, v, plan, group, backend=be)
+    start, err = time.monotonic(), None
+    try:
+        out, _ = mcp.attention(q[:, :hq // 2] if rank == cp - 1 else q, k, v, plan, group, backend=be)
+        float(out.float().sum())  # the host waits for the call's exchange
+    except (RuntimeError, ValueError) as e:
+        err = e
+    seconds = time.monotonic() - start
+    state.FIELD_CHANGE_TIMEOUT_S = timeout
+    raised = [None] * cp
+    dist.all_gather_object(raised, isinstance(err, state.RanksDisagreeError), group=gloo)
+    if rank == cp - 1:
+        group.abort()  # its peers aborted theirs: none of its collectives would meet them again
+    return dict(ok=all(raised), raised=err is not None, ranks_raised=sum(raised), seconds=round(seconds, 2),
+                error=None if err is None else f"{type(err).__name__}: {err}")
+
+
 # the cases' calls: (q, k, v, plan, backend, scale, stats) -> (out, lse)
 def run_ours(stages=None):
     return lambda q, k, v, plan, be, scale, stats: mcp.attention(q, k, v, plan, dist.group.WORLD,
@@ -235,7 +266,8 @@ def cases(s, s_x, cp, dims, dev, dry):
     if cp > 1:
         yield "causal", lambda: None, [("mismatch", OURS, f"mismatch {kind}",
                                         functools.partial(mismatch, kind, "causal", s_x, dims, dev))
-                                       for kind in ("plan", "heads")]
+                                       for kind in ("plan", "heads")] + [
+            ("mismatch", OURS, "mismatch later", functools.partial(later_change, "causal", s_x, dims, dev))]
 
 
 FAMILIES = ("dense", "sparse", "sink", "mla", "mismatch")

@@ -346,7 +346,7 @@ def attention(
     lse (attention sinks: ``apply_sink``; double backward raises). Bad input raises before any collective, and
     the CP ranks check they agree on the plan, head counts, head dims and dtype (``verify_plan``: a ValueError on
     every rank otherwise), once per plan, on every call where ``group`` is a gloo group, and on a later call whose
-    fields the group never agreed on (a rank alone in such a change raises; its peers stop in their exchange).
+    fields the group never agreed on (a rank alone in such a change raises, and its peers with it: ``runtime.faults``).
 
     ``backend``: a kernel backend name (one of ``kernels.BACKEND_CHOICES``) or an object implementing
     ``kernels.Backend``, e.g. ``kernels.TritonBackend(kernels.TritonConfig(deterministic=True))`` (its

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from ..comm import BufferPool, DeviceRoute, RouteIndex, device_pool
 from ..kernels import Backend, upload_all
 from ..planner import Plan, Workload
-from . import guests
+from . import faults, guests
+from .faults import RanksDisagreeError
 from .cost import CostModel
 from .groups import group_token, host_group
 from .rowmap import RowIndex, RowMap, grouped
@@ -164,11 +165,6 @@ def _shown(name: str, x: int) -> str:
 _FIELDS_AGREED: set = set()  # (group_token(group), fields) every rank of the group was found to share
 
 
-class RanksDisagreeError(ValueError, RuntimeError):
-    """CP ranks hold different plans or call attention with different inputs: raised on every rank of the group
-    alike, before any exchange. A ValueError (bad input); also a RuntimeError, what it was before."""
-
-
 def _agree(names: list, vals: list, check_group) -> None:
     """One tiny all-reduce of (max, -max) of ``vals`` over ``check_group`` (gloo, on the host); where ranks
     differ, a ``RanksDisagreeError`` on every rank naming this rank's value and the range seen across ranks."""
@@ -205,8 +201,9 @@ def _agree_unless_alone(names: list, vals: list, group, alone: str) -> None:
     try:
         store.wait(keys, datetime.timedelta(seconds=FIELD_CHANGE_TIMEOUT_S))
     except (RuntimeError, dist.DistError) as e:
-        raise RanksDisagreeError(f"{alone} (no other rank came to check them within {FIELD_CHANGE_TIMEOUT_S:g} s: "
-                                 f"{type(e).__name__})") from None
+        msg = f"{alone} (no other rank came to check them within {FIELD_CHANGE_TIMEOUT_S:g} s: {type(e).__name__})"
+        faults.post(group, msg)  # the peers, in this call's exchange, raise it too
+        raise RanksDisagreeError(msg) from None
     seen = [[int(x) for x in store.get(k).decode().split(",")] for k in keys]
     _raise_where_they_differ(names, vals, [max(c) for c in zip(*seen)], [min(c) for c in zip(*seen)])
 
@@ -267,11 +264,13 @@ def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
     changed alike (a model whose layers differ in heads or head dims) the ranks meet there and go on; a rank
     alone in its change (another dtype or head count than its peers') raises a ``RanksDisagreeError`` naming its
     fields and the agreed ones after ``FIELD_CHANGE_TIMEOUT_S``, before any exchange. Its peers, in that call's
-    exchange meanwhile, stop there with it (a gloo error; on NCCL the job's launcher ends them when this rank
-    exits) rather than finish. Each decision is the same on every rank where the fields agree (the group's
+    exchange meanwhile, raise it too (``runtime.faults``: the rank posts it in the group's store; each peer's
+    watcher raises it in the peer's step thread and aborts the group, ending the exchange's wait). Each decision is the same on every rank where the fields agree (the group's
     backend, the plan, the step's acceptance)."""
     if group is None or plan.cp_size == 1:
         return
+    if faults.POSTED:  # a peer raised alone and this rank's watcher met it
+        faults.raise_posted(group)
     cache = plan_cache(plan)
     seen = cache.setdefault("verified", {})  # group token -> (every later call checks again, first fields)
     token = group_token(group)
@@ -293,12 +292,15 @@ def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
             return
     elif token in cache.get("accepted", ()) and (token, items) in _FIELDS_AGREED:
         seen[token] = (False, items)
+        faults.watch(group)  # later calls check nothing: a peer alone in a change tells this rank through it
         return
     _agree(["plan digest"] + [n for n, _ in items], [int(plan.digest64)] + [int(x) for _, x in items],
            host_group(group))
     _FIELDS_AGREED.add((token, items))
     if state is None:
         seen[token] = (_checks_every_call(group), items)
+        if not seen[token][0] or token in cache.get("accepted", ()):
+            faults.watch(group)
 
 
 def exchange_choice(plan: Plan, *, stages: int | None, hierarchical: bool, cost: CostModel,
