@@ -69,9 +69,10 @@ class _NoClone:
         return getattr(self._s, name)
 
 
-def _alone(rank, world, shared_client=False):
-    """Rank 1 alone calls with float32 on its second call: it raises, naming both; rank 0 raises rank 1's error
-    from its exchange (its watcher waits on a client of its own, or reads the shared one every 0.2 s)."""
+def _alone(rank, world, shared_client=False, change="dtype"):
+    """Rank 1 alone calls with float32 (``change`` "dtype") or one row short ("rows") on its second call: it raises,
+    naming both; rank 0 raises rank 1's error from its exchange (its watcher waits on a client of its own, or
+    reads the shared one every 0.2 s), and again on a later call."""
     state._checks_every_call = lambda group: False
     state.FIELD_CHANGE_TIMEOUT_S = 3.0
     if shared_client:
@@ -81,10 +82,12 @@ def _alone(rank, world, shared_client=False):
     plan = mcp.plan(mask, world)
     ids = torch.from_numpy(plan.local_ids(rank))
     q, k, v = (t[ids] for t in _inputs(4, 2, 16, torch.float64))
-    mcp.attention(q, k, v, plan, dist.group.WORLD)
-    try:
-        if rank == 1:
+    try:  # a peer's error may reach rank 0 still in the first call (rank 1 may be through it first)
+        mcp.attention(q, k, v, plan, dist.group.WORLD)
+        if rank == 1 and change == "dtype":
             q, k, v = q.float(), k.float(), v.float()
+        if rank == 1 and change == "rows":  # not the plan's rows: the input check fails on rank 1 alone
+            q, k, v = q[1:], k[1:], v[1:]
         mcp.attention(q, k, v, plan, dist.group.WORLD)
     except Exception as e:  # noqa: BLE001 - what each rank met is the result
         again = ""
@@ -106,4 +109,11 @@ def test_a_rank_alone_in_a_later_change_raises_and_so_do_its_peers(shared_client
     # its exchange met no peer: rank 1's error, told through the store (runtime.faults), not a result
     assert kind0 == "RanksDisagreeError", (kind0, msg0)
     assert "CP rank 1 of this group raised" in msg0 and "dtype float32" in msg0 and "dtype float64" in msg0, msg0
+    assert again0 == "RanksDisagreeError", again0
+
+
+def test_an_input_check_failing_on_one_rank_alone_in_a_later_call_raises_on_its_peers_too():
+    (kind0, _, msg0, again0), (kind1, is_value_error, msg1, _) = run_ranks(_alone, 2, False, "rows")
+    assert kind1 == "ValueError" and "q has 47 tokens but the plan gives rank 1 48" in msg1, msg1
+    assert kind0 == "RanksDisagreeError" and "CP rank 1 of this group raised" in msg0 and msg1 in msg0, msg0
     assert again0 == "RanksDisagreeError", again0

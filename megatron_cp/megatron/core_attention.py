@@ -51,7 +51,7 @@ from megatron.core.utils import divide
 
 import megatron_cp as mcp
 from megatron_cp.gating import gated_attention, pattern_attention
-from megatron_cp.runtime import apply_sink, plan_cache, resolve_backend
+from megatron_cp.runtime import apply_sink, plan_cache, resolve_backend, tell_peers
 from megatron_cp.runtime.state import fingerprint, input_fields, verify_plan
 
 from .options import LayerOptions
@@ -179,7 +179,16 @@ class CPCoreAttention(MegatronModule):
     ) -> torch.Tensor:
         """q ``[s, b, Hq, D]``, k ``[s, b, Hkv, D]``, v ``[s, b, Hkv, Dv]`` (local tokens in plan order; Dv = D
         but for MLA) -> ``[s, b, Hq*Dv]``. MLA with ``CPParams`` passes ``[s, H, D]`` (its packed convention
-        drops the batch dim; b = 1) and gets ``[s, 1, Hq*Dv]``."""
+        drops the batch dim; b = 1) and gets ``[s, 1, Hq*Dv]``. An input error raised on this rank alone is
+        raised on its CP peers too, which may be in the call's exchange by then (``runtime.tell_peers``)."""
+        try:
+            return self._forward(query, key, value, attn_mask_type, attention_bias, packed_seq_params)
+        except ValueError as e:
+            group = getattr(packed_seq_params, "cp_group", None) if isinstance(packed_seq_params, CPParams) else None
+            tell_peers(group if group is not None else self.cp_group, e)
+            raise
+
+    def _forward(self, query, key, value, attn_mask_type, attention_bias, packed_seq_params) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("CPCoreAttention does not support attention_bias (got a tensor)")
         if isinstance(packed_seq_params, CPParams) and query.dim() == key.dim() == value.dim() == 3:

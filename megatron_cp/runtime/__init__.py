@@ -14,6 +14,7 @@ prices the exchange choice (a step's prediction: ``runtime.predict``) and is wha
 from .attention import attention, check_inputs, prebuild, resolve_backend
 from .cost import CostModel
 from .dispatch import dispatch, undispatch
+from .faults import RanksDisagreeError, tell_peers
 from .global_batch import HostCost, all_micro_batches, gather_global_batch, plan_over_dp, predict_layer
 from .groups import host_group, plan_rank, planning_group
 from .plan_process import plan_in_helper, start_planning_helpers
@@ -33,5 +34,7 @@ __shared__ = ["check_inputs", "resolve_backend", "plan_rank", "plan_cache",
               "host_group", "planning_group",
               # the cross-rank plan check and the per-call input record, for the sparse and Megatron entry points
               "verify_plan", "input_fields", "fingerprint",
+              # what a rank's error alone on a call raises on its peers too, and its type
+              "tell_peers", "RanksDisagreeError",
               # the same check of a plan made ahead, by its planning thread, and the step taking its result
               "check_plan_ahead", "accept_plan_check"]

@@ -32,7 +32,7 @@ from .. import kernels
 from ..comm import COMM_LEAD_US, all_to_all_v, cast_steps, column_blocks, comm_lead, grad_buffer, reduce_steps
 from ..kernels import accumulate_dtype, reduce_row_pairs
 from ..planner import Plan, Workload
-from . import guests
+from . import faults, guests
 from .cost import CostModel
 from .groups import group_token, plan_rank
 from .rowmap import RowMap, copy_pairs
@@ -358,8 +358,12 @@ def attention(
     stream waits after issuing a stage's all-to-all before the kernel that overlaps it, so that NCCL's
     kernel gets multiprocessors first (``comm.comm_lead``; 0: off).
     """
-    rt, scale, fields = _checked_call(q, k, v, plan, group, softmax_scale, backend, stages, cost_model, hierarchical,
-                                      comm_lead_us)
+    try:
+        rt, scale, fields = _checked_call(q, k, v, plan, group, softmax_scale, backend, stages, cost_model,
+                                          hierarchical, comm_lead_us)
+    except ValueError as e:  # on this rank alone, its peers may be in the call's exchange: they raise it too
+        faults.tell_peers(group, e)
+        raise
     # the plan check: a host all-reduce once per plan; every call on a gloo group; a later call with fields never
     # agreed on the group
     verify_plan(plan, group, fields)

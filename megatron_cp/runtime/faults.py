@@ -3,7 +3,8 @@
 Where one rank of a CP group finds a mistake its peers cannot see (a later attention call whose head counts or
 dtype only it changed, ``state.verify_plan``), those peers are already in that call's exchange: on NCCL their GPU
 waits there without end and their host runs on, and on gloo they wait in the exchange until the rank exits. So
-the rank posts its message in the group's store before it raises (``post``); each peer has a watcher
+the rank posts its message in the group's store before it raises (``tell_peers``: a later call's fields only it changed,
+or any input check of a call that fails on it alone); each peer has a watcher
 (``watch``: a daemon thread per gloo twin of a group, started where the group's later calls run no check), which
 waits for that one key on a store client of its own (a blocked wait, no traffic: a job of thousands of ranks
 would load the store with polls) and on finding it raises the same ``RanksDisagreeError`` in the peer's step
@@ -51,17 +52,33 @@ def _store(hg):
     return c10d._get_process_group_store(hg)
 
 
+def tell_peers(group, err: Exception) -> None:
+    """On a rank about to raise ``err`` (an input check's error) from an attention call on ``group``: its peers
+    may be in that call's exchange where this process watches the group (its later calls check nothing), so post
+    the error to them (their watchers raise it). Once per error (an entry point wrapping another tells once);
+    nothing for a ``RanksDisagreeError`` (raised on every rank alike, or told already) or where no watcher runs
+    (every call meets its peers in a check there). Never raises itself: the caller raises ``err``."""
+    if not _WATCHERS or isinstance(err, RanksDisagreeError) or getattr(err, "_told_peers", False):
+        return
+    err._told_peers = True
+    if isinstance(group, dist.ProcessGroup):
+        post(group, str(err))
+
+
 def post(group, message: str) -> None:
-    """On the rank that raises alone: ``message`` to its peers (their watchers raise it), then a wait of up to
-    ``ACK_WAIT_S`` for each peer's watcher to take it. Never raises itself (the caller raises its own error)."""
+    """``message`` posted to ``group``'s peers (their watchers raise it), then a wait of up to ``ACK_WAIT_S`` for
+    each to take it (a peer that met the same error posts it too, which counts). Nothing where this process does
+    not watch the group; never raises."""
     try:
         hg = host_group(group)
         store, token, me = _store(hg), group_token(hg), hg.rank()
         with _LOCK:
+            if token not in _WATCHERS:
+                return
             gen = _SEEN[token] = _SEEN.get(token, 0) + 1
         store.set(_key(gen), f"{me}\n{message}")
-        peers = [f"{_key(gen)}/ack/{r}" for r in range(hg.size()) if r != me]
-        store.wait(peers, datetime.timedelta(seconds=ACK_WAIT_S))
+        store.set(f"{_key(gen)}/ack/{me}", "1")
+        store.wait([f"{_key(gen)}/ack/{r}" for r in range(hg.size())], datetime.timedelta(seconds=ACK_WAIT_S))
     except Exception:  # noqa: BLE001 - a peer without a watcher, a store gone: the caller's error stands
         pass
 

@@ -18,7 +18,7 @@ from .. import kernels
 from ..kernels.block_keep import BlockKeep
 from ..planner import Plan
 from ..runtime import attention as dense_attention
-from ..runtime import check_inputs, plan_cache, plan_rank, resolve_backend
+from ..runtime import check_inputs, plan_cache, plan_rank, resolve_backend, tell_peers
 from ..runtime.state import fingerprint, input_fields, verify_plan
 from . import exchange
 from .layout import SparseLayout, check_plan, sparse_layout
@@ -166,14 +166,18 @@ def sparse_attention(
     MoBA on documents of at most top_k + 1 blocks: dense attention ran on the plan, with no selection, the same
     result): host values, so passing it synchronises. Bad input raises ValueError before any collective.
     """
-    rank = plan_rank(plan, group)
-    check_inputs(q, k, v, plan, rank, softmax_scale)
-    check_selector(selector, q, k, plan)
-    bkey, be = resolve_backend(backend, q.device)
-    why = be.supports(q.device, q.dtype, q.shape[2])
-    if why is not None:
-        raise ValueError(f"backend {be.name!r} cannot run these inputs: {why}")
-    check_plan(plan, selector.block)
+    try:
+        rank = plan_rank(plan, group)
+        check_inputs(q, k, v, plan, rank, softmax_scale)
+        check_selector(selector, q, k, plan)
+        bkey, be = resolve_backend(backend, q.device)
+        why = be.supports(q.device, q.dtype, q.shape[2])
+        if why is not None:
+            raise ValueError(f"backend {be.name!r} cannot run these inputs: {why}")
+        check_plan(plan, selector.block)
+    except ValueError as e:  # on this rank alone, its peers may be in the call's exchange: they raise it too
+        tell_peers(group, e)
+        raise
     # before any exchange (once per plan; every call on gloo): ranks with another selector raise together
     verify_plan(plan, group, {**input_fields(q, k, v), "sparse selector": fingerprint(selector)})
     if keeps_whole_envelope(plan, selector):  # the selection would be the envelope: dense attention, no selection
