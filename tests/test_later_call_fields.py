@@ -69,11 +69,13 @@ class _NoClone:
         return getattr(self._s, name)
 
 
-def _alone(rank, world, shared_client=False, change="dtype"):
+def _alone(rank, world, shared_client=False, change="dtype", every_call=False):
     """Rank 1 alone calls with float32 (``change`` "dtype") or one row short ("rows") on its second call: it raises,
     naming both; rank 0 raises rank 1's error from its exchange (its watcher waits on a client of its own, or
-    reads the shared one every 0.2 s), and again on a later call."""
-    state._checks_every_call = lambda group: False
+    reads the shared one every 0.2 s), and again on a later call. ``every_call``: gloo's own decision (every
+    call checks: rank 0 waits in the check instead of the exchange)."""
+    if not every_call:
+        state._checks_every_call = lambda group: False
     state.FIELD_CHANGE_TIMEOUT_S = 3.0
     if shared_client:
         real, faults.POLL_S = faults._store, 0.2
@@ -112,8 +114,9 @@ def test_a_rank_alone_in_a_later_change_raises_and_so_do_its_peers(shared_client
     assert again0 == "RanksDisagreeError", again0
 
 
-def test_an_input_check_failing_on_one_rank_alone_in_a_later_call_raises_on_its_peers_too():
-    (kind0, _, msg0, again0), (kind1, is_value_error, msg1, _) = run_ranks(_alone, 2, False, "rows")
+@pytest.mark.parametrize("every_call", [False, True])
+def test_an_input_check_failing_on_one_rank_alone_in_a_later_call_raises_on_its_peers_too(every_call):
+    (kind0, _, msg0, again0), (kind1, is_value_error, msg1, _) = run_ranks(_alone, 2, False, "rows", every_call)
     assert kind1 == "ValueError" and "q has 47 tokens but the plan gives rank 1 48" in msg1, msg1
     assert kind0 == "RanksDisagreeError" and "CP rank 1 of this group raised" in msg0 and msg1 in msg0, msg0
     assert again0 == "RanksDisagreeError", again0

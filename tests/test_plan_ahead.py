@@ -422,9 +422,11 @@ def test_plans_slower_than_the_step_are_made_several_at_once_in_order():
     assert it.workers == 4 and most[0] <= 4
     assert sum(it.waits[-10:]) < 0.2 * sum(it.waits[2:12]), it.waits  # caught up once enough plans run at once
     # one late plan among quick ones (a pause, not a trend) starts no second helper
-    late = PlanAhead(iter(range(20)), lambda b: time.sleep(0.2 if b == 10 else 0.0), depth=2, max_workers=4)
+    # (steps of 50 ms: a quick plan queued behind the late one gets that long to be scheduled on a loaded machine,
+    # where 20 ms was once too little and counted as a second late plan)
+    late = PlanAhead(iter(range(20)), lambda b: time.sleep(0.3 if b == 10 else 0.0), depth=2, max_workers=4)
     for _ in late:
-        time.sleep(step_s)
+        time.sleep(0.05)
     assert late.workers == 1 and max(late.waits[3:]) > 0.1
     one = PlanAhead(iter(range(6)), lambda b: time.sleep(plan_s), depth=2, max_workers=1)
     assert list(one) == list(range(6)) and one.workers == 1

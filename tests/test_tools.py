@@ -604,7 +604,8 @@ def test_gpu_dist_check_dry_run_covers_every_case_family(tmp_path):
     assert {(m, v) for m, _, v in fams["sparse"]} == {(m, v) for m in ("causal", "packed")
                                                       for v in ("moba", "xattention")}
     assert {m for m, *_ in fams["sink"]} == {m for m, *_ in fams["mla"]} == {"causal", "packed"}
-    assert {v for *_, v in fams["mismatch"]} == {"mismatch plan", "mismatch heads"}
+    assert {v for *_, v in fams["mismatch"]} == {"mismatch plan", "mismatch heads", "mismatch later heads",
+                                                 "mismatch later rows"}
     for r in res:
         assert r["backend"] == "reference" and "ok" in r
         if r["family"] == "mismatch":  # every rank raised, naming what differs

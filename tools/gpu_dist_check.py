@@ -16,9 +16,10 @@ rows keeping no key: out 0, lse -inf), counting the cuDNN calls. The cases, by f
     sink      mcp.apply_sink on the merged out / lse (a learnable sink; its gradient summed over the ranks)
     mla       q/k head dim 192, v head dim 128
     mismatch  the last rank attends with another plan (``plan``) or half the query heads (``heads``), or alone
-              brings half the query heads on a plan's later call (``later``: on NCCL its peers are in that call's
-              exchange by then, runtime.faults): ok when every rank raised (RuntimeError / ValueError; ``later``:
-              RanksDisagreeError), none hung or finished without an error
+              brings half the query heads or one row too few on a plan's later call (``later heads`` / ``later rows``: on
+              NCCL its peers are in that call's exchange by then, runtime.faults): ok when every rank raised
+              (RuntimeError / ValueError; ``later``: RanksDisagreeError, the rows' own rank its ValueError), none
+              hung or finished without an error
 
 Writes OUT/gpu_dist_check<tag>.json (every rank's records); ends with one table; exits 1 where a case fails.
 """
@@ -192,27 +193,31 @@ def mismatch(kind, name, s, dims, dev, _data, be):
     return dict(ok=all(raised), raised=err is not None, ranks_raised=sum(raised), error=err)
 
 
-def later_change(name, s, dims, dev, _data, be):
-    """The last rank alone brings half the query heads on a plan's second call (the first agreed on): every rank
-    raises ``RanksDisagreeError`` in that call or in its wait for the call's output (peers: ``runtime.faults``).
-    On a CP group of its own, which the case leaves aborted (the peers' watchers abort it)."""
+def later_change(kind, name, s, dims, dev, _data, be):
+    """The last rank alone brings half the query heads (``heads``) or one row less than the plan's (``rows``) on a
+    plan's second call (the first agreed on): every rank raises (``RanksDisagreeError``; the last rank with
+    ``rows`` its input check's ValueError) in that call or in its wait for the call's output (peers:
+    ``runtime.faults``). On a CP group of its own, which the case leaves aborted (the peers' watchers abort it)."""
     (hq, hkv, d, dv), rank, cp = dims, dist.get_rank(), dist.get_world_size()
     group, gloo = dist.new_group(list(range(cp))), dist.new_group(list(range(cp)), backend="gloo")
     timeout, state.FIELD_CHANGE_TIMEOUT_S = state.FIELD_CHANGE_TIMEOUT_S, 10.0
     plan = mcp.plan(catalog.build(name, s), cp)
     q, k, v = (torch.randn(plan.num_local(rank), h, x, device=dev, dtype=torch.bfloat16)
                for h, x in ((hq, d), (hkv, d), (hkv, dv)))
-    mcp.attention(q, k, v, plan, group, backend=be)
     start, err = time.monotonic(), None
-    try:
-        out, _ = mcp.attention(q[:, :hq // 2] if rank == cp - 1 else q, k, v, plan, group, backend=be)
+    try:  # the last rank's error may reach a peer still in the first call (the last rank through it first)
+        mcp.attention(q, k, v, plan, group, backend=be)
+        if rank == cp - 1:
+            q, k, v = (q[:, :hq // 2], k, v) if kind == "heads" else (q[1:], k[1:], v[1:])
+        out, _ = mcp.attention(q, k, v, plan, group, backend=be)
         float(out.float().sum())  # the host waits for the call's exchange
     except (RuntimeError, ValueError) as e:
         err = e
     seconds = time.monotonic() - start
     state.FIELD_CHANGE_TIMEOUT_S = timeout
     raised = [None] * cp
-    dist.all_gather_object(raised, isinstance(err, state.RanksDisagreeError), group=gloo)
+    dist.all_gather_object(raised, isinstance(err, state.RanksDisagreeError if kind == "heads" or rank < cp - 1
+                                              else ValueError), group=gloo)
     if rank == cp - 1:
         group.abort()  # its peers aborted theirs: none of its collectives would meet them again
     return dict(ok=all(raised), raised=err is not None, ranks_raised=sum(raised), seconds=round(seconds, 2),
@@ -267,7 +272,8 @@ def cases(s, s_x, cp, dims, dev, dry):
         yield "causal", lambda: None, [("mismatch", OURS, f"mismatch {kind}",
                                         functools.partial(mismatch, kind, "causal", s_x, dims, dev))
                                        for kind in ("plan", "heads")] + [
-            ("mismatch", OURS, "mismatch later", functools.partial(later_change, "causal", s_x, dims, dev))]
+            ("mismatch", OURS, f"mismatch later {kind}", functools.partial(later_change, kind, "causal", s_x, dims, dev))
+            for kind in ("heads", "rows")]
 
 
 FAMILIES = ("dense", "sparse", "sink", "mla", "mismatch")

@@ -1,11 +1,11 @@
 """A CP rank that raises alone tells its peers, so that every rank raises and none waits or finishes.
 
 Where one rank of a CP group finds a mistake its peers cannot see (a later attention call whose head counts or
-dtype only it changed, ``state.verify_plan``), those peers are already in that call's exchange: on NCCL their GPU
-waits there without end and their host runs on, and on gloo they wait in the exchange until the rank exits. So
-the rank posts its message in the group's store before it raises (``tell_peers``: a later call's fields only it changed,
-or any input check of a call that fails on it alone); each peer has a watcher
-(``watch``: a daemon thread per gloo twin of a group, started where the group's later calls run no check), which
+dtype only it changed, ``state.verify_plan``; an input check that fails on it alone), those peers are already in
+that call's exchange or cross-rank check: on NCCL their GPU waits there without end and their host runs on, and on
+gloo they wait until the rank exits. So the rank posts its message in the group's store before it raises
+(``post``, ``tell_peers``); each peer has a watcher
+(``watch``: a daemon thread per gloo twin of a group, started by a plan's first check on the group), which
 waits for that one key on a store client of its own (a blocked wait, no traffic: a job of thousands of ranks
 would load the store with polls) and on finding it raises the same ``RanksDisagreeError`` in the peer's step
 thread and aborts the CP group, which ends a wait on its exchange (NCCL kernels leave on an abort). No collective
@@ -54,10 +54,10 @@ def _store(hg):
 
 def tell_peers(group, err: Exception) -> None:
     """On a rank about to raise ``err`` (an input check's error) from an attention call on ``group``: its peers
-    may be in that call's exchange where this process watches the group (its later calls check nothing), so post
-    the error to them (their watchers raise it). Once per error (an entry point wrapping another tells once);
-    nothing for a ``RanksDisagreeError`` (raised on every rank alike, or told already) or where no watcher runs
-    (every call meets its peers in a check there). Never raises itself: the caller raises ``err``."""
+    may be in that call's exchange or check, so post the error to them (their watchers raise it). Once per error
+    (an entry point wrapping another tells once); nothing for a ``RanksDisagreeError`` (raised on every rank
+    alike, or told already) or before the group's first check (no watcher yet: the group's gloo twin may not
+    exist, and making it is a collective). Never raises itself: the caller raises ``err``."""
     if not _WATCHERS or isinstance(err, RanksDisagreeError) or getattr(err, "_told_peers", False):
         return
     err._told_peers = True
@@ -129,8 +129,8 @@ def _watch(store, own: bool, token: int, me: int, group, group_tok: int, step_th
             _SEEN[token] = gen
         if int(poster) == me:
             continue
-        message = (f"CP rank {poster} of this group raised, and this rank stops with it: {text} (this rank was in "
-                   "that call's exchange, which was aborted)")
+        message = (f"CP rank {poster} of this group raised, and this rank stops with it: {text} (the CP group was "
+                   "aborted: no exchange of it meets the other ranks again)")
         POSTED[group_tok] = message
         _raise_in(step_thread, message)
         try:

@@ -299,8 +299,8 @@ def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
     _FIELDS_AGREED.add((token, items))
     if state is None:
         seen[token] = (_checks_every_call(group), items)
-        if not seen[token][0] or token in cache.get("accepted", ()):
-            faults.watch(group)
+        # a rank's error alone on a later call reaches this one through it, in that call's exchange or check
+        faults.watch(group)
 
 
 def exchange_choice(plan: Plan, *, stages: int | None, hierarchical: bool, cost: CostModel,
