@@ -7,7 +7,8 @@ gloo they wait until the rank exits. So the rank posts its message in the group'
 (``post``, ``tell_peers``); each peer has a watcher
 (``watch``: a daemon thread per gloo twin of a group, started by a plan's first check on the group), which
 waits for that one key on a store client of its own (a blocked wait, no traffic: a job of thousands of ranks
-would load the store with polls) and on finding it raises the same ``RanksDisagreeError`` in the peer's step
+would load the store with polls) and on finding it (unless its own rank posts the same fault within ``ALIKE_S``:
+every rank met the error and raises it itself) raises the same ``RanksDisagreeError`` in the peer's step
 thread and aborts the CP group, which ends a wait on its exchange (NCCL kernels leave on an abort). No collective
 and nothing on the step's path: a wait on another thread, and a look at a dict in every call (``raise_posted``).
 """
@@ -27,6 +28,7 @@ from .groups import group_token, host_group
 
 WAIT_S = 60.0  # a watcher's wait for its group's fault key, renewed (a store's client may time out a longer one)
 POLL_S = 1.0  # how often a watcher reads the key where the store cannot give it a client of its own
+ALIKE_S = 1.0  # how long a watcher that met a peer's fault waits for this rank's own post of it (the same error)
 ACK_WAIT_S = 10.0  # how long the posting rank waits for its peers' watchers before it raises (a launcher ends
 # the job's other processes once one exits: they should have raised by then)
 
@@ -123,11 +125,20 @@ def _watch(store, own: bool, token: int, me: int, group, group_tok: int, step_th
             poster, _, text = store.get(_key(gen)).decode().partition("\n")
         except Exception:  # noqa: BLE001 - the store went with its host (the job ends): stop watching
             return
-        with _LOCK:
-            if _SEEN.get(token, 0) >= gen:  # this process posted it (or met it already)
-                continue
-            _SEEN[token] = gen
-        if int(poster) == me:
+        # where every rank met the same error (the common mistake: the same bad input everywhere) each posts it and
+        # raises its own: this rank's own post of the fault comes within ALIKE_S, and the group stays as it is (a
+        # caller may catch the error and go on)
+        alone, end = False, time.monotonic() + ALIKE_S
+        while True:
+            with _LOCK:
+                if _SEEN.get(token, 0) >= gen:  # this process posted it too (or met it already)
+                    break
+                if time.monotonic() >= end:
+                    _SEEN[token] = gen
+                    alone = True
+                    break
+            time.sleep(0.005)
+        if not alone or int(poster) == me:
             continue
         message = (f"CP rank {poster} of this group raised, and this rank stops with it: {text} (the CP group was "
                    "aborted: no exchange of it meets the other ranks again)")

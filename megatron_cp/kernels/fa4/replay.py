@@ -97,17 +97,18 @@ def launch(fn, tensors, replays: dict, scale: float, call, programs: dict, const
             out, lse = (t.detach().clone() for t in tensors[3:])
             call(out, lse)
             _CHECKED[id(kernel)] = torch.equal(out, tensors[3]) and torch.equal(lse, tensors[4])
-            if not _CHECKED[id(kernel)]:
-                _refuse(fn, "the kernel's first replay differed from the interface's result")
+            if not _CHECKED[id(kernel)]:  # later calls take the program path (below), or the interface
                 tensors[3].copy_(out)
                 tensors[4].copy_(lse)
         return
     cache = getattr(fn, "compile_cache", None)
-    if got is None and sig in replays:  # the one-kernel record could not serve
+    # the one-kernel record could not serve, or its first replay differed from the interface's result (a kernel
+    # reading a buffer its front allocates per call, e.g. a zero-filled counter: a program allocates it again)
+    if sig in replays and (got is None or not _CHECKED.get(id(got[0]), True)):
         launch_program(fn, dict(zip(FWD_SLOTS, (t.detach() for t in tensors))), ("out", "lse"), programs, (scale,),
                        constants, call, exact=True)
         return
-    if cache is None or sig in replays:  # no cache to record from (a stand-in), or not replayable
+    if cache is None:  # no cache to record from (a stand-in)
         call(tensors[3], tensors[4])
         return
     rec = Recorder(cache)
