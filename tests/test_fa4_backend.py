@@ -565,6 +565,27 @@ fwd.calls = 0
 '''
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_replay_check_compares_bits_where_no_launch_wrote(dtype):
+    """replay._agree: cells no launch writes keep the same prior contents in both outputs (an empty buffer's NaN
+    too: the rows outside a list are filled after the launch) and agree; a written cell that is NaN in one, or off by
+    more than the atomic sums' spread, or any bit off where exact, does not."""
+    from megatron_cp.kernels.fa4 import replay
+
+    ref = torch.randn(64, 4, 8).to(dtype)
+    ref[10:20] = float("nan")  # garbage of an empty buffer, the same in both
+    assert replay._agree(ref.clone(), ref, True) and replay._agree(ref.clone(), ref, False)
+    near = ref.clone()
+    near[0, 0, 0] = ref[0, 0, 0] * (1 + 2.0 ** -7)  # an atomic sum's last bits
+    assert replay._agree(near, ref, False) and not replay._agree(near, ref, True)
+    nan = ref.clone()
+    nan[0, 0, 0] = float("nan")
+    assert not replay._agree(nan, ref, False)
+    far = ref.clone()
+    far[1] = ref[1] * 3 + 1  # a stale or misplaced argument
+    assert not replay._agree(far, ref, False)
+
+
 def test_fa4_forward_reading_a_zeroed_buffer_of_its_front_replays_as_a_program():
     """replay.launch: a forward of one compiled call on the given tensors and a counter its front zero-fills per call
     is recorded as one kernel, whose first replay (the recorded counter, counted up) differs from the interface's
