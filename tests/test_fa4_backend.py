@@ -475,6 +475,22 @@ def _standin_backend(fwd, bwd) -> FA4Backend:
                                              fa4_semantics.interval_masks(), fa4_semantics.band_mask))
 
 
+def _standin_forward_layers(mod, layers: int, seed: int, s: int = 96) -> list:
+    """``layers`` forward calls of one packed list through a stand-in module's ``fwd``, each layer's new q, k, v
+    checked against the reference (1e-10); the list's forward runs."""
+    tiles = catalog.tiles(catalog.build("packed", s))
+    be = _standin_backend(mod.fwd, fa4_semantics.bwd)
+    prep = be.prepare(tiles, s, s)
+    keep = tiles_to_dense(tiles, s, s)
+    for layer in range(layers):
+        q, k, v, _, _ = _inputs(s, s, seed=seed + layer)
+        out, lse = be.forward(q, k, v, prep, 0.3)
+        o_ref, l_ref = reference_attention(q, k, v, keep, 0.3)[:2]
+        torch.testing.assert_close(out, o_ref, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(lse, l_ref, rtol=1e-10, atol=1e-10)
+    return prep.runs("fwd", torch.device("cpu"), be.functions, prep.calls.route("fwd"))
+
+
 _FWD_STANDIN = '''
 import torch
 import fa4_semantics
@@ -520,19 +536,7 @@ def test_fa4_forward_of_two_compiled_calls_replays_as_a_program():
     from megatron_cp.kernels.fa4 import replay
 
     with _standin_module(_FWD_STANDIN, "fa4_fwd_standin_program") as mod:
-        s = 96
-        tiles = catalog.tiles(catalog.build("packed", s))
-        be = _standin_backend(mod.fwd, fa4_semantics.bwd)
-        prep = be.prepare(tiles, s, s)
-        runs = prep.runs("fwd", torch.device("cpu"), be.functions, prep.calls.route("fwd"))
-        keep = tiles_to_dense(tiles, s, s)
-        layers = 6
-        for layer in range(layers):
-            q, k, v, _, _ = _inputs(s, s, seed=20 + layer)
-            out, lse = be.forward(q, k, v, prep, 0.3)
-            o_ref, l_ref = reference_attention(q, k, v, keep, 0.3)[:2]
-            torch.testing.assert_close(out, o_ref, rtol=1e-10, atol=1e-10)
-            torch.testing.assert_close(lse, l_ref, rtol=1e-10, atol=1e-10)
+        runs = _standin_forward_layers(mod, layers=6, seed=20)
         # per run: the one-kernel record, the program's record, its checked first replay; then replays only
         assert mod.fwd.calls == 3 * len(runs), (mod.fwd.calls, len(runs))
         progs = [p for r in runs for p in r.fwd_programs.values()]
@@ -597,19 +601,7 @@ def test_fa4_forward_reading_a_zeroed_buffer_of_its_front_replays_as_a_program()
     from megatron_cp.kernels.fa4 import replay
 
     with _standin_module(_COUNTER_STANDIN, "fa4_fwd_standin_counter") as mod:
-        s = 96
-        tiles = catalog.tiles(catalog.build("packed", s))
-        be = _standin_backend(mod.fwd, fa4_semantics.bwd)
-        prep = be.prepare(tiles, s, s)
-        runs = prep.runs("fwd", torch.device("cpu"), be.functions, prep.calls.route("fwd"))
-        keep = tiles_to_dense(tiles, s, s)
-        layers = 7
-        for layer in range(layers):
-            q, k, v, _, _ = _inputs(s, s, seed=40 + layer)
-            out, lse = be.forward(q, k, v, prep, 0.3)
-            o_ref, l_ref = reference_attention(q, k, v, keep, 0.3)[:2]
-            torch.testing.assert_close(out, o_ref, rtol=1e-10, atol=1e-10)
-            torch.testing.assert_close(lse, l_ref, rtol=1e-10, atol=1e-10)
+        runs = _standin_forward_layers(mod, layers=7, seed=40)
         # per run: the kernel's record, its failed check, the program's record, the program's check; then replays
         assert mod.fwd.calls == 4 * len(runs), (mod.fwd.calls, len(runs))
         kernels = [r.replays[sig][0] for r in runs for sig in r.replays]

@@ -2,7 +2,8 @@
 checked ahead): a call whose head counts, head dims or dtype were never agreed on the group is checked then.
 Every rank changed alike (a model whose layers differ): the ranks meet in the check and go on, exact; a rank alone
 in its change raises a ValueError naming its fields and the agreed ones, before any exchange, and its peers raise
-it from their exchange (``runtime.faults``) instead of finishing. Gloo ranks that take NCCL's decision (``_checks_every_call`` False)."""
+it from their exchange (``runtime.faults``) instead of finishing; so does an input check failing on one rank
+alone. Gloo ranks that take NCCL's decision (``_checks_every_call`` False), and gloo's own (every call checks)."""
 
 from __future__ import annotations
 

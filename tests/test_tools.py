@@ -604,14 +604,12 @@ def test_gpu_dist_check_dry_run_covers_every_case_family(tmp_path):
     assert {(m, v) for m, _, v in fams["sparse"]} == {(m, v) for m in ("causal", "packed")
                                                       for v in ("moba", "xattention")}
     assert {m for m, *_ in fams["sink"]} == {m for m, *_ in fams["mla"]} == {"causal", "packed"}
-    assert {v for *_, v in fams["mismatch"]} == {"mismatch plan", "mismatch heads", "mismatch later heads",
-                                                 "mismatch later rows"}
+    # later rows: NCCL only (on gloo its peer waits in the check until the raising process exits)
+    assert {v for *_, v in fams["mismatch"]} == {"mismatch plan", "mismatch heads", "mismatch later heads"}
     for r in res:
         assert r["backend"] == "reference" and "ok" in r
-        if r["family"] == "mismatch":  # every rank raised, naming what differs (rows: rank 1's check, told rank 0)
-            rows = "q has 127 tokens but the plan gives rank 1 128 tokens"
-            assert r["raised"] and r["ranks_raised"] == 2, r
-            assert (rows in r["error"]) if r["variant"] == "mismatch later rows" else "CP ranks disagree" in r["error"], r
+        if r["family"] == "mismatch":  # every rank raised, naming what differs
+            assert r["raised"] and r["ranks_raised"] == 2 and "CP ranks disagree" in r["error"], r
         else:
             assert set(r["rms_err_vs_bf16_ref"]) >= {"out", "lse", "dq", "dk", "dv"}
     assert all("dsink" in r["rms_err_vs_bf16_ref"] for r in res if r["family"] == "sink")

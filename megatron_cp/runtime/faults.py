@@ -161,13 +161,15 @@ def _raise_in(thread_id: int, message: str) -> None:
         RanksDisagreeError.__init__(self, message)
 
     # the thread gets a class, not an instance: one made for this message
-    cls = type("RanksDisagreeError", (RanksDisagreeError,), {"__init__": init, "__module__": RanksDisagreeError.__module__})
+    cls = type("RanksDisagreeError", (RanksDisagreeError,),
+               {"__init__": init, "__module__": RanksDisagreeError.__module__})
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(cls))
 
 
 def _abort(group) -> None:
-    """Abort ``group`` where its backend can (NCCL: its kernels leave, a host wait on them ends); gloo's exchange
-    ends when the posting rank's process exits."""
+    """Abort ``group`` where its backend can (NCCL: its kernels leave, a host wait on them ends). A gloo collective
+    the peer's host waits in is not ended by an abort: it ends when the posting rank's process exits (a job's
+    error does), and the error is raised then."""
     try:
         group.abort()
     except Exception:  # noqa: BLE001 - a backend without an abort
