@@ -265,12 +265,11 @@ def verify_plan(plan: Plan, group, fields: dict | None = None) -> None:
     alone in its change (another dtype or head count than its peers') raises a ``RanksDisagreeError`` naming its
     fields and the agreed ones after ``FIELD_CHANGE_TIMEOUT_S``, before any exchange. Its peers, in that call's
     exchange meanwhile, raise it too (``runtime.faults``: the rank posts it in the group's store; each peer's
-    watcher raises it in the peer's step thread and aborts the group, ending the exchange's wait). Each decision is the same on every rank where the fields agree (the group's
-    backend, the plan, the step's acceptance)."""
+    watcher raises it in the peer's step thread and aborts the group, ending the exchange's wait). Each decision
+    is the same on every rank where the fields agree (the group's backend, the plan, the step's acceptance)."""
     if group is None or plan.cp_size == 1:
         return
-    if faults.POSTED:  # a peer raised alone and this rank's watcher met it
-        faults.raise_posted(group)
+    faults.raise_posted(group)  # a peer raised alone and this rank's watcher met it (a dict look-up otherwise)
     cache = plan_cache(plan)
     seen = cache.setdefault("verified", {})  # group token -> (every later call checks again, first fields)
     token = group_token(group)
