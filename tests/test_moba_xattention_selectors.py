@@ -275,6 +275,63 @@ def test_moba_cp_exact(mask, dtype):
         assert torch.equal(got, want), (mask, dtype, cp)
 
 
+def _fused_pooling(monkeypatch):
+    """MoBA's pooling through its Triton launches (Triton's interpreter on CPU tensors), as on a GPU."""
+    import megatron_cp.sparse.moba as moba
+
+    monkeypatch.setattr(moba, "fused", lambda x, dtype: dtype == torch.float32 and x.dtype != torch.float64)
+
+
+def test_fused_block_means_and_pair_dots():
+    """The Triton pooling against float64 sums, any strides; a block's mean and a pair's dot product the same bits
+    whatever other blocks or pairs the launch holds (the selections' exactness across CP layouts)."""
+    from megatron_cp.kernels import block_means_f32, pair_dots
+
+    g = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(6 * 24, 3, 8, generator=g).to(dtype)  # blocks of 24 rows: 3 steps of 8
+        strided = x.transpose(1, 2).contiguous().transpose(1, 2)
+        got = block_means_f32(x, 24)
+        assert got.dtype == torch.float32 and got.shape == (6, 3, 8)
+        assert (got.double() - x.double().view(6, 24, 3, 8).mean(1)).abs().max() < 1e-6
+        assert torch.equal(block_means_f32(strided, 24), got)
+        assert torch.equal(block_means_f32(x[2 * 24:5 * 24], 24), got[2:5])
+    a, b = torch.randn(4, 5, 8, generator=g), torch.randn(2, 7, 8, generator=g)
+    ai, bj = torch.tensor([0, 1, 4, 4, 2, 3]), torch.tensor([0, 6, 3, 1, 2, 2])
+    got = pair_dots(a, b, ai, bj, 7).view(4, 5, 7)
+    want = torch.zeros(4, 5, 7, dtype=torch.float64)
+    for i, j in zip(ai.tolist(), bj.tolist()):
+        want[:, i, j] = (a[:, i].double() * b.double().repeat_interleave(2, 0)[:, j]).sum(-1)
+    assert (got - want).abs().max() < 1e-5 and not got[want == 0].any()
+    part = pair_dots(a[:, 4:], b, ai[2:4] - 4, bj[2:4], 7).view(4, 1, 7)
+    assert torch.equal(part[:, 0], got[:, 4])
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_moba_fused_pooling_matches_reference_and_is_cp_exact(mask, monkeypatch):
+    """With the pooling in Triton (float32 and bfloat16 inputs), MoBA selects what the float64 reference selects
+    and each q block's selection is the same on every emulated CP layout."""
+    _fused_pooling(monkeypatch)
+    m = MASKS[mask]()
+    b = 16
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k = qk(6, dtype)
+        sel = MoBA(block=b, top_k=3)
+        single = single_view(m, b, k)
+        want = sel.select(q, k, single)
+        assert torch.equal(want, ref_moba(q, k, m.to_dense(), b, 3)), dtype
+        for cp in (2, 4):
+            ranks = split_blocks(S // b, cp, seed=cp)
+            views = [rank_view(single, ids, k) for ids in ranks]
+            parts = [sel.summaries(local(k, ids, b), v) for ids, v in zip(ranks, views)]
+            total = sum(parts[1:], parts[0])
+            got = torch.zeros_like(want)
+            for ids, v in zip(ranks, views):
+                v.combine = lambda t: total
+                got[:, ids] = sel.select(local(q, ids, b), local(k, ids, b), v)
+            assert torch.equal(got, want), (mask, dtype, cp)
+
+
 @pytest.mark.parametrize("mask", ["causal", "docs"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_xattention_cp_exact(mask, dtype):

@@ -10,7 +10,8 @@ Triton fallback FA4 hands calls to (``fallback.py``; ``fa4/`` imports nothing of
 tile list splits into kernel pieces (``pieces.py``, the one owner of those rules), tile checks (``tiles.py``),
 the LSE merge (``merge.py``), row copies and reductions (``rows.py``), per-head block selections
 (``block_keep.py``), host-to-device uploads (``upload.py``) and ``get_backend`` (``registry.py``); and
-XAttention's block masses in one Triton kernel (``triton/antidiagonal.py``).
+XAttention's block masses in one Triton kernel (``triton/antidiagonal.py``), and the block means and block pairs'
+dot products of the sparse selections' pooled estimates (``triton/pooling.py``).
 
 This package depends on torch and triton only (flash-attn-4 optionally, imported on first use) and on
 ``megatron_cp.kinds`` (the kind codes); it never imports the rest of megatron_cp, so it can be tested and
@@ -27,6 +28,8 @@ from .registry import BACKEND_CHOICES, BACKENDS, available_backends, get_backend
 from .rows import copy_row_pair_moves, copy_row_pairs, copy_rows, reduce_row_pairs, reduce_rows
 from .tiles import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, KIND_CODES, check_tiles
 from .triton.antidiagonal import antidiagonal_mass, fused_mass_supported
+from .triton.pooling import block_means_f32
+from .triton.pooling import pair_dots
 from .config import DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonConfig, configs_from_json
 from .triton.backend import TritonBackend
 from .pieces import kept_area
@@ -59,10 +62,10 @@ __all__ = [
     "configs_from_json",
 ]
 # shared with the layers above (runtime, baselines, sparse, gating), not the user API: the LSE merge, how tiles split
-# into pieces, row moves, uploads, dtype and autograd rules, and XAttention's block masses
+# into pieces, row moves, uploads, dtype and autograd rules, XAttention's block masses and the selections' pooling
 __shared__ = [
     "block_classes", "accumulate_dtype", "refuse_double_backward",
     "copy_rows", "copy_row_pairs", "copy_row_pair_moves", "reduce_rows", "reduce_row_pairs",
     "merge", "pieces", "upload", "upload_all",
-    "antidiagonal_mass", "fused_mass_supported",
+    "antidiagonal_mass", "fused_mass_supported", "block_means_f32", "pair_dots",
 ]

@@ -29,7 +29,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..kernels import accumulate_dtype, upload_all
+from ..kernels import accumulate_dtype, block_means_f32, pair_dots, upload_all
 from .selector import check_block, check_heads
 from .view import SelectionView
 
@@ -48,9 +48,19 @@ def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.squeeze(dim)
 
 
+def fused(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the pooling runs as Triton launches (``kernels.block_means_f32``, ``kernels.pair_dots``): CUDA
+    inputs summed in float32. Elsewhere (the CPU, float64) PyTorch's pairwise folds; either way a block's or a pair's
+    value is the same bits on every CP layout."""
+    return x.is_cuda and dtype == torch.float32 and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
 def block_means(x: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
-    """x [n*block, H, D] -> [n, H, D] in ``dtype``: the mean of each block's rows by ``tree_sum``, converted
-    in chunks of blocks so the upcast copy stays small (chunking does not change any value)."""
+    """x [n*block, H, D] -> [n, H, D] in ``dtype``: the mean of each block's rows, one Triton launch where
+    ``fused``, else by ``tree_sum``, converted in chunks of blocks so the upcast copy stays small (chunking does
+    not change any value)."""
+    if fused(x, dtype):
+        return block_means_f32(x, block)
     n = x.shape[0] // block
     xb = x.reshape(n, block, *x.shape[1:])
     out = torch.empty(n, *x.shape[1:], dtype=dtype, device=x.device)
@@ -112,6 +122,8 @@ class MoBA:
         qi, kj = self._pairs(view, q.device)
         hq, hkv, nq = q.shape[1], pooled.shape[1], view.q_blocks.numel()
         qm = block_means(q, self.block, pooled.dtype).transpose(0, 1)  # [Hq, nq, D]
+        if fused(q, pooled.dtype):  # one launch over the pairs, q head h reading kv head h // (Hq / Hkv)
+            return pair_dots(qm, pooled.transpose(0, 1), qi, kj, view.num_blocks).view(hq, nq, view.num_blocks)
         kp = pooled.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, nb, D]
         flat = torch.zeros(hq, nq * view.num_blocks, dtype=pooled.dtype, device=pooled.device)
         # the fold over D of [Hq, c, D] products, chunked over pairs to bound memory (elementwise: any chunking
