@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS = 16  # rows summed per step of a block's loop
-BLOCK_W = 256  # columns (head x dim) per program
+ROWS = 256  # rows summed per step of a block's loop
+BLOCK_W = 128  # columns (head x dim) per program
+WARPS = 4
 BLOCK_P = 32  # pairs per program
 
 
@@ -58,7 +59,7 @@ def block_means_f32(x: torch.Tensor, block: int) -> torch.Tensor:
         rows = min(ROWS, block & -block)  # the largest power of two up to ROWS that divides the block
         _block_means_kernel[(n, triton.cdiv(w, BLOCK_W))](
             x, out, w, x.stride(0), x.stride(1), x.stride(2), out.stride(0), 1.0 / block, D=d, BLOCK=block, ROWS=rows,
-            BLOCK_W=BLOCK_W, num_warps=4)
+            BLOCK_W=BLOCK_W, num_warps=WARPS)
     return out
 
 
