@@ -235,23 +235,6 @@ def test_two_gathers_in_one_launch_are_the_two_gathers(use_triton):
 
 
 @pytest.mark.parametrize("use_triton", [False, True])  # torch index ops / the Triton kernels (interpreter)
-def test_two_moves_of_other_dtypes_and_a_transposed_source_in_one_launch(use_triton):
-    """The guest rows' backward gather: dout | out (bf16) into the halves of one send buffer beside lse | dlse
-    (float32, lse a transposed view as FA4 returns it) into [n, 2, Hq], through one source index."""
-    from megatron_cp.kernels.rows import copy_row_pair_moves
-
-    g = torch.Generator().manual_seed(9)
-    dout, out = (torch.randn(11, 3, 8, generator=g).bfloat16() for _ in range(2))
-    lse, dlse = torch.randn(3, 11, generator=g).t(), torch.randn(11, 3, generator=g)
-    sel = torch.tensor([4, 0, 10, 4, 7])
-    od, ld = torch.zeros(5, 6, 8, dtype=torch.bfloat16), torch.zeros(5, 2, 3)
-    copy_row_pair_moves([(od[:, :3], dout, od[:, 3:], out, None, sel), (ld[:, 0], lse, ld[:, 1], dlse, None, sel)],
-                        use_triton=use_triton)
-    assert torch.equal(od, torch.cat([dout[sel], out[sel]], 1))
-    assert torch.equal(ld, torch.stack([lse[sel], dlse[sel]], 1))
-
-
-@pytest.mark.parametrize("use_triton", [False, True])  # torch index ops / the Triton kernels (interpreter)
 def test_copy_pairs_runs_each_maps_copy_pair(use_triton):
     """runtime.rowmap.copy_pairs over an indexed scatter with a one-run map (which joins its launch with the Triton
     kernels) and an empty one, then an indexed gather alone: what each map's copy_pair gives."""

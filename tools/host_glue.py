@@ -96,8 +96,7 @@ def gpu_branch_without_launches(counts: collections.Counter):
     counted in ``counts`` (by kernel name) instead of made; restored on exit."""
     att = sys.modules["megatron_cp.runtime.attention"]  # the package's ``attention`` is the function
     forced = [(rowmap, n) for n in ("copy_pairs", "copy_rows", "copy_row_pairs", "copy_row_pair_moves")]
-    forced += [(att, "copy_pairs"), (att, "reduce_row_pairs"), (merge, "merge_sources"), (guests, "reduce_rows"),
-               (guests, "copy_row_pair_moves")]
+    forced += [(att, "copy_pairs"), (att, "reduce_row_pairs"), (merge, "merge_sources"), (guests, "reduce_rows")]
     saved = [(m, n, getattr(m, n)) for m, n in forced] + [(c, "__getitem__", c.__getitem__) for c in _kernel_classes()]
     try:
         for m, n, f in saved[:len(forced)]:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..comm import all_to_all_v, device_pool
-from ..kernels import accumulate_dtype, copy_row_pair_moves, merge, reduce_rows, upload_all
+from ..kernels import accumulate_dtype, merge, reduce_rows, upload_all
 from ..planner import Plan
 from .rowmap import grouped
 
@@ -176,21 +176,17 @@ def start_backward(gr: GuestRuntime, backend, gq, k, v, out, lse, dout, dlse, gr
     acc_dt = accumulate_dtype(out.dtype)
     hq = out.shape[1]
     sel = gr.send
-    # the rows to send gathered in one launch on a GPU (nine torch ops before): dout | out side by side in dout's
-    # dtype, and lse | dlse in the accumulation dtype ([n, 2, Hq]; without dlse its half holds lse again, unread)
-    od = dout.new_empty((sel.shape[0], 2 * hq, dout.shape[2]))
-    ld = torch.empty((sel.shape[0], 2, hq), dtype=acc_dt, device=out.device)
-    copy_row_pair_moves([(od[:, :hq], dout, od[:, hq:], out, None, sel),
-                         (ld[:, 0], lse, ld[:, 1], lse if dlse is None else dlse, None, sel)])
-    od = _a2a(od, gr.send_counts, gr.recv_counts, group)
+    od = _a2a(torch.cat([dout[sel], out[sel].to(dout.dtype)], dim=1), gr.send_counts, gr.recv_counts, group)
+    ls = lse[sel].to(acc_dt)
+    ld = torch.stack([ls, dlse[sel].to(acc_dt) if dlse is not None else torch.zeros_like(ls)], dim=-1)
     ld = _a2a(ld, gr.send_counts, gr.recv_counts, group)
     dk = dv = None
     if gr.prepared is not None:
         g_dout, g_out = od[:, :hq], od[:, hq:]
         delta = None  # rowsum(dout * out) from the shipped rows (dense pieces may then run on cuDNN)
         if dlse is not None:
-            delta = (g_dout.to(acc_dt) * g_out.to(acc_dt)).sum(-1) - ld[:, 1]
-        dqp, dk, dv = backend.backward(gq, k, v, g_out, ld[:, 0], g_dout, gr.prepared, scale, delta)
+            delta = (g_dout.to(acc_dt) * g_out.to(acc_dt)).sum(-1) - ld[..., 1]
+        dqp, dk, dv = backend.backward(gq, k, v, g_out, ld[..., 0], g_dout, gr.prepared, scale, delta)
         dqp = dqp.to(dout.dtype)
     else:
         dqp = dout.new_zeros(gq.shape)  # q's head dim (v's may differ: MLA)
