@@ -12,7 +12,8 @@ rows keeping no key: out 0, lse -inf), counting the cuDNN calls. The cases, by f
     dense     every benchmark mask (catalog.DIST_MASKS, S 16384): megatron-cp staged and single exchange, with guest
               rows where ``auto`` keeps them home, and each baseline (STRATEGIES)
     sparse    megatron_cp.sparse's MoBA and XAttention (S 8192, causal and packed, structured q / k) against the
-              reference under the cells every rank selected (sparse.select_blocks, gathered)
+              reference under the cells every rank selected (sparse.select_blocks, gathered), which must be the
+              selection of the whole sequence on one rank
     sink      mcp.apply_sink on the merged out / lse (a learnable sink; its gradient summed over the ranks)
     mla       q/k head dim 192, v head dim 128
     mismatch  the last rank attends with another plan (``plan``) or half the query heads (``heads``), or alone
@@ -108,14 +109,20 @@ def reference(q, k, v, do, keep, dt, scale, sink=None):
     return out[..., :dv_], lse, dq, dk, dv[..., :dv_], *extra
 
 
-def selected_cells(q, k, plan, sel):
+def selected_cells(q, k, plan, sel, mask):
     """Every rank's selection of ``sel`` on q, k (sparse.select_blocks: the selection sparse_attention makes of the
-    same inputs) gathered: bool cells [Hq, S, S]."""
+    same inputs) gathered: bool cells [Hq, S, S]. RuntimeError unless it is, block for block, the selection of the
+    whole sequence on one rank (the selections are the same at every CP size)."""
     b, ids = sel.block, torch.from_numpy(plan.local_ids(dist.get_rank())).to(q.device)
     local = mcp.sparse.select_blocks(q[ids], k[ids], plan, dist.group.WORLD, sel)  # [Hq, local q blocks, nb]
     blocks = torch.zeros(local.shape[0], local.shape[2], local.shape[2], device=q.device)
     blocks[:, ids[::b] // b] = local.float()
     dist.all_reduce(blocks)
+    view = mcp.sparse.single_view(mask, b, k)
+    one = sel.select(q, k, view) & (view.envelope > 0)[None]
+    if not torch.equal(blocks > 0, one):
+        raise RuntimeError(f"{sel.name}: the selection at CP {dist.get_world_size()} differs from one rank's in "
+                           f"{int(((blocks > 0) != one).sum())} of {one.numel()} block pairs")
     return (blocks > 0).repeat_interleave(b, 1).repeat_interleave(b, 2)
 
 
@@ -131,7 +138,7 @@ def problem(mask, dims, dev, sink=False, sparse=None):
     keep = torch.from_numpy(mask.to_dense()).to(dev)
     if sparse is not None:
         q, k = (t.to(torch.bfloat16) for t in structured_qk(s, hq, hkv, d, dev))
-        keep = selected_cells(q, k, *sparse) & keep
+        keep = selected_cells(q, k, *sparse, mask) & keep
     sk = 3 + 2 * torch.randn(hq, device=dev, generator=g) if sink else None
     refs = (reference(q, k, v, do, keep, dt, d ** -0.5, sk) for dt in (torch.float64, torch.bfloat16))
     return (q, k, v, do, sk, *refs)
