@@ -48,7 +48,7 @@ Context parallelism (docs/sparse.md). ``select = select_from(q, summaries(q, k, 
 - ``select_from`` is local: it reads only the combined summaries and this rank's queries.
 
 Every quantity reduced inside a block (pooling, scores, per-block sums) is computed block by block with
-the same shapes on every layout (``per_block``: fixed chunks of 16 blocks; GEMM / reduction kernels are
+the same shapes on every layout (``per_block``: fixed chunks of ``CHUNK`` blocks; GEMM / reduction kernels are
 chosen by shape, so batching a layout-dependent number of blocks could change rounding); every reduction across
 blocks runs over a global-length axis. The selection with CP = 2, 4, 8 therefore equals the
 single-process one bit for bit.
