@@ -28,8 +28,7 @@ from .registry import BACKEND_CHOICES, BACKENDS, available_backends, get_backend
 from .rows import copy_row_pair_moves, copy_row_pairs, copy_rows, reduce_row_pairs, reduce_rows
 from .tiles import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, KIND_CODES, check_tiles
 from .triton.antidiagonal import antidiagonal_mass, fused_mass_supported
-from .triton.pooling import block_means_f32
-from .triton.pooling import pair_dots
+from .triton.pooling import block_means_f32, pair_dots
 from .config import DEFAULT_CONFIGS, KernelConfig, PhaseConfigs, TritonConfig, configs_from_json
 from .triton.backend import TritonBackend
 from .pieces import kept_area

@@ -147,7 +147,7 @@ def pooled_scores(qv: torch.Tensor, kp: torch.Tensor) -> torch.Tensor:
 
     def chunk(t: torch.Tensor) -> torch.Tensor:
         # one GEMM per kv head over the chunk's G x CHUNK pooled queries: a broadcast matmul of [C, Hkv, G, D] by
-        # [Hkv, D, nb] copied the keys once per chunk (~45 us a chunk at 64k, most of the scores' GPU time)
+        # [Hkv, D, nb] copies the keys once per chunk (most of the scores' GPU time)
         a = t.view(-1, hkv, g, d).transpose(0, 1).reshape(hkv, -1, d)
         return torch.bmm(a, kt).view(hkv, -1, g, kt.shape[-1]).transpose(0, 1).reshape(t.shape[0], hq, -1)
     return per_block(chunk, qv).transpose(0, 1)
@@ -235,7 +235,7 @@ def last_rows_summaries(q: torch.Tensor, k: torch.Tensor, view: SelectionView, r
     keep = cells(view.traps, pos, kpos).view(L, ns, b).permute(1, 0, 2)  # [ns, L, B]
 
     def scores(t: torch.Tensor) -> torch.Tensor:  # [C, B, Hkv, D] keys -> [C, Hq, L, B]: one GEMM per kv head (a
-        # broadcast matmul copied qs once per chunk)
+        # broadcast matmul copies qs once per chunk)
         kt = t.permute(2, 3, 0, 1).reshape(hkv, d, -1).to(dt)
         return torch.bmm(qs, kt).view(hkv, g * L, -1, b).permute(2, 0, 1, 3).reshape(-1, hq, L, b)
     sc = per_block(scores, kb)
