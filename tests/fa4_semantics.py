@@ -78,12 +78,19 @@ def interval_masks() -> dict:
     return {1: make(1), 2: make(2), "bitmap": bitmap, "bitmap_t": bitmap_t}
 
 
-def band_mask(sink, dlo, dhi):
-    """The backend's band mask_mod: key - row <= dhi and (key < sink or key - row >= dlo); no aux tensors."""
+def band_mask(sink, dlo, dhi, group=0, period=0, local=0):
+    """The backend's band mask_mod: key - row <= dhi and (key < sink or key - row >= dlo), with ``group`` only the
+    cells whose group offset row // group - key // group is below ``local`` or a multiple of ``period``; no aux
+    tensors."""
     def mask(rows, cols, aux_tensors):
         assert aux_tensors is None, "the band mask_mod reads no aux tensor"
         d = cols[None, :] - rows[:, None]
-        return (d <= dhi) & ((cols[None, :] < sink) | (d >= dlo))
+        keep = (d <= dhi) & ((cols[None, :] < sink) | (d >= dlo))
+        if group:
+            assert sink == 0, "a periodic band has no sink keys"
+            off = rows[:, None] // group - cols[None, :] // group
+            keep &= (off < local) | (off % period == 0)
+        return keep
     return mask
 
 

@@ -342,22 +342,59 @@ def test_block_sparse_lists_at_block_scale(name, s, band, monkeypatch):
     _check(tiles, s, s, dlse=True)
 
 
-@pytest.mark.parametrize("mask", [("strided", 1024, 16, 4, 1), ("strided", 768, 32, 3, 2), ("strided", 640, 8, 3, 1),
-                                  ("mixed", 640)])
-def test_fine_grained_partial_blocks_run_with_a_bitmap(mask, monkeypatch):
-    """Rows keeping more than two key intervals over their partial blocks (strided masks of 8- to 32-token blocks,
-    several intervals inside one 128-block; documents with strided sink keys) run as one block-sparse call whose
-    mask_mod reads the cell's bit (bounds int32 [sq, 4 N]): exact against the dense reference, forward and backward;
-    the bits are exactly every partial block's cells; above the size cap, Triton."""
+@pytest.mark.parametrize("s,block,stride,local", [(1024, 16, 4, 1), (768, 32, 3, 2), (640, 8, 3, 1), (600, 24, 5, 2)])
+def test_strided_partial_blocks_run_as_a_periodic_band(s, block, stride, local, monkeypatch):
+    """Strided masks of 8- to 32-token blocks (rows keeping several key intervals inside one 128-block) run as one
+    block-sparse call whose mask_mod is arithmetic on the cell's group offset: the form found is the mask's own
+    (group = its block, period = its stride, local = its local blocks), its cells are exactly every partial block's,
+    and the call is exact against the dense reference, forward and backward."""
     from megatron_cp.kernels.fa4 import calls as fc
     from megatron_cp.masks import builders as B
 
     monkeypatch.setattr(fc, "BWD_MAX_PARTIAL_FRACTION", 1.0)
-    if mask[0] == "strided":
-        _, s, block, stride, local = mask
-        tiles = catalog.tiles(B.strided(s, block, stride, local_blocks=local)).numpy()
+    tiles = catalog.tiles(B.strided(s, block, stride, local_blocks=local)).numpy()
+    c = fa4_calls(tiles, s, s)
+    b = c.blocks
+    assert b is not None and not b.bitmap and b.band == (0, -2 * s, 0, block, stride, local), c.describe()
+    assert b.mask("fwd") == b.mask("bwd") == (None, None) and b.bounds.shape == (s, 0)
+    assert c.route("fwd") == c.route("bwd") == "blocks", c.describe()
+    keep = tiles_to_dense(torch.as_tensor(tiles, dtype=torch.int32), s, s).numpy()
+    cnt, idx = b.fwd[0], b.fwd[1]
+    for m in range(len(cnt)):
+        for n in idx[m, :cnt[m]]:
+            r, cols = np.arange(m * 128, min(s, m * 128 + 128)), np.arange(n * 128, min(s, n * 128 + 128))
+            assert np.array_equal(fc.band_keep(r, cols, *b.band), keep[r[0]:r[-1] + 1, cols[0]:cols[-1] + 1]), (m, n)
+    _check(tiles, s, s, dlse=True)
+
+
+def _random_blocks(s: int, block: int, seed: int) -> np.ndarray:
+    """Each 16-row block keeps its causal diagonal block and a random half of the key blocks before it: several
+    intervals a row inside one 128-block, no period."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for b in range(s // block):
+        q0, q1 = b * block, (b + 1) * block
+        out.append([q0, q1, q0, q1, CAUSAL])
+        out += [[q0, q1, j * block, (j + 1) * block, FULL] for j in range(b) if rng.random() < 0.5]
+    return np.array(out, dtype=np.int64)
+
+
+@pytest.mark.parametrize("mask", [("mixed", 640), ("random", 512), ("strided_and_a_cell", 512)])
+def test_fine_grained_partial_blocks_run_with_a_bitmap(mask, monkeypatch):
+    """Rows keeping more than two key intervals over their partial blocks in no periodic band (documents with
+    strided sink keys; random 16-token key blocks; a strided mask and one cell more) run as one block-sparse call whose mask_mod reads the cell's bit
+    (bounds int32 [sq, 4 N]): exact against the dense reference, forward and backward; the bits are exactly every
+    partial block's cells; above the size cap, Triton."""
+    from megatron_cp.kernels.fa4 import calls as fc
+
+    monkeypatch.setattr(fc, "BWD_MAX_PARTIAL_FRACTION", 1.0)
+    s = mask[1]
+    if mask[0] == "random":
+        tiles = _random_blocks(s, 16, seed=3)
+    elif mask[0] == "strided_and_a_cell":
+        from megatron_cp.masks import builders as B
+        tiles = np.concatenate([catalog.tiles(B.strided(s, 16, 4, local_blocks=1)).numpy(), [[300, 301, 17, 18, FULL]]])
     else:
-        s = mask[1]
         docs = [[a, e, a, e, CAUSAL] for a, e in ((0, 200), (200, 450), (450, 640))]
         sinks = [[200, 640, k, k + 8, FULL] for k in range(0, 200, 24)]  # strided sink keys of the first document
         tiles = np.array(docs + sinks, dtype=np.int64)

@@ -128,11 +128,14 @@ def test_one_varlen_call_is_timed_but_one_dense_call_never():
 
 
 def test_many_varlen_calls_without_a_block_form_are_not_timed(monkeypatch):
-    """16 varlen calls and no block-sparse form (rows of more than two key intervals on partial blocks, and their
-    bitmap over its cap): the prior's Triton, nothing timed (FA4 has no candidate worth timing: each call a launch)."""
+    """16 varlen calls and no block-sparse form (rows of more than two key intervals on partial blocks, their
+    periodic band not looked for and their bitmap over its cap): the prior's Triton, nothing timed (FA4 has no
+    candidate worth timing: each call a launch)."""
     from megatron_cp.kernels.fa4 import calls as fc
+    from megatron_cp.kernels.fa4 import cells
 
     monkeypatch.setattr(fc, "BITMAP_MAX_BYTES", 0)
+    monkeypatch.setattr(cells, "PERIODIC_CHECK_MAX_CELLS", 0)
     tiles, (q, k, v, do), ref = _case("strided")
     be = FA4Backend(functions=EMULATED, timer=ScriptedTimer())  # any timing fails
     prep = be.prepare(tiles, S, S)

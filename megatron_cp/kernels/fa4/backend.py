@@ -82,7 +82,7 @@ class Fa4Functions:
     dtypes: tuple = (torch.float16, torch.bfloat16)
     block_sparse: Callable | None = None  # (mask_cnt, mask_idx, full_cnt, full_idx, block_size) -> tensors
     interval_masks: dict | None = None  # BlockLists.mask_key -> mask_mod: key in one of the row's intervals
-    band_mask: Callable | None = None  # (sink, dlo, dhi) -> mask_mod of fa4_calls.band_keep
+    band_mask: Callable | None = None  # BlockLists.band -> mask_mod of fa4_calls.band_keep
 
 
 def _default_functions() -> Fa4Functions:
@@ -104,18 +104,28 @@ def _default_functions() -> Fa4Functions:
                         interval_masks=_interval_mask_mods(), band_mask=functools.lru_cache(maxsize=None)(_band_mask_mod))
 
 
-def _band_mask_mod(sink: int, dlo: int, dhi: int):
-    """The CuTe DSL mask_mod ``key - row <= dhi and (key < sink or key - row >= dlo)`` (fa4_calls.band_keep)
-    with the bounds as compile-time constants (FA4 keys its compile cache on a mask_mod's code and
-    captured values: one kernel per band). Cached per band, so a list's calls reuse one function object."""
+def _band_mask_mod(sink: int, dlo: int, dhi: int, group: int = 0, period: int = 0, local: int = 0):
+    """The CuTe DSL mask_mod ``key - row <= dhi and (key < sink or key - row >= dlo)`` (fa4_calls.band_keep), with
+    ``group`` the periodic band's (sink 0, dlo below every cell: not compared): those cells whose group offset
+    ``row // group - key // group`` is below ``local`` or a multiple of ``period``; the bounds are compile-time constants (FA4 keys its compile cache on a
+    mask_mod's code and captured values: one kernel per band). Cached per band, so a list's calls reuse one function
+    object."""
     import cutlass  # noqa: PLC0415
     import cutlass.cute as cute  # noqa: PLC0415
     from flash_attn.cute import utils  # noqa: PLC0415
+
+    if group and sink:
+        raise ValueError(f"a periodic band has no sink keys, got sink {sink}")
 
     @cute.jit
     def band(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
         d = n_idx - m_idx
         upper = d <= utils.scalar_to_ssa(dhi, cutlass.Int32)
+        if cutlass.const_expr(group > 0):
+            g = utils.scalar_to_ssa(group, cutlass.Int32)
+            off = m_idx // g - n_idx // g  # >= 0: dhi <= 0 (cells.periodic_band)
+            every = (off % utils.scalar_to_ssa(period, cutlass.Int32)) == utils.scalar_to_ssa(0, cutlass.Int32)
+            return upper & ((off < utils.scalar_to_ssa(local, cutlass.Int32)) | every)
         if cutlass.const_expr(sink == 0):
             return upper & (d >= utils.scalar_to_ssa(dlo, cutlass.Int32))
         return upper & ((n_idx < utils.scalar_to_ssa(sink, cutlass.Int32)) | (d >= utils.scalar_to_ssa(dlo, cutlass.Int32)))

@@ -25,8 +25,9 @@ instead (``BlockLists``): 128 x 128 blocks, the full ones in FA4's full lists (n
 partial ones through a ``mask_mod``: two comparisons with constants when the partial blocks' cells form
 one diagonal band (a causal diagonal, a window's edges), else reads of each row's kept key intervals
 from an aux tensor (exact cells; at most ``MASK_INTERVALS`` intervals per row on its partial blocks), or with more
-of them reads of the cell's bit from a bitmap of the partial blocks' cells (one word per 32 keys of a row, up to
-``BITMAP_MAX_BYTES``, else the list does not run block-sparse). The backward takes the transposed lists.
+of them arithmetic on the cell's group offset when the cells form a periodic band (a strided mask), else reads of
+the cell's bit from a bitmap of the partial blocks' cells (one word per 32 keys of a row, up to
+``BITMAP_MAX_BYTES``, else the list does not run block-sparse; ``cells``). The backward takes the transposed lists.
 
 Before grouping, tiles are normalised (rows with no kept key dropped: CAUSAL with sk < sq, INV_CAUSAL
 with sk < sq; an empty BI_CAUSAL dropped) and fused: row-adjacent segments whose union is one window
@@ -42,6 +43,7 @@ import numpy as np
 
 from ...kinds import Kind
 from ..pieces import uncovered_rows
+from .cells import bitmap_by_key, bitmap_words, grid, periodic_band, periodic_keep
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,10 @@ class BlockLists:
     bwd: the transpose, per k-block ``(mask_cnt [N], mask_idx [N, M], full_cnt [N], full_idx [N, M])``;
     band: (sink, dlo, dhi) when the partial blocks' cells are exactly those with
     ``c - r <= dhi and (c < sink or c - r >= dlo)``: one diagonal band, its lower edge lifted for the
-    first ``sink`` keys (attention sinks); the mask_mod then compares with constants. Else
+    first ``sink`` keys (attention sinks); the mask_mod then compares with constants. A six-tuple
+    ``(0, -(sq + sk), dhi, group, period, local)`` is a periodic band (``cells.periodic_band``; rows keeping more
+    than two intervals, as a strided mask's): the cells with ``c - r <= dhi`` whose group offset
+    ``r // group - c // group`` is below ``local`` or a multiple of ``period``, arithmetic too. Else
     bounds: int32 [sq, 2 * intervals]: row r keeps key c of a partial block iff
     ``bounds[r, 2i] <= c < bounds[r, 2i + 1]`` for some i (empty intervals are (0, 0)); ``intervals``
     (1 or 2) is the most any row needs, so the mask_mod reads no more than that (0 with a band).
@@ -475,10 +480,13 @@ def _band(segs, row, lo, hi, partial: np.ndarray, seqlen_q: int, seqlen_k: int) 
     return None
 
 
-def band_keep(r: np.ndarray, c: np.ndarray, sink: int, dlo: int, dhi: int) -> np.ndarray:
-    """The band mask_mod's cells [len(r), len(c)]: c - r <= dhi and (c < sink or c - r >= dlo)."""
+def band_keep(r: np.ndarray, c: np.ndarray, sink: int, dlo: int, dhi: int, group: int = 0, period: int = 0,
+              local: int = 0) -> np.ndarray:
+    """The band mask_mod's cells [len(r), len(c)]: c - r <= dhi and (c < sink or c - r >= dlo); with ``group``
+    those of them that ``cells.periodic_keep`` keeps."""
     d = c[None, :] - r[:, None]
-    return (d <= dhi) & ((c[None, :] < sink) | (d >= dlo))
+    keep = (d <= dhi) & ((c[None, :] < sink) | (d >= dlo))
+    return keep & periodic_keep(r, c, dhi, group, period, local) if group else keep
 
 
 def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: bool = True) -> BlockLists | None:
@@ -507,11 +515,16 @@ def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: b
     slot = np.arange(len(row)) - start
     lists = (_lists(full, partial), _lists(full.T, partial.T))
     if band is None and len(slot) and slot.max() >= MASK_INTERVALS:
-        bits = _bitmap(row, lo, hi, partial, seqlen_q)
-        if bits is None:
-            return None
-        return BlockLists(*lists, bits, int(full.sum()), int(partial.sum()), None, bitmap=True,
-                          bounds_t=_by_key(bits, seqlen_q, seqlen_k))
+        group = grid((x for s in segs for x in (s.q0, s.q1, s.k0, s.k1)), seqlen_q, seqlen_k)
+        got = periodic_band(row, lo, hi, partial, seqlen_q, seqlen_k, group)
+        if got is not None:
+            band = (0, -(seqlen_q + seqlen_k), got[0], group, got[1], got[2])
+        else:
+            bits = bitmap_words(row, lo, hi, partial, seqlen_q, BITMAP_MAX_BYTES)
+            if bits is None:
+                return None
+            return BlockLists(*lists, bits, int(full.sum()), int(partial.sum()), None, bitmap=True,
+                              bounds_t=bitmap_by_key(bits, seqlen_q, seqlen_k))
     used = 0 if band is not None else (int(slot.max()) + 1 if len(slot) else 1)
     bounds = np.zeros((seqlen_q, 2 * used), dtype=np.int32)
     if used:
@@ -525,45 +538,6 @@ def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: b
 # out of the form (a strided 16k list's 32 MiB: FA4 2.3x / 3x Triton's time; docs/measurements.md) and bounds what
 # a plan's lists carry from the planning helper and upload
 BITMAP_MAX_BYTES = 4 << 20
-
-
-def _bitmap(row, lo, hi, partial: np.ndarray, seqlen_q: int) -> np.ndarray | None:
-    """BlockLists.bounds of the bitmap form (see there) from each row's kept intervals that meet a partial block of
-    its q-block (sorted by row, then key), or None when it would exceed BITMAP_MAX_BYTES."""
-    nb = partial.shape[1]
-    words = nb * (BLOCK // 32)
-    if seqlen_q * words * 4 > BITMAP_MAX_BYTES:
-        return None
-    # each interval's pieces on the partial blocks of its q-block: positions in the flattened [M, N] map
-    where = np.flatnonzero(partial.ravel())
-    m = row // BLOCK
-    first = np.searchsorted(where, m * nb + lo // BLOCK)
-    count = np.searchsorted(where, m * nb + (hi - 1) // BLOCK, side="right") - first
-    which = np.repeat(np.arange(len(row)), count)
-    j = where[np.repeat(first, count) + np.arange(len(which)) - np.repeat(np.cumsum(count) - count, count)] % nb
-    r, p_lo, p_hi = row[which], np.maximum(lo[which], j * BLOCK), np.minimum(hi[which], (j + 1) * BLOCK)
-    # each piece's bits in the block's words: [lo, hi) clipped to the word's 32 keys
-    w = j[:, None] * (BLOCK // 32) + np.arange(BLOCK // 32)[None, :]
-    a = np.clip(p_lo[:, None] - 32 * w, 0, 32)
-    e = np.clip(p_hi[:, None] - 32 * w, 0, 32)
-    bits = (np.left_shift(np.int64(1), e) - np.left_shift(np.int64(1), a)).astype(np.float64)
-    # pieces are disjoint: their bits' sum is their union (float64 sums of ints below 2^53 are exact)
-    flat = np.bincount((r[:, None] * words + w).ravel(), weights=bits.ravel(), minlength=seqlen_q * words)
-    return flat.astype(np.uint32).view(np.int32).reshape(seqlen_q, words)
-
-
-def _by_key(bits: np.ndarray, seqlen_q: int, seqlen_k: int) -> np.ndarray:
-    """The bitmap ``bits`` (int32 [sq, 4 N], bit c & 31 of word [r, c >> 5]) by key: int32 [sk, 4 M], bit r & 31 of
-    word [c, r >> 5]; transposed a 128-row block at a time (a few MB of bits at once)."""
-    m_blocks = -(-seqlen_q // BLOCK)
-    out = np.zeros((seqlen_k, 4 * m_blocks), dtype=np.int32)
-    for m in range(m_blocks):
-        rows = np.zeros((BLOCK, bits.shape[1]), dtype=np.int32)
-        part = bits[m * BLOCK:(m + 1) * BLOCK]
-        rows[:len(part)] = part
-        cells = np.unpackbits(rows.view(np.uint8), axis=1, bitorder="little")[:, :seqlen_k]  # [128, sk]
-        out[:, 4 * m:4 * m + 4] = np.ascontiguousarray(np.packbits(cells.T, axis=1, bitorder="little")).view(np.int32)
-    return out
 
 
 def fa4_calls(tiles: np.ndarray, seqlen_q: int, seqlen_k: int) -> Fa4Calls:
