@@ -116,15 +116,26 @@ def _band_mask_mod(sink: int, dlo: int, dhi: int, group: int = 0, period: int = 
 
     if group and sink:
         raise ValueError(f"a periodic band has no sink keys, got sink {sink}")
+    pow2 = group > 0 and not group & (group - 1) and not period & (period - 1)
 
     @cute.jit
     def band(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
         d = n_idx - m_idx
         upper = d <= utils.scalar_to_ssa(dhi, cutlass.Int32)
+        if cutlass.const_expr(group > 0 and pow2):
+            # group * offset as two ANDs (indices are >= 0, so i & -group = group * (i // group)) and the period's
+            # test as a third: no integer division a cell
+            o = (m_idx & utils.scalar_to_ssa(-group, cutlass.Int32)) - (n_idx & utils.scalar_to_ssa(-group, cutlass.Int32))
+            every = (o & utils.scalar_to_ssa(group * period - 1, cutlass.Int32)) == utils.scalar_to_ssa(0, cutlass.Int32)
+            if cutlass.const_expr(local <= 1):  # offset 0 is a multiple of the period
+                return upper & every
+            return upper & ((o < utils.scalar_to_ssa(group * local, cutlass.Int32)) | every)
         if cutlass.const_expr(group > 0):
             g = utils.scalar_to_ssa(group, cutlass.Int32)
             off = m_idx // g - n_idx // g  # >= 0: dhi <= 0 (cells.periodic_band)
             every = (off % utils.scalar_to_ssa(period, cutlass.Int32)) == utils.scalar_to_ssa(0, cutlass.Int32)
+            if cutlass.const_expr(local <= 1):
+                return upper & every
             return upper & ((off < utils.scalar_to_ssa(local, cutlass.Int32)) | every)
         if cutlass.const_expr(sink == 0):
             return upper & (d >= utils.scalar_to_ssa(dlo, cutlass.Int32))
