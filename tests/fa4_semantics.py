@@ -75,7 +75,12 @@ def interval_masks() -> dict:
     def bitmap_t(rows, cols, aux_tensors):
         words = aux_tensors[0][cols][:, rows // 32].long() & 0xFFFFFFFF  # [cols, rows]
         return ((words >> (rows % 32)[None, :]) & 1).bool().t()
-    return {1: make(1), 2: make(2), "bitmap": bitmap, "bitmap_t": bitmap_t}
+    def by_key(n):
+        def mask(rows, cols, aux_tensors):
+            assert aux_tensors[0].shape[1] == 2 * n, f"{n}-interval mask_mod by key given {aux_tensors[0].shape[1]} bounds"
+            return interval_mask(cols, rows, aux_tensors).t()
+        return mask
+    return {1: make(1), 2: make(2), "bitmap": bitmap, "bitmap_t": bitmap_t, "by_key_1": by_key(1), "by_key_2": by_key(2)}
 
 
 def band_mask(sink, dlo, dhi, group=0, period=0, local=0):

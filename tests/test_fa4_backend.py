@@ -324,13 +324,28 @@ def test_auto_and_availability_on_the_cpu():
     assert isinstance(get_backend("fa4"), FA4Backend)
 
 
+def _masks_exact(b, tiles, s: int) -> None:
+    """Each direction's mask_mod (emulated) keeps exactly the list's cells on every partial block."""
+    keep = tiles_to_dense(torch.as_tensor(tiles, dtype=torch.int32), s, s)
+    masks = fa4_semantics.interval_masks()
+    cnt, idx = b.fwd[0], b.fwd[1]
+    for m in range(len(cnt)):
+        for n in idx[m, :cnt[m]]:
+            r, cols = torch.arange(m * 128, min(s, m * 128 + 128)), torch.arange(n * 128, min(s, n * 128 + 128))
+            for d in ("fwd", "bwd"):
+                key, aux = b.mask(d)
+                got = masks[key](r, cols, [torch.as_tensor(aux)])
+                assert torch.equal(got, keep[r[0]:r[-1] + 1, cols[0]:cols[-1] + 1]), (d, key, m, n)
+
+
 @pytest.mark.parametrize("name,s,band", [("strided_512x4", 2048, True), ("global_local_512", 2048, True),
                                          ("streaming_1024", 1280, True), ("block_causal", 1280, False),
-                                         ("global_local", 1280, False)])
+                                         ("global_local", 1280, False), ("docs_causal", 1280, False)])
 def test_block_sparse_lists_at_block_scale(name, s, band, monkeypatch):
     """Lists over several 128-blocks through the block-sparse route (forced for the smaller sizes the dense
     emulator affords): partial blocks masked by the band mask_mod (constants) where their cells are one
-    diagonal band, else by the rows' intervals."""
+    diagonal band, else by the rows' intervals forward and the keys' intervals backward (each key's keeping
+    rows: one or two runs on these masks), exact on every partial block."""
     from megatron_cp.kernels.fa4 import calls as fc
 
     monkeypatch.setattr(fc, "VARLEN_MAX_CALLS", 0)
@@ -338,8 +353,26 @@ def test_block_sparse_lists_at_block_scale(name, s, band, monkeypatch):
     tiles = catalog.tiles(catalog.build(name, s)).numpy()
     c = fa4_calls(tiles, s, s)
     assert c.route("fwd") == c.route("bwd") == "blocks", c.describe()
-    assert c.blocks.partial_blocks > 0 and (c.blocks.band is not None) == band, c.blocks.band
+    b = c.blocks
+    assert b.partial_blocks > 0 and (b.band is not None) == band, b.band
+    if not band:
+        assert b.mask("fwd")[0] in (1, 2) and b.mask("bwd")[0] in ("by_key_1", "by_key_2"), b.mask("bwd")[0]
+        assert b.bounds_t.shape == (s, 2 * int(b.mask("bwd")[0][-1]))
+        _masks_exact(b, tiles, s)
     _check(tiles, s, s, dlse=True)
+
+
+def test_keys_kept_by_three_row_runs_read_the_rows_intervals_backward():
+    """A key kept by three runs of rows on a partial block (one key column of three row bands): no by-key form, the
+    backward reads the rows' intervals as the forward does, exact."""
+    s = 256
+    tiles = np.array([[0, 10, 0, 128, FULL], [20, 30, 0, 128, FULL], [40, 50, 0, 128, FULL],
+                      [128, 256, 128, 256, CAUSAL]], dtype=np.int64)
+    from megatron_cp.kernels.fa4.calls import block_lists, fuse_segments
+
+    b = block_lists(fuse_segments([segment_of(*map(int, t)) for t in tiles]), s, s)
+    assert b.bounds_t is None and b.mask("bwd") == b.mask("fwd") and b.mask("fwd")[0] == 1
+    _masks_exact(b, tiles, s)
 
 
 @pytest.mark.parametrize("s,block,stride,local", [(1024, 16, 4, 1), (768, 32, 3, 2), (640, 8, 3, 1), (600, 24, 5, 2)])

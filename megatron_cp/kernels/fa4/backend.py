@@ -148,7 +148,8 @@ def _interval_mask_mods() -> dict:
     """The CuTe DSL mask_mods of block-sparse calls, by ``BlockLists.mask_key``: row r keeps key c iff c lies in one
     of the row's intervals, read from aux tensor 0 (int32 [sq, 2 * intervals]), or iff bit ``c & 31`` of word
     ``[r, c >> 5]`` is set ("bitmap", int32 [sq, 4 * N]; the backward's "bitmap_t" the same bits by key, bit r & 31
-    of word [c, r >> 5], int32 [sk, 4 * M]). FA4 evaluates them on partial blocks only, per element:
+    of word [c, r >> 5], int32 [sk, 4 * M]; "by_key_1" / "by_key_2", the backward's intervals by key: key c kept by
+    the rows of one of its intervals, int32 [sk, 2 * intervals]). FA4 evaluates them on partial blocks only, per element:
     the one-interval form reads half as much (faster on strided masks: docs/measurements.md), the bitmap one word."""
     import cutlass  # noqa: PLC0415
     import cutlass.cute as cute  # noqa: PLC0415
@@ -188,7 +189,26 @@ def _interval_mask_mods() -> dict:
         word = bits[n_idx[0], r >> 5]
         return utils.scalar_to_ssa((word >> (r & 31)) & 1, cutlass.Int32) == utils.scalar_to_ssa(1, cutlass.Int32)
 
-    return {1: one_interval, 2: two_intervals, "bitmap": bitmap, "bitmap_t": bitmap_t}
+    @cute.jit
+    def by_key_1(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+        bounds = aux_tensors[0]
+        c = n_idx[0]
+        lo0 = utils.scalar_to_ssa(bounds[c, 0], cutlass.Int32)
+        hi0 = utils.scalar_to_ssa(bounds[c, 1], cutlass.Int32)
+        return (m_idx >= lo0) & (m_idx < hi0)
+
+    @cute.jit
+    def by_key_2(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+        bounds = aux_tensors[0]
+        c = n_idx[0]
+        lo0 = utils.scalar_to_ssa(bounds[c, 0], cutlass.Int32)
+        hi0 = utils.scalar_to_ssa(bounds[c, 1], cutlass.Int32)
+        lo1 = utils.scalar_to_ssa(bounds[c, 2], cutlass.Int32)
+        hi1 = utils.scalar_to_ssa(bounds[c, 3], cutlass.Int32)
+        return ((m_idx >= lo0) & (m_idx < hi0)) | ((m_idx >= lo1) & (m_idx < hi1))
+
+    return {1: one_interval, 2: two_intervals, "bitmap": bitmap, "bitmap_t": bitmap_t, "by_key_1": by_key_1,
+            "by_key_2": by_key_2}
 
 
 class FA4Backend:

@@ -142,13 +142,16 @@ class BlockLists:
     ``r // group - c // group`` is below ``local`` or a multiple of ``period``, arithmetic too. Else
     bounds: int32 [sq, 2 * intervals]: row r keeps key c of a partial block iff
     ``bounds[r, 2i] <= c < bounds[r, 2i + 1]`` for some i (empty intervals are (0, 0)); ``intervals``
-    (1 or 2) is the most any row needs, so the mask_mod reads no more than that (0 with a band).
+    (1 or 2) is the most any row needs, so the mask_mod reads no more than that (0 with a band); the backward reads
+    ``bounds_t`` instead where each key keeps at most two row intervals there (documents, windows): int32
+    [sk, 2 * its intervals], key c kept by row r iff ``bounds_t[c, 2i] <= r < bounds_t[c, 2i + 1]``.
     ``bitmap``: the partial blocks' cells as bits instead, for rows keeping more than two intervals over their
     partial blocks (fine-grained patterns: a strided mask of 16-token blocks): bounds int32 [sq, 4 * N], bit
     ``c & 31`` of word ``[r, c >> 5]`` set iff row r keeps key c (one read per cell, whatever the pattern); the
     backward reads ``bounds_t`` instead, the same bits by key: int32 [sk, 4 M], bit ``r & 31`` of word ``[c, r >> 5]``
     (FA4's sm90 backward computes S transposed at head_dim <= 128, the sparse backward's dims: a thread's cells then
-    share a few keys and span many rows, and reading by key keeps its reads in a few words; docs/measurements.md)."""
+    share a few keys and span many rows, and reading by key keeps its reads in a few words; docs/measurements.md; the
+    same holds for the intervals)."""
 
     fwd: tuple[np.ndarray, ...]
     bwd: tuple[np.ndarray, ...]
@@ -164,8 +167,8 @@ class BlockLists:
         blocks; (None, None) with a band (its mask_mod reads no array)."""
         if self.band is not None:
             return None, None
-        if self.bitmap and direction == "bwd":
-            return "bitmap_t", self.bounds_t
+        if direction == "bwd" and self.bounds_t is not None:
+            return ("bitmap_t" if self.bitmap else f"by_key_{self.bounds_t.shape[1] // 2}"), self.bounds_t
         return self.mask_key, self.bounds
 
     @property
@@ -383,8 +386,26 @@ def _row_intervals(segs: list[Segment]) -> tuple[np.ndarray, np.ndarray, np.ndar
     parts = []
     for s in segs:
         r = np.arange(s.q0, s.q1, dtype=np.int64)
-        lo, hi = s.bounds(r)
-        parts.append((r, lo, hi))
+        parts.append((r, *s.bounds(r)))
+    return _merged(parts)
+
+
+def _key_intervals(segs: list[Segment], wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(key, lo, hi) of the keeping row intervals of every key in a ``wanted`` key block (bool per block), as
+    ``_row_intervals`` by key: a window segment's bounds never decrease with the row, so the rows keeping key c are
+    one run, from the first whose hi passes c to the first whose lo does."""
+    parts = []
+    for s in segs:
+        lo, hi = s.bounds(np.arange(s.q0, s.q1, dtype=np.int64))
+        c = np.arange(s.k0, s.k1, dtype=np.int64)
+        c = c[wanted[c // BLOCK]]
+        a, b = s.q0 + np.searchsorted(hi, c, side="right"), s.q0 + np.searchsorted(lo, c, side="right")
+        ok = a < b
+        parts.append((c[ok], a[ok], b[ok]))
+    return _merged(parts)
+
+
+def _merged(parts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     row = np.concatenate([p[0] for p in parts])
     lo = np.concatenate([p[1] for p in parts])
     hi = np.concatenate([p[2] for p in parts])
@@ -395,6 +416,25 @@ def _row_intervals(segs: list[Segment]) -> tuple[np.ndarray, np.ndarray, np.ndar
     first = np.flatnonzero(new)
     last = np.append(first[1:], len(row)) - 1
     return row[first], lo[first], hi[last]
+
+
+def _on_partial(row, lo, hi, partial: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(row, lo, hi, slot) of the intervals that meet a partial block of their row's block (what a mask_mod must
+    reproduce), slot = the interval's place among its row's."""
+    mb = partial.shape[0]
+    pc = np.concatenate([np.zeros((mb, 1), np.int64), np.cumsum(partial, axis=1)], axis=1)
+    m = row // BLOCK
+    meets = pc[m, (hi - 1) // BLOCK + 1] - pc[m, lo // BLOCK] > 0
+    row, lo, hi = row[meets], lo[meets], hi[meets]
+    return row, lo, hi, np.arange(len(row)) - np.searchsorted(row, row, side="left")
+
+
+def _bounds(n: int, row, lo, hi, slot, used: int) -> np.ndarray:
+    bounds = np.zeros((n, 2 * used), dtype=np.int32)
+    if used:
+        bounds[row, 2 * slot] = lo
+        bounds[row, 2 * slot + 1] = hi
+    return bounds
 
 
 def _block_cells(row, lo, hi, m_blocks: int, n_blocks: int) -> np.ndarray:
@@ -506,13 +546,7 @@ def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: b
     if not partial_ok and partial.any():
         return None
     band = _band(segs, row, lo, hi, partial, seqlen_q, seqlen_k)
-    # a row's intervals that meet a partial block of its q-block: what the mask_mod must reproduce
-    pc = np.concatenate([np.zeros((mb, 1), np.int64), np.cumsum(partial, axis=1)], axis=1)
-    m = row // BLOCK
-    meets = pc[m, (hi - 1) // BLOCK + 1] - pc[m, lo // BLOCK] > 0
-    row, lo, hi = row[meets], lo[meets], hi[meets]
-    start = np.searchsorted(row, row, side="left")
-    slot = np.arange(len(row)) - start
+    row, lo, hi, slot = _on_partial(row, lo, hi, partial)
     lists = (_lists(full, partial), _lists(full.T, partial.T))
     if band is None and len(slot) and slot.max() >= MASK_INTERVALS:
         group = grid((x for s in segs for x in (s.q0, s.q1, s.k0, s.k1)), seqlen_q, seqlen_k)
@@ -526,11 +560,13 @@ def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: b
             return BlockLists(*lists, bits, int(full.sum()), int(partial.sum()), None, bitmap=True,
                               bounds_t=bitmap_by_key(bits, seqlen_q, seqlen_k))
     used = 0 if band is not None else (int(slot.max()) + 1 if len(slot) else 1)
-    bounds = np.zeros((seqlen_q, 2 * used), dtype=np.int32)
-    if used:
-        bounds[row, 2 * slot] = lo
-        bounds[row, 2 * slot + 1] = hi
-    return BlockLists(*lists, bounds, int(full.sum()), int(partial.sum()), band)
+    by_key = None
+    if used and partial.any():  # the backward's by key where every key keeps at most MASK_INTERVALS row intervals there
+        key, k_lo, k_hi, k_slot = _on_partial(*_key_intervals(segs, partial.any(0)), partial.T)
+        k_used = int(k_slot.max()) + 1 if len(k_slot) else 1
+        by_key = _bounds(seqlen_k, key, k_lo, k_hi, k_slot, k_used) if k_used <= MASK_INTERVALS else None
+    return BlockLists(*lists, _bounds(seqlen_q, row, lo, hi, slot, used), int(full.sum()), int(partial.sum()), band,
+                      bounds_t=by_key)
 
 
 # each of the bitmap form's two aux tensors, by row and by key (sq x sk / 8 bytes: a strided 4k list's 2 MiB). One read

@@ -97,7 +97,7 @@ def route_class(phase: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if b is not None:
         total = b.full_blocks + b.partial_blocks
         form = 0 if b.band is None else len(b.band)  # a periodic band (six values) is priced apart from a plain one
-        blocks = (form, b.mask_key, round(10 * b.partial_blocks / max(1, total)), _log2(total))
+        blocks = (form, b.mask(phase)[0], round(10 * b.partial_blocks / max(1, total)), _log2(total))
     return head + (len(runs), _log2(sum(c.area for c in runs) / BLOCK ** 2), blocks)
 
 
