@@ -324,18 +324,42 @@ def test_auto_and_availability_on_the_cpu():
     assert isinstance(get_backend("fa4"), FA4Backend)
 
 
-def _masks_exact(b, tiles, s: int) -> None:
-    """Each direction's mask_mod (emulated) keeps exactly the list's cells on every partial block."""
-    keep = tiles_to_dense(torch.as_tensor(tiles, dtype=torch.int32), s, s)
+def _masks_exact(b, tiles, s: int, sk: int | None = None) -> None:
+    """Each direction's mask_mod (emulated) keeps exactly the list's cells on every partial block (``s`` rows and
+    ``sk`` keys, default ``s``)."""
+    sk = s if sk is None else sk
+    keep = tiles_to_dense(torch.as_tensor(tiles, dtype=torch.int32), s, sk)
     masks = fa4_semantics.interval_masks()
     cnt, idx = b.fwd[0], b.fwd[1]
     for m in range(len(cnt)):
         for n in idx[m, :cnt[m]]:
-            r, cols = torch.arange(m * 128, min(s, m * 128 + 128)), torch.arange(n * 128, min(s, n * 128 + 128))
+            r, cols = torch.arange(m * 128, min(s, m * 128 + 128)), torch.arange(n * 128, min(sk, n * 128 + 128))
             for d in ("fwd", "bwd"):
                 key, aux = b.mask(d)
-                got = masks[key](r, cols, [torch.as_tensor(aux)])
+                got = (fa4_semantics.band_mask(*b.band)(r, cols, None) if b.band is not None else
+                       masks[key](r, cols, [torch.as_tensor(aux)]))
                 assert torch.equal(got, keep[r[0]:r[-1] + 1, cols[0]:cols[-1] + 1]), (d, key, m, n)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_every_rank_lists_block_form_is_exact(cp):
+    """Each rank's list of every distributed catalog mask (its rows against its key buffer: zigzag and balanced
+    layouts, INV_CAUSAL / BI_CAUSAL pieces) in its block-sparse form: the partial blocks' mask_mod keeps exactly the
+    list's cells, forward (by row, a band, a periodic band or a bitmap) and backward (by key where it has that)."""
+    from megatron_cp.kernels.fa4.calls import block_lists, fuse_segments
+
+    forms = set()
+    for name in catalog.DIST_MASKS:
+        for rp in mcp.plan(catalog.build(name, 2048), cp).ranks:
+            if not len(rp.tiles):
+                continue
+            segs = fuse_segments([g for g in (segment_of(*map(int, t)) for t in rp.tiles) if g is not None])
+            b = block_lists(segs, rp.num_tokens, rp.buffer_len)
+            if b is None or not b.partial_blocks:
+                continue
+            forms.add((b.band is not None and len(b.band), b.mask("fwd")[0], b.mask("bwd")[0]))
+            _masks_exact(b, rp.tiles, rp.num_tokens, rp.buffer_len)
+    assert any(f[2] in ("by_key_1", "by_key_2") for f in forms), forms  # the by-key backward is exercised
 
 
 @pytest.mark.parametrize("name,s,band", [("strided_512x4", 2048, True), ("global_local_512", 2048, True),
