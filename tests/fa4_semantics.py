@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import torch
 
+from megatron_cp.kernels.fa4.cells import periodic_cells
+
 
 def _segments(n_total, cu, used, name, strict):
     b = cu.shape[0] - 1
@@ -89,13 +91,11 @@ def band_mask(sink, dlo, dhi, group=0, period=0, local=0):
     tensors."""
     def mask(rows, cols, aux_tensors):
         assert aux_tensors is None, "the band mask_mod reads no aux tensor"
-        d = cols[None, :] - rows[:, None]
-        keep = (d <= dhi) & ((cols[None, :] < sink) | (d >= dlo))
-        if group:
+        if group:  # the expression the kernel's mask_mod runs (dlo is below every cell there: not compared)
             assert sink == 0, "a periodic band has no sink keys"
-            off = rows[:, None] // group - cols[None, :] // group
-            keep &= (off < local) | (off % period == 0)
-        return keep
+            return periodic_cells(rows[:, None], cols[None, :], dhi, group, period, local)
+        d = cols[None, :] - rows[:, None]
+        return (d <= dhi) & ((cols[None, :] < sink) | (d >= dlo))
     return mask
 
 

@@ -424,6 +424,26 @@ def test_strided_partial_blocks_run_as_a_periodic_band(s, block, stride, local, 
     _check(tiles, s, s, dlse=True)
 
 
+@pytest.mark.parametrize("group", [1, 2, 8, 16, 24, 32])
+@pytest.mark.parametrize("period", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("local", [0, 1, 2, 5])
+def test_periodic_band_arithmetic_is_its_definition(group, period, local):
+    """The periodic band's mask_mod arithmetic (the XOR of the offset's bits where group and period are powers of two,
+    ANDs for the offset where local > 1, division otherwise) keeps exactly the definition's cells, on every cell of a
+    grid crossing many groups and periods, for each causal edge dhi <= 0."""
+    from megatron_cp.kernels.fa4.cells import periodic_cells, periodic_keep
+
+    r = np.arange(0, 700, dtype=np.int64)
+    c = np.arange(0, 700, dtype=np.int64)
+    for dhi in (0, -1, -group, -5 * group - 3):
+        want = periodic_keep(r, c, dhi, group, period, local)
+        got = periodic_cells(r[:, None], c[None, :], dhi, group, period, local)
+        assert got.dtype == np.bool_ and np.array_equal(got, want), (dhi, int((got != want).sum()))
+        t = periodic_cells(torch.as_tensor(r)[:, None].int(), torch.as_tensor(c)[None, :].int(), dhi, group, period,
+                           local)
+        assert np.array_equal(t.numpy(), want), dhi  # int32, as the kernel's indices
+
+
 def _random_blocks(s: int, block: int, seed: int) -> np.ndarray:
     """Each 16-row block keeps its causal diagonal block and a random half of the key blocks before it: several
     intervals a row inside one 128-block, no period."""

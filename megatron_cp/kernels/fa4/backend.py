@@ -27,6 +27,8 @@ in the backward, the deterministic backward) goes to the Triton backend's ``keep
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -36,6 +38,7 @@ import torch
 from . import measured, replay
 from . import sparse as fa4_sparse
 from .calls import MASK_INTERVALS
+from .cells import periodic_cells
 from .prepared import DEFAULT_HEAD_DIMS, Fa4Prepared, HostPrepare, Run, prepare_list
 from ..config import TritonConfig
 from ..fallback import fallback_backend
@@ -107,8 +110,9 @@ def _default_functions() -> Fa4Functions:
 def _band_mask_mod(sink: int, dlo: int, dhi: int, group: int = 0, period: int = 0, local: int = 0):
     """The CuTe DSL mask_mod ``key - row <= dhi and (key < sink or key - row >= dlo)`` (fa4_calls.band_keep), with
     ``group`` the periodic band's (sink 0, dlo below every cell: not compared): those cells whose group offset
-    ``row // group - key // group`` is below ``local`` or a multiple of ``period``; the bounds are compile-time constants (FA4 keys its compile cache on a
-    mask_mod's code and captured values: one kernel per band). Cached per band, so a list's calls reuse one function
+    ``row // group - key // group`` is below ``local`` or a multiple of ``period`` (``cells.periodic_cells``); the
+    bounds are compile-time constants (FA4 keys its compile cache on a mask_mod's code and captured values: one
+    kernel per band). Cached per band, so a list's calls reuse one function
     object."""
     import cutlass  # noqa: PLC0415
     import cutlass.cute as cute  # noqa: PLC0415
@@ -116,32 +120,32 @@ def _band_mask_mod(sink: int, dlo: int, dhi: int, group: int = 0, period: int = 
 
     if group and sink:
         raise ValueError(f"a periodic band has no sink keys, got sink {sink}")
-    pow2 = group > 0 and not group & (group - 1) and not period & (period - 1)
+
+    def int32(x):
+        return utils.scalar_to_ssa(x, cutlass.Int32)
 
     @cute.jit
     def band(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+        if cutlass.const_expr(group > 0):  # the arithmetic shared with the tests (cells.periodic_cells)
+            return periodic_cells(m_idx, n_idx, dhi, group, period, local, int32)
         d = n_idx - m_idx
         upper = d <= utils.scalar_to_ssa(dhi, cutlass.Int32)
-        if cutlass.const_expr(group > 0 and pow2):
-            # group * offset as two ANDs (indices are >= 0, so i & -group = group * (i // group)) and the period's
-            # test as a third: no integer division a cell
-            o = (m_idx & utils.scalar_to_ssa(-group, cutlass.Int32)) - (n_idx & utils.scalar_to_ssa(-group, cutlass.Int32))
-            every = (o & utils.scalar_to_ssa(group * period - 1, cutlass.Int32)) == utils.scalar_to_ssa(0, cutlass.Int32)
-            if cutlass.const_expr(local <= 1):  # offset 0 is a multiple of the period
-                return upper & every
-            return upper & ((o < utils.scalar_to_ssa(group * local, cutlass.Int32)) | every)
-        if cutlass.const_expr(group > 0):
-            g = utils.scalar_to_ssa(group, cutlass.Int32)
-            off = m_idx // g - n_idx // g  # >= 0: dhi <= 0 (cells.periodic_band)
-            every = (off % utils.scalar_to_ssa(period, cutlass.Int32)) == utils.scalar_to_ssa(0, cutlass.Int32)
-            if cutlass.const_expr(local <= 1):
-                return upper & every
-            return upper & ((off < utils.scalar_to_ssa(local, cutlass.Int32)) | every)
         if cutlass.const_expr(sink == 0):
             return upper & (d >= utils.scalar_to_ssa(dlo, cutlass.Int32))
         return upper & ((n_idx < utils.scalar_to_ssa(sink, cutlass.Int32)) | (d >= utils.scalar_to_ssa(dlo, cutlass.Int32)))
 
+    # FA4 keys its compile cache (on disk too) on a mask_mod's own source and captured values: the arithmetic in
+    # periodic_cells, called from here, must be in the key, or an edit to it would meet kernels compiled before
+    band.__cute_hash__ = hashlib.sha256(repr((_source(_band_mask_mod), _source(periodic_cells), sink, dlo, dhi, group,
+                                              period, local)).encode()).hexdigest()
     return band
+
+
+def _source(f) -> str:
+    try:
+        return inspect.getsource(f)
+    except (OSError, TypeError):  # no source shipped: the bytecode
+        return f.__code__.co_code.hex()
 
 
 def _interval_mask_mods() -> dict:

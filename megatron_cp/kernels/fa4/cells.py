@@ -83,6 +83,26 @@ def periodic_keep(r: np.ndarray, c: np.ndarray, dhi: int, group: int, period: in
     return (c[None, :] - r[:, None] <= dhi) & ((off < local) | (off % period == 0))
 
 
+def periodic_cells(r, c, dhi: int, group: int, period: int, local: int, const=int):
+    """``periodic_keep``'s cells as the band's mask_mod computes them on FA4 (``backend``): operators only, so one
+    expression serves CuTe DSL values there (``const`` wraps the constants) and integer arrays in the tests. Where
+    ``group`` and ``period`` are powers of two no division: the offset's residue modulo the period is the XOR of the
+    row's and key's bits from log2(group) to log2(group * period) - in FA4's backward (rows varying across a key's
+    column) a quarter faster than the two ANDs and a subtraction that give the offset itself, used only where
+    ``local`` > 1 needs it."""
+    upper = c - r <= const(dhi)
+    if not group & (group - 1) and not period & (period - 1):
+        every = ((r ^ c) & const(group * period - group)) == const(0)
+        if local <= 1:  # offset 0 is a multiple of the period
+            return upper & every
+        return upper & (((r & const(-group)) - (c & const(-group)) < const(group * local)) | every)
+    off = r // const(group) - c // const(group)  # >= 0 where upper holds (dhi <= 0)
+    every = off % const(period) == const(0)
+    if local <= 1:
+        return upper & every
+    return upper & ((off < const(local)) | every)
+
+
 def periodic_band(row, lo, hi, partial: np.ndarray, seqlen_q: int, seqlen_k: int,
                   group: int) -> tuple[int, int, int] | None:
     """(dhi, period, local) when every partial block's kept cells are exactly ``periodic_keep``'s at ``group``, else
