@@ -161,58 +161,34 @@ def _interval_mask_mods() -> dict:
 
     assert MASK_INTERVALS == 2
 
-    @cute.jit
-    def one_interval(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
-        bounds = aux_tensors[0]
-        r = m_idx[0]
-        lo0 = utils.scalar_to_ssa(bounds[r, 0], cutlass.Int32)
-        hi0 = utils.scalar_to_ssa(bounds[r, 1], cutlass.Int32)
-        return (n_idx >= lo0) & (n_idx < hi0)
+    def int32(x):
+        return utils.scalar_to_ssa(x, cutlass.Int32)
 
-    @cute.jit
-    def two_intervals(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
-        bounds = aux_tensors[0]
-        r = m_idx[0]
-        lo0 = utils.scalar_to_ssa(bounds[r, 0], cutlass.Int32)
-        hi0 = utils.scalar_to_ssa(bounds[r, 1], cutlass.Int32)
-        lo1 = utils.scalar_to_ssa(bounds[r, 2], cutlass.Int32)
-        hi1 = utils.scalar_to_ssa(bounds[r, 3], cutlass.Int32)
-        return ((n_idx >= lo0) & (n_idx < hi0)) | ((n_idx >= lo1) & (n_idx < hi1))
+    # one reading each, by row (forward: m_idx's row, keys n_idx) or by key (backward: n_idx's key, rows m_idx)
+    def within(bounds, at, x, count):  # x in one of the first ``count`` intervals [lo, hi) of bounds[at]
+        keep = (x >= int32(bounds[at, 0])) & (x < int32(bounds[at, 1]))
+        for i in range(1, count):
+            keep = keep | ((x >= int32(bounds[at, 2 * i])) & (x < int32(bounds[at, 2 * i + 1])))
+        return keep
 
-    @cute.jit
-    def bitmap(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
-        bits = aux_tensors[0]
-        c = n_idx[0]
-        word = bits[m_idx[0], c >> 5]
-        return utils.scalar_to_ssa((word >> (c & 31)) & 1, cutlass.Int32) == utils.scalar_to_ssa(1, cutlass.Int32)
+    def bit(bits, at, x):  # bit x & 31 of word [at, x >> 5] (x one index: the row's / key's other coordinate)
+        c = x[0]
+        return int32((bits[at, c >> 5] >> (c & 31)) & 1) == int32(1)
 
-    @cute.jit
-    def bitmap_t(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
-        bits = aux_tensors[0]
-        r = m_idx[0]
-        word = bits[n_idx[0], r >> 5]
-        return utils.scalar_to_ssa((word >> (r & 31)) & 1, cutlass.Int32) == utils.scalar_to_ssa(1, cutlass.Int32)
+    def reading(read, by_key: bool):  # the mask_mod reading by row (m_idx's) or by key (n_idx's)
+        @cute.jit
+        def mod(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+            if cutlass.const_expr(by_key):
+                return read(aux_tensors[0], n_idx[0], m_idx)
+            return read(aux_tensors[0], m_idx[0], n_idx)
+        return mod
 
-    @cute.jit
-    def by_key_1(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
-        bounds = aux_tensors[0]
-        c = n_idx[0]
-        lo0 = utils.scalar_to_ssa(bounds[c, 0], cutlass.Int32)
-        hi0 = utils.scalar_to_ssa(bounds[c, 1], cutlass.Int32)
-        return (m_idx >= lo0) & (m_idx < hi0)
-
-    @cute.jit
-    def by_key_2(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
-        bounds = aux_tensors[0]
-        c = n_idx[0]
-        lo0 = utils.scalar_to_ssa(bounds[c, 0], cutlass.Int32)
-        hi0 = utils.scalar_to_ssa(bounds[c, 1], cutlass.Int32)
-        lo1 = utils.scalar_to_ssa(bounds[c, 2], cutlass.Int32)
-        hi1 = utils.scalar_to_ssa(bounds[c, 3], cutlass.Int32)
-        return ((m_idx >= lo0) & (m_idx < hi0)) | ((m_idx >= lo1) & (m_idx < hi1))
-
-    return {1: one_interval, 2: two_intervals, "bitmap": bitmap, "bitmap_t": bitmap_t, "by_key_1": by_key_1,
-            "by_key_2": by_key_2}
+    one, two = functools.partial(within, count=1), functools.partial(within, count=2)
+    mods = {1: reading(one, False), 2: reading(two, False), "by_key_1": reading(one, True),
+            "by_key_2": reading(two, True), "bitmap": reading(bit, False), "bitmap_t": reading(bit, True)}
+    for key, mod in mods.items():  # FA4's compile-cache key: this whole function's source (the helpers are in it)
+        mod.__cute_hash__ = hashlib.sha256(repr((_source(_interval_mask_mods), key)).encode()).hexdigest()
+    return mods
 
 
 class FA4Backend:
