@@ -18,7 +18,7 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 def wire(t: torch.Tensor) -> torch.Tensor:
     """gloo lacks 16-bit dtypes: a pure data move on CPU travels as bytes (a view, no copy)."""
-    if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16):
+    if t.is_cpu and t.dtype in (torch.bfloat16, torch.float16):  # is_cpu: no device object made, every exchange
         return t.view(torch.uint8)
     return t
 

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .rows import cdiv, next_power_of_2
+
 
 @triton.jit
 def _side(L, r64, ok, n_heads, n_rows, REV: tl.constexpr):
@@ -127,9 +129,9 @@ def merge_into(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.T
     block = max(1, min(64, 8192 // d))
     lf = [y.float() if y.dtype != torch.float32 else y for _, y in parts]
     two = o2 is not None
-    _merge_kernel[(triton.cdiv(n, block),)](acc, lse, o, lf[0], o2 if two else o, lf[-1], n, lse.shape[1],
-                                            HEAD_DIM=d, BLOCK_R=block, REV=bool(reverse), TWO=two,
-                                            REV2=bool(reverse2) and two, FRESH=bool(fresh), num_warps=4)
+    _merge_kernel[(cdiv(n, block),)](acc, lse, o, lf[0], o2 if two else o, lf[-1], n, lse.shape[1],
+                                     HEAD_DIM=d, BLOCK_R=block, REV=bool(reverse), TWO=two,
+                                     REV2=bool(reverse2) and two, FRESH=bool(fresh), num_warps=4)
 
 
 @triton.jit
@@ -189,7 +191,7 @@ def merge_sources(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, part
         out[rows] = (parts[..., :d] * wt.unsqueeze(-1)).sum(0).to(out.dtype)
         lse[rows] = L.to(lse.dtype)
         return
-    block_h = min(triton.next_power_of_2(hq), 16)
-    _merge_sources_kernel[(n, triton.cdiv(hq, block_h))](
+    block_h = min(next_power_of_2(hq), 16)
+    _merge_sources_kernel[(n, cdiv(hq, block_h))](
         out, lse, rows, parts, k, n, hq, d, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(max(d, 16)), num_warps=4)
+        BLOCK_H=block_h, BLOCK_D=next_power_of_2(max(d, 16)), num_warps=4)

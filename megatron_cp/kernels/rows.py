@@ -167,8 +167,19 @@ def _triton_ok(t: torch.Tensor, use_triton) -> bool:
     return t.is_cuda if use_triton is None else bool(use_triton)
 
 
+def cdiv(n: int, d: int) -> int:
+    """``triton.cdiv`` of positive ints in plain arithmetic: newer Triton makes that a ``constexpr_function``, whose
+    call costs the host a microsecond or more, and every launch here asks for one or two."""
+    return -(-n // d)
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` of an int >= 1, in plain arithmetic (as ``cdiv``)."""
+    return 1 << (n - 1).bit_length()
+
+
 def _block_w(width: int) -> int:
-    return min(1024, triton.next_power_of_2(max(width, 16)))
+    return min(1024, next_power_of_2(max(width, 16)))
 
 
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor | None = None,
@@ -186,7 +197,7 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor | None
             dst.index_copy_(0, dst_idx, rows.to(dst.dtype))
         return
     src, width, sd, ss = _geoms(dst, src)
-    _copy_rows_kernel[(triton.cdiv(n, BLOCK_R),)](
+    _copy_rows_kernel[(cdiv(n, BLOCK_R),)](
         dst, src, dst_idx if dst_idx is not None else dst, src_idx if src_idx is not None else src, n, width, sd, ss,
         HAS_DST_IDX=dst_idx is not None, HAS_SRC_IDX=src_idx is not None, BLOCK_R=BLOCK_R, BLOCK_W=_block_w(width),
         num_warps=4)
@@ -205,7 +216,7 @@ def copy_row_pairs(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor
         return
     src_a, wa, sda, ssa = _geoms(dst_a, src_a)
     src_b, wb, sdb, ssb = _geoms(dst_b, src_b)
-    _copy_row_pairs_kernel[(triton.cdiv(n, BLOCK_R), 2)](
+    _copy_row_pairs_kernel[(cdiv(n, BLOCK_R), 2)](
         dst_a, src_a, dst_b, src_b, dst_idx if dst_idx is not None else dst_a,
         src_idx if src_idx is not None else src_a, n, wa, wb, sda, ssa, sdb, ssb, HAS_DST_IDX=dst_idx is not None,
         HAS_SRC_IDX=src_idx is not None, BLOCK_R=BLOCK_R, BLOCK_W=_block_w(max(wa, wb)), num_warps=4)
@@ -219,25 +230,28 @@ def copy_row_pair_moves(moves, use_triton=None) -> None:
     while len(moves) > 2:
         copy_row_pair_moves(moves[:2], use_triton)
         moves = moves[2:]
-    if len(moves) < 2 or not _triton_ok(moves[0][0], use_triton) or any(
-            m[0].dtype != m[2].dtype or m[1].dtype != m[3].dtype for m in moves):
+    if len(moves) < 2 or not _triton_ok(moves[0][0], use_triton) or _mixed(moves[0]) or _mixed(moves[1]):
         for m in moves:
             copy_row_pairs(*m, use_triton=use_triton)
         return
-    args, has, ns, width = [], [], [], 0
-    for move in moves:
-        dst_a, src_a, dst_b, src_b, dst_idx, src_idx = move
-        n = _move_len(move)
-        src_a, wa, sda, ssa = _geoms(dst_a, src_a)
-        src_b, wb, sdb, ssb = _geoms(dst_b, src_b)
-        args += [dst_a, src_a, dst_b, src_b, dst_idx if dst_idx is not None else dst_a,
-                 src_idx if src_idx is not None else src_a, n, wa, wb, sda, ssa, sdb, ssb]
-        has += [dst_idx is not None, src_idx is not None]
-        ns.append(n)
-        width = max(width, wa, wb)
-    _copy_two_row_pairs_kernel[(triton.cdiv(max(ns), BLOCK_R), 4)](
-        *args, HAS_DI0=has[0], HAS_SI0=has[1], HAS_DI1=has[2], HAS_SI1=has[3], BLOCK_R=BLOCK_R,
-        BLOCK_W=_block_w(width), num_warps=4)
+    # the two moves unpacked by name, not looped over into argument lists: a layer call makes this launch every
+    # forward and backward, and the host's Python around it counts as much as the launch
+    (da0, sa0, db0, sb0, di0, si0), (da1, sa1, db1, sb1, di1, si1) = moves
+    n0, n1 = _move_len(moves[0]), _move_len(moves[1])
+    sa0, wa0, sda0, ssa0 = _geoms(da0, sa0)
+    sb0, wb0, sdb0, ssb0 = _geoms(db0, sb0)
+    sa1, wa1, sda1, ssa1 = _geoms(da1, sa1)
+    sb1, wb1, sdb1, ssb1 = _geoms(db1, sb1)
+    _copy_two_row_pairs_kernel[(cdiv(max(n0, n1), BLOCK_R), 4)](
+        da0, sa0, db0, sb0, da0 if di0 is None else di0, sa0 if si0 is None else si0, n0, wa0, wb0, sda0, ssa0, sdb0,
+        ssb0, da1, sa1, db1, sb1, da1 if di1 is None else di1, sa1 if si1 is None else si1, n1, wa1, wb1, sda1, ssa1,
+        sdb1, ssb1, HAS_DI0=di0 is not None, HAS_SI0=si0 is not None, HAS_DI1=di1 is not None,
+        HAS_SI1=si1 is not None, BLOCK_R=BLOCK_R, BLOCK_W=_block_w(max(wa0, wb0, wa1, wb1)), num_warps=4)
+
+
+def _mixed(m) -> bool:
+    """A move whose two pairs differ in dtype (destinations or sources): it goes alone (``copy_row_pairs``)."""
+    return m[0].dtype != m[2].dtype or m[1].dtype != m[3].dtype
 
 
 def _move_len(m) -> int:

@@ -126,10 +126,15 @@ def _cast_kv(pick: RowMap, a: torch.Tensor, b: torch.Tensor, send_counts, recv_c
     parts = ((h, da), (h, db))  # split_kv's views, made by the pool once per shape
     send, sa, sb = pool.get((pick.n, h * (da + db)), a.dtype, a.device, (tag, "send"), parts)
     copy_pairs([(pick, sa, a, sb, b), *also])
+    return _send_rows(send, parts, send_counts, recv_counts, group, pool, tag, into)
+
+
+def _send_rows(send, parts, send_counts, recv_counts, group, pool, tag, into):
+    """``_cast_kv``'s all-to-all of ``send`` (rows in ``kv_rows``' layout of the column blocks ``parts``)."""
     if into is not None:
         all_to_all_v(send, send_counts, recv_counts, group, into)
         return None
-    got = pool.get((sum(recv_counts), h * (da + db)), a.dtype, a.device, (tag, "recv"), parts)
+    got = pool.get((sum(recv_counts), send.shape[1]), send.dtype, send.device, (tag, "recv"), parts)
     all_to_all_v(send, send_counts, recv_counts, group, got[0])
     return got
 
@@ -159,13 +164,18 @@ class _SingleExchangeAttention(torch.autograd.Function):
             # received rows that are one run of the buffer in arrival order are received there: no copy, on the
             # GPU or the host (a copy's launch costs a layer call tens of us of host; docs/measurements.md)
             into = None if ex.recv_into is None else kv.narrow(0, *ex.recv_into)
-        if group is not None and rt.exchanges:  # the own rows placed in the send gather's launch
-            got = _cast_kv(ex.send, k, v, ex.send_counts, ex.recv_counts, group, rt.pool, "single_fwd", also=own,
-                           into=into)
+        if group is None or not rt.exchanges:
+            copy_pairs(own)
+        else:
+            if ex.send_from is None:  # the own rows placed in the send gather's launch
+                got = _cast_kv(ex.send, k, v, ex.send_counts, ex.recv_counts, group, rt.pool, "single_fwd", also=own,
+                               into=into)
+            else:  # the rows to send are own rows, one run of the buffer once placed: sent from there, no gather
+                copy_pairs(own)
+                got = _send_rows(kv.narrow(0, *ex.send_from), ((hkv, k.shape[2]), (hkv, v.shape[2])),
+                                 ex.send_counts, ex.recv_counts, group, rt.pool, "single_fwd", into)
             if got is not None:  # K and V rows together: one copy a run
                 ex.recv.copy(kv, got[0])
-        else:
-            copy_pairs(own)
         out, lse = be.forward(q, kbuf, vbuf, ex.prepared, scale)
         gq = guests.finish_forward(gr, pend, out, lse) if gr is not None else None
         # k / v themselves only for guest rows (their dK/dV are of the own keys in local order)
@@ -210,7 +220,8 @@ class _SingleExchangeAttention(torch.autograd.Function):
             if dk_g is not None:
                 dk = dk.to(torch.promote_types(dk.dtype, dk_g.dtype)) + dk_g
                 dv = dv.to(torch.promote_types(dv.dtype, dv_g.dtype)) + dv_g
-        return dq, dk.to(q.dtype), dv.to(q.dtype), None, None, None
+        dt = q.dtype  # ``to`` only where it converts: a no-op ``to`` still costs the host a microsecond
+        return dq, dk if dk.dtype == dt else dk.to(dt), dv if dv.dtype == dt else dv.to(dt), None, None, None
 
 
 class _StagedAttention(torch.autograd.Function):

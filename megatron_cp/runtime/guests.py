@@ -14,7 +14,7 @@ the plan has guest rows (collectives), also with nothing to send.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ class GuestRuntime:
     # every source returns every guest row in ``rows`` order (global rows of global + local: each key owner
     # computes them all): the returned rows are then [sources, rows] as they arrive, merged without gathers
     whole: bool = False
+    # what a rank that computes no guest row sends back every call (its empty partials, its zero dq), made once per
+    # shape and dtype: only ever read (sent), and each fresh one cost the host two or three ops per call
+    constants: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -129,7 +132,7 @@ def start_forward(gr: GuestRuntime, backend, q, k, v, group, scale) -> _Pending:
     """Send the guest rows' q, compute the received rows over the own keys and start sending the
     partials back (in flight while the caller runs its own tiles; NCCL's kernel is launched first)."""
     acc_dt = accumulate_dtype(q.dtype)
-    gq = _a2a(q[gr.send], gr.send_counts, gr.recv_counts, group)
+    gq = _a2a(q.index_select(0, gr.send), gr.send_counts, gr.recv_counts, group)  # index_select: less host work
     hq, d = q.shape[1], v.shape[2]
     # the partial and its lse side by side, one buffer to send, in the accumulation dtype (the owner merges them);
     # the partial as the kernel wrote it, in q's dtype (as FA4 writes every launch's): two ops on the host, where
@@ -138,10 +141,22 @@ def start_forward(gr: GuestRuntime, backend, q, k, v, group, scale) -> _Pending:
         o, l = backend.forward(gq, k, v, gr.prepared, scale)
         part = torch.cat([o.to(acc_dt), l.to(acc_dt).unsqueeze(-1)], dim=-1)
     else:  # none received: the empty partial
-        part = torch.zeros((gq.shape[0], hq, d + 1), dtype=acc_dt, device=q.device)
-        part[..., d] = float("-inf")
+        part = _constant(gr, "empty partial", (gq.shape[0], hq, d + 1), acc_dt, q.device)
     back, handle = _a2a(part, gr.recv_counts, gr.send_counts, group, async_op=True, tag="guest_out")
     return _Pending(back, handle, (part, gq))
+
+
+def _constant(gr: GuestRuntime, what: str, shape: tuple, dtype, device) -> torch.Tensor:
+    """``gr``'s kept ``what`` of ``shape`` and ``dtype``: zeros (an empty partial: its lse column -inf), made on first
+    use. Sent, never written."""
+    key = (what, shape, dtype)
+    t = gr.constants.get(key)
+    if t is None:
+        t = torch.zeros(shape, dtype=dtype, device=device)
+        if what == "empty partial":
+            t[..., -1] = float("-inf")
+        gr.constants[key] = t
+    return t
 
 
 def finish_forward(gr: GuestRuntime, pend: _Pending, out, lse) -> torch.Tensor:
@@ -176,9 +191,10 @@ def start_backward(gr: GuestRuntime, backend, gq, k, v, out, lse, dout, dlse, gr
     acc_dt = accumulate_dtype(out.dtype)
     hq = out.shape[1]
     sel = gr.send
-    od = _a2a(torch.cat([dout[sel], out[sel].to(dout.dtype)], dim=1), gr.send_counts, gr.recv_counts, group)
-    ls = lse[sel].to(acc_dt)
-    ld = torch.stack([ls, dlse[sel].to(acc_dt) if dlse is not None else torch.zeros_like(ls)], dim=-1)
+    od = _a2a(torch.cat([dout.index_select(0, sel), out.index_select(0, sel).to(dout.dtype)], dim=1), gr.send_counts,
+              gr.recv_counts, group)
+    ls = lse.index_select(0, sel).to(acc_dt)
+    ld = torch.stack([ls, dlse.index_select(0, sel).to(acc_dt) if dlse is not None else torch.zeros_like(ls)], dim=-1)
     ld = _a2a(ld, gr.send_counts, gr.recv_counts, group)
     dk = dv = None
     if gr.prepared is not None:
@@ -189,7 +205,7 @@ def start_backward(gr: GuestRuntime, backend, gq, k, v, out, lse, dout, dlse, gr
         dqp, dk, dv = backend.backward(gq, k, v, g_out, ld[..., 0], g_dout, gr.prepared, scale, delta)
         dqp = dqp.to(dout.dtype)
     else:
-        dqp = dout.new_zeros(gq.shape)  # q's head dim (v's may differ: MLA)
+        dqp = _constant(gr, "zero dq", tuple(gq.shape), dout.dtype, dout.device)  # q's head dim (v's may differ: MLA)
     back, handle = _a2a(dqp, gr.recv_counts, gr.send_counts, group, async_op=True, tag="guest_dq")
     return _Pending(back, handle, (dqp,)), dk, dv
 

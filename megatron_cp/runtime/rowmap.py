@@ -96,12 +96,25 @@ class RowMap:
             raise ValueError("a RowMap's device indices must be its RowIndex's arrays, uploaded")
         self.n, self.gatherable, self.runs, self.indexed = h.n, h.gatherable, h.runs, h.indexed
         self.dst_t, self.src_t = dst_t, src_t
+        self._run_idx: dict = {}  # (first row, device index) -> run_index's tensor
+
+    def run_index(self, start: int, like: torch.Tensor) -> torch.Tensor:
+        """``arange(start, start + n)`` (int64) on ``like``'s device, made on first use and kept: a one-run map's rows
+        as an index, for a launch it shares with an indexed map (``copy_pairs``), where views of its four tensors
+        would cost the host microseconds every call."""
+        key = (start, like.get_device())
+        t = self._run_idx.get(key)
+        if t is None:
+            t = self._run_idx[key] = torch.arange(start, start + self.n, dtype=torch.int64, device=like.device)
+        return t
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Apply in place (dtype conversion included)."""
         if not self.indexed:
-            for d0, s0, m in self.runs:  # narrow: a slice through __getitem__ costs the host more
-                dst.narrow(0, d0, m).copy_(src if s0 == 0 and m == src.shape[0] else src.narrow(0, s0, m))
+            for d0, s0, m in self.runs:  # narrow: a slice through __getitem__ costs the host more; none for a whole
+                # tensor (a gather's send buffer, the local rows): each view costs the host microseconds
+                (dst if d0 == 0 and m == dst.shape[0] else dst.narrow(0, d0, m)).copy_(
+                    src if s0 == 0 and m == src.shape[0] else src.narrow(0, s0, m))
             return
         copy_rows(dst, src, self.dst_t, self.src_t)
 
@@ -114,8 +127,8 @@ class RowMap:
         copy_row_pairs(dst_a, src_a, dst_b, src_b, self.dst_t, self.src_t)
 
     def gather(self, src: torch.Tensor) -> torch.Tensor:
-        """The rows ``src[src_idx]`` as a new tensor, or as a view of ``src`` when they are one run
-        (requires ``dst_idx`` None). Contiguous whenever ``src`` is."""
+        """The rows ``src[src_idx]`` as a new tensor, or as a view of ``src`` when they are one run (``src`` itself
+        when that run is all of it; requires ``dst_idx`` None). Contiguous whenever ``src`` is."""
         if not self.gatherable:
             raise ValueError("gather needs a RowMap built with dst_idx None")
         if self.indexed:
@@ -124,7 +137,7 @@ class RowMap:
             return out
         if len(self.runs) == 1:
             s0, m = self.runs[0][1], self.runs[0][2]
-            return src.narrow(0, s0, m)
+            return src if s0 == 0 and m == src.shape[0] else src.narrow(0, s0, m)  # a view op costs microseconds
         if not self.runs:
             return src[:0]
         return torch.cat([src[s0:s0 + m] for _, s0, m in self.runs])
@@ -148,7 +161,11 @@ def copy_pairs(moves, use_triton=None) -> None:
     while len(launch) % 2 and one:
         m, da, sa, db, sb = one.pop()
         d0, s0, c = m.runs[0]
-        launch.append((da.narrow(0, d0, c), sa.narrow(0, s0, c), db.narrow(0, d0, c), sb.narrow(0, s0, c), None, None))
+        # its run through kept index tensors where it starts past row 0 (or covers part of its sources), not through
+        # views of its four tensors: each view costs the host microseconds, the index's reads nothing to speak of
+        di = m.run_index(d0, da) if d0 else None
+        si = m.run_index(s0, sa) if s0 or (di is None and (c != sa.shape[0] or c != sb.shape[0])) else None
+        launch.append((da, sa, db, sb, di, si))
     if launch:
         copy_row_pair_moves(launch, use_triton)
     for m, da, sa, db, sb in one + rest:

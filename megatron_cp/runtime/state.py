@@ -57,6 +57,9 @@ class SingleExchange:
     identity: bool
     # (first buffer row, rows) where every received row lands in arrival order, one run: received in place
     recv_into: tuple | None = None
+    # (first buffer row, rows) where the rows to send lie in send order once the own rows are placed (both one run):
+    # sent from there, with no gather
+    send_from: tuple | None = None
 
 
 @dataclass
@@ -453,6 +456,7 @@ def _single(h: SingleHost, device, prepared) -> SingleExchange:
         prepared=prepared,
         identity=h.identity,
         recv_into=_in_order(h.recv, sum(h.recv_counts)),
+        send_from=_sent_from_buffer(h),
     )
 
 
@@ -461,6 +465,18 @@ def _in_order(m: RowIndex, n: int) -> tuple | None:
     if n and not m.indexed and len(m.runs) == 1 and m.runs[0][1] == 0 and m.runs[0][2] == n:
         return (int(m.runs[0][0]), n)
     return None
+
+
+def _sent_from_buffer(h: SingleHost) -> tuple | None:
+    """(first buffer row, rows) where the key buffer holds the rows ``h.send`` gathers, in its order, once ``h.own``
+    has placed the local rows: both one run (a sliding window's rank sends one run of its rows on). Else None."""
+    own, send = h.own, h.send
+    if h.identity or not send.n or own.indexed or send.indexed or len(own.runs) != 1 or len(send.runs) != 1:
+        return None
+    (od, os_, oc), (_, ss, sc) = own.runs[0], send.runs[0]  # own: local rows os_.. at od..; send: local ss..
+    if ss < os_ or ss + sc > os_ + oc:
+        return None
+    return (int(od + ss - os_), int(sc))
 
 
 def _staged(sched: Schedule, rank: int, device, prepared: list, routes: list | None) -> StagedExchange:
