@@ -50,11 +50,12 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
 import torch
 
-from ..kernels import accumulate_dtype
-from .flexprefill import (NEG, combine_parts, diagonal_blocks, last_rows_summaries, pooled_keys, pooled_scores, top_n,
-                          vertical_slash_blocks)
+from ..kernels import accumulate_dtype, upload_all
+from .flexprefill import (NEG, block_masks, combine_parts, derived, last_rows_summaries, pooled_keys, pooled_scores,
+                          top_n, vertical_slash_blocks)
 from .moba import block_means
 from .selector import check_block, check_heads
 from .view import SelectionView
@@ -199,49 +200,82 @@ class MInference:
             out["kp"] = extra[0]
         return out
 
+    def _heads(self, view: SelectionView) -> dict:
+        """Static per (layout, patterns), kept in ``view.cache``: per kind present, its heads (a slice when they
+        are consecutive, else a long tensor) then its sizes at this length as long tensors (vertical-slash: the
+        column and diagonal counts; block-sparse: top_k); ``runs``: [kind, key, heads] for each run of
+        consecutive heads of one kind (key: the a-shape's (sink, local), else the run's first index among the
+        kind's heads), in head order."""
+        def make():
+            s, pats = view.seqlen, self.patterns
+            by_kind, runs = {}, []
+            for h, p in enumerate(pats):
+                hs = by_kind.setdefault(p.kind, [])
+                key = (p.sink, p.local) if p.kind == "a_shape" else len(hs)
+                if runs and runs[-1][0] == p.kind and (p.kind != "a_shape" or runs[-1][1] == key):
+                    runs[-1][2] += 1
+                else:
+                    runs.append([p.kind, key, 1])
+                hs.append(h)
+            out = {"runs": runs}
+            for kind, hs in by_kind.items():
+                ps = [pats[h] for h in hs]
+                top = -(-BLOCK_SPARSE_TOKENS // view.block)
+                sizes = {"vertical_slash": [[self._scaled(p, p.vertical, 0, s) for p in ps],
+                                            [self._scaled(p, p.slash, 0, s) for p in ps]],
+                         "block_sparse": [[self._scaled(p, top if p.top_k is None else p.top_k, 1, s) for p in ps]],
+                         }.get(kind, [])
+                consecutive = hs == list(range(hs[0], hs[0] + len(hs)))
+                up = upload_all([np.asarray(x, dtype=np.int64) for x in sizes + ([] if consecutive else [hs])],
+                                view.device)
+                out[kind] = (slice(hs[0], hs[0] + len(hs)) if consecutive else up[-1], *up[:len(sizes)])
+            return out
+        return derived(view, ("minference heads", self.patterns), make)
+
+    @staticmethod
+    def _a_shape(view: SelectionView, sink: int, local: int) -> torch.Tensor:
+        """bool [nq, nb], static (``view.cache``): key blocks holding a token j < sink, and block pairs holding a
+        cell with 0 <= i - j < local."""
+        def make():
+            b, dev = view.block, view.device
+            kb = torch.arange(view.num_blocks, device=dev)
+            delta = (view.q_blocks[:, None] - kb[None, :]) * b  # [nq, nb] offset of the blocks' corners
+            win = (delta + b - 1 >= 0) & (delta - b + 1 <= local - 1)
+            return ((kb * b) < sink)[None, :] | (win & (local > 0))
+        return derived(view, ("minference a_shape", sink, local), make)
+
     def select_from(self, q: torch.Tensor, sm: dict, view: SelectionView) -> torch.Tensor:
         """Local step: keep bool [Hq, nq, nb] from this rank's q [nq*B, Hq, D] and ``summaries``."""
-        b, nb, s = view.block, view.num_blocks, view.seqlen
+        b, nb = view.block, view.num_blocks
         nq = q.shape[0] // b
-        hq, d = q.shape[1:]
-        dev = q.device
-        env = view.envelope > 0
-        pats = self.patterns
-        keep = torch.zeros(hq, nq, nb, dtype=torch.bool, device=dev)
-        kinds = [p.kind for p in pats]
-        kb = torch.arange(nb, device=dev)
-        if "a_shape" in kinds:
-            hs = [h for h in range(hq) if kinds[h] == "a_shape"]
-            sink = torch.tensor([pats[h].sink for h in hs], device=dev)
-            local = torch.tensor([pats[h].local for h in hs], device=dev)
-            delta = (view.q_blocks[:, None] - kb[None, :]) * b  # [nq, nb] offset of the blocks' corners
-            sinks = (kb * b)[None, None, :] < sink[:, None, None]
-            win = ((delta + b - 1)[None] >= 0) & ((delta - b + 1)[None] <= local[:, None, None] - 1)
-            keep[hs] = sinks | (win & (local[:, None, None] > 0))
-        if "vertical_slash" in kinds:
-            hs = [h for h in range(hq) if kinds[h] == "vertical_slash"]
+        d = q.shape[2]
+        masks = block_masks(view)
+        heads = self._heads(view)
+        got = {}
+        if "vertical_slash" in heads:
+            hs, vcount, scount = heads["vertical_slash"]
             L = sm["rows"]
-            vcount = torch.tensor([self._scaled(pats[h], pats[h].vertical, 0, s) for h in hs], device=dev)
-            scount = torch.tensor([self._scaled(pats[h], pats[h].slash, 0, s) for h in hs], device=dev)
-            vert, sl = sm["vertical"][hs], sm["slash"][hs]
-            colkeep = top_n(vert, torch.zeros_like(vert, dtype=torch.int32), vcount)
-            slashkeep = top_n(sl, torch.zeros_like(sl, dtype=torch.int32), scount)
-            colkeep[:, :FORCED_COLUMNS] = True  # always: the first 30 columns and offsets 0..29
-            slashkeep[:, L - 1: L - 1 + FORCED_DIAGONALS] = True
-            vsb = vertical_slash_blocks(colkeep, slashkeep, view, L)
-            keep[hs] = vsb
-        if "block_sparse" in kinds:
-            hs = [h for h in range(hq) if kinds[h] == "block_sparse"]
+            colkeep = top_n(sm["vertical"][hs], None, vcount)
+            slashkeep = top_n(sm["slash"][hs], None, scount)
+            colkeep[:, :FORCED_COLUMNS].fill_(True)  # always: the first 30 columns and offsets 0..29
+            slashkeep[:, L - 1: L - 1 + FORCED_DIAGONALS].fill_(True)
+            got["vertical_slash"] = vertical_slash_blocks(colkeep, slashkeep, view, L)
+        if "block_sparse" in heads:
+            hs, topk = heads["block_sparse"]
             dt = sm["kp"].dtype
-            qp = block_means(q, b, dt) / math.sqrt(d)
-            lg = pooled_scores(qp, sm["kp"])
-            lg = lg[hs].masked_fill(~env[None], NEG)
-            topk = [pats[h].top_k if pats[h].top_k is not None else -(-BLOCK_SPARSE_TOKENS // b) for h in hs]
-            topk = torch.tensor([self._scaled(pats[h], t, 1, s) for h, t in zip(hs, topk)], device=dev)
-            keep[hs] = top_n(lg, env[None].expand(len(hs), nq, nb).to(torch.int32),
-                             topk[:, None].expand(len(hs), nq))
-        keep |= diagonal_blocks(view)[None]
-        return keep & env[None]
+            lg = pooled_scores(block_means(q, b, dt), sm["kp"], math.sqrt(d))[hs].masked_fill(masks["off"], NEG)
+            n = topk.shape[0]
+            got["block_sparse"] = top_n(lg, masks["env_i32"].expand(n, nq, nb), topk[:, None].expand(n, nq))
+        parts = []
+        for kind, key, n in heads["runs"]:
+            if kind == "a_shape":
+                parts.append(self._a_shape(view, *key).expand(n, nq, nb))
+            elif kind in got:
+                parts.append(got[kind][key:key + n])
+            else:  # not a kind (``check`` refuses it): the diagonal block only
+                parts.append(masks["env"].new_zeros(n, nq, nb))
+        keep = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return (keep | masks["diag"]) & masks["env"]
 
     def select(self, q: torch.Tensor, k: torch.Tensor, view: SelectionView) -> torch.Tensor:
         """keep bool [Hq, nq, nb] (docs/sparse.md); ``select_from(q, summaries(q, k, view), view)``."""
