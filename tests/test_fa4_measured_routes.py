@@ -1,6 +1,6 @@
 """Routes by measured cost (kernels/fa4/measured.py): where a list could run on FA4 or on Triton, each is timed
 once per list class on the device in hand and the faster runs, forward and backward apart; a class timed once is
-not timed again; one dense FA4 call is never timed; without a timer (the CPU) the rules of calls.py hold. FA4 runs
+not timed again; one dense FA4 call, full or causal, is never timed; without a timer (the CPU) the rules of calls.py hold. FA4 runs
 through the reference of its call semantics (tests/fa4_semantics.py); timings come from a scripted timer that
 also checks which candidate it was given."""
 
@@ -43,7 +43,8 @@ MASKS = {"streaming": lambda: mcp.masks.streaming(S, 4, 65),  # 3 varlen calls o
          # every block partial: the prior's forward is FA4's, its backward Triton's (the partial-block rule)
          "causal": lambda: mcp.masks.causal(S),  # one dense call
          "strided": lambda: mcp.masks.strided(S, 8, 2, local_blocks=1),  # 16 varlen calls, no block-sparse form
-         "packed": lambda: mcp.masks.varlen([0, 50, 150, S], causal=True)}  # one varlen call
+         "packed": lambda: mcp.masks.varlen([0, 50, 150, S], causal=True),  # one varlen call
+         "window": lambda: mcp.masks.sliding_window(S, 32, 0)}  # one dense call with a window
 
 
 def _case(name, s=S, hq=4, hkv=2, d=16, seed=0):
@@ -125,6 +126,23 @@ def test_one_varlen_call_is_timed_but_one_dense_call_never():
     be.backward(q, k, v, ref.out, ref.lse, do, prep, 0.25)
     assert be.last_path.startswith("triton (") and "partial blocks" in be.last_path
     assert be.describe()["routes"] == []
+
+
+def test_one_dense_call_with_a_window_is_timed_and_the_faster_runs():
+    """A sliding window is one dense FA4 call, but not FA4's own best case (a narrow window's backward can run faster
+    on Triton): both directions are timed, and each runs the faster, exactly."""
+    tiles, (q, k, v, do), ref = _case("window")
+    be = FA4Backend(functions=EMULATED, timer=ScriptedTimer(1e-3, 2e-3, 2e-3, 1e-3))  # fwd: FA4 faster; bwd: Triton
+    prep = be.prepare(tiles, S, S)
+    assert prep.calls.fwd[0].dense and prep.calls.fwd[0].left is not None
+    out, lse = be.forward(q, k, v, prep, 0.25)
+    assert be.last_path == "fa4"
+    grads = be.backward(q, k, v, out, lse, do, prep, 0.25)
+    assert be.last_path.startswith("triton (measured fastest here")
+    assert [r["runs"] for r in be.describe()["routes"]] == ["varlen", "triton"]
+    torch.testing.assert_close(out, ref.out, rtol=TOL, atol=TOL)
+    for g, want in zip(grads, (ref.dq, ref.dk, ref.dv)):
+        torch.testing.assert_close(g, want, rtol=TOL, atol=TOL)
 
 
 def test_many_varlen_calls_without_a_block_form_are_not_timed(monkeypatch):

@@ -11,8 +11,9 @@ class.
 A class (``route_class``) is what decides the candidates' relative speed, coarsely enough that a new plan per
 micro-batch meets classes already timed: device, direction, dtype, head counts and dims, the list's number of
 varlen calls and its size in powers of two, and where it has a block-sparse form, band or interval mask arithmetic,
-its partial-block fraction (tenths) and its block count in powers of two. One FA4 call on a dense layout is never
-timed: it is FA4's own best case.
+its partial-block fraction (tenths) and its block count in powers of two. One FA4 call on a dense layout, full or
+causal, is never timed: it is FA4's own best case (a window's is: a narrow window's backward ran slower on FA4 than
+on our Triton kernels).
 
 Timing (``cuda_time``): two untimed runs (compilation, the first replay's check), the device synchronised, then
 three runs between CUDA events on the current stream, queued behind a spin so that their GPU time is measured apart
@@ -88,10 +89,10 @@ def fa4_routes(calls, phase: str) -> tuple[str, ...]:
 
 def route_class(phase: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls) -> tuple | None:
     """The class of a list whose ``phase`` could run in more than one way, or None where nothing is to be chosen
-    (one FA4 call on a dense layout: FA4's own best case)."""
+    (one FA4 call on a dense layout, full or causal: FA4's own best case)."""
     runs = calls.fwd if phase == "fwd" else calls.bwd
-    if len(runs) == 1 and runs[0].dense:
-        return None
+    if len(runs) == 1 and runs[0].dense and runs[0].left is None:  # full or causal; a window's is timed (narrow
+        return None  # windows' backward can run faster on our Triton kernels)
     head = (str(q.device), phase, str(q.dtype), q.shape[1], k.shape[1], q.shape[2], v.shape[2], _log2(calls.seqlen_q))
     b, blocks = calls.blocks, None
     if b is not None:
