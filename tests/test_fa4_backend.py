@@ -424,9 +424,9 @@ def test_strided_partial_blocks_run_as_a_periodic_band(s, block, stride, local, 
     _check(tiles, s, s, dlse=True)
 
 
-@pytest.mark.parametrize("group", [1, 2, 8, 16, 24, 32])
-@pytest.mark.parametrize("period", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("local", [0, 1, 2, 5])
+@pytest.mark.parametrize("group", [1, 8, 16, 24])  # powers of two and not
+@pytest.mark.parametrize("period", [1, 3, 4])
+@pytest.mark.parametrize("local", [0, 1, 2])
 def test_periodic_band_arithmetic_is_its_definition(group, period, local):
     """The periodic band's mask_mod arithmetic (the XOR of the offset's bits where group and period are powers of two,
     ANDs for the offset where local > 1, division otherwise) keeps exactly the definition's cells, on every cell of a
