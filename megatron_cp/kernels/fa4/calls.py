@@ -43,7 +43,7 @@ import numpy as np
 
 from ...kinds import Kind
 from ..pieces import uncovered_rows
-from .cells import bitmap_by_key, bitmap_words, grid, periodic_band, periodic_keep
+from .cells import bitmap_by_key, bitmap_words, grid, periodic_band, periodic_cells
 
 
 @dataclass(frozen=True)
@@ -522,11 +522,12 @@ def _band(segs, row, lo, hi, partial: np.ndarray, seqlen_q: int, seqlen_k: int) 
 
 def band_keep(r: np.ndarray, c: np.ndarray, sink: int, dlo: int, dhi: int, group: int = 0, period: int = 0,
               local: int = 0) -> np.ndarray:
-    """The band mask_mod's cells [len(r), len(c)]: c - r <= dhi and (c < sink or c - r >= dlo); with ``group``
-    those of them that ``cells.periodic_keep`` keeps."""
+    """The band mask_mod's cells [len(r), len(c)]: c - r <= dhi and (c < sink or c - r >= dlo); with ``group`` (sink
+    0, dlo below every cell) the periodic band's, by the arithmetic its mask_mod runs (``cells.periodic_cells``)."""
+    if group:
+        return periodic_cells(r[:, None], c[None, :], dhi, group, period, local)
     d = c[None, :] - r[:, None]
-    keep = (d <= dhi) & ((c[None, :] < sink) | (d >= dlo))
-    return keep & periodic_keep(r, c, dhi, group, period, local) if group else keep
+    return (d <= dhi) & ((c[None, :] < sink) | (d >= dlo))
 
 
 def block_lists(segs: list[Segment], seqlen_q: int, seqlen_k: int, partial_ok: bool = True) -> BlockLists | None:
