@@ -112,8 +112,7 @@ def _band_mask_mod(sink: int, dlo: int, dhi: int, group: int = 0, period: int = 
     ``group`` the periodic band's (sink 0, dlo below every cell: not compared): those cells whose group offset
     ``row // group - key // group`` is below ``local`` or a multiple of ``period`` (``cells.periodic_cells``); the
     bounds are compile-time constants (FA4 keys its compile cache on a mask_mod's code and captured values: one
-    kernel per band). Cached per band, so a list's calls reuse one function
-    object."""
+    kernel per band). Cached per band, so a list's calls reuse one function object."""
     import cutlass  # noqa: PLC0415
     import cutlass.cute as cute  # noqa: PLC0415
     from flash_attn.cute import utils  # noqa: PLC0415
@@ -136,16 +135,19 @@ def _band_mask_mod(sink: int, dlo: int, dhi: int, group: int = 0, period: int = 
 
     # FA4 keys its compile cache (on disk too) on a mask_mod's own source and captured values: the arithmetic in
     # periodic_cells, called from here, must be in the key, or an edit to it would meet kernels compiled before
-    band.__cute_hash__ = hashlib.sha256(repr((_source(_band_mask_mod), _source(periodic_cells), sink, dlo, dhi, group,
-                                              period, local)).encode()).hexdigest()
+    band.__cute_hash__ = _cache_key((_band_mask_mod, periodic_cells), (sink, dlo, dhi, group, period, local))
     return band
 
 
-def _source(f) -> str:
-    try:
-        return inspect.getsource(f)
-    except (OSError, TypeError):  # no source shipped: the bytecode
-        return f.__code__.co_code.hex()
+def _cache_key(functions, values) -> str:
+    """A mask_mod's FA4 compile-cache key (``__cute_hash__``): the source of every function its arithmetic lives in,
+    and the values it specialises on."""
+    def source(f):
+        try:
+            return inspect.getsource(f)
+        except (OSError, TypeError):  # no source shipped: the bytecode
+            return f.__code__.co_code.hex()
+    return hashlib.sha256(repr(([source(f) for f in functions], values)).encode()).hexdigest()
 
 
 def _interval_mask_mods() -> dict:
@@ -187,7 +189,7 @@ def _interval_mask_mods() -> dict:
     mods = {1: reading(one, False), 2: reading(two, False), "by_key_1": reading(one, True),
             "by_key_2": reading(two, True), "bitmap": reading(bit, False), "bitmap_t": reading(bit, True)}
     for key, mod in mods.items():  # FA4's compile-cache key: this whole function's source (the helpers are in it)
-        mod.__cute_hash__ = hashlib.sha256(repr((_source(_interval_mask_mods), key)).encode()).hexdigest()
+        mod.__cute_hash__ = _cache_key((_interval_mask_mods,), key)
     return mods
 
 
